@@ -1,0 +1,222 @@
+"""Validated, frozen configuration. Pure: no Ray here.
+
+Everything the user passes to :class:`asyncexec.Executor` or ``run()`` is checked here, before
+anything is started in the cluster, and refused with a :class:`ConfigurationError` that names
+the argument and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ._devices import DEVICE_KINDS
+from ._errors import ConfigurationError
+
+__all__ = ["CheckpointConfig", "ExecutorConfig", "validate_resources"]
+
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+#: Reports a rank may have outstanding (reported, not yet taken by the consumer) by default.
+#: 1024 tiny reports are well under 1 MiB per rank; it is large enough for batched transfer to
+#: reach tens of thousands of reports per second. An RL loop that bounds staleness sets it low.
+DEFAULT_BUFFER_SIZE = 1024
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_number(value) or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+        raise ConfigurationError(f"{name} must be a positive number, got {value!r}")
+
+
+def validate_resources(resources: object) -> dict[str, float]:
+    """Check a per-worker resource request and return it as a plain dict.
+
+    Raises:
+        ConfigurationError: not a mapping of names to non-negative finite numbers, no positive
+            amount at all, or a fractional GPU amount above 1 (Ray cannot place it).
+    """
+    if not isinstance(resources, Mapping):
+        raise ConfigurationError(
+            f"resources_per_worker must be a mapping such as {{'CPU': 1}}, got {resources!r}"
+        )
+    out: dict[str, float] = {}
+    for key, value in resources.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigurationError(f"resources_per_worker has a key that is not a name: {key!r}")
+        if not _is_number(value) or not math.isfinite(float(value)):
+            raise ConfigurationError(
+                f"resources_per_worker[{key!r}] must be a number, got {value!r}"
+            )
+        if value < 0:
+            raise ConfigurationError(
+                f"resources_per_worker[{key!r}] must not be negative, got {value!r}"
+            )
+        if key == "GPU" and value > 1 and float(value) != int(value):
+            raise ConfigurationError(
+                f"resources_per_worker['GPU'] above 1 must be a whole number, got {value!r}"
+            )
+        out[key] = float(value)
+    if not any(v > 0 for v in out.values()):
+        raise ConfigurationError(
+            f"resources_per_worker must ask for a positive amount of something, got {resources!r}"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Which persisted checkpoints a run keeps.
+
+    Args:
+        num_to_keep: keep this many checkpoints (``None`` keeps all). The latest one is always
+            kept, so that a restart can resume from it.
+        score_attribute: a metric of rank 0's report; when set, the ``num_to_keep`` best by it are
+            kept instead of the most recent.
+        score_order: ``"max"`` or ``"min"``: which end of ``score_attribute`` is best.
+    """
+
+    num_to_keep: int | None = None
+    score_attribute: str | None = None
+    score_order: Literal["max", "min"] = "max"
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None and (
+            not isinstance(self.num_to_keep, int)
+            or isinstance(self.num_to_keep, bool)
+            or self.num_to_keep < 1
+        ):
+            raise ConfigurationError(
+                f"num_to_keep must be a positive int or None, got {self.num_to_keep!r}"
+            )
+        if self.score_order not in ("max", "min"):
+            raise ConfigurationError(f"score_order must be 'max' or 'min', got {self.score_order!r}")
+        if self.score_attribute is not None and not isinstance(self.score_attribute, str):
+            raise ConfigurationError(
+                f"score_attribute must be a metric name, got {self.score_attribute!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Everything an executor needs, checked. Built by :meth:`Executor.__init__`."""
+
+    num_workers: int
+    resources_per_worker: Mapping[str, float]
+    placement_strategy: PlacementStrategy = "PACK"
+    placement_timeout_s: float = 60.0
+    start_timeout_s: float = 120.0
+    shutdown_timeout_s: float = 30.0
+    graceful_patience_s: float = 5.0
+    share_devices: frozenset[str] = field(default_factory=lambda: frozenset(DEVICE_KINDS))
+    buffer_size: int = DEFAULT_BUFFER_SIZE
+    health_check_interval_s: float | None = 5.0
+    health_check_timeout_s: float = 30.0
+    step_timeout_s: float | None = None
+    stop_timeout_s: float = 10.0
+    storage_path: Path = field(default_factory=lambda: Path.home() / "asyncexec_results")
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    address: str | None = None
+    runtime_env: Mapping[str, Any] | None = None
+    init_hook: Callable[[], object] | None = None
+    name: str = "asyncexec"
+
+    @classmethod
+    def build(cls, num_workers: object, **options: Any) -> ExecutorConfig:
+        """Validate user arguments and build a config; raise ConfigurationError naming the bad one."""
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ConfigurationError(f"num_workers must be a positive int, got {num_workers!r}")
+        resources = options.pop("resources_per_worker", None)
+        resources = validate_resources({"CPU": 1} if resources is None else resources)
+        strategy = options.get("placement_strategy", "PACK")
+        if strategy not in _STRATEGIES:
+            raise ConfigurationError(
+                f"placement_strategy must be one of {', '.join(_STRATEGIES)}, got {strategy!r}"
+            )
+        for name in (
+            "placement_timeout_s",
+            "start_timeout_s",
+            "shutdown_timeout_s",
+            "health_check_timeout_s",
+            "stop_timeout_s",
+        ):
+            if name in options:
+                _positive(name, options[name])
+        for name in ("health_check_interval_s", "step_timeout_s"):
+            if name in options:
+                _positive(name, options[name], allow_none=True)
+        patience = options.get("graceful_patience_s", 0.0)
+        if not _is_number(patience) or patience < 0:
+            raise ConfigurationError(
+                f"graceful_patience_s must be a non-negative number, got {patience!r}"
+            )
+        if "share_devices" in options:
+            options["share_devices"] = _share_devices(options["share_devices"])
+        if "buffer_size" in options:
+            options["buffer_size"] = validate_buffer_size(options["buffer_size"])
+        storage = options.get("storage_path")
+        if storage is None:
+            options.pop("storage_path", None)
+        elif isinstance(storage, str | os.PathLike):
+            options["storage_path"] = Path(os.fspath(storage)).expanduser()
+        else:
+            raise ConfigurationError(f"storage_path must be a path, got {storage!r}")
+        ckpt = options.get("checkpoint")
+        if ckpt is None:
+            options.pop("checkpoint", None)
+        elif not isinstance(ckpt, CheckpointConfig):
+            raise ConfigurationError(f"checkpoint must be a CheckpointConfig, got {ckpt!r}")
+        hook = options.get("init_hook")
+        if hook is not None and not callable(hook):
+            raise ConfigurationError(f"init_hook must be callable, got {hook!r}")
+        address = options.get("address")
+        if address is not None and not isinstance(address, str):
+            raise ConfigurationError(f"address must be a string such as 'auto', got {address!r}")
+        env = options.get("runtime_env")
+        if env is not None and not isinstance(env, Mapping):
+            raise ConfigurationError(f"runtime_env must be a mapping, got {env!r}")
+        name = options.get("name", "asyncexec")
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"name must be a non-empty string, got {name!r}")
+        return cls(num_workers=num_workers, resources_per_worker=resources, **options)
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per worker."""
+        return [{k: v for k, v in self.resources_per_worker.items() if v > 0}] * self.num_workers
+
+
+def validate_buffer_size(value: object) -> int:
+    """Check a report buffer bound (reports outstanding per rank)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigurationError(f"buffer_size must be a positive int, got {value!r}")
+    return value
+
+
+def _share_devices(value: object) -> frozenset[str]:
+    if value is True:
+        return frozenset(DEVICE_KINDS)
+    if value is False or value is None:
+        return frozenset()
+    if isinstance(value, str) or not isinstance(value, Collection):
+        raise ConfigurationError(
+            f"share_devices must be True, False or a collection of device kinds "
+            f"({', '.join(DEVICE_KINDS)}), got {value!r}"
+        )
+    unknown = [k for k in value if k not in DEVICE_KINDS]
+    if unknown:
+        raise ConfigurationError(
+            f"share_devices names unknown device kinds {unknown!r}; known: {', '.join(DEVICE_KINDS)}"
+        )
+    return frozenset(value)

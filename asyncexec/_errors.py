@@ -1,0 +1,313 @@
+"""The error tree of asyncexec.
+
+Every error the library raises derives from :class:`AsyncExecError`::
+
+    AsyncExecError
+    ├── ConfigurationError (ValueError)        bad arguments, refused before anything starts
+    ├── ExecutorStateError (RuntimeError)      used before start, after close, or while busy
+    ├── StartupError                           the group could not be started
+    │   ├── PlacementTimeoutError (TimeoutError)   the placement group did not become ready
+    │   ├── StartupTimeoutError (TimeoutError)     start-up overran its deadline
+    │   └── BackendError                           a backend hook failed
+    ├── WorkerError                            one rank failed (``rank``, ``node_id``, ``pid``, ``attempt``)
+    │   ├── WorkerCrashedError                 the worker process died
+    │   ├── NodeLostError                      the worker's node left the cluster
+    │   ├── WorkerHungError (TimeoutError)     the worker stopped answering or reporting
+    │   └── WorkerRaisedError                  the user's function raised; ``__cause__`` is the original
+    ├── ReportMismatchError                    ranks reported a different number of times
+    └── RestartsExhaustedError                 the restart policy gave up; ``failures`` lists each attempt's
+
+Errors cross process boundaries (worker to driver, driver to a process pool), so each one
+pickles with its attributes; the message is built from them in one place, ``_message()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "AsyncExecError",
+    "BackendError",
+    "ConfigurationError",
+    "ExecutorStateError",
+    "NodeLostError",
+    "PlacementTimeoutError",
+    "ReportMismatchError",
+    "RestartsExhaustedError",
+    "StartupError",
+    "StartupTimeoutError",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerHungError",
+    "WorkerRaisedError",
+]
+
+
+class AsyncExecError(Exception):
+    """The root of every error that asyncexec raises."""
+
+
+class ConfigurationError(AsyncExecError, ValueError):
+    """An argument is invalid; raised before anything is started in the cluster."""
+
+
+class ExecutorStateError(AsyncExecError, RuntimeError):
+    """The executor is not in a state that allows the call (not started, closed, busy)."""
+
+
+class StartupError(AsyncExecError):
+    """The worker group could not be started."""
+
+
+class PlacementTimeoutError(StartupError, TimeoutError):
+    """The placement group did not become ready before its deadline.
+
+    Attributes:
+        requested: the bundles that were asked for.
+        available: the cluster's available resources when the deadline passed.
+        timeout_s: the deadline.
+    """
+
+    def __init__(
+        self,
+        requested: Sequence[Mapping[str, float]],
+        available: Mapping[str, float],
+        timeout_s: float,
+    ) -> None:
+        self.requested = [dict(b) for b in requested]
+        self.available = dict(available)
+        self.timeout_s = timeout_s
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return (
+            f"placement group not ready after {self.timeout_s:g} s: requested "
+            f"{len(self.requested)} bundle(s) {self.requested}, cluster has available "
+            f"{self.available}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.requested, self.available, self.timeout_s))
+
+
+class StartupTimeoutError(StartupError, TimeoutError):
+    """Start-up (actors, set-up, backend) overran its deadline."""
+
+    def __init__(self, phase: str, timeout_s: float) -> None:
+        self.phase = phase
+        self.timeout_s = timeout_s
+        super().__init__(f"start-up timed out after {timeout_s:g} s while {phase}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.phase, self.timeout_s))
+
+
+class BackendError(StartupError):
+    """A backend hook failed on a rank."""
+
+    def __init__(self, backend: str, hook: str, rank: int | None, detail: str) -> None:
+        self.backend = backend
+        self.hook = hook
+        self.rank = rank
+        self.detail = detail
+        where = "" if rank is None else f" on rank {rank}"
+        super().__init__(f"backend {backend} failed in {hook}{where}: {detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.backend, self.hook, self.rank, self.detail))
+
+
+class WorkerError(AsyncExecError):
+    """A failure of one rank; the subclass says what failed.
+
+    Attributes:
+        rank: the world rank that failed.
+        node_id: the node it ran on.
+        pid: its process id, when known.
+        attempt: the attempt it belonged to (1 for the first).
+        detail: what was seen.
+        time: when the failure was recorded (seconds since the epoch).
+    """
+
+    what = "failed"
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        node_id: str | None = None,
+        pid: int | None = None,
+        attempt: int = 1,
+        detail: str = "",
+        time_s: float | None = None,
+    ) -> None:
+        self.rank = rank
+        self.node_id = node_id
+        self.pid = pid
+        self.attempt = attempt
+        self.detail = detail
+        self.time = time.time() if time_s is None else time_s
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        node = "?" if self.node_id is None else self.node_id[:12]
+        text = f"rank {self.rank} (node {node}, pid {self.pid}, attempt {self.attempt}) {self.what}"
+        return f"{text}: {self.detail}" if self.detail else text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_worker_error,
+            (type(self), self.rank, self.node_id, self.pid, self.attempt, self.detail, self.time),
+        )
+
+
+def _rebuild_worker_error(
+    cls: type[WorkerError],
+    rank: int,
+    node_id: str | None,
+    pid: int | None,
+    attempt: int,
+    detail: str,
+    time_s: float,
+) -> WorkerError:
+    return cls(rank, node_id=node_id, pid=pid, attempt=attempt, detail=detail, time_s=time_s)
+
+
+class WorkerCrashedError(WorkerError):
+    """The worker's process died (killed, out of memory, segfault)."""
+
+    what = "crashed"
+
+
+class NodeLostError(WorkerError):
+    """The node that held the worker left the cluster."""
+
+    what = "lost its node"
+
+
+class WorkerHungError(WorkerError, TimeoutError):
+    """The worker stopped answering health checks, or did not report within the step deadline."""
+
+    what = "hung"
+
+
+class WorkerRaisedError(WorkerError):
+    """The user's function raised on a rank.
+
+    The original exception is ``__cause__`` (also ``.error``); ``remote_traceback`` holds the
+    traceback as it was formatted on the worker.
+    """
+
+    what = "raised"
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        node_id: str | None = None,
+        pid: int | None = None,
+        attempt: int = 1,
+        detail: str = "",
+        time_s: float | None = None,
+        error: BaseException | None = None,
+        remote_traceback: str = "",
+    ) -> None:
+        self.error = error
+        self.remote_traceback = remote_traceback
+        super().__init__(
+            rank, node_id=node_id, pid=pid, attempt=attempt, detail=detail, time_s=time_s
+        )
+        self.__cause__ = error
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.remote_traceback:
+            return f"{text}\n\nRemote traceback (rank {self.rank}):\n{self.remote_traceback}"
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_raised,
+            (
+                self.rank,
+                self.node_id,
+                self.pid,
+                self.attempt,
+                self.detail,
+                self.time,
+                self.error,
+                self.remote_traceback,
+            ),
+        )
+
+
+def _rebuild_raised(
+    rank: int,
+    node_id: str | None,
+    pid: int | None,
+    attempt: int,
+    detail: str,
+    time_s: float,
+    error: BaseException | None,
+    remote_traceback: str,
+) -> WorkerRaisedError:
+    return WorkerRaisedError(
+        rank,
+        node_id=node_id,
+        pid=pid,
+        attempt=attempt,
+        detail=detail,
+        time_s=time_s,
+        error=error,
+        remote_traceback=remote_traceback,
+    )
+
+
+class ReportMismatchError(AsyncExecError):
+    """Ranks called ``report()`` a different number of times.
+
+    Attributes:
+        counts: reports received per rank.
+        finished: the ranks whose function had returned when the mismatch was seen.
+    """
+
+    def __init__(self, counts: Mapping[int, int], finished: Sequence[int] = ()) -> None:
+        self.counts = dict(counts)
+        self.finished = list(finished)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        table = ", ".join(f"rank {r}: {c}" for r, c in sorted(self.counts.items()))
+        done = f" (finished: {sorted(self.finished)})" if self.finished else ""
+        return f"ranks reported a different number of times: {table}{done}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.counts, self.finished))
+
+
+class RestartsExhaustedError(AsyncExecError):
+    """The restart policy gave up.
+
+    Attributes:
+        attempts: how many attempts ran.
+        failures: the error that ended each attempt, in order; the last one is ``__cause__``.
+    """
+
+    def __init__(self, attempts: int, failures: Sequence[BaseException]) -> None:
+        self.attempts = attempts
+        self.failures = list(failures)
+        super().__init__(self._message())
+        if self.failures:
+            self.__cause__ = self.failures[-1]
+
+    def _message(self) -> str:
+        lines = [f"gave up after {self.attempts} attempt(s); failures:"]
+        for i, failure in enumerate(self.failures, 1):
+            first = str(failure).splitlines()[0] if str(failure) else ""
+            lines.append(f"  {i}. {type(failure).__name__}: {first}")
+        return "\n".join(lines)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.attempts, self.failures))

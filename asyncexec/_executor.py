@@ -1,0 +1,416 @@
+"""Executor: the public entry point. Lifecycle, run(), execute(), restarts.
+
+Entering the executor starts Ray (off the event loop, when none is running) and the worker group;
+leaving it stops any run and tears the group down, also on error or cancellation. The tasks that
+drive runs belong to a task group that the executor's context owns.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import ray
+from ray import cloudpickle
+
+from ._checkpoint import Checkpoint
+from ._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, validate_buffer_size
+from ._errors import ConfigurationError, ExecutorStateError
+from ._group import WorkerGroup
+from ._logging import get_logger
+from ._reports import RunResult
+from ._restart import RestartPolicy
+from ._run import Run, RunDriver, new_run_id
+from ._session import WorkerContext
+from .backends._base import Backend
+
+__all__ = ["Executor", "ExecutorState", "ExecutorStatistics"]
+
+T = TypeVar("T")
+_init_lock = threading.Lock()
+
+
+class ExecutorState(enum.Enum):
+    """Where an executor is in its life."""
+
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class ExecutorStatistics:
+    """Counters of an executor, from :meth:`Executor.statistics`."""
+
+    state: ExecutorState
+    num_workers: int
+    group_starts: int
+    runs_started: int
+    runs_finished: int
+    runs_failed: int
+    runs_cancelled: int
+    restarts: int
+    steps_delivered: int
+
+
+async def ensure_ray(address: str | None) -> None:
+    """Start a local Ray, or join ``address``, unless Ray is already initialized. Off the loop:
+    ``ray.init`` blocks for seconds."""
+    if ray.is_initialized():
+        return
+
+    def init() -> None:
+        with _init_lock:
+            if not ray.is_initialized():
+                ray.init(address=address, ignore_reinit_error=True)
+
+    await anyio.to_thread.run_sync(init)
+
+
+class Executor:
+    """Runs one function on a group of Ray actor workers and streams their reports.
+
+    Use it as an async context manager::
+
+        async with asyncexec.Executor(num_workers=4, resources_per_worker={"CPU": 0.5}) as ex:
+            async for step in ex.run(train_fn, {"lr": 0.1}):
+                print(step.index, step.metrics)
+            print(ex.result.return_values)
+
+    Args:
+        num_workers: how many workers (Ray actors) to start.
+        resources_per_worker: Ray resources of each worker, ``{"CPU": 1}`` by default; ``"GPU"``,
+            ``"memory"`` and custom resources (``"neuron_cores"``, ``"NPU"``) are accepted.
+        backend: a :class:`asyncexec.backends.Backend` that sets a framework up across the group,
+            such as :class:`asyncexec.backends.TorchBackend`.
+        restart: the :class:`RestartPolicy` applied to runs (3 restarts with backoff by default).
+        placement_strategy: ``"PACK"`` (few nodes) or ``"SPREAD"`` (many), or their strict forms.
+        placement_timeout_s: how long the placement group may take to be ready.
+        start_timeout_s: deadline for the rest of start-up (processes, set-up, backend hooks).
+        shutdown_timeout_s: bound on each teardown.
+        graceful_patience_s: how long workers get to exit before they are killed.
+        init_hook: called on every worker at start-up, before the backend's hooks.
+        share_devices: make every worker see its node's accelerators (``True``: GPUs, Neuron
+            cores and Ascend NPUs), ``False`` for none, or a collection of kinds (``{"GPU"}``).
+        buffer_size: reports a rank may have outstanding before ``report()`` waits; a run may
+            override it.
+        health_check_interval_s: how often workers are pinged (``None`` disables pings).
+        health_check_timeout_s: a worker that does not answer a ping within this is hung.
+        step_timeout_s: a rank that does not report within this (while not held back by the
+            consumer) is hung; ``None`` (default) for no deadline.
+        stop_timeout_s: how long a stopped run's functions get to end before the group is
+            discarded.
+        storage_path: where checkpoints are persisted, one folder per run
+            (``~/asyncexec_results`` by default); must be reachable from every worker.
+        checkpoint: which persisted checkpoints are kept (:class:`CheckpointConfig`).
+        address: the Ray cluster to join when Ray is not initialized (``"auto"``); a local Ray is
+            started when it is None.
+        runtime_env: Ray runtime environment of the workers.
+        name: a name for logs.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        resources_per_worker: Mapping[str, float] | None = None,
+        backend: Backend | None = None,
+        restart: RestartPolicy | None = None,
+        placement_strategy: PlacementStrategy = "PACK",
+        placement_timeout_s: float = 60.0,
+        start_timeout_s: float = 120.0,
+        shutdown_timeout_s: float = 30.0,
+        graceful_patience_s: float = 5.0,
+        init_hook: Callable[[], object] | None = None,
+        share_devices: bool | Collection[str] = True,
+        buffer_size: int | None = None,
+        health_check_interval_s: float | None = 5.0,
+        health_check_timeout_s: float = 30.0,
+        step_timeout_s: float | None = None,
+        stop_timeout_s: float = 10.0,
+        storage_path: str | os.PathLike[str] | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        address: str | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        name: str = "asyncexec",
+    ) -> None:
+        options: dict[str, Any] = {
+            "resources_per_worker": resources_per_worker,
+            "placement_strategy": placement_strategy,
+            "placement_timeout_s": placement_timeout_s,
+            "start_timeout_s": start_timeout_s,
+            "shutdown_timeout_s": shutdown_timeout_s,
+            "graceful_patience_s": graceful_patience_s,
+            "init_hook": init_hook,
+            "share_devices": share_devices,
+            "health_check_interval_s": health_check_interval_s,
+            "health_check_timeout_s": health_check_timeout_s,
+            "step_timeout_s": step_timeout_s,
+            "stop_timeout_s": stop_timeout_s,
+            "storage_path": storage_path,
+            "checkpoint": checkpoint,
+            "address": address,
+            "runtime_env": runtime_env,
+            "name": name,
+        }
+        if buffer_size is not None:
+            options["buffer_size"] = buffer_size
+        self.config = ExecutorConfig.build(num_workers, **options)
+        if backend is not None and not isinstance(backend, Backend):
+            raise ConfigurationError(
+                f"backend must be an asyncexec.backends.Backend, got {backend!r}"
+            )
+        if restart is not None and not isinstance(restart, RestartPolicy):
+            raise ConfigurationError(f"restart must be a RestartPolicy, got {restart!r}")
+        self.backend = backend
+        self.restart_policy = restart if restart is not None else RestartPolicy()
+        self.id = uuid.uuid4().hex[:8]
+        self.log = get_logger(executor=f"{name}-{self.id}")
+        self._state = ExecutorState.NEW
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._group: WorkerGroup | None = None
+        self._group_lock = anyio.Lock()
+        self._run: Run | None = None
+        self._result: RunResult | None = None
+        self._closed = anyio.Event()
+        self._stats = {
+            "group_starts": 0,
+            "runs_started": 0,
+            "runs_finished": 0,
+            "runs_failed": 0,
+            "runs_cancelled": 0,
+            "restarts": 0,
+            "steps_delivered": 0,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<Executor {self.config.name}-{self.id} {self._state.value} "
+            f"workers={self.config.num_workers}>"
+        )
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Executor:
+        if self._state is not ExecutorState.NEW:
+            raise ExecutorStateError(f"an executor is entered once; this one is {self._state.value}")
+        self._state = ExecutorState.STARTING
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await ensure_ray(self.config.address)
+            await self._acquire_group(1)
+        except BaseException:
+            self._state = ExecutorState.CLOSED
+            self._closed.set()
+            # Exit the task group in this task's own scope (no shield around it: anyio requires
+            # the group's scope to be the innermost one). It has no tasks yet.
+            await self._tg.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.aclose()
+        finally:
+            if self._tg is not None:
+                tg, self._tg = self._tg, None
+                # Every run task has ended in aclose(); this only closes the group's scope.
+                await tg.__aexit__(None, None, None)
+
+    async def aclose(self, *, force: bool = False) -> None:
+        """Stop any run and tear the group down; ``force`` skips the graceful part. Shielded,
+        bounded and idempotent: afterwards no actor or placement group of this executor is left."""
+        if self._state in (ExecutorState.CLOSING, ExecutorState.CLOSED):
+            with anyio.CancelScope(shield=True):
+                await self._closed.wait()
+            return
+        self._state = ExecutorState.CLOSING
+        with anyio.CancelScope(shield=True):
+            run = self._run
+            if run is not None:
+                run.cancel()
+                with anyio.move_on_after(self.config.stop_timeout_s + self.config.shutdown_timeout_s + 10):
+                    await run.wait_finished()
+            await self._discard_group(force=force)
+        self._state = ExecutorState.CLOSED
+        self._closed.set()
+        self.log.info("executor_closed")
+
+    def _check_open(self) -> anyio.abc.TaskGroup:
+        if self._state is ExecutorState.NEW:
+            raise ExecutorStateError("the executor is not started: use `async with Executor(...)`")
+        if self._state in (ExecutorState.CLOSING, ExecutorState.CLOSED) or self._tg is None:
+            raise ExecutorStateError("the executor is closed")
+        return self._tg
+
+    async def _acquire_group(self, attempt: int | None) -> WorkerGroup:
+        async with self._group_lock:
+            if self._group is None or self._group.closed:
+                if self._state in (ExecutorState.CLOSING, ExecutorState.CLOSED):
+                    raise ExecutorStateError("the executor is closed")
+                first = self._stats["group_starts"] == 0
+                self._state = ExecutorState.STARTING if first else ExecutorState.RESTARTING
+                if not first and attempt is not None and attempt > 1:
+                    self._stats["restarts"] += 1
+                self._group = await WorkerGroup.start(
+                    self.config, self.backend, attempt=attempt or 1, log=self.log
+                )
+                self._stats["group_starts"] += 1
+            if attempt is not None:
+                self._group.attempt = attempt
+            self._state = ExecutorState.RUNNING if self._run_active() else ExecutorState.READY
+            return self._group
+
+    async def _discard_group(self, *, force: bool) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await group.close(force=force)
+
+    def _run_active(self) -> bool:
+        return self._run is not None and not self._run._finished.is_set()
+
+    def _run_ended(self, run: Run) -> None:
+        from ._run import RunState
+
+        key = {
+            RunState.FINISHED: "runs_finished",
+            RunState.FAILED: "runs_failed",
+        }.get(run.state, "runs_cancelled")
+        self._stats[key] += 1
+        self._stats["steps_delivered"] += run.handed
+        if run._result is not None:
+            self._result = run._result
+        if self._state in (ExecutorState.RUNNING, ExecutorState.RESTARTING):
+            self._state = ExecutorState.READY
+
+    # Public API -------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ExecutorState:
+        """Where the executor is: new, starting, ready, running, restarting, closing, closed."""
+        return self._state
+
+    @property
+    def result(self) -> RunResult:
+        """The result of the last run that finished.
+
+        Raises:
+            ExecutorStateError: no run has finished yet.
+        """
+        if self._result is None:
+            raise ExecutorStateError("no run has finished on this executor")
+        return self._result
+
+    @property
+    def workers(self) -> list[WorkerContext]:
+        """Each live worker's context (ranks, node, pid, devices), in rank order."""
+        return [] if self._group is None else self._group.contexts
+
+    def statistics(self) -> ExecutorStatistics:
+        """A snapshot of the executor's counters."""
+        return ExecutorStatistics(
+            state=self._state, num_workers=self.config.num_workers, **self._stats
+        )
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        config: Any = None,
+        *,
+        checkpoint: Checkpoint | str | os.PathLike[str] | None = None,
+        buffer_size: int | None = None,
+    ) -> Run:
+        """Start ``fn`` on every worker and return an async iterator of its steps.
+
+        ``fn`` is a plain function (run in a thread) or an ``async def``, called with ``config``
+        when it takes a positional parameter, else with no argument. Inside it,
+        :func:`asyncexec.report`, :func:`asyncexec.get_context` and
+        :func:`asyncexec.get_checkpoint` are available.
+
+        Args:
+            fn: the function; it must pickle (it is sent to the workers).
+            config: passed to ``fn``; it must pickle.
+            checkpoint: the checkpoint (or directory) the first attempt starts from.
+            buffer_size: this run's bound on unconsumed reports per rank.
+
+        Raises:
+            ConfigurationError: ``fn`` is not callable or does not pickle, the checkpoint
+                directory does not exist, or ``buffer_size`` is not a positive int.
+            ExecutorStateError: the executor is not started or is closed, or another run is in
+                progress.
+        """
+        tg = self._check_open()
+        if not callable(fn):
+            raise ConfigurationError(f"fn must be callable, got {fn!r}")
+        for what, value in (("fn", fn), ("config", config)):
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise ConfigurationError(f"{what} cannot be pickled to send to the workers: {exc}") from exc
+        start = _as_checkpoint(checkpoint)
+        bound = self.config.buffer_size if buffer_size is None else validate_buffer_size(buffer_size)
+        if self._run is not None and not self._run._closed and not self._run._finished.is_set():
+            raise ExecutorStateError(
+                f"run {self._run.run_id} is in progress; close it or let it finish first"
+            )
+        send, receive = anyio.create_memory_object_stream[Any](0)
+        run = Run(new_run_id(), receive)
+        driver = RunDriver(self, run, send, fn, config, start, bound, None)
+        previous, self._run = self._run, run
+        self._stats["runs_started"] += 1
+        self._state = ExecutorState.RUNNING
+        tg.start_soon(driver.main, previous)
+        return run
+
+    async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
+        """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
+
+        Works while a run is in progress (an ``async def`` runs on the worker's event loop, a
+        plain function in a thread), for example to push new weights to live workers.
+
+        Raises:
+            WorkerRaisedError: ``fn`` raised on a rank (the lowest failing rank is reported).
+            WorkerCrashedError: a worker died.
+        """
+        self._check_open()
+        group = await self._acquire_group(None)
+        return await group.execute(fn, *args, **kwargs)
+
+    async def execute_single(self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
+        self._check_open()
+        group = await self._acquire_group(None)
+        return await group.execute_single(rank, fn, *args, **kwargs)
+
+
+def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
+    if value is None:
+        return None
+    if isinstance(value, Checkpoint):
+        path = value.path
+    elif isinstance(value, str | os.PathLike):
+        path = os.fspath(value)
+    else:
+        raise ConfigurationError(f"checkpoint must be a Checkpoint or a directory, got {value!r}")
+    if not Path(path).is_dir():
+        raise ConfigurationError(f"checkpoint directory does not exist: {path!r}")
+    return Checkpoint(path)

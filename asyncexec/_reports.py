@@ -1,0 +1,183 @@
+"""Report, Step, RunResult, and the per-step assembly of an attempt.
+
+Each rank's reports arrive in batches, in order. Step k of an attempt is complete when every rank
+has delivered its k-th report. The assembly also keeps the credit window that gives backpressure:
+a rank may have at most ``buffer_size`` reports that the consumer has not taken.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ._checkpoint import Checkpoint
+from ._errors import ReportMismatchError
+from ._session import PollResult
+
+__all__ = ["Assembly", "Report", "RunResult", "Step"]
+
+
+class Report:
+    """What one rank reported for one step."""
+
+    __slots__ = ("checkpoint", "metrics", "rank")
+
+    def __init__(self, rank: int, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None):
+        self.rank = rank
+        self.metrics = metrics
+        self.checkpoint = checkpoint
+
+    def __repr__(self) -> str:
+        ckpt = f", checkpoint={self.checkpoint!r}" if self.checkpoint is not None else ""
+        return f"Report(rank={self.rank}, metrics={self.metrics!r}{ckpt})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Report)
+            and (self.rank, self.metrics, self.checkpoint)
+            == (other.rank, other.metrics, other.checkpoint)
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Report, (self.rank, self.metrics, self.checkpoint))
+
+
+class Step:
+    """One step of a run: every rank's report for it.
+
+    Attributes:
+        index: the step's position in the run's stream (0, 1, 2, ...), counted across attempts.
+            After a restart the function resumes from its checkpoint and the steps it reports
+            again get new indices.
+        attempt: the attempt that produced it (1 for the first).
+        reports: one Report per rank, in rank order.
+        checkpoint: the persisted checkpoint this step carried, if any rank reported one.
+    """
+
+    __slots__ = ("attempt", "checkpoint", "index", "reports")
+
+    def __init__(
+        self,
+        index: int,
+        attempt: int,
+        reports: Sequence[Report],
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        self.index = index
+        self.attempt = attempt
+        self.reports = reports
+        self.checkpoint = checkpoint
+
+    @property
+    def metrics(self) -> Mapping[str, Any]:
+        """Rank 0's metrics."""
+        return self.reports[0].metrics
+
+    def __repr__(self) -> str:
+        return (
+            f"Step(index={self.index}, attempt={self.attempt}, metrics={self.metrics!r}, "
+            f"ranks={len(self.reports)}{', checkpoint' if self.checkpoint else ''})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Step, (self.index, self.attempt, list(self.reports), self.checkpoint))
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a finished run ended.
+
+    Attributes:
+        run_id: the run's id (also the folder of its checkpoints under the storage path).
+        return_values: what ``fn`` returned on each rank, in rank order.
+        checkpoint: the latest persisted checkpoint, or the starting one, or None.
+        steps: how many steps were delivered, over all attempts.
+        attempts: how many attempts ran (1 when nothing failed).
+        failures: the error that ended each failed attempt, in order.
+    """
+
+    run_id: str
+    return_values: list[Any]
+    checkpoint: Checkpoint | None
+    steps: int
+    attempts: int
+    failures: list[BaseException] = field(default_factory=list)
+
+
+class Assembly:
+    """One attempt's reports, per rank, until every rank has reported a step."""
+
+    def __init__(self, num_ranks: int, buffer_size: int, attempt: int, index_offset: int) -> None:
+        self.num_ranks = num_ranks
+        self.buffer_size = buffer_size
+        self.attempt = attempt
+        self.index_offset = index_offset
+        self.queues: list[deque[dict[str, Any]]] = [deque() for _ in range(num_ranks)]
+        self.checkpoints: list[dict[int, str]] = [{} for _ in range(num_ranks)]
+        self.received = [0] * num_ranks
+        self.outcomes: list[tuple[Any, ...] | None] = [None] * num_ranks
+        self.last_report = [time.monotonic()] * num_ranks
+        self.assembled = 0
+        self._changed = anyio.Event()
+
+    def add(self, rank: int, result: PollResult) -> None:
+        """Take one poll's result from ``rank``."""
+        first, items, ckpts, outcome = result
+        if items:
+            self.queues[rank].extend(items)
+            self.received[rank] += len(items)
+            self.last_report[rank] = time.monotonic()
+        if ckpts:
+            self.checkpoints[rank].update(ckpts)
+        if outcome is not None:
+            self.outcomes[rank] = outcome
+        self._changed.set()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+        self._changed = anyio.Event()
+
+    def check(self) -> None:
+        """Raise ReportMismatchError when ranks cannot reach the same number of reports."""
+        done = [r for r, o in enumerate(self.outcomes) if o is not None and o[0] == "ok"]
+        if not done:
+            return
+        fewest = min(self.received[r] for r in done)
+        over = any(c > fewest for c in self.received)
+        all_done = len(done) == self.num_ranks
+        if over or (all_done and len(set(self.received)) > 1):
+            raise ReportMismatchError(dict(enumerate(self.received)), done)
+
+    @property
+    def ready(self) -> int:
+        """How many complete steps can be taken now."""
+        return min(len(q) for q in self.queues)
+
+    def take(self, limit: int) -> list[Step]:
+        """Take up to ``limit`` complete steps."""
+        n = min(self.ready, limit)
+        steps = []
+        queues = self.queues
+        ranks = range(self.num_ranks)
+        for _ in range(n):
+            seq = self.assembled
+            reports = [Report(r, queues[r].popleft()) for r in ranks]
+            checkpoint = None
+            for r in ranks:
+                path = self.checkpoints[r].pop(seq, None) if self.checkpoints[r] else None
+                if path is not None:
+                    checkpoint = Checkpoint(path)
+                    reports[r].checkpoint = checkpoint
+            steps.append(Step(self.index_offset + seq, self.attempt, reports, checkpoint))
+            self.assembled += 1
+        return steps
+
+    @property
+    def finished(self) -> bool:
+        """Every rank's function returned and every step has been taken."""
+        return all(o is not None for o in self.outcomes) and not any(self.queues)

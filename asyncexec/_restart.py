@@ -1,0 +1,115 @@
+"""RestartPolicy: which failures restart the group, how often, and how long to wait. On tenacity.
+
+``max_restarts=N`` allows exactly N restarts after the first attempt (N+1 attempts in all);
+``None`` allows any number. The wait between attempts is exponential backoff with jitter by
+default. Any tenacity ``stop``, ``wait`` or ``retry`` strategy can replace the defaults, and the
+sleep function is injectable so tests never sleep for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import tenacity
+from tenacity import RetryCallState
+from tenacity.retry import retry_base
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base
+
+from ._errors import (
+    ConfigurationError,
+    NodeLostError,
+    StartupError,
+    WorkerCrashedError,
+    WorkerHungError,
+    WorkerRaisedError,
+)
+
+__all__ = ["RestartPolicy", "is_restartable"]
+
+
+def is_restartable(exc: BaseException) -> bool:
+    """The default predicate: a crashed worker, a lost node, a hung worker, a failed start-up."""
+    return isinstance(exc, WorkerCrashedError | NodeLostError | WorkerHungError | StartupError)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When and how a run restarts its worker group after a failure.
+
+    Args:
+        max_restarts: restarts allowed after the first attempt; ``None`` for no bound.
+        restart_on_user_error: also restart when the user's function raises.
+        retry_if: a predicate over the failure that replaces the default choice of which
+            failures restart (``restart_on_user_error`` is then ignored).
+        wait: tenacity wait strategy between attempts; exponential backoff with jitter
+            (0.5 s doubling to 30 s, plus up to 0.5 s of jitter) by default.
+        stop: tenacity stop strategy; replaces ``max_restarts`` when given, for example
+            ``stop_after_attempt(5) | stop_after_delay(600)``.
+        retry: tenacity retry strategy; replaces ``retry_if`` and ``restart_on_user_error``.
+        sleep: the coroutine function that waits; tests inject one that returns at once.
+    """
+
+    max_restarts: int | None = 3
+    restart_on_user_error: bool = False
+    retry_if: Callable[[BaseException], bool] | None = None
+    wait: wait_base | Callable[[RetryCallState], float] = field(
+        default_factory=lambda: tenacity.wait_exponential_jitter(initial=0.5, max=30, jitter=0.5)
+    )
+    stop: stop_base | Callable[[RetryCallState], bool] | None = None
+    retry: retry_base | Callable[[RetryCallState], bool] | None = None
+    sleep: Callable[[float], Awaitable[None]] = anyio.sleep
+
+    def __post_init__(self) -> None:
+        if self.max_restarts is not None and (
+            not isinstance(self.max_restarts, int)
+            or isinstance(self.max_restarts, bool)
+            or self.max_restarts < 0
+        ):
+            raise ConfigurationError(
+                f"max_restarts must be a non-negative int or None, got {self.max_restarts!r}"
+            )
+        for name in ("retry_if", "wait", "stop", "retry", "sleep"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigurationError(f"RestartPolicy.{name} must be callable, got {value!r}")
+
+    @classmethod
+    def never(cls) -> RestartPolicy:
+        """No restarts: the first failure ends the run."""
+        return cls(max_restarts=0)
+
+    @classmethod
+    def unbounded(cls, **options: Any) -> RestartPolicy:
+        """Restart after every restartable failure, without a bound."""
+        return cls(max_restarts=None, **options)
+
+    def should_restart(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a failure this policy restarts after (ignoring the stop rule)."""
+        if self.retry_if is not None:
+            return bool(self.retry_if(exc))
+        if isinstance(exc, WorkerRaisedError):
+            return self.restart_on_user_error
+        return is_restartable(exc)
+
+    def retrying(self, before_sleep: Callable[[RetryCallState], None]) -> tenacity.AsyncRetrying:
+        """The tenacity controller for one run."""
+        stop: Any = self.stop
+        if stop is None:
+            stop = (
+                tenacity.stop_never
+                if self.max_restarts is None
+                else tenacity.stop_after_attempt(self.max_restarts + 1)
+            )
+        retry: Any = self.retry or tenacity.retry_if_exception(self.should_restart)
+        return tenacity.AsyncRetrying(
+            stop=stop,
+            wait=self.wait,
+            retry=retry,
+            sleep=self.sleep,
+            before_sleep=before_sleep,
+            reraise=False,
+        )

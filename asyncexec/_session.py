@@ -1,0 +1,340 @@
+"""The worker side of a run: context, ``report()``, checkpoints, dataset shards.
+
+A worker process holds at most one session at a time. The user's function runs in a thread of its
+own (an ``async def`` on an event loop of its own in that thread), so that ``report()`` can block
+when the buffer is full without freezing the actor's event loop, which must keep answering the
+driver's polls, health checks and ``execute()`` calls.
+
+Backpressure is a credit window: a rank may have at most ``buffer_size`` reports that the driver's
+consumer has not taken. Each poll from the driver carries how many steps the consumer has taken
+(the acknowledgement); ``report()`` waits while ``reported - acknowledged >= buffer_size``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ._checkpoint import Checkpoint, persist_directory
+from ._errors import ExecutorStateError
+
+__all__ = [
+    "Session",
+    "WorkerContext",
+    "get_checkpoint",
+    "get_context",
+    "get_dataset_shard",
+    "report",
+]
+
+#: What a poll returns: (sequence number of the first report, the reports, the checkpoint paths of
+#: those that carried one by sequence number or None, the outcome once the function has ended).
+PollResult = tuple[int, list[dict[str, Any]], dict[int, str] | None, tuple[Any, ...] | None]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Who and where this worker is. ``get_context()`` returns it inside ``fn`` and ``execute()``.
+
+    ``run_id``, ``attempt`` and ``config`` are set while a run is in progress.
+    """
+
+    world_rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    node_id: str
+    node_ip: str
+    pid: int = 0
+    accelerator_ids: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    executor_name: str = "asyncexec"
+    run_id: str | None = None
+    attempt: int | None = None
+    storage_path: str | None = None
+
+    def get_world_rank(self) -> int:
+        """Ray Train's spelling of ``world_rank``."""
+        return self.world_rank
+
+    def get_local_rank(self) -> int:
+        """Ray Train's spelling of ``local_rank``."""
+        return self.local_rank
+
+    def get_world_size(self) -> int:
+        """Ray Train's spelling of ``world_size``."""
+        return self.world_size
+
+
+class _RunStopped(BaseException):
+    """Raised inside ``report()`` when the driver stops the run; a BaseException so that a
+    user's ``except Exception`` does not swallow it."""
+
+
+_group_context: WorkerContext | None = None
+_session: Session | None = None
+
+
+def set_group_context(context: WorkerContext) -> None:
+    """Install the group's context in this worker process (called at set-up)."""
+    global _group_context
+    _group_context = context
+
+
+def get_context() -> WorkerContext:
+    """Return this worker's context: ranks, sizes, node, devices, and the run and attempt.
+
+    Raises:
+        ExecutorStateError: called outside an asyncexec worker.
+    """
+    if _session is not None:
+        return _session.context
+    if _group_context is None:
+        raise ExecutorStateError("get_context() must be called inside an asyncexec worker")
+    return _group_context
+
+
+def _require_session(what: str) -> Session:
+    if _session is None:
+        raise ExecutorStateError(f"{what} must be called inside the function given to run()")
+    return _session
+
+
+def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) -> None:
+    """Report one step's metrics (and optionally a checkpoint) from this rank.
+
+    Every rank must report the same number of times: step k is complete when every rank has made
+    its k-th report. Blocks while this rank already has ``buffer_size`` reports that the driver's
+    consumer has not taken (backpressure). A checkpoint is persisted under the run's storage path
+    before the report is queued.
+
+    Raises:
+        TypeError: ``metrics`` is not a mapping, or ``checkpoint`` is not a Checkpoint.
+        ExecutorStateError: called outside a run.
+    """
+    _require_session("report()").report(metrics, checkpoint)
+
+
+def get_checkpoint() -> Checkpoint | None:
+    """The checkpoint this attempt starts from: the latest one any completed step carried (or the
+    one passed to ``run()``), or None."""
+    return _require_session("get_checkpoint()").checkpoint
+
+
+def get_dataset_shard(name: str) -> Any:
+    """This rank's part of the dataset passed to ``run(datasets=...)`` under ``name``.
+
+    Raises:
+        KeyError: no dataset of that name was given to the run.
+    """
+    session = _require_session("get_dataset_shard()")
+    try:
+        return session.shards[name]
+    except KeyError:
+        known = ", ".join(sorted(session.shards)) or "none"
+        raise KeyError(f"no dataset named {name!r} in this run (datasets: {known})") from None
+
+
+def _portable_error(exc: BaseException) -> BaseException:
+    """The exception itself when it pickles, else a RuntimeError that keeps its type and text."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+
+
+class Session:
+    """One run of the user's function on this worker."""
+
+    def __init__(
+        self,
+        *,
+        fn: Callable[..., Any],
+        takes_config: bool,
+        config: Any,
+        context: WorkerContext,
+        checkpoint: Checkpoint | None,
+        buffer_size: int,
+        step_offset: int,
+        shards: Mapping[str, Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.context = context
+        self.checkpoint = checkpoint
+        self.shards = dict(shards)
+        self._fn = fn
+        self._takes_config = takes_config
+        self._config = config
+        self._bound = buffer_size
+        self._offset = step_offset
+        self._loop = loop
+        self._cond = threading.Condition()
+        self._buffer: list[dict[str, Any]] = []
+        self._checkpoints: dict[int, str] = {}
+        self._reported = 0
+        self._sent = 0
+        self._ack = 0
+        self._stop = False
+        self._outcome: tuple[Any, ...] | None = None
+        self._poll_waiting = False
+        self._wake = asyncio.Event()
+        self._finished = loop.create_future()
+        self._fn_loop: asyncio.AbstractEventLoop | None = None
+        self._fn_task: asyncio.Task[Any] | None = None
+        self._thread = threading.Thread(target=self._main, name="asyncexec-fn", daemon=True)
+
+    def start(self) -> None:
+        global _session
+        _session = self
+        self._thread.start()
+
+    # The function's thread ------------------------------------------------------------------
+
+    def _call(self) -> Any:
+        args = (self._config,) if self._takes_config else ()
+        if inspect.iscoroutinefunction(self._fn):
+            return asyncio.run(self._run_async(args))
+        return self._fn(*args)
+
+    async def _run_async(self, args: tuple[Any, ...]) -> Any:
+        self._fn_loop = asyncio.get_running_loop()
+        self._fn_task = asyncio.current_task()
+        if self._stop:
+            raise _RunStopped
+        return await self._fn(*args)
+
+    def _main(self) -> None:
+        outcome: tuple[Any, ...]
+        try:
+            result = self._call()
+            outcome = ("ok", result)
+            try:
+                from ray import cloudpickle
+
+                cloudpickle.dumps(result)
+            except Exception as exc:
+                outcome = (
+                    "error",
+                    TypeError(
+                        f"the function's return value cannot be pickled "
+                        f"({type(result).__name__}): {exc}"
+                    ),
+                    "",
+                )
+        except (_RunStopped, asyncio.CancelledError):
+            outcome = ("stopped",)
+        except BaseException as exc:  # the user's error, shipped to the driver
+            outcome = ("error", _portable_error(exc), traceback.format_exc())
+        with self._cond:
+            self._outcome = outcome
+            self._wake_poll()
+        self._loop.call_soon_threadsafe(_set_result, self._finished)
+
+    def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"report() takes a mapping of metrics, got {type(metrics).__name__}")
+        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+            raise TypeError(
+                f"report(checkpoint=...) takes an asyncexec.Checkpoint, got {type(checkpoint).__name__}"
+            )
+        with self._cond:
+            while self._reported - self._ack >= self._bound and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                raise _RunStopped
+            seq = self._reported
+        path = None
+        if checkpoint is not None:
+            storage = self.context.storage_path or os.getcwd()
+            path = persist_directory(
+                checkpoint.path, Path(storage) / f"checkpoint_{self._offset + seq:06d}"
+            )
+        item = metrics if type(metrics) is dict else dict(metrics)
+        with self._cond:
+            self._buffer.append(item)
+            if path is not None:
+                self._checkpoints[seq] = path
+            self._reported += 1
+            self._wake_poll()
+
+    def _wake_poll(self) -> None:
+        # Called with the lock held; wakes a poll that is waiting on the actor's loop.
+        if self._poll_waiting:
+            self._poll_waiting = False
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # The actor's loop -----------------------------------------------------------------------
+
+    async def poll(self, ack: int, max_items: int) -> PollResult:
+        """Acknowledge what the consumer took, then return the queued reports (at most
+        ``max_items``), waiting until there is one or the function has ended."""
+        with self._cond:
+            if ack > self._ack:
+                self._ack = ack
+                self._cond.notify_all()
+        while True:
+            with self._cond:
+                if self._buffer or self._outcome is not None:
+                    n = min(max_items, len(self._buffer))
+                    items = self._buffer[:n]
+                    del self._buffer[:n]
+                    first = self._sent
+                    self._sent += n
+                    ckpts = None
+                    if self._checkpoints:
+                        ckpts = {s: p for s, p in self._checkpoints.items() if s < self._sent}
+                        for s in ckpts:
+                            del self._checkpoints[s]
+                    outcome = self._outcome if not self._buffer else None
+                    return first, items, ckpts, outcome
+                self._wake.clear()
+                self._poll_waiting = True
+            await self._wake.wait()
+
+    async def stop(self, timeout_s: float) -> bool:
+        """Stop the function: ``report()`` raises inside it, an ``async def`` is cancelled.
+        Return whether it ended within ``timeout_s``."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._fn_loop is not None and self._fn_task is not None:
+            try:
+                self._fn_loop.call_soon_threadsafe(self._fn_task.cancel)
+            except RuntimeError:  # its loop has already closed
+                pass
+        try:
+            await asyncio.wait_for(asyncio.shield(self._finished), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.done()
+
+
+def _set_result(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def end_session(session: Session) -> None:
+    """Forget ``session`` if it is the current one."""
+    global _session
+    if _session is session:
+        _session = None
+
+
+def with_run(context: WorkerContext, run_id: str, attempt: int, storage: str) -> WorkerContext:
+    """The group context extended with the run's identity."""
+    return replace(context, run_id=run_id, attempt=attempt, storage_path=storage)

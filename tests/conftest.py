@@ -1,0 +1,117 @@
+"""Shared fixtures: one local Ray for the whole session, clusters for multi-node tests, and a
+leak check after every test that touches Ray: no live asyncexec worker and no live placement
+group may remain."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import ray._private.state as ray_state
+from ray.cluster_utils import Cluster
+
+# Keep Ray quiet and quick on small machines.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Functions defined in test modules are pickled by reference: the workers (children of the Ray
+# started here) must be able to import the test modules.
+_here = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_here, os.path.dirname(_here), os.environ.get("PYTHONPATH")) if p
+)
+
+LOCAL_CPUS = 4
+_current: dict[str, Any] = {"mode": None, "cluster": None}
+
+
+def live_workers() -> list[dict[str, Any]]:
+    """asyncexec worker actors that are not dead."""
+    return [
+        a
+        for a in ray_state.actors().values()
+        if a["ActorClassName"] == "_Worker" and a["State"] != "DEAD"
+    ]
+
+
+def live_placement_groups() -> list[dict[str, Any]]:
+    """Placement groups that are not removed."""
+    return [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+
+
+def wait_no_leaks(timeout_s: float = 15.0) -> None:
+    """Fail unless every worker actor and placement group is gone within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors, groups = live_workers(), live_placement_groups()
+        if not actors and not groups:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"left behind in the cluster: {len(actors)} worker actor(s) "
+                f"{[a['State'] for a in actors]}, {len(groups)} placement group(s) "
+                f"{[g['state'] for g in groups]}"
+            )
+        time.sleep(0.1)
+
+
+def _shutdown() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = _current["cluster"]
+    if cluster is not None:
+        cluster.shutdown()
+    _current.update(mode=None, cluster=None)
+
+
+@pytest.fixture
+def ray_local() -> Iterator[None]:
+    """A local single-node Ray with LOCAL_CPUS CPUs, shared by every test that asks for it;
+    after the test, nothing of asyncexec may be left in it."""
+    if _current["mode"] != "local":
+        _shutdown()
+        ray.init(num_cpus=LOCAL_CPUS, include_dashboard=False, log_to_driver=False)
+        _current["mode"] = "local"
+    yield
+    wait_no_leaks()
+
+
+@pytest.fixture
+def make_cluster() -> Iterator[Any]:
+    """Build a fresh ray.cluster_utils.Cluster for one test: ``make_cluster([node kwargs...])``.
+
+    Node deaths are detected within about a second (health checks every 200 ms)."""
+
+    def build(nodes: list[dict[str, Any]]) -> Cluster:
+        _shutdown()
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **nodes[0],
+                "_system_config": {
+                    "health_check_initial_delay_ms": 0,
+                    "health_check_period_ms": 200,
+                    "health_check_failure_threshold": 3,
+                },
+            },
+        )
+        for node in nodes[1:]:
+            cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        _current.update(mode="cluster", cluster=cluster)
+        return cluster
+
+    yield build
+    if _current["mode"] == "cluster":
+        try:
+            wait_no_leaks()
+        finally:
+            _shutdown()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _shutdown()
