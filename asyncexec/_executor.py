@@ -338,6 +338,8 @@ class Executor:
         *,
         checkpoint: Checkpoint | str | os.PathLike[str] | None = None,
         buffer_size: int | None = None,
+        datasets: Mapping[str, Any] | None = None,
+        data_config: Any = None,
     ) -> Run:
         """Start ``fn`` on every worker and return an async iterator of its steps.
 
@@ -351,6 +353,9 @@ class Executor:
             config: passed to ``fn``; it must pickle.
             checkpoint: the checkpoint (or directory) the first attempt starts from.
             buffer_size: this run's bound on unconsumed reports per rank.
+            datasets: Ray Data datasets by name; each rank reads its part with
+                :func:`asyncexec.get_dataset_shard` (needs the ``data`` extra).
+            data_config: an :class:`asyncexec.DataConfig` saying which datasets are split.
 
         Raises:
             ConfigurationError: ``fn`` is not callable or does not pickle, the checkpoint
@@ -372,9 +377,14 @@ class Executor:
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"
             )
+        data = None
+        if datasets:
+            from ._data import validate_datasets
+
+            data = validate_datasets(datasets, data_config)
         send, receive = anyio.create_memory_object_stream[Any](0)
         run = Run(new_run_id(), receive)
-        driver = RunDriver(self, run, send, fn, config, start, bound, None)
+        driver = RunDriver(self, run, send, fn, config, start, bound, data)
         previous, self._run = self._run, run
         self._stats["runs_started"] += 1
         self._state = ExecutorState.RUNNING

@@ -74,6 +74,18 @@ def _actor_options(config: ExecutorConfig) -> dict[str, Any]:
     return options
 
 
+def _driver_data_context() -> Any:
+    """The driver's Ray Data context, when the driver uses Ray Data (never imported otherwise:
+    it is heavy, and workers that do not need it must not pay for it)."""
+    import sys
+
+    if "ray.data" not in sys.modules:
+        return None
+    from ray.data import DataContext
+
+    return DataContext.get_current()
+
+
 async def _node_alive(node_id: str | None) -> bool:
     if node_id is None:
         return True
@@ -178,10 +190,11 @@ class WorkerGroup:
                     )
                     for r, m in zip(ranks, metas, strict=True)
                 ]
-                phase = "setting the workers up (devices, init hook)"
+                phase = "setting the workers up (devices, data context, init hook)"
+                data_context = _driver_data_context()
                 await _gather(
                     [
-                        a.setup.remote(env, ctx, config.init_hook)
+                        a.setup.remote(env, ctx, config.init_hook, data_context)
                         for a, env, ctx in zip(actors, envs, contexts, strict=True)
                     ],
                     "set-up",

@@ -336,7 +336,13 @@ class RunDriver:
         return [o[1] for o in asm.outcomes if o is not None]
 
     async def _dataset_shards(self, group: WorkerGroup) -> list[dict[str, Any]]:
-        return [{} for _ in group.workers]
+        """Each rank's dataset shards, made anew for every attempt (for the new workers' nodes)."""
+        if not self.datasets:
+            return [{} for _ in group.workers]
+        from ._data import make_shards
+
+        datasets, data_config = self.datasets
+        return await make_shards(datasets, data_config, group)
 
     def _credit(self, asm: Assembly, rank: int, consumed_base: int) -> int:
         consumed = max(0, self.run.consumed - consumed_base)

@@ -61,10 +61,16 @@ class _Worker:
         env: Mapping[str, str],
         context: WorkerContext,
         init_hook: Callable[[], object] | None,
+        data_context: Any = None,
     ) -> None:
-        """Apply the environment (shared devices), install the context, run the init hook."""
+        """Apply the environment (shared devices), install the context and the driver's Ray Data
+        context, run the init hook."""
         os.environ.update(env)
         _session.set_group_context(context)
+        if data_context is not None:
+            from ray.data import DataContext
+
+            DataContext._set_current(data_context)
         if init_hook is not None:
             await _call(init_hook, (), {})
 
