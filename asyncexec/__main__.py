@@ -1,0 +1,12 @@
+"""``python -m asyncexec`` and the ``asyncexec`` console script: see ``asyncexec._cli``."""
+
+from __future__ import annotations
+
+import sys
+
+from ._cli import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

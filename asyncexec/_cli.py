@@ -1,0 +1,687 @@
+"""The ``asyncexec`` command line: run a function on a group of workers with a live view.
+
+    asyncexec run MODULE:FUNCTION --workers N [--cpus-per-worker X] [--gpus-per-worker G]
+                  [--config JSON] [--max-restarts N] [--json] [--storage-path P] [--address A]
+    asyncexec demo [--workers N] [--steps N] [--crash-step N | --no-crash] [--json]
+
+``run`` imports ``FUNCTION`` from ``MODULE`` (importable from the current directory), runs it on
+the workers and shows a live terminal view (with the ``cli`` extra, which installs rich): each
+rank's latest metrics, steps per second, the attempt and restarts, and a progress bar when the
+length of the run is known. ``--json`` prints one JSON object per step instead. ``demo`` runs a
+built-in job that checkpoints, loses a worker to SIGKILL and recovers from its checkpoint.
+
+Exit status: 0 when the run finished, 1 when it failed (the error is printed), 2 for bad usage
+(an unknown function, bad JSON, a bad option), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
+
+import anyio
+
+from ._errors import AsyncExecError, ConfigurationError
+from ._logconfig import _json_default, configure_logging
+from ._reports import RunResult, Step
+
+__all__ = ["build_parser", "main"]
+
+#: Redraws of the live view per second.
+_REFRESH_HZ = 8
+#: Ranks shown in the live table; more are summarised in one line.
+_MAX_ROWS = 16
+#: Metric columns shown in the live table.
+_MAX_COLUMNS = 8
+
+
+class UsageError(Exception):
+    """The command line asked for something that cannot be done (exit status 2)."""
+
+
+# Parsing --------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``asyncexec`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="asyncexec",
+        description="Run a function on a group of Ray actor workers and watch its steps.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        help="run MODULE:FUNCTION on a group of workers",
+        description=(
+            "Import FUNCTION from MODULE (importable from the current directory) and run it on "
+            "every worker. The progress bar appears when the run's length is known: a "
+            "'total_steps' key in --config, else a 'total_steps' attribute of the function; it "
+            "counts the 'step' metric of rank 0 when the function reports one, else the steps "
+            "delivered."
+        ),
+    )
+    run.add_argument("target", metavar="MODULE:FUNCTION", help="the function to run")
+    run.add_argument("--workers", "-n", type=int, required=True, help="number of workers")
+    run.add_argument(
+        "--cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (default 1)"
+    )
+    run.add_argument(
+        "--gpus-per-worker", type=float, default=0.0, help="GPUs of each worker (default 0)"
+    )
+    run.add_argument(
+        "--config",
+        default=None,
+        help="the function's argument, as JSON, or @FILE to read the JSON from a file",
+    )
+    _common_options(run, max_restarts=3)
+
+    demo = commands.add_parser(
+        "demo",
+        help="a built-in job that checkpoints, crashes once and recovers",
+        description=(
+            "Run a toy training job on a few workers: every rank checkpoints every few steps; "
+            "on the first attempt one worker kills itself with SIGKILL; the group restarts and "
+            "resumes from the latest checkpoint as attempt 2."
+        ),
+    )
+    demo.add_argument("--workers", "-n", type=int, default=4, help="number of workers (default 4)")
+    demo.add_argument(
+        "--cpus-per-worker", type=float, default=0.25, help="CPUs of each worker (default 0.25)"
+    )
+    demo.add_argument("--steps", type=int, default=12, help="steps of the job (default 12)")
+    demo.add_argument(
+        "--crash-step", type=int, default=7, help="the step at which a worker crashes (default 7)"
+    )
+    demo.add_argument("--no-crash", action="store_true", help="run without the injected crash")
+    demo.add_argument(
+        "--step-seconds", type=float, default=0.15, help="seconds each step takes (default 0.15)"
+    )
+    _common_options(demo, max_restarts=2)
+    return parser
+
+
+def _common_options(parser: argparse.ArgumentParser, *, max_restarts: int) -> None:
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=max_restarts,
+        help=f"group restarts allowed after failures (default {max_restarts})",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per step instead of the view"
+    )
+    parser.add_argument(
+        "--storage-path",
+        default=None,
+        help="where checkpoints are persisted (run: ~/asyncexec_results; demo: a temporary "
+        "folder, removed afterwards)",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster to join ('auto'); default: a local Ray"
+    )
+    parser.add_argument(
+        "--log-format", choices=("console", "json"), default="console", help="log line format"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="warning",
+        help="least severe log events shown, on stderr (default warning)",
+    )
+
+
+def parse_config(text: str | None) -> Any:
+    """The ``--config`` value: JSON, or ``@FILE`` holding JSON; None when absent.
+
+    Raises:
+        UsageError: the JSON does not parse or the file cannot be read.
+    """
+    if text is None:
+        return None
+    source = "--config"
+    if text.startswith("@"):
+        source = text[1:]
+        try:
+            with open(source, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read the config file {source!r}: {exc}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{source} is not valid JSON: {exc}") from exc
+
+
+def load_target(spec: str, directory: str) -> Callable[..., Any]:
+    """Import ``MODULE:FUNCTION`` (``FUNCTION`` may be dotted), with ``directory`` on the path.
+
+    Raises:
+        UsageError: the spec is malformed, the module cannot be imported, or the name is
+            missing or not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"expected MODULE:FUNCTION (for example train:main), got {spec!r}")
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import module {module_name!r} from {directory}: {exc}") from exc
+    except Exception as exc:
+        detail = "".join(traceback.format_exception_only(exc)).strip()
+        raise UsageError(f"importing {module_name!r} failed: {detail}") from exc
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise UsageError(f"module {module_name!r} has no {attr!r}") from None
+    if not callable(target):
+        raise UsageError(f"{spec} is not callable: {target!r}")
+    return target  # type: ignore[no-any-return]
+
+
+def total_steps(fn: Callable[..., Any], config: Any) -> int | None:
+    """The run's length for the progress bar: ``config["total_steps"]``, else
+    ``fn.total_steps``, else None."""
+    for value in (
+        config.get("total_steps") if isinstance(config, Mapping) else None,
+        getattr(fn, "total_steps", None),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def worker_import_path(directory: str, address: str | None) -> dict[str, Any] | None:
+    """Make modules in ``directory`` importable by the workers.
+
+    Workers unpickle the function by reference, so they must import its module. Putting the
+    directory on ``PYTHONPATH`` before Ray starts is enough for a local Ray that this process
+    starts (its workers inherit the environment). When Ray is already running, or a cluster is
+    joined, the workers' environment is set through a runtime environment instead (it is
+    returned; None when none is needed).
+    """
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    known = {os.path.realpath(p) for p in parts}
+    if os.path.realpath(directory) in known:
+        return None
+    os.environ["PYTHONPATH"] = os.pathsep.join([directory, *parts])
+    import ray
+
+    if ray.is_initialized() or address is not None or os.environ.get("RAY_ADDRESS"):
+        return {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+    return None
+
+
+# What the views show ----------------------------------------------------------------------------
+
+
+@dataclass
+class Tracker:
+    """The state of a run as the views show it, updated as steps arrive."""
+
+    title: str
+    num_workers: int
+    total: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    run_id: str | None = None
+    state: str = "starting"
+    attempt: int = 1
+    steps: int = 0
+    index: int = -1
+    latest: Sequence[Mapping[str, Any]] = ()
+    checkpoint: str | None = None
+    _window: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+
+    def add(self, step: Step) -> None:
+        self.steps += 1
+        self.index = step.index
+        self.attempt = step.attempt
+        self.latest = [r.metrics for r in step.reports]
+        if step.checkpoint is not None:
+            self.checkpoint = step.checkpoint.path
+
+    def sample(self) -> None:
+        """Record the step count now, for the rate."""
+        self._window.append((time.monotonic(), self.steps))
+
+    @property
+    def rate(self) -> float:
+        """Steps per second over the last few seconds."""
+        if len(self._window) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def completed(self) -> int:
+        """Progress: rank 0's ``step`` metric plus one when it reports one (so the bar goes back
+        when a restart resumes from an earlier checkpoint), else the steps delivered."""
+        step = self.latest[0].get("step") if self.latest else None
+        done = step + 1 if isinstance(step, int) and not isinstance(step, bool) else self.steps
+        return done if self.total is None else min(done, self.total)
+
+
+class View(Protocol):
+    """How a run is shown: a live view, plain lines, or JSON lines."""
+
+    def __enter__(self) -> View: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def on_step(self, step: Step) -> None: ...
+
+    def refresh(self) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+
+class JsonView:
+    """One JSON object per step on ``out``: ``index``, ``attempt``, ``metrics`` (one mapping per
+    rank, in rank order) and ``checkpoint`` (a path or null)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def __enter__(self) -> JsonView:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def on_step(self, step: Step) -> None:
+        line = {
+            "index": step.index,
+            "attempt": step.attempt,
+            "metrics": [dict(r.metrics) for r in step.reports],
+            "checkpoint": step.checkpoint.path if step.checkpoint is not None else None,
+        }
+        self._out.write(json.dumps(line, default=_json_default) + "\n")
+        self._out.flush()
+
+    def refresh(self) -> None:
+        return None
+
+    def note(self, text: str) -> None:
+        return None  # stdout carries steps only; the log lines on stderr tell the story
+
+
+class PlainView:
+    """Plain lines, a few per second at most: used when rich is not installed."""
+
+    def __init__(self, tracker: Tracker, out: TextIO, hint: str | None = None) -> None:
+        self._tracker = tracker
+        self._out = out
+        self._hint = hint
+        self._last = 0.0
+
+    def __enter__(self) -> PlainView:
+        if self._hint:
+            self._print(self._hint)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._line()
+
+    def _print(self, text: str) -> None:
+        self._out.write(text + "\n")
+        self._out.flush()
+
+    def _line(self) -> None:
+        t = self._tracker
+        if t.steps == 0:
+            return
+        total = f"/{t.total}" if t.total is not None else ""
+        metrics = _format_metrics(t.latest[0]) if t.latest else ""
+        self._print(
+            f"step {t.index} ({t.completed}{total}) attempt {t.attempt} "
+            f"{t.rate:.1f} steps/s  rank 0: {metrics}"
+        )
+        self._last = time.monotonic()
+
+    def on_step(self, step: Step) -> None:
+        if time.monotonic() - self._last >= 0.5:
+            self._line()
+
+    def refresh(self) -> None:
+        return None
+
+    def note(self, text: str) -> None:
+        self._print(text)
+
+
+class RichView:
+    """The live terminal view (rich): header, progress bar, and each rank's latest metrics."""
+
+    def __init__(self, tracker: Tracker, rich: Any) -> None:
+        self._tracker = tracker
+        self._rich = rich
+        self._console = rich["console"].Console()
+        self._live = rich["live"].Live(
+            console=self._console, auto_refresh=False, transient=False, redirect_stderr=True
+        )
+
+    def __enter__(self) -> RichView:
+        self._live.start()
+        self.refresh()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._live.update(self._render())
+        self._live.stop()
+        if not self._console.is_terminal:
+            self._console.line()  # a file gets the final frame only, without its line end
+
+    def on_step(self, step: Step) -> None:
+        return None  # drawn at the refresh rate, however fast steps arrive
+
+    def refresh(self) -> None:
+        self._live.update(self._render(), refresh=True)
+
+    def note(self, text: str) -> None:
+        self._console.print(text)
+
+    def _render(self) -> Any:
+        r, t = self._rich, self._tracker
+        restarts = t.attempt - 1
+        header = r["text"].Text.assemble(
+            (t.title, "bold"),
+            f"  ·  {t.num_workers} workers  ·  run {t.run_id or '-'}\n",
+            ("attempt ", "dim"),
+            (str(t.attempt), "bold yellow" if restarts else "bold"),
+            (f" ({restarts} restart{'s' if restarts != 1 else ''})  ·  ", "dim"),
+            (t.state, _STATE_STYLE.get(t.state, "")),
+            ("  ·  ", "dim"),
+            f"{t.steps} steps  ·  {t.rate:.1f} steps/s  ·  {_clock(t.elapsed)}",
+        )
+        parts: list[Any] = [header]
+        if t.total is not None:
+            bar = r["table"].Table.grid(padding=(0, 1))
+            bar.add_row(
+                r["progress_bar"].ProgressBar(total=t.total, completed=t.completed, width=40),
+                f"{t.completed}/{t.total}",
+            )
+            parts.append(bar)
+        if t.latest:
+            keys: list[str] = []
+            for metrics in t.latest:
+                keys.extend(k for k in metrics if k not in keys)
+            keys = keys[:_MAX_COLUMNS]
+            table = r["table"].Table(box=r["box"].SIMPLE_HEAD, pad_edge=False)
+            table.add_column("rank", justify="right", style="cyan")
+            for key in keys:
+                table.add_column(str(key), justify="right", overflow="ellipsis", max_width=24)
+            for rank, metrics in enumerate(t.latest[:_MAX_ROWS]):
+                table.add_row(str(rank), *(_format_value(metrics.get(k, "")) for k in keys))
+            if len(t.latest) > _MAX_ROWS:
+                table.add_row("…", f"{len(t.latest) - _MAX_ROWS} more ranks")
+            parts.append(table)
+        if t.checkpoint:
+            parts.append(r["text"].Text(f"latest checkpoint: {t.checkpoint}", style="dim"))
+        return r["console"].Group(*parts)
+
+
+_STATE_STYLE = {
+    "running": "green",
+    "restarting": "bold yellow",
+    "finished": "bold green",
+    "failed": "bold red",
+    "cancelled": "yellow",
+}
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes:02d}:{secs:02d}"
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.5g}"
+    text = str(value)
+    return text if len(text) <= 24 else text[:23] + "…"
+
+
+def _format_metrics(metrics: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={_format_value(v)}" for k, v in list(metrics.items())[:_MAX_COLUMNS])
+
+
+def _import_rich() -> dict[str, Any] | None:
+    """rich's modules, or None when the ``cli`` extra is not installed (imported lazily: only
+    the command line needs rich)."""
+    try:
+        return {
+            name: importlib.import_module(f"rich.{name}")
+            for name in ("box", "console", "live", "progress_bar", "table", "text")
+        }
+    except ImportError:
+        return None
+
+
+def make_view(tracker: Tracker, *, as_json: bool) -> View:
+    """JSON lines, the rich live view, or plain lines when rich is missing."""
+    if as_json:
+        return JsonView(sys.stdout)
+    rich = _import_rich()
+    if rich is None:
+        hint = "(plain output: pip install 'asyncexec[cli]' for the live view)"
+        return PlainView(tracker, sys.stdout, hint)
+    return RichView(tracker, rich)
+
+
+# Running ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What the command asks of the executor."""
+
+    num_workers: int
+    resources: Mapping[str, float]
+    max_restarts: int
+    storage_path: str | None
+    address: str | None
+    runtime_env: Mapping[str, Any] | None = None
+    restart_wait_s: float | None = None
+
+
+async def drive(
+    fn: Callable[..., Any], config: Any, options: RunOptions, tracker: Tracker, view: View
+) -> RunResult:
+    """Run ``fn`` on a fresh executor, feeding the view; return the run's result.
+
+    Raises:
+        AsyncExecError: the run failed (after the restarts the policy allows).
+    """
+    import tenacity
+
+    from ._executor import Executor
+    from ._restart import RestartPolicy
+
+    policy = RestartPolicy(max_restarts=options.max_restarts)
+    if options.restart_wait_s is not None:
+        policy = RestartPolicy(
+            max_restarts=options.max_restarts, wait=tenacity.wait_fixed(options.restart_wait_s)
+        )
+    async with Executor(
+        options.num_workers,
+        resources_per_worker=options.resources,
+        restart=policy,
+        storage_path=options.storage_path,
+        address=options.address,
+        runtime_env=options.runtime_env,
+        name="cli",
+    ) as executor:
+        run = executor.run(fn, config)
+        tracker.run_id = run.run_id
+        tracker.state = "running"
+        error: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_refresh_loop, run, tracker, view)
+            try:
+                async for step in run:
+                    tracker.add(step)
+                    view.on_step(step)
+            except Exception as exc:  # re-raised below, outside the task group
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        tracker.state = run.state.value
+        if error is not None:
+            raise error
+        return run.result
+
+
+async def _refresh_loop(run: Any, tracker: Tracker, view: View) -> None:
+    seen_attempt = 1
+    while True:
+        tracker.state = run.state.value
+        tracker.attempt = max(tracker.attempt, run.attempt)
+        if run.attempt != seen_attempt:
+            seen_attempt = run.attempt
+            ckpt = run.latest_checkpoint
+            origin = f"from {ckpt.path}" if ckpt is not None else "from the start (no checkpoint)"
+            view.note(f"attempt {run.attempt}: the group restarted; resuming {origin}")
+        tracker.sample()
+        view.refresh()
+        await anyio.sleep(1 / _REFRESH_HZ)
+
+
+def _summary(result: RunResult, tracker: Tracker) -> str:
+    restarts = result.attempts - 1
+    lines = [
+        f"finished: {result.steps} steps in {result.attempts} attempt(s) "
+        f"({restarts} restart{'s' if restarts != 1 else ''}), {tracker.elapsed:.1f} s",
+    ]
+    for i, failure in enumerate(result.failures, 1):
+        first = str(failure).splitlines()[0] if str(failure) else ""
+        lines.append(f"  failure {i}: {type(failure).__name__}: {first}")
+    if result.checkpoint is not None:
+        lines.append(f"  latest checkpoint: {result.checkpoint.path}")
+    values = repr(result.return_values)
+    lines.append(f"  returned: {values if len(values) <= 400 else values[:399] + '…'}")
+    return "\n".join(lines)
+
+
+def _demo_story(result: RunResult) -> str:
+    """What happened in the demo, from its result."""
+    if not result.failures:
+        return "no crash was injected; nothing to recover from"
+    failure = result.failures[0]
+    rank = getattr(failure, "rank", "?")
+    resumed = sorted({v["resumed_from"] for v in result.return_values if isinstance(v, dict)})
+    return (
+        f"recovered: rank {rank} was killed on attempt 1 ({type(failure).__name__}); attempt "
+        f"{result.attempts} resumed every rank from the checkpoint of step "
+        f"{resumed[0] - 1 if resumed and resumed[0] else '-'} and finished"
+    )
+
+
+def _init_ray(address: str | None) -> bool:
+    """Start (or join) Ray, quietly; return whether this call did. Called before the event loop
+    starts (``ray.init`` blocks for seconds), in the main thread, where Ray can install its
+    signal handlers."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``asyncexec`` command with ``argv`` (``sys.argv[1:]`` by default); return the
+    exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    cleanup: str | None = None
+    started_ray = False
+    try:
+        if args.command == "run":
+            directory = os.getcwd()
+            fn = load_target(args.target, directory)
+            config = parse_config(args.config)
+            title = args.target
+            resources: dict[str, float] = {"CPU": args.cpus_per_worker}
+            if args.gpus_per_worker:
+                resources["GPU"] = args.gpus_per_worker
+            options = RunOptions(
+                num_workers=args.workers,
+                resources=resources,
+                max_restarts=args.max_restarts,
+                storage_path=args.storage_path,
+                address=args.address,
+                runtime_env=worker_import_path(directory, args.address),
+            )
+        else:
+            from ._demo import DEFAULT_CONFIG, demo_train
+
+            fn = demo_train
+            config = {
+                **DEFAULT_CONFIG,
+                "total_steps": args.steps,
+                "crash_step": None if args.no_crash else args.crash_step,
+            }
+            config["step_s"] = args.step_seconds
+            title = "asyncexec demo"
+            storage = args.storage_path
+            if storage is None:
+                storage = cleanup = tempfile.mkdtemp(prefix="asyncexec-demo-")
+            options = RunOptions(
+                num_workers=args.workers,
+                resources={"CPU": args.cpus_per_worker},
+                max_restarts=args.max_restarts,
+                storage_path=storage,
+                address=args.address,
+                restart_wait_s=0.5,
+            )
+        tracker = Tracker(title, options.num_workers, total_steps(fn, config))
+
+        started_ray = _init_ray(options.address)
+
+        async def command() -> RunResult:
+            with make_view(tracker, as_json=args.json) as view:
+                return await drive(fn, config, options, tracker, view)
+
+        result = anyio.run(command)
+        summary = _summary(result, tracker)
+        if args.command == "demo":
+            summary += "\n" + _demo_story(result)
+        print(summary, file=sys.stderr if args.json else sys.stdout)
+        return 0
+    except (UsageError, ConfigurationError) as exc:
+        print(f"asyncexec: error: {exc}", file=sys.stderr)
+        return 2
+    except AsyncExecError as exc:
+        print(f"asyncexec: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("asyncexec: interrupted; the workers were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
