@@ -17,6 +17,7 @@ Exit status: 0 when the run finished, 1 when it failed (the error is printed), 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -33,6 +34,7 @@ from typing import Any, Protocol, TextIO
 
 import anyio
 
+from ._config import validate_resources
 from ._errors import AsyncExecError, ConfigurationError
 from ._logconfig import _json_default, configure_logging
 from ._reports import RunResult, Step
@@ -52,6 +54,27 @@ class UsageError(Exception):
 
 
 # Parsing --------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,12 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("target", metavar="MODULE:FUNCTION", help="the function to run")
-    run.add_argument("--workers", "-n", type=int, required=True, help="number of workers")
     run.add_argument(
-        "--cpus-per-worker", type=float, default=1.0, help="CPUs of each worker (default 1)"
+        "--workers", "-n", type=_positive_int, required=True, help="number of workers"
     )
     run.add_argument(
-        "--gpus-per-worker", type=float, default=0.0, help="GPUs of each worker (default 0)"
+        "--cpus-per-worker",
+        type=_non_negative_float,
+        default=1.0,
+        help="CPUs of each worker (default 1)",
+    )
+    run.add_argument(
+        "--gpus-per-worker",
+        type=_non_negative_float,
+        default=0.0,
+        help="GPUs of each worker (default 0)",
     )
     run.add_argument(
         "--config",
@@ -97,17 +128,30 @@ def build_parser() -> argparse.ArgumentParser:
             "resumes from the latest checkpoint as attempt 2."
         ),
     )
-    demo.add_argument("--workers", "-n", type=int, default=4, help="number of workers (default 4)")
     demo.add_argument(
-        "--cpus-per-worker", type=float, default=0.25, help="CPUs of each worker (default 0.25)"
+        "--workers", "-n", type=_positive_int, default=4, help="number of workers (default 4)"
     )
-    demo.add_argument("--steps", type=int, default=12, help="steps of the job (default 12)")
     demo.add_argument(
-        "--crash-step", type=int, default=7, help="the step at which a worker crashes (default 7)"
+        "--cpus-per-worker",
+        type=_non_negative_float,
+        default=0.25,
+        help="CPUs of each worker (default 0.25)",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=12, help="steps of the job (default 12)"
+    )
+    demo.add_argument(
+        "--crash-step",
+        type=_non_negative_int,
+        default=7,
+        help="the step at which the last worker crashes (default 7)",
     )
     demo.add_argument("--no-crash", action="store_true", help="run without the injected crash")
     demo.add_argument(
-        "--step-seconds", type=float, default=0.15, help="seconds each step takes (default 0.15)"
+        "--step-seconds",
+        type=_non_negative_float,
+        default=0.15,
+        help="seconds each step takes (default 0.15)",
     )
     _common_options(demo, max_restarts=2)
     return parser
@@ -116,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _common_options(parser: argparse.ArgumentParser, *, max_restarts: int) -> None:
     parser.add_argument(
         "--max-restarts",
-        type=int,
+        type=_non_negative_int,
         default=max_restarts,
         help=f"group restarts allowed after failures (default {max_restarts})",
     )
@@ -612,7 +656,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncexec`` command with ``argv`` (``sys.argv[1:]`` by default); return the
     exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error that argparse has printed
+        return exc.code if isinstance(exc.code, int) else 2
     configure_logging(args.log_format, args.log_level)
     cleanup: str | None = None
     started_ray = False
@@ -655,15 +702,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 address=args.address,
                 restart_wait_s=0.5,
             )
+        validate_resources(options.resources)  # refused here, before Ray is started
         tracker = Tracker(title, options.num_workers, total_steps(fn, config))
 
         started_ray = _init_ray(options.address)
 
+        view = make_view(tracker, as_json=args.json)
+
         async def command() -> RunResult:
-            with make_view(tracker, as_json=args.json) as view:
+            with view:
                 return await drive(fn, config, options, tracker, view)
 
-        result = anyio.run(command)
+        if args.json:
+            # stdout carries the steps and nothing else: whatever else is printed there (Ray's
+            # error messages, the workers' forwarded prints) goes to stderr meanwhile.
+            with contextlib.redirect_stdout(sys.stderr):
+                result = anyio.run(command)
+        else:
+            result = anyio.run(command)
         summary = _summary(result, tracker)
         if args.command == "demo":
             summary += "\n" + _demo_story(result)

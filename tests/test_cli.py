@@ -1,0 +1,329 @@
+"""The ``asyncexec`` command line: ``run`` with the live view, plain lines and ``--json``, the
+demo's crash and recovery, usage errors and exit statuses, and ``configure_logging``.
+
+The commands run in-process with ``main(argv)`` on the shared local Ray; one test runs the real
+``python -m asyncexec`` in a subprocess, which starts a Ray of its own, as on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+import asyncexec
+from asyncexec._cli import main, total_steps
+from asyncexec._logconfig import configure_logging
+
+
+def counting(config: dict[str, Any]) -> int:
+    rank = asyncexec.get_context().world_rank
+    for i in range(config["steps"]):
+        asyncexec.report({"step": i, "rank": rank, "value": i * 10 + rank})
+    return rank
+
+
+def five_steps() -> str:
+    for i in range(5):
+        asyncexec.report({"step": i, "loss": 1.0 / (i + 1)})
+    return "done"
+
+
+five_steps.total_steps = 5  # type: ignore[attr-defined]
+
+
+def failing(config: dict[str, Any]) -> None:
+    asyncexec.report({"x": 1})
+    raise ValueError(f"bad input {config['n']}")
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    """main() configures logging for the process; leave it as other tests expect it."""
+    yield
+    structlog.reset_defaults()
+    stdlib = logging.getLogger("asyncexec")
+    for handler in list(stdlib.handlers):
+        stdlib.removeHandler(handler)
+    stdlib.setLevel(logging.NOTSET)
+    stdlib.propagate = True
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# run ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_run_json_prints_one_object_per_step(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc = main(
+        [
+            "run", "test_cli:counting", "--workers", "2", "--cpus-per-worker", "0.5",
+            "--config", '{"steps": 7}', "--json", "--storage-path", str(tmp_path),
+        ]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = _json_lines(out)  # stdout holds the steps and nothing else
+    assert [line["index"] for line in lines] == list(range(7))
+    for line in lines:
+        assert line["attempt"] == 1
+        assert line["checkpoint"] is None
+        assert [m["rank"] for m in line["metrics"]] == [0, 1]
+        assert [m["value"] for m in line["metrics"]] == [line["index"] * 10, line["index"] * 10 + 1]
+    assert "finished: 7 steps in 1 attempt(s)" in err
+    assert "returned: [0, 1]" in err
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_run_live_view_shows_metrics_attempt_and_progress(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The rich view's final frame: the target, attempt, each rank's row, the progress bar from
+    the function's total_steps attribute."""
+    rc = main(
+        [
+            "run", "test_cli:five_steps", "--workers", "2", "--cpus-per-worker", "0.5",
+            "--storage-path", str(tmp_path),
+        ]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "test_cli:five_steps" in out
+    assert "attempt 1 (0 restarts)" in out
+    assert "finished" in out
+    assert "5/5" in out  # the progress bar's count
+    header = next(line for line in out.splitlines() if "rank" in line and "loss" in line)
+    assert header.split() == ["rank", "step", "loss"]
+    rows = [line.split() for line in out.splitlines()]
+    last = [r for r in rows if r[:2] in (["0", "4"], ["1", "4"])]
+    assert last == [["0", "4", "0.2"], ["1", "4", "0.2"]]
+    assert "finished: 5 steps in 1 attempt(s)" in out
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_run_without_rich_falls_back_to_plain_lines(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in ("rich", "rich.box", "rich.console", "rich.live", "rich.progress_bar",
+                 "rich.table", "rich.text"):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import rich...` fail
+    rc = main(
+        [
+            "run", "test_cli:counting", "--workers", "2", "--cpus-per-worker", "0.5",
+            "--config", '{"steps": 3, "total_steps": 3}', "--storage-path", str(tmp_path),
+        ]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "pip install 'asyncexec[cli]'" in out
+    assert "step 2 (3/3) attempt 1" in out  # the last line is always printed
+    assert "finished: 3 steps" in out
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_failing_function_exits_1_with_the_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc = main(
+        [
+            "run", "test_cli:failing", "--workers", "1", "--cpus-per-worker", "0.5",
+            "--config", '{"n": 42}', "--json", "--storage-path", str(tmp_path),
+        ]
+    )  # fmt: skip
+    _, err = capsys.readouterr()
+    assert rc == 1
+    assert "the run failed: WorkerRaisedError" in err
+    assert "ValueError: bad input 42" in err
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_run_imports_a_module_from_the_working_directory(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With Ray already running, the workers still import MODULE from the current directory
+    (through a runtime environment)."""
+    (tmp_path / "cwd_job.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncexec
+
+            def train(config):
+                for i in range(config["steps"]):
+                    asyncexec.report({"step": i, "where": __name__})
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delitem(sys.modules, "cwd_job", raising=False)
+    try:
+        rc = main(
+            [
+                "run", "cwd_job:train", "--workers", "2", "--cpus-per-worker", "0.5",
+                "--config", '{"steps": 3}', "--json", "--storage-path", str(tmp_path / "s"),
+            ]
+        )  # fmt: skip
+    finally:
+        sys.modules.pop("cwd_job", None)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = _json_lines(out)
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    assert lines[0]["metrics"][1]["where"] == "cwd_job"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "no_colon", "--workers", "1"], "expected MODULE:FUNCTION"),
+        (["run", "no_such_module_xyz:fn", "--workers", "1"], "cannot import module"),
+        (["run", "test_cli:missing", "--workers", "1"], "has no 'missing'"),
+        (["run", "test_cli:counting", "--workers", "1", "--config", "{bad"], "not valid JSON"),
+        (["run", "test_cli:counting", "-n", "1", "--config", "@/no/such.json"], "cannot read"),
+        (["run", "test_cli:counting", "-n", "1", "--cpus-per-worker", "0"], "positive amount"),
+        (["run", "test_cli:counting", "--workers", "0"], "must be at least 1"),
+        (["demo", "--steps", "-3"], "must be at least 1"),
+        (["launch"], "invalid choice"),
+    ],
+)
+def test_usage_errors_exit_2_before_ray_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--help"]) == 0
+    assert "total_steps" in capsys.readouterr().out
+
+
+def test_total_steps_prefers_the_config_key_to_the_function_attribute() -> None:
+    assert total_steps(five_steps, None) == 5
+    assert total_steps(five_steps, {"total_steps": 9}) == 9
+    assert total_steps(counting, {"steps": 9}) is None
+    assert total_steps(counting, {"total_steps": True}) is None
+
+
+# demo -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_demo_crashes_once_and_recovers_from_its_checkpoint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc = main(["demo", "--json", "--storage-path", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = _json_lines(out)
+    first = [line for line in lines if line["attempt"] == 1]
+    second = [line for line in lines if line["attempt"] == 2]
+    assert first
+    assert second
+    assert len(first) + len(second) == len(lines)
+    assert [line["index"] for line in lines] == list(range(len(lines)))
+    # Attempt 1 got at least to the step-5 checkpoint and never past the crash at step 7.
+    steps_1 = [line["metrics"][0]["step"] for line in first]
+    assert steps_1 == list(range(len(first)))
+    assert 6 <= len(first) <= 7
+    # Attempt 2 resumed every rank after the latest checkpoint (step 5) and ran to the end.
+    assert [line["metrics"][0]["step"] for line in second] == list(range(6, 12))
+    assert all(m["resumed_from"] == 6 for line in second for m in line["metrics"])
+    assert all(len(line["metrics"]) == 4 for line in lines)
+    checkpoints = [line["checkpoint"] for line in lines if line["checkpoint"]]
+    assert checkpoints
+    assert all(Path(c).is_relative_to(tmp_path) for c in checkpoints)
+    every_rank = {f"rank_{r}.json" for r in range(4)}
+    assert all(every_rank <= set(os.listdir(c)) for c in checkpoints)
+    assert "worker_failed" in err
+    assert "WorkerCrashedError" in err
+    assert f"finished: {len(lines)} steps in 2 attempt(s) (1 restart)" in err
+    assert "recovered: rank 3 was killed on attempt 1" in err
+
+
+# The real command, in a process of its own --------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_console_command_runs_a_module_from_the_working_directory(tmp_path: Path) -> None:
+    """``python -m asyncexec run`` from a fresh process: it starts its own Ray, the workers import
+    the module from the working directory, and the exit status is 0."""
+    (tmp_path / "fresh_job.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncexec
+
+            def train(config):
+                for i in range(config["steps"]):
+                    asyncexec.report({"step": i})
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "asyncexec", "run", "fresh_job:train", "--workers", "2",
+            "--cpus-per-worker", "0.5", "--config", '{"steps": 4}', "--json",
+            "--storage-path", str(tmp_path / "storage"),
+        ],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [line["index"] for line in _json_lines(proc.stdout)] == [0, 1, 2, 3]
+
+
+# configure_logging -----------------------------------------------------------------------------
+
+
+def test_configure_logging_json_carries_the_bound_context() -> None:
+    from asyncexec._logging import get_logger
+
+    out = io.StringIO()
+    configure_logging("json", "info", stream=out)
+    log = get_logger(executor="ex-1").bind(run_id="run-1")
+    log.info("run_started", attempt=2)
+    log.debug("not_shown")
+    logging.getLogger("asyncexec.test").warning("from %s", "stdlib")
+    first, second = _json_lines(out.getvalue())
+    assert first["event"] == "run_started"
+    assert (first["run_id"], first["attempt"], first["executor"]) == ("run-1", 2, "ex-1")
+    assert (first["level"], first["logger"]) == ("info", "asyncexec")
+    assert first["timestamp"].endswith("Z")
+    assert second == {**second, "event": "from stdlib", "level": "warning"}
+
+
+def test_configure_logging_console_filters_by_level() -> None:
+    from asyncexec._logging import get_logger
+
+    out = io.StringIO()
+    configure_logging("console", "warning", stream=out, colors=False)
+    log = get_logger().bind(run_id="run-2")
+    log.info("quiet")
+    log.warning("worker_failed", rank=3, attempt=1)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1
+    for text in ("worker_failed", "rank=3", "run_id=run-2"):
+        assert text in lines[0]
+
+
+@pytest.mark.parametrize(("fmt", "level"), [("xml", "info"), ("json", "loud"), ("json", True)])
+def test_configure_logging_refuses_bad_arguments(fmt: Any, level: Any) -> None:
+    with pytest.raises(asyncexec.ConfigurationError):
+        configure_logging(fmt, level)
