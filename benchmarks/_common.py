@@ -1,0 +1,290 @@
+"""Shared pieces of the benchmarks: statistics, the event-loop heartbeat, process memory, the
+recorder of asyncexec's log events, and the table.
+
+Nothing here starts Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+__all__ = [
+    "Events",
+    "Figure",
+    "Heartbeat",
+    "Timer",
+    "cpu_seconds",
+    "lag_ms",
+    "median",
+    "percentile",
+    "process_memory",
+    "progress",
+    "rate",
+    "render_table",
+]
+
+MiB = 1024 * 1024
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, or NaN for no values."""
+    return statistics.median(values) if values else math.nan
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by the nearest-rank method, or NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def rate(steps: int, workers: int, start: float, last: float) -> float:
+    """Reports per second in total: every worker's reports over the time from the run's start to
+    its last step."""
+    if last <= start:
+        return math.nan
+    return steps * workers / (last - start)
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr, with the seconds since the benchmark started."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+_T0 = time.perf_counter()
+
+
+def process_memory(pid: int) -> tuple[float, float]:
+    """(RSS, USS) of process ``pid`` in MiB. USS counts only the pages this process alone holds,
+    so shared libraries (mapped by every Ray worker) do not blur the comparison."""
+    info = psutil.Process(pid).memory_full_info()
+    return info.rss / MiB, info.uss / MiB
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User plus system CPU time of the processes ``pids`` (those that are gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+class Heartbeat:
+    """A coroutine that sleeps 1 ms at a time and records how late each wake-up is.
+
+    The lag of a wake-up is how much longer than the requested 1 ms the sleep took: the time the
+    event loop was busy (or frozen by a blocking call) when the timer was due. Only wake-ups inside
+    a ``window()`` are recorded, into the list that the window yields.
+    """
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self._lags: list[float] | None = None
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _beat(self) -> None:
+        interval = self.interval_s
+        while not self._stop:
+            t0 = time.perf_counter()
+            await asyncio.sleep(interval)
+            lag = time.perf_counter() - t0 - interval
+            if self._lags is not None:
+                self._lags.append(max(0.0, lag))
+
+    async def __aenter__(self) -> Heartbeat:
+        self._task = asyncio.create_task(self._beat())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+    @asynccontextmanager
+    async def window(self) -> AsyncIterator[list[float]]:
+        """Record the lag (seconds) of the wake-ups inside this block into the list it yields.
+
+        On leaving, it yields to the loop for two intervals, so that a wake-up that a blocking
+        call made overdue is recorded in this window, not lost."""
+        lags: list[float] = []
+        self._lags = lags
+        try:
+            yield lags
+            await asyncio.sleep(2 * self.interval_s)
+        finally:
+            self._lags = None
+
+
+def lag_ms(lags: Sequence[float]) -> tuple[float, float]:
+    """(p99, max) of heartbeat lags, in milliseconds."""
+    return percentile(lags, 99) * 1e3, max(lags, default=math.nan) * 1e3
+
+
+@dataclass
+class Events:
+    """asyncexec's structlog events, recorded with a monotonic timestamp instead of printed.
+
+    Installed as the only structlog processor by the benchmark (an application may configure
+    logging; the library never does), so the library's log lines neither clutter the table nor
+    cost terminal I/O, and the start-up and restart phases can be read back from them.
+    """
+
+    records: list[tuple[float, str, dict[str, Any]]] = field(default_factory=list)
+
+    def __call__(self, logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        import structlog
+
+        self.records.append((time.perf_counter(), str(event_dict.get("event")), dict(event_dict)))
+        raise structlog.DropEvent
+
+    def mark(self) -> int:
+        return len(self.records)
+
+    def since(self, mark: int, event: str) -> list[tuple[float, dict[str, Any]]]:
+        return [(t, d) for t, e, d in self.records[mark:] if e == event]
+
+
+class Timer:
+    """Wall time of the benchmark's own sections, to print where its time went."""
+
+    def __init__(self) -> None:
+        self.sections: dict[str, float] = {}
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class Figure:
+    """One row of the table: a figure measured for each system, its unit, and its target.
+
+    ``values`` maps a column (``"raytrain"``, ``"lockstep"``, ``"floor"``, ``"asyncexec"``) to
+    the samples measured (the table shows their median). ``ratios`` names the pairs of columns
+    whose ratio (asyncexec over the other) is shown. ``check`` decides whether the target is met
+    from the medians; it returns None when it cannot (a column is missing).
+    """
+
+    key: str
+    label: str
+    unit: str
+    values: dict[str, list[float]] = field(default_factory=dict)
+    target: str = ""
+    check: Callable[[dict[str, float]], bool | None] | None = None
+    higher_is_better: bool = False
+    note: str = ""
+
+    def add(self, column: str, value: float) -> None:
+        self.values.setdefault(column, []).append(value)
+
+    def medians(self) -> dict[str, float]:
+        return {k: median(v) for k, v in self.values.items() if v}
+
+    def ratio(self, other: str) -> float:
+        m = self.medians()
+        a, b = m.get("asyncexec"), m.get(other)
+        if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
+            return math.nan
+        return a / b
+
+    def met(self) -> bool | None:
+        if self.check is None:
+            return None
+        try:
+            return self.check(self.medians())
+        except (KeyError, ZeroDivisionError):
+            return None
+
+
+COLUMNS = ("raytrain", "lockstep", "floor", "asyncexec")
+HEADERS = {
+    "raytrain": "Ray Train v1",
+    "lockstep": "lockstep loop",
+    "floor": "batched floor",
+    "asyncexec": "asyncexec",
+}
+
+
+def _fmt(value: float, unit: str) -> str:
+    if math.isnan(value):
+        return "-"
+    if unit == "reports/s":
+        return f"{value:,.0f}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _fmt_ratio(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    if value >= 10:
+        return f"{value:,.0f}x"
+    return f"{value:.2f}x"
+
+
+def render_table(figures: Sequence[Figure]) -> str:
+    """The figures as one markdown table: each column's median, asyncexec's ratio to Ray Train
+    and to the batched floor (or to plain actors), the target and whether it is met."""
+    head = [
+        "figure",
+        "unit",
+        *(HEADERS[c] for c in COLUMNS),
+        "asyncexec / Ray Train",
+        "asyncexec / floor",
+        "target",
+        "met",
+    ]
+    rows = [head]
+    for f in figures:
+        m = f.medians()
+        met = f.met()
+        rows.append(
+            [
+                f.label,
+                f.unit,
+                *(_fmt(m.get(c, math.nan), f.unit) for c in COLUMNS),
+                _fmt_ratio(f.ratio("raytrain")),
+                _fmt_ratio(f.ratio("floor")),
+                f.target or "-",
+                {True: "yes", False: "NO", None: "-"}[met],
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    numeric = set(range(2, len(head) - 2))
+
+    def line(cells: list[str]) -> str:
+        out = []
+        for i, (cell, w) in enumerate(zip(cells, widths, strict=True)):
+            out.append(cell.rjust(w) if i in numeric else cell.ljust(w))
+        return "| " + " | ".join(out) + " |"
+
+    sep = "|" + "|".join(
+        ("-" * (w + 1) + ":") if i in numeric else ("-" * (w + 2))
+        for i, w in enumerate(widths)
+    ) + "|"
+    return "\n".join([line(rows[0]), sep, *(line(r) for r in rows[1:])])

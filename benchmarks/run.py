@@ -1,0 +1,525 @@
+"""asyncexec's performance, side by side with Ray Train's first executor, in one run.
+
+    python benchmarks/run.py           # the full run: a few minutes on 2 cores
+    python benchmarks/run.py --quick   # tiny sizes, one repeat: a smoke run
+
+It starts one local Ray (and shuts it down at the end) and measures, for each figure, Ray Train
+v1's ``BackendExecutor`` (``RAY_TRAIN_V2_ENABLED=0``), two hand-written asyncio loops over plain
+actors where they apply (lockstep: one call per worker per step; the bare batched floor: a
+thread per worker fills a bounded deque, long polls drain it), and asyncexec. It prints one table
+of medians over repeats with asyncexec's ratios and the issue's targets, then where the time goes.
+
+Every system runs in the same Ray instance, one measurement at a time, with the repeats of
+different systems interleaved, so that the machine's noise falls on all of them alike. Ray's
+pre-started worker processes are switched off, so every worker of every system is a fresh
+process: no system gets one of the few warm processes that whoever comes first would get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# Before Ray starts: the workers inherit the environment of the Ray that ray.init starts here.
+# Ray Train's first executor is only reachable with V2 switched off.
+os.environ["RAY_TRAIN_V2_ENABLED"] = "0"
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The workers import the benchmark's functions and actors by module name.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
+)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import psutil  # noqa: E402
+import ray  # noqa: E402
+import structlog  # noqa: E402
+from _common import (  # noqa: E402
+    Events,
+    Figure,
+    Heartbeat,
+    Timer,
+    lag_ms,
+    median,
+    process_memory,
+    progress,
+    render_table,
+)
+from _raytrain import RayTrainClient  # noqa: E402
+from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
+
+T = TypeVar("T")
+
+#: Every worker of every system asks for this, so that 3 groups of 16 fit in the Ray started here.
+RESOURCES = {"CPU": 0.25}
+#: Logical CPUs of the Ray started here (the machine may have fewer cores).
+RAY_CPUS = 16
+#: Reports a rank may have outstanding: asyncexec's default, and the floor's deque bound.
+BUFFER = 1024
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each figure measures."""
+
+    repeats: int
+    startup_repeats: int
+    restart_repeats: int
+    run_end_repeats: int
+    steps: dict[int, int]  # asyncexec and the batched floor, per worker count
+    raytrain_steps: dict[int, int]
+    lockstep_steps: dict[int, int]
+    lag_steps: int
+    raytrain_lag_steps: int
+    memory_steps: int
+    memory_every: int
+    memory_warmup: int
+
+
+FULL = Sizes(
+    repeats=3,
+    startup_repeats=3,
+    restart_repeats=3,
+    run_end_repeats=5,
+    steps={1: 20_000, 4: 20_000, 16: 10_000},
+    raytrain_steps={1: 1000, 4: 500, 16: 300},
+    lockstep_steps={1: 2000, 4: 2000, 16: 500},
+    lag_steps=50_000,
+    raytrain_lag_steps=300,
+    memory_steps=100_000,
+    memory_every=1000,
+    memory_warmup=10_000,
+)
+QUICK = Sizes(
+    repeats=1,
+    startup_repeats=1,
+    restart_repeats=1,
+    run_end_repeats=2,
+    steps={1: 2000, 4: 2000, 16: 500},
+    raytrain_steps={1: 50, 4: 50, 16: 20},
+    lockstep_steps={1: 200, 4: 200, 16: 50},
+    lag_steps=5000,
+    raytrain_lag_steps=50,
+    memory_steps=10_000,
+    memory_every=500,
+    memory_warmup=2000,
+)
+WORKER_COUNTS = (4, 1, 16)
+
+
+def _ratio(m: dict[str, float], a: str, b: str) -> float:
+    return m[a] / m[b]
+
+
+def make_figures(sizes: Sizes) -> dict[str, Figure]:
+    """Every row of the table, in order, with its target."""
+    figs: list[Figure] = []
+    for n in (1, 4, 16):
+        figs.append(
+            Figure(
+                f"rate{n}",
+                f"reports/s, {n} worker{'s' if n > 1 else ''}, tiny reports",
+                "reports/s",
+                target=">= 100x Ray Train",
+                check=lambda m: _ratio(m, "asyncexec", "raytrain") >= 100,
+                higher_is_better=True,
+            )
+        )
+    figs += [
+        Figure(
+            "startup",
+            "start-up, 4 workers (floor: 4 plain actors ready)",
+            "s",
+            target="<= 0.6x Ray Train, <= 1.2x plain actors",
+            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.6
+            and _ratio(m, "asyncexec", "floor") <= 1.2,
+        ),
+        Figure(
+            "run_end",
+            "last report to the run's end",
+            "ms",
+            target="< 50 ms",
+            check=lambda m: m["asyncexec"] < 50,
+        ),
+        Figure(
+            "restart",
+            "SIGKILL of 1 of 4 workers to the next attempt's first step",
+            "s",
+            target="<= 0.5x Ray Train",
+            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.5,
+        ),
+        Figure(
+            "uss",
+            "worker memory before fn runs, USS (floor: plain actor)",
+            "MiB",
+            target="<= 1.1x plain actor",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.1,
+        ),
+        Figure(
+            "rss",
+            "worker memory before fn runs, RSS (floor: plain actor)",
+            "MiB",
+            target="<= 1.1x plain actor",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.1,
+        ),
+        Figure(
+            "driver_mem",
+            f"driver RSS growth over {sizes.memory_steps:,} steps (after "
+            f"{sizes.memory_warmup:,}), 4 workers",
+            "MiB",
+            target="flat (< 2 MiB)",
+            check=lambda m: m["asyncexec"] < 2.0,
+        ),
+        Figure(
+            "lag_p99",
+            "event-loop lag p99 while streaming, 4 workers, 1 ms heartbeat",
+            "ms",
+            target="<= 2 ms",
+            check=lambda m: m["asyncexec"] <= 2.0,
+        ),
+        Figure(
+            "lag_max",
+            "event-loop lag max while streaming, 4 workers",
+            "ms",
+            target="<= 15 ms",
+            check=lambda m: m["asyncexec"] <= 15.0,
+        ),
+        Figure(
+            "freeze_start",
+            "event-loop freeze during start-up, 4 workers (max lag)",
+            "ms",
+            target="(contrast)",
+        ),
+    ]
+    return {f.key: f for f in figs}
+
+
+class Bench:
+    """One benchmark run: its sizes, figures, notes on where the time goes, and its own timer."""
+
+    def __init__(self, sizes: Sizes, events: Events) -> None:
+        self.sizes = sizes
+        self.rt: RayTrainClient | None = None
+        self.figures = make_figures(sizes)
+        self.events = events
+        self.timer = Timer()
+        self.where: dict[str, list[float]] = {}
+        self.storage = tempfile.mkdtemp(prefix="asyncexec-bench-")
+
+    def note(self, key: str, value: float) -> None:
+        self.where.setdefault(key, []).append(value)
+
+    def add(self, figure: str, column: str, value: float) -> None:
+        self.figures[figure].add(column, value)
+
+    # Start-up and worker memory -----------------------------------------------------------------
+
+    async def startup(self, hb: Heartbeat) -> None:
+        """Start 4 workers of each system (fresh each repeat); time it, take each worker's memory
+        before any function runs, and record how long the event loop froze meanwhile."""
+        for i in range(self.sizes.startup_repeats):
+            progress(f"start-up and worker memory, 4 workers, repeat {i + 1}")
+            async with hb.window() as lags:
+                seconds, pids, actors = await plain_actors_ready(4, RESOURCES)
+            self.add("startup", "floor", seconds)
+            self.add("freeze_start", "floor", lag_ms(lags)[1])
+            self._memory("floor", pids)
+            await kill_actors(actors)
+
+            if self.rt is not None:
+                # Its driver calls start() on its event loop's thread and times the freeze.
+                started = await self.rt.call("start", n=4)
+                self.add("startup", "raytrain", started["seconds"])
+                self.add("freeze_start", "raytrain", started["freeze_ms"])
+                self._memory("raytrain", started["pids"])
+                await self.rt.call("shutdown")
+
+            ae = AsyncexecGroup(4, RESOURCES, self.storage)
+            mark = self.events.mark()
+            async with hb.window() as lags:
+                seconds = await ae.start()
+            self.add("startup", "asyncexec", seconds)
+            self.add("freeze_start", "asyncexec", lag_ms(lags)[1])
+            self._memory("asyncexec", ae.pids())
+            self._startup_phases(mark)
+            await ae.close()
+
+    def _memory(self, column: str, pids: list[int]) -> None:
+        mems = [process_memory(pid) for pid in pids]
+        self.add("rss", column, median([m[0] for m in mems]))
+        self.add("uss", column, median([m[1] for m in mems]))
+
+    def _startup_phases(self, mark: int) -> None:
+        for event, key in (
+            ("placement_ready", "ae_placement_ready"),
+            ("workers_ready", "ae_workers_ready"),
+            ("group_started", "ae_group_started"),
+        ):
+            for _, fields in self.events.since(mark, event):
+                if "seconds" in fields:
+                    self.note(key, float(fields["seconds"]))
+
+    # Streaming and the rest, per worker count ---------------------------------------------------
+
+    async def groups(self, n: int, hb: Heartbeat) -> None:
+        """Start each system's group of ``n`` workers once and measure on it."""
+        sizes = self.sizes
+        rt = self.rt
+        loops = LoopGroup(n, RESOURCES, BUFFER)
+        ae = AsyncexecGroup(n, RESOURCES, self.storage)
+        try:
+            progress(f"starting the groups of {n} worker(s)")
+            with self.timer.section(f"start groups of {n}"):
+                if rt is not None:
+                    await rt.call("start", n=n)
+                await loops.start()
+                await ae.start()
+            progress(f"reports/s, {n} worker(s)")
+            with self.timer.section(f"reports/s, {n} workers"):
+                await self.stream(n, rt, loops, ae)
+            if n == 4:
+                progress("run end")
+                with self.timer.section("run end"):
+                    await self.run_end(rt, loops, ae)
+                progress("event-loop lag")
+                with self.timer.section("event-loop lag"):
+                    await self.lag(hb, rt, loops, ae)
+                progress("driver memory")
+                with self.timer.section("driver memory"):
+                    samples = await ae.driver_memory(
+                        sizes.memory_steps, sizes.memory_every, sizes.memory_warmup
+                    )
+                    self.add("driver_mem", "asyncexec", samples[-1] - samples[0])
+                    self.note("driver_rss_first", samples[0])
+                    self.note("driver_rss_peak_minus_first", max(samples) - samples[0])
+                progress("restart after SIGKILL")
+                with self.timer.section("restart"):
+                    await self.restart(rt, ae)
+        finally:
+            progress(f"stopping the groups of {n} worker(s)")
+            with self.timer.section(f"stop groups of {n}"):
+                await ae.close()
+                await loops.close()
+                if rt is not None:
+                    await rt.call("shutdown")
+
+    async def stream(
+        self, n: int, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
+    ) -> None:
+        sizes = self.sizes
+        key = f"rate{n}"
+        for _ in range(sizes.repeats):
+            measured: dict[str, dict[str, float]] = {}
+            if rt is not None:
+                measured["raytrain"] = await rt.call("stream", steps=sizes.raytrain_steps[n])
+            measured["lockstep"] = await loops.lockstep(sizes.lockstep_steps[n])
+            measured["floor"] = await loops.floor(sizes.steps[n])
+            measured["asyncexec"] = await ae.stream(sizes.steps[n])
+            for column, m in measured.items():
+                self.add(key, column, m["rate"])
+                if n == 4:
+                    self.note(f"{column}_driver_cpu_us", m["driver_cpu_us"])
+                    self.note(f"{column}_worker_cpu_us", m["worker_cpu_us"])
+
+    async def run_end(
+        self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
+    ) -> None:
+        for _ in range(self.sizes.run_end_repeats):
+            if rt is not None:
+                self.add("run_end", "raytrain", await rt.call("run_end", steps=3) * 1e3)
+            floor = await loops.floor(3, timed=True)
+            self.add("run_end", "floor", floor["run_end"] * 1e3)
+            self.add("run_end", "asyncexec", await ae.run_end(3) * 1e3)
+
+    async def lag(
+        self, hb: Heartbeat, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
+    ) -> None:
+        """Heartbeat lag over whole runs (from the run's start to its end) at full rate. Ray
+        Train's is measured in its own driver, which drives the executor from a coroutine."""
+        sizes = self.sizes
+        if rt is not None:
+            lag = await rt.call("lag", steps=sizes.raytrain_lag_steps)
+            self.add("lag_p99", "raytrain", lag["p99_ms"])
+            self.add("lag_max", "raytrain", lag["max_ms"])
+            self.note("raytrain_lag_samples", lag["samples"])
+        runs: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("lockstep", lambda: loops.lockstep(sizes.lockstep_steps[4])),
+            ("floor", lambda: loops.floor(sizes.lag_steps)),
+            ("asyncexec", lambda: ae.stream(sizes.lag_steps)),
+        ]
+        for column, run in runs:
+            async with hb.window() as lags:
+                await run()
+            p99, worst = lag_ms(lags)
+            self.add("lag_p99", column, p99)
+            self.add("lag_max", column, worst)
+            self.note(f"{column}_lag_samples", len(lags))
+
+    async def restart(self, rt: RayTrainClient | None, ae: AsyncexecGroup) -> None:
+        for _ in range(self.sizes.restart_repeats):
+            if rt is not None:
+                r = await rt.call("restart", kill_after=5, period_s=0.01, resume_steps=5)
+                self.add("restart", "raytrain", r["first_step"])
+                self.note("rt_restart_group_restarted", r["group_restarted"])
+            mark = self.events.mark()
+            a = await ae.restart(5, 0.01, 5)
+            self.add("restart", "asyncexec", a["first_step"])
+            self._restart_phases(mark, a["t_kill"])
+
+    def _restart_phases(self, mark: int, t_kill: float) -> None:
+        """Where asyncexec's restart time goes, from its log events."""
+        for event, key in (
+            ("worker_failed", "ae_restart_noticed"),
+            ("group_closed", "ae_restart_old_group_gone"),
+            ("group_started", "ae_restart_new_group_ready"),
+        ):
+            found = self.events.since(mark, event)
+            if found:
+                self.note(key, found[0][0] - t_kill)
+
+    # Output -------------------------------------------------------------------------------------
+
+    def where_time_goes(self) -> list[str]:
+        w = {k: median(v) for k, v in self.where.items()}
+
+        def g(key: str) -> float:
+            return w.get(key, math.nan)
+
+        lines = ["Where the time goes (medians):"]
+        cpu = []
+        for column, name in (
+            ("raytrain", "Ray Train"),
+            ("lockstep", "lockstep"),
+            ("floor", "floor"),
+            ("asyncexec", "asyncexec"),
+        ):
+            if f"{column}_driver_cpu_us" in w:
+                cpu.append(
+                    f"{name} {g(f'{column}_driver_cpu_us'):.1f} driver + "
+                    f"{g(f'{column}_worker_cpu_us'):.1f} workers"
+                )
+        lines.append("- CPU per report, 4 workers streaming (us): " + "; ".join(cpu))
+        lines.append(
+            f"- asyncexec start-up, 4 workers (s from entering): placement group ready "
+            f"{g('ae_placement_ready'):.3f}, worker processes ready {g('ae_workers_ready'):.3f}, "
+            f"set up and ready {g('ae_group_started'):.3f}"
+        )
+        lines.append(
+            f"- asyncexec restart (s from os.kill): failure noticed {g('ae_restart_noticed'):.3f}, "
+            f"old group gone {g('ae_restart_old_group_gone'):.3f}, new group ready "
+            f"{g('ae_restart_new_group_ready'):.3f}, first step "
+            f"{self.figures['restart'].medians().get('asyncexec', math.nan):.3f}"
+        )
+        if self.rt is not None:
+            lines.append(
+                f"- Ray Train restart (s from os.kill): group restarted inside get_next_results "
+                f"{g('rt_restart_group_restarted'):.3f}, first result "
+                f"{self.figures['restart'].medians().get('raytrain', math.nan):.3f}"
+            )
+        lines.append(
+            f"- driver RSS {g('driver_rss_first'):.0f} MiB after warm-up; peak above it "
+            f"{g('driver_rss_peak_minus_first'):.2f} MiB"
+        )
+        samples = ", ".join(
+            f"{c} {int(g(f'{c}_lag_samples'))}"
+            for c in ("raytrain", "lockstep", "floor", "asyncexec")
+            if f"{c}_lag_samples" in w
+        )
+        lines.append(f"- heartbeat wake-ups per lag run: {samples}")
+        own = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.sections.items())
+        lines.append(f"- this benchmark's own time (s): {own}")
+        return lines
+
+
+async def bench_main(bench: Bench) -> str | None:
+    """Measure everything; return why Ray Train was skipped, or None."""
+    client = RayTrainClient()
+    progress("starting the Ray Train driver")
+    with bench.timer.section("Ray Train driver start"):
+        address = ray.get_runtime_context().gcs_address
+        if await client.open(address, RESOURCES):
+            bench.rt = client
+    try:
+        async with Heartbeat() as hb:
+            with bench.timer.section("start-up and memory"):
+                await bench.startup(hb)
+            for n in WORKER_COUNTS:
+                await bench.groups(n, hb)
+    finally:
+        await client.close()
+    return client.unavailable
+
+
+def start_ray() -> None:
+    """A fresh local Ray for this run only (never one that is already running)."""
+    ray.init(
+        address="local",
+        num_cpus=RAY_CPUS,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={
+            # Every worker process starts fresh, for every system alike.
+            "prestart_worker_first_driver": False,
+            "enable_worker_prestart": False,
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+
+    # The library logs through structlog and never configures it; this application records its
+    # events (for the start-up and restart phases) instead of printing them.
+    events = Events()
+    structlog.configure(processors=[events])
+    logging.getLogger("ray.train").setLevel(logging.ERROR)
+
+    bench = Bench(sizes, events)
+    t0 = time.perf_counter()
+    with bench.timer.section("ray.init"):
+        start_ray()
+    try:
+        missing = asyncio.run(bench_main(bench))
+    finally:
+        with bench.timer.section("ray.shutdown"):
+            ray.shutdown()
+    total = time.perf_counter() - t0
+
+    mode = "quick" if args.quick else "full"
+    print()
+    print(
+        f"asyncexec benchmarks ({mode}), {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"{psutil.cpu_count(logical=True)} cores ({platform.machine()}), Python "
+        f"{platform.python_version()}, Ray {ray.__version__}; medians of "
+        f"{sizes.repeats} repeat(s) (start-up {sizes.startup_repeats}, restart "
+        f"{sizes.restart_repeats}, run end {sizes.run_end_repeats}); every worker {RESOURCES}"
+    )
+    if missing is not None:
+        print(f"Ray Train column skipped: {missing}")
+    print()
+    print(render_table(list(bench.figures.values())))
+    print()
+    for line in bench.where_time_goes():
+        print(line)
+    print(f"- total {total:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
