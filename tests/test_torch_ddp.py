@@ -15,8 +15,6 @@ import tenacity
 import asyncexec
 from asyncexec.backends import TorchBackend
 
-pytestmark = pytest.mark.usefixtures("ray_local")
-
 # The examples are a namespace package at the repository root (on the workers' PYTHONPATH too).
 _root = str(Path(__file__).resolve().parent.parent)
 if _root not in sys.path:
@@ -32,6 +30,25 @@ def _state_file_exists(path: str) -> bool:
     return Path(path, torch_ddp.STATE_FILE).is_file()
 
 
+def test_batches_are_a_pure_function_of_seed_step_and_rank() -> None:
+    import torch
+
+    x, y = torch_ddp.make_batch(0, 3, 1, 4)
+    again = torch_ddp.make_batch(0, 3, 1, 4)
+    assert torch.equal(x, again[0])
+    assert torch.equal(y, again[1])
+    assert not torch.equal(x, torch_ddp.make_batch(0, 4, 1, 4)[0])
+    assert not torch.equal(x, torch_ddp.make_batch(0, 3, 0, 4)[0])
+
+
+def test_peer_loss_in_a_collective_is_restartable_and_other_user_errors_are_not() -> None:
+    peer = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1968.")
+    assert torch_ddp.restartable(asyncexec.WorkerCrashedError(1))
+    assert torch_ddp.restartable(asyncexec.WorkerRaisedError(0, error=peer))
+    assert not torch_ddp.restartable(asyncexec.WorkerRaisedError(0, error=ValueError("bad")))
+
+
+@pytest.mark.usefixtures("ray_local")
 async def test_ddp_example_trains_to_the_end_with_loss_going_down(tmp_path: Path) -> None:
     summary = await torch_ddp.main(
         2, STEPS, checkpoint_every=EVERY, cpus_per_worker=0.5, storage_path=tmp_path, verbose=False
@@ -49,6 +66,7 @@ async def test_ddp_example_trains_to_the_end_with_loss_going_down(tmp_path: Path
     )
 
 
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.timeout(240)
 async def test_sigkilled_worker_resumes_from_checkpoint_to_the_same_final_parameters(
     tmp_path: Path,
@@ -70,7 +88,11 @@ async def test_sigkilled_worker_resumes_from_checkpoint_to_the_same_final_parame
         2,
         resources_per_worker={"CPU": 0.5},
         backend=TorchBackend(backend="gloo"),
-        restart=asyncexec.RestartPolicy(max_restarts=2, wait=NO_WAIT),
+        # retry_if works around a core race (a survivor's "peer closed" error can beat Ray's
+        # death notice and end the run as a user error); see torch_ddp.restartable.
+        restart=asyncexec.RestartPolicy(
+            max_restarts=2, wait=NO_WAIT, retry_if=torch_ddp.restartable
+        ),
         storage_path=tmp_path / "killed",
     ) as ex:
         pids = await ex.execute(os.getpid)
@@ -87,8 +109,12 @@ async def test_sigkilled_worker_resumes_from_checkpoint_to_the_same_final_parame
     assert result.attempts == 2, seen
     assert len(result.failures) == 1
     failure = result.failures[0]
-    assert isinstance(failure, asyncexec.WorkerCrashedError), repr(failure)
-    assert failure.rank == 1
+    if isinstance(failure, asyncexec.WorkerRaisedError):  # the race: rank 0's collective failed
+        assert failure.rank == 0
+        assert any(text in str(failure.error) for text in torch_ddp.PEER_LOST), repr(failure)
+    else:
+        assert isinstance(failure, asyncexec.WorkerCrashedError), repr(failure)
+        assert failure.rank == 1
     first = [s for s in seen if s[1] == 1]
     second = [s for s in seen if s[1] == 2]
     assert first[-1][0] < STEPS - 1, "the first attempt finished before the kill took effect"
