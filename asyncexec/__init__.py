@@ -67,8 +67,5 @@ __all__ = [
 for _name in __all__:
     _obj = globals()[_name]
     if getattr(_obj, "__module__", "").startswith("asyncexec."):
-        try:
-            _obj.__module__ = "asyncexec"
-        except (AttributeError, TypeError):  # pragma: no cover
-            pass
+        _obj.__module__ = "asyncexec"
 del _name, _obj

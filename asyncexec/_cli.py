@@ -97,9 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("target", metavar="MODULE:FUNCTION", help="the function to run")
-    run.add_argument(
-        "--workers", "-n", type=_positive_int, required=True, help="number of workers"
-    )
+    run.add_argument("--workers", "-n", type=_positive_int, required=True, help="number of workers")
     run.add_argument(
         "--cpus-per-worker",
         type=_non_negative_float,

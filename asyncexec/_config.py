@@ -101,7 +101,9 @@ class CheckpointConfig:
                 f"num_to_keep must be a positive int or None, got {self.num_to_keep!r}"
             )
         if self.score_order not in ("max", "min"):
-            raise ConfigurationError(f"score_order must be 'max' or 'min', got {self.score_order!r}")
+            raise ConfigurationError(
+                f"score_order must be 'max' or 'min', got {self.score_order!r}"
+            )
         if self.score_attribute is not None and not isinstance(self.score_attribute, str):
             raise ConfigurationError(
                 f"score_attribute must be a metric name, got {self.score_attribute!r}"
@@ -134,7 +136,11 @@ class ExecutorConfig:
 
     @classmethod
     def build(cls, num_workers: object, **options: Any) -> ExecutorConfig:
-        """Validate user arguments and build a config; raise ConfigurationError naming the bad one."""
+        """Validate user arguments and build a config.
+
+        Raises:
+            ConfigurationError: an argument is invalid; the message names it and its value.
+        """
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ConfigurationError(f"num_workers must be a positive int, got {num_workers!r}")
         resources = options.pop("resources_per_worker", None)
@@ -217,6 +223,7 @@ def _share_devices(value: object) -> frozenset[str]:
     unknown = [k for k in value if k not in DEVICE_KINDS]
     if unknown:
         raise ConfigurationError(
-            f"share_devices names unknown device kinds {unknown!r}; known: {', '.join(DEVICE_KINDS)}"
+            f"share_devices names unknown device kinds {unknown!r}; "
+            f"known: {', '.join(DEVICE_KINDS)}"
         )
     return frozenset(value)

@@ -158,9 +158,7 @@ def _import_dataset_types() -> tuple[type[Any], type[Any]]:
     return Dataset, ExecutionOptions
 
 
-def validate_datasets(
-    datasets: Any, data_config: Any
-) -> tuple[dict[str, Any], DataConfig]:
+def validate_datasets(datasets: Any, data_config: Any) -> tuple[dict[str, Any], DataConfig]:
     """Check a run's datasets and data config when ``run()`` is called, and prepare them.
 
     The datasets are copied (the caller's are never changed), each named after its key when it

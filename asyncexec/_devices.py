@@ -1,8 +1,8 @@
 """Visible-device sets per node and accelerator kind. Pure: no Ray here.
 
 Ray gives each worker only the accelerator ids of its own bundle (it sets, say,
-``CUDA_VISIBLE_DEVICES=3`` for a worker that holds GPU 3). Collective libraries need the workers of a
-node to see each other's devices, so every worker is given the union of the ids held by the
+``CUDA_VISIBLE_DEVICES=3`` for a worker that holds GPU 3). Collective libraries need the workers
+of a node to see each other's devices, so every worker is given the union of the ids held by the
 workers on its node, for each kind of accelerator, in the environment variable that kind's runtime
 reads.
 """
@@ -54,10 +54,10 @@ def shared_device_env(
         for node, ids in zip(node_ids, accelerator_ids, strict=True):
             per_node[node].update(ids.get(kind, ()))
         for i, node in enumerate(node_ids):
-            ids = per_node[node]
-            if not ids:
+            shared = per_node[node]
+            if not shared:
                 continue
-            value = ",".join(sorted(ids, key=device_sort_key))
+            value = ",".join(sorted(shared, key=device_sort_key))
             for var in DEVICE_ENV_VARS[kind]:
                 env[i][var] = value
     return env

@@ -3,19 +3,19 @@
 Every error the library raises derives from :class:`AsyncExecError`::
 
     AsyncExecError
-    ├── ConfigurationError (ValueError)        bad arguments, refused before anything starts
-    ├── ExecutorStateError (RuntimeError)      used before start, after close, or while busy
+    ├── ConfigurationError (ValueError)     bad arguments, refused before anything starts
+    ├── ExecutorStateError (RuntimeError)   used before start, after close, or while busy
     ├── StartupError                           the group could not be started
-    │   ├── PlacementTimeoutError (TimeoutError)   the placement group did not become ready
-    │   ├── StartupTimeoutError (TimeoutError)     start-up overran its deadline
-    │   └── BackendError                           a backend hook failed
-    ├── WorkerError                            one rank failed (``rank``, ``node_id``, ``pid``, ``attempt``)
+    │   ├── PlacementTimeoutError (TimeoutError)  the placement group was not ready in time
+    │   ├── StartupTimeoutError (TimeoutError)    start-up overran its deadline
+    │   └── BackendError                          a backend hook failed
+    ├── WorkerError                  one rank failed (``rank``, ``node_id``, ``pid``, ``attempt``)
     │   ├── WorkerCrashedError                 the worker process died
     │   ├── NodeLostError                      the worker's node left the cluster
     │   ├── WorkerHungError (TimeoutError)     the worker stopped answering or reporting
-    │   └── WorkerRaisedError                  the user's function raised; ``__cause__`` is the original
+    │   └── WorkerRaisedError                  the user's function raised (``__cause__``)
     ├── ReportMismatchError                    ranks reported a different number of times
-    └── RestartsExhaustedError                 the restart policy gave up; ``failures`` lists each attempt's
+    └── RestartsExhaustedError                 the restart policy gave up (``failures``)
 
 Errors cross process boundaries (worker to driver, driver to a process pool), so each one
 pickles with its attributes; the message is built from them in one place, ``_message()``.

@@ -206,7 +206,9 @@ class Executor:
 
     async def __aenter__(self) -> Executor:
         if self._state is not ExecutorState.NEW:
-            raise ExecutorStateError(f"an executor is entered once; this one is {self._state.value}")
+            raise ExecutorStateError(
+                f"an executor is entered once; this one is {self._state.value}"
+            )
         self._state = ExecutorState.STARTING
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -248,7 +250,9 @@ class Executor:
             run = self._run
             if run is not None:
                 run.cancel()
-                with anyio.move_on_after(self.config.stop_timeout_s + self.config.shutdown_timeout_s + 10):
+                with anyio.move_on_after(
+                    self.config.stop_timeout_s + self.config.shutdown_timeout_s + 10
+                ):
                     await run.wait_finished()
             await self._discard_group(force=force)
         self._state = ExecutorState.CLOSED
@@ -370,9 +374,13 @@ class Executor:
             try:
                 cloudpickle.dumps(value)
             except Exception as exc:
-                raise ConfigurationError(f"{what} cannot be pickled to send to the workers: {exc}") from exc
+                raise ConfigurationError(
+                    f"{what} cannot be pickled to send to the workers: {exc}"
+                ) from exc
         start = _as_checkpoint(checkpoint)
-        bound = self.config.buffer_size if buffer_size is None else validate_buffer_size(buffer_size)
+        bound = (
+            self.config.buffer_size if buffer_size is None else validate_buffer_size(buffer_size)
+        )
         if self._run is not None and not self._run._closed and not self._run._finished.is_set():
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"
@@ -405,7 +413,9 @@ class Executor:
         group = await self._acquire_group(None)
         return await group.execute(fn, *args, **kwargs)
 
-    async def execute_single(self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    async def execute_single(
+        self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> T:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         self._check_open()
         group = await self._acquire_group(None)

@@ -10,6 +10,7 @@ are dead and the placement group is removed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,6 @@ from ._errors import (
     WorkerHungError,
     WorkerRaisedError,
 )
-from ._logging import get_logger
 from ._placement import Placement, create_placement, wait_placement_ready
 from ._ranks import assign_ranks, order_workers
 from ._session import WorkerContext
@@ -43,6 +43,7 @@ from .backends._base import Backend
 __all__ = ["WorkerGroup", "WorkerInfo"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=WorkerError)
 FailureSink = Callable[[BaseException], None]
 
 
@@ -72,6 +73,15 @@ def _actor_options(config: ExecutorConfig) -> dict[str, Any]:
     if config.runtime_env is not None:
         options["runtime_env"] = dict(config.runtime_env)
     return options
+
+
+def _first_sentence(text: str) -> str:
+    """Ray's actor-death messages run to many lines of advice; keep what happened."""
+    for line in text.strip().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("class_name", "actor_id", "pid:", "namespace", "ip:")):
+            return line.split(" Some common causes")[0][:300]
+    return ""
 
 
 def _driver_data_context() -> Any:
@@ -238,34 +248,43 @@ class WorkerGroup:
 
     async def classify(self, rank: int, exc: BaseException) -> AsyncExecError:
         """Map an error from a call on ``rank`` to asyncexec's error tree."""
-        worker = self.workers[rank]
-        where = {"node_id": worker.metadata.node_id, "pid": worker.metadata.pid, "attempt": self.attempt}
         if isinstance(exc, AsyncExecError):
             return exc
         if isinstance(exc, RayTaskError):
             cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-            return WorkerRaisedError(
+            return self.worker_error(
+                WorkerRaisedError,
                 rank,
-                detail=f"{type(cause).__name__}: {cause}",
+                f"{type(cause).__name__}: {cause}",
                 error=cause,
                 remote_traceback=str(exc),
-                **where,
             )
         if isinstance(exc, RayActorError):
-            first = str(exc).strip().splitlines()
-            detail = first[-1] if first else type(exc).__name__
-            if "node" in str(exc).lower() and "died" in str(exc).lower():
-                return NodeLostError(rank, detail=detail, **where)
-            if not await _node_alive(worker.metadata.node_id):
-                return NodeLostError(rank, detail=detail, **where)
-            return WorkerCrashedError(rank, detail=detail, **where)
-        return WorkerRaisedError(rank, detail=f"{type(exc).__name__}: {exc}", error=exc, **where)
+            detail = _first_sentence(str(exc)) or type(exc).__name__
+            # Ray marks a lost node's actors dead only after it has marked the node dead, so the
+            # node table tells a lost node from a crashed process.
+            if not await _node_alive(self.workers[rank].metadata.node_id):
+                return self.worker_error(NodeLostError, rank, detail)
+            return self.worker_error(WorkerCrashedError, rank, detail)
+        return self.worker_error(WorkerRaisedError, rank, f"{type(exc).__name__}: {exc}", error=exc)
+
+    def worker_error(self, cls: type[E], rank: int, detail: str, **extra: Any) -> E:
+        """An error of ``cls`` about ``rank``, with its node, pid and attempt filled in."""
+        worker = self.workers[rank]
+        return cls(
+            rank,
+            node_id=worker.metadata.node_id,
+            pid=worker.metadata.pid,
+            attempt=self.attempt,
+            detail=detail,
+            **extra,
+        )
 
     async def _first_error(self, refs: Sequence[Any], ranks: Sequence[int]) -> list[Any]:
         """Await ``refs``; on the first failure, stop waiting and raise it, classified."""
         futures = [asyncio.ensure_future(_as_coro(r)) for r in refs]
         try:
-            done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
             for rank, fut in zip(ranks, futures, strict=True):
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise await self.classify(rank, fut.exception())  # type: ignore[arg-type]
@@ -279,7 +298,9 @@ class WorkerGroup:
         refs = [w.actor.execute.remote(fn, args, kwargs) for w in self.workers]
         return await self._first_error(refs, range(len(refs)))
 
-    async def execute_single(self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    async def execute_single(
+        self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> T:
         """Run ``fn`` on one rank."""
         if not 0 <= rank < len(self.workers):
             from ._errors import ConfigurationError
@@ -353,12 +374,8 @@ class WorkerGroup:
             fail(await self.classify(worker.rank, exc))
             return
         fail(
-            WorkerHungError(
-                worker.rank,
-                node_id=worker.metadata.node_id,
-                pid=worker.metadata.pid,
-                attempt=self.attempt,
-                detail=f"no answer to a health check within {timeout:g} s",
+            self.worker_error(
+                WorkerHungError, worker.rank, f"no answer to a health check within {timeout:g} s"
             )
         )
 
@@ -386,9 +403,7 @@ class WorkerGroup:
                     with anyio.move_on_after(self.config.graceful_patience_s):
                         await asyncio.gather(*map(_as_coro, terminating), return_exceptions=True)
             await _kill(actors, self.placement, timeout_s=self.config.shutdown_timeout_s)
-            self._log.info(
-                "group_closed", force=force, seconds=round(time.perf_counter() - t0, 3)
-            )
+            self._log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
 
 
 async def _as_coro(ref: Any) -> Any:
@@ -403,10 +418,8 @@ async def _gather(refs: Sequence[Any], what: str) -> list[Any]:
 async def _kill(actors: Sequence[ActorHandle], placement: Placement, *, timeout_s: float) -> None:
     """Kill the actors, remove the placement group, and wait (bounded) until the actors are dead."""
     for actor in actors:
-        try:
+        with contextlib.suppress(Exception):  # already gone
             ray.kill(actor, no_restart=True)
-        except Exception:  # already gone
-            pass
     placement.remove()
     with anyio.move_on_after(timeout_s):
         await asyncio.gather(*(_wait_dead(a) for a in actors))

@@ -37,10 +37,10 @@ class Report:
         return f"Report(rank={self.rank}, metrics={self.metrics!r}{ckpt})"
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Report)
-            and (self.rank, self.metrics, self.checkpoint)
-            == (other.rank, other.metrics, other.checkpoint)
+        return isinstance(other, Report) and (self.rank, self.metrics, self.checkpoint) == (
+            other.rank,
+            other.metrics,
+            other.checkpoint,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -127,7 +127,7 @@ class Assembly:
 
     def add(self, rank: int, result: PollResult) -> None:
         """Take one poll's result from ``rank``."""
-        first, items, ckpts, outcome = result
+        _, items, ckpts, outcome = result
         if items:
             self.queues[rank].extend(items)
             self.received[rank] += len(items)

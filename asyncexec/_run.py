@@ -29,6 +29,7 @@ from ._errors import (
     AsyncExecError,
     ExecutorStateError,
     RestartsExhaustedError,
+    StartupTimeoutError,
     WorkerError,
     WorkerHungError,
     WorkerRaisedError,
@@ -138,7 +139,8 @@ class Run:
             raise StopAsyncIteration from None
         self._batch = item
         self._pos = 1
-        return item[0]
+        first: Step = item[0]
+        return first
 
     def _mark_consumed(self) -> None:
         if self.consumed != self.handed:
@@ -207,6 +209,7 @@ class RunDriver:
         self.log = executor.log.bind(run_id=run.run_id)
         self._group: WorkerGroup | None = None
         self._session_live = False
+        self._leftover: list[Step] = []
 
     async def main(self, previous: Run | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
@@ -237,7 +240,9 @@ class RunDriver:
         except Exception as exc:
             run.state = RunState.FAILED
             run._error = exc
-            self.log.warning("run_failed", error=type(exc).__name__, detail=str(exc).splitlines()[0])
+            self.log.warning(
+                "run_failed", error=type(exc).__name__, detail=str(exc).splitlines()[0]
+            )
             end = _End(None, exc)
         finally:
             with anyio.CancelScope(shield=True):
@@ -263,9 +268,13 @@ class RunDriver:
                         with anyio.CancelScope(shield=True):
                             await self.executor._discard_group(force=True)
                         self._session_live = False
+                        # Steps every rank completed before the failure are still delivered.
+                        leftover, self._leftover = self._leftover, []
+                        await self._send_steps(leftover)
                         raise
         except tenacity.RetryError:
-            raise RestartsExhaustedError(self.run.attempt, self.failures) from None
+            last = self.failures[-1] if self.failures else None
+            raise RestartsExhaustedError(self.run.attempt, self.failures) from last
         raise AssertionError("unreachable: tenacity ended without an outcome")  # pragma: no cover
 
     def _log_failure(self, attempt: int, exc: AsyncExecError) -> None:
@@ -293,25 +302,6 @@ class RunDriver:
         consumed_base = self.run.handed
         shards = await self._dataset_shards(group)
         storage = str(self.storage)
-        with anyio.fail_after(self.executor.config.start_timeout_s):
-            await group.run_backend_hook("on_training_start")
-            await group.call_each(
-                "start_run",
-                [
-                    (
-                        self.fn,
-                        self.takes_config,
-                        self.config,
-                        with_run(w.context, self.run.run_id, number, storage),
-                        self.latest,
-                        self.buffer_size,
-                        self.steps,
-                        shards[w.rank],
-                    )
-                    for w in group.workers
-                ],
-            )
-        self._session_live = True
         failure: list[BaseException] = []
 
         def fail(exc: BaseException) -> None:
@@ -320,17 +310,45 @@ class RunDriver:
                 tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            for rank in range(n):
-                tg.start_soon(self._pump, group, asm, rank, consumed_base, fail)
+            # Health is watched from the first call on: a worker can die or hang (blocked in C
+            # code holding the GIL) while its function is being started.
             tg.start_soon(group.watch, fail)
-            if self.executor.config.step_timeout_s is not None:
-                tg.start_soon(self._deadline, group, asm, consumed_base, fail)
             try:
+                self._session_live = True
+                with anyio.fail_after(self.executor.config.start_timeout_s):
+                    await group.run_backend_hook("on_training_start")
+                    await group.call_each(
+                        "start_run",
+                        [
+                            (
+                                self.fn,
+                                self.takes_config,
+                                self.config,
+                                with_run(w.context, self.run.run_id, number, storage),
+                                self.latest,
+                                self.buffer_size,
+                                self.steps,
+                                shards[w.rank],
+                            )
+                            for w in group.workers
+                        ],
+                    )
+                for rank in range(n):
+                    tg.start_soon(self._pump, group, asm, rank, consumed_base, fail)
+                if self.executor.config.step_timeout_s is not None:
+                    tg.start_soon(self._deadline, group, asm, consumed_base, fail)
                 await self._assemble(group, asm)
             except AsyncExecError as exc:
                 fail(exc)
+            except TimeoutError:
+                fail(
+                    StartupTimeoutError(
+                        "starting the function on the workers", self.executor.config.start_timeout_s
+                    )
+                )
             tg.cancel_scope.cancel()
         if failure:
+            self._leftover = asm.take(asm.ready)
             raise failure[0]
         self._session_live = False
         return [o[1] for o in asm.outcomes if o is not None]
@@ -372,16 +390,19 @@ class RunDriver:
         except Exception as exc:
             fail(await group.classify(rank, exc))
 
-    def _outcome_error(self, group: WorkerGroup, rank: int, outcome: tuple[Any, ...]) -> WorkerError:
-        worker = group.workers[rank]
-        where = {"node_id": worker.metadata.node_id, "pid": worker.metadata.pid, "attempt": group.attempt}
+    def _outcome_error(
+        self, group: WorkerGroup, rank: int, outcome: tuple[Any, ...]
+    ) -> WorkerError:
         if outcome[0] == "error":
             error, remote_tb = outcome[1], outcome[2]
-            return WorkerRaisedError(
-                rank, detail=f"{type(error).__name__}: {error}", error=error,
-                remote_traceback=remote_tb, **where,
+            return group.worker_error(
+                WorkerRaisedError,
+                rank,
+                f"{type(error).__name__}: {error}",
+                error=error,
+                remote_traceback=remote_tb,
             )
-        return WorkerRaisedError(rank, detail="the function was stopped", **where)
+        return group.worker_error(WorkerRaisedError, rank, "the function was stopped")
 
     async def _deadline(
         self,
@@ -395,7 +416,7 @@ class RunDriver:
         while True:
             await anyio.sleep(min(timeout / 4, 1.0))
             now = time.monotonic()
-            for rank, worker in enumerate(group.workers):
+            for rank in range(len(group.workers)):
                 if asm.outcomes[rank] is not None:
                     continue
                 if self._credit(asm, rank, consumed_base) <= 0:
@@ -403,32 +424,32 @@ class RunDriver:
                     continue
                 if now - asm.last_report[rank] > timeout:
                     fail(
-                        WorkerHungError(
-                            rank,
-                            node_id=worker.metadata.node_id,
-                            pid=worker.metadata.pid,
-                            attempt=group.attempt,
-                            detail=f"no report for {timeout:g} s (step deadline)",
+                        group.worker_error(
+                            WorkerHungError, rank, f"no report for {timeout:g} s (step deadline)"
                         )
                     )
                     return
 
     async def _assemble(self, group: WorkerGroup, asm: Assembly) -> None:
-        run = self.run
         while True:
             asm.check()
             while asm.ready:
-                steps = asm.take(_BATCH)
-                pruned = self._track_checkpoints(steps)
-                self.steps += len(steps)
-                await self.send.send(steps)
-                run.handed += len(steps)
-                if pruned:
-                    await anyio.to_thread.run_sync(_remove_dirs, pruned)
+                await self._send_steps(asm.take(_BATCH))
             if asm.finished:
                 asm.check()
                 return
             await asm.wait_changed()
+
+    async def _send_steps(self, steps: list[Step]) -> None:
+        """Hand steps to the iterator (waits for the consumer) and prune old checkpoints."""
+        for start in range(0, len(steps), _BATCH):
+            batch = steps[start : start + _BATCH]
+            pruned = self._track_checkpoints(batch)
+            self.steps += len(batch)
+            await self.send.send(batch)
+            self.run.handed += len(batch)
+            if pruned:
+                await anyio.to_thread.run_sync(_remove_dirs, pruned)
 
     def _track_checkpoints(self, steps: list[Step]) -> list[str]:
         pruned: list[str] = []
@@ -447,7 +468,8 @@ class RunDriver:
             else:
                 sign = 1.0 if policy.score_order == "max" else -1.0
                 candidates = [c for c in self.checkpoints if c[0] != self.latest]
-                victim = min(candidates, key=lambda c: _score(c[1], policy.score_attribute, sign))
+                attribute = policy.score_attribute
+                victim = min(candidates, key=lambda c: _score(c[1], attribute, sign))
             self.checkpoints.remove(victim)
             pruned.append(victim[0].path)
         return pruned

@@ -13,6 +13,7 @@ consumer has not taken. Each poll from the driver carries how many steps the con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import threading
@@ -245,7 +246,8 @@ class Session:
             raise TypeError(f"report() takes a mapping of metrics, got {type(metrics).__name__}")
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             raise TypeError(
-                f"report(checkpoint=...) takes an asyncexec.Checkpoint, got {type(checkpoint).__name__}"
+                "report(checkpoint=...) takes an asyncexec.Checkpoint, "
+                f"got {type(checkpoint).__name__}"
             )
         with self._cond:
             while self._reported - self._ack >= self._bound and not self._stop:
@@ -256,9 +258,10 @@ class Session:
         path = None
         if checkpoint is not None:
             storage = self.context.storage_path or os.getcwd()
-            path = persist_directory(
-                checkpoint.path, Path(storage) / f"checkpoint_{self._offset + seq:06d}"
-            )
+            # Named by step index and attempt: a failed attempt's partial checkpoint (not every
+            # rank reported it) never mixes with the files of the attempt that replaces it.
+            name = f"checkpoint_{self._offset + seq:06d}_a{self.context.attempt}"
+            path = persist_directory(checkpoint.path, Path(storage) / name)
         item = metrics if type(metrics) is dict else dict(metrics)
         with self._cond:
             self._buffer.append(item)
@@ -308,10 +311,8 @@ class Session:
             self._stop = True
             self._cond.notify_all()
         if self._fn_loop is not None and self._fn_task is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # its loop has already closed
                 self._fn_loop.call_soon_threadsafe(self._fn_task.cancel)
-            except RuntimeError:  # its loop has already closed
-                pass
         try:
             await asyncio.wait_for(asyncio.shield(self._finished), timeout_s)
         except TimeoutError:

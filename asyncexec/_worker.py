@@ -74,7 +74,9 @@ class _Worker:
         if init_hook is not None:
             await _call(init_hook, (), {})
 
-    async def execute(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    async def execute(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Run ``fn``: an ``async def`` on this loop, a plain function in a thread."""
         return await _call(fn, args, kwargs)
 

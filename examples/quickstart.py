@@ -1,6 +1,6 @@
 """Quickstart: start a local Ray, run a group of workers, print their reports as they arrive.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def train(config: dict[str, float]) -> float:
 async def main() -> None:
     async with asyncexec.Executor(num_workers=4, resources_per_worker={"CPU": 0.5}) as executor:
         for w in executor.workers:
-            print(f"rank {w.world_rank}: node {w.node_id[:8]} pid {w.pid} local_rank {w.local_rank}")
+            print(
+                f"rank {w.world_rank}: node {w.node_id[:8]} pid {w.pid} local_rank {w.local_rank}"
+            )
         async for step in executor.run(train, {"lr": 0.1, "steps": 10}):
             losses = " ".join(f"{r.metrics['loss']:.4f}" for r in step.reports)
             print(f"step {step.index}: loss per rank {losses}")

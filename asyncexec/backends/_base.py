@@ -26,7 +26,9 @@ class GroupHandle(Protocol):
         """Run ``fn`` on every worker concurrently; results in rank order."""
         ...
 
-    async def execute_single(self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    async def execute_single(
+        self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> T:
         """Run ``fn`` on one rank."""
         ...
 

@@ -1,0 +1,284 @@
+"""Fault tolerance against a real Ray: SIGKILL mid-run resumes from the checkpoint, bounded and
+unbounded policies, hung workers, user errors, the give-up error, cancelling a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import tenacity
+from structlog.testing import capture_logs
+
+import asyncexec
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+NO_WAIT = tenacity.wait_none()
+
+
+def counter(config: dict[str, Any]) -> int:
+    """Each rank sums step * (rank + 1); checkpoints every few steps; resumes from them."""
+    ctx = asyncexec.get_context()
+    start, total = 0, 0
+    checkpoint = asyncexec.get_checkpoint()
+    if checkpoint is not None:
+        state = json.loads((Path(checkpoint.path) / f"rank{ctx.world_rank}.json").read_text())
+        start, total = state["step"] + 1, state["total"]
+    for step in range(start, config["steps"]):
+        total += step * (ctx.world_rank + 1)
+        if config.get("sleep"):
+            time.sleep(config["sleep"])
+        saved = None
+        if step % config["every"] == 0:
+            tmp = tempfile.mkdtemp()
+            (Path(tmp) / f"rank{ctx.world_rank}.json").write_text(
+                json.dumps({"step": step, "total": total})
+            )
+            saved = asyncexec.Checkpoint.from_directory(tmp)
+        asyncexec.report({"step": step, "total": total}, checkpoint=saved)
+    return total
+
+
+async def _consume(run: asyncexec.Run, on_step: Any = None) -> list[asyncexec.Step]:
+    steps = []
+    async for step in run:
+        steps.append(step)
+        if on_step is not None:
+            on_step(step)
+    return steps
+
+
+@pytest.mark.timeout(180)
+async def test_sigkill_at_random_step_resumes_from_checkpoint_with_same_final_state(
+    tmp_path: Path,
+) -> None:
+    config = {"steps": 30, "every": 4, "sleep": 0.02}
+    rng = random.Random(1234)
+    kill_at, kill_rank = rng.randrange(5, 25), rng.randrange(3)
+    async with asyncexec.Executor(
+        3,
+        resources_per_worker={"CPU": 0.5},
+        storage_path=tmp_path,
+        restart=asyncexec.RestartPolicy(max_restarts=2, wait=NO_WAIT),
+        buffer_size=2,
+    ) as ex:
+        clean = await _consume(ex.run(counter, config))
+        expected = ex.result.return_values
+        pids = [w.pid for w in ex.workers]
+
+        def chaos(step: asyncexec.Step) -> None:
+            if step.attempt == 1 and step.index == kill_at:
+                os.kill(pids[kill_rank], signal.SIGKILL)
+
+        run = ex.run(counter, config)
+        steps = await _consume(run, chaos)
+        result = run.result
+    assert [s.metrics["step"] for s in clean] == list(range(30))
+    assert result.return_values == expected
+    assert result.attempts == 2
+    assert len(result.failures) == 1
+    failure = result.failures[0]
+    assert isinstance(failure, asyncexec.WorkerCrashedError)
+    assert failure.rank == kill_rank and failure.attempt == 1
+    first = [s for s in steps if s.attempt == 1]
+    second = [s for s in steps if s.attempt == 2]
+    assert second, "no step of the second attempt was delivered"
+    # The first attempt's steps are a prefix; the second resumes right after the checkpoint
+    # and goes to the end without a gap.
+    assert [s.metrics["step"] for s in first] == list(range(len(first)))
+    resumed_from = second[0].metrics["step"]
+    assert resumed_from % config["every"] == 1 and resumed_from <= len(first)
+    assert [s.metrics["step"] for s in second] == list(range(resumed_from, 30))
+    assert [s.index for s in steps] == list(range(len(steps)))
+
+
+def always_dies(config: dict[str, Any]) -> None:
+    asyncexec.report({"attempt": asyncexec.get_context().attempt})
+    if asyncexec.get_context().world_rank == config["rank"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+async def test_bounded_policy_restarts_exactly_n_times_then_gives_up() -> None:
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    policy = asyncexec.RestartPolicy(
+        max_restarts=2,
+        wait=tenacity.wait_exponential_jitter(initial=1, max=10, jitter=1),
+        sleep=fake_sleep,
+    )
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
+        run = ex.run(always_dies, {"rank": 1})
+        attempts_seen = []
+        with capture_logs() as logs, pytest.raises(asyncexec.RestartsExhaustedError) as info:
+            async for step in run:
+                attempts_seen.append(step.attempt)
+        assert ex.statistics().restarts == 2
+    error = info.value
+    assert error.attempts == 3
+    assert len(error.failures) == 3
+    assert all(isinstance(f, asyncexec.WorkerCrashedError) for f in error.failures)
+    assert [f.attempt for f in error.failures] == [1, 2, 3]  # type: ignore[attr-defined]
+    assert all(f.rank == 1 for f in error.failures)  # type: ignore[attr-defined]
+    assert error.__cause__ is error.failures[-1]
+    assert len(slept) == 2 and 1 <= slept[0] <= 2 and 2 <= slept[1] <= 3  # backoff with jitter
+    assert set(attempts_seen) <= {1, 2, 3}
+    failed = [e for e in logs if e["event"] == "worker_failed"]
+    restarting = [e for e in logs if e["event"] == "restarting"]
+    assert len(failed) == 3 and len(restarting) == 2
+    assert {"run_id", "rank", "node_id", "cause", "attempt"} <= failed[0].keys()
+    assert restarting[0]["wait_s"] == pytest.approx(slept[0], abs=1e-3)
+
+
+def dies_on_first_attempts(config: dict[str, Any]) -> int:
+    ctx = asyncexec.get_context()
+    assert ctx.attempt is not None
+    if ctx.attempt <= config["failures"] and ctx.world_rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    asyncexec.report({"attempt": ctx.attempt})
+    return ctx.attempt
+
+
+@pytest.mark.timeout(180)
+async def test_unbounded_policy_survives_more_failures_than_a_small_bound() -> None:
+    policy = asyncexec.RestartPolicy.unbounded(wait=NO_WAIT)
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
+        steps = [s async for s in ex.run(dies_on_first_attempts, {"failures": 4})]
+    assert [s.attempt for s in steps] == [5]
+    assert ex.result.attempts == 5 and ex.result.return_values == [5]
+
+
+def raises_value_error(config: dict[str, Any]) -> None:
+    ctx = asyncexec.get_context()
+    asyncexec.report({"ok": True})
+    if ctx.world_rank == 1 and (ctx.attempt or 0) <= config["times"]:
+        raise ValueError(f"bad batch on attempt {ctx.attempt}")
+
+
+async def test_user_error_is_not_retried_by_default_and_names_rank_and_node() -> None:
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.run(raises_value_error, {"times": 5}):
+                pass
+        error = info.value
+        assert error.rank == 1
+        assert error.node_id == ex.workers[1].node_id if ex.workers else True
+        assert error.attempt == 1
+        assert isinstance(error.__cause__, ValueError)
+        assert "bad batch on attempt 1" in str(error)
+        assert "raises_value_error" in error.remote_traceback
+        assert ex.statistics().restarts == 0
+
+
+async def test_user_error_is_retried_when_asked() -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=2, restart_on_user_error=True, wait=NO_WAIT)
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
+        run = ex.run(raises_value_error, {"times": 1})
+        steps = [s async for s in run]
+    # Attempt 1's step is delivered when both reports arrived before rank 1's error.
+    assert [s.attempt for s in steps] in ([1, 2], [2])
+    assert run.result.attempts == 2
+    assert isinstance(run.result.failures[0], asyncexec.WorkerRaisedError)
+
+
+def sleeps_forever_on_rank_0(config: dict[str, Any]) -> None:
+    ctx = asyncexec.get_context()
+    asyncexec.report({"attempt": ctx.attempt})
+    if ctx.world_rank == 0 and ctx.attempt == 1:
+        time.sleep(3600)
+    asyncexec.report({"attempt": ctx.attempt})
+
+
+async def test_worker_that_stops_reporting_is_declared_hung_and_restarted() -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, restart=policy, step_timeout_s=1.0
+    ) as ex:
+        t0 = time.monotonic()
+        run = ex.run(sleeps_forever_on_rank_0, {})
+        steps = [s async for s in run]
+        elapsed = time.monotonic() - t0
+    failure = run.result.failures[0]
+    assert isinstance(failure, asyncexec.WorkerHungError)
+    assert failure.rank == 0 and "step deadline" in str(failure)
+    assert [s.attempt for s in steps] == [1, 2, 2]
+    assert elapsed < 20
+
+
+def holds_the_gil_on_rank_1(config: dict[str, Any]) -> None:
+    import re
+
+    ctx = asyncexec.get_context()
+    asyncexec.report({"attempt": ctx.attempt})
+    if ctx.world_rank == 1 and ctx.attempt == 1:
+        # Catastrophic backtracking: minutes inside the C regex engine, which holds the GIL, so
+        # the actor's event loop cannot answer health checks.
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    asyncexec.report({"attempt": ctx.attempt})
+
+
+async def test_worker_blocked_in_c_holding_the_gil_fails_health_checks() -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.5},
+        restart=policy,
+        health_check_interval_s=0.5,
+        health_check_timeout_s=2.0,
+    ) as ex:
+        run = ex.run(holds_the_gil_on_rank_1, {})
+        steps = [s async for s in run]
+    failure = run.result.failures[0]
+    assert isinstance(failure, asyncexec.WorkerHungError)
+    assert failure.rank == 1 and "health check" in str(failure)
+    # Rank 1's first report may be stuck behind the GIL with it: attempt 1's step is optional.
+    assert [s.attempt for s in steps] in ([1, 2, 2], [2, 2])
+
+
+async def test_cancelling_during_the_restart_wait_leaves_nothing_behind() -> None:
+    waiting = anyio.Event()
+
+    async def slow_sleep(seconds: float) -> None:
+        waiting.set()
+        await anyio.sleep(3600)
+
+    policy = asyncexec.RestartPolicy(max_restarts=3, sleep=slow_sleep)
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
+        run = ex.run(always_dies, {"rank": 0})
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                async for _ in run:
+                    pass
+
+            tg.start_soon(consume)
+            with anyio.fail_after(60):
+                await waiting.wait()
+            assert ex.workers == []  # the failed group is gone while the policy waits
+            tg.cancel_scope.cancel()
+        await run.aclose()
+        assert run.state is asyncexec.RunState.CANCELLED
+    # ray_local checks that no actor or placement group is left.
+
+
+async def test_execute_works_again_after_a_failed_run() -> None:
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, restart=asyncexec.RestartPolicy.never()
+    ) as ex:
+        with pytest.raises(asyncexec.RestartsExhaustedError):
+            async for _ in ex.run(always_dies, {"rank": 0}):
+                pass
+        assert sorted(await ex.execute(os.getpid)) != []
+        steps = [s async for s in ex.run(counter, {"steps": 3, "every": 10})]
+        assert len(steps) == 3
