@@ -24,7 +24,7 @@ import ray
 import asyncexec
 
 try:
-    from asyncexec import DataConfig
+    from asyncexec import DataConfig  # type: ignore[attr-defined,unused-ignore]
 except ImportError:  # until the package root exports it
     from asyncexec._data import DataConfig
 

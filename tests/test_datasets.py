@@ -16,8 +16,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import anyio
 import pytest
 import ray
 import ray._private.state as ray_state
@@ -25,7 +27,7 @@ import tenacity
 from ray.data import DataContext, ExecutionOptions
 
 import asyncexec
-from asyncexec._data import DataConfig, validate_datasets
+from asyncexec._data import DataConfig, make_shards, release_shards, validate_datasets
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -128,6 +130,23 @@ class LabelConfig(DataConfig):
         return [{name: f"{name}-{rank}" for name in datasets} for rank in range(world_size)]
 
 
+CONFIGURE_CALLS: list[list[str]] = []
+
+
+class RecordingConfig(DataConfig):
+    """The default split, recording the node ids it was given (on the driver)."""
+
+    def configure(
+        self,
+        datasets: Any,
+        world_size: int,
+        worker_handles: Any,
+        worker_node_ids: Any,
+    ) -> list[dict[str, Any]]:
+        CONFIGURE_CALLS.append(list(worker_node_ids))
+        return super().configure(datasets, world_size, worker_handles, worker_node_ids)
+
+
 class BrokenConfig(DataConfig):
     def configure(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         return []
@@ -180,15 +199,19 @@ def asyncexec_data_config(**kwargs: Any) -> DataConfig:
 
 async def test_restart_mid_epoch_gives_new_workers_fresh_shards(tmp_path: Path) -> None:
     """A rank killed mid-epoch: the next attempt reads a complete epoch from a new split (a new
-    coordinator, for the new workers), and the stale coordinator is stopped."""
+    coordinator, split for the new workers' nodes), and the stale coordinator is stopped."""
+    CONFIGURE_CALLS.clear()
     policy = asyncexec.RestartPolicy(max_restarts=1, wait=tenacity.wait_none())
     async with asyncexec.Executor(2, resources_per_worker=CPU, restart=policy) as ex:
         run = ex.run(
             read_and_crash_on_first_attempt,
             {"dir": str(tmp_path)},
             datasets={"train": ray.data.range(200)},
+            data_config=RecordingConfig(),
         )
         steps = [s async for s in run]
+        assert len(CONFIGURE_CALLS) == 2, "the datasets were not split anew for attempt 2"
+        assert CONFIGURE_CALLS[1] == [w.node_id for w in ex.workers]
         result = run.result
         assert result.attempts == 2
         assert isinstance(result.failures[0], asyncexec.WorkerCrashedError)
@@ -208,6 +231,23 @@ async def test_restart_mid_epoch_gives_new_workers_fresh_shards(tmp_path: Path) 
         assert wait_actor_dead(first["coordinator"]), "the stale coordinator is still alive"
 
 
+async def test_each_split_stops_the_previous_one_and_release_stops_the_last() -> None:
+    """make_shards with a stand-in group (only node ids and handles are read): every call makes
+    a new coordinator and stops the previous one; release_shards stops the last."""
+    prepared, config = validate_datasets({"train": ray.data.range(8)}, None)
+    node = ray.get_runtime_context().get_node_id()
+    worker = SimpleNamespace(actor=None, metadata=SimpleNamespace(node_id=node))
+    group = cast(Any, SimpleNamespace(workers=[worker, worker]))
+    first = await make_shards(prepared, config, group)
+    second = await make_shards(prepared, config, group)
+    assert [sorted(p) for p in second] == [["train"], ["train"]]
+    old, new = (s[0]["train"]._coord_actor._actor_id.hex() for s in (first, second))
+    assert old != new
+    assert await anyio.to_thread.run_sync(wait_actor_dead, old)
+    await release_shards(prepared)
+    assert await anyio.to_thread.run_sync(wait_actor_dead, new)
+
+
 # Errors ---------------------------------------------------------------------------------------
 
 
@@ -225,7 +265,7 @@ async def test_unknown_dataset_name_fails_the_run_with_a_key_error_naming_known_
 
 def test_data_config_rejects_bad_values_and_normalises_names() -> None:
     with pytest.raises(asyncexec.ConfigurationError, match=r"\['train'\]"):
-        DataConfig(datasets_to_split="train")  # type: ignore[arg-type]
+        DataConfig(datasets_to_split="train")
     with pytest.raises(asyncexec.ConfigurationError, match="datasets_to_split"):
         DataConfig(datasets_to_split=[1])  # type: ignore[list-item,unused-ignore]
     with pytest.raises(asyncexec.ConfigurationError, match="execution_options"):
