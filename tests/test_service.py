@@ -1,0 +1,207 @@
+"""examples/service.py against a real uvicorn server, a real HTTP client and a real Ray.
+
+The server runs in-process on 127.0.0.1 (a socket bound to a free port) in the test's event loop;
+the client is httpx over TCP. (httpx's ASGITransport is not used: it hands the app's response to
+the client only once the app has finished it, so it cannot stream, and it cannot deliver a client
+that goes away mid-stream.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import uvicorn
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example() -> ModuleType:
+    # Imported as examples.service: the workers import train() by that name (the repository
+    # root is on their PYTHONPATH).
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("examples.service")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free local port; on the way out, shut it down (its
+    lifespan cancels the runs still going and waits for their teardown)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, lifespan="on", log_config=None, log_level="warning", timeout_graceful_shutdown=30
+    )
+    server = uvicorn.Server(config)
+    async with anyio.create_task_group() as tg:
+        # Connections wait in the socket's backlog until the server (and its lifespan) is up.
+        tg.start_soon(server.serve, [sock])
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+    sock.close()
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, Any]]:
+    """Parse a text/event-stream body into (event, decoded JSON data) pairs."""
+    event, data = "message", []
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith(":"):
+            continue  # a keep-alive comment
+        else:
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+
+
+@pytest.mark.timeout(90)
+async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other_finishes(
+    tmp_path: Path,
+) -> None:
+    """Run A (too long to finish during the test) and run B stream at once; B's steps arrive
+    between A's and A's between B's; B finishes; then A's client goes away and A is cancelled:
+    its state says so and nothing of it is left in the cluster (checked by ray_local)."""
+    service = _example()
+    app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
+    arrivals: list[str] = []
+    b_done = anyio.Event()
+    ids: dict[str, str] = {}
+    events: dict[str, list[tuple[str, Any]]] = {"a": [], "b": []}
+
+    async def client(url: str, name: str, config: dict[str, Any]) -> None:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=60) as http,
+            http.stream("POST", "/runs", json=config) as response,
+        ):
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            ids[name] = response.headers["x-run-id"]
+            async for event, data in sse_events(response):
+                events[name].append((event, data))
+                if event == "step":
+                    arrivals.append(name)
+                # A leaves mid-run once B has finished and A has streamed a little more.
+                if name == "a" and b_done.is_set() and arrivals[-3:] == ["a"] * 3:
+                    return
+        if name == "b":
+            b_done.set()
+
+    async with serving(app) as url:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client, url, "a", {"steps": 100_000, "step_s": 0.05})
+                tg.start_soon(client, url, "b", {"steps": 30, "step_s": 0.05})
+            record_a = app.state.manager.records[ids["a"]]
+            await record_a.wait_done()  # the disconnect cancelled it; its workers are gone
+        async with httpx.AsyncClient(base_url=url) as http:
+            listing = (await http.get("/runs")).json()["runs"]
+            one = (await http.get(f"/runs/{ids['a']}")).json()
+
+    states = {run["id"]: run["state"] for run in listing}
+    assert states == {ids["a"]: "cancelled", ids["b"]: "finished"}
+    assert one["state"] == "cancelled"
+    assert 3 <= one["steps"] < 100_000
+
+    # Interleaved: each run's steps arrived while the other was streaming.
+    first_b, last_b = arrivals.index("b"), len(arrivals) - 1 - arrivals[::-1].index("b")
+    assert "a" in arrivals[first_b:last_b]
+    first_a = arrivals.index("a")
+    assert first_a < last_b
+    assert "b" in arrivals[first_a:]
+
+    # B's stream: the run event, every step in order with both ranks, and the end.
+    kinds = [event for event, _ in events["b"]]
+    assert kinds == ["run"] + ["step"] * 30 + ["end"]
+    steps = [data for event, data in events["b"] if event == "step"]
+    assert [s["index"] for s in steps] == list(range(30))
+    assert all(len(s["metrics"]) == 2 and s["attempt"] == 1 for s in steps)
+    assert [s["metrics"][0]["step"] for s in steps] == list(range(30))
+    end = events["b"][-1][1]
+    assert (end["state"], end["steps"], end["id"]) == ("finished", 30, ids["b"])
+    assert [r["rank"] for r in end["result"]] == [0, 1]
+    # A's stream stopped where its client left: no end event.
+    assert events["a"][0][0] == "run"
+    assert events["a"][-1][0] == "step"
+
+
+@pytest.mark.timeout(90)
+async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path) -> None:
+    service = _example()
+    app = service.create_app(
+        num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path), max_active_runs=1
+    )
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        with anyio.fail_after(60):
+            config = {"steps": 100_000, "step_s": 0.02}
+            async with http.stream("POST", "/runs", json=config) as response:
+                stream = sse_events(response)
+                event, run = await anext(stream)
+                assert (event, run["state"]) == ("run", "starting")
+                event, step = await anext(stream)
+                assert (event, step["index"]) == ("step", 0)
+
+                # One run at a time here: another is refused while this one runs.
+                refused = await http.post("/runs", json={"steps": 1})
+                assert refused.status_code == 429
+
+                deleted = await http.delete(f"/runs/{run['id']}")
+                assert deleted.status_code == 200
+                assert deleted.json()["state"] == "cancelled"
+                # The stream drains what was sent, then ends with the final state.
+                rest = [item async for item in stream]
+            assert rest[-1][0] == "end"
+            assert rest[-1][1]["state"] == "cancelled"
+            assert all(event == "step" for event, _ in rest[:-1])
+
+        again = await http.delete(f"/runs/{run['id']}")  # idempotent
+        assert again.json()["state"] == "cancelled"
+        assert (await http.get("/runs/nope")).status_code == 404
+        assert (await http.delete("/runs/nope")).status_code == 404
+        bad = await http.post("/runs", json={"steps": "many"})
+        assert bad.status_code == 400
+        assert "steps" in bad.json()["error"]
+        assert (await http.post("/runs", content=b"[1, 2]")).status_code == 400
+
+
+@pytest.mark.timeout(90)
+async def test_failing_run_ends_its_stream_with_the_error(tmp_path: Path) -> None:
+    service = _example()
+    app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        with anyio.fail_after(60):
+            async with http.stream(
+                "POST", "/runs", json={"steps": 10, "step_s": 0.01, "fail_at": 3}
+            ) as response:
+                items = [item async for item in sse_events(response)]
+        health = (await http.get("/healthz")).json()
+    kinds = [event for event, _ in items]
+    assert kinds[0] == "run"
+    assert kinds[-1] == "end"
+    assert set(kinds[1:-1]) <= {"step"}
+    assert len(kinds) - 2 <= 3  # steps 0-2 at most: every rank raises at step 3
+    end = items[-1][1]
+    assert end["state"] == "failed"
+    assert "WorkerRaisedError" in end["error"]
+    assert "failed at step 3" in end["error"]
+    assert health == {"ok": True, "active_runs": 0}
