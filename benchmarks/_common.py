@@ -7,6 +7,7 @@ Nothing here starts Ray.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import statistics
 import sys
@@ -21,9 +22,10 @@ import psutil
 __all__ = [
     "Events",
     "Figure",
-    "Heartbeat",
     "Timer",
     "cpu_seconds",
+    "gc_pauses",
+    "heartbeat",
     "lag_ms",
     "median",
     "percentile",
@@ -85,52 +87,55 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
-class Heartbeat:
-    """A coroutine that sleeps 1 ms at a time and records how late each wake-up is.
+@asynccontextmanager
+async def heartbeat(interval_s: float = 0.001) -> AsyncIterator[list[float]]:
+    """Run a heartbeat for the duration of the block; yield the list of its lags (seconds).
 
-    The lag of a wake-up is how much longer than the requested 1 ms the sleep took: the time the
-    event loop was busy (or frozen by a blocking call) when the timer was due. Only wake-ups inside
-    a ``window()`` are recorded, into the list that the window yields.
+    The heartbeat is a task that sleeps ``interval_s`` at a time; the lag of a wake-up is how much
+    longer than requested the sleep took: the time the event loop was busy (or frozen by a
+    blocking call) when the timer was due. It runs only inside the block, so that it costs the
+    systems nothing while they are not being watched. On leaving, the block yields to the loop
+    for two intervals, so that a wake-up that a blocking call made overdue is still recorded.
     """
+    lags: list[float] = []
+    stop = False
 
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self._lags: list[float] | None = None
-        self._stop = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def _beat(self) -> None:
-        interval = self.interval_s
-        while not self._stop:
+    async def beat() -> None:
+        while not stop:
             t0 = time.perf_counter()
-            await asyncio.sleep(interval)
-            lag = time.perf_counter() - t0 - interval
-            if self._lags is not None:
-                self._lags.append(max(0.0, lag))
+            await asyncio.sleep(interval_s)
+            lags.append(max(0.0, time.perf_counter() - t0 - interval_s))
 
-    async def __aenter__(self) -> Heartbeat:
-        self._task = asyncio.create_task(self._beat())
-        await asyncio.sleep(0)
-        return self
+    task = asyncio.create_task(beat())
+    await asyncio.sleep(0)
+    try:
+        yield lags
+        await asyncio.sleep(2 * interval_s)
+    finally:
+        stop = True
+        await task
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._stop = True
-        if self._task is not None:
-            await self._task
 
-    @asynccontextmanager
-    async def window(self) -> AsyncIterator[list[float]]:
-        """Record the lag (seconds) of the wake-ups inside this block into the list it yields.
+@contextmanager
+def gc_pauses() -> Iterator[list[tuple[int, float]]]:
+    """Record the driver's garbage collections inside the block: (generation, seconds) each.
 
-        On leaving, it yields to the loop for two intervals, so that a wake-up that a blocking
-        call made overdue is recorded in this window, not lost."""
-        lags: list[float] = []
-        self._lags = lags
-        try:
-            yield lags
-            await asyncio.sleep(2 * self.interval_s)
-        finally:
-            self._lags = None
+    A full (generation 2) collection walks every tracked object of the process and holds the
+    event loop meanwhile, so it is where long event-loop stalls come from."""
+    found: list[tuple[int, float]] = []
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            found.append((int(info["generation"]), time.perf_counter() - started[0]))
+
+    gc.callbacks.append(callback)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def lag_ms(lags: Sequence[float]) -> tuple[float, float]:

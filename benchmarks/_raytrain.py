@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from _common import Heartbeat, cpu_seconds, lag_ms, rate
+from _common import cpu_seconds, heartbeat, lag_ms, rate
 from _workload import rt_last_time, rt_steps, rt_until_killed
 
 __all__ = ["RayTrainClient", "RayTrainGroup", "unavailable_reason"]
@@ -180,53 +180,52 @@ def _answer(message: dict[str, Any]) -> None:
 
 async def _serve_commands(resources: dict[str, float]) -> None:
     group: RayTrainGroup | None = None
-    async with Heartbeat() as hb:
-        while True:
-            line = await asyncio.to_thread(sys.stdin.readline)
-            if not line:
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            break
+        command = json.loads(line)
+        op = command["op"]
+        try:
+            result: Any = None
+            if op == "exit":
+                _answer({"ok": True, "result": None})
                 break
-            command = json.loads(line)
-            op = command["op"]
-            try:
-                result: Any = None
-                if op == "exit":
-                    _answer({"ok": True, "result": None})
-                    break
-                if op == "start":
-                    if group is not None:
-                        group.shutdown()
-                    group = RayTrainGroup(command["n"], resources)
-                    # On the loop's thread on purpose: what start() does to an event loop.
-                    async with hb.window() as lags:
-                        seconds = group.start()
-                    result = {
-                        "seconds": seconds,
-                        "freeze_ms": lag_ms(lags)[1],
-                        "pids": group.pids(),
-                    }
-                elif group is None:
-                    raise RuntimeError(f"{op!r} before 'start'")
-                elif op == "stream":
-                    result = group.stream(command["steps"])
-                elif op == "run_end":
-                    result = group.run_end(command["steps"])
-                elif op == "restart":
-                    result = group.restart(
-                        command["kill_after"], command["period_s"], command["resume_steps"]
-                    )
-                elif op == "lag":
-                    async with hb.window() as lags:
-                        await group.stream_on_loop(command["steps"])
-                    p99, worst = lag_ms(lags)
-                    result = {"p99_ms": p99, "max_ms": worst, "samples": len(lags)}
-                elif op == "shutdown":
+            if op == "start":
+                if group is not None:
                     group.shutdown()
-                    group = None
-                else:
-                    raise ValueError(f"unknown command {op!r}")
-                _answer({"ok": True, "result": result})
-            except Exception as exc:
-                _answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                group = RayTrainGroup(command["n"], resources)
+                # On the loop's thread on purpose: what start() does to an event loop.
+                async with heartbeat() as lags:
+                    seconds = group.start()
+                result = {
+                    "seconds": seconds,
+                    "freeze_ms": lag_ms(lags)[1],
+                    "pids": group.pids(),
+                }
+            elif group is None:
+                raise RuntimeError(f"{op!r} before 'start'")
+            elif op == "stream":
+                result = group.stream(command["steps"])
+            elif op == "run_end":
+                result = group.run_end(command["steps"])
+            elif op == "restart":
+                result = group.restart(
+                    command["kill_after"], command["period_s"], command["resume_steps"]
+                )
+            elif op == "lag":
+                async with heartbeat() as lags:
+                    await group.stream_on_loop(command["steps"])
+                p99, worst = lag_ms(lags)
+                result = {"p99_ms": p99, "max_ms": worst, "samples": len(lags)}
+            elif op == "shutdown":
+                group.shutdown()
+                group = None
+            else:
+                raise ValueError(f"unknown command {op!r}")
+            _answer({"ok": True, "result": result})
+        except Exception as exc:
+            _answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     if group is not None:
         group.shutdown()
 

@@ -1,0 +1,148 @@
+"""The benchmark's figures (the rows of its table, with the issue's targets) and its sizes.
+
+Free of side effects, so that the test can read the rows it expects without starting anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from _common import Figure
+
+__all__ = ["FULL", "QUICK", "WORKER_COUNTS", "Sizes", "make_figures"]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each figure measures."""
+
+    repeats: int
+    startup_repeats: int
+    restart_repeats: int
+    run_end_repeats: int
+    steps: dict[int, int]  # asyncexec and the batched floor, per worker count
+    raytrain_steps: dict[int, int]
+    lockstep_steps: dict[int, int]
+    lag_steps: int
+    raytrain_lag_steps: int
+    memory_steps: int
+    memory_every: int
+    memory_warmup: int
+
+
+FULL = Sizes(
+    repeats=3,
+    startup_repeats=3,
+    restart_repeats=3,
+    run_end_repeats=5,
+    steps={1: 20_000, 4: 20_000, 16: 10_000},
+    raytrain_steps={1: 1000, 4: 500, 16: 300},
+    lockstep_steps={1: 1000, 4: 1000, 16: 300},
+    lag_steps=50_000,
+    raytrain_lag_steps=300,
+    memory_steps=100_000,
+    memory_every=1000,
+    memory_warmup=10_000,
+)
+QUICK = Sizes(
+    repeats=1,
+    startup_repeats=1,
+    restart_repeats=1,
+    run_end_repeats=2,
+    steps={1: 2000, 4: 2000, 16: 500},
+    raytrain_steps={1: 50, 4: 50, 16: 20},
+    lockstep_steps={1: 200, 4: 200, 16: 50},
+    lag_steps=5000,
+    raytrain_lag_steps=50,
+    memory_steps=10_000,
+    memory_every=500,
+    memory_warmup=2000,
+)
+WORKER_COUNTS = (4, 1, 16)
+
+
+def _ratio(m: dict[str, float], a: str, b: str) -> float:
+    return m[a] / m[b]
+
+
+def make_figures(sizes: Sizes) -> dict[str, Figure]:
+    """Every row of the table, in order, with its target."""
+    figs: list[Figure] = []
+    for n in (1, 4, 16):
+        figs.append(
+            Figure(
+                f"rate{n}",
+                f"reports/s, {n} worker{'s' if n > 1 else ''}, tiny reports",
+                "reports/s",
+                target=">= 100x Ray Train",
+                check=lambda m: _ratio(m, "asyncexec", "raytrain") >= 100,
+                higher_is_better=True,
+            )
+        )
+    figs += [
+        Figure(
+            "startup",
+            "start-up, 4 workers (floor: 4 plain actors ready)",
+            "s",
+            target="<= 0.6x Ray Train, <= 1.2x plain actors",
+            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.6
+            and _ratio(m, "asyncexec", "floor") <= 1.2,
+        ),
+        Figure(
+            "run_end",
+            "last report to the run's end",
+            "ms",
+            target="< 50 ms",
+            check=lambda m: m["asyncexec"] < 50,
+        ),
+        Figure(
+            "restart",
+            "SIGKILL of 1 of 4 workers to the next attempt's first step",
+            "s",
+            target="<= 0.5x Ray Train",
+            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.5,
+        ),
+        Figure(
+            "uss",
+            "worker memory before fn runs, USS (floor: plain actor)",
+            "MiB",
+            target="<= 1.1x plain actor",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.1,
+        ),
+        Figure(
+            "rss",
+            "worker memory before fn runs, RSS (floor: plain actor)",
+            "MiB",
+            target="<= 1.1x plain actor",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.1,
+        ),
+        Figure(
+            "driver_mem",
+            f"driver RSS growth over {sizes.memory_steps:,} steps (after "
+            f"{sizes.memory_warmup:,}), 4 workers",
+            "MiB",
+            target="flat (< 2 MiB)",
+            check=lambda m: m["asyncexec"] < 2.0,
+        ),
+        Figure(
+            "lag_p99",
+            "event-loop lag p99 while streaming, 4 workers, 1 ms heartbeat",
+            "ms",
+            target="<= 2 ms",
+            check=lambda m: m["asyncexec"] <= 2.0,
+        ),
+        Figure(
+            "lag_max",
+            "event-loop lag max while streaming, 4 workers",
+            "ms",
+            target="<= 15 ms",
+            check=lambda m: m["asyncexec"] <= 15.0,
+        ),
+        Figure(
+            "freeze_start",
+            "event-loop freeze during start-up, 4 workers (max lag)",
+            "ms",
+            target="(contrast)",
+        ),
+    ]
+    return {f.key: f for f in figs}
