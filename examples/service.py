@@ -22,7 +22,8 @@ Where the tasks live: an Executor must be entered and left in one task, and a re
 task ends with its response. So every run gets a task of its own in a task group that the app's
 lifespan owns, and that task holds the run's Executor from start to teardown; the request's event
 stream only reads from a bounded memory stream that the run's task writes to. Leaving the
-lifespan (server shutdown) cancels the runs still going and waits for their teardown.
+lifespan (server shutdown) cancels the runs still going and waits for their teardown; open
+streams end with their run's end event.
 """
 
 from __future__ import annotations
@@ -196,6 +197,10 @@ class RunManager:
         self.keep_finished = keep_finished
         self.executor_options = dict(executor_options or {})
         self.records: dict[str, RunRecord] = {}
+        #: Set when the service shuts down: the runs still going are cancelled. The server's
+        #: event streams set it too (sse-starlette's shutdown_event), so that open streams see
+        #: their runs end and send their end event before the server closes them.
+        self.closing = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
 
     @contextlib.asynccontextmanager
@@ -204,12 +209,18 @@ class RunManager:
         their teardown."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            tg.start_soon(self._cancel_all_when_closing)
             try:
                 yield self
             finally:
                 self._tg = None
-                for record in self.records.values():
-                    record.cancel()
+                self.closing.set()
+
+    async def _cancel_all_when_closing(self) -> None:
+        await self.closing.wait()
+        self._tg = None  # no new runs
+        for record in self.records.values():
+            record.cancel()
 
     def active(self) -> list[RunRecord]:
         return [r for r in self.records.values() if not r.done.is_set()]
@@ -335,6 +346,7 @@ def create_app(
     address: str | None = None,
     ping_s: float = 15.0,
     delete_timeout_s: float = 60.0,
+    shutdown_grace_s: float = 10.0,
     executor_options: Mapping[str, Any] | None = None,
 ) -> Starlette:
     """Build the service.
@@ -351,6 +363,8 @@ def create_app(
         address: the Ray cluster to join; a local Ray is started when none is running.
         ping_s: keep-alive comments on idle event streams, every this many seconds.
         delete_timeout_s: how long ``DELETE`` waits for the run's workers to be gone.
+        shutdown_grace_s: on server shutdown, how long open streams get to send their run's
+            end event (keep it below the server's graceful-shutdown timeout).
         executor_options: more keyword arguments for every run's :class:`asyncexec.Executor`.
     """
     options = dict(executor_options or {})
@@ -401,6 +415,10 @@ def create_app(
             ping=ping_s,
             headers={"X-Run-Id": record.id},
             background=BackgroundTask(cancel_unless_done),
+            # On server shutdown: cancel the runs, and give their streams time to tell the
+            # clients (the end event) before the server closes them.
+            shutdown_event=manager.closing,
+            shutdown_grace_period=shutdown_grace_s,
         )
 
     async def list_runs(request: Request) -> Response:

@@ -37,23 +37,30 @@ def _example() -> ModuleType:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    """Serve ``app`` with uvicorn on a free local port; on the way out, shut it down (its
-    lifespan cancels the runs still going and waits for their teardown)."""
+async def serving(app: Any) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Serve ``app`` with uvicorn on a free local port; yield its URL and the server; on the way
+    out, shut it down (its lifespan cancels the runs still going and waits for their teardown)."""
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, lifespan="on", log_config=None, log_level="warning", timeout_graceful_shutdown=30
     )
     server = uvicorn.Server(config)
+    failure: Exception | None = None
     async with anyio.create_task_group() as tg:
         # Connections wait in the socket's backlog until the server (and its lifespan) is up.
         tg.start_soon(server.serve, [sock])
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://127.0.0.1:{port}", server
+        except Exception as exc:
+            # A failed assertion still shuts the server down gracefully (runs torn down, not
+            # abandoned in a cancelled lifespan task); the error is raised afterwards.
+            failure = exc
         finally:
             server.should_exit = True
     sock.close()
+    if failure is not None:
+        raise failure
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, Any]]:
@@ -107,7 +114,7 @@ async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other
         if name == "b":
             b_done.set()
 
-    async with serving(app) as url:
+    async with serving(app) as (url, _):
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(client, url, "a", {"steps": 100_000, "step_s": 0.05})
@@ -151,7 +158,7 @@ async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path
     app = service.create_app(
         num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path), max_active_runs=1
     )
-    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
         with anyio.fail_after(60):
             config = {"steps": 100_000, "step_s": 0.02}
             async with http.stream("POST", "/runs", json=config) as response:
@@ -188,7 +195,7 @@ async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path
 async def test_failing_run_ends_its_stream_with_the_error(tmp_path: Path) -> None:
     service = _example()
     app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
-    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
         with anyio.fail_after(60):
             async with http.stream(
                 "POST", "/runs", json={"steps": 10, "step_s": 0.01, "fail_at": 3}
@@ -205,3 +212,26 @@ async def test_failing_run_ends_its_stream_with_the_error(tmp_path: Path) -> Non
     assert "WorkerRaisedError" in end["error"]
     assert "failed at step 3" in end["error"]
     assert health == {"ok": True, "active_runs": 0}
+
+
+@pytest.mark.timeout(90)
+async def test_server_shutdown_cancels_the_runs_in_progress(tmp_path: Path) -> None:
+    """Stopping the server ends the open event streams and cancels their runs; the lifespan waits
+    for their teardown (ray_local then finds nothing left)."""
+    service = _example()
+    app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
+    with anyio.fail_after(60):
+        async with serving(app) as (url, server), httpx.AsyncClient(base_url=url) as http:
+            config = {"steps": 100_000, "step_s": 0.02}
+            async with http.stream("POST", "/runs", json=config) as response:
+                stream = sse_events(response)
+                _, run = await anext(stream)
+                assert (await anext(stream))[0] == "step"
+                server.should_exit = True
+                rest = [item async for item in stream]  # the server ends the stream
+        record = app.state.manager.records[run["id"]]
+        assert record.done.is_set()  # the lifespan waited for the teardown
+    assert record.state == "cancelled"
+    assert rest[-1][0] == "end"
+    assert rest[-1][1]["state"] == "cancelled"
+    assert all(event == "step" for event, _ in rest[:-1])
