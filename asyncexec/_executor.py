@@ -29,7 +29,7 @@ from ._group import WorkerGroup
 from ._logging import get_logger
 from ._reports import RunResult
 from ._restart import RestartPolicy
-from ._run import Run, RunDriver, new_run_id
+from ._run import Run, RunCore, RunDriver, new_run_id
 from ._session import WorkerContext
 from .backends._base import Backend
 
@@ -183,7 +183,7 @@ class Executor:
         self._tg: anyio.abc.TaskGroup | None = None
         self._group: WorkerGroup | None = None
         self._group_lock = anyio.Lock()
-        self._run: Run | None = None
+        self._run: RunCore | None = None
         self._result: RunResult | None = None
         self._closed = anyio.Event()
         self._stats = {
@@ -205,10 +205,12 @@ class Executor:
     # Lifecycle --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Executor:
-        if self._state is not ExecutorState.NEW:
-            raise ExecutorStateError(
-                f"an executor is entered once; this one is {self._state.value}"
-            )
+        if self._state is ExecutorState.CLOSED:
+            # A closed executor may be entered again: it starts a fresh group.
+            self._closed = anyio.Event()
+            self._group, self._run = None, None
+        elif self._state is not ExecutorState.NEW:
+            raise ExecutorStateError(f"the executor is already {self._state.value}")
         self._state = ExecutorState.STARTING
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -253,7 +255,7 @@ class Executor:
                 with anyio.move_on_after(
                     self.config.stop_timeout_s + self.config.shutdown_timeout_s + 10
                 ):
-                    await run.wait_finished()
+                    await run.finished.wait()
             await self._discard_group(force=force)
         self._state = ExecutorState.CLOSED
         self._closed.set()
@@ -290,9 +292,9 @@ class Executor:
             await group.close(force=force)
 
     def _run_active(self) -> bool:
-        return self._run is not None and not self._run._finished.is_set()
+        return self._run is not None and self._run.active
 
-    def _run_ended(self, run: Run) -> None:
+    def _run_ended(self, run: RunCore) -> None:
         from ._run import RunState
 
         key = {
@@ -301,8 +303,8 @@ class Executor:
         }.get(run.state, "runs_cancelled")
         self._stats[key] += 1
         self._stats["steps_delivered"] += run.handed
-        if run._result is not None:
-            self._result = run._result
+        if run.result is not None:
+            self._result = run.result
         if self._state in (ExecutorState.RUNNING, ExecutorState.RESTARTING):
             self._state = ExecutorState.READY
 
@@ -381,7 +383,7 @@ class Executor:
         bound = (
             self.config.buffer_size if buffer_size is None else validate_buffer_size(buffer_size)
         )
-        if self._run is not None and not self._run._closed and not self._run._finished.is_set():
+        if self._run is not None and self._run.active and not self._run.closed:
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"
             )
@@ -391,13 +393,13 @@ class Executor:
 
             data = validate_datasets(datasets, data_config)
         send, receive = anyio.create_memory_object_stream[Any](0)
-        run = Run(new_run_id(), receive)
-        driver = RunDriver(self, run, send, fn, config, start, bound, data)
-        previous, self._run = self._run, run
+        core = RunCore(new_run_id())
+        driver = RunDriver(self, core, send, fn, config, start, bound, data)
+        previous, self._run = self._run, core
         self._stats["runs_started"] += 1
         self._state = ExecutorState.RUNNING
         tg.start_soon(driver.main, previous)
-        return run
+        return Run(core, receive)
 
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.

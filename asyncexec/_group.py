@@ -333,6 +333,25 @@ class WorkerGroup:
         except Exception as exc:
             raise BackendError(name, hook, None, f"{type(exc).__name__}: {exc}") from exc
 
+    async def find_dead(self, timeout_s: float = 2.0) -> WorkerError | None:
+        """Probe every worker at once; return the error of the first one found dead, if any.
+
+        A rank's error can be the echo of another's death (a collective fails with "connection
+        reset by peer" before Ray reports the dead peer); the executor asks this before it
+        blames the user's function."""
+
+        async def probe(worker: WorkerInfo) -> WorkerError | None:
+            try:
+                with anyio.move_on_after(timeout_s):
+                    await worker.actor.ping.remote()
+            except RayActorError as exc:
+                error = await self.classify(worker.rank, exc)
+                return error if isinstance(error, WorkerError) else None
+            return None
+
+        found = await asyncio.gather(*(probe(w) for w in self.workers))
+        return next((f for f in found if f is not None), None)
+
     # Health -----------------------------------------------------------------------------------
 
     async def watch(self, fail: FailureSink) -> None:

@@ -41,7 +41,7 @@ from ._session import with_run
 if TYPE_CHECKING:
     from ._executor import Executor
 
-__all__ = ["Run", "RunState"]
+__all__ = ["Run", "RunCore", "RunDriver", "RunState"]
 
 #: The most steps assembled and handed over at once; bounds the time the event loop is held.
 _BATCH = 256
@@ -76,73 +76,29 @@ def takes_config(fn: Callable[..., Any]) -> bool:
     )
 
 
-class Run:
-    """An async iterator over a run's :class:`Step`\\ s.
+class RunCore:
+    """A run's shared state: what the driver task and the executor hold. The iterator that the
+    caller holds (:class:`Run`) refers to it, not the other way round, so dropping the iterator
+    lets it be collected, which stops the run."""
 
-    ``async for step in run`` yields each step once every rank has reported it. The iterator ends
-    when the function has returned on every rank; :attr:`result` then holds each rank's return
-    value and the latest checkpoint. It raises the error that ended the run, if one did.
-    Breaking out of the loop, calling :meth:`aclose`, or dropping the iterator stops the run.
-    """
-
-    def __init__(self, run_id: str, receive: MemoryObjectReceiveStream[Any]) -> None:
+    def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.state = RunState.RUNNING
         self.attempt = 1
         self.latest_checkpoint: Checkpoint | None = None
-        self._receive = receive
-        self._batch: list[Step] = []
-        self._pos = 0
-        self._result: RunResult | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-        self._scope = anyio.CancelScope()
-        self._finished = anyio.Event()
-        self._end: _End | None = None
-        # Credit accounting shared with the driver (same event loop, no locks needed).
+        self.result: RunResult | None = None
+        self.error: BaseException | None = None
+        self.end: _End | None = None
+        self.closed = False
+        self.scope = anyio.CancelScope()
+        self.finished = anyio.Event()
+        # Credit accounting between the iterator and the pumps (one event loop, no locks).
         self.handed = 0
         self.consumed = 0
         self._consumed_changed = anyio.Event()
 
-    def __repr__(self) -> str:
-        return f"<Run {self.run_id} {self.state.value} attempt={self.attempt} steps={self.handed}>"
-
-    @property
-    def result(self) -> RunResult:
-        """The finished run's result.
-
-        Raises:
-            ExecutorStateError: the run has not finished successfully.
-        """
-        if self._result is None:
-            raise ExecutorStateError(f"run {self.run_id} has no result: it is {self.state.value}")
-        return self._result
-
-    def __aiter__(self) -> Run:
-        return self
-
-    async def __anext__(self) -> Step:
-        if self._pos < len(self._batch):
-            step = self._batch[self._pos]
-            self._pos += 1
-            return step
-        if self._closed:
-            raise StopAsyncIteration
-        self._mark_consumed()
-        try:
-            item = await self._receive.receive()
-        except anyio.EndOfStream:
-            self._closed = True
-            end = self._end
-            if end is not None and end.error is not None:
-                raise end.error from end.error.__cause__
-            raise StopAsyncIteration from None
-        self._batch = item
-        self._pos = 1
-        first: Step = item[0]
-        return first
-
-    def _mark_consumed(self) -> None:
+    def mark_consumed(self) -> None:
+        """Everything handed to the iterator so far has been taken by the consumer."""
         if self.consumed != self.handed:
             self.consumed = self.handed
             changed, self._consumed_changed = self._consumed_changed, anyio.Event()
@@ -153,20 +109,102 @@ class Run:
 
     def cancel(self) -> None:
         """Ask the run to stop (idempotent, does not wait)."""
-        self._closed = True
-        self._scope.cancel()
+        self.closed = True
+        self.scope.cancel()
+
+    @property
+    def active(self) -> bool:
+        return not self.finished.is_set()
+
+
+class Run:
+    """An async iterator over a run's :class:`Step`\\ s.
+
+    ``async for step in run`` yields each step once every rank has reported it. The iterator ends
+    when the function has returned on every rank; :attr:`result` then holds each rank's return
+    value and the latest checkpoint. It raises the error that ended the run, if one did.
+    Breaking out of the loop and calling :meth:`aclose` (or ``async with run:``), cancelling the
+    task that reads it, or dropping the iterator stops the run.
+    """
+
+    def __init__(self, core: RunCore, receive: MemoryObjectReceiveStream[Any]) -> None:
+        self._core = core
+        self._receive = receive
+        self._batch: list[Step] = []
+        self._pos = 0
+
+    def __repr__(self) -> str:
+        core = self._core
+        return f"<Run {core.run_id} {core.state.value} attempt={core.attempt} steps={core.handed}>"
+
+    @property
+    def run_id(self) -> str:
+        """The run's id; also the folder of its checkpoints under the storage path."""
+        return self._core.run_id
+
+    @property
+    def state(self) -> RunState:
+        """Running, restarting, finished, failed or cancelled."""
+        return self._core.state
+
+    @property
+    def attempt(self) -> int:
+        """The current (or last) attempt, 1 for the first."""
+        return self._core.attempt
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The latest checkpoint a completed step carried."""
+        return self._core.latest_checkpoint
+
+    @property
+    def result(self) -> RunResult:
+        """The finished run's result.
+
+        Raises:
+            ExecutorStateError: the run has not finished successfully.
+        """
+        core = self._core
+        if core.result is None:
+            raise ExecutorStateError(f"run {core.run_id} has no result: it is {core.state.value}")
+        return core.result
+
+    def __aiter__(self) -> Run:
+        return self
+
+    async def __anext__(self) -> Step:
+        if self._pos < len(self._batch):
+            step = self._batch[self._pos]
+            self._pos += 1
+            return step
+        core = self._core
+        if core.closed and core.end is None:
+            raise StopAsyncIteration
+        core.mark_consumed()
+        try:
+            item = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            core.closed = True
+            end = core.end
+            if end is not None and end.error is not None:
+                raise end.error from end.error.__cause__
+            raise StopAsyncIteration from None
+        self._batch = item
+        self._pos = 1
+        first: Step = item[0]
+        return first
 
     async def aclose(self) -> None:
         """Stop the run and wait until its workers have stopped (bounded by the executor's
         stop and shutdown deadlines)."""
-        self.cancel()
+        self._core.cancel()
         self._receive.close()
         with anyio.CancelScope(shield=True):
-            await self._finished.wait()
+            await self._core.finished.wait()
 
     async def wait_finished(self) -> None:
         """Wait until the run has ended (finished, failed or cancelled), without consuming it."""
-        await self._finished.wait()
+        await self._core.finished.wait()
 
     async def __aenter__(self) -> Run:
         return self
@@ -175,8 +213,9 @@ class Run:
         await self.aclose()
 
     def __del__(self) -> None:
-        if not self._finished.is_set():
-            self._scope.cancel()
+        core = self._core
+        if not core.finished.is_set():
+            core.cancel()
 
 
 class RunDriver:
@@ -185,7 +224,7 @@ class RunDriver:
     def __init__(
         self,
         executor: Executor,
-        run: Run,
+        run: RunCore,
         send: MemoryObjectSendStream[Any],
         fn: Callable[..., Any],
         config: Any,
@@ -211,21 +250,21 @@ class RunDriver:
         self._session_live = False
         self._leftover: list[Step] = []
 
-    async def main(self, previous: Run | None) -> None:
+    async def main(self, previous: RunCore | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
         run = self.run
         end: _End | None = None
         try:
-            with run._scope:
+            with run.scope:
                 if previous is not None:
-                    await previous.wait_finished()
+                    await previous.finished.wait()
                 t0 = time.perf_counter()
                 self.log.info("run_started")
                 values = await self._attempts()
                 result = RunResult(
                     run.run_id, values, self.latest, self.steps, run.attempt, list(self.failures)
                 )
-                run._result = result
+                run.result = result
                 run.state = RunState.FINISHED
                 self.log.info(
                     "run_finished",
@@ -239,7 +278,7 @@ class RunDriver:
                 self.log.info("run_cancelled", steps=self.steps)
         except Exception as exc:
             run.state = RunState.FAILED
-            run._error = exc
+            run.error = exc
             self.log.warning(
                 "run_failed", error=type(exc).__name__, detail=str(exc).splitlines()[0]
             )
@@ -248,8 +287,8 @@ class RunDriver:
             with anyio.CancelScope(shield=True):
                 await self._stop_session()
                 self.executor._run_ended(run)
-                run._finished.set()
-            run._end = end
+                run.finished.set()
+            run.end = end
             self.send.close()
 
     async def _attempts(self) -> list[Any]:
@@ -302,6 +341,8 @@ class RunDriver:
         consumed_base = self.run.handed
         shards = await self._dataset_shards(group)
         storage = str(self.storage)
+        backend = self.executor.backend
+        function_context = backend.function_context() if backend is not None else None
         failure: list[BaseException] = []
 
         def fail(exc: BaseException) -> None:
@@ -329,6 +370,7 @@ class RunDriver:
                                 self.buffer_size,
                                 self.steps,
                                 shards[w.rank],
+                                function_context,
                             )
                             for w in group.workers
                         ],
@@ -349,7 +391,15 @@ class RunDriver:
             tg.cancel_scope.cancel()
         if failure:
             self._leftover = asm.take(asm.ready)
-            raise failure[0]
+            error = failure[0]
+            if isinstance(error, WorkerRaisedError):
+                # A peer's death surfaces first as an error in the survivors' collectives.
+                with anyio.CancelScope(shield=True):
+                    dead = await group.find_dead()
+                if dead is not None:
+                    dead.__context__ = error
+                    error = dead
+            raise error
         self._session_live = False
         return [o[1] for o in asm.outcomes if o is not None]
 
@@ -452,27 +502,33 @@ class RunDriver:
                 await anyio.to_thread.run_sync(_remove_dirs, pruned)
 
     def _track_checkpoints(self, steps: list[Step]) -> list[str]:
-        pruned: list[str] = []
+        """Record the steps' checkpoints; return the directories the retention policy drops.
+
+        The latest checkpoint is always kept (a restart resumes from it), beside the
+        ``num_to_keep`` most recent, or best by ``score_attribute``."""
         policy = self.executor.config.checkpoint
         for step in steps:
-            if step.checkpoint is None:
-                continue
-            self.latest = step.checkpoint
-            self.run.latest_checkpoint = step.checkpoint
-            self.checkpoints.append((step.checkpoint, step.metrics))
-            keep = policy.num_to_keep
-            if keep is None or len(self.checkpoints) <= keep:
-                continue
-            if policy.score_attribute is None:
-                victim = self.checkpoints[0]
-            else:
-                sign = 1.0 if policy.score_order == "max" else -1.0
-                candidates = [c for c in self.checkpoints if c[0] != self.latest]
-                attribute = policy.score_attribute
-                victim = min(candidates, key=lambda c: _score(c[1], attribute, sign))
-            self.checkpoints.remove(victim)
-            pruned.append(victim[0].path)
-        return pruned
+            if step.checkpoint is not None:
+                self.latest = step.checkpoint
+                self.run.latest_checkpoint = step.checkpoint
+                self.checkpoints.append((step.checkpoint, step.metrics))
+        keep = policy.num_to_keep
+        if keep is None or len(self.checkpoints) <= keep:
+            return []
+        if policy.score_attribute is None:
+            kept = self.checkpoints[-keep:]
+        else:
+            sign = 1.0 if policy.score_order == "max" else -1.0
+            attribute = policy.score_attribute
+            ranked = sorted(
+                self.checkpoints, key=lambda c: _score(c[1], attribute, sign), reverse=True
+            )
+            kept = ranked[:keep]
+            if self.checkpoints[-1] not in kept:
+                kept.append(self.checkpoints[-1])
+        dropped = [c[0].path for c in self.checkpoints if c not in kept]
+        self.checkpoints = [c for c in self.checkpoints if c in kept]
+        return dropped
 
     async def _stop_session(self) -> None:
         """After a cancelled run: stop the function on every worker, or discard the group."""

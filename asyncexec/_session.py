@@ -19,6 +19,7 @@ import os
 import threading
 import traceback
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -169,8 +170,10 @@ class Session:
         step_offset: int,
         shards: Mapping[str, Any],
         loop: asyncio.AbstractEventLoop,
+        function_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.context = context
+        self._function_context = function_context
         self.checkpoint = checkpoint
         self.shards = dict(shards)
         self._fn = fn
@@ -203,9 +206,11 @@ class Session:
 
     def _call(self) -> Any:
         args = (self._config,) if self._takes_config else ()
-        if inspect.iscoroutinefunction(self._fn):
-            return asyncio.run(self._run_async(args))
-        return self._fn(*args)
+        factory = self._function_context
+        with factory() if factory is not None else contextlib.nullcontext():
+            if inspect.iscoroutinefunction(self._fn):
+                return asyncio.run(self._run_async(args))
+            return self._fn(*args)
 
     async def _run_async(self, args: tuple[Any, ...]) -> Any:
         self._fn_loop = asyncio.get_running_loop()

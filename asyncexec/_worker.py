@@ -12,6 +12,7 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,7 @@ class _Worker:
         buffer_size: int,
         step_offset: int,
         shards: Mapping[str, Any],
+        function_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         """Start ``fn`` in its own thread and return at once; reports are taken with ``poll``."""
         if self._session is not None and not self._session.finished:
@@ -106,6 +108,7 @@ class _Worker:
             step_offset=step_offset,
             shards=shards,
             loop=asyncio.get_running_loop(),
+            function_context=function_context,
         )
         self._session.start()
 

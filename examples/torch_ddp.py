@@ -126,27 +126,6 @@ def train_loop(config: dict[str, Any]) -> list[float]:
     return flat_parameters(model)
 
 
-#: What gloo says on the surviving ranks when a peer process dies mid-collective.
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
-
-
-def restartable(exc: BaseException) -> bool:
-    """asyncexec's default restart choice, plus a rank whose collective failed because a peer
-    died: the survivors' error can reach the driver before Ray reports the death, and that
-    error says only that the peer went away."""
-    if isinstance(
-        exc,
-        asyncexec.WorkerCrashedError
-        | asyncexec.NodeLostError
-        | asyncexec.WorkerHungError
-        | asyncexec.StartupError,
-    ):
-        return True
-    return isinstance(exc, asyncexec.WorkerRaisedError) and any(
-        text in str(exc.error) for text in PEER_LOST
-    )
-
-
 @dataclass(frozen=True)
 class Summary:
     """What a training run produced.
@@ -182,7 +161,7 @@ async def main(
         workers,
         resources_per_worker={"CPU": cpus_per_worker},
         backend=TorchBackend(backend="gloo"),
-        restart=restart or asyncexec.RestartPolicy(max_restarts=2, retry_if=restartable),
+        restart=restart or asyncexec.RestartPolicy(max_restarts=2),
         storage_path=storage_path,
     ) as executor:
         async for step in executor.run(train_loop, config):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
@@ -58,3 +59,9 @@ class Backend:
 
     async def on_shutdown(self, group: GroupHandle) -> None:
         """Before the workers are stopped on a graceful shutdown."""
+
+    def function_context(self) -> Callable[[], AbstractContextManager[Any]] | None:
+        """A picklable factory of a context manager that every worker enters around the user's
+        function, in the function's own thread (for per-thread state such as the current CUDA
+        device); None for none."""
+        return None

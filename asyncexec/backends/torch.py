@@ -16,11 +16,14 @@ guess: the port is held from the moment it is chosen until the process group is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -160,6 +163,11 @@ class TorchBackend(Backend):
         if hung:
             _log.warning("torch_destroy_timed_out", ranks=hung, seconds=self.shutdown_timeout_s)
 
+    def function_context(self) -> Callable[[], AbstractContextManager[Any]]:
+        """Make the worker's own GPU the current CUDA device in the function's thread (the
+        setting is per thread; the one made at start-up does not carry over)."""
+        return _device_context
+
     async def _set_up(self, group: GroupHandle) -> None:
         t0 = time.perf_counter()
         contexts = group.contexts
@@ -263,8 +271,7 @@ def cuda_device_index(gpu_ids: Sequence[str], visible: str | None, local_rank: i
 
 def get_device() -> torch_.device:
     """This worker's torch device: its own GPU when it holds one and CUDA is available, else the
-    CPU. Call it inside the function given to ``run()``: the current CUDA device is a per-thread
-    setting, so set it there with ``torch.cuda.set_device(get_device())`` when using GPUs."""
+    CPU. With TorchBackend it is already the current CUDA device in the function's thread."""
     import torch
 
     from .._session import get_context
@@ -275,6 +282,20 @@ def get_device() -> torch_.device:
         return torch.device("cpu")
     index = cuda_device_index(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), context.local_rank)
     return torch.device("cuda", index)
+
+
+@contextlib.contextmanager
+def _device_context() -> Iterator[None]:
+    """On a worker, around the user's function: set the current CUDA device when there is one.
+    Does not import torch unless the process already has (a function that never touches torch
+    does not pay for it)."""
+    if "torch" in sys.modules:
+        import torch
+
+        device = get_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    yield
 
 
 def _init_process_group(

@@ -1,0 +1,385 @@
+"""Start, stop, cancel and misuse: every cancellation path leaves nothing in the cluster and the
+executor can start again; bad input is refused before anything starts; errors say what failed."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import ray
+from structlog.testing import capture_logs
+
+import asyncexec
+from conftest import live_placement_groups, live_workers, wait_no_leaks
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+CPU = {"CPU": 0.5}
+
+
+def forever(config: Any = None) -> None:
+    i = 0
+    while True:
+        asyncexec.report({"i": i})
+        i += 1
+        time.sleep(0.01)
+
+
+def few(config: dict[str, Any]) -> int:
+    for i in range(config.get("steps", 3)):
+        asyncexec.report({"i": i})
+    return asyncexec.get_context().world_rank
+
+
+async def _wait_until(predicate: Any, timeout_s: float = 30.0) -> None:
+    with anyio.fail_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(0.05)
+
+
+async def test_break_stops_the_run_and_the_executor_runs_again() -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        run = ex.run(forever)
+        async for step in run:
+            if step.index == 2:
+                break
+        await run.aclose()
+        assert run.state is asyncexec.RunState.CANCELLED
+        # The same workers (the stopped function let go of them) serve the next run.
+        pids = [w.pid for w in ex.workers]
+        steps = [s async for s in ex.run(few, {"steps": 2})]
+        assert len(steps) == 2
+        assert [w.pid for w in ex.workers] == pids
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+
+
+async def test_dropping_the_iterator_stops_the_run() -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+
+        async def take_two() -> asyncexec.Run:
+            run = ex.run(forever)
+            async for step in run:
+                if step.index == 1:
+                    break
+            return run
+
+        run = await take_two()
+        core = run._core  # the shared state outlives the iterator
+        del run  # the last reference: collecting the iterator stops the run
+        with anyio.fail_after(30):
+            await core.finished.wait()
+        assert core.state is asyncexec.RunState.CANCELLED
+        assert ex.statistics().runs_cancelled == 1
+
+
+async def test_cancelling_the_consumer_mid_run_leaves_nothing_and_restarts() -> None:
+    ex = asyncexec.Executor(2, resources_per_worker=CPU)
+    third = anyio.Event()
+
+    async def consume() -> None:
+        async with ex:
+            async for step in ex.run(forever):
+                if step.index == 3:
+                    third.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        with anyio.fail_after(60):
+            await third.wait()
+        tg.cancel_scope.cancel()
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+    wait_no_leaks()
+    async with ex:  # the executor can be started again
+        steps = [s async for s in ex.run(few, {"steps": 2})]
+        assert len(steps) == 2
+
+
+async def test_cancel_while_waiting_for_placement_leaves_nothing() -> None:
+    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 64}, placement_timeout_s=600)
+    async with anyio.create_task_group() as tg:
+
+        async def enter() -> None:
+            async with ex:
+                pytest.fail("placement cannot succeed")
+
+        tg.start_soon(enter)
+        await _wait_until(lambda: len(live_placement_groups()) == 1)
+        tg.cancel_scope.cancel()
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+    wait_no_leaks()
+
+
+def _slow_hook() -> None:
+    Path(os.environ["HOOK_FLAG"]).touch()
+    time.sleep(60)
+
+
+async def test_cancel_during_start_up_leaves_nothing(tmp_path: Path) -> None:
+    flag = tmp_path / "hook-started"
+    ex = asyncexec.Executor(
+        2,
+        resources_per_worker=CPU,
+        init_hook=_slow_hook,
+        runtime_env={"env_vars": {"HOOK_FLAG": str(flag)}},
+    )
+    async with anyio.create_task_group() as tg:
+
+        async def enter() -> None:
+            async with ex:
+                pytest.fail("start-up should have been cancelled")
+
+        tg.start_soon(enter)
+        await _wait_until(flag.exists, 60)
+        assert len(live_workers()) == 2
+        tg.cancel_scope.cancel()
+    wait_no_leaks()
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as again:
+        assert len(again.workers) == 1
+
+
+async def test_placement_timeout_names_requested_and_available_resources() -> None:
+    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 64}, placement_timeout_s=0.5)
+    with pytest.raises(asyncexec.PlacementTimeoutError) as info:
+        async with ex:
+            pass
+    error = info.value
+    assert error.requested == [{"CPU": 64.0}, {"CPU": 64.0}]
+    assert error.available.get("CPU", 0) >= 1
+    assert "64" in str(error)
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+
+
+def uneven(config: Any = None) -> None:
+    rank = asyncexec.get_context().world_rank
+    for i in range(3 if rank == 0 else 2):
+        asyncexec.report({"i": i})
+
+
+def over_reports(config: Any = None) -> None:
+    rank = asyncexec.get_context().world_rank
+    asyncexec.report({"i": 0})
+    if rank == 1:
+        time.sleep(0.5)
+        asyncexec.report({"i": 1})
+        asyncexec.report({"i": 2})
+
+
+@pytest.mark.parametrize("fn", [uneven, over_reports])
+async def test_ranks_reporting_different_counts_end_with_a_clear_error(fn: Any) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        steps = []
+        with pytest.raises(asyncexec.ReportMismatchError) as info:
+            async for step in ex.run(fn):
+                steps.append(step)
+    counts = info.value.counts
+    assert set(counts) == {0, 1}
+    assert counts[0] != counts[1]
+    assert "rank 0" in str(info.value)
+    assert "rank 1" in str(info.value)
+    assert len(steps) == min(counts.values())
+
+
+async def test_misuse_before_start_and_after_close() -> None:
+    ex = asyncexec.Executor(1, resources_per_worker=CPU)
+    with pytest.raises(asyncexec.ExecutorStateError, match="not started"):
+        ex.run(few, {})
+    with pytest.raises(asyncexec.ExecutorStateError, match="not started"):
+        await ex.execute(os.getpid)
+    async with ex:
+        pass
+    with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
+        ex.run(few, {})
+    with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
+        await ex.execute_single(0, os.getpid)
+    with pytest.raises(asyncexec.ExecutorStateError, match="no run has finished"):
+        _ = ex.result
+    await ex.aclose()  # idempotent
+
+
+async def test_bad_run_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    lock = threading.Lock()
+
+    def holds_a_lock() -> None:
+        with lock:
+            pass
+
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        with pytest.raises(asyncexec.ConfigurationError, match="callable"):
+            ex.run(42)  # type: ignore[arg-type]
+        with pytest.raises(asyncexec.ConfigurationError, match="fn cannot be pickled"):
+            ex.run(holds_a_lock)
+        with pytest.raises(asyncexec.ConfigurationError, match="config cannot be pickled"):
+            ex.run(few, {"lock": lock})
+        with pytest.raises(asyncexec.ConfigurationError, match="buffer_size"):
+            ex.run(few, {}, buffer_size=0)
+        with pytest.raises(asyncexec.ConfigurationError, match="does not exist"):
+            ex.run(few, {}, checkpoint=tmp_path / "missing")
+        assert ex.statistics().runs_started == 0
+        run = ex.run(forever)
+        with pytest.raises(asyncexec.ExecutorStateError, match="in progress"):
+            ex.run(few, {})
+        await run.aclose()
+
+
+_WEIGHTS: dict[str, Any] = {"version": 0}
+
+
+def set_version(version: int) -> int:
+    _WEIGHTS["version"] = version
+    return asyncexec.get_context().world_rank
+
+
+def follows_weights(config: Any = None) -> int:
+    seen = 0
+    while _WEIGHTS["version"] < 3:
+        if _WEIGHTS["version"] != seen:
+            seen = _WEIGHTS["version"]
+            asyncexec.report({"version": seen})
+        time.sleep(0.005)
+    return int(_WEIGHTS["version"])
+
+
+async def test_execute_reaches_live_workers_while_their_function_runs() -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        await ex.execute(set_version, 0)
+        run = ex.run(follows_weights)
+        assert await ex.execute(set_version, 1) == [0, 1]
+        versions = []
+        async for step in run:
+            versions.append(step.metrics["version"])
+            await ex.execute_single(0, set_version, step.metrics["version"] + 1)
+            await ex.execute_single(1, set_version, step.metrics["version"] + 1)
+        assert versions == [1, 2]
+        assert run.result.return_values == [3, 3]
+        with pytest.raises(asyncexec.ConfigurationError, match="rank"):
+            await ex.execute_single(5, os.getpid)
+
+
+def raise_on_rank_1() -> None:
+    if asyncexec.get_context().world_rank == 1:
+        raise KeyError("missing weights")
+
+
+async def test_execute_error_names_the_rank_and_keeps_the_cause() -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.execute(raise_on_rank_1)
+        assert info.value.rank == 1
+        assert isinstance(info.value.__cause__, KeyError)
+        assert "missing weights" in str(info.value)
+
+
+async def test_start_up_and_runs_are_logged_with_durations_and_the_worker_table() -> None:
+    with capture_logs() as logs:
+        async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+            [s async for s in ex.run(few, {"steps": 1})]
+    events = {e["event"]: e for e in logs}
+    assert events["placement_ready"]["seconds"] >= 0
+    assert events["workers_ready"]["seconds"] >= events["placement_ready"]["seconds"]
+    table = events["worker_table"]["workers"]
+    assert [w["rank"] for w in table] == [0, 1]
+    assert all(w["pid"] > 0 for w in table)
+    assert events["run_started"]["run_id"] == events["run_finished"]["run_id"]
+    assert events["run_finished"]["steps"] == 1
+    assert events["group_closed"]["force"] is False
+
+
+async def test_forced_close_skips_the_graceful_part() -> None:
+    with capture_logs() as logs:
+        async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+            await ex.aclose(force=True)
+    closed = [e for e in logs if e["event"] == "group_closed"]
+    assert len(closed) == 1
+    assert closed[0]["force"] is True
+
+
+async def test_checkpoints_are_persisted_before_their_step_and_pruned(tmp_path: Path) -> None:
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker=CPU,
+        storage_path=tmp_path,
+        checkpoint=asyncexec.CheckpointConfig(num_to_keep=2),
+    ) as ex:
+        seen = []
+        async for step in ex.run(checkpoints_each_step, {"steps": 5}):
+            assert step.checkpoint is not None
+            files = sorted(p.name for p in Path(step.checkpoint.path).iterdir())
+            assert files == ["rank0.txt", "rank1.txt"]  # both ranks' files, merged
+            seen.append(step.checkpoint.path)
+        kept = sorted(p for p in (tmp_path / ex.result.run_id).iterdir())
+        assert [str(p) for p in kept] == seen[-2:]
+        assert ex.result.checkpoint is not None
+        assert ex.result.checkpoint.path == seen[-1]
+        # A later run can start from it; its workers see it through get_checkpoint().
+        run = ex.run(reads_checkpoint, checkpoint=ex.result.checkpoint)
+        [s async for s in run]
+        assert run.result.return_values == ["4", "4"]
+
+
+def checkpoints_each_step(config: dict[str, Any]) -> None:
+    import tempfile
+
+    rank = asyncexec.get_context().world_rank
+    for i in range(config["steps"]):
+        tmp = tempfile.mkdtemp()
+        Path(tmp, f"rank{rank}.txt").write_text(str(i))
+        asyncexec.report({"i": i}, checkpoint=asyncexec.Checkpoint.from_directory(tmp))
+
+
+def reads_checkpoint() -> str:
+    checkpoint = asyncexec.get_checkpoint()
+    assert checkpoint is not None
+    asyncexec.report({"ok": 1})
+    return Path(checkpoint.path, "rank0.txt").read_text()
+
+
+async def test_best_checkpoints_by_metric_are_kept(tmp_path: Path) -> None:
+    async with asyncexec.Executor(
+        1,
+        resources_per_worker=CPU,
+        storage_path=tmp_path,
+        checkpoint=asyncexec.CheckpointConfig(
+            num_to_keep=2, score_attribute="loss", score_order="min"
+        ),
+    ) as ex:
+        losses = [5.0, 1.0, 4.0, 2.0, 3.0]
+        paths = {}
+        async for step in ex.run(scored, {"losses": losses}):
+            assert step.checkpoint is not None
+            paths[step.metrics["loss"]] = step.checkpoint.path
+        kept = {str(p) for p in (tmp_path / ex.result.run_id).iterdir()}
+    # The two best (1.0, 2.0) and the latest (3.0), which a restart would need.
+    assert kept == {paths[1.0], paths[2.0], paths[3.0]}
+
+
+def scored(config: dict[str, Any]) -> None:
+    import tempfile
+
+    for loss in config["losses"]:
+        tmp = tempfile.mkdtemp()
+        Path(tmp, "w").write_text(str(loss))
+        asyncexec.report({"loss": loss}, checkpoint=asyncexec.Checkpoint.from_directory(tmp))
+
+
+def report_bad_payload() -> None:
+    asyncexec.report([1, 2, 3])  # type: ignore[arg-type]
+
+
+async def test_a_report_that_is_not_a_mapping_fails_the_run_clearly() -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError, match="mapping"):
+            async for _ in ex.run(report_bad_payload):
+                pass
+
+
+def test_worker_side_calls_outside_a_worker_are_refused() -> None:
+    with pytest.raises(asyncexec.ExecutorStateError, match="inside"):
+        asyncexec.report({"x": 1})
+    with pytest.raises(asyncexec.ExecutorStateError, match="inside"):
+        asyncexec.get_context()
+    assert ray.is_initialized()
