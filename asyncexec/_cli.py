@@ -703,7 +703,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         validate_resources(options.resources)  # refused here, before Ray is started
         tracker = Tracker(title, options.num_workers, total_steps(fn, config))
 
-        started_ray = _init_ray(options.address)
+        try:
+            started_ray = _init_ray(options.address)
+        except Exception as exc:  # ray.init's errors are not one family: say what failed
+            where = f"join the Ray cluster at {options.address}" if options.address else "start Ray"
+            print(f"asyncexec: could not {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
 
         view = make_view(tracker, as_json=args.json)
 
