@@ -19,7 +19,7 @@ from ._checkpoint import Checkpoint
 from ._errors import ReportMismatchError
 from ._session import PollResult
 
-__all__ = ["Assembly", "Report", "RunResult", "Step"]
+__all__ = ["Assembly", "Report", "RunResult", "Step", "StepBatch"]
 
 
 class Report:
@@ -86,6 +86,55 @@ class Step:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Step, (self.index, self.attempt, list(self.reports), self.checkpoint))
+
+
+class StepBatch:
+    """Complete steps as they travel from the driver task to the iterator: one tuple of metrics
+    per step (one entry per rank) and the few checkpoints. The iterator builds each
+    :class:`Step` when the consumer asks for it, so steps that are consumed and dropped are freed
+    at once instead of piling up in the garbage collector's older generations (which cost the
+    event loop tens of milliseconds per full collection)."""
+
+    __slots__ = ("attempt", "checkpoints", "first", "rows")
+
+    def __init__(
+        self,
+        first: int,
+        attempt: int,
+        rows: list[tuple[dict[str, Any], ...]],
+        checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]],
+    ) -> None:
+        self.first = first
+        self.attempt = attempt
+        self.rows = rows
+        self.checkpoints = checkpoints
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def step(self, i: int) -> Step:
+        """The i-th step of the batch."""
+        reports = [Report(rank, metrics) for rank, metrics in enumerate(self.rows[i])]
+        checkpoint = None
+        if self.checkpoints and i in self.checkpoints:
+            checkpoint, ranks = self.checkpoints[i]
+            for rank in ranks:
+                reports[rank].checkpoint = checkpoint
+        return Step(self.first + i, self.attempt, reports, checkpoint)
+
+    def split(self, size: int) -> list[StepBatch]:
+        """This batch cut into batches of at most ``size`` steps."""
+        if len(self.rows) <= size:
+            return [self]
+        return [
+            StepBatch(
+                self.first + start,
+                self.attempt,
+                self.rows[start : start + size],
+                {i - start: c for i, c in self.checkpoints.items() if start <= i < start + size},
+            )
+            for start in range(0, len(self.rows), size)
+        ]
 
 
 @dataclass(frozen=True)
@@ -158,24 +207,24 @@ class Assembly:
         """How many complete steps can be taken now."""
         return min(len(q) for q in self.queues)
 
-    def take(self, limit: int) -> list[Step]:
-        """Take up to ``limit`` complete steps."""
+    def take(self, limit: int) -> StepBatch:
+        """Take up to ``limit`` complete steps, as a compact batch."""
         n = min(self.ready, limit)
-        steps = []
-        queues = self.queues
-        ranks = range(self.num_ranks)
-        for _ in range(n):
-            seq = self.assembled
-            reports = [Report(r, queues[r].popleft()) for r in ranks]
-            checkpoint = None
-            for r in ranks:
-                path = self.checkpoints[r].pop(seq, None) if self.checkpoints[r] else None
-                if path is not None:
-                    checkpoint = Checkpoint(path)
-                    reports[r].checkpoint = checkpoint
-            steps.append(Step(self.index_offset + seq, self.attempt, reports, checkpoint))
-            self.assembled += 1
-        return steps
+        per_rank = []
+        for queue in self.queues:
+            popleft = queue.popleft
+            per_rank.append([popleft() for _ in range(n)])
+        first = self.assembled
+        checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
+        for rank, pending in enumerate(self.checkpoints):
+            for seq in [s for s in pending if s < first + n]:
+                path = pending.pop(seq)
+                ckpt, ranks = checkpoints.get(seq - first, (Checkpoint(path), ()))
+                checkpoints[seq - first] = (ckpt, (*ranks, rank))
+        self.assembled += n
+        return StepBatch(
+            self.index_offset + first, self.attempt, list(zip(*per_rank, strict=True)), checkpoints
+        )
 
     @property
     def finished(self) -> bool:

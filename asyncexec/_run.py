@@ -35,7 +35,7 @@ from ._errors import (
     WorkerRaisedError,
 )
 from ._group import WorkerGroup
-from ._reports import Assembly, RunResult, Step
+from ._reports import Assembly, RunResult, Step, StepBatch
 from ._session import with_run
 
 if TYPE_CHECKING:
@@ -130,8 +130,9 @@ class Run:
     def __init__(self, core: RunCore, receive: MemoryObjectReceiveStream[Any]) -> None:
         self._core = core
         self._receive = receive
-        self._batch: list[Step] = []
+        self._batch: StepBatch | None = None
         self._pos = 0
+        self._len = 0
 
     def __repr__(self) -> str:
         core = self._core
@@ -173,8 +174,9 @@ class Run:
         return self
 
     async def __anext__(self) -> Step:
-        if self._pos < len(self._batch):
-            step = self._batch[self._pos]
+        if self._pos < self._len:
+            assert self._batch is not None
+            step = self._batch.step(self._pos)
             self._pos += 1
             return step
         core = self._core
@@ -189,10 +191,9 @@ class Run:
             if end is not None and end.error is not None:
                 raise end.error from end.error.__cause__
             raise StopAsyncIteration from None
-        self._batch = item
-        self._pos = 1
-        first: Step = item[0]
-        return first
+        batch: StepBatch = item
+        self._batch, self._pos, self._len = batch, 1, len(batch)
+        return batch.step(0)
 
     async def aclose(self) -> None:
         """Stop the run and wait until its workers have stopped (bounded by the executor's
@@ -248,7 +249,7 @@ class RunDriver:
         self.log = executor.log.bind(run_id=run.run_id)
         self._group: WorkerGroup | None = None
         self._session_live = False
-        self._leftover: list[Step] = []
+        self._leftover: StepBatch | None = None
 
     async def main(self, previous: RunCore | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
@@ -308,8 +309,9 @@ class RunDriver:
                             await self.executor._discard_group(force=True)
                         self._session_live = False
                         # Steps every rank completed before the failure are still delivered.
-                        leftover, self._leftover = self._leftover, []
-                        await self._send_steps(leftover)
+                        leftover, self._leftover = self._leftover, None
+                        if leftover is not None:
+                            await self._send_steps(leftover)
                         raise
         except tenacity.RetryError:
             last = self.failures[-1] if self.failures else None
@@ -490,10 +492,11 @@ class RunDriver:
                 return
             await asm.wait_changed()
 
-    async def _send_steps(self, steps: list[Step]) -> None:
+    async def _send_steps(self, steps: StepBatch) -> None:
         """Hand steps to the iterator (waits for the consumer) and prune old checkpoints."""
-        for start in range(0, len(steps), _BATCH):
-            batch = steps[start : start + _BATCH]
+        for batch in steps.split(_BATCH):
+            if not len(batch):
+                continue
             pruned = self._track_checkpoints(batch)
             self.steps += len(batch)
             await self.send.send(batch)
@@ -501,17 +504,19 @@ class RunDriver:
             if pruned:
                 await anyio.to_thread.run_sync(_remove_dirs, pruned)
 
-    def _track_checkpoints(self, steps: list[Step]) -> list[str]:
-        """Record the steps' checkpoints; return the directories the retention policy drops.
+    def _track_checkpoints(self, batch: StepBatch) -> list[str]:
+        """Record the batch's checkpoints; return the directories the retention policy drops.
 
         The latest checkpoint is always kept (a restart resumes from it), beside the
-        ``num_to_keep`` most recent, or best by ``score_attribute``."""
+        ``num_to_keep`` most recent, or best by ``score_attribute`` (rank 0's metric)."""
+        if not batch.checkpoints:
+            return []
         policy = self.executor.config.checkpoint
-        for step in steps:
-            if step.checkpoint is not None:
-                self.latest = step.checkpoint
-                self.run.latest_checkpoint = step.checkpoint
-                self.checkpoints.append((step.checkpoint, step.metrics))
+        for i in sorted(batch.checkpoints):
+            checkpoint = batch.checkpoints[i][0]
+            self.latest = checkpoint
+            self.run.latest_checkpoint = checkpoint
+            self.checkpoints.append((checkpoint, batch.rows[i][0]))
         keep = policy.num_to_keep
         if keep is None or len(self.checkpoints) <= keep:
             return []

@@ -71,7 +71,7 @@ def _shutdown() -> None:
 def ray_local() -> Iterator[None]:
     """A local single-node Ray with LOCAL_CPUS CPUs, shared by every test that asks for it;
     after the test, nothing of asyncexec may be left in it."""
-    if _current["mode"] != "local":
+    if _current["mode"] != "local" or not ray.is_initialized():
         _shutdown()
         ray.init(num_cpus=LOCAL_CPUS, include_dashboard=False, log_to_driver=False)
         _current["mode"] = "local"
