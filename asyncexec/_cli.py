@@ -29,7 +29,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TextIO
 
 import anyio
@@ -561,9 +561,7 @@ async def drive(
 
     policy = RestartPolicy(max_restarts=options.max_restarts)
     if options.restart_wait_s is not None:
-        policy = RestartPolicy(
-            max_restarts=options.max_restarts, wait=tenacity.wait_fixed(options.restart_wait_s)
-        )
+        policy = replace(policy, wait=tenacity.wait_fixed(options.restart_wait_s))
     async with Executor(
         options.num_workers,
         resources_per_worker=options.resources,
