@@ -24,7 +24,12 @@ from ray import cloudpickle
 
 from ._checkpoint import Checkpoint
 from ._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, validate_buffer_size
-from ._errors import ConfigurationError, ExecutorStateError
+from ._errors import (
+    ConfigurationError,
+    ExecutorStateError,
+    WorkerCrashedError,
+    WorkerHungError,
+)
 from ._group import WorkerGroup
 from ._logging import get_logger
 from ._reports import RunResult
@@ -286,6 +291,22 @@ class Executor:
             self._state = ExecutorState.RUNNING if self._run_active() else ExecutorState.READY
             return self._group
 
+    async def _recover_group(self, failure: BaseException) -> None:
+        """After a failed attempt: replace only the failed rank when the policy asks for it and
+        that is possible, else discard the whole group (the next attempt starts a fresh one)."""
+        group = self._group
+        if (
+            group is not None
+            and self.restart_policy.reuse_survivors
+            and isinstance(failure, WorkerCrashedError | WorkerHungError)
+        ):
+            try:
+                if await group.replace_rank(failure.rank):
+                    return
+            except Exception as exc:
+                self.log.warning("rank_replace_failed", error=str(exc))
+        await self._discard_group(force=True)
+
     async def _discard_group(self, *, force: bool) -> None:
         group, self._group = self._group, None
         if group is not None:
@@ -388,10 +409,10 @@ class Executor:
                 f"run {self._run.run_id} is in progress; close it or let it finish first"
             )
         data = None
-        if datasets:
+        if datasets is not None or data_config is not None:
             from ._data import validate_datasets
 
-            data = validate_datasets(datasets, data_config)
+            data = validate_datasets({} if datasets is None else datasets, data_config)
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(new_run_id())
         driver = RunDriver(self, core, send, fn, config, start, bound, data)

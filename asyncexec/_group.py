@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import anyio
@@ -54,6 +54,7 @@ class WorkerInfo:
     actor: ActorHandle
     metadata: WorkerMetadata
     context: WorkerContext
+    bundle: int = -1
 
     @property
     def rank(self) -> int:
@@ -155,12 +156,19 @@ class WorkerGroup:
             BackendError: the backend's ``on_start`` failed.
         """
         t0 = time.perf_counter()
-        placement = create_placement(config.bundles, config.placement_strategy, config.name)
         options = _actor_options(config)
-        actors = [
-            WorkerActor.options(scheduling_strategy=placement.strategy(i), **options).remote()
-            for i in range(config.num_workers)
-        ]
+
+        def request() -> tuple[Placement, list[ActorHandle]]:
+            # Off the loop: the first actor of a class in a process exports the class to the
+            # cluster synchronously (about 0.1 s).
+            placement = create_placement(config.bundles, config.placement_strategy, config.name)
+            return placement, [
+                WorkerActor.options(scheduling_strategy=placement.strategy(i), **options).remote()
+                for i in range(config.num_workers)
+            ]
+
+        with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
+            placement, actors = await anyio.to_thread.run_sync(request)
         group: WorkerGroup | None = None
         phase = "waiting for the placement group"
         try:
@@ -179,6 +187,7 @@ class WorkerGroup:
                 )
                 metas = [metas[i] for i in order]
                 actors = [actors[i] for i in order]
+                bundles = list(order)
                 ranks = assign_ranks([m.node_id for m in metas])
                 envs = shared_device_env(
                     [m.node_id for m in metas],
@@ -210,7 +219,8 @@ class WorkerGroup:
                     "set-up",
                 )
                 workers = [
-                    WorkerInfo(a, m, c) for a, m, c in zip(actors, metas, contexts, strict=True)
+                    WorkerInfo(a, m, c, b)
+                    for a, m, c, b in zip(actors, metas, contexts, bundles, strict=True)
                 ]
                 group = cls(config, backend, placement, workers, attempt, log)
                 log.info(
@@ -351,6 +361,60 @@ class WorkerGroup:
 
         found = await asyncio.gather(*(probe(w) for w in self.workers))
         return next((f for f in found if f is not None), None)
+
+    async def replace_rank(self, rank: int) -> bool:
+        """Replace one failed rank with a fresh process in its bundle, keeping the others.
+
+        The survivors' functions are stopped first (bounded by ``stop_timeout_s``); when one does
+        not stop (stuck in a collective, say), or the new process lands on another node, nothing
+        is kept and False is returned: the caller then replaces the whole group.
+        """
+        if self._closed or self.backend is not None or not self.placement.owned:
+            return False
+        failed = self.workers[rank]
+        with contextlib.suppress(Exception):
+            ray.kill(failed.actor, no_restart=True)
+        survivors = [w for w in self.workers if w.rank != rank]
+        timeout = self.config.stop_timeout_s
+        stopped = False
+        with anyio.move_on_after(timeout + 1):
+            try:
+                results = await asyncio.gather(
+                    *(_as_coro(w.actor.stop_run.remote(timeout)) for w in survivors)
+                )
+                stopped = all(results)
+            except Exception:
+                stopped = False
+        if not stopped:
+            return False
+        actor = WorkerActor.options(
+            scheduling_strategy=self.placement.strategy(failed.bundle),
+            **_actor_options(self.config),
+        ).remote()
+        try:
+            with anyio.fail_after(self.config.start_timeout_s):
+                meta: WorkerMetadata = await actor.describe.remote()
+                if meta.node_id != failed.metadata.node_id:
+                    raise RuntimeError("the replacement landed on another node")
+                metas = [meta if w.rank == rank else w.metadata for w in self.workers]
+                env = shared_device_env(
+                    [m.node_id for m in metas],
+                    [m.accelerator_ids for m in metas],
+                    sorted(self.config.share_devices),
+                )[rank]
+                context = replace(
+                    failed.context, pid=meta.pid, accelerator_ids=meta.accelerator_ids
+                )
+                await actor.setup.remote(
+                    env, context, self.config.init_hook, _driver_data_context()
+                )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise
+        self.workers[rank] = WorkerInfo(actor, meta, context, failed.bundle)
+        self._log.info("rank_replaced", rank=rank, pid=meta.pid)
+        return True
 
     # Health -----------------------------------------------------------------------------------
 

@@ -51,6 +51,12 @@ class RestartPolicy:
             ``stop_after_attempt(5) | stop_after_delay(600)``.
         retry: tenacity retry strategy; replaces ``retry_if`` and ``restart_on_user_error``.
         sleep: the coroutine function that waits; tests inject one that returns at once.
+        reuse_survivors: after a crashed or hung rank, replace only that rank with a fresh
+            process in its bundle and keep the others, whose functions are stopped (they restart
+            from the checkpoint like every rank). Faster (one process to start, not N), but the
+            survivors keep their module-level state. Falls back to replacing the whole group when
+            a survivor does not stop in time, for a lost node, and with a backend (a framework's
+            process group must be rebuilt by fresh processes). Off by default.
     """
 
     max_restarts: int | None = 3
@@ -62,6 +68,7 @@ class RestartPolicy:
     stop: stop_base | Callable[[RetryCallState], bool] | None = None
     retry: retry_base | Callable[[RetryCallState], bool] | None = None
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep
+    reuse_survivors: bool = False
 
     def __post_init__(self) -> None:
         if self.max_restarts is not None and (

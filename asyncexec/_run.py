@@ -88,6 +88,7 @@ class RunCore:
         self.latest_checkpoint: Checkpoint | None = None
         self.result: RunResult | None = None
         self.error: BaseException | None = None
+        self.failures: list[BaseException] = []
         self.end: _End | None = None
         self.closed = False
         self.scope = anyio.CancelScope()
@@ -157,6 +158,11 @@ class Run:
     def latest_checkpoint(self) -> Checkpoint | None:
         """The latest checkpoint a completed step carried."""
         return self._core.latest_checkpoint
+
+    @property
+    def failures(self) -> tuple[BaseException, ...]:
+        """The errors that ended attempts so far, in order."""
+        return tuple(self._core.failures)
 
     @property
     def result(self) -> RunResult:
@@ -241,7 +247,7 @@ class RunDriver:
         self.config = config
         self.buffer_size = buffer_size
         self.datasets = datasets
-        self.failures: list[BaseException] = []
+        self.failures = run.failures  # shared with the iterator
         self.checkpoints: list[tuple[Checkpoint, Any]] = []
         self.latest = checkpoint
         self.steps = 0
@@ -287,6 +293,11 @@ class RunDriver:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop_session()
+                if self.datasets:
+                    from ._data import release_shards
+
+                    with anyio.move_on_after(self.executor.config.shutdown_timeout_s):
+                        await release_shards(self.datasets[0])
                 self.executor._run_ended(run)
                 run.finished.set()
             run.end = end
@@ -306,7 +317,7 @@ class RunDriver:
                         self.failures.append(exc)
                         self._log_failure(number, exc)
                         with anyio.CancelScope(shield=True):
-                            await self.executor._discard_group(force=True)
+                            await self.executor._recover_group(exc)
                         self._session_live = False
                         # Steps every rank completed before the failure are still delivered.
                         leftover, self._leftover = self._leftover, None

@@ -66,6 +66,9 @@ class _Worker:
     ) -> None:
         """Apply the environment (shared devices), install the context and the driver's Ray Data
         context, run the init hook."""
+        # The user's function runs in a thread of its own, where ray.get is fine: Ray's warning
+        # about blocking calls inside async actors does not apply.
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         os.environ.update(env)
         _session.set_group_context(context)
         if data_context is not None:

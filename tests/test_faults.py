@@ -272,6 +272,36 @@ async def test_cancelling_during_the_restart_wait_leaves_nothing_behind() -> Non
     # ray_local checks that no actor or placement group is left.
 
 
+@pytest.mark.timeout(180)
+async def test_reuse_survivors_replaces_only_the_failed_rank(tmp_path: Path) -> None:
+    config = {"steps": 20, "every": 3, "sleep": 0.02}
+    policy = asyncexec.RestartPolicy(max_restarts=2, wait=NO_WAIT, reuse_survivors=True)
+    async with asyncexec.Executor(
+        3, resources_per_worker={"CPU": 0.5}, storage_path=tmp_path, restart=policy, buffer_size=2
+    ) as ex:
+        clean = [s async for s in ex.run(counter, config)]
+        expected = ex.result.return_values
+        before = [w.pid for w in ex.workers]
+
+        def chaos(step: asyncexec.Step) -> None:
+            if step.attempt == 1 and step.index == 7:
+                os.kill(before[1], signal.SIGKILL)
+
+        with capture_logs() as logs:
+            run = ex.run(counter, config)
+            steps = await _consume(run, chaos)
+        after = [w.pid for w in ex.workers]
+    assert len(clean) == 20
+    assert run.result.return_values == expected
+    assert run.result.attempts == 2
+    assert run.failures == tuple(run.result.failures)
+    assert after[0] == before[0] and after[2] == before[2]  # survivors kept
+    assert after[1] != before[1]  # the dead rank has a new process
+    assert [e["rank"] for e in logs if e["event"] == "rank_replaced"] == [1]
+    second = [s.metrics["step"] for s in steps if s.attempt == 2]
+    assert second == list(range(second[0], 20))
+
+
 async def test_execute_works_again_after_a_failed_run() -> None:
     async with asyncexec.Executor(
         2, resources_per_worker={"CPU": 0.5}, restart=asyncexec.RestartPolicy.never()
