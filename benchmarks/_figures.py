@@ -103,6 +103,13 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.5,
         ),
         Figure(
+            "restart_reuse",
+            "the same with RestartPolicy(reuse_survivors=True)",
+            "s",
+            target="<= 0.5x Ray Train",
+            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.5,
+        ),
+        Figure(
             "uss",
             "worker memory before fn runs, USS (floor: plain actor)",
             "MiB",

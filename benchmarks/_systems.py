@@ -196,10 +196,13 @@ class AsyncexecGroup:
         return time.time() - last_t
 
     async def restart(
-        self, kill_after: int, period_s: float, resume_steps: int
+        self, kill_after: int, period_s: float, resume_steps: int, *, reuse: bool = False
     ) -> dict[str, float]:
         """SIGKILL one worker mid-run; return the seconds from ``os.kill`` to the first step of
-        attempt 2."""
+        attempt 2. ``reuse``: replace only the killed rank (``reuse_survivors``)."""
+        self.executor.restart_policy = asyncexec.RestartPolicy(
+            max_restarts=1, wait=tenacity.wait_none(), reuse_survivors=reuse
+        )
         config = {"max_steps": 100_000, "period_s": period_s, "resume_steps": resume_steps}
         t0 = t1 = None
         async for step in self.executor.run(ae_resume, config):

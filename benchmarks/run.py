@@ -259,11 +259,14 @@ class Bench:
             if rt is not None:
                 r = await rt.call("restart", kill_after=5, period_s=0.01, resume_steps=5)
                 self.add("restart", "raytrain", r["first_step"])
+                self.add("restart_reuse", "raytrain", r["first_step"])
                 self.note("rt_restart_group_restarted", r["group_restarted"])
             mark = self.events.mark()
             a = await ae.restart(5, 0.01, 5)
             self.add("restart", "asyncexec", a["first_step"])
             self._restart_phases(mark, a["t_kill"])
+            b = await ae.restart(5, 0.01, 5, reuse=True)
+            self.add("restart_reuse", "asyncexec", b["first_step"])
 
     def _restart_phases(self, mark: int, t_kill: float) -> None:
         """Where asyncexec's restart time goes, from its log events."""
