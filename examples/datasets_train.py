@@ -22,11 +22,7 @@ import numpy as np
 import ray
 
 import asyncexec
-
-try:
-    from asyncexec import DataConfig  # type: ignore[attr-defined,unused-ignore]
-except ImportError:  # until the package root exports it
-    from asyncexec._data import DataConfig
+from asyncexec import DataConfig
 
 W_TRUE = np.array([2.0, -3.0, 0.5, 1.0])
 B_TRUE = 0.7

@@ -49,7 +49,6 @@ import numpy as np
 import ray
 
 import asyncexec
-from asyncexec._logconfig import configure_logging
 
 # The worker side --------------------------------------------------------------------------------
 
@@ -333,7 +332,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--storage-path", default=None, help="the executor's storage path")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     args = parser.parse_args(argv)
-    configure_logging("console", "warning")
+    asyncexec.configure_logging("console", "warning")
     if not ray.is_initialized():
         # Before the event loop starts: ray.init blocks for seconds, and in the main thread Ray
         # can install its signal handlers.

@@ -51,7 +51,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import asyncexec
-from asyncexec._logconfig import configure_logging
 
 log = structlog.get_logger("service")
 
@@ -475,7 +474,7 @@ def cli() -> None:
     parser.add_argument("--address", default=None, help="Ray cluster to join")
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     args = parser.parse_args()
-    configure_logging(args.log_format, "info")
+    asyncexec.configure_logging(args.log_format, "info")
     # Before the event loop starts: ray.init blocks for seconds.
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
     app = create_app(
