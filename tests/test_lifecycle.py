@@ -12,10 +12,10 @@ from typing import Any
 import anyio
 import pytest
 import ray
+from conftest import live_placement_groups, live_workers, wait_no_leaks
 from structlog.testing import capture_logs
 
 import asyncexec
-from conftest import live_placement_groups, live_workers, wait_no_leaks
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -37,9 +37,10 @@ def few(config: dict[str, Any]) -> int:
 
 
 async def _wait_until(predicate: Any, timeout_s: float = 30.0) -> None:
+    """Wait for a state of the cluster (no event to wait on there), bounded."""
     with anyio.fail_after(timeout_s):
         while not predicate():
-            await anyio.sleep(0.05)
+            await anyio.sleep(0.05)  # noqa: ASYNC110 - polling Ray's tables, not our own state
 
 
 async def test_break_stops_the_run_and_the_executor_runs_again() -> None:
@@ -308,7 +309,7 @@ async def test_checkpoints_are_persisted_before_their_step_and_pruned(tmp_path: 
         seen = []
         async for step in ex.run(checkpoints_each_step, {"steps": 5}):
             assert step.checkpoint is not None
-            files = sorted(p.name for p in Path(step.checkpoint.path).iterdir())
+            files = _names(step.checkpoint.path)
             assert files == ["rank0.txt", "rank1.txt"]  # both ranks' files, merged
             seen.append(step.checkpoint.path)
         kept = sorted(p for p in (tmp_path / ex.result.run_id).iterdir())
@@ -319,6 +320,10 @@ async def test_checkpoints_are_persisted_before_their_step_and_pruned(tmp_path: 
         run = ex.run(reads_checkpoint, checkpoint=ex.result.checkpoint)
         [s async for s in run]
         assert run.result.return_values == ["4", "4"]
+
+
+def _names(directory: str) -> list[str]:
+    return sorted(p.name for p in Path(directory).iterdir())
 
 
 def checkpoints_each_step(config: dict[str, Any]) -> None:
