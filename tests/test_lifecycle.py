@@ -39,8 +39,8 @@ def few(config: dict[str, Any]) -> int:
 async def _wait_until(predicate: Any, timeout_s: float = 30.0) -> None:
     """Wait for a state of the cluster (no event to wait on there), bounded."""
     with anyio.fail_after(timeout_s):
-        while not predicate():
-            await anyio.sleep(0.05)  # noqa: ASYNC110 - polling Ray's tables, not our own state
+        while not predicate():  # noqa: ASYNC110 - polling Ray's tables, not our own state
+            await anyio.sleep(0.05)
 
 
 async def test_break_stops_the_run_and_the_executor_runs_again() -> None:
