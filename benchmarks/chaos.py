@@ -81,6 +81,10 @@ KINDS: dict[str, str] = {
     "kill_startup": "SIGKILL a rank inside the init hook of the executor's first start-up",
     "kill_restart": "SIGKILL a rank, then one in the restart's start-up (armed in the wait)",
     "kill_shutdown": "SIGKILL a rank at a random moment while the executor shuts down mid-run",
+    "kill_end": "SIGKILL a rank when the consumer sees the last step (a restart is optional)",
+    "kill_idle": "SIGKILL a rank between runs; execute() then run() (probing first, when drawn)",
+    "kill_neighbour": "SIGKILL a rank of one of two executors in one loop: the other is untouched",
+    "hang_startup": "SIGKILL a rank, then hold an init hook in the restart: start-up deadline",
     "exhaust": "a rank dies on every attempt: max_restarts restarts, then RestartsExhaustedError",
     "hang_step": "a rank stops reporting: the step deadline declares it hung",
     "hang_gil": "a rank holds the GIL in C code: health checks declare it hung",
@@ -224,6 +228,9 @@ class Scenario:
             "cancel": f" cancel_after={self.delay_s:.2f}s kill_first={self.flag}",
             "kill_shutdown": f" kill_after={self.delay_s:.2f}s",
             "user_error": f" retried={self.flag}",
+            "kill_idle": f" execute_first={self.flag}",
+            "hang_startup": f" hold_rank={self.rank2}",
+            "kill_restart": f" startup_rank={self.rank2}",
         }.get(self.kind, "")
         return (
             f"#{self.number} {self.kind} seed={self.seed} workers={self.workers} "
@@ -264,7 +271,7 @@ def draw_one(seed: int, number: int, kind: str) -> Scenario:
         rank=rank,
         rank2=(rank + rng.randrange(1, workers)) % workers,
         max_restarts=rng.randrange(0, 3),
-        delay_s=rng.uniform(0.0, 0.3) if kind == "kill_shutdown" else rng.uniform(0.0, 2.5),
+        delay_s=rng.uniform(0.0, 0.3) if kind == "kill_shutdown" else rng.uniform(0.0, 1.5),
         flag=rng.random() < 0.5,
     )
 
@@ -440,16 +447,17 @@ async def wait_no_leftovers(timeout_s: float = 15.0) -> str:
 
 class Gate:
     """The driver's side of :func:`gate_hook`: releases every worker's init hook, except that of
-    the armed rank, which it kills (once) with SIGKILL."""
+    the armed rank, which it kills with SIGKILL (or, with ``hold``, never releases), once."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.armed: int | None = None
+        self.hold = False
         self.kills: list[float] = []
         self._seen: set[str] = set()
 
-    def arm(self, rank: int) -> None:
-        self.armed = rank
+    def arm(self, rank: int, *, hold: bool = False) -> None:
+        self.armed, self.hold = rank, hold
 
     def hook(self) -> Callable[[], None]:
         return functools.partial(gate_hook, str(self.directory))
@@ -462,8 +470,9 @@ class Gate:
             info = json.loads((self.directory / name).read_text())
             if self.armed is not None and info["rank"] == self.armed:
                 self.armed = None
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(info["pid"], signal.SIGKILL)
+                if not self.hold:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(info["pid"], signal.SIGKILL)
                 self.kills.append(time.time())
             else:
                 (self.directory / f"go-{info['pid']}").touch()
@@ -600,8 +609,11 @@ def _check_result(
     ex: asyncexec.Executor,
     seen: _Seen,
     expected: Sequence[tuple[type[BaseException], frozenset[int] | None]],
+    *,
+    optional: bool = False,
 ) -> None:
-    """A run that must finish: no error, the stream and result whole, the failures expected."""
+    """A run that must finish: no error, the stream and result whole, the failures expected
+    (or, with ``optional``, none at all: the fault may have come too late to matter)."""
     for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
         out.fail(*problem)
     if seen.error is not None:
@@ -613,6 +625,8 @@ def _check_result(
         return
     result = ex.result
     out.attempts = result.attempts
+    if optional and result.attempts == 1:
+        expected = []
     for problem in check_complete(
         seen.steps, result.return_values, workers=sc.workers, total=sc.steps
     ):
@@ -648,14 +662,16 @@ def _recovery(
 
 
 async def _kill_from_driver(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
-    """kill_step and kill_two: SIGKILL when the consumer sees step ``at`` of attempt 1."""
-    targets = (sc.rank,) if sc.kind == "kill_step" else (sc.rank, sc.rank2)
+    """kill_step, kill_two and kill_end: SIGKILL when the consumer sees step ``at`` (the last
+    step for kill_end, after which the run may finish without a restart) of attempt 1."""
+    targets = (sc.rank, sc.rank2) if sc.kind == "kill_two" else (sc.rank,)
+    at = sc.steps - 1 if sc.kind == "kill_end" else sc.at
     fault_time: list[float] = []
     seen = _Seen()
     async with _executor(sc, env) as ex:
 
         async def on_step(step: asyncexec.Step) -> bool:
-            if step.attempt == 1 and step.index == sc.at and not fault_time:
+            if step.attempt == 1 and step.index == at and not fault_time:
                 pids = [ex.workers[r].pid for r in targets]
                 fault_time.append(time.time())
                 for pid in pids:
@@ -665,10 +681,18 @@ async def _kill_from_driver(sc: Scenario, env: Env, out: Outcome, directory: Pat
         await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
         if not fault_time and seen.error is None:
             # The step was never seen (the run is shorter than the draw): nothing to check.
-            out.fail("fault_injected", f"step {sc.at} was never delivered")
-        _check_result(out, sc, ex, seen, [(asyncexec.WorkerCrashedError, frozenset(targets))])
+            out.fail("fault_injected", f"step {at} was never delivered")
+        _check_result(
+            out,
+            sc,
+            ex,
+            seen,
+            [(asyncexec.WorkerCrashedError, frozenset(targets))],
+            optional=sc.kind == "kill_end",
+        )
     out.steps = len(seen.steps)
-    _recovery(out, fault_time[0] if fault_time else None, seen, 1, 1)
+    if out.attempts != 1 or sc.kind != "kill_end":
+        _recovery(out, fault_time[0] if fault_time else None, seen, 1, 1)
 
 
 async def _kill_complete(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
@@ -728,7 +752,11 @@ async def _kill_startup(sc: Scenario, env: Env, out: Outcome, directory: Path) -
 
 async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
     """SIGKILL a rank at step ``at``; while the policy waits, check the failed group is gone and
-    arm the gate, which kills a rank in the restart's start-up: three attempts in all."""
+    arm the gate, which kills a rank in the restart's start-up (hang_startup: holds its init hook
+    past the start-up deadline): three attempts in all."""
+    hold = sc.kind == "hang_startup"
+    second: type[BaseException] = asyncexec.StartupTimeoutError if hold else asyncexec.StartupError
+    options: dict[str, Any] = {"start_timeout_s": 5.0} if hold else {}
     gate = Gate(directory)
     fault_time: list[float] = []
     seen = _Seen()
@@ -737,12 +765,12 @@ async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -
     async def sleep(seconds: float) -> None:
         waits.append(await anyio.to_thread.run_sync(leftovers))
         if len(waits) == 1:
-            gate.arm(sc.rank2)
+            gate.arm(sc.rank2, hold=hold)
 
     policy = asyncexec.RestartPolicy(max_restarts=3, wait=tenacity.wait_none(), sleep=sleep)
     async with anyio.create_task_group() as tg:
         tg.start_soon(gate.serve)
-        async with _executor(sc, env, init_hook=gate.hook(), restart=policy) as ex:
+        async with _executor(sc, env, init_hook=gate.hook(), restart=policy, **options) as ex:
 
             async def on_step(step: asyncexec.Step) -> bool:
                 if step.attempt == 1 and step.index == sc.at and not fault_time:
@@ -759,7 +787,7 @@ async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -
                 seen,
                 [
                     (asyncexec.WorkerCrashedError, frozenset({sc.rank})),
-                    (asyncexec.StartupError, None),
+                    (second, None),
                 ],
             )
         tg.cancel_scope.cancel()
@@ -991,6 +1019,73 @@ async def _node_lost(sc: Scenario, env: Env, out: Outcome, directory: Path) -> N
     _recovery(out, fault_time[0] if fault_time else None, seen, 1, 1)
 
 
+async def _kill_idle(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
+    """SIGKILL a rank while no run is in progress. With ``flag``, ``execute()`` first: it fails
+    with WorkerCrashedError naming the rank, and the next ``execute()`` works on a fresh group.
+    Then a run finishes whole (restarting once when nothing replaced the dead group yet)."""
+    seen = _Seen()
+    async with _executor(sc, env) as ex:
+        fault_time = time.time()
+        _kill(ex.workers[sc.rank].pid)
+        replaced = False
+        if sc.flag:
+            try:
+                await ex.execute(os.getpid)
+                out.fail("execute_sees_crash", "execute() on a group with a dead rank succeeded")
+            except asyncexec.WorkerCrashedError as exc:
+                if exc.rank != sc.rank:
+                    out.fail("failure_rank", f"execute() blames rank {exc.rank}, not {sc.rank}")
+            except Exception as exc:
+                out.fail("execute_sees_crash", f"execute() raised {type(exc).__name__}: {exc}")
+            try:
+                pids = await ex.execute(os.getpid)
+                replaced = len(pids) == sc.workers
+            except Exception as exc:
+                out.fail(
+                    "replaced_after_crash",
+                    f"execute() after the crash was reported still fails: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                )
+        await _consume(ex.run(counter, _config(sc, directory, None)), seen)
+        expected = [] if replaced else [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))]
+        _check_result(out, sc, ex, seen, expected, optional=not sc.flag)
+    out.steps = len(seen.steps)
+    if seen.times:
+        out.recovery_s.append(seen.times[0] - fault_time)
+
+
+async def _kill_neighbour(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
+    """Two executors in one event loop; SIGKILL a rank of the first at step ``at``: it restarts
+    once and finishes whole, the second finishes whole on its first attempt with its workers."""
+    fault_time: list[float] = []
+    seen_a, seen_b = _Seen(), _Seen()
+    await anyio.Path(directory / "a").mkdir()
+    await anyio.Path(directory / "b").mkdir()
+    async with (
+        _executor(sc, env, name=f"chaos{sc.number}a") as a,
+        _executor(sc, env, name=f"chaos{sc.number}b") as b,
+    ):
+        pids_b = [w.pid for w in b.workers]
+
+        async def on_step(step: asyncexec.Step) -> bool:
+            if step.attempt == 1 and step.index == sc.at and not fault_time:
+                fault_time.append(time.time())
+                _kill(a.workers[sc.rank].pid)
+            return False
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                _consume, a.run(counter, _config(sc, directory / "a", None)), seen_a, on_step
+            )
+            tg.start_soon(_consume, b.run(counter, _config(sc, directory / "b", None)), seen_b)
+        _check_result(out, sc, a, seen_a, [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))])
+        _check_result(out, sc, b, seen_b, [])
+        if [w.pid for w in b.workers] != pids_b:
+            out.fail("isolation", "the other executor's workers changed")
+    out.steps = len(seen_a.steps) + len(seen_b.steps)
+    _recovery(out, fault_time[0] if fault_time else None, seen_a, 1, 1)
+
+
 _RUNNERS: dict[str, Callable[[Scenario, Env, Outcome, Path], Awaitable[None]]] = {
     "kill_step": _kill_from_driver,
     "kill_two": _kill_from_driver,
@@ -998,6 +1093,10 @@ _RUNNERS: dict[str, Callable[[Scenario, Env, Outcome, Path], Awaitable[None]]] =
     "kill_startup": _kill_startup,
     "kill_restart": _kill_restart,
     "kill_shutdown": _kill_shutdown,
+    "kill_end": _kill_from_driver,
+    "kill_idle": _kill_idle,
+    "kill_neighbour": _kill_neighbour,
+    "hang_startup": _kill_restart,
     "exhaust": _exhaust,
     "hang_step": _hang,
     "hang_gil": _hang,
