@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -80,6 +82,7 @@ class _RunStopped(BaseException):
     user's ``except Exception`` does not swallow it."""
 
 
+_log = logging.getLogger("asyncexec.worker")
 _group_context: WorkerContext | None = None
 _session: Session | None = None
 
@@ -221,6 +224,13 @@ class Session:
 
     def _main(self) -> None:
         outcome: tuple[Any, ...]
+        ctx = self.context
+        # Worker-side events go through the standard library's logging (structlog is not
+        # imported on workers: it would cost every worker process several MiB); each carries the
+        # run id, the attempt and the rank. Ray forwards worker logs to the driver.
+        bound = {"run_id": ctx.run_id, "attempt": ctx.attempt, "rank": ctx.world_rank}
+        _log.debug("fn_started %s", _fields(bound), extra=bound)
+        t0 = time.perf_counter()
         try:
             result = self._call()
             outcome = ("ok", result)
@@ -244,6 +254,12 @@ class Session:
         with self._cond:
             self._outcome = outcome
             self._wake_poll()
+        seconds = round(time.perf_counter() - t0, 3)
+        _log.debug(
+            "fn_ended %s",
+            _fields({**bound, "outcome": outcome[0], "reports": self._reported, "s": seconds}),
+            extra=bound,
+        )
         self._loop.call_soon_threadsafe(_set_result, self._finished)
 
     def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
@@ -327,6 +343,10 @@ class Session:
     @property
     def finished(self) -> bool:
         return self._finished.done()
+
+
+def _fields(values: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items())
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

@@ -388,3 +388,33 @@ def test_worker_side_calls_outside_a_worker_are_refused() -> None:
     with pytest.raises(asyncexec.ExecutorStateError, match="inside"):
         asyncexec.get_context()
     assert ray.is_initialized()
+
+
+def _log_to_file() -> None:
+    import logging
+
+    handler = logging.FileHandler(os.environ["WORKER_LOG"])
+    handler.setFormatter(logging.Formatter("%(name)s %(message)s rank_attr=%(rank)s"))
+    logger = logging.getLogger("asyncexec.worker")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+
+async def test_worker_side_events_carry_run_id_attempt_and_rank(tmp_path: Path) -> None:
+    log = tmp_path / "worker.log"
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker=CPU,
+        init_hook=_log_to_file,
+        runtime_env={"env_vars": {"WORKER_LOG": str(log)}},
+    ) as ex:
+        run = ex.run(few, {"steps": 2})
+        [s async for s in run]
+    lines = log.read_text().splitlines()
+    started = [line for line in lines if "fn_started" in line]
+    ended = [line for line in lines if "fn_ended" in line]
+    assert len(started) == 2
+    assert len(ended) == 2
+    assert {f"rank={r}" in " ".join(started) for r in (0, 1)} == {True}
+    assert all(f"run_id={run.run_id}" in line and "attempt=1" in line for line in started)
+    assert all("outcome=ok" in line and "reports=2" in line for line in ended)
