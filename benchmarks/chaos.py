@@ -42,6 +42,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -107,6 +108,8 @@ LOOP_LAG_BOUND_S = 1.0
 BARRIER_MARGIN_S = 0.5
 #: The seconds each step of the counter sleeps.
 STEP_SLEEP_S = 0.02
+#: The seconds each step sleeps in node-loss scenarios.
+NODE_STEP_SLEEP_S = 0.25
 
 
 # The worker side: a deterministic counter, its faults, and a gated init hook -----------------
@@ -282,6 +285,8 @@ class Env:
 
     root: Path
     cluster: Any = None
+    #: The node a node_lost scenario removes, added before the scenario starts.
+    node: Any = None
 
 
 @dataclass
@@ -532,7 +537,9 @@ def _config(sc: Scenario, directory: Path, fault: dict[str, Any] | None) -> dict
     return {
         "steps": sc.steps,
         "every": sc.every,
-        "sleep": STEP_SLEEP_S,
+        # A removed node's workers outlive its raylet for a moment and keep reporting until the
+        # cluster declares the node dead (about a second): slow steps keep the run going past it.
+        "sleep": NODE_STEP_SLEEP_S if sc.kind == "node_lost" else STEP_SLEEP_S,
         "dir": str(directory),
         "fault": fault,
     }
@@ -979,40 +986,34 @@ async def _user_error(sc: Scenario, env: Env, out: Outcome, directory: Path) -> 
 
 
 async def _node_lost(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
-    """Add a node, spread two workers over it and the head, remove the node at step ``at``:
+    """Add a node, spread two workers over it and the head, remove the node at step ``at`` (the
+    consumer waits for the removal, so the workers, held by backpressure, cannot finish first):
     NodeLostError for the rank on it, one restart on what is left, the whole result."""
-    cluster = env.cluster
-    if cluster is None:
+    cluster, node = env.cluster, env.node
+    if cluster is None or node is None:
         out.fail("setup", "node_lost needs the cluster (run without --no-nodes)")
         return
-    node = await anyio.to_thread.run_sync(functools.partial(cluster.add_node, num_cpus=2))
-    await anyio.to_thread.run_sync(cluster.wait_for_nodes)
     fault_time: list[float] = []
     seen = _Seen()
     try:
-        async with (
-            anyio.create_task_group() as tg,
-            _executor(sc, env, placement_strategy="SPREAD") as ex,
-        ):
+        async with _executor(sc, env, placement_strategy="SPREAD") as ex:
             victims = [w.world_rank for w in ex.workers if w.node_id == node.node_id]
             if not victims:
                 out.fail("setup", "SPREAD placed no worker on the added node")
                 return
 
-            async def remove() -> None:
-                fault_time.append(time.time())
-                await anyio.to_thread.run_sync(
-                    functools.partial(cluster.remove_node, node, allow_graceful=False)
-                )
-
             async def on_step(step: asyncexec.Step) -> bool:
                 if step.attempt == 1 and step.index == sc.at and not fault_time:
-                    tg.start_soon(remove)
+                    fault_time.append(time.time())
+                    await anyio.to_thread.run_sync(
+                        functools.partial(cluster.remove_node, node, allow_graceful=False)
+                    )
                 return False
 
             await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
             _check_result(out, sc, ex, seen, [(asyncexec.NodeLostError, frozenset(victims))])
     finally:
+        env.node = None
         if not fault_time:
             await anyio.to_thread.run_sync(cluster.remove_node, node)
     out.steps = len(seen.steps)
@@ -1111,6 +1112,11 @@ async def run_scenario(sc: Scenario, env: Env) -> Outcome:
     is a failure of invariant ``no_crash``)."""
     out = Outcome(sc)
     directory = Path(tempfile.mkdtemp(prefix=f"s{sc.number}-", dir=env.root))
+    if sc.kind == "node_lost" and env.cluster is not None:
+        # add_node installs signal handlers, which only the main thread may do: it blocks the
+        # event loop for a few seconds here, before the heartbeat starts.
+        env.node = env.cluster.add_node(num_cpus=2)
+        env.cluster.wait_for_nodes()
     beat = _Heartbeat()
     t0 = time.perf_counter()
     try:
@@ -1123,7 +1129,13 @@ async def run_scenario(sc: Scenario, env: Env) -> Outcome:
                 out.fail("no_hang", f"the scenario did not end within {SCENARIO_TIMEOUT_S:g} s")
             tg.cancel_scope.cancel()
     except Exception as exc:
-        out.fail("no_crash", f"{type(exc).__name__}: {exc}")
+        # The scenario itself broke: keep the innermost error, where it was raised.
+        inner: BaseException = exc
+        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+            inner = inner.exceptions[0]
+        where = traceback.extract_tb(inner.__traceback__)[-1] if inner.__traceback__ else None
+        at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+        out.fail("no_crash", f"{type(inner).__name__}: {inner}{at}")
     out.seconds = time.perf_counter() - t0
     out.max_lag_s = beat.max_gap
     if beat.max_gap > LOOP_LAG_BOUND_S:
