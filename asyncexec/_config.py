@@ -7,6 +7,7 @@ the argument and the value.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 import os
@@ -127,7 +128,7 @@ class ExecutorConfig:
     health_check_timeout_s: float = 30.0
     step_timeout_s: float | None = None
     stop_timeout_s: float = 10.0
-    storage_path: Path = field(default_factory=lambda: Path.home() / "asyncexec_results")
+    storage_path: str = field(default_factory=lambda: str(Path.home() / "asyncexec_results"))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     address: str | None = None
     runtime_env: Mapping[str, Any] | None = None
@@ -174,8 +175,14 @@ class ExecutorConfig:
         storage = options.get("storage_path")
         if storage is None:
             options.pop("storage_path", None)
+        elif isinstance(storage, str) and "://" in storage:
+            if importlib.util.find_spec("fsspec") is None:
+                raise ConfigurationError(
+                    f"storage_path {storage!r} is a URI: it needs fsspec (pip install fsspec)"
+                )
+            options["storage_path"] = storage
         elif isinstance(storage, str | os.PathLike):
-            options["storage_path"] = Path(os.fspath(storage)).expanduser()
+            options["storage_path"] = str(Path(os.fspath(storage)).expanduser())
         else:
             raise ConfigurationError(f"storage_path must be a path, got {storage!r}")
         ckpt = options.get("checkpoint")

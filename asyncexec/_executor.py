@@ -22,7 +22,7 @@ import anyio.abc
 import ray
 from ray import cloudpickle
 
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, is_uri
 from ._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, validate_buffer_size
 from ._errors import (
     ConfigurationError,
@@ -454,6 +454,6 @@ def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpo
         path = os.fspath(value)
     else:
         raise ConfigurationError(f"checkpoint must be a Checkpoint or a directory, got {value!r}")
-    if not Path(path).is_dir():
+    if not is_uri(path) and not Path(path).is_dir():
         raise ConfigurationError(f"checkpoint directory does not exist: {path!r}")
     return Checkpoint(path)

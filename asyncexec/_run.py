@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import anyio
 import tenacity
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, join_path, remove_directory
 from ._errors import (
     AsyncExecError,
     ExecutorStateError,
@@ -251,7 +250,7 @@ class RunDriver:
         self.checkpoints: list[tuple[Checkpoint, Any]] = []
         self.latest = checkpoint
         self.steps = 0
-        self.storage = executor.config.storage_path / run.run_id
+        self.storage = join_path(executor.config.storage_path, run.run_id)
         self.log = executor.log.bind(run_id=run.run_id)
         self._group: WorkerGroup | None = None
         self._session_live = False
@@ -574,7 +573,7 @@ def _score(metrics: Any, attribute: str, sign: float) -> float:
 
 def _remove_dirs(paths: list[str]) -> None:
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_directory(path)
 
 
 def new_run_id() -> str:

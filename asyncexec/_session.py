@@ -23,10 +23,9 @@ import traceback
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from ._checkpoint import Checkpoint, persist_directory
+from ._checkpoint import Checkpoint, join_path, persist_directory
 from ._errors import ExecutorStateError
 
 __all__ = [
@@ -282,7 +281,7 @@ class Session:
             # Named by step index and attempt: a failed attempt's partial checkpoint (not every
             # rank reported it) never mixes with the files of the attempt that replaces it.
             name = f"checkpoint_{self._offset + seq:06d}_a{self.context.attempt}"
-            path = persist_directory(checkpoint.path, Path(storage) / name)
+            path = persist_directory(checkpoint.path, join_path(storage, name))
         item = metrics if type(metrics) is dict else dict(metrics)
         with self._cond:
             self._buffer.append(item)

@@ -30,7 +30,8 @@ def counter(config: dict[str, Any]) -> int:
     start, total = 0, 0
     checkpoint = asyncexec.get_checkpoint()
     if checkpoint is not None:
-        state = json.loads((Path(checkpoint.path) / f"rank{ctx.world_rank}.json").read_text())
+        with checkpoint.as_directory() as directory:  # a local copy when storage is remote
+            state = json.loads((Path(directory) / f"rank{ctx.world_rank}.json").read_text())
         start, total = state["step"] + 1, state["total"]
     for step in range(start, config["steps"]):
         total += step * (ctx.world_rank + 1)
@@ -98,6 +99,41 @@ async def test_sigkill_at_random_step_resumes_from_checkpoint_with_same_final_st
     assert resumed_from % config["every"] == 1 and resumed_from <= len(first)
     assert [s.metrics["step"] for s in second] == list(range(resumed_from, 30))
     assert [s.index for s in steps] == list(range(len(steps)))
+
+
+@pytest.mark.timeout(180)
+async def test_checkpoints_on_an_fsspec_filesystem_survive_a_restart(tmp_path: Path) -> None:
+    """storage_path may be any URI that fsspec reaches; here its local filesystem via file://."""
+    config = {"steps": 12, "every": 3, "sleep": 0.02}
+    policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
+    storage = f"file://{tmp_path}/remote"
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.5},
+        storage_path=storage,
+        restart=policy,
+        buffer_size=1,
+        checkpoint=asyncexec.CheckpointConfig(num_to_keep=2),
+    ) as ex:
+        pids = [w.pid for w in ex.workers]
+
+        def chaos(step: asyncexec.Step) -> None:
+            if step.attempt == 1 and step.index == 6:
+                os.kill(pids[0], signal.SIGKILL)
+
+        run = ex.run(counter, config)
+        steps = await _consume(run, chaos)
+    assert run.result.attempts == 2
+    assert run.result.return_values == [sum(range(12)), 2 * sum(range(12))]
+    resumed = [s.metrics["step"] for s in steps if s.attempt == 2]
+    assert resumed == list(range(resumed[0], 12))
+    latest = run.result.checkpoint
+    assert latest is not None
+    assert latest.path.startswith(storage)
+    kept = sorted(p.name for p in (tmp_path / "remote" / run.run_id).iterdir())
+    assert len(kept) == 2  # retention works on the remote filesystem too
+    with latest.as_directory() as local:
+        assert sorted(os.listdir(local)) == ["rank0.json", "rank1.json"]
 
 
 def always_dies(config: dict[str, Any]) -> None:
