@@ -5,21 +5,25 @@ the middle of a run, with and without room to restart on what is left."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pytest
 import ray
 import tenacity
 from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import asyncexec
 
 pytestmark = pytest.mark.multinode
 
+log = logging.getLogger(__name__)
+Strategy = Literal["PACK", "SPREAD"]
 DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "NEURON_RT_VISIBLE_CORES")
 
 
@@ -76,7 +80,8 @@ async def test_ranks_follow_nodes_driver_node_first_and_placement_strategy_decid
     make_cluster([{"num_cpus": 2}, {"num_cpus": 2, "resources": {"side": 2}}])
     driver_node = ray.get_runtime_context().get_node_id()
     for n in (3, 4):
-        for strategy in ("PACK", "SPREAD"):
+        strategies: tuple[Strategy, ...] = ("PACK", "SPREAD")
+        for strategy in strategies:
             async with asyncexec.Executor(
                 n, resources_per_worker={"CPU": 1}, placement_strategy=strategy
             ) as ex:
@@ -150,7 +155,7 @@ async def test_devices_are_shared_per_node_for_each_kind_unless_switched_off(
         for n in (1, 2, 3, 4):
             # SPREAD for the even counts puts workers on both nodes; PACK for the odd ones fills
             # one node first (three 2-GPU workers still need both).
-            strategy = "SPREAD" if n % 2 == 0 else "PACK"
+            strategy: Strategy = "SPREAD" if n % 2 == 0 else "PACK"
             async with asyncexec.Executor(
                 n, resources_per_worker={"GPU": per_worker}, placement_strategy=strategy
             ) as ex:
@@ -201,14 +206,11 @@ def bundle_indices() -> list[int]:
 
 def live_group_ids() -> list[str]:
     return [
-        pg_id
-        for pg_id, pg in ray.util.placement_group_table().items()
-        if pg["state"] != "REMOVED"
+        pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"
     ]
 
 
-@ray.remote(num_cpus=0.5)
-class Parent:
+class _Parent:
     """A Ray actor (as a Tune trial would be) that runs an executor on its own event loop."""
 
     async def run_executor(self, n: int, start_timeout_s: float) -> dict[str, Any]:
@@ -231,6 +233,9 @@ class Parent:
         return None
 
 
+Parent: Any = ray.remote(num_cpus=0.5)(_Parent)
+
+
 async def test_parent_placement_group_that_captures_child_tasks_is_used_as_it_is(
     make_cluster: Callable[[list[dict[str, Any]]], Any],
 ) -> None:
@@ -240,7 +245,7 @@ async def test_parent_placement_group_that_captures_child_tasks_is_used_as_it_is
     parent_group = ray.util.placement_group([{"CPU": 0.5}] * 3, strategy="PACK")
     await parent_group.ready()
     parent = Parent.options(
-        scheduling_strategy=ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
             parent_group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
         )
     ).remote()
@@ -264,3 +269,115 @@ async def test_parent_placement_group_that_captures_child_tasks_is_used_as_it_is
     finally:
         ray.kill(parent)
         await anyio.to_thread.run_sync(ray.util.remove_placement_group, parent_group)
+
+
+def slow_steps(config: Mapping[str, Any]) -> str:
+    """Report ``steps`` steps, ``sleep`` seconds apart, each naming the node it ran on."""
+    node: str = ray.get_runtime_context().get_node_id()
+    for i in range(config["steps"]):
+        time.sleep(config["sleep"])
+        asyncexec.report({"i": i, "node": node})
+    return node
+
+
+async def _remove(cluster: Any, node: Any, *, graceful: bool) -> tuple[float, float]:
+    """Remove ``node`` off the event loop (it waits for the node's processes to die); return
+    the wall-clock times (``time.time()``) when the removal began and ended."""
+    began = time.time()
+    await anyio.to_thread.run_sync(lambda: cluster.remove_node(node, allow_graceful=graceful))
+    return began, time.time()
+
+
+@pytest.mark.timeout(150)
+async def test_lost_node_restarts_on_the_rest_or_gives_up_when_workers_no_longer_fit(
+    make_cluster: Callable[[list[dict[str, Any]]], Any],
+) -> None:
+    """A node removed mid-run is noticed as a lost node while the driver waits. Two workers of
+    CPU 0.5 spread over two nodes restart both on the head; two of CPU 1.5 no longer fit on the
+    head, so each restart times out in placement and the run gives up, naming every failure.
+
+    The first node is killed (its raylet gets SIGKILL: Ray notices through its health checks),
+    the second is shut down gracefully (its raylet unregisters). The time from the removal to the
+    failure being recorded is logged for the record, never asserted."""
+    cluster = make_cluster([{"num_cpus": 2}, {"num_cpus": 2}])
+    head = ray.get_runtime_context().get_node_id()
+    assert head == cluster.head_node.node_id
+    policy = asyncexec.RestartPolicy(max_restarts=2, wait=tenacity.wait_none())
+    config: dict[str, Any] = {"steps": 30, "sleep": 0.05}
+    kill_at = 5
+
+    (other,) = cluster.worker_nodes
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.5},
+        placement_strategy="SPREAD",
+        restart=policy,
+        placement_timeout_s=10,
+    ) as ex:
+        assert {w.node_id for w in ex.workers} == {head, other.node_id}
+        lost_rank = next(w.world_rank for w in ex.workers if w.node_id == other.node_id)
+        run = ex.run(slow_steps, config)
+        steps = []
+        removed = (0.0, 0.0)
+        async for step in run:
+            steps.append(step)
+            if step.attempt == 1 and step.index == kill_at:
+                removed = await _remove(cluster, other, graceful=False)
+        result = run.result
+        assert result.attempts == 2
+        (lost,) = result.failures
+        assert isinstance(lost, asyncexec.NodeLostError), lost
+        assert (lost.node_id, lost.rank, lost.attempt) == (other.node_id, lost_rank, 1)
+        log.info("killed node noticed after %.3f s", lost.time - removed[0])
+        # Steps every rank completed before the loss are delivered, then the second attempt's.
+        assert [s.index for s in steps] == list(range(len(steps)))
+        first = [s for s in steps if s.attempt == 1]
+        second = [s for s in steps if s.attempt == 2]
+        assert len(first) > kill_at
+        assert steps == first + second
+        assert [s.metrics["i"] for s in second] == list(range(config["steps"]))
+        assert {r.metrics["node"] for s in second for r in s.reports} == {head}
+        assert result.return_values == [head, head]
+        assert [(w.node_id, w.local_rank, w.node_rank) for w in ex.workers] == [
+            (head, 0, 0),
+            (head, 1, 0),
+        ]
+
+    # On the loop: Ray's Node installs signal handlers, which only the main thread may do; no
+    # executor is open, so nothing else is waiting on the loop meanwhile.
+    third = cluster.add_node(num_cpus=2)
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 1.5},
+        placement_strategy="PACK",
+        restart=policy,
+        placement_timeout_s=2,
+    ) as ex:
+        assert {w.node_id for w in ex.workers} == {head, third.node_id}
+        lost_rank = next(w.world_rank for w in ex.workers if w.node_id == third.node_id)
+        run = ex.run(slow_steps, config)
+        steps = []
+        with pytest.raises(asyncexec.RestartsExhaustedError) as info:
+            async for step in run:
+                steps.append(step)
+                if step.attempt == 1 and step.index == kill_at:
+                    removed = await _remove(cluster, third, graceful=True)
+        error = info.value
+        assert error.attempts == 3
+        assert [type(f) for f in error.failures] == [
+            asyncexec.NodeLostError,
+            asyncexec.PlacementTimeoutError,
+            asyncexec.PlacementTimeoutError,
+        ]
+        lost = error.failures[0]
+        assert isinstance(lost, asyncexec.NodeLostError)
+        assert (lost.node_id, lost.rank, lost.attempt) == (third.node_id, lost_rank, 1)
+        log.info("drained node noticed after %.3f s", lost.time - removed[0])
+        for timeout in error.failures[1:]:
+            assert isinstance(timeout, asyncexec.PlacementTimeoutError)
+            assert timeout.requested == [{"CPU": 1.5}, {"CPU": 1.5}]
+            assert timeout.available["CPU"] == 2.0
+        assert error.__cause__ is error.failures[-1]
+        assert len(steps) > kill_at
+        assert {s.attempt for s in steps} == {1}
+        assert ex.workers == []
