@@ -1,0 +1,59 @@
+"""A small soak (``benchmarks/soak.py`` at a tenth of its size) against the shared local Ray:
+executor lifecycles in a row, then several executors at once in one event loop; nothing may be
+left in the cluster, and the driver's threads and open file descriptors may not grow beyond a
+small tolerance."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import soak  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def _assert_no_growth(phase: soak.Phase) -> None:
+    assert phase.end is not None
+    report = soak.render([phase])
+    assert phase.end.actors == 0, report
+    assert phase.end.groups == 0, report
+    assert phase.growth["threads"] <= soak.THREAD_TOLERANCE, report
+    assert phase.growth["fds"] <= soak.FD_TOLERANCE, report
+    assert phase.problems() == [], report
+
+
+@pytest.mark.timeout(90)
+async def test_thirty_lifecycles_in_a_row_leave_nothing_and_grow_nothing(tmp_path: Path) -> None:
+    phase = await soak.lifecycles(30, tmp_path, warmup=2)
+    assert len(phase.seconds) == 30
+    _assert_no_growth(phase)
+
+
+@pytest.mark.timeout(90)
+async def test_eight_executors_at_once_in_one_loop_leave_nothing_and_grow_nothing(
+    tmp_path: Path,
+) -> None:
+    phase = await soak.concurrent(8, 2, tmp_path, warmup=1)
+    assert phase.count == 16 and len(phase.seconds) == 2
+    # The service case: the loop keeps serving while eight groups start and stop around it.
+    assert phase.max_lag_s < 0.5, soak.render([phase])
+    _assert_no_growth(phase)
+
+
+def test_the_soak_verdict_flags_leftovers_and_growth() -> None:
+    phase = soak.Phase("lifecycles", 1)
+    phase.start = soak.Snapshot(actors=0, groups=0, threads=4, fds=37, rss_mib=100.0)
+    phase.end = soak.Snapshot(
+        actors=1, groups=0, threads=4 + soak.THREAD_TOLERANCE + 1, fds=37, rss_mib=400.0
+    )
+    problems = phase.problems()
+    assert any("1 actor(s)" in p for p in problems)
+    assert any("threads grew" in p for p in problems)
+    assert not any("descriptors" in p for p in problems)
