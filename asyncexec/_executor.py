@@ -27,6 +27,7 @@ from ._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, valida
 from ._errors import (
     ConfigurationError,
     ExecutorStateError,
+    NodeLostError,
     WorkerCrashedError,
     WorkerHungError,
 )
@@ -434,7 +435,11 @@ class Executor:
         """
         self._check_open()
         group = await self._acquire_group(None)
-        return await group.execute(fn, *args, **kwargs)
+        try:
+            return await group.execute(fn, *args, **kwargs)
+        except (WorkerCrashedError, NodeLostError):
+            await self._drop_broken(group)
+            raise
 
     async def execute_single(
         self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
@@ -442,7 +447,18 @@ class Executor:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         self._check_open()
         group = await self._acquire_group(None)
-        return await group.execute_single(rank, fn, *args, **kwargs)
+        try:
+            return await group.execute_single(rank, fn, *args, **kwargs)
+        except (WorkerCrashedError, NodeLostError):
+            await self._drop_broken(group)
+            raise
+
+    async def _drop_broken(self, group: WorkerGroup) -> None:
+        """A worker of the group is dead: discard the group (unless a run has already replaced
+        it), so that the next call or run starts a fresh one."""
+        if self._group is group and not self._run_active():
+            with anyio.CancelScope(shield=True):
+                await self._discard_group(force=True)
 
 
 def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
