@@ -75,21 +75,30 @@ class PlacementTimeoutError(StartupError, TimeoutError):
         requested: Sequence[Mapping[str, float]],
         available: Mapping[str, float],
         timeout_s: float,
+        parent: bool = False,
     ) -> None:
         self.requested = [dict(b) for b in requested]
-        self.available = dict(available)
+        kinds = {k for bundle in self.requested for k in bundle}
+        # Only the kinds asked for: Ray's table also lists memory and one entry per node.
+        self.available = {k: v for k, v in available.items() if k in kinds or not kinds}
         self.timeout_s = timeout_s
+        self.parent = parent
         super().__init__(self._message())
 
     def _message(self) -> str:
+        where = (
+            "the parent placement group has no room for the workers"
+            if self.parent
+            else "placement group not ready"
+        )
         return (
-            f"placement group not ready after {self.timeout_s:g} s: requested "
+            f"{where} after {self.timeout_s:g} s: requested "
             f"{len(self.requested)} bundle(s) {self.requested}, cluster has available "
             f"{self.available}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.requested, self.available, self.timeout_s))
+        return (type(self), (self.requested, self.available, self.timeout_s, self.parent))
 
 
 class StartupTimeoutError(StartupError, TimeoutError):

@@ -27,6 +27,7 @@ from ._errors import (
     AsyncExecError,
     BackendError,
     NodeLostError,
+    PlacementTimeoutError,
     StartupError,
     StartupTimeoutError,
     WorkerCrashedError,
@@ -176,6 +177,16 @@ class WorkerGroup:
             described = [a.describe.remote() for a in actors]
             await wait_placement_ready(placement, config.placement_timeout_s)
             log.debug("placement_ready", seconds=round(time.perf_counter() - t0, 3))
+            if not placement.owned:
+                # A parent group is ready from the start; whether its free bundles hold the
+                # workers shows only when they are placed, under the same deadline.
+                with anyio.move_on_after(config.placement_timeout_s) as placed:
+                    await _gather(described, "start-up")
+                if placed.cancelled_caught:
+                    available = await anyio.to_thread.run_sync(ray.available_resources)
+                    raise PlacementTimeoutError(
+                        config.bundles, available, config.placement_timeout_s, parent=True
+                    )
             with anyio.fail_after(config.start_timeout_s):
                 phase = "starting the worker processes"
                 metas: list[WorkerMetadata] = await _gather(described, "start-up")
@@ -273,8 +284,9 @@ class WorkerGroup:
             detail = _first_sentence(str(exc)) or type(exc).__name__
             # Ray marks a lost node's actors dead only after it has marked the node dead, so the
             # node table tells a lost node from a crashed process.
-            if not await _node_alive(self.workers[rank].metadata.node_id):
-                return self.worker_error(NodeLostError, rank, detail)
+            node = self.workers[rank].metadata.node_id
+            if not await _node_alive(node):
+                return self.worker_error(NodeLostError, rank, f"node {node[:12]} left the cluster")
             return self.worker_error(WorkerCrashedError, rank, detail)
         return self.worker_error(WorkerRaisedError, rank, f"{type(exc).__name__}: {exc}", error=exc)
 

@@ -213,9 +213,9 @@ def live_group_ids() -> list[str]:
 class _Parent:
     """A Ray actor (as a Tune trial would be) that runs an executor on its own event loop."""
 
-    async def run_executor(self, n: int, start_timeout_s: float) -> dict[str, Any]:
+    async def run_executor(self, n: int, timeout_s: float) -> dict[str, Any]:
         async with asyncexec.Executor(
-            n, resources_per_worker={"CPU": 0.5}, start_timeout_s=start_timeout_s
+            n, resources_per_worker={"CPU": 0.5}, placement_timeout_s=timeout_s
         ) as ex:
             return {
                 "parent": (get_current_placement_group().id.hex(), bundle_indices()),
@@ -225,9 +225,9 @@ class _Parent:
                 "groups": await anyio.to_thread.run_sync(live_group_ids),
             }
 
-    async def try_executor(self, n: int, start_timeout_s: float) -> BaseException | None:
+    async def try_executor(self, n: int, timeout_s: float) -> BaseException | None:
         try:
-            await self.run_executor(n, start_timeout_s)
+            await self.run_executor(n, timeout_s)
         except asyncexec.AsyncExecError as exc:
             return exc
         return None
@@ -259,12 +259,11 @@ async def test_parent_placement_group_that_captures_child_tasks_is_used_as_it_is
         assert sorted(out["bundles"]) == [[1], [2]]
         assert [w.world_rank for w in out["workers"]] == [0, 1]
         assert await anyio.to_thread.run_sync(live_group_ids) == [group_id]
-        # Three workers do not fit in the two free bundles. The parent's group is ready, so
-        # this is not noticed as a placement timeout: the third actor stays pending until the
-        # start-up deadline.
+        # Three workers do not fit in the two free bundles: the parent's group is ready from the
+        # start, so the placement deadline bounds the placing of the workers themselves.
         error = await parent.try_executor.remote(3, 3)
-        assert isinstance(error, asyncexec.StartupTimeoutError), error
-        assert "starting the worker processes" in str(error)
+        assert isinstance(error, asyncexec.PlacementTimeoutError), error
+        assert "parent placement group has no room" in str(error)
         assert await anyio.to_thread.run_sync(live_group_ids) == [group_id]
     finally:
         ray.kill(parent)
