@@ -108,6 +108,8 @@ LOOP_LAG_BOUND_S = 1.0
 BARRIER_MARGIN_S = 0.5
 #: The seconds each step of the counter sleeps.
 STEP_SLEEP_S = 0.02
+#: The seconds a slow consumer spends on each step.
+SLOW_CONSUMER_S = 0.1
 #: The seconds each step sleeps in node-loss scenarios.
 NODE_STEP_SLEEP_S = 0.25
 
@@ -223,6 +225,7 @@ class Scenario:
     max_restarts: int
     delay_s: float
     flag: bool
+    slow: bool = False
 
     def describe(self) -> str:
         extra = {
@@ -238,7 +241,7 @@ class Scenario:
         return (
             f"#{self.number} {self.kind} seed={self.seed} workers={self.workers} "
             f"steps={self.steps} every={self.every} buffer={self.buffer} at={self.at} "
-            f"rank={self.rank}{extra}"
+            f"rank={self.rank}{extra}{' slow_consumer' if self.slow else ''}"
         )
 
 
@@ -276,6 +279,7 @@ def draw_one(seed: int, number: int, kind: str) -> Scenario:
         max_restarts=rng.randrange(0, 3),
         delay_s=rng.uniform(0.0, 0.3) if kind == "kill_shutdown" else rng.uniform(0.0, 1.5),
         flag=rng.random() < 0.5,
+        slow=rng.random() < 0.5,
     )
 
 
@@ -518,15 +522,19 @@ async def _consume(
     run: asyncexec.Run,
     seen: _Seen,
     on_step: Callable[[asyncexec.Step], Awaitable[bool]] | None = None,
+    slow: bool = False,
 ) -> None:
-    """Read ``run`` into ``seen``; ``on_step`` returning True breaks out of the loop. An error
-    that ends the stream is recorded, not raised."""
+    """Read ``run`` into ``seen``; ``on_step`` returning True breaks out of the loop; a ``slow``
+    consumer spends SLOW_CONSUMER_S on each step (so that the driver waits on it with steps in
+    hand). An error that ends the stream is recorded, not raised."""
     try:
         async for step in run:
             seen.steps.append(step)
             seen.times.append(time.time())
             if on_step is not None and await on_step(step):
                 break
+            if slow:
+                await anyio.sleep(SLOW_CONSUMER_S)
     except Exception as exc:
         seen.error = exc
     finally:
@@ -685,7 +693,7 @@ async def _kill_from_driver(sc: Scenario, env: Env, out: Outcome, directory: Pat
                     _kill(pid)
             return False
 
-        await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
+        await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
         if not fault_time and seen.error is None:
             # The step was never seen (the run is shorter than the draw): nothing to check.
             out.fail("fault_injected", f"step {at} was never delivered")
@@ -708,7 +716,7 @@ async def _kill_complete(sc: Scenario, env: Env, out: Outcome, directory: Path) 
     fault = {"kind": "die", "rank": sc.rank, "at": sc.at, "barrier": True}
     seen = _Seen()
     async with _executor(sc, env) as ex:
-        await _consume(ex.run(counter, _config(sc, directory, fault)), seen)
+        await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         _check_result(out, sc, ex, seen, [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))])
     first = [s.reports[0].metrics["step"] for s in seen.steps if s.attempt == 1]
     if first != list(range(sc.at)):
@@ -742,7 +750,7 @@ async def _kill_startup(sc: Scenario, env: Env, out: Outcome, directory: Path) -
         if found:
             out.fail("nothing_left", f"after the failed start-up: {found}")
         async with _executor(sc, env, init_hook=gate.hook()) as ex:
-            await _consume(ex.run(counter, _config(sc, directory, None)), seen)
+            await _consume(ex.run(counter, _config(sc, directory, None)), seen, None, sc.slow)
             _check_result(out, sc, ex, seen, [])
         tg.cancel_scope.cancel()
     out.steps = len(seen.steps)
@@ -786,7 +794,7 @@ async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -
                     _kill(pid)
                 return False
 
-            await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
+            await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
             _check_result(
                 out,
                 sc,
@@ -830,7 +838,9 @@ async def _kill_shutdown(sc: Scenario, env: Env, out: Outcome, directory: Path) 
                 async def on_step(step: asyncexec.Step) -> bool:
                     return step.index >= sc.at
 
-                await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
+                await _consume(
+                    ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow
+                )
                 timing["break"] = time.time()
                 broke.set()
         except Exception as exc:
@@ -859,7 +869,7 @@ async def _exhaust(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
     seen = _Seen()
     policy = asyncexec.RestartPolicy(max_restarts=sc.max_restarts, wait=tenacity.wait_none())
     async with _executor(sc, env, restart=policy) as ex:
-        await _consume(ex.run(counter, _config(sc, directory, fault)), seen)
+        await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         restarts = ex.statistics().restarts
     for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
         out.fail(*problem)
@@ -900,7 +910,7 @@ async def _hang(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
         needle = "health check"
     seen = _Seen()
     async with _executor(sc, env, **options) as ex:
-        await _consume(ex.run(counter, _config(sc, directory, fault)), seen)
+        await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         _check_result(out, sc, ex, seen, [(asyncexec.WorkerHungError, frozenset({sc.rank}))])
         failures = ex.result.failures if seen.error is None else []
     if failures and needle not in str(failures[0]):
@@ -926,7 +936,7 @@ async def _cancel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None
                     _kill(ex.workers[sc.rank].pid)
                 return False
 
-            await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
+            await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
     took = time.time() - (t0 + sc.delay_s)
     for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
         out.fail(*problem)
@@ -955,7 +965,7 @@ async def _user_error(sc: Scenario, env: Env, out: Outcome, directory: Path) -> 
     )
     seen = _Seen()
     async with _executor(sc, env, restart=policy) as ex:
-        await _consume(ex.run(counter, _config(sc, directory, fault)), seen)
+        await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         if sc.flag:
             _check_result(out, sc, ex, seen, [(asyncexec.WorkerRaisedError, frozenset({sc.rank}))])
     first = [s.reports[0].metrics["step"] for s in seen.steps if s.attempt == 1]
@@ -1010,7 +1020,7 @@ async def _node_lost(sc: Scenario, env: Env, out: Outcome, directory: Path) -> N
                     )
                 return False
 
-            await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step)
+            await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
             _check_result(out, sc, ex, seen, [(asyncexec.NodeLostError, frozenset(victims))])
     finally:
         env.node = None
@@ -1047,7 +1057,7 @@ async def _kill_idle(sc: Scenario, env: Env, out: Outcome, directory: Path) -> N
                     f"execute() after the crash was reported still fails: "
                     f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
                 )
-        await _consume(ex.run(counter, _config(sc, directory, None)), seen)
+        await _consume(ex.run(counter, _config(sc, directory, None)), seen, None, sc.slow)
         expected = [] if replaced else [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))]
         _check_result(out, sc, ex, seen, expected, optional=not sc.flag)
     out.steps = len(seen.steps)
@@ -1076,9 +1086,15 @@ async def _kill_neighbour(sc: Scenario, env: Env, out: Outcome, directory: Path)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                _consume, a.run(counter, _config(sc, directory / "a", None)), seen_a, on_step
+                _consume,
+                a.run(counter, _config(sc, directory / "a", None)),
+                seen_a,
+                on_step,
+                sc.slow,
             )
-            tg.start_soon(_consume, b.run(counter, _config(sc, directory / "b", None)), seen_b)
+            tg.start_soon(
+                _consume, b.run(counter, _config(sc, directory / "b", None)), seen_b, None, sc.slow
+            )
         _check_result(out, sc, a, seen_a, [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))])
         _check_result(out, sc, b, seen_b, [])
         if [w.pid for w in b.workers] != pids_b:

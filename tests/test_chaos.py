@@ -154,15 +154,38 @@ _SUBSET = [k for k in chaos.FAST_KINDS if k != "kill_idle"]
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("kind", _SUBSET)
 async def test_chaos_scenario_keeps_every_promise(kind: str, tmp_path: Path) -> None:
-    outcome = await chaos.run_scenario(_scenario(kind), chaos.Env(tmp_path))
+    outcome = await chaos.run_scenario(_scenario(kind, slow=False), chaos.Env(tmp_path))
     _assert_passed(outcome)
     if kind != "cancel":  # a cancel may land in start-up, before any step
         assert outcome.steps > 0
 
 
 @pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("kind", ["cancel", "kill_shutdown", "hang_step"])
+async def test_chaos_scenario_with_a_slow_consumer_keeps_every_promise(
+    kind: str, tmp_path: Path
+) -> None:
+    outcome = await chaos.run_scenario(_scenario(kind, slow=True), chaos.Env(tmp_path))
+    _assert_passed(outcome)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core defect: a batch of steps taken from the assembly is dropped when a failure "
+    "cancels the attempt while the driver waits for a busy consumer to take it: Step.index skips "
+    "it, result.steps counts it, and a checkpoint it carried is resumed from",
+)
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("kind", ["kill_step", "exhaust"])
+async def test_chaos_failure_with_a_slow_consumer_loses_no_step(kind: str, tmp_path: Path) -> None:
+    outcome = await chaos.run_scenario(_scenario(kind, slow=True), chaos.Env(tmp_path))
+    _assert_passed(outcome)
+
+
+@pytest.mark.usefixtures("ray_local")
 async def test_chaos_kill_between_runs_then_run_restarts_and_finishes(tmp_path: Path) -> None:
-    outcome = await chaos.run_scenario(_scenario("kill_idle", flag=False), chaos.Env(tmp_path))
+    scenario = _scenario("kill_idle", flag=False, slow=False)
+    outcome = await chaos.run_scenario(scenario, chaos.Env(tmp_path))
     _assert_passed(outcome)
 
 
@@ -175,5 +198,6 @@ async def test_chaos_kill_between_runs_then_run_restarts_and_finishes(tmp_path: 
 async def test_chaos_kill_between_runs_then_execute_works_on_a_fresh_group(
     tmp_path: Path,
 ) -> None:
-    outcome = await chaos.run_scenario(_scenario("kill_idle", flag=True), chaos.Env(tmp_path))
+    scenario = _scenario("kill_idle", flag=True, slow=False)
+    outcome = await chaos.run_scenario(scenario, chaos.Env(tmp_path))
     _assert_passed(outcome)
