@@ -93,7 +93,7 @@ def test_resources_per_worker_is_accepted_exactly_when_valid(resources: object) 
         checked = validate_resources(resources)
         assert checked == {k: float(v) for k, v in resources.items()}
         assert all(type(v) is float for v in checked.values())
-        asyncexec.Executor(2, resources_per_worker=resources)  # type: ignore[arg-type]
+        asyncexec.Executor(2, resources_per_worker=resources)
     else:
         with pytest.raises(asyncexec.ConfigurationError, match="resources_per_worker"):
             asyncexec.Executor(2, resources_per_worker=resources)  # type: ignore[arg-type]
@@ -459,7 +459,7 @@ def returns_a_lock() -> threading.Lock:
 
 
 @pytest.mark.usefixtures("ray_local")
-async def test_a_return_value_that_does_not_pickle_names_it_after_every_step() -> None:
+async def test_a_return_value_that_does_not_pickle_is_named() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         steps = []
         with pytest.raises(asyncexec.WorkerRaisedError) as info:

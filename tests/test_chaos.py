@@ -30,7 +30,7 @@ def _stream(
     plan: list[tuple[int, list[int]]], *, workers: int = 2, every: int = 3
 ) -> list[asyncexec.Step]:
     """Steps as asyncexec delivers them: ``plan`` lists (attempt, function steps) in order."""
-    steps = []
+    steps: list[asyncexec.Step] = []
     for attempt, values in plan:
         for value in values:
             reports = [
@@ -189,11 +189,6 @@ async def test_chaos_kill_between_runs_then_run_restarts_and_finishes(tmp_path: 
     _assert_passed(outcome)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core defect: after execute() reports a rank that died between runs, the executor "
-    "keeps the dead group, so every later execute() fails with the same WorkerCrashedError",
-)
 @pytest.mark.usefixtures("ray_local")
 async def test_chaos_kill_between_runs_then_execute_works_on_a_fresh_group(
     tmp_path: Path,
