@@ -31,13 +31,20 @@ DEFAULT_BUFFER_SIZE = 1024
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A real number that a float holds and that is finite (no bool, NaN, infinity, or an int
+    too large for a float)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not _is_number(value) or not math.isfinite(float(value)) or float(value) <= 0:  # type: ignore[arg-type]
+    if not _is_number(value) or float(value) <= 0:  # type: ignore[arg-type]
         raise ConfigurationError(f"{name} must be a positive number, got {value!r}")
 
 
@@ -56,7 +63,7 @@ def validate_resources(resources: object) -> dict[str, float]:
     for key, value in resources.items():
         if not isinstance(key, str) or not key:
             raise ConfigurationError(f"resources_per_worker has a key that is not a name: {key!r}")
-        if not _is_number(value) or not math.isfinite(float(value)):
+        if not _is_number(value):
             raise ConfigurationError(
                 f"resources_per_worker[{key!r}] must be a number, got {value!r}"
             )
@@ -163,6 +170,11 @@ class ExecutorConfig:
         for name in ("health_check_interval_s", "step_timeout_s"):
             if name in options:
                 _positive(name, options[name], allow_none=True)
+        interval = options.get("health_check_interval_s")
+        if interval is not None and interval < 0.05:
+            raise ConfigurationError(
+                f"health_check_interval_s below 0.05 s would flood the workers, got {interval!r}"
+            )
         patience = options.get("graceful_patience_s", 0.0)
         if not _is_number(patience) or patience < 0:
             raise ConfigurationError(
@@ -175,6 +187,8 @@ class ExecutorConfig:
         storage = options.get("storage_path")
         if storage is None:
             options.pop("storage_path", None)
+        elif isinstance(storage, str) and not storage.strip():
+            raise ConfigurationError("storage_path must not be empty")
         elif isinstance(storage, str) and "://" in storage:
             if importlib.util.find_spec("fsspec") is None:
                 raise ConfigurationError(
@@ -193,6 +207,15 @@ class ExecutorConfig:
         hook = options.get("init_hook")
         if hook is not None and not callable(hook):
             raise ConfigurationError(f"init_hook must be callable, got {hook!r}")
+        if hook is not None:
+            from ray import cloudpickle
+
+            try:
+                cloudpickle.dumps(hook)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"init_hook cannot be pickled to send to the workers: {exc}"
+                ) from exc
         address = options.get("address")
         if address is not None and not isinstance(address, str):
             raise ConfigurationError(f"address must be a string such as 'auto', got {address!r}")

@@ -26,6 +26,7 @@ from ._devices import shared_device_env
 from ._errors import (
     AsyncExecError,
     BackendError,
+    ConfigurationError,
     NodeLostError,
     PlacementTimeoutError,
     StartupError,
@@ -163,10 +164,22 @@ class WorkerGroup:
             # Off the loop: the first actor of a class in a process exports the class to the
             # cluster synchronously (about 0.1 s).
             placement = create_placement(config.bundles, config.placement_strategy, config.name)
-            return placement, [
-                WorkerActor.options(scheduling_strategy=placement.strategy(i), **options).remote()
-                for i in range(config.num_workers)
-            ]
+            actors: list[ActorHandle] = []
+            try:
+                for i in range(config.num_workers):
+                    strategy = placement.strategy(i)
+                    actors.append(
+                        WorkerActor.options(scheduling_strategy=strategy, **options).remote()
+                    )
+            except Exception as exc:
+                # Ray refused the options (a resource amount below its precision, a fractional
+                # amount of a whole-unit accelerator, a runtime_env it cannot read).
+                for actor in actors:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor, no_restart=True)
+                placement.remove()
+                raise ConfigurationError(f"Ray refused the worker options: {exc}") from exc
+            return placement, actors
 
         with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
             placement, actors = await anyio.to_thread.run_sync(request)
@@ -261,6 +274,12 @@ class WorkerGroup:
                     await _kill(actors, placement, timeout_s=config.shutdown_timeout_s)
             if isinstance(exc, TimeoutError) and not isinstance(exc, AsyncExecError):
                 raise StartupTimeoutError(phase, config.start_timeout_s) from exc
+            if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):
+                # Name the worker's own error first, not Ray's (colored) task header.
+                cause = exc.cause
+                raise StartupError(
+                    f"start-up failed while {phase}: {type(cause).__name__}: {cause}"
+                ) from cause
             if isinstance(exc, Exception) and not isinstance(exc, StartupError):
                 raise StartupError(f"start-up failed while {phase}: {exc}") from exc
             raise
@@ -486,19 +505,25 @@ class WorkerGroup:
         actors = [w.actor for w in self.workers]
         with anyio.CancelScope(shield=True):
             t0 = time.perf_counter()
-            if not force:
-                with anyio.move_on_after(self.config.shutdown_timeout_s):
-                    try:
-                        await self.run_backend_hook("on_shutdown")
-                    except Exception as exc:
-                        self._log.warning("backend_shutdown_failed", error=str(exc))
-                    for actor in actors:
-                        actor.close.remote()
-                    terminating = [a.__ray_terminate__.remote() for a in actors]
-                    with anyio.move_on_after(self.config.graceful_patience_s):
-                        await asyncio.gather(*map(_as_coro, terminating), return_exceptions=True)
-            await _kill(actors, self.placement, timeout_s=self.config.shutdown_timeout_s)
+            try:
+                if not force:
+                    await self._close_gracefully(actors)
+            finally:
+                # Whatever happened above, nothing of the group may be left behind.
+                await _kill(actors, self.placement, timeout_s=self.config.shutdown_timeout_s)
             self._log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
+
+    async def _close_gracefully(self, actors: list[ActorHandle]) -> None:
+        with anyio.move_on_after(self.config.shutdown_timeout_s):
+            try:
+                await self.run_backend_hook("on_shutdown")
+            except Exception as exc:
+                self._log.warning("backend_shutdown_failed", error=str(exc))
+            for actor in actors:
+                actor.close.remote()
+            terminating = [a.__ray_terminate__.remote() for a in actors]
+            with anyio.move_on_after(self.config.graceful_patience_s):
+                await asyncio.gather(*map(_as_coro, terminating), return_exceptions=True)
 
 
 async def _as_coro(ref: Any) -> Any:

@@ -254,7 +254,8 @@ class RunDriver:
         self.log = executor.log.bind(run_id=run.run_id)
         self._group: WorkerGroup | None = None
         self._session_live = False
-        self._leftover: StepBatch | None = None
+        self._unsent: list[StepBatch] = []
+        self._pruned: list[str] = []
 
     async def main(self, previous: RunCore | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
@@ -319,9 +320,7 @@ class RunDriver:
                             await self.executor._recover_group(exc)
                         self._session_live = False
                         # Steps every rank completed before the failure are still delivered.
-                        leftover, self._leftover = self._leftover, None
-                        if leftover is not None:
-                            await self._send_steps(leftover)
+                        await self._drain()
                         raise
         except tenacity.RetryError:
             last = self.failures[-1] if self.failures else None
@@ -402,7 +401,7 @@ class RunDriver:
                 )
             tg.cancel_scope.cancel()
         if failure:
-            self._leftover = asm.take(asm.ready)
+            self._queue(asm.take(asm.ready))
             error = failure[0]
             if isinstance(error, WorkerRaisedError):
                 # A peer's death surfaces first as an error in the survivors' collectives.
@@ -496,22 +495,31 @@ class RunDriver:
         while True:
             asm.check()
             while asm.ready:
-                await self._send_steps(asm.take(_BATCH))
+                self._queue(asm.take(_BATCH))
+                await self._drain()
             if asm.finished:
                 asm.check()
                 return
             await asm.wait_changed()
 
-    async def _send_steps(self, steps: StepBatch) -> None:
-        """Hand steps to the iterator (waits for the consumer) and prune old checkpoints."""
+    def _queue(self, steps: StepBatch) -> None:
+        """Take complete steps into the run: they count, their checkpoints become the latest,
+        and they wait in ``_unsent`` until the iterator has them (see :meth:`_drain`)."""
         for batch in steps.split(_BATCH):
-            if not len(batch):
-                continue
-            pruned = self._track_checkpoints(batch)
-            self.steps += len(batch)
-            await self.send.send(batch)
-            self.run.handed += len(batch)
-            if pruned:
+            if len(batch):
+                self._pruned.extend(self._track_checkpoints(batch))
+                self.steps += len(batch)
+                self._unsent.append(batch)
+
+    async def _drain(self) -> None:
+        """Hand the queued steps to the iterator, waiting for the consumer. A batch leaves the
+        queue only once the iterator has it: when a failure cancels the wait, the steps stay
+        queued and are handed over after the failed group is gone."""
+        while self._unsent:
+            await self.send.send(self._unsent[0])
+            self.run.handed += len(self._unsent.pop(0))
+            if self._pruned:
+                pruned, self._pruned = self._pruned, []
                 await anyio.to_thread.run_sync(_remove_dirs, pruned)
 
     def _track_checkpoints(self, batch: StepBatch) -> list[str]:

@@ -169,12 +169,6 @@ async def test_chaos_scenario_with_a_slow_consumer_keeps_every_promise(
     _assert_passed(outcome)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core defect: a batch of steps taken from the assembly is dropped when a failure "
-    "cancels the attempt while the driver waits for a busy consumer to take it: Step.index skips "
-    "it, result.steps counts it, and a checkpoint it carried is resumed from",
-)
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("kind", ["kill_step", "exhaust"])
 async def test_chaos_failure_with_a_slow_consumer_loses_no_step(kind: str, tmp_path: Path) -> None:
