@@ -55,6 +55,16 @@ import tenacity
 
 import asyncexec
 
+try:
+    from benchmarks._probes import Heartbeat, live_placement_groups, live_workers, percentile
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from _probes import (  # type: ignore[no-redef,import-not-found,unused-ignore]
+        Heartbeat,
+        live_placement_groups,
+        live_workers,
+        percentile,
+    )
+
 __all__ = [
     "FAST_KINDS",
     "KINDS",
@@ -428,14 +438,7 @@ def check_complete(
 def leftovers() -> str:
     """Live ``_Worker`` actors and placement groups not removed, described; empty when none.
     Blocking (it asks the GCS): call it off the event loop."""
-    import ray._private.state as ray_state
-
-    actors = [
-        a
-        for a in ray_state.actors().values()
-        if a["ActorClassName"] == "_Worker" and a["State"] != "DEAD"
-    ]
-    groups = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+    actors, groups = live_workers(), live_placement_groups()
     if not actors and not groups:
         return ""
     return (
@@ -491,21 +494,6 @@ class Gate:
         while True:
             await anyio.to_thread.run_sync(self._scan)
             await anyio.sleep(0.01)
-
-
-class _Heartbeat:
-    """Measures the longest event-loop stall while it runs."""
-
-    def __init__(self) -> None:
-        self.max_gap = 0.0
-
-    async def run(self) -> None:
-        last = time.perf_counter()
-        while True:
-            await anyio.sleep(0.01)
-            now = time.perf_counter()
-            self.max_gap = max(self.max_gap, now - last - 0.01)
-            last = now
 
 
 @dataclass
@@ -1133,7 +1121,7 @@ async def run_scenario(sc: Scenario, env: Env) -> Outcome:
         # event loop for a few seconds here, before the heartbeat starts.
         env.node = env.cluster.add_node(num_cpus=2)
         env.cluster.wait_for_nodes()
-    beat = _Heartbeat()
+    beat = Heartbeat()
     t0 = time.perf_counter()
     try:
         async with anyio.create_task_group() as tg:
@@ -1166,13 +1154,6 @@ async def run_scenario(sc: Scenario, env: Env) -> Outcome:
 # The table ------------------------------------------------------------------------------------
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
-
-
 def _fmt(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"
 
@@ -1192,12 +1173,12 @@ def render_table(outcomes: Sequence[Outcome], seed: int, seconds: float) -> str:
             lines.append("-" * len(header))
         lines.append(
             f"{kind:<15}{len(rows):>5}{passed:>8}{len(rows) - passed:>8}"
-            f"{_fmt(_pct(rec, 50)):>16}{_fmt(max(rec) if rec else math.nan):>8}"
+            f"{_fmt(percentile(rec, 50)):>16}{_fmt(max(rec) if rec else math.nan):>8}"
         )
     lags = [o.max_lag_s for o in outcomes]
     lines.append("")
     lines.append(
-        f"event-loop stall, worst per scenario: p50 {_fmt(_pct(lags, 50))} s, "
+        f"event-loop stall, worst per scenario: p50 {_fmt(percentile(lags, 50))} s, "
         f"max {_fmt(max(lags) if lags else math.nan)} s"
     )
     by_invariant: dict[str, list[int]] = {}

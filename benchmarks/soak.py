@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import tempfile
@@ -34,6 +33,16 @@ import psutil
 import ray
 
 import asyncexec
+
+try:
+    from benchmarks._probes import Heartbeat, live_placement_groups, live_workers, percentile
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from _probes import (  # type: ignore[no-redef,import-not-found,unused-ignore]
+        Heartbeat,
+        live_placement_groups,
+        live_workers,
+        percentile,
+    )
 
 __all__ = [
     "FD_TOLERANCE",
@@ -76,15 +85,7 @@ class Snapshot:
 
 
 def _cluster_counts() -> tuple[int, int]:
-    import ray._private.state as ray_state
-
-    actors = sum(
-        1
-        for a in ray_state.actors().values()
-        if a["ActorClassName"] == "_Worker" and a["State"] != "DEAD"
-    )
-    groups = sum(1 for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED")
-    return actors, groups
+    return len(live_workers()), len(live_placement_groups())
 
 
 async def settle(timeout_s: float = 15.0) -> Snapshot:
@@ -149,19 +150,6 @@ async def _one(storage: Path, cpu: float, steps: int) -> float:
     return time.perf_counter() - t0
 
 
-class _Heartbeat:
-    def __init__(self) -> None:
-        self.max_gap = 0.0
-
-    async def run(self) -> None:
-        last = time.perf_counter()
-        while True:
-            await anyio.sleep(0.01)
-            now = time.perf_counter()
-            self.max_gap = max(self.max_gap, now - last - 0.01)
-            last = now
-
-
 async def lifecycles(count: int, storage: Path, *, warmup: int = 3, steps: int = 3) -> Phase:
     """``count`` executor lifecycles in a row (1 worker, CPU 0.5), after ``warmup`` uncounted
     ones; the snapshots frame the counted ones."""
@@ -169,7 +157,7 @@ async def lifecycles(count: int, storage: Path, *, warmup: int = 3, steps: int =
     for _ in range(warmup):
         await _one(storage, 0.5, steps)
     phase.start = await settle()
-    beat = _Heartbeat()
+    beat = Heartbeat()
     async with anyio.create_task_group() as tg:
         tg.start_soon(beat.run)
         for _ in range(count):
@@ -197,7 +185,7 @@ async def concurrent(
     for _ in range(warmup):
         await round_()
     phase.start = await settle()
-    beat = _Heartbeat()
+    beat = Heartbeat()
     async with anyio.create_task_group() as tg:
         tg.start_soon(beat.run)
         for _ in range(rounds):
@@ -206,13 +194,6 @@ async def concurrent(
     phase.max_lag_s = beat.max_gap
     phase.end = await settle()
     return phase
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def render(phases: Sequence[Phase]) -> str:
@@ -238,7 +219,8 @@ def render(phases: Sequence[Phase]) -> str:
     for p in phases:
         unit = "lifecycle" if p.name == "lifecycles" else "round"
         lines.append(
-            f"{p.name}: {p.count} executors; seconds per {unit} p50 {_pct(p.seconds, 50):.2f}, "
+            f"{p.name}: {p.count} executors; seconds per {unit} "
+            f"p50 {percentile(p.seconds, 50):.2f}, "
             f"max {max(p.seconds):.2f}; worst event-loop stall {p.max_lag_s * 1000:.0f} ms"
         )
     return "\n".join(lines)
