@@ -87,6 +87,15 @@ def _first_sentence(text: str) -> str:
     return ""
 
 
+def _device_envs(metas: Sequence[WorkerMetadata], config: ExecutorConfig) -> list[dict[str, str]]:
+    """Each worker's environment for seeing its node's devices, in the order of ``metas``."""
+    return shared_device_env(
+        [m.node_id for m in metas],
+        [m.accelerator_ids for m in metas],
+        sorted(config.share_devices),
+    )
+
+
 def _driver_data_context() -> Any:
     """The driver's Ray Data context, when the driver uses Ray Data (never imported otherwise:
     it is heavy, and workers that do not need it must not pay for it)."""
@@ -213,11 +222,7 @@ class WorkerGroup:
                 actors = [actors[i] for i in order]
                 bundles = list(order)
                 ranks = assign_ranks([m.node_id for m in metas])
-                envs = shared_device_env(
-                    [m.node_id for m in metas],
-                    [m.accelerator_ids for m in metas],
-                    sorted(config.share_devices),
-                )
+                envs = _device_envs(metas, config)
                 contexts = [
                     WorkerContext(
                         world_rank=r.world_rank,
@@ -428,11 +433,7 @@ class WorkerGroup:
                 if meta.node_id != failed.metadata.node_id:
                     raise RuntimeError("the replacement landed on another node")
                 metas = [meta if w.rank == rank else w.metadata for w in self.workers]
-                env = shared_device_env(
-                    [m.node_id for m in metas],
-                    [m.accelerator_ids for m in metas],
-                    sorted(self.config.share_devices),
-                )[rank]
+                env = _device_envs(metas, self.config)[rank]
                 context = replace(
                     failed.context, pid=meta.pid, accelerator_ids=meta.accelerator_ids
                 )
