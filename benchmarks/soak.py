@@ -1,8 +1,10 @@
 """Soak: many executor lifecycles in a row, and many executors at once in one event loop, with
 what the driver holds measured before and after.
 
-    python benchmarks/soak.py                                  # 200 lifecycles; 16 at once x 5
-    python benchmarks/soak.py --lifecycles 30 --concurrent 8 --rounds 2
+    python -m benchmarks.soak                                  # 200 lifecycles; 16 at once x 5
+    python -m benchmarks.soak --lifecycles 30 --concurrent 8 --rounds 2
+
+(``python benchmarks/soak.py`` runs it too.)
 
 Phase one starts and closes an executor (1 worker, CPU 0.5, a 3-step run) ``--lifecycles`` times
 in one process; phase two runs ``--rounds`` rounds of ``--concurrent`` executors at once (CPU 0.25
@@ -28,21 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__" and not __package__:
+    # Run as a script (python benchmarks/soak.py): the project root is importable, as with -m.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import anyio
 import psutil
 import ray
 
 import asyncexec
-
-try:
-    from benchmarks._probes import Heartbeat, live_placement_groups, live_workers, percentile
-except ImportError:  # run as a script: benchmarks/ itself is on sys.path
-    from _probes import (  # type: ignore[no-redef,import-not-found,unused-ignore]
-        Heartbeat,
-        live_placement_groups,
-        live_workers,
-        percentile,
-    )
+from benchmarks._probes import Heartbeat, live_placement_groups, live_workers, percentile
 
 __all__ = [
     "FD_TOLERANCE",
@@ -262,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as the module ``benchmarks.soak`` so that the workers import ``tiny`` by that name.
+    # Run as the module ``benchmarks.soak``, not ``__main__``, so that the workers import ``tiny``
+    # by that name (ROOT is on their PYTHONPATH).
     import importlib
 
-    sys.path.insert(0, ROOT)
     raise SystemExit(importlib.import_module("benchmarks.soak").main())

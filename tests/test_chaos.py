@@ -1,4 +1,4 @@
-"""A short, fixed-seed subset of the chaos runner (``benchmarks/chaos.py``) against the shared local
+"""A short, fixed-seed subset of the chaos runner (``benchmarks.chaos``) against the shared local
 Ray: one scenario of every fast kind (kills at steps, in start-up, in a restart's start-up and wait,
 in shutdown, between runs, beside another executor; hangs; cancellation; user errors; exhausted
 restarts), each checked by the runner's invariants. Before them, the invariants themselves are
@@ -7,18 +7,12 @@ shown to catch broken streams, so a green run means something."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
 
 import asyncexec
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import chaos  # noqa: E402
+from benchmarks import chaos
 
 SEED = 20261130
 

@@ -5,16 +5,11 @@ small tolerance."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import soak  # noqa: E402
+from benchmarks import soak
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

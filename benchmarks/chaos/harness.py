@@ -1,0 +1,260 @@
+"""The driver's tools for a scenario: an executor and a config for the counter, a consumer that
+records what it sees, the init-hook :class:`Gate`, kills, cluster leftovers, and the checks of a
+run against what its fault allows (recorded on an :class:`Outcome`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import tenacity
+
+import asyncexec
+from benchmarks._probes import live_placement_groups, live_workers
+from benchmarks.chaos.invariants import RECOVERY_BOUND_S, check_complete, check_stream
+from benchmarks.chaos.scenarios import Env, Outcome, Scenario
+from benchmarks.chaos.worker import gate_hook
+
+__all__ = ["Gate", "leftovers", "wait_no_leftovers"]
+
+#: The seconds each step of the counter sleeps.
+STEP_SLEEP_S = 0.02
+#: The seconds a slow consumer spends on each step.
+SLOW_CONSUMER_S = 0.1
+#: The seconds each step sleeps in node-loss scenarios.
+NODE_STEP_SLEEP_S = 0.25
+
+
+def leftovers() -> str:
+    """Live ``_Worker`` actors and placement groups not removed, described; empty when none.
+    Blocking (it asks the GCS): call it off the event loop."""
+    actors, groups = live_workers(), live_placement_groups()
+    if not actors and not groups:
+        return ""
+    return (
+        f"{len(actors)} worker actor(s) {[a['State'] for a in actors]}, "
+        f"{len(groups)} placement group(s) {[g['state'] for g in groups]}"
+    )
+
+
+async def wait_no_leftovers(timeout_s: float = 15.0) -> str:
+    """Wait until nothing is left in the cluster; return what is still there after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await anyio.to_thread.run_sync(leftovers)
+        if not found or time.monotonic() > deadline:
+            return found
+        await anyio.sleep(0.1)
+
+
+class Gate:
+    """The driver's side of :func:`gate_hook`: releases every worker's init hook, except that of
+    the armed rank, which it kills with SIGKILL (or, with ``hold``, never releases), once."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.armed: int | None = None
+        self.hold = False
+        self.kills: list[float] = []
+        self._seen: set[str] = set()
+
+    def arm(self, rank: int, *, hold: bool = False) -> None:
+        self.armed, self.hold = rank, hold
+
+    def hook(self) -> Callable[[], None]:
+        return functools.partial(gate_hook, str(self.directory))
+
+    def _scan(self) -> None:
+        for name in sorted(os.listdir(self.directory)):
+            if not (name.startswith("hook-") and name.endswith(".json")) or name in self._seen:
+                continue
+            self._seen.add(name)
+            info = json.loads((self.directory / name).read_text())
+            if self.armed is not None and info["rank"] == self.armed:
+                self.armed = None
+                if not self.hold:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(info["pid"], signal.SIGKILL)
+                self.kills.append(time.time())
+            else:
+                (self.directory / f"go-{info['pid']}").touch()
+
+    async def serve(self) -> None:
+        """Release or kill hooks as they appear; runs until cancelled."""
+        while True:
+            await anyio.to_thread.run_sync(self._scan)
+            await anyio.sleep(0.01)
+
+
+@dataclass
+class _Seen:
+    """What the consumer saw: the steps, when each arrived, and how the stream ended."""
+
+    steps: list[asyncexec.Step] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    error: BaseException | None = None
+    ended: float = 0.0
+
+
+async def _consume(
+    run: asyncexec.Run,
+    seen: _Seen,
+    on_step: Callable[[asyncexec.Step], Awaitable[bool]] | None = None,
+    slow: bool = False,
+) -> None:
+    """Read ``run`` into ``seen``; ``on_step`` returning True breaks out of the loop; a ``slow``
+    consumer spends SLOW_CONSUMER_S on each step (so that the driver waits on it with steps in
+    hand). An error that ends the stream is recorded, not raised."""
+    try:
+        async for step in run:
+            seen.steps.append(step)
+            seen.times.append(time.time())
+            if on_step is not None and await on_step(step):
+                break
+            if slow:
+                await anyio.sleep(SLOW_CONSUMER_S)
+    except Exception as exc:
+        seen.error = exc
+    finally:
+        seen.ended = time.time()
+
+
+def _config(sc: Scenario, directory: Path, fault: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "steps": sc.steps,
+        "every": sc.every,
+        # A removed node's workers outlive its raylet for a moment and keep reporting until the
+        # cluster declares the node dead (about a second): slow steps keep the run going past it.
+        "sleep": NODE_STEP_SLEEP_S if sc.kind == "node_lost" else STEP_SLEEP_S,
+        "dir": str(directory),
+        "fault": fault,
+    }
+
+
+def _executor(sc: Scenario, env: Env, **options: Any) -> asyncexec.Executor:
+    defaults: dict[str, Any] = {
+        "resources_per_worker": {"CPU": 0.5},
+        "storage_path": env.root / "storage",
+        "buffer_size": sc.buffer,
+        "restart": asyncexec.RestartPolicy(max_restarts=3, wait=tenacity.wait_none()),
+        "stop_timeout_s": 5.0,
+        "shutdown_timeout_s": 10.0,
+        "graceful_patience_s": 2.0,
+        "name": f"chaos{sc.number}",
+    }
+    defaults.update(options)
+    return asyncexec.Executor(sc.workers, **defaults)
+
+
+def _worker_faults(directory: Path) -> list[float]:
+    return sorted(float(p.read_text()) for p in directory.glob("fault-a*.time"))
+
+
+def _kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _first_of_attempt_after(seen: _Seen, attempt: int) -> float | None:
+    """When the first step of an attempt later than ``attempt`` arrived (or the stream ended)."""
+    for step, t in zip(seen.steps, seen.times, strict=True):
+        if step.attempt > attempt:
+            return t
+    return seen.ended if seen.ended else None
+
+
+def _check_failures(
+    out: Outcome,
+    failures: Sequence[BaseException],
+    expected: Sequence[tuple[type[BaseException], frozenset[int] | None]],
+) -> None:
+    """Each failure of the expected kind, naming an expected rank, with attempts 1, 2, ..."""
+    got = [type(f).__name__ for f in failures]
+    want = [t.__name__ for t, _ in expected]
+    if len(failures) != len(expected):
+        out.fail("restarts", f"failures {got}, expected {want}")
+        return
+    for number, (failure, (kind, ranks)) in enumerate(zip(failures, expected, strict=True), 1):
+        if not isinstance(failure, kind):
+            detail = str(failure).splitlines()[0] if str(failure) else ""
+            out.fail(
+                "failure_kind",
+                f"failure {number} is {type(failure).__name__} ({detail}), "
+                f"expected {kind.__name__}",
+            )
+            continue
+        if isinstance(failure, asyncexec.WorkerError):
+            if ranks is not None and failure.rank not in ranks:
+                out.fail(
+                    "failure_rank",
+                    f"failure {number} names rank {failure.rank}, expected {sorted(ranks)}",
+                )
+            if failure.attempt != number:
+                out.fail("failure_attempt", f"failure {number} says attempt {failure.attempt}")
+
+
+def _check_result(
+    out: Outcome,
+    sc: Scenario,
+    ex: asyncexec.Executor,
+    seen: _Seen,
+    expected: Sequence[tuple[type[BaseException], frozenset[int] | None]],
+    *,
+    optional: bool = False,
+) -> None:
+    """A run that must finish: no error, the stream and result whole, the failures expected
+    (or, with ``optional``, none at all: the fault may have come too late to matter)."""
+    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
+        out.fail(*problem)
+    if seen.error is not None:
+        out.fail(
+            "finished",
+            f"the run ended with {type(seen.error).__name__}: "
+            f"{str(seen.error).splitlines()[0] if str(seen.error) else ''}",
+        )
+        return
+    result = ex.result
+    out.attempts = result.attempts
+    if optional and result.attempts == 1:
+        expected = []
+    for problem in check_complete(
+        seen.steps, result.return_values, workers=sc.workers, total=sc.steps
+    ):
+        out.fail(*problem)
+    if result.attempts != len(expected) + 1:
+        out.fail("restarts", f"{result.attempts} attempts, expected {len(expected) + 1}")
+    _check_failures(out, result.failures, expected)
+    if ex.statistics().restarts != len(expected):
+        out.fail(
+            "restarts",
+            f"statistics().restarts is {ex.statistics().restarts}, expected {len(expected)}",
+        )
+    if result.steps != len(seen.steps):
+        out.fail("step_count", f"result.steps is {result.steps}, {len(seen.steps)} delivered")
+
+
+def _recovery(
+    out: Outcome, fault_time: float | None, seen: _Seen, attempt: int, faults: int
+) -> None:
+    if fault_time is None:
+        out.fail("fault_injected", "the fault was never injected")
+        return
+    back = _first_of_attempt_after(seen, attempt)
+    if back is None:
+        return
+    took = max(0.0, back - fault_time)
+    out.recovery_s.append(took)
+    if took > RECOVERY_BOUND_S * faults:
+        out.fail("recovery_time", f"{took:.1f} s from the fault to the next attempt's first step")
