@@ -5,8 +5,9 @@ of per-step results; failures restart the whole group under a tenacity policy an
 latest checkpoint.
 
 The names below are loaded on first use (PEP 562): a worker process imports only the light
-worker-side modules (``report``, ``get_context``, ``Checkpoint``), never the driver's (anyio task
-groups, tenacity, structlog), so it costs about what a plain Ray actor costs.
+worker side (``asyncexec._worker``, ``_protocol``, ``_errors``, ``_checkpoint``), never the
+driver's modules (anyio task groups, tenacity, structlog), so it costs about what a plain Ray
+actor costs.
 """
 
 from __future__ import annotations
@@ -16,76 +17,45 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Public name -> the private module that defines it.
+# Public name -> the private module that defines it. The one list of the public names:
+# ``__all__`` is made from it, and a test checks it against the type checkers' imports below.
 _EXPORTS: dict[str, str] = {
     "AsyncExecError": "_errors",
     "BackendError": "_errors",
     "Checkpoint": "_checkpoint",
     "CheckpointConfig": "_config",
     "ConfigurationError": "_errors",
-    "DataConfig": "_data",
-    "Executor": "_executor",
-    "ExecutorState": "_executor",
+    "DataConfig": "_driver._data",
+    "Executor": "_driver._executor",
+    "ExecutorState": "_driver._executor",
     "ExecutorStateError": "_errors",
-    "ExecutorStatistics": "_executor",
+    "ExecutorStatistics": "_driver._executor",
     "NodeLostError": "_errors",
+    "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
-    "Report": "_reports",
+    "Report": "_driver._steps",
     "ReportMismatchError": "_errors",
-    "RestartPolicy": "_restart",
+    "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
-    "Run": "_run",
-    "RunResult": "_reports",
-    "RunState": "_run",
+    "Run": "_driver._run",
+    "RunResult": "_driver._steps",
+    "RunState": "_driver._run",
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
-    "Step": "_reports",
-    "WorkerContext": "_session",
+    "Step": "_driver._steps",
+    "WorkerContext": "_protocol",
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
     "WorkerRaisedError": "_errors",
-    "configure_logging": "_logconfig",
-    "get_checkpoint": "_session",
-    "get_context": "_session",
-    "get_dataset_shard": "_session",
-    "report": "_session",
+    "configure_logging": "_cli._logconfig",
+    "get_checkpoint": "_worker._session",
+    "get_context": "_worker._session",
+    "get_dataset_shard": "_worker._session",
+    "report": "_worker._session",
 }
 
-__all__ = [
-    "AsyncExecError",
-    "BackendError",
-    "Checkpoint",
-    "CheckpointConfig",
-    "ConfigurationError",
-    "DataConfig",
-    "Executor",
-    "ExecutorState",
-    "ExecutorStateError",
-    "ExecutorStatistics",
-    "NodeLostError",
-    "PlacementTimeoutError",
-    "Report",
-    "ReportMismatchError",
-    "RestartPolicy",
-    "RestartsExhaustedError",
-    "Run",
-    "RunResult",
-    "RunState",
-    "StartupError",
-    "StartupTimeoutError",
-    "Step",
-    "WorkerContext",
-    "WorkerCrashedError",
-    "WorkerError",
-    "WorkerHungError",
-    "WorkerRaisedError",
-    "configure_logging",
-    "get_checkpoint",
-    "get_context",
-    "get_dataset_shard",
-    "report",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def _load(module_name: str) -> None:
@@ -113,33 +83,42 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._checkpoint import Checkpoint
-    from ._config import CheckpointConfig
-    from ._data import DataConfig
-    from ._errors import (
-        AsyncExecError,
-        BackendError,
-        ConfigurationError,
-        ExecutorStateError,
-        NodeLostError,
-        PlacementTimeoutError,
-        ReportMismatchError,
-        RestartsExhaustedError,
-        StartupError,
-        StartupTimeoutError,
-        WorkerCrashedError,
-        WorkerError,
-        WorkerHungError,
-        WorkerRaisedError,
-    )
-    from ._executor import Executor, ExecutorState, ExecutorStatistics
-    from ._logconfig import configure_logging
-    from ._reports import Report, RunResult, Step
-    from ._restart import RestartPolicy
-    from ._run import Run, RunState
-    from ._session import WorkerContext, get_checkpoint, get_context, get_dataset_shard, report
+    from ._checkpoint import Checkpoint as Checkpoint
+    from ._cli._logconfig import configure_logging as configure_logging
+    from ._config import CheckpointConfig as CheckpointConfig
+    from ._driver._data import DataConfig as DataConfig
+    from ._driver._executor import Executor as Executor
+    from ._driver._executor import ExecutorState as ExecutorState
+    from ._driver._executor import ExecutorStatistics as ExecutorStatistics
+    from ._driver._restart import RestartPolicy as RestartPolicy
+    from ._driver._run import Run as Run
+    from ._driver._run import RunState as RunState
+    from ._driver._steps import Report as Report
+    from ._driver._steps import RunResult as RunResult
+    from ._driver._steps import Step as Step
+    from ._errors import AsyncExecError as AsyncExecError
+    from ._errors import BackendError as BackendError
+    from ._errors import ConfigurationError as ConfigurationError
+    from ._errors import ExecutorStateError as ExecutorStateError
+    from ._errors import NodeLostError as NodeLostError
+    from ._errors import PlacementInfeasibleError as PlacementInfeasibleError
+    from ._errors import PlacementTimeoutError as PlacementTimeoutError
+    from ._errors import ReportMismatchError as ReportMismatchError
+    from ._errors import RestartsExhaustedError as RestartsExhaustedError
+    from ._errors import StartupError as StartupError
+    from ._errors import StartupTimeoutError as StartupTimeoutError
+    from ._errors import WorkerCrashedError as WorkerCrashedError
+    from ._errors import WorkerError as WorkerError
+    from ._errors import WorkerHungError as WorkerHungError
+    from ._errors import WorkerRaisedError as WorkerRaisedError
+    from ._protocol import WorkerContext as WorkerContext
+    from ._worker._session import get_checkpoint as get_checkpoint
+    from ._worker._session import get_context as get_context
+    from ._worker._session import get_dataset_shard as get_dataset_shard
+    from ._worker._session import report as report
 else:
     # The error tree and the worker-side API are light and always needed: load them now.
     _load("_errors")
     _load("_checkpoint")
-    _load("_session")
+    _load("_protocol")
+    _load("_worker._session")

@@ -1,10 +1,10 @@
-"""``python -m asyncexec`` and the ``asyncexec`` console script: see ``asyncexec._cli``."""
+"""``python -m asyncexec`` and the ``asyncexec`` console script: see ``asyncexec._cli._main``."""
 
 from __future__ import annotations
 
 import sys
 
-from ._cli import main
+from ._cli._main import main
 
 __all__ = ["main"]
 

@@ -1,11 +1,14 @@
-"""Checkpoints: a directory of files, persisted under the run's storage path.
+"""Checkpoints: a directory of files, persisted under the run's storage path, and the book of
+which ones a run keeps.
 
 Runs on both sides: workers persist what they report (before the report enters their buffer, so
-a step is never yielded ahead of its checkpoint), the driver keeps the latest and prunes old ones.
+a step is never yielded ahead of its checkpoint), the driver keeps the latest and prunes old ones
+(:class:`CheckpointBook`).
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
 import shutil
 import tempfile
@@ -14,7 +17,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Checkpoint", "is_uri", "join_path", "persist_directory", "remove_directory"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointBook",
+    "is_uri",
+    "join_path",
+    "persist_directory",
+    "remove_directory",
+]
 
 
 def is_uri(path: str) -> bool:
@@ -114,8 +124,14 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
     merging with what is there.
 
     Several ranks may report a checkpoint for the same step; their files land in one directory.
-    The copy is written next to the destination and moved into place file by file, so a reader
+    A file that another rank already wrote under the same name is fine when its bytes are the
+    same (every rank saving the same replicated weights); when they differ the report is refused,
+    never silently overwritten: name each rank's files apart (``rank_{rank}.pt``) or let one rank
+    write them. Each file is written next to the destination and linked into place, so a reader
     never sees a half-written file.
+
+    Raises:
+        FileExistsError: a file of the same name and different content is already there.
     """
     src = Path(source)
     if not src.is_dir():
@@ -125,6 +141,10 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
         for item in src.rglob("*"):
             if item.is_file():
                 remote = f"{root.rstrip('/')}/{item.relative_to(src).as_posix()}"
+                if fs.exists(remote):
+                    if fs.cat_file(remote) != item.read_bytes():
+                        raise _collision(remote)
+                    continue
                 fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
                 fs.put_file(os.fspath(item), remote)
         return os.fspath(destination)
@@ -140,8 +160,22 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
         shutil.copy2(item, partial)
-        os.replace(partial, target)
+        try:
+            os.link(partial, target)  # atomic, and fails if another rank got there first
+        except FileExistsError:
+            if not filecmp.cmp(partial, target, shallow=False):
+                raise _collision(target) from None
+        finally:
+            os.unlink(partial)
     return os.fspath(dst)
+
+
+def _collision(target: Path | str) -> FileExistsError:
+    return FileExistsError(
+        f"checkpoint file {os.fspath(target)!r} was already written by another rank for this "
+        "step with different content; give each rank's files their own names, or report the "
+        "files from one rank only"
+    )
 
 
 def remove_directory(path: str) -> None:
@@ -152,3 +186,46 @@ def remove_directory(path: str) -> None:
             fs.rm(root, recursive=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+class CheckpointBook:
+    """Which of a run's persisted checkpoints are kept. Pure.
+
+    Every checkpoint is kept unless ``num_to_keep`` is set; then the ``num_to_keep`` most recent,
+    or the best by ``score_attribute`` (rank 0's metric, ``score_order`` ``"max"`` or
+    ``"min"``), and always the latest, so that a restart can resume from it.
+    """
+
+    def __init__(
+        self, num_to_keep: int | None, score_attribute: str | None, score_order: str
+    ) -> None:
+        self.num_to_keep = num_to_keep
+        self.score_attribute = score_attribute
+        self.sign = 1.0 if score_order == "max" else -1.0
+        self.kept: list[tuple[Checkpoint, Any]] = []
+
+    def add(self, checkpoint: Checkpoint, metrics: Any) -> list[str]:
+        """Record ``checkpoint`` (reported with rank 0's ``metrics``); return the paths of the
+        checkpoints that are no longer kept."""
+        self.kept.append((checkpoint, metrics))
+        keep = self.num_to_keep
+        if keep is None or len(self.kept) <= keep:
+            return []
+        latest = self.kept[-1]
+        if self.score_attribute is None:
+            chosen = self.kept[-keep:]
+        else:
+            ranked = sorted(self.kept, key=lambda c: self._score(c[1]), reverse=True)
+            chosen = ranked[:keep]
+            if latest not in chosen:
+                chosen.append(latest)
+        dropped = [c[0].path for c in self.kept if c not in chosen]
+        self.kept = [c for c in self.kept if c in chosen]
+        return dropped
+
+    def _score(self, metrics: Any) -> float:
+        """Higher is better; a missing or non-numeric score is the worst."""
+        value = metrics.get(self.score_attribute) if isinstance(metrics, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return self.sign * float(value)
+        return float("-inf")

@@ -7,6 +7,7 @@ Every error the library raises derives from :class:`AsyncExecError`::
     ├── ExecutorStateError (RuntimeError)   used before start, after close, or while busy
     ├── StartupError                           the group could not be started
     │   ├── PlacementTimeoutError (TimeoutError)  the placement group was not ready in time
+    │   ├── PlacementInfeasibleError              no node can ever hold the workers
     │   ├── StartupTimeoutError (TimeoutError)    start-up overran its deadline
     │   └── BackendError                          a backend hook failed
     ├── WorkerError                  one rank failed (``rank``, ``node_id``, ``pid``, ``attempt``)
@@ -18,7 +19,9 @@ Every error the library raises derives from :class:`AsyncExecError`::
     └── RestartsExhaustedError                 the restart policy gave up (``failures``)
 
 Errors cross process boundaries (worker to driver, driver to a process pool), so each one
-pickles with its attributes; the message is built from them in one place, ``_message()``.
+pickles with its attributes (and its notes); the message is built from them in one place,
+``_message()``. :func:`describe` is the one way to name an exception in a message or a log line:
+it never raises, whatever the exception's message is.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "ConfigurationError",
     "ExecutorStateError",
     "NodeLostError",
+    "PlacementInfeasibleError",
     "PlacementTimeoutError",
     "ReportMismatchError",
     "RestartsExhaustedError",
@@ -43,6 +47,44 @@ __all__ = [
     "WorkerHungError",
     "WorkerRaisedError",
 ]
+
+#: Longest first line :func:`first_line` keeps.
+_LINE_LIMIT = 300
+
+
+#: How many characters of a node id name it in messages and logs.
+NODE_ID_CHARS = 12
+
+
+def short_node(node_id: str) -> str:
+    """A node id shortened for messages and logs."""
+    return node_id[:NODE_ID_CHARS]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message ('' when it has none). Never raises: safe
+    inside an ``except`` block on any exception (an empty message, a ``__str__`` that raises)."""
+    try:
+        text = str(exc)
+    except Exception:
+        return "<the message could not be read: its __str__ raised>"
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:_LINE_LIMIT]
+    return ""
+
+
+def describe(exc: BaseException) -> str:
+    """``"TypeName: first line"``, or the type's name alone for an empty message. Never raises."""
+    line = first_line(exc)
+    name = type(exc).__name__
+    return f"{name}: {line}" if line else name
+
+
+def _notes(exc: BaseException) -> dict[str, Any]:
+    """The state that pickles beside an error's constructor arguments: its notes."""
+    notes = getattr(exc, "__notes__", None)
+    return {"__notes__": list(notes)} if notes else {}
 
 
 class AsyncExecError(Exception):
@@ -98,7 +140,44 @@ class PlacementTimeoutError(StartupError, TimeoutError):
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.requested, self.available, self.timeout_s, self.parent))
+        return (
+            type(self),
+            (self.requested, self.available, self.timeout_s, self.parent),
+            _notes(self),
+        )
+
+
+class PlacementInfeasibleError(StartupError):
+    """The workers can never be placed: no node (or set of nodes) of the cluster holds the
+    bundles, and no autoscaler can add one. Raised at once, not after the placement deadline.
+
+    Attributes:
+        requested: the bundles that were asked for.
+        nodes: each live node's total resources.
+        reason: why they cannot fit.
+    """
+
+    def __init__(
+        self,
+        requested: Sequence[Mapping[str, float]],
+        nodes: Sequence[Mapping[str, float]],
+        reason: str,
+    ) -> None:
+        self.requested = [dict(b) for b in requested]
+        kinds = {k for bundle in self.requested for k in bundle}
+        self.nodes = [{k: v for k, v in n.items() if k in kinds} for n in nodes]
+        self.reason = reason
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return (
+            f"the workers can never be placed: {self.reason}; requested "
+            f"{len(self.requested)} bundle(s) {self.requested}, the cluster's nodes hold "
+            f"{self.nodes} in all, and no autoscaler can add nodes"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.requested, self.nodes, self.reason), _notes(self))
 
 
 class StartupTimeoutError(StartupError, TimeoutError):
@@ -110,7 +189,7 @@ class StartupTimeoutError(StartupError, TimeoutError):
         super().__init__(f"start-up timed out after {timeout_s:g} s while {phase}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.phase, self.timeout_s))
+        return (type(self), (self.phase, self.timeout_s), _notes(self))
 
 
 class BackendError(StartupError):
@@ -125,7 +204,7 @@ class BackendError(StartupError):
         super().__init__(f"backend {backend} failed in {hook}{where}: {detail}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.backend, self.hook, self.rank, self.detail))
+        return (type(self), (self.backend, self.hook, self.rank, self.detail), _notes(self))
 
 
 class WorkerError(AsyncExecError):
@@ -161,7 +240,7 @@ class WorkerError(AsyncExecError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        node = "?" if self.node_id is None else self.node_id[:12]
+        node = "?" if self.node_id is None else short_node(self.node_id)
         text = f"rank {self.rank} (node {node}, pid {self.pid}, attempt {self.attempt}) {self.what}"
         return f"{text}: {self.detail}" if self.detail else text
 
@@ -169,6 +248,7 @@ class WorkerError(AsyncExecError):
         return (
             _rebuild_worker_error,
             (type(self), self.rank, self.node_id, self.pid, self.attempt, self.detail, self.time),
+            _notes(self),
         )
 
 
@@ -249,6 +329,7 @@ class WorkerRaisedError(WorkerError):
                 self.error,
                 self.remote_traceback,
             ),
+            _notes(self),
         )
 
 
@@ -293,7 +374,7 @@ class ReportMismatchError(AsyncExecError):
         return f"ranks reported a different number of times: {table}{done}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.counts, self.finished))
+        return (type(self), (self.counts, self.finished), _notes(self))
 
 
 class RestartsExhaustedError(AsyncExecError):
@@ -314,9 +395,8 @@ class RestartsExhaustedError(AsyncExecError):
     def _message(self) -> str:
         lines = [f"gave up after {self.attempts} attempt(s); failures:"]
         for i, failure in enumerate(self.failures, 1):
-            first = str(failure).splitlines()[0] if str(failure) else ""
-            lines.append(f"  {i}. {type(failure).__name__}: {first}")
+            lines.append(f"  {i}. {describe(failure)}")
         return "\n".join(lines)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.attempts, self.failures))
+        return (type(self), (self.attempts, self.failures), _notes(self))

@@ -4,6 +4,7 @@ group may remain."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -56,6 +57,18 @@ def wait_no_leaks(timeout_s: float = 15.0) -> None:
                 f"{[g['state'] for g in groups]}"
             )
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def cluster_held(resources: dict[str, float]) -> Iterator[None]:
+    """Hold ``resources`` in a placement group of their own, so that a placement that could fit
+    the cluster has to wait (a request that can never fit fails at once instead)."""
+    group = ray.util.placement_group([resources])
+    ray.get(group.ready(), timeout=30)
+    try:
+        yield
+    finally:
+        ray.util.remove_placement_group(group)
 
 
 def _shutdown() -> None:

@@ -22,8 +22,10 @@ import pytest
 import structlog
 
 import asyncexec
-from asyncexec._cli import main, total_steps
-from asyncexec._logconfig import configure_logging
+from asyncexec._cli._logconfig import configure_logging
+from asyncexec._cli._main import main, quiet_planned_crash, total_steps
+from asyncexec._cli._views import JsonView
+from asyncexec._driver._steps import Report, Step
 
 
 def counting(config: dict[str, Any]) -> int:
@@ -81,12 +83,30 @@ def test_run_json_prints_one_object_per_step(
     lines = _json_lines(out)  # stdout holds the steps and nothing else
     assert [line["index"] for line in lines] == list(range(7))
     for line in lines:
+        assert set(line) == {"index", "attempt", "metrics", "reports", "checkpoint"}
         assert line["attempt"] == 1
         assert line["checkpoint"] is None
-        assert [m["rank"] for m in line["metrics"]] == [0, 1]
-        assert [m["value"] for m in line["metrics"]] == [line["index"] * 10, line["index"] * 10 + 1]
+        assert line["metrics"] == line["reports"][0]  # rank 0's, as Step.metrics
+        assert [m["rank"] for m in line["reports"]] == [0, 1]
+        assert [m["value"] for m in line["reports"]] == [line["index"] * 10, line["index"] * 10 + 1]
     assert "finished: 7 steps in 1 attempt(s)" in err
     assert "returned: [0, 1]" in err
+
+
+def test_json_view_names_its_keys_as_step_does() -> None:
+    """``metrics`` is rank 0's mapping (``Step.metrics``); ``reports`` has every rank's
+    (``Step.reports``)."""
+    out = io.StringIO()
+    step = Step(3, 2, [Report(0, {"loss": 0.5}), Report(1, {"loss": 0.7, "extra": 1})])
+    JsonView(out).on_step(step)
+    assert json.loads(out.getvalue()) == {
+        "index": 3,
+        "attempt": 2,
+        "metrics": {"loss": 0.5},
+        "reports": [{"loss": 0.5}, {"loss": 0.7, "extra": 1}],
+        "checkpoint": None,
+    }
+    assert out.getvalue().count("\n") == 1
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -185,7 +205,7 @@ def test_run_imports_a_module_from_the_working_directory(
     assert rc == 0, err
     lines = _json_lines(out)
     assert [line["index"] for line in lines] == [0, 1, 2]
-    assert lines[0]["metrics"][1]["where"] == "cwd_job"
+    assert lines[0]["reports"][1]["where"] == "cwd_job"
 
 
 @pytest.mark.parametrize(
@@ -239,13 +259,13 @@ def test_demo_crashes_once_and_recovers_from_its_checkpoint(
     assert len(first) + len(second) == len(lines)
     assert [line["index"] for line in lines] == list(range(len(lines)))
     # Attempt 1 got at least to the step-5 checkpoint and never past the crash at step 7.
-    steps_1 = [line["metrics"][0]["step"] for line in first]
+    steps_1 = [line["metrics"]["step"] for line in first]
     assert steps_1 == list(range(len(first)))
     assert 6 <= len(first) <= 7
     # Attempt 2 resumed every rank after the latest checkpoint (step 5) and ran to the end.
-    assert [line["metrics"][0]["step"] for line in second] == list(range(6, 12))
-    assert all(m["resumed_from"] == 6 for line in second for m in line["metrics"])
-    assert all(len(line["metrics"]) == 4 for line in lines)
+    assert [line["metrics"]["step"] for line in second] == list(range(6, 12))
+    assert all(m["resumed_from"] == 6 for line in second for m in line["reports"])
+    assert all(len(line["reports"]) == 4 for line in lines)
     checkpoints = [line["checkpoint"] for line in lines if line["checkpoint"]]
     assert checkpoints
     assert all(Path(c).is_relative_to(tmp_path) for c in checkpoints)
@@ -255,6 +275,43 @@ def test_demo_crashes_once_and_recovers_from_its_checkpoint(
     assert "WorkerCrashedError" in err
     assert f"finished: {len(lines)} steps in 2 attempt(s) (1 restart)" in err
     assert "recovered: rank 3 was killed on attempt 1" in err
+    # Ray's "(raylet) A worker died or was killed ..." paragraph about the planned SIGKILL is not
+    # the demo's output (the story is told by worker_failed and the summary).
+    assert "A worker died or was killed" not in out + err
+    assert "(raylet)" not in out + err
+
+
+def test_quiet_planned_crash_drops_only_the_dead_worker_notice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The demo's filter on the driver's printing of Ray's error messages: the raylet's notice of
+    a dead worker goes, every other line stays, and it is undone afterwards (``asyncexec run``
+    keeps the notice)."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    died = (
+        "A worker died or was killed while executing a task by an unexpected system error. "
+        "To troubleshoot the problem, check the logs for the dead worker."
+    )
+
+    def raylet(line: str) -> dict[str, Any]:
+        return {"lines": [line], "pid": "raylet", "is_err": False}
+
+    with quiet_planned_crash():
+        ray_worker.print_to_stdstream(raylet(died), ignore_prefix=False)
+        ray_worker.print_to_stdstream(raylet("Task was cancelled"), ignore_prefix=False)
+        ray_worker.print_to_stdstream(
+            {"lines": [f"worker says: {died}"], "pid": 4242, "ip": "x", "is_err": True},
+            ignore_prefix=True,
+        )
+    out, err = capsys.readouterr()
+    assert "A worker died" not in out
+    assert "Task was cancelled" in out
+    assert f"worker says: {died}" in err  # a worker's own output is not Ray's notice
+    assert ray_worker.print_to_stdstream is original
+    ray_worker.print_to_stdstream(raylet(died), ignore_prefix=False)
+    assert "A worker died" in capsys.readouterr().out
 
 
 # The real command, in a process of its own --------------------------------------------------
@@ -293,7 +350,7 @@ def test_console_command_runs_a_module_from_the_working_directory(tmp_path: Path
 
 
 def test_configure_logging_json_carries_the_bound_context() -> None:
-    from asyncexec._logging import get_logger
+    from asyncexec._driver._logging import get_logger
 
     out = io.StringIO()
     configure_logging("json", "info", stream=out)
@@ -310,7 +367,7 @@ def test_configure_logging_json_carries_the_bound_context() -> None:
 
 
 def test_configure_logging_console_filters_by_level() -> None:
-    from asyncexec._logging import get_logger
+    from asyncexec._driver._logging import get_logger
 
     out = io.StringIO()
     configure_logging("console", "warning", stream=out, colors=False)
@@ -321,6 +378,36 @@ def test_configure_logging_console_filters_by_level() -> None:
     assert len(lines) == 1
     for text in ("worker_failed", "rank=3", "run_id=run-2"):
         assert text in lines[0]
+
+
+def test_configure_logging_renders_other_structlog_users_and_replaces_itself(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An application's own structlog logger renders like asyncexec's events (as the service
+    example's does); a second call replaces the first (one handler, the new stream, the new
+    level); without a stream, lines go to whatever sys.stderr is at each write."""
+    from asyncexec._driver._logging import get_logger
+
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("console", "debug", stream=first, colors=False)
+    configure_logging("json", "info", stream=second)
+    structlog.get_logger("service").info("run_requested", id="r1")
+    structlog.get_logger("service").debug("not_shown")
+    logging.getLogger("asyncexec").info("stdlib %s", "record")
+    logging.getLogger("unrelated").warning("not ours")  # other stdlib loggers are left alone
+    assert first.getvalue() == ""
+    app, lib = _json_lines(second.getvalue())
+    assert app == {**app, "event": "run_requested", "id": "r1", "logger": "service"}
+    assert lib == {**lib, "event": "stdlib record", "logger": "asyncexec", "level": "info"}
+    assert len(logging.getLogger("asyncexec").handlers) == 1
+
+    configure_logging("console", "warning", colors=False)
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)  # as rich's live view does while it runs
+    get_logger(run_id="r2").warning("worker_failed", rank=1)
+    assert "worker_failed" in later.getvalue()
+    assert "run_id=r2" in later.getvalue()
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize(("fmt", "level"), [("xml", "info"), ("json", "loud"), ("json", True)])

@@ -27,7 +27,7 @@ import tenacity
 from ray.data import DataContext, ExecutionOptions
 
 import asyncexec
-from asyncexec._data import DataConfig, make_shards, release_shards, validate_datasets
+from asyncexec._driver._data import DataConfig, make_shards, release_shards, validate_datasets
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

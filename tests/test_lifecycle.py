@@ -4,6 +4,7 @@ executor can start again; bad input is refused before anything starts; errors sa
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -12,7 +13,13 @@ from typing import Any
 import anyio
 import pytest
 import ray
-from conftest import live_placement_groups, live_workers, wait_no_leaks
+from conftest import (
+    LOCAL_CPUS,
+    cluster_held,
+    live_placement_groups,
+    live_workers,
+    wait_no_leaks,
+)
 from structlog.testing import capture_logs
 
 import asyncexec
@@ -101,16 +108,17 @@ async def test_cancelling_the_consumer_mid_run_leaves_nothing_and_restarts() -> 
 
 
 async def test_cancel_while_waiting_for_placement_leaves_nothing() -> None:
-    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 64}, placement_timeout_s=600)
-    async with anyio.create_task_group() as tg:
+    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 2}, placement_timeout_s=600)
+    with cluster_held({"CPU": LOCAL_CPUS}):
+        async with anyio.create_task_group() as tg:
 
-        async def enter() -> None:
-            async with ex:
-                pytest.fail("placement cannot succeed")
+            async def enter() -> None:
+                async with ex:
+                    pytest.fail("placement cannot succeed")
 
-        tg.start_soon(enter)
-        await _wait_until(lambda: len(live_placement_groups()) == 1)
-        tg.cancel_scope.cancel()
+            tg.start_soon(enter)
+            await _wait_until(lambda: len(live_placement_groups()) == 2)
+            tg.cancel_scope.cancel()
     assert ex.state is asyncexec.ExecutorState.CLOSED
     wait_no_leaks()
 
@@ -144,14 +152,31 @@ async def test_cancel_during_start_up_leaves_nothing(tmp_path: Path) -> None:
 
 
 async def test_placement_timeout_names_requested_and_available_resources() -> None:
-    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 64}, placement_timeout_s=0.5)
-    with pytest.raises(asyncexec.PlacementTimeoutError) as info:
+    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 2}, placement_timeout_s=0.5)
+    with cluster_held({"CPU": LOCAL_CPUS - 1}), pytest.raises(
+        asyncexec.PlacementTimeoutError
+    ) as info:
         async with ex:
             pass
     error = info.value
-    assert error.requested == [{"CPU": 64.0}, {"CPU": 64.0}]
-    assert error.available.get("CPU", 0) >= 1
-    assert "64" in str(error)
+    assert error.requested == [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert error.available.get("CPU", 0) == 1
+    assert "'CPU': 2.0" in str(error)
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+
+
+async def test_a_placement_that_can_never_fit_fails_at_once_without_an_autoscaler() -> None:
+    """4 CPUs in all, no autoscaler: 2 workers of 3 CPUs can never be placed, so entering fails
+    at once (a 10-minute placement deadline would outlive the test's timeout)."""
+    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 3}, placement_timeout_s=600)
+    with pytest.raises(asyncexec.PlacementInfeasibleError) as info:
+        async with ex:
+            pass
+    error = info.value
+    assert error.requested == [{"CPU": 3.0}, {"CPU": 3.0}]
+    assert error.nodes == [{"CPU": float(LOCAL_CPUS)}]
+    assert "never be placed" in str(error) and "autoscaler" in str(error)
+    assert pickle.loads(pickle.dumps(error)).nodes == error.nodes
     assert ex.state is asyncexec.ExecutorState.CLOSED
 
 

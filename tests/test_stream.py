@@ -87,7 +87,7 @@ async def test_slow_consumer_bounds_unconsumed_reports_per_rank() -> None:
 
 
 def _reported_so_far() -> int:
-    from asyncexec import _session
+    from asyncexec._worker import _session
 
     session = _session._session
     assert session is not None

@@ -19,9 +19,9 @@ import anyio
 import pytest
 
 import asyncexec
-from asyncexec import _session
+from asyncexec._worker import _session
 from asyncexec.backends import GroupHandle, TorchBackend
-from asyncexec.backends import torch as torch_backend
+from asyncexec.backends.torch import _worker as torch_backend
 from asyncexec.backends.torch import cuda_device_index, resolve_backend, torch_env
 
 TORCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
@@ -186,18 +186,18 @@ def test_master_port_stays_bound_from_reservation_until_the_group_is_destroyed(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_session, "_group_context", _context())
     assert not dist.is_initialized()
-    addr, port = torch_backend._reserve_master(30)
+    addr, port = torch_backend.reserve_master(30)
     try:
         assert addr == "127.0.0.1"
         assert not _port_is_free(port), "the reserved port was released"
-        torch_backend._init_process_group(addr, port, "gloo", "env://", 30)
+        torch_backend.init_process_group(addr, port, "gloo", "env://", 30)
         assert torch_backend._reserved is None
         assert dist.is_initialized()
         assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
         assert os.environ["MASTER_PORT"] == str(port)
         assert not _port_is_free(port), "the process group's store does not hold the port"
     finally:
-        assert torch_backend._destroy_process_group(10) is True
+        assert torch_backend.destroy_process_group(10) is True
     assert not dist.is_initialized()
     assert _port_is_free(port), "the port is still bound after the group was destroyed"
 
@@ -210,7 +210,7 @@ def test_destroy_that_hangs_is_given_up_after_the_deadline(monkeypatch: pytest.M
     monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(30))
     t0 = time.monotonic()
     try:
-        assert torch_backend._destroy_process_group(0.2) is False
+        assert torch_backend.destroy_process_group(0.2) is False
     finally:
         release.set()
     assert time.monotonic() - t0 < 5
@@ -264,7 +264,7 @@ async def test_process_group_is_initialised_on_every_rank_and_all_reduce_sums(
 ) -> None:
     backend = TorchBackend(backend="gloo", init_method=init_method)  # type: ignore[arg-type]
     async with asyncexec.Executor(2, resources_per_worker=HALF_CPU, backend=backend) as ex:
-        infos = await ex.execute(torch_backend._process_group_info)
+        infos = await ex.execute(torch_backend.process_group_info)
         assert [(i["initialized"], i["rank"], i["world_size"], i["backend"]) for i in infos] == [
             (True, 0, 2, "gloo"),
             (True, 1, 2, "gloo"),

@@ -2,8 +2,10 @@
 
 ``max_restarts=N`` allows exactly N restarts after the first attempt (N+1 attempts in all);
 ``None`` allows any number. The wait between attempts is exponential backoff with jitter by
-default. Any tenacity ``stop``, ``wait`` or ``retry`` strategy can replace the defaults, and the
-sleep function is injectable so tests never sleep for real.
+default. Any tenacity ``stop`` or ``wait`` strategy can replace the defaults, and the sleep
+function is injectable so tests never sleep for real. Which failures restart is said one way:
+``retry_if``, a predicate over the failure (``restart_on_user_error=True`` is the shorthand for
+the most common change of it).
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from typing import Any
 import anyio
 import tenacity
 from tenacity import RetryCallState
-from tenacity.retry import retry_base
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
-from ._errors import (
+from .._errors import (
     ConfigurationError,
     NodeLostError,
     StartupError,
@@ -40,16 +41,20 @@ def is_restartable(exc: BaseException) -> bool:
 class RestartPolicy:
     """When and how a run restarts its worker group after a failure.
 
+    Which failures restart: by default a crashed worker, a lost node, a hung worker and a failed
+    start-up (:func:`is_restartable`), not an exception of the user's function. To change that,
+    pass ``retry_if``; ``restart_on_user_error=True`` is the shorthand that adds the user's
+    exceptions. Giving both is refused: one says it all.
+
     Args:
         max_restarts: restarts allowed after the first attempt; ``None`` for no bound.
         restart_on_user_error: also restart when the user's function raises.
-        retry_if: a predicate over the failure that replaces the default choice of which
-            failures restart (``restart_on_user_error`` is then ignored).
+        retry_if: a predicate over the failure (an ``AsyncExecError``): True to restart. It
+            replaces the default choice entirely.
         wait: tenacity wait strategy between attempts; exponential backoff with jitter
             (0.5 s doubling to 30 s, plus up to 0.5 s of jitter) by default.
         stop: tenacity stop strategy; replaces ``max_restarts`` when given, for example
             ``stop_after_attempt(5) | stop_after_delay(600)``.
-        retry: tenacity retry strategy; replaces ``retry_if`` and ``restart_on_user_error``.
         sleep: the coroutine function that waits; tests inject one that returns at once.
         reuse_survivors: after a crashed or hung rank, replace only that rank with a fresh
             process in its bundle and keep the others, whose functions are stopped (they restart
@@ -66,7 +71,6 @@ class RestartPolicy:
         default_factory=lambda: tenacity.wait_exponential_jitter(initial=0.5, max=30, jitter=0.5)
     )
     stop: stop_base | Callable[[RetryCallState], bool] | None = None
-    retry: retry_base | Callable[[RetryCallState], bool] | None = None
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep
     reuse_survivors: bool = False
 
@@ -79,10 +83,15 @@ class RestartPolicy:
             raise ConfigurationError(
                 f"max_restarts must be a non-negative int or None, got {self.max_restarts!r}"
             )
-        for name in ("retry_if", "wait", "stop", "retry", "sleep"):
+        for name in ("retry_if", "wait", "stop", "sleep"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigurationError(f"RestartPolicy.{name} must be callable, got {value!r}")
+        if self.retry_if is not None and self.restart_on_user_error:
+            raise ConfigurationError(
+                "RestartPolicy takes retry_if or restart_on_user_error=True, not both: "
+                "retry_if decides alone (include WorkerRaisedError in it to restart on user errors)"
+            )
 
     @classmethod
     def never(cls) -> RestartPolicy:
@@ -111,11 +120,10 @@ class RestartPolicy:
                 if self.max_restarts is None
                 else tenacity.stop_after_attempt(self.max_restarts + 1)
             )
-        retry: Any = self.retry or tenacity.retry_if_exception(self.should_restart)
         return tenacity.AsyncRetrying(
             stop=stop,
             wait=self.wait,
-            retry=retry,
+            retry=tenacity.retry_if_exception(self.should_restart),
             sleep=self.sleep,
             before_sleep=before_sleep,
             reraise=False,

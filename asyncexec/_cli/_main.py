@@ -7,7 +7,8 @@
 ``run`` imports ``FUNCTION`` from ``MODULE`` (importable from the current directory), runs it on
 the workers and shows a live terminal view (with the ``cli`` extra, which installs rich): each
 rank's latest metrics, steps per second, the attempt and restarts, and a progress bar when the
-length of the run is known. ``--json`` prints one JSON object per step instead. ``demo`` runs a
+length of the run is known. ``--json`` prints one JSON object per step instead (``index``,
+``attempt``, ``metrics``: rank 0's, ``reports``: every rank's, ``checkpoint``). ``demo`` runs a
 built-in job that checkpoints, loses a worker to SIGKILL and recovers from its checkpoint.
 
 Exit status: 0 when the run finished, 1 when it failed (the error is printed), 2 for bad usage
@@ -26,16 +27,16 @@ import shutil
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 
-from ._config import validate_resources
-from ._errors import AsyncExecError, ConfigurationError
+from .._config import validate_resources
+from .._driver._steps import RunResult
+from .._errors import AsyncExecError, ConfigurationError
 from ._logconfig import configure_logging
-from ._reports import RunResult
 from ._views import Tracker, View, make_view
 
 __all__ = ["build_parser", "main"]
@@ -158,7 +159,10 @@ def _common_options(parser: argparse.ArgumentParser, *, max_restarts: int) -> No
         help=f"group restarts allowed after failures (default {max_restarts})",
     )
     parser.add_argument(
-        "--json", action="store_true", help="print one JSON object per step instead of the view"
+        "--json",
+        action="store_true",
+        help="print one JSON object per step instead of the view: index, attempt, metrics "
+        "(rank 0's), reports (every rank's metrics), checkpoint",
     )
     parser.add_argument(
         "--storage-path",
@@ -291,8 +295,8 @@ async def drive(
     """
     import tenacity
 
-    from ._executor import Executor
-    from ._restart import RestartPolicy
+    from .._driver._executor import Executor
+    from .._driver._restart import RestartPolicy
 
     policy = RestartPolicy(max_restarts=options.max_restarts)
     if options.restart_wait_s is not None:
@@ -383,6 +387,48 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
+#: How the raylet's notice of a dead worker begins (Ray 2.60's ``node_manager``).
+_WORKER_DIED_NOTICE = "A worker died or was killed"
+
+
+@contextlib.contextmanager
+def quiet_planned_crash() -> Iterator[None]:
+    """Keep Ray's notice of the demo's own SIGKILL out of the demo's output, while it runs.
+
+    When a worker process dies, the raylet publishes a paragraph ("A worker died or was killed
+    while executing a task by an unexpected system error ... the OOM killer ...") that the
+    driver's error listener thread (``ray._private.worker.listen_error_messages``) prints on
+    stdout behind a ``(raylet)`` prefix. ``ray.init(log_to_driver=False)`` does not stop it: that
+    only stops forwarding the workers' own output. The demo kills a worker on purpose and tells
+    the story itself (the ``worker_failed`` event, the summary), so this drops that one notice
+    and nothing else; the workers' forwarded output and Ray's other notices still print.
+    ``asyncexec run`` does not use it: there a dead worker is news.
+    """
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None:  # a Ray without that hook: print as it does
+        yield
+        return
+
+    def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            lines = [line for line in data.get("lines", []) if _WORKER_DIED_NOTICE not in line]
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        original(data, ignore_prefix)
+
+    # The listener thread looks the function up at each message; the handler that forwards the
+    # workers' output was bound to the original when Ray connected, so it is not affected.
+    ray_worker.print_to_stdstream = print_to_stdstream
+    try:
+        yield
+    finally:
+        if ray_worker.print_to_stdstream is print_to_stdstream:
+            ray_worker.print_to_stdstream = original
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncexec`` command with ``argv`` (``sys.argv[1:]`` by default); return the
     exit status."""
@@ -394,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     cleanup: str | None = None
     started_ray = False
+    quiet = contextlib.ExitStack()  # the demo's filter of Ray's output, until Ray is shut down
     try:
         if args.command == "run":
             directory = os.getcwd()
@@ -422,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             config["step_s"] = args.step_seconds
             title = "asyncexec demo"
+            quiet.enter_context(quiet_planned_crash())
             storage = args.storage_path
             if storage is None:
                 storage = cleanup = tempfile.mkdtemp(prefix="asyncexec-demo-")
@@ -475,5 +523,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             import ray
 
             ray.shutdown()
+        quiet.close()
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import os
-import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -19,30 +18,34 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
-import ray
 from ray import cloudpickle
 
-from ._checkpoint import Checkpoint, is_uri
-from ._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, validate_buffer_size
-from ._errors import (
+from .._checkpoint import Checkpoint, is_uri
+from .._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, validate_buffer_size
+from .._errors import (
     ConfigurationError,
     ExecutorStateError,
     NodeLostError,
     WorkerCrashedError,
-    WorkerHungError,
+    describe,
 )
-from ._group import WorkerGroup
+from .._protocol import WorkerContext
+from ..backends._base import Backend
+from ._attempts import RunDriver, RunSpec
 from ._logging import get_logger
-from ._reports import RunResult
+from ._ray import ensure_ray
 from ._restart import RestartPolicy
-from ._run import Run, RunCore, RunDriver, new_run_id
-from ._session import WorkerContext
-from .backends._base import Backend
+from ._run import Run, RunCore, RunState, new_run_id
+from ._slot import GroupSlot
+from ._steps import RunResult
 
 __all__ = ["Executor", "ExecutorState", "ExecutorStatistics"]
 
 T = TypeVar("T")
-_init_lock = threading.Lock()
+#: Defaults of the configuration, written once (in ExecutorConfig's fields).
+_D = ExecutorConfig
+#: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
+_RUN_END_MARGIN_S = 10.0
 
 
 class ExecutorState(enum.Enum):
@@ -70,20 +73,6 @@ class ExecutorStatistics:
     runs_cancelled: int
     restarts: int
     steps_delivered: int
-
-
-async def ensure_ray(address: str | None) -> None:
-    """Start a local Ray, or join ``address``, unless Ray is already initialized. Off the loop:
-    ``ray.init`` blocks for seconds."""
-    if ray.is_initialized():
-        return
-
-    def init() -> None:
-        with _init_lock:
-            if not ray.is_initialized():
-                ray.init(address=address, ignore_reinit_error=True)
-
-    await anyio.to_thread.run_sync(init)
 
 
 class Executor:
@@ -135,23 +124,23 @@ class Executor:
         resources_per_worker: Mapping[str, float] | None = None,
         backend: Backend | None = None,
         restart: RestartPolicy | None = None,
-        placement_strategy: PlacementStrategy = "PACK",
-        placement_timeout_s: float = 60.0,
-        start_timeout_s: float = 120.0,
-        shutdown_timeout_s: float = 30.0,
-        graceful_patience_s: float = 5.0,
+        placement_strategy: PlacementStrategy = _D.placement_strategy,
+        placement_timeout_s: float = _D.placement_timeout_s,
+        start_timeout_s: float = _D.start_timeout_s,
+        shutdown_timeout_s: float = _D.shutdown_timeout_s,
+        graceful_patience_s: float = _D.graceful_patience_s,
         init_hook: Callable[[], object] | None = None,
         share_devices: bool | Collection[str] = True,
-        buffer_size: int | None = None,
-        health_check_interval_s: float | None = 5.0,
-        health_check_timeout_s: float = 30.0,
-        step_timeout_s: float | None = None,
-        stop_timeout_s: float = 10.0,
+        buffer_size: int = _D.buffer_size,
+        health_check_interval_s: float | None = _D.health_check_interval_s,
+        health_check_timeout_s: float = _D.health_check_timeout_s,
+        step_timeout_s: float | None = _D.step_timeout_s,
+        stop_timeout_s: float = _D.stop_timeout_s,
         storage_path: str | os.PathLike[str] | None = None,
         checkpoint: CheckpointConfig | None = None,
         address: str | None = None,
         runtime_env: Mapping[str, Any] | None = None,
-        name: str = "asyncexec",
+        name: str = _D.name,
     ) -> None:
         options: dict[str, Any] = {
             "resources_per_worker": resources_per_worker,
@@ -171,9 +160,8 @@ class Executor:
             "address": address,
             "runtime_env": runtime_env,
             "name": name,
+            "buffer_size": buffer_size,
         }
-        if buffer_size is not None:
-            options["buffer_size"] = buffer_size
         self.config = ExecutorConfig.build(num_workers, **options)
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigurationError(
@@ -187,24 +175,21 @@ class Executor:
         self.log = get_logger(executor=f"{name}-{self.id}")
         self._state = ExecutorState.NEW
         self._tg: anyio.abc.TaskGroup | None = None
-        self._group: WorkerGroup | None = None
-        self._group_lock = anyio.Lock()
+        self._slot = GroupSlot(self.config, backend, self.log)
         self._run: RunCore | None = None
         self._result: RunResult | None = None
         self._closed = anyio.Event()
         self._stats = {
-            "group_starts": 0,
             "runs_started": 0,
             "runs_finished": 0,
             "runs_failed": 0,
             "runs_cancelled": 0,
-            "restarts": 0,
             "steps_delivered": 0,
         }
 
     def __repr__(self) -> str:
         return (
-            f"<Executor {self.config.name}-{self.id} {self._state.value} "
+            f"<Executor {self.config.name}-{self.id} {self.state.value} "
             f"workers={self.config.num_workers}>"
         )
 
@@ -214,7 +199,8 @@ class Executor:
         if self._state is ExecutorState.CLOSED:
             # A closed executor may be entered again: it starts a fresh group.
             self._closed = anyio.Event()
-            self._group, self._run = None, None
+            self._slot = GroupSlot(self.config, self.backend, self.log)
+            self._run = None
         elif self._state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self._state.value}")
         self._state = ExecutorState.STARTING
@@ -222,7 +208,8 @@ class Executor:
         await self._tg.__aenter__()
         try:
             await ensure_ray(self.config.address)
-            await self._acquire_group(1)
+            await self._slot.acquire()
+            self._state = ExecutorState.READY
         except BaseException:
             self._state = ExecutorState.CLOSED
             self._closed.set()
@@ -254,15 +241,15 @@ class Executor:
                 await self._closed.wait()
             return
         self._state = ExecutorState.CLOSING
+        self._slot.closing = True
         with anyio.CancelScope(shield=True):
             run = self._run
             if run is not None:
                 run.cancel()
-                with anyio.move_on_after(
-                    self.config.stop_timeout_s + self.config.shutdown_timeout_s + 10
-                ):
+                bound = self.config.stop_timeout_s + self.config.shutdown_timeout_s
+                with anyio.move_on_after(bound + _RUN_END_MARGIN_S):
                     await run.finished.wait()
-            await self._discard_group(force=force)
+            await self._slot.discard(force=force)
         self._state = ExecutorState.CLOSED
         self._closed.set()
         self.log.info("executor_closed")
@@ -274,68 +261,33 @@ class Executor:
             raise ExecutorStateError("the executor is closed")
         return self._tg
 
-    async def _acquire_group(self, attempt: int | None) -> WorkerGroup:
-        async with self._group_lock:
-            if self._group is None or self._group.closed:
-                if self._state in (ExecutorState.CLOSING, ExecutorState.CLOSED):
-                    raise ExecutorStateError("the executor is closed")
-                first = self._stats["group_starts"] == 0
-                self._state = ExecutorState.STARTING if first else ExecutorState.RESTARTING
-                if not first and attempt is not None and attempt > 1:
-                    self._stats["restarts"] += 1
-                self._group = await WorkerGroup.start(
-                    self.config, self.backend, attempt=attempt or 1, log=self.log
-                )
-                self._stats["group_starts"] += 1
-            if attempt is not None:
-                self._group.attempt = attempt
-            self._state = ExecutorState.RUNNING if self._run_active() else ExecutorState.READY
-            return self._group
-
-    async def _recover_group(self, failure: BaseException) -> None:
-        """After a failed attempt: replace only the failed rank when the policy asks for it and
-        that is possible, else discard the whole group (the next attempt starts a fresh one)."""
-        group = self._group
-        if (
-            group is not None
-            and self.restart_policy.reuse_survivors
-            and isinstance(failure, WorkerCrashedError | WorkerHungError)
-        ):
-            try:
-                if await group.replace_rank(failure.rank):
-                    return
-            except Exception as exc:
-                self.log.warning("rank_replace_failed", error=str(exc))
-        await self._discard_group(force=True)
-
-    async def _discard_group(self, *, force: bool) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            await group.close(force=force)
-
     def _run_active(self) -> bool:
         return self._run is not None and self._run.active
 
     def _run_ended(self, run: RunCore) -> None:
-        from ._run import RunState
-
         key = {
             RunState.FINISHED: "runs_finished",
             RunState.FAILED: "runs_failed",
         }.get(run.state, "runs_cancelled")
         self._stats[key] += 1
-        self._stats["steps_delivered"] += run.handed
         if run.result is not None:
             self._result = run.result
-        if self._state in (ExecutorState.RUNNING, ExecutorState.RESTARTING):
-            self._state = ExecutorState.READY
 
     # Public API -------------------------------------------------------------------------------
 
     @property
     def state(self) -> ExecutorState:
         """Where the executor is: new, starting, ready, running, restarting, closing, closed."""
-        return self._state
+        if self._state is not ExecutorState.READY:
+            return self._state
+        if self._slot.starting is not None:
+            return ExecutorState(self._slot.starting)
+        run = self._run
+        if run is not None and run.active:
+            if run.state is RunState.RESTARTING:
+                return ExecutorState.RESTARTING
+            return ExecutorState.RUNNING
+        return ExecutorState.READY
 
     @property
     def result(self) -> RunResult:
@@ -351,12 +303,21 @@ class Executor:
     @property
     def workers(self) -> list[WorkerContext]:
         """Each live worker's context (ranks, node, pid, devices), in rank order."""
-        return [] if self._group is None else self._group.contexts
+        group = self._slot.group
+        return [] if group is None else group.contexts
 
     def statistics(self) -> ExecutorStatistics:
-        """A snapshot of the executor's counters."""
+        """A snapshot of the executor's counters (``steps_delivered`` counts the steps taken
+        from every run, the one in progress included)."""
+        stats = dict(self._stats)
+        if self._run is not None:
+            stats["steps_delivered"] += self._run.delivered
         return ExecutorStatistics(
-            state=self._state, num_workers=self.config.num_workers, **self._stats
+            state=self.state,
+            num_workers=self.config.num_workers,
+            group_starts=self._slot.starts,
+            restarts=self._slot.restarts,
+            **stats,
         )
 
     def run(
@@ -394,13 +355,7 @@ class Executor:
         tg = self._check_open()
         if not callable(fn):
             raise ConfigurationError(f"fn must be callable, got {fn!r}")
-        for what, value in (("fn", fn), ("config", config)):
-            try:
-                cloudpickle.dumps(value)
-            except Exception as exc:
-                raise ConfigurationError(
-                    f"{what} cannot be pickled to send to the workers: {exc}"
-                ) from exc
+        payload = _pickle(fn, config)
         start = _as_checkpoint(checkpoint)
         bound = (
             self.config.buffer_size if buffer_size is None else validate_buffer_size(buffer_size)
@@ -416,10 +371,12 @@ class Executor:
             data = validate_datasets({} if datasets is None else datasets, data_config)
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(new_run_id())
-        driver = RunDriver(self, core, send, fn, config, start, bound, data)
+        spec = RunSpec(payload, start, bound, data)
+        driver = RunDriver(self._slot, self.restart_policy, core, send, spec, self._run_ended)
         previous, self._run = self._run, core
+        if previous is not None:
+            self._stats["steps_delivered"] += previous.delivered
         self._stats["runs_started"] += 1
-        self._state = ExecutorState.RUNNING
         tg.start_soon(driver.main, previous)
         return Run(core, receive)
 
@@ -427,14 +384,21 @@ class Executor:
         """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
 
         Works while a run is in progress (an ``async def`` runs on the worker's event loop, a
-        plain function in a thread), for example to push new weights to live workers.
+        plain function in a thread), for example to push new weights to live workers. Arguments
+        travel as Ray passes them: an ``ObjectRef`` argument arrives resolved (``ray.put`` a
+        large state once and pass the ref, instead of pickling it once per rank).
+
+        ``fn`` is pickled by reference when its module can be imported on the workers, and by
+        value otherwise (a function defined in ``__main__``): then it runs on a copy of its
+        globals, and module-level state it changes is not the workers' state. Keep state that
+        ``execute()`` updates in an importable module.
 
         Raises:
             WorkerRaisedError: ``fn`` raised on a rank (the lowest failing rank is reported).
             WorkerCrashedError: a worker died.
         """
         self._check_open()
-        group = await self._acquire_group(None)
+        group = await self._slot.acquire()
         try:
             return await group.execute(fn, *args, **kwargs)
         except (WorkerCrashedError, NodeLostError):
@@ -446,19 +410,18 @@ class Executor:
     ) -> T:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         self._check_open()
-        group = await self._acquire_group(None)
+        group = await self._slot.acquire()
         try:
             return await group.execute_single(rank, fn, *args, **kwargs)
         except (WorkerCrashedError, NodeLostError):
             await self._drop_broken(group)
             raise
 
-    async def _drop_broken(self, group: WorkerGroup) -> None:
+    async def _drop_broken(self, group: Any) -> None:
         """A worker of the group is dead: discard the group (unless a run has already replaced
         it), so that the next call or run starts a fresh one."""
-        if self._group is group and not self._run_active():
-            with anyio.CancelScope(shield=True):
-                await self._discard_group(force=True)
+        if not self._run_active():
+            await self._slot.drop_if(group)
 
 
 def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
@@ -473,3 +436,24 @@ def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpo
     if not is_uri(path) and not Path(path).is_dir():
         raise ConfigurationError(f"checkpoint directory does not exist: {path!r}")
     return Checkpoint(path)
+
+
+def _pickle(fn: Callable[..., Any], config: Any) -> bytes:
+    """The function and its config, pickled once for every rank and attempt (on the loop: its
+    cost is the one Ray's ``.remote()`` would pay per rank; a large state is better put in the
+    object store and passed as a reference).
+
+    Raises:
+        ConfigurationError: either one cannot be pickled.
+    """
+    try:
+        return bytes(cloudpickle.dumps((fn, config)))
+    except Exception as error:
+        for what, value in (("fn", fn), ("config", config)):
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"{what} cannot be pickled to send to the workers: {describe(exc)}"
+                ) from exc
+        raise ConfigurationError(f"fn and config cannot be pickled: {describe(error)}") from error

@@ -1,25 +1,15 @@
-"""Report, Step, RunResult, and the per-step assembly of an attempt.
-
-Each rank's reports arrive in batches, in order. Step k of an attempt is complete when every rank
-has delivered its k-th report. The assembly also keeps the credit window that gives backpressure:
-a rank may have at most ``buffer_size`` reports that the consumer has not taken.
-"""
+"""What a run yields and returns: Report, Step, RunResult, and the compact StepBatch that
+carries complete steps from the driver task to the iterator."""
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
+from .._checkpoint import Checkpoint
 
-from ._checkpoint import Checkpoint
-from ._errors import ReportMismatchError
-from ._session import PollResult
-
-__all__ = ["Assembly", "Report", "RunResult", "Step", "StepBatch"]
+__all__ = ["Report", "RunResult", "Step", "StepBatch"]
 
 
 class Report:
@@ -156,77 +146,3 @@ class RunResult:
     steps: int
     attempts: int
     failures: list[BaseException] = field(default_factory=list)
-
-
-class Assembly:
-    """One attempt's reports, per rank, until every rank has reported a step."""
-
-    def __init__(self, num_ranks: int, buffer_size: int, attempt: int, index_offset: int) -> None:
-        self.num_ranks = num_ranks
-        self.buffer_size = buffer_size
-        self.attempt = attempt
-        self.index_offset = index_offset
-        self.queues: list[deque[dict[str, Any]]] = [deque() for _ in range(num_ranks)]
-        self.checkpoints: list[dict[int, str]] = [{} for _ in range(num_ranks)]
-        self.received = [0] * num_ranks
-        self.outcomes: list[tuple[Any, ...] | None] = [None] * num_ranks
-        self.last_report = [time.monotonic()] * num_ranks
-        self.assembled = 0
-        self._changed = anyio.Event()
-
-    def add(self, rank: int, result: PollResult) -> None:
-        """Take one poll's result from ``rank``."""
-        _, items, ckpts, outcome = result
-        if items:
-            self.queues[rank].extend(items)
-            self.received[rank] += len(items)
-            self.last_report[rank] = time.monotonic()
-        if ckpts:
-            self.checkpoints[rank].update(ckpts)
-        if outcome is not None:
-            self.outcomes[rank] = outcome
-        self._changed.set()
-
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
-        self._changed = anyio.Event()
-
-    def check(self) -> None:
-        """Raise ReportMismatchError when ranks cannot reach the same number of reports."""
-        done = [r for r, o in enumerate(self.outcomes) if o is not None and o[0] == "ok"]
-        if not done:
-            return
-        fewest = min(self.received[r] for r in done)
-        over = any(c > fewest for c in self.received)
-        all_done = len(done) == self.num_ranks
-        if over or (all_done and len(set(self.received)) > 1):
-            raise ReportMismatchError(dict(enumerate(self.received)), done)
-
-    @property
-    def ready(self) -> int:
-        """How many complete steps can be taken now."""
-        return min(len(q) for q in self.queues)
-
-    def take(self, limit: int) -> StepBatch:
-        """Take up to ``limit`` complete steps, as a compact batch."""
-        n = min(self.ready, limit)
-        per_rank = []
-        for queue in self.queues:
-            popleft = queue.popleft
-            per_rank.append([popleft() for _ in range(n)])
-        first = self.assembled
-        checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
-        for rank, pending in enumerate(self.checkpoints):
-            for seq in [s for s in pending if s < first + n]:
-                path = pending.pop(seq)
-                ckpt, ranks = checkpoints.get(seq - first, (Checkpoint(path), ()))
-                checkpoints[seq - first] = (ckpt, (*ranks, rank))
-        self.assembled += n
-        return StepBatch(
-            self.index_offset + first, self.attempt, list(zip(*per_rank, strict=True)), checkpoints
-        )
-
-    @property
-    def finished(self) -> bool:
-        """Every rank's function returned and every step has been taken."""
-        return all(o is not None for o in self.outcomes) and not any(self.queues)

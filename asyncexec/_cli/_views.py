@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from .._driver._steps import Step
 from ._logconfig import _json_default
-from ._reports import Step
 
 __all__ = ["JsonView", "PlainView", "RichView", "Tracker", "View", "make_view"]
 
@@ -91,8 +91,9 @@ class View(Protocol):
 
 
 class JsonView:
-    """One JSON object per step on ``out``: ``index``, ``attempt``, ``metrics`` (one mapping per
-    rank, in rank order) and ``checkpoint`` (a path or null)."""
+    """One JSON object per step on ``out``, named as :class:`Step` names its parts: ``index``,
+    ``attempt``, ``metrics`` (rank 0's metrics, as ``Step.metrics``), ``reports`` (each rank's
+    metrics, in rank order, as ``Step.reports``) and ``checkpoint`` (a path or null)."""
 
     def __init__(self, out: TextIO) -> None:
         self._out = out
@@ -107,7 +108,8 @@ class JsonView:
         line = {
             "index": step.index,
             "attempt": step.attempt,
-            "metrics": [dict(r.metrics) for r in step.reports],
+            "metrics": dict(step.metrics),
+            "reports": [dict(r.metrics) for r in step.reports],
             "checkpoint": step.checkpoint.path if step.checkpoint is not None else None,
         }
         self._out.write(json.dumps(line, default=_json_default) + "\n")

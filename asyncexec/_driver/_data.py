@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

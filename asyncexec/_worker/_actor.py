@@ -12,34 +12,20 @@ import inspect
 import os
 import socket
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from .._protocol import Outcome, Poll, RunStart, WorkerContext, WorkerMetadata
 from . import _session
-from ._checkpoint import Checkpoint
-from ._session import PollResult, Session, WorkerContext
 
-__all__ = ["WorkerActor", "WorkerMetadata"]
-
-
-@dataclass(frozen=True)
-class WorkerMetadata:
-    """What a worker tells the driver about itself when it starts."""
-
-    node_id: str
-    node_ip: str
-    hostname: str
-    pid: int
-    accelerator_ids: Mapping[str, tuple[str, ...]]
+__all__ = ["WorkerActor"]
 
 
 class _Worker:
     def __init__(self) -> None:
         self._closed: asyncio.Event | None = None
-        self._session: Session | None = None
+        self._session: _session.Session | None = None
 
     def _closed_event(self) -> asyncio.Event:
         if self._closed is None:
@@ -63,7 +49,7 @@ class _Worker:
         context: WorkerContext,
         init_hook: Callable[[], object] | None,
         data_context: Any = None,
-    ) -> None:
+    ) -> Outcome:
         """Apply the environment (shared devices), install the context and the driver's Ray Data
         context, run the init hook."""
         # The user's function runs in a thread of its own, where ray.get is fine: Ray's warning
@@ -75,47 +61,29 @@ class _Worker:
             from ray.data import DataContext
 
             DataContext._set_current(data_context)
-        if init_hook is not None:
-            await _call(init_hook, (), {})
+        if init_hook is None:
+            return Outcome("ok")
+        return await _call(init_hook, (), {})
 
-    async def execute(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Run ``fn``: an ``async def`` on this loop, a plain function in a thread."""
+    async def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Outcome:
+        """Run ``fn``: an ``async def`` on this loop, a plain function in a thread. Arguments
+        are passed as Ray passes them, so ``ObjectRef`` arguments arrive resolved."""
         return await _call(fn, args, kwargs)
 
-    async def start_run(
-        self,
-        fn: Callable[..., Any],
-        takes_config: bool,
-        config: Any,
-        context: WorkerContext,
-        checkpoint: Checkpoint | None,
-        buffer_size: int,
-        step_offset: int,
-        shards: Mapping[str, Any],
-        function_context: Callable[[], AbstractContextManager[Any]] | None = None,
-    ) -> None:
-        """Start ``fn`` in its own thread and return at once; reports are taken with ``poll``."""
+    async def start_run(self, payload: bytes, start: RunStart) -> None:
+        """Start the run's function in its own thread and return at once; reports are taken
+        with ``poll``. ``payload`` is the function and its config, pickled once for all ranks."""
+        from ray import cloudpickle
+
         if self._session is not None and not self._session.finished:
             raise RuntimeError("a run is still in progress on this worker")
         if self._session is not None:
             _session.end_session(self._session)
-        self._session = Session(
-            fn=fn,
-            takes_config=takes_config,
-            config=config,
-            context=context,
-            checkpoint=checkpoint,
-            buffer_size=buffer_size,
-            step_offset=step_offset,
-            shards=shards,
-            loop=asyncio.get_running_loop(),
-            function_context=function_context,
-        )
+        fn, config = cloudpickle.loads(payload)
+        self._session = _session.Session(fn, config, start, asyncio.get_running_loop())
         self._session.start()
 
-    async def poll(self, ack: int, max_items: int) -> PollResult:
+    async def poll(self, ack: int, max_items: int) -> Poll:
         if self._session is None:
             raise RuntimeError("poll() before start_run()")
         return await self._session.poll(ack, max_items)
@@ -138,13 +106,18 @@ class _Worker:
         self._closed_event().set()
 
 
-async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
-    if inspect.isawaitable(result):
-        return await result
-    return result
+async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+    """Call ``fn`` and return how it ended (errors as data, with a clean traceback)."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(*args, **kwargs)
+        else:
+            result = await asyncio.to_thread(fn, *args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+    except Exception as exc:
+        return _session.error_outcome(exc)
+    return _session.value_outcome(result)
 
 
 # max_restarts=0: a dead worker is replaced by a gang restart, never by Ray restarting one actor.

@@ -21,59 +21,23 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._checkpoint import Checkpoint, join_path, persist_directory
-from ._errors import ExecutorStateError
+from .._checkpoint import Checkpoint, join_path, persist_directory
+from .._errors import ExecutorStateError
+from .._protocol import Outcome, Poll, RunStart, WorkerContext, checkpoint_name
 
 __all__ = [
     "Session",
     "WorkerContext",
+    "error_outcome",
+    "takes_config",
+    "value_outcome",
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
     "report",
 ]
-
-#: What a poll returns: (sequence number of the first report, the reports, the checkpoint paths of
-#: those that carried one by sequence number or None, the outcome once the function has ended).
-PollResult = tuple[int, list[dict[str, Any]], dict[int, str] | None, tuple[Any, ...] | None]
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """Who and where this worker is. ``get_context()`` returns it inside ``fn`` and ``execute()``.
-
-    ``run_id``, ``attempt`` and ``config`` are set while a run is in progress.
-    """
-
-    world_rank: int
-    local_rank: int
-    node_rank: int
-    world_size: int
-    local_world_size: int
-    node_id: str
-    node_ip: str
-    pid: int = 0
-    accelerator_ids: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    executor_name: str = "asyncexec"
-    run_id: str | None = None
-    attempt: int | None = None
-    storage_path: str | None = None
-
-    def get_world_rank(self) -> int:
-        """Ray Train's spelling of ``world_rank``."""
-        return self.world_rank
-
-    def get_local_rank(self) -> int:
-        """Ray Train's spelling of ``local_rank``."""
-        return self.local_rank
-
-    def get_world_size(self) -> int:
-        """Ray Train's spelling of ``world_size``."""
-        return self.world_size
 
 
 class _RunStopped(BaseException):
@@ -82,6 +46,7 @@ class _RunStopped(BaseException):
 
 
 _log = logging.getLogger("asyncexec.worker")
+_WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 _group_context: WorkerContext | None = None
 _session: Session | None = None
 
@@ -146,43 +111,65 @@ def get_dataset_shard(name: str) -> Any:
         raise KeyError(f"no dataset named {name!r} in this run (datasets: {known})") from None
 
 
-def _portable_error(exc: BaseException) -> BaseException:
-    """The exception itself when it pickles, else a RuntimeError that keeps its type and text."""
+def takes_config(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is called with the run's config (it has a positional parameter)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
+    )
+
+
+def error_outcome(exc: BaseException) -> Outcome:
+    """The outcome of a call that raised ``exc``: the error (when it pickles, else a
+    RuntimeError that keeps its type and text) and its traceback as text, without colours."""
+    from ray import cloudpickle
+
+    # The traceback from the user's code on: asyncexec's own frames above it say nothing.
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_WORKER_DIR):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        cloudpickle.loads(cloudpickle.dumps(exc))
+        portable = exc
+    except Exception:
+        portable = RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+    return Outcome("error", error=portable, traceback=text)
+
+
+def value_outcome(value: Any) -> Outcome:
+    """The outcome of a call that returned ``value``; an error when it cannot be pickled."""
     from ray import cloudpickle
 
     try:
-        cloudpickle.loads(cloudpickle.dumps(exc))
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+        cloudpickle.dumps(value)
+    except Exception as exc:
+        message = f"the return value cannot be pickled ({type(value).__name__}): {exc}"
+        return Outcome("error", error=TypeError(message))
+    return Outcome("ok", value)
 
 
 class Session:
-    """One run of the user's function on this worker."""
+    """One attempt of a run of the user's function on this worker."""
 
     def __init__(
         self,
-        *,
         fn: Callable[..., Any],
-        takes_config: bool,
         config: Any,
-        context: WorkerContext,
-        checkpoint: Checkpoint | None,
-        buffer_size: int,
-        step_offset: int,
-        shards: Mapping[str, Any],
+        start: RunStart,
         loop: asyncio.AbstractEventLoop,
-        function_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
-        self.context = context
-        self._function_context = function_context
-        self.checkpoint = checkpoint
-        self.shards = dict(shards)
+        self.context = start.context
+        self.checkpoint: Checkpoint | None = start.checkpoint
+        self.shards = dict(start.shards)
+        self._function_context = start.function_context
         self._fn = fn
-        self._takes_config = takes_config
-        self._config = config
-        self._bound = buffer_size
-        self._offset = step_offset
+        self._args = (config,) if takes_config(fn) else ()
+        self._bound = start.buffer_size
+        self._offset = start.step_offset
         self._loop = loop
         self._cond = threading.Condition()
         self._buffer: list[dict[str, Any]] = []
@@ -191,7 +178,7 @@ class Session:
         self._sent = 0
         self._ack = 0
         self._stop = False
-        self._outcome: tuple[Any, ...] | None = None
+        self._outcome: Outcome | None = None
         self._poll_waiting = False
         self._wake = asyncio.Event()
         self._finished = loop.create_future()
@@ -207,22 +194,20 @@ class Session:
     # The function's thread ------------------------------------------------------------------
 
     def _call(self) -> Any:
-        args = (self._config,) if self._takes_config else ()
         factory = self._function_context
         with factory() if factory is not None else contextlib.nullcontext():
             if inspect.iscoroutinefunction(self._fn):
-                return asyncio.run(self._run_async(args))
-            return self._fn(*args)
+                return asyncio.run(self._run_async())
+            return self._fn(*self._args)
 
-    async def _run_async(self, args: tuple[Any, ...]) -> Any:
+    async def _run_async(self) -> Any:
         self._fn_loop = asyncio.get_running_loop()
         self._fn_task = asyncio.current_task()
         if self._stop:
             raise _RunStopped
-        return await self._fn(*args)
+        return await self._fn(*self._args)
 
     def _main(self) -> None:
-        outcome: tuple[Any, ...]
         ctx = self.context
         # Worker-side events go through the standard library's logging (structlog is not
         # imported on workers: it would cost every worker process several MiB); each carries the
@@ -231,32 +216,18 @@ class Session:
         _log.debug("fn_started %s", _fields(bound), extra=bound)
         t0 = time.perf_counter()
         try:
-            result = self._call()
-            outcome = ("ok", result)
-            try:
-                from ray import cloudpickle
-
-                cloudpickle.dumps(result)
-            except Exception as exc:
-                outcome = (
-                    "error",
-                    TypeError(
-                        f"the function's return value cannot be pickled "
-                        f"({type(result).__name__}): {exc}"
-                    ),
-                    "",
-                )
+            outcome = value_outcome(self._call())
         except (_RunStopped, asyncio.CancelledError):
-            outcome = ("stopped",)
+            outcome = Outcome("stopped")
         except BaseException as exc:  # the user's error, shipped to the driver
-            outcome = ("error", _portable_error(exc), traceback.format_exc())
+            outcome = error_outcome(exc)
         with self._cond:
             self._outcome = outcome
             self._wake_poll()
         seconds = round(time.perf_counter() - t0, 3)
         _log.debug(
             "fn_ended %s",
-            _fields({**bound, "outcome": outcome[0], "reports": self._reported, "s": seconds}),
+            _fields({**bound, "outcome": outcome.kind, "reports": self._reported, "s": seconds}),
             extra=bound,
         )
         self._loop.call_soon_threadsafe(_set_result, self._finished)
@@ -278,9 +249,7 @@ class Session:
         path = None
         if checkpoint is not None:
             storage = self.context.storage_path or os.getcwd()
-            # Named by step index and attempt: a failed attempt's partial checkpoint (not every
-            # rank reported it) never mixes with the files of the attempt that replaces it.
-            name = f"checkpoint_{self._offset + seq:06d}_a{self.context.attempt}"
+            name = checkpoint_name(self._offset + seq, self.context.attempt)
             path = persist_directory(checkpoint.path, join_path(storage, name))
         item = metrics if type(metrics) is dict else dict(metrics)
         with self._cond:
@@ -298,7 +267,7 @@ class Session:
 
     # The actor's loop -----------------------------------------------------------------------
 
-    async def poll(self, ack: int, max_items: int) -> PollResult:
+    async def poll(self, ack: int, max_items: int) -> Poll:
         """Acknowledge what the consumer took, then return the queued reports (at most
         ``max_items``), waiting until there is one or the function has ended."""
         with self._cond:
@@ -311,7 +280,6 @@ class Session:
                     n = min(max_items, len(self._buffer))
                     items = self._buffer[:n]
                     del self._buffer[:n]
-                    first = self._sent
                     self._sent += n
                     ckpts = None
                     if self._checkpoints:
@@ -319,7 +287,7 @@ class Session:
                         for s in ckpts:
                             del self._checkpoints[s]
                     outcome = self._outcome if not self._buffer else None
-                    return first, items, ckpts, outcome
+                    return Poll(items, ckpts, outcome)
                 self._wake.clear()
                 self._poll_waiting = True
             await self._wake.wait()
@@ -360,6 +328,8 @@ def end_session(session: Session) -> None:
         _session = None
 
 
-def with_run(context: WorkerContext, run_id: str, attempt: int, storage: str) -> WorkerContext:
-    """The group context extended with the run's identity."""
-    return replace(context, run_id=run_id, attempt=attempt, storage_path=storage)
+def reset_worker_state() -> None:
+    """Forget every run and the group context (a worker handed to another group starts clean)."""
+    global _session, _group_context
+    _session = None
+    _group_context = None

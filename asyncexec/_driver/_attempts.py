@@ -1,0 +1,300 @@
+"""The task that drives one run: its attempts under the restart policy, each attempt's start,
+pumps and watchers, and the run's end.
+
+The task belongs to the executor's task group and never raises: the run's outcome goes to the
+iterator (:class:`~asyncexec._driver._run.Run`) through the memory stream and ``RunCore.end``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+import ray
+import tenacity
+from anyio.streams.memory import MemoryObjectSendStream
+
+from .._checkpoint import Checkpoint, CheckpointBook, join_path
+from .._config import ExecutorConfig
+from .._errors import (
+    AsyncExecError,
+    ConfigurationError,
+    RestartsExhaustedError,
+    StartupTimeoutError,
+    WorkerError,
+    WorkerRaisedError,
+    describe,
+)
+from .._protocol import RunStart
+from ..backends._base import Backend
+from ._group import WorkerGroup, with_others
+from ._health import find_dead, watch, watch_steps
+from ._restart import RestartPolicy
+from ._run import RunCore, RunEnd, RunState
+from ._slot import GroupSlot
+from ._window import HandOver, Window
+
+__all__ = ["RunDriver", "RunSpec"]
+
+#: After a first failure, how long other ranks' failures are still collected before the attempt
+#: is torn down (ranks that fail together, say in one collective, are all recorded).
+FAILURE_SETTLE_S = 0.02
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What ``Executor.run()`` checked and prepared for the driver task."""
+
+    payload: bytes  # the function and its config, pickled once
+    checkpoint: Checkpoint | None
+    buffer_size: int
+    datasets: Any  # (prepared datasets, DataConfig) or None
+
+
+class RunDriver:
+    """Runs one run's attempts and feeds its iterator."""
+
+    def __init__(
+        self,
+        slot: GroupSlot,
+        policy: RestartPolicy,
+        run: RunCore,
+        send: MemoryObjectSendStream[Any],
+        spec: RunSpec,
+        on_end: Callable[[RunCore], None],
+    ) -> None:
+        self.slot = slot
+        self.config: ExecutorConfig = slot.config
+        self.backend: Backend | None = slot.backend
+        self.policy = policy
+        self.run = run
+        self.spec = spec
+        self.latest = spec.checkpoint
+        self.storage = join_path(self.config.storage_path, run.run_id)
+        self.log = slot.log.bind(run_id=run.run_id)
+        ckpt = self.config.checkpoint
+        book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
+        self.handover = HandOver(run, send, book)
+        self._send = send
+        self._on_end = on_end
+        self._payload: Any = None
+        self._group: WorkerGroup | None = None
+        self._session_live = False
+
+    async def main(self, previous: RunCore | None) -> None:
+        """The driver task: never raises; the outcome goes to the iterator."""
+        run = self.run
+        end: RunEnd | None = None
+        try:
+            with run.scope:
+                if previous is not None:
+                    await previous.finished.wait()
+                t0 = time.perf_counter()
+                self.log.info("run_started")
+                values = await self._attempts()
+                result = self._result(values)
+                run.result, run.state = result, RunState.FINISHED
+                seconds = round(time.perf_counter() - t0, 3)
+                self.log.info(
+                    "run_finished", steps=result.steps, attempts=run.attempt, seconds=seconds
+                )
+                end = RunEnd(result, None)
+            if end is None:
+                run.state = RunState.CANCELLED
+                self.log.info("run_cancelled", steps=self.handover.steps)
+        except Exception as exc:
+            error = exc if isinstance(exc, AsyncExecError) else _internal(exc)
+            run.state, run.error = RunState.FAILED, error
+            self.log.warning("run_failed", error=describe(error))
+            end = RunEnd(None, error)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_session()
+                await self._release_datasets()
+                run.end = end
+                self._on_end(run)
+                run.finished.set()
+            self._send.close()
+
+    def _result(self, values: list[Any]) -> Any:
+        from ._steps import RunResult
+
+        run = self.run
+        latest = run.latest_checkpoint or self.latest
+        return RunResult(
+            run.run_id, values, latest, self.handover.steps, run.attempt, list(run.failures)
+        )
+
+    async def _attempts(self) -> list[Any]:
+        retrying = self.policy.retrying(before_sleep=self._before_sleep)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    number = attempt.retry_state.attempt_number
+                    self.run.attempt = number
+                    try:
+                        return await self._attempt(number)
+                    except AsyncExecError as exc:
+                        self.run.failures.append(exc)
+                        with anyio.CancelScope(shield=True):
+                            await self.slot.recover(
+                                exc, reuse_survivors=self.policy.reuse_survivors
+                            )
+                        self._session_live = False
+                        # Steps every rank completed before the failure are still delivered.
+                        await self.handover.drain()
+                        raise
+        except tenacity.RetryError:
+            failures = self.run.failures
+            last = failures[-1] if failures else None
+            raise RestartsExhaustedError(self.run.attempt, failures) from last
+        raise AssertionError("unreachable: tenacity ended without an outcome")  # pragma: no cover
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        self.run.state = RunState.RESTARTING
+        wait = state.next_action.sleep if state.next_action else 0.0
+        latest = self.run.latest_checkpoint or self.latest
+        self.log.warning(
+            "restarting",
+            attempt=state.attempt_number + 1,
+            wait_s=round(wait, 3),
+            checkpoint=latest.path if latest else None,
+        )
+
+    async def _put_payload(self) -> Any:
+        """The function and config in Ray's object store, once per run (every rank and every
+        attempt reads the same object; the put is off the loop)."""
+        if self._payload is None:
+            self._payload = await anyio.to_thread.run_sync(ray.put, self.spec.payload)
+        return self._payload
+
+    async def _attempt(self, number: int) -> list[Any]:
+        group = await self.slot.acquire(number)
+        self._group = group
+        self.run.state = RunState.RUNNING
+        window = Window(self.run, group, self.spec.buffer_size, self.handover.steps)
+        shards = await self._dataset_shards(group)
+        payload = await self._put_payload()
+        latest = self.run.latest_checkpoint or self.latest
+        function_context = self.backend.function_context() if self.backend else None
+        failures: list[AsyncExecError] = []
+        failed = anyio.Event()
+
+        def fail(exc: AsyncExecError) -> None:
+            rank = getattr(exc, "rank", None)
+            if rank is None or all(getattr(f, "rank", None) != rank for f in failures):
+                failures.append(exc)
+            failed.set()
+
+        async def settle_then_cancel() -> None:
+            await failed.wait()
+            await anyio.sleep(FAILURE_SETTLE_S)
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(settle_then_cancel)
+            # Health is watched from the first call on: a worker can die or hang (blocked in C
+            # code holding the GIL) while its function is being started.
+            tg.start_soon(watch, group, fail)
+            try:
+                self._session_live = True
+                with anyio.fail_after(self.config.start_timeout_s):
+                    await group.run_backend_hook("on_training_start")
+                    starts = [
+                        RunStart(
+                            replace(
+                                w.context,
+                                run_id=self.run.run_id,
+                                attempt=number,
+                                storage_path=self.storage,
+                            ),
+                            latest,
+                            self.spec.buffer_size,
+                            self.handover.steps,
+                            shards[w.rank],
+                            function_context,
+                        )
+                        for w in group.workers
+                    ]
+                    await group.call_each("start_run", [(payload, s) for s in starts])
+                for rank in range(len(group.workers)):
+                    tg.start_soon(window.pump, rank, fail)
+                if self.config.step_timeout_s is not None:
+                    tg.start_soon(watch_steps, group, window, self.config.step_timeout_s, fail)
+                await window.assemble(self.handover)
+            except AsyncExecError as exc:
+                fail(exc)
+            except TimeoutError:
+                timeout = self.config.start_timeout_s
+                fail(StartupTimeoutError("starting the function on the workers", timeout))
+            tg.cancel_scope.cancel()
+        if failures:
+            self.handover.queue(window.asm.take(window.asm.ready))
+            raise await self._blame(group, failures)
+        self._session_live = False
+        return window.asm.values()
+
+    async def _blame(self, group: WorkerGroup, failures: list[AsyncExecError]) -> AsyncExecError:
+        """The attempt's error: the first failure (a dead peer rather than the survivor's failed
+        collective that echoes its death), with the others attached; each is logged."""
+        first = failures[0]
+        if isinstance(first, WorkerRaisedError):
+            # A peer's death surfaces first as an error in the survivors' collectives.
+            with anyio.CancelScope(shield=True):
+                dead = await find_dead(group)
+            if dead is not None:
+                dead.__context__ = first
+                failures.insert(0, dead)
+        for failure in failures:
+            self._log_failure(failure)
+        return with_others(failures)
+
+    def _log_failure(self, exc: AsyncExecError) -> None:
+        fields: dict[str, Any] = {"attempt": self.run.attempt, "cause": type(exc).__name__}
+        if isinstance(exc, WorkerError):
+            fields.update(rank=exc.rank, node_id=exc.node_id, pid=exc.pid)
+        self.log.warning("worker_failed", detail=describe(exc), **fields)
+
+    async def _dataset_shards(self, group: WorkerGroup) -> list[dict[str, Any]]:
+        """Each rank's dataset shards, made anew for every attempt (for the new workers' nodes)."""
+        if not self.spec.datasets:
+            return [{} for _ in group.workers]
+        from ._data import make_shards
+
+        datasets, data_config = self.spec.datasets
+        try:
+            return await make_shards(datasets, data_config, group)
+        except AsyncExecError:
+            raise
+        except Exception as exc:
+            name = type(data_config).__name__
+            raise ConfigurationError(f"{name}.configure() failed: {describe(exc)}") from exc
+
+    async def _release_datasets(self) -> None:
+        if self.spec.datasets:
+            from ._data import release_shards
+
+            with anyio.move_on_after(self.config.shutdown_timeout_s):
+                await release_shards(self.spec.datasets[0])
+
+    async def _stop_session(self) -> None:
+        """After a cancelled run: stop the function on every worker, or discard the group."""
+        group = self._group
+        if not self._session_live or group is None or group.closed:
+            return
+        self._session_live = False
+        timeout = self.config.stop_timeout_s
+        if not await group.stop_functions(group.workers, timeout):
+            self.log.warning("run_stop_timed_out", seconds=timeout)
+            await self.slot.discard(force=True)
+
+
+def _internal(exc: Exception) -> AsyncExecError:
+    """A failure that is none of asyncexec's known ones still ends the run with an asyncexec
+    error (the original is its cause), never with a clean end or a foreign error."""
+    error = AsyncExecError(f"the run failed: {describe(exc)}")
+    error.__cause__ = exc
+    return error

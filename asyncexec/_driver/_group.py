@@ -1,0 +1,312 @@
+"""The live group of actors: calls on all of them, replacing one rank, closing.
+
+Every call awaits its ObjectRefs (no ``ray.get``) in tasks of an anyio task group; the first
+failure stops the wait, and every rank that had failed by then is kept (the first is raised, the
+others are attached to it as notes). Closing is shielded from cancellation, bounded in time and
+idempotent; when it returns, the actors are dead and the placement group is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import anyio
+import ray
+from ray.actor import ActorHandle
+
+from .._config import ExecutorConfig
+from .._errors import AsyncExecError, ConfigurationError, describe
+from .._protocol import Outcome, WorkerContext, WorkerMetadata
+from .._worker._actor import WorkerActor
+from ..backends._base import Backend
+from ._boundary import backend_error, call_error, outcome_error
+from ._placement import Placement
+from ._workers import WorkerInfo
+
+__all__ = ["WorkerGroup", "actor_options", "device_envs", "driver_data_context", "kill_all"]
+
+T = TypeVar("T")
+
+
+def actor_options(config: ExecutorConfig) -> dict[str, Any]:
+    """Ray actor options for one worker of ``config``."""
+    resources = dict(config.resources_per_worker)
+    options: dict[str, Any] = {
+        "num_cpus": resources.pop("CPU", 0),
+        "num_gpus": resources.pop("GPU", 0),
+        "resources": resources,
+    }
+    memory = resources.pop("memory", 0)
+    if memory:
+        options["memory"] = memory
+    if config.runtime_env is not None:
+        options["runtime_env"] = dict(config.runtime_env)
+    return options
+
+
+def device_envs(metas: Sequence[WorkerMetadata], config: ExecutorConfig) -> list[dict[str, str]]:
+    """Each worker's environment for seeing its node's devices, in the order of ``metas``."""
+    from .._devices import shared_device_env
+
+    return shared_device_env(
+        [m.node_id for m in metas],
+        [m.accelerator_ids for m in metas],
+        sorted(config.share_devices),
+    )
+
+
+def driver_data_context() -> Any:
+    """The driver's Ray Data context, when the driver uses Ray Data (never imported otherwise:
+    it is heavy, and workers that do not need it must not pay for it)."""
+    import sys
+
+    if "ray.data" not in sys.modules:
+        return None
+    from ray.data import DataContext
+
+    return DataContext.get_current()
+
+
+def with_others(errors: Sequence[AsyncExecError]) -> AsyncExecError:
+    """The first error, with every other one attached as a note (several ranks failed at once)."""
+    first = errors[0]
+    for other in errors[1:]:
+        if other is not first:
+            first.add_note(f"also failed at the same time: {describe(other)}")
+    return first
+
+
+class WorkerGroup:
+    """N actors in one placement group, in rank order."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        backend: Backend | None,
+        placement: Placement,
+        workers: list[WorkerInfo],
+        attempt: int,
+        log: Any,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.placement = placement
+        self.workers = workers
+        self.attempt = attempt
+        self.log = log
+        #: One pending ``wait_closed`` call per rank: it fails the moment the process dies.
+        self.deaths: list[Any] = [w.actor.wait_closed.remote() for w in workers]
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "live"
+        return f"<WorkerGroup {len(self.workers)} workers, attempt {self.attempt}, {state}>"
+
+    @property
+    def contexts(self) -> list[WorkerContext]:
+        return [w.context for w in self.workers]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # Calls ------------------------------------------------------------------------------------
+
+    async def gather(self, refs: Sequence[Any], workers: Sequence[WorkerInfo]) -> list[Any]:
+        """Await one call per worker; results in the order given.
+
+        Raises:
+            AsyncExecError: the first failure, mapped (the wait stops there); the failures of
+                other ranks seen by then are attached to it as notes.
+        """
+        results: list[Any] = [None] * len(refs)
+        errors: list[AsyncExecError] = []
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await refs[i]
+            except Exception as exc:
+                with anyio.CancelScope(shield=True):
+                    errors.append(await call_error(exc, workers[i], self.attempt))
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(refs)):
+                tg.start_soon(one, i)
+        if errors:
+            raise with_others(errors)
+        return results
+
+    def _values(self, outcomes: Sequence[Outcome], workers: Sequence[WorkerInfo]) -> list[Any]:
+        failed = [
+            outcome_error(o, w, self.attempt)
+            for o, w in zip(outcomes, workers, strict=True)
+            if o.kind != "ok"
+        ]
+        if failed:
+            raise with_others(failed)  # the lowest failing rank first
+        return [o.value for o in outcomes]
+
+    async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
+        """Run ``fn`` on every worker concurrently; results in rank order."""
+        refs = [w.actor.execute.remote(fn, *args, **kwargs) for w in self.workers]
+        return self._values(await self.gather(refs, self.workers), self.workers)
+
+    async def execute_single(
+        self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> T:
+        """Run ``fn`` on one rank."""
+        if not 0 <= rank < len(self.workers):
+            raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
+        worker = self.workers[rank]
+        refs = [worker.actor.execute.remote(fn, *args, **kwargs)]
+        values: list[T] = self._values(await self.gather(refs, [worker]), [worker])
+        return values[0]
+
+    async def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Call actor ``method`` on every worker with its own arguments; results in rank order."""
+        refs = [
+            getattr(w.actor, method).remote(*args)
+            for w, args in zip(self.workers, args_per_rank, strict=True)
+        ]
+        return await self.gather(refs, self.workers)
+
+    async def setup(self, envs: Sequence[dict[str, str]], workers: Sequence[WorkerInfo]) -> None:
+        """Give ``workers`` their device environment, context, data context and init hook."""
+        data_context = driver_data_context()
+        refs = [
+            w.actor.setup.remote(env, w.context, self.config.init_hook, data_context)
+            for w, env in zip(workers, envs, strict=True)
+        ]
+        self._values(await self.gather(refs, workers), workers)
+
+    async def run_backend_hook(self, hook: str) -> None:
+        """Run a backend hook; a failure becomes a BackendError naming backend, hook and rank."""
+        if self.backend is None:
+            return
+        name = getattr(self.backend, "name", type(self.backend).__name__)
+        try:
+            await getattr(self.backend, hook)(self)
+        except Exception as exc:
+            raise backend_error(exc, name, hook) from exc
+
+    async def stop_functions(self, workers: Sequence[WorkerInfo], timeout_s: float) -> bool:
+        """Stop the run's function on ``workers``; whether all ended within ``timeout_s``."""
+        refs = [w.actor.stop_run.remote(timeout_s) for w in workers]
+        with anyio.move_on_after(timeout_s + STOP_MARGIN_S):
+            try:
+                return all(await self.gather(refs, workers))
+            except AsyncExecError:
+                return False
+        return False
+
+    async def replace_rank(self, rank: int) -> bool:
+        """Replace one failed rank with a fresh process in its bundle, keeping the others.
+
+        The survivors' functions are stopped first (bounded by ``stop_timeout_s``); when one does
+        not stop (stuck in a collective, say), or the new process lands on another node, nothing
+        is kept and False is returned: the caller then replaces the whole group.
+        """
+        if self._closed or self.backend is not None or not self.placement.owned:
+            return False
+        failed = self.workers[rank]
+        await kill_all([failed.actor], None)
+        survivors = [w for w in self.workers if w.rank != rank]
+        if not await self.stop_functions(survivors, self.config.stop_timeout_s):
+            return False
+        actor = WorkerActor.options(
+            scheduling_strategy=self.placement.strategy(failed.bundle),
+            **actor_options(self.config),
+        ).remote()
+        try:
+            with anyio.fail_after(self.config.start_timeout_s):
+                meta: WorkerMetadata = await actor.describe.remote()
+                if meta.node_id != failed.metadata.node_id:
+                    raise RuntimeError("the replacement landed on another node")
+                metas = [meta if w.rank == rank else w.metadata for w in self.workers]
+                context = replace(
+                    failed.context, pid=meta.pid, accelerator_ids=meta.accelerator_ids
+                )
+                fresh = WorkerInfo(actor, meta, context, failed.bundle)
+                await self.setup([device_envs(metas, self.config)[rank]], [fresh])
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await kill_all([actor], None)
+            raise
+        self.workers[rank] = fresh
+        self.deaths[rank] = actor.wait_closed.remote()
+        self.log.info("rank_replaced", rank=rank, pid=meta.pid)
+        return True
+
+    # Shutdown ---------------------------------------------------------------------------------
+
+    async def close(self, *, force: bool = False) -> None:
+        """Stop the group: backend ``on_shutdown``, graceful exit with a patience bound, then kill,
+        then remove the placement group. ``force`` skips the graceful part (used after a failure:
+        survivors may be stuck in a collective). Shielded, bounded, idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        actors = [w.actor for w in self.workers]
+        with anyio.CancelScope(shield=True):
+            t0 = time.perf_counter()
+            try:
+                if not force:
+                    await self._close_gracefully(actors)
+            finally:
+                # Whatever happened above, nothing of the group may be left behind.
+                await kill_all(actors, self.placement, self.deaths, self.config.shutdown_timeout_s)
+            self.log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
+
+    async def _close_gracefully(self, actors: list[ActorHandle]) -> None:
+        with anyio.move_on_after(self.config.shutdown_timeout_s):
+            try:
+                await self.run_backend_hook("on_shutdown")
+            except Exception as exc:
+                self.log.warning("backend_shutdown_failed", error=describe(exc))
+            with anyio.move_on_after(self.config.graceful_patience_s):
+                await _settle([a.__ray_terminate__.remote() for a in actors])
+
+
+#: Extra time a stop call gets beyond the worker-side bound it was given (the call's own trip).
+STOP_MARGIN_S = 1.0
+
+
+async def _settle(refs: Sequence[Any]) -> None:
+    """Await every ref, ignoring how each ends."""
+
+    async def one(ref: Any) -> None:
+        with contextlib.suppress(Exception):
+            await ref
+
+    async with anyio.create_task_group() as tg:
+        for ref in refs:
+            tg.start_soon(one, ref)
+
+
+async def kill_all(
+    actors: Sequence[ActorHandle],
+    placement: Placement | None,
+    deaths: Sequence[Any] = (),
+    timeout_s: float = 0.0,
+) -> None:
+    """Kill the actors and remove the placement group (in a thread: both are blocking calls to
+    Ray), then wait, bounded by ``timeout_s``, until each pending ``deaths`` call has failed,
+    which tells that its process is gone."""
+
+    def kill() -> None:
+        for actor in actors:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
+        if placement is not None:
+            placement.remove()
+
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(kill)
+        if deaths:
+            with anyio.move_on_after(timeout_s):
+                await _settle(deaths)

@@ -1,0 +1,127 @@
+"""Hang and death detection, in one place: the pending call per worker that fails when its
+process dies, health checks, the step deadline, and the probe that finds a dead peer.
+
+Death is noticed at once: each worker holds a call (``wait_closed``) that fails the moment its
+process dies or its node is lost. Hangs are noticed by health checks (a worker whose actor does
+not answer a ping within ``health_check_timeout_s``, for example blocked in C code holding the
+GIL) and by the optional step deadline (a rank that has credit but reports nothing for
+``step_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import anyio
+
+from .._errors import (
+    AsyncExecError,
+    NodeLostError,
+    WorkerCrashedError,
+    WorkerError,
+    WorkerHungError,
+)
+from ._boundary import call_error, worker_error
+from ._group import WorkerGroup
+from ._workers import WorkerInfo
+
+__all__ = ["FailureSink", "find_dead", "watch", "watch_steps"]
+
+FailureSink = Callable[[AsyncExecError], None]
+
+#: How often the step deadline is checked, as a share of the deadline (and at most every second).
+_DEADLINE_CHECKS_PER_PERIOD = 4
+_DEADLINE_CHECK_MAX_S = 1.0
+#: How long the probe after a failure waits for each worker's answer.
+PROBE_TIMEOUT_S = 2.0
+
+
+class StepClock(Protocol):
+    """What the step deadline reads of the run's credit window."""
+
+    def silent_ranks(self, now: float, timeout_s: float) -> list[int]:
+        """Ranks that could report (they have credit, their function runs) and have not for
+        ``timeout_s``."""
+        ...
+
+
+async def watch(group: WorkerGroup, fail: FailureSink) -> None:
+    """Report every failure of any worker to ``fail``; runs until cancelled."""
+    async with anyio.create_task_group() as tg:
+        for worker, death in zip(group.workers, group.deaths, strict=True):
+            tg.start_soon(_watch_death, group, worker, death, fail)
+        if group.config.health_check_interval_s is not None:
+            tg.start_soon(_health_loop, group, fail)
+
+
+async def _watch_death(
+    group: WorkerGroup, worker: WorkerInfo, death: object, fail: FailureSink
+) -> None:
+    try:
+        await death  # type: ignore[misc]
+    except Exception as exc:
+        if not group.closed:
+            fail(await call_error(exc, worker, group.attempt))
+
+
+async def _health_loop(group: WorkerGroup, fail: FailureSink) -> None:
+    interval = group.config.health_check_interval_s
+    assert interval is not None
+    timeout = group.config.health_check_timeout_s
+    while True:
+        await anyio.sleep(interval)
+        async with anyio.create_task_group() as tg:
+            for worker in group.workers:
+                tg.start_soon(_ping, group, worker, timeout, fail)
+
+
+async def _ping(group: WorkerGroup, worker: WorkerInfo, timeout: float, fail: FailureSink) -> None:
+    try:
+        with anyio.move_on_after(timeout):
+            await worker.actor.ping.remote()
+            return
+    except Exception as exc:
+        fail(await call_error(exc, worker, group.attempt))
+        return
+    detail = f"no answer to a health check within {timeout:g} s"
+    fail(worker_error(WorkerHungError, worker, group.attempt, detail))
+
+
+async def watch_steps(
+    group: WorkerGroup, clock: StepClock, timeout_s: float, fail: FailureSink
+) -> None:
+    """Fail the first rank that has credit and reports nothing for ``timeout_s``."""
+    period = min(timeout_s / _DEADLINE_CHECKS_PER_PERIOD, _DEADLINE_CHECK_MAX_S)
+    while True:
+        await anyio.sleep(period)
+        silent = clock.silent_ranks(time.monotonic(), timeout_s)
+        if silent:
+            detail = f"no report for {timeout_s:g} s (step deadline)"
+            fail(worker_error(WorkerHungError, group.workers[silent[0]], group.attempt, detail))
+            return
+
+
+async def find_dead(group: WorkerGroup) -> WorkerError | None:
+    """Probe every worker at once; return the error of the first one found dead, if any.
+
+    A rank's error can be the echo of another's death (a collective fails with "connection reset
+    by peer" before Ray reports the dead peer); the run asks this before it blames the user's
+    function."""
+    found: list[WorkerError] = []
+
+    async def probe(worker: WorkerInfo) -> None:
+        try:
+            with anyio.move_on_after(PROBE_TIMEOUT_S):
+                await worker.actor.ping.remote()
+        except Exception as exc:
+            error = await call_error(exc, worker, group.attempt)
+            if isinstance(error, WorkerCrashedError | NodeLostError):
+                found.append(error)
+
+    async with anyio.create_task_group() as tg:
+        for worker in group.workers:
+            tg.start_soon(probe, worker)
+    found.sort(key=lambda e: e.rank)
+    return found[0] if found else None

@@ -1,0 +1,160 @@
+"""Placement groups: find the parent, check that the bundles can ever fit, create, await ready,
+remove.
+
+Creating and removing a group are synchronous calls to the GCS, and the first ``ready()`` in a
+process exports a remote function synchronously: they run in a worker thread, never on the loop.
+The parent placement group lives in Ray's task context, which is thread-local: it is read on the
+calling thread (:func:`current_parent`) before anything moves to a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .._errors import PlacementInfeasibleError, PlacementTimeoutError
+
+__all__ = [
+    "Placement",
+    "create_placement",
+    "current_parent",
+    "infeasible_reason",
+    "wait_placement_ready",
+]
+
+
+@dataclass
+class Placement:
+    """The placement group a worker group lives in.
+
+    ``owned`` is False when the executor runs inside a parent placement group that captures child
+    tasks (for example inside a Ray Tune trial): that group is used as it is and never removed.
+    """
+
+    group: PlacementGroup
+    bundles: list[dict[str, float]]
+    owned: bool
+    ready: Any = None  # the ObjectRef that resolves when the group is placed
+    removed: bool = False
+
+    def strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
+        """Scheduling strategy for worker ``index``: its own bundle, or any bundle of a parent."""
+        return PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=index if self.owned else -1
+        )
+
+    def remove(self) -> None:
+        """Remove the group if this executor made it. Idempotent. Blocking (a GCS call): call it
+        off the event loop."""
+        if self.owned and not self.removed:
+            self.removed = True
+            remove_placement_group(self.group)
+
+
+def current_parent() -> PlacementGroup | None:
+    """The placement group of the current Ray task or actor when it captures child tasks, else
+    None. Reads Ray's thread-local task context: call it on the thread that runs the executor."""
+    worker = ray._private.worker.global_worker
+    parent = get_current_placement_group()
+    if parent is not None and worker.should_capture_child_tasks_in_placement_group:
+        return parent
+    return None
+
+
+def _fits(bundle: Mapping[str, float], free: Mapping[str, float]) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+
+
+def _take(bundle: Mapping[str, float], free: dict[str, float]) -> None:
+    for k, v in bundle.items():
+        free[k] = free.get(k, 0.0) - v
+
+
+def infeasible_reason(
+    bundles: Sequence[Mapping[str, float]], strategy: str, nodes: Sequence[Mapping[str, float]]
+) -> str | None:
+    """Why ``bundles`` can never be placed on nodes of these total resources, or None when they
+    can (first-fit, largest bundles first: exact for the equal bundles an executor asks for).
+    Pure."""
+    if not nodes:
+        return "the cluster has no live node"
+    ordered = sorted(bundles, key=lambda b: -sum(b.values()))
+    if strategy == "STRICT_PACK":
+        total: dict[str, float] = {}
+        for b in bundles:
+            for k, v in b.items():
+                total[k] = total.get(k, 0.0) + v
+        if not any(_fits(total, n) for n in nodes):
+            return f"STRICT_PACK needs one node with {total}"
+        return None
+    if strategy == "STRICT_SPREAD":
+        fitting = sum(1 for n in nodes if _fits(ordered[0], n))
+        if fitting < len(bundles):
+            return f"STRICT_SPREAD needs {len(bundles)} nodes that each hold {ordered[0]}"
+        return None
+    free = [dict(n) for n in nodes]
+    for bundle in ordered:
+        node = next((f for f in free if _fits(bundle, f)), None)
+        if node is None:
+            return "the nodes' total resources cannot hold every bundle at once"
+        _take(bundle, node)
+    return None
+
+
+def _cluster_can_grow() -> bool:
+    """Whether an autoscaler may add nodes (it publishes a cluster config with node types)."""
+    try:
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:
+        return True  # cannot tell: keep waiting for the placement deadline
+    return config is not None and bool(getattr(config, "node_group_configs", None))
+
+
+def _node_totals() -> list[dict[str, float]]:
+    return [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
+
+
+def create_placement(
+    bundles: list[dict[str, float]], strategy: str, parent: PlacementGroup | None
+) -> Placement:
+    """Make the placement group and request its readiness. Blocking: call it in a thread.
+
+    Raises:
+        PlacementInfeasibleError: no node could ever hold the bundles and no autoscaler can add
+            one; raised at once instead of after the placement deadline.
+    """
+    if parent is not None:
+        return Placement(parent, bundles, owned=False)
+    nodes = _node_totals()
+    reason = infeasible_reason(bundles, strategy, nodes)
+    if reason is not None and not _cluster_can_grow():
+        raise PlacementInfeasibleError(bundles, nodes, reason)
+    group = placement_group(bundles, strategy=strategy, name="")
+    return Placement(group, bundles, owned=True, ready=group.ready())
+
+
+async def wait_placement_ready(placement: Placement, timeout_s: float) -> None:
+    """Await the group's readiness.
+
+    Raises:
+        PlacementTimeoutError: not ready within ``timeout_s``; names the bundles requested and the
+            resources the cluster has available.
+    """
+    if placement.ready is None:
+        return
+    with anyio.move_on_after(timeout_s):
+        await placement.ready
+        return
+    available = await anyio.to_thread.run_sync(ray.available_resources, abandon_on_cancel=True)
+    raise PlacementTimeoutError(placement.bundles, available, timeout_s)

@@ -1,0 +1,217 @@
+"""A run as its caller holds it: the async iterator, and the state it shares with the task that
+feeds it.
+
+The driver task (``_attempts``) belongs to the executor's task group; the iterator only reads
+from a memory stream that the driver writes to. So the caller's ``async for`` never yields from
+inside one of our task groups or cancel scopes, and stopping the run (``break`` then
+``aclose()``, a cancellation delivered while the iterator waits, garbage collection) only has to
+cancel the driver's scope.
+
+Steps travel in batches; consumption is acknowledged when the iterator asks for the next batch
+(see ``_window``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+import uuid
+import weakref
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from .._checkpoint import Checkpoint
+from .._errors import ExecutorStateError
+from ._steps import RunResult, Step, StepBatch
+
+__all__ = ["Run", "RunCore", "RunEnd", "RunState", "new_run_id"]
+
+
+class RunState(enum.Enum):
+    """Where a run is."""
+
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class RunEnd:
+    """How the driver task ended a run: its result, or its error."""
+
+    __slots__ = ("error", "result")
+
+    def __init__(self, result: RunResult | None, error: BaseException | None) -> None:
+        self.result = result
+        self.error = error
+
+
+def new_run_id() -> str:
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+class RunCore:
+    """A run's shared state: what the driver task and the executor hold. The iterator that the
+    caller holds (:class:`Run`) refers to it, not the other way round, so dropping the iterator
+    lets it be collected, which stops the run."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.state = RunState.RUNNING
+        self.attempt = 1
+        self.latest_checkpoint: Checkpoint | None = None
+        self.result: RunResult | None = None
+        self.error: BaseException | None = None
+        self.failures: list[BaseException] = []
+        self.end: RunEnd | None = None
+        self.closed = False
+        self.scope = anyio.CancelScope()
+        self.finished = anyio.Event()
+        # Credit accounting between the iterator and the pumps (one event loop, no locks).
+        self.handed = 0
+        self.consumed = 0
+        #: Steps the iterator has yielded to the consumer.
+        self.delivered = 0
+        self._consumed_changed = anyio.Event()
+
+    def mark_consumed(self) -> None:
+        """Everything handed to the iterator so far has been taken by the consumer."""
+        if self.consumed != self.handed:
+            self.consumed = self.handed
+            changed, self._consumed_changed = self._consumed_changed, anyio.Event()
+            changed.set()
+
+    async def wait_consumed(self) -> None:
+        await self._consumed_changed.wait()
+
+    def cancel(self) -> None:
+        """Ask the run to stop (idempotent, does not wait)."""
+        self.closed = True
+        self.scope.cancel()
+
+    @property
+    def active(self) -> bool:
+        return not self.finished.is_set()
+
+
+class Run:
+    """An async iterator over a run's :class:`Step`\\ s.
+
+    ``async for step in run`` yields each step once every rank has reported it. The iterator ends
+    when the function has returned on every rank; :attr:`result` then holds each rank's return
+    value and the latest checkpoint. It raises the error that ended the run, if one did.
+    Breaking out of the loop and calling :meth:`aclose` (or ``async with run:``), cancelling the
+    task that reads it, or dropping the iterator stops the run.
+    """
+
+    def __init__(self, core: RunCore, receive: MemoryObjectReceiveStream[Any]) -> None:
+        self._core = core
+        self._receive = receive
+        self._batch: StepBatch | None = None
+        self._pos = 0
+        self._len = 0
+        # Dropping the iterator stops the run. The finalizer may run in any thread and in the
+        # middle of any code: it only asks the event loop to cancel, at a safe point.
+        weakref.finalize(self, _cancel_soon, core, asyncio.get_running_loop()).atexit = False
+
+    def __repr__(self) -> str:
+        core = self._core
+        return f"<Run {core.run_id} {core.state.value} attempt={core.attempt} steps={core.handed}>"
+
+    @property
+    def run_id(self) -> str:
+        """The run's id; also the folder of its checkpoints under the storage path."""
+        return self._core.run_id
+
+    @property
+    def state(self) -> RunState:
+        """Running, restarting, finished, failed or cancelled."""
+        return self._core.state
+
+    @property
+    def attempt(self) -> int:
+        """The current (or last) attempt, 1 for the first."""
+        return self._core.attempt
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The latest checkpoint a completed step carried."""
+        return self._core.latest_checkpoint
+
+    @property
+    def failures(self) -> tuple[BaseException, ...]:
+        """The errors that ended attempts so far, in order."""
+        return tuple(self._core.failures)
+
+    @property
+    def result(self) -> RunResult:
+        """The finished run's result.
+
+        Raises:
+            ExecutorStateError: the run has not finished successfully.
+        """
+        core = self._core
+        if core.result is None:
+            raise ExecutorStateError(f"run {core.run_id} has no result: it is {core.state.value}")
+        return core.result
+
+    def __aiter__(self) -> Run:
+        return self
+
+    async def __anext__(self) -> Step:
+        if self._pos < self._len:
+            assert self._batch is not None
+            step = self._batch.step(self._pos)
+            self._pos += 1
+            self._core.delivered += 1
+            return step
+        core = self._core
+        if core.closed and core.end is None:
+            raise StopAsyncIteration
+        core.mark_consumed()
+        try:
+            item = await self._receive.receive()
+        except anyio.get_cancelled_exc_class():
+            # The consumer was cancelled while it waited for a step (its task cancelled, a
+            # timeout around the loop): nobody will read the rest, so the run stops now.
+            core.cancel()
+            raise
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            core.closed = True
+            end = core.end
+            if end is not None and end.error is not None:
+                raise end.error from end.error.__cause__
+            raise StopAsyncIteration from None
+        batch: StepBatch = item
+        self._batch, self._pos, self._len = batch, 1, len(batch)
+        core.delivered += 1
+        return batch.step(0)
+
+    async def aclose(self) -> None:
+        """Stop the run and wait until its workers have stopped (bounded by the executor's
+        stop and shutdown deadlines)."""
+        self._core.cancel()
+        self._receive.close()
+        with anyio.CancelScope(shield=True):
+            await self._core.finished.wait()
+
+    async def wait_finished(self) -> None:
+        """Wait until the run has ended (finished, failed or cancelled), without consuming it."""
+        await self._core.finished.wait()
+
+    async def __aenter__(self) -> Run:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def _cancel_soon(core: RunCore, loop: asyncio.AbstractEventLoop) -> None:
+    if not core.finished.is_set():
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the run ended with it
+            loop.call_soon_threadsafe(core.cancel)

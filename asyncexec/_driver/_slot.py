@@ -1,0 +1,99 @@
+"""The executor's one live group: started when first needed, replaced after a failure, closed.
+
+Runs and ``execute()`` calls ask the slot for the group; the slot starts one when there is none
+(one at a time, under a lock) and counts starts and restarts. It is what a run's driver task
+sees of the executor, so the two never import each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from .._config import ExecutorConfig
+from .._errors import (
+    AsyncExecError,
+    ExecutorStateError,
+    WorkerCrashedError,
+    WorkerHungError,
+    describe,
+)
+from ..backends._base import Backend
+from ._group import WorkerGroup
+from ._startup import start_group
+
+__all__ = ["GroupSlot"]
+
+
+class GroupSlot:
+    """Holds at most one live :class:`WorkerGroup` of an executor.
+
+    ``starting`` is None, or ``"starting"`` / ``"restarting"`` while a group starts.
+    """
+
+    def __init__(self, config: ExecutorConfig, backend: Backend | None, log: Any) -> None:
+        self.config = config
+        self.backend = backend
+        self.log = log
+        self.group: WorkerGroup | None = None
+        self.starts = 0
+        self.restarts = 0
+        self.closing = False
+        self.starting: str | None = None
+        self._lock = anyio.Lock()
+
+    async def acquire(self, attempt: int | None = None) -> WorkerGroup:
+        """The live group, started first when there is none. ``attempt`` (a run's attempt
+        number) is recorded on the group, and counts a restart when it starts one after the
+        first attempt.
+
+        Raises:
+            ExecutorStateError: the executor is closing.
+            StartupError: the group could not be started.
+        """
+        async with self._lock:
+            if self.group is None or self.group.closed:
+                if self.closing:
+                    raise ExecutorStateError("the executor is closed")
+                self.starting = "starting" if self.starts == 0 else "restarting"
+                if self.starts and attempt is not None and attempt > 1:
+                    self.restarts += 1
+                try:
+                    self.group = await start_group(
+                        self.config, self.backend, attempt=attempt or 1, log=self.log
+                    )
+                finally:
+                    self.starting = None
+                self.starts += 1
+            if attempt is not None:
+                self.group.attempt = attempt
+            return self.group
+
+    async def recover(self, failure: AsyncExecError, *, reuse_survivors: bool) -> None:
+        """After a failed attempt: replace only the failed rank when asked and possible, else
+        discard the whole group (the next attempt starts a fresh one)."""
+        group = self.group
+        if (
+            group is not None
+            and reuse_survivors
+            and isinstance(failure, WorkerCrashedError | WorkerHungError)
+        ):
+            try:
+                if await group.replace_rank(failure.rank):
+                    return
+            except Exception as exc:
+                self.log.warning("rank_replace_failed", error=describe(exc))
+        await self.discard(force=True)
+
+    async def discard(self, *, force: bool) -> None:
+        """Close the live group, if any (shielded, bounded)."""
+        group, self.group = self.group, None
+        if group is not None:
+            await group.close(force=force)
+
+    async def drop_if(self, group: WorkerGroup) -> None:
+        """Discard ``group`` if it is still the live one (a worker of it was found dead)."""
+        if self.group is group:
+            with anyio.CancelScope(shield=True):
+                await self.discard(force=True)

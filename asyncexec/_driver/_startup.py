@@ -1,0 +1,163 @@
+"""Starting a worker group: placement, actors, ranks, devices, set-up, backend.
+
+Start-up awaits everything (no ``ray.get``), sends every request that does not depend on another
+before awaiting any (actors are created while the placement group is still being placed; all
+workers are described, set up and given their devices concurrently) and is bounded by one
+deadline. What is requested is known before anything can cancel it, so that a failed or cancelled
+start-up leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import ray
+from ray.actor import ActorHandle
+
+from .._config import ExecutorConfig
+from .._errors import ConfigurationError, PlacementTimeoutError, describe, short_node
+from .._protocol import WorkerContext, WorkerMetadata
+from .._ranks import assign_ranks, order_workers
+from .._worker._actor import WorkerActor
+from ..backends._base import Backend
+from ._boundary import startup_error
+from ._group import WorkerGroup, actor_options, device_envs, kill_all
+from ._placement import Placement, create_placement, current_parent, wait_placement_ready
+from ._workers import WorkerInfo
+
+__all__ = ["start_group"]
+
+
+def _request(config: ExecutorConfig, parent: Any) -> tuple[Placement, list[ActorHandle]]:
+    """Create the placement group and the actors. In a thread: the first actor of a class in a
+    process exports the class to the cluster synchronously (about 0.1 s), and so does the first
+    readiness check of a placement group."""
+    placement = create_placement(config.bundles, config.placement_strategy, parent)
+    options = actor_options(config)
+    actors: list[ActorHandle] = []
+    try:
+        for i in range(config.num_workers):
+            strategy = placement.strategy(i)
+            actors.append(WorkerActor.options(scheduling_strategy=strategy, **options).remote())
+    except Exception as exc:
+        # Ray refused the options (a resource amount below its precision, a fractional amount of
+        # a whole-unit accelerator, a runtime_env it cannot read).
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        placement.remove()
+        raise ConfigurationError(f"Ray refused the worker options: {describe(exc)}") from exc
+    return placement, actors
+
+
+def _contexts(config: ExecutorConfig, metas: list[WorkerMetadata]) -> list[WorkerContext]:
+    ranks = assign_ranks([m.node_id for m in metas])
+    return [
+        WorkerContext(
+            world_rank=r.world_rank,
+            local_rank=r.local_rank,
+            node_rank=r.node_rank,
+            world_size=r.world_size,
+            local_world_size=r.local_world_size,
+            node_id=m.node_id,
+            node_ip=m.node_ip,
+            pid=m.pid,
+            accelerator_ids=m.accelerator_ids,
+            executor_name=config.name,
+        )
+        for r, m in zip(ranks, metas, strict=True)
+    ]
+
+
+async def _describe(
+    placement: Placement, described: list[Any], config: ExecutorConfig
+) -> list[WorkerMetadata]:
+    """Await the workers' descriptions. A parent group is ready from the start; whether its free
+    bundles hold the workers shows only when they are placed, under the placement deadline."""
+    if placement.owned:
+        return list(await _all(described))
+    with anyio.move_on_after(config.placement_timeout_s):
+        return list(await _all(described))
+    available = await anyio.to_thread.run_sync(ray.available_resources, abandon_on_cancel=True)
+    raise PlacementTimeoutError(config.bundles, available, config.placement_timeout_s, parent=True)
+
+
+async def _all(refs: list[Any]) -> list[Any]:
+    results: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        results[i] = await refs[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(refs)):
+            tg.start_soon(one, i)
+    return results
+
+
+async def start_group(
+    config: ExecutorConfig, backend: Backend | None, *, attempt: int, log: Any
+) -> WorkerGroup:
+    """Start a group and return it ready to run.
+
+    Raises:
+        PlacementInfeasibleError: the workers can never fit and the cluster cannot grow.
+        PlacementTimeoutError: the placement group was not ready in time.
+        StartupTimeoutError: the rest of start-up overran ``start_timeout_s``.
+        StartupError: a worker died or the init hook failed during start-up.
+        BackendError: the backend's ``on_start`` failed.
+    """
+    t0 = time.perf_counter()
+    parent = current_parent()  # Ray's task context is thread-local: read it here
+    with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
+        placement, actors = await anyio.to_thread.run_sync(_request, config, parent)
+    group: WorkerGroup | None = None
+    phase = "waiting for the placement group"
+    try:
+        # Describing the actors is requested now: they start as soon as the group is placed.
+        described = [a.describe.remote() for a in actors]
+        await wait_placement_ready(placement, config.placement_timeout_s)
+        log.debug("placement_ready", seconds=round(time.perf_counter() - t0, 3))
+        metas = await _describe(placement, described, config)
+        with anyio.fail_after(config.start_timeout_s):
+            phase = "starting the worker processes"
+            log.debug("workers_ready", seconds=round(time.perf_counter() - t0, 3))
+            driver_node = ray.get_runtime_context().get_node_id()
+            order = order_workers(
+                [m.node_id for m in metas], [m.accelerator_ids for m in metas], driver_node
+            )
+            metas = [metas[i] for i in order]
+            workers = [
+                WorkerInfo(actors[i], m, c, i)
+                for i, m, c in zip(order, metas, _contexts(config, metas), strict=True)
+            ]
+            group = WorkerGroup(config, backend, placement, workers, attempt, log)
+            phase = "setting the workers up (devices, data context, init hook)"
+            await group.setup(device_envs(metas, config), workers)
+            log.info("worker_table", workers=[_row(w) for w in workers])
+            if backend is not None:
+                phase = f"running {backend.name}.on_start"
+                await group.run_backend_hook("on_start")
+        log.info("group_started", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
+        return group
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            if group is not None:
+                await group.close(force=True)
+            else:
+                await kill_all(actors, placement)
+        mapped = startup_error(exc, phase, config.start_timeout_s)
+        if mapped is exc:
+            raise
+        raise mapped from mapped.__cause__
+
+
+def _row(worker: WorkerInfo) -> dict[str, Any]:
+    return {
+        "rank": worker.rank,
+        "local_rank": worker.context.local_rank,
+        "node_rank": worker.context.node_rank,
+        "node_id": short_node(worker.metadata.node_id),
+        "pid": worker.metadata.pid,
+        "devices": dict(worker.metadata.accelerator_ids),
+    }

@@ -1,0 +1,211 @@
+"""The credit window, in one place: the pumps that poll each rank, the assembly of complete
+steps, and the hand-over of those steps to the run's iterator.
+
+Each rank's reports arrive in batches, in order, through one long poll per rank. Step k of an
+attempt is complete when every rank has delivered its k-th report. A rank may have at most
+``buffer_size`` reports that the consumer has not taken: each poll asks for no more than the
+rank's credit and carries how many steps the consumer has taken (the worker's ``report()`` waits
+on that acknowledgement), so memory stays bounded however long the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from .._checkpoint import Checkpoint, CheckpointBook, remove_directory
+from .._errors import AsyncExecError, ReportMismatchError
+from .._protocol import Outcome, Poll
+from ._boundary import call_error, outcome_error
+from ._group import WorkerGroup
+from ._run import RunCore
+from ._steps import StepBatch
+
+__all__ = ["Assembly", "HandOver", "Window"]
+
+#: The most steps assembled and handed over at once; bounds the time the event loop is held.
+BATCH = 256
+
+
+class Assembly:
+    """One attempt's reports, per rank, until every rank has reported a step."""
+
+    def __init__(self, num_ranks: int, attempt: int, index_offset: int) -> None:
+        self.num_ranks = num_ranks
+        self.attempt = attempt
+        self.index_offset = index_offset
+        self.queues: list[deque[dict[str, Any]]] = [deque() for _ in range(num_ranks)]
+        self.checkpoints: list[dict[int, str]] = [{} for _ in range(num_ranks)]
+        self.received = [0] * num_ranks
+        self.outcomes: list[Outcome | None] = [None] * num_ranks
+        self.last_report = [time.monotonic()] * num_ranks
+        self.assembled = 0
+        self._changed = anyio.Event()
+
+    def add(self, rank: int, poll: Poll) -> None:
+        """Take one poll's answer from ``rank``."""
+        if poll.reports:
+            self.queues[rank].extend(poll.reports)
+            self.received[rank] += len(poll.reports)
+            self.last_report[rank] = time.monotonic()
+        if poll.checkpoints:
+            self.checkpoints[rank].update(poll.checkpoints)
+        if poll.outcome is not None:
+            self.outcomes[rank] = poll.outcome
+        self._changed.set()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+        self._changed = anyio.Event()
+
+    def check(self) -> None:
+        """Raise ReportMismatchError when ranks cannot reach the same number of reports."""
+        done = [r for r, o in enumerate(self.outcomes) if o is not None and o.kind == "ok"]
+        if not done:
+            return
+        fewest = min(self.received[r] for r in done)
+        over = any(c > fewest for c in self.received)
+        all_done = len(done) == self.num_ranks
+        if over or (all_done and len(set(self.received)) > 1):
+            raise ReportMismatchError(dict(enumerate(self.received)), done)
+
+    @property
+    def ready(self) -> int:
+        """How many complete steps can be taken now."""
+        return min(len(q) for q in self.queues)
+
+    def take(self, limit: int) -> StepBatch:
+        """Take up to ``limit`` complete steps, as a compact batch."""
+        n = min(self.ready, limit)
+        per_rank = []
+        for queue in self.queues:
+            popleft = queue.popleft
+            per_rank.append([popleft() for _ in range(n)])
+        first = self.assembled
+        checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
+        for rank, pending in enumerate(self.checkpoints):
+            for seq in [s for s in pending if s < first + n]:
+                path = pending.pop(seq)
+                ckpt, ranks = checkpoints.get(seq - first, (Checkpoint(path), ()))
+                checkpoints[seq - first] = (ckpt, (*ranks, rank))
+        self.assembled += n
+        return StepBatch(
+            self.index_offset + first, self.attempt, list(zip(*per_rank, strict=True)), checkpoints
+        )
+
+    @property
+    def finished(self) -> bool:
+        """Every rank's function returned and every step has been taken."""
+        return all(o is not None for o in self.outcomes) and not any(self.queues)
+
+    def values(self) -> list[Any]:
+        """Each rank's return value, in rank order (after every rank finished)."""
+        return [o.value for o in self.outcomes if o is not None]
+
+
+class Window:
+    """One attempt's pumps over its assembly: each rank is polled while it has credit."""
+
+    def __init__(self, run: RunCore, group: WorkerGroup, buffer_size: int, index_offset: int):
+        self.run = run
+        self.group = group
+        self.buffer_size = buffer_size
+        self.asm = Assembly(len(group.workers), group.attempt, index_offset)
+        # Steps handed over before this attempt do not count against its credit.
+        self._consumed_base = run.handed
+
+    def _consumed(self) -> int:
+        return max(0, self.run.consumed - self._consumed_base)
+
+    def credit(self, rank: int) -> int:
+        """Reports ``rank`` may still send before the consumer takes more."""
+        return self.buffer_size - (self.asm.received[rank] - self._consumed())
+
+    def silent_ranks(self, now: float, timeout_s: float) -> list[int]:
+        """Ranks whose function runs, that have credit, and have not reported for ``timeout_s``
+        (a rank held back by the consumer is waiting, not hung)."""
+        asm, silent = self.asm, []
+        for rank in range(asm.num_ranks):
+            if asm.outcomes[rank] is not None:
+                continue
+            if self.credit(rank) <= 0:
+                asm.last_report[rank] = now
+            elif now - asm.last_report[rank] > timeout_s:
+                silent.append(rank)
+        return silent
+
+    async def pump(self, rank: int, fail: Callable[[AsyncExecError], None]) -> None:
+        """Poll ``rank`` until its function has ended, feeding the assembly."""
+        worker = self.group.workers[rank]
+        attempt = self.group.attempt
+        try:
+            while True:
+                while (credit := self.credit(rank)) <= 0:
+                    await self.run.wait_consumed()
+                poll: Poll = await worker.actor.poll.remote(self._consumed(), credit)
+                self.asm.add(rank, poll)
+                if poll.outcome is not None:
+                    if poll.outcome.kind != "ok":
+                        fail(outcome_error(poll.outcome, worker, attempt))
+                    return
+        except Exception as exc:
+            fail(await call_error(exc, worker, attempt))
+
+    async def assemble(self, handover: HandOver) -> None:
+        """Hand complete steps over until every rank has finished."""
+        asm = self.asm
+        while True:
+            asm.check()
+            while asm.ready:
+                handover.queue(asm.take(BATCH))
+                await handover.drain()
+            if asm.finished:
+                asm.check()
+                return
+            await asm.wait_changed()
+
+
+class HandOver:
+    """Complete steps on their way to the iterator, across attempts.
+
+    A batch counts (its checkpoints become the latest, it is numbered in the stream) when it is
+    queued, and leaves the queue only once the iterator has it: when a failure cancels the wait,
+    the steps stay queued and are handed over after the failed group is gone, so no completed
+    step is lost."""
+
+    def __init__(self, run: RunCore, send: MemoryObjectSendStream[Any], book: CheckpointBook):
+        self.run = run
+        self.book = book
+        self.steps = 0
+        self._send = send
+        self._unsent: list[StepBatch] = []
+        self._pruned: list[str] = []
+
+    def queue(self, batch: StepBatch) -> None:
+        for part in batch.split(BATCH):
+            if len(part):
+                for i in sorted(part.checkpoints):
+                    checkpoint = part.checkpoints[i][0]
+                    self.run.latest_checkpoint = checkpoint
+                    self._pruned.extend(self.book.add(checkpoint, part.rows[i][0]))
+                self.steps += len(part)
+                self._unsent.append(part)
+
+    async def drain(self) -> None:
+        """Hand the queued steps to the iterator, waiting for the consumer."""
+        while self._unsent:
+            await self._send.send(self._unsent[0])
+            self.run.handed += len(self._unsent.pop(0))
+            if self._pruned:
+                pruned, self._pruned = self._pruned, []
+                await anyio.to_thread.run_sync(_remove_dirs, pruned)
+
+
+def _remove_dirs(paths: list[str]) -> None:
+    for path in paths:
+        remove_directory(path)

@@ -1,0 +1,111 @@
+"""What crosses the wire between the driver and a worker, as typed records.
+
+Both sides import this module; it imports only the standard library. The driver sends a
+:class:`WorkerContext` at set-up and a :class:`RunStart` per attempt; a worker answers with its
+:class:`WorkerMetadata`, with :class:`Poll` results while a run goes on, and with an
+:class:`Outcome` when its function (or an ``execute()`` call) ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+__all__ = [
+    "Outcome",
+    "Poll",
+    "RunStart",
+    "WorkerContext",
+    "WorkerMetadata",
+    "checkpoint_name",
+]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Who and where this worker is. ``get_context()`` returns it inside ``fn`` and ``execute()``.
+
+    ``run_id``, ``attempt`` and ``storage_path`` are set while a run is in progress.
+    """
+
+    world_rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    node_id: str
+    node_ip: str
+    pid: int = 0
+    accelerator_ids: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    executor_name: str = "asyncexec"
+    run_id: str | None = None
+    attempt: int | None = None
+    storage_path: str | None = None
+
+    def get_world_rank(self) -> int:
+        """Ray Train's spelling of ``world_rank``."""
+        return self.world_rank
+
+    def get_local_rank(self) -> int:
+        """Ray Train's spelling of ``local_rank``."""
+        return self.local_rank
+
+    def get_world_size(self) -> int:
+        """Ray Train's spelling of ``world_size``."""
+        return self.world_size
+
+
+@dataclass(frozen=True)
+class WorkerMetadata:
+    """What a worker tells the driver about itself when it starts."""
+
+    node_id: str
+    node_ip: str
+    hostname: str
+    pid: int
+    accelerator_ids: Mapping[str, tuple[str, ...]]
+
+
+class Outcome(NamedTuple):
+    """How a call on a worker ended: the run's function, or an ``execute()`` call.
+
+    ``error`` is the exception itself when it pickles, else a ``RuntimeError`` that keeps its
+    type and text; ``traceback`` is the traceback as formatted on the worker, without colours.
+    """
+
+    kind: Literal["ok", "error", "stopped"]
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+
+
+class Poll(NamedTuple):
+    """One poll's answer: the reports queued since the last poll, the persisted checkpoint path
+    of those that carried one (by the report's sequence number in the attempt), and the
+    function's outcome once it has ended and every report has been taken."""
+
+    reports: list[dict[str, Any]]
+    checkpoints: dict[int, str] | None
+    outcome: Outcome | None
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What a worker needs to start one attempt of a run (the function and its config travel
+    apart, pickled once for every rank)."""
+
+    context: WorkerContext
+    checkpoint: Any  # Checkpoint | None; typed loosely so this module imports nothing of ours
+    buffer_size: int
+    step_offset: int
+    shards: Mapping[str, Any]
+    function_context: Callable[[], AbstractContextManager[Any]] | None = None
+
+
+def checkpoint_name(step_index: int, attempt: int | None) -> str:
+    """The folder of a persisted checkpoint under the run's storage path, named by step index
+    and attempt: a failed attempt's partial checkpoint (not every rank reported it) never mixes
+    with the files of the attempt that replaces it."""
+    return f"checkpoint_{step_index:06d}_a{attempt}"

@@ -1,0 +1,342 @@
+"""What a new user hits first: Ray's lifetime when the executor starts it, cancelling the task
+that consumes a run, the library's logs, and the smaller surprises."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import ray
+
+import asyncexec
+
+CPU = {"CPU": 0.5}
+ROOT = Path(__file__).resolve().parent.parent
+
+# Ray started by the executor, in a program of its own ---------------------------------------
+
+_PROGRAM = """
+import asyncio, os, sys, time
+import anyio
+import anyio._backends._asyncio as anyio_asyncio
+import asyncexec
+
+# anyio ends worker threads idle this long (10 s by default); shortened so the test is quick.
+anyio_asyncio.WorkerThread.MAX_IDLE_TIME = 0.5
+
+def steps():
+    for i in range(3):
+        asyncexec.report({"i": i})
+
+async def main(mode):
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as ex:
+        print("ENTERED", flush=True)
+        if mode == "idle":
+            await anyio.sleep(1.5)                       # past the worker threads' idle limit
+            await anyio.to_thread.run_sync(time.sleep, 0)  # anyio prunes idle threads here
+            await anyio.sleep(0.5)
+            got = [s.index async for s in ex.run(steps)]
+            print("STEPS", got, flush=True)
+        elif mode == "raise":
+            raise RuntimeError("the user's own error")
+        elif mode == "sigint":
+            await anyio.sleep(120)
+
+asyncio.run(main(sys.argv[1]))
+print("DONE", flush=True)
+"""
+
+
+def _program(mode: str, tmp_path: Path) -> subprocess.Popen[str]:
+    script = tmp_path / "program.py"
+    script.write_text(_PROGRAM)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if marker in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail(f"no {marker!r} line; stderr:\n{proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.slow
+def test_ray_started_by_the_executor_survives_an_idle_program(tmp_path: Path) -> None:
+    proc = _program("idle", tmp_path)
+    out, err = proc.communicate(timeout=110)
+    assert proc.returncode == 0, err[-3000:]
+    assert "STEPS [0, 1, 2]" in out and "DONE" in out
+    assert "SIGTERM handler is not set" not in err
+
+
+@pytest.mark.slow
+def test_an_uncaught_exception_exits_promptly_with_the_users_traceback(tmp_path: Path) -> None:
+    proc = _program("raise", tmp_path)
+    _wait_for_line(proc, "ENTERED", 90)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "RuntimeError: the user's own error" in err
+    assert "Failed to connect to GCS" not in err
+    assert time.monotonic() - t0 < 45  # Ray's own shutdown; a lost GCS would take 60 s
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_promptly_with_keyboard_interrupt(tmp_path: Path) -> None:
+    proc = _program("sigint", tmp_path)
+    _wait_for_line(proc, "ENTERED", 90)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in err
+    assert "Failed to connect to GCS" not in err
+
+
+def test_the_executors_sigterm_handler_is_rays_own_and_only_set_when_free() -> None:
+    from asyncexec._driver import _ray
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _ray._install_sigterm_handler()
+        assert signal.getsignal(signal.SIGTERM) is _ray._exit_on_sigterm
+        mine = lambda signum, frame: None  # noqa: E731
+        signal.signal(signal.SIGTERM, mine)
+        _ray._install_sigterm_handler()
+        assert signal.getsignal(signal.SIGTERM) is mine  # an application's handler is kept
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# Cancelling the consumer stops the run --------------------------------------------------------
+
+
+def forever(config: Any = None) -> None:
+    i = 0
+    while True:
+        asyncexec.report({"i": i})
+        i += 1
+        time.sleep(0.02)
+
+
+def few() -> int:
+    asyncexec.report({"i": 0})
+    return asyncexec.get_context().world_rank
+
+
+async def _consume(run: asyncexec.Run, started: anyio.Event) -> None:
+    async for step in run:
+        if step.index >= 2:
+            started.set()
+
+
+async def _assert_stops_and_runs_again(ex: asyncexec.Executor, run: asyncexec.Run) -> None:
+    with anyio.fail_after(30):  # no garbage collection needed: the run stops by itself
+        await run.wait_finished()
+    assert run.state is asyncexec.RunState.CANCELLED
+    assert ex.state is asyncexec.ExecutorState.READY
+    steps = [s async for s in ex.run(few)]
+    assert len(steps) == 1
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_cancelling_the_consuming_task_stops_the_run() -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        run = ex.run(forever)
+        started = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_consume, run, started)
+            await started.wait()
+            tg.cancel_scope.cancel()
+        await _assert_stops_and_runs_again(ex, run)
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_cancelling_an_asyncio_task_that_consumes_stops_the_run() -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        run = ex.run(forever)
+        started = anyio.Event()
+        task = asyncio.get_running_loop().create_task(_consume(run, started))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _assert_stops_and_runs_again(ex, run)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("how", ["move_on_after", "asyncio.timeout"])
+async def test_a_timeout_around_an_inline_loop_stops_the_run(how: str) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        run = ex.run(forever)
+        seen = 0
+        if how == "move_on_after":
+            with anyio.move_on_after(1.0):
+                async for _ in run:
+                    seen += 1
+        else:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    async for _ in run:
+                        seen += 1
+        assert seen > 0
+        await _assert_stops_and_runs_again(ex, run)
+
+
+# Logs: quiet by default, warnings on stderr ---------------------------------------------------
+
+_LOGGING_PROGRAM = """
+import asyncio, sys
+import asyncexec
+
+def crash_once():
+    ctx = asyncexec.get_context()
+    if ctx.attempt == 1:
+        raise ValueError("boom")
+    asyncexec.report({"ok": 1})
+
+async def main():
+    policy = asyncexec.RestartPolicy(restart_on_user_error=True, wait=lambda state: 0.0)
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
+        steps = [s.index async for s in ex.run(crash_once)]
+    print("RESULT", steps)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_with_nothing_configured_logs_are_warnings_on_stderr_and_stdout_is_the_programs(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "quiet.py"
+    script.write_text(_LOGGING_PROGRAM)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines() == ["RESULT [0]"]
+    assert "worker_failed" in done.stderr and "restarting" in done.stderr  # warnings
+    assert "group_started" not in done.stderr and "run_started" not in done.stderr  # info
+
+
+def test_the_stdlib_route_renders_events_with_their_fields(caplog: pytest.LogCaptureFixture) -> None:
+    import structlog
+
+    from asyncexec._driver._logging import get_logger
+
+    if structlog.is_configured():
+        pytest.skip("structlog was configured earlier in this process")
+    with caplog.at_level("INFO", logger="asyncexec"):
+        get_logger(executor="x-1").bind(run_id="r").info("run_started", attempt=1)
+        get_logger().debug("hidden")
+    assert [r.getMessage() for r in caplog.records] == [
+        "run_started executor=x-1 run_id=r attempt=1"
+    ]
+
+
+# Smaller things ----------------------------------------------------------------------------
+
+
+def _length(value: Any) -> Any:
+    return len(value) if isinstance(value, bytes) else type(value).__name__
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_execute_resolves_object_ref_arguments_as_ray_does() -> None:
+    ref = ray.put(b"x" * 1000)
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        assert await ex.execute(_length, ref) == [1000, 1000]
+        assert await ex.execute_single(1, _length, value=ref) == 1000
+
+
+def _raise_deep() -> None:
+    def inner() -> None:
+        raise KeyError("missing weights")
+
+    inner()
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_errors_from_execute_are_clean_text_like_those_from_run() -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.execute(_raise_deep)
+    text = str(info.value)
+    assert "\x1b[" not in text  # no ANSI colour codes
+    assert "in inner" in text and "KeyError: 'missing weights'" in text
+    assert "asyncexec/_worker" not in text and "ray/_private" not in text  # no internal frames
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def _steps(n: int) -> None:
+    for i in range(n):
+        asyncexec.report({"i": i})
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_statistics_count_steps_delivered_while_the_run_is_live() -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        run = ex.run(_steps, 10)
+        taken = 0
+        async for _ in run:
+            taken += 1
+            assert ex.statistics().steps_delivered == taken
+        again = [s async for s in ex.run(_steps, 3)]
+        assert ex.statistics().steps_delivered == taken + len(again) == 13
+
+
+def _same_name_checkpoint(content: str) -> None:
+    ctx = asyncexec.get_context()
+    with tempfile.TemporaryDirectory() as folder:
+        text = content if content == "same" else f"rank {ctx.world_rank}"
+        Path(folder, "model.txt").write_text(text)
+        asyncexec.report({"i": 0}, checkpoint=asyncexec.Checkpoint.from_directory(folder))
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_same_named_checkpoint_files_of_two_ranks_are_refused_unless_identical(
+    tmp_path: Path,
+) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU, storage_path=tmp_path) as ex:
+        steps = [s async for s in ex.run(_same_name_checkpoint, "same")]
+        assert steps[0].checkpoint is not None
+        assert Path(steps[0].checkpoint.path, "model.txt").read_text() == "same"
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.run(_same_name_checkpoint, "different"):
+                pass
+        assert isinstance(info.value.__cause__, FileExistsError)
+        assert re.search(r"already written by another rank", str(info.value))
