@@ -1,6 +1,10 @@
 """Quickstart: start a local Ray, run a group of workers, print their reports as they arrive.
 
-python examples/quickstart.py
+    python examples/quickstart.py
+
+The README's first example as a program: the same executor (4 workers of half a CPU), the same
+``async def main()`` run by ``asyncio.run``; it also prints where each rank runs and every rank's
+loss per step (``step.reports``; ``step.metrics`` is rank 0's).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 driver updates the policy and pushes the new weights to the same live workers, and the event loop
 stays free for other work the whole time.
 
+    pip install -e ".[examples]"      # numpy, which asyncexec itself does not need
     python examples/rl_loop.py --workers 2 --steps 200 --staleness 2
 
 The task is a one-step control problem: observe ``x`` in [-1, 1], act ``a``, get the reward
