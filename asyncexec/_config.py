@@ -19,7 +19,13 @@ from typing import Any, Literal
 from ._devices import DEVICE_KINDS
 from ._errors import ConfigurationError
 
-__all__ = ["CheckpointConfig", "ExecutorConfig", "validate_resources"]
+__all__ = [
+    "CheckpointConfig",
+    "ExecutorConfig",
+    "check_count",
+    "validate_buffer_size",
+    "validate_resources",
+]
 
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -39,6 +45,21 @@ def _is_number(value: object) -> bool:
         return math.isfinite(float(value))
     except OverflowError:
         return False
+
+
+def check_count(name: str, value: object, *, minimum: int = 1, allow_none: bool = False) -> None:
+    """Refuse anything but an int (not a bool) of at least ``minimum`` (or None when allowed).
+
+    Raises:
+        ConfigurationError: naming ``name`` and the value.
+    """
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int of at least {minimum}"
+        raise ConfigurationError(
+            f"{name} must be {what}{' or None' if allow_none else ''}, got {value!r}"
+        )
 
 
 def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -100,14 +121,7 @@ class CheckpointConfig:
     score_order: Literal["max", "min"] = "max"
 
     def __post_init__(self) -> None:
-        if self.num_to_keep is not None and (
-            not isinstance(self.num_to_keep, int)
-            or isinstance(self.num_to_keep, bool)
-            or self.num_to_keep < 1
-        ):
-            raise ConfigurationError(
-                f"num_to_keep must be a positive int or None, got {self.num_to_keep!r}"
-            )
+        check_count("num_to_keep", self.num_to_keep, allow_none=True)
         if self.score_order not in ("max", "min"):
             raise ConfigurationError(
                 f"score_order must be 'max' or 'min', got {self.score_order!r}"
@@ -149,8 +163,8 @@ class ExecutorConfig:
         Raises:
             ConfigurationError: an argument is invalid; the message names it and its value.
         """
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-            raise ConfigurationError(f"num_workers must be a positive int, got {num_workers!r}")
+        check_count("num_workers", num_workers)
+        assert isinstance(num_workers, int)
         resources = options.pop("resources_per_worker", None)
         resources = validate_resources({"CPU": 1} if resources is None else resources)
         strategy = options.get("placement_strategy", "PACK")
@@ -235,8 +249,8 @@ class ExecutorConfig:
 
 def validate_buffer_size(value: object) -> int:
     """Check a report buffer bound (reports outstanding per rank)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigurationError(f"buffer_size must be a positive int, got {value!r}")
+    check_count("buffer_size", value)
+    assert isinstance(value, int)
     return value
 
 

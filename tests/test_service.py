@@ -142,8 +142,9 @@ async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other
     assert kinds == ["run"] + ["step"] * 30 + ["end"]
     steps = [data for event, data in events["b"] if event == "step"]
     assert [s["index"] for s in steps] == list(range(30))
-    assert all(len(s["metrics"]) == 2 and s["attempt"] == 1 for s in steps)
-    assert [s["metrics"][0]["step"] for s in steps] == list(range(30))
+    assert all(len(s["reports"]) == 2 and s["attempt"] == 1 for s in steps)
+    assert [s["reports"][0]["step"] for s in steps] == list(range(30))
+    assert all(s["metrics"] == s["reports"][0] for s in steps)
     end = events["b"][-1][1]
     assert (end["state"], end["steps"], end["id"]) == ("finished", 30, ids["b"])
     assert [r["rank"] for r in end["result"]] == [0, 1]

@@ -10,6 +10,7 @@ Ray's error classes, and that a ``RayTaskError`` is also an instance of its caus
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -33,6 +34,9 @@ from ._workers import WorkerInfo, node_alive
 __all__ = ["backend_error", "call_error", "outcome_error", "startup_error", "worker_error"]
 
 E = TypeVar("E", bound=WorkerError)
+#: The most of a death message kept as the error's detail.
+_DETAIL_CHARS = 300
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: Lines of Ray's actor-death messages that say which actor, not what happened.
 _ACTOR_FIELDS = ("class_name", "actor_id", "pid:", "namespace", "ip:")
@@ -59,8 +63,28 @@ def _death_detail(exc: BaseException) -> str:
     for line in text.strip().splitlines():
         line = line.strip()
         if line and not line.startswith(_ACTOR_FIELDS):
-            return line.split(" Some common causes")[0][:300]
+            return line.split(" Some common causes")[0][:_DETAIL_CHARS]
     return type(exc).__name__
+
+
+def _attribute(exc: BaseException, name: str) -> Any:
+    """An attribute of a Ray error, or None: Ray's ``as_instanceof_cause`` classes forward
+    missing attributes to the cause, so a plain lookup can raise."""
+    try:
+        return getattr(exc, name, None)
+    except Exception:
+        return None
+
+
+def _remote_traceback(exc: BaseException) -> str:
+    """The worker's traceback as plain text (Ray colours its task header)."""
+    text = _attribute(exc, "traceback_str")
+    if not isinstance(text, str):
+        try:
+            text = str(exc)
+        except Exception:
+            return ""
+    return _ANSI.sub("", text)
 
 
 def _raised(worker: WorkerInfo, attempt: int, cause: BaseException, tb: str) -> WorkerRaisedError:
@@ -75,8 +99,9 @@ async def call_error(exc: BaseException, worker: WorkerInfo, attempt: int) -> As
     A dead actor is a lost node when Ray's node table no longer holds the worker's node (Ray marks
     a lost node's actors dead only after the node), else a crashed worker."""
     if isinstance(exc, RayTaskError):
-        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-        return _raised(worker, attempt, cause, exc.traceback_str or "")
+        cause = _attribute(exc, "cause")
+        cause = cause if isinstance(cause, BaseException) else exc
+        return _raised(worker, attempt, cause, _remote_traceback(exc))
     if isinstance(exc, RayActorError):
         node = worker.metadata.node_id
         if not await node_alive(node):
@@ -109,9 +134,10 @@ def startup_error(exc: BaseException, phase: str, timeout_s: float) -> BaseExcep
         error = StartupError(f"start-up failed while {phase}: {describe(exc.error)}")
         error.__cause__ = exc.error
         return error
-    if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):
-        error = StartupError(f"start-up failed while {phase}: {describe(exc.cause)}")
-        error.__cause__ = exc.cause
+    cause = _attribute(exc, "cause") if isinstance(exc, RayTaskError) else None
+    if isinstance(cause, BaseException):
+        error = StartupError(f"start-up failed while {phase}: {describe(cause)}")
+        error.__cause__ = cause
         return error
     if isinstance(exc, StartupError) or not isinstance(exc, Exception):
         return exc

@@ -44,6 +44,7 @@ __all__ = ["Executor", "ExecutorState", "ExecutorStatistics"]
 T = TypeVar("T")
 #: Defaults of the configuration, written once (in ExecutorConfig's fields).
 _D = ExecutorConfig
+_NOT_CONFIG = frozenset({"self", "num_workers", "backend", "restart"})
 #: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
 _RUN_END_MARGIN_S = 10.0
 
@@ -142,26 +143,8 @@ class Executor:
         runtime_env: Mapping[str, Any] | None = None,
         name: str = _D.name,
     ) -> None:
-        options: dict[str, Any] = {
-            "resources_per_worker": resources_per_worker,
-            "placement_strategy": placement_strategy,
-            "placement_timeout_s": placement_timeout_s,
-            "start_timeout_s": start_timeout_s,
-            "shutdown_timeout_s": shutdown_timeout_s,
-            "graceful_patience_s": graceful_patience_s,
-            "init_hook": init_hook,
-            "share_devices": share_devices,
-            "health_check_interval_s": health_check_interval_s,
-            "health_check_timeout_s": health_check_timeout_s,
-            "step_timeout_s": step_timeout_s,
-            "stop_timeout_s": stop_timeout_s,
-            "storage_path": storage_path,
-            "checkpoint": checkpoint,
-            "address": address,
-            "runtime_env": runtime_env,
-            "name": name,
-            "buffer_size": buffer_size,
-        }
+        # Every keyword argument but these three is a field of the configuration.
+        options = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
         self.config = ExecutorConfig.build(num_workers, **options)
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigurationError(
@@ -353,25 +336,14 @@ class Executor:
                 progress.
         """
         tg = self._check_open()
-        if not callable(fn):
-            raise ConfigurationError(f"fn must be callable, got {fn!r}")
-        payload = _pickle(fn, config)
-        start = _as_checkpoint(checkpoint)
-        bound = (
-            self.config.buffer_size if buffer_size is None else validate_buffer_size(buffer_size)
-        )
+        bound = self.config.buffer_size if buffer_size is None else buffer_size
+        spec = _run_spec(fn, config, checkpoint, bound, datasets, data_config)
         if self._run is not None and self._run.active and not self._run.closed:
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"
             )
-        data = None
-        if datasets is not None or data_config is not None:
-            from ._data import validate_datasets
-
-            data = validate_datasets({} if datasets is None else datasets, data_config)
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(new_run_id())
-        spec = RunSpec(payload, start, bound, data)
         driver = RunDriver(self._slot, self.restart_policy, core, send, spec, self._run_ended)
         previous, self._run = self._run, core
         if previous is not None:
@@ -436,6 +408,32 @@ def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpo
     if not is_uri(path) and not Path(path).is_dir():
         raise ConfigurationError(f"checkpoint directory does not exist: {path!r}")
     return Checkpoint(path)
+
+
+def _run_spec(
+    fn: Callable[..., Any],
+    config: Any,
+    checkpoint: Checkpoint | str | os.PathLike[str] | None,
+    buffer_size: int,
+    datasets: Mapping[str, Any] | None,
+    data_config: Any,
+) -> RunSpec:
+    """Check what ``run()`` was given and prepare it for the driver task.
+
+    Raises:
+        ConfigurationError: anything invalid, named.
+    """
+    if not callable(fn):
+        raise ConfigurationError(f"fn must be callable, got {fn!r}")
+    payload = _pickle(fn, config)
+    start = _as_checkpoint(checkpoint)
+    bound = validate_buffer_size(buffer_size)
+    data = None
+    if datasets is not None or data_config is not None:
+        from ._data import validate_datasets
+
+        data = validate_datasets({} if datasets is None else datasets, data_config)
+    return RunSpec(payload, start, bound, data)
 
 
 def _pickle(fn: Callable[..., Any], config: Any) -> bytes:

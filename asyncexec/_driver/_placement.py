@@ -72,8 +72,12 @@ def current_parent() -> PlacementGroup | None:
     return None
 
 
+#: Ray counts resources in units of 1/10000: smaller differences are rounding.
+_PRECISION = 1e-4
+
+
 def _fits(bundle: Mapping[str, float], free: Mapping[str, float]) -> bool:
-    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+    return all(free.get(k, 0.0) + _PRECISION / 2 >= v for k, v in bundle.items())
 
 
 def _take(bundle: Mapping[str, float], free: dict[str, float]) -> None:

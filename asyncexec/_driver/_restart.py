@@ -20,6 +20,7 @@ from tenacity import RetryCallState
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
+from .._config import check_count
 from .._errors import (
     ConfigurationError,
     NodeLostError,
@@ -75,14 +76,7 @@ class RestartPolicy:
     reuse_survivors: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_restarts is not None and (
-            not isinstance(self.max_restarts, int)
-            or isinstance(self.max_restarts, bool)
-            or self.max_restarts < 0
-        ):
-            raise ConfigurationError(
-                f"max_restarts must be a non-negative int or None, got {self.max_restarts!r}"
-            )
+        check_count("max_restarts", self.max_restarts, minimum=0, allow_none=True)
         for name in ("retry_if", "wait", "stop", "sleep"):
             value = getattr(self, name)
             if value is not None and not callable(value):
