@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from _common import Figure
 
-__all__ = ["FULL", "QUICK", "WORKER_COUNTS", "Sizes", "make_figures"]
+__all__ = ["FULL", "QUICK", "LIFECYCLE_KEYS", "WORKER_COUNTS", "Sizes", "make_figures"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,13 @@ class Sizes:
     memory_steps: int
     memory_every: int
     memory_warmup: int
+    # Event-loop lag through whole lifecycles (_lifecycle.py): executors of workers each, all in
+    # one loop; each streams lifecycle_steps per cycle; rounds interleaved with the floor's.
+    lifecycle_executors: int
+    lifecycle_workers: int
+    lifecycle_steps: int
+    lifecycle_cycles: int
+    lifecycle_repeats: int
 
 
 FULL = Sizes(
@@ -43,6 +50,11 @@ FULL = Sizes(
     memory_steps=100_000,
     memory_every=1000,
     memory_warmup=10_000,
+    lifecycle_executors=4,
+    lifecycle_workers=2,
+    lifecycle_steps=20_000,
+    lifecycle_cycles=2,
+    lifecycle_repeats=3,
 )
 QUICK = Sizes(
     repeats=1,
@@ -57,6 +69,11 @@ QUICK = Sizes(
     memory_steps=10_000,
     memory_every=500,
     memory_warmup=2000,
+    lifecycle_executors=2,
+    lifecycle_workers=2,
+    lifecycle_steps=10_000,
+    lifecycle_cycles=1,
+    lifecycle_repeats=1,
 )
 WORKER_COUNTS = (4, 1, 16)
 
@@ -130,6 +147,7 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             "MiB",
             target="flat (< 2 MiB)",
             check=lambda m: m["asyncexec"] < 2.0,
+            raytrain=False,
         ),
         Figure(
             "lag_p99",
@@ -152,4 +170,51 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             target="(contrast)",
         ),
     ]
+    figs += lifecycle_figures(sizes)
     return {f.key: f for f in figs}
+
+
+#: The rows of the lifecycle benchmark (the only ones a ``--lifecycle-only`` run prints).
+LIFECYCLE_KEYS = ("life_p99", "life_max", "life_alone_p99", "life_alone_max")
+
+
+def lifecycle_figures(sizes: Sizes) -> list[Figure]:
+    """Event-loop lag through whole lifecycles (asyncexec column) against the same heartbeat
+    beside the batched floor streaming (floor column), as ratios measured in one run."""
+    who = (
+        f"{sizes.lifecycle_executors} executors x {sizes.lifecycle_workers} workers in one loop"
+    )
+    return [
+        Figure(
+            "life_p99",
+            f"event-loop lag p99 over whole lifecycles, {who} (floor: streaming)",
+            "ms",
+            target="<= 1.0x floor streaming",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
+            raytrain=False,
+        ),
+        Figure(
+            "life_max",
+            "event-loop lag max over whole lifecycles (floor: streaming)",
+            "ms",
+            target="<= 1.5x floor streaming",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.5,
+            raytrain=False,
+        ),
+        Figure(
+            "life_alone_p99",
+            "the same, p99 of the lifecycles while streaming alone",
+            "ms",
+            target="<= 1.0x floor streaming",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
+            raytrain=False,
+        ),
+        Figure(
+            "life_alone_max",
+            "the same, max of the lifecycles while streaming alone",
+            "ms",
+            target="<= 1.5x floor streaming",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.5,
+            raytrain=False,
+        ),
+    ]

@@ -21,6 +21,7 @@ __all__ = [
     "LoopWorker",
     "PlainActor",
     "ae_last_time",
+    "ae_lifecycle",
     "ae_resume",
     "ae_steps",
     "rt_last_time",
@@ -90,6 +91,31 @@ def ae_resume(config: dict[str, Any]) -> None:
     else:
         for i in range(config["resume_steps"]):
             asyncexec.report({"step": i, "resumed": True})
+
+
+def ae_lifecycle(config: dict[str, Any]) -> None:
+    """The lifecycle benchmark's function: ``config["steps"]`` tiny reports at full rate.
+
+    On attempt 1 the rank ``config["victim"]`` stops after ``config["kill_at"]`` reports and
+    waits (``hold_s`` at most) for the driver to SIGKILL its process; the other ranks go on until
+    their buffers are full. The resumed attempt reports the steps from ``kill_at`` on, so the
+    consumer sees ``steps`` steps in all."""
+    import asyncexec
+
+    report = asyncexec.report
+    context = asyncexec.get_context()
+    steps, kill_at = config["steps"], config["kill_at"]
+    if context.attempt == 1:
+        for i in range(kill_at):
+            report({"step": i})
+        if context.world_rank == config["victim"]:
+            time.sleep(config["hold_s"])  # killed meanwhile
+            raise RuntimeError("the driver did not kill this worker")
+        for i in range(kill_at, steps):
+            report({"step": i})
+    else:
+        for i in range(kill_at, steps):
+            report({"step": i})
 
 
 # Plain actors.

@@ -1,13 +1,17 @@
 """asyncexec's performance, side by side with Ray Train's first executor, in one run.
 
-    python benchmarks/run.py           # the full run: a few minutes on 2 cores
-    python benchmarks/run.py --quick   # tiny sizes, one repeat: a smoke run
+    python benchmarks/run.py                   # the full run: a few minutes on 2 cores
+    python benchmarks/run.py --quick           # tiny sizes, one repeat: a smoke run
+    python benchmarks/run.py --lifecycle-only  # only the lifecycle lag rows: about a minute
+    python benchmarks/run.py --lifecycle-only --stall-stacks   # and where the loop stalled
 
 It starts one local Ray (and shuts it down at the end) and measures, for each figure, Ray Train
 v1's ``BackendExecutor`` (``RAY_TRAIN_V2_ENABLED=0``), two hand-written asyncio loops over plain
 actors where they apply (lockstep: one call per worker per step; the bare batched floor: a
 thread per worker fills a bounded deque, long polls drain it), and asyncexec. It prints one table
 of medians over repeats with asyncexec's ratios and the issue's targets, then where the time goes.
+The event-loop lag through whole lifecycles (several executors entering, streaming, losing a
+worker, restarting, finishing and closing in one loop) is measured by ``_lifecycle.py``.
 
 Every system runs in the same Ray instance, one measurement at a time, with the repeats of
 different systems interleaved, so that the machine's noise falls on all of them alike. Ray's
@@ -42,6 +46,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+# The driver imports the asyncexec the workers import (a baseline worktree's, when run from one).
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)
 
 import psutil  # noqa: E402
 import ray  # noqa: E402
@@ -57,7 +64,8 @@ from _common import (  # noqa: E402
     progress,
     render_table,
 )
-from _figures import FULL, QUICK, WORKER_COUNTS, Sizes, make_figures  # noqa: E402
+from _figures import FULL, LIFECYCLE_KEYS, QUICK, WORKER_COUNTS, Sizes, make_figures  # noqa: E402
+from _lifecycle import measure_lifecycle  # noqa: E402
 from _raytrain import RayTrainClient  # noqa: E402
 from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
 
@@ -72,8 +80,18 @@ BUFFER = 1024
 class Bench:
     """One benchmark run: its sizes, figures, notes on where the time goes, and its own timer."""
 
-    def __init__(self, sizes: Sizes, events: Events) -> None:
+    def __init__(
+        self,
+        sizes: Sizes,
+        events: Events,
+        *,
+        lifecycle_only: bool = False,
+        stall_stacks: bool = False,
+    ) -> None:
         self.sizes = sizes
+        self.lifecycle_only = lifecycle_only
+        self.stall_stacks = stall_stacks
+        self.lifecycle_notes: list[str] = []
         self.rt: RayTrainClient | None = None
         self.figures = make_figures(sizes)
         self.events = events
@@ -279,6 +297,47 @@ class Bench:
             if found:
                 self.note(key, found[0][0] - t_kill)
 
+    # Event-loop lag through whole lifecycles ---------------------------------------------------
+
+    async def lifecycle(self) -> None:
+        """Executors entering, streaming, losing a worker, restarting, finishing and closing in
+        this loop beside a heartbeat, against the floor streaming (see ``_lifecycle.py``)."""
+        sizes = self.sizes
+        result = await measure_lifecycle(
+            executors=sizes.lifecycle_executors,
+            workers=sizes.lifecycle_workers,
+            steps=sizes.lifecycle_steps,
+            cycles=sizes.lifecycle_cycles,
+            repeats=sizes.lifecycle_repeats,
+            resources=RESOURCES,
+            bound=BUFFER,
+            storage=self.storage,
+            stall_stacks=self.stall_stacks,
+            # Alone, the first lifecycle would pay the driver's one-time costs.
+            warm_up=self.lifecycle_only,
+        )
+        for row in result.per_repeat():
+            for key, ours, floor in (
+                ("life_p99", "life_p99", "floor_p99"),
+                ("life_max", "life_max", "floor_max"),
+                ("life_alone_p99", "alone_p99", "floor_p99"),
+                ("life_alone_max", "alone_max", "floor_max"),
+            ):
+                # A round may have no sample while streaming alone (no moment when every
+                # active executor was streaming): that row then has no figure from it.
+                if not math.isnan(row[ours]):
+                    self.add(key, "asyncexec", row[ours])
+                    self.add(key, "floor", row[floor])
+            self.note("lifecycle_round_s", row["seconds"])
+        self.lifecycle_notes = result.notes()
+        per_repeat = "; ".join(
+            f"lifecycles p99 {r['life_p99']:.2f} / max {r['life_max']:.1f}, streaming alone "
+            f"{r['alone_p99']:.2f} / {r['alone_max']:.1f}, floor {r['floor_p99']:.2f} / "
+            f"{r['floor_max']:.1f}"
+            for r in result.per_repeat()
+        )
+        self.lifecycle_notes.append(f"- each repeat (p99 / max, ms): {per_repeat}")
+
     # Output -------------------------------------------------------------------------------------
 
     def where_time_goes(self) -> list[str]:
@@ -288,6 +347,9 @@ class Bench:
             return w.get(key, math.nan)
 
         lines = ["Where the time goes (medians):"]
+        own = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.sections.items())
+        if self.lifecycle_only:
+            return [*lines, *self.lifecycle_notes, f"- this benchmark's own time (s): {own}"]
         cpu = []
         for column, name in (
             ("raytrain", "Ray Train"),
@@ -335,13 +397,17 @@ class Bench:
             if f"{c}_gc_full" in w
         )
         lines.append(f"- driver garbage collections during each lag run: {collections}")
-        own = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.sections.items())
+        lines += self.lifecycle_notes
         lines.append(f"- this benchmark's own time (s): {own}")
         return lines
 
 
 async def bench_main(bench: Bench) -> str | None:
     """Measure everything; return why Ray Train was skipped, or None."""
+    if bench.lifecycle_only:
+        with bench.timer.section("lifecycle lag"):
+            await bench.lifecycle()
+        return None
     client = RayTrainClient()
     progress("starting the Ray Train driver")
     with bench.timer.section("Ray Train driver start"):
@@ -353,9 +419,24 @@ async def bench_main(bench: Bench) -> str | None:
             await bench.startup()
         for n in WORKER_COUNTS:
             await bench.groups(n)
+        with bench.timer.section("lifecycle lag"):
+            await bench.lifecycle()
     finally:
         await client.close()
     return client.unavailable
+
+
+def asyncexec_version() -> str:
+    import asyncexec
+
+    return str(asyncexec.__version__)
+
+
+def asyncexec_path() -> str:
+    """Where the driver's asyncexec comes from (a baseline worktree must resolve to itself)."""
+    import asyncexec
+
+    return os.path.dirname(os.path.abspath(str(asyncexec.__file__)))
 
 
 def start_ray() -> None:
@@ -376,6 +457,18 @@ def start_ray() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    parser.add_argument(
+        "--lifecycle-only",
+        action="store_true",
+        help="only the event-loop lag through whole lifecycles (about a minute; with --quick: "
+        "its quick sizes)",
+    )
+    parser.add_argument(
+        "--stall-stacks",
+        action="store_true",
+        help="sample the event loop's stack while the heartbeat is > 20 ms overdue, and print "
+        "the sites (lifecycle rows)",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
 
@@ -385,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(processors=[events])
     logging.getLogger("ray.train").setLevel(logging.ERROR)
 
-    bench = Bench(sizes, events)
+    bench = Bench(
+        sizes, events, lifecycle_only=args.lifecycle_only, stall_stacks=args.stall_stacks
+    )
     t0 = time.perf_counter()
     with bench.timer.section("ray.init"):
         start_ray()
@@ -397,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
 
     mode = "quick" if args.quick else "full"
+    if args.lifecycle_only:
+        mode += ", lifecycle only"
     print()
     print(
         f"asyncexec benchmarks ({mode}), {time.strftime('%Y-%m-%d %H:%M')}, "
@@ -405,10 +502,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{sizes.repeats} repeat(s) (start-up {sizes.startup_repeats}, restart "
         f"{sizes.restart_repeats}, run end {sizes.run_end_repeats}); every worker {RESOURCES}"
     )
+    print(f"asyncexec {asyncexec_version()} from {asyncexec_path()}")
     if missing is not None:
         print(f"Ray Train column skipped: {missing}")
     print()
-    print(render_table(list(bench.figures.values())))
+    figures = list(bench.figures.values())
+    if args.lifecycle_only:
+        figures = [f for f in figures if f.key in LIFECYCLE_KEYS]
+    print(render_table(figures))
     print()
     for line in bench.where_time_goes():
         print(line)

@@ -43,11 +43,12 @@ def _ray_processes_since(t0: float) -> list[str]:
     return found
 
 
-def _expected_rows(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _expected_rows(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """Each row's label, and whether Ray Train has a figure in it."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from _figures import QUICK, make_figures
 
-    return [figure.label for figure in make_figures(QUICK).values()]
+    return {figure.label: figure.raytrain for figure in make_figures(QUICK).values()}
 
 
 @pytest.mark.slow
@@ -75,17 +76,66 @@ def test_quick_benchmark_prints_every_row_and_cleans_up(monkeypatch: pytest.Monk
     cells = [[c.strip() for c in line.split("|")] for line in table]
     head = cells[0]
     labels = [row[1] for row in cells[2:]]
-    assert labels == rows, out
+    assert labels == list(rows), out
     # Every row has a figure for asyncexec; Ray Train's too, unless its column was skipped
-    # with a reason (it has no driver-memory figure: it cannot stream 100,000 steps in time).
+    # with a reason, or the row has none (driver memory: it cannot stream 100,000 steps in
+    # time; the lifecycle rows compare with the batched floor).
     ae, rt = head.index("asyncexec"), head.index("Ray Train v1")
+    floor = head.index("batched floor")
     for row in cells[2:]:
+        if "while streaming alone" in row[1] and row[ae] == "-":
+            # The quick run's two executors need not stream at the same moment.
+            continue
         assert row[ae] not in ("", "-"), row
-        if "Ray Train column skipped" not in out and not row[1].startswith("driver RSS"):
+        if "Ray Train column skipped" not in out and rows[row[1]]:
             assert row[rt] not in ("", "-"), row
+        if row[1].startswith(("event-loop lag p99 over whole lifecycles", "the same, ")):
+            assert row[floor] not in ("", "-"), row
     assert "Where the time goes" in out
+    # The lifecycle rows' breakdown by phase.
+    assert "event-loop lag through whole lifecycles" in out
+    for phase in ("entering", "streaming alone", "restarting", "finishing", "closing"):
+        assert f"    {phase} " in out, out
     # Its Ray is gone: no raylet or GCS server that the run started is still alive.
     deadline = time.monotonic() + 15
     while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, left
+
+
+def test_lifecycle_samples_count_toward_every_phase_active_in_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lifecycle benchmark's attribution rule, on made-up samples (no Ray)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from _lifecycle import LifecycleResult, Round, Scenario, Span
+
+    spans = [
+        Span("ex0", "entering", 0.0, 1.0),
+        Span("ex0", "streaming", 1.0, 2.0),
+        Span("ex1", "streaming", 0.5, 2.0),
+    ]
+    beats = [
+        (0.2, 0.201),  # ex0 entering only
+        (0.9, 1.1),  # ex0 entering -> streaming, ex1 streaming
+        (1.5, 1.5015),  # both streaming: streaming alone
+        (2.5, 2.5),  # nobody
+    ]
+    life = Round("lifecycle", 0, 0.0, 3.0, beats, spans, [], None)
+    floor = Round("floor", 0, 0.0, 1.0, [(0.1, 0.102)], [], [], None)
+    phases = [s.phases for s in life.attributed()]
+    assert phases == [
+        {"entering"},
+        {"entering", "streaming"},
+        {"streaming"},
+        set(),
+    ]
+    scenario = Scenario(2, 2, 10, 1, {"CPU": 0.25}, "/tmp")
+    result = LifecycleResult(scenario, [floor, life])
+    (row,) = result.per_repeat()
+    assert row["life_max"] == pytest.approx(200.0)
+    assert row["alone_max"] == pytest.approx(1.5)
+    assert row["floor_max"] == pytest.approx(2.0)
+    notes = "\n".join(result.notes())
+    assert "streaming alone" in notes
+    assert "200.0 ms  repeat 1" in notes

@@ -1,0 +1,808 @@
+"""Event-loop lag through whole lifecycles, not only while streaming.
+
+Several asyncexec executors share one event loop. Each one, ``cycles`` times: enters (``async
+with``), streams ``steps`` steps at full rate, loses a worker to SIGKILL half-way (the driver
+kills the process with ``os.kill``), restarts (``RestartPolicy(max_restarts=1,
+wait=tenacity.wait_none())``: the whole group is replaced), streams the rest, finishes (the
+``async for`` ends) and closes. A 1 ms heartbeat runs throughout and records, for every wake-up,
+when it was due and when it woke. The reference is the same heartbeat beside the batched floor
+(``LoopGroup.floor``) doing the same streaming: as many groups of as many plain actors, each
+streaming ``steps`` steps ``cycles`` times, all at once. On a loaded 2-core machine the operating
+system's scheduling sets a floor under any absolute figure, so the figures are ratios to the
+floor's, measured in the same run with the repeats interleaved. Every round starts after a
+``gc.collect()``, so that no garbage collection left pending by the rounds before falls into it
+(a full collection walks the driver's whole heap, most of it Ray's modules: tens of ms).
+
+Phases. Each executor marks the phase it is in, on the event loop, at the moment it changes:
+
+- ``entering``: from calling ``__aenter__`` until it returns;
+- ``streaming``: from calling ``run()`` until the driver kills a worker, and again from the
+  resumed attempt's first step until the last step arrives;
+- ``restarting``: from ``os.kill`` until the first step of attempt 2;
+- ``finishing``: from the last step until the ``async for`` ends (the run's result is set);
+- ``closing``: ``__aexit__``.
+
+Attribution rule. A heartbeat sample stands for the interval from when its timer was due to when
+it woke: the loop was busy (or the process was not running) for all of it. The sample counts
+toward every phase that any executor was in at any moment of that interval, so one stall can
+count toward several phases (the executor that blocked the loop usually changes its phase right
+after the blocking code returns, inside the same interval). ``streaming alone`` is the samples
+whose only phase is ``streaming``: every executor that was doing anything was streaming. The
+whole lifecycle is every sample, from the moment the executors start entering until the last one
+has closed.
+
+Stall stacks (opt-in, ``--stall-stacks``): a watchdog thread wakes every 5 ms and, while the
+heartbeat is more than 20 ms overdue, samples the event-loop thread's stack with
+``sys._current_frames()``. Each sample is about 5 ms of stall spent at that site. It needs the GIL
+to take a sample, so code that holds the GIL without a break is sampled late, right after it
+(the watchdog notes how late it woke). It costs the loop a little, so it runs in both the
+lifecycle and the floor rounds, and is off by default.
+
+Only asyncexec's public API is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import gc
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import tenacity
+from _common import median, percentile, progress
+from _systems import LoopGroup
+from _workload import ae_lifecycle
+
+import asyncexec
+
+__all__ = ["LifecycleResult", "PHASES", "measure_lifecycle"]
+
+#: The phases of an executor's lifecycle, in order.
+PHASES = ("entering", "streaming", "restarting", "finishing", "closing")
+#: The rank whose process the driver kills on attempt 1.
+VICTIM = 1
+#: A lag counted as a stall in the breakdown (ms).
+STALL_MS = 10.0
+#: The watchdog samples the loop's stack while the heartbeat is more overdue than this.
+WATCH_THRESHOLD_S = 0.020
+#: And samples this often.
+WATCH_PERIOD_S = 0.005
+#: How many of the worst stalls, and of the stack sites, the notes show.
+TOP = 5
+
+
+# Recording ----------------------------------------------------------------------------------------
+
+
+class Heartbeat:
+    """A task that sleeps 1 ms at a time and records ``(due, woke)`` for every wake-up; its lag is
+    ``woke - due``. ``due`` is public so that a watchdog thread can see how overdue it is."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.beats: list[tuple[float, float]] = []
+        self.due = math.inf
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _beat(self) -> None:
+        interval = self.interval_s
+        beats = self.beats
+        while not self._stop:
+            due = time.perf_counter() + interval
+            self.due = due
+            await asyncio.sleep(interval)
+            beats.append((due, time.perf_counter()))
+        self.due = math.inf
+
+    async def __aenter__(self) -> Heartbeat:
+        self._task = asyncio.create_task(self._beat())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # A wake-up that a blocking call made overdue is still recorded.
+        await asyncio.sleep(2 * self.interval_s)
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+
+@dataclass(frozen=True)
+class Span:
+    """One executor (``who``) in one phase from ``start`` to ``end`` (perf_counter seconds)."""
+
+    who: str
+    phase: str
+    start: float
+    end: float
+
+
+class PhaseLog:
+    """The phase each executor is in, as spans. Marked on the event loop."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._open: dict[str, tuple[str, float]] = {}
+
+    def enter(self, who: str, phase: str) -> None:
+        now = time.perf_counter()
+        self._close(who, now)
+        self._open[who] = (phase, now)
+
+    def end(self, who: str) -> None:
+        self._close(who, time.perf_counter())
+
+    def end_all(self) -> None:
+        now = time.perf_counter()
+        for who in list(self._open):
+            self._close(who, now)
+
+    def _close(self, who: str, now: float) -> None:
+        current = self._open.pop(who, None)
+        if current is not None:
+            self.spans.append(Span(who, current[0], current[1], now))
+
+
+@dataclass(frozen=True)
+class Collection:
+    """One garbage collection of the driver: wall time, and the CPU time of the thread that ran
+    it (much less than the wall time: the process was not running meanwhile)."""
+
+    start: float
+    end: float
+    generation: int
+    cpu_s: float
+    collected: int
+
+
+@contextmanager
+def gc_log() -> Iterator[list[Collection]]:
+    """The driver's garbage collections inside the block."""
+    found: list[Collection] = []
+    started = [0.0, 0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0], started[1] = time.perf_counter(), time.thread_time()
+        else:
+            found.append(
+                Collection(
+                    started[0],
+                    time.perf_counter(),
+                    int(info["generation"]),
+                    time.thread_time() - started[1],
+                    int(info.get("collected", 0)),
+                )
+            )
+
+    gc.callbacks.append(callback)
+    try:
+        yield found
+    finally:
+        gc.callbacks.remove(callback)
+
+
+Frame = tuple[str, int, str]  # (file, line, function)
+
+
+@dataclass(frozen=True)
+class StackSample:
+    """The event-loop thread's stack while the heartbeat due at ``due`` was overdue, and the
+    innermost frames of the driver's other Python threads that were not idle."""
+
+    due: float
+    taken: float
+    late_s: float  # how much later than asked the watchdog itself woke (it waited for the GIL)
+    stack: tuple[Frame, ...]  # outermost first
+    others: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (thread name, innermost frames)
+
+
+#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
+_IDLE = {
+    "wait",
+    "_wait_for_tstate_lock",
+    "select",
+    "poll",
+    "get",
+    "sleep",
+    "accept",
+    "readinto",
+    "listen_error_messages",  # Ray's thread, blocked in C++
+}
+
+
+class StallWatchdog(threading.Thread):
+    """Samples the event-loop thread's stack while the heartbeat is overdue (see the module),
+    and on every tick the CPU time of the loop's thread and of the whole driver process: a stall
+    in which neither ran was the operating system not running the driver."""
+
+    def __init__(self, heartbeat: Heartbeat, loop_thread: int) -> None:
+        super().__init__(name="stall-watchdog", daemon=True)
+        self.heartbeat = heartbeat
+        self.loop_thread = loop_thread
+        self.samples: list[StackSample] = []
+        #: (perf_counter, loop thread CPU s, process CPU s) every tick.
+        self.ticks: list[tuple[float, float, float]] = []
+        self._clock = time.pthread_getcpuclockid(loop_thread)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        while not self._stop_event.is_set():
+            asked = time.perf_counter()
+            time.sleep(WATCH_PERIOD_S)
+            now = time.perf_counter()
+            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
+            due = self.heartbeat.due
+            if now - due < WATCH_THRESHOLD_S:
+                continue
+            frames = sys._current_frames()
+            frame = frames.get(self.loop_thread)
+            if frame is None:
+                continue
+            others = []
+            for ident, other in frames.items():
+                if ident in (self.loop_thread, me):
+                    continue
+                stack = _stack(other)
+                if stack and stack[-1][2] not in _IDLE:
+                    if ident not in names:
+                        names = {t.ident: t.name for t in threading.enumerate()}
+                    others.append((names.get(ident, str(ident)), stack[-4:]))
+            self.samples.append(
+                StackSample(
+                    due,
+                    now,
+                    max(0.0, now - asked - WATCH_PERIOD_S),
+                    _stack(frame),
+                    tuple(others),
+                )
+            )
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+
+def _stack(frame: FrameType | None) -> tuple[Frame, ...]:
+    frames: list[Frame] = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(reversed(frames))
+
+
+@dataclass
+class Round:
+    """One measured round: the heartbeat's samples, the phases, GCs and stall stacks."""
+
+    kind: str  # "lifecycle" or "floor"
+    repeat: int
+    t0: float
+    t1: float
+    beats: list[tuple[float, float]]
+    spans: list[Span]
+    gcs: list[Collection]
+    watchdog: StallWatchdog | None
+
+    @property
+    def stacks(self) -> list[StackSample]:
+        return [] if self.watchdog is None else self.watchdog.samples
+
+    def cpu_during(self, start: float, end: float) -> tuple[float, float] | None:
+        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``,
+        from the watchdog's ticks around them (None without the watchdog)."""
+        ticks = [] if self.watchdog is None else self.watchdog.ticks
+        if not ticks:
+            return None
+        times = [t for t, _, _ in ticks]
+        i = max(0, bisect.bisect_right(times, start) - 1)
+        j = min(len(ticks) - 1, bisect.bisect_left(times, end))
+        if j <= i:
+            return None
+        return ticks[j][1] - ticks[i][1], ticks[j][2] - ticks[i][2]
+
+    def lags_ms(self) -> list[float]:
+        return [max(0.0, woke - due) * 1e3 for due, woke in self.beats]
+
+    def attributed(self) -> list[Sample]:
+        """Every heartbeat sample with the spans active during it (see the module's rule)."""
+        spans = sorted(self.spans, key=lambda s: s.start)
+        out = []
+        for due, woke in self.beats:
+            lo = min(due, woke)
+            active = tuple(s for s in spans if s.start <= woke and s.end >= lo)
+            out.append(Sample(self, due, woke, active))
+        return out
+
+
+@dataclass(frozen=True)
+class Sample:
+    round: Round
+    due: float
+    woke: float
+    spans: tuple[Span, ...]
+
+    @property
+    def lag_ms(self) -> float:
+        return max(0.0, self.woke - self.due) * 1e3
+
+    @property
+    def phases(self) -> frozenset[str]:
+        return frozenset(s.phase for s in self.spans)
+
+
+# The two scenarios ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    executors: int
+    workers: int
+    steps: int
+    cycles: int
+    resources: dict[str, float]
+    storage: str
+
+    @property
+    def kill_at(self) -> int:
+        return max(1, self.steps // 2)
+
+
+async def _one_lifecycle(scenario: Scenario, who: str, phases: PhaseLog) -> None:
+    """Enter, stream, SIGKILL a worker, restart, finish, close; phases marked as they change."""
+    executor = asyncexec.Executor(
+        scenario.workers,
+        resources_per_worker=scenario.resources,
+        restart=asyncexec.RestartPolicy(max_restarts=1, wait=tenacity.wait_none()),
+        storage_path=scenario.storage,
+        name=who,
+    )
+    config = {
+        "steps": scenario.steps,
+        "kill_at": scenario.kill_at,
+        "victim": VICTIM,
+        "hold_s": 300.0,
+    }
+    phases.enter(who, "entering")
+    await executor.__aenter__()
+    try:
+        phases.enter(who, "streaming")
+        count = 0
+        killed = resumed = False
+        async for step in executor.run(ae_lifecycle, config):
+            count += 1
+            if not killed and step.attempt == 1 and count == scenario.kill_at:
+                pid = executor.workers[VICTIM].pid
+                phases.enter(who, "restarting")
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            elif not resumed and step.attempt > 1:
+                phases.enter(who, "streaming")
+                resumed = True
+            if count == scenario.steps:
+                phases.enter(who, "finishing")
+        if count != scenario.steps or not resumed:
+            raise RuntimeError(
+                f"{who}: {count} of {scenario.steps} steps, resumed after the kill: {resumed}"
+            )
+    finally:
+        phases.enter(who, "closing")
+        await executor.__aexit__(None, None, None)
+        phases.end(who)
+
+
+@contextmanager
+def _watching(heartbeat: Heartbeat, enabled: bool) -> Iterator[StallWatchdog | None]:
+    if not enabled:
+        yield None
+        return
+    watchdog = StallWatchdog(heartbeat, threading.get_ident())
+    watchdog.start()
+    try:
+        yield watchdog
+    finally:
+        watchdog.stop()
+
+
+async def lifecycle_round(scenario: Scenario, repeat: int, stall_stacks: bool) -> Round:
+    """The executors' lifecycles, all at once in this loop, beside the heartbeat."""
+    phases = PhaseLog()
+
+    async def executor_cycles(who: str) -> None:
+        for _ in range(scenario.cycles):
+            await _one_lifecycle(scenario, who, phases)
+
+    gc.collect()  # every round starts with no collection pending from the rounds before
+    with gc_log() as gcs:
+        async with Heartbeat() as hb:
+            with _watching(hb, stall_stacks) as watchdog:
+                t0 = time.perf_counter()
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        for i in range(scenario.executors):
+                            tg.create_task(executor_cycles(f"ex{i}"))
+                finally:
+                    phases.end_all()
+                t1 = time.perf_counter()
+    return Round("lifecycle", repeat, t0, t1, hb.beats, phases.spans, gcs, watchdog)
+
+
+async def floor_round(
+    scenario: Scenario, groups: Sequence[LoopGroup], repeat: int, stall_stacks: bool
+) -> Round:
+    """The reference: the batched floor's groups stream the same steps, all at once."""
+    phases = PhaseLog()
+
+    async def streams(i: int, group: LoopGroup) -> None:
+        who = f"floor{i}"
+        phases.enter(who, "streaming")
+        for _ in range(scenario.cycles):
+            await group.floor(scenario.steps)
+        phases.end(who)
+
+    gc.collect()  # every round starts with no collection pending from the rounds before
+    with gc_log() as gcs:
+        async with Heartbeat() as hb:
+            with _watching(hb, stall_stacks) as watchdog:
+                t0 = time.perf_counter()
+                async with asyncio.TaskGroup() as tg:
+                    for i, group in enumerate(groups):
+                        tg.create_task(streams(i, group))
+                t1 = time.perf_counter()
+    return Round("floor", repeat, t0, t1, hb.beats, phases.spans, gcs, watchdog)
+
+
+# Results ----------------------------------------------------------------------------------------
+
+
+def _p99_max(lags: Sequence[float]) -> tuple[float, float]:
+    return percentile(lags, 99), max(lags, default=math.nan)
+
+
+@dataclass
+class LifecycleResult:
+    scenario: Scenario
+    rounds: list[Round] = field(default_factory=list)
+    stall_stacks: bool = False
+
+    def per_repeat(self) -> list[dict[str, float]]:
+        """Per repeat: p99 and max (ms) of the floor's streaming, of the whole lifecycles, and of
+        the lifecycles' samples while streaming alone."""
+        out = []
+        repeats = sorted({r.repeat for r in self.rounds})
+        for rep in repeats:
+            row: dict[str, float] = {}
+            for r in self.rounds:
+                if r.repeat != rep:
+                    continue
+                if r.kind == "floor":
+                    row["floor_p99"], row["floor_max"] = _p99_max(r.lags_ms())
+                else:
+                    row["life_p99"], row["life_max"] = _p99_max(r.lags_ms())
+                    alone = [
+                        s.lag_ms for s in r.attributed() if s.phases == frozenset({"streaming"})
+                    ]
+                    row["alone_p99"], row["alone_max"] = _p99_max(alone)
+                    row["seconds"] = r.t1 - r.t0
+            out.append(row)
+        return out
+
+    def notes(self) -> list[str]:
+        """The per-phase breakdown, the worst stalls and (opt-in) the stack sites."""
+        sc = self.scenario
+        life = [r for r in self.rounds if r.kind == "lifecycle"]
+        floor = [r for r in self.rounds if r.kind == "floor"]
+        samples = [s for r in life for s in r.attributed()]
+        lines = [
+            f"- event-loop lag through whole lifecycles ({sc.executors} executors x {sc.workers} "
+            f"workers in one loop, each {sc.cycles}x: enter, stream {sc.steps:,} steps, SIGKILL "
+            f"rank {VICTIM} at step {sc.kill_at:,}, restart, finish, close; 1 ms heartbeat; "
+            f"{len(life)} repeat(s) pooled; a sample counts toward every phase any executor was "
+            f"in while it was overdue):"
+        ]
+        rows: list[tuple[str, list[float]]] = [("whole lifecycle", [s.lag_ms for s in samples])]
+        for phase in PHASES:
+            rows.append((phase, [s.lag_ms for s in samples if phase in s.phases]))
+            if phase == "streaming":
+                rows.append(
+                    (
+                        "streaming alone",
+                        [s.lag_ms for s in samples if s.phases == frozenset({"streaming"})],
+                    )
+                )
+        rows.append(("floor streaming (reference)", [lag for r in floor for lag in r.lags_ms()]))
+        width = max(len(name) for name, _ in rows)
+        lines.append(f"    {'phase'.ljust(width)}  samples   p99 ms    max ms  > {STALL_MS:.0f} ms")
+        for name, lags in rows:
+            p99, worst = _p99_max(lags)
+            over = sum(1 for lag in lags if lag > STALL_MS)
+            lines.append(
+                f"    {name.ljust(width)}  {len(lags):7,d}  {p99:7.2f}  {worst:8.1f}  {over:7,d}"
+            )
+        durations: dict[str, list[float]] = {}
+        for r in life:
+            for span in r.spans:
+                durations.setdefault(span.phase, []).append(span.end - span.start)
+        lines.append(
+            "- lifecycle phases, median length of one (s): "
+            + ", ".join(f"{p} {median(durations[p]):.3f}" for p in PHASES if p in durations)
+            + f"; one round (every executor's {sc.cycles} lifecycle(s)): "
+            + f"{median([r.t1 - r.t0 for r in life]):.1f} s"
+        )
+        for rounds, what in ((life, "lifecycles"), (floor, "floor")):
+            full = [c for r in rounds for c in r.gcs if c.generation == 2]
+            longest = max(full, key=lambda c: c.end - c.start, default=None)
+            text = (
+                f"- driver garbage collections during the {what} rounds: "
+                f"{sum(len(r.gcs) for r in rounds)}, of them {len(full)} full"
+            )
+            if longest is not None:
+                text += (
+                    f"; the longest full one {(longest.end - longest.start) * 1e3:.1f} ms wall, "
+                    f"{longest.cpu_s * 1e3:.1f} ms CPU, {longest.collected:,} objects "
+                    f"collected; all full ones "
+                    f"{sum(c.end - c.start for c in full) * 1e3:.0f} ms wall"
+                )
+            lines.append(text)
+        stalls = sorted(samples, key=lambda s: s.lag_ms, reverse=True)[:TOP]
+        lines.append(
+            f"- the {len(stalls)} worst stalls of the lifecycles (s from the round's start; each "
+            f"executor's phases during the stall, in order):"
+        )
+        for s in stalls:
+            lines.append(f"    {self._describe(s)}")
+        if self.stall_stacks:
+            lines += self._causes(samples)
+            lines += self._stack_notes(life, "lifecycles")
+            lines += self._stack_notes(floor, "floor")
+            lines.append(f"- {_heap()}")
+        return lines
+
+    def _describe(self, s: Sample) -> str:
+        r = s.round
+        by_who: dict[str, list[str]] = {}
+        for span in sorted(s.spans, key=lambda x: x.start):
+            by_who.setdefault(span.who, []).append(span.phase)
+        phases = ", ".join(f"{who} {'->'.join(ps)}" for who, ps in sorted(by_who.items()))
+        text = (
+            f"{s.lag_ms:7.1f} ms  repeat {r.repeat + 1} at +{s.due - r.t0:6.2f} s: "
+            f"{phases or 'no executor active'}"
+        )
+        gcs = [c for c in r.gcs if c.start <= s.woke and c.end >= s.due and c.generation > 0]
+        if gcs:
+            text += "; gc " + ", ".join(
+                f"gen{c.generation} {(c.end - c.start) * 1e3:.1f} ms ({c.cpu_s * 1e3:.1f} CPU, "
+                f"{c.collected:,} collected)"
+                for c in gcs
+            )
+        cpu = r.cpu_during(s.due, s.woke)
+        if cpu is not None:
+            text += (
+                f"; CPU meanwhile: loop thread {cpu[0] * 1e3:.0f} ms, driver process "
+                f"{cpu[1] * 1e3:.0f} ms"
+            )
+        stacks = [x for x in r.stacks if x.due == s.due]
+        if stacks:
+            site, _ = Counter(_site(x.stack) for x in stacks).most_common(1)[0]
+            text += f"; stack: {site} ({len(stacks)} sample(s))"
+        return text
+
+    def _causes(self, samples: list[Sample]) -> list[str]:
+        """What each stall over the watchdog's threshold was, from the CPU the driver used in
+        it: a garbage collection (>= half of it), code on the loop (its thread ran >= half of
+        it), the driver's other threads (they ran >= half of it), else the driver not running
+        (the operating system ran other processes)."""
+        causes: dict[str, list[Sample]] = {}
+        for s in samples:
+            if s.lag_ms <= WATCH_THRESHOLD_S * 1e3:
+                continue
+            wall = s.woke - s.due
+            gc_s = sum(
+                min(c.end, s.woke) - max(c.start, s.due)
+                for c in s.round.gcs
+                if c.start <= s.woke and c.end >= s.due
+            )
+            cpu = s.round.cpu_during(s.due, s.woke)
+            if gc_s >= wall / 2:
+                cause = "garbage collection"
+            elif cpu is None:
+                cause = "unknown"
+            elif cpu[0] >= wall / 2:
+                cause = "code on the loop"
+            elif cpu[1] - cpu[0] >= wall / 2:
+                cause = "other driver threads"
+            else:
+                cause = "driver not running (OS)"
+            causes.setdefault(cause, []).append(s)
+        lines = [
+            f"- the lifecycles' stalls > {WATCH_THRESHOLD_S * 1e3:.0f} ms by cause (from the "
+            f"driver's CPU during each): "
+            + (
+                "; ".join(
+                    f"{cause} {len(found)} ({sum(x.lag_ms for x in found):.0f} ms; "
+                    + ", ".join(
+                        f"{p} {n}"
+                        for p, n in Counter(p for x in found for p in x.phases).most_common()
+                    )
+                    + ")"
+                    for cause, found in sorted(causes.items(), key=lambda kv: -len(kv[1]))
+                )
+                or "none"
+            )
+        ]
+        return lines
+
+    def _stack_notes(self, rounds: list[Round], what: str) -> list[str]:
+        stacks = [(r, x) for r in rounds for x in r.stacks]
+        lines = [
+            f"- stall stacks, {what}: {len(stacks)} sample(s) of the event-loop thread, one per "
+            f"{WATCH_PERIOD_S * 1e3:.0f} ms while the heartbeat was > "
+            f"{WATCH_THRESHOLD_S * 1e3:.0f} ms overdue; "
+            f"{sum(1 for _, x in stacks if x.late_s > 0.010)} taken > 10 ms late (GIL held)"
+        ]
+        if not stacks:
+            return lines
+        sites: Counter[str] = Counter()
+        example: dict[str, StackSample] = {}
+        phases: dict[str, Counter[str]] = {}
+        stalls: dict[str, set[tuple[int, float]]] = {}
+        others: dict[str, Counter[str]] = {}
+        cpu: dict[str, list[tuple[float, float, float]]] = {}
+        for r, x in stacks:
+            site = _site(x.stack)
+            sites[site] += 1
+            example.setdefault(site, x)
+            active = {s.phase for s in r.spans if s.start <= x.taken and s.end >= x.due}
+            phases.setdefault(site, Counter()).update(active)
+            if (r.repeat, x.due) not in stalls.setdefault(site, set()):
+                stalls[site].add((r.repeat, x.due))
+                # The stall's CPU, from its due time to this site's first sample of it.
+                used = r.cpu_during(x.due, x.taken)
+                if used is not None:
+                    cpu.setdefault(site, []).append((x.taken - x.due, *used))
+            for name, frames in x.others:
+                others.setdefault(site, Counter())[
+                    f"{name}: " + " > ".join(_fmt_frame(f) for f in frames[-2:])
+                ] += 1
+        for rank, (site, count) in enumerate(sites.most_common(TOP), 1):
+            where = ", ".join(f"{p} {n}" for p, n in phases[site].most_common())
+            lines.append(
+                f"    {rank}. {site}: {count} sample(s) (~{count * WATCH_PERIOD_S * 1e3:.0f} ms) "
+                f"in {len(stalls[site])} stall(s); samples by phase: {where or '-'}"
+            )
+            if site in cpu:
+                wall = sum(c[0] for c in cpu[site])
+                lines.append(
+                    f"       CPU from the stalls' due times to their first sample here: "
+                    f"{wall * 1e3:.0f} ms wall, loop thread "
+                    f"{sum(c[1] for c in cpu[site]) * 1e3:.0f} ms, driver process "
+                    f"{sum(c[2] for c in cpu[site]) * 1e3:.0f} ms"
+                )
+            for frame in _shown(example[site].stack):
+                lines.append(f"         {frame}")
+            for text, n in others.get(site, Counter()).most_common(3):
+                lines.append(f"       meanwhile ({n} sample(s)) {text}")
+        return lines
+
+
+def _heap() -> str:
+    """How many objects the driver's garbage collector tracks (a full collection walks them
+    all), and the commonest types."""
+    objects = gc.get_objects()
+    types = Counter(type(o).__name__ for o in objects)
+    del objects
+    common = ", ".join(f"{name} {n:,}" for name, n in types.most_common(8))
+    return f"driver heap after the rounds: {sum(types.values()):,} tracked objects ({common})"
+
+
+# Stack sites ------------------------------------------------------------------------------------
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/lib/python3"):
+        i = path.rfind(marker)
+        if i >= 0:
+            rest = path[i + len(marker) :]
+            return rest if marker == "site-packages/" else "python3" + rest
+    for marker in ("/asyncexec/", "/benchmarks/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1 :]
+    return path
+
+
+def _fmt_frame(frame: Frame) -> str:
+    return f"{_short(frame[0])}:{frame[1]} {frame[2]}"
+
+
+def _trim(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """The frames below the event loop's machinery: from the callback or task step it runs.
+    A stack that is in the loop's own code (waiting in select) is kept from ``run_forever``."""
+    cut = 0
+    for i, (path, _, name) in enumerate(stack):
+        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
+            cut = i + 1
+    if cut == 0:
+        for i, (_, _, name) in enumerate(stack):
+            if name == "run_forever":
+                cut = i
+                break
+    return stack[cut:]
+
+
+def _shown(stack: tuple[Frame, ...]) -> list[str]:
+    """A stall stack as printed: the outermost 4 frames the loop ran and the innermost 14."""
+    frames = [_fmt_frame(f) for f in _trim(stack)]
+    if len(frames) > 18:
+        frames = [*frames[:4], f"... {len(frames) - 18} more ...", *frames[-14:]]
+    return frames
+
+
+def _site(stack: tuple[Frame, ...]) -> str:
+    """Where a stall sample was: the innermost asyncexec frame, else the outermost frame the loop
+    ran (a benchmark task, or the loop itself), and the innermost frame when it differs."""
+    frames = _trim(stack)
+    if not frames:
+        return "?"
+    own = [f for f in frames if f"{os.sep}asyncexec{os.sep}" in f[0]]
+    anchor = own[-1] if own else frames[0]
+    leaf = frames[-1]
+    if leaf == anchor:
+        return _fmt_frame(anchor)
+    return f"{_fmt_frame(anchor)} > {_fmt_frame(leaf)}"
+
+
+# Entry point ------------------------------------------------------------------------------------
+
+
+async def measure_lifecycle(
+    *,
+    executors: int,
+    workers: int,
+    steps: int,
+    cycles: int,
+    repeats: int,
+    resources: dict[str, float],
+    bound: int,
+    storage: str,
+    stall_stacks: bool = False,
+    warm_up: bool = True,
+) -> LifecycleResult:
+    """Interleave ``repeats`` floor rounds and lifecycle rounds; return every round. ``warm_up``:
+    first one unrecorded lifecycle (not needed when asyncexec has run in this process)."""
+    scenario = Scenario(executors, workers, steps, cycles, resources, storage)
+    result = LifecycleResult(scenario, stall_stacks=stall_stacks)
+    groups = [LoopGroup(workers, resources, bound) for _ in range(executors)]
+    try:
+        await asyncio.gather(*(g.start() for g in groups))
+        if warm_up:
+            # One unrecorded lifecycle pays the one-time costs (the driver's lazy imports,
+            # exporting the function to the cluster) that a long-lived application pays once.
+            progress("lifecycle lag: warm-up (one executor, unrecorded)")
+            warm = Scenario(1, workers, min(steps, 200), 1, resources, storage)
+            await asyncio.wait_for(_one_lifecycle(warm, "warm-up", PhaseLog()), 300)
+            await floor_round(warm, groups[:1], -1, False)
+        for rep in range(repeats):
+            progress(f"lifecycle lag, repeat {rep + 1}: the floor streaming")
+            result.rounds.append(await floor_round(scenario, groups, rep, stall_stacks))
+            progress(f"lifecycle lag, repeat {rep + 1}: {executors} executors' lifecycles")
+            result.rounds.append(
+                await asyncio.wait_for(lifecycle_round(scenario, rep, stall_stacks), 600)
+            )
+    finally:
+        await asyncio.gather(*(g.close() for g in groups if g.actors))
+    return result
