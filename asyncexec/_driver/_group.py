@@ -269,6 +269,7 @@ class WorkerGroup:
             except Exception as exc:
                 self.log.warning("backend_shutdown_failed", error=describe(exc))
             with anyio.move_on_after(self.config.graceful_patience_s):
+                await _settle([a.close.remote() for a in actors])
                 await _settle([a.__ray_terminate__.remote() for a in actors])
 
 

@@ -103,6 +103,11 @@ class _Worker:
         await self._closed_event().wait()
 
     async def close(self) -> None:
+        """End the pending ``wait_closed`` calls before a graceful exit (Ray's graceful exit of
+        an async actor with a call still pending stalls until the actor is killed)."""
+        self._closed_event().set()
+
+    async def close(self) -> None:
         self._closed_event().set()
 
 
