@@ -12,7 +12,8 @@ Endpoints:
 - ``POST /runs`` with a JSON config (``steps``, ``step_s``, ``fail_at``) starts a run on its own
   group of workers and answers with an event stream: a ``run`` event (the run's id and state;
   also in the ``X-Run-Id`` header), one ``step`` event per step (index, attempt, rank 0's
-  ``metrics`` and every rank's in ``reports``, as a ``Step`` names them), and an ``end`` event (finished, failed or cancelled, with the result or the error).
+  ``metrics`` and every rank's in ``reports``, as a ``Step`` names them), and an ``end`` event
+  (finished, failed or cancelled, with the result or the error).
   The stream is backpressured: a slow client slows its run down, and memory stays bounded.
   If the client goes away, its run is cancelled and its workers are stopped.
 - ``GET /runs`` lists the runs and their state; ``GET /runs/{id}`` shows one.

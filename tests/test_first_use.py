@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -253,16 +252,21 @@ def test_with_nothing_configured_logs_are_warnings_on_stderr_and_stdout_is_the_p
     assert "group_started" not in done.stderr and "run_started" not in done.stderr  # info
 
 
-def test_the_stdlib_route_renders_events_with_their_fields(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_stdlib_route_renders_events_with_their_fields(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import structlog
 
     from asyncexec._driver._logging import get_logger
 
-    if structlog.is_configured():
-        pytest.skip("structlog was configured earlier in this process")
-    with caplog.at_level("INFO", logger="asyncexec"):
-        get_logger(executor="x-1").bind(run_id="r").info("run_started", attempt=1)
-        get_logger().debug("hidden")
+    previous = structlog.get_config()
+    structlog.reset_defaults()  # as in a program that configured nothing
+    try:
+        with caplog.at_level("INFO", logger="asyncexec"):
+            get_logger(executor="x-1").bind(run_id="r").info("run_started", attempt=1)
+            get_logger().debug("hidden")
+    finally:
+        structlog.configure(**previous)
     assert [r.getMessage() for r in caplog.records] == [
         "run_started executor=x-1 run_id=r attempt=1"
     ]
@@ -334,7 +338,8 @@ async def test_same_named_checkpoint_files_of_two_ranks_are_refused_unless_ident
     async with asyncexec.Executor(2, resources_per_worker=CPU, storage_path=tmp_path) as ex:
         steps = [s async for s in ex.run(_same_name_checkpoint, "same")]
         assert steps[0].checkpoint is not None
-        assert Path(steps[0].checkpoint.path, "model.txt").read_text() == "same"
+        saved = anyio.Path(steps[0].checkpoint.path, "model.txt")
+        assert await saved.read_text() == "same"
         with pytest.raises(asyncexec.WorkerRaisedError) as info:
             async for _ in ex.run(_same_name_checkpoint, "different"):
                 pass

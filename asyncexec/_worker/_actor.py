@@ -107,9 +107,6 @@ class _Worker:
         an async actor with a call still pending stalls until the actor is killed)."""
         self._closed_event().set()
 
-    async def close(self) -> None:
-        self._closed_event().set()
-
 
 async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
     """Call ``fn`` and return how it ended (errors as data, with a clean traceback)."""
