@@ -198,38 +198,8 @@ class ExecutorConfig:
             options["share_devices"] = _share_devices(options["share_devices"])
         if "buffer_size" in options:
             options["buffer_size"] = validate_buffer_size(options["buffer_size"])
-        storage = options.get("storage_path")
-        if storage is None:
-            options.pop("storage_path", None)
-        elif isinstance(storage, str) and not storage.strip():
-            raise ConfigurationError("storage_path must not be empty")
-        elif isinstance(storage, str) and "://" in storage:
-            if importlib.util.find_spec("fsspec") is None:
-                raise ConfigurationError(
-                    f"storage_path {storage!r} is a URI: it needs fsspec (pip install fsspec)"
-                )
-            options["storage_path"] = storage
-        elif isinstance(storage, str | os.PathLike):
-            options["storage_path"] = str(Path(os.fspath(storage)).expanduser())
-        else:
-            raise ConfigurationError(f"storage_path must be a path, got {storage!r}")
-        ckpt = options.get("checkpoint")
-        if ckpt is None:
-            options.pop("checkpoint", None)
-        elif not isinstance(ckpt, CheckpointConfig):
-            raise ConfigurationError(f"checkpoint must be a CheckpointConfig, got {ckpt!r}")
-        hook = options.get("init_hook")
-        if hook is not None and not callable(hook):
-            raise ConfigurationError(f"init_hook must be callable, got {hook!r}")
-        if hook is not None:
-            from ray import cloudpickle
-
-            try:
-                cloudpickle.dumps(hook)
-            except Exception as exc:
-                raise ConfigurationError(
-                    f"init_hook cannot be pickled to send to the workers: {exc}"
-                ) from exc
+        _check_storage(options)
+        _check_init_hook(options.get("init_hook"))
         address = options.get("address")
         if address is not None and not isinstance(address, str):
             raise ConfigurationError(f"address must be a string such as 'auto', got {address!r}")
@@ -245,6 +215,44 @@ class ExecutorConfig:
     def bundles(self) -> list[dict[str, float]]:
         """One placement-group bundle per worker."""
         return [{k: v for k, v in self.resources_per_worker.items() if v > 0}] * self.num_workers
+
+
+def _check_storage(options: dict[str, Any]) -> None:
+    """Check ``storage_path`` and normalise it in ``options`` (dropped when None)."""
+    storage = options.get("storage_path")
+    if storage is None:
+        options.pop("storage_path", None)
+    elif isinstance(storage, str) and not storage.strip():
+        raise ConfigurationError("storage_path must not be empty")
+    elif isinstance(storage, str) and "://" in storage:
+        if importlib.util.find_spec("fsspec") is None:
+            raise ConfigurationError(
+                f"storage_path {storage!r} is a URI: it needs fsspec (pip install fsspec)"
+            )
+    elif isinstance(storage, str | os.PathLike):
+        options["storage_path"] = str(Path(os.fspath(storage)).expanduser())
+    else:
+        raise ConfigurationError(f"storage_path must be a path, got {storage!r}")
+    ckpt = options.get("checkpoint")
+    if ckpt is None:
+        options.pop("checkpoint", None)
+    elif not isinstance(ckpt, CheckpointConfig):
+        raise ConfigurationError(f"checkpoint must be a CheckpointConfig, got {ckpt!r}")
+
+
+def _check_init_hook(hook: object) -> None:
+    if hook is None:
+        return
+    if not callable(hook):
+        raise ConfigurationError(f"init_hook must be callable, got {hook!r}")
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(hook)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"init_hook cannot be pickled to send to the workers: {exc}"
+        ) from exc
 
 
 def validate_buffer_size(value: object) -> int:

@@ -135,35 +135,7 @@ def configure_logging(
     if fmt not in ("console", "json"):
         raise ConfigurationError(f"fmt must be 'console' or 'json', got {fmt!r}")
     levelno = _level(level)
-    # Run on every event: in structlog's chain for structlog's events, in the formatter's
-    # pre-chain for the standard library's records.
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.stdlib.add_logger_name,
-    ]
-    # Run by the formatter on both, last.
-    render: list[Any] = [
-        structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-        structlog.processors.StackInfoRenderer(),
-    ]
-    if fmt == "json":
-        shared.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
-        # Tracebacks as data, without frame locals (large, and they may hold secrets).
-        render.append(
-            structlog.processors.ExceptionRenderer(
-                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
-            )
-        )
-        render.append(structlog.processors.JSONRenderer(default=_json_default))
-    else:
-        shared.append(structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False))
-        use_colors = _use_colors(stream, colors)
-        render.append(
-            structlog.dev.ConsoleRenderer(
-                colors=use_colors, exception_formatter=_console_tracebacks(use_colors)
-            )
-        )
+    shared, render = _processors(fmt, stream, colors)
     handler = _Handler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(processors=render, foreign_pre_chain=shared)
@@ -186,6 +158,41 @@ def configure_logging(
         context_class=dict,
         cache_logger_on_first_use=False,
     )
+
+
+def _processors(
+    fmt: LogFormat, stream: TextIO | None, colors: bool | None
+) -> tuple[list[Any], list[Any]]:
+    """The processors run on every event (in structlog's chain for structlog's events, in the
+    formatter's pre-chain for the standard library's records), and those the formatter runs on
+    both, last."""
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.stdlib.add_logger_name,
+    ]
+    render: list[Any] = [
+        structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if fmt == "json":
+        shared.append(structlog.processors.TimeStamper(fmt="iso", utc=True))
+        # Tracebacks as data, without frame locals (large, and they may hold secrets).
+        render.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
+        render.append(structlog.processors.JSONRenderer(default=_json_default))
+    else:
+        shared.append(structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False))
+        use_colors = _use_colors(stream, colors)
+        render.append(
+            structlog.dev.ConsoleRenderer(
+                colors=use_colors, exception_formatter=_console_tracebacks(use_colors)
+            )
+        )
+    return shared, render
 
 
 def _console_tracebacks(colors: bool) -> Any:

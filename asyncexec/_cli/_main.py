@@ -429,6 +429,52 @@ def quiet_planned_crash() -> Iterator[None]:
             ray_worker.print_to_stdstream = original
 
 
+def _what_to_run(
+    args: argparse.Namespace, quiet: contextlib.ExitStack
+) -> tuple[Callable[..., Any], Any, str, RunOptions]:
+    """The function, its config, the view's title and the executor's options for ``run`` or
+    ``demo`` (the demo filters Ray's notice of its own planned crash, and keeps its checkpoints
+    in a temporary folder unless told where).
+
+    Raises:
+        UsageError: the target or the config cannot be read.
+    """
+    if args.command == "run":
+        directory = os.getcwd()
+        fn = load_target(args.target, directory)
+        resources: dict[str, float] = {"CPU": args.cpus_per_worker}
+        if args.gpus_per_worker:
+            resources["GPU"] = args.gpus_per_worker
+        options = RunOptions(
+            num_workers=args.workers,
+            resources=resources,
+            max_restarts=args.max_restarts,
+            storage_path=args.storage_path,
+            address=args.address,
+            runtime_env=worker_import_path(directory, args.address),
+        )
+        return fn, parse_config(args.config), args.target, options
+    from ._demo import DEFAULT_CONFIG, demo_train
+
+    config = {
+        **DEFAULT_CONFIG,
+        "total_steps": args.steps,
+        "crash_step": None if args.no_crash else args.crash_step,
+        "step_s": args.step_seconds,
+    }
+    quiet.enter_context(quiet_planned_crash())
+    storage = args.storage_path or tempfile.mkdtemp(prefix="asyncexec-demo-")
+    options = RunOptions(
+        num_workers=args.workers,
+        resources={"CPU": args.cpus_per_worker},
+        max_restarts=args.max_restarts,
+        storage_path=storage,
+        address=args.address,
+        restart_wait_s=0.5,
+    )
+    return demo_train, config, "asyncexec demo", options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncexec`` command with ``argv`` (``sys.argv[1:]`` by default); return the
     exit status."""
@@ -442,45 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started_ray = False
     quiet = contextlib.ExitStack()  # the demo's filter of Ray's output, until Ray is shut down
     try:
-        if args.command == "run":
-            directory = os.getcwd()
-            fn = load_target(args.target, directory)
-            config = parse_config(args.config)
-            title = args.target
-            resources: dict[str, float] = {"CPU": args.cpus_per_worker}
-            if args.gpus_per_worker:
-                resources["GPU"] = args.gpus_per_worker
-            options = RunOptions(
-                num_workers=args.workers,
-                resources=resources,
-                max_restarts=args.max_restarts,
-                storage_path=args.storage_path,
-                address=args.address,
-                runtime_env=worker_import_path(directory, args.address),
-            )
-        else:
-            from ._demo import DEFAULT_CONFIG, demo_train
-
-            fn = demo_train
-            config = {
-                **DEFAULT_CONFIG,
-                "total_steps": args.steps,
-                "crash_step": None if args.no_crash else args.crash_step,
-            }
-            config["step_s"] = args.step_seconds
-            title = "asyncexec demo"
-            quiet.enter_context(quiet_planned_crash())
-            storage = args.storage_path
-            if storage is None:
-                storage = cleanup = tempfile.mkdtemp(prefix="asyncexec-demo-")
-            options = RunOptions(
-                num_workers=args.workers,
-                resources={"CPU": args.cpus_per_worker},
-                max_restarts=args.max_restarts,
-                storage_path=storage,
-                address=args.address,
-                restart_wait_s=0.5,
-            )
+        fn, config, title, options = _what_to_run(args, quiet)
+        if args.command == "demo" and args.storage_path is None:
+            cleanup = options.storage_path  # the demo's own temporary folder
         validate_resources(options.resources)  # refused here, before Ray is started
         tracker = Tracker(title, options.num_workers, total_steps(fn, config))
 

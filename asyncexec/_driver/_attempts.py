@@ -40,8 +40,11 @@ from ._window import HandOver, Window
 __all__ = ["RunDriver", "RunSpec"]
 
 #: After a first failure, how long other ranks' failures are still collected before the attempt
-#: is torn down (ranks that fail together, say in one collective, are all recorded).
-FAILURE_SETTLE_S = 0.02
+#: is torn down, so that ranks that fail together (in one collective, on one bad batch) are all
+#: recorded. Short after a death (a restart should not wait), longer after the user's function
+#: raised (the ranks' own errors, which end the run by default, arrive within scheduling jitter).
+DEATH_SETTLE_S = 0.02
+RAISED_SETTLE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,8 @@ class RunDriver:
 
         async def settle_then_cancel() -> None:
             await failed.wait()
-            await anyio.sleep(FAILURE_SETTLE_S)
+            raised = isinstance(failures[0], WorkerRaisedError)
+            await anyio.sleep(RAISED_SETTLE_S if raised else DEATH_SETTLE_S)
             tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:

@@ -30,9 +30,7 @@ from ._workers import WorkerInfo
 __all__ = ["start_group"]
 
 
-def _request(
-    config: ExecutorConfig, parent: Any
-) -> tuple[Placement, list[ActorHandle], list[Any]]:
+def _request(config: ExecutorConfig, parent: Any) -> tuple[Placement, list[ActorHandle], list[Any]]:
     """Create the placement group and the actors, and ask each actor to describe itself. In a
     thread: the first actor of a class in a process exports the class to the cluster
     synchronously (about 0.1 s), and so does the first readiness check of a placement group;
