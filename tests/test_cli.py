@@ -414,3 +414,17 @@ def test_configure_logging_renders_other_structlog_users_and_replaces_itself(
 def test_configure_logging_refuses_bad_arguments(fmt: Any, level: Any) -> None:
     with pytest.raises(asyncexec.ConfigurationError):
         configure_logging(fmt, level)
+
+
+def test_the_summary_names_failures_with_empty_or_broken_messages() -> None:
+    from asyncexec._cli._main import _summary
+    from asyncexec._cli._views import Tracker
+
+    class Broken(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    result = asyncexec.RunResult("run-x", [1], None, 3, 3, [ValueError(), Broken()])
+    text = _summary(result, Tracker("t", 1))
+    assert "failure 1: ValueError\n" in text
+    assert "failure 2: Broken: <the message could not be read" in text

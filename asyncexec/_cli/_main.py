@@ -35,7 +35,7 @@ import anyio
 
 from .._config import validate_resources
 from .._driver._steps import RunResult
-from .._errors import AsyncExecError, ConfigurationError
+from .._errors import AsyncExecError, ConfigurationError, describe
 from ._logconfig import configure_logging
 from ._views import Tracker, View, make_view
 
@@ -352,8 +352,7 @@ def _summary(result: RunResult, tracker: Tracker) -> str:
         f"({restarts} restart{'s' if restarts != 1 else ''}), {tracker.elapsed:.1f} s",
     ]
     for i, failure in enumerate(result.failures, 1):
-        first = str(failure).splitlines()[0] if str(failure) else ""
-        lines.append(f"  failure {i}: {type(failure).__name__}: {first}")
+        lines.append(f"  failure {i}: {describe(failure)}")
     if result.checkpoint is not None:
         lines.append(f"  latest checkpoint: {result.checkpoint.path}")
     values = repr(result.return_values)
