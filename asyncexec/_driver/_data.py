@@ -309,8 +309,9 @@ async def make_shards(
 
 async def release_shards(datasets: Mapping[str, Any]) -> None:
     """Stop the split coordinators of the run's latest attempt (when the run has ended), so
-    that they do not outlive it while some reference to their parts remains."""
+    that they do not outlive it while some reference to their parts remains. The kills run in a
+    thread that a caller's time bound may abandon."""
     stale = list(getattr(datasets, "coordinators", ()))
     if stale:
         datasets.coordinators.clear()  # type: ignore[attr-defined]
-        await anyio.to_thread.run_sync(_kill, stale)
+        await anyio.to_thread.run_sync(_kill, stale, abandon_on_cancel=True)
