@@ -175,7 +175,11 @@ class RunDriver:
         return self._payload
 
     async def _attempt(self, number: int) -> list[Any]:
-        group = await self.slot.acquire(number)
+        try:
+            group = await self.slot.acquire(number)
+        except AsyncExecError as exc:  # the group did not start: logged like a worker's failure
+            self._log_failure(exc)
+            raise
         self._group = group
         self.run.state = RunState.RUNNING
         window = Window(self.run, group, self.spec.buffer_size, self.handover.steps)
