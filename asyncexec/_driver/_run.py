@@ -77,6 +77,8 @@ class RunCore:
         self.consumed = 0
         #: Steps the iterator has yielded to the consumer.
         self.delivered = 0
+        #: The stream index after the last batch the iterator received (see HandOver.drain).
+        self.received_upto = 0
         self._consumed_changed = anyio.Event()
 
     def mark_consumed(self) -> None:
@@ -189,6 +191,7 @@ class Run:
             raise StopAsyncIteration from None
         batch: StepBatch = item
         self._batch, self._pos, self._len = batch, 1, len(batch)
+        core.received_upto = batch.first + len(batch)
         core.delivered += 1
         return batch.step(0)
 

@@ -199,7 +199,12 @@ class HandOver:
     async def drain(self) -> None:
         """Hand the queued steps to the iterator, waiting for the consumer."""
         while self._unsent:
-            await self._send.send(self._unsent[0])
+            batch = self._unsent[0]
+            # A send cancelled by a failure just after the iterator took its batch (the iterator
+            # ran between the cancellation and the sender) raises, though the batch arrived:
+            # what the iterator has received is never sent again.
+            if batch.first >= self.run.received_upto:
+                await self._send.send(batch)
             self.run.handed += len(self._unsent.pop(0))
             if self._pruned:
                 pruned, self._pruned = self._pruned, []

@@ -1,0 +1,61 @@
+"""The hand-over of complete steps to the iterator, without Ray: a step is delivered once, also
+when the send that handed it over is cancelled after the iterator took it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from asyncexec._checkpoint import CheckpointBook
+from asyncexec._driver._run import Run, RunCore
+from asyncexec._driver._steps import StepBatch
+from asyncexec._driver._window import HandOver
+
+
+def _batch(first: int) -> StepBatch:
+    return StepBatch(first, 1, [({"i": first},)], {})
+
+
+async def test_a_step_whose_send_is_cancelled_after_the_hand_off_is_not_sent_again() -> None:
+    send, receive = anyio.create_memory_object_stream[Any](0)
+    core = RunCore("run-test")
+    handover = HandOver(core, send, CheckpointBook(None, None, "max"))
+    run = Run(core, receive)
+    handover.queue(_batch(0))
+    async with anyio.create_task_group() as tg:
+        scope = anyio.CancelScope()
+
+        async def drain() -> None:
+            with scope:
+                await handover.drain()
+
+        tg.start_soon(drain)
+        await anyio.wait_all_tasks_blocked()  # the sender waits for the iterator
+        first = await run.__anext__()  # the iterator takes the step...
+        scope.cancel()  # ...and the attempt fails
+    assert first.index == 0
+    handover.queue(_batch(1))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(handover.drain)
+        second = await run.__anext__()
+    assert second.index == 1  # step 0 was not handed over a second time
+    assert core.handed == 2
+
+
+async def test_a_batch_the_iterator_received_is_never_sent_again() -> None:
+    """The race the chaos runner found: a failure cancels the sender, and the iterator takes the
+    batch before the sender runs; the sender's send raises though the batch arrived."""
+    send, receive = anyio.create_memory_object_stream[Any](0)
+    core = RunCore("run-test")
+    handover = HandOver(core, send, CheckpointBook(None, None, "max"))
+    run = Run(core, receive)
+    handover.queue(_batch(0))
+    handover.queue(_batch(1))
+    core.received_upto = 1  # batch 0 arrived, but its send was cancelled
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(handover.drain)
+            step = await run.__anext__()
+    assert step.index == 1
+    assert core.handed == 2
