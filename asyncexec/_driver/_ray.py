@@ -93,12 +93,10 @@ def _install_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
-async def ensure_ray(address: str | None) -> bool:
-    """Start a local Ray, or join ``address``, unless Ray is already initialized; return whether
-    this call started it. ``ray.init`` runs in the lifelong Ray thread (see the module's
-    docstring), never on the event loop."""
+async def ensure_ray(address: str | None) -> None:
+    """Start a local Ray, or join ``address``, unless Ray is already initialized. ``ray.init``
+    runs in the lifelong Ray thread (see the module's docstring), never on the event loop."""
     if ray.is_initialized():
-        return False
+        return
     await asyncio.wrap_future(_submit(lambda: _init(address)))
     _install_sigterm_handler()
-    return True

@@ -326,10 +326,3 @@ def end_session(session: Session) -> None:
     global _session
     if _session is session:
         _session = None
-
-
-def reset_worker_state() -> None:
-    """Forget every run and the group context (a worker handed to another group starts clean)."""
-    global _session, _group_context
-    _session = None
-    _group_context = None
