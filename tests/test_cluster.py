@@ -141,6 +141,7 @@ def check_devices(
     return union
 
 
+@pytest.mark.timeout(240)  # 31 workers started on two nodes: the heaviest test of the suite
 async def test_devices_are_shared_per_node_for_each_kind_unless_switched_off(
     make_cluster: Callable[[list[dict[str, Any]]], Any],
 ) -> None:
@@ -151,10 +152,11 @@ async def test_devices_are_shared_per_node_for_each_kind_unless_switched_off(
     make_cluster([node, node])
     driver_node = ray.get_runtime_context().get_node_id()
     gpu_vars = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-    for per_worker in (1, 0.5, 2):
-        for n in (1, 2, 3, 4):
-            # SPREAD for the even counts puts workers on both nodes; PACK for the odd ones fills
-            # one node first (three 2-GPU workers still need both).
+    # Each size once per share, so that the test stays within its bound on 2 cores: SPREAD for
+    # the even counts puts workers on both nodes; PACK for the odd ones fills one node first
+    # (three 2-GPU workers still need both).
+    for per_worker, counts in ((1, (1, 4)), (0.5, (3, 2)), (2, (3, 4))):
+        for n in counts:
             strategy: Strategy = "SPREAD" if n % 2 == 0 else "PACK"
             async with asyncexec.Executor(
                 n, resources_per_worker={"GPU": per_worker}, placement_strategy=strategy
@@ -164,6 +166,8 @@ async def test_devices_are_shared_per_node_for_each_kind_unless_switched_off(
                 union = check_devices(ex.workers, seen, "GPU", gpu_vars, True, per_worker)
                 if n == 4 and strategy == "SPREAD":
                     assert len(union) == 2, union
+        if per_worker == 1:
+            continue  # sharing off: the fraction and the multiple are the cases that differ
         async with asyncexec.Executor(
             3,
             resources_per_worker={"GPU": per_worker},
