@@ -47,6 +47,8 @@ _EXPORTS: dict[str, str] = {
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
+    "WorkerPool": "_driver._pool",
+    "PoolStatistics": "_driver._pool",
     "WorkerRaisedError": "_errors",
     "configure_logging": "_cli._logconfig",
     "get_checkpoint": "_worker._session",
@@ -90,6 +92,8 @@ if TYPE_CHECKING:
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics
+    from ._driver._pool import PoolStatistics as PoolStatistics
+    from ._driver._pool import WorkerPool as WorkerPool
     from ._driver._restart import RestartPolicy as RestartPolicy
     from ._driver._run import Run as Run
     from ._driver._run import RunState as RunState

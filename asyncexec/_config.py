@@ -155,6 +155,7 @@ class ExecutorConfig:
     runtime_env: Mapping[str, Any] | None = None
     init_hook: Callable[[], object] | None = None
     name: str = "asyncexec"
+    spares: int = 0
 
     @classmethod
     def build(cls, num_workers: object, **options: Any) -> ExecutorConfig:
@@ -198,6 +199,7 @@ class ExecutorConfig:
             options["share_devices"] = _share_devices(options["share_devices"])
         if "buffer_size" in options:
             options["buffer_size"] = validate_buffer_size(options["buffer_size"])
+        check_count("spares", options.get("spares", 0), minimum=0)
         _check_storage(options)
         _check_init_hook(options.get("init_hook"))
         address = options.get("address")
@@ -213,8 +215,9 @@ class ExecutorConfig:
 
     @property
     def bundles(self) -> list[dict[str, float]]:
-        """One placement-group bundle per worker."""
-        return [{k: v for k, v in self.resources_per_worker.items() if v > 0}] * self.num_workers
+        """One placement-group bundle per worker, spares included."""
+        bundle = {k: v for k, v in self.resources_per_worker.items() if v > 0}
+        return [bundle] * (self.num_workers + self.spares)
 
 
 def _check_storage(options: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from .._protocol import WorkerContext
 from ..backends._base import Backend
 from ._attempts import RunDriver, RunSpec
 from ._logging import get_logger
+from ._pool import WorkerPool
 from ._ray import ensure_ray
 from ._restart import RestartPolicy
 from ._run import Run, RunCore, RunState, new_run_id
@@ -44,7 +45,7 @@ __all__ = ["Executor", "ExecutorState", "ExecutorStatistics"]
 T = TypeVar("T")
 #: Defaults of the configuration, written once (in ExecutorConfig's fields).
 _D = ExecutorConfig
-_NOT_CONFIG = frozenset({"self", "num_workers", "backend", "restart"})
+_NOT_CONFIG = frozenset({"self", "num_workers", "backend", "restart", "pool"})
 #: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
 _RUN_END_MARGIN_S = 10.0
 
@@ -116,6 +117,15 @@ class Executor:
             started when it is None.
         runtime_env: Ray runtime environment of the workers.
         name: a name for logs.
+        pool: a :class:`WorkerPool` to lease warm workers from instead of starting processes;
+            they go back to it when the executor closes or replaces its group. The pool's
+            placement group decides where they are (``placement_strategy`` does not apply);
+            ``resources_per_worker`` and ``runtime_env`` default to the pool's.
+        spares: standby workers kept started beside the group (from the pool, or in the
+            executor's placement group): when a rank crashes or hangs, a spare on its node takes
+            its place and the other ranks are kept (their functions are stopped and the attempt
+            restarts from the checkpoint), instead of a new group starting. A new spare is then
+            started in the background.
     """
 
     def __init__(
@@ -142,10 +152,22 @@ class Executor:
         address: str | None = None,
         runtime_env: Mapping[str, Any] | None = None,
         name: str = _D.name,
+        pool: WorkerPool | None = None,
+        spares: int = _D.spares,
     ) -> None:
-        # Every keyword argument but these three is a field of the configuration.
+        # Every keyword argument but these four is a field of the configuration.
         options = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
+        if pool is not None:
+            if not isinstance(pool, WorkerPool):
+                raise ConfigurationError(f"pool must be an asyncexec.WorkerPool, got {pool!r}")
+            # Workers of the pool's shape, unless the caller says otherwise (then checked).
+            for key in ("resources_per_worker", "runtime_env"):
+                if options[key] is None:
+                    options[key] = getattr(pool.config, key)
         self.config = ExecutorConfig.build(num_workers, **options)
+        if pool is not None:
+            pool.check_shape(self.config)
+        self.pool = pool
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigurationError(
                 f"backend must be an asyncexec.backends.Backend, got {backend!r}"
@@ -158,7 +180,7 @@ class Executor:
         self.log = get_logger(executor=f"{name}-{self.id}")
         self._state = ExecutorState.NEW
         self._tg: anyio.abc.TaskGroup | None = None
-        self._slot = GroupSlot(self.config, backend, self.log)
+        self._slot = GroupSlot(self.config, backend, self.log, pool)
         self._run: RunCore | None = None
         self._result: RunResult | None = None
         self._closed = anyio.Event()
@@ -182,13 +204,14 @@ class Executor:
         if self._state is ExecutorState.CLOSED:
             # A closed executor may be entered again: it starts a fresh group.
             self._closed = anyio.Event()
-            self._slot = GroupSlot(self.config, self.backend, self.log)
+            self._slot = GroupSlot(self.config, self.backend, self.log, self.pool)
             self._run = None
         elif self._state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self._state.value}")
         self._state = ExecutorState.STARTING
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._slot.tg = self._tg
         try:
             await ensure_ray(self.config.address)
             await self._slot.acquire()

@@ -25,9 +25,16 @@ from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import backend_error, call_error, outcome_error
 from ._placement import Placement
-from ._workers import WorkerInfo
+from ._workers import Standby, WorkerInfo
 
-__all__ = ["WorkerGroup", "actor_options", "device_envs", "driver_data_context", "kill_all"]
+__all__ = [
+    "WorkerGroup",
+    "actor_options",
+    "device_envs",
+    "driver_data_context",
+    "kill_all",
+    "spawn",
+]
 
 T = TypeVar("T")
 
@@ -87,20 +94,29 @@ class WorkerGroup:
         self,
         config: ExecutorConfig,
         backend: Backend | None,
-        placement: Placement,
+        placement: Placement | None,
         workers: list[WorkerInfo],
         attempt: int,
         log: Any,
+        *,
+        pool: Any = None,
+        spares: Sequence[Standby] = (),
     ) -> None:
         self.config = config
         self.backend = backend
+        #: The group's own placement group; None when its workers are leased from ``pool``
+        #: (a :class:`~._pool.WorkerPool`), which they go back to when the group closes.
         self.placement = placement
+        self.pool = pool
         self.workers = workers
+        #: Started workers kept beside the group, to take a failed rank's place.
+        self.spares = list(spares)
         self.attempt = attempt
         self.log = log
         #: One pending ``wait_closed`` call per rank: it fails the moment the process dies.
         self.deaths: list[Any] = [w.actor.wait_closed.remote() for w in workers]
         self._closed = False
+        self._starting: list[ActorHandle] = []  # spares being started
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "live"
@@ -211,9 +227,16 @@ class WorkerGroup:
         not stop (stuck in a collective, say), or the new process lands on another node, nothing
         is kept and False is returned: the caller then replaces the whole group.
         """
-        if self._closed or self.backend is not None or not self.placement.owned:
+        if (
+            self._closed
+            or self.backend is not None
+            or self.placement is None
+            or not self.placement.owned
+            or self.workers[rank].bundle is None
+        ):
             return False
         failed = self.workers[rank]
+        assert failed.bundle is not None
         await kill_all([failed.actor], None)
         survivors = [w for w in self.workers if w.rank != rank]
         if not await self.stop_functions(survivors, self.config.stop_timeout_s):
@@ -242,6 +265,91 @@ class WorkerGroup:
         self.log.info("rank_replaced", rank=rank, pid=meta.pid)
         return True
 
+    # Standby spares ---------------------------------------------------------------------------
+
+    def _spare_for(self, rank: int) -> tuple[Standby, dict[str, str]] | None:
+        """A spare that can take ``rank``'s place, and its device environment: one on the rank's
+        node whose devices leave the survivors' device environment as it is."""
+        failed = self.workers[rank]
+        before = device_envs([w.metadata for w in self.workers], self.config)
+        for spare in self.spares:
+            if spare.metadata.node_id != failed.metadata.node_id:
+                continue
+            metas = [spare.metadata if w.rank == rank else w.metadata for w in self.workers]
+            after = device_envs(metas, self.config)
+            if all(after[i] == before[i] for i in range(len(metas)) if i != rank):
+                return spare, after[rank]
+        return None
+
+    async def take_spare(self, rank: int) -> Standby | None:
+        """Put a standby spare in the place of the failed ``rank`` and keep the other ranks, whose
+        functions are stopped first. Returns the failed worker's record (its bundle is free for a
+        new spare), or None when no spare fits (none left, none on the rank's node, or one would
+        change the survivors' devices) or a survivor's function did not stop: the caller then
+        replaces the whole group. With a backend, its group is formed anew (``on_shutdown``,
+        then ``on_start``) around the new member."""
+        found = None if self._closed else self._spare_for(rank)
+        if found is None:
+            return None
+        spare, env = found
+        failed = self.workers[rank]
+        survivors = [w for w in self.workers if w.rank != rank]
+        if not await self.stop_functions(survivors, self.config.stop_timeout_s):
+            return None
+        self.spares.remove(spare)
+        await self._drop([failed.actor])
+        context = replace(
+            failed.context, pid=spare.metadata.pid, accelerator_ids=spare.metadata.accelerator_ids
+        )
+        fresh = WorkerInfo(spare.actor, spare.metadata, context, spare.bundle)
+        self.workers[rank] = fresh
+        self.deaths[rank] = spare.actor.wait_closed.remote()
+        with anyio.fail_after(self.config.start_timeout_s):
+            await self.setup([env], [fresh])
+            if self.backend is not None:
+                await self.run_backend_hook("on_shutdown")
+                await self.run_backend_hook("on_start")
+        self.log.info("spare_took_rank", rank=rank, pid=spare.metadata.pid)
+        return Standby(failed.actor, failed.metadata, failed.bundle)
+
+    async def refill_spare(self, bundle: int | None) -> None:
+        """Start (or lease) a new spare, in the background after one took a rank's place. A
+        failure is logged: the group runs on with one spare less."""
+        try:
+            if self.pool is not None:
+                [leased] = await self.pool.lease(1)
+                spare = Standby(leased.actor, leased.metadata, leased.bundle)
+            elif self.placement is not None and self.placement.owned and bundle is not None:
+                options = {"scheduling_strategy": self.placement.strategy(bundle)}
+                with anyio.CancelScope(shield=True):
+                    [(actor, described)] = await anyio.to_thread.run_sync(
+                        spawn, actor_options(self.config) | options, 1
+                    )
+                self._starting.append(actor)
+                try:
+                    with anyio.fail_after(self.config.start_timeout_s):
+                        spare = Standby(actor, await described, bundle)
+                finally:
+                    self._starting.remove(actor)
+            else:
+                return
+        except Exception as exc:
+            self.log.warning("spare_refill_failed", error=describe(exc))
+            return
+        if self._closed:
+            await self._drop([spare.actor], clean=True)
+        else:
+            self.spares.append(spare)
+
+    async def _drop(self, actors: Sequence[ActorHandle], *, clean: bool = False) -> None:
+        """Let go of workers outside a close: back to the pool (``clean``: reusable), or
+        killed."""
+        with anyio.CancelScope(shield=True):
+            if self.pool is not None:
+                await self.pool.give_back([(a, clean) for a in actors])
+            else:
+                await kill_all(actors, None)
+
     # Shutdown ---------------------------------------------------------------------------------
 
     async def close(self, *, force: bool = False) -> None:
@@ -251,9 +359,14 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        actors = [w.actor for w in self.workers]
         with anyio.CancelScope(shield=True):
             t0 = time.perf_counter()
+            if self.pool is not None:
+                await self._give_back(force)
+                self.log.info("group_returned", seconds=round(time.perf_counter() - t0, 3))
+                return
+            actors = [w.actor for w in self.workers] + [s.actor for s in self.spares]
+            actors += self._starting
             try:
                 if not force:
                     await self._close_gracefully(actors)
@@ -261,6 +374,34 @@ class WorkerGroup:
                 # Whatever happened above, nothing of the group may be left behind.
                 await kill_all(actors, self.placement, self.deaths, self.config.shutdown_timeout_s)
             self.log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
+
+    async def _give_back(self, force: bool) -> None:
+        """Return leased workers to their pool. A worker is reusable when its function stopped
+        in time and its reset (asyncexec's state dropped, the pool's reset hook) succeeded; after
+        a failure (``force``), a backend's workers are not reused (their framework's state may be
+        broken). The others are killed by the pool, which refills."""
+        clean = [False] * len(self.workers)
+        timeout = self.config.stop_timeout_s
+        with anyio.move_on_after(self.config.shutdown_timeout_s + timeout):
+            if self.backend is None or not force:
+                try:
+                    await self.run_backend_hook("on_shutdown")
+                    stops = [w.actor.stop_run.remote(timeout) for w in self.workers]
+                    stopped = await _answers(stops, timeout + STOP_MARGIN_S)
+                    hook = self.pool.reset_hook
+                    resets = [
+                        w.actor.reset.remote(hook) if ok is True else None
+                        for w, ok in zip(self.workers, stopped, strict=True)
+                    ]
+                    outcomes = await _answers(resets, self.config.shutdown_timeout_s)
+                    clean = [isinstance(o, Outcome) and o.kind == "ok" for o in outcomes]
+                    failed = [o.error for o in outcomes if isinstance(o, Outcome) and o.error]
+                    if failed:
+                        self.log.warning("pool_reset_failed", error=describe(failed[0]))
+                except Exception as exc:
+                    self.log.warning("pool_return_failed", error=describe(exc))
+        returned = [(w.actor, ok) for w, ok in zip(self.workers, clean, strict=True)]
+        await self.pool.give_back(returned + [(s.actor, True) for s in self.spares])
 
     async def _close_gracefully(self, actors: list[ActorHandle]) -> None:
         with anyio.move_on_after(self.config.shutdown_timeout_s):
@@ -275,6 +416,30 @@ class WorkerGroup:
 
 #: Extra time a stop call gets beyond the worker-side bound it was given (the call's own trip).
 STOP_MARGIN_S = 1.0
+
+
+async def _answers(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Each ref's value, or None where it failed or did not answer within ``timeout_s`` (a None
+    in ``refs`` stays None)."""
+    results: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        with anyio.move_on_after(timeout_s), contextlib.suppress(Exception):
+            results[i] = await refs[i]
+
+    async with anyio.create_task_group() as tg:
+        for i, ref in enumerate(refs):
+            if ref is not None:
+                tg.start_soon(one, i)
+    return results
+
+
+def spawn(options: dict[str, Any], n: int) -> list[tuple[ActorHandle, Any]]:
+    """Create ``n`` workers and ask each to describe itself. Blocking: call it in a thread (the
+    first actor of a class exports it synchronously, and the first call on an actor still being
+    created waits for its handle)."""
+    actors = [WorkerActor.options(**options).remote() for _ in range(n)]
+    return [(actor, actor.describe.remote()) for actor in actors]
 
 
 async def _settle(refs: Sequence[Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from .._config import ExecutorConfig
 from .._errors import (
@@ -32,10 +33,15 @@ class GroupSlot:
     ``starting`` is None, or ``"starting"`` / ``"restarting"`` while a group starts.
     """
 
-    def __init__(self, config: ExecutorConfig, backend: Backend | None, log: Any) -> None:
+    def __init__(
+        self, config: ExecutorConfig, backend: Backend | None, log: Any, pool: Any = None
+    ) -> None:
         self.config = config
         self.backend = backend
         self.log = log
+        self.pool = pool  # a WorkerPool the groups are leased from, or None
+        #: Where background work (refilling a spare) runs: the executor's task group.
+        self.tg: anyio.abc.TaskGroup | None = None
         self.group: WorkerGroup | None = None
         self.starts = 0
         self.restarts = 0
@@ -61,7 +67,11 @@ class GroupSlot:
                     self.restarts += 1
                 try:
                     self.group = await start_group(
-                        self.config, self.backend, attempt=attempt or 1, log=self.log
+                        self.config,
+                        self.backend,
+                        attempt=attempt or 1,
+                        log=self.log,
+                        pool=self.pool,
                     )
                 finally:
                     self.starting = None
@@ -71,16 +81,18 @@ class GroupSlot:
             return self.group
 
     async def recover(self, failure: AsyncExecError, *, reuse_survivors: bool) -> None:
-        """After a failed attempt: replace only the failed rank when asked and possible, else
-        discard the whole group (the next attempt starts a fresh one)."""
+        """After a failed attempt: put a standby spare in the failed rank's place (a new spare
+        is then started in the background), or replace only that rank with a new process when
+        asked; else discard the whole group (the next attempt starts or leases a fresh one)."""
         group = self.group
-        if (
-            group is not None
-            and reuse_survivors
-            and isinstance(failure, WorkerCrashedError | WorkerHungError)
-        ):
+        if group is not None and isinstance(failure, WorkerCrashedError | WorkerHungError):
             try:
-                if await group.replace_rank(failure.rank):
+                freed = await group.take_spare(failure.rank) if group.spares else None
+                if freed is not None:
+                    if self.tg is not None:
+                        self.tg.start_soon(group.refill_spare, freed.bundle)
+                    return
+                if reuse_survivors and await group.replace_rank(failure.rank):
                     return
             except Exception as exc:
                 self.log.warning("rank_replace_failed", error=describe(exc))

@@ -25,7 +25,7 @@ from ..backends._base import Backend
 from ._boundary import startup_error
 from ._group import WorkerGroup, actor_options, device_envs, kill_all
 from ._placement import Placement, create_placement, current_parent, wait_placement_ready
-from ._workers import WorkerInfo
+from ._workers import Standby, WorkerInfo
 
 __all__ = ["start_group"]
 
@@ -40,7 +40,7 @@ def _request(config: ExecutorConfig, parent: Any) -> tuple[Placement, list[Actor
     options = actor_options(config)
     actors: list[ActorHandle] = []
     try:
-        for i in range(config.num_workers):
+        for i in range(config.num_workers + config.spares):
             strategy = placement.strategy(i)
             actors.append(WorkerActor.options(scheduling_strategy=strategy, **options).remote())
     except Exception as exc:
@@ -99,9 +99,10 @@ async def _all(refs: list[Any]) -> list[Any]:
 
 
 async def start_group(
-    config: ExecutorConfig, backend: Backend | None, *, attempt: int, log: Any
+    config: ExecutorConfig, backend: Backend | None, *, attempt: int, log: Any, pool: Any = None
 ) -> WorkerGroup:
-    """Start a group and return it ready to run.
+    """Start a group (or lease it from ``pool``, a :class:`~._pool.WorkerPool`) and return it
+    ready to run.
 
     Raises:
         PlacementInfeasibleError: the workers can never fit and the cluster cannot grow.
@@ -109,36 +110,28 @@ async def start_group(
         StartupTimeoutError: the rest of start-up overran ``start_timeout_s``.
         StartupError: a worker died or the init hook failed during start-up.
         BackendError: the backend's ``on_start`` failed.
+        ExecutorStateError: the pool is closed.
     """
+    if pool is not None:
+        return await _lease_group(config, backend, pool, attempt=attempt, log=log)
     t0 = time.perf_counter()
     parent = current_parent()  # Ray's task context is thread-local: read it here
     with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
         placement, actors, described = await anyio.to_thread.run_sync(_request, config, parent)
     group: WorkerGroup | None = None
-    phase = "waiting for the placement group"
+    phase = ["waiting for the placement group"]
     try:
         await wait_placement_ready(placement, config.placement_timeout_s)
         log.debug("placement_ready", seconds=round(time.perf_counter() - t0, 3))
         metas = await _describe(placement, described, config)
         with anyio.fail_after(config.start_timeout_s):
-            phase = "starting the worker processes"
+            phase[0] = "starting the worker processes"
             log.debug("workers_ready", seconds=round(time.perf_counter() - t0, 3))
-            driver_node = ray.get_runtime_context().get_node_id()
-            order = order_workers(
-                [m.node_id for m in metas], [m.accelerator_ids for m in metas], driver_node
+            members: list[tuple[ActorHandle, WorkerMetadata, int | None]] = list(
+                zip(actors, metas, range(len(actors)), strict=True)
             )
-            metas = [metas[i] for i in order]
-            workers = [
-                WorkerInfo(actors[i], m, c, i)
-                for i, m, c in zip(order, metas, _contexts(config, metas), strict=True)
-            ]
-            group = WorkerGroup(config, backend, placement, workers, attempt, log)
-            phase = "setting the workers up (devices, data context, init hook)"
-            await group.setup(device_envs(metas, config), workers)
-            log.info("worker_table", workers=[_row(w) for w in workers])
-            if backend is not None:
-                phase = f"running {backend.name}.on_start"
-                await group.run_backend_hook("on_start")
+            group = _form(config, backend, placement, members, attempt, log, None)
+            await _set_up(group, phase)
         log.info("group_started", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
         return group
     except BaseException as exc:
@@ -147,10 +140,77 @@ async def start_group(
                 await group.close(force=True)
             else:
                 await kill_all(actors, placement)
-        mapped = startup_error(exc, phase, config.start_timeout_s)
+        mapped = startup_error(exc, phase[0], config.start_timeout_s)
         if mapped is exc:
             raise
         raise mapped from mapped.__cause__
+
+
+async def _lease_group(
+    config: ExecutorConfig, backend: Backend | None, pool: Any, *, attempt: int, log: Any
+) -> WorkerGroup:
+    """A group of warm workers leased from ``pool``: no process starts (unless the pool is
+    short); ranks, devices, init hook and backend are set up as for fresh workers."""
+    t0 = time.perf_counter()
+    phase = ["leasing workers from the pool"]
+    group: WorkerGroup | None = None
+    leased: list[Any] = []
+    try:
+        leased = await pool.lease(config.num_workers + config.spares)
+        with anyio.fail_after(config.start_timeout_s):
+            members = [(w.actor, w.metadata, w.bundle) for w in leased]
+            group = _form(config, backend, None, members, attempt, log, pool)
+            await _set_up(group, phase)
+        log.info("group_leased", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
+        return group
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            if group is not None:
+                await group.close(force=True)
+            else:
+                await pool.give_back([(w.actor, True) for w in leased])
+        mapped = startup_error(exc, phase[0], config.start_timeout_s)
+        if mapped is exc:
+            raise
+        raise mapped from mapped.__cause__
+
+
+def _form(
+    config: ExecutorConfig,
+    backend: Backend | None,
+    placement: Placement | None,
+    members: list[tuple[ActorHandle, WorkerMetadata, int | None]],
+    attempt: int,
+    log: Any,
+    pool: Any,
+) -> WorkerGroup:
+    """The group of the first ``num_workers`` members, in rank order (the driver's node
+    first); the rest are its standby spares."""
+    n = config.num_workers
+    spares = [Standby(a, m, b) for a, m, b in members[n:]]
+    members = members[:n]
+    metas = [m for _, m, _ in members]
+    driver_node = ray.get_runtime_context().get_node_id()
+    order = order_workers(
+        [m.node_id for m in metas], [m.accelerator_ids for m in metas], driver_node
+    )
+    metas = [metas[i] for i in order]
+    workers = [
+        WorkerInfo(members[i][0], m, c, members[i][2])
+        for i, m, c in zip(order, metas, _contexts(config, metas), strict=True)
+    ]
+    return WorkerGroup(config, backend, placement, workers, attempt, log, pool=pool, spares=spares)
+
+
+async def _set_up(group: WorkerGroup, phase: list[str]) -> None:
+    """Devices, context, data context and init hook on every worker, then the backend."""
+    phase[0] = "setting the workers up (devices, data context, init hook)"
+    metas = [w.metadata for w in group.workers]
+    await group.setup(device_envs(metas, group.config), group.workers)
+    group.log.info("worker_table", workers=[_row(w) for w in group.workers])
+    if group.backend is not None:
+        phase[0] = f"running {group.backend.name}.on_start"
+        await group.run_backend_hook("on_start")
 
 
 def _row(worker: WorkerInfo) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from ray.actor import ActorHandle
 
 from .._protocol import WorkerContext, WorkerMetadata
 
-__all__ = ["WorkerInfo", "node_alive"]
+__all__ = ["Standby", "WorkerInfo", "node_alive"]
 
 #: How long a look-up in Ray's node table may take before the node is taken to be alive.
 NODE_LOOKUP_TIMEOUT_S = 5.0
@@ -24,11 +24,20 @@ class WorkerInfo:
     actor: ActorHandle
     metadata: WorkerMetadata
     context: WorkerContext
-    bundle: int = -1
+    bundle: int | None = None  # its bundle in its placement group (None: outside any)
 
     @property
     def rank(self) -> int:
         return self.context.world_rank
+
+
+@dataclass(frozen=True)
+class Standby:
+    """A started worker kept beside a group, to take the place of a rank that fails."""
+
+    actor: ActorHandle
+    metadata: WorkerMetadata
+    bundle: int | None
 
 
 async def node_alive(node_id: str | None) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,8 +25,13 @@ __all__ = ["WorkerActor"]
 
 class _Worker:
     def __init__(self) -> None:
+        # Set when the driver closes this worker or ends its lease (a pooled worker): it ends
+        # the pending ``wait_closed`` calls of that lease; a new lease gets a new event.
         self._closed: asyncio.Event | None = None
         self._session: _session.Session | None = None
+        # The environment the process started with (Ray's device variables included): a pooled
+        # worker gets it back at the end of each lease.
+        self._environ = dict(os.environ)
 
     def _closed_event(self) -> asyncio.Event:
         if self._closed is None:
@@ -94,12 +100,42 @@ class _Worker:
             return True
         return await self._session.stop(timeout_s)
 
+    async def reset(self, reset_hook: Callable[[], object] | None) -> Outcome:
+        """End a lease (a pooled worker going back to its pool): nothing of asyncexec's state
+        carries over to the next lease. The run's session, the group's context, the Ray Data
+        context and the torch process group are dropped, the environment is the one the process
+        started with, and the lease's ``wait_closed`` calls end. The user's module-level state
+        stays, as in Ray's reused workers; ``reset_hook`` is where the user clears it.
+
+        Fails (as an outcome) when the run's function is still running: such a worker is not
+        reused."""
+        if self._session is not None:
+            if not self._session.finished:
+                return Outcome("error", error=RuntimeError("the run's function is still running"))
+            _session.end_session(self._session)
+            self._session = None
+        _session.set_group_context(None)
+        if "ray.data" in sys.modules:
+            from ray.data import DataContext
+
+            DataContext._set_current(None)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(self._environ)
+        self._closed_event().set()
+        self._closed = None
+        if reset_hook is None:
+            return Outcome("ok")
+        return await _call(reset_hook, (), {})
+
     async def ping(self) -> int:
         return os.getpid()
 
     async def wait_closed(self) -> None:
-        """Return when the driver closes this worker; fails at once if the process dies, which is
-        how the driver notices a dead worker without polling for it."""
+        """Return when the driver closes this worker or ends its lease; fails at once if the
+        process dies, which is how the driver notices a dead worker without polling for it."""
         await self._closed_event().wait()
 
     async def close(self) -> None:

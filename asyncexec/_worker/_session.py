@@ -51,8 +51,9 @@ _group_context: WorkerContext | None = None
 _session: Session | None = None
 
 
-def set_group_context(context: WorkerContext) -> None:
-    """Install the group's context in this worker process (called at set-up)."""
+def set_group_context(context: WorkerContext | None) -> None:
+    """Install the group's context in this worker process (called at set-up; None when a
+    pooled worker is returned)."""
     global _group_context
     _group_context = context
 
