@@ -153,6 +153,7 @@ async def test_bounded_policy_restarts_exactly_n_times_then_gives_up() -> None:
         max_restarts=2,
         wait=tenacity.wait_exponential_jitter(initial=1, max=10, jitter=1),
         sleep=fake_sleep,
+        backoff_after_progress=True,  # a step may complete before the death: still back off
     )
     async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
         run = ex.run(always_dies, {"rank": 1})
@@ -175,6 +176,40 @@ async def test_bounded_policy_restarts_exactly_n_times_then_gives_up() -> None:
     assert len(failed) == 3 and len(restarting) == 2
     assert {"run_id", "rank", "node_id", "cause", "attempt"} <= failed[0].keys()
     assert restarting[0]["wait_s"] == pytest.approx(slept[0], abs=1e-3)
+
+
+def dies_after_a_consumed_step(config: dict[str, Any]) -> None:
+    ctx = asyncexec.get_context()
+    asyncexec.report({"n": 0})
+    asyncexec.report({"n": 1})  # buffer_size=1: returns once step 0 has been taken
+    if ctx.attempt == 1 and ctx.world_rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def test_a_restart_after_progress_does_not_wait_and_one_without_progress_does() -> None:
+    """Defect: the default policy waited 0.5-1.0 s before the first restart even after hours of
+    progress (Ray Train waits nothing). Now an attempt that completed a step restarts at once;
+    the backoff is kept for failures that repeat without progress."""
+    slept: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    policy = asyncexec.RestartPolicy(max_restarts=1, sleep=fake_sleep)
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
+        steps = [s async for s in ex.run(dies_after_a_consumed_step, buffer_size=1)]
+        assert steps[0].attempt == 1 and steps[-1].attempt == 2
+        assert slept == [0.0]
+        with pytest.raises(asyncexec.RestartsExhaustedError):
+            async for _ in ex.run(dies_at_once):
+                pass
+    assert len(slept) == 2 and slept[1] >= 0.5  # no step completed: the default backoff
+
+
+def dies_at_once() -> None:
+    if asyncexec.get_context().world_rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
 
 
 def dies_on_first_attempts(config: dict[str, Any]) -> int:

@@ -178,6 +178,27 @@ def test_restart_policy_max_restarts_means_exactly_that() -> None:
     assert stops == [False, False, True, True]  # attempts 1..3 may run: 2 restarts
 
 
+def test_restart_after_progress_starts_at_once_and_backoff_is_for_repeated_failures() -> None:
+    """The default backoff waits 0.5 s and more before a restart; a restart after an attempt
+    that completed a step does not wait (Ray Train's first executor never waits; asyncexec
+    waits only when failures repeat without progress), unless backoff_after_progress."""
+    progress = [True]
+    waits = {}
+    for backoff in (False, True):
+        policy = asyncexec.RestartPolicy(backoff_after_progress=backoff)
+        retrying = policy.retrying(before_sleep=lambda state: None, progressed=lambda: progress[0])
+        state = tenacity.RetryCallState(retrying, fn=None, args=(), kwargs={})
+        seen = []
+        for attempt, made_progress in ((1, True), (2, False), (3, True)):
+            state.attempt_number = attempt
+            progress[0] = made_progress
+            seen.append(retrying.wait(state))
+        waits[backoff] = seen
+    assert waits[False][0] == 0.0 and waits[False][2] == 0.0
+    assert waits[False][1] >= 1.0  # the second attempt failed without progress: backoff
+    assert all(w >= 0.5 for w in waits[True])
+
+
 def test_restart_policy_default_predicate() -> None:
     policy = asyncexec.RestartPolicy()
     assert policy.should_restart(asyncexec.WorkerCrashedError(0))

@@ -132,15 +132,21 @@ class RunDriver:
         )
 
     async def _attempts(self) -> list[Any]:
-        retrying = self.policy.retrying(before_sleep=self._before_sleep)
+        progressed = False  # whether the attempt that failed last completed a step
+
+        retrying = self.policy.retrying(
+            before_sleep=self._before_sleep, progressed=lambda: progressed
+        )
         try:
             async for attempt in retrying:
                 with attempt:
                     number = attempt.retry_state.attempt_number
                     self.run.attempt = number
+                    steps_before = self.handover.steps
                     try:
                         return await self._attempt(number)
                     except AsyncExecError as exc:
+                        progressed = self.handover.steps > steps_before
                         self.run.failures.append(exc)
                         with anyio.CancelScope(shield=True):
                             await self.slot.recover(

@@ -57,6 +57,10 @@ class RestartPolicy:
         stop: tenacity stop strategy; replaces ``max_restarts`` when given, for example
             ``stop_after_attempt(5) | stop_after_delay(600)``.
         sleep: the coroutine function that waits; tests inject one that returns at once.
+        backoff_after_progress: wait before a restart also when the attempt that failed had
+            completed a step since it started. Off by default: the first restart after progress
+            starts at once (backoff is for failures that repeat without progress, as in a crash
+            loop), so a run that loses a worker after hours of work does not sit idle.
         reuse_survivors: after a crashed or hung rank, replace only that rank with a fresh
             process in its bundle and keep the others, whose functions are stopped (they restart
             from the checkpoint like every rank). Faster (one process to start, not N), but the
@@ -74,6 +78,7 @@ class RestartPolicy:
     stop: stop_base | Callable[[RetryCallState], bool] | None = None
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep
     reuse_survivors: bool = False
+    backoff_after_progress: bool = False
 
     def __post_init__(self) -> None:
         check_count("max_restarts", self.max_restarts, minimum=0, allow_none=True)
@@ -105,8 +110,14 @@ class RestartPolicy:
             return self.restart_on_user_error
         return is_restartable(exc)
 
-    def retrying(self, before_sleep: Callable[[RetryCallState], None]) -> tenacity.AsyncRetrying:
-        """The tenacity controller for one run."""
+    def retrying(
+        self,
+        before_sleep: Callable[[RetryCallState], None],
+        progressed: Callable[[], bool] | None = None,
+    ) -> tenacity.AsyncRetrying:
+        """The tenacity controller for one run. ``progressed`` tells whether the attempt that
+        just failed completed a step: then the restart does not wait (unless
+        ``backoff_after_progress``)."""
         stop: Any = self.stop
         if stop is None:
             stop = (
@@ -114,9 +125,16 @@ class RestartPolicy:
                 if self.max_restarts is None
                 else tenacity.stop_after_attempt(self.max_restarts + 1)
             )
+        wait: Any = self.wait
+        if progressed is not None and not self.backoff_after_progress:
+            backoff = self.wait
+
+            def wait(state: RetryCallState) -> float:
+                return 0.0 if progressed() else float(backoff(state))
+
         return tenacity.AsyncRetrying(
             stop=stop,
-            wait=self.wait,
+            wait=wait,
             retry=tenacity.retry_if_exception(self.should_restart),
             sleep=self.sleep,
             before_sleep=before_sleep,
