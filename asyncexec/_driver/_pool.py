@@ -157,6 +157,7 @@ class WorkerPool:
         self._changed = anyio.Event()  # set when a worker becomes idle
         self._open = False
         self._closed = False
+        self._background: set[anyio.CancelScope] = set()
         self._counts = {"leases": 0, "returned": 0, "replaced": 0, "fresh_for_leases": 0}
 
     def __repr__(self) -> str:
@@ -224,8 +225,10 @@ class WorkerPool:
         self._closed = True
         self._open = False
         with anyio.CancelScope(shield=True):
-            if self._tg is not None:
-                self._tg.cancel_scope.cancel()  # refills and idle watches
+            # The refills and idle watches (not the task group's own scope: the task that
+            # entered the pool runs inside it).
+            for scope in self._background:
+                scope.cancel()
             actors = [w.actor for w in self._idle] + [w.actor for w in self._leased.values()]
             actors += [a for a in self._starting.values() if a is not None]
             self._idle.clear()
@@ -384,8 +387,21 @@ class WorkerPool:
     def _make_idle(self, worker: PoolWorker) -> None:
         self._idle.append(worker)
         self._changed.set()
+        self._spawn(self._watch_idle, worker)
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in the background, cancelled when the pool closes."""
+
+        async def background() -> None:
+            with anyio.CancelScope() as scope:
+                self._background.add(scope)
+                try:
+                    await fn(*args)
+                finally:
+                    self._background.discard(scope)
+
         if self._tg is not None:
-            self._tg.start_soon(self._watch_idle, worker)
+            self._tg.start_soon(background)
 
     async def _watch_idle(self, worker: PoolWorker) -> None:
         """Replace an idle worker the moment its process dies. Ends quietly when the worker's
@@ -404,10 +420,10 @@ class WorkerPool:
             return
         await kill_all([w.actor for w in workers], None)
         for w in workers:
-            if w.bundle is not None and self._open and self._tg is not None:
+            if w.bundle is not None and self._open:
                 self._counts["replaced"] += 1
                 self._starting[w.bundle] = None
-                self._tg.start_soon(self._refill, w.bundle)
+                self._spawn(self._refill, w.bundle)
 
     async def _refill(self, bundle: int) -> None:
         for wait in (0.0, *_REFILL_BACKOFF_S):
