@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -354,3 +355,47 @@ async def test_process_group_set_up_failure_is_a_backend_error_naming_the_rank()
     assert (info.value.backend, info.value.hook) == ("torch", "on_start")
     assert info.value.rank in (0, 1)
     assert "MPI" in str(info.value)
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_a_pooled_worker_gets_a_fresh_process_group_each_lease_and_none_without() -> None:
+    backend = TorchBackend(backend="gloo")
+    async with asyncexec.WorkerPool(2, resources_per_worker=HALF_CPU) as pool:
+        pids = []
+        for size in (2, 1):
+            async with asyncexec.Executor(size, pool=pool, backend=backend) as ex:
+                infos = await ex.execute(torch_backend.process_group_info)
+                assert [(i["initialized"], i["world_size"]) for i in infos] == [(True, size)] * size
+                assert await ex.execute(all_reduce_sum, 1.0) == [size * (size + 1) / 2] * size
+                pids += [w.pid for w in ex.workers]
+        async with asyncexec.Executor(2, pool=pool) as ex:  # a lease without the backend
+            assert await ex.execute(is_initialized) == [False, False]
+            for env in await ex.execute(torch_environment):
+                assert env["RANK"] is None and env["MASTER_PORT"] is None
+            pids += [w.pid for w in ex.workers]
+        assert len(set(pids)) == 2 and pool.statistics().replaced == 0  # reused, not killed
+
+
+def all_reduce_steps_and_die_once() -> None:
+    ctx = asyncexec.get_context()
+    for n in range(4):
+        asyncexec.report({"sum": all_reduce_sum(1.0), "pid": os.getpid()})
+        # buffer_size=1: past the second report, step 0 has been taken.
+        if n == 1 and ctx.attempt == 1 and ctx.world_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_a_spare_joins_a_new_process_group_in_place_of_a_killed_rank() -> None:
+    backend = TorchBackend(backend="gloo", timeout_s=20)
+    policy = asyncexec.RestartPolicy(max_restarts=1)
+    async with asyncexec.Executor(
+        2, resources_per_worker=HALF_CPU, backend=backend, spares=1, restart=policy
+    ) as ex:
+        survivor = ex.workers[0].pid
+        spare = ex._slot.group.spares[0].metadata.pid  # type: ignore[union-attr]
+        steps = [s async for s in ex.run(all_reduce_steps_and_die_once, buffer_size=1)]
+        assert [w.pid for w in ex.workers] == [survivor, spare]
+        second = [s for s in steps if s.attempt == 2]
+        assert len(second) == 4 and all(s.metrics["sum"] == 3.0 for s in second)
+        assert ex.statistics().group_starts == 1
