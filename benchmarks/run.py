@@ -4,6 +4,7 @@
     python benchmarks/run.py --quick           # tiny sizes, one repeat: a smoke run
     python benchmarks/run.py --lifecycle-only  # only the lifecycle lag rows: about a minute
     python benchmarks/run.py --lifecycle-only --stall-stacks   # and where the loop stalled
+    python benchmarks/run.py --reports-only    # only the reports/s rows, 1/4/16 workers
 
 It starts one local Ray (and shuts it down at the end) and measures, for each figure, Ray Train
 v1's ``BackendExecutor`` (``RAY_TRAIN_V2_ENABLED=0``), two hand-written asyncio loops over plain
@@ -403,8 +404,33 @@ class Bench:
         return lines
 
 
-async def bench_main(bench: Bench) -> str | None:
+async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
     """Measure everything; return why Ray Train was skipped, or None."""
+    if reports_only:  # the reports/s rows only, each worker count's groups started for them
+        client = RayTrainClient()
+        if await client.open(ray.get_runtime_context().gcs_address, RESOURCES):
+            bench.rt = client
+        try:
+            for n in (1, 4, 16):
+                loops, ae = (
+                    LoopGroup(n, RESOURCES, BUFFER),
+                    AsyncexecGroup(n, RESOURCES, bench.storage),
+                )
+                try:
+                    if bench.rt is not None:
+                        await bench.rt.call("start", n=n)
+                    await loops.start()
+                    await ae.start()
+                    progress(f"reports/s, {n} worker(s)")
+                    await bench.stream(n, bench.rt, loops, ae)
+                finally:
+                    await ae.close()
+                    await loops.close()
+                    if bench.rt is not None:
+                        await bench.rt.call("shutdown")
+        finally:
+            await client.close()
+        return client.unavailable
     if bench.lifecycle_only:
         with bench.timer.section("lifecycle lag"):
             await bench.lifecycle()
@@ -477,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         "(gc.collect(); gc.freeze()), as a latency-sensitive application may do: full "
         "collections then cost what the heap grew by, not Ray's whole heap",
     )
+    parser.add_argument(
+        "--reports-only",
+        action="store_true",
+        help="only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
 
@@ -496,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()
     try:
-        missing = asyncio.run(bench_main(bench))
+        missing = asyncio.run(bench_main(bench, reports_only=args.reports_only))
     finally:
         with bench.timer.section("ray.shutdown"):
             ray.shutdown()
@@ -505,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     if args.lifecycle_only:
         mode += ", lifecycle only"
+    if args.reports_only:
+        mode += ", reports/s only"
     if args.gc_freeze:
         mode += ", gc.freeze() after start-up"
     print()
@@ -522,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = list(bench.figures.values())
     if args.lifecycle_only:
         figures = [f for f in figures if f.key in LIFECYCLE_KEYS]
+    if args.reports_only:
+        figures = [f for f in figures if f.key.startswith("rate")]
     print(render_table(figures))
     print()
     for line in bench.where_time_goes():
