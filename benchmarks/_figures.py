@@ -35,6 +35,9 @@ class Sizes:
     lifecycle_steps: int
     lifecycle_cycles: int
     lifecycle_repeats: int
+    # Warm workers (_warm.py): lease cycles per lag repeat, the floor's steps beside them.
+    warm_cycles: int
+    warm_floor_steps: int
 
 
 FULL = Sizes(
@@ -55,6 +58,8 @@ FULL = Sizes(
     lifecycle_steps=20_000,
     lifecycle_cycles=2,
     lifecycle_repeats=3,
+    warm_cycles=10,
+    warm_floor_steps=20_000,
 )
 QUICK = Sizes(
     repeats=1,
@@ -74,6 +79,8 @@ QUICK = Sizes(
     lifecycle_steps=10_000,
     lifecycle_cycles=1,
     lifecycle_repeats=1,
+    warm_cycles=3,
+    warm_floor_steps=5000,
 )
 WORKER_COUNTS = (4, 1, 16)
 
@@ -127,6 +134,20 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.5,
         ),
         Figure(
+            "restart_spare",
+            "the same with a standby spare (Executor(spares=1))",
+            "s",
+            target="<= 150 ms",
+            check=lambda m: m["asyncexec"] <= 0.150,
+        ),
+        Figure(
+            "restart_default",
+            "the same with the default RestartPolicy() and a fresh group",
+            "s",
+            target="<= 0.5x Ray Train",
+            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.5,
+        ),
+        Figure(
             "uss",
             "worker memory before fn runs, USS (floor: plain actor)",
             "MiB",
@@ -170,8 +191,57 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             target="(contrast)",
         ),
     ]
+    figs += warm_figures()
     figs += lifecycle_figures(sizes)
     return {f.key: f for f in figs}
+
+
+def warm_figures() -> list[Figure]:
+    """Warm workers leased from a WorkerPool (``_warm.py``; the service row from
+    ``_service.py``)."""
+    return [
+        Figure(
+            "warm_enter",
+            "entering an executor of 4 workers leased from a warm pool (floor: 4 plain actors, "
+            "cold)",
+            "ms",
+            target="<= 100 ms",
+            check=lambda m: m["asyncexec"] <= 100,
+            raytrain=False,
+        ),
+        Figure(
+            "warm_first",
+            "run() to the first step, warm executor of 4 workers",
+            "ms",
+            target="<= 50 ms",
+            check=lambda m: m["asyncexec"] <= 50,
+            raytrain=False,
+        ),
+        Figure(
+            "service_first",
+            "service: POST /runs to the first SSE step, pool of warm workers (httpx, uvicorn)",
+            "ms",
+            target="<= 200 ms",
+            check=lambda m: m["asyncexec"] <= 200,
+            raytrain=False,
+        ),
+        Figure(
+            "lease_p99",
+            "event-loop lag p99 while leasing, returning and refilling (floor: streaming)",
+            "ms",
+            target="<= 1.0x floor streaming",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
+            raytrain=False,
+        ),
+        Figure(
+            "lease_max",
+            "event-loop lag max while leasing, returning and refilling (floor: streaming)",
+            "ms",
+            target="<= 1.0x floor streaming",
+            check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
+            raytrain=False,
+        ),
+    ]
 
 
 #: The rows of the lifecycle benchmark (the only ones a ``--lifecycle-only`` run prints).

@@ -149,7 +149,9 @@ class LoopGroup:
 class AsyncexecGroup:
     """One asyncexec Executor with ``num`` workers, and the figures measured on it."""
 
-    def __init__(self, num: int, resources: dict[str, float], storage_path: str) -> None:
+    def __init__(
+        self, num: int, resources: dict[str, float], storage_path: str, spares: int = 0
+    ) -> None:
         self.num = num
         self.executor = asyncexec.Executor(
             num,
@@ -157,6 +159,7 @@ class AsyncexecGroup:
             restart=asyncexec.RestartPolicy(max_restarts=1, wait=tenacity.wait_none()),
             storage_path=storage_path,
             name="bench",
+            spares=spares,
         )
 
     async def start(self) -> float:
@@ -196,12 +199,21 @@ class AsyncexecGroup:
         return time.time() - last_t
 
     async def restart(
-        self, kill_after: int, period_s: float, resume_steps: int, *, reuse: bool = False
+        self,
+        kill_after: int,
+        period_s: float,
+        resume_steps: int,
+        *,
+        reuse: bool = False,
+        default_wait: bool = False,
     ) -> dict[str, float]:
         """SIGKILL one worker mid-run; return the seconds from ``os.kill`` to the first step of
-        attempt 2. ``reuse``: replace only the killed rank (``reuse_survivors``)."""
+        attempt 2. ``reuse``: replace only the killed rank (``reuse_survivors``);
+        ``default_wait``: the default policy's wait (backoff, but none after progress) instead
+        of none. A spare, when the executor has one, takes the killed rank's place."""
+        options: dict[str, Any] = {} if default_wait else {"wait": tenacity.wait_none()}
         self.executor.restart_policy = asyncexec.RestartPolicy(
-            max_restarts=1, wait=tenacity.wait_none(), reuse_survivors=reuse
+            max_restarts=1, reuse_survivors=reuse, **options
         )
         config = {"max_steps": 100_000, "period_s": period_s, "resume_steps": resume_steps}
         t0 = t1 = None
@@ -215,6 +227,19 @@ class AsyncexecGroup:
         if t0 is None or t1 is None:
             raise RuntimeError("the asyncexec run ended without a restart")
         return {"first_step": t1 - t0, "t_kill": t0, "t_first": t1}
+
+    async def spares_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until the executor's standby spares are all started again (a spare that took a
+        rank's place is replaced in the background)."""
+        want = self.executor.config.spares
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            group = self.executor._slot.group
+            if group is None or len(group.spares) >= want:
+                return
+            if time.perf_counter() > deadline:
+                raise RuntimeError("the executor's spare was not started again in time")
+            await asyncio.sleep(0.01)
 
     async def driver_memory(self, steps: int, every: int, warmup: int) -> list[float]:
         """The driver's RSS (MiB), sampled every ``every`` steps after ``warmup`` steps, over a

@@ -443,3 +443,20 @@ async def test_worker_side_events_carry_run_id_attempt_and_rank(tmp_path: Path) 
     assert {f"rank={r}" in " ".join(started) for r in (0, 1)} == {True}
     assert all(f"run_id={run.run_id}" in line and "attempt=1" in line for line in started)
     assert all("outcome=ok" in line and "reports=2" in line for line in ended)
+
+
+def config_size(config: bytes) -> int:
+    asyncexec.report({"n": len(config)})
+    return len(config)
+
+
+async def test_a_large_config_goes_through_the_object_store_and_a_small_one_inline() -> None:
+    """A payload above the inline bound is put in the object store once per run; a small one
+    travels with each rank's call: both reach every rank whole."""
+    from asyncexec._driver._attempts import INLINE_PAYLOAD_BYTES
+
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        for size in (10, INLINE_PAYLOAD_BYTES * 3):
+            run = ex.run(config_size, b"x" * size)
+            assert [s.metrics["n"] async for s in run] == [size]
+            assert run.result.return_values == [size, size]
