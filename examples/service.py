@@ -10,14 +10,18 @@ server-sent events, list and cancel runs, many at once in one event loop.
 Endpoints:
 
 - ``POST /runs`` with a JSON config (``steps``, ``step_s``, ``fail_at``) starts a run on its own
-  group of workers and answers with an event stream: a ``run`` event (the run's id and state;
-  also in the ``X-Run-Id`` header), one ``step`` event per step (index, attempt, rank 0's
-  ``metrics`` and every rank's in ``reports``, as a ``Step`` names them), and an ``end`` event
-  (finished, failed or cancelled, with the result or the error).
+  group of workers, leased from the app's pool of warm workers (no process starts), and answers
+  with an event stream: a ``run`` event (the run's id and state; also in the ``X-Run-Id``
+  header), one ``step`` event per step (index, attempt, rank 0's ``metrics`` and every rank's in
+  ``reports``, as a ``Step`` names them), and an ``end`` event (finished, failed or cancelled,
+  with the result or the error).
   The stream is backpressured: a slow client slows its run down, and memory stays bounded.
-  If the client goes away, its run is cancelled and its workers are stopped.
+  If the client goes away, its run is cancelled and its workers are stopped (and go back to the
+  pool).
 - ``GET /runs`` lists the runs and their state; ``GET /runs/{id}`` shows one.
-- ``DELETE /runs/{id}`` cancels a run and answers once its workers are gone.
+- ``DELETE /runs/{id}`` cancels a run and answers once its workers have stopped (and are back in
+  the pool).
+- ``GET /healthz`` answers whether the service is up, its active runs, and its pool's counters.
 
 Where the tasks live: an Executor must be entered and left in one task, and a request handler's
 task ends with its response. So every run gets a task of its own in a task group that the app's
@@ -25,19 +29,26 @@ lifespan owns, and that task holds the run's Executor from start to teardown; th
 stream only reads from a bounded memory stream that the run's task writes to. Leaving the
 lifespan (server shutdown) cancels the runs still going and waits for their teardown; open
 streams end with their run's end event.
+
+Warm workers: the lifespan also owns one :class:`asyncexec.WorkerPool` (``pool_size`` workers,
+``--pool-size``), entered before the runs' task group and closed after it. Each run's Executor
+leases its workers from the pool (milliseconds instead of a process start per request) and gives
+them back when it closes; a worker that failed or did not stop in time is replaced in the
+background. A ``pool_size`` of 0 or None starts fresh workers for every run instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -118,6 +129,8 @@ class RunRecord:
         self.finished: float | None = None
         self.steps = 0
         self.run: asyncexec.Run | None = None
+        #: The process ids of the run's workers (of the current attempt), in rank order.
+        self.pids: list[int] = []
         self.final: str | None = None
         self.error: str | None = None
         self.result: Any = None
@@ -143,6 +156,7 @@ class RunRecord:
             "steps": self.steps,
             "attempt": self.run.attempt if self.run is not None else None,
             "run_id": self.run.run_id if self.run is not None else None,
+            "pids": self.pids,
             "created": self.created,
             "finished": self.finished,
             "error": self.error,
@@ -167,6 +181,11 @@ class RunManager:
         validate: turns a request's JSON body into ``fn``'s config; raises ValueError.
         num_workers: workers per run.
         resources_per_worker: Ray resources of each worker.
+        pool_size: warm workers the runs lease from (a :class:`asyncexec.WorkerPool` open while
+            :meth:`running`); 0 or None: every run starts fresh workers.
+        pool_options: more keyword arguments for the pool (``max_leases``, ``reset_hook``,
+            ``when_short``: by default a run that finds too few idle workers, while one is
+            being replaced, starts fresh ones for the rest).
         max_active_runs: runs that may be in progress at once; more are refused.
         buffer_size: reports a rank may have that the run's client has not taken yet.
         events_buffer: steps held between a run and its client's stream.
@@ -181,12 +200,16 @@ class RunManager:
         validate: Callable[[Mapping[str, Any]], Any] | None = None,
         num_workers: int = 2,
         resources_per_worker: Mapping[str, float] | None = None,
+        pool_size: int | None = None,
+        pool_options: Mapping[str, Any] | None = None,
         max_active_runs: int = 4,
         buffer_size: int = 16,
         events_buffer: int = 16,
         keep_finished: int = 100,
         executor_options: Mapping[str, Any] | None = None,
     ) -> None:
+        if pool_size and pool_size < num_workers:
+            raise ValueError(f"pool_size {pool_size} is smaller than a run's {num_workers} workers")
         self.fn = fn
         self.validate = validate
         self.num_workers = num_workers
@@ -196,6 +219,10 @@ class RunManager:
         self.events_buffer = events_buffer
         self.keep_finished = keep_finished
         self.executor_options = dict(executor_options or {})
+        self.pool_size = pool_size or 0
+        self.pool_options = dict(pool_options or {})
+        #: The warm workers, while :meth:`running` (None without a pool).
+        self.pool: asyncexec.WorkerPool | None = None
         self.records: dict[str, RunRecord] = {}
         #: Set when the service shuts down: the runs still going are cancelled. The server's
         #: event streams set it too (sse-starlette's shutdown_event), so that open streams see
@@ -205,16 +232,34 @@ class RunManager:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[RunManager]:
-        """Own the runs' task group; on the way out, cancel the runs still going and wait for
-        their teardown."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            tg.start_soon(self._cancel_all_when_closing)
-            try:
-                yield self
-            finally:
-                self._tg = None
-                self.closing.set()
+        """Open the pool (ready: its workers started), then own the runs' task group; on the
+        way out, cancel the runs still going, wait for their teardown (their workers go back
+        to the pool), then close the pool (its workers killed)."""
+        async with contextlib.AsyncExitStack() as stack:
+            if self.pool_size:
+                self.pool = await stack.enter_async_context(
+                    asyncexec.WorkerPool(
+                        self.pool_size,
+                        resources_per_worker=self.resources_per_worker,
+                        runtime_env=self.executor_options.get("runtime_env"),
+                        name="service",
+                        **self.pool_options,
+                    )
+                )
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._cancel_all_when_closing)
+                try:
+                    yield self
+                finally:
+                    self._tg = None
+                    self.closing.set()
+
+    def pool_statistics(self) -> dict[str, int] | None:
+        """The pool's counters (:class:`asyncexec.PoolStatistics`), or None without a pool."""
+        if self.pool is None:
+            return None
+        return dataclasses.asdict(self.pool.statistics())
 
     async def _cancel_all_when_closing(self) -> None:
         await self.closing.wait()
@@ -259,12 +304,18 @@ class RunManager:
                 async with asyncexec.Executor(
                     self.num_workers,
                     resources_per_worker=self.resources_per_worker,
+                    pool=self.pool,
                     name=f"run-{record.id}",
                     **self.executor_options,
                 ) as executor:
+                    record.pids = [w.pid for w in executor.workers]
                     run = executor.run(self.fn, record.config, buffer_size=self.buffer_size)
                     record.run = run
+                    attempt = 1
                     async for step in run:
+                        if step.attempt != attempt:  # a restart: a new group of workers
+                            attempt = step.attempt
+                            record.pids = [w.pid for w in executor.workers]
                         record.steps += 1
                         await record.send.send(_step_event(step))
                     record.result = _jsonable(run.result.return_values)
@@ -341,6 +392,8 @@ def create_app(
     validate: Callable[[Mapping[str, Any]], Any] | None = validate_train_config,
     num_workers: int = 2,
     cpus_per_worker: float = 0.5,
+    pool_size: int | Literal["auto"] | None = "auto",
+    pool_options: Mapping[str, Any] | None = None,
     max_active_runs: int = 4,
     buffer_size: int = 16,
     storage_path: str | None = None,
@@ -358,6 +411,10 @@ def create_app(
             invalid (``None``: the body itself).
         num_workers: workers per run.
         cpus_per_worker: CPUs of each worker.
+        pool_size: warm workers that runs lease instead of starting processes; ``"auto"``:
+            enough for ``max_active_runs`` runs at once (``num_workers * max_active_runs``);
+            0 or None: no pool, every run starts fresh workers.
+        pool_options: more keyword arguments for the :class:`asyncexec.WorkerPool`.
         max_active_runs: runs in progress at once; more are answered 429.
         buffer_size: reports a rank may have that its client has not taken.
         storage_path: where runs persist checkpoints.
@@ -369,6 +426,8 @@ def create_app(
         executor_options: more keyword arguments for every run's :class:`asyncexec.Executor`.
     """
     options = dict(executor_options or {})
+    if pool_size == "auto":
+        pool_size = num_workers * max_active_runs
     if storage_path is not None:
         options["storage_path"] = storage_path
     manager = RunManager(
@@ -376,6 +435,8 @@ def create_app(
         validate=validate,
         num_workers=num_workers,
         resources_per_worker={"CPU": cpus_per_worker},
+        pool_size=pool_size,
+        pool_options=pool_options,
         max_active_runs=max_active_runs,
         buffer_size=buffer_size,
         executor_options=options,
@@ -406,6 +467,7 @@ def create_app(
             return _error(429, str(exc))
         except ServiceClosingError as exc:
             return _error(503, str(exc))
+
         async def cancel_unless_done() -> None:
             # Also when the stream never started (the response failed before its first
             # event): a run nobody reads would otherwise hold its workers forever.
@@ -442,7 +504,9 @@ def create_app(
         return JSONResponse(record.describe(), status_code=200 if record.done.is_set() else 202)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"ok": True, "active_runs": len(manager.active())})
+        return JSONResponse(
+            {"ok": True, "active_runs": len(manager.active()), "pool": manager.pool_statistics()}
+        )
 
     app = Starlette(
         routes=[
@@ -471,6 +535,13 @@ def cli() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=2, help="workers per run (default 2)")
     parser.add_argument("--cpus-per-worker", type=float, default=0.5)
+    parser.add_argument(
+        "--pool-size",
+        type=int,
+        default=None,
+        help="warm workers that runs lease (default: workers x max-active-runs; 0: none, "
+        "every run starts its own processes)",
+    )
     parser.add_argument("--max-active-runs", type=int, default=4)
     parser.add_argument("--storage-path", default=None)
     parser.add_argument("--address", default=None, help="Ray cluster to join")
@@ -482,6 +553,7 @@ def cli() -> None:
     app = create_app(
         num_workers=args.workers,
         cpus_per_worker=args.cpus_per_worker,
+        pool_size="auto" if args.pool_size is None else args.pool_size,
         max_active_runs=args.max_active_runs,
         storage_path=args.storage_path,
         address=args.address,

@@ -1,7 +1,8 @@
 """examples/service.py against a real uvicorn server, a real HTTP client and a real Ray.
 
 The server runs in-process on 127.0.0.1 (a socket bound to a free port) in the test's event loop;
-the client is httpx over TCP. (httpx's ASGITransport is not used: it hands the app's response to
+the client is httpx over TCP. Every app has a pool of warm workers (the no-pool path is the
+failing-run test's second case). (httpx's ASGITransport is not used: it hands the app's response to
 the client only once the app has finished it, so it cannot stream, and it cannot deliver a client
 that goes away mid-stream.)
 """
@@ -22,6 +23,7 @@ import anyio
 import httpx
 import pytest
 import uvicorn
+from conftest import live_workers
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -90,7 +92,9 @@ async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other
     between A's and A's between B's; B finishes; then A's client goes away and A is cancelled:
     its state says so and nothing of it is left in the cluster (checked by ray_local)."""
     service = _example()
-    app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
+    app = service.create_app(
+        num_workers=2, cpus_per_worker=0.5, pool_size=4, storage_path=str(tmp_path)
+    )
     arrivals: list[str] = []
     b_done = anyio.Event()
     ids: dict[str, str] = {}
@@ -157,7 +161,11 @@ async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other
 async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path) -> None:
     service = _example()
     app = service.create_app(
-        num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path), max_active_runs=1
+        num_workers=2,
+        cpus_per_worker=0.5,
+        pool_size=2,
+        storage_path=str(tmp_path),
+        max_active_runs=1,
     )
     async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
         with anyio.fail_after(60):
@@ -193,9 +201,14 @@ async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path
 
 
 @pytest.mark.timeout(90)
-async def test_failing_run_ends_its_stream_with_the_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pool_size", [2, None], ids=["pool", "fresh-workers"])
+async def test_failing_run_ends_its_stream_with_the_error(
+    tmp_path: Path, pool_size: int | None
+) -> None:
     service = _example()
-    app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
+    app = service.create_app(
+        num_workers=2, cpus_per_worker=0.5, pool_size=pool_size, storage_path=str(tmp_path)
+    )
     async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
         with anyio.fail_after(60):
             async with http.stream(
@@ -212,7 +225,11 @@ async def test_failing_run_ends_its_stream_with_the_error(tmp_path: Path) -> Non
     assert end["state"] == "failed"
     assert "WorkerRaisedError" in end["error"]
     assert "failed at step 3" in end["error"]
-    assert health == {"ok": True, "active_runs": 0}
+    assert (health["ok"], health["active_runs"]) == (True, 0)
+    if pool_size is None:
+        assert health["pool"] is None
+    else:  # the workers are back (or, if the pool replaced them, being replaced)
+        assert (health["pool"]["size"], health["pool"]["leased"]) == (2, 0)
 
 
 @pytest.mark.timeout(90)
@@ -220,7 +237,9 @@ async def test_server_shutdown_cancels_the_runs_in_progress(tmp_path: Path) -> N
     """Stopping the server ends the open event streams and cancels their runs; the lifespan waits
     for their teardown (ray_local then finds nothing left)."""
     service = _example()
-    app = service.create_app(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path))
+    app = service.create_app(
+        num_workers=2, cpus_per_worker=0.5, pool_size=2, storage_path=str(tmp_path)
+    )
     with anyio.fail_after(60):
         async with serving(app) as (url, server), httpx.AsyncClient(base_url=url) as http:
             config = {"steps": 100_000, "step_s": 0.02}
@@ -236,3 +255,59 @@ async def test_server_shutdown_cancels_the_runs_in_progress(tmp_path: Path) -> N
     assert rest[-1][0] == "end"
     assert rest[-1][1]["state"] == "cancelled"
     assert all(event == "step" for event, _ in rest[:-1])
+
+
+@pytest.mark.timeout(90)
+async def test_requests_lease_the_pools_warm_workers_and_the_pool_closes_with_the_app(
+    tmp_path: Path,
+) -> None:
+    """The lifespan starts the pool before the first request; each run then runs on the pool's
+    warm processes (no process starts), which are all idle again once its stream has ended; the
+    next run gets the same processes; leaving the lifespan kills them."""
+    service = _example()
+    app = service.create_app(
+        num_workers=2, cpus_per_worker=0.5, pool_size=2, storage_path=str(tmp_path)
+    )
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
+        with anyio.fail_after(60):
+            health = (await http.get("/healthz")).json()  # answered once the lifespan is up
+            assert health["pool"] == {
+                "size": 2,
+                "idle": 2,
+                "leased": 0,
+                "starting": 0,
+                "leases": 0,
+                "returned": 0,
+                "replaced": 0,
+                "fresh_for_leases": 0,
+            }
+            warm = {actor["Pid"] for actor in live_workers()}
+            assert len(warm) == 2  # the pool's, and nothing else
+
+            runs = []
+            for _ in range(2):
+                config = {"steps": 5, "step_s": 0.01}
+                async with http.stream("POST", "/runs", json=config) as response:
+                    stream = sse_events(response)
+                    assert (await anext(stream))[0] == "run"
+                    assert (await anext(stream))[0] == "step"
+                    # While the run streams, its workers are leased from the pool.
+                    during = (await http.get("/healthz")).json()["pool"]
+                    assert (during["idle"], during["leased"]) == (0, 2)
+                    running = (await http.get(f"/runs/{response.headers['x-run-id']}")).json()
+                    rest = [item async for item in stream]
+                assert rest[-1][0] == "end"
+                end = rest[-1][1]
+                assert end["state"] == "finished"
+                assert end["pids"] == running["pids"]
+                runs.append(set(end["pids"]))
+                # The end event comes once the executor has closed: its workers are back.
+                after = (await http.get("/healthz")).json()["pool"]
+                assert (after["idle"], after["leased"], after["replaced"]) == (2, 0, 0)
+            assert runs == [warm, warm]  # the pool's processes, the same ones for each run
+            assert {actor["Pid"] for actor in live_workers()} == warm  # none started
+            pool_stats = (await http.get("/healthz")).json()["pool"]
+            assert (pool_stats["leases"], pool_stats["fresh_for_leases"]) == (2, 0)
+    # The lifespan closed the pool: its workers are gone (ray_local checks placement groups).
+    assert live_workers() == []
+    assert app.state.manager.pool.statistics().idle == 0
