@@ -347,3 +347,24 @@ async def test_ray_is_left_as_it_was_by_a_pool() -> None:
     with pytest.raises(asyncexec.ExecutorStateError, match="once"):
         async with pool:
             pass
+
+
+async def test_every_lease_waiting_on_a_full_pool_is_served_when_workers_come_back() -> None:
+    """Defect: with when_short="wait", only the newest waiting lease was woken; an earlier one
+    timed out with workers idle."""
+    options = {"resources_per_worker": CPU, "when_short": "wait", "placement_timeout_s": 20}
+    async with asyncexec.WorkerPool(2, **options) as pool:  # type: ignore[arg-type]
+        served: list[int] = []
+        async with asyncexec.Executor(2, pool=pool) as holder:
+            held = {w.pid for w in holder.workers}
+
+            async def lease() -> None:
+                async with asyncexec.Executor(1, pool=pool) as ex:
+                    served.append(ex.workers[0].pid)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lease)
+                tg.start_soon(lease)
+                await anyio.wait_all_tasks_blocked()
+                await holder.aclose()
+        assert len(served) == 2 and set(served) == held

@@ -154,7 +154,7 @@ class WorkerPool:
         self._idle: list[PoolWorker] = []
         self._leased: dict[str, PoolWorker] = {}
         self._starting: dict[int, ActorHandle | None] = {}  # bundle -> actor being started
-        self._changed = anyio.Event()  # set when a worker becomes idle
+        self._changed = anyio.Event()  # set (and replaced) when a worker becomes idle
         self._open = False
         self._closed = False
         self._background: set[anyio.CancelScope] = set()
@@ -234,7 +234,7 @@ class WorkerPool:
             self._idle.clear()
             self._leased.clear()
             self._starting.clear()
-            self._changed.set()
+            self._wake()
             await kill_all(actors, self._placement)
         self.log.info("pool_closed")
 
@@ -293,9 +293,9 @@ class WorkerPool:
                 if self.when_short == "start":
                     taken += await self._fresh(n - len(taken))
                     break
-                self._changed = anyio.Event()
+                changed = self._changed
                 with anyio.move_on_after(deadline - anyio.current_time()):
-                    await self._changed.wait()
+                    await changed.wait()
                     continue
                 raise StartupTimeoutError(
                     f"waiting for {n - len(taken)} workers of the pool to be given back",
@@ -386,8 +386,13 @@ class WorkerPool:
 
     def _make_idle(self, worker: PoolWorker) -> None:
         self._idle.append(worker)
-        self._changed.set()
+        self._wake()
         self._spawn(self._watch_idle, worker)
+
+    def _wake(self) -> None:
+        """Wake every lease waiting for a worker (each waits on the event of its time)."""
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in the background, cancelled when the pool closes."""
