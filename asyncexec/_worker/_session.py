@@ -46,6 +46,8 @@ class _RunStopped(BaseException):
 
 
 _log = logging.getLogger("asyncexec.worker")
+#: The longest a poll waits for a batch from a function that was held back by credit.
+BATCH_LINGER_S = 0.002
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 _group_context: WorkerContext | None = None
 _session: Session | None = None
@@ -89,7 +91,10 @@ def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) 
         TypeError: ``metrics`` is not a mapping, or ``checkpoint`` is not a Checkpoint.
         ExecutorStateError: called outside a run.
     """
-    _require_session("report()").report(metrics, checkpoint)
+    session = _session
+    if session is None:
+        raise ExecutorStateError("report() must be called inside the function given to run()")
+    session.report(metrics, checkpoint)
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -172,7 +177,11 @@ class Session:
         self._bound = start.buffer_size
         self._offset = start.step_offset
         self._loop = loop
-        self._cond = threading.Condition()
+        # One plain lock (a Condition's default RLock costs twice as much per report) guards
+        # the buffer and the counters; the condition on it is where report() waits for credit.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._credit_waiting = False
         self._buffer: list[dict[str, Any]] = []
         self._checkpoints: dict[int, str] = {}
         self._reported = 0
@@ -181,6 +190,8 @@ class Session:
         self._stop = False
         self._outcome: Outcome | None = None
         self._poll_waiting = False
+        #: How many queued reports wake the waiting poll: 1, or a batch (see ``poll``).
+        self._poll_wants = 1
         self._wake = asyncio.Event()
         self._finished = loop.create_future()
         self._fn_loop: asyncio.AbstractEventLoop | None = None
@@ -222,7 +233,7 @@ class Session:
             outcome = Outcome("stopped")
         except BaseException as exc:  # the user's error, shipped to the driver
             outcome = error_outcome(exc)
-        with self._cond:
+        with self._lock:
             self._outcome = outcome
             self._wake_poll()
         seconds = round(time.perf_counter() - t0, 3)
@@ -234,31 +245,56 @@ class Session:
         self._loop.call_soon_threadsafe(_set_result, self._finished)
 
     def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"report() takes a mapping of metrics, got {type(metrics).__name__}")
-        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        # The hot path of a run: one lock, no allocation but the buffer's slot, and no wake-up
+        # of the actor's loop unless a poll waits for this very report (once per batch).
+        if type(metrics) is not dict:
+            if not isinstance(metrics, Mapping):
+                raise TypeError(
+                    f"report() takes a mapping of metrics, got {type(metrics).__name__}"
+                )
+            metrics = dict(metrics)
+        if checkpoint is not None:
+            self._report_checkpoint(metrics, checkpoint)
+            return
+        with self._lock:
+            if self._stop or self._reported - self._ack >= self._bound:
+                self._wait_credit()
+            buffer = self._buffer
+            buffer.append(metrics)
+            self._reported += 1
+            if self._poll_waiting and len(buffer) >= self._poll_wants:
+                self._poll_waiting = False
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _report_checkpoint(self, metrics: dict[str, Any], checkpoint: Checkpoint) -> None:
+        if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 "report(checkpoint=...) takes an asyncexec.Checkpoint, "
                 f"got {type(checkpoint).__name__}"
             )
-        with self._cond:
-            while self._reported - self._ack >= self._bound and not self._stop:
-                self._cond.wait()
-            if self._stop:
-                raise _RunStopped
+        with self._lock:
+            self._wait_credit()
             seq = self._reported
-        path = None
-        if checkpoint is not None:
-            storage = self.context.storage_path or os.getcwd()
-            name = checkpoint_name(self._offset + seq, self.context.attempt)
-            path = persist_directory(checkpoint.path, join_path(storage, name))
-        item = metrics if type(metrics) is dict else dict(metrics)
-        with self._cond:
-            self._buffer.append(item)
-            if path is not None:
-                self._checkpoints[seq] = path
+        # Persisted outside the lock: a poll meanwhile sends the reports before this one.
+        storage = self.context.storage_path or os.getcwd()
+        name = checkpoint_name(self._offset + seq, self.context.attempt)
+        path = persist_directory(checkpoint.path, join_path(storage, name))
+        with self._lock:
+            self._buffer.append(metrics)
+            self._checkpoints[seq] = path
             self._reported += 1
             self._wake_poll()
+
+    def _wait_credit(self) -> None:
+        # Called with the lock held: wait while the window is full; raise once the run stops.
+        # A poll that waits for a batch gets what there is: nothing more comes until it returns.
+        while self._reported - self._ack >= self._bound and not self._stop:
+            self._credit_waiting = True
+            if self._buffer:
+                self._wake_poll()
+            self._cond.wait()
+        if self._stop:
+            raise _RunStopped
 
     def _wake_poll(self) -> None:
         # Called with the lock held; wakes a poll that is waiting on the actor's loop.
@@ -270,33 +306,60 @@ class Session:
 
     async def poll(self, ack: int, max_items: int) -> Poll:
         """Acknowledge what the consumer took, then return the queued reports (at most
-        ``max_items``), waiting until there is one or the function has ended."""
-        with self._cond:
-            if ack > self._ack:
-                self._ack = ack
-                self._cond.notify_all()
+        ``max_items``), waiting until there is one or the function has ended.
+
+        When the acknowledgement lets a function go on that was waiting for credit (a fast
+        producer held back by the consumer), the poll waits for a batch instead of the first
+        report: until ``max_items`` are queued, the function waits for credit again or ends,
+        or ``BATCH_LINGER_S`` has passed. A poll per report or two would cost both processes
+        a round trip per report; a slow producer's reports still go at once."""
+        batch = False
         while True:
-            with self._cond:
-                if self._buffer or self._outcome is not None:
-                    n = min(max_items, len(self._buffer))
-                    items = self._buffer[:n]
-                    del self._buffer[:n]
-                    self._sent += n
-                    ckpts = None
-                    if self._checkpoints:
-                        ckpts = {s: p for s, p in self._checkpoints.items() if s < self._sent}
-                        for s in ckpts:
-                            del self._checkpoints[s]
-                    outcome = self._outcome if not self._buffer else None
-                    return Poll(items, ckpts, outcome)
+            with self._lock:
+                if ack > self._ack:
+                    self._ack = ack
+                    if self._credit_waiting:
+                        self._credit_waiting = False
+                        self._cond.notify_all()
+                        batch = True
+                buffer = self._buffer
+                if self._outcome is not None or (
+                    buffer and (not batch or len(buffer) >= max_items or self._credit_waiting)
+                ):
+                    self._poll_waiting = False
+                    return self._take(max_items)
                 self._wake.clear()
                 self._poll_waiting = True
-            await self._wake.wait()
+                self._poll_wants = max_items if batch else 1
+            if batch:
+                timer = self._loop.call_later(BATCH_LINGER_S, self._wake.set)
+                await self._wake.wait()
+                timer.cancel()
+                batch = False  # lingered once: what is queued now goes
+            else:
+                await self._wake.wait()
+
+    def _take(self, max_items: int) -> Poll:
+        # Called with the lock held.
+        buffer = self._buffer
+        if len(buffer) <= max_items:
+            items, self._buffer = buffer, []
+        else:
+            items = buffer[:max_items]
+            del buffer[:max_items]
+        self._sent += len(items)
+        ckpts = None
+        if self._checkpoints:
+            ckpts = {s: p for s, p in self._checkpoints.items() if s < self._sent}
+            for s in ckpts:
+                del self._checkpoints[s]
+        outcome = self._outcome if not self._buffer else None
+        return Poll(items, ckpts, outcome)
 
     async def stop(self, timeout_s: float) -> bool:
         """Stop the function: ``report()`` raises inside it, an ``async def`` is cancelled.
         Return whether it ended within ``timeout_s``."""
-        with self._cond:
+        with self._lock:
             self._stop = True
             self._cond.notify_all()
         if self._fn_loop is not None and self._fn_task is not None:
