@@ -82,9 +82,14 @@ class RunCore:
         self._consumed_changed = anyio.Event()
 
     def mark_consumed(self) -> None:
-        """Everything handed to the iterator so far has been taken by the consumer."""
-        if self.consumed != self.handed:
-            self.consumed = self.handed
+        """Everything the iterator has received so far has been taken by the consumer.
+
+        Counted from what the iterator received, not from ``handed``: the sender of the batch
+        just consumed may not have run again yet (a consumer that never yields takes a whole
+        batch without letting it), and credit counted from ``handed`` would then lag by that
+        batch, which can hold a pump that waits for a share of its window forever."""
+        if self.consumed != self.received_upto:
+            self.consumed = self.received_upto
             changed, self._consumed_changed = self._consumed_changed, anyio.Event()
             changed.set()
 
@@ -114,7 +119,7 @@ class Run:
     def __init__(self, core: RunCore, receive: MemoryObjectReceiveStream[Any]) -> None:
         self._core = core
         self._receive = receive
-        self._batch: StepBatch | None = None
+        self._batch = StepBatch(0, 0, [], {})
         self._pos = 0
         self._len = 0
         # Dropping the iterator stops the run. The finalizer may run in any thread and in the
@@ -166,12 +171,11 @@ class Run:
         return self
 
     async def __anext__(self) -> Step:
-        if self._pos < self._len:
-            assert self._batch is not None
-            step = self._batch.step(self._pos)
-            self._pos += 1
+        pos = self._pos
+        if pos < self._len:  # the hot path: the next step of the batch at hand
+            self._pos = pos + 1
             self._core.delivered += 1
-            return step
+            return self._batch.step(pos)
         core = self._core
         if core.closed and core.end is None:
             raise StopAsyncIteration

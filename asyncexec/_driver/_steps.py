@@ -49,7 +49,10 @@ class Step:
         checkpoint: the persisted checkpoint this step carried, if any rank reported one.
     """
 
-    __slots__ = ("attempt", "checkpoint", "index", "reports")
+    # A step from a run holds its ranks' metrics as they arrived (``_row``) and builds its
+    # Report objects the first time ``reports`` is read: a consumer that reads ``metrics``, or
+    # nothing, pays for one object per step instead of one per rank and step.
+    __slots__ = ("_checkpoint_ranks", "_reports", "_row", "attempt", "checkpoint", "index")
 
     def __init__(
         self,
@@ -60,13 +63,28 @@ class Step:
     ) -> None:
         self.index = index
         self.attempt = attempt
-        self.reports = reports
+        self._reports: Sequence[Report] | None = reports
+        self._row: tuple[Mapping[str, Any], ...] = ()
+        self._checkpoint_ranks: tuple[int, ...] = ()
         self.checkpoint = checkpoint
+
+    @property
+    def reports(self) -> Sequence[Report]:
+        """One Report per rank, in rank order."""
+        reports = self._reports
+        if reports is None:
+            reports = [Report(rank, metrics) for rank, metrics in enumerate(self._row)]
+            for rank in self._checkpoint_ranks:
+                reports[rank].checkpoint = self.checkpoint
+            self._reports = reports
+        return reports
 
     @property
     def metrics(self) -> Mapping[str, Any]:
         """Rank 0's metrics."""
-        return self.reports[0].metrics
+        if self._reports is None:
+            return self._row[0]
+        return self._reports[0].metrics
 
     def __repr__(self) -> str:
         return (
@@ -103,14 +121,17 @@ class StepBatch:
         return len(self.rows)
 
     def step(self, i: int) -> Step:
-        """The i-th step of the batch."""
-        reports = [Report(rank, metrics) for rank, metrics in enumerate(self.rows[i])]
-        checkpoint = None
+        """The i-th step of the batch (its reports are built when first read)."""
+        step = object.__new__(Step)
+        step.index = self.first + i
+        step.attempt = self.attempt
+        step._reports = None
+        step._row = self.rows[i]
         if self.checkpoints and i in self.checkpoints:
-            checkpoint, ranks = self.checkpoints[i]
-            for rank in ranks:
-                reports[rank].checkpoint = checkpoint
-        return Step(self.first + i, self.attempt, reports, checkpoint)
+            step.checkpoint, step._checkpoint_ranks = self.checkpoints[i]
+        else:
+            step.checkpoint, step._checkpoint_ranks = None, ()
+        return step
 
     def split(self, size: int) -> list[StepBatch]:
         """This batch cut into batches of at most ``size`` steps."""
