@@ -244,6 +244,7 @@ class RunDriver:
                         for w in group.workers
                     ]
                     await group.call_each("start_run", [(payload, s) for s in starts])
+                self.slot.start_refills()
                 for rank in range(len(group.workers)):
                     tg.start_soon(window.pump, rank, fail)
                 if self.config.step_timeout_s is not None:

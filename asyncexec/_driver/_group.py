@@ -294,19 +294,34 @@ class WorkerGroup:
         spare, env = found
         failed = self.workers[rank]
         survivors = [w for w in self.workers if w.rank != rank]
-        if not await self.stop_functions(survivors, self.config.stop_timeout_s):
-            return None
         self.spares.remove(spare)
-        await self._drop([failed.actor])
         context = replace(
             failed.context, pid=spare.metadata.pid, accelerator_ids=spare.metadata.accelerator_ids
         )
         fresh = WorkerInfo(spare.actor, spare.metadata, context, spare.bundle)
+        stopped = [False]
+
+        async def stop_survivors() -> None:
+            stopped[0] = await self.stop_functions(survivors, self.config.stop_timeout_s)
+
+        # The survivors' functions stop, the spare is set up and the failed worker goes, at once.
+        try:
+            with anyio.fail_after(self.config.start_timeout_s + self.config.stop_timeout_s):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stop_survivors)
+                    tg.start_soon(self._drop, [failed.actor])
+                    await self.setup([env], [fresh])
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._drop([spare.actor])  # set up (or half): not a clean spare
+            raise
+        if not stopped[0]:
+            await self._drop([spare.actor])
+            return None
         self.workers[rank] = fresh
         self.deaths[rank] = spare.actor.wait_closed.remote()
-        with anyio.fail_after(self.config.start_timeout_s):
-            await self.setup([env], [fresh])
-            if self.backend is not None:
+        if self.backend is not None:
+            with anyio.fail_after(self.config.start_timeout_s):
                 await self.run_backend_hook("on_shutdown")
                 await self.run_backend_hook("on_start")
         self.log.info("spare_took_rank", rank=rank, pid=spare.metadata.pid)

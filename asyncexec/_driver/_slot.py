@@ -48,6 +48,16 @@ class GroupSlot:
         self.closing = False
         self.starting: str | None = None
         self._lock = anyio.Lock()
+        self._refills: list[tuple[WorkerGroup, int | None]] = []
+
+    def start_refills(self) -> None:
+        """Start the spares owed to the live group (one per spare that took a rank's place),
+        in the background. Called when an attempt's functions have started, and before a
+        group is used for anything else."""
+        refills, self._refills = self._refills, []
+        for group, bundle in refills:
+            if self.tg is not None and group is self.group and not group.closed:
+                self.tg.start_soon(group.refill_spare, bundle)
 
     async def acquire(self, attempt: int | None = None) -> WorkerGroup:
         """The live group, started first when there is none. ``attempt`` (a run's attempt
@@ -78,6 +88,8 @@ class GroupSlot:
                 self.starts += 1
             if attempt is not None:
                 self.group.attempt = attempt
+            else:
+                self.start_refills()  # not for a run's attempt: the attempt starts them
             return self.group
 
     async def recover(self, failure: AsyncExecError, *, reuse_survivors: bool) -> None:
@@ -89,8 +101,9 @@ class GroupSlot:
             try:
                 freed = await group.take_spare(failure.rank) if group.spares else None
                 if freed is not None:
-                    if self.tg is not None:
-                        self.tg.start_soon(group.refill_spare, freed.bundle)
+                    # Started once the next attempt runs (see start_refills): a process
+                    # starting now would compete for the CPU with the restart itself.
+                    self._refills.append((group, freed.bundle))
                     return
                 if reuse_survivors and await group.replace_rank(failure.rank):
                     return
