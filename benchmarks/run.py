@@ -69,7 +69,9 @@ from _common import (  # noqa: E402
 from _figures import FULL, LIFECYCLE_KEYS, QUICK, WORKER_COUNTS, Sizes, make_figures  # noqa: E402
 from _lifecycle import measure_lifecycle  # noqa: E402
 from _raytrain import RayTrainClient  # noqa: E402
+from _service import measure_service_first_event  # noqa: E402
 from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
+from _warm import measure_warm  # noqa: E402
 
 #: Every worker of every system asks for this, so that 3 groups of 16 fit in the Ray started here.
 RESOURCES = {"CPU": 0.25}
@@ -245,9 +247,7 @@ class Bench:
             self.add("run_end", "floor", floor["run_end"] * 1e3)
             self.add("run_end", "asyncexec", await ae.run_end(3) * 1e3)
 
-    async def lag(
-        self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
-    ) -> None:
+    async def lag(self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup) -> None:
         """Heartbeat lag over whole runs (from the run's start to its end) at full rate. Ray
         Train's is measured in its own driver, which drives the executor from a coroutine."""
         sizes = self.sizes
@@ -275,18 +275,70 @@ class Bench:
             self.note(f"{column}_lag_samples", len(lags))
 
     async def restart(self, rt: RayTrainClient | None, ae: AsyncexecGroup) -> None:
-        for _ in range(self.sizes.restart_repeats):
-            if rt is not None:
-                r = await rt.call("restart", kill_after=5, period_s=0.01, resume_steps=5)
-                self.add("restart", "raytrain", r["first_step"])
-                self.add("restart_reuse", "raytrain", r["first_step"])
-                self.note("rt_restart_group_restarted", r["group_restarted"])
-            mark = self.events.mark()
-            a = await ae.restart(5, 0.01, 5)
-            self.add("restart", "asyncexec", a["first_step"])
-            self._restart_phases(mark, a["t_kill"])
-            b = await ae.restart(5, 0.01, 5, reuse=True)
-            self.add("restart_reuse", "asyncexec", b["first_step"])
+        spared = AsyncexecGroup(4, RESOURCES, self.storage, spares=1)
+        await spared.start()
+        try:
+            for _ in range(self.sizes.restart_repeats):
+                if rt is not None:
+                    r = await rt.call("restart", kill_after=5, period_s=0.01, resume_steps=5)
+                    for key in ("restart", "restart_reuse", "restart_spare", "restart_default"):
+                        self.add(key, "raytrain", r["first_step"])
+                    self.note("rt_restart_group_restarted", r["group_restarted"])
+                mark = self.events.mark()
+                a = await ae.restart(5, 0.01, 5)
+                self.add("restart", "asyncexec", a["first_step"])
+                self._restart_phases(mark, a["t_kill"])
+                b = await ae.restart(5, 0.01, 5, reuse=True)
+                self.add("restart_reuse", "asyncexec", b["first_step"])
+                c = await ae.restart(5, 0.01, 5, default_wait=True)
+                self.add("restart_default", "asyncexec", c["first_step"])
+                await spared.spares_ready()
+                d = await spared.restart(5, 0.01, 5)
+                self.add("restart_spare", "asyncexec", d["first_step"])
+        finally:
+            await spared.close()
+
+    # Warm workers -------------------------------------------------------------------------------
+
+    async def warm(self) -> None:
+        """Executors leased from a WorkerPool: enter, first step, the loop's lag through lease
+        cycles and a refill (``_warm.py``), and the service's first event (``_service.py``)."""
+        sizes = self.sizes
+        progress("warm workers: leases from a pool")
+        warm = await measure_warm(
+            4,
+            sizes.startup_repeats,
+            sizes.warm_cycles,
+            sizes.warm_floor_steps,
+            RESOURCES,
+            BUFFER,
+            self.storage,
+        )
+        for value in warm.enter:
+            self.add("warm_enter", "asyncexec", value * 1e3)
+        for value in warm.cold_actors:
+            self.add("warm_enter", "floor", value * 1e3)
+        for value in warm.first_step:
+            self.add("warm_first", "asyncexec", value * 1e3)
+        for key, ours, floor in (
+            ("lease_p99", warm.lease_p99, warm.floor_p99),
+            ("lease_max", warm.lease_max, warm.floor_max),
+        ):
+            for a, b in zip(ours, floor, strict=True):
+                self.add(key, "asyncexec", a)
+                self.add(key, "floor", b)
+        self.note("warm_refills", warm.refills)
+        progress("warm workers: the service's first event")
+        pooled = await measure_service_first_event(
+            sizes.startup_repeats + 1, 4, resources_per_worker=RESOURCES
+        )
+        cold = await measure_service_first_event(
+            max(2, sizes.startup_repeats // 2 + 1), None, resources_per_worker=RESOURCES
+        )
+        for value in pooled[1:]:  # the first request pays the app's one-time costs
+            self.add("service_first", "asyncexec", value * 1e3)
+        for value in cold[1:]:
+            self.note("service_first_cold_ms", value * 1e3)
 
     def _restart_phases(self, mark: int, t_kill: float) -> None:
         """Where asyncexec's restart time goes, from its log events."""
@@ -382,6 +434,12 @@ class Bench:
                 f"{g('rt_restart_group_restarted'):.3f}, first result "
                 f"{self.figures['restart'].medians().get('raytrain', math.nan):.3f}"
             )
+        if "service_first_cold_ms" in w:
+            lines.append(
+                f"- warm workers: the service's POST /runs to the first SSE step without a pool "
+                f"(fresh workers per request) {g('service_first_cold_ms'):.0f} ms; pool workers "
+                f"replaced during the lease-lag rounds {g('warm_refills'):.0f}"
+            )
         lines.append(
             f"- driver RSS {g('driver_rss_first'):.0f} MiB after warm-up; peak above it "
             f"{g('driver_rss_peak_minus_first'):.2f} MiB"
@@ -444,6 +502,8 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
     try:
         with bench.timer.section("start-up and memory"):
             await bench.startup()
+        with bench.timer.section("warm workers"):
+            await bench.warm()
         for n in WORKER_COUNTS:
             await bench.groups(n)
         with bench.timer.section("lifecycle lag"):
@@ -517,9 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(processors=[events])
     logging.getLogger("ray.train").setLevel(logging.ERROR)
 
-    bench = Bench(
-        sizes, events, lifecycle_only=args.lifecycle_only, stall_stacks=args.stall_stacks
-    )
+    bench = Bench(sizes, events, lifecycle_only=args.lifecycle_only, stall_stacks=args.stall_stacks)
     t0 = time.perf_counter()
     with bench.timer.section("ray.init"):
         start_ray()
