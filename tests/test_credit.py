@@ -78,6 +78,7 @@ async def test_a_poll_that_frees_a_function_held_back_by_credit_returns_a_batch(
     finally:
         done.set()
         await session.stop(5)
+        _session.end_session(session)  # this process's session: later tests must see none
     assert [r["i"] for r in received] == [0, 1, 2, 3]
     assert [r["i"] for r in batch.reports] == [4, 5, 6, 7]
     assert batch.outcome is None
@@ -102,5 +103,6 @@ async def test_a_slow_functions_report_is_sent_at_once() -> None:
     finally:
         done.set()
         await session.stop(5)
+        _session.end_session(session)  # this process's session: later tests must see none
     assert [r["i"] for r in first.reports] == [0]
     assert [r["i"] for r in second.reports] == [1]
