@@ -114,7 +114,9 @@ class WorkerGroup:
         self.attempt = attempt
         self.log = log
         #: One pending ``wait_closed`` call per rank: it fails the moment the process dies.
-        self.deaths: list[Any] = [w.actor.wait_closed.remote() for w in workers]
+        self.deaths: list[Any] = [
+            w.death if w.death is not None else w.actor.wait_closed.remote() for w in workers
+        ]
         self._closed = False
         self._starting: list[ActorHandle] = []  # spares being started
 
@@ -298,7 +300,7 @@ class WorkerGroup:
         context = replace(
             failed.context, pid=spare.metadata.pid, accelerator_ids=spare.metadata.accelerator_ids
         )
-        fresh = WorkerInfo(spare.actor, spare.metadata, context, spare.bundle)
+        fresh = WorkerInfo(spare.actor, spare.metadata, context, spare.bundle, spare.death)
         stopped = [False]
 
         async def stop_survivors() -> None:
@@ -319,7 +321,9 @@ class WorkerGroup:
             await self._drop([spare.actor])
             return None
         self.workers[rank] = fresh
-        self.deaths[rank] = spare.actor.wait_closed.remote()
+        self.deaths[rank] = (
+            spare.death if spare.death is not None else spare.actor.wait_closed.remote()
+        )
         if self.backend is not None:
             with anyio.fail_after(self.config.start_timeout_s):
                 await self.run_backend_hook("on_shutdown")
@@ -333,7 +337,7 @@ class WorkerGroup:
         try:
             if self.pool is not None:
                 [leased] = await self.pool.lease(1)
-                spare = Standby(leased.actor, leased.metadata, leased.bundle)
+                spare = Standby(leased.actor, leased.metadata, leased.bundle, leased.death)
             elif self.placement is not None and self.placement.owned and bundle is not None:
                 options = {"scheduling_strategy": self.placement.strategy(bundle)}
                 with anyio.CancelScope(shield=True):
@@ -401,14 +405,10 @@ class WorkerGroup:
             if self.backend is None or not force:
                 try:
                     await self.run_backend_hook("on_shutdown")
-                    stops = [w.actor.stop_run.remote(timeout) for w in self.workers]
-                    stopped = await _answers(stops, timeout + STOP_MARGIN_S)
                     hook = self.pool.reset_hook
-                    resets = [
-                        w.actor.reset.remote(hook) if ok is True else None
-                        for w, ok in zip(self.workers, stopped, strict=True)
-                    ]
-                    outcomes = await _answers(resets, self.config.shutdown_timeout_s)
+                    resets = [w.actor.reset.remote(timeout, hook) for w in self.workers]
+                    bound = timeout + STOP_MARGIN_S + self.config.shutdown_timeout_s
+                    outcomes = await _answers(resets, bound)
                     clean = [isinstance(o, Outcome) and o.kind == "ok" for o in outcomes]
                     failed = [o.error for o in outcomes if isinstance(o, Outcome) and o.error]
                     if failed:

@@ -7,8 +7,8 @@ ranks, devices, init hook and backend as it would fresh ones. When the executor 
 replaces its group) it gives them back: a worker whose function stopped in time and whose reset
 succeeded goes back to the idle list; any other (failed, dead, still running, past
 ``max_leases``) is killed, and its bundle gets a new process in the background, so the pool
-refills. An idle worker that dies is noticed at once (its pending ``wait_closed`` call fails) and
-replaced the same way.
+refills. An idle worker that dies is noticed at once (its one pending ``wait_closed`` call, which
+its groups await too, fails) and replaced the same way.
 
 A lease for more workers than are idle starts fresh workers for the rest, outside the pool's
 placement group, that are killed when given back (``when_short="start"``, the default), or waits
@@ -60,6 +60,9 @@ class PoolWorker:
     metadata: WorkerMetadata
     bundle: int | None
     leases: int = 0
+    #: Its one pending ``wait_closed`` call: fails when the process dies. The pool and every
+    #: group that leases the worker await this same reference (no call per lease).
+    death: Any = None
 
 
 @dataclass(frozen=True)
@@ -367,7 +370,7 @@ class WorkerPool:
             with anyio.fail_after(self.config.start_timeout_s):
                 for actor, described in spawned:
                     meta = await described
-                    worker = PoolWorker(actor, meta, None)
+                    worker = PoolWorker(actor, meta, None, death=actor.wait_closed.remote())
                     self._leased[_key(actor)] = worker
                     fresh.append(worker)
         except BaseException as exc:
@@ -387,7 +390,6 @@ class WorkerPool:
     def _make_idle(self, worker: PoolWorker) -> None:
         self._idle.append(worker)
         self._wake()
-        self._spawn(self._watch_idle, worker)
 
     def _wake(self) -> None:
         """Wake every lease waiting for a worker (each waits on the event of its time)."""
@@ -408,11 +410,11 @@ class WorkerPool:
         if self._tg is not None:
             self._tg.start_soon(background)
 
-    async def _watch_idle(self, worker: PoolWorker) -> None:
-        """Replace an idle worker the moment its process dies. Ends quietly when the worker's
-        next lease ends (its ``wait_closed`` call then returns)."""
+    async def _watch(self, worker: PoolWorker) -> None:
+        """Replace an idle worker the moment its process dies (a leased one is its group's to
+        notice; it is replaced when given back)."""
         try:
-            await worker.actor.wait_closed.remote()
+            await worker.death
         except Exception:
             if worker in self._idle:
                 self._idle.remove(worker)
@@ -463,7 +465,9 @@ class WorkerPool:
             with anyio.CancelScope(shield=True):
                 await kill_all([actor], None)
             return
-        self._make_idle(PoolWorker(actor, meta, bundle))
+        worker = PoolWorker(actor, meta, bundle, death=actor.wait_closed.remote())
+        self._spawn(self._watch, worker)
+        self._make_idle(worker)
 
 
 def _key(actor: ActorHandle) -> str:

@@ -127,9 +127,9 @@ async def start_group(
         with anyio.fail_after(config.start_timeout_s):
             phase[0] = "starting the worker processes"
             log.debug("workers_ready", seconds=round(time.perf_counter() - t0, 3))
-            members: list[tuple[ActorHandle, WorkerMetadata, int | None]] = list(
-                zip(actors, metas, range(len(actors)), strict=True)
-            )
+            members: list[tuple[ActorHandle, WorkerMetadata, int | None, Any]] = [
+                (a, m, i, None) for i, (a, m) in enumerate(zip(actors, metas, strict=True))
+            ]
             group = _form(config, backend, placement, members, attempt, log, None)
             await _set_up(group, phase)
         log.info("group_started", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
@@ -158,7 +158,7 @@ async def _lease_group(
     try:
         leased = await pool.lease(config.num_workers + config.spares)
         with anyio.fail_after(config.start_timeout_s):
-            members = [(w.actor, w.metadata, w.bundle) for w in leased]
+            members = [(w.actor, w.metadata, w.bundle, w.death) for w in leased]
             group = _form(config, backend, None, members, attempt, log, pool)
             await _set_up(group, phase)
         log.info("group_leased", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
@@ -179,7 +179,7 @@ def _form(
     config: ExecutorConfig,
     backend: Backend | None,
     placement: Placement | None,
-    members: list[tuple[ActorHandle, WorkerMetadata, int | None]],
+    members: list[tuple[ActorHandle, WorkerMetadata, int | None, Any]],
     attempt: int,
     log: Any,
     pool: Any,
@@ -187,16 +187,16 @@ def _form(
     """The group of the first ``num_workers`` members, in rank order (the driver's node
     first); the rest are its standby spares."""
     n = config.num_workers
-    spares = [Standby(a, m, b) for a, m, b in members[n:]]
+    spares = [Standby(*member) for member in members[n:]]
     members = members[:n]
-    metas = [m for _, m, _ in members]
+    metas = [m for _, m, _, _ in members]
     driver_node = ray.get_runtime_context().get_node_id()
     order = order_workers(
         [m.node_id for m in metas], [m.accelerator_ids for m in metas], driver_node
     )
     metas = [metas[i] for i in order]
     workers = [
-        WorkerInfo(members[i][0], m, c, members[i][2])
+        WorkerInfo(members[i][0], m, c, members[i][2], members[i][3])
         for i, m, c in zip(order, metas, _contexts(config, metas), strict=True)
     ]
     return WorkerGroup(config, backend, placement, workers, attempt, log, pool=pool, spares=spares)

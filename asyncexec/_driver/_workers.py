@@ -4,6 +4,7 @@ crashed process."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import ray
@@ -25,6 +26,9 @@ class WorkerInfo:
     metadata: WorkerMetadata
     context: WorkerContext
     bundle: int | None = None  # its bundle in its placement group (None: outside any)
+    #: Its pending ``wait_closed`` call when it already has one (a pooled worker's lasts its
+    #: life); None: the group makes one.
+    death: Any = None
 
     @property
     def rank(self) -> int:
@@ -38,6 +42,7 @@ class Standby:
     actor: ActorHandle
     metadata: WorkerMetadata
     bundle: int | None
+    death: Any = None
 
 
 async def node_alive(node_id: str | None) -> bool:

@@ -25,8 +25,7 @@ __all__ = ["WorkerActor"]
 
 class _Worker:
     def __init__(self) -> None:
-        # Set when the driver closes this worker or ends its lease (a pooled worker): it ends
-        # the pending ``wait_closed`` calls of that lease; a new lease gets a new event.
+        # Set when the driver closes this worker: it ends the pending ``wait_closed`` calls.
         self._closed: asyncio.Event | None = None
         self._session: _session.Session | None = None
         # The environment the process started with (Ray's device variables included): a pooled
@@ -100,18 +99,21 @@ class _Worker:
             return True
         return await self._session.stop(timeout_s)
 
-    async def reset(self, reset_hook: Callable[[], object] | None) -> Outcome:
+    async def reset(
+        self, stop_timeout_s: float, reset_hook: Callable[[], object] | None
+    ) -> Outcome:
         """End a lease (a pooled worker going back to its pool): nothing of asyncexec's state
-        carries over to the next lease. The run's session, the group's context, the Ray Data
-        context and the torch process group are dropped, the environment is the one the process
-        started with, and the lease's ``wait_closed`` calls end. The user's module-level state
-        stays, as in Ray's reused workers; ``reset_hook`` is where the user clears it.
+        carries over to the next lease. A run still in progress is stopped (within
+        ``stop_timeout_s``); the run's session, the group's context, the Ray Data context and the
+        torch process group are dropped, and the environment is the one the process started
+        with. The user's module-level state stays, as in Ray's reused workers; ``reset_hook`` is
+        where the user clears it.
 
-        Fails (as an outcome) when the run's function is still running: such a worker is not
+        Fails (as an outcome) when the run's function did not stop: such a worker is not
         reused."""
         if self._session is not None:
-            if not self._session.finished:
-                return Outcome("error", error=RuntimeError("the run's function is still running"))
+            if not await self._session.stop(stop_timeout_s):
+                return Outcome("error", error=RuntimeError("the run's function did not stop"))
             _session.end_session(self._session)
             self._session = None
         _session.set_group_context(None)
@@ -124,8 +126,6 @@ class _Worker:
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(self._environ)
-        self._closed_event().set()
-        self._closed = None
         if reset_hook is None:
             return Outcome("ok")
         return await _call(reset_hook, (), {})
@@ -134,8 +134,9 @@ class _Worker:
         return os.getpid()
 
     async def wait_closed(self) -> None:
-        """Return when the driver closes this worker or ends its lease; fails at once if the
-        process dies, which is how the driver notices a dead worker without polling for it."""
+        """Return when the driver closes this worker; fails at once if the process dies, which
+        is how the driver notices a dead worker without polling for it. A pooled worker has one
+        such call for its whole life, which its pool and every group that leases it await."""
         await self._closed_event().wait()
 
     async def close(self) -> None:
