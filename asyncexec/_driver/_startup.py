@@ -10,7 +10,7 @@ start-up leaves nothing behind.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import ray
@@ -140,10 +140,7 @@ async def start_group(
                 await group.close(force=True)
             else:
                 await kill_all(actors, placement)
-        mapped = startup_error(exc, phase[0], config.start_timeout_s)
-        if mapped is exc:
-            raise
-        raise mapped from mapped.__cause__
+        _raise_mapped(exc, phase[0], config.start_timeout_s)
 
 
 async def _lease_group(
@@ -169,10 +166,15 @@ async def _lease_group(
                 await group.close(force=True)
             else:
                 await pool.give_back([(w.actor, True) for w in leased])
-        mapped = startup_error(exc, phase[0], config.start_timeout_s)
-        if mapped is exc:
-            raise
-        raise mapped from mapped.__cause__
+        _raise_mapped(exc, phase[0], config.start_timeout_s)
+
+
+def _raise_mapped(exc: BaseException, phase: str, timeout_s: float) -> NoReturn:
+    """Raise what a failed start-up raises (see :func:`startup_error`)."""
+    mapped = startup_error(exc, phase, timeout_s)
+    if mapped is exc:
+        raise exc
+    raise mapped from mapped.__cause__
 
 
 def _form(
