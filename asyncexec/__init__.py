@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
     "Report": "_driver._steps",
+    "Reservation": "_driver._reservation",
+    "ReservationStatistics": "_driver._reservation",
     "ReportMismatchError": "_errors",
     "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
@@ -94,6 +96,8 @@ if TYPE_CHECKING:
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics
     from ._driver._pool import PoolStatistics as PoolStatistics
     from ._driver._pool import WorkerPool as WorkerPool
+    from ._driver._reservation import Reservation as Reservation
+    from ._driver._reservation import ReservationStatistics as ReservationStatistics
     from ._driver._restart import RestartPolicy as RestartPolicy
     from ._driver._run import Run as Run
     from ._driver._run import RunState as RunState

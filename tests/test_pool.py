@@ -368,3 +368,14 @@ async def test_every_lease_waiting_on_a_full_pool_is_served_when_workers_come_ba
                 await anyio.wait_all_tasks_blocked()
                 await holder.aclose()
         assert len(served) == 2 and set(served) == held
+
+
+async def test_a_pool_that_fails_to_start_raises_its_error_and_leaves_nothing() -> None:
+    """The failure path of entering a pool exits its task group outside the shield (inside it,
+    anyio raised 'Attempted to exit a cancel scope that isn't the current task's current cancel
+    scope' instead of the start-up error)."""
+    pool = asyncexec.WorkerPool(1, start_timeout_s=0.001)
+    with pytest.raises(asyncexec.StartupTimeoutError):
+        async with pool:
+            pass
+    assert pool.statistics().idle == 0

@@ -35,6 +35,7 @@ from ._attempts import RunDriver, RunSpec
 from ._logging import get_logger
 from ._pool import WorkerPool
 from ._ray import ensure_ray
+from ._reservation import Claim, Reservation
 from ._restart import RestartPolicy
 from ._run import Run, RunCore, RunState, new_run_id
 from ._slot import GroupSlot
@@ -45,7 +46,7 @@ __all__ = ["Executor", "ExecutorState", "ExecutorStatistics"]
 T = TypeVar("T")
 #: Defaults of the configuration, written once (in ExecutorConfig's fields).
 _D = ExecutorConfig
-_NOT_CONFIG = frozenset({"self", "num_workers", "backend", "restart", "pool"})
+_NOT_CONFIG = frozenset({"self", "num_workers", "backend", "restart", "pool", "reservation"})
 #: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
 _RUN_END_MARGIN_S = 10.0
 
@@ -126,6 +127,11 @@ class Executor:
             its place and the other ranks are kept (their functions are stopped and the attempt
             restarts from the checkpoint), instead of a new group starting. A new spare is then
             started in the background.
+        reservation: a :class:`Reservation` to place the workers on instead of a placement group
+            of the executor's own: rank i (spares after the ranks) on its bundle i, sharing it
+            with the rank i of every other executor on it. Entering the executor claims
+            ``resources_per_worker`` on each bundle it uses (refused when it would overfill
+            one); closing gives the claim back. ``placement_strategy`` does not apply.
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class Executor:
         name: str = _D.name,
         pool: WorkerPool | None = None,
         spares: int = _D.spares,
+        reservation: Reservation | None = None,
     ) -> None:
         # Every keyword argument but these four is a field of the configuration.
         options = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
@@ -167,7 +174,19 @@ class Executor:
         self.config = ExecutorConfig.build(num_workers, **options)
         if pool is not None:
             pool.check_shape(self.config)
+        if reservation is not None:
+            if not isinstance(reservation, Reservation):
+                raise ConfigurationError(
+                    f"reservation must be an asyncexec.Reservation, got {reservation!r}"
+                )
+            if pool is not None:
+                raise ConfigurationError(
+                    "an executor takes a pool or a reservation, not both: "
+                    "to lease from the reservation, build the pool on it"
+                )
         self.pool = pool
+        self.reservation = reservation
+        self._claim: Claim | None = None
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigurationError(
                 f"backend must be an asyncexec.backends.Backend, got {backend!r}"
@@ -180,7 +199,7 @@ class Executor:
         self.log = get_logger(executor=f"{name}-{self.id}")
         self._state = ExecutorState.NEW
         self._tg: anyio.abc.TaskGroup | None = None
-        self._slot = GroupSlot(self.config, backend, self.log, pool)
+        self._slot = GroupSlot(self.config, backend, self.log, pool, reservation)
         self._run: RunCore | None = None
         self._result: RunResult | None = None
         self._closed = anyio.Event()
@@ -204,7 +223,9 @@ class Executor:
         if self._state is ExecutorState.CLOSED:
             # A closed executor may be entered again: it starts a fresh group.
             self._closed = anyio.Event()
-            self._slot = GroupSlot(self.config, self.backend, self.log, self.pool)
+            self._slot = GroupSlot(
+                self.config, self.backend, self.log, self.pool, self.reservation
+            )
             self._run = None
         elif self._state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self._state.value}")
@@ -214,9 +235,16 @@ class Executor:
         self._slot.tg = self._tg
         try:
             await ensure_ray(self.config.address)
+            if self.reservation is not None:
+                self._claim = self.reservation.claim(
+                    f"executor {self.config.name!r}",
+                    self.config.num_workers + self.config.spares,
+                    self.config.resources_per_worker,
+                )
             await self._slot.acquire()
             self._state = ExecutorState.READY
         except BaseException:
+            self._release_claim()
             self._state = ExecutorState.CLOSED
             self._closed.set()
             # Exit the task group in this task's own scope (no shield around it: anyio requires
@@ -256,9 +284,15 @@ class Executor:
                 with anyio.move_on_after(bound + _RUN_END_MARGIN_S):
                     await run.finished.wait()
             await self._slot.discard(force=force)
+        self._release_claim()
         self._state = ExecutorState.CLOSED
         self._closed.set()
         self.log.info("executor_closed")
+
+    def _release_claim(self) -> None:
+        if self._claim is not None and self.reservation is not None:
+            self.reservation.release(self._claim)
+        self._claim = None
 
     def _check_open(self) -> anyio.abc.TaskGroup:
         if self._state is ExecutorState.NEW:

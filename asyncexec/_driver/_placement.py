@@ -39,7 +39,9 @@ class Placement:
     """The placement group a worker group lives in.
 
     ``owned`` is False when the executor runs inside a parent placement group that captures child
-    tasks (for example inside a Ray Tune trial): that group is used as it is and never removed.
+    tasks (for example inside a Ray Tune trial), or on a :class:`~._reservation.Reservation`:
+    that group is used as it is and never removed. ``slots`` maps worker ``i`` to its bundle of
+    a reservation (worker order is then rank order).
     """
 
     group: PlacementGroup
@@ -47,12 +49,15 @@ class Placement:
     owned: bool
     ready: Any = None  # the ObjectRef that resolves when the group is placed
     removed: bool = False
+    slots: Sequence[int] | None = None
 
     def strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
-        """Scheduling strategy for worker ``index``: its own bundle, or any bundle of a parent."""
-        return PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=index if self.owned else -1
-        )
+        """Scheduling strategy for worker ``index``: its own bundle (its slot's, on a
+        reservation), or any bundle of a parent."""
+        bundle = index if self.owned else -1
+        if self.slots is not None:
+            bundle = self.slots[index]
+        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
 
     def remove(self) -> None:
         """Remove the group if this executor made it. Idempotent. Blocking (a GCS call): call it

@@ -41,6 +41,7 @@ from ._group import actor_options, kill_all, spawn
 from ._logging import get_logger
 from ._placement import Placement, create_placement, wait_placement_ready
 from ._ray import ensure_ray
+from ._reservation import Claim, Reservation
 
 __all__ = ["PoolStatistics", "PoolWorker", "WorkerPool"]
 
@@ -113,6 +114,10 @@ class WorkerPool:
         shutdown_timeout_s: bound on closing the pool.
         address: the Ray cluster to join when Ray is not initialized.
         name: a name for logs.
+        reservation: a :class:`Reservation` to keep the workers on (worker j on its bundle j,
+            claimed while the pool is open) instead of a placement group of the pool's own. An
+            executor that leases from it gets ranks in the reservation's bundle order, its
+            lowest idle bundles first, so its rank i is on bundle i when those are idle.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class WorkerPool:
         shutdown_timeout_s: float = _D.shutdown_timeout_s,
         address: str | None = None,
         name: str = "pool",
+        reservation: Reservation | None = None,
     ) -> None:
         self.config = ExecutorConfig.build(
             size,
@@ -147,7 +153,13 @@ class WorkerPool:
             raise ConfigurationError(f"reset_hook must be callable, got {reset_hook!r}")
         if when_short not in ("start", "wait"):
             raise ConfigurationError(f'when_short must be "start" or "wait", got {when_short!r}')
+        if reservation is not None and not isinstance(reservation, Reservation):
+            raise ConfigurationError(
+                f"reservation must be an asyncexec.Reservation, got {reservation!r}"
+            )
         self.size = size
+        self.reservation = reservation
+        self._claim: Claim | None = None
         self.max_leases = max_leases
         self.reset_hook = reset_hook
         self.when_short = when_short
@@ -176,16 +188,27 @@ class WorkerPool:
         if self._open or self._closed:
             raise ExecutorStateError("a WorkerPool is entered once")
         await ensure_ray(self.config.address)
+        if self.reservation is not None:  # refused before anything starts
+            self._claim = self.reservation.claim(
+                f"pool {self.config.name!r}", self.size, self.config.resources_per_worker
+            )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._open = True
         t0 = time.perf_counter()
         try:
-            with anyio.CancelScope(shield=True):
-                placement = await anyio.to_thread.run_sync(
-                    create_placement, self.config.bundles, self.config.placement_strategy, None
-                )
+            if self.reservation is not None:
+                placement = self.reservation.placement(self.config.bundles)
                 self._placement = placement
+            else:
+                with anyio.CancelScope(shield=True):
+                    placement = await anyio.to_thread.run_sync(
+                        create_placement,
+                        self.config.bundles,
+                        self.config.placement_strategy,
+                        None,
+                    )
+                    self._placement = placement
             await wait_placement_ready(placement, self.config.placement_timeout_s)
             with anyio.fail_after(self.config.start_timeout_s):
                 async with anyio.create_task_group() as tg:
@@ -194,7 +217,8 @@ class WorkerPool:
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
-                await self._exit_tg()
+            # Not inside the shield: anyio requires the group's scope to be the innermost one.
+            await self._exit_tg()
             if isinstance(exc, TimeoutError):
                 raise StartupTimeoutError(
                     "starting the pool's workers", self.config.start_timeout_s
@@ -239,6 +263,9 @@ class WorkerPool:
             self._starting.clear()
             self._wake()
             await kill_all(actors, self._placement)
+        if self._claim is not None and self.reservation is not None:
+            self.reservation.release(self._claim)
+            self._claim = None
         self.log.info("pool_closed")
 
     # Leases -----------------------------------------------------------------------------------
@@ -286,6 +313,8 @@ class WorkerPool:
             deadline = anyio.current_time() + self.config.placement_timeout_s
             while len(taken) < n:
                 self._check_open()
+                if self.reservation is not None:  # the lowest bundles first: rank i on bundle i
+                    self._idle.sort(key=lambda w: w.bundle if w.bundle is not None else self.size)
                 candidates = self._idle[: n - len(taken)]
                 del self._idle[: len(candidates)]
                 for w in candidates:

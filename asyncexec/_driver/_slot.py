@@ -34,12 +34,18 @@ class GroupSlot:
     """
 
     def __init__(
-        self, config: ExecutorConfig, backend: Backend | None, log: Any, pool: Any = None
+        self,
+        config: ExecutorConfig,
+        backend: Backend | None,
+        log: Any,
+        pool: Any = None,
+        reservation: Any = None,
     ) -> None:
         self.config = config
         self.backend = backend
         self.log = log
         self.pool = pool  # a WorkerPool the groups are leased from, or None
+        self.reservation = reservation  # a Reservation the groups are placed on, or None
         #: Where background work (refilling a spare) runs: the executor's task group.
         self.tg: anyio.abc.TaskGroup | None = None
         self.group: WorkerGroup | None = None
@@ -82,6 +88,7 @@ class GroupSlot:
                         attempt=attempt or 1,
                         log=self.log,
                         pool=self.pool,
+                        reservation=self.reservation,
                     )
                 finally:
                     self.starting = None

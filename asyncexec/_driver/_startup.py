@@ -30,13 +30,18 @@ from ._workers import Standby, WorkerInfo
 __all__ = ["start_group"]
 
 
-def _request(config: ExecutorConfig, parent: Any) -> tuple[Placement, list[ActorHandle], list[Any]]:
+def _request(
+    config: ExecutorConfig, parent: Any, reservation: Any
+) -> tuple[Placement, list[ActorHandle], list[Any]]:
     """Create the placement group and the actors, and ask each actor to describe itself. In a
     thread: the first actor of a class in a process exports the class to the cluster
     synchronously (about 0.1 s), and so does the first readiness check of a placement group;
     the first call on an actor that is still being created waits for its handle (measured: up to
     50 ms on the loop while several executors start)."""
-    placement = create_placement(config.bundles, config.placement_strategy, parent)
+    if reservation is not None:
+        placement = reservation.placement(config.bundles)
+    else:
+        placement = create_placement(config.bundles, config.placement_strategy, parent)
     options = actor_options(config)
     actors: list[ActorHandle] = []
     try:
@@ -99,10 +104,17 @@ async def _all(refs: list[Any]) -> list[Any]:
 
 
 async def start_group(
-    config: ExecutorConfig, backend: Backend | None, *, attempt: int, log: Any, pool: Any = None
+    config: ExecutorConfig,
+    backend: Backend | None,
+    *,
+    attempt: int,
+    log: Any,
+    pool: Any = None,
+    reservation: Any = None,
 ) -> WorkerGroup:
-    """Start a group (or lease it from ``pool``, a :class:`~._pool.WorkerPool`) and return it
-    ready to run.
+    """Start a group (in its own placement group, or on ``reservation``, a
+    :class:`~._reservation.Reservation`; or lease it from ``pool``, a
+    :class:`~._pool.WorkerPool`) and return it ready to run.
 
     Raises:
         PlacementInfeasibleError: the workers can never fit and the cluster cannot grow.
@@ -117,7 +129,9 @@ async def start_group(
     t0 = time.perf_counter()
     parent = current_parent()  # Ray's task context is thread-local: read it here
     with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
-        placement, actors, described = await anyio.to_thread.run_sync(_request, config, parent)
+        placement, actors, described = await anyio.to_thread.run_sync(
+            _request, config, parent, reservation
+        )
     group: WorkerGroup | None = None
     phase = ["waiting for the placement group"]
     try:
@@ -156,6 +170,8 @@ async def _lease_group(
         leased = await pool.lease(config.num_workers + config.spares)
         with anyio.fail_after(config.start_timeout_s):
             members = [(w.actor, w.metadata, w.bundle, w.death) for w in leased]
+            if pool.reservation is not None:  # rank order is the reservation's bundle order
+                members.sort(key=lambda m: (m[2] is None, m[2] or 0))
             group = _form(config, backend, None, members, attempt, log, pool)
             await _set_up(group, phase)
         log.info("group_leased", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
@@ -187,15 +203,20 @@ def _form(
     pool: Any,
 ) -> WorkerGroup:
     """The group of the first ``num_workers`` members, in rank order (the driver's node
-    first); the rest are its standby spares."""
+    first; on a reservation, the order of its bundles); the rest are its standby spares."""
     n = config.num_workers
     spares = [Standby(*member) for member in members[n:]]
     members = members[:n]
     metas = [m for _, m, _, _ in members]
-    driver_node = ray.get_runtime_context().get_node_id()
-    order = order_workers(
-        [m.node_id for m in metas], [m.accelerator_ids for m in metas], driver_node
-    )
+    if (placement is not None and placement.slots is not None) or (
+        pool is not None and pool.reservation is not None
+    ):
+        order = list(range(n))
+    else:
+        driver_node = ray.get_runtime_context().get_node_id()
+        order = order_workers(
+            [m.node_id for m in metas], [m.accelerator_ids for m in metas], driver_node
+        )
     metas = [metas[i] for i in order]
     workers = [
         WorkerInfo(members[i][0], m, c, members[i][2], members[i][3])
