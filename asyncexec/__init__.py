@@ -22,6 +22,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "AsyncExecError": "_errors",
     "BackendError": "_errors",
+    "ChannelError": "_errors",
+    "ChannelStatistics": "_driver._channel",
     "Checkpoint": "_checkpoint",
     "CheckpointConfig": "_config",
     "ConfigurationError": "_errors",
@@ -52,11 +54,15 @@ _EXPORTS: dict[str, str] = {
     "WorkerPool": "_driver._pool",
     "PoolStatistics": "_driver._pool",
     "WorkerRaisedError": "_errors",
+    "WeightChannel": "_driver._channel",
     "configure_logging": "_cli._logconfig",
     "get_checkpoint": "_worker._session",
     "get_context": "_worker._session",
     "get_dataset_shard": "_worker._session",
+    "receive_weights": "_worker._channel",
     "report": "_worker._session",
+    "serve_weights": "_worker._channel",
+    "weights_version": "_worker._channel",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -90,6 +96,8 @@ if TYPE_CHECKING:
     from ._checkpoint import Checkpoint as Checkpoint
     from ._cli._logconfig import configure_logging as configure_logging
     from ._config import CheckpointConfig as CheckpointConfig
+    from ._driver._channel import ChannelStatistics as ChannelStatistics
+    from ._driver._channel import WeightChannel as WeightChannel
     from ._driver._data import DataConfig as DataConfig
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
@@ -106,6 +114,7 @@ if TYPE_CHECKING:
     from ._driver._steps import Step as Step
     from ._errors import AsyncExecError as AsyncExecError
     from ._errors import BackendError as BackendError
+    from ._errors import ChannelError as ChannelError
     from ._errors import ConfigurationError as ConfigurationError
     from ._errors import ExecutorStateError as ExecutorStateError
     from ._errors import NodeLostError as NodeLostError
@@ -120,6 +129,9 @@ if TYPE_CHECKING:
     from ._errors import WorkerHungError as WorkerHungError
     from ._errors import WorkerRaisedError as WorkerRaisedError
     from ._protocol import WorkerContext as WorkerContext
+    from ._worker._channel import receive_weights as receive_weights
+    from ._worker._channel import serve_weights as serve_weights
+    from ._worker._channel import weights_version as weights_version
     from ._worker._session import get_checkpoint as get_checkpoint
     from ._worker._session import get_context as get_context
     from ._worker._session import get_dataset_shard as get_dataset_shard
@@ -130,3 +142,4 @@ else:
     _load("_checkpoint")
     _load("_protocol")
     _load("_worker._session")
+    _load("_worker._channel")

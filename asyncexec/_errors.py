@@ -16,7 +16,8 @@ Every error the library raises derives from :class:`AsyncExecError`::
     │   ├── WorkerHungError (TimeoutError)     the worker stopped answering or reporting
     │   └── WorkerRaisedError                  the user's function raised (``__cause__``)
     ├── ReportMismatchError                    ranks reported a different number of times
-    └── RestartsExhaustedError                 the restart policy gave up (``failures``)
+    ├── RestartsExhaustedError                 the restart policy gave up (``failures``)
+    └── ChannelError                           a weight channel could not read or deliver a state
 
 Errors cross process boundaries (worker to driver, driver to a process pool), so each one
 pickles with its attributes (and its notes); the message is built from them in one place,
@@ -33,6 +34,7 @@ from typing import Any
 __all__ = [
     "AsyncExecError",
     "BackendError",
+    "ChannelError",
     "ConfigurationError",
     "ExecutorStateError",
     "NodeLostError",
@@ -400,3 +402,8 @@ class RestartsExhaustedError(AsyncExecError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.attempts, self.failures), _notes(self))
+
+
+class ChannelError(AsyncExecError):
+    """A weight channel could not read a state from its source or deliver it to its target (the
+    cause, when there is one, is ``__cause__``)."""

@@ -83,12 +83,15 @@ class Outcome(NamedTuple):
 
 class Poll(NamedTuple):
     """One poll's answer: the reports queued since the last poll, the persisted checkpoint path
-    of those that carried one (by the report's sequence number in the attempt), and the
-    function's outcome once it has ended and every report has been taken."""
+    of those that carried one (by the report's sequence number in the attempt), the function's
+    outcome once it has ended and every report has been taken, and the weight versions the
+    worker took since the last poll, as (sequence number of the first report that holds it,
+    version)."""
 
     reports: list[dict[str, Any]]
     checkpoints: dict[int, str] | None
     outcome: Outcome | None
+    versions: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)

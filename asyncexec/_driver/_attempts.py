@@ -227,6 +227,8 @@ class RunDriver:
                 self._session_live = True
                 with anyio.fail_after(self.config.start_timeout_s):
                     await group.run_backend_hook("on_training_start")
+                    for join in self.slot.joiners:  # a channel's latest version, first
+                        await join(group)
                     starts = [
                         RunStart(
                             replace(

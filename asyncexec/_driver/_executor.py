@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -200,6 +200,9 @@ class Executor:
         self._state = ExecutorState.NEW
         self._tg: anyio.abc.TaskGroup | None = None
         self._slot = GroupSlot(self.config, backend, self.log, pool, reservation)
+        #: What runs before a run's functions start on a group (see WeightChannel).
+        self._joiners: list[Callable[[Any], Awaitable[None]]] = []
+        self._slot.joiners = self._joiners
         self._run: RunCore | None = None
         self._result: RunResult | None = None
         self._closed = anyio.Event()
@@ -226,6 +229,7 @@ class Executor:
             self._slot = GroupSlot(
                 self.config, self.backend, self.log, self.pool, self.reservation
             )
+            self._slot.joiners = self._joiners
             self._run = None
         elif self._state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self._state.value}")

@@ -7,6 +7,7 @@ sees of the executor, so the two never import each other.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -53,6 +54,9 @@ class GroupSlot:
         self.restarts = 0
         self.closing = False
         self.starting: str | None = None
+        #: Called with a group before a run's functions start on it (a channel's joining ranks
+        #: get the latest version); the executor's list, shared by its slots.
+        self.joiners: list[Callable[[WorkerGroup], Awaitable[None]]] = []
         self._lock = anyio.Lock()
         self._refills: list[tuple[WorkerGroup, int | None]] = []
 

@@ -15,26 +15,36 @@ __all__ = ["Report", "RunResult", "Step", "StepBatch"]
 class Report:
     """What one rank reported for one step."""
 
-    __slots__ = ("checkpoint", "metrics", "rank")
+    __slots__ = ("checkpoint", "metrics", "rank", "version")
 
-    def __init__(self, rank: int, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None):
+    def __init__(
+        self,
+        rank: int,
+        metrics: Mapping[str, Any],
+        checkpoint: Checkpoint | None = None,
+        version: int | None = None,
+    ):
         self.rank = rank
         self.metrics = metrics
         self.checkpoint = checkpoint
+        #: The weight version the rank held when it reported (from a WeightChannel), or None.
+        self.version = version
 
     def __repr__(self) -> str:
         ckpt = f", checkpoint={self.checkpoint!r}" if self.checkpoint is not None else ""
-        return f"Report(rank={self.rank}, metrics={self.metrics!r}{ckpt})"
+        version = f", version={self.version}" if self.version is not None else ""
+        return f"Report(rank={self.rank}, metrics={self.metrics!r}{ckpt}{version})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Report) and (self.rank, self.metrics, self.checkpoint) == (
-            other.rank,
-            other.metrics,
-            other.checkpoint,
-        )
+        return isinstance(other, Report) and (
+            self.rank,
+            self.metrics,
+            self.checkpoint,
+            self.version,
+        ) == (other.rank, other.metrics, other.checkpoint, other.version)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Report, (self.rank, self.metrics, self.checkpoint))
+        return (Report, (self.rank, self.metrics, self.checkpoint, self.version))
 
 
 class Step:
@@ -52,7 +62,15 @@ class Step:
     # A step from a run holds its ranks' metrics as they arrived (``_row``) and builds its
     # Report objects the first time ``reports`` is read: a consumer that reads ``metrics``, or
     # nothing, pays for one object per step instead of one per rank and step.
-    __slots__ = ("_checkpoint_ranks", "_reports", "_row", "attempt", "checkpoint", "index")
+    __slots__ = (
+        "_checkpoint_ranks",
+        "_reports",
+        "_row",
+        "_versions",
+        "attempt",
+        "checkpoint",
+        "index",
+    )
 
     def __init__(
         self,
@@ -66,6 +84,7 @@ class Step:
         self._reports: Sequence[Report] | None = reports
         self._row: tuple[Mapping[str, Any], ...] = ()
         self._checkpoint_ranks: tuple[int, ...] = ()
+        self._versions: tuple[int | None, ...] | None = None
         self.checkpoint = checkpoint
 
     @property
@@ -73,11 +92,23 @@ class Step:
         """One Report per rank, in rank order."""
         reports = self._reports
         if reports is None:
-            reports = [Report(rank, metrics) for rank, metrics in enumerate(self._row)]
+            versions = self._versions or (None,) * len(self._row)
+            reports = [
+                Report(rank, metrics, None, version)
+                for rank, (metrics, version) in enumerate(zip(self._row, versions, strict=True))
+            ]
             for rank in self._checkpoint_ranks:
                 reports[rank].checkpoint = self.checkpoint
             self._reports = reports
         return reports
+
+    @property
+    def versions(self) -> tuple[int | None, ...]:
+        """The weight version each rank held when it reported (None where it held none), in
+        rank order; see :class:`WeightChannel`."""
+        if self._versions is not None:
+            return self._versions
+        return tuple(r.version for r in self.reports)
 
     @property
     def metrics(self) -> Mapping[str, Any]:
@@ -103,7 +134,7 @@ class StepBatch:
     at once instead of piling up in the garbage collector's older generations (which cost the
     event loop tens of milliseconds per full collection)."""
 
-    __slots__ = ("attempt", "checkpoints", "first", "rows")
+    __slots__ = ("attempt", "checkpoints", "first", "rows", "versions")
 
     def __init__(
         self,
@@ -111,11 +142,13 @@ class StepBatch:
         attempt: int,
         rows: list[tuple[dict[str, Any], ...]],
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]],
+        versions: list[tuple[int | None, ...]] | None = None,
     ) -> None:
         self.first = first
         self.attempt = attempt
         self.rows = rows
         self.checkpoints = checkpoints
+        self.versions = versions
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -127,6 +160,7 @@ class StepBatch:
         step.attempt = self.attempt
         step._reports = None
         step._row = self.rows[i]
+        step._versions = self.versions[i] if self.versions is not None else None
         if self.checkpoints and i in self.checkpoints:
             step.checkpoint, step._checkpoint_ranks = self.checkpoints[i]
         else:
@@ -143,6 +177,7 @@ class StepBatch:
                 self.attempt,
                 self.rows[start : start + size],
                 {i - start: c for i, c in self.checkpoints.items() if start <= i < start + size},
+                self.versions[start : start + size] if self.versions is not None else None,
             )
             for start in range(0, len(self.rows), size)
         ]

@@ -48,6 +48,8 @@ class Assembly:
         self.received = [0] * num_ranks
         self.outcomes: list[Outcome | None] = [None] * num_ranks
         self.last_report = [time.monotonic()] * num_ranks
+        #: Per rank, the weight versions its reports hold: (first sequence number, version).
+        self.versions: list[list[tuple[int, int]]] | None = None
         self.assembled = 0
         self._changed = anyio.Event()
 
@@ -61,6 +63,10 @@ class Assembly:
             self.checkpoints[rank].update(poll.checkpoints)
         if poll.outcome is not None:
             self.outcomes[rank] = poll.outcome
+        if poll.versions:
+            if self.versions is None:
+                self.versions = [[] for _ in range(self.num_ranks)]
+            self.versions[rank].extend(poll.versions)
         self._changed.set()
 
     async def wait_changed(self) -> None:
@@ -98,8 +104,16 @@ class Assembly:
                 ckpt, ranks = checkpoints.get(seq - first, (Checkpoint(path), ()))
                 checkpoints[seq - first] = (ckpt, (*ranks, rank))
         self.assembled += n
+        versions = None
+        if self.versions is not None:
+            columns = [_versions_of(marks, first, n) for marks in self.versions]
+            versions = list(zip(*columns, strict=True))
         return StepBatch(
-            self.index_offset + first, self.attempt, list(zip(*per_rank, strict=True)), checkpoints
+            self.index_offset + first,
+            self.attempt,
+            list(zip(*per_rank, strict=True)),
+            checkpoints,
+            versions,
         )
 
     @property
@@ -110,6 +124,22 @@ class Assembly:
     def values(self) -> list[Any]:
         """Each rank's return value, in rank order (after every rank finished)."""
         return [o.value for o in self.outcomes if o is not None]
+
+
+def _versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int | None]:
+    """The version held by each of reports ``first .. first + n - 1`` of a rank, from its
+    marks (which are pruned to what later reports still need)."""
+    out: list[int | None] = []
+    current: int | None = None
+    i = 0
+    for seq in range(first, first + n):
+        while i < len(marks) and marks[i][0] <= seq:
+            current = marks[i][1]
+            i += 1
+        out.append(current)
+    if i > 1:
+        del marks[: i - 1]  # the last mark before the next report still applies to it
+    return out
 
 
 class Window:

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from .._protocol import Outcome, Poll, RunStart, WorkerContext, WorkerMetadata
-from . import _session
+from . import _channel, _session
 
 __all__ = ["WorkerActor"]
 
@@ -117,6 +117,7 @@ class _Worker:
             _session.end_session(self._session)
             self._session = None
         _session.set_group_context(None)
+        _channel.reset()
         if "ray.data" in sys.modules:
             from ray.data import DataContext
 
@@ -129,6 +130,44 @@ class _Worker:
         if reset_hook is None:
             return Outcome("ok")
         return await _call(reset_hook, (), {})
+
+    # Weight channels (see ``_channel``): each call runs in a thread, beside the run's function.
+
+    async def channel_read(self, name: str, timeout_s: float) -> tuple[int, Any]:
+        """This rank's state for an object-store push: the driver calls this with two return
+        values, awaits the first (its size) and passes the second, which stays in this node's
+        object store, to the receivers by reference."""
+        state = await asyncio.to_thread(_channel.read_state, name, timeout_s)
+        return len(state), state
+
+    async def channel_receive(self, name: str, version: int, refs: list[Any]) -> None:
+        """Fetch the shards of ``version`` from the object store and install them."""
+
+        def fetch_and_install() -> None:
+            state = _channel.merge(ray.get(refs))
+            _channel.install_state(name, version, state)
+
+        await asyncio.to_thread(fetch_and_install)
+
+    async def channel_port(self) -> tuple[str, int]:
+        return _channel.free_port()
+
+    async def channel_cuda(self) -> bool:
+        return await asyncio.to_thread(_channel.cuda_available)
+
+    async def channel_join(self, *args: Any) -> None:
+        await asyncio.to_thread(_channel.join_group, *args)
+
+    async def channel_snapshot(self, name: str, version: int, timeout_s: float) -> Any:
+        return await asyncio.to_thread(_channel.snapshot, name, version, timeout_s)
+
+    async def channel_send(self, name: str, version: int, group_id: str) -> int:
+        return await asyncio.to_thread(_channel.send, name, version, group_id)
+
+    async def channel_receive_torch(
+        self, name: str, version: int, parts: list[Any], device: str
+    ) -> int:
+        return await asyncio.to_thread(_channel.receive, name, version, parts, device)
 
     async def ping(self) -> int:
         return os.getpid()

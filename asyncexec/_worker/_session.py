@@ -51,6 +51,8 @@ BATCH_LINGER_S = 0.002
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 _group_context: WorkerContext | None = None
 _session: Session | None = None
+#: The weight version this worker holds (of the channel it receives from), tagged on reports.
+_report_version: int | None = None
 
 
 def set_group_context(context: WorkerContext | None) -> None:
@@ -58,6 +60,15 @@ def set_group_context(context: WorkerContext | None) -> None:
     pooled worker is returned)."""
     global _group_context
     _group_context = context
+
+
+def set_report_version(version: int | None) -> None:
+    """Tag this worker's next reports with ``version`` (a weight channel installed it)."""
+    global _report_version
+    _report_version = version
+    session = _session
+    if session is not None and version is not None:
+        session.mark_version(version)
 
 
 def get_context() -> WorkerContext:
@@ -184,6 +195,11 @@ class Session:
         self._credit_waiting = False
         self._buffer: list[dict[str, Any]] = []
         self._checkpoints: dict[int, str] = {}
+        # Weight versions as (sequence number of the first report that holds it, version),
+        # not yet sent: a change costs one entry, the hot path nothing.
+        self._versions: list[tuple[int, int]] = []
+        if _report_version is not None:
+            self._versions.append((0, _report_version))
         self._reported = 0
         self._sent = 0
         self._ack = 0
@@ -285,6 +301,15 @@ class Session:
             self._reported += 1
             self._wake_poll()
 
+    def mark_version(self, version: int) -> None:
+        """Reports from now on hold weight ``version``."""
+        with self._lock:
+            marks = self._versions
+            if marks and marks[-1][0] == self._reported:
+                marks[-1] = (self._reported, version)
+            else:
+                marks.append((self._reported, version))
+
     def _wait_credit(self) -> None:
         # Called with the lock held: wait while the window is full; raise once the run stops.
         # A poll that waits for a batch gets what there is: nothing more comes until it returns.
@@ -354,7 +379,10 @@ class Session:
             for s in ckpts:
                 del self._checkpoints[s]
         outcome = self._outcome if not self._buffer else None
-        return Poll(items, ckpts, outcome)
+        versions = None
+        if self._versions:
+            versions, self._versions = self._versions, []
+        return Poll(items, ckpts, outcome, versions)
 
     async def stop(self, timeout_s: float) -> bool:
         """Stop the function: ``report()`` raises inside it, an ``async def`` is cancelled.

@@ -1,0 +1,282 @@
+"""The worker side of weight channels: how a state is read on a source rank and installed on a
+target rank, and the versions a rank holds.
+
+The user's function registers how: ``serve_weights(read)`` on the ranks of the executor that
+sends (a learner), ``receive_weights(install)`` on the ranks of the executor that receives (rollout
+workers). The driver's :class:`~asyncexec._driver._channel.WeightChannel` then moves a state with
+the actor methods below, in threads of the worker, while the run's function keeps running.
+
+A state that arrives before ``install`` is registered (a worker that joins after a restart gets
+the latest version before its function starts) is held until ``receive_weights`` installs it,
+before that call returns. Reports carry the version this worker holds (see ``_session``).
+
+torch is imported only by the torch transport's methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import _session
+
+__all__ = [
+    "receive_weights",
+    "serve_weights",
+    "weights_version",
+]
+
+DEFAULT_CHANNEL = "weights"
+_READER_POLL_S = 0.01
+
+
+class _End:
+    """This process's end of one channel."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.read: Callable[[], Mapping[str, Any]] | None = None
+        self.install: Callable[[Mapping[str, Any], int], object] | None = None
+        self.version: int | None = None  # the version held (received, installed or held back)
+        self.held: Mapping[str, Any] | None = None  # received before install was registered
+        self.snapshots: dict[int, Mapping[str, Any]] = {}  # torch: read, not yet broadcast
+        self.groups: dict[str, Any] = {}  # torch: process group by id
+
+
+_ends: dict[str, _End] = {}
+_ends_lock = threading.Lock()
+
+
+def _end(name: str) -> _End:
+    with _ends_lock:
+        end = _ends.get(name)
+        if end is None:
+            end = _ends[name] = _End()
+        return end
+
+
+def reset() -> None:
+    """Forget every channel (a pooled worker going back to its pool)."""
+    with _ends_lock:
+        _ends.clear()
+    _session.set_report_version(None)
+
+
+def serve_weights(read: Callable[[], Mapping[str, Any]], *, channel: str = DEFAULT_CHANNEL) -> None:
+    """Say how this rank's state is read when the driver pushes it over ``channel``.
+
+    Called in the function given to ``run()`` on the ranks of the sending executor. ``read`` is
+    called in a thread of this worker while the function keeps running: it should return a
+    consistent snapshot (copies of the tensors, taken under a lock the function holds while it
+    updates them). With the torch transport it returns a flat mapping of name to tensor.
+    """
+    if not callable(read):
+        raise TypeError(f"serve_weights() takes a function, got {read!r}")
+    end = _end(channel)
+    with end.lock:
+        end.read = read
+
+
+def receive_weights(
+    install: Callable[[Mapping[str, Any], int], object], *, channel: str = DEFAULT_CHANNEL
+) -> int | None:
+    """Say how a state pushed over ``channel`` is installed on this rank; return the version this
+    worker holds.
+
+    Called in the function given to ``run()`` on the ranks of the receiving executor.
+    ``install(state, version)`` is called in a thread of this worker, while the function keeps
+    running, each time a version arrives: guard what it changes with a lock. When this worker
+    already holds a version (it joined after a restart, and received the latest before its
+    function started), that version is installed now, before this call returns.
+    """
+    if not callable(install):
+        raise TypeError(f"receive_weights() takes a function, got {install!r}")
+    end = _end(channel)
+    with end.lock:
+        end.install = install
+        held, version = end.held, end.version
+        end.held = None
+        if held is not None and version is not None:
+            install(held, version)
+    return version
+
+
+def weights_version(channel: str = DEFAULT_CHANNEL) -> int | None:
+    """The version of ``channel`` this worker holds (None before the first arrives)."""
+    end = _ends.get(channel)
+    return None if end is None else end.version
+
+
+# The driver's calls (through the actor) ---------------------------------------------------------
+
+
+def read_state(name: str, timeout_s: float) -> Mapping[str, Any]:
+    """This rank's state, read with the function ``serve_weights`` registered (waiting up to
+    ``timeout_s`` for the run's function to register one). Blocking: runs in a thread."""
+    end = _end(name)
+    deadline = time.monotonic() + timeout_s
+    while end.read is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no serve_weights(..., channel={name!r}) on this rank within {timeout_s:g} s: "
+                "the sending executor's function must register how its state is read"
+            )
+        time.sleep(_READER_POLL_S)
+    state = end.read()
+    if not isinstance(state, Mapping):
+        kind = type(state).__name__
+        raise TypeError(f"the serve_weights function returned {kind}, not a mapping")
+    return state
+
+
+def install_state(name: str, version: int, state: Mapping[str, Any]) -> None:
+    """Install ``version`` (or hold it until ``receive_weights``); a late, older version never
+    replaces a newer one. Blocking: runs in a thread."""
+    end = _end(name)
+    with end.lock:
+        if end.version is not None and version <= end.version:
+            return
+        if end.install is not None:
+            end.install(state, version)
+        else:
+            end.held = state
+        end.version = version
+    _session.set_report_version(version)
+
+
+def merge(shards: list[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """One state from the shards of a sharded push (by key; the shards must not overlap)."""
+    if len(shards) == 1:
+        return shards[0]
+    merged: dict[str, Any] = {}
+    for shard in shards:
+        overlap = merged.keys() & shard.keys()
+        if overlap:
+            raise ValueError(f"the shards of a sharded push overlap on {sorted(overlap)[:5]}")
+        merged.update(shard)
+    return merged
+
+
+# The torch transport ----------------------------------------------------------------------------
+
+
+def free_port() -> tuple[str, int]:
+    """This node's address and a free TCP port (for a process group's store)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def join_group(
+    name: str,
+    group_id: str,
+    address: str,
+    port: int,
+    rank: int,
+    size: int,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    """Join one of the channel's process groups (rank 0 is its source). Blocking: every member
+    calls it at once."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, size, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    end = _end(name)
+    with end.lock:
+        for old in list(end.groups):
+            if old.split("/")[0] != group_id.split("/")[0]:
+                del end.groups[old]  # a previous generation
+        end.groups[group_id] = group
+
+
+def snapshot(name: str, version: int, timeout_s: float) -> list[tuple[str, tuple[int, ...], str]]:
+    """Read this source rank's state for ``version`` and keep it until it is broadcast; return
+    what the receivers allocate: (name, shape, dtype) per tensor."""
+    import torch
+
+    state = read_state(name, timeout_s)
+    tensors: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"the torch transport moves tensors; {key!r} is a {type(value).__name__}"
+            )
+        tensors[key] = value.detach().contiguous()
+    end = _end(name)
+    with end.lock:
+        end.snapshots[version] = tensors
+    return [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
+
+
+def send(name: str, version: int, group_id: str) -> int:
+    """Broadcast the snapshot of ``version`` from this source rank; return the bytes sent."""
+    import torch.distributed as dist
+
+    end = _end(name)
+    with end.lock:
+        tensors = end.snapshots.pop(version)
+        for older in [v for v in end.snapshots if v < version]:
+            del end.snapshots[older]  # read for a push that failed
+        group = end.groups[group_id]
+    sent = 0
+    for tensor in tensors.values():
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([tensor], options).wait()
+        sent += tensor.numel() * tensor.element_size()
+    return sent
+
+
+def receive(
+    name: str,
+    version: int,
+    parts: list[tuple[str, list[tuple[str, tuple[int, ...], str]]]],
+    device: str,
+) -> int:
+    """Receive ``version`` from each source's group (one part per source), then install it;
+    return the bytes received."""
+    import torch
+    import torch.distributed as dist
+
+    end = _end(name)
+    shards: list[Mapping[str, Any]] = []
+    received = 0
+    for group_id, meta in parts:
+        with end.lock:
+            group = end.groups[group_id]
+        shard: dict[str, Any] = {}
+        for key, shape, dtype in meta:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            group.broadcast([tensor], options).wait()
+            shard[key] = tensor
+            received += tensor.numel() * tensor.element_size()
+        shards.append(shard)
+    install_state(name, version, merge(shards))
+    return received
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

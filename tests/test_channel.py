@@ -1,0 +1,232 @@
+"""WeightChannel against a real Ray: both transports deliver equal bytes to every target rank
+while both runs go on, versions ride on reports, a rank that joins after a restart gets the latest
+version before its function starts, and the channel survives SIGKILLs of either side."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import pytest
+
+import asyncexec
+
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(180)]
+
+ELEMENTS = 50_000  # 200 KB per tensor: through the object store, not inline
+
+
+# Worker side ----------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_weights: dict[str, Any] = {}
+_installed: list[tuple[int, str]] = []  # (version, digest) in install order, this process
+_last_keys: list[str] = []
+
+
+def _digest(state: Mapping[str, Any]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(state):
+        h.update(key.encode())
+        h.update(_as_bytes(state[key]))
+    return h.hexdigest()
+
+
+def _as_bytes(value: Any) -> bytes:
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return bytes(memoryview(value).cast("B"))
+
+
+def learner(config: dict[str, Any]) -> None:
+    """Updates its weights every few ms and serves them; reports each update."""
+    import torch
+
+    rank = asyncexec.get_context().world_rank
+    step = 0
+    with _lock:
+        _weights["w"] = torch.zeros(ELEMENTS)
+        _weights["b"] = torch.zeros(ELEMENTS // 10, dtype=torch.float64)
+
+    def read() -> dict[str, Any]:
+        with _lock:
+            state = {k: v.clone() for k, v in _weights.items()}
+        if config.get("sharded"):
+            return {f"{k}.{rank}": v for k, v in state.items()}
+        return state
+
+    asyncexec.serve_weights(read)
+    while True:
+        step += 1
+        with _lock:
+            _weights["w"] += 1.0 + rank
+            _weights["b"] -= 0.5
+        asyncexec.report({"step": step})
+        time.sleep(0.005)
+
+
+def rollout(config: dict[str, Any]) -> None:
+    """Registers its install function, reports what it holds at start and at each step."""
+    start_version = asyncexec.weights_version()
+
+    def install(state: Mapping[str, Any], version: int) -> None:
+        with _lock:
+            _installed.append((version, _digest(state)))
+            _last_keys[:] = sorted(state)
+
+    asyncexec.receive_weights(install)
+    step = 0
+    while True:
+        step += 1
+        asyncexec.report({"step": step, "start_version": start_version, "pid": os.getpid()})
+        time.sleep(0.005)
+
+
+def installed() -> list[tuple[int, str]]:
+    with _lock:
+        return list(_installed)
+
+
+# Tests ------------------------------------------------------------------------------------------
+
+
+async def _next(run: Any) -> Any:
+    with anyio.fail_after(60):
+        return await run.__anext__()
+
+
+@pytest.mark.parametrize("transport", ["object_store", "torch"])
+async def test_pushes_deliver_equal_bytes_to_every_rank_while_both_runs_go_on(
+    transport: str, tmp_path: Any
+) -> None:
+    async with (
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b, transport=transport) as channel,  # type: ignore[arg-type]
+    ):
+        learn, roll = a.run(learner, {}), b.run(rollout, {})
+        first = await _next(roll)
+        assert first.versions == (None, None)
+        await _next(learn)
+        for expected in (1, 2, 3):
+            assert await channel.push() == expected
+        # Every rank installed 1, 2, 3 in order, and holds the same bytes at each version.
+        per_rank = await b.execute(installed)
+        assert [v for v, _ in per_rank[0]] == [1, 2, 3] == [v for v, _ in per_rank[1]]
+        assert per_rank[0] == per_rank[1]
+        assert len({d for _, d in per_rank[0]}) == 3  # the learner's state moved between pushes
+        # Reports after the push carry the version; both runs are still on their first attempt.
+        while True:
+            step = await _next(roll)
+            if step.versions == (3, 3):
+                break
+        assert [r.version for r in step.reports] == [3, 3]
+        assert channel.lag(step) == 0
+        assert (await _next(learn)).attempt == 1 and step.attempt == 1
+        stats = channel.statistics()
+        assert (stats.version, stats.delivered, stats.pushes) == (3, 3, 3)
+        assert stats.rebuilds == (1 if transport == "torch" else 0)
+        await learn.aclose()
+        await roll.aclose()
+
+
+async def test_sharded_push_installs_the_union_of_every_source_ranks_part(tmp_path: Any) -> None:
+    async with (
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b, transport="torch", sharded=True) as channel,
+    ):
+        learn, roll = a.run(learner, {"sharded": True}), b.run(rollout, {})
+        await _next(learn)
+        await _next(roll)
+        await channel.push()
+        keys = await b.execute(_keys_of_last_install)
+        assert keys == [["b.0", "b.1", "w.0", "w.1"]]
+        await learn.aclose()
+        await roll.aclose()
+
+
+def _keys_of_last_install() -> list[str]:
+    return list(_last_keys)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "torch"])
+async def test_joining_rank_gets_the_latest_version_first_and_the_channel_outlives_sigkills(
+    transport: str, tmp_path: Any
+) -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=2)
+    async with (
+        asyncexec.Executor(
+            2, resources_per_worker={"CPU": 0.5}, restart=policy, storage_path=str(tmp_path)
+        ) as a,
+        asyncexec.Executor(
+            2, resources_per_worker={"CPU": 0.5}, restart=policy, storage_path=str(tmp_path)
+        ) as b,
+        asyncexec.WeightChannel(a, b, transport=transport) as channel,  # type: ignore[arg-type]
+    ):
+        learn, roll = a.run(learner, {}), b.run(rollout, {})
+        await _next(learn)
+        await _next(roll)
+        await channel.push()
+        await channel.push()
+        # SIGKILL a receiving rank: the group restarts, and each of its new ranks holds the
+        # latest version before its function starts (it reports the version it started with):
+        # version 2 from the object store; with torch the rebuilt groups carry the source's
+        # current state as version 3.
+        os.kill(b.workers[1].pid, signal.SIGKILL)
+        while True:
+            step = await _next(roll)
+            if step.attempt == 2:
+                break
+        latest = 2 if transport == "object_store" else 3
+        assert channel.version == latest
+        assert [r.metrics["start_version"] for r in step.reports] == [latest, latest]
+        assert step.versions == (latest, latest)
+        assert channel.statistics().joins == 2
+        # SIGKILL the sending rank: until the learner is back a push may fail clearly; once it
+        # is back, the rebuilt channel delivers the next version.
+        os.kill(a.workers[0].pid, signal.SIGKILL)
+        while (await _next(learn)).attempt != 2:
+            pass
+        version = await _push_until_delivered(channel)
+        while True:
+            step = await _next(roll)
+            if step.versions == (version, version):
+                break
+        per_rank = await b.execute(installed)
+        assert per_rank[0][-1][0] == version and per_rank[0][-1] == per_rank[1][-1]
+        await learn.aclose()
+        await roll.aclose()
+
+
+async def _push_until_delivered(channel: asyncexec.WeightChannel) -> int:
+    for _ in range(20):
+        try:
+            return await channel.push()
+        except asyncexec.ChannelError:
+            await anyio.sleep(0.2)
+    raise AssertionError("no push delivered after the source restarted")
+
+
+async def test_bad_channel_arguments_are_refused_before_anything_moves() -> None:
+    a, b = asyncexec.Executor(1), asyncexec.Executor(1)  # nothing starts until entered
+    with pytest.raises(asyncexec.ConfigurationError, match="must differ"):
+        asyncexec.WeightChannel(a, a)
+    with pytest.raises(asyncexec.ConfigurationError, match="transport"):
+        asyncexec.WeightChannel(a, b, transport="pigeon")  # type: ignore[arg-type]
+    with pytest.raises(asyncexec.ConfigurationError, match="max_staleness"):
+        asyncexec.WeightChannel(a, b, max_staleness=0)
+    with pytest.raises(asyncexec.ExecutorStateError, match="not open"):
+        await asyncexec.WeightChannel(a, b).push()
+    async with asyncexec.WeightChannel(a, b):
+        with pytest.raises(asyncexec.ConfigurationError, match="already receives"):
+            async with asyncexec.WeightChannel(asyncexec.Executor(1), b):
+                pass
+    with pytest.raises(asyncexec.ConfigurationError, match=r"two asyncexec\.Executors"):
+        asyncexec.WeightChannel(object(), object())  # type: ignore[arg-type]
