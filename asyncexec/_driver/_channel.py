@@ -150,6 +150,9 @@ class WeightChannel:
         self._pending: dict[int, _Pending] = {}
         self._last: _Pending | None = None  # the latest version read (its refs serve joins)
         self._held: dict[str, int] = {}  # target actor -> version installed
+        #: The target group the held versions are of: a new group (a restart, a lease of
+        #: pooled workers whose channel state was reset) starts from nothing held.
+        self._held_group: WorkerGroup | None = None
         self._read_lock = anyio.Lock()
         self._tg: anyio.abc.TaskGroup | None = None
         self._open = False
@@ -402,6 +405,9 @@ class WeightChannel:
         that does not hold the latest version gets it first."""
         if self._version == 0 or not self._open:
             return
+        if group is not self._held_group:
+            self._held_group = group
+            self._held = {}
         joiners = [w for w in group.workers if self._held.get(_key(w), 0) < self._version]
         if not joiners:
             return
