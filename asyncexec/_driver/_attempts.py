@@ -33,6 +33,7 @@ from ..backends._base import Backend
 from ._group import WorkerGroup, with_others
 from ._health import find_dead, watch, watch_steps
 from ._restart import RestartPolicy
+from ._resume import RECORD_INTERVAL_S, Resume, RunRecord, decide, load_record, save_record
 from ._run import RunCore, RunEnd, RunState
 from ._slot import GroupSlot
 from ._window import HandOver, Window
@@ -58,6 +59,9 @@ class RunSpec:
     checkpoint: Checkpoint | None
     buffer_size: int
     datasets: Any  # (prepared datasets, DataConfig) or None
+    name: str | None = None  # a named run keeps a record to resume from (see _resume)
+    resume: Resume = "auto"
+    fingerprint: str = ""
 
 
 class RunDriver:
@@ -89,6 +93,12 @@ class RunDriver:
         self._payload: Any = None
         self._group: WorkerGroup | None = None
         self._session_live = False
+        #: Attempts of this run before this driver's (a resumed run's dead drivers').
+        self._attempt_base = 0
+        self._steps_base = 0  # and the steps they delivered
+        self._record: RunRecord | None = None
+        self._record_now = anyio.Event()
+        self.handover.on_checkpoint = lambda: self._record_now.set()
 
     async def main(self, previous: RunCore | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
@@ -99,8 +109,14 @@ class RunDriver:
                 if previous is not None:
                     await previous.finished.wait()
                 t0 = time.perf_counter()
+                if self.spec.name is not None:
+                    await self._resume()
                 self.log.info("run_started")
-                values = await self._attempts()
+                async with anyio.create_task_group() as tg:
+                    if self._record is not None:
+                        tg.start_soon(self._keep_record)
+                    values = await self._attempts()
+                    tg.cancel_scope.cancel()
                 result = self._result(values)
                 run.result, run.state = result, RunState.FINISHED
                 seconds = round(time.perf_counter() - t0, 3)
@@ -118,12 +134,79 @@ class RunDriver:
             end = RunEnd(None, error)
         finally:
             with anyio.CancelScope(shield=True):
+                if self._record is not None:
+                    await self._write_record(run.state.value)
                 await self._stop_session()
                 await self._release_datasets()
                 run.end = end
                 self._on_end(run)
                 run.finished.set()
             self._send.close()
+
+    async def _resume(self) -> None:
+        """A named run: resume from its record when a dead driver left one, else start one.
+
+        Raises:
+            ConfigurationError: the run already finished, or was started with another config.
+        """
+        name = self.spec.name
+        assert name is not None
+        storage = self.config.storage_path
+        record = await anyio.to_thread.run_sync(load_record, storage, name)
+        previous = decide(record, name, self.spec.fingerprint, self.spec.resume)
+        run = self.run
+        if previous is None:
+            self._record = RunRecord(name, "running", 0, 0, None, self.spec.fingerprint)
+        else:
+            self._record = previous.advanced(status="running")
+            self._attempt_base = previous.attempt
+            run.attempt = previous.attempt
+            if previous.checkpoint is not None:
+                self.latest = Checkpoint(previous.checkpoint)
+            # The stream goes on from where the dead driver's stopped.
+            self.handover.steps = self._steps_base = previous.steps
+            run.handed = run.consumed = run.received_upto = previous.steps
+            self.log.warning(
+                "run_resumed",
+                steps=previous.steps,
+                attempt=previous.attempt,
+                checkpoint=previous.checkpoint,
+            )
+        await self._write_record("running")
+
+    async def _keep_record(self) -> None:
+        """Write the record when a checkpoint becomes the latest, and every
+        ``RECORD_INTERVAL_S`` while steps flow."""
+        while True:
+            with anyio.move_on_after(RECORD_INTERVAL_S):
+                await self._record_now.wait()
+            self._record_now = anyio.Event()
+            await self._write_record("running")
+
+    async def _write_record(self, status: str) -> None:
+        record = self._record
+        if record is None:
+            return
+        run = self.run
+        latest = run.latest_checkpoint or self.latest
+        updated = record.advanced(
+            status=status,
+            steps=self._steps_base + run.delivered,
+            attempt=run.attempt,
+            checkpoint=latest.path if latest is not None else None,
+        )
+        if (updated.steps, updated.attempt, updated.checkpoint, updated.status) == (
+            record.steps,
+            record.attempt,
+            record.checkpoint,
+            record.status,
+        ) and status == "running" and record.updated:
+            return
+        self._record = updated
+        try:
+            await anyio.to_thread.run_sync(save_record, self.config.storage_path, updated)
+        except OSError as exc:
+            self.log.warning("run_record_failed", error=describe(exc))
 
     def _result(self, values: list[Any]) -> Any:
         from ._steps import RunResult
@@ -143,7 +226,7 @@ class RunDriver:
         try:
             async for attempt in retrying:
                 with attempt:
-                    number = attempt.retry_state.attempt_number
+                    number = self._attempt_base + attempt.retry_state.attempt_number
                     self.run.attempt = number
                     steps_before = self.handover.steps
                     try:
@@ -171,7 +254,7 @@ class RunDriver:
         latest = self.run.latest_checkpoint or self.latest
         self.log.warning(
             "restarting",
-            attempt=state.attempt_number + 1,
+            attempt=self._attempt_base + state.attempt_number + 1,
             wait_s=round(wait, 3),
             checkpoint=latest.path if latest else None,
         )

@@ -11,7 +11,7 @@ import enum
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -37,6 +37,7 @@ from ._pool import WorkerPool
 from ._ray import ensure_ray
 from ._reservation import Claim, Reservation
 from ._restart import RestartPolicy
+from ._resume import Resume, check_name, fingerprint
 from ._run import Run, RunCore, RunState, new_run_id
 from ._slot import GroupSlot
 from ._steps import RunResult
@@ -373,6 +374,8 @@ class Executor:
         buffer_size: int | None = None,
         datasets: Mapping[str, Any] | None = None,
         data_config: Any = None,
+        name: str | None = None,
+        resume: Resume = "auto",
     ) -> Run:
         """Start ``fn`` on every worker and return an async iterator of its steps.
 
@@ -389,22 +392,34 @@ class Executor:
             datasets: Ray Data datasets by name; each rank reads its part with
                 :func:`asyncexec.get_dataset_shard` (needs the ``data`` extra).
             data_config: an :class:`asyncexec.DataConfig` saying which datasets are split.
+            name: names the run (its id, and its folder under ``storage_path``): a named run
+                keeps a record there (latest checkpoint, steps delivered, attempt, the config's
+                fingerprint) so that a new driver process starting a run of the same name and
+                storage resumes it after this one died: from the latest checkpoint, with the
+                step index and the attempt going on.
+            resume: for a named run: ``"auto"`` resumes an unfinished run of that name (and
+                refuses a finished one, or one started with another config), ``"force"``
+                resumes it whatever its config, ``"never"`` starts it over.
 
         Raises:
             ConfigurationError: ``fn`` is not callable or does not pickle, the checkpoint
-                directory does not exist, or ``buffer_size`` is not a positive int.
+                directory does not exist, ``buffer_size`` is not a positive int, or ``name``
+                or ``resume`` is invalid. A named run whose record refuses it (finished, or
+                another config) fails with it when first iterated.
             ExecutorStateError: the executor is not started or is closed, or another run is in
                 progress.
         """
         tg = self._check_open()
         bound = self.config.buffer_size if buffer_size is None else buffer_size
         spec = _run_spec(fn, config, checkpoint, bound, datasets, data_config)
+        if name is not None or resume != "auto":
+            spec = _named(spec, name, resume, config)
         if self._run is not None and self._run.active and not self._run.closed:
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"
             )
         send, receive = anyio.create_memory_object_stream[Any](0)
-        core = RunCore(new_run_id())
+        core = RunCore(spec.name or new_run_id())
         driver = RunDriver(self._slot, self.restart_policy, core, send, spec, self._run_ended)
         previous, self._run = self._run, core
         if previous is not None:
@@ -495,6 +510,23 @@ def _run_spec(
 
         data = validate_datasets({} if datasets is None else datasets, data_config)
     return RunSpec(payload, start, bound, data)
+
+
+def _named(spec: RunSpec, name: str | None, resume: Any, config: Any) -> RunSpec:
+    """A named run's spec: its name, what to do with a previous record, and its config's
+    fingerprint.
+
+    Raises:
+        ConfigurationError: a bad name or ``resume``, or ``resume`` without a name.
+    """
+    if resume not in ("auto", "never", "force"):
+        raise ConfigurationError(f'resume must be "auto", "never" or "force", got {resume!r}')
+    if name is None:
+        raise ConfigurationError("resume= applies to a named run: give run(..., name=...)")
+    check_name(name)
+    return replace(
+        spec, name=name, resume=resume, fingerprint=fingerprint(cloudpickle.dumps(config))
+    )
 
 
 def _pickle(fn: Callable[..., Any], config: Any) -> bytes:

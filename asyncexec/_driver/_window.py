@@ -220,6 +220,8 @@ class HandOver:
         self._send = send
         self._unsent: list[StepBatch] = []
         self._pruned: list[str] = []
+        #: Called when a checkpoint becomes the latest (a named run records it).
+        self.on_checkpoint: Callable[[], None] | None = None
 
     def queue(self, batch: StepBatch) -> None:
         for part in batch.split(BATCH):
@@ -228,6 +230,8 @@ class HandOver:
                     checkpoint = part.checkpoints[i][0]
                     self.run.latest_checkpoint = checkpoint
                     self._pruned.extend(self.book.add(checkpoint, part.rows[i][0]))
+                if part.checkpoints and self.on_checkpoint is not None:
+                    self.on_checkpoint()
                 self.steps += len(part)
                 self._unsent.append(part)
 
