@@ -1,19 +1,78 @@
-"""PPO on CartPole-v1 (the algorithm, verified in one process; asyncexec wiring to follow).
+"""PPO on CartPole-v1 with asyncexec: a learner group that trains with DistributedDataParallel,
+a rollout group that acts in the environments, both on one reservation, weights pushed over a
+WeightChannel after every update and experience streamed back, the event loop free throughout.
 
-    python -c "from examples.ppo_cartpole import train_local; print(train_local(lag=2))"
+    pip install -e ".[torch,rl]"                   # torch and gymnasium
+    python examples/ppo_cartpole.py                 # until solved (about a minute on 2 cores)
+    python examples/ppo_cartpole.py --kill-rollout-at 20 --kill-learner-at 47   # with faults
+    python examples/ppo_cartpole.py --rollout-workers 4 --staleness 2 --max-updates 400
 
-:func:`train_local` runs PPO (clipped objective, GAE, value head) with collectors that act with
-weights ``lag`` updates old, as the asynchronous loop's rollout workers will.
+Solved means gymnasium's ``reward_threshold`` for CartPole-v1: an average return of at least 475
+over the last 100 episodes (the episodes the rollout workers played, with the sampling policy).
+
+How the pieces fit:
+
+- ``Reservation(max(L, R), {"CPU": 1})`` holds one placement group; the learner ``Executor(L,
+  backend=TorchBackend())`` (gloo) and the rollout ``Executor(R)`` place rank i on bundle i, each
+  worker ``{"CPU": 0.5}``.
+- The learner ranks run :func:`learner_fn`: build the actor-critic (two 64x64 tanh MLPs), resume
+  from the latest checkpoint when there is one, wrap it in DistributedDataParallel, say how its
+  weights are read (``serve_weights``), report ``ready``, then wait on a per-process queue for
+  experience. The driver fills the queues with ``await learner.execute(feed, seq, parts)`` (it runs
+  on every rank while ``run()`` goes on; each rank takes its part). Each rank runs a PPO update on
+  its half of the environments (GAE with the current value head, 4 epochs of 4 minibatches of the
+  clipped objective; DDP averages the gradients), reports its losses, and rank 0 checkpoints the
+  model, the optimizer and the update count every few updates.
+- The rollout ranks run :func:`rollout_fn`: ``receive_weights`` installs pushed weights in a
+  thread (under a lock); before each batch the loop loads the newest, steps its environments
+  for a batch and ``report()``s it (numpy arrays) with the version it acted with. asyncexec also
+  tags each report with the version the worker held (``Report.version``).
+- The driver streams ``rollout.run(rollout_fn, buffer_size=1)``. For each step (one batch per
+  rollout rank) it checks staleness (``channel.version`` minus the version each batch was made
+  with), deals each batch's environments out to the learner ranks, feeds them, waits for the
+  learner's report of that update, then ``await channel.push()`` (learner rank 0 is the source;
+  ``max_staleness=1``: the push returns once every rollout rank holds the new version).
+- Staleness: with ``buffer_size=1`` a rollout rank starts a batch only after the driver has taken
+  its batch before last, and the driver takes a step only after pushing the update of the step
+  before: a batch is at most 2 versions behind when it is consumed (1 in every run measured:
+  the report window's acknowledgement reaches the worker after the push). A step beyond the
+  bound K (``--staleness``) is dropped and counted (none was, at K = 2 or 1).
+- Faults: ``--kill-rollout-at N`` SIGKILLs rollout rank 1 after update N (the rollout group
+  replaces it; the new worker gets the latest weights before its function starts);
+  ``--kill-learner-at N`` SIGKILLs learner rank 0, the weights' source, after update N: the
+  learner group restarts from its latest checkpoint, reports ``ready`` again, the driver feeds
+  the experience it was on again and pushes the restored weights. Steps already taken are not
+  lost; the learner loses at most ``--checkpoint-every`` - 1 updates.
+- A coroutine on the driver's loop wakes every 5 ms and records how late it wakes up: the
+  summary gives that loop lag's p50, p99 and max.
+
+:func:`train_local` runs the same algorithm in one process without Ray (collectors acting with
+weights ``lag`` updates old), which is how the hyper-parameters were chosen:
+``python -c "from examples.ppo_cartpole import train_local; print(train_local(lag=2))"``.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+import asyncexec
 
 OBS_DIM = 4
 N_ACTIONS = 2
@@ -197,10 +256,11 @@ def ppo_update(
     import torch
 
     forward = forward or model
-    obs = torch.from_numpy(batch["obs"]).reshape(-1, OBS_DIM)
+    # torch.tensor copies: arrays that come out of Ray's object store are read-only.
+    obs = torch.tensor(batch["obs"]).reshape(-1, OBS_DIM)
     with torch.no_grad():
         _, values = model(obs)
-        _, last_values = model(torch.from_numpy(batch["last_obs"]))
+        _, last_values = model(torch.tensor(batch["last_obs"]))
     t_, n_ = batch["rewards"].shape
     values_np = values.numpy().reshape(t_, n_)
     adv_np = gae(
@@ -209,8 +269,8 @@ def ppo_update(
     )  # fmt: skip
     advantages = torch.from_numpy(adv_np).reshape(-1)
     returns = advantages + values
-    actions = torch.from_numpy(batch["actions"]).reshape(-1)
-    old_logp = torch.from_numpy(batch["logp"]).reshape(-1)
+    actions = torch.tensor(batch["actions"]).reshape(-1)
+    old_logp = torch.tensor(batch["logp"]).reshape(-1)
     size = obs.shape[0]
     mb = size // cfg.minibatches
     stats = {"loss": 0.0, "policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "kl": 0.0,
@@ -330,3 +390,557 @@ def train_local(
         solved=len(returns) >= SOLVED_WINDOW and avg >= SOLVED_RETURN,
         seconds=time.perf_counter() - t0,
     )
+
+
+# The worker side --------------------------------------------------------------------------------
+
+CHANNEL = "weights"
+STATE_FILE = "learner.pt"
+
+# Experience the driver fed to this learner process with ``learner.execute(feed, ...)``, taken by
+# learner_fn (module-level: one queue per worker process, shared by the run's thread and the
+# threads that execute() calls run in).
+INBOX: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+
+
+def feed(seq: int, parts: Sequence[dict[str, Any]] | None) -> int:
+    """Runs on every learner rank (``learner.execute``): queue this rank's part of update ``seq``;
+    ``parts=None`` tells learner_fn to return."""
+    if parts is None:
+        INBOX.put(None)
+    else:
+        INBOX.put((seq, parts[asyncexec.get_context().world_rank]))
+    return seq
+
+
+def learner_fn(config: dict[str, Any]) -> int:
+    """A learner rank: PPO updates on fed experience, DDP across the ranks; returns the update
+    count. Reports ``ready`` once, then once per update; rank 0 checkpoints every
+    ``checkpoint_every`` updates."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    ctx = asyncexec.get_context()
+    cfg = PPOConfig(**config["ppo"])
+    model = make_model(cfg.hidden, cfg.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, eps=1e-5)
+    update = 0
+    checkpoint = asyncexec.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as path:
+            state = torch.load(os.path.join(path, STATE_FILE), weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        update = int(state["update"])
+    ddp = DistributedDataParallel(model)
+    lock = threading.Lock()  # the update against the channel's reads of the weights
+
+    def read() -> dict[str, Any]:
+        with lock:
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    asyncexec.serve_weights(read, channel=CHANNEL)
+    asyncexec.report({"kind": "ready", "update": update, "seq": -1})
+    rng = np.random.default_rng([cfg.seed, ctx.world_rank, ctx.attempt])
+    last_seq = -1
+    while True:
+        item = INBOX.get()
+        if item is None:
+            return update
+        seq, part = item
+        if seq <= last_seq:  # fed again after a restart that turned out not to need it
+            continue
+        last_seq = seq
+        with lock:
+            set_lr(optimizer, cfg, update)
+            stats = ppo_update(model, optimizer, part, cfg, rng, forward=ddp)
+        update += 1
+        metrics = {"kind": "update", "update": update, "seq": seq, **stats}
+        if ctx.world_rank == 0 and update % config["checkpoint_every"] == 0:
+            tmp = tempfile.mkdtemp(prefix="ppo_cartpole_")
+            try:
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                torch.save({**state, "update": update}, os.path.join(tmp, STATE_FILE))
+                asyncexec.report(metrics, checkpoint=asyncexec.Checkpoint.from_directory(tmp))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            asyncexec.report(metrics)
+
+
+class _Latest:
+    """The newest weights pushed to a rollout worker and their version (installed by the
+    channel in a thread of the worker, taken by the rollout loop)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.arrived = threading.Event()
+        self.state: Mapping[str, Any] | None = None
+        self.version = 0
+
+    def install(self, state: Mapping[str, Any], version: int) -> None:
+        with self.lock:
+            if version > self.version:
+                self.state, self.version = state, version
+        self.arrived.set()
+
+    def take(self) -> tuple[Mapping[str, Any] | None, int]:
+        """The newest state not taken yet (or None) and its version."""
+        with self.lock:
+            state, self.state = self.state, None
+            return state, self.version
+
+
+def rollout_fn(config: dict[str, Any]) -> None:
+    """A rollout rank: act with the newest weights, report a batch of experience, repeat until
+    the driver stops the run (``report()`` then raises)."""
+    import torch
+
+    torch.set_num_threads(1)
+    ctx = asyncexec.get_context()
+    cfg = PPOConfig(**config["ppo"])
+    model = make_model(cfg.hidden, cfg.seed)
+    latest = _Latest()
+    asyncexec.receive_weights(latest.install, channel=CHANNEL)
+    if not latest.arrived.wait(config["first_weights_timeout_s"]):
+        raise TimeoutError("no weights arrived over the channel")
+    collector = Collector(
+        cfg.envs_per_worker, cfg.seed * 1000 + 97 * ctx.attempt + ctx.world_rank, cfg.gamma
+    )
+    version = 0
+    while True:
+        state, held = latest.take()
+        if state is not None:
+            model.load_state_dict(state)
+            version = held
+        batch = collector.collect(model, cfg.rollout_steps)
+        asyncexec.report({**batch, "version": version, "env_steps": collector.env_steps})
+
+
+# The driver side --------------------------------------------------------------------------------
+
+
+class LoopLag:
+    """Another coroutine on the driver's loop: wakes every ``interval_s`` and records how late."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.lags: list[float] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.lags.append(max(0.0, time.perf_counter() - t0 - self.interval_s))
+
+    def percentiles_ms(self) -> tuple[float, float, float]:
+        """p50, p99 and max in milliseconds."""
+        if not self.lags:
+            return 0.0, 0.0, 0.0
+        lags = np.asarray(self.lags) * 1000.0
+        return (
+            float(np.percentile(lags, 50)),
+            float(np.percentile(lags, 99)),
+            float(lags.max()),
+        )
+
+
+class _LearnerLink:
+    """The driver's side of the learner: its run's steps as events, feeding an update (again
+    after a restart), pushing its weights (again after a restart)."""
+
+    def __init__(self, executor: asyncexec.Executor, ready_timeout_s: float) -> None:
+        self.executor = executor
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.attempt = 0  # the attempt of the latest ``ready`` report
+        self.resumed_from: list[int] = []  # the update each restarted attempt resumed from
+        self.ready_timeout_s = ready_timeout_s
+
+    async def pump(self, run: asyncexec.Run) -> None:
+        """Move the learner run's steps to ``events`` (then None, or the run's error)."""
+        try:
+            async for step in run:
+                self.events.put_nowait(step)
+        except Exception as exc:
+            self.events.put_nowait(exc)
+        else:
+            self.events.put_nowait(None)
+
+    async def next_event(self) -> Any:
+        item = await self.events.get()
+        if item is None:
+            raise RuntimeError("the learner's run ended")
+        if isinstance(item, BaseException):
+            raise item
+        if item.metrics["kind"] == "ready":
+            self.attempt = item.attempt
+            if item.attempt > 1:
+                self.resumed_from.append(int(item.metrics["update"]))
+        return item
+
+    async def wait_ready(self, after_attempt: int) -> None:
+        """Until a ``ready`` report of an attempt after ``after_attempt`` has come."""
+        async with asyncio.timeout(self.ready_timeout_s):
+            while self.attempt <= after_attempt:
+                await self.next_event()
+
+    async def update(self, seq: int, parts: list[dict[str, Any]]) -> asyncexec.Step:
+        """Feed update ``seq`` and return the learner's step for it. When the learner restarts
+        before it reports the update, the restarted ranks are fed again (a rank that got it
+        twice skips the copy)."""
+        fed = -1
+        while True:
+            if fed != self.attempt:
+                fed = self.attempt
+                with contextlib.suppress(asyncexec.WorkerError):
+                    await self.executor.execute(feed, seq, parts)
+            step = await self.next_event()
+            if step.metrics["kind"] == "update" and step.metrics["seq"] == seq:
+                return step
+
+    async def push(self, channel: asyncexec.WeightChannel) -> int:
+        """Push the learner's weights; when its source rank died, push the restarted learner's
+        (restored from its checkpoint)."""
+        while True:
+            attempt = self.attempt
+            try:
+                return await channel.push()
+            except asyncexec.ChannelError:
+                await self.wait_ready(attempt)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a run of :func:`main` did."""
+
+    updates: int
+    env_steps: int
+    episodes: int
+    initial_average_return: float  # over the first 100 episodes
+    final_average_return: float  # over the last 100 episodes
+    best_average_return: float
+    solved: bool
+    solved_after_s: float | None
+    staleness_bound: int
+    max_lag: int  # max over consumed batches of channel.version - the version acted with
+    max_report_lag: int  # the same with Report.version (the version held at report())
+    dropped: int  # steps over the bound, not trained on
+    rollout_restarts: int
+    learner_restarts: int
+    learner_resumed_from: list[int]
+    pushes: int
+    loop_lag_p50_ms: float
+    loop_lag_p99_ms: float
+    loop_lag_max_ms: float
+    seconds: float
+    returns: list[float] = field(repr=False, default_factory=list)
+
+    @property
+    def restarts(self) -> int:
+        return self.rollout_restarts + self.learner_restarts
+
+    def report(self) -> str:
+        """A few lines for people."""
+        solved = (
+            f"solved after {self.solved_after_s:.1f} s"
+            if self.solved and self.solved_after_s is not None
+            else "not solved"
+        )
+        return "\n".join(
+            [
+                f"{solved}: average return {self.initial_average_return:.1f} (first 100 "
+                f"episodes) -> {self.final_average_return:.1f} (last 100; best "
+                f"{self.best_average_return:.1f}, threshold {SOLVED_RETURN:.0f})",
+                f"{self.updates} updates, {self.pushes} weight pushes, {self.env_steps} "
+                f"environment steps, {self.episodes} episodes in {self.seconds:.1f} s",
+                f"staleness: max lag {self.max_lag} versions (Report.version: "
+                f"{self.max_report_lag}; bound {self.staleness_bound}), {self.dropped} steps "
+                f"dropped",
+                f"restarts: {self.rollout_restarts} rollout, {self.learner_restarts} learner "
+                f"(resumed from updates {self.learner_resumed_from})",
+                f"loop lag p50 {self.loop_lag_p50_ms:.2f} ms, p99 {self.loop_lag_p99_ms:.2f} "
+                f"ms, max {self.loop_lag_max_ms:.2f} ms",
+            ]
+        )
+
+
+def _kill(executor: asyncexec.Executor, rank: int) -> int:
+    pid = executor.workers[rank].pid
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+async def main(
+    *,
+    rollout_workers: int = 2,
+    learner_workers: int = 2,
+    staleness: int = 2,
+    max_updates: int = 400,
+    stop_when_solved: bool = True,
+    kill_rollout_at: int | None = None,
+    kill_learner_at: int | None = None,
+    checkpoint_every: int = 5,
+    max_restarts: int = 3,
+    transport: str = "object_store",
+    ppo: PPOConfig | None = None,
+    storage_path: str | os.PathLike[str] | None = None,
+    on_update: Callable[[int, float], None] | None = None,
+    verbose: bool = False,
+) -> Summary:
+    """Train PPO on CartPole-v1 with a learner and a rollout group; return what happened.
+
+    Args:
+        rollout_workers: rollout ranks R (each steps ``ppo.envs_per_worker`` environments).
+        learner_workers: learner ranks L (DDP over gloo); ``envs_per_worker`` must divide by L.
+        staleness: the bound K on ``channel.version`` minus a batch's version; steps beyond it
+            are dropped.
+        max_updates: stop after so many updates (when not solved before).
+        stop_when_solved: stop once the last 100 episodes average 475 or more.
+        kill_rollout_at: after this update, SIGKILL rollout rank 1 (0 when R == 1).
+        kill_learner_at: after this update, SIGKILL learner rank 0 (the weights' source).
+        checkpoint_every: learner rank 0 checkpoints every so many updates.
+        max_restarts: restarts allowed to each group.
+        transport: the channel's transport, ``"object_store"`` or ``"torch"``.
+        ppo: the hyper-parameters (:class:`PPOConfig`).
+        storage_path: where the learner's checkpoints go (the executors' storage path).
+        on_update: called with (update, average return of the last 100 episodes) after each.
+        verbose: print progress every 10 updates.
+    """
+    ppo = ppo or PPOConfig()
+    if ppo.envs_per_worker % learner_workers:
+        raise ValueError("envs_per_worker must be a multiple of learner_workers")
+    config = {
+        "ppo": ppo.as_dict(),
+        "checkpoint_every": checkpoint_every,
+        "first_weights_timeout_s": 120.0,
+    }
+    returns: list[float] = []
+    best = 0.0
+    max_lag = max_report_lag = dropped = updates = env_steps = 0
+    solved_after: float | None = None
+    lag = LoopLag()
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    bundles = max(rollout_workers, learner_workers)
+    restart = asyncexec.RestartPolicy(max_restarts=max_restarts)
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(lag.run(stop))
+        try:
+            async with (
+                asyncexec.Reservation(
+                    bundles, resources_per_bundle={"CPU": 1}, name="ppo"
+                ) as reservation,
+                asyncexec.Executor(
+                    learner_workers,
+                    reservation=reservation,
+                    resources_per_worker={"CPU": 0.5},
+                    backend=_torch_backend(),
+                    restart=restart,
+                    checkpoint=asyncexec.CheckpointConfig(num_to_keep=2),
+                    storage_path=storage_path,
+                    name="learner",
+                ) as learner,
+                asyncexec.Executor(
+                    rollout_workers,
+                    reservation=reservation,
+                    resources_per_worker={"CPU": 0.5},
+                    restart=restart,
+                    storage_path=storage_path,
+                    name="rollout",
+                ) as rollout,
+                asyncexec.WeightChannel(
+                    learner, rollout, name=CHANNEL, transport=transport, max_staleness=1
+                ) as channel,
+            ):
+                link = _LearnerLink(learner, ready_timeout_s=300.0)
+                pump = tasks.create_task(link.pump(learner.run(learner_fn, config)))
+                try:
+                    await link.wait_ready(0)
+                    await link.push(channel)  # version 1: the initial weights
+                    seq = 0
+                    run = rollout.run(rollout_fn, config, buffer_size=1)
+                    async for step in run:
+                        now = channel.version
+                        acted = min(int(r.metrics["version"]) for r in step.reports)
+                        held = [r.version for r in step.reports]
+                        held_min = min(acted if v is None else int(v) for v in held)
+                        max_lag = max(max_lag, now - acted)
+                        max_report_lag = max(max_report_lag, now - held_min)
+                        env_steps += sum(
+                            int(np.prod(r.metrics["rewards"].shape)) for r in step.reports
+                        )
+                        for r in step.reports:
+                            returns.extend(r.metrics["episode_returns"].tolist())
+                        average = average_last(returns)
+                        if len(returns) >= SOLVED_WINDOW:
+                            best = max(best, average)
+                            if solved_after is None and average >= SOLVED_RETURN:
+                                solved_after = time.perf_counter() - t0
+                        if solved_after is not None and stop_when_solved:
+                            break
+                        if updates >= max_updates:
+                            break
+                        if max(now - acted, now - held_min) > staleness:
+                            dropped += 1
+                            continue
+                        seq += 1
+                        split = [split_envs(r.metrics, learner_workers) for r in step.reports]
+                        parts = [
+                            concat_envs([s[j] for s in split]) for j in range(learner_workers)
+                        ]
+                        done = await link.update(seq, parts)
+                        await link.push(channel)
+                        updates += 1
+                        if on_update is not None:
+                            on_update(updates, average)
+                        if verbose and updates % 10 == 0:
+                            print(
+                                f"update {updates}: average return {average:.1f} over "
+                                f"{min(len(returns), SOLVED_WINDOW)} of {len(returns)} "
+                                f"episodes, lag {now - acted}, kl {done.metrics['kl']:.4f}, "
+                                f"{time.perf_counter() - t0:.1f} s",
+                                flush=True,
+                            )
+                        if updates == kill_rollout_at:
+                            pid = _kill(rollout, 1 if rollout_workers > 1 else 0)
+                            if verbose:
+                                print(f"killed rollout worker pid {pid}", flush=True)
+                        if updates == kill_learner_at:
+                            pid = _kill(learner, 0)
+                            if verbose:
+                                print(f"killed learner rank 0 pid {pid}", flush=True)
+                    await run.aclose()
+                    # The learner ranks return (a restart in progress may need a second try).
+                    for _ in range(3):
+                        try:
+                            await learner.execute(feed, -1, None)
+                            break
+                        except asyncexec.WorkerError:
+                            await link.wait_ready(link.attempt)
+                    await pump
+                finally:
+                    pump.cancel()
+                pushes = channel.version
+                rollout_restarts = rollout.statistics().restarts
+                learner_restarts = learner.statistics().restarts
+        finally:
+            stop.set()
+    p50, p99, worst = lag.percentiles_ms()
+    return Summary(
+        updates=updates,
+        env_steps=env_steps,
+        episodes=len(returns),
+        initial_average_return=float(np.mean(returns[:SOLVED_WINDOW])) if returns else 0.0,
+        final_average_return=average_last(returns),
+        best_average_return=best,
+        solved=solved_after is not None,
+        solved_after_s=solved_after,
+        staleness_bound=staleness,
+        max_lag=max_lag,
+        max_report_lag=max_report_lag,
+        dropped=dropped,
+        rollout_restarts=rollout_restarts,
+        learner_restarts=learner_restarts,
+        learner_resumed_from=link.resumed_from,
+        pushes=pushes,
+        loop_lag_p50_ms=p50,
+        loop_lag_p99_ms=p99,
+        loop_lag_max_ms=worst,
+        seconds=time.perf_counter() - t0,
+        returns=returns,
+    )
+
+
+def _torch_backend() -> Any:
+    from asyncexec.backends import TorchBackend
+
+    return TorchBackend(backend="gloo")
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """The command line: parse ``argv``, train, print the summary; 0 when solved (or, with
+    ``--no-stop``, when the return rose) with no step over the staleness bound."""
+    defaults = PPOConfig()
+    parser = argparse.ArgumentParser(description="PPO on CartPole-v1 with asyncexec.")
+    parser.add_argument("--rollout-workers", type=int, default=2, help="rollout ranks (2)")
+    parser.add_argument("--learner-workers", type=int, default=2, help="learner ranks (2)")
+    parser.add_argument(
+        "--staleness", type=int, default=2, help="bound K on a batch's lag in versions (2)"
+    )
+    parser.add_argument("--max-updates", type=int, default=400, help="at most so many (400)")
+    parser.add_argument(
+        "--no-stop", action="store_true", help="train for --max-updates even once solved"
+    )
+    parser.add_argument("--kill-rollout-at", type=int, default=None, metavar="UPDATE")
+    parser.add_argument("--kill-learner-at", type=int, default=None, metavar="UPDATE")
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="learner updates (5)")
+    parser.add_argument("--max-restarts", type=int, default=3, help="per group (3)")
+    parser.add_argument(
+        "--transport", choices=["object_store", "torch"], default="object_store"
+    )
+    parser.add_argument("--envs-per-worker", type=int, default=defaults.envs_per_worker)
+    parser.add_argument("--rollout-steps", type=int, default=defaults.rollout_steps)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--storage-path", default=None, help="where checkpoints go")
+    parser.add_argument("--quiet", action="store_true", help="print the summary only")
+    args = parser.parse_args(argv)
+    ppo = PPOConfig(
+        envs_per_worker=args.envs_per_worker,
+        rollout_steps=args.rollout_steps,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    asyncexec.configure_logging("console", "warning")
+    import ray
+
+    if not ray.is_initialized():
+        # Before the event loop starts (ray.init blocks for seconds). Logical CPUs: the
+        # reservation's bundles of 1 CPU each, even on a smaller machine.
+        bundles = max(args.rollout_workers, args.learner_workers)
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, bundles),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+        # Ray's heap is long-lived: keep full collections from walking it (loop lag).
+        gc.collect()
+        gc.freeze()
+    summary = asyncio.run(
+        main(
+            rollout_workers=args.rollout_workers,
+            learner_workers=args.learner_workers,
+            staleness=args.staleness,
+            max_updates=args.max_updates,
+            stop_when_solved=not args.no_stop,
+            kill_rollout_at=args.kill_rollout_at,
+            kill_learner_at=args.kill_learner_at,
+            checkpoint_every=args.checkpoint_every,
+            max_restarts=args.max_restarts,
+            transport=args.transport,
+            ppo=ppo,
+            storage_path=args.storage_path,
+            verbose=not args.quiet,
+        )
+    )
+    print(summary.report())
+    ok = summary.solved or (
+        args.no_stop and summary.final_average_return > summary.initial_average_return
+    )
+    return 0 if ok and summary.dropped == 0 and summary.max_lag <= args.staleness else 1
+
+
+if __name__ == "__main__":
+    # Run as a script, this file is the module __main__, whose functions cloudpickle sends by
+    # value: feed() would fill a copy of INBOX that learner_fn never reads. Import it as
+    # examples.ppo_cartpole instead, from the repository root, which the workers also get on
+    # their PYTHONPATH (set before Ray starts).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p
+    )
+    from examples import ppo_cartpole
+
+    sys.exit(ppo_cartpole.cli())
