@@ -32,6 +32,7 @@ from .._protocol import RunStart
 from ..backends._base import Backend
 from ._group import WorkerGroup, with_others
 from ._health import find_dead, watch, watch_steps
+from ._independent import IndependentRun
 from ._restart import RestartPolicy
 from ._resume import RECORD_INTERVAL_S, Resume, RunRecord, decide, load_record, save_record
 from ._run import RunCore, RunEnd, RunState
@@ -59,6 +60,7 @@ class RunSpec:
     checkpoint: Checkpoint | None
     buffer_size: int
     datasets: Any  # (prepared datasets, DataConfig) or None
+    independent: bool = False  # ranks replaced on their own, an unaligned stream
     name: str | None = None  # a named run keeps a record to resume from (see _resume)
     resume: Resume = "auto"
     fingerprint: str = ""
@@ -94,6 +96,7 @@ class RunDriver:
         self._group: WorkerGroup | None = None
         self._session_live = False
         #: Attempts of this run before this driver's (a resumed run's dead drivers').
+        self._independent: IndependentRun | None = None
         self._attempt_base = 0
         self._steps_base = 0  # and the steps they delivered
         self._record: RunRecord | None = None
@@ -112,11 +115,7 @@ class RunDriver:
                 if self.spec.name is not None:
                     await self._resume()
                 self.log.info("run_started")
-                async with anyio.create_task_group() as tg:
-                    if self._record is not None:
-                        tg.start_soon(self._keep_record)
-                    values = await self._attempts()
-                    tg.cancel_scope.cancel()
+                values = await self._recorded()
                 result = self._result(values)
                 run.result, run.state = result, RunState.FINISHED
                 seconds = round(time.perf_counter() - t0, 3)
@@ -174,6 +173,29 @@ class RunDriver:
             )
         await self._write_record("running")
 
+    async def _work(self) -> list[Any]:
+        if self.spec.independent:
+            self._independent = IndependentRun(self)
+            return await self._independent.main()
+        return await self._attempts()
+
+    async def _recorded(self) -> list[Any]:
+        """The run's work, with a named run's record kept beside it."""
+        if self._record is None:
+            return await self._work()
+        values: list[Any] = []
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._keep_record)
+            try:
+                values = await self._work()
+            except Exception as exc:  # raised below, not wrapped in the task group's group
+                error = exc
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return values
+
     async def _keep_record(self) -> None:
         """Write the record when a checkpoint becomes the latest, and every
         ``RECORD_INTERVAL_S`` while steps flow."""
@@ -213,8 +235,18 @@ class RunDriver:
 
         run = self.run
         latest = run.latest_checkpoint or self.latest
+        checkpoints: list[Checkpoint | None] = []
+        if self._independent is not None:
+            checkpoints = self._independent.checkpoints
+            latest = checkpoints[0]
         return RunResult(
-            run.run_id, values, latest, self.handover.steps, run.attempt, list(run.failures)
+            run.run_id,
+            values,
+            latest,
+            self.handover.steps,
+            run.attempt,
+            list(run.failures),
+            checkpoints,
         )
 
     async def _attempts(self) -> list[Any]:

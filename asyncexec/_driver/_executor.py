@@ -294,6 +294,21 @@ class Executor:
         self._closed.set()
         self.log.info("executor_closed")
 
+    def _independent(self, spec: RunSpec) -> RunSpec:
+        """A run of independent ranks, if this executor can run one.
+
+        Raises:
+            ConfigurationError: the backend's ranks depend on each other, or datasets.
+        """
+        if self.backend is not None and not self.backend.independent_ranks:
+            raise ConfigurationError(
+                f"the {self.backend.name} backend's ranks depend on each other: a run with it "
+                "cannot be independent"
+            )
+        if spec.datasets is not None:
+            raise ConfigurationError("a run of independent ranks does not take datasets")
+        return replace(spec, independent=True)
+
     def _release_claim(self) -> None:
         if self._claim is not None and self.reservation is not None:
             self.reservation.release(self._claim)
@@ -376,6 +391,7 @@ class Executor:
         data_config: Any = None,
         name: str | None = None,
         resume: Resume = "auto",
+        independent: bool | None = None,
     ) -> Run:
         """Start ``fn`` on every worker and return an async iterator of its steps.
 
@@ -397,6 +413,12 @@ class Executor:
                 fingerprint) so that a new driver process starting a run of the same name and
                 storage resumes it after this one died: from the latest checkpoint, with the
                 step index and the attempt going on.
+            independent: the ranks do not depend on each other (rollouts, evaluation, data
+                generation): a rank that fails is replaced on its own (a standby spare, or a
+                fresh process in its bundle) and restarts from its own latest checkpoint while
+                the others go on, and the stream yields each report as soon as it arrives, as a
+                step of one report with its ``rank``. ``None``: as the backend declares
+                (``Backend.independent_ranks``), else False.
             resume: for a named run: ``"auto"`` resumes an unfinished run of that name (and
                 refuses a finished one, or one started with another config), ``"force"``
                 resumes it whatever its config, ``"never"`` starts it over.
@@ -414,6 +436,10 @@ class Executor:
         spec = _run_spec(fn, config, checkpoint, bound, datasets, data_config)
         if name is not None or resume != "auto":
             spec = _named(spec, name, resume, config)
+        if independent is None:
+            independent = bool(self.backend is not None and self.backend.independent_ranks)
+        if independent:
+            spec = self._independent(spec)
         if self._run is not None and self._run.active and not self._run.closed:
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"

@@ -267,6 +267,67 @@ class WorkerGroup:
         self.log.info("rank_replaced", rank=rank, pid=meta.pid)
         return True
 
+    async def renew_rank(self, rank: int) -> Standby | None:
+        """Independent ranks: put a standby spare, or else a fresh process in the rank's
+        bundle, in the failed ``rank``'s place while the other ranks' functions keep running.
+        Returns the failed worker's record (a used spare's bundle is free for a new one), or
+        None when neither is possible (no fitting spare, and no bundle of its own: a pooled
+        group, or a parent placement group).
+
+        Raises:
+            AsyncExecError, TimeoutError, RuntimeError: the new process failed to start or
+                landed on another node (the caller's restart policy decides what next).
+        """
+        if self._closed:
+            return None
+        failed = self.workers[rank]
+        found = self._spare_for(rank)
+        if found is not None:
+            spare, env = found
+            self.spares.remove(spare)
+            actor, meta, bundle, death = spare.actor, spare.metadata, spare.bundle, spare.death
+        elif (
+            self.placement is not None
+            and (self.placement.owned or self.placement.slots is not None)
+            and failed.bundle is not None
+        ):
+            bundle, death, env = failed.bundle, None, None
+            options = {"scheduling_strategy": self.placement.strategy(bundle)}
+            await self._drop([failed.actor])  # its bundle's resources, for the new process
+            with anyio.CancelScope(shield=True):
+                [(actor, described)] = await anyio.to_thread.run_sync(
+                    spawn, actor_options(self.config) | options, 1
+                )
+            try:
+                with anyio.fail_after(self.config.start_timeout_s):
+                    meta = await described
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await kill_all([actor], None)
+                raise
+        else:
+            return None
+        context = replace(failed.context, pid=meta.pid, accelerator_ids=meta.accelerator_ids)
+        fresh = WorkerInfo(actor, meta, context, bundle, death)
+        try:
+            with anyio.fail_after(self.config.start_timeout_s):
+                if meta.node_id != failed.metadata.node_id:
+                    raise RuntimeError("the replacement landed on another node")
+                if env is None:
+                    metas = [meta if w.rank == rank else w.metadata for w in self.workers]
+                    env = device_envs(metas, self.config)[rank]
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._drop, [failed.actor])
+                    await self.setup([env], [fresh])
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._drop([actor])
+            raise
+        self.workers[rank] = fresh
+        self.deaths[rank] = death if death is not None else actor.wait_closed.remote()
+        self.log.info("rank_renewed", rank=rank, pid=meta.pid, spare=found is not None)
+        return Standby(failed.actor, failed.metadata, failed.bundle)
+
     # Standby spares ---------------------------------------------------------------------------
 
     def _spare_for(self, rank: int) -> tuple[Standby, dict[str, str]] | None:

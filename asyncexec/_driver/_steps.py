@@ -64,6 +64,7 @@ class Step:
     # nothing, pays for one object per step instead of one per rank and step.
     __slots__ = (
         "_checkpoint_ranks",
+        "_rank",
         "_reports",
         "_row",
         "_versions",
@@ -78,9 +79,11 @@ class Step:
         attempt: int,
         reports: Sequence[Report],
         checkpoint: Checkpoint | None = None,
+        rank: int | None = None,
     ) -> None:
         self.index = index
         self.attempt = attempt
+        self._rank = rank
         self._reports: Sequence[Report] | None = reports
         self._row: tuple[Mapping[str, Any], ...] = ()
         self._checkpoint_ranks: tuple[int, ...] = ()
@@ -97,10 +100,21 @@ class Step:
                 Report(rank, metrics, None, version)
                 for rank, (metrics, version) in enumerate(zip(self._row, versions, strict=True))
             ]
-            for rank in self._checkpoint_ranks:
-                reports[rank].checkpoint = self.checkpoint
+            if self._rank is not None:  # an unaligned step: one report, of this rank
+                reports[0].rank = self._rank
+                if self._checkpoint_ranks:
+                    reports[0].checkpoint = self.checkpoint
+            else:
+                for rank in self._checkpoint_ranks:
+                    reports[rank].checkpoint = self.checkpoint
             self._reports = reports
         return reports
+
+    @property
+    def rank(self) -> int | None:
+        """The rank of an unaligned step's one report (a run of independent ranks); None for a
+        step of every rank."""
+        return self._rank
 
     @property
     def versions(self) -> tuple[int | None, ...]:
@@ -124,7 +138,10 @@ class Step:
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Step, (self.index, self.attempt, list(self.reports), self.checkpoint))
+        return (
+            Step,
+            (self.index, self.attempt, list(self.reports), self.checkpoint, self._rank),
+        )
 
 
 class StepBatch:
@@ -134,7 +151,7 @@ class StepBatch:
     at once instead of piling up in the garbage collector's older generations (which cost the
     event loop tens of milliseconds per full collection)."""
 
-    __slots__ = ("attempt", "checkpoints", "first", "rows", "versions")
+    __slots__ = ("attempt", "checkpoints", "first", "ranks", "rows", "versions")
 
     def __init__(
         self,
@@ -143,12 +160,15 @@ class StepBatch:
         rows: list[tuple[dict[str, Any], ...]],
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]],
         versions: list[tuple[int | None, ...]] | None = None,
+        ranks: list[int] | None = None,
     ) -> None:
         self.first = first
         self.attempt = attempt
         self.rows = rows
         self.checkpoints = checkpoints
         self.versions = versions
+        #: Unaligned steps (independent ranks): each row is one report of this rank.
+        self.ranks = ranks
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -161,6 +181,7 @@ class StepBatch:
         step._reports = None
         step._row = self.rows[i]
         step._versions = self.versions[i] if self.versions is not None else None
+        step._rank = self.ranks[i] if self.ranks is not None else None
         if self.checkpoints and i in self.checkpoints:
             step.checkpoint, step._checkpoint_ranks = self.checkpoints[i]
         else:
@@ -178,6 +199,7 @@ class StepBatch:
                 self.rows[start : start + size],
                 {i - start: c for i, c in self.checkpoints.items() if start <= i < start + size},
                 self.versions[start : start + size] if self.versions is not None else None,
+                self.ranks[start : start + size] if self.ranks is not None else None,
             )
             for start in range(0, len(self.rows), size)
         ]
@@ -192,8 +214,10 @@ class RunResult:
         return_values: what ``fn`` returned on each rank, in rank order.
         checkpoint: the latest persisted checkpoint, or the starting one, or None.
         steps: how many steps were delivered, over all attempts.
-        attempts: how many attempts ran (1 when nothing failed).
-        failures: the error that ended each failed attempt, in order.
+        attempts: how many attempts ran (1 when nothing failed; for independent ranks, 1 plus
+            the ranks replaced).
+        failures: the error that ended each failed attempt (or rank), in order.
+        checkpoints: for independent ranks, each rank's latest checkpoint (else empty).
     """
 
     run_id: str
@@ -202,3 +226,4 @@ class RunResult:
     steps: int
     attempts: int
     failures: list[BaseException] = field(default_factory=list)
+    checkpoints: list[Checkpoint | None] = field(default_factory=list)

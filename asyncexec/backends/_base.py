@@ -50,6 +50,10 @@ class Backend:
 
     #: Shown in errors and logs.
     name: str = "backend"
+    #: Whether the ranks it sets up are independent of each other (no collective between
+    #: them): then a run on it replaces a failed rank on its own by default (see
+    #: ``Executor.run(independent=...)``).
+    independent_ranks: bool = False
 
     async def on_start(self, group: GroupHandle) -> None:
         """After the workers are up, ranked and have their devices; before any run."""
