@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -527,6 +526,12 @@ class LoopLag:
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
         self.lags: list[float] = []
+        self.running_from: int | None = None
+
+    def mark_running(self) -> None:
+        """Note that start-up is over (the first update is done)."""
+        if self.running_from is None:
+            self.running_from = len(self.lags)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -534,11 +539,12 @@ class LoopLag:
             await asyncio.sleep(self.interval_s)
             self.lags.append(max(0.0, time.perf_counter() - t0 - self.interval_s))
 
-    def percentiles_ms(self) -> tuple[float, float, float]:
-        """p50, p99 and max in milliseconds."""
-        if not self.lags:
+    def percentiles_ms(self, *, running_only: bool = False) -> tuple[float, float, float]:
+        """p50, p99 and max in milliseconds, over the whole run or after start-up."""
+        samples = self.lags[self.running_from or 0 :] if running_only else self.lags
+        if not samples:
             return 0.0, 0.0, 0.0
-        lags = np.asarray(self.lags) * 1000.0
+        lags = np.asarray(samples) * 1000.0
         return (
             float(np.percentile(lags, 50)),
             float(np.percentile(lags, 99)),
@@ -555,6 +561,9 @@ class _LearnerLink:
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.attempt = 0  # the attempt of the latest ``ready`` report
         self.resumed_from: list[int] = []  # the update each restarted attempt resumed from
+        self.feeds_failed = 0  # execute(feed) calls that met a dead learner rank
+        self.feeds_repeated = 0  # updates fed again to a restarted learner
+        self.pushes_failed = 0  # pushes that raised ChannelError (the source rank died)
         self.ready_timeout_s = ready_timeout_s
 
     async def pump(self, run: asyncexec.Run) -> None:
@@ -592,9 +601,12 @@ class _LearnerLink:
         fed = -1
         while True:
             if fed != self.attempt:
+                self.feeds_repeated += fed != -1
                 fed = self.attempt
-                with contextlib.suppress(asyncexec.WorkerError):
+                try:
                     await self.executor.execute(feed, seq, parts)
+                except asyncexec.WorkerError:
+                    self.feeds_failed += 1  # fed again once the restarted ranks are ready
             step = await self.next_event()
             if step.metrics["kind"] == "update" and step.metrics["seq"] == seq:
                 return step
@@ -607,6 +619,7 @@ class _LearnerLink:
             try:
                 return await channel.push()
             except asyncexec.ChannelError:
+                self.pushes_failed += 1
                 await self.wait_ready(attempt)
 
 
@@ -629,10 +642,16 @@ class Summary:
     rollout_restarts: int
     learner_restarts: int
     learner_resumed_from: list[int]
+    learner_recovery_s: float | None  # from the learner kill to the next update's report
+    rollout_recovery_s: float | None  # from the rollout kill to the next step of every rank
+    feeds_repeated: int
+    pushes_failed: int
     pushes: int
     loop_lag_p50_ms: float
     loop_lag_p99_ms: float
     loop_lag_max_ms: float
+    running_loop_lag_p99_ms: float  # after the first update (start-up over)
+    running_loop_lag_max_ms: float
     seconds: float
     returns: list[float] = field(repr=False, default_factory=list)
 
@@ -657,12 +676,20 @@ class Summary:
                 f"staleness: max lag {self.max_lag} versions (Report.version: "
                 f"{self.max_report_lag}; bound {self.staleness_bound}), {self.dropped} steps "
                 f"dropped",
-                f"restarts: {self.rollout_restarts} rollout, {self.learner_restarts} learner "
-                f"(resumed from updates {self.learner_resumed_from})",
+                f"restarts: {self.rollout_restarts} rollout{_took(self.rollout_recovery_s)}, "
+                f"{self.learner_restarts} learner{_took(self.learner_recovery_s)} (resumed from "
+                f"updates {self.learner_resumed_from}; {self.feeds_repeated} updates fed again, "
+                f"{self.pushes_failed} pushes failed)",
                 f"loop lag p50 {self.loop_lag_p50_ms:.2f} ms, p99 {self.loop_lag_p99_ms:.2f} "
-                f"ms, max {self.loop_lag_max_ms:.2f} ms",
+                f"ms, max {self.loop_lag_max_ms:.2f} ms (after start-up: p99 "
+                f"{self.running_loop_lag_p99_ms:.2f} ms, max "
+                f"{self.running_loop_lag_max_ms:.2f} ms)",
             ]
         )
+
+
+def _took(seconds: float | None) -> str:
+    return "" if seconds is None else f" (back in {seconds:.2f} s)"
 
 
 def _kill(executor: asyncexec.Executor, rank: int) -> int:
@@ -719,6 +746,8 @@ async def main(
     best = 0.0
     max_lag = max_report_lag = dropped = updates = env_steps = 0
     solved_after: float | None = None
+    killed: dict[str, float] = {}  # when each group lost a worker (perf_counter)
+    recovered: dict[str, float] = {}  # how long until it delivered again
     lag = LoopLag()
     stop = asyncio.Event()
     t0 = time.perf_counter()
@@ -761,6 +790,8 @@ async def main(
                     seq = 0
                     run = rollout.run(rollout_fn, config, buffer_size=1)
                     async for step in run:
+                        if "rollout" in killed and step.attempt > 1:
+                            recovered.setdefault("rollout", time.perf_counter() - killed["rollout"])
                         now = channel.version
                         acted = min(int(r.metrics["version"]) for r in step.reports)
                         held = [r.version for r in step.reports]
@@ -790,8 +821,11 @@ async def main(
                             concat_envs([s[j] for s in split]) for j in range(learner_workers)
                         ]
                         done = await link.update(seq, parts)
+                        if "learner" in killed:
+                            recovered.setdefault("learner", time.perf_counter() - killed["learner"])
                         await link.push(channel)
                         updates += 1
+                        lag.mark_running()
                         if on_update is not None:
                             on_update(updates, average)
                         if verbose and updates % 10 == 0:
@@ -804,10 +838,12 @@ async def main(
                             )
                         if updates == kill_rollout_at:
                             pid = _kill(rollout, 1 if rollout_workers > 1 else 0)
+                            killed["rollout"] = time.perf_counter()
                             if verbose:
                                 print(f"killed rollout worker pid {pid}", flush=True)
                         if updates == kill_learner_at:
                             pid = _kill(learner, 0)
+                            killed["learner"] = time.perf_counter()
                             if verbose:
                                 print(f"killed learner rank 0 pid {pid}", flush=True)
                     await run.aclose()
@@ -827,6 +863,7 @@ async def main(
         finally:
             stop.set()
     p50, p99, worst = lag.percentiles_ms()
+    _, running_p99, running_worst = lag.percentiles_ms(running_only=True)
     return Summary(
         updates=updates,
         env_steps=env_steps,
@@ -843,10 +880,16 @@ async def main(
         rollout_restarts=rollout_restarts,
         learner_restarts=learner_restarts,
         learner_resumed_from=link.resumed_from,
+        learner_recovery_s=recovered.get("learner"),
+        rollout_recovery_s=recovered.get("rollout"),
+        feeds_repeated=link.feeds_repeated,
+        pushes_failed=link.pushes_failed,
         pushes=pushes,
         loop_lag_p50_ms=p50,
         loop_lag_p99_ms=p99,
         loop_lag_max_ms=worst,
+        running_loop_lag_p99_ms=running_p99,
+        running_loop_lag_max_ms=running_worst,
         seconds=time.perf_counter() - t0,
         returns=returns,
     )

@@ -100,6 +100,8 @@ async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path
     assert summary.rollout_restarts == 1
     assert summary.learner_restarts == 1
     assert summary.learner_resumed_from == [10]
+    assert summary.rollout_recovery_s is not None
+    assert summary.learner_recovery_s is not None
     assert summary.pushes >= 25
     # The driver's loop stayed free: the probe ran all along.
     assert 0.0 <= summary.loop_lag_p50_ms <= summary.loop_lag_p99_ms <= summary.loop_lag_max_ms
