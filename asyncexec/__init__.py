@@ -56,6 +56,8 @@ _EXPORTS: dict[str, str] = {
     "WorkerRaisedError": "_errors",
     "WeightChannel": "_driver._channel",
     "configure_logging": "_cli._logconfig",
+    "enable_metrics": "_driver._metrics",
+    "start_metrics_server": "_driver._metrics",
     "get_checkpoint": "_worker._session",
     "get_context": "_worker._session",
     "get_dataset_shard": "_worker._session",
@@ -102,6 +104,8 @@ if TYPE_CHECKING:
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics
+    from ._driver._metrics import enable_metrics as enable_metrics
+    from ._driver._metrics import start_metrics_server as start_metrics_server
     from ._driver._pool import PoolStatistics as PoolStatistics
     from ._driver._pool import WorkerPool as WorkerPool
     from ._driver._reservation import Reservation as Reservation

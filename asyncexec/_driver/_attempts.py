@@ -33,6 +33,7 @@ from ..backends._base import Backend
 from ._group import WorkerGroup, with_others
 from ._health import find_dead, watch, watch_steps
 from ._independent import IndependentRun
+from ._metrics import RunMeter, metrics
 from ._restart import RestartPolicy
 from ._resume import RECORD_INTERVAL_S, Resume, RunRecord, decide, load_record, save_record
 from ._run import RunCore, RunEnd, RunState
@@ -102,6 +103,9 @@ class RunDriver:
         self._record: RunRecord | None = None
         self._record_now = anyio.Event()
         self.handover.on_checkpoint = lambda: self._record_now.set()
+        self.meter = RunMeter(self.config.name, self._backlog)
+        if metrics() is not None:
+            self.handover.meter = self.meter
 
     async def main(self, previous: RunCore | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
@@ -141,6 +145,13 @@ class RunDriver:
                 self._on_end(run)
                 run.finished.set()
             self._send.close()
+
+    def _backlog(self) -> int:
+        """Reports the driver has received that the consumer has not taken."""
+        if not self.run.active:
+            return 0
+        width = 1 if self.spec.independent else self.config.num_workers
+        return max(0, self.handover.steps - self.run.consumed) * width
 
     async def _resume(self) -> None:
         """A named run: resume from its record when a dead driver left one, else start one.
@@ -282,6 +293,8 @@ class RunDriver:
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         self.run.state = RunState.RESTARTING
+        if state.outcome is not None and state.outcome.failed:
+            self.meter.failed(state.outcome.exception())
         wait = state.next_action.sleep if state.next_action else 0.0
         latest = self.run.latest_checkpoint or self.latest
         self.log.warning(

@@ -33,6 +33,7 @@ from .._protocol import WorkerContext
 from ..backends._base import Backend
 from ._attempts import RunDriver, RunSpec
 from ._logging import get_logger
+from ._metrics import metrics
 from ._pool import WorkerPool
 from ._ray import ensure_ray
 from ._reservation import Claim, Reservation
@@ -330,6 +331,9 @@ class Executor:
             RunState.FAILED: "runs_failed",
         }.get(run.state, "runs_cancelled")
         self._stats[key] += 1
+        meters = metrics()
+        if meters is not None:
+            meters.runs.labels(self.config.name, key.removeprefix("runs_")).inc()
         if run.result is not None:
             self._result = run.result
 
@@ -451,6 +455,9 @@ class Executor:
         if previous is not None:
             self._stats["steps_delivered"] += previous.delivered
         self._stats["runs_started"] += 1
+        meters = metrics()
+        if meters is not None:
+            meters.runs.labels(self.config.name, "started").inc()
         tg.start_soon(driver.main, previous)
         return Run(core, receive)
 

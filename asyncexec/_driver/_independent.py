@@ -114,6 +114,8 @@ class IndependentRun:
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             wait = state.next_action.sleep if state.next_action else 0.0
+            if state.outcome is not None and state.outcome.failed:
+                self.d.meter.failed(state.outcome.exception())
             self.d.log.warning(
                 "rank_restarting", rank=rank, attempt=state.attempt_number + 1, wait_s=wait
             )

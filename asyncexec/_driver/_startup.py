@@ -24,6 +24,7 @@ from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import startup_error
 from ._group import WorkerGroup, actor_options, device_envs, kill_all
+from ._metrics import metrics
 from ._placement import Placement, create_placement, current_parent, wait_placement_ready
 from ._workers import Standby, WorkerInfo
 
@@ -136,17 +137,17 @@ async def start_group(
     phase = ["waiting for the placement group"]
     try:
         await wait_placement_ready(placement, config.placement_timeout_s)
-        log.debug("placement_ready", seconds=round(time.perf_counter() - t0, 3))
+        log.debug("placement_ready", seconds=_phase(config, "placement", t0))
         metas = await _describe(placement, described, config)
         with anyio.fail_after(config.start_timeout_s):
             phase[0] = "starting the worker processes"
-            log.debug("workers_ready", seconds=round(time.perf_counter() - t0, 3))
+            log.debug("workers_ready", seconds=_phase(config, "workers", t0))
             members: list[tuple[ActorHandle, WorkerMetadata, int | None, Any]] = [
                 (a, m, i, None) for i, (a, m) in enumerate(zip(actors, metas, strict=True))
             ]
             group = _form(config, backend, placement, members, attempt, log, None)
             await _set_up(group, phase)
-        log.info("group_started", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
+        log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt)
         return group
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
@@ -174,7 +175,7 @@ async def _lease_group(
                 members.sort(key=lambda m: (m[2] is None, m[2] or 0))
             group = _form(config, backend, None, members, attempt, log, pool)
             await _set_up(group, phase)
-        log.info("group_leased", seconds=round(time.perf_counter() - t0, 3), attempt=attempt)
+        log.info("group_leased", seconds=_phase(config, "leased", t0), attempt=attempt)
         return group
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
@@ -183,6 +184,15 @@ async def _lease_group(
             else:
                 await pool.give_back([(w.actor, True) for w in leased])
         _raise_mapped(exc, phase[0], config.start_timeout_s)
+
+
+def _phase(config: ExecutorConfig, phase: str, t0: float) -> float:
+    """Seconds since ``t0``, observed as start-up ``phase`` when metrics are on."""
+    seconds = time.perf_counter() - t0
+    meters = metrics()
+    if meters is not None:
+        meters.startup.labels(config.name, phase).observe(seconds)
+    return round(seconds, 3)
 
 
 def _raise_mapped(exc: BaseException, phase: str, timeout_s: float) -> NoReturn:

@@ -22,6 +22,7 @@ from .._errors import AsyncExecError, ReportMismatchError
 from .._protocol import Outcome, Poll
 from ._boundary import call_error, outcome_error
 from ._group import WorkerGroup
+from ._metrics import RunMeter
 from ._run import RunCore
 from ._steps import StepBatch
 
@@ -222,6 +223,8 @@ class HandOver:
         self._pruned: list[str] = []
         #: Called when a checkpoint becomes the latest (a named run records it).
         self.on_checkpoint: Callable[[], None] | None = None
+        #: Counts steps and reports for the metrics, when they are on.
+        self.meter: RunMeter | None = None
 
     def queue(self, batch: StepBatch) -> None:
         for part in batch.split(BATCH):
@@ -234,6 +237,8 @@ class HandOver:
                     self.on_checkpoint()
                 self.steps += len(part)
                 self._unsent.append(part)
+                if self.meter is not None:
+                    self.meter.stepped(len(part), len(part) * len(part.rows[0]))
 
     async def drain(self) -> None:
         """Hand the queued steps to the iterator, waiting for the consumer."""
