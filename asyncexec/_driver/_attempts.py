@@ -30,6 +30,7 @@ from .._errors import (
 )
 from .._protocol import RunStart
 from ..backends._base import Backend
+from ._elastic import Resize
 from ._group import WorkerGroup, with_others
 from ._health import find_dead, watch, watch_steps
 from ._independent import IndependentRun
@@ -99,6 +100,7 @@ class RunDriver:
         #: Attempts of this run before this driver's (a resumed run's dead drivers').
         self._independent: IndependentRun | None = None
         self._attempt_base = 0
+        self._resizes = 0  # planned resizes: attempts the restart policy does not count
         self._steps_base = 0  # and the steps they delivered
         self._record: RunRecord | None = None
         self._record_now = anyio.Event()
@@ -150,7 +152,8 @@ class RunDriver:
         """Reports the driver has received that the consumer has not taken."""
         if not self.run.active:
             return 0
-        width = 1 if self.spec.independent else self.config.num_workers
+        group = self._group
+        width = 1 if self.spec.independent or group is None else len(group.workers)
         return max(0, self.handover.steps - self.run.consumed) * width
 
     async def _resume(self) -> None:
@@ -270,10 +273,11 @@ class RunDriver:
             async for attempt in retrying:
                 with attempt:
                     number = self._attempt_base + attempt.retry_state.attempt_number
+                    number += self._resizes
                     self.run.attempt = number
                     steps_before = self.handover.steps
                     try:
-                        return await self._attempt(number)
+                        return await self._resizing(number)
                     except AsyncExecError as exc:
                         progressed = self.handover.steps > steps_before
                         self.run.failures.append(exc)
@@ -299,10 +303,39 @@ class RunDriver:
         latest = self.run.latest_checkpoint or self.latest
         self.log.warning(
             "restarting",
-            attempt=self._attempt_base + state.attempt_number + 1,
+            attempt=self._attempt_base + state.attempt_number + self._resizes + 1,
             wait_s=round(wait, 3),
             checkpoint=latest.path if latest else None,
         )
+
+    async def _resizing(self, number: int) -> list[Any]:
+        """Attempt ``number``, and after each planned resize of an elastic group the next
+        attempt, on the new group: a resize is not a failure, so the restart policy does not
+        count it (nor wait before it)."""
+        while True:
+            try:
+                return await self._attempt(number)
+            except Resize as resize:
+                self.run.state = RunState.RESTARTING
+                group = self._group
+                assert group is not None
+                latest = self.run.latest_checkpoint or self.latest
+                self.log.info(
+                    "resizing",
+                    from_workers=len(group.workers),
+                    fitting=resize.size,
+                    attempt=number + 1,
+                    checkpoint=latest.path if latest else None,
+                )
+                with anyio.CancelScope(shield=True):
+                    timeout = self.config.stop_timeout_s
+                    stopped = await group.stop_functions(group.workers, timeout)
+                    self._session_live = False
+                    await self.slot.resize(force=not stopped)
+                await self.handover.drain()
+                self._resizes += 1
+                number += 1
+                self.run.attempt = number
 
     async def _put_payload(self) -> Any:
         """The function and config as each rank gets them: a small payload travels inline with
@@ -333,6 +366,12 @@ class RunDriver:
         function_context = self.backend.function_context() if self.backend else None
         failures: list[AsyncExecError] = []
         failed = anyio.Event()
+        grown: list[int] = []  # an elastic group's size once more workers would fit
+        finished = False
+
+        def grow(size: int) -> None:
+            grown.append(size)
+            tg.cancel_scope.cancel()
 
         def fail(exc: AsyncExecError) -> None:
             rank = getattr(exc, "rank", None)
@@ -379,7 +418,10 @@ class RunDriver:
                     tg.start_soon(window.pump, rank, fail)
                 if self.config.step_timeout_s is not None:
                     tg.start_soon(watch_steps, group, window, self.config.step_timeout_s, fail)
+                if self.slot.sizer is not None:
+                    tg.start_soon(self.slot.sizer.watch_growth, group, grow)
                 await window.assemble(self.handover)
+                finished = True
             except AsyncExecError as exc:
                 fail(exc)
             except TimeoutError:
@@ -389,6 +431,9 @@ class RunDriver:
         if failures:
             self.handover.queue(window.asm.take(window.asm.ready))
             raise await self._blame(group, failures)
+        if grown and not finished:  # a safe point: restart from the latest checkpoint
+            self.handover.queue(window.asm.take(window.asm.ready))
+            raise Resize(grown[0])
         self._session_live = False
         return window.asm.values()
 
@@ -402,7 +447,9 @@ class RunDriver:
                 dead = await find_dead(group)
             if dead is not None:
                 dead.__context__ = first
-                failures.insert(0, dead)
+                # The dead rank first, once (its death may have been seen already).
+                others = [f for f in failures if getattr(f, "rank", None) != dead.rank]
+                failures[:] = [dead, *others]
         for failure in failures:
             self._log_failure(failure)
         return with_others(failures)
