@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 from _common import Figure
 
-__all__ = ["FULL", "QUICK", "LIFECYCLE_KEYS", "WORKER_COUNTS", "Sizes", "make_figures"]
+__all__ = [
+    "CHANNEL_KEYS",
+    "FULL",
+    "QUICK",
+    "LIFECYCLE_KEYS",
+    "WORKER_COUNTS",
+    "Sizes",
+    "make_figures",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,14 @@ class Sizes:
     # Warm workers (_warm.py): lease cycles per lag repeat, the floor's steps beside them.
     warm_cycles: int
     warm_floor_steps: int
+    # Weights between executors (_channel.py): the state's bytes and tensors, the repeats of
+    # the move, the pushes during the loop's lag, the SIGKILLs and the staleness bound K.
+    channel_bytes: int
+    channel_parts: int
+    channel_repeats: int
+    channel_lag_pushes: int
+    channel_kills: int
+    channel_staleness: int
 
 
 FULL = Sizes(
@@ -60,6 +76,12 @@ FULL = Sizes(
     lifecycle_repeats=3,
     warm_cycles=10,
     warm_floor_steps=20_000,
+    channel_bytes=256 << 20,
+    channel_parts=4,
+    channel_repeats=5,
+    channel_lag_pushes=5,
+    channel_kills=20,
+    channel_staleness=2,
 )
 QUICK = Sizes(
     repeats=1,
@@ -81,6 +103,12 @@ QUICK = Sizes(
     lifecycle_repeats=1,
     warm_cycles=3,
     warm_floor_steps=5000,
+    channel_bytes=16 << 20,
+    channel_parts=4,
+    channel_repeats=1,
+    channel_lag_pushes=3,
+    channel_kills=2,
+    channel_staleness=2,
 )
 WORKER_COUNTS = (4, 1, 16)
 
@@ -192,6 +220,7 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
         ),
     ]
     figs += warm_figures()
+    figs += channel_figures(sizes)
     figs += lifecycle_figures(sizes)
     return {f.key: f for f in figs}
 
@@ -239,6 +268,99 @@ def warm_figures() -> list[Figure]:
             "ms",
             target="<= 1.0x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
+            raytrain=False,
+        ),
+    ]
+
+
+#: The rows of the weight channel benchmark (the only ones a ``--channel-only`` run prints).
+CHANNEL_KEYS = (
+    "channel_torch",
+    "channel_store",
+    "channel_driver",
+    "channel_version_lag",
+    "channel_lag_p99_torch",
+    "channel_lag_max_torch",
+    "channel_lag_p99_store",
+    "channel_lag_max_store",
+)
+
+
+def channel_figures(sizes: Sizes) -> list[Figure]:
+    """A state moved from a learner executor's rank 0 to the 4 ranks of a rollout executor
+    (``_channel.py``): WeightChannel against a hand-written gloo broadcast in the same processes
+    and against today's way through the driver; the weight version lag through SIGKILLs; the
+    driver's event-loop lag during pushes."""
+    mb = f"{sizes.channel_bytes >> 20} MB"
+    k = sizes.channel_staleness
+    return [
+        Figure(
+            "channel_torch",
+            f"{mb}, rank 0 of 2 to 4 ranks of another executor: WeightChannel torch (gloo) "
+            "(floor: hand-written broadcast)",
+            "s",
+            target=">= 0.8x the floor's speed, faster than through the driver",
+            # Times: the floor's time over the channel's is the channel's speed relative to it.
+            check=lambda m: _ratio(m, "floor", "asyncexec") >= 0.8
+            and m["asyncexec"] < m["driver"],
+            raytrain=False,
+        ),
+        Figure(
+            "channel_store",
+            "the same through the object store (floor: through the driver, today's way)",
+            "s",
+            target="faster than through the driver",
+            check=lambda m: m["asyncexec"] < m["floor"],
+            raytrain=False,
+        ),
+        Figure(
+            "channel_driver",
+            "the same through the driver: execute_single(), then execute() with the state "
+            "(floor: the broadcast)",
+            "s",
+            target="(contrast)",
+            raytrain=False,
+        ),
+        Figure(
+            "channel_version_lag",
+            f"weight version lag of rollout reports (max), K={k}, through "
+            f"{sizes.channel_kills} SIGKILLs of rollout and learner ranks",
+            "versions",
+            target=f"<= K ({k})",
+            check=lambda m: m["asyncexec"] <= k,
+            raytrain=False,
+        ),
+        Figure(
+            "channel_lag_p99_torch",
+            f"event-loop lag p99 during {mb} pushes, torch transport (floor: during the "
+            "broadcast)",
+            "ms",
+            target="<= 2 ms",
+            check=lambda m: m["asyncexec"] <= 2.0,
+            raytrain=False,
+        ),
+        Figure(
+            "channel_lag_max_torch",
+            f"event-loop lag max during {mb} pushes, torch transport",
+            "ms",
+            target="<= 15 ms",
+            check=lambda m: m["asyncexec"] <= 15.0,
+            raytrain=False,
+        ),
+        Figure(
+            "channel_lag_p99_store",
+            f"event-loop lag p99 during {mb} pushes, object store transport",
+            "ms",
+            target="<= 2 ms",
+            check=lambda m: m["asyncexec"] <= 2.0,
+            raytrain=False,
+        ),
+        Figure(
+            "channel_lag_max_store",
+            f"event-loop lag max during {mb} pushes, object store transport",
+            "ms",
+            target="<= 15 ms",
+            check=lambda m: m["asyncexec"] <= 15.0,
             raytrain=False,
         ),
     ]

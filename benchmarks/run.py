@@ -5,6 +5,7 @@
     python benchmarks/run.py --lifecycle-only  # only the lifecycle lag rows: about a minute
     python benchmarks/run.py --lifecycle-only --stall-stacks   # and where the loop stalled
     python benchmarks/run.py --reports-only    # only the reports/s rows, 1/4/16 workers
+    python benchmarks/run.py --channel-only    # only the weight channel rows (issue 14)
 
 It starts one local Ray (and shuts it down at the end) and measures, for each figure, Ray Train
 v1's ``BackendExecutor`` (``RAY_TRAIN_V2_ENABLED=0``), two hand-written asyncio loops over plain
@@ -12,7 +13,9 @@ actors where they apply (lockstep: one call per worker per step; the bare batche
 thread per worker fills a bounded deque, long polls drain it), and asyncexec. It prints one table
 of medians over repeats with asyncexec's ratios and the issue's targets, then where the time goes.
 The event-loop lag through whole lifecycles (several executors entering, streaming, losing a
-worker, restarting, finishing and closing in one loop) is measured by ``_lifecycle.py``.
+worker, restarting, finishing and closing in one loop) is measured by ``_lifecycle.py``; weights
+moved from one executor to another (WeightChannel, a hand-written gloo broadcast, the driver) by
+``_channel.py``.
 
 Every system runs in the same Ray instance, one measurement at a time, with the repeats of
 different systems interleaved, so that the machine's noise falls on all of them alike. Ray's
@@ -55,6 +58,7 @@ if ROOT not in sys.path:
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import structlog  # noqa: E402
+from _channel import measure_channel, measure_version_lag  # noqa: E402
 from _common import (  # noqa: E402
     Events,
     Timer,
@@ -66,7 +70,15 @@ from _common import (  # noqa: E402
     progress,
     render_table,
 )
-from _figures import FULL, LIFECYCLE_KEYS, QUICK, WORKER_COUNTS, Sizes, make_figures  # noqa: E402
+from _figures import (  # noqa: E402
+    CHANNEL_KEYS,
+    FULL,
+    LIFECYCLE_KEYS,
+    QUICK,
+    WORKER_COUNTS,
+    Sizes,
+    make_figures,
+)
 from _lifecycle import measure_lifecycle  # noqa: E402
 from _raytrain import RayTrainClient  # noqa: E402
 from _service import measure_service_first_event  # noqa: E402
@@ -90,12 +102,15 @@ class Bench:
         events: Events,
         *,
         lifecycle_only: bool = False,
+        channel_only: bool = False,
         stall_stacks: bool = False,
     ) -> None:
         self.sizes = sizes
         self.lifecycle_only = lifecycle_only
+        self.channel_only = channel_only
         self.stall_stacks = stall_stacks
         self.lifecycle_notes: list[str] = []
+        self.channel_notes: list[str] = []
         self.rt: RayTrainClient | None = None
         self.figures = make_figures(sizes)
         self.events = events
@@ -351,6 +366,105 @@ class Bench:
             if found:
                 self.note(key, found[0][0] - t_kill)
 
+    # Weights from one executor to another ------------------------------------------------------
+
+    async def channel(self) -> None:
+        """A state moved from a learner's rank 0 to a rollout executor's 4 ranks: WeightChannel
+        (torch and object store transports), a hand-written gloo broadcast in the same processes,
+        and the driver; the loop's lag during pushes; the version lag through SIGKILLs (see
+        ``_channel.py``)."""
+        sizes = self.sizes
+        mb = sizes.channel_bytes >> 20
+        notes = self.channel_notes
+        with self.timer.section("weight channel: the move"):
+            moved = await measure_channel(
+                sizes.channel_bytes,
+                sizes.channel_parts,
+                sizes.channel_repeats,
+                sizes.channel_lag_pushes,
+                RESOURCES,
+                self.storage,
+            )
+        if moved.missing is not None:
+            notes.append(f"- weight channel rows not measured: {moved.missing}")
+        for value in moved.floor:
+            self.add("channel_torch", "floor", value)
+            self.add("channel_driver", "floor", value)
+        for value in moved.torch:
+            self.add("channel_torch", "asyncexec", value)
+        for value in moved.driver:
+            self.add("channel_torch", "driver", value)  # for the check; not a column
+            self.add("channel_store", "floor", value)
+            self.add("channel_driver", "asyncexec", value)
+        for value in moved.object_store:
+            self.add("channel_store", "asyncexec", value)
+        for way, key in (("torch", "torch"), ("object_store", "store")):
+            if way in moved.lag:
+                self.add(f"channel_lag_p99_{key}", "asyncexec", moved.lag[way][0])
+                self.add(f"channel_lag_max_{key}", "asyncexec", moved.lag[way][1])
+            if "floor" in moved.lag:
+                self.add(f"channel_lag_p99_{key}", "floor", moved.lag["floor"][0])
+                self.add(f"channel_lag_max_{key}", "floor", moved.lag["floor"][1])
+
+        def speed(seconds: list[float]) -> str:
+            value = median(seconds)
+            return f"{value:.3f} s ({mb / value:,.0f} MB/s to each rank)"
+
+        floor = median(moved.floor)
+        notes.append(
+            f"- weight channel, {mb} MB in {sizes.channel_parts} tensors to 4 ranks (medians of "
+            f"{sizes.channel_repeats}): floor broadcast {speed(moved.floor)}, the same timed in "
+            f"the driver around execute() {median(moved.floor_driver_s):.3f} s, the same as "
+            f"{sizes.channel_parts} tensors into receive buffers allocated afresh each move (as "
+            f"the torch channel does) {speed(moved.floor_fresh)}; torch channel "
+            f"{speed(moved.torch)}; object store channel {speed(moved.object_store)}; through "
+            f"the driver {speed(moved.driver)}; through the driver with one ray.put for the 4 "
+            f"ranks {speed(moved.driver_put)}"
+        )
+        notes.append(
+            f"- weight channel ratios: floor / torch channel {floor / median(moved.torch):.2f}x "
+            f"(target >= 0.8x), through the driver / torch channel "
+            f"{median(moved.driver) / median(moved.torch):.2f}x, through the driver / object "
+            f"store channel {median(moved.driver) / median(moved.object_store):.2f}x"
+        )
+        lags = ", ".join(
+            f"{way} {p99:.2f} / {worst:.1f}" for way, (p99, worst) in moved.lag.items()
+        )
+        collections = ", ".join(
+            f"{way} {count}, longest {longest:.1f} ms"
+            for way, (count, longest) in moved.collections.items()
+        )
+        notes.append(
+            f"- event-loop lag during {mb} MB moves (p99 / max, ms): {lags}; the driver's "
+            f"garbage collections meanwhile: {collections or '-'}"
+        )
+        notes += moved.notes
+
+        if moved.missing is not None:
+            return
+        progress("weight channel: version lag through SIGKILLs")
+        with self.timer.section("weight channel: version lag"):
+            lag = await measure_version_lag(
+                sizes.channel_kills, sizes.channel_staleness, RESOURCES, self.storage
+            )
+        if lag.max_lag >= 0:
+            self.add("channel_version_lag", "asyncexec", lag.max_lag)
+        histogram = ", ".join(f"{k}: {v}" for k, v in sorted(lag.lag_histogram.items()))
+        notes.append(
+            f"- version lag ({lag.transport} transport, K={lag.staleness}): {lag.steps} rollout "
+            f"steps, lags {{{histogram}}}, {lag.over} over K, {lag.steps_none} with a rank "
+            f"holding no version ({'; '.join(lag.none_at) or '-'}); {lag.pushes} pushes, failed "
+            f"pushes {lag.push_errors or 0}"
+        )
+        notes.append(
+            f"- version lag: {len(lag.recovery_s)} of {sizes.channel_kills} SIGKILLs restarted, "
+            f"median {median(lag.recovery_s):.2f} s from the kill (rollout: a step of the new "
+            f"attempt; learner: a push after the restart); " + "; ".join(lag.kills)
+        )
+        for failure in lag.failures:
+            notes.append(f"- version lag FAILURE: {failure}")
+        notes.append(f"- version lag channel statistics: {lag.statistics}")
+
     # Event-loop lag through whole lifecycles ---------------------------------------------------
 
     async def lifecycle(self) -> None:
@@ -404,6 +518,8 @@ class Bench:
         own = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.sections.items())
         if self.lifecycle_only:
             return [*lines, *self.lifecycle_notes, f"- this benchmark's own time (s): {own}"]
+        if self.channel_only:
+            return [*lines, *self.channel_notes, f"- this benchmark's own time (s): {own}"]
         cpu = []
         for column, name in (
             ("raytrain", "Ray Train"),
@@ -457,6 +573,7 @@ class Bench:
             if f"{c}_gc_full" in w
         )
         lines.append(f"- driver garbage collections during each lag run: {collections}")
+        lines += self.channel_notes
         lines += self.lifecycle_notes
         lines.append(f"- this benchmark's own time (s): {own}")
         return lines
@@ -493,6 +610,9 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
         with bench.timer.section("lifecycle lag"):
             await bench.lifecycle()
         return None
+    if bench.channel_only:
+        await bench.channel()
+        return None
     client = RayTrainClient()
     progress("starting the Ray Train driver")
     with bench.timer.section("Ray Train driver start"):
@@ -504,6 +624,7 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
             await bench.startup()
         with bench.timer.section("warm workers"):
             await bench.warm()
+        await bench.channel()
         for n in WORKER_COUNTS:
             await bench.groups(n)
         with bench.timer.section("lifecycle lag"):
@@ -564,6 +685,12 @@ def main(argv: list[str] | None = None) -> int:
         "collections then cost what the heap grew by, not Ray's whole heap",
     )
     parser.add_argument(
+        "--channel-only",
+        action="store_true",
+        help="only the weight channel rows (a state moved between executors, version lag "
+        "through SIGKILLs, loop lag during pushes; with --quick: their quick sizes)",
+    )
+    parser.add_argument(
         "--reports-only",
         action="store_true",
         help="only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
@@ -577,7 +704,13 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(processors=[events])
     logging.getLogger("ray.train").setLevel(logging.ERROR)
 
-    bench = Bench(sizes, events, lifecycle_only=args.lifecycle_only, stall_stacks=args.stall_stacks)
+    bench = Bench(
+        sizes,
+        events,
+        lifecycle_only=args.lifecycle_only,
+        channel_only=args.channel_only,
+        stall_stacks=args.stall_stacks,
+    )
     t0 = time.perf_counter()
     with bench.timer.section("ray.init"):
         start_ray()
@@ -596,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         mode += ", lifecycle only"
     if args.reports_only:
         mode += ", reports/s only"
+    if args.channel_only:
+        mode += ", weight channel only"
     if args.gc_freeze:
         mode += ", gc.freeze() after start-up"
     print()
@@ -615,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = [f for f in figures if f.key in LIFECYCLE_KEYS]
     if args.reports_only:
         figures = [f for f in figures if f.key.startswith("rate")]
+    if args.channel_only:
+        figures = [f for f in figures if f.key in CHANNEL_KEYS]
     print(render_table(figures))
     print()
     for line in bench.where_time_goes():
