@@ -171,6 +171,8 @@ class WeightChannel:
         return self._version
 
     def statistics(self) -> ChannelStatistics:
+        """A snapshot of the channel's counters: versions pushed and delivered, pushes, failed
+        pushes, joins, process-group rebuilds and the last delivery's duration."""
         return ChannelStatistics(
             version=self._version,
             delivered=self._delivered,
