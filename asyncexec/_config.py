@@ -156,6 +156,12 @@ class ExecutorConfig:
     init_hook: Callable[[], object] | None = None
     name: str = "asyncexec"
     spares: int = 0
+    #: An elastic executor's bounds (``num_workers=(min, max)``); None for a fixed size. Its
+    #: config's ``num_workers`` is ``max_workers``; each group start decides the group's size
+    #: and starts it with a copy whose ``num_workers`` is that size.
+    min_workers: int | None = None
+    max_workers: int | None = None
+    elastic_check_interval_s: float = 10.0
 
     @classmethod
     def build(cls, num_workers: object, **options: Any) -> ExecutorConfig:
@@ -164,8 +170,9 @@ class ExecutorConfig:
         Raises:
             ConfigurationError: an argument is invalid; the message names it and its value.
         """
-        check_count("num_workers", num_workers)
-        assert isinstance(num_workers, int)
+        num_workers, bounds = _worker_count(num_workers)
+        if bounds is not None:
+            options["min_workers"], options["max_workers"] = bounds
         resources = options.pop("resources_per_worker", None)
         resources = validate_resources({"CPU": 1} if resources is None else resources)
         strategy = options.get("placement_strategy", "PACK")
@@ -200,6 +207,13 @@ class ExecutorConfig:
         if "buffer_size" in options:
             options["buffer_size"] = validate_buffer_size(options["buffer_size"])
         check_count("spares", options.get("spares", 0), minimum=0)
+        if "elastic_check_interval_s" in options:
+            _positive("elastic_check_interval_s", options["elastic_check_interval_s"])
+        if bounds is not None and options.get("spares", 0):
+            raise ConfigurationError(
+                f"an elastic executor (num_workers={bounds!r}) takes no spares: a group that "
+                "can shrink and grow has no fixed set of ranks for them to stand in for"
+            )
         _check_storage(options)
         _check_init_hook(options.get("init_hook"))
         address = options.get("address")
@@ -214,10 +228,47 @@ class ExecutorConfig:
         return cls(num_workers=num_workers, resources_per_worker=resources, **options)
 
     @property
+    def elastic(self) -> bool:
+        """Whether the group's size is decided at each start (``num_workers=(min, max)``)."""
+        return self.min_workers is not None
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One worker's placement-group bundle (the amounts Ray reserves for it)."""
+        return {k: v for k, v in self.resources_per_worker.items() if v > 0}
+
+    @property
     def bundles(self) -> list[dict[str, float]]:
         """One placement-group bundle per worker, spares included."""
-        bundle = {k: v for k, v in self.resources_per_worker.items() if v > 0}
-        return [bundle] * (self.num_workers + self.spares)
+        return [self.bundle] * (self.num_workers + self.spares)
+
+
+def _worker_count(value: object) -> tuple[int, tuple[int, int] | None]:
+    """``num_workers``: a positive int (a fixed size), or a ``(min, max)`` tuple of them with
+    min <= max (an elastic size; ``(n, n)`` is the fixed size n). Returns the size to aim for
+    and the elastic bounds, or None.
+
+    Raises:
+        ConfigurationError: anything else, named.
+    """
+    if not isinstance(value, tuple):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value, None
+        raise ConfigurationError(
+            f"num_workers must be a positive int or a (min, max) tuple of them, got {value!r}"
+        )
+    if len(value) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+    ):
+        raise ConfigurationError(
+            f"num_workers as (min, max) must be two positive ints, got {value!r}"
+        )
+    low, high = value
+    if low > high:
+        raise ConfigurationError(
+            f"num_workers=(min, max) must have min <= max, got min {low} > max {high}"
+        )
+    return high, (None if low == high else (low, high))
 
 
 def _check_storage(options: dict[str, Any]) -> None:

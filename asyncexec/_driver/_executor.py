@@ -78,6 +78,9 @@ class ExecutorStatistics:
     runs_cancelled: int
     restarts: int
     steps_delivered: int
+    #: Groups of an elastic executor that started at another size than the one before: after
+    #: a loss (shrinking, counted in ``restarts`` too) or a planned growth (not a restart).
+    resizes: int = 0
 
 
 class Executor:
@@ -91,7 +94,13 @@ class Executor:
             print(ex.result.return_values)
 
     Args:
-        num_workers: how many workers (Ray actors) to start.
+        num_workers: how many workers (Ray actors) to start; or ``(min, max)`` for an elastic
+            size: each group starts with as many of ``max`` as fit in the cluster now (at least
+            ``min``, which then waits for the placement deadline); a restart after a lost node
+            goes on with what fits; and while a run has fewer than ``max``, it is restarted on a
+            larger group from its latest checkpoint once more would fit (checked every
+            ``elastic_check_interval_s``). ``get_context().world_size`` is the current size.
+            Not with ``pool``, ``reservation``, ``spares`` or independent runs.
         resources_per_worker: Ray resources of each worker, ``{"CPU": 1}`` by default; ``"GPU"``,
             ``"memory"`` and custom resources (``"neuron_cores"``, ``"NPU"``) are accepted.
         backend: a :class:`asyncexec.backends.Backend` that sets a framework up across the group,
@@ -134,11 +143,13 @@ class Executor:
             with the rank i of every other executor on it. Entering the executor claims
             ``resources_per_worker`` on each bundle it uses (refused when it would overfill
             one); closing gives the claim back. ``placement_strategy`` does not apply.
+        elastic_check_interval_s: how often a run of an elastic executor with fewer than its
+            maximum of workers checks whether more would fit (10 s by default).
     """
 
     def __init__(
         self,
-        num_workers: int,
+        num_workers: int | tuple[int, int],
         *,
         resources_per_worker: Mapping[str, float] | None = None,
         backend: Backend | None = None,
@@ -163,6 +174,7 @@ class Executor:
         pool: WorkerPool | None = None,
         spares: int = _D.spares,
         reservation: Reservation | None = None,
+        elastic_check_interval_s: float = _D.elastic_check_interval_s,
     ) -> None:
         # Every keyword argument but these four is a field of the configuration.
         options = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
@@ -174,6 +186,12 @@ class Executor:
                 if options[key] is None:
                     options[key] = getattr(pool.config, key)
         self.config = ExecutorConfig.build(num_workers, **options)
+        if self.config.elastic and (pool is not None or reservation is not None):
+            raise ConfigurationError(
+                f"an elastic executor (num_workers={num_workers!r}) takes no "
+                f"{'pool' if pool is not None else 'reservation'}: its groups are placed "
+                "in placement groups of their own size"
+            )
         if pool is not None:
             pool.check_shape(self.config)
         if reservation is not None:
@@ -219,7 +237,7 @@ class Executor:
     def __repr__(self) -> str:
         return (
             f"<Executor {self.config.name}-{self.id} {self.state.value} "
-            f"workers={self.config.num_workers}>"
+            f"workers={self._size()}>"
         )
 
     # Lifecycle --------------------------------------------------------------------------------
@@ -370,6 +388,11 @@ class Executor:
         group = self._slot.group
         return [] if group is None else group.contexts
 
+    def _size(self) -> int:
+        """The live group's size, else the configured one (an elastic executor's maximum)."""
+        group = self._slot.group
+        return self.config.num_workers if group is None else len(group.workers)
+
     def statistics(self) -> ExecutorStatistics:
         """A snapshot of the executor's counters (``steps_delivered`` counts the steps taken
         from every run, the one in progress included)."""
@@ -378,9 +401,10 @@ class Executor:
             stats["steps_delivered"] += self._run.delivered
         return ExecutorStatistics(
             state=self.state,
-            num_workers=self.config.num_workers,
+            num_workers=self._size(),
             group_starts=self._slot.starts,
             restarts=self._slot.restarts,
+            resizes=self._slot.resizes,
             **stats,
         )
 
@@ -444,6 +468,8 @@ class Executor:
             independent = bool(self.backend is not None and self.backend.independent_ranks)
         if independent:
             spec = self._independent(spec)
+            if self.config.elastic:
+                raise ConfigurationError("an elastic executor does not run independent ranks")
         if self._run is not None and self._run.active and not self._run.closed:
             raise ExecutorStateError(
                 f"run {self._run.run_id} is in progress; close it or let it finish first"

@@ -8,6 +8,7 @@ sees of the executor, so the two never import each other.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -22,6 +23,7 @@ from .._errors import (
     describe,
 )
 from ..backends._base import Backend
+from ._elastic import Sizer
 from ._group import WorkerGroup
 from ._startup import start_group
 
@@ -52,6 +54,11 @@ class GroupSlot:
         self.group: WorkerGroup | None = None
         self.starts = 0
         self.restarts = 0
+        #: Elastic executors: groups that started at another size than the one before.
+        self.resizes = 0
+        self.sizer = Sizer(config, log) if config.elastic else None
+        self._size: int | None = None  # the size of the last group started
+        self._planned = False  # the next start is a planned resize, not a restart
         self.closing = False
         self.starting: str | None = None
         #: Called with a group before a run's functions start on it (a channel's joining ranks
@@ -83,11 +90,15 @@ class GroupSlot:
                 if self.closing:
                     raise ExecutorStateError("the executor is closed")
                 self.starting = "starting" if self.starts == 0 else "restarting"
-                if self.starts and attempt is not None and attempt > 1:
+                planned, self._planned = self._planned, False
+                if self.starts and attempt is not None and attempt > 1 and not planned:
                     self.restarts += 1
                 try:
+                    config = self.config
+                    if self.sizer is not None:
+                        config = replace(config, num_workers=await self.sizer.size())
                     self.group = await start_group(
-                        self.config,
+                        config,
                         self.backend,
                         attempt=attempt or 1,
                         log=self.log,
@@ -97,11 +108,26 @@ class GroupSlot:
                 finally:
                     self.starting = None
                 self.starts += 1
+                self._sized(len(self.group.workers), attempt, planned)
             if attempt is not None:
                 self.group.attempt = attempt
             else:
                 self.start_refills()  # not for a run's attempt: the attempt starts them
             return self.group
+
+    def _sized(self, size: int, attempt: int | None, planned: bool) -> None:
+        """Count and log a group that started at another size than the one before."""
+        before, self._size = self._size, size
+        if before is not None and size != before:
+            self.resizes += 1
+            log = self.log.info if planned else self.log.warning
+            log("resized", from_workers=before, to_workers=size, planned=planned, attempt=attempt)
+
+    async def resize(self, *, force: bool) -> None:
+        """Discard the group for a planned resize (its functions have stopped, or ``force``):
+        the next start decides the new size and is not counted as a restart."""
+        self._planned = True
+        await self.discard(force=force)
 
     async def recover(self, failure: AsyncExecError, *, reuse_survivors: bool) -> None:
         """After a failed attempt: put a standby spare in the failed rank's place (a new spare
@@ -123,9 +149,13 @@ class GroupSlot:
         await self.discard(force=True)
 
     async def discard(self, *, force: bool) -> None:
-        """Close the live group, if any (shielded, bounded)."""
+        """Close the live group, if any (shielded, bounded). An elastic executor first measures
+        what the cluster has free with the group's bundles counted as free (see ``_elastic``)."""
         group, self.group = self.group, None
         if group is not None:
+            if self.sizer is not None and not self.closing and not group.closed:
+                with anyio.CancelScope(shield=True):
+                    await self.sizer.remember(group)
             await group.close(force=force)
 
     async def drop_if(self, group: WorkerGroup) -> None:

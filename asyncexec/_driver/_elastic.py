@@ -1,0 +1,163 @@
+"""Elastic size (``num_workers=(min, max)``): how many workers fit now, and when a group grows.
+
+Each group start of an elastic executor decides its size from what the cluster has free: as many
+of ``max`` as fit at once (first-fit of the bundles over the live nodes' available resources, as
+:func:`~._placement.infeasible_reason` checks them), and ``min`` when fewer fit (the placement
+deadline then applies as to any group). So a restart after a lost node goes on with what is left
+instead of waiting for the lost capacity. While a run goes on with fewer than ``max``, a watcher
+measures every ``elastic_check_interval_s`` how many would fit if the group's own bundles were
+free; when more would, the run restarts on a larger group from the latest checkpoint (a planned
+resize, not a failure).
+
+Ray's resource view is read in a thread (two GCS calls), bounded: a slow answer counts as
+unknown. Ray shows resources freed by a removed placement group some 50-100 ms after the removal,
+so the free resources are measured before a group is discarded, counting its own bundles as free,
+and the next start uses that measure when it is recent; a start that measures anew and finds
+fewer than ``max`` looks once more :data:`SETTLE_S` later (another executor may just have closed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import ray
+
+from .._config import ExecutorConfig
+from .._errors import describe
+from ._group import WorkerGroup
+from ._placement import infeasible_reason
+
+__all__ = ["Resize", "Sizer", "decide_size", "fitting_workers", "holding", "measure_free"]
+
+#: How long one look at Ray's resource view may take before it counts as unknown.
+MEASURE_TIMEOUT_S = 5.0
+#: How long a measure taken as a group was discarded stays good for the next start.
+MEASURE_FRESH_S = 5.0
+#: A start that measures anew and finds fewer than the maximum free looks once more after this
+#: (resources that another group just gave back show some 50-100 ms late).
+SETTLE_S = 0.2
+
+Nodes = list[dict[str, float]]
+
+
+class Resize(Exception):  # a signal from an attempt to its driver, not an error
+    """A planned resize: the attempt stopped because ``size`` workers would now fit."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+def fitting_workers(
+    bundle: Mapping[str, float], strategy: str, nodes: Sequence[Mapping[str, float]], most: int
+) -> int:
+    """How many workers of ``bundle`` (at most ``most``) the ``nodes``' free resources hold at
+    once under ``strategy``; 0 when not one does. Pure."""
+    for n in range(most, 0, -1):
+        if infeasible_reason([dict(bundle)] * n, strategy, nodes) is None:
+            return n
+    return 0
+
+
+def decide_size(fitting: int, minimum: int, maximum: int) -> int:
+    """The size of the next group: as many as fit, within ``[minimum, maximum]`` (``minimum``
+    when fewer fit: the placement deadline then waits for them). Pure."""
+    return max(minimum, min(fitting, maximum))
+
+
+def holding(group: WorkerGroup) -> dict[str, int]:
+    """How many of ``group``'s bundles each node holds (one per worker, on its node)."""
+    counts: dict[str, int] = {}
+    for worker in group.workers:
+        counts[worker.metadata.node_id] = counts.get(worker.metadata.node_id, 0) + 1
+    return counts
+
+
+def _free_now(bundle: Mapping[str, float], held: Mapping[str, int]) -> Nodes:
+    """Each live node's available resources, with ``held[node]`` of our bundles counted as free.
+    Blocking (GCS calls): run it in a thread. A node Ray has marked dead is left out (its
+    available resources linger for a moment after)."""
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    available = ray._private.state.available_resources_per_node()
+    nodes: Nodes = []
+    for node_id, resources in available.items():
+        if node_id not in alive:
+            continue
+        free = {k: float(v) for k, v in resources.items()}
+        for key, amount in bundle.items():
+            free[key] = free.get(key, 0.0) + amount * held.get(node_id, 0)
+        nodes.append(free)
+    return nodes
+
+
+async def measure_free(
+    config: ExecutorConfig, held: Mapping[str, int], log: Any
+) -> Nodes | None:
+    """The live nodes' free resources (``held`` bundles counted as free), or None when Ray did
+    not answer within :data:`MEASURE_TIMEOUT_S` or failed (logged)."""
+    try:
+        with anyio.move_on_after(MEASURE_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(
+                _free_now, config.bundle, held, abandon_on_cancel=True
+            )
+        log.warning("elastic_measure_timed_out", seconds=MEASURE_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("elastic_measure_failed", error=describe(exc))
+    return None
+
+
+class Sizer:
+    """Decides each start's size for an elastic executor; the group slot holds one."""
+
+    def __init__(self, config: ExecutorConfig, log: Any) -> None:
+        assert config.min_workers is not None and config.max_workers is not None
+        self.config = config
+        self.minimum = config.min_workers
+        self.maximum = config.max_workers
+        self.log = log
+        self._measured: tuple[float, Nodes] | None = None
+
+    def fitting(self, nodes: Nodes) -> int:
+        config = self.config
+        return fitting_workers(config.bundle, config.placement_strategy, nodes, self.maximum)
+
+    async def remember(self, group: WorkerGroup) -> None:
+        """Measure what is free as if ``group`` were gone, before it is discarded (see the
+        module's docstring)."""
+        nodes = await measure_free(self.config, holding(group), self.log)
+        self._measured = None if nodes is None else (time.monotonic(), nodes)
+
+    async def size(self) -> int:
+        """The next group's size: from the measure taken as the last group was discarded, when
+        recent, else from one taken now."""
+        measured, self._measured = self._measured, None
+        if measured is not None and time.monotonic() - measured[0] <= MEASURE_FRESH_S:
+            fitting = self.fitting(measured[1])
+        else:
+            fitting = await self._measure()
+            if fitting < self.maximum:
+                await anyio.sleep(SETTLE_S)
+                fitting = max(fitting, await self._measure())
+        size = decide_size(fitting, self.minimum, self.maximum)
+        self.log.debug("elastic_size", fitting=fitting, size=size)
+        return size
+
+    async def _measure(self, group: WorkerGroup | None = None) -> int:
+        """How many workers fit now (``group``'s bundles counted as free); 0 when unknown."""
+        held = {} if group is None else holding(group)
+        nodes = await measure_free(self.config, held, self.log)
+        return 0 if nodes is None else self.fitting(nodes)
+
+    async def watch_growth(self, group: WorkerGroup, grow: Callable[[int], None]) -> None:
+        """While ``group`` is smaller than the maximum: every ``elastic_check_interval_s``, call
+        ``grow(n)`` (and return) once ``n`` workers, more than the group has, would fit."""
+        size = len(group.workers)
+        while size < self.maximum:
+            await anyio.sleep(self.config.elastic_check_interval_s)
+            fitting = await self._measure(group)
+            if fitting > size:
+                grow(fitting)
+                return
