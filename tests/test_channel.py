@@ -230,3 +230,18 @@ async def test_bad_channel_arguments_are_refused_before_anything_moves() -> None
                 pass
     with pytest.raises(asyncexec.ConfigurationError, match=r"two asyncexec\.Executors"):
         asyncexec.WeightChannel(object(), object())  # type: ignore[arg-type]
+
+
+async def test_a_cancelled_push_is_cancelled_not_a_channel_error(tmp_path: Any) -> None:
+    """A push cancelled while it reads (here: the source's function never registered how its
+    state is read) ends with the cancellation; it was turned into a ChannelError, so a loop that
+    retries on ChannelError never stopped."""
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
+    ):
+        with anyio.move_on_after(1.0) as scope:
+            await channel.push()
+        assert scope.cancelled_caught
+        assert channel.version == 0 and channel.statistics().failed_pushes == 0

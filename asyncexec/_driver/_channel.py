@@ -22,6 +22,7 @@ before its function starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["ChannelStatistics", "WeightChannel"]
 
 Transport = Literal["object_store", "torch"]
+#: How long closing a channel waits for the workers to drop its groups and buffers.
+_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class WeightChannel:
             everywhere (1: once it is).
         torch_backend: ``"gloo"`` or ``"nccl"`` for the torch transport; by default nccl when
             the source's workers have CUDA, else gloo.
+        reuse_buffers: torch transport: receive into two buffers per tensor, used in turn,
+            so the tensors given to ``install`` are written again two versions later (copy what
+            you keep: ``load_state_dict`` does). Fresh memory for every version costs more than
+            the broadcast itself (page faults: 0.55 s against 0.23 s for 256 MB here). False:
+            new tensors for every version.
         timeout_s: bound on reading a state (waiting for ``serve_weights`` included), on
             building a process group and on one delivery.
     """
@@ -114,6 +122,7 @@ class WeightChannel:
         sharded: bool = False,
         max_staleness: int = 1,
         torch_backend: Literal["gloo", "nccl"] | None = None,
+        reuse_buffers: bool = True,
         timeout_s: float = 120.0,
     ) -> None:
         from ._executor import Executor
@@ -142,6 +151,7 @@ class WeightChannel:
         self.sharded = sharded
         self.max_staleness = max_staleness
         self.torch_backend = torch_backend
+        self.reuse_buffers = bool(reuse_buffers)
         self.timeout_s = float(timeout_s)
         self.id = os.urandom(4).hex()
         self.log = get_logger(channel=f"{name}-{self.id}")
@@ -219,6 +229,26 @@ class WeightChannel:
             await tg.__aexit__(None, None, None)
         self._pending.clear()
         self._last = None  # the references go: Ray frees the states
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
+            await self._forget()
+
+    async def _forget(self) -> None:
+        """Tell the live workers of both sides to drop the channel's process groups and
+        buffers (best effort: a worker that is gone has nothing to drop)."""
+        workers = [
+            w
+            for ex in (self.source, self.target)
+            if ex._slot.group is not None and not ex._slot.group.closed
+            for w in ex._slot.group.workers
+        ]
+
+        async def one(worker: WorkerInfo) -> None:
+            with contextlib.suppress(Exception):
+                await worker.actor.channel_close.remote(self.name)
+
+        async with anyio.create_task_group() as tg:
+            for worker in workers:
+                tg.start_soon(one, worker)
 
     def _check_open(self) -> anyio.abc.TaskGroup:
         if not self._open or self._tg is None:
@@ -260,7 +290,9 @@ class WeightChannel:
             try:
                 with anyio.fail_after(self.timeout_s):
                     await self._read(pending)
-            except BaseException as exc:
+            except anyio.get_cancelled_exc_class():
+                raise  # the caller was cancelled: not the channel's failure
+            except Exception as exc:
                 self._counts["failed_pushes"] += 1
                 raise _channel_error(f"reading version {version}", exc, self.timeout_s) from exc
             self._version = version
@@ -356,7 +388,9 @@ class WeightChannel:
             for w, (gid, _) in zip(sources, parts, strict=True)
         ]
         refs += [
-            w.actor.channel_receive_torch.remote(self.name, pending.version, parts, device)
+            w.actor.channel_receive_torch.remote(
+                self.name, pending.version, parts, device, self.reuse_buffers
+            )
             for w in targets
         ]
         await _gather(refs, [*sources, *targets], self.target)
@@ -428,7 +462,7 @@ class WeightChannel:
                     raise pending.error
         except ChannelError:
             raise
-        except BaseException as exc:
+        except Exception as exc:
             raise _channel_error(
                 "giving joining ranks the latest version", exc, self.timeout_s
             ) from exc

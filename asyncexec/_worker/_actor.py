@@ -165,9 +165,13 @@ class _Worker:
         return await asyncio.to_thread(_channel.send, name, version, group_id)
 
     async def channel_receive_torch(
-        self, name: str, version: int, parts: list[Any], device: str
+        self, name: str, version: int, parts: list[Any], device: str, reuse: bool
     ) -> int:
-        return await asyncio.to_thread(_channel.receive, name, version, parts, device)
+        return await asyncio.to_thread(_channel.receive, name, version, parts, device, reuse)
+
+    async def channel_close(self, name: str) -> None:
+        """Forget the channel (its process groups and buffers)."""
+        _channel.close(name)
 
     async def ping(self) -> int:
         return os.getpid()

@@ -43,6 +43,9 @@ class _End:
         self.held: Mapping[str, Any] | None = None  # received before install was registered
         self.snapshots: dict[int, Mapping[str, Any]] = {}  # torch: read, not yet broadcast
         self.groups: dict[str, Any] = {}  # torch: process group by id
+        #: torch: receive buffers by (group id, key), two per tensor, used in turn by version
+        #: (fresh memory for each version costs more than the broadcast: page faults).
+        self.buffers: dict[tuple[str, str], list[Any]] = {}
 
 
 _ends: dict[str, _End] = {}
@@ -101,6 +104,17 @@ def receive_weights(
         if held is not None and version is not None:
             install(held, version)
     return version
+
+
+def close(name: str) -> None:
+    """Forget channel ``name`` in this process (its process groups, buffers and snapshots)."""
+    with _ends_lock:
+        end = _ends.get(name)
+    if end is not None:
+        with end.lock:
+            end.groups.clear()
+            end.buffers.clear()
+            end.snapshots.clear()
 
 
 def weights_version(channel: str = DEFAULT_CHANNEL) -> int | None:
@@ -200,9 +214,12 @@ def join_group(
         group = dist.ProcessGroupGloo(store, rank, size, timeout)
     end = _end(name)
     with end.lock:
+        generation = group_id.split("/")[0]
         for old in list(end.groups):
-            if old.split("/")[0] != group_id.split("/")[0]:
+            if old.split("/")[0] != generation:
                 del end.groups[old]  # a previous generation
+        for key in [k for k in end.buffers if k[0].split("/")[0] != generation]:
+            del end.buffers[key]
         end.groups[group_id] = group
 
 
@@ -249,9 +266,12 @@ def receive(
     version: int,
     parts: list[tuple[str, list[tuple[str, tuple[int, ...], str]]]],
     device: str,
+    reuse: bool = True,
 ) -> int:
     """Receive ``version`` from each source's group (one part per source), then install it;
-    return the bytes received."""
+    return the bytes received. With ``reuse``, the tensors are received into two buffers per
+    tensor used in turn, so the ones given to ``install`` are written again two versions
+    later."""
     import torch
     import torch.distributed as dist
 
@@ -263,7 +283,11 @@ def receive(
             group = end.groups[group_id]
         shard: dict[str, Any] = {}
         for key, shape, dtype in meta:
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            tensor = _buffer(end, (group_id, key), shape, getattr(torch, dtype), device, version)
+            if tensor is None or not reuse:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                if reuse:
+                    end.buffers.setdefault((group_id, key), [None, None])[version % 2] = tensor
             options = dist.BroadcastOptions()
             options.rootRank = 0
             group.broadcast([tensor], options).wait()
@@ -272,6 +296,19 @@ def receive(
         shards.append(shard)
     install_state(name, version, merge(shards))
     return received
+
+
+def _buffer(
+    end: _End, key: tuple[str, str], shape: tuple[int, ...], dtype: Any, device: str, version: int
+) -> Any:
+    """The buffer of ``key`` for ``version``'s turn, when one of that shape and type exists."""
+    pair = end.buffers.get(key)
+    tensor = pair[version % 2] if pair is not None else None
+    if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        return None
+    if str(tensor.device).split(":")[0] != device:
+        return None
+    return tensor
 
 
 def cuda_available() -> bool:
