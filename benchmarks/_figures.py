@@ -14,6 +14,7 @@ __all__ = [
     "FULL",
     "QUICK",
     "LIFECYCLE_KEYS",
+    "OUTLIVE_KEYS",
     "WORKER_COUNTS",
     "Sizes",
     "make_figures",
@@ -54,6 +55,10 @@ class Sizes:
     channel_lag_pushes: int
     channel_kills: int
     channel_staleness: int
+    # Runs that outlive failures (_outlive.py): independent ranks, repeats; driver-death resumes.
+    outlive_workers: int
+    outlive_repeats: int
+    resume_repeats: int
 
 
 FULL = Sizes(
@@ -82,6 +87,9 @@ FULL = Sizes(
     channel_lag_pushes=5,
     channel_kills=20,
     channel_staleness=2,
+    outlive_workers=8,
+    outlive_repeats=3,
+    resume_repeats=3,
 )
 QUICK = Sizes(
     repeats=1,
@@ -109,6 +117,9 @@ QUICK = Sizes(
     channel_lag_pushes=3,
     channel_kills=2,
     channel_staleness=2,
+    outlive_workers=4,
+    outlive_repeats=1,
+    resume_repeats=1,
 )
 WORKER_COUNTS = (4, 1, 16)
 
@@ -221,8 +232,54 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
     ]
     figs += warm_figures()
     figs += channel_figures(sizes)
+    figs += outlive_figures(sizes)
     figs += lifecycle_figures(sizes)
     return {f.key: f for f in figs}
+
+
+#: The rows of runs that outlive their failures (``--outlive-only``).
+OUTLIVE_KEYS = ("indep_restarted", "indep_gap", "indep_replaced", "resume")
+
+
+def outlive_figures(sizes: Sizes) -> list[Figure]:
+    """Independent ranks and driver-death resumes (``_outlive.py``)."""
+    n = sizes.outlive_workers
+    return [
+        Figure(
+            "indep_restarted",
+            f"{n} independent ranks, SIGKILL one: survivors whose function restarted",
+            "count",
+            target="0",
+            check=lambda m: m["asyncexec"] == 0,
+            raytrain=False,
+        ),
+        Figure(
+            "indep_gap",
+            "the same: longest gap in a survivor's report stream around the kill (floor: the "
+            "longest before it, the stream's own pace)",
+            "ms",
+            target="<= 3x the gap before",
+            check=lambda m: m["asyncexec"] <= 3 * m["floor"],
+            raytrain=False,
+        ),
+        Figure(
+            "indep_replaced",
+            "the same: SIGKILL to the replaced rank's next report, warm spare",
+            "ms",
+            target="<= 300 ms",
+            check=lambda m: m["asyncexec"] <= 300,
+            raytrain=False,
+        ),
+        Figure(
+            "resume",
+            "driver SIGKILLed at step k, a new driver with the same run name: process start to "
+            "step k+1 (Ray already up)",
+            "s",
+            target="<= 2.5 s",
+            check=lambda m: m["asyncexec"] <= 2.5,
+            raytrain=False,
+        ),
+    ]
 
 
 def warm_figures() -> list[Figure]:

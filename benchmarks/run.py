@@ -74,12 +74,14 @@ from _figures import (  # noqa: E402
     CHANNEL_KEYS,
     FULL,
     LIFECYCLE_KEYS,
+    OUTLIVE_KEYS,
     QUICK,
     WORKER_COUNTS,
     Sizes,
     make_figures,
 )
 from _lifecycle import measure_lifecycle  # noqa: E402
+from _outlive import measure_independent, measure_resume  # noqa: E402
 from _raytrain import RayTrainClient  # noqa: E402
 from _service import measure_service_first_event  # noqa: E402
 from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
@@ -103,11 +105,13 @@ class Bench:
         *,
         lifecycle_only: bool = False,
         channel_only: bool = False,
+        outlive_only: bool = False,
         stall_stacks: bool = False,
     ) -> None:
         self.sizes = sizes
         self.lifecycle_only = lifecycle_only
         self.channel_only = channel_only
+        self.outlive_only = outlive_only
         self.stall_stacks = stall_stacks
         self.lifecycle_notes: list[str] = []
         self.channel_notes: list[str] = []
@@ -366,6 +370,34 @@ class Bench:
             if found:
                 self.note(key, found[0][0] - t_kill)
 
+    # Runs that outlive failures --------------------------------------------------------------
+
+    async def outlive(self) -> None:
+        """Independent ranks losing one (survivors restarted, their stream's gap, the replaced
+        rank's next report) and a named run resumed by a new driver (see ``_outlive.py``)."""
+        sizes = self.sizes
+        n = sizes.outlive_workers
+        progress(f"independent ranks, {n} workers, one SIGKILLed")
+        indep = await measure_independent(n, sizes.outlive_repeats, RESOURCES, self.storage)
+        for restarted, gap, ratio, replaced in zip(
+            indep.survivors_restarted,
+            indep.gap_around_s,
+            indep.gap_ratio,
+            indep.replaced_s,
+            strict=True,
+        ):
+            self.add("indep_restarted", "asyncexec", restarted)
+            self.add("indep_gap", "asyncexec", gap * 1e3)
+            self.add("indep_gap", "floor", gap / ratio * 1e3)
+            self.add("indep_replaced", "asyncexec", replaced * 1e3)
+        progress("a named run resumed by a new driver")
+        resumed = await measure_resume(sizes.resume_repeats, self.storage)
+        for seconds, ready in zip(resumed.resume_s, resumed.resume_ready_s, strict=True):
+            self.add("resume", "asyncexec", seconds)
+            self.note("resume_ready_to_step_s", ready)
+        if not all(resumed.resume_index_ok):
+            self.note("resume_index_went_back", 1.0)
+
     # Weights from one executor to another ------------------------------------------------------
 
     async def channel(self) -> None:
@@ -520,6 +552,13 @@ class Bench:
             return [*lines, *self.lifecycle_notes, f"- this benchmark's own time (s): {own}"]
         if self.channel_only:
             return [*lines, *self.channel_notes, f"- this benchmark's own time (s): {own}"]
+        outlive = (
+            f"- a resumed named run: its new driver's executor ready to its first step "
+            f"{g('resume_ready_to_step_s') * 1e3:.0f} ms (the rest of 'resume' is the process "
+            "starting, importing and joining Ray)"
+        )
+        if self.outlive_only:
+            return [*lines, outlive, f"- this benchmark's own time (s): {own}"]
         cpu = []
         for column, name in (
             ("raytrain", "Ray Train"),
@@ -533,6 +572,7 @@ class Bench:
                     f"{g(f'{column}_worker_cpu_us'):.1f} workers"
                 )
         lines.append("- CPU per report, 4 workers streaming (us): " + "; ".join(cpu))
+        lines.append(outlive)
         lines.append(
             f"- asyncexec start-up, 4 workers (s from entering): placement group ready "
             f"{g('ae_placement_ready'):.3f}, worker processes ready {g('ae_workers_ready'):.3f}, "
@@ -613,6 +653,9 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
     if bench.channel_only:
         await bench.channel()
         return None
+    if bench.outlive_only:
+        await bench.outlive()
+        return None
     client = RayTrainClient()
     progress("starting the Ray Train driver")
     with bench.timer.section("Ray Train driver start"):
@@ -625,6 +668,8 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
         with bench.timer.section("warm workers"):
             await bench.warm()
         await bench.channel()
+        with bench.timer.section("runs that outlive failures"):
+            await bench.outlive()
         for n in WORKER_COUNTS:
             await bench.groups(n)
         with bench.timer.section("lifecycle lag"):
@@ -691,6 +736,12 @@ def main(argv: list[str] | None = None) -> int:
         "through SIGKILLs, loop lag during pushes; with --quick: their quick sizes)",
     )
     parser.add_argument(
+        "--outlive-only",
+        action="store_true",
+        help="only the rows of runs that outlive failures (independent ranks, driver-death "
+        "resume; with --quick: their quick sizes)",
+    )
+    parser.add_argument(
         "--reports-only",
         action="store_true",
         help="only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
@@ -709,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         events,
         lifecycle_only=args.lifecycle_only,
         channel_only=args.channel_only,
+        outlive_only=args.outlive_only,
         stall_stacks=args.stall_stacks,
     )
     t0 = time.perf_counter()
@@ -731,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         mode += ", reports/s only"
     if args.channel_only:
         mode += ", weight channel only"
+    if args.outlive_only:
+        mode += ", runs that outlive failures only"
     if args.gc_freeze:
         mode += ", gc.freeze() after start-up"
     print()
@@ -752,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = [f for f in figures if f.key.startswith("rate")]
     if args.channel_only:
         figures = [f for f in figures if f.key in CHANNEL_KEYS]
+    if args.outlive_only:
+        figures = [f for f in figures if f.key in OUTLIVE_KEYS]
     print(render_table(figures))
     print()
     for line in bench.where_time_goes():
