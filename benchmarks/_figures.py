@@ -144,6 +144,16 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
         )
     figs += [
         Figure(
+            "metrics_cost",
+            "reports/s, 4 workers, with Prometheus metrics on (floor: the same run with them "
+            "off)",
+            "reports/s",
+            target=">= 0.97x off",
+            check=lambda m: _ratio(m, "asyncexec", "floor") >= 0.97,
+            higher_is_better=True,
+            raytrain=False,
+        ),
+        Figure(
             "startup",
             "start-up, 4 workers (floor: 4 plain actors ready)",
             "s",

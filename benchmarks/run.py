@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import math
@@ -35,7 +36,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -250,6 +251,11 @@ class Bench:
             measured["lockstep"] = await loops.lockstep(sizes.lockstep_steps[n])
             measured["floor"] = await loops.floor(sizes.steps[n])
             measured["asyncexec"] = await ae.stream(sizes.steps[n])
+            if n == 4:  # the same with Prometheus metrics on, right after it
+                with metrics_on():
+                    metered = await ae.stream(sizes.steps[n])
+                self.add("metrics_cost", "floor", measured["asyncexec"]["rate"])
+                self.add("metrics_cost", "asyncexec", metered["rate"])
             for column, m in measured.items():
                 self.add(key, column, m["rate"])
                 if n == 4:
@@ -690,6 +696,21 @@ def asyncexec_path() -> str:
     import asyncexec
 
     return os.path.dirname(os.path.abspath(str(asyncexec.__file__)))
+
+
+@contextlib.contextmanager
+def metrics_on() -> Iterator[None]:
+    """asyncexec's Prometheus metrics on, in a registry of their own, for the block."""
+    import prometheus_client
+
+    import asyncexec
+    from asyncexec._driver import _metrics
+
+    asyncexec.enable_metrics(prometheus_client.CollectorRegistry())
+    try:
+        yield
+    finally:
+        _metrics._metrics = None
 
 
 def start_ray() -> None:
