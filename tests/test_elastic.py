@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from conftest import cluster_held
 from structlog.testing import capture_logs
 
 import asyncexec
+import asyncexec.backends
 from asyncexec._config import ExecutorConfig
 from asyncexec._driver._elastic import decide_size, fitting_workers
 
@@ -48,7 +50,13 @@ def sized_counter(config: dict[str, Any]) -> int:
             tmp = tempfile.mkdtemp()
             (Path(tmp) / "count.json").write_text(json.dumps({"i": i}))
             saved = asyncexec.Checkpoint.from_directory(tmp)
-        metrics = {"i": i, "world_size": ctx.world_size, "attempt": ctx.attempt, "t": time.time()}
+        metrics = {
+            "i": i,
+            "world_size": ctx.world_size,
+            "attempt": ctx.attempt,
+            "t": time.time(),
+            "pid": os.getpid(),
+        }
         asyncexec.report(metrics, checkpoint=saved)
         i += 1
     return ctx.world_size
@@ -98,9 +106,7 @@ def test_fitting_workers_needs_every_resource_of_a_bundle_on_one_node() -> None:
     assert fitting_workers(bundle, "PACK", nodes, 8) == 3
 
 
-@pytest.mark.parametrize(
-    ("fitting", "expected"), [(0, 2), (1, 2), (2, 2), (3, 3), (4, 4), (9, 4)]
-)
+@pytest.mark.parametrize(("fitting", "expected"), [(0, 2), (1, 2), (2, 2), (3, 3), (4, 4), (9, 4)])
 def test_size_is_what_fits_within_the_bounds(fitting: int, expected: int) -> None:
     """Fewer than the minimum fitting: ask for the minimum (the placement deadline applies)."""
     assert decide_size(fitting, 2, 4) == expected
@@ -225,17 +231,41 @@ async def _remove(cluster: Any, node: Any) -> float:
     return began
 
 
+async def _lose_and_add(
+    ex: asyncexec.Executor, cluster: Any, node: Any, config: dict[str, Any]
+) -> tuple[list[asyncexec.Step], dict[str, Any]]:
+    """Consume the run; kill ``node`` at step 5 and add a node at the first step of attempt 2.
+    Returns the steps, and when the node was killed, when the first step at the smaller size
+    was reported, and the node added."""
+    steps: list[asyncexec.Step] = []
+    seen: dict[str, Any] = {}
+    async for step in ex.run(sized_counter, config):
+        steps.append(step)
+        if step.attempt == 1 and step.index == 5 and "removed" not in seen:
+            seen["removed"] = await _remove(cluster, node)
+        if step.attempt == 2 and "added" not in seen:
+            seen["shrunk"] = max(r.metrics["t"] for r in step.reports)  # its ranks reported
+            seen["nodes"] = {w.node_id for w in ex.workers}
+            # On the loop: Ray's Node installs signal handlers, which only the main thread may
+            # do. The run's pumps wait meanwhile (about a second).
+            seen["added"] = cluster.add_node(num_cpus=2)
+    return steps, seen
+
+
 @pytest.mark.multinode
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("kept", [True, False], ids=["survivors-kept", "fresh-group"])
 async def test_lost_node_goes_on_with_the_minimum_then_grows_back(
-    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path, kept: bool
 ) -> None:
     """Two nodes of 2 CPUs and ``(2, 4)`` workers of 1 CPU: the run starts with 4. A node is
     killed: the run goes on with 2 on the node that is left, from the latest checkpoint, instead
-    of waiting for the lost capacity. A node is added back: the next check grows the run to 4
-    again, from the latest checkpoint. The time from the removal to the first step at 2 is
-    logged beside the time Ray took to notice the lost node, never asserted."""
+    of waiting for the lost capacity: the 2 workers left there (no process starts), or with a
+    backend (whose framework group needs fresh processes) a new group of the 2 that fit. A node
+    is added back: the next check grows the run to 4 again, from the latest checkpoint. The time
+    from the removal to the first step at 2 is logged beside the time Ray took to notice the
+    lost node, never asserted."""
     cluster = make_cluster([{"num_cpus": 2}, {"num_cpus": 2}])
     head = ray.get_runtime_context().get_node_id()
     (other,) = cluster.worker_nodes
@@ -248,38 +278,45 @@ async def test_lost_node_goes_on_with_the_minimum_then_grows_back(
         elastic_check_interval_s=0.5,
         placement_timeout_s=20,
         storage_path=str(tmp_path),
+        backend=None if kept else asyncexec.backends.Backend(),
     ) as ex:
         assert len(ex.workers) == 4
         assert {w.node_id for w in ex.workers} == {head, other.node_id}
-        steps: list[asyncexec.Step] = []
-        removed_at = shrunk_at = 0.0
-        added = None
-        async for step in ex.run(sized_counter, config):
-            steps.append(step)
-            if step.attempt == 1 and step.index == 5 and not removed_at:
-                removed_at = await _remove(cluster, other)
-            if step.attempt == 2 and added is None:
-                shrunk_at = max(r.metrics["t"] for r in step.reports)  # when its ranks reported
-                assert {w.node_id for w in ex.workers} == {head}
-                # On the loop: Ray's Node installs signal handlers, which only the main thread
-                # may do. The run's pumps wait meanwhile (about a second).
-                added = cluster.add_node(num_cpus=2)
+        with capture_logs() as logs:
+            steps, seen = await _lose_and_add(ex, cluster, other, config)
         result = ex.result
         stats = ex.statistics()
-        assert added is not None
+        assert "added" in seen
+        assert seen["nodes"] == {head}
         assert result.attempts == 3
         (lost,) = result.failures
         assert isinstance(lost, asyncexec.NodeLostError), lost
         assert lost.node_id == other.node_id
         assert (stats.restarts, stats.resizes, stats.num_workers) == (1, 2, 4)
         assert result.return_values == [4, 4, 4, 4]
-        assert {w.node_id for w in ex.workers} == {head, added.node_id}
+        assert {w.node_id for w in ex.workers} == {head, seen["added"].node_id}
         check_counted(steps, {1: 4, 2: 2, 3: 4})
-        noticed = lost.time - removed_at
-        shrink = shrunk_at - removed_at
+        # Kept: the 2 workers left on the head went on (no process started for the smaller
+        # size). Else a new group started.
+        pids = {
+            a: {r.metrics["pid"] for s in steps if s.attempt == a for r in s.reports}
+            for a in (1, 2, 3)
+        }
+        assert len(pids[2]) == 2
+        assert pids[2] <= pids[1] if kept else not pids[2] & pids[1]
+        assert len(pids[3]) == 4
+        resized = [e for e in logs if e["event"] == "resized"]
+        assert [(e["from_workers"], e["to_workers"], e["planned"]) for e in resized] == [
+            (4, 2, False),
+            (2, 4, True),
+        ]
+        assert len([e for e in logs if e["event"] == "group_shrunk"]) == int(kept)
+        noticed = lost.time - seen["removed"]
+        shrink = seen["shrunk"] - seen["removed"]
         log.warning(
-            "node killed: Ray noticed it after %.3f s; first step at the smaller size %.3f s "
-            "after the kill (%.2fx the detection time)",
+            "%s: node killed: Ray noticed it after %.3f s; first step at the smaller size "
+            "%.3f s after the kill (%.2fx the detection time)",
+            "survivors kept" if kept else "fresh group",
             noticed,
             shrink,
             shrink / noticed,

@@ -3,32 +3,40 @@
 Each group start of an elastic executor decides its size from what the cluster has free: as many
 of ``max`` as fit at once (first-fit of the bundles over the live nodes' available resources, as
 :func:`~._placement.infeasible_reason` checks them), and ``min`` when fewer fit (the placement
-deadline then applies as to any group). So a restart after a lost node goes on with what is left
-instead of waiting for the lost capacity. While a run goes on with fewer than ``max``, a watcher
-measures every ``elastic_check_interval_s`` how many would fit if the group's own bundles were
-free; when more would, the run restarts on a larger group from the latest checkpoint (a planned
-resize, not a failure).
+deadline then applies as to any group). After a lost node the run goes on with what is left
+instead of waiting for the lost capacity: when at least ``min`` workers are left on the live
+nodes (and no backend's framework group has to be rebuilt by fresh processes), they are kept,
+ranked anew and set up for the smaller world, and no process starts; else the restart starts a
+group of the size that fits. While a run goes on with fewer than ``max``, a watcher measures
+every ``elastic_check_interval_s`` how many would fit if the group's own bundles were free; when
+more would, the run restarts on a larger group from the latest checkpoint (a planned resize, not
+a failure).
 
-Ray's resource view is read in a thread (two GCS calls), bounded: a slow answer counts as
-unknown. Ray shows resources freed by a removed placement group some 50-100 ms after the removal,
-so the free resources are measured before a group is discarded, counting its own bundles as free,
-and the next start uses that measure when it is recent; a start that measures anew and finds
-fewer than ``max`` looks once more :data:`SETTLE_S` later (another executor may just have closed).
+Ray's resource view is read in a thread (GCS calls), bounded: a slow answer counts as unknown.
+Ray shows resources freed by a removed placement group some 50-100 ms after the removal, so the
+free resources are measured before a group is discarded, counting its own bundles as free, and
+the next start uses that measure when it is recent; a start that measures anew and finds fewer
+than ``max`` looks once more :data:`SETTLE_S` later (another executor may just have closed).
+A kept group's placement group keeps the lost bundles, which Ray places again when a node can
+hold them: they count as the group's own.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import ray
 
 from .._config import ExecutorConfig
-from .._errors import describe
+from .._errors import AsyncExecError, NodeLostError, describe
 from ._group import WorkerGroup
 from ._placement import infeasible_reason
+from ._startup import worker_contexts
 
 __all__ = ["Resize", "Sizer", "decide_size", "fitting_workers", "holding", "measure_free"]
 
@@ -70,17 +78,32 @@ def decide_size(fitting: int, minimum: int, maximum: int) -> int:
 
 def holding(group: WorkerGroup) -> dict[str, int]:
     """How many of ``group``'s bundles each node holds (one per worker, on its node)."""
-    counts: dict[str, int] = {}
-    for worker in group.workers:
-        counts[worker.metadata.node_id] = counts.get(worker.metadata.node_id, 0) + 1
-    return counts
+    return dict(Counter(w.metadata.node_id for w in group.workers))
 
 
-def _free_now(bundle: Mapping[str, float], held: Mapping[str, int]) -> Nodes:
-    """Each live node's available resources, with ``held[node]`` of our bundles counted as free.
-    Blocking (GCS calls): run it in a thread. A node Ray has marked dead is left out (its
-    available resources linger for a moment after)."""
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+def _held(group: WorkerGroup | None) -> dict[str, int]:
+    """How many bundles ``group`` holds on each node: its placement group's, as Ray placed them
+    (after a lost node, Ray places the lost bundles again, on a node added later, say), else one
+    per worker. Blocking (a GCS call when the group has a placement group)."""
+    if group is None:
+        return {}
+    placement = group.placement
+    if placement is not None and placement.owned and not placement.removed:
+        table = ray.util.placement_group_table(placement.group)
+        return dict(Counter(table.get("bundles_to_node_id", {}).values()))
+    return holding(group)
+
+
+def _alive() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _free_now(bundle: Mapping[str, float], group: WorkerGroup | None) -> Nodes:
+    """Each live node's available resources, with ``group``'s bundles counted as free. Blocking
+    (GCS calls): run it in a thread. A node Ray has marked dead is left out (its available
+    resources linger for a moment after)."""
+    held = _held(group)
+    alive = _alive()
     available = ray._private.state.available_resources_per_node()
     nodes: Nodes = []
     for node_id, resources in available.items():
@@ -94,14 +117,14 @@ def _free_now(bundle: Mapping[str, float], held: Mapping[str, int]) -> Nodes:
 
 
 async def measure_free(
-    config: ExecutorConfig, held: Mapping[str, int], log: Any
+    config: ExecutorConfig, group: WorkerGroup | None, log: Any
 ) -> Nodes | None:
-    """The live nodes' free resources (``held`` bundles counted as free), or None when Ray did
-    not answer within :data:`MEASURE_TIMEOUT_S` or failed (logged)."""
+    """The live nodes' free resources (``group``'s bundles counted as free), or None when Ray
+    did not answer within :data:`MEASURE_TIMEOUT_S` or failed (logged)."""
     try:
         with anyio.move_on_after(MEASURE_TIMEOUT_S):
             return await anyio.to_thread.run_sync(
-                _free_now, config.bundle, held, abandon_on_cancel=True
+                _free_now, config.bundle, group, abandon_on_cancel=True
             )
         log.warning("elastic_measure_timed_out", seconds=MEASURE_TIMEOUT_S)
     except Exception as exc:
@@ -127,7 +150,7 @@ class Sizer:
     async def remember(self, group: WorkerGroup) -> None:
         """Measure what is free as if ``group`` were gone, before it is discarded (see the
         module's docstring)."""
-        nodes = await measure_free(self.config, holding(group), self.log)
+        nodes = await measure_free(self.config, group, self.log)
         self._measured = None if nodes is None else (time.monotonic(), nodes)
 
     async def size(self) -> int:
@@ -147,8 +170,7 @@ class Sizer:
 
     async def _measure(self, group: WorkerGroup | None = None) -> int:
         """How many workers fit now (``group``'s bundles counted as free); 0 when unknown."""
-        held = {} if group is None else holding(group)
-        nodes = await measure_free(self.config, held, self.log)
+        nodes = await measure_free(self.config, group, self.log)
         return 0 if nodes is None else self.fitting(nodes)
 
     async def watch_growth(self, group: WorkerGroup, grow: Callable[[int], None]) -> None:
@@ -161,3 +183,33 @@ class Sizer:
             if fitting > size:
                 grow(fitting)
                 return
+
+    async def keep_survivors(self, group: WorkerGroup, failure: AsyncExecError) -> bool:
+        """After a lost node: go on with the workers on the nodes that are left, when they are
+        at least the minimum, their functions stop in time and no backend has to rebuild its
+        framework's group with fresh processes (torch's process group); whether it did. The
+        attempt then restarts from the latest checkpoint on them, without starting a process."""
+        if (
+            not isinstance(failure, NodeLostError)
+            or group.closed
+            or group.backend is not None
+            or group.pool is not None
+            or group.placement is None
+            or not group.placement.owned
+        ):
+            return False
+        alive: set[str] | None = None
+        with anyio.move_on_after(MEASURE_TIMEOUT_S):
+            alive = await anyio.to_thread.run_sync(_alive, abandon_on_cancel=True)
+        if alive is None:
+            return False
+        keep = [w for w in group.workers if w.metadata.node_id in alive]
+        if len(keep) < self.minimum or len(keep) == len(group.workers):
+            return False
+        if not await group.stop_functions(keep, self.config.stop_timeout_s):
+            return False
+        # The kept workers stay in rank order (grouped by node, the driver's first): only their
+        # ranks and the world's size change.
+        config = replace(group.config, num_workers=len(keep))
+        await group.shrink(config, keep, worker_contexts(config, [w.metadata for w in keep]))
+        return True

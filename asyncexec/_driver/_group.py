@@ -328,6 +328,24 @@ class WorkerGroup:
         self.log.info("rank_renewed", rank=rank, pid=meta.pid, spare=found is not None)
         return Standby(failed.actor, failed.metadata, failed.bundle)
 
+    async def shrink(
+        self, config: ExecutorConfig, keep: Sequence[WorkerInfo], contexts: Sequence[WorkerContext]
+    ) -> None:
+        """Go on with the workers ``keep`` alone (an elastic group whose other workers' node was
+        lost), in that order, with their new ``contexts`` and ``config`` (its ``num_workers``
+        their number). Their functions must have stopped. They are set up anew (device
+        environment, context, init hook); the others' actors are killed. The placement group
+        stays: Ray places the lost bundles again when a node can hold them."""
+        fresh = [replace(w, context=c) for w, c in zip(keep, contexts, strict=True)]
+        deaths = [self.deaths[w.rank] for w in keep]
+        gone = [w.actor for w in self.workers if all(w is not k for k in keep)]
+        await kill_all(gone, None)
+        metas = [w.metadata for w in fresh]
+        self.config = config
+        await self.setup(device_envs(metas, config), fresh)
+        self.workers, self.deaths = fresh, deaths
+        self.log.info("group_shrunk", workers=len(fresh), ranks_lost=len(gone))
+
     # Standby spares ---------------------------------------------------------------------------
 
     def _spare_for(self, rank: int) -> tuple[Standby, dict[str, str]] | None:

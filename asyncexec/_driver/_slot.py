@@ -132,8 +132,17 @@ class GroupSlot:
     async def recover(self, failure: AsyncExecError, *, reuse_survivors: bool) -> None:
         """After a failed attempt: put a standby spare in the failed rank's place (a new spare
         is then started in the background), or replace only that rank with a new process when
-        asked; else discard the whole group (the next attempt starts or leases a fresh one)."""
+        asked; after a lost node, an elastic group goes on with the workers that are left; else
+        discard the whole group (the next attempt starts or leases a fresh one)."""
         group = self.group
+        if group is not None and self.sizer is not None:
+            try:
+                if await self.sizer.keep_survivors(group, failure):
+                    self.restarts += 1
+                    self._sized(len(group.workers), group.attempt + 1, planned=False)
+                    return
+            except Exception as exc:
+                self.log.warning("group_shrink_failed", error=describe(exc))
         if group is not None and isinstance(failure, WorkerCrashedError | WorkerHungError):
             try:
                 freed = await group.take_spare(failure.rank) if group.spares else None

@@ -28,7 +28,7 @@ from ._metrics import metrics
 from ._placement import Placement, create_placement, current_parent, wait_placement_ready
 from ._workers import Standby, WorkerInfo
 
-__all__ = ["start_group"]
+__all__ = ["start_group", "worker_contexts"]
 
 
 def _request(
@@ -60,7 +60,8 @@ def _request(
     return placement, actors, [a.describe.remote() for a in actors]
 
 
-def _contexts(config: ExecutorConfig, metas: list[WorkerMetadata]) -> list[WorkerContext]:
+def worker_contexts(config: ExecutorConfig, metas: list[WorkerMetadata]) -> list[WorkerContext]:
+    """Each worker's context, for workers already in rank order."""
     ranks = assign_ranks([m.node_id for m in metas])
     return [
         WorkerContext(
@@ -230,7 +231,7 @@ def _form(
     metas = [metas[i] for i in order]
     workers = [
         WorkerInfo(members[i][0], m, c, members[i][2], members[i][3])
-        for i, m, c in zip(order, metas, _contexts(config, metas), strict=True)
+        for i, m, c in zip(order, metas, worker_contexts(config, metas), strict=True)
     ]
     return WorkerGroup(config, backend, placement, workers, attempt, log, pool=pool, spares=spares)
 
