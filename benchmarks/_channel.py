@@ -413,7 +413,11 @@ async def measure_channel(
                 if figures.missing is not None:
                     return math.nan
                 async with open_channel(transport, label) as channel:
-                    await push(channel)  # the torch transport builds its group here
+                    # A channel in its steady state, as a long-lived one is: the first push
+                    # builds the torch transport's group, the first two fill its two receive
+                    # buffers per tensor (used in turn from then on).
+                    await push(channel)
+                    await push(channel)
                     return await push(channel)
 
             async def driver() -> float:
@@ -458,6 +462,7 @@ async def measure_channel(
             if figures.missing is None:
                 for transport in TRANSPORTS:
                     async with open_channel(transport, "lag") as channel:
+                        await push(channel)
                         await push(channel)
                         with gc_pauses() as pauses:
                             async with heartbeat() as lags:
