@@ -164,6 +164,20 @@ def test_elastic_size_with_spares_pool_or_reservation_is_refused() -> None:
         asyncexec.Executor((1, 2), reservation=reservation)
 
 
+async def test_elastic_size_inside_a_parent_placement_group_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside a placement group that captures child tasks, the workers would take the parent's
+    bundles, which the size decision does not measure."""
+    from asyncexec._driver import _elastic
+
+    monkeypatch.setattr(_elastic, "current_parent", lambda: object())
+    config = ExecutorConfig.build((1, 2), resources_per_worker={"CPU": 1})
+    sizer = _elastic.Sizer(config, None)
+    with pytest.raises(asyncexec.ConfigurationError, match="parent placement group"):
+        await sizer.size()
+
+
 # A local Ray: start with what fits, grow when it frees up ---------------------------------------
 
 

@@ -33,9 +33,9 @@ import anyio
 import ray
 
 from .._config import ExecutorConfig
-from .._errors import AsyncExecError, NodeLostError, describe
+from .._errors import AsyncExecError, ConfigurationError, NodeLostError, describe
 from ._group import WorkerGroup
-from ._placement import infeasible_reason
+from ._placement import current_parent, infeasible_reason
 from ._startup import worker_contexts
 
 __all__ = ["Resize", "Sizer", "decide_size", "fitting_workers", "holding", "measure_free"]
@@ -155,7 +155,17 @@ class Sizer:
 
     async def size(self) -> int:
         """The next group's size: from the measure taken as the last group was discarded, when
-        recent, else from one taken now."""
+        recent, else from one taken now. Call it on the executor's thread.
+
+        Raises:
+            ConfigurationError: the executor runs inside a placement group that captures child
+                tasks (its workers would take the parent's bundles, which this does not measure).
+        """
+        if current_parent() is not None:
+            raise ConfigurationError(
+                "an elastic executor cannot place its workers in the parent placement group "
+                "that captures child tasks: give it a fixed num_workers"
+            )
         measured, self._measured = self._measured, None
         if measured is not None and time.monotonic() - measured[0] <= MEASURE_FRESH_S:
             fitting = self.fitting(measured[1])
