@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.lifecycle_only:
         figures = [f for f in figures if f.key in LIFECYCLE_KEYS]
     if args.reports_only:
-        figures = [f for f in figures if f.key.startswith("rate")]
+        figures = [f for f in figures if f.key.startswith("rate") or f.key == "metrics_cost"]
     if args.channel_only:
         figures = [f for f in figures if f.key in CHANNEL_KEYS]
     if args.outlive_only:
