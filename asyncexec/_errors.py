@@ -13,7 +13,7 @@ Every error the library raises derives from :class:`AsyncExecError`::
     ├── WorkerError                  one rank failed (``rank``, ``node_id``, ``pid``, ``attempt``)
     │   ├── WorkerCrashedError                 the worker process died
     │   ├── NodeLostError                      the worker's node left the cluster
-    │   ├── WorkerHungError (TimeoutError)     the worker stopped answering or reporting
+    │   ├── WorkerHungError (TimeoutError)     it stopped answering or reporting (``stacks``)
     │   └── WorkerRaisedError                  the user's function raised (``__cause__``)
     ├── ReportMismatchError                    ranks reported a different number of times
     ├── RestartsExhaustedError                 the restart policy gave up (``failures``)
@@ -279,9 +279,46 @@ class NodeLostError(WorkerError):
 
 
 class WorkerHungError(WorkerError, TimeoutError):
-    """The worker stopped answering health checks, or did not report within the step deadline."""
+    """The worker stopped answering health checks, did not report within the step deadline, or
+    its function did not end in time after its run was stopped.
+
+    Attributes:
+        stacks: every rank's threads' stacks (rank -> text, in rank order), read from outside
+            the processes (py-spy) when the hang was declared, before anything was killed; a
+            rank whose stack could not be taken has a note saying why. ``str(error)`` shows the
+            hung rank's.
+    """
 
     what = "hung"
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        node_id: str | None = None,
+        pid: int | None = None,
+        attempt: int = 1,
+        detail: str = "",
+        time_s: float | None = None,
+        stacks: Mapping[int, str] | None = None,
+    ) -> None:
+        self.stacks = dict(stacks or {})
+        super().__init__(
+            rank, node_id=node_id, pid=pid, attempt=attempt, detail=detail, time_s=time_s
+        )
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        stack = self.stacks.get(self.rank)
+        if stack is None:
+            return text
+        others = "; every rank's is in .stacks" if len(self.stacks) > 1 else ""
+        head = f"Stack of rank {self.rank}, taken when it was declared hung{others}:"
+        return f"{text}\n\n{head}\n{stack}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        rebuild, args, state = super().__reduce__()
+        return rebuild, args, {**state, "stacks": self.stacks}
 
 
 class WorkerRaisedError(WorkerError):

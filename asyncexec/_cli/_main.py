@@ -3,6 +3,7 @@
     asyncexec run MODULE:FUNCTION --workers N [--cpus-per-worker X] [--gpus-per-worker G]
                   [--config JSON] [--max-restarts N] [--json] [--storage-path P] [--address A]
     asyncexec demo [--workers N] [--steps N] [--crash-step N | --no-crash] [--json]
+    asyncexec stack [--address A] [--timeout S]
 
 ``run`` imports ``FUNCTION`` from ``MODULE`` (importable from the current directory), runs it on
 the workers and shows a live terminal view (with the ``cli`` extra, which installs rich): each
@@ -10,6 +11,7 @@ rank's latest metrics, steps per second, the attempt and restarts, and a progres
 length of the run is known. ``--json`` prints one JSON object per step instead (``index``,
 ``attempt``, ``metrics``: rank 0's, ``reports``: every rank's, ``checkpoint``). ``demo`` runs a
 built-in job that checkpoints, loses a worker to SIGKILL and recovers from its checkpoint.
+``stack`` prints the stacks of a running cluster's asyncexec workers (see ``_stack``).
 
 Exit status: 0 when the run finished, 1 when it failed (the error is printed), 2 for bad usage
 (an unknown function, bad JSON, a bad option), 130 when interrupted.
@@ -148,6 +150,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds each step takes (default 0.15)",
     )
     _common_options(demo, max_restarts=2)
+
+    stack = commands.add_parser(
+        "stack",
+        help="print the stacks of a running cluster's asyncexec workers",
+        description=(
+            "Join a running Ray cluster, find its live asyncexec workers and print every "
+            "thread's stack of each, read from outside the process with py-spy on its node (a "
+            "hung worker too); needs py-spy on the nodes (the diagnostics extra)."
+        ),
+    )
+    stack.add_argument(
+        "--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, else 'auto')"
+    )
+    stack.add_argument(
+        "--timeout",
+        type=_non_negative_float,
+        default=10.0,
+        help="seconds to wait for the stacks (default 10)",
+    )
     return parser
 
 
@@ -482,6 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error that argparse has printed
         return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "stack":
+        from ._stack import stack_command
+
+        return stack_command(args.address, args.timeout)
     configure_logging(args.log_format, args.log_level)
     cleanup: str | None = None
     started_ray = False

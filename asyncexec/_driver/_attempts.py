@@ -32,7 +32,7 @@ from .._protocol import RunStart
 from ..backends._base import Backend
 from ._elastic import Resize
 from ._group import WorkerGroup, with_others
-from ._health import find_dead, watch, watch_steps
+from ._health import declare_hung, find_dead, watch, watch_steps
 from ._independent import IndependentRun
 from ._metrics import RunMeter, metrics
 from ._restart import RestartPolicy
@@ -483,14 +483,29 @@ class RunDriver:
                 await release_shards(self.spec.datasets[0])
 
     async def _stop_session(self) -> None:
-        """After a cancelled run: stop the function on every worker, or discard the group."""
+        """After a cancelled run: stop the function on every worker, or discard the group. A
+        function that does not end in time is recorded as hung (in ``run.failures`` and the
+        ``run_stop_timed_out`` event), with every rank's stack read before the group goes."""
         group = self._group
         if not self._session_live or group is None or group.closed:
             return
         self._session_live = False
         timeout = self.config.stop_timeout_s
-        if not await group.stop_functions(group.workers, timeout):
-            self.log.warning("run_stop_timed_out", seconds=timeout)
+        late = await group.stop_each(group.workers, timeout)
+        if late:
+            hung: list[AsyncExecError] = []
+            detail = f"its function did not end within {timeout:g} s of the run being stopped"
+            await declare_hung(group, [group.workers[r] for r in late], detail, hung.append)
+            error = with_others(hung)
+            self.run.failures.append(error)
+            stacks = getattr(error, "stacks", {})
+            self.log.warning(
+                "run_stop_timed_out",
+                seconds=timeout,
+                ranks=late,
+                error=describe(error),
+                stacks=stacks,
+            )
             await self.slot.discard(force=True)
 
 

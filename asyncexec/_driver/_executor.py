@@ -41,6 +41,7 @@ from ._restart import RestartPolicy
 from ._resume import Resume, check_name, fingerprint
 from ._run import Run, RunCore, RunState, new_run_id
 from ._slot import GroupSlot
+from ._stacks import DUMP_TIMEOUT_S
 from ._steps import RunResult
 
 __all__ = ["Executor", "ExecutorState", "ExecutorStatistics"]
@@ -305,6 +306,7 @@ class Executor:
             if run is not None:
                 run.cancel()
                 bound = self.config.stop_timeout_s + self.config.shutdown_timeout_s
+                bound += DUMP_TIMEOUT_S  # the stacks of functions that did not stop
                 with anyio.move_on_after(bound + _RUN_END_MARGIN_S):
                     await run.finished.wait()
             await self._slot.discard(force=force)

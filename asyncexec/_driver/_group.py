@@ -222,6 +222,13 @@ class WorkerGroup:
                 return False
         return False
 
+    async def stop_each(self, workers: Sequence[WorkerInfo], timeout_s: float) -> list[int]:
+        """Stop the run's function on ``workers``; the ranks whose function did not end within
+        ``timeout_s`` (or whose worker did not answer, or failed), waiting for every rank."""
+        refs = [w.actor.stop_run.remote(timeout_s) for w in workers]
+        stopped = await _answers(refs, timeout_s + STOP_MARGIN_S)
+        return [w.rank for w, ok in zip(workers, stopped, strict=True) if ok is not True]
+
     async def replace_rank(self, rank: int) -> bool:
         """Replace one failed rank with a fresh process in its bundle, keeping the others.
 

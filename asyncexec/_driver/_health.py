@@ -5,13 +5,14 @@ Death is noticed at once: each worker holds a call (``wait_closed``) that fails 
 process dies or its node is lost. Hangs are noticed by health checks (a worker whose actor does
 not answer a ping within ``health_check_timeout_s``, for example blocked in C code holding the
 GIL) and by the optional step deadline (a rank that has credit but reports nothing for
-``step_timeout_s``).
+``step_timeout_s``). A hang is declared with every rank's stack, read from outside the
+processes (see ``_stacks``) before anything is killed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -25,9 +26,10 @@ from .._errors import (
 )
 from ._boundary import call_error, worker_error
 from ._group import WorkerGroup
+from ._stacks import dump_stacks
 from ._workers import WorkerInfo
 
-__all__ = ["FailureSink", "find_dead", "watch", "watch_steps"]
+__all__ = ["FailureSink", "declare_hung", "find_dead", "watch", "watch_steps"]
 
 FailureSink = Callable[[AsyncExecError], None]
 
@@ -72,21 +74,63 @@ async def _health_loop(group: WorkerGroup, fail: FailureSink) -> None:
     timeout = group.config.health_check_timeout_s
     while True:
         await anyio.sleep(interval)
+        silent: list[WorkerInfo] = []
         async with anyio.create_task_group() as tg:
             for worker in group.workers:
-                tg.start_soon(_ping, group, worker, timeout, fail)
+                tg.start_soon(_check, group, worker, timeout, fail, silent)
+        if silent:  # one dump of the stacks for every rank that hung in this round
+            silent.sort(key=lambda w: w.rank)
+            await declare_hung(group, silent, _no_answer(timeout), fail)
 
 
-async def _ping(group: WorkerGroup, worker: WorkerInfo, timeout: float, fail: FailureSink) -> None:
+def _no_answer(timeout: float) -> str:
+    return f"no answer to a health check within {timeout:g} s"
+
+
+async def _answers(
+    group: WorkerGroup, worker: WorkerInfo, timeout: float, fail: FailureSink
+) -> bool:
+    """Whether ``worker`` answers a ping within ``timeout``; a failed call (a dead worker) goes
+    to ``fail`` and counts as an answer."""
     try:
         with anyio.move_on_after(timeout):
             await worker.actor.ping.remote()
-            return
+            return True
     except Exception as exc:
         fail(await call_error(exc, worker, group.attempt))
-        return
-    detail = f"no answer to a health check within {timeout:g} s"
-    fail(worker_error(WorkerHungError, worker, group.attempt, detail))
+        return True
+    return False
+
+
+async def _check(
+    group: WorkerGroup,
+    worker: WorkerInfo,
+    timeout: float,
+    fail: FailureSink,
+    silent: list[WorkerInfo],
+) -> None:
+    if not await _answers(group, worker, timeout, fail):
+        silent.append(worker)
+
+
+async def _ping(group: WorkerGroup, worker: WorkerInfo, timeout: float, fail: FailureSink) -> None:
+    """One health check of one worker, declared hung when it does not answer in time."""
+    if not await _answers(group, worker, timeout, fail):
+        await declare_hung(group, [worker], _no_answer(timeout), fail)
+
+
+async def declare_hung(
+    group: WorkerGroup, hung: Sequence[WorkerInfo], detail: str, fail: FailureSink
+) -> None:
+    """Fail each of ``hung`` with a :class:`WorkerHungError` that holds every rank's stack, read
+    now, while every process is still there (bounded by ``_stacks.DUMP_TIMEOUT_S``)."""
+    declared = time.time()
+    stacks = await dump_stacks(group.workers)
+    for worker in hung:
+        error = worker_error(
+            WorkerHungError, worker, group.attempt, detail, stacks=stacks, time_s=declared
+        )
+        fail(error)
 
 
 async def watch_steps(
@@ -99,7 +143,7 @@ async def watch_steps(
         silent = clock.silent_ranks(time.monotonic(), timeout_s)
         if silent:
             detail = f"no report for {timeout_s:g} s (step deadline)"
-            fail(worker_error(WorkerHungError, group.workers[silent[0]], group.attempt, detail))
+            await declare_hung(group, [group.workers[silent[0]]], detail, fail)
             return
 
 

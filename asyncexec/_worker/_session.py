@@ -212,7 +212,9 @@ class Session:
         self._finished = loop.create_future()
         self._fn_loop: asyncio.AbstractEventLoop | None = None
         self._fn_task: asyncio.Task[Any] | None = None
-        self._thread = threading.Thread(target=self._main, name="asyncexec-fn", daemon=True)
+        # Its name tells whose function this is in a stack dump (``asyncexec stack``).
+        name = f"asyncexec-fn {self.context.executor_name} rank {self.context.world_rank}"
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> None:
         global _session

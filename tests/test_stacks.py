@@ -1,0 +1,281 @@
+"""Hang diagnostics: a worker declared hung (health check, step deadline) or a stopped run whose
+function does not end carries every rank's stack, read from outside the processes with py-spy;
+``asyncexec stack`` prints a live run's; a stack that cannot be taken is a note saying why."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import ray
+from structlog.testing import capture_logs
+
+import asyncexec
+from asyncexec._cli._stack import WorkerProcess, format_stacks
+from asyncexec._driver import _stacks
+from asyncexec._driver._stacks import NOT_TAKEN, dump_processes, dump_stacks, take_stacks
+
+pytestmark = pytest.mark.skipif(_stacks.find_pyspy() is None, reason="py-spy is not installed")
+
+NO_RESTART = asyncexec.RestartPolicy(max_restarts=0)
+
+
+def _names_function(stack: str, name: str) -> bool:
+    """Whether a py-spy dump shows a frame of the function ``name``."""
+    return any(line.strip().startswith(f"{name} (") for line in stack.splitlines())
+
+
+# What the workers run ---------------------------------------------------------------------------
+
+
+def holds_the_gil_in_c() -> None:
+    # A foreign call made through PyDLL keeps the GIL (CDLL would release it): the worker's actor
+    # cannot answer a health check while libc's sleep runs.
+    ctypes.PyDLL(None).sleep(600)
+
+
+def waits_in_python() -> None:
+    time.sleep(600)
+
+
+def one_rank_stuck_in_c(config: dict[str, Any]) -> None:
+    asyncexec.report({"step": 0})
+    if asyncexec.get_context().world_rank == 1:
+        holds_the_gil_in_c()
+    else:
+        waits_in_python()
+
+
+def naps_in_a_python_function() -> None:
+    time.sleep(600)
+
+
+def one_rank_stops_reporting(config: dict[str, Any]) -> None:
+    rank = asyncexec.get_context().world_rank
+    for step in range(100_000):
+        asyncexec.report({"step": step})
+        if rank == 1:
+            naps_in_a_python_function()
+        time.sleep(0.05)
+
+
+def ignores_the_stop() -> None:
+    time.sleep(600)  # never reports again, so the stop never reaches it
+
+
+def deaf_to_stop(config: dict[str, Any]) -> None:
+    asyncexec.report({"step": 0})
+    if asyncexec.get_context().world_rank == 0:
+        ignores_the_stop()
+
+
+def waits_for_the_cli(config: dict[str, Any]) -> None:
+    while True:  # blocked in report() once a report is unconsumed (buffer_size=1); stops there
+        asyncexec.report({"pid": os.getpid()})
+
+
+# Hung workers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_worker_stuck_in_c_holding_the_gil_is_declared_hung_with_its_stack() -> None:
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.5},
+        restart=NO_RESTART,
+        health_check_interval_s=0.2,
+        health_check_timeout_s=1.0,
+    ) as ex:
+        with pytest.raises(asyncexec.RestartsExhaustedError) as info:
+            async for _ in ex.run(one_rank_stuck_in_c):
+                pass
+    hung = info.value.__cause__
+    assert isinstance(hung, asyncexec.WorkerHungError)
+    assert hung.rank == 1 and "health check" in hung.detail
+    assert sorted(hung.stacks) == [0, 1]
+    assert _names_function(hung.stacks[1], "holds_the_gil_in_c"), hung.stacks[1]
+    assert _names_function(hung.stacks[1], "one_rank_stuck_in_c")
+    assert "asyncexec-fn asyncexec rank 1" in hung.stacks[1]  # the function's thread, named
+    assert _names_function(hung.stacks[0], "waits_in_python"), hung.stacks[0]
+    # The message shows the hung rank's stack; the stacks survive a trip through pickle.
+    assert "holds_the_gil_in_c" in str(hung) and "waits_in_python" not in str(hung)
+    copy = pickle.loads(pickle.dumps(hung))
+    assert copy.stacks == hung.stacks and str(copy) == str(hung)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_rank_sleeping_in_python_is_caught_by_the_step_deadline_with_its_stack() -> None:
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, restart=NO_RESTART, step_timeout_s=1.0
+    ) as ex:
+        with pytest.raises(asyncexec.RestartsExhaustedError) as info:
+            async for _ in ex.run(one_rank_stops_reporting):
+                pass
+    hung = info.value.__cause__
+    assert isinstance(hung, asyncexec.WorkerHungError)
+    assert hung.rank == 1 and "step deadline" in hung.detail
+    assert _names_function(hung.stacks[1], "naps_in_a_python_function"), hung.stacks[1]
+    assert not _names_function(hung.stacks[0], "naps_in_a_python_function")
+    assert "naps_in_a_python_function" in str(hung)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_function_that_does_not_stop_is_recorded_with_the_stacks() -> None:
+    with capture_logs() as logs:
+        async with asyncexec.Executor(
+            2, resources_per_worker={"CPU": 0.5}, stop_timeout_s=0.5
+        ) as ex:
+            run = ex.run(deaf_to_stop)
+            async for _ in run:
+                break
+            await run.aclose()
+            assert ex._slot.group is None  # discarded: its functions did not stop
+    [event] = [e for e in logs if e["event"] == "run_stop_timed_out"]
+    assert event["ranks"] == [0]
+    assert _names_function(event["stacks"][0], "ignores_the_stop"), event["stacks"][0]
+    assert run.state is asyncexec.RunState.CANCELLED
+    [hung] = run.failures
+    assert isinstance(hung, asyncexec.WorkerHungError)
+    assert hung.rank == 0 and "did not end within 0.5 s" in str(hung)
+    assert hung.stacks == event["stacks"]
+
+
+# asyncexec stack ------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(120)
+async def test_stack_command_prints_a_live_runs_stacks() -> None:
+    address = ray.get_runtime_context().gcs_address
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, buffer_size=1, name="stackdemo"
+    ) as ex:
+        run = ex.run(waits_for_the_cli)
+        async for _ in run:  # every rank's function runs
+            break
+        done = await anyio.run_process(
+            [sys.executable, "-m", "asyncexec", "stack", "--address", address],
+            check=False,
+        )
+        pids = [w.pid for w in ex.workers]
+        await run.aclose()
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert out.startswith("2 live asyncexec worker(s) on 1 node(s)"), out[:500]
+    for rank, pid in enumerate(pids):
+        assert f"pid {pid}, actor" in out
+        assert f"executor stackdemo, rank {rank}" in out
+    assert out.count("waits_for_the_cli (") == 2, out
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+def test_stack_command_on_a_cluster_without_workers_says_so() -> None:
+    address = ray.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncexec", "stack", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"no live asyncexec worker at {address}" in done.stderr
+
+
+# Taking stacks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_stacks_of_other_nodes_are_taken_by_a_task_pinned_there() -> None:
+    """The path for workers on other nodes (a Ray task on the worker's node), forced here on
+    this one node; a dead process's text is a note."""
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as ex:
+        group = ex._slot.group
+        assert group is not None
+        [worker] = group.workers
+        node = worker.metadata.node_id
+        texts = await dump_processes([(node, worker.metadata.pid), (node, 2**22 + 1)], local=False)
+        by_rank = await dump_stacks(group.workers)
+    assert f"Process {worker.metadata.pid}" in texts[0], texts[0]
+    assert texts[1].startswith(f"{NOT_TAKEN}py-spy failed on node {node[:12]}"), texts[1]
+    assert list(by_rank) == [0] and f"Process {worker.metadata.pid}" in by_rank[0]
+
+
+def test_missing_pyspy_is_a_note_that_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_stacks, "find_pyspy", lambda: None)
+    texts = take_stacks([os.getpid(), 1], 1.0, "node abc")
+    assert texts == [
+        f"{NOT_TAKEN}py-spy is not installed on node abc "
+        "(pip install py-spy, or asyncexec[diagnostics])"
+    ] * 2
+
+
+def test_pyspy_that_does_not_answer_or_fails_is_a_note(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    slow = tmp_path / "slow-py-spy"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(_stacks, "find_pyspy", lambda: str(slow))
+    t0 = time.monotonic()
+    [text] = take_stacks([os.getpid()], 0.5, "node abc")
+    assert text == f"{NOT_TAKEN}py-spy did not finish in time on node abc (pid {os.getpid()})"
+    assert time.monotonic() - t0 < 10
+    denied = tmp_path / "denied-py-spy"
+    denied.write_text("#!/bin/sh\necho 'Error: Permission denied (os error 13)' >&2\nexit 1\n")
+    denied.chmod(0o755)
+    monkeypatch.setattr(_stacks, "find_pyspy", lambda: str(denied))
+    [text] = take_stacks([1], 5.0, "node abc")
+    assert text.startswith(f"{NOT_TAKEN}py-spy failed on node abc (pid 1, exit 1): Error: Perm")
+    assert "CAP_SYS_PTRACE" in text
+
+
+def test_this_process_stack_names_the_calling_function() -> None:
+    """py-spy reads a process from outside it (here: this test's own process, from a child)."""
+    [text] = take_stacks([os.getpid()], 10.0, "node here")
+    assert _names_function(text, "take_stacks"), text
+    assert _names_function(text, "test_this_process_stack_names_the_calling_function")
+
+
+def test_hung_error_without_stacks_reads_as_before() -> None:
+    error = asyncexec.WorkerHungError(2, node_id="n", detail="no answer")
+    assert error.stacks == {} and "\n" not in str(error)
+    one = asyncexec.WorkerHungError(2, detail="x", stacks={2: "Thread 1\n    f (a.py:1)"})
+    head = "Stack of rank 2, taken when it was declared hung:"
+    assert str(one).endswith(f"{head}\nThread 1\n    f (a.py:1)")
+    copy = pickle.loads(pickle.dumps(one))
+    assert copy.stacks == one.stacks and copy.time == one.time
+
+
+def test_stack_report_orders_workers_by_driver_executor_and_rank() -> None:
+    """Idle workers (no run's function) come after those running one; the header names the
+    executor and rank from the function's thread."""
+
+    def worker(job: str, pid: int) -> WorkerProcess:
+        return WorkerProcess(job, "n" * 20, "10.0.0.1", pid, "a" * 32)
+
+    def dump(name: str | None, rank: int) -> str:
+        thread = f'"asyncexec-fn {name} rank {rank}"' if name else '"MainThread"'
+        return f"Thread 1 (idle): {thread}\n    f (x.py:1)"
+
+    workers = [worker("02", 5), worker("01", 9), worker("01", 7), worker("01", 8)]
+    texts = [dump("b", 0), dump(None, 0), dump("a", 1), dump("a", 0)]
+    report = format_stacks(workers, texts)
+    heads = [line for line in report.splitlines() if line.startswith("===")]
+    assert report.startswith("4 live asyncexec worker(s) on 1 node(s), 2 driver(s)")
+    assert [h.split(", pid ")[1].split(",")[0] for h in heads] == ["8", "7", "9", "5"]
+    assert heads[0].endswith(": executor a, rank 0") and heads[2].endswith("actor aaaaaaaaaaaa")
