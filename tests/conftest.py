@@ -71,6 +71,32 @@ def cluster_held(resources: dict[str, float]) -> Iterator[None]:
         ray.util.remove_placement_group(group)
 
 
+def import_example(name: str) -> Any:
+    """``examples.<name>``, imported by that name (the workers import it so: the repository root
+    is on their PYTHONPATH)."""
+    import importlib
+    import sys
+
+    root = os.path.dirname(_here)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"examples.{name}")
+
+
+def reset_logging() -> None:
+    """Undo the logging set-up an example's ``cli()`` made for the process."""
+    import logging
+
+    import structlog
+
+    structlog.reset_defaults()
+    stdlib = logging.getLogger("asyncexec")
+    for handler in list(stdlib.handlers):
+        stdlib.removeHandler(handler)
+    stdlib.setLevel(logging.NOTSET)
+    stdlib.propagate = True
+
+
 def _shutdown() -> None:
     if ray.is_initialized():
         ray.shutdown()

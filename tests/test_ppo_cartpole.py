@@ -6,41 +6,23 @@ Ray first."""
 
 from __future__ import annotations
 
-import importlib
-import logging
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
-import structlog
+from conftest import import_example, reset_logging
 
 pytest.importorskip("torch")
 pytest.importorskip("gymnasium")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _example() -> ModuleType:
-    # Imported as examples.ppo_cartpole (the workers import it by that name: the repository root
-    # is on their PYTHONPATH).
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    return importlib.import_module("examples.ppo_cartpole")
 
 
-def _reset_logging() -> None:
-    structlog.reset_defaults()
-    stdlib = logging.getLogger("asyncexec")
-    for handler in list(stdlib.handlers):
-        stdlib.removeHandler(handler)
-    stdlib.setLevel(logging.NOTSET)
-    stdlib.propagate = True
 
 
 def test_gae_matches_a_direct_sum() -> None:
-    ppo = _example()
+    ppo = import_example("ppo_cartpole")
     rng = np.random.default_rng(0)
     t_, n_, gamma, lam = 6, 3, 0.9, 0.8
     values = rng.standard_normal((t_, n_)).astype(np.float32)
@@ -64,7 +46,7 @@ def test_gae_matches_a_direct_sum() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_algorithm_learns_in_one_process_with_stale_actors() -> None:
-    ppo = _example()
+    ppo = import_example("ppo_cartpole")
     result = ppo.train_local(max_updates=15, lag=2)
     assert result.updates == 15
     assert result.episodes >= 100
@@ -76,7 +58,7 @@ def test_the_algorithm_learns_in_one_process_with_stale_actors() -> None:
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.timeout(100)
 async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path: Path) -> None:
-    ppo = _example()
+    ppo = import_example("ppo_cartpole")
     seen: list[tuple[int, float]] = []
     summary = await ppo.main(
         max_updates=25,
@@ -112,13 +94,13 @@ async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path
 def test_command_line_prints_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ppo = _example()
+    ppo = import_example("ppo_cartpole")
     try:
         rc = ppo.cli(
             ["--max-updates", "8", "--no-stop", "--quiet", "--storage-path", str(tmp_path)]
         )
     finally:
-        _reset_logging()  # cli() configured logging for the process
+        reset_logging()  # cli() configured logging for the process
     out = capsys.readouterr().out
     assert "8 updates" in out
     assert "0 steps dropped" in out

@@ -4,39 +4,21 @@ stays free for another coroutine."""
 
 from __future__ import annotations
 
-import importlib
-import logging
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import structlog
+from conftest import import_example, reset_logging
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _reset_logging() -> None:
-    structlog.reset_defaults()
-    stdlib = logging.getLogger("asyncexec")
-    for handler in list(stdlib.handlers):
-        stdlib.removeHandler(handler)
-    stdlib.setLevel(logging.NOTSET)
-    stdlib.propagate = True
 
 
-def _example() -> ModuleType:
-    # Imported as examples.rl_loop (the workers import it by that name: the repository root is
-    # on their PYTHONPATH).
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    return importlib.import_module("examples.rl_loop")
 
 
 async def test_learner_improves_the_policy_within_the_staleness_bound(tmp_path: Path) -> None:
-    rl_loop = _example()
+    rl_loop = import_example("rl_loop")
     summary = await rl_loop.main(workers=2, steps=60, staleness=1, storage_path=tmp_path)
     assert summary.steps == 60
     assert summary.learner_version == 60
@@ -55,7 +37,7 @@ async def test_learner_improves_the_policy_within_the_staleness_bound(tmp_path: 
 async def test_workers_run_ahead_only_as_far_as_the_bound_allows(tmp_path: Path) -> None:
     """With a looser bound the (fast) workers do run ahead of the learner, up to the bound and no
     further: the bound, not the timing, is what holds staleness down."""
-    rl_loop = _example()
+    rl_loop = import_example("rl_loop")
     summary = await rl_loop.main(workers=2, steps=40, staleness=4, storage_path=tmp_path)
     assert summary.violations == 0
     assert 1 < summary.max_staleness <= 4
@@ -64,11 +46,11 @@ async def test_workers_run_ahead_only_as_far_as_the_bound_allows(tmp_path: Path)
 def test_command_line_prints_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rl_loop = _example()
+    rl_loop = import_example("rl_loop")
     try:
         rc = rl_loop.cli(["--steps", "20", "--quiet", "--storage-path", str(tmp_path)])
     finally:
-        _reset_logging()  # cli() configured logging for the process
+        reset_logging()  # cli() configured logging for the process
     out = capsys.readouterr().out
     assert rc == 0
     assert "20 steps on 2 workers" in out
