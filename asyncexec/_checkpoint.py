@@ -12,6 +12,7 @@ import filecmp
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -158,7 +159,9 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
             target.mkdir(parents=True, exist_ok=True)
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        # Unique to this writer: ranks of a local executor share a process.
+        writer = f"{os.getpid()}.{threading.get_ident()}"
+        partial = target.with_name(f".{target.name}.{writer}.partial")
         shutil.copy2(item, partial)
         try:
             os.link(partial, target)  # atomic, and fails if another rank got there first

@@ -162,6 +162,8 @@ class ExecutorConfig:
     min_workers: int | None = None
     max_workers: int | None = None
     elastic_check_interval_s: float = 10.0
+    #: Local mode: the workers are threads of the driver's process, not Ray actors.
+    local: bool = False
 
     @classmethod
     def build(cls, num_workers: object, **options: Any) -> ExecutorConfig:
@@ -216,6 +218,8 @@ class ExecutorConfig:
             )
         _check_storage(options)
         _check_init_hook(options.get("init_hook"))
+        if options.get("local", False):
+            _check_local(options, bounds)
         address = options.get("address")
         if address is not None and not isinstance(address, str):
             raise ConfigurationError(f"address must be a string such as 'auto', got {address!r}")
@@ -269,6 +273,28 @@ def _worker_count(value: object) -> tuple[int, tuple[int, int] | None]:
             f"num_workers=(min, max) must have min <= max, got min {low} > max {high}"
         )
     return high, (None if low == high else (low, high))
+
+
+def _check_local(options: dict[str, Any], bounds: tuple[int, int] | None) -> None:
+    """Refuse what a local executor (threads of the driver's process) cannot do.
+
+    Raises:
+        ConfigurationError: naming the option, and why.
+    """
+    if bounds is not None:
+        raise ConfigurationError(
+            f"a local executor has no elastic size (num_workers={bounds!r}): its workers are "
+            "threads, and there is no cluster to fit"
+        )
+    if options.get("spares", 0):
+        raise ConfigurationError(
+            "a local executor takes no spares: a failed rank's thread cannot be replaced alone"
+        )
+    if options.get("runtime_env") is not None:
+        raise ConfigurationError(
+            "a local executor takes no runtime_env: its workers run in the driver's process "
+            "and environment"
+        )
 
 
 def _check_storage(options: dict[str, Any]) -> None:

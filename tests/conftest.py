@@ -44,7 +44,11 @@ def live_placement_groups() -> list[dict[str, Any]]:
 
 
 def wait_no_leaks(timeout_s: float = 15.0) -> None:
-    """Fail unless every worker actor and placement group is gone within ``timeout_s``."""
+    """Fail unless every worker actor and placement group is gone within ``timeout_s`` (in a
+    local-mode test: every local worker's thread)."""
+    if os.environ.get("ASYNCEXEC_LOCAL") == "1":
+        wait_no_local_threads(timeout_s)
+        return
     deadline = time.monotonic() + timeout_s
     while True:
         actors, groups = live_workers(), live_placement_groups()
@@ -150,6 +154,52 @@ def make_cluster() -> Iterator[Any]:
             wait_no_leaks()
         finally:
             _shutdown()
+
+
+def live_local_threads() -> list[str]:
+    """Threads of local workers (their loops, and their functions) still alive."""
+    import threading
+
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("asyncexec-local ", "asyncexec-fn "))
+    ]
+
+
+def wait_no_local_threads(timeout_s: float = 15.0) -> None:
+    """Fail unless every local worker's thread has ended within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while live := live_local_threads():
+        if time.monotonic() > deadline:
+            pytest.fail(f"local worker threads left running: {live}")
+        time.sleep(0.05)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that uses ``mode`` runs on Ray actors and in local mode (threads of this process,
+    no Ray), unless it is marked ``ray_only``: then on Ray actors only."""
+    if "mode" in metafunc.fixturenames:
+        ray_only = metafunc.definition.get_closest_marker("ray_only") is not None
+        modes = ["ray"] if ray_only else ["ray", "local"]
+        metafunc.parametrize("mode", modes, indirect=True)
+
+
+@pytest.fixture
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Where the test's executors put their workers: ``"ray"`` (actors of the shared local Ray,
+    checked for leaks after the test) or ``"local"`` (``ASYNCEXEC_LOCAL=1``: threads of this
+    process; no Ray is started, and no worker thread may outlive the test)."""
+    if request.param == "local":
+        monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+        started = ray.is_initialized()
+        yield "local"
+        assert ray.is_initialized() == started, "a local-mode test started Ray"
+        wait_no_local_threads()
+    else:
+        monkeypatch.delenv("ASYNCEXEC_LOCAL", raising=False)
+        request.getfixturevalue("ray_local")
+        yield "ray"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

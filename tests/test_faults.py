@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 import asyncexec
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = pytest.mark.usefixtures("mode")
 
 NO_WAIT = tenacity.wait_none()
 
@@ -57,6 +57,7 @@ async def _consume(run: asyncexec.Run, on_step: Any = None) -> list[asyncexec.St
     return steps
 
 
+@pytest.mark.ray_only
 @pytest.mark.timeout(180)
 async def test_sigkill_at_random_step_resumes_from_checkpoint_with_same_final_state(
     tmp_path: Path,
@@ -101,6 +102,7 @@ async def test_sigkill_at_random_step_resumes_from_checkpoint_with_same_final_st
     assert [s.index for s in steps] == list(range(len(steps)))
 
 
+@pytest.mark.ray_only
 @pytest.mark.timeout(180)
 async def test_checkpoints_on_an_fsspec_filesystem_survive_a_restart(tmp_path: Path) -> None:
     """storage_path may be any URI that fsspec reaches; here its local filesystem via file://."""
@@ -143,6 +145,7 @@ def always_dies(config: dict[str, Any]) -> None:
     time.sleep(60)
 
 
+@pytest.mark.ray_only
 async def test_bounded_policy_restarts_exactly_n_times_then_gives_up() -> None:
     slept: list[float] = []
 
@@ -186,6 +189,7 @@ def dies_after_a_consumed_step(config: dict[str, Any]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.ray_only
 async def test_a_restart_after_progress_does_not_wait_and_one_without_progress_does() -> None:
     """Defect: the default policy waited 0.5-1.0 s before the first restart even after hours of
     progress (Ray Train waits nothing). Now an attempt that completed a step restarts at once;
@@ -221,6 +225,7 @@ def dies_on_first_attempts(config: dict[str, Any]) -> int:
     return ctx.attempt
 
 
+@pytest.mark.ray_only
 @pytest.mark.timeout(180)
 async def test_unbounded_policy_survives_more_failures_than_a_small_bound() -> None:
     policy = asyncexec.RestartPolicy.unbounded(wait=NO_WAIT)
@@ -271,6 +276,7 @@ def sleeps_forever_on_rank_0(config: dict[str, Any]) -> None:
     asyncexec.report({"attempt": ctx.attempt})
 
 
+@pytest.mark.ray_only
 async def test_worker_that_stops_reporting_is_declared_hung_and_restarted() -> None:
     policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
     async with asyncexec.Executor(
@@ -299,6 +305,7 @@ def holds_the_gil_on_rank_1(config: dict[str, Any]) -> None:
     asyncexec.report({"attempt": ctx.attempt})
 
 
+@pytest.mark.ray_only
 async def test_worker_blocked_in_c_holding_the_gil_fails_health_checks() -> None:
     policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
     async with asyncexec.Executor(
@@ -317,6 +324,7 @@ async def test_worker_blocked_in_c_holding_the_gil_fails_health_checks() -> None
     assert [s.attempt for s in steps] in ([1, 2, 2], [2, 2])
 
 
+@pytest.mark.ray_only
 async def test_cancelling_during_the_restart_wait_leaves_nothing_behind() -> None:
     waiting = anyio.Event()
 
@@ -343,6 +351,7 @@ async def test_cancelling_during_the_restart_wait_leaves_nothing_behind() -> Non
     # ray_local checks that no actor or placement group is left.
 
 
+@pytest.mark.ray_only
 @pytest.mark.timeout(180)
 async def test_reuse_survivors_replaces_only_the_failed_rank(tmp_path: Path) -> None:
     config = {"steps": 20, "every": 3, "sleep": 0.02}
@@ -373,6 +382,7 @@ async def test_reuse_survivors_replaces_only_the_failed_rank(tmp_path: Path) -> 
     assert second == list(range(second[0], 20))
 
 
+@pytest.mark.ray_only
 async def test_execute_works_again_after_a_failed_run() -> None:
     async with asyncexec.Executor(
         2, resources_per_worker={"CPU": 0.5}, restart=asyncexec.RestartPolicy.never()

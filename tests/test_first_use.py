@@ -164,7 +164,7 @@ async def _assert_stops_and_runs_again(ex: asyncexec.Executor, run: asyncexec.Ru
     assert len(steps) == 1
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_cancelling_the_consuming_task_stops_the_run() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         run = ex.run(forever)
@@ -176,7 +176,7 @@ async def test_cancelling_the_consuming_task_stops_the_run() -> None:
         await _assert_stops_and_runs_again(ex, run)
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_cancelling_an_asyncio_task_that_consumes_stops_the_run() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         run = ex.run(forever)
@@ -189,7 +189,7 @@ async def test_cancelling_an_asyncio_task_that_consumes_stops_the_run() -> None:
         await _assert_stops_and_runs_again(ex, run)
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 @pytest.mark.parametrize("how", ["move_on_after", "asyncio.timeout"])
 async def test_a_timeout_around_an_inline_loop_stops_the_run(how: str) -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
@@ -294,7 +294,7 @@ def _raise_deep() -> None:
     inner()
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_errors_from_execute_are_clean_text_like_those_from_run() -> None:
     async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
         with pytest.raises(asyncexec.WorkerRaisedError) as info:
@@ -311,7 +311,7 @@ def _steps(n: int) -> None:
         asyncexec.report({"i": i})
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_statistics_count_steps_delivered_while_the_run_is_live() -> None:
     async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
         run = ex.run(_steps, 10)
@@ -331,7 +331,7 @@ def _same_name_checkpoint(content: str) -> None:
         asyncexec.report({"i": 0}, checkpoint=asyncexec.Checkpoint.from_directory(folder))
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_same_named_checkpoint_files_of_two_ranks_are_refused_unless_identical(
     tmp_path: Path,
 ) -> None:

@@ -24,7 +24,7 @@ from structlog.testing import capture_logs
 
 import asyncexec
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = pytest.mark.usefixtures("mode")
 
 CPU = {"CPU": 0.5}
 
@@ -107,6 +107,7 @@ async def test_cancelling_the_consumer_mid_run_leaves_nothing_and_restarts() -> 
         assert len(steps) == 2
 
 
+@pytest.mark.ray_only
 async def test_cancel_while_waiting_for_placement_leaves_nothing() -> None:
     ex = asyncexec.Executor(2, resources_per_worker={"CPU": 2}, placement_timeout_s=600)
     with cluster_held({"CPU": LOCAL_CPUS}):
@@ -128,6 +129,7 @@ def _slow_hook() -> None:
     time.sleep(60)
 
 
+@pytest.mark.ray_only
 async def test_cancel_during_start_up_leaves_nothing(tmp_path: Path) -> None:
     flag = tmp_path / "hook-started"
     ex = asyncexec.Executor(
@@ -151,6 +153,7 @@ async def test_cancel_during_start_up_leaves_nothing(tmp_path: Path) -> None:
         assert len(again.workers) == 1
 
 
+@pytest.mark.ray_only
 async def test_placement_timeout_names_requested_and_available_resources() -> None:
     ex = asyncexec.Executor(2, resources_per_worker={"CPU": 2}, placement_timeout_s=0.5)
     with cluster_held({"CPU": LOCAL_CPUS - 1}), pytest.raises(
@@ -165,6 +168,7 @@ async def test_placement_timeout_names_requested_and_available_resources() -> No
     assert ex.state is asyncexec.ExecutorState.CLOSED
 
 
+@pytest.mark.ray_only
 async def test_a_placement_that_can_never_fit_fails_at_once_without_an_autoscaler() -> None:
     """4 CPUs in all, no autoscaler: 2 workers of 3 CPUs can never be placed, so entering fails
     at once (a 10-minute placement deadline would outlive the test's timeout)."""
@@ -300,6 +304,7 @@ async def test_execute_error_names_the_rank_and_keeps_the_cause() -> None:
         assert "missing weights" in str(info.value)
 
 
+@pytest.mark.ray_only
 async def test_start_up_and_runs_are_logged_with_durations_and_the_worker_table() -> None:
     with capture_logs() as logs:
         async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
@@ -407,6 +412,7 @@ async def test_a_report_that_is_not_a_mapping_fails_the_run_clearly() -> None:
                 pass
 
 
+@pytest.mark.ray_only
 def test_worker_side_calls_outside_a_worker_are_refused() -> None:
     with pytest.raises(asyncexec.ExecutorStateError, match="inside"):
         asyncexec.report({"x": 1})
@@ -425,6 +431,7 @@ def _log_to_file() -> None:
     logger.setLevel(logging.DEBUG)
 
 
+@pytest.mark.ray_only
 async def test_worker_side_events_carry_run_id_attempt_and_rank(tmp_path: Path) -> None:
     log = tmp_path / "worker.log"
     async with asyncexec.Executor(
@@ -450,6 +457,7 @@ def config_size(config: bytes) -> int:
     return len(config)
 
 
+@pytest.mark.ray_only
 async def test_a_large_config_goes_through_the_object_store_and_a_small_one_inline() -> None:
     """A payload above the inline bound is put in the object store once per run; a small one
     travels with each rank's call: both reach every rank whole."""

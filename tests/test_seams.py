@@ -93,7 +93,7 @@ def _raise_odd(config: str) -> None:
     raise _BrokenStr()
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 @pytest.mark.parametrize("kind", ["empty", "broken"])
 async def test_a_worker_error_with_an_empty_or_broken_message_is_named(kind: str) -> None:
     async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
@@ -173,7 +173,7 @@ def _checkpoint_outside_a_run() -> Any:
     return asyncexec.get_checkpoint()
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_a_worker_side_asyncexec_error_arrives_with_its_rank() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         with pytest.raises(asyncexec.WorkerRaisedError) as info:
@@ -194,7 +194,7 @@ def _fail_on(ranks: list[int]) -> Any:
     return rank
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_execute_keeps_every_failing_rank() -> None:
     async with asyncexec.Executor(3, resources_per_worker=CPU) as ex:
         with pytest.raises(asyncexec.WorkerRaisedError) as info:
@@ -212,7 +212,7 @@ def _both_fail_together() -> None:
     raise ValueError(f"rank {ctx.world_rank} failed")
 
 
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.usefixtures("mode")
 async def test_two_ranks_failing_at_once_are_both_recorded() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         with capture_logs() as logs, pytest.raises(asyncexec.WorkerRaisedError) as info:

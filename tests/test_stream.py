@@ -11,7 +11,7 @@ import pytest
 
 import asyncexec
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = pytest.mark.usefixtures("mode")
 
 
 def counting(config: dict[str, Any]) -> int:
@@ -89,7 +89,7 @@ async def test_slow_consumer_bounds_unconsumed_reports_per_rank() -> None:
 def _reported_so_far() -> int:
     from asyncexec._worker import _session
 
-    session = _session._session
+    session = _session.current_session()
     assert session is not None
     return session._reported
 

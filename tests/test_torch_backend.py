@@ -177,7 +177,7 @@ def test_torch_env_names_rank_sizes_and_master() -> None:
 
 
 def test_master_port_stays_bound_from_reservation_until_the_group_is_destroyed(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """No window for another process to take the port (the seed's race), and torch's own
     rendezvous joins the held server instead of failing with EADDRINUSE."""
@@ -185,7 +185,10 @@ def test_master_port_stays_bound_from_reservation_until_the_group_is_destroyed(
 
     for name in (*TORCH_ENV, *MASTER_ENV):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(_session, "_group_context", _context())
+    place = _session.Place()
+    place.context = _context()
+    token = _session.PLACE.set(place)
+    request.addfinalizer(lambda: _session.PLACE.reset(token))
     assert not dist.is_initialized()
     addr, port = torch_backend.reserve_master(30)
     try:

@@ -345,7 +345,7 @@ class RunDriver:
         is off the loop)."""
         if self._payload is None:
             payload = self.spec.payload
-            if len(payload) <= INLINE_PAYLOAD_BYTES:
+            if len(payload) <= INLINE_PAYLOAD_BYTES or self.config.local:
                 self._payload = payload
             else:
                 self._payload = await anyio.to_thread.run_sync(ray.put, payload)

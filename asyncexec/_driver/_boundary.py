@@ -29,6 +29,7 @@ from .._errors import (
     short_node,
 )
 from .._protocol import Outcome
+from ._local import LocalWorkerGone
 from ._workers import WorkerInfo, node_alive
 
 __all__ = ["backend_error", "call_error", "outcome_error", "startup_error", "worker_error"]
@@ -109,6 +110,8 @@ async def call_error(exc: BaseException, worker: WorkerInfo, attempt: int) -> As
                 NodeLostError, worker, attempt, f"node {short_node(node)} left the cluster"
             )
         return worker_error(WorkerCrashedError, worker, attempt, _death_detail(exc))
+    if isinstance(exc, LocalWorkerGone):
+        return worker_error(WorkerCrashedError, worker, attempt, str(exc))
     if isinstance(exc, AsyncExecError):
         return exc
     return _raised(worker, attempt, exc, "")

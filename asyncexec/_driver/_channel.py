@@ -131,6 +131,11 @@ class WeightChannel:
             raise ConfigurationError("a WeightChannel connects two asyncexec.Executors")
         if source is target:
             raise ConfigurationError("a WeightChannel's source and target must differ")
+        if source.config.local or target.config.local:
+            raise ConfigurationError(
+                "a WeightChannel does not connect local executors: its transports need Ray's "
+                "object store or a process group per worker process"
+            )
         if transport not in ("object_store", "torch"):
             raise ConfigurationError(
                 f'transport must be "object_store" or "torch", got {transport!r}'

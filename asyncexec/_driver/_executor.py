@@ -12,22 +12,19 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
-from ray import cloudpickle
 
-from .._checkpoint import Checkpoint, is_uri
-from .._config import CheckpointConfig, ExecutorConfig, PlacementStrategy, validate_buffer_size
+from .._checkpoint import Checkpoint
+from .._config import CheckpointConfig, ExecutorConfig, PlacementStrategy
 from .._errors import (
     ConfigurationError,
     ExecutorStateError,
     NodeLostError,
     WorkerCrashedError,
-    describe,
 )
 from .._protocol import WorkerContext
 from ..backends._base import Backend
@@ -38,9 +35,10 @@ from ._pool import WorkerPool
 from ._ray import ensure_ray
 from ._reservation import Claim, Reservation
 from ._restart import RestartPolicy
-from ._resume import Resume, check_name, fingerprint
+from ._resume import Resume
 from ._run import Run, RunCore, RunState, new_run_id
 from ._slot import GroupSlot
+from ._spec import named_spec, run_spec
 from ._stacks import DUMP_TIMEOUT_S
 from ._steps import RunResult
 
@@ -52,6 +50,50 @@ _D = ExecutorConfig
 _NOT_CONFIG = frozenset({"self", "num_workers", "backend", "restart", "pool", "reservation"})
 #: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
 _RUN_END_MARGIN_S = 10.0
+#: The environment variable that makes executors local by default (``local=None``).
+LOCAL_ENV = "ASYNCEXEC_LOCAL"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _local_default(local: object) -> bool:
+    """``local`` as given, or (None) as ``ASYNCEXEC_LOCAL`` says.
+
+    Raises:
+        ConfigurationError: ``local`` is not a bool or None, or the variable is neither a
+            true nor a false word.
+    """
+    if isinstance(local, bool):
+        return local
+    if local is not None:
+        raise ConfigurationError(f"local must be True, False or None, got {local!r}")
+    value = os.environ.get(LOCAL_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(
+        f"{LOCAL_ENV} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}"
+    )
+
+
+def _check_local(backend: object, pool: object, reservation: object) -> None:
+    """Refuse what a local executor cannot take (see ``_config._check_local`` for the rest).
+
+    Raises:
+        ConfigurationError: naming the argument, and why.
+    """
+    why = {
+        "backend": "a framework's process group is one per process, and local workers are "
+        "threads of one",
+        "pool": "a pool holds Ray actors",
+        "reservation": "a reservation is a Ray placement group",
+    }
+    for name, value in (("backend", backend), ("pool", pool), ("reservation", reservation)):
+        if value is not None:
+            raise ConfigurationError(
+                f"a local executor (local=True, or {LOCAL_ENV}=1) takes no {name}: {why[name]}"
+            )
 
 
 class ExecutorState(enum.Enum):
@@ -146,6 +188,13 @@ class Executor:
             one); closing gives the claim back. ``placement_strategy`` does not apply.
         elastic_check_interval_s: how often a run of an elastic executor with fewer than its
             maximum of workers checks whether more would fit (10 s by default).
+        local: local mode, for debugging and for tests without a cluster: the ``num_workers``
+            ranks are threads of this process instead of Ray actors (Ray is not started), with
+            the same context, reports, checkpoints, errors, restarts and ``execute()``; a
+            debugger stops in the function. No process isolation, devices or resources; no
+            backend, datasets, pool, reservation, spares, elastic size, ``runtime_env`` or
+            weight channel. ``None`` (default): local when the ``ASYNCEXEC_LOCAL``
+            environment variable is ``1``.
     """
 
     def __init__(
@@ -176,9 +225,13 @@ class Executor:
         spares: int = _D.spares,
         reservation: Reservation | None = None,
         elastic_check_interval_s: float = _D.elastic_check_interval_s,
+        local: bool | None = None,
     ) -> None:
-        # Every keyword argument but these four is a field of the configuration.
+        # Every keyword argument but these is a field of the configuration.
         options = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
+        options["local"] = _local_default(local)
+        if options["local"]:
+            _check_local(backend, pool, reservation)
         if pool is not None:
             if not isinstance(pool, WorkerPool):
                 raise ConfigurationError(f"pool must be an asyncexec.WorkerPool, got {pool!r}")
@@ -259,7 +312,8 @@ class Executor:
         await self._tg.__aenter__()
         self._slot.tg = self._tg
         try:
-            await ensure_ray(self.config.address)
+            if not self.config.local:
+                await ensure_ray(self.config.address)
             if self.reservation is not None:
                 self._claim = self.reservation.claim(
                     f"executor {self.config.name!r}",
@@ -463,9 +517,11 @@ class Executor:
         """
         tg = self._check_open()
         bound = self.config.buffer_size if buffer_size is None else buffer_size
-        spec = _run_spec(fn, config, checkpoint, bound, datasets, data_config)
+        if self.config.local and (datasets is not None or data_config is not None):
+            raise ConfigurationError("a local executor takes no datasets: Ray Data needs Ray")
+        spec = run_spec(fn, config, checkpoint, bound, datasets, data_config)
         if name is not None or resume != "auto":
-            spec = _named(spec, name, resume, config)
+            spec = named_spec(spec, name, resume, config)
         if independent is None:
             independent = bool(self.backend is not None and self.backend.independent_ranks)
         if independent:
@@ -531,81 +587,3 @@ class Executor:
         it), so that the next call or run starts a fresh one."""
         if not self._run_active():
             await self._slot.drop_if(group)
-
-
-def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
-    if value is None:
-        return None
-    if isinstance(value, Checkpoint):
-        path = value.path
-    elif isinstance(value, str | os.PathLike):
-        path = os.fspath(value)
-    else:
-        raise ConfigurationError(f"checkpoint must be a Checkpoint or a directory, got {value!r}")
-    if not is_uri(path) and not Path(path).is_dir():
-        raise ConfigurationError(f"checkpoint directory does not exist: {path!r}")
-    return Checkpoint(path)
-
-
-def _run_spec(
-    fn: Callable[..., Any],
-    config: Any,
-    checkpoint: Checkpoint | str | os.PathLike[str] | None,
-    buffer_size: int,
-    datasets: Mapping[str, Any] | None,
-    data_config: Any,
-) -> RunSpec:
-    """Check what ``run()`` was given and prepare it for the driver task.
-
-    Raises:
-        ConfigurationError: anything invalid, named.
-    """
-    if not callable(fn):
-        raise ConfigurationError(f"fn must be callable, got {fn!r}")
-    payload = _pickle(fn, config)
-    start = _as_checkpoint(checkpoint)
-    bound = validate_buffer_size(buffer_size)
-    data = None
-    if datasets is not None or data_config is not None:
-        from ._data import validate_datasets
-
-        data = validate_datasets({} if datasets is None else datasets, data_config)
-    return RunSpec(payload, start, bound, data)
-
-
-def _named(spec: RunSpec, name: str | None, resume: Any, config: Any) -> RunSpec:
-    """A named run's spec: its name, what to do with a previous record, and its config's
-    fingerprint.
-
-    Raises:
-        ConfigurationError: a bad name or ``resume``, or ``resume`` without a name.
-    """
-    if resume not in ("auto", "never", "force"):
-        raise ConfigurationError(f'resume must be "auto", "never" or "force", got {resume!r}')
-    if name is None:
-        raise ConfigurationError("resume= applies to a named run: give run(..., name=...)")
-    check_name(name)
-    return replace(
-        spec, name=name, resume=resume, fingerprint=fingerprint(cloudpickle.dumps(config))
-    )
-
-
-def _pickle(fn: Callable[..., Any], config: Any) -> bytes:
-    """The function and its config, pickled once for every rank and attempt (on the loop: its
-    cost is the one Ray's ``.remote()`` would pay per rank; a large state is better put in the
-    object store and passed as a reference).
-
-    Raises:
-        ConfigurationError: either one cannot be pickled.
-    """
-    try:
-        return bytes(cloudpickle.dumps((fn, config)))
-    except Exception as error:
-        for what, value in (("fn", fn), ("config", config)):
-            try:
-                cloudpickle.dumps(value)
-            except Exception as exc:
-                raise ConfigurationError(
-                    f"{what} cannot be pickled to send to the workers: {describe(exc)}"
-                ) from exc
-        raise ConfigurationError(f"fn and config cannot be pickled: {describe(error)}") from error

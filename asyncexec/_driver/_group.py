@@ -24,6 +24,7 @@ from .._protocol import Outcome, WorkerContext, WorkerMetadata
 from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import backend_error, call_error, outcome_error
+from ._local import LocalWorker, is_local
 from ._placement import Placement
 from ._workers import Standby, WorkerInfo
 
@@ -195,7 +196,7 @@ class WorkerGroup:
 
     async def setup(self, envs: Sequence[dict[str, str]], workers: Sequence[WorkerInfo]) -> None:
         """Give ``workers`` their device environment, context, data context and init hook."""
-        data_context = driver_data_context()
+        data_context = None if self.config.local else driver_data_context()
         refs = [
             w.actor.setup.remote(env, w.context, self.config.init_hook, data_context)
             for w, env in zip(workers, envs, strict=True)
@@ -293,6 +294,11 @@ class WorkerGroup:
             spare, env = found
             self.spares.remove(spare)
             actor, meta, bundle, death = spare.actor, spare.metadata, spare.bundle, spare.death
+        elif self.config.local:
+            bundle, death, env = None, None, {}
+            await self._drop([failed.actor])
+            actor = LocalWorker(self.config.name)
+            meta = await actor.describe.remote()
         elif (
             self.placement is not None
             and (self.placement.owned or self.placement.slots is not None)
@@ -567,6 +573,9 @@ async def kill_all(
 
     def kill() -> None:
         for actor in actors:
+            if is_local(actor):
+                actor.kill()
+                continue
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
         if placement is not None:

@@ -28,6 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._errors import describe, short_node
+from ._local import is_local
 from ._workers import WorkerInfo
 
 __all__ = [
@@ -181,6 +182,9 @@ async def dump_stacks(
 ) -> dict[int, str]:
     """Every worker's threads' stacks by rank, in rank order (see :func:`dump_processes`)."""
     ordered = sorted(workers, key=lambda w: w.rank)
+    local = {w.rank: w.actor.stacks() for w in ordered if is_local(w.actor)}
+    if local:  # a local group's workers are threads of this process: read here
+        return local
     texts = await dump_processes(
         [(w.metadata.node_id, w.metadata.pid) for w in ordered], timeout_s=timeout_s
     )

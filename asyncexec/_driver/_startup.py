@@ -24,11 +24,12 @@ from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import startup_error
 from ._group import WorkerGroup, actor_options, device_envs, kill_all
+from ._local import LocalWorker
 from ._metrics import metrics
 from ._placement import Placement, create_placement, current_parent, wait_placement_ready
 from ._workers import Standby, WorkerInfo
 
-__all__ = ["start_group", "worker_contexts"]
+__all__ = ["start_group", "start_local_group", "worker_contexts"]
 
 
 def _request(
@@ -126,6 +127,8 @@ async def start_group(
         BackendError: the backend's ``on_start`` failed.
         ExecutorStateError: the pool is closed.
     """
+    if config.local:
+        return await start_local_group(config, attempt=attempt, log=log)
     if pool is not None:
         return await _lease_group(config, backend, pool, attempt=attempt, log=log)
     t0 = time.perf_counter()
@@ -156,6 +159,40 @@ async def start_group(
                 await group.close(force=True)
             else:
                 await kill_all(actors, placement)
+        _raise_mapped(exc, phase[0], config.start_timeout_s)
+
+
+async def start_local_group(config: ExecutorConfig, *, attempt: int, log: Any) -> WorkerGroup:
+    """A local executor's group: ``num_workers`` workers in threads of this process (see
+    ``_local``), in creation order, set up as actors are (context, init hook).
+
+    Raises:
+        StartupTimeoutError: set-up overran ``start_timeout_s``.
+        StartupError: the init hook failed.
+    """
+    t0 = time.perf_counter()
+    workers = [LocalWorker(config.name) for _ in range(config.num_workers)]
+    phase = ["starting the local workers"]
+    group: WorkerGroup | None = None
+    try:
+        with anyio.fail_after(config.start_timeout_s):
+            metas = list(await _all([w.describe.remote() for w in workers]))
+            members = [
+                WorkerInfo(w, m, c)
+                for w, m, c in zip(workers, metas, worker_contexts(config, metas), strict=True)
+            ]
+            group = WorkerGroup(config, None, None, members, attempt, log)
+            phase[0] = "setting the workers up (init hook)"
+            await group.setup([{} for _ in members], members)  # no devices to share
+            log.info("worker_table", workers=[_row(w) for w in members])
+        log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt, local=True)
+        return group
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            if group is not None:
+                await group.close(force=True)
+            else:
+                await kill_all(workers, None)
         _raise_mapped(exc, phase[0], config.start_timeout_s)
 
 

@@ -1,6 +1,10 @@
 """The worker side of a run: context, ``report()``, checkpoints, dataset shards.
 
-A worker process holds at most one session at a time. The user's function runs in a thread of its
+A worker holds at most one session at a time. Its state (the group's context, the session, the
+weight version it holds) is a :class:`Place`: one per worker process, or one per worker thread in
+local mode, where several workers share the driver's process (the current place is a context
+variable that each local worker's calls, and the threads they start, carry). The user's function
+runs in a thread of its
 own (an ``async def`` on an event loop of its own in that thread), so that ``report()`` can block
 when the buffer is full without freezing the actor's event loop, which must keep answering the
 driver's polls, health checks and ``execute()`` calls.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import os
@@ -49,24 +54,43 @@ _log = logging.getLogger("asyncexec.worker")
 #: The longest a poll waits for a batch from a function that was held back by credit.
 BATCH_LINGER_S = 0.002
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
-_group_context: WorkerContext | None = None
-_session: Session | None = None
-#: The weight version this worker holds (of the channel it receives from), tagged on reports.
-_report_version: int | None = None
+
+
+class Place:
+    """One worker's state: the group's context, the run's session, the weight version held."""
+
+    __slots__ = ("context", "session", "version")
+
+    def __init__(self) -> None:
+        self.context: WorkerContext | None = None
+        self.session: Session | None = None
+        #: The weight version this worker holds (of the channel it receives from), tagged on
+        #: reports.
+        self.version: int | None = None
+
+
+#: The current worker's place when a local worker's call set it (see
+#: ``asyncexec._driver._local``); else the process's own, ``_PROCESS``.
+PLACE: contextvars.ContextVar[Place] = contextvars.ContextVar("asyncexec_place")
+_PROCESS = Place()
+
+
+def current_session() -> Session | None:
+    """The current worker's session, if a run is on it."""
+    return PLACE.get(_PROCESS).session
 
 
 def set_group_context(context: WorkerContext | None) -> None:
-    """Install the group's context in this worker process (called at set-up; None when a
-    pooled worker is returned)."""
-    global _group_context
-    _group_context = context
+    """Install the group's context in this worker (called at set-up; None when a pooled worker
+    is returned)."""
+    PLACE.get(_PROCESS).context = context
 
 
 def set_report_version(version: int | None) -> None:
     """Tag this worker's next reports with ``version`` (a weight channel installed it)."""
-    global _report_version
-    _report_version = version
-    session = _session
+    place = PLACE.get(_PROCESS)
+    place.version = version
+    session = place.session
     if session is not None and version is not None:
         session.mark_version(version)
 
@@ -77,17 +101,19 @@ def get_context() -> WorkerContext:
     Raises:
         ExecutorStateError: called outside an asyncexec worker.
     """
-    if _session is not None:
-        return _session.context
-    if _group_context is None:
+    place = PLACE.get(_PROCESS)
+    if place.session is not None:
+        return place.session.context
+    if place.context is None:
         raise ExecutorStateError("get_context() must be called inside an asyncexec worker")
-    return _group_context
+    return place.context
 
 
 def _require_session(what: str) -> Session:
-    if _session is None:
+    session = PLACE.get(_PROCESS).session
+    if session is None:
         raise ExecutorStateError(f"{what} must be called inside the function given to run()")
-    return _session
+    return session
 
 
 def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) -> None:
@@ -102,7 +128,7 @@ def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) 
         TypeError: ``metrics`` is not a mapping, or ``checkpoint`` is not a Checkpoint.
         ExecutorStateError: called outside a run.
     """
-    session = _session
+    session = PLACE.get(_PROCESS).session
     if session is None:
         raise ExecutorStateError("report() must be called inside the function given to run()")
     session.report(metrics, checkpoint)
@@ -198,8 +224,9 @@ class Session:
         # Weight versions as (sequence number of the first report that holds it, version),
         # not yet sent: a change costs one entry, the hot path nothing.
         self._versions: list[tuple[int, int]] = []
-        if _report_version is not None:
-            self._versions.append((0, _report_version))
+        self._place = PLACE.get(_PROCESS)
+        if self._place.version is not None:
+            self._versions.append((0, self._place.version))
         self._reported = 0
         self._sent = 0
         self._ack = 0
@@ -214,11 +241,12 @@ class Session:
         self._fn_task: asyncio.Task[Any] | None = None
         # Its name tells whose function this is in a stack dump (``asyncexec stack``).
         name = f"asyncexec-fn {self.context.executor_name} rank {self.context.world_rank}"
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        # The thread carries this worker's place (a thread starts with an empty context).
+        here = contextvars.copy_context()
+        self._thread = threading.Thread(target=here.run, args=(self._main,), name=name, daemon=True)
 
     def start(self) -> None:
-        global _session
-        _session = self
+        self._place.session = self
         self._thread.start()
 
     # The function's thread ------------------------------------------------------------------
@@ -260,7 +288,8 @@ class Session:
             _fields({**bound, "outcome": outcome.kind, "reports": self._reported, "s": seconds}),
             extra=bound,
         )
-        self._loop.call_soon_threadsafe(_set_result, self._finished)
+        with contextlib.suppress(RuntimeError):  # a local worker's loop has closed
+            self._loop.call_soon_threadsafe(_set_result, self._finished)
 
     def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
         # The hot path of a run: one lock, no allocation but the buffer's slot, and no wake-up
@@ -327,7 +356,8 @@ class Session:
         # Called with the lock held; wakes a poll that is waiting on the actor's loop.
         if self._poll_waiting:
             self._poll_waiting = False
-            self._loop.call_soon_threadsafe(self._wake.set)
+            with contextlib.suppress(RuntimeError):  # a local worker's loop has closed
+                self._loop.call_soon_threadsafe(self._wake.set)
 
     # The actor's loop -----------------------------------------------------------------------
 
@@ -386,15 +416,20 @@ class Session:
             versions, self._versions = self._versions, []
         return Poll(items, ckpts, outcome, versions)
 
-    async def stop(self, timeout_s: float) -> bool:
-        """Stop the function: ``report()`` raises inside it, an ``async def`` is cancelled.
-        Return whether it ended within ``timeout_s``."""
+    def halt(self) -> None:
+        """Tell the function to stop (``report()`` raises inside it, an ``async def`` is
+        cancelled) without waiting; from any thread."""
         with self._lock:
             self._stop = True
             self._cond.notify_all()
         if self._fn_loop is not None and self._fn_task is not None:
             with contextlib.suppress(RuntimeError):  # its loop has already closed
                 self._fn_loop.call_soon_threadsafe(self._fn_task.cancel)
+
+    async def stop(self, timeout_s: float) -> bool:
+        """Stop the function: ``report()`` raises inside it, an ``async def`` is cancelled.
+        Return whether it ended within ``timeout_s``."""
+        self.halt()
         try:
             await asyncio.wait_for(asyncio.shield(self._finished), timeout_s)
         except TimeoutError:
@@ -416,7 +451,7 @@ def _set_result(future: asyncio.Future[None]) -> None:
 
 
 def end_session(session: Session) -> None:
-    """Forget ``session`` if it is the current one."""
-    global _session
-    if _session is session:
-        _session = None
+    """Forget ``session`` if it is its worker's current one."""
+    place = session._place
+    if place.session is session:
+        place.session = None

@@ -1,0 +1,195 @@
+"""Local mode: workers in threads of the driver's process instead of Ray actors.
+
+A :class:`LocalWorker` stands where an actor handle stands in a :class:`~._group.WorkerGroup`.
+It hosts the worker's own code (the actor class, undecorated) on an event loop in a thread of
+its own, as Ray hosts an async actor's methods on the actor's loop; ``worker.method.remote(...)``
+schedules the method there and returns an awaitable, as an ``ObjectRef`` is one. So the group,
+the run's pumps, health checks, stops and closes are the same code in both modes, and the user's
+function runs in a thread of its own, exactly as on an actor (see ``_worker._session``).
+
+What Ray provides and a thread cannot is absent, and said so in the docs: no process isolation
+(module-level state is shared by the ranks and the driver), no devices or resources enforced, no
+``runtime_env``, no backend (a framework's process group is per process), no datasets, pools,
+reservations, spares, elastic sizes or weight channels. A function that does not stop cannot be
+killed: its thread is left to end on its own (a daemon thread, it does not hold the process at
+exit). Nothing here imports or starts Ray.
+
+Each local worker's calls run in a context whose :data:`~.._worker._session.PLACE` is the
+worker's own, so ``get_context()``, ``report()`` and ``get_checkpoint()`` find that worker's
+state in the function's thread, in ``execute()`` calls and in the threads they start through
+``asyncio`` (threads started by hand carry no context: see the docs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Awaitable, Generator
+from typing import Any, TypeGuard
+
+from .._protocol import WorkerMetadata
+from .._worker import _session
+from .._worker._actor import _Worker
+
+__all__ = ["LOCAL_NODE", "LocalWorker", "LocalWorkerGone", "is_local"]
+
+#: The node id of every local worker (they all run in the driver's process).
+LOCAL_NODE = "local"
+_numbers = itertools.count()
+
+
+class LocalWorkerGone(Exception):
+    """A call on a local worker that was closed (the stand-in for Ray's dead-actor error)."""
+
+
+class _ThreadWorker(_Worker):
+    """The actor's code, describing a thread of this process instead of a Ray worker."""
+
+    async def describe(self) -> WorkerMetadata:
+        return WorkerMetadata(
+            node_id=LOCAL_NODE,
+            node_ip="127.0.0.1",
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            accelerator_ids={},
+        )
+
+
+class _Ref:
+    """A pending call on a local worker: awaitable from any event loop, like an ``ObjectRef``.
+
+    Awaiting it and being cancelled does not cancel the call (a cancelled wait on a Ray call
+    leaves the actor's method running too)."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        call = asyncio.wrap_future(self._future)
+        call.add_done_callback(_retrieve)  # its error is not "never retrieved" when unawaited
+        return asyncio.shield(call).__await__()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class _Method:
+    __slots__ = ("_name", "_worker")
+
+    def __init__(self, worker: LocalWorker, name: str) -> None:
+        self._worker = worker
+        self._name = name
+
+    def remote(self, *args: Any, **kwargs: Any) -> _Ref:
+        return self._worker.call(self._name, args, kwargs)
+
+
+class LocalWorker:
+    """One worker in threads of this process: an event loop for its methods (the actor's loop)
+    and, during a run, the thread of the user's function."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.place = _session.Place()
+        self._worker = _ThreadWorker()
+        self._loop = asyncio.new_event_loop()
+        self._gone = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"asyncexec-local {label} #{next(_numbers)}", daemon=True
+        )
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<LocalWorker {self.label} {'gone' if self._gone else 'live'}>"
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_") and name != "__ray_terminate__":
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Ref:
+        """Schedule the worker's method ``name`` on its loop; a closed worker's call fails."""
+        if name == "__ray_terminate__":  # the graceful exit of a Ray actor
+            self.kill()
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result(None)
+            return _Ref(done)
+        method = getattr(self._worker, name)
+        with self._lock:
+            if not self._gone:
+                coro = self._in_place(method(*args, **kwargs))
+                return _Ref(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        failed.set_exception(LocalWorkerGone(f"the local worker {self.label} was closed"))
+        return _Ref(failed)
+
+    async def _in_place(self, call: Awaitable[Any]) -> Any:
+        # This task's context (a copy) carries the worker's place to what the call starts.
+        _session.PLACE.set(self.place)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            raise LocalWorkerGone(f"the local worker {self.label} was closed") from None
+
+    def kill(self) -> None:
+        """Close the worker at once, from any thread: its run's function is told to stop, its
+        pending calls fail with :class:`LocalWorkerGone`, its loop ends. A function that does
+        not stop runs on in its (daemon) thread until it ends or reports."""
+        with self._lock:
+            if self._gone:
+                return
+            self._gone = True
+        session = self.place.session
+        if session is not None:
+            session.halt()
+        with contextlib.suppress(RuntimeError):  # the loop has already closed
+            asyncio.run_coroutine_threadsafe(self._shut(), self._loop)
+
+    async def _shut(self) -> None:
+        here = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not here]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.get_running_loop().stop()
+
+    def stacks(self) -> str:
+        """The stacks of this worker's threads (its loop's, and its function's during a run),
+        read in this process: Python's own frames, for the errors of hung ranks."""
+        threads = [self._thread]
+        session = self.place.session
+        if session is not None:
+            threads.append(session._thread)
+        frames = sys._current_frames()
+        parts = []
+        for thread in threads:
+            frame = frames.get(thread.ident) if thread.ident is not None else None
+            if frame is None:
+                continue
+            stack = "".join(traceback.format_stack(frame)).rstrip()
+            parts.append(f'Thread {thread.ident} "{thread.name}"\n{stack}')
+        return "\n\n".join(parts) or "no live thread"
+
+
+def is_local(actor: object) -> TypeGuard[LocalWorker]:
+    """Whether ``actor`` is a local worker rather than a Ray actor handle."""
+    return isinstance(actor, LocalWorker)

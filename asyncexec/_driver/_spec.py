@@ -1,0 +1,98 @@
+"""What ``Executor.run()`` checks and prepares before anything starts: the function and its
+config pickled once, the starting checkpoint, the buffer bound, datasets, a named run's fields."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ray import cloudpickle
+
+from .._checkpoint import Checkpoint, is_uri
+from .._config import validate_buffer_size
+from .._errors import ConfigurationError, describe
+from ._attempts import RunSpec
+from ._resume import check_name, fingerprint
+
+__all__ = ["named_spec", "run_spec"]
+
+
+def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
+    if value is None:
+        return None
+    if isinstance(value, Checkpoint):
+        path = value.path
+    elif isinstance(value, str | os.PathLike):
+        path = os.fspath(value)
+    else:
+        raise ConfigurationError(f"checkpoint must be a Checkpoint or a directory, got {value!r}")
+    if not is_uri(path) and not Path(path).is_dir():
+        raise ConfigurationError(f"checkpoint directory does not exist: {path!r}")
+    return Checkpoint(path)
+
+
+def run_spec(
+    fn: Callable[..., Any],
+    config: Any,
+    checkpoint: Checkpoint | str | os.PathLike[str] | None,
+    buffer_size: int,
+    datasets: Mapping[str, Any] | None,
+    data_config: Any,
+) -> RunSpec:
+    """Check what ``run()`` was given and prepare it for the driver task.
+
+    Raises:
+        ConfigurationError: anything invalid, named.
+    """
+    if not callable(fn):
+        raise ConfigurationError(f"fn must be callable, got {fn!r}")
+    payload = _pickle(fn, config)
+    start = _as_checkpoint(checkpoint)
+    bound = validate_buffer_size(buffer_size)
+    data = None
+    if datasets is not None or data_config is not None:
+        from ._data import validate_datasets
+
+        data = validate_datasets({} if datasets is None else datasets, data_config)
+    return RunSpec(payload, start, bound, data)
+
+
+def named_spec(spec: RunSpec, name: str | None, resume: Any, config: Any) -> RunSpec:
+    """A named run's spec: its name, what to do with a previous record, and its config's
+    fingerprint.
+
+    Raises:
+        ConfigurationError: a bad name or ``resume``, or ``resume`` without a name.
+    """
+    if resume not in ("auto", "never", "force"):
+        raise ConfigurationError(f'resume must be "auto", "never" or "force", got {resume!r}')
+    if name is None:
+        raise ConfigurationError("resume= applies to a named run: give run(..., name=...)")
+    check_name(name)
+    return replace(
+        spec, name=name, resume=resume, fingerprint=fingerprint(cloudpickle.dumps(config))
+    )
+
+
+def _pickle(fn: Callable[..., Any], config: Any) -> bytes:
+    """The function and its config, pickled once for every rank and attempt (on the loop: its
+    cost is the one Ray's ``.remote()`` would pay per rank; a large state is better put in the
+    object store and passed as a reference).
+
+    Raises:
+        ConfigurationError: either one cannot be pickled.
+    """
+    try:
+        return bytes(cloudpickle.dumps((fn, config)))
+    except Exception as error:
+        for what, value in (("fn", fn), ("config", config)):
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"{what} cannot be pickled to send to the workers: {describe(exc)}"
+                ) from exc
+        raise ConfigurationError(f"fn and config cannot be pickled: {describe(error)}") from error

@@ -1,0 +1,257 @@
+"""Local mode: the workers are threads of the driver's process, Ray is never started. The
+behaviour tests of the stream, errors, checkpoints and ``execute()`` run in both modes (the
+``mode`` fixture); these are what only local mode has, or does its own way: no Ray, the
+environment switch, what it refuses, hang stacks read in-process, restarts from a checkpoint, a
+debugger's trace hook reaching the function, a rank of independent ranks replaced alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tenacity
+from conftest import wait_no_local_threads
+
+import asyncexec
+
+NO_WAIT = tenacity.wait_none()
+
+
+@pytest.fixture(autouse=True)
+def _no_threads_left() -> Any:
+    yield
+    wait_no_local_threads()
+
+
+def test_a_local_run_never_starts_ray_and_the_environment_switches_it_on(tmp_path: Path) -> None:
+    """A program that never says local=True runs locally under ASYNCEXEC_LOCAL=1: no Ray, every
+    rank a thread of the driver's process, with its ranks and the run's id in its context."""
+    program = tmp_path / "prog.py"
+    program.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, json, os, threading
+            import ray
+            import asyncexec
+
+            def fn(config):
+                ctx = asyncexec.get_context()
+                asyncexec.report({"rank": ctx.world_rank, "pid": ctx.pid,
+                                  "thread": threading.current_thread().name,
+                                  "run": ctx.run_id, "node": ctx.node_id})
+                return ctx.world_size
+
+            async def main():
+                async with asyncexec.Executor(3, resources_per_worker={"GPU": 1}) as ex:
+                    steps = [s async for s in ex.run(fn)]
+                    print(json.dumps({
+                        "reports": [r.metrics for r in steps[0].reports],
+                        "values": ex.result.return_values,
+                        "pid": os.getpid(),
+                        "ray": ray.is_initialized(),
+                    }))
+
+            asyncio.run(main())
+            """
+        )
+    )
+    env = {**os.environ, "ASYNCEXEC_LOCAL": "1"}
+    done = subprocess.run(
+        [sys.executable, str(program)], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["ray"] is False
+    assert out["values"] == [3, 3, 3]
+    reports = out["reports"]
+    assert [r["rank"] for r in reports] == [0, 1, 2]
+    assert {r["pid"] for r in reports} == {out["pid"]}
+    assert [r["thread"].endswith(f"rank {r['rank']}") for r in reports] == [True] * 3
+    assert all(r["run"] and r["node"] == "local" for r in reports)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"backend": "torch"}, "backend"),
+        ({"pool": "pool"}, "pool"),
+        ({"reservation": "reservation"}, "reservation"),
+        ({"spares": 1}, "spares"),
+        ({"num_workers": (1, 2)}, "elastic"),
+        ({"runtime_env": {"env_vars": {"A": "1"}}}, "runtime_env"),
+    ],
+)
+def test_what_local_mode_cannot_do_is_refused_by_name(options: dict[str, Any], named: str) -> None:
+    from asyncexec import backends
+
+    made = {
+        "torch": backends.TorchBackend(),
+        "pool": asyncexec.WorkerPool.__new__(asyncexec.WorkerPool),
+        "reservation": asyncexec.Reservation.__new__(asyncexec.Reservation),
+    }
+    options = {k: made.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+    num_workers = options.pop("num_workers", 2)
+    with pytest.raises(asyncexec.ConfigurationError, match=named):
+        asyncexec.Executor(num_workers, local=True, **options)
+
+
+def test_a_bad_local_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "maybe")
+    with pytest.raises(asyncexec.ConfigurationError, match="ASYNCEXEC_LOCAL"):
+        asyncexec.Executor(1)
+    with pytest.raises(asyncexec.ConfigurationError, match="local must be"):
+        asyncexec.Executor(1, local="yes")  # type: ignore[arg-type]
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "0")
+    assert asyncexec.Executor(1).config.local is False
+    assert asyncexec.Executor(1, local=True).config.local is True
+
+
+async def test_datasets_and_weight_channels_are_refused_in_local_mode() -> None:
+    async with (
+        asyncexec.Executor(1, local=True) as a,
+        asyncexec.Executor(1, local=True) as b,
+    ):
+        with pytest.raises(asyncexec.ConfigurationError, match="datasets"):
+            a.run(_steps, datasets={"train": object()})
+        with pytest.raises(asyncexec.ConfigurationError, match="local"):
+            asyncexec.WeightChannel(a, b)
+
+
+def _steps(n: int = 1) -> None:
+    for i in range(n):
+        asyncexec.report({"i": i})
+
+
+RELEASE = threading.Event()
+
+
+def stuck_in_python(config: Any) -> None:
+    asyncexec.report({"i": 0})
+    if asyncexec.get_context().world_rank == 1:
+        while not RELEASE.wait(0.05):  # no report: the step deadline declares it hung
+            pass
+    asyncexec.report({"i": 1})
+
+
+async def test_a_hung_rank_is_declared_with_its_threads_stack() -> None:
+    """The step deadline fires; the error holds every rank's stack, read in this process, and
+    the hung rank's has its function's name in it. The executor goes on with a fresh group."""
+    RELEASE.clear()
+    policy = asyncexec.RestartPolicy(max_restarts=0)
+    try:
+        async with asyncexec.Executor(2, local=True, restart=policy, step_timeout_s=0.5) as ex:
+            run = ex.run(stuck_in_python)
+            with pytest.raises(asyncexec.RestartsExhaustedError) as info:
+                async for _ in run:
+                    pass
+            hung = info.value.failures[0]
+            assert isinstance(hung, asyncexec.WorkerHungError)
+            assert hung.rank == 1 and "step deadline" in str(hung)
+            assert set(hung.stacks) == {0, 1}
+            assert "stuck_in_python" in hung.stacks[1]
+            assert "asyncexec-fn asyncexec rank 1" in hung.stacks[1]
+            RELEASE.set()
+            assert len([s async for s in ex.run(_steps, 3)]) == 3
+    finally:
+        RELEASE.set()
+
+
+def counter(config: dict[str, Any]) -> int:
+    """Sums its steps, checkpoints every few, raises once on rank 1 at ``fail_at``."""
+    ctx = asyncexec.get_context()
+    start, total = 0, 0
+    checkpoint = asyncexec.get_checkpoint()
+    if checkpoint is not None:
+        state = json.loads((Path(checkpoint.path) / f"rank{ctx.world_rank}.json").read_text())
+        start, total = state["step"] + 1, state["total"]
+    for step in range(start, config["steps"]):
+        if ctx.attempt == 1 and ctx.world_rank == 1 and step == config.get("fail_at"):
+            raise ValueError(f"bad batch at step {step}")
+        total += step * (ctx.world_rank + 1)
+        saved = None
+        if step % config["every"] == 0:
+            tmp = tempfile.mkdtemp()
+            (Path(tmp) / f"rank{ctx.world_rank}.json").write_text(
+                json.dumps({"step": step, "total": total})
+            )
+            saved = asyncexec.Checkpoint.from_directory(tmp)
+        asyncexec.report({"step": step, "total": total}, checkpoint=saved)
+    return total
+
+
+async def test_a_restart_resumes_from_the_latest_checkpoint_with_the_same_result(
+    tmp_path: Path,
+) -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=1, restart_on_user_error=True, wait=NO_WAIT)
+    async with asyncexec.Executor(
+        2, local=True, restart=policy, storage_path=tmp_path, buffer_size=2
+    ) as ex:
+        clean = [s async for s in ex.run(counter, {"steps": 12, "every": 3})]
+        expected = ex.result.return_values
+        run = ex.run(counter, {"steps": 12, "every": 3, "fail_at": 7})
+        steps = [s async for s in run]
+    assert len(clean) == 12
+    assert run.result.return_values == expected
+    assert run.result.attempts == 2
+    assert isinstance(run.result.failures[0], asyncexec.WorkerRaisedError)
+    second = [s.metrics["step"] for s in steps if s.attempt == 2]
+    assert second == list(range(second[0], 12)) and second[0] % 3 == 1  # after a checkpoint
+    assert run.result.checkpoint is not None
+    assert Path(run.result.checkpoint.path).is_relative_to(tmp_path)
+
+
+def traced(config: Any) -> None:
+    asyncexec.report({"rank": asyncexec.get_context().world_rank})
+
+
+async def test_a_debuggers_trace_hook_reaches_the_function() -> None:
+    """Debuggers (pdb, debugpy) stop in code through the trace hook of its thread: set for
+    new threads before the executor starts, it sees the function run on every rank."""
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is traced.__code__:
+            with lock:
+                seen.append(threading.current_thread().name)
+        return None
+
+    threading.settrace(tracer)
+    try:
+        async with asyncexec.Executor(2, local=True) as ex:
+            steps = [s async for s in ex.run(traced)]
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    assert [r.metrics["rank"] for r in steps[0].reports] == [0, 1]
+    assert sorted(seen) == ["asyncexec-fn asyncexec rank 0", "asyncexec-fn asyncexec rank 1"]
+
+
+def flaky_rank(config: Any) -> int:
+    ctx = asyncexec.get_context()
+    for i in range(config["steps"]):
+        if ctx.world_rank == 1 and ctx.attempt == 1 and i == 2:
+            raise ValueError("rank 1 fails once")
+        asyncexec.report({"i": i})
+    return ctx.world_rank
+
+
+async def test_an_independent_rank_is_replaced_alone() -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=1, restart_on_user_error=True, wait=NO_WAIT)
+    async with asyncexec.Executor(3, local=True, restart=policy) as ex:
+        before = [w.pid for w in ex.workers]
+        run = ex.run(flaky_rank, {"steps": 5}, independent=True)
+        steps = [s async for s in run]
+    by_rank = {r: [s.metrics["i"] for s in steps if s.rank == r] for r in range(3)}
+    assert by_rank[0] == by_rank[2] == list(range(5))  # the others went on
+    assert by_rank[1][-5:] == list(range(5))  # rank 1 started over (no checkpoint)
+    assert run.result.return_values == [0, 1, 2]
+    assert len(run.result.failures) == 1 and run.result.failures[0].rank == 1
+    assert before == [os.getpid()] * 3
