@@ -255,3 +255,44 @@ async def test_an_independent_rank_is_replaced_alone() -> None:
     assert run.result.return_values == [0, 1, 2]
     assert len(run.result.failures) == 1 and run.result.failures[0].rank == 1
     assert before == [os.getpid()] * 3
+
+
+def test_the_command_line_runs_a_function_locally(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(
+        textwrap.dedent(
+            """
+            import ray
+            import asyncexec
+
+            def train(config):
+                for step in range(config["steps"]):
+                    asyncexec.report({"step": step, "ray": ray.is_initialized()})
+            """
+        )
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncexec",
+            "run",
+            "job:train",
+            "-n",
+            "2",
+            "--local",
+            "--json",
+            "--config",
+            '{"steps": 3}',
+            "--storage-path",
+            str(tmp_path / "results"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [s["metrics"]["step"] for s in steps] == [0, 1, 2]
+    assert all(len(s["reports"]) == 2 for s in steps)
+    assert not any(r["ray"] for s in steps for r in s["reports"])

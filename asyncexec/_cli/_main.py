@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the function's argument, as JSON, or @FILE to read the JSON from a file",
     )
+    run.add_argument(
+        "--local",
+        action="store_true",
+        help="run the ranks in threads of this process, without Ray (local mode; also "
+        "ASYNCEXEC_LOCAL=1)",
+    )
     _common_options(run, max_restarts=3)
 
     demo = commands.add_parser(
@@ -304,6 +310,7 @@ class RunOptions:
     address: str | None
     runtime_env: Mapping[str, Any] | None = None
     restart_wait_s: float | None = None
+    local: bool = False  # the ranks in threads of this process, no Ray
 
 
 async def drive(
@@ -330,6 +337,7 @@ async def drive(
         address=options.address,
         runtime_env=options.runtime_env,
         name="cli",
+        local=options.local,
     ) as executor:
         run = executor.run(fn, config)
         tracker.run_id = run.run_id
@@ -465,13 +473,17 @@ def _what_to_run(
         resources: dict[str, float] = {"CPU": args.cpus_per_worker}
         if args.gpus_per_worker:
             resources["GPU"] = args.gpus_per_worker
+        from .._driver._executor import local_default
+
+        local = local_default(True if args.local else None)
         options = RunOptions(
             num_workers=args.workers,
             resources=resources,
             max_restarts=args.max_restarts,
             storage_path=args.storage_path,
             address=args.address,
-            runtime_env=worker_import_path(directory, args.address),
+            runtime_env=None if local else worker_import_path(directory, args.address),
+            local=local,
         )
         return fn, parse_config(args.config), args.target, options
     from ._demo import DEFAULT_CONFIG, demo_train
@@ -519,7 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tracker = Tracker(title, options.num_workers, total_steps(fn, config))
 
         try:
-            started_ray = _init_ray(options.address)
+            # The demo kills a worker process: it always runs on Ray, whatever ASYNCEXEC_LOCAL
+            # says (its options say local=False).
+            started_ray = False if options.local else _init_ray(options.address)
         except Exception as exc:  # ray.init's errors are not one family: say what failed
             where = f"join the Ray cluster at {options.address}" if options.address else "start Ray"
             print(f"asyncexec: could not {where}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -56,7 +56,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def _local_default(local: object) -> bool:
+def local_default(local: object) -> bool:
     """``local`` as given, or (None) as ``ASYNCEXEC_LOCAL`` says.
 
     Raises:
@@ -229,7 +229,7 @@ class Executor:
     ) -> None:
         # Every keyword argument but these is a field of the configuration.
         options = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
-        options["local"] = _local_default(local)
+        options["local"] = local_default(local)
         if options["local"]:
             _check_local(backend, pool, reservation)
         if pool is not None:
