@@ -25,7 +25,8 @@ NO_WAIT = tenacity.wait_none()
 
 
 def counter(config: dict[str, Any]) -> int:
-    """Each rank sums step * (rank + 1); checkpoints every few steps; resumes from them."""
+    """Each rank sums step * (rank + 1); checkpoints every few steps; resumes from them. With
+    ``fail_at``, rank 1 raises at that step of the first attempt."""
     ctx = asyncexec.get_context()
     start, total = 0, 0
     checkpoint = asyncexec.get_checkpoint()
@@ -34,6 +35,8 @@ def counter(config: dict[str, Any]) -> int:
             state = json.loads((Path(directory) / f"rank{ctx.world_rank}.json").read_text())
         start, total = state["step"] + 1, state["total"]
     for step in range(start, config["steps"]):
+        if ctx.attempt == 1 and ctx.world_rank == 1 and step == config.get("fail_at"):
+            raise ValueError(f"bad batch at step {step}")
         total += step * (ctx.world_rank + 1)
         if config.get("sleep"):
             time.sleep(config["sleep"])

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import tenacity
 from conftest import wait_no_local_threads
+from test_faults import counter
 
 import asyncexec
 
@@ -162,29 +162,6 @@ async def test_a_hung_rank_is_declared_with_its_threads_stack() -> None:
             assert len([s async for s in ex.run(_steps, 3)]) == 3
     finally:
         RELEASE.set()
-
-
-def counter(config: dict[str, Any]) -> int:
-    """Sums its steps, checkpoints every few, raises once on rank 1 at ``fail_at``."""
-    ctx = asyncexec.get_context()
-    start, total = 0, 0
-    checkpoint = asyncexec.get_checkpoint()
-    if checkpoint is not None:
-        state = json.loads((Path(checkpoint.path) / f"rank{ctx.world_rank}.json").read_text())
-        start, total = state["step"] + 1, state["total"]
-    for step in range(start, config["steps"]):
-        if ctx.attempt == 1 and ctx.world_rank == 1 and step == config.get("fail_at"):
-            raise ValueError(f"bad batch at step {step}")
-        total += step * (ctx.world_rank + 1)
-        saved = None
-        if step % config["every"] == 0:
-            tmp = tempfile.mkdtemp()
-            (Path(tmp) / f"rank{ctx.world_rank}.json").write_text(
-                json.dumps({"step": step, "total": total})
-            )
-            saved = asyncexec.Checkpoint.from_directory(tmp)
-        asyncexec.report({"step": step, "total": total}, checkpoint=saved)
-    return total
 
 
 async def test_a_restart_resumes_from_the_latest_checkpoint_with_the_same_result(

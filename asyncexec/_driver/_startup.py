@@ -10,6 +10,7 @@ start-up leaves nothing behind.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import anyio
@@ -154,11 +155,7 @@ async def start_group(
         log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt)
         return group
     except BaseException as exc:
-        with anyio.CancelScope(shield=True):
-            if group is not None:
-                await group.close(force=True)
-            else:
-                await kill_all(actors, placement)
+        await _undo(group, lambda: kill_all(actors, placement))
         _raise_mapped(exc, phase[0], config.start_timeout_s)
 
 
@@ -188,11 +185,7 @@ async def start_local_group(config: ExecutorConfig, *, attempt: int, log: Any) -
         log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt, local=True)
         return group
     except BaseException as exc:
-        with anyio.CancelScope(shield=True):
-            if group is not None:
-                await group.close(force=True)
-            else:
-                await kill_all(workers, None)
+        await _undo(group, lambda: kill_all(workers, None))
         _raise_mapped(exc, phase[0], config.start_timeout_s)
 
 
@@ -216,11 +209,7 @@ async def _lease_group(
         log.info("group_leased", seconds=_phase(config, "leased", t0), attempt=attempt)
         return group
     except BaseException as exc:
-        with anyio.CancelScope(shield=True):
-            if group is not None:
-                await group.close(force=True)
-            else:
-                await pool.give_back([(w.actor, True) for w in leased])
+        await _undo(group, lambda: pool.give_back([(w.actor, True) for w in leased]))
         _raise_mapped(exc, phase[0], config.start_timeout_s)
 
 
@@ -231,6 +220,16 @@ def _phase(config: ExecutorConfig, phase: str, t0: float) -> float:
     if meters is not None:
         meters.startup.labels(config.name, phase).observe(seconds)
     return round(seconds, 3)
+
+
+async def _undo(group: WorkerGroup | None, release: Callable[[], Awaitable[Any]]) -> None:
+    """After a failed or cancelled start-up: close the group when it was formed, else
+    ``release`` what was requested (shielded: nothing may be left behind)."""
+    with anyio.CancelScope(shield=True):
+        if group is not None:
+            await group.close(force=True)
+        else:
+            await release()
 
 
 def _raise_mapped(exc: BaseException, phase: str, timeout_s: float) -> NoReturn:
