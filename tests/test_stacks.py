@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import time
@@ -191,6 +192,23 @@ def test_stack_command_on_a_cluster_without_workers_says_so() -> None:
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"no live asyncexec worker at {address}" in done.stderr
+
+
+@pytest.mark.timeout(30)
+def test_stack_command_at_an_address_where_nothing_answers_fails_at_once() -> None:
+    """Defect: ``ray.init`` tried for minutes (measured: over 2 min) to join an address where
+    nothing listens; the command now checks the address first."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{free.getsockname()[1]}"  # closed again below: nothing listens
+    done = subprocess.run(  # before the fix, this timeout expired
+        [sys.executable, "-m", "asyncexec", "stack", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=25,
+    )
+    assert done.returncode == 1
+    assert f"could not join the Ray cluster at {address}: nothing answers" in done.stderr
 
 
 # Taking stacks ----------------------------------------------------------------------------------

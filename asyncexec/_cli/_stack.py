@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from .._errors import describe, short_node
 
 __all__ = ["WorkerProcess", "format_stacks", "live_workers", "stack_command"]
 
+#: How long the cluster's address may take to accept a connection (``ray.init`` itself tries
+#: for minutes where nothing answers).
+CONNECT_TIMEOUT_S = 3.0
 #: The worker actor's class, as Ray's actor table names it.
 _WORKER_CLASS = "_Worker"
 _FN_THREAD = re.compile(r'"asyncexec-fn (.+) rank (\d+)"')
@@ -94,6 +98,30 @@ def format_stacks(workers: Sequence[WorkerProcess], texts: Sequence[str]) -> str
     return "\n".join(lines)
 
 
+def unreachable(target: str) -> str | None:
+    """Why nothing answers at the cluster's address ``target`` (``"auto"`` is looked up as
+    ``ray.init`` looks it up), or None when something does or it cannot tell (a ``ray://``
+    address, no address on record)."""
+    address: str | None = target
+    if target == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            address = canonicalize_bootstrap_address(target)
+        except Exception:
+            return None
+    if address is None or "://" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return f"nothing answers at {address} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
+
+
 def stack_command(address: str | None, timeout_s: float = DUMP_TIMEOUT_S) -> int:
     """Print the stacks of every live worker of the cluster at ``address`` (None: the one
     ``RAY_ADDRESS`` or this machine's latest names); return the exit status: 0 when stacks were
@@ -102,6 +130,10 @@ def stack_command(address: str | None, timeout_s: float = DUMP_TIMEOUT_S) -> int
     import ray
 
     target = address or "auto"
+    why = unreachable(target)
+    if why is not None:
+        print(f"asyncexec: could not join the Ray cluster at {target}: {why}", file=sys.stderr)
+        return 1
     try:
         ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
     except Exception as exc:  # ray.init's errors are not one family: say what failed
