@@ -14,6 +14,7 @@ __all__ = [
     "FULL",
     "QUICK",
     "LIFECYCLE_KEYS",
+    "LOCAL_KEYS",
     "OUTLIVE_KEYS",
     "WORKER_COUNTS",
     "Sizes",
@@ -243,8 +244,39 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
     figs += warm_figures()
     figs += channel_figures(sizes)
     figs += outlive_figures(sizes)
+    figs += local_figures()
     figs += lifecycle_figures(sizes)
     return {f.key: f for f in figs}
+
+
+#: The rows of local mode (``--local-only``).
+LOCAL_KEYS = ("local_start", "local_rate")
+
+
+def local_figures() -> list[Figure]:
+    """Local mode (the ranks in threads of the driver's process) beside the same executor on
+    Ray actors, the floor: what a debugging or test run costs. Ray Train's first executor has no
+    local mode."""
+    return [
+        Figure(
+            "local_start",
+            "local mode: entering an executor of 4 ranks (floor: the same executor on 4 Ray "
+            "actors)",
+            "s",
+            target="< 0.1x Ray actors",
+            check=lambda m: m["asyncexec"] < 0.1 * m["floor"],
+            raytrain=False,
+        ),
+        Figure(
+            "local_rate",
+            "local mode: reports/s, 4 ranks, tiny reports (floor: the same executor on 4 Ray "
+            "actors)",
+            "reports/s",
+            target="(contrast: one process, one GIL)",
+            higher_is_better=True,
+            raytrain=False,
+        ),
+    ]
 
 
 #: The rows of runs that outlive their failures (``--outlive-only``).

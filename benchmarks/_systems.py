@@ -150,7 +150,13 @@ class AsyncexecGroup:
     """One asyncexec Executor with ``num`` workers, and the figures measured on it."""
 
     def __init__(
-        self, num: int, resources: dict[str, float], storage_path: str, spares: int = 0
+        self,
+        num: int,
+        resources: dict[str, float],
+        storage_path: str,
+        spares: int = 0,
+        *,
+        local: bool = False,
     ) -> None:
         self.num = num
         self.executor = asyncexec.Executor(
@@ -160,6 +166,7 @@ class AsyncexecGroup:
             storage_path=storage_path,
             name="bench",
             spares=spares,
+            local=local,
         )
 
     async def start(self) -> float:

@@ -75,6 +75,7 @@ from _figures import (  # noqa: E402
     CHANNEL_KEYS,
     FULL,
     LIFECYCLE_KEYS,
+    LOCAL_KEYS,
     OUTLIVE_KEYS,
     QUICK,
     WORKER_COUNTS,
@@ -107,12 +108,14 @@ class Bench:
         lifecycle_only: bool = False,
         channel_only: bool = False,
         outlive_only: bool = False,
+        local_only: bool = False,
         stall_stacks: bool = False,
     ) -> None:
         self.sizes = sizes
         self.lifecycle_only = lifecycle_only
         self.channel_only = channel_only
         self.outlive_only = outlive_only
+        self.local_only = local_only
         self.stall_stacks = stall_stacks
         self.lifecycle_notes: list[str] = []
         self.channel_notes: list[str] = []
@@ -238,6 +241,24 @@ class Bench:
                 await loops.close()
                 if rt is not None:
                     await rt.call("shutdown")
+
+    async def local_mode(self) -> None:
+        """Local mode beside the same executor on Ray actors: entering an executor of 4 ranks
+        and the reports/s of tiny reports, interleaved repeats (the first round of each is not
+        recorded: it pays imports and the actor class's export)."""
+        n = 4
+        for i in range(self.sizes.repeats + 1):
+            progress(f"local mode, 4 ranks, {f'repeat {i}' if i else 'warm-up'}")
+            for column, local in (("floor", False), ("asyncexec", True)):
+                ae = AsyncexecGroup(n, RESOURCES, self.storage, local=local)
+                try:
+                    seconds = await ae.start()
+                    rate = (await ae.stream(self.sizes.steps[n]))["rate"]
+                finally:
+                    await ae.close()
+                if i:
+                    self.add("local_start", column, seconds)
+                    self.add("local_rate", column, rate)
 
     async def stream(
         self, n: int, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
@@ -663,6 +684,9 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
     if bench.outlive_only:
         await bench.outlive()
         return None
+    if bench.local_only:
+        await bench.local_mode()
+        return None
     client = RayTrainClient()
     progress("starting the Ray Train driver")
     with bench.timer.section("Ray Train driver start"):
@@ -677,6 +701,8 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
         await bench.channel()
         with bench.timer.section("runs that outlive failures"):
             await bench.outlive()
+        with bench.timer.section("local mode"):
+            await bench.local_mode()
         for n in WORKER_COUNTS:
             await bench.groups(n)
         with bench.timer.section("lifecycle lag"):
@@ -764,6 +790,11 @@ def main(argv: list[str] | None = None) -> int:
         "resume; with --quick: their quick sizes)",
     )
     parser.add_argument(
+        "--local-only",
+        action="store_true",
+        help="only the local mode rows (start-up and reports/s beside Ray actors)",
+    )
+    parser.add_argument(
         "--reports-only",
         action="store_true",
         help="only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
@@ -783,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         lifecycle_only=args.lifecycle_only,
         channel_only=args.channel_only,
         outlive_only=args.outlive_only,
+        local_only=args.local_only,
         stall_stacks=args.stall_stacks,
     )
     t0 = time.perf_counter()
@@ -807,6 +839,8 @@ def main(argv: list[str] | None = None) -> int:
         mode += ", weight channel only"
     if args.outlive_only:
         mode += ", runs that outlive failures only"
+    if args.local_only:
+        mode += ", local mode only"
     if args.gc_freeze:
         mode += ", gc.freeze() after start-up"
     print()
@@ -830,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         figures = [f for f in figures if f.key in CHANNEL_KEYS]
     if args.outlive_only:
         figures = [f for f in figures if f.key in OUTLIVE_KEYS]
+    if args.local_only:
+        figures = [f for f in figures if f.key in LOCAL_KEYS]
     print(render_table(figures))
     print()
     for line in bench.where_time_goes():
