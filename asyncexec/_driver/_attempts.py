@@ -7,6 +7,7 @@ iterator (:class:`~asyncexec._driver._run.Run`) through the memory stream and ``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -105,7 +106,8 @@ class RunDriver:
         self._record: RunRecord | None = None
         self._record_now = anyio.Event()
         self.handover.on_checkpoint = lambda: self._record_now.set()
-        self.meter = RunMeter(self.config.name, self._backlog)
+        self.meter = RunMeter(self.config.name)
+        self._window: Window | None = None  # the current attempt's (aligned runs)
         if metrics() is not None:
             self.handover.meter = self.meter
 
@@ -120,6 +122,7 @@ class RunDriver:
                 t0 = time.perf_counter()
                 if self.spec.name is not None:
                     await self._resume()
+                self.meter.watch(self._held, self._buffered)
                 self.log.info("run_started")
                 values = await self._recorded()
                 result = self._result(values)
@@ -138,6 +141,7 @@ class RunDriver:
             self.log.warning("run_failed", error=describe(error))
             end = RunEnd(None, error)
         finally:
+            self.meter.unwatch()
             with anyio.CancelScope(shield=True):
                 if self._record is not None:
                     await self._write_record(run.state.value)
@@ -148,13 +152,33 @@ class RunDriver:
                 run.finished.set()
             self._send.close()
 
-    def _backlog(self) -> int:
-        """Reports the driver has received that the consumer has not taken."""
+    def _held(self) -> int:
+        """Reports the driver has received that the consumer has not taken: in complete steps,
+        and those of ranks that are ahead of the others (read by a metrics scrape)."""
         if not self.run.active:
             return 0
-        group = self._group
+        group, window = self._group, self._window
         width = 1 if self.spec.independent or group is None else len(group.workers)
-        return max(0, self.handover.steps - self.run.consumed) * width
+        held = max(0, self.handover.steps - self.run.consumed) * width
+        if window is not None:
+            held += sum(len(queue) for queue in window.asm.queues)
+        return held
+
+    async def _buffered(self) -> int:
+        """Reports waiting in the workers' buffers for a poll (asked of each live worker)."""
+        group = self._group
+        if group is None or not self.run.active:
+            return 0
+        counts = [0] * len(group.workers)
+
+        async def count(i: int, actor: Any) -> None:
+            with contextlib.suppress(Exception):  # a dead worker holds nothing
+                counts[i] = await actor.buffered.remote()
+
+        async with anyio.create_task_group() as tg:
+            for i, worker in enumerate(group.workers):
+                tg.start_soon(count, i, worker.actor)
+        return sum(counts)
 
     async def _resume(self) -> None:
         """A named run: resume from its record when a dead driver left one, else start one.
@@ -359,7 +383,7 @@ class RunDriver:
             raise
         self._group = group
         self.run.state = RunState.RUNNING
-        window = Window(self.run, group, self.spec.buffer_size, self.handover.steps)
+        window = self._window = Window(self.run, group, self.spec.buffer_size, self.handover.steps)
         shards = await self._dataset_shards(group)
         payload = await self._put_payload()
         latest = self.run.latest_checkpoint or self.latest

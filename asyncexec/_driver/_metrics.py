@@ -9,18 +9,32 @@ the executor's name and, for restarts, the failure's class.
 
 Off by default: :func:`enable_metrics` turns them on (for every executor of the process), and
 :func:`start_metrics_server` serves them over HTTP. The hot path pays one counter increment per
-batch of steps handed to the iterator, not per step; the backlog is computed when scraped.
+batch of steps handed to the iterator, not per step.
+
+The backlog is computed when scraped: the reports the driver holds for the consumer, plus those
+still waiting in the workers' buffers for a poll (under backpressure most of them wait there:
+the driver polls a rank only once three quarters of its window is free). A scrape asks each
+live worker of each active run for its count, on the run's event loop, and waits for at most
+``SCRAPE_WAIT_S``; a scrape made on that loop itself (an in-process ASGI metrics route) cannot
+wait for it and uses the counts of the last scrape.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["Metrics", "enable_metrics", "metrics", "start_metrics_server"]
+import anyio
+
+__all__ = ["Metrics", "RunMeter", "enable_metrics", "metrics", "start_metrics_server"]
 
 _metrics: Metrics | None = None
+#: The longest a scrape waits for the workers' counts of the reports they hold.
+SCRAPE_WAIT_S = 1.0
 
 
 class Metrics:
@@ -74,26 +88,59 @@ class Metrics:
         )
         self.backlog = prom.Gauge(
             "asyncexec_backlog_reports",
-            "Reports received from the workers that the consumer has not taken.",
+            "Reports made by the workers that the consumer has not taken: held by the driver, "
+            "or waiting in a worker's buffer for a poll.",
             ex,
             registry=registry,
         )
-        self._backlogs: dict[str, Callable[[], int]] = {}
-        self._backlog_children: set[str] = set()
+        self._watched: dict[str, set[RunMeter]] = {}
+        self._lock = threading.Lock()  # runs come and go on their loops while a scrape reads
 
-    def watch_backlog(self, executor: str, read: Callable[[], int]) -> None:
-        """Report ``read()`` as ``executor``'s backlog at each scrape."""
-        self._backlogs[executor] = read
-        if executor not in self._backlog_children:
-            self._backlog_children.add(executor)
-            self.backlog.labels(executor).set_function(lambda: self._backlog_of(executor))
+    def watch(self, meter: RunMeter) -> None:
+        """Count ``meter``'s run in its executor's backlog until :meth:`unwatch`."""
+        name = meter.executor
+        with self._lock:
+            if name not in self._watched:
+                self._watched[name] = set()
+                self.backlog.labels(name).set_function(lambda: self._backlog_of(name))
+            self._watched[name].add(meter)
+
+    def unwatch(self, meter: RunMeter) -> None:
+        with self._lock:
+            self._watched.get(meter.executor, set()).discard(meter)
 
     def _backlog_of(self, executor: str) -> float:
-        read = self._backlogs.get(executor)
-        try:
-            return float(read()) if read is not None else 0.0
-        except Exception:
-            return 0.0
+        """The backlog of ``executor``'s active runs (called by a scrape, in its thread)."""
+        with self._lock:
+            meters = list(self._watched.get(executor, ()))
+        by_loop: dict[asyncio.AbstractEventLoop, list[RunMeter]] = {}
+        for meter in meters:
+            if meter.loop is not None:
+                by_loop.setdefault(meter.loop, []).append(meter)
+        for loop, part in by_loop.items():
+            if loop.is_closed() or _running_loop() is loop:
+                continue  # this scrape runs on that loop: it cannot wait for it
+            # A coroutine handed to the run's loop from the scrape's thread (no task group
+            # reaches across threads); it ends within SCRAPE_WAIT_S on its own.
+            future = asyncio.run_coroutine_threadsafe(_refresh(part), loop)
+            try:
+                future.result(SCRAPE_WAIT_S + 0.5)
+            except Exception:
+                future.cancel()
+        return float(sum(meter.held() + meter.buffered for meter in meters))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _refresh(meters: list[RunMeter]) -> None:
+    async with anyio.create_task_group() as tg:
+        for meter in meters:
+            tg.start_soon(meter.refresh)
 
 
 def enable_metrics(registry: Any = None) -> Metrics:
@@ -124,14 +171,44 @@ def metrics() -> Metrics | None:
 
 
 class RunMeter:
-    """One run's part: restart times and the backlog. Cheap when metrics are off (None)."""
+    """One run's part: restarts, steps and reports, restart times and the backlog. Cheap when
+    metrics are off (one check per call)."""
 
-    def __init__(self, executor: str, backlog: Callable[[], int] | None = None) -> None:
+    def __init__(self, executor: str) -> None:
         self.executor = executor
         self.failed_at: float | None = None
+        #: The reports waiting in the run's workers, as counted at the latest scrape.
+        self.buffered = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._held: Callable[[], int] = lambda: 0
+        self._count_buffered: Callable[[], Awaitable[int]] | None = None
+
+    def watch(self, held: Callable[[], int], buffered: Callable[[], Awaitable[int]]) -> None:
+        """Count this run in the backlog (on its event loop): ``held()`` is what the driver
+        holds for the consumer, ``buffered()`` asks the workers for what waits in them."""
         m = _metrics
-        if m is not None and backlog is not None:
-            m.watch_backlog(executor, backlog)
+        if m is not None:
+            self.loop = asyncio.get_running_loop()
+            self._held, self._count_buffered = held, buffered
+            m.watch(self)
+
+    def unwatch(self) -> None:
+        m = _metrics
+        if m is not None:
+            m.unwatch(self)
+
+    def held(self) -> int:
+        try:
+            return self._held()
+        except Exception:  # read from the scrape's thread while the loop changes it
+            return 0
+
+    async def refresh(self) -> None:
+        count = self._count_buffered
+        if count is None:
+            return
+        with anyio.move_on_after(SCRAPE_WAIT_S), contextlib.suppress(Exception):
+            self.buffered = await count()
 
     def failed(self, exc: BaseException | None) -> None:
         m = _metrics

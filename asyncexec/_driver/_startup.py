@@ -151,7 +151,7 @@ async def start_group(
                 (a, m, i, None) for i, (a, m) in enumerate(zip(actors, metas, strict=True))
             ]
             group = _form(config, backend, placement, members, attempt, log, None)
-            await _set_up(group, phase)
+            await _set_up(group, phase, t0)
         log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt)
         return group
     except BaseException as exc:
@@ -205,7 +205,7 @@ async def _lease_group(
             if pool.reservation is not None:  # rank order is the reservation's bundle order
                 members.sort(key=lambda m: (m[2] is None, m[2] or 0))
             group = _form(config, backend, None, members, attempt, log, pool)
-            await _set_up(group, phase)
+            await _set_up(group, phase, t0)
         log.info("group_leased", seconds=_phase(config, "leased", t0), attempt=attempt)
         return group
     except BaseException as exc:
@@ -272,12 +272,17 @@ def _form(
     return WorkerGroup(config, backend, placement, workers, attempt, log, pool=pool, spares=spares)
 
 
-async def _set_up(group: WorkerGroup, phase: list[str]) -> None:
-    """Devices, context, data context and init hook on every worker, then the backend."""
+async def _set_up(group: WorkerGroup, phase: list[str], t0: float) -> None:
+    """Devices, context, data context and init hook on every worker, then the backend (the
+    ``set_up`` phase ends between the two)."""
     phase[0] = "setting the workers up (devices, data context, init hook)"
     metas = [w.metadata for w in group.workers]
     await group.setup(device_envs(metas, group.config), group.workers)
-    group.log.info("worker_table", workers=[_row(w) for w in group.workers])
+    group.log.info(
+        "worker_table",
+        workers=[_row(w) for w in group.workers],
+        seconds=_phase(group.config, "set_up", t0),
+    )
     if group.backend is not None:
         phase[0] = f"running {group.backend.name}.on_start"
         await group.run_backend_hook("on_start")

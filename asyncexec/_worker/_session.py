@@ -416,6 +416,12 @@ class Session:
             versions, self._versions = self._versions, []
         return Poll(items, ckpts, outcome, versions)
 
+    def buffered(self) -> int:
+        """Reports this rank has made that no poll has taken yet (the worker's part of the
+        consumer's backlog); from any thread."""
+        with self._lock:
+            return len(self._buffer)
+
     def halt(self) -> None:
         """Tell the function to stop (``report()`` raises inside it, an ``async def`` is
         cancelled) without waiting; from any thread."""
