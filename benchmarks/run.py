@@ -35,6 +35,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -725,18 +726,34 @@ def asyncexec_path() -> str:
     return os.path.dirname(os.path.abspath(str(asyncexec.__file__)))
 
 
+#: How often the metrics row's scraper reads the registry (Prometheus' default is every 15 s).
+SCRAPE_EVERY_S = 0.5
+
+
 @contextlib.contextmanager
 def metrics_on() -> Iterator[None]:
-    """asyncexec's Prometheus metrics on, in a registry of their own, for the block."""
+    """asyncexec's Prometheus metrics on, in a registry of their own, for the block, scraped
+    from a thread every ``SCRAPE_EVERY_S`` (each scrape asks the workers for their backlog)."""
     import prometheus_client
 
     import asyncexec
     from asyncexec._driver import _metrics
 
-    asyncexec.enable_metrics(prometheus_client.CollectorRegistry())
+    registry = prometheus_client.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.wait(SCRAPE_EVERY_S):
+            prometheus_client.generate_latest(registry)
+
+    scraper = threading.Thread(target=scrape, name="bench-scraper", daemon=True)
+    scraper.start()
     try:
         yield
     finally:
+        done.set()
+        scraper.join()
         _metrics._metrics = None
 
 
