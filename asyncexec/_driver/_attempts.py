@@ -106,7 +106,7 @@ class RunDriver:
         self._record: RunRecord | None = None
         self._record_now = anyio.Event()
         self.handover.on_checkpoint = lambda: self._record_now.set()
-        self.meter = RunMeter(self.config.name)
+        self.meter = RunMeter(self.config.name, self._held, self._buffered)
         self._window: Window | None = None  # the current attempt's (aligned runs)
         if metrics() is not None:
             self.handover.meter = self.meter
@@ -122,7 +122,7 @@ class RunDriver:
                 t0 = time.perf_counter()
                 if self.spec.name is not None:
                     await self._resume()
-                self.meter.watch(self._held, self._buffered)
+                self.meter.watch()
                 self.log.info("run_started")
                 values = await self._recorded()
                 result = self._result(values)

@@ -174,22 +174,24 @@ class RunMeter:
     """One run's part: restarts, steps and reports, restart times and the backlog. Cheap when
     metrics are off (one check per call)."""
 
-    def __init__(self, executor: str) -> None:
+    def __init__(
+        self, executor: str, held: Callable[[], int], buffered: Callable[[], Awaitable[int]]
+    ) -> None:
+        """``held()`` is what the driver holds for the run's consumer, ``buffered()`` asks the
+        run's workers for what waits in them."""
         self.executor = executor
         self.failed_at: float | None = None
         #: The reports waiting in the run's workers, as counted at the latest scrape.
         self.buffered = 0
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._held: Callable[[], int] = lambda: 0
-        self._count_buffered: Callable[[], Awaitable[int]] | None = None
+        self._held = held
+        self._count_buffered = buffered
 
-    def watch(self, held: Callable[[], int], buffered: Callable[[], Awaitable[int]]) -> None:
-        """Count this run in the backlog (on its event loop): ``held()`` is what the driver
-        holds for the consumer, ``buffered()`` asks the workers for what waits in them."""
+    def watch(self) -> None:
+        """Count this run in the backlog while it is active (called on its event loop)."""
         m = _metrics
         if m is not None:
             self.loop = asyncio.get_running_loop()
-            self._held, self._count_buffered = held, buffered
             m.watch(self)
 
     def unwatch(self) -> None:
@@ -204,11 +206,8 @@ class RunMeter:
             return 0
 
     async def refresh(self) -> None:
-        count = self._count_buffered
-        if count is None:
-            return
         with anyio.move_on_after(SCRAPE_WAIT_S), contextlib.suppress(Exception):
-            self.buffered = await count()
+            self.buffered = await self._count_buffered()
 
     def failed(self, exc: BaseException | None) -> None:
         m = _metrics
