@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerPool": "_driver._pool",
     "PoolStatistics": "_driver._pool",
     "WorkerRaisedError": "_errors",
+    "WorkerUnreachableError": "_errors",
     "WeightChannel": "_driver._channel",
     "configure_logging": "_cli._logconfig",
     "enable_metrics": "_driver._metrics",
@@ -132,6 +133,7 @@ if TYPE_CHECKING:
     from ._errors import WorkerError as WorkerError
     from ._errors import WorkerHungError as WorkerHungError
     from ._errors import WorkerRaisedError as WorkerRaisedError
+    from ._errors import WorkerUnreachableError as WorkerUnreachableError
     from ._protocol import WorkerContext as WorkerContext
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights

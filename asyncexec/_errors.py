@@ -14,6 +14,7 @@ Every error the library raises derives from :class:`AsyncExecError`::
     │   ├── WorkerCrashedError                 the worker process died
     │   ├── NodeLostError                      the worker's node left the cluster
     │   ├── WorkerHungError (TimeoutError)     it stopped answering or reporting (``stacks``)
+    │   ├── WorkerUnreachableError             Ray could not carry a call to or from it
     │   └── WorkerRaisedError                  the user's function raised (``__cause__``)
     ├── ReportMismatchError                    ranks reported a different number of times
     ├── RestartsExhaustedError                 the restart policy gave up (``failures``)
@@ -48,6 +49,7 @@ __all__ = [
     "WorkerError",
     "WorkerHungError",
     "WorkerRaisedError",
+    "WorkerUnreachableError",
 ]
 
 #: Longest first line :func:`first_line` keeps.
@@ -276,6 +278,14 @@ class NodeLostError(WorkerError):
     """The node that held the worker left the cluster."""
 
     what = "lost its node"
+
+
+class WorkerUnreachableError(WorkerError):
+    """Ray could not carry a call to or from the worker, while the worker itself was not seen to
+    die: an RPC failure, a call's result lost or freed before it was read, a full object store or
+    disk. The default restart policy restarts after it, as after a crash."""
+
+    what = "could not be reached"
 
 
 class WorkerHungError(WorkerError, TimeoutError):

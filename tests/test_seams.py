@@ -223,3 +223,63 @@ async def test_two_ranks_failing_at_once_are_both_recorded() -> None:
         assert failed == [0, 1]
         other = 1 - info.value.rank
         assert any(f"rank {other}" in note for note in info.value.__notes__)
+
+
+# Ray's errors, mapped at the one boundary --------------------------------------------------------
+
+
+def _ray_exception_classes() -> list[type[BaseException]]:
+    import inspect
+
+    import ray.exceptions as rex
+
+    return [
+        cls
+        for cls in vars(rex).values()
+        if inspect.isclass(cls) and issubclass(cls, rex.RayError)
+    ]
+
+
+def test_every_ray_exception_class_is_mapped_on_purpose() -> None:
+    """As httpx tests that every httpcore error is mapped: a class Ray adds must be decided."""
+    from asyncexec._driver._boundary import RAY_ERROR_KINDS
+
+    missing = sorted(c.__name__ for c in _ray_exception_classes() if c not in RAY_ERROR_KINDS)
+    assert missing == [], f"Ray exception classes with no decided meaning: {missing}"
+    assert set(RAY_ERROR_KINDS.values()) <= {"raised", "died", "unreachable", "hung", "startup"}
+
+
+def _worker_on(node_id: str) -> Any:
+    from asyncexec._driver._workers import WorkerInfo
+    from asyncexec._protocol import WorkerContext, WorkerMetadata
+
+    meta = WorkerMetadata(node_id, "127.0.0.1", "host", 1234, {})
+    return WorkerInfo(None, meta, WorkerContext(1, 1, 0, 2, 2, node_id, "127.0.0.1", 1234))
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_a_lost_result_or_a_ray_system_error_restarts_and_is_no_user_error() -> None:
+    """ObjectLostError, OwnerDiedError and RaySystemError on a call to a live node's worker
+    were WorkerRaisedError, which the default policy does not restart."""
+    import ray.exceptions as rex
+
+    from asyncexec._driver._boundary import call_error
+
+    here = ray.get_runtime_context().get_node_id()
+    errors: list[BaseException] = [
+        rex.ObjectLostError("ab" * 14, "", ""),
+        rex.OwnerDiedError("ab" * 14, "", ""),
+        rex.RaySystemError("the raylet went away"),
+    ]
+    policy = asyncexec.RestartPolicy()
+    for exc in errors:
+        mapped = await call_error(exc, _worker_on(here), 2)
+        assert type(mapped) is asyncexec.WorkerUnreachableError, (exc, mapped)
+        assert (mapped.rank, mapped.attempt) == (1, 2)
+        assert policy.should_restart(mapped)
+    # On a node that has left the cluster, a lost result is the lost node.
+    gone = await call_error(rex.OwnerDiedError("ab" * 14, "", ""), _worker_on("ff" * 28), 1)
+    assert type(gone) is asyncexec.NodeLostError
+    # A runtime environment that cannot be set up is a start-up failure, restarted too.
+    setup = await call_error(rex.RuntimeEnvSetupError("pip failed"), _worker_on(here), 1)
+    assert isinstance(setup, asyncexec.StartupError) and policy.should_restart(setup)

@@ -120,6 +120,7 @@ def _all_errors() -> list[BaseException]:
         asyncexec.WorkerCrashedError(2, node_id="abc", pid=7, attempt=3, detail="SIGKILL"),
         asyncexec.NodeLostError(1, node_id="n", attempt=2),
         asyncexec.WorkerHungError(0, detail="no answer"),
+        asyncexec.WorkerUnreachableError(3, node_id="n", detail="ObjectLostError"),
         asyncexec.WorkerRaisedError(1, node_id="n", error=cause, remote_traceback="tb"),
         asyncexec.ReportMismatchError({0: 3, 1: 2}, [1]),
         asyncexec.RestartsExhaustedError(
@@ -232,3 +233,22 @@ def test_public_exports_are_sorted_complete_and_public() -> None:
         obj = getattr(asyncexec, name)
         assert getattr(obj, "__module__", "asyncexec") == "asyncexec", name
     assert set(_errors.__all__) <= set(names)
+
+
+def test_the_default_restart_policy_warns_nothing() -> None:
+    """A suite run with warnings as errors must not fail on asyncexec's defaults (tenacity 9.1
+    deprecated ``wait_exponential_jitter(initial=...)``)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy = asyncexec.RestartPolicy()
+        waits = [policy.wait(_retry_state(n)) for n in (1, 2, 3, 10)]
+    assert 0.5 <= waits[0] <= 1.0 and 1.0 <= waits[1] <= 1.5 and 2.0 <= waits[2] <= 2.5
+    assert 30.0 <= waits[3] <= 30.5  # capped at 30 s, plus the jitter
+
+
+def _retry_state(attempt: int) -> tenacity.RetryCallState:
+    state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+    state.attempt_number = attempt
+    return state

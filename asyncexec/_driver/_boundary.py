@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any, TypeVar
 
-from ray.exceptions import RayActorError, RayError, RayTaskError
+import anyio
+import ray.exceptions as rex
 
 from .._errors import (
     AsyncExecError,
@@ -23,7 +24,9 @@ from .._errors import (
     StartupTimeoutError,
     WorkerCrashedError,
     WorkerError,
+    WorkerHungError,
     WorkerRaisedError,
+    WorkerUnreachableError,
     describe,
     first_line,
     short_node,
@@ -32,7 +35,15 @@ from .._protocol import Outcome
 from ._local import LocalWorkerGone
 from ._workers import WorkerInfo, node_alive
 
-__all__ = ["backend_error", "call_error", "outcome_error", "startup_error", "worker_error"]
+__all__ = [
+    "RAY_ERROR_KINDS",
+    "backend_error",
+    "call_error",
+    "outcome_error",
+    "ray_error_kind",
+    "startup_error",
+    "worker_error",
+]
 
 E = TypeVar("E", bound=WorkerError)
 #: The most of a death message kept as the error's detail.
@@ -94,22 +105,108 @@ def _raised(worker: WorkerInfo, attempt: int, cause: BaseException, tb: str) -> 
     )
 
 
-async def call_error(exc: BaseException, worker: WorkerInfo, attempt: int) -> AsyncExecError:
-    """Map the error of a call on ``worker`` to asyncexec's tree.
+#: What each of Ray's exception classes means for a call on a worker, decided class by class
+#: (a test checks that every class of ``ray.exceptions`` is here): the user's code raised
+#: (``raised``), the worker or its node is gone (``died``: a lost node or a crash, after a look
+#: at the node table), the call timed out (``hung``), the worker could not be started
+#: (``startup``), or Ray failed to carry the call (``unreachable``: after a look at the node
+#: table too, since a lost node is the common reason for a lost result). A class not listed
+#: takes the kind of its nearest listed base.
+RAY_ERROR_KINDS: dict[type[BaseException], str] = {
+    rex.RayError: "unreachable",
+    # The user's code raised on the worker.
+    rex.RayTaskError: "raised",
+    rex.UserCodeException: "raised",
+    rex.UnserializableException: "raised",
+    # The worker's process, or its node, is gone.
+    rex.RayActorError: "died",
+    rex.ActorDiedError: "died",
+    rex.ActorUnavailableError: "died",
+    rex.WorkerCrashedError: "died",
+    rex.OutOfMemoryError: "died",
+    rex.LocalRayletDiedError: "died",
+    rex.NodeDiedError: "died",
+    rex.ActorPlacementGroupRemoved: "died",
+    rex.TaskPlacementGroupRemoved: "died",
+    rex.AsyncioActorExit: "died",
+    # A result lost on its way (its owner or its node died, or it was freed).
+    rex.ObjectLostError: "unreachable",
+    rex.OwnerDiedError: "unreachable",
+    rex.ObjectFetchTimedOutError: "unreachable",
+    rex.ObjectFreedError: "unreachable",
+    rex.ObjectReconstructionFailedError: "unreachable",
+    rex.ReferenceCountingAssertionError: "unreachable",
+    rex.PlasmaObjectNotAvailable: "unreachable",
+    # Ray itself failed to carry the call.
+    rex.RaySystemError: "unreachable",
+    rex.RpcError: "unreachable",
+    rex.ObjectStoreFullError: "unreachable",
+    rex.OutOfDiskError: "unreachable",
+    rex.PendingCallsLimitExceeded: "unreachable",
+    rex.TaskCancelledError: "unreachable",
+    rex.AuthenticationError: "unreachable",
+    rex.CrossLanguageError: "unreachable",
+    rex.OufOfBandObjectRefSerializationException: "unreachable",
+    rex.ObjectRefStreamEndOfStreamError: "unreachable",
+    rex.ActorAlreadyExistsError: "unreachable",
+    rex.ActorHandleNotFoundError: "unreachable",
+    rex.RayChannelError: "unreachable",
+    rex.RayCgraphCapacityExceeded: "unreachable",
+    rex.RayDirectTransportError: "unreachable",
+    rex.StreamingGeneratorReplayInconsistentError: "unreachable",
+    # Timed out.
+    rex.GetTimeoutError: "hung",
+    rex.RayChannelTimeoutError: "hung",
+    # The worker could not be started.
+    rex.RuntimeEnvSetupError: "startup",
+    rex.ActorUnschedulableError: "startup",
+    rex.TaskUnschedulableError: "startup",
+}
 
-    A dead actor is a lost node when Ray's node table no longer holds the worker's node (Ray marks
-    a lost node's actors dead only after the node), else a crashed worker."""
-    if isinstance(exc, RayTaskError):
+
+def ray_error_kind(exc: BaseException) -> str | None:
+    """The kind of a Ray error (see :data:`RAY_ERROR_KINDS`), or None for any other exception.
+    Ray's ``as_instanceof_cause`` classes are subclasses of ``RayTaskError``, so they are
+    ``raised`` whatever their cause's class."""
+    for cls in type(exc).__mro__:
+        kind = RAY_ERROR_KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return None
+
+
+async def _gone(worker: WorkerInfo) -> bool:
+    """Whether the worker's node has left the cluster. Shielded: a failure seen just before its
+    attempt is cancelled (the other ranks' failures are collected for a moment, then the attempt
+    goes) is still mapped, so that ranks that fail together are all recorded."""
+    with anyio.CancelScope(shield=True):
+        alive = await node_alive(worker.metadata.node_id)
+    return not alive
+
+
+async def call_error(exc: BaseException, worker: WorkerInfo, attempt: int) -> AsyncExecError:
+    """Map the error of a call on ``worker`` to asyncexec's tree (see :data:`RAY_ERROR_KINDS`).
+
+    A dead actor or a lost result is a lost node when Ray's node table no longer holds the
+    worker's node (Ray marks a lost node's actors dead only after the node), else a crashed
+    worker or an unreachable one."""
+    kind = ray_error_kind(exc)
+    if kind == "raised":
         cause = _attribute(exc, "cause")
         cause = cause if isinstance(cause, BaseException) else exc
         return _raised(worker, attempt, cause, _remote_traceback(exc))
-    if isinstance(exc, RayActorError):
-        node = worker.metadata.node_id
-        if not await node_alive(node):
-            return worker_error(
-                NodeLostError, worker, attempt, f"node {short_node(node)} left the cluster"
-            )
-        return worker_error(WorkerCrashedError, worker, attempt, _death_detail(exc))
+    if kind in ("died", "unreachable"):
+        if isinstance(exc, rex.NodeDiedError) or await _gone(worker):
+            node = short_node(worker.metadata.node_id)
+            return worker_error(NodeLostError, worker, attempt, f"node {node} left the cluster")
+        cls = WorkerCrashedError if kind == "died" else WorkerUnreachableError
+        return worker_error(cls, worker, attempt, _death_detail(exc))
+    if kind == "hung":
+        return worker_error(WorkerHungError, worker, attempt, describe(exc))
+    if kind == "startup":
+        error = StartupError(f"rank {worker.rank} could not be started: {describe(exc)}")
+        error.__cause__ = exc
+        return error
     if isinstance(exc, LocalWorkerGone):
         return worker_error(WorkerCrashedError, worker, attempt, str(exc))
     if isinstance(exc, AsyncExecError):
@@ -129,7 +226,7 @@ def startup_error(exc: BaseException, phase: str, timeout_s: float) -> BaseExcep
     """What a failed start-up raises: asyncexec's errors as they are, a deadline as
     :class:`StartupTimeoutError`, anything else as :class:`StartupError` naming the phase and
     the worker's own error first (not Ray's coloured task header)."""
-    if isinstance(exc, TimeoutError) and not isinstance(exc, AsyncExecError | RayError):
+    if isinstance(exc, TimeoutError) and not isinstance(exc, AsyncExecError | rex.RayError):
         timeout = StartupTimeoutError(phase, timeout_s)
         timeout.__cause__ = exc
         return timeout
@@ -137,7 +234,7 @@ def startup_error(exc: BaseException, phase: str, timeout_s: float) -> BaseExcep
         error = StartupError(f"start-up failed while {phase}: {describe(exc.error)}")
         error.__cause__ = exc.error
         return error
-    cause = _attribute(exc, "cause") if isinstance(exc, RayTaskError) else None
+    cause = _attribute(exc, "cause") if isinstance(exc, rex.RayTaskError) else None
     if isinstance(cause, BaseException):
         error = StartupError(f"start-up failed while {phase}: {describe(cause)}")
         error.__cause__ = cause

@@ -28,14 +28,24 @@ from .._errors import (
     WorkerCrashedError,
     WorkerHungError,
     WorkerRaisedError,
+    WorkerUnreachableError,
 )
 
 __all__ = ["RestartPolicy", "is_restartable"]
 
 
+_RESTARTABLE = (
+    WorkerCrashedError,
+    NodeLostError,
+    WorkerHungError,
+    WorkerUnreachableError,
+    StartupError,
+)
+
+
 def is_restartable(exc: BaseException) -> bool:
-    """The default predicate: a crashed worker, a lost node, a hung worker, a failed start-up."""
-    return isinstance(exc, WorkerCrashedError | NodeLostError | WorkerHungError | StartupError)
+    """The default predicate: a crashed, lost, hung or unreachable worker, a failed start-up."""
+    return isinstance(exc, _RESTARTABLE)
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,10 @@ class RestartPolicy:
     restart_on_user_error: bool = False
     retry_if: Callable[[BaseException], bool] | None = None
     wait: wait_base | Callable[[RetryCallState], float] = field(
-        default_factory=lambda: tenacity.wait_exponential_jitter(initial=0.5, max=30, jitter=0.5)
+        # wait_exponential_jitter(initial=...) warns on tenacity 9.1+, and its replacement
+        # (multiplier=) does not exist on 9.0: the same wait, composed.
+        default_factory=lambda: tenacity.wait_exponential(multiplier=0.5, max=30)
+        + tenacity.wait_random(0, 0.5)
     )
     stop: stop_base | Callable[[RetryCallState], bool] | None = None
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep
