@@ -283,3 +283,47 @@ async def test_a_lost_result_or_a_ray_system_error_restarts_and_is_no_user_error
     # A runtime environment that cannot be set up is a start-up failure, restarted too.
     setup = await call_error(rex.RuntimeEnvSetupError("pip failed"), _worker_on(here), 1)
     assert isinstance(setup, asyncexec.StartupError) and policy.should_restart(setup)
+
+
+def _report_until_stopped() -> None:
+    while True:
+        asyncexec.report({"rank": asyncexec.get_context().world_rank})
+        time.sleep(0.01)
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_a_second_rank_dying_while_the_first_is_mapped_is_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node look-up that maps a death (up to 5 s against a slow GCS) was shielded in one
+    caller only: a rank that died while another's death was being mapped lost its error when
+    the settle window cancelled the attempt. The look-up is slowed here to 0.5 s (our own
+    function, wrapped) so that the second death lands inside it."""
+    import os
+    import signal
+
+    from asyncexec._driver import _boundary
+
+    real = _boundary.node_alive
+
+    async def slow_node_alive(node_id: str | None) -> bool:
+        await anyio.sleep(0.5)
+        return await real(node_id)
+
+    monkeypatch.setattr(_boundary, "node_alive", slow_node_alive)
+    policy = asyncexec.RestartPolicy.never()
+    async with asyncexec.Executor(2, resources_per_worker=CPU, restart=policy) as ex:
+        pids = [w.pid for w in ex.workers]
+        with pytest.raises(asyncexec.RestartsExhaustedError) as info:
+            with anyio.fail_after(60):
+                async for step in ex.run(_report_until_stopped):
+                    if step.index == 3:
+                        os.kill(pids[0], signal.SIGKILL)
+                        # The fault's timing, not a synchronisation: the second death comes
+                        # while the first one's look-up is still going on.
+                        await anyio.sleep(0.15)
+                        os.kill(pids[1], signal.SIGKILL)
+        [failure] = info.value.failures
+        assert isinstance(failure, asyncexec.WorkerCrashedError) and failure.rank == 0
+        notes = "\n".join(getattr(failure, "__notes__", []))
+        assert "rank 1" in notes, notes
