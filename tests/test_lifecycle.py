@@ -184,6 +184,47 @@ async def test_a_placement_that_can_never_fit_fails_at_once_without_an_autoscale
     assert ex.state is asyncexec.ExecutorState.CLOSED
 
 
+@pytest.mark.ray_only
+async def test_a_resource_that_no_node_has_is_named() -> None:
+    ex = asyncexec.Executor(1, resources_per_worker={"CPU": 0.5, "TPUX": 1})
+    with pytest.raises(asyncexec.PlacementInfeasibleError) as info:
+        async with ex:
+            pass
+    assert "no node has a resource named 'TPUX'" in info.value.reason
+    assert "'CPU'" not in info.value.reason.split("(")[0]  # the name missing, alone
+    assert "TPUX" in str(info.value)
+
+
+@pytest.mark.ray_only
+async def test_a_feasibility_check_that_raised_is_logged_and_the_deadline_applies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When Ray cannot say whether an autoscaler may add nodes, the placement waits for its
+    deadline: the log says why (it was silent)."""
+    import ray._private.state as ray_state
+
+    def unavailable() -> Any:
+        raise RuntimeError("GCS unavailable")
+
+    monkeypatch.setattr(ray_state.state, "get_cluster_config", unavailable)
+    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 3}, placement_timeout_s=1)
+    with capture_logs() as logs, pytest.raises(asyncexec.PlacementTimeoutError):
+        async with ex:
+            pass
+    [event] = [e for e in logs if e["event"] == "placement_check_failed"]
+    assert "GCS unavailable" in event["error"]
+
+
+@pytest.mark.ray_only
+async def test_a_kill_that_fails_is_logged() -> None:
+    from asyncexec._driver._group import kill_all
+
+    with capture_logs() as logs:
+        await kill_all([object()], None)  # type: ignore[list-item]
+    [event] = [e for e in logs if e["event"] == "kill_failed"]
+    assert "ValueError" in event["error"]
+
+
 def uneven(config: Any = None) -> None:
     rank = asyncexec.get_context().world_rank
     for i in range(3 if rank == 0 else 2):

@@ -25,6 +25,7 @@ from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import backend_error, call_error, outcome_error
 from ._local import LocalWorker, is_local
+from ._logging import get_logger
 from ._placement import Placement
 from ._workers import Standby, WorkerInfo
 
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: Where the failures of teardown calls are logged (they never raise: teardown goes on).
+_log = get_logger(component="cluster")
 
 
 def actor_options(config: ExecutorConfig) -> dict[str, Any]:
@@ -576,10 +579,15 @@ async def kill_all(
             if is_local(actor):
                 actor.kill()
                 continue
-            with contextlib.suppress(Exception):  # already gone
+            try:  # a dead actor is killed without complaint: an error here is news
                 ray.kill(actor, no_restart=True)
+            except Exception as exc:
+                _log.warning("kill_failed", actor=repr(actor), error=describe(exc))
         if placement is not None:
-            placement.remove()
+            try:
+                placement.remove()
+            except Exception as exc:
+                _log.warning("placement_remove_failed", error=describe(exc))
 
     with anyio.CancelScope(shield=True):
         await anyio.to_thread.run_sync(kill)

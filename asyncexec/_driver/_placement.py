@@ -23,10 +23,11 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .._errors import PlacementInfeasibleError, PlacementTimeoutError
+from .._errors import PlacementInfeasibleError, PlacementTimeoutError, describe
 
 __all__ = [
     "Placement",
+    "check_feasible",
     "create_placement",
     "current_parent",
     "infeasible_reason",
@@ -98,6 +99,12 @@ def infeasible_reason(
     Pure."""
     if not nodes:
         return "the cluster has no live node"
+    have = {k for n in nodes for k, v in n.items() if v > 0}
+    unknown = sorted({k for b in bundles for k, v in b.items() if v > 0} - have)
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        known = ", ".join(sorted(k for k in have if not k.startswith("node:")))
+        return f"no node has a resource named {names} (the nodes have {known})"
     ordered = sorted(bundles, key=lambda b: -sum(b.values()))
     if strategy == "STRICT_PACK":
         total: dict[str, float] = {}
@@ -122,11 +129,9 @@ def infeasible_reason(
 
 
 def _cluster_can_grow() -> bool:
-    """Whether an autoscaler may add nodes (it publishes a cluster config with node types)."""
-    try:
-        config = ray._private.state.state.get_cluster_config()
-    except Exception:
-        return True  # cannot tell: keep waiting for the placement deadline
+    """Whether an autoscaler may add nodes (it publishes a cluster config with node types).
+    Blocking (a GCS call); raises when Ray cannot tell."""
+    config = ray._private.state.state.get_cluster_config()
     return config is not None and bool(getattr(config, "node_group_configs", None))
 
 
@@ -134,8 +139,31 @@ def _node_totals() -> list[dict[str, float]]:
     return [{k: float(v) for k, v in n["Resources"].items()} for n in ray.nodes() if n.get("Alive")]
 
 
+def check_feasible(bundles: list[dict[str, float]], strategy: str, log: Any) -> None:
+    """Refuse at once bundles that no node of the cluster can ever hold while no autoscaler
+    can add one. When Ray cannot tell (a GCS call raised), say so in the log: the placement
+    deadline then decides. Blocking (GCS calls): call it in a thread.
+
+    Raises:
+        PlacementInfeasibleError: naming why.
+    """
+    try:
+        nodes = _node_totals()
+        reason = infeasible_reason(bundles, strategy, nodes)
+        if reason is None or _cluster_can_grow():
+            return
+    except Exception as exc:
+        log.warning(
+            "placement_check_failed",
+            error=describe(exc),
+            detail="whether the workers can ever fit is unknown: the placement deadline applies",
+        )
+        return
+    raise PlacementInfeasibleError(bundles, nodes, reason)
+
+
 def create_placement(
-    bundles: list[dict[str, float]], strategy: str, parent: PlacementGroup | None
+    bundles: list[dict[str, float]], strategy: str, parent: PlacementGroup | None, log: Any
 ) -> Placement:
     """Make the placement group and request its readiness. Blocking: call it in a thread.
 
@@ -145,10 +173,7 @@ def create_placement(
     """
     if parent is not None:
         return Placement(parent, bundles, owned=False)
-    nodes = _node_totals()
-    reason = infeasible_reason(bundles, strategy, nodes)
-    if reason is not None and not _cluster_can_grow():
-        raise PlacementInfeasibleError(bundles, nodes, reason)
+    check_feasible(bundles, strategy, log)
     group = placement_group(bundles, strategy=strategy, name="")
     return Placement(group, bundles, owned=True, ready=group.ready())
 

@@ -207,6 +207,7 @@ class WorkerPool:
                         self.config.bundles,
                         self.config.placement_strategy,
                         None,
+                        self.log,
                     )
                     self._placement = placement
             await wait_placement_ready(placement, self.config.placement_timeout_s)

@@ -123,7 +123,7 @@ class Reservation:
         bundles = [dict(self.resources) for _ in range(self.size)]
         with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
             placement = await anyio.to_thread.run_sync(
-                create_placement, bundles, self.strategy, None
+                create_placement, bundles, self.strategy, None, self.log
             )
             self._placement = placement
         try:

@@ -34,7 +34,7 @@ __all__ = ["start_group", "start_local_group", "worker_contexts"]
 
 
 def _request(
-    config: ExecutorConfig, parent: Any, reservation: Any
+    config: ExecutorConfig, parent: Any, reservation: Any, log: Any
 ) -> tuple[Placement, list[ActorHandle], list[Any]]:
     """Create the placement group and the actors, and ask each actor to describe itself. In a
     thread: the first actor of a class in a process exports the class to the cluster
@@ -44,7 +44,7 @@ def _request(
     if reservation is not None:
         placement = reservation.placement(config.bundles)
     else:
-        placement = create_placement(config.bundles, config.placement_strategy, parent)
+        placement = create_placement(config.bundles, config.placement_strategy, parent, log)
     options = actor_options(config)
     actors: list[ActorHandle] = []
     try:
@@ -136,7 +136,7 @@ async def start_group(
     parent = current_parent()  # Ray's task context is thread-local: read it here
     with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
         placement, actors, described = await anyio.to_thread.run_sync(
-            _request, config, parent, reservation
+            _request, config, parent, reservation, log
         )
     group: WorkerGroup | None = None
     phase = ["waiting for the placement group"]
