@@ -3,6 +3,7 @@ counts equal the run's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 import asyncexec
 from asyncexec._driver import _metrics
@@ -20,18 +22,26 @@ from asyncexec._driver import _metrics
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-def endpoint() -> Iterator[str]:
+@contextlib.contextmanager
+def serving_metrics(**options: Any) -> Iterator[str]:
+    """Metrics on with ``options`` (a registry of their own), served on a free loopback port;
+    yields the URL; off again afterwards, for the other tests of the process."""
     prom = pytest.importorskip("prometheus_client")
-    registry = prom.CollectorRegistry()
-    asyncexec.enable_metrics(registry)
-    server, thread = asyncexec.start_metrics_server(0, "127.0.0.1")
+    asyncexec.enable_metrics(prom.CollectorRegistry(), **options)
+    server, thread = asyncexec.start_metrics_server(0)
     try:
         yield f"http://127.0.0.1:{server.server_port}/metrics"
     finally:
         server.shutdown()
         thread.join(5)
-        _metrics._metrics = None  # off again for the other tests of the process
+        _metrics._metrics = None
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """Every scrape asks the workers for their counts (the tests scrape rarely)."""
+    with serving_metrics(backlog_refresh_s=0) as url:
+        yield url
 
 
 def count_to(config: dict[str, Any]) -> None:
@@ -50,6 +60,15 @@ def _value(text: str, name: str, default: float | None = None, **labels: str) ->
     if default is not None:  # a labelled series appears once it has been counted
         return default
     raise AssertionError(f"{name} {labels} not in the scrape")
+
+
+def _series(text: str, name: str) -> list[dict[str, str]]:
+    """The label sets of ``name``'s series in a scrape."""
+    return [
+        dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+        for line in text.splitlines()
+        if line.startswith(name + "{")
+    ]
 
 
 async def test_scraped_counts_equal_the_runs_after_a_restart(endpoint: str, tmp_path: Any) -> None:
@@ -73,7 +92,7 @@ async def test_scraped_counts_equal_the_runs_after_a_restart(endpoint: str, tmp_
     assert _value(text, "asyncexec_reports_total", **ex) == 2 * result.steps
     assert _value(text, "asyncexec_startup_seconds_count", phase="ready", **ex) == 2
     assert _value(text, "asyncexec_restart_seconds_count", **ex) == 1
-    assert _value(text, "asyncexec_backlog_reports", **ex) == 0
+    assert ex not in _series(text, "asyncexec_backlog_reports")  # no active run of the name
 
 
 def report_forever() -> None:
@@ -128,7 +147,7 @@ async def test_backlog_counts_reports_waiting_in_the_workers_buffers(
         for run in runs:
             await run.aclose()
         text = await _scrape(client, endpoint)
-    assert _value(text, "asyncexec_backlog_reports", executor="backlogged") == 0
+    assert {"executor": "backlogged"} not in _series(text, "asyncexec_backlog_reports")
     assert _value(text, "asyncexec_runs_total", outcome="cancelled", executor="backlogged") == 2
 
 
@@ -148,3 +167,125 @@ async def test_failed_runs_and_start_up_phases_are_counted(endpoint: str) -> Non
     placement = _value(text, "asyncexec_startup_seconds_sum", phase="placement", **ex)
     ready = _value(text, "asyncexec_startup_seconds_sum", phase="ready", **ex)
     assert 0 < placement <= ready  # phases are cumulative, from the start of start-up
+
+
+# Bounded labels and scrapes -------------------------------------------------------------------
+
+
+async def test_backlog_series_of_a_name_goes_when_its_last_active_run_ends(endpoint: str) -> None:
+    """Defect: the backlog gauge kept a series, and the metrics an entry, for every executor
+    name ever seen (a service naming each run's executor grew them without bound)."""
+    enabled = _metrics.metrics()
+    assert enabled is not None
+    short, kept = {"executor": "short"}, {"executor": "kept"}
+    async with (
+        asyncexec.Executor(1, name="short", local=True) as first,
+        asyncexec.Executor(1, name="short", local=True) as second,
+        asyncexec.Executor(1, name="kept", local=True) as third,
+        httpx.AsyncClient() as client,
+    ):
+        runs = [e.run(report_forever, buffer_size=2) for e in (first, second, third)]
+        for run in runs:
+            await run.__anext__()
+        text = await _scrape(client, endpoint)
+        assert short in _series(text, "asyncexec_backlog_reports")
+        assert kept in _series(text, "asyncexec_backlog_reports")
+
+        await runs[0].aclose()  # another run of the name is still active: its series stays
+        assert short in _series(await _scrape(client, endpoint), "asyncexec_backlog_reports")
+
+        await runs[1].aclose()
+        text = await _scrape(client, endpoint)
+        assert short not in _series(text, "asyncexec_backlog_reports")
+        assert kept in _series(text, "asyncexec_backlog_reports")
+        assert set(enabled._watched) == {"kept"}
+        await runs[2].aclose()
+        text = await _scrape(client, endpoint)
+    assert _series(text, "asyncexec_backlog_reports") == []
+    assert enabled._watched == {}
+    # The counters stay: they are cumulative.
+    assert _value(text, "asyncexec_runs_total", outcome="cancelled", **short) == 2
+
+
+async def test_names_past_the_cap_are_counted_under_one_overflow_label() -> None:
+    """``max_executors`` names get a label each; every later name is counted under
+    ``_overflow``, with one warning, in every collector."""
+    names = ["n0", "n1", "n2", "n3", "n4"]
+    with serving_metrics(max_executors=2) as url, capture_logs() as logs:
+        for name in names:
+            async with asyncexec.Executor(1, name=name, local=True) as executor:
+                async for _ in executor.run(count_to, {"steps": 2}):
+                    pass
+        async with httpx.AsyncClient() as client:
+            text = await _scrape(client, url)
+    seen = {
+        labels["executor"]
+        for line in text.splitlines()
+        if line.startswith("asyncexec_")
+        for labels in [dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))]
+        if "executor" in labels
+    }
+    assert seen == {"n0", "n1", _metrics.OVERFLOW}
+    overflow = {"executor": _metrics.OVERFLOW}
+    assert _value(text, "asyncexec_runs_total", outcome="started", **overflow) == 3
+    assert _value(text, "asyncexec_runs_total", outcome="finished", **overflow) == 3
+    assert _value(text, "asyncexec_steps_total", **overflow) == 6
+    assert _value(text, "asyncexec_steps_total", executor="n1") == 2
+    assert _value(text, "asyncexec_startup_seconds_count", phase="ready", **overflow) == 3
+    capped = [e for e in logs if e["event"] == "metrics_labels_capped"]
+    assert len(capped) == 1, logs
+    assert (capped[0]["label"], capped[0]["limit"], capped[0]["value"]) == ("executor", 2, "n2")
+
+
+def test_overflowing_labels_are_bounded_whatever_the_values() -> None:
+    labels = _metrics.BoundedLabels("cause", 3)
+    assert [labels(str(i % 5)) for i in range(10)] == [
+        *["0", "1", "2", _metrics.OVERFLOW, _metrics.OVERFLOW],
+        *["0", "1", "2", _metrics.OVERFLOW, _metrics.OVERFLOW],
+    ]
+    assert len({labels(f"x{i}") for i in range(1000)}) == 1
+
+
+def test_metrics_server_listens_on_loopback_unless_told_otherwise() -> None:
+    """Defect: it listened on every interface by default, with no authentication."""
+    prom = pytest.importorskip("prometheus_client")
+    asyncexec.enable_metrics(prom.CollectorRegistry())
+    servers = []
+    try:
+        servers.append(asyncexec.start_metrics_server(0))
+        servers.append(asyncexec.start_metrics_server(0, addr="0.0.0.0"))
+        assert [server.server_address[0] for server, _ in servers] == ["127.0.0.1", "0.0.0.0"]
+    finally:
+        for server, thread in servers:
+            server.shutdown()
+            thread.join(5)
+        _metrics._metrics = None
+
+
+async def test_scrapes_in_quick_succession_ask_the_workers_once() -> None:
+    """Defect: every scrape sent one Ray call to every live worker. The workers' counts are
+    asked at most once per ``backlog_refresh_s``; a scrape in between uses the last counts."""
+    with serving_metrics(backlog_refresh_s=600) as url:
+        enabled = _metrics.metrics()
+        assert enabled is not None
+        async with (
+            asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, name="polled") as executor,
+            httpx.AsyncClient() as client,
+        ):
+            run = executor.run(report_forever, buffer_size=4)
+            await run.__anext__()
+            [meter] = enabled._watched["polled"]
+            asks = 0
+            count = meter._count_buffered
+
+            async def counted() -> int:
+                nonlocal asks
+                asks += 1
+                return await count()
+
+            meter._count_buffered = counted
+            for _ in range(2):
+                text = await _scrape(client, url)
+                assert {"executor": "polled"} in _series(text, "asyncexec_backlog_reports")
+            await run.aclose()
+    assert asks == 1

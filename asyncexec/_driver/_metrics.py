@@ -11,12 +11,19 @@ Off by default: :func:`enable_metrics` turns them on (for every executor of the 
 :func:`start_metrics_server` serves them over HTTP. The hot path pays one counter increment per
 batch of steps handed to the iterator, not per step.
 
+Bounded labels: whatever names the application gives its executors, the first
+``max_executors`` distinct names get a label value each and every later one is counted under
+:data:`OVERFLOW` (one warning, ``metrics_labels_capped``, says so); failure classes are capped
+the same way at :data:`MAX_CAUSES`. A name keeps its label once it has one (its counters are
+cumulative), but the backlog gauge has a series only while a run of the name is active.
+
 The backlog is computed when scraped: the reports the driver holds for the consumer, plus those
 still waiting in the workers' buffers for a poll (under backpressure most of them wait there:
 the driver polls a rank only once three quarters of its window is free). A scrape asks each
-live worker of each active run for its count, on the run's event loop, and waits for at most
-``SCRAPE_WAIT_S``; a scrape made on that loop itself (an in-process ASGI metrics route) cannot
-wait for it and uses the counts of the last scrape.
+live worker of each active run for its count, on the run's event loop, at most once per
+``backlog_refresh_s`` a run, and waits for at most ``SCRAPE_WAIT_S``; a scrape in between, or
+one made on that loop itself (an in-process ASGI metrics route, which cannot wait for it), uses
+the last counts.
 """
 
 from __future__ import annotations
@@ -30,62 +37,166 @@ from typing import Any
 
 import anyio
 
-__all__ = ["Metrics", "RunMeter", "enable_metrics", "metrics", "start_metrics_server"]
+from ._logging import get_logger
+
+__all__ = [
+    "OVERFLOW",
+    "BoundedLabels",
+    "Metrics",
+    "RunMeter",
+    "enable_metrics",
+    "metrics",
+    "start_metrics_server",
+]
 
 _metrics: Metrics | None = None
 #: The longest a scrape waits for the workers' counts of the reports they hold.
 SCRAPE_WAIT_S = 1.0
+#: How many executor names get a label value of their own, unless ``enable_metrics`` says.
+MAX_EXECUTORS = 100
+#: How many failure classes get a ``cause`` label value of their own.
+MAX_CAUSES = 32
+#: How often a scrape may ask a run's workers for their counts, unless ``enable_metrics`` says.
+BACKLOG_REFRESH_S = 5.0
+#: The label value that stands for every name past a cap.
+OVERFLOW = "_overflow"
+
+_log = get_logger()
+
+
+class BoundedLabels:
+    """The values one label may take: the first ``limit`` distinct values as they are, every
+    later one as :data:`OVERFLOW`, with one warning the first time. Thread-safe."""
+
+    def __init__(self, label: str, limit: int) -> None:
+        self.label = label
+        self.limit = limit
+        self._known: set[str] = set()
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        with self._lock:
+            if value in self._known:
+                return value
+            if len(self._known) < self.limit:
+                self._known.add(value)
+                return value
+            warn, self._warned = not self._warned, True
+        if warn:
+            _log.warning(
+                "metrics_labels_capped",
+                label=self.label,
+                limit=self.limit,
+                value=value,
+                overflow=OVERFLOW,
+            )
+        return OVERFLOW
+
+
+class _Bounded:
+    """A ``prometheus_client`` collector whose leading label values pass through bounds (the
+    executor's name, and for restarts the failure's class); the rest as given."""
+
+    def __init__(self, collector: Any, *bounds: BoundedLabels) -> None:
+        self.collector = collector
+        self._bounds = bounds
+
+    def labels(self, *values: str) -> Any:
+        bounded = [bound(value) for bound, value in zip(self._bounds, values, strict=False)]
+        return self.collector.labels(*bounded, *values[len(bounded) :])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.collector, name)
 
 
 class Metrics:
-    """The collectors, in one registry (``prometheus_client.REGISTRY`` by default)."""
+    """The collectors, in one registry (``prometheus_client.REGISTRY`` by default), with their
+    label values bounded (see the module's docstring)."""
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(
+        self,
+        registry: Any = None,
+        *,
+        max_executors: int = MAX_EXECUTORS,
+        backlog_refresh_s: float = BACKLOG_REFRESH_S,
+    ) -> None:
         try:
             import prometheus_client as prom
         except ImportError as exc:
             raise ImportError(
                 "asyncexec's metrics need prometheus_client: pip install 'asyncexec[metrics]'"
             ) from exc
+        if isinstance(max_executors, bool) or not isinstance(max_executors, int):
+            raise TypeError(f"max_executors must be an int, got {max_executors!r}")
+        if max_executors < 1:
+            raise ValueError(f"max_executors must be at least 1, got {max_executors}")
+        if not backlog_refresh_s >= 0:  # also refuses NaN
+            raise ValueError(f"backlog_refresh_s must be 0 or more, got {backlog_refresh_s!r}")
         if registry is None:
             registry = prom.REGISTRY
         self.registry = registry
+        self.backlog_refresh_s = float(backlog_refresh_s)
+        #: The executor label's values (the ``max_executors`` first names, then OVERFLOW).
+        self.executors = BoundedLabels("executor", max_executors)
+        self.causes = BoundedLabels("cause", MAX_CAUSES)
+        by_name = self.executors
         ex = ["executor"]
-        self.runs = prom.Counter(
-            "asyncexec_runs",
-            "Runs by how they ended (started counts every run).",
-            [*ex, "outcome"],
-            registry=registry,
+        self.runs = _Bounded(
+            prom.Counter(
+                "asyncexec_runs",
+                "Runs by how they ended (started counts every run).",
+                [*ex, "outcome"],
+                registry=registry,
+            ),
+            by_name,
         )
-        self.restarts = prom.Counter(
-            "asyncexec_restarts",
-            "Restarts (of the group, or of one independent rank) by the failure's class.",
-            [*ex, "cause"],
-            registry=registry,
+        self.restarts = _Bounded(
+            prom.Counter(
+                "asyncexec_restarts",
+                "Restarts (of the group, or of one independent rank) by the failure's class.",
+                [*ex, "cause"],
+                registry=registry,
+            ),
+            by_name,
+            self.causes,
         )
-        self.steps = prom.Counter(
-            "asyncexec_steps", "Steps handed to runs' iterators.", ex, registry=registry
+        self.steps = _Bounded(
+            prom.Counter(
+                "asyncexec_steps", "Steps handed to runs' iterators.", ex, registry=registry
+            ),
+            by_name,
         )
-        self.reports = prom.Counter(
-            "asyncexec_reports",
-            "Reports handed to runs' iterators (a step of N ranks is N reports).",
-            ex,
-            registry=registry,
+        self.reports = _Bounded(
+            prom.Counter(
+                "asyncexec_reports",
+                "Reports handed to runs' iterators (a step of N ranks is N reports).",
+                ex,
+                registry=registry,
+            ),
+            by_name,
         )
-        self.startup = prom.Histogram(
-            "asyncexec_startup_seconds",
-            "Start-up of a worker group, to the end of each phase.",
-            [*ex, "phase"],
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
-            registry=registry,
+        self.startup = _Bounded(
+            prom.Histogram(
+                "asyncexec_startup_seconds",
+                "Start-up of a worker group, to the end of each phase.",
+                [*ex, "phase"],
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+                registry=registry,
+            ),
+            by_name,
         )
-        self.restart_time = prom.Histogram(
-            "asyncexec_restart_seconds",
-            "From a failure to the first step after the restart.",
-            ex,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
-            registry=registry,
+        self.restart_time = _Bounded(
+            prom.Histogram(
+                "asyncexec_restart_seconds",
+                "From a failure to the first step after the restart.",
+                ex,
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+                registry=registry,
+            ),
+            by_name,
         )
+        # Its series are made and removed here, by label value (already bounded).
         self.backlog = prom.Gauge(
             "asyncexec_backlog_reports",
             "Reports made by the workers that the consumer has not taken: held by the driver, "
@@ -93,33 +204,50 @@ class Metrics:
             ex,
             registry=registry,
         )
+        #: The active runs of each executor label value; an entry goes with its last run.
         self._watched: dict[str, set[RunMeter]] = {}
         self._lock = threading.Lock()  # runs come and go on their loops while a scrape reads
 
     def watch(self, meter: RunMeter) -> None:
         """Count ``meter``'s run in its executor's backlog until :meth:`unwatch`."""
-        name = meter.executor
+        label = self.executors(meter.executor)
         with self._lock:
-            if name not in self._watched:
-                self._watched[name] = set()
-                self.backlog.labels(name).set_function(lambda: self._backlog_of(name))
-            self._watched[name].add(meter)
+            meter.label = label
+            if label not in self._watched:
+                self._watched[label] = set()
+                self.backlog.labels(label).set_function(lambda: self._backlog_of(label))
+            self._watched[label].add(meter)
 
     def unwatch(self, meter: RunMeter) -> None:
+        """Stop counting ``meter``'s run; the label's backlog series goes with its last run."""
         with self._lock:
-            self._watched.get(meter.executor, set()).discard(meter)
+            label, meter.label = meter.label, None
+            meters = self._watched.get(label) if label is not None else None
+            if label is None or meters is None:
+                return
+            meters.discard(meter)
+            if not meters:
+                del self._watched[label]
+                with contextlib.suppress(KeyError):
+                    self.backlog.remove(label)
 
-    def _backlog_of(self, executor: str) -> float:
-        """The backlog of ``executor``'s active runs (called by a scrape, in its thread)."""
+    def _backlog_of(self, label: str) -> float:
+        """The backlog of ``label``'s active runs (called by a scrape, in its thread). The
+        runs' workers are asked for their counts when the last ask is ``backlog_refresh_s``
+        old; the asks are marked here, so that concurrent scrapes make one."""
+        now, here = time.monotonic(), _running_loop()
         with self._lock:
-            meters = list(self._watched.get(executor, ()))
-        by_loop: dict[asyncio.AbstractEventLoop, list[RunMeter]] = {}
-        for meter in meters:
-            if meter.loop is not None:
-                by_loop.setdefault(meter.loop, []).append(meter)
+            meters = list(self._watched.get(label, ()))
+            by_loop: dict[asyncio.AbstractEventLoop, list[RunMeter]] = {}
+            for meter in meters:
+                loop = meter.loop
+                if loop is None or loop.is_closed() or loop is here:
+                    continue  # a scrape on that loop cannot wait for it: the last counts
+                if meter.asked is not None and now - meter.asked < self.backlog_refresh_s:
+                    continue  # asked recently: the last counts
+                meter.asked = now
+                by_loop.setdefault(loop, []).append(meter)
         for loop, part in by_loop.items():
-            if loop.is_closed() or _running_loop() is loop:
-                continue  # this scrape runs on that loop: it cannot wait for it
             # A coroutine handed to the run's loop from the scrape's thread (no task group
             # reaches across threads); it ends within SCRAPE_WAIT_S on its own.
             future = asyncio.run_coroutine_threadsafe(_refresh(part), loop)
@@ -143,22 +271,45 @@ async def _refresh(meters: list[RunMeter]) -> None:
             tg.start_soon(meter.refresh)
 
 
-def enable_metrics(registry: Any = None) -> Metrics:
-    """Turn asyncexec's Prometheus metrics on for this process (idempotent: the first call's
-    registry is kept) and return them.
+def enable_metrics(
+    registry: Any = None,
+    *,
+    max_executors: int = MAX_EXECUTORS,
+    backlog_refresh_s: float = BACKLOG_REFRESH_S,
+) -> Metrics:
+    """Turn asyncexec's Prometheus metrics on for this process and return them. Idempotent:
+    the first call's registry and settings are kept.
+
+    Args:
+        registry: the ``prometheus_client`` registry to add the collectors to (its default
+            ``REGISTRY`` when None).
+        max_executors: how many distinct executor names get a label value of their own; the
+            names that come later are counted under ``"_overflow"``, and a warning
+            (``metrics_labels_capped``) is logged once. Name executors by role, not by run.
+        backlog_refresh_s: a scrape asks a run's workers how many reports they hold at most
+            once per this many seconds (0: at every scrape); a scrape in between uses the
+            last counts.
 
     Raises:
         ImportError: prometheus_client is not installed (the ``metrics`` extra).
+        ValueError: ``max_executors`` is below 1, or ``backlog_refresh_s`` below 0.
     """
     global _metrics
     if _metrics is None:
-        _metrics = Metrics(registry)
+        _metrics = Metrics(
+            registry, max_executors=max_executors, backlog_refresh_s=backlog_refresh_s
+        )
     return _metrics
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> Any:
+def start_metrics_server(port: int, addr: str = "127.0.0.1") -> Any:
     """Turn the metrics on and serve them at ``http://addr:port/metrics`` (a thread of
-    prometheus_client's); returns what ``prometheus_client.start_http_server`` returns."""
+    prometheus_client's); returns what ``prometheus_client.start_http_server`` returns.
+
+    The endpoint has no authentication, so it listens on the loopback interface unless
+    ``addr`` says otherwise: ``addr="0.0.0.0"`` (or one interface's address) serves other
+    hosts, such as a Prometheus server elsewhere; firewall it.
+    """
     import prometheus_client as prom
 
     enabled = enable_metrics()
@@ -181,9 +332,13 @@ class RunMeter:
         run's workers for what waits in them."""
         self.executor = executor
         self.failed_at: float | None = None
-        #: The reports waiting in the run's workers, as counted at the latest scrape.
+        #: The reports waiting in the run's workers, as counted at the latest ask.
         self.buffered = 0
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: The executor label value while watched (set by :meth:`Metrics.watch`).
+        self.label: str | None = None
+        #: When a scrape last asked the workers for their counts (``time.monotonic()``).
+        self.asked: float | None = None
         self._held = held
         self._count_buffered = buffered
 
