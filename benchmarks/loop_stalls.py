@@ -1,0 +1,392 @@
+"""Event-loop stalls of a service's first asyncexec executors, against its later ones.
+
+    python benchmarks/loop_stalls.py                  # 3 fresh drivers x 6 rounds each
+    python benchmarks/loop_stalls.py --drivers 1 --rounds 10 --stacks
+
+Each driver is a fresh process that does what a service does: imports asyncexec at the top,
+starts Ray before its event loop (``ray.init``, pre-started workers off so that every round
+starts fresh worker processes alike) and then, in one event loop, serves rounds of requests:
+4 executors enter at once (``async with asyncexec.Executor(2, resources_per_worker={"CPU":
+0.25})``), each runs a short function (5 reports) and leaves. Nothing of asyncexec's driver side
+is touched before the first round: round 1 is a service's first request.
+
+Recording. A 1 ms heartbeat task notes every wake-up more than 10 ms late: a stall, from when it
+was due to when it woke. A watchdog thread wakes every 2 ms and, while the heartbeat is more
+than 5 ms overdue, samples the loop thread's stack (``sys._current_frames()``); it also notes
+the loop thread's CPU time, and ``gc.callbacks`` note every garbage collection. The watchdog
+needs the GIL to sample: code that holds it throughout is sampled right after, so a stall with
+no sample held the GIL (or was the operating system not running the driver: see its CPU).
+
+Causes, per stall, from its samples: ``import <module>`` when the loop was importing (the
+outermost module being imported), ``gc genN`` when a collection covers half of it, else the
+innermost asyncexec frame of the commonest sample (and the innermost frame when it differs);
+``loop CPU`` is how much of the stall the loop thread spent on the CPU (low: the driver was not
+running, other processes were). Each driver's 1 s idle baseline (heartbeat alone, before round
+1) shows the machine's own stalls.
+
+The parent prints each driver's stalls per round and then, over all drivers, the medians of the
+first round's worst stall and of the later rounds' worst stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from types import FrameType
+from typing import Any
+
+#: A heartbeat wake-up this late is a stall (s).
+STALL_S = 0.010
+#: The watchdog samples the loop's stack while the heartbeat is more overdue than this (s).
+WATCH_S = 0.005
+#: And wakes this often (s).
+PERIOD_S = 0.002
+EXECUTORS = 4
+WORKERS = 2
+RESOURCES = {"CPU": 0.25}
+REPORTS = 5
+
+Frame = tuple[str, int, str]  # (file, line, function)
+
+
+def five_reports() -> None:
+    """The short run of each executor."""
+    import asyncexec
+
+    for i in range(REPORTS):
+        asyncexec.report({"i": i})
+
+
+# Recording ----------------------------------------------------------------------------------------
+
+
+class Monitor:
+    """The heartbeat (a task of the loop), the watchdog (a thread) and the GC callback."""
+
+    def __init__(self) -> None:
+        self.due = math.inf
+        self.beats: list[tuple[float, float]] = []  # (due, woke) of wake-ups > STALL_S late
+        # (due, taken, the loop thread's stack, the other threads that were not idle)
+        self.samples: list[tuple[float, float, tuple[Frame, ...], list[str]]] = []
+        # (perf_counter, the loop thread's CPU s, the driver process's CPU s)
+        self.ticks: list[tuple[float, float, float]] = []
+        self.gcs: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self._gc_start = 0.0
+        self._stop = threading.Event()
+        self._loop_thread = threading.get_ident()
+        self._clock = time.pthread_getcpuclockid(self._loop_thread)
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+
+    async def beat(self) -> None:
+        while not self._stop.is_set():
+            self.due = time.perf_counter() + 0.001
+            await asyncio.sleep(0.001)
+            woke = time.perf_counter()
+            if woke - self.due > STALL_S:
+                self.beats.append((self.due, woke))
+
+    def _watch(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            time.sleep(PERIOD_S)
+            now = time.perf_counter()
+            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
+            due = self.due
+            if now - due <= WATCH_S:
+                continue
+            frames = sys._current_frames()
+            others = []
+            for ident, frame in frames.items():
+                stack = _stack(frame)
+                if ident not in (me, self._loop_thread) and stack and stack[-1][2] not in _IDLE:
+                    others.append(f"{_thread_name(ident)}: {_site(stack)}")
+            self.samples.append((due, now, _stack(frames.get(self._loop_thread)), others))
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gcs.append((self._gc_start, time.perf_counter(), int(info["generation"])))
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        self._watchdog.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._watchdog.join(5)
+        gc.callbacks.remove(self._on_gc)
+
+    def cpu(self, start: float, end: float) -> tuple[float, float]:
+        """The loop thread's and the driver process's CPU seconds from the tick before ``start``
+        to the tick after ``end``."""
+        before = [tick for tick in self.ticks if tick[0] <= start]
+        after = [tick for tick in self.ticks if tick[0] >= end]
+        if not before or not after:
+            return math.nan, math.nan
+        return after[0][1] - before[-1][1], after[0][2] - before[-1][2]
+
+
+#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
+_IDLE = {"wait", "_wait_for_tstate_lock", "select", "poll", "get", "sleep", "accept", "readinto"}
+_IDLE.add("listen_error_messages")  # Ray's thread, blocked in C++
+
+
+def _thread_name(ident: int) -> str:
+    for thread in threading.enumerate():
+        if thread.ident == ident:
+            return thread.name
+    return str(ident)
+
+
+def _stack(frame: FrameType | None) -> tuple[Frame, ...]:
+    frames: list[Frame] = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(reversed(frames))
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/lib/python3.11/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + len(marker) :]
+    for marker in ("/asyncexec/", "/benchmarks/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1 :]
+    return path
+
+
+def _trim(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """The frames below the event loop's machinery: from the callback or task step it runs, or
+    from ``_run_once`` when the loop is in its own code (waiting in ``select``)."""
+    cut = 0
+    for i, (path, _, name) in enumerate(stack):
+        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
+            cut = i + 1
+        elif name == "_run_once" and cut == 0:
+            cut = i
+    return stack[cut:]
+
+
+def _site(stack: tuple[Frame, ...]) -> str:
+    """What the loop was doing in one sample (see the module's causes)."""
+    stack = _trim(stack)
+    modules = [f for f in stack if f[2] == "<module>"]
+    if modules:
+        return f"import {_short(modules[0][0])}"
+    own = [f for f in stack if f"{os.sep}asyncexec{os.sep}" in f[0]]
+    leaf = stack[-1] if stack else ("?", 0, "?")
+    anchor = own[-1] if own else leaf
+    text = f"{_short(anchor[0])}:{anchor[1]} {anchor[2]}"
+    if leaf != anchor:
+        text += f" > {_short(leaf[0])}:{leaf[1]} {leaf[2]}"
+    return text
+
+
+@dataclass(frozen=True)
+class Stall:
+    round: int  # 0: the idle baseline
+    at_s: float  # from the round's start
+    ms: float
+    cause: str
+    loop_cpu_ms: float
+    process_cpu_ms: float
+    sites: list[tuple[str, int]]  # the loop thread's commonest sites, with their sample counts
+    others: list[tuple[str, int]]  # the other threads' that were running meanwhile
+
+
+def stalls_of(monitor: Monitor, rounds: list[tuple[int, float, float]]) -> list[Stall]:
+    """Each stall, its round and its cause: a garbage collection that covers half of it; else
+    the loop's code when the loop thread ran half of it; else the driver's other threads when
+    they did; else the operating system running other processes."""
+    out = []
+    for due, woke in monitor.beats:
+        wall = woke - due
+        number, t0 = next(((n, a) for n, a, b in rounds if a <= woke <= b), (-1, due))
+        sites = Counter(_site(x[2]) for x in monitor.samples if x[0] == due)
+        others = Counter(o for x in monitor.samples if x[0] == due for o in x[3])
+        gc_s = sum(min(e, woke) - max(s, due) for s, e, _ in monitor.gcs if s < woke and e > due)
+        gens = [g for s, e, g in monitor.gcs if s < woke and e > due]
+        loop_cpu, process_cpu = monitor.cpu(due, woke)
+        if gc_s >= wall / 2:
+            cause = f"gc gen{max(gens)} ({gc_s * 1e3:.0f} ms)"
+        elif loop_cpu >= wall / 2:
+            cause = sites.most_common(1)[0][0] if sites else "the loop's code (no sample)"
+        elif process_cpu - loop_cpu >= wall / 2:
+            top = others.most_common(1)[0][0] if others else "no sample"
+            cause = f"other driver threads ({top})"
+        else:
+            cause = "driver not running (other processes had the CPUs)"
+        out.append(
+            Stall(
+                number,
+                due - t0,
+                wall * 1e3,
+                cause,
+                loop_cpu * 1e3,
+                process_cpu * 1e3,
+                sites.most_common(3),
+                others.most_common(3),
+            )
+        )
+    return out
+
+
+# One driver -------------------------------------------------------------------------------------
+
+
+async def _one(executor: Any) -> None:
+    async with executor as ex:
+        async for _ in ex.run(five_reports):
+            pass
+
+
+async def serve(rounds: int) -> list[Stall]:
+    import asyncexec
+
+    monitor = Monitor()
+    monitor.start()
+    beat = asyncio.create_task(monitor.beat())
+    marks: list[tuple[int, float, float]] = []
+    try:
+        t0 = time.perf_counter()
+        await asyncio.sleep(1.0)
+        marks.append((0, t0, time.perf_counter()))
+        for number in range(1, rounds + 1):
+            t0 = time.perf_counter()
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(EXECUTORS):
+                    # The first touch of asyncexec.Executor: in round 1, on the loop.
+                    ex = asyncexec.Executor(WORKERS, resources_per_worker=RESOURCES)
+                    tg.create_task(_one(ex))
+            await asyncio.sleep(0.05)  # a stall at the round's very end is still noted
+            marks.append((number, t0, time.perf_counter()))
+    finally:
+        monitor.stop()
+        await beat
+    return stalls_of(monitor, marks)
+
+
+def driver(rounds: int) -> None:
+    """One fresh driver (a child process): prints its stalls as one JSON line."""
+    import ray
+
+    import asyncexec
+
+    before = set(sys.modules)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
+    )
+    imported_by_init = any(m.startswith("asyncexec._driver") for m in set(sys.modules) - before)
+    preloaded = "asyncexec._driver._executor" in sys.modules
+    try:
+        found = asyncio.run(serve(rounds))
+    finally:
+        ray.shutdown()
+    print(
+        json.dumps(
+            {
+                "version": asyncexec.__version__,
+                "driver_preloaded": preloaded or imported_by_init,
+                "stalls": [asdict(s) for s in found],
+            }
+        )
+    )
+
+
+# The parent: fresh drivers, one after the other ---------------------------------------------------
+
+
+def _worst(stalls: list[dict[str, Any]], number: int) -> float:
+    return max((s["ms"] for s in stalls if s["round"] == number), default=0.0)
+
+
+def report(results: list[dict[str, Any]], rounds: int, show_sites: bool) -> None:
+    for d, result in enumerate(results, 1):
+        print(f"\ndriver {d} (driver side imported before the loop: {result['driver_preloaded']})")
+        for number in range(rounds + 1):
+            mine = sorted(
+                (s for s in result["stalls"] if s["round"] == number), key=lambda s: -s["ms"]
+            )
+            name = "idle 1 s" if number == 0 else f"round {number}"
+            print(
+                f"  {name}: {len(mine)} stall(s) > {STALL_S * 1e3:.0f} ms, "
+                f"worst {mine[0]['ms'] if mine else 0:.0f} ms, "
+                f"sum {sum(s['ms'] for s in mine):.0f} ms"
+            )
+            for s in mine[:5]:
+                print(
+                    f"    {s['ms']:6.1f} ms at +{s['at_s']:5.2f} s  CPU loop "
+                    f"{s['loop_cpu_ms']:5.1f} / driver {s['process_cpu_ms']:5.1f} ms  "
+                    f"{s['cause']}"
+                )
+                if show_sites:
+                    for site, n in s["sites"]:
+                        print(f"        {n:3d} x {site}")
+                    for site, n in s["others"]:
+                        print(f"        {n:3d} x meanwhile {site}")
+    firsts = [_worst(r["stalls"], 1) for r in results]
+    laters = [_worst(r["stalls"], n) for r in results for n in range(2, rounds + 1)]
+    idles = [_worst(r["stalls"], 0) for r in results]
+    print(
+        f"\nworst stall per round, median over {len(results)} driver(s): "
+        f"round 1 {statistics.median(firsts):.0f} ms (each: "
+        + ", ".join(f"{x:.0f}" for x in firsts)
+        + f"); rounds 2-{rounds} {statistics.median(laters):.0f} ms (max {max(laters):.0f}); "
+        f"idle baseline {statistics.median(idles):.0f} ms"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drivers", type=int, default=3, help="fresh driver processes")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per driver")
+    parser.add_argument("--stacks", action="store_true", help="each stall's commonest sites")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        driver(args.rounds)
+        return 0
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    results = []
+    for d in range(args.drivers):
+        print(f"driver {d + 1} of {args.drivers} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            print(done.stderr[-4000:], file=sys.stderr)
+            return 1
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    report(results, args.rounds, args.stacks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
