@@ -34,7 +34,16 @@ Warm workers: the lifespan also owns one :class:`asyncexec.WorkerPool` (``pool_s
 ``--pool-size``), entered before the runs' task group and closed after it. Each run's Executor
 leases its workers from the pool (milliseconds instead of a process start per request) and gives
 them back when it closes; a worker that failed or did not stop in time is replaced in the
-background. A ``pool_size`` of 0 or None starts fresh workers for every run instead.
+background. A ``pool_size`` of 0 or None starts fresh workers for every run instead. The
+defaults (2 runs at once of 2 workers of 0.5 CPU) fit a 2-core machine.
+
+Names: every run's Executor has the same name (``"service"``): an executor's name is a label of
+the metrics and of the workers' threads, so it names a role, never a run. A run's id is in the
+service's log lines and its record.
+
+Ray: ``cli()`` starts Ray (or joins ``--address``) in the main thread before the server starts
+its event loop. An app served some other way (``uvicorn --factory``) leaves it to the pool and
+the executors, which start it in asyncexec's own thread (see ``asyncexec._driver._ray``).
 """
 
 from __future__ import annotations
@@ -191,6 +200,8 @@ class RunManager:
         events_buffer: steps held between a run and its client's stream.
         keep_finished: finished runs remembered for ``GET /runs``.
         executor_options: more keyword arguments for every run's :class:`asyncexec.Executor`.
+        name: the name of the pool and of every run's Executor (one name for all runs: it is
+            a metrics label).
     """
 
     def __init__(
@@ -207,6 +218,7 @@ class RunManager:
         events_buffer: int = 16,
         keep_finished: int = 100,
         executor_options: Mapping[str, Any] | None = None,
+        name: str = "service",
     ) -> None:
         if pool_size and pool_size < num_workers:
             raise ValueError(f"pool_size {pool_size} is smaller than a run's {num_workers} workers")
@@ -219,6 +231,7 @@ class RunManager:
         self.events_buffer = events_buffer
         self.keep_finished = keep_finished
         self.executor_options = dict(executor_options or {})
+        self.name = name
         self.pool_size = pool_size or 0
         self.pool_options = dict(pool_options or {})
         #: The warm workers, while :meth:`running` (None without a pool).
@@ -242,7 +255,8 @@ class RunManager:
                         self.pool_size,
                         resources_per_worker=self.resources_per_worker,
                         runtime_env=self.executor_options.get("runtime_env"),
-                        name="service",
+                        address=self.executor_options.get("address"),
+                        name=self.name,
                         **self.pool_options,
                     )
                 )
@@ -305,7 +319,7 @@ class RunManager:
                     self.num_workers,
                     resources_per_worker=self.resources_per_worker,
                     pool=self.pool,
-                    name=f"run-{record.id}",
+                    name=self.name,
                     **self.executor_options,
                 ) as executor:
                     record.pids = [w.pid for w in executor.workers]
@@ -394,7 +408,7 @@ def create_app(
     cpus_per_worker: float = 0.5,
     pool_size: int | Literal["auto"] | None = "auto",
     pool_options: Mapping[str, Any] | None = None,
-    max_active_runs: int = 4,
+    max_active_runs: int = 2,
     buffer_size: int = 16,
     storage_path: str | None = None,
     address: str | None = None,
@@ -418,7 +432,9 @@ def create_app(
         max_active_runs: runs in progress at once; more are answered 429.
         buffer_size: reports a rank may have that its client has not taken.
         storage_path: where runs persist checkpoints.
-        address: the Ray cluster to join; a local Ray is started when none is running.
+        address: the Ray cluster to join when the program has not started Ray (the pool and
+            the executors then join it, or start a local Ray, in asyncexec's own thread; a
+            program should start Ray before its event loop, as :func:`cli` does).
         ping_s: keep-alive comments on idle event streams, every this many seconds.
         delete_timeout_s: how long ``DELETE`` waits for the run's workers to be gone.
         shutdown_grace_s: on server shutdown, how long open streams get to send their run's
@@ -430,6 +446,8 @@ def create_app(
         pool_size = num_workers * max_active_runs
     if storage_path is not None:
         options["storage_path"] = storage_path
+    if address is not None:
+        options["address"] = address
     manager = RunManager(
         fn,
         validate=validate,
@@ -444,10 +462,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if not ray.is_initialized():
-            # Off the event loop: ray.init blocks for seconds. Ready means ready: the service
-            # takes requests once Ray is up.
-            await anyio.to_thread.run_sync(lambda: ray.init(address=address))
+        # Ready means ready: the service takes requests once the pool's workers are up.
         async with manager.running():
             yield
 
@@ -542,13 +557,19 @@ def cli() -> None:
         help="warm workers that runs lease (default: workers x max-active-runs; 0: none, "
         "every run starts its own processes)",
     )
-    parser.add_argument("--max-active-runs", type=int, default=4)
+    parser.add_argument(
+        "--max-active-runs",
+        type=int,
+        default=2,
+        help="runs at once (default 2: with the other defaults, a pool of 2 CPUs)",
+    )
     parser.add_argument("--storage-path", default=None)
     parser.add_argument("--address", default=None, help="Ray cluster to join")
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     args = parser.parse_args()
     asyncexec.configure_logging(args.log_format, "info")
-    # Before the event loop starts: ray.init blocks for seconds.
+    # In the main thread, before the server's event loop starts: ray.init blocks for seconds,
+    # and Ray's processes must outlive the thread that starts them.
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
     app = create_app(
         num_workers=args.workers,

@@ -12,7 +12,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,8 +26,11 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import ray
 import uvicorn
-from conftest import live_workers
+from conftest import cluster_held, live_workers
+
+from asyncexec._driver import _metrics
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -268,7 +275,14 @@ async def test_requests_lease_the_pools_warm_workers_and_the_pool_closes_with_th
     app = service.create_app(
         num_workers=2, cpus_per_worker=0.5, pool_size=2, storage_path=str(tmp_path)
     )
-    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=60) as http:
+    prom = pytest.importorskip("prometheus_client")
+    registry = prom.CollectorRegistry()
+    metrics = _metrics.enable_metrics(registry)
+    async with (
+        serving(app) as (url, _),
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        _metrics_off(),
+    ):
         with anyio.fail_after(60):
             health = (await http.get("/healthz")).json()  # answered once the lifespan is up
             assert health["pool"] == {
@@ -308,6 +322,87 @@ async def test_requests_lease_the_pools_warm_workers_and_the_pool_closes_with_th
             assert {actor["Pid"] for actor in live_workers()} == warm  # none started
             pool_stats = (await http.get("/healthz")).json()["pool"]
             assert (pool_stats["leases"], pool_stats["fresh_for_leases"]) == (2, 0)
+            # The runs' executors share one name: runs add no label value to the metrics
+            # (the run id is in the logs and the run record).
+            scraped = prom.generate_latest(metrics.registry).decode()
+            assert set(re.findall(r'executor="([^"]*)"', scraped)) == {"service"}
+            assert 'asyncexec_runs_total{executor="service",outcome="finished"} 2.0' in scraped
     # The lifespan closed the pool: its workers are gone (ray_local checks placement groups).
     assert live_workers() == []
     assert app.state.manager.pool.statistics().idle == 0
+
+
+@contextlib.asynccontextmanager
+async def _metrics_off() -> AsyncIterator[None]:
+    """Turn the process's metrics off again on the way out, for the other tests."""
+    try:
+        yield
+    finally:
+        _metrics._metrics = None
+
+
+#: What the test below holds of the shared Ray's 4 CPUs: 2 are left, as on a 2-core machine.
+LOCAL_CPUS_HELD = 2
+
+_RECORD_RAY_INIT = """
+import runpy, sys, threading, ray
+init = ray.init
+def recorded_init(*args, **kwargs):
+    print("ray_init_thread", threading.current_thread().name, flush=True)
+    return init(*args, **kwargs)
+ray.init = recorded_init
+sys.argv = ["examples/service.py", *sys.argv[1:]]
+runpy.run_path("examples/service.py", run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_the_documented_command_serves_with_its_defaults_on_two_free_cpus() -> None:
+    """Defect: ``python examples/service.py --port 8000`` (docs/services.md) asked for a pool of
+    2 workers x 4 runs x 0.5 CPU, which a 2-core machine cannot place. With 2 CPUs free (the
+    rest of the shared Ray held), its defaults serve; Ray is started (joined here, through
+    RAY_ADDRESS) in the main thread, before the server's loop, never in a worker thread."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    url = f"http://127.0.0.1:{port}"
+    with cluster_held({"CPU": LOCAL_CPUS_HELD}):
+        process = await anyio.open_process(
+            [sys.executable, "-c", _RECORD_RAY_INIT, "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.STDOUT,
+        )
+        output: list[str] = []
+        up = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def read_output() -> None:
+                    assert process.stdout is not None
+                    async for chunk in process.stdout:
+                        output.append(chunk.decode(errors="replace"))
+                        if "Application startup complete" in "".join(output[-3:]):
+                            up.set()
+
+                tg.start_soon(read_output)
+                with anyio.fail_after(45):  # before the fix: the pool waited to be placed
+                    await up.wait()
+                async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                    config = {"steps": 3, "step_s": 0.01}
+                    async with http.stream("POST", "/runs", json=config) as response:
+                        items = [item async for item in sse_events(response)]
+                    health = (await http.get("/healthz")).json()
+                process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+                with anyio.fail_after(30):
+                    await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    text = "".join(output)
+    assert items[-1][0] == "end" and items[-1][1]["state"] == "finished", text[-3000:]
+    assert (health["pool"]["size"], health["pool"]["leased"]) == (4, 0)  # 2 runs x 2 workers
+    assert re.findall(r"ray_init_thread (.+)", text) == ["MainThread"], text[-3000:]
+    assert process.returncode == 0, text[-3000:]
