@@ -204,3 +204,36 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _shutdown()
+
+
+class HeldStart:
+    """Worker processes that do not come up while held: a ``runtime_env`` whose processes import
+    a ``sitecustomize`` that waits, at interpreter start, while a marker file exists. Real
+    processes that Ray starts and that never register, for as long as the test says."""
+
+    def __init__(self, root: str) -> None:
+        self.marker = os.path.join(root, "hold")
+        with open(os.path.join(root, "sitecustomize.py"), "w") as f:
+            f.write(
+                "import os, time\n"
+                "marker = os.environ.get('ASYNCEXEC_TEST_HOLD')\n"
+                "while marker and os.path.exists(marker):\n"
+                "    time.sleep(0.05)\n"
+            )
+        path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+        self.runtime_env = {"env_vars": {"PYTHONPATH": path, "ASYNCEXEC_TEST_HOLD": self.marker}}
+
+    def hold(self) -> None:
+        """Processes that start from now on wait."""
+        open(self.marker, "w").close()
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.marker)
+
+
+@pytest.fixture
+def held_start(tmp_path: Any) -> Iterator[HeldStart]:
+    held = HeldStart(str(tmp_path))
+    yield held
+    held.release()

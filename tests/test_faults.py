@@ -356,7 +356,24 @@ async def test_cancelling_during_the_restart_wait_leaves_nothing_behind() -> Non
 
 @pytest.mark.ray_only
 @pytest.mark.timeout(180)
-async def test_reuse_survivors_replaces_only_the_failed_rank(tmp_path: Path) -> None:
+async def test_reuse_survivors_replaces_only_the_failed_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replacement is created off the event loop (the first actor of a class exports it
+    synchronously, and its first call waits for its handle): it was created on the loop."""
+    import threading
+
+    from asyncexec._driver import _group
+
+    created_on: list[threading.Thread] = []
+
+    class Spy:
+        def options(self, **options: Any) -> Any:
+            created_on.append(threading.current_thread())
+            return real.options(**options)
+
+    real = _group.WorkerActor
+    monkeypatch.setattr(_group, "WorkerActor", Spy())
     config = {"steps": 20, "every": 3, "sleep": 0.02}
     policy = asyncexec.RestartPolicy(max_restarts=2, wait=NO_WAIT, reuse_survivors=True)
     async with asyncexec.Executor(
@@ -381,6 +398,7 @@ async def test_reuse_survivors_replaces_only_the_failed_rank(tmp_path: Path) -> 
     assert after[0] == before[0] and after[2] == before[2]  # survivors kept
     assert after[1] != before[1]  # the dead rank has a new process
     assert [e["rank"] for e in logs if e["event"] == "rank_replaced"] == [1]
+    assert created_on and threading.main_thread() not in created_on
     second = [s.metrics["step"] for s in steps if s.attempt == 2]
     assert second == list(range(second[0], 20))
 

@@ -379,3 +379,83 @@ async def test_a_pool_that_fails_to_start_raises_its_error_and_leaves_nothing() 
         async with pool:
             pass
     assert pool.statistics().idle == 0
+
+
+# Workers that never come up (held at interpreter start: see conftest.HeldStart) ----------------
+
+
+async def test_the_start_deadline_covers_a_worker_process_that_never_comes_up(
+    held_start: Any,
+) -> None:
+    """The actors' descriptions were awaited outside the start-up deadline: with the executor's
+    own placement group, a worker that never came up was waited for forever."""
+    held_start.hold()
+    ex = asyncexec.Executor(
+        2, resources_per_worker=CPU, runtime_env=held_start.runtime_env, start_timeout_s=2
+    )
+    with anyio.fail_after(30), pytest.raises(asyncexec.StartupTimeoutError) as info:
+        async with ex:
+            pass
+    assert "starting the worker processes" in str(info.value)
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+
+
+def _rank_pids() -> Any:
+    return os.getpid()
+
+
+async def _event(logs: list[dict[str, Any]], name: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The first log event ``name`` once it has been logged (by a background task), bounded."""
+    with anyio.fail_after(timeout_s):
+        while not any(e["event"] == name for e in logs):  # noqa: ASYNC110 - a background log
+            await anyio.sleep(0.02)
+    return next(e for e in logs if e["event"] == name)
+
+
+async def test_a_spare_that_fails_to_start_is_killed_not_left_holding_its_bundle(
+    held_start: Any, tmp_path: Any
+) -> None:
+    """After a spare took a killed rank's place, the new spare's process never came up: its
+    start timed out and it was dropped from the list, but never killed."""
+    policy = asyncexec.RestartPolicy(max_restarts=1)
+    options: dict[str, Any] = {"spares": 1, "restart": policy, "storage_path": str(tmp_path)}
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker=CPU,
+        runtime_env=held_start.runtime_env,
+        start_timeout_s=2,
+        **options,
+    ) as ex:
+        held_start.hold()  # from now on, a new process does not come up
+        with capture_logs() as logs:
+            steps = [s async for s in ex.run(checkpoints_then_dies, {}, buffer_size=1)]
+            assert {s.attempt for s in steps} == {1, 2}
+            await _event(logs, "spare_refill_failed")
+        # The ranks are live; the spare that never came up is not.
+        assert len(live_workers()) == 2
+
+
+async def test_leaving_an_executor_does_not_wait_for_a_spare_still_starting(
+    held_start: Any, tmp_path: Any
+) -> None:
+    """Leaving never cancelled the executor's task group: a pooled spare still being started in
+    the background (a fresh process beyond the pool, here one that never comes up) held the
+    exit for the whole start-up deadline."""
+    policy = asyncexec.RestartPolicy(max_restarts=1)
+    pool = asyncexec.WorkerPool(
+        3, resources_per_worker=CPU, runtime_env=held_start.runtime_env, start_timeout_s=600
+    )
+    with anyio.fail_after(60):
+        async with pool:
+            ex = asyncexec.Executor(
+                2, pool=pool, spares=1, restart=policy, storage_path=str(tmp_path)
+            )
+            async with ex:
+                held_start.hold()
+                with capture_logs() as logs:
+                    steps = [s async for s in ex.run(checkpoints_then_dies, {}, buffer_size=1)]
+                assert any(e["event"] == "spare_took_rank" for e in logs)
+                assert {s.attempt for s in steps} == {1, 2}
+                assert pool.statistics().starting >= 1  # the pool's own refill, held too
+            assert ex.state is asyncexec.ExecutorState.CLOSED
+    assert live_workers() == []

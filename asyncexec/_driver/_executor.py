@@ -343,7 +343,9 @@ class Executor:
         finally:
             if self._tg is not None:
                 tg, self._tg = self._tg, None
-                # Every run task has ended in aclose(); this only closes the group's scope.
+                # What is left (a spare still starting in the background, a run task that
+                # outlived aclose()'s bound) is cancelled: leaving never waits without a bound.
+                tg.cancel_scope.cancel()
                 await tg.__aexit__(None, None, None)
 
     async def aclose(self, *, force: bool = False) -> None:

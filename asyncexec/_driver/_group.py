@@ -36,6 +36,7 @@ __all__ = [
     "driver_data_context",
     "kill_all",
     "spawn",
+    "start_workers",
 ]
 
 T = TypeVar("T")
@@ -254,13 +255,12 @@ class WorkerGroup:
         survivors = [w for w in self.workers if w.rank != rank]
         if not await self.stop_functions(survivors, self.config.stop_timeout_s):
             return False
-        actor = WorkerActor.options(
-            scheduling_strategy=self.placement.strategy(failed.bundle),
-            **actor_options(self.config),
-        ).remote()
+        options = {"scheduling_strategy": self.placement.strategy(failed.bundle)}
+        [(actor, meta)] = await start_workers(
+            actor_options(self.config) | options, 1, self.config.start_timeout_s
+        )
         try:
             with anyio.fail_after(self.config.start_timeout_s):
-                meta: WorkerMetadata = await actor.describe.remote()
                 if meta.node_id != failed.metadata.node_id:
                     raise RuntimeError("the replacement landed on another node")
                 metas = [meta if w.rank == rank else w.metadata for w in self.workers]
@@ -310,17 +310,9 @@ class WorkerGroup:
             bundle, death, env = failed.bundle, None, None
             options = {"scheduling_strategy": self.placement.strategy(bundle)}
             await self._drop([failed.actor])  # its bundle's resources, for the new process
-            with anyio.CancelScope(shield=True):
-                [(actor, described)] = await anyio.to_thread.run_sync(
-                    spawn, actor_options(self.config) | options, 1
-                )
-            try:
-                with anyio.fail_after(self.config.start_timeout_s):
-                    meta = await described
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await kill_all([actor], None)
-                raise
+            [(actor, meta)] = await start_workers(
+                actor_options(self.config) | options, 1, self.config.start_timeout_s
+            )
         else:
             return None
         context = replace(failed.context, pid=meta.pid, accelerator_ids=meta.accelerator_ids)
@@ -435,16 +427,13 @@ class WorkerGroup:
                 spare = Standby(leased.actor, leased.metadata, leased.bundle, leased.death)
             elif self.placement is not None and self.placement.owned and bundle is not None:
                 options = {"scheduling_strategy": self.placement.strategy(bundle)}
-                with anyio.CancelScope(shield=True):
-                    [(actor, described)] = await anyio.to_thread.run_sync(
-                        spawn, actor_options(self.config) | options, 1
-                    )
-                self._starting.append(actor)
-                try:
-                    with anyio.fail_after(self.config.start_timeout_s):
-                        spare = Standby(actor, await described, bundle)
-                finally:
-                    self._starting.remove(actor)
+                [(actor, meta)] = await start_workers(
+                    actor_options(self.config) | options,
+                    1,
+                    self.config.start_timeout_s,
+                    track=self._starting,
+                )
+                spare = Standby(actor, meta, bundle)
             else:
                 return
         except Exception as exc:
@@ -550,6 +539,53 @@ def spawn(options: dict[str, Any], n: int) -> list[tuple[ActorHandle, Any]]:
     created waits for its handle)."""
     actors = [WorkerActor.options(**options).remote() for _ in range(n)]
     return [(actor, actor.describe.remote()) for actor in actors]
+
+
+async def start_workers(
+    options: dict[str, Any],
+    n: int,
+    timeout_s: float,
+    *,
+    track: list[ActorHandle] | None = None,
+) -> list[tuple[ActorHandle, WorkerMetadata]]:
+    """Start ``n`` workers with ``options`` (created off the event loop, see :func:`spawn`) and
+    return each with its description, all within ``timeout_s``. When that fails, times out or
+    is cancelled, they are killed: nothing half-started is left. ``track`` holds the actors while
+    they start, so that an owner that closes meanwhile kills them too.
+
+    Raises:
+        TimeoutError: not every worker described itself within ``timeout_s``.
+    """
+    with anyio.CancelScope(shield=True):  # what is started must be known to be killed
+        spawned = await anyio.to_thread.run_sync(spawn, options, n)
+    actors = [actor for actor, _ in spawned]
+    if track is not None:
+        track.extend(actors)
+    try:
+        with anyio.fail_after(timeout_s):
+            metas: list[WorkerMetadata] = await _awaited([ref for _, ref in spawned])
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await kill_all(actors, None)
+        raise
+    finally:
+        if track is not None:
+            for actor in actors:
+                track.remove(actor)
+    return list(zip(actors, metas, strict=True))
+
+
+async def _awaited(refs: Sequence[Any]) -> list[Any]:
+    """Every ref's value, awaited at once; the first failure raised."""
+    results: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        results[i] = await refs[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(refs)):
+            tg.start_soon(one, i)
+    return results
 
 
 async def _settle(refs: Sequence[Any]) -> None:

@@ -37,7 +37,7 @@ from .._errors import (
     describe,
 )
 from .._protocol import WorkerMetadata
-from ._group import actor_options, kill_all, spawn
+from ._group import actor_options, kill_all, start_workers
 from ._logging import get_logger
 from ._placement import Placement, create_placement, wait_placement_ready
 from ._ray import ensure_ray
@@ -168,7 +168,7 @@ class WorkerPool:
         self._tg: anyio.abc.TaskGroup | None = None
         self._idle: list[PoolWorker] = []
         self._leased: dict[str, PoolWorker] = {}
-        self._starting: dict[int, ActorHandle | None] = {}  # bundle -> actor being started
+        self._starting: dict[int, list[ActorHandle]] = {}  # bundle -> actor being started
         self._changed = anyio.Event()  # set (and replaced) when a worker becomes idle
         self._open = False
         self._closed = False
@@ -258,7 +258,7 @@ class WorkerPool:
             for scope in self._background:
                 scope.cancel()
             actors = [w.actor for w in self._idle] + [w.actor for w in self._leased.values()]
-            actors += [a for a in self._starting.values() if a is not None]
+            actors += [a for starting in self._starting.values() for a in starting]
             self._idle.clear()
             self._leased.clear()
             self._starting.clear()
@@ -392,27 +392,19 @@ class WorkerPool:
 
     async def _fresh(self, n: int) -> list[PoolWorker]:
         """Start ``n`` workers outside the pool for a lease it could not fill."""
-        with anyio.CancelScope(shield=True):  # what is started must be known to be killed
-            spawned = await anyio.to_thread.run_sync(spawn, actor_options(self.config), n)
-        actors = [actor for actor, _ in spawned]
-        fresh: list[PoolWorker] = []
         try:
-            with anyio.fail_after(self.config.start_timeout_s):
-                for actor, described in spawned:
-                    meta = await described
-                    worker = PoolWorker(actor, meta, None, death=actor.wait_closed.remote())
-                    self._leased[_key(actor)] = worker
-                    fresh.append(worker)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await kill_all(actors, None)
-                for w in fresh:
-                    self._leased.pop(_key(w.actor), None)
-            if isinstance(exc, TimeoutError):
-                raise StartupTimeoutError(
-                    f"starting {n} workers beyond the pool", self.config.start_timeout_s
-                ) from exc
-            raise
+            started = await start_workers(
+                actor_options(self.config), n, self.config.start_timeout_s
+            )
+        except TimeoutError as exc:
+            raise StartupTimeoutError(
+                f"starting {n} workers beyond the pool", self.config.start_timeout_s
+            ) from exc
+        fresh: list[PoolWorker] = []
+        for actor, meta in started:
+            worker = PoolWorker(actor, meta, None, death=actor.wait_closed.remote())
+            self._leased[_key(actor)] = worker
+            fresh.append(worker)
         self._counts["fresh_for_leases"] += n
         self.log.info("pool_short", fresh=n)
         return fresh
@@ -459,7 +451,7 @@ class WorkerPool:
         for w in workers:
             if w.bundle is not None and self._open:
                 self._counts["replaced"] += 1
-                self._starting[w.bundle] = None
+                self._starting[w.bundle] = []
                 self._spawn(self._refill, w.bundle)
 
     async def _refill(self, bundle: int) -> None:
@@ -477,18 +469,14 @@ class WorkerPool:
         """Start a worker in ``bundle`` and make it idle."""
         assert self._placement is not None
         options = {"scheduling_strategy": self._placement.strategy(bundle)}
-        with anyio.CancelScope(shield=True):  # what is started must be known to be killed
-            [(actor, described)] = await anyio.to_thread.run_sync(
-                spawn, actor_options(self.config) | options, 1
-            )
-        self._starting[bundle] = actor
+        starting = self._starting[bundle] = []
         try:
-            with anyio.fail_after(self.config.start_timeout_s):
-                meta: WorkerMetadata = await described
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await kill_all([actor], None)
-            raise
+            [(actor, meta)] = await start_workers(
+                actor_options(self.config) | options,
+                1,
+                self.config.start_timeout_s,
+                track=starting,
+            )
         finally:
             self._starting.pop(bundle, None)
         if not self._open:

@@ -82,13 +82,10 @@ def worker_contexts(config: ExecutorConfig, metas: list[WorkerMetadata]) -> list
     ]
 
 
-async def _describe(
-    placement: Placement, described: list[Any], config: ExecutorConfig
-) -> list[WorkerMetadata]:
-    """Await the workers' descriptions. A parent group is ready from the start; whether its free
-    bundles hold the workers shows only when they are placed, under the placement deadline."""
-    if placement.owned:
-        return list(await _all(described))
+async def _describe_in_parent(described: list[Any], config: ExecutorConfig) -> list[WorkerMetadata]:
+    """Await the descriptions of workers in a placement group that is not the executor's own (a
+    parent's, or a reservation's): it is ready from the start, and whether its free bundles hold
+    the workers shows only when they are placed, under the placement deadline."""
     with anyio.move_on_after(config.placement_timeout_s):
         return list(await _all(described))
     available = await anyio.to_thread.run_sync(ray.available_resources, abandon_on_cancel=True)
@@ -143,9 +140,14 @@ async def start_group(
     try:
         await wait_placement_ready(placement, config.placement_timeout_s)
         log.debug("placement_ready", seconds=_phase(config, "placement", t0))
-        metas = await _describe(placement, described, config)
+        if not placement.owned:  # placed only as the workers come up: the placement deadline
+            metas = await _describe_in_parent(described, config)
+        # One deadline from here on: the processes (one that never comes up included), their
+        # set-up and the backend.
         with anyio.fail_after(config.start_timeout_s):
             phase[0] = "starting the worker processes"
+            if placement.owned:
+                metas = list(await _all(described))
             log.debug("workers_ready", seconds=_phase(config, "workers", t0))
             members: list[tuple[ActorHandle, WorkerMetadata, int | None, Any]] = [
                 (a, m, i, None) for i, (a, m) in enumerate(zip(actors, metas, strict=True))
