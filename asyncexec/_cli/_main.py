@@ -163,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Join a running Ray cluster, find its live asyncexec workers and print every "
             "thread's stack of each, read from outside the process with py-spy on its node (a "
-            "hung worker too); needs py-spy on the nodes (the diagnostics extra)."
+            "hung worker too); needs py-spy on the nodes (the diagnostics extra). A cluster "
+            "with token authentication is joined as Ray's own CLI joins it: set "
+            "RAY_AUTH_MODE=token, with the token in ~/.ray/auth_token, the file "
+            "RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN."
         ),
     )
     stack.add_argument(

@@ -6,12 +6,22 @@ node (see ``_driver._stacks``): a hung worker, which answers no call, is read li
 The output is grouped by the driver (Ray job) that owns the workers, then by node and pid; the
 thread that runs a run's function is named ``asyncexec-fn <executor name> rank <rank>``, and
 the header of each process repeats what that name says.
+
+Token authentication (on by default for a cluster that Ray 2.60's ``ray.init()`` starts): the
+command presents a token as Ray's own CLI (``ray status``, ``ray list``) does, when
+``RAY_AUTH_MODE=token``, reading it from ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH``
+names, or ``~/.ray/auth_token``. Without an address (or with ``auto``), Ray's own rule also turns
+token mode on when it finds a token, for the local cluster it finds; an explicit address
+(``--address`` or ``RAY_ADDRESS``) never gets a token unless ``RAY_AUTH_MODE=token`` says so.
+A cluster that refuses the command for want of a token is told at once, with what to set
+(``ray.init`` would try for about 20 s and then say only that it failed to connect).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import socket
 import sys
@@ -24,7 +34,7 @@ import anyio
 from .._driver._stacks import DUMP_TIMEOUT_S, dump_processes
 from .._errors import describe, short_node
 
-__all__ = ["WorkerProcess", "format_stacks", "live_workers", "stack_command"]
+__all__ = ["WorkerProcess", "auth_refusal", "format_stacks", "live_workers", "stack_command"]
 
 #: How long the cluster's address may take to accept a connection (``ray.init`` itself tries
 #: for minutes where nothing answers).
@@ -98,10 +108,9 @@ def format_stacks(workers: Sequence[WorkerProcess], texts: Sequence[str]) -> str
     return "\n".join(lines)
 
 
-def unreachable(target: str) -> str | None:
-    """Why nothing answers at the cluster's address ``target`` (``"auto"`` is looked up as
-    ``ray.init`` looks it up), or None when something does or it cannot tell (a ``ray://``
-    address, no address on record)."""
+def _bootstrap(target: str) -> str | None:
+    """The ``host:port`` that ``ray.init(address=target)`` joins (``"auto"`` looked up as it
+    looks it up), or None when it cannot tell (a ``ray://`` address, no address on record)."""
     address: str | None = target
     if target == "auto":
         from ray._private.services import canonicalize_bootstrap_address
@@ -111,6 +120,16 @@ def unreachable(target: str) -> str | None:
         except Exception:
             return None
     if address is None or "://" in address:
+        return None
+    return address
+
+
+def unreachable(target: str) -> str | None:
+    """Why nothing answers at the cluster's address ``target`` (``"auto"`` is looked up as
+    ``ray.init`` looks it up), or None when something does or it cannot tell (a ``ray://``
+    address, no address on record)."""
+    address = _bootstrap(target)
+    if address is None:
         return None
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -122,6 +141,53 @@ def unreachable(target: str) -> str | None:
         return f"nothing answers at {address} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
 
 
+def _token_source() -> str | None:
+    """Where Ray finds a token in this process (as ``ray status`` would read it), or None."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return path if os.path.isfile(path) else None
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return default if os.path.isfile(default) else None
+
+
+def auth_refusal(target: str) -> str | None:
+    """Why the cluster at ``target`` refuses this process for want of a token, with what to
+    set, or None when it does not (or it cannot tell: then ``ray.init`` says what fails).
+
+    ``ray.init`` presents a token when ``RAY_AUTH_MODE=token``; without it, Ray's own rule
+    turns token mode on for ``"auto"`` (no ``RAY_ADDRESS``, mode unset) when a token is
+    found. Otherwise one unauthenticated GCS call (milliseconds) tells whether the cluster
+    wants a token."""
+    from ray._raylet import AuthenticationMode, GcsClient, get_authentication_mode
+    from ray.exceptions import AuthenticationError
+
+    if get_authentication_mode() == AuthenticationMode.TOKEN:
+        return None  # ray.init presents the token, or says that none was found
+    source = _token_source()
+    found_by_ray = target == "auto" and not os.environ.get("RAY_ADDRESS")
+    if found_by_ray and "RAY_AUTH_MODE" not in os.environ and source is not None:
+        return None  # Ray's rule: a local cluster found automatically gets the token
+    address = _bootstrap(target)
+    if address is None:
+        return None
+    try:
+        GcsClient(address=address)
+    except AuthenticationError:
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        found = f"; a token was found in {source}" if source is not None else ""
+        return (
+            f"the cluster requires token authentication, and RAY_AUTH_MODE is {mode} here: "
+            "set RAY_AUTH_MODE=token (as Ray's own CLI needs it), with the cluster's token in "
+            "~/.ray/auth_token, in the file RAY_AUTH_TOKEN_PATH names, or in RAY_AUTH_TOKEN "
+            f"(`ray get-auth-token` prints it on a node of the cluster){found}"
+        )
+    except Exception:
+        return None
+    return None
+
+
 def stack_command(address: str | None, timeout_s: float = DUMP_TIMEOUT_S) -> int:
     """Print the stacks of every live worker of the cluster at ``address`` (None: the one
     ``RAY_ADDRESS`` or this machine's latest names); return the exit status: 0 when stacks were
@@ -130,7 +196,7 @@ def stack_command(address: str | None, timeout_s: float = DUMP_TIMEOUT_S) -> int
     import ray
 
     target = address or "auto"
-    why = unreachable(target)
+    why = unreachable(target) or auth_refusal(target)
     if why is not None:
         print(f"asyncexec: could not join the Ray cluster at {target}: {why}", file=sys.stderr)
         return 1
