@@ -345,23 +345,40 @@ async def _metrics_off() -> AsyncIterator[None]:
 LOCAL_CPUS_HELD = 2
 
 _RECORD_RAY_INIT = """
-import runpy, sys, threading, ray
+import sys, threading, ray
 init = ray.init
 def recorded_init(*args, **kwargs):
     print("ray_init_thread", threading.current_thread().name, flush=True)
     return init(*args, **kwargs)
 ray.init = recorded_init
-sys.argv = ["examples/service.py", *sys.argv[1:]]
-runpy.run_path("examples/service.py", run_name="__main__")
 """
+#: How the service is started: as docs/services.md gives it (its main()), and as an app factory
+#: served by uvicorn, where nothing but asyncexec starts Ray. ``sys.argv[1]`` is the port.
+_SERVE = {
+    "main": """
+import runpy
+sys.argv = ["examples/service.py", "--port", sys.argv[1]]
+runpy.run_path("examples/service.py", run_name="__main__")
+""",
+    "factory": """
+import uvicorn
+sys.path.insert(0, ".")
+from examples.service import create_app
+uvicorn.run(create_app(), host="127.0.0.1", port=int(sys.argv[1]))
+""",
+}
+#: The thread that starts Ray: the main one, before the server's loop; else asyncexec's own.
+_RAY_STARTED_IN = {"main": "MainThread", "factory": "asyncexec-ray"}
 
 
 @pytest.mark.timeout(120)
-async def test_the_documented_command_serves_with_its_defaults_on_two_free_cpus() -> None:
+@pytest.mark.parametrize("how", ["main", "factory"])
+async def test_the_service_serves_with_its_defaults_on_two_free_cpus(how: str) -> None:
     """Defect: ``python examples/service.py --port 8000`` (docs/services.md) asked for a pool of
-    2 workers x 4 runs x 0.5 CPU, which a 2-core machine cannot place. With 2 CPUs free (the
-    rest of the shared Ray held), its defaults serve; Ray is started (joined here, through
-    RAY_ADDRESS) in the main thread, before the server's loop, never in a worker thread."""
+    2 workers x 4 runs x 0.5 CPU, which a 2-core machine cannot place, and the app's lifespan
+    called ``ray.init`` in an anyio worker thread. With 2 CPUs free (the rest of the shared Ray
+    held), its defaults serve; Ray is started (joined here, through RAY_ADDRESS) in the main
+    thread before the server's loop, or in asyncexec's lifelong thread, never a worker thread."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -369,7 +386,7 @@ async def test_the_documented_command_serves_with_its_defaults_on_two_free_cpus(
     url = f"http://127.0.0.1:{port}"
     with cluster_held({"CPU": LOCAL_CPUS_HELD}):
         process = await anyio.open_process(
-            [sys.executable, "-c", _RECORD_RAY_INIT, "--port", str(port)],
+            [sys.executable, "-c", _RECORD_RAY_INIT + _SERVE[how], str(port)],
             cwd=ROOT,
             env=env,
             stderr=subprocess.STDOUT,
@@ -404,5 +421,5 @@ async def test_the_documented_command_serves_with_its_defaults_on_two_free_cpus(
     text = "".join(output)
     assert items[-1][0] == "end" and items[-1][1]["state"] == "finished", text[-3000:]
     assert (health["pool"]["size"], health["pool"]["leased"]) == (4, 0)  # 2 runs x 2 workers
-    assert re.findall(r"ray_init_thread (.+)", text) == ["MainThread"], text[-3000:]
+    assert re.findall(r"ray_init_thread (.+)", text) == [_RAY_STARTED_IN[how]], text[-3000:]
     assert process.returncode == 0, text[-3000:]
