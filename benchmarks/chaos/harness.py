@@ -1,16 +1,18 @@
 """The driver's tools for a scenario: an executor and a config for the counter, a consumer that
-records what it sees, the init-hook :class:`Gate`, kills, cluster leftovers, and the checks of a
-run against what its fault allows (recorded on an :class:`Outcome`)."""
+records what it sees, the init-hook :class:`Gate`, kills, cluster leftovers, an event-loop
+heartbeat, the cancellation of a group kind, and the checks of a run against what its fault
+allows (recorded on an :class:`Outcome`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,16 @@ import tenacity
 
 import asyncexec
 from benchmarks._probes import live_placement_groups, live_workers
-from benchmarks.chaos.invariants import RECOVERY_BOUND_S, check_complete, check_stream
+from benchmarks.chaos.invariants import (
+    RECOVERY_BOUND_S,
+    STOP_BOUND_S,
+    check_complete,
+    check_stream,
+)
 from benchmarks.chaos.scenarios import Env, Outcome, Scenario
 from benchmarks.chaos.worker import gate_hook
 
-__all__ = ["Gate", "leftovers", "wait_no_leftovers"]
+__all__ = ["Gate", "LoopBeat", "leftovers", "wait_no_leftovers"]
 
 #: The seconds each step of the counter sleeps.
 STEP_SLEEP_S = 0.02
@@ -54,6 +61,37 @@ async def wait_no_leftovers(timeout_s: float = 15.0) -> str:
         if not found or time.monotonic() > deadline:
             return found
         await anyio.sleep(0.1)
+
+
+class LoopBeat:
+    """Measures the longest event-loop stall while :meth:`run` runs, leaving out the stalls a
+    scenario declares with :meth:`excused` (adding a node to the cluster must block the loop:
+    Ray's ``Node`` installs signal handlers, which only the main thread may do)."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+        self.excused_s = 0.0
+        self._skip = False
+
+    @contextlib.contextmanager
+    def excused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excused_s += time.perf_counter() - t0
+            self._skip = True
+
+    async def run(self) -> None:
+        last = anyio.current_time()
+        while True:
+            await anyio.sleep(0.01)
+            now = anyio.current_time()
+            if self._skip:
+                self._skip = False
+            else:
+                self.max_gap = max(self.max_gap, now - last - 0.01)
+            last = now
 
 
 class Gate:
@@ -258,3 +296,59 @@ def _recovery(
     out.recovery_s.append(took)
     if took > RECOVERY_BOUND_S * faults:
         out.fail("recovery_time", f"{took:.1f} s from the fault to the next attempt's first step")
+
+
+# The group kinds' tools --------------------------------------------------------------------------
+
+
+def _cancel_scope(sc: Scenario) -> anyio.CancelScope:
+    """The scope a group kind runs in: cancelled ``sc.cancel_s`` after it is entered, if drawn."""
+    return anyio.move_on_after(math.inf if sc.cancel_s is None else sc.cancel_s)
+
+
+def _cancelled(out: Outcome, sc: Scenario, scope: anyio.CancelScope, t0: float) -> bool:
+    """Whether the scenario's cancel struck; if it did, the task must have returned within the
+    bound of the cancel."""
+    if not scope.cancelled_caught or sc.cancel_s is None:
+        if sc.cancel_s is not None:
+            out.note = "finished before the cancel"
+        return False
+    took = time.time() - (t0 + sc.cancel_s)
+    out.note = f"cancelled, returned {took:.2f} s later"
+    if took > STOP_BOUND_S:
+        out.fail("stop_time", f"the cancelled task returned {took:.1f} s after the cancel")
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+async def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``predicate`` (what it watches changes in the library's background tasks, which
+    offer no event) until it holds or ``timeout_s`` passes; return whether it held."""
+    with anyio.move_on_after(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - nothing to wait on but the state itself
+            await anyio.sleep(0.02)
+        return True
+    return False
+
+
+async def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
+    return await _wait_until(lambda: not _alive(pid), timeout_s)
+
+
+def _idle_pids(pool: asyncexec.WorkerPool) -> list[int]:
+    """The pids of a pool's idle workers (the pool shows only their count)."""
+    return [w.metadata.pid for w in pool._idle]
+
+
+def _spare_pids(ex: asyncexec.Executor) -> list[int]:
+    """The pids of an executor's standby spares (the executor does not show them)."""
+    group = ex._slot.group
+    return [] if group is None else [s.metadata.pid for s in group.spares]

@@ -15,6 +15,7 @@ __all__ = [
     "SCENARIO_TIMEOUT_S",
     "STOP_BOUND_S",
     "Problem",
+    "check_attempts",
     "check_complete",
     "check_stream",
     "expected_total",
@@ -104,27 +105,41 @@ def check_stream(
             )
     if problems:
         return problems
+    rows = [(s.attempt, s.reports[0].metrics["step"], s.checkpoint is not None) for s in steps]
+    return check_attempts(rows, first=first)
+
+
+def check_attempts(
+    rows: Sequence[tuple[int, int, bool]], *, first: int = 0, who: str = ""
+) -> list[Problem]:
+    """Check the order of one stream's function steps, given as (attempt, function step,
+    carries a checkpoint) in delivery order: attempts increase; within an attempt the steps are
+    consecutive; the first attempt starts at ``first``, each later one right after the latest
+    checkpoint delivered before it. ``who`` prefixes the details (``"rank 2: "``)."""
+    problems: list[Problem] = []
     latest = first - 1
     seen: list[int] = []
-    for attempt, group in groupby(steps, key=lambda s: s.attempt):
+    for attempt, group in groupby(rows, key=lambda row: row[0]):
         batch = list(group)
         if attempt in seen or (seen and attempt < seen[-1]):
-            problems.append(("attempt_order", f"attempt {attempt} after attempts {seen}"))
+            problems.append(("attempt_order", f"{who}attempt {attempt} after attempts {seen}"))
         seen.append(attempt)
-        values = [s.reports[0].metrics["step"] for s in batch]
+        values = [value for _, value, _ in batch]
         if values[0] != latest + 1:
             problems.append(
                 (
                     "resume",
-                    f"attempt {attempt} started at step {values[0]}; the latest "
+                    f"{who}attempt {attempt} started at step {values[0]}; the latest "
                     f"delivered checkpoint was step {latest}",
                 )
             )
         if values != list(range(values[0], values[0] + len(values))):
-            problems.append(("consecutive", f"attempt {attempt} delivered steps {_ranges(values)}"))
-        for s in batch:
-            if s.checkpoint is not None:
-                latest = s.reports[0].metrics["step"]
+            problems.append(
+                ("consecutive", f"{who}attempt {attempt} delivered steps {_ranges(values)}")
+            )
+        for _, value, checkpointed in batch:
+            if checkpointed:
+                latest = value
     return problems
 
 

@@ -22,16 +22,23 @@ from typing import Any
 import anyio
 import ray
 
-from benchmarks._probes import Heartbeat, percentile
-from benchmarks.chaos.faults import _RUNNERS
-from benchmarks.chaos.harness import wait_no_leftovers
+from benchmarks._probes import percentile
+from benchmarks.chaos import channel, faults, groups, resume
+from benchmarks.chaos.harness import LoopBeat, wait_no_leftovers
 from benchmarks.chaos.invariants import LOOP_LAG_BOUND_S, SCENARIO_TIMEOUT_S
-from benchmarks.chaos.scenarios import KINDS, Env, Outcome, Scenario, draw_scenarios
+from benchmarks.chaos.scenarios import KINDS, NODE_KINDS, Env, Outcome, Scenario, draw_scenarios
 
 __all__ = ["main", "render_table", "run_scenario"]
 
 #: The project root: the workers import ``benchmarks.chaos.worker`` from it.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Every kind's coroutine.
+_RUNNERS = {**faults._RUNNERS, **groups.RUNNERS, **channel.RUNNERS, **resume.RUNNERS}
+#: The nodes that node-loss kinds add before they start (and remove during).
+_NODE_ARGS: dict[str, dict[str, Any]] = {
+    "node_lost": {"num_cpus": 2},
+    "elastic": {"num_cpus": 2, "resources": {groups.SLOT: 2}},
+}
 
 
 async def run_scenario(sc: Scenario, env: Env) -> Outcome:
@@ -39,12 +46,12 @@ async def run_scenario(sc: Scenario, env: Env) -> Outcome:
     is a failure of invariant ``no_crash``)."""
     out = Outcome(sc)
     directory = Path(tempfile.mkdtemp(prefix=f"s{sc.number}-", dir=env.root))
-    if sc.kind == "node_lost" and env.cluster is not None:
+    if sc.kind in NODE_KINDS and env.cluster is not None:
         # add_node installs signal handlers, which only the main thread may do: it blocks the
         # event loop for a few seconds here, before the heartbeat starts.
-        env.node = env.cluster.add_node(num_cpus=2)
+        env.node = env.cluster.add_node(**_NODE_ARGS[sc.kind])
         env.cluster.wait_for_nodes()
-    beat = Heartbeat()
+    beat = env.beat = LoopBeat()
     t0 = time.perf_counter()
     try:
         async with anyio.create_task_group() as tg:
@@ -67,6 +74,9 @@ async def run_scenario(sc: Scenario, env: Env) -> Outcome:
     out.max_lag_s = beat.max_gap
     if beat.max_gap > LOOP_LAG_BOUND_S:
         out.fail("event_loop", f"the event loop stalled {beat.max_gap:.2f} s")
+    if beat.excused_s:
+        excused = f"adding a node blocked the loop {beat.excused_s:.2f} s"
+        out.note = f"{out.note}; {excused}" if out.note else excused
     found = await wait_no_leftovers()
     if found:
         out.fail("nothing_left", found)
@@ -85,7 +95,10 @@ def render_table(outcomes: Sequence[Outcome], seed: int, seconds: float) -> str:
     """The runner's one table: per kind, run/passed/failed and recovery p50/max; then the total,
     the failures by invariant, and each failure with its scenario's parameters."""
     lines = [f"asyncexec chaos: seed {seed}, {len(outcomes)} scenarios, {seconds:.0f} s", ""]
-    header = f"{'kind':<15}{'run':>5}{'passed':>8}{'failed':>8}{'recovery p50 s':>16}{'max s':>8}"
+    header = (
+        f"{'kind':<15}{'run':>5}{'passed':>8}{'failed':>8}{'cancelled':>11}"
+        f"{'recovery p50 s':>16}{'max s':>8}"
+    )
     lines += [header, "-" * len(header)]
     kinds = [k for k in KINDS if any(o.scenario.kind == k for o in outcomes)]
     for kind in [*kinds, "total"]:
@@ -94,8 +107,9 @@ def render_table(outcomes: Sequence[Outcome], seed: int, seconds: float) -> str:
         passed = sum(o.passed for o in rows)
         if kind == "total":
             lines.append("-" * len(header))
+        cancelled = sum(o.scenario.cancel_s is not None for o in rows)
         lines.append(
-            f"{kind:<15}{len(rows):>5}{passed:>8}{len(rows) - passed:>8}"
+            f"{kind:<15}{len(rows):>5}{passed:>8}{len(rows) - passed:>8}{cancelled:>11}"
             f"{_fmt(percentile(rec, 50)):>16}{_fmt(max(rec) if rec else math.nan):>8}"
         )
     lags = [o.max_lag_s for o in outcomes]
@@ -139,6 +153,7 @@ def _ray(nodes: bool) -> Iterator[Any]:
             initialize_head=True,
             head_node_args={
                 "num_cpus": 4,
+                "resources": {groups.SLOT: 2},
                 "_system_config": {
                     "health_check_initial_delay_ms": 0,
                     "health_check_period_ms": 200,
@@ -189,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if args.no_nodes:
-        kinds = [k for k in kinds if k != "node_lost"]
+        kinds = [k for k in kinds if k not in NODE_KINDS]
     try:
         scenarios = draw_scenarios(args.seed, args.scenarios, kinds)
     except ValueError as exc:

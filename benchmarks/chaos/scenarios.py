@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["FAST_KINDS", "KINDS", "Env", "Outcome", "Scenario", "draw_one", "draw_scenarios"]
+__all__ = [
+    "CANCEL_WINDOW_S",
+    "FAST_KINDS",
+    "GROUP_KINDS",
+    "KINDS",
+    "NODE_KINDS",
+    "Env",
+    "Outcome",
+    "Scenario",
+    "draw_one",
+    "draw_scenarios",
+]
 
-#: Every kind of fault the runner injects, with what it does.
-KINDS: dict[str, str] = {
+#: The kinds of one executor's faults, with what each does.
+_SINGLE: dict[str, str] = {
     "kill_step": "SIGKILL one rank from the driver when the consumer sees a random step",
     "kill_two": "SIGKILL two ranks at the same moment",
     "kill_complete": "a rank kills itself once every rank has reported step k-1: exactly 0..k-1",
@@ -30,8 +41,41 @@ KINDS: dict[str, str] = {
     "user_error": "the function raises on a rank (retried or not, drawn)",
     "node_lost": "the node of a rank is removed from the cluster",
 }
+#: The kinds of what several groups share (pools, spares, reservations, weight channels,
+#: independent ranks, elastic sizes, named runs). Each is cancelled at a random moment in a third
+#: of its scenarios (``Scenario.cancel_s``).
+GROUP_KINDS: dict[str, str] = {
+    "pool_leased": "SIGKILL a worker leased from a WorkerPool mid-run: restart on live workers",
+    "pool_idle": "SIGKILL an idle pool worker between leases: no lease hands it out",
+    "pool_closing": "SIGKILL a leased worker while its executor closes: the pool refills",
+    "spares": "SIGKILL a rank beside a standby spare (then the refilled spare's rank, if drawn)",
+    "reservation": "SIGKILL a rank of one of two executors on a Reservation: the other goes on",
+    "channel_source": "SIGKILL a weight channel's source rank during a push",
+    "channel_target": "SIGKILL a weight channel's target rank during a push",
+    "independent": "SIGKILL a rank of a run of independent ranks: it alone restarts",
+    "elastic": "remove the node of half an elastic group, then add it back: shrink, grow back",
+    "driver_killed": "SIGKILL a named run's driver process (or cancel it); a new driver resumes",
+}
+#: Every kind of fault the runner injects, with what it does.
+KINDS: dict[str, str] = {**_SINGLE, **GROUP_KINDS}
+#: The kinds that add a node to the cluster and remove it (not with ``--no-nodes``).
+NODE_KINDS = ("node_lost", "elastic")
 #: The kinds that need no cluster of several nodes and take a few seconds each.
-FAST_KINDS = tuple(k for k in KINDS if k not in ("node_lost", "hang_gil"))
+FAST_KINDS = tuple(k for k in KINDS if k not in (*NODE_KINDS, "hang_gil"))
+#: The seconds within which a group kind's cancellation is drawn: about its scenario's length,
+#: so that a cancel lands in start-up, in the run, in recovery or in teardown.
+CANCEL_WINDOW_S: dict[str, float] = {
+    "pool_leased": 3.0,
+    "pool_idle": 3.5,
+    "pool_closing": 3.5,
+    "spares": 3.0,
+    "reservation": 3.5,
+    "channel_source": 5.0,
+    "channel_target": 5.0,
+    "independent": 3.0,
+    "elastic": 10.0,
+    "driver_killed": 1.0,  # from the run's start in the first driver
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +96,10 @@ class Scenario:
     delay_s: float
     flag: bool
     slow: bool = False
+    #: Group kinds: cancel the scenario's task this many seconds after it starts (None: not).
+    cancel_s: float | None = None
+    #: Group kinds: a second kind-specific choice (see :meth:`describe`).
+    alt: bool = False
 
     def describe(self) -> str:
         extra = {
@@ -63,12 +111,28 @@ class Scenario:
             "kill_idle": f" execute_first={self.flag}",
             "hang_startup": f" hold_rank={self.rank2}",
             "kill_restart": f" startup_rank={self.rank2}",
+            "pool_leased": f" pool_extra={int(self.flag)}",
+            "pool_idle": f" lease_at_once={self.flag}",
+            "pool_closing": f" kill_after={self.delay_s:.2f}s",
+            "spares": f" second_kill_rank={self.rank2 if self.flag else None} pooled={self.alt}",
+            "reservation": f" victim={'b' if self.flag else 'a'}",
+            "channel_source": f" transport={self.transport} kill_at={self.delay_s:+.2f}s",
+            "channel_target": f" transport={self.transport} kill_at={self.delay_s:+.2f}s",
+            "independent": f" spares={int(self.alt)}",
+            "elastic": f" fresh_group={self.alt}",
+            "driver_killed": "",
         }.get(self.kind, "")
+        cancel = f" cancel_after={self.cancel_s:.2f}s" if self.cancel_s is not None else ""
         return (
             f"#{self.number} {self.kind} seed={self.seed} workers={self.workers} "
             f"steps={self.steps} every={self.every} buffer={self.buffer} at={self.at} "
-            f"rank={self.rank}{extra}{' slow_consumer' if self.slow else ''}"
+            f"rank={self.rank}{extra}{cancel}{' slow_consumer' if self.slow else ''}"
         )
+
+    @property
+    def transport(self) -> Literal["object_store", "torch"]:
+        """A channel kind's transport: torch when ``alt`` is drawn."""
+        return "torch" if self.alt else "object_store"
 
 
 def draw_scenarios(seed: int, count: int, kinds: Sequence[str] = tuple(KINDS)) -> list[Scenario]:
@@ -91,7 +155,7 @@ def draw_one(seed: int, number: int, kind: str) -> Scenario:
     rank = rng.randrange(workers)
     if kind == "node_lost":
         rank = 1  # the rank on the added node: the driver's node holds rank 0
-    return Scenario(
+    drawn = Scenario(
         seed=seed,
         number=number,
         kind=kind,
@@ -107,6 +171,23 @@ def draw_one(seed: int, number: int, kind: str) -> Scenario:
         flag=rng.random() < 0.5,
         slow=rng.random() < 0.5,
     )
+    if kind not in GROUP_KINDS:
+        return drawn
+    # Drawn after the fields above, so that adding group kinds changed no other kind's draw.
+    cancel_s = rng.uniform(0.0, CANCEL_WINDOW_S[kind]) if rng.random() < 1 / 3 else None
+    changes: dict[str, Any] = {"cancel_s": cancel_s, "alt": rng.random() < 0.5}
+    if kind == "pool_closing":
+        changes["delay_s"] = rng.uniform(0.0, 0.3)
+    if kind in ("channel_source", "channel_target"):
+        # Before the push starts (negative: the push meets a restarting group), or during it.
+        changes["delay_s"] = rng.uniform(-1.5, 0.45)
+    if kind == "spares":
+        # Room for the second kill: the consumer holds attempt 2's first step while the spare
+        # is refilled, and the ranks must still have steps to take after the window fills.
+        changes["at"] = min(drawn.at, drawn.steps - 9)
+    if kind in ("elastic", "driver_killed"):
+        changes.update(workers=2, rank=drawn.rank % 2, rank2=1 - drawn.rank % 2)
+    return replace(drawn, **changes)
 
 
 @dataclass
@@ -115,8 +196,10 @@ class Env:
 
     root: Path
     cluster: Any = None
-    #: The node a node_lost scenario removes, added before the scenario starts.
+    #: The node a node_lost or elastic scenario removes, added before the scenario starts.
     node: Any = None
+    #: The scenario's event-loop heartbeat (a kind that must block the loop excuses that stall).
+    beat: Any = None
 
 
 @dataclass
