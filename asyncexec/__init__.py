@@ -4,15 +4,20 @@ Start N workers, run one function on all of them, and read what they report as a
 of per-step results; failures restart the whole group under a tenacity policy and resume from the
 latest checkpoint.
 
-The names below are loaded on first use (PEP 562): a worker process imports only the light
-worker side (``asyncexec._worker``, ``_protocol``, ``_errors``, ``_checkpoint``), never the
-driver's modules (anyio task groups, tenacity, structlog), so it costs about what a plain Ray
-actor costs.
+Which side a process imports is decided when it imports asyncexec. A Ray worker process imports
+only the light worker side (``asyncexec._worker``, ``_protocol``, ``_errors``, ``_checkpoint``),
+never the driver's modules (anyio task groups, tenacity, structlog), so it costs about what a plain
+Ray actor costs; the driver-side names stay loadable there on first use (PEP 562). Any other
+process is a driver and imports the driver side with asyncexec itself: otherwise the first touch
+of ``asyncexec.Executor`` would import it, on whatever thread touched it; in a service, on the
+event loop at the first request, which then stalls for the whole import (about 100 ms).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -91,6 +96,26 @@ def __getattr__(name: str) -> Any:
     return globals()[name]
 
 
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray worker. Ray connects a worker, which sets its mode, before
+    the worker runs any code of the application (unpickling an actor class or a function is what
+    imports asyncexec there); a process that has not imported Ray is not a worker."""
+    ray_worker = sys.modules.get("ray._private.worker")
+    if ray_worker is None:
+        return False
+    return bool(ray_worker.global_worker.mode == ray_worker.WORKER_MODE)
+
+
+def _load_driver_side() -> None:
+    """Load every public name now, while the program imports, not on its event loop later."""
+    for home in sorted(set(_EXPORTS.values())):
+        _load(home)
+    # anyio imports its asyncio backend at its first call in a running event loop, which would
+    # be asyncexec's first entry: import it now too (about 6 ms).
+    if importlib.util.find_spec("anyio._backends._asyncio") is not None:
+        importlib.import_module("anyio._backends._asyncio")
+
+
 def __dir__() -> list[str]:
     return sorted([*__all__, "__version__"])
 
@@ -149,3 +174,5 @@ else:
     _load("_protocol")
     _load("_worker._session")
     _load("_worker._channel")
+    if not _in_ray_worker():
+        _load_driver_side()

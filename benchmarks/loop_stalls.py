@@ -81,7 +81,7 @@ class Monitor:
         self.samples: list[tuple[float, float, tuple[Frame, ...], list[str]]] = []
         # (perf_counter, the loop thread's CPU s, the driver process's CPU s)
         self.ticks: list[tuple[float, float, float]] = []
-        self.gcs: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self.gcs: list[tuple[float, float, int, int]] = []  # (start, end, generation, collected)
         self._gc_start = 0.0
         self._stop = threading.Event()
         self._loop_thread = threading.get_ident()
@@ -117,7 +117,8 @@ class Monitor:
         if phase == "start":
             self._gc_start = time.perf_counter()
         else:
-            self.gcs.append((self._gc_start, time.perf_counter(), int(info["generation"])))
+            end = time.perf_counter()
+            self.gcs.append((self._gc_start, end, int(info["generation"]), int(info["collected"])))
 
     def start(self) -> None:
         gc.callbacks.append(self._on_gc)
@@ -219,11 +220,12 @@ def stalls_of(monitor: Monitor, rounds: list[tuple[int, float, float]]) -> list[
         number, t0 = next(((n, a) for n, a, b in rounds if a <= woke <= b), (-1, due))
         sites = Counter(_site(x[2]) for x in monitor.samples if x[0] == due)
         others = Counter(o for x in monitor.samples if x[0] == due for o in x[3])
-        gc_s = sum(min(e, woke) - max(s, due) for s, e, _ in monitor.gcs if s < woke and e > due)
-        gens = [g for s, e, g in monitor.gcs if s < woke and e > due]
+        gcs = [c for c in monitor.gcs if c[0] < woke and c[1] > due]
+        gc_s = sum(min(e, woke) - max(s, due) for s, e, _, _ in gcs)
         loop_cpu, process_cpu = monitor.cpu(due, woke)
         if gc_s >= wall / 2:
-            cause = f"gc gen{max(gens)} ({gc_s * 1e3:.0f} ms)"
+            cause = f"gc gen{max(c[2] for c in gcs)} ({gc_s * 1e3:.0f} ms, "
+            cause += f"{sum(c[3] for c in gcs):,} objects collected)"
         elif loop_cpu >= wall / 2:
             cause = sites.most_common(1)[0][0] if sites else "the loop's code (no sample)"
         elif process_cpu - loop_cpu >= wall / 2:
@@ -281,13 +283,13 @@ async def serve(rounds: int) -> list[Stall]:
     return stalls_of(monitor, marks)
 
 
-def driver(rounds: int) -> None:
+def driver(rounds: int, freeze: bool) -> None:
     """One fresh driver (a child process): prints its stalls as one JSON line."""
     import ray
 
     import asyncexec
 
-    before = set(sys.modules)
+    preloaded = "asyncexec._driver._executor" in sys.modules
     ray.init(
         address="local",
         num_cpus=4,
@@ -295,8 +297,10 @@ def driver(rounds: int) -> None:
         log_to_driver=False,
         _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
     )
-    imported_by_init = any(m.startswith("asyncexec._driver") for m in set(sys.modules) - before)
-    preloaded = "asyncexec._driver._executor" in sys.modules
+    if freeze:
+        gc.collect()
+        gc.freeze()  # what start-up made is never walked by a collection again
+    tracked = len(gc.get_objects())
     try:
         found = asyncio.run(serve(rounds))
     finally:
@@ -305,7 +309,9 @@ def driver(rounds: int) -> None:
         json.dumps(
             {
                 "version": asyncexec.__version__,
-                "driver_preloaded": preloaded or imported_by_init,
+                "driver_preloaded": preloaded,
+                "tracked": tracked,
+                "frozen": gc.get_freeze_count(),
                 "stalls": [asdict(s) for s in found],
             }
         )
@@ -321,7 +327,11 @@ def _worst(stalls: list[dict[str, Any]], number: int) -> float:
 
 def report(results: list[dict[str, Any]], rounds: int, show_sites: bool) -> None:
     for d, result in enumerate(results, 1):
-        print(f"\ndriver {d} (driver side imported before the loop: {result['driver_preloaded']})")
+        print(
+            f"\ndriver {d}: driver side imported before the loop: {result['driver_preloaded']}; "
+            f"objects the collector tracks when the loop starts: {result['tracked']:,} "
+            f"(frozen: {result['frozen']:,})"
+        )
         for number in range(rounds + 1):
             mine = sorted(
                 (s for s in result["stalls"] if s["round"] == number), key=lambda s: -s["ms"]
@@ -360,10 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drivers", type=int, default=3, help="fresh driver processes")
     parser.add_argument("--rounds", type=int, default=6, help="rounds per driver")
     parser.add_argument("--stacks", action="store_true", help="each stall's commonest sites")
+    parser.add_argument(
+        "--freeze", action="store_true", help="gc.freeze() after start-up, before the loop"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        driver(args.rounds)
+        driver(args.rounds, args.freeze)
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
@@ -374,7 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     for d in range(args.drivers):
         print(f"driver {d + 1} of {args.drivers} ...", file=sys.stderr, flush=True)
         done = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds)],
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                "--rounds",
+                str(args.rounds),
+                *(["--freeze"] if args.freeze else []),
+            ],
             env=env,
             capture_output=True,
             text=True,

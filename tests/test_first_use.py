@@ -4,12 +4,14 @@ that consumes a run, the library's logs, and the smaller surprises."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -345,3 +347,94 @@ async def test_same_named_checkpoint_files_of_two_ranks_are_refused_unless_ident
                 pass
         assert isinstance(info.value.__cause__, FileExistsError)
         assert re.search(r"already written by another rank", str(info.value))
+
+
+# What `import asyncexec` imports: the driver side in a driver, the light side in a worker ----
+
+#: What a Ray worker must never import: the driver's libraries and asyncexec's driver side.
+_DRIVER_SIDE = ("anyio", "structlog", "tenacity", "asyncexec._driver")
+
+
+def _driver_side(modules: list[str]) -> list[str]:
+    return sorted(m for m in modules if m.startswith(_DRIVER_SIDE))
+
+
+def _fresh(code: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; it prints its findings as its last line, in JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+        check=True,
+    )
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_a_driver_imports_the_driver_side_with_asyncexec_itself() -> None:
+    """In a driver, ``import asyncexec`` imports the driver side, so that neither the first
+    touch of a public name nor a first executor's whole life (in a service: on the event loop,
+    at the first request) imports anything. Local mode: the same driver code, without Ray."""
+    found = _fresh(
+        """
+        import asyncio, json, sys
+        import asyncexec
+
+        def fn():
+            asyncexec.report({"i": 0})
+
+        async def first_request():
+            async with asyncexec.Executor(2, local=True) as ex:
+                return [s.index async for s in ex.run(fn)]
+
+        loaded = set(sys.modules)
+        for name in asyncexec.__all__:
+            getattr(asyncexec, name)
+        touched = set(sys.modules) - loaded
+        steps = asyncio.run(first_request())
+        used = set(sys.modules) - loaded - touched
+        print(json.dumps({
+            "loaded": sorted(loaded), "touched": sorted(touched), "used": sorted(used),
+            "steps": steps,
+        }))
+        """
+    )
+    assert "asyncexec._driver._executor" in found["loaded"]
+    assert found["touched"] == []
+    assert found["steps"] == [0]
+    assert found["used"] == []
+
+
+def test_in_ray_worker_mode_asyncexec_imports_only_the_light_side() -> None:
+    """In a process in Ray's worker mode (which Ray sets before a worker runs any application
+    code), ``import asyncexec`` and the worker-side API import nothing of the driver side."""
+    found = _fresh(
+        """
+        import json, sys
+        import ray._private.worker as ray_worker
+        ray_worker.global_worker.mode = ray_worker.WORKER_MODE
+        import asyncexec
+        from asyncexec._worker import _actor
+        asyncexec.report, asyncexec.get_context, asyncexec.Checkpoint, asyncexec.WorkerError
+        print(json.dumps({"modules": sorted(sys.modules)}))
+        """
+    )
+    assert "asyncexec._worker._actor" in found["modules"]
+    assert _driver_side(found["modules"]) == []
+
+
+@ray.remote(num_cpus=0)
+def _driver_modules_here() -> list[str]:
+    # A real Ray worker imported this test module, and with it asyncexec, to run this task.
+    return sorted(m for m in sys.modules if m.startswith("asyncexec._driver"))
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_a_real_ray_worker_that_imports_asyncexec_imports_no_driver_module() -> None:
+    # A runtime environment of its own: a fresh worker process, none that ran other tests' tasks.
+    fresh = _driver_modules_here.options(runtime_env={"env_vars": {"FIRST_USE_TEST": "1"}})
+    assert await fresh.remote() == []
