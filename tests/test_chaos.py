@@ -214,6 +214,9 @@ def test_group_invariants_accept_what_the_semantics_allow() -> None:
     assert chaos.check_resizes(sized, most=4) == []
     assert chaos.sized_complete(sized, [45] * 4, total=10) == []
     assert chaos.check_channel(_CHANNEL_OK, _PUSHES, _INSTALLED) == []
+    # A replaced rank of an unaligned stream counts from 0 again (no checkpoints).
+    ticks = _unaligned([(0, 1, [0, 1]), (1, 1, [0]), (1, 2, [0, 1]), (0, 1, [2])])
+    assert chaos.check_ticks(ticks, workers=2, unaligned=True) == []
     second = [(9, 9, 2), (10, 10, 2), (11, 11, 2), (12, 12, 2), (13, 13, 2)]
     assert (
         chaos.check_resumed(_FIRST, second, checkpoint_index=8, recorded_attempt=1, total=14) == []
@@ -337,6 +340,12 @@ _GROUP_BROKEN: dict[str, tuple[Callable[[], list[tuple[str, str]]], str]] = {
     # Weight channels.
     "learner's stream skips a step": (
         lambda: chaos.check_ticks(_sized([(1, 1, [0, 1, 3])]), workers=1),
+        "consecutive",
+    ),
+    "replaced rank's stream skips a step": (
+        lambda: chaos.check_ticks(
+            _unaligned([(0, 1, [0, 1]), (1, 1, [0]), (1, 2, [0, 2])]), workers=2, unaligned=True
+        ),
         "consecutive",
     ),
     "push raised something else": (lambda: _bad_channel("raised"), "push_outcome"),

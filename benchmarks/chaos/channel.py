@@ -1,7 +1,8 @@
 """The weight channel's scenarios: a source executor (one rank, ``learner``) and a target
-executor (``rollout``) joined by a :class:`asyncexec.WeightChannel`, both runs going on while the
-driver tags the source's state and pushes it; the source's rank or a target rank is SIGKILLed
-during one push. ``RUNNERS`` maps these kinds to their coroutine."""
+executor (``rollout``, its ranks independent when ``flag`` is drawn) joined by a
+:class:`asyncexec.WeightChannel`, both runs going on while the driver tags the source's state and
+pushes it; the source's rank or a target rank is SIGKILLed during one push. ``RUNNERS`` maps
+these kinds to their coroutine."""
 
 from __future__ import annotations
 
@@ -100,7 +101,10 @@ async def _channel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
             ) as channel,
         ):
             driver = _Pushes(source, channel, pushes)
-            runs = {"source": source.run(learner, config), "target": target.run(rollout, config)}
+            runs = {
+                "source": source.run(learner, config),
+                "target": target.run(rollout, config, independent=sc.flag),
+            }
 
             async def until_stop(step: asyncexec.Step) -> bool:
                 return stop.is_set()
@@ -119,7 +123,8 @@ async def _channel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
     out.steps = len(seen["target"].steps)
     cancelled = _cancelled(out, sc, scope, t0)
     for side, workers in (("source", 1), ("target", sc.workers)):
-        for problem in check_ticks(seen[side].steps, workers=workers):
+        unaligned = side == "target" and sc.flag
+        for problem in check_ticks(seen[side].steps, workers=workers, unaligned=unaligned):
             out.fail(*problem)
         if seen[side].error is not None:
             out.fail("finished", f"the {side}'s run ended with {seen[side].error!r}")

@@ -251,20 +251,31 @@ def sized_complete(
 # Weight channels ----------------------------------------------------------------------------------
 
 
-def check_ticks(steps: Sequence[asyncexec.Step], *, workers: int) -> list[Problem]:
+def check_ticks(
+    steps: Sequence[asyncexec.Step], *, workers: int, unaligned: bool = False
+) -> list[Problem]:
     """A stream of ``learner`` or ``rollout`` (no checkpoints): indices 0, 1, 2, ...; one report
-    per rank, all of the same step and of the step's attempt; every attempt counts from 0."""
+    per rank (``unaligned``: one report per step, of the step's rank), all of the same step and
+    of the step's attempt; every attempt (of each rank, when unaligned) counts from 0."""
     problems = _index(steps)
+    rows: dict[int | None, list[tuple[int, int, bool]]] = {}
     for s in steps:
         ranks = [r.rank for r in s.reports]
         said = {(r.metrics["step"], r.metrics["attempt"]) for r in s.reports}
-        if ranks != list(range(workers)) or len(said) != 1:
+        want = [s.rank] if unaligned and s.rank in range(workers) else list(range(workers))
+        if ranks != want or len(said) != 1:
             problems.append(("same_step", f"step {s.index}: ranks {ranks} said {sorted(said)}"))
         elif s.attempt != next(iter(said))[1]:
             problems.append(("attempt_number", f"step {s.index} of {s.attempt} said {said}"))
+        else:
+            rows.setdefault(s.rank if unaligned else None, []).append(
+                (s.attempt, s.reports[0].metrics["step"], False)
+            )
     if problems:
         return problems
-    return check_attempts([(s.attempt, s.reports[0].metrics["step"], False) for s in steps])
+    for rank, ranked in rows.items():
+        problems += check_attempts(ranked, who="" if rank is None else f"rank {rank}: ")
+    return problems
 
 
 def check_channel(

@@ -116,8 +116,10 @@ class Scenario:
             "pool_closing": f" kill_after={self.delay_s:.2f}s",
             "spares": f" second_kill_rank={self.rank2 if self.flag else None} pooled={self.alt}",
             "reservation": f" victim={'b' if self.flag else 'a'}",
-            "channel_source": f" transport={self.transport} kill_at={self.delay_s:+.2f}s",
-            "channel_target": f" transport={self.transport} kill_at={self.delay_s:+.2f}s",
+            "channel_source": f" transport={self.transport} independent_target={self.flag} "
+            f"kill_at={self.delay_s:+.2f}s",
+            "channel_target": f" transport={self.transport} independent_target={self.flag} "
+            f"kill_at={self.delay_s:+.2f}s",
             "independent": f" spares={int(self.alt)}",
             "elastic": f" fresh_group={self.alt}",
             "driver_killed": "",
