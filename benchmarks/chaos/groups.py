@@ -193,6 +193,8 @@ async def _pool_closing(sc: Scenario, env: Env, out: Outcome, directory: Path) -
 
             async def killer() -> None:
                 await broke.wait()
+                if not killed or "break" not in timing:
+                    return  # the executor never ran: nothing to kill
                 await anyio.sleep(sc.delay_s)
                 timing["kill"] = time.time()
                 if not _kill(killed[0]):
@@ -215,12 +217,15 @@ async def _pool_closing(sc: Scenario, env: Env, out: Outcome, directory: Path) -
                     out.fail(
                         "clean_exit", f"leaving the executor raised {type(exc).__name__}: {exc}"
                     )
+                finally:
+                    broke.set()
                 timing["closed"] = time.time()
                 took = timing["closed"] - timing.get("break", timing["closed"])
                 if took > STOP_BOUND_S:
                     out.fail("stop_time", f"closing the executor took {took:.1f} s")
             _prefix(out, sc, seen)
-            await _wait_dead(killed[0])
+            if killed:
+                await _wait_dead(killed[0])
             await _refilled(out, pool, killed, timing.get("kill"))
             await _lease_all(out, sc, env, pool, killed, directory)
     out.steps = len(seen.steps)

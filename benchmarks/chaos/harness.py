@@ -311,13 +311,17 @@ def _cancelled(out: Outcome, sc: Scenario, scope: anyio.CancelScope, t0: float) 
     bound of the cancel."""
     if not scope.cancelled_caught or sc.cancel_s is None:
         if sc.cancel_s is not None:
-            out.note = "finished before the cancel"
+            _add_note(out, "finished before the cancel")
         return False
     took = time.time() - (t0 + sc.cancel_s)
-    out.note = f"cancelled, returned {took:.2f} s later"
+    _add_note(out, f"cancelled, returned {took:.2f} s later")
     if took > STOP_BOUND_S:
         out.fail("stop_time", f"the cancelled task returned {took:.1f} s after the cancel")
     return True
+
+
+def _add_note(out: Outcome, note: str) -> None:
+    out.note = f"{note}; {out.note}" if out.note else note
 
 
 def _alive(pid: int) -> bool:

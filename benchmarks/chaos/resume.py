@@ -97,8 +97,8 @@ async def _driver_killed(sc: Scenario, env: Env, out: Outcome, directory: Path) 
     config.update(dir=str(directory / "tmp"), fault=None)
     address = ray.get_runtime_context().gcs_address
     args = [address, str(storage), name, json.dumps(config)]
-    cancel = [] if sc.cancel_s is None else [f"{sc.cancel_s:.3f}"]
-    first = _Driver(args + cancel, directory / "first.err")
+    options = {"buffer": sc.buffer, "slow": sc.slow, "cancel_s": sc.cancel_s}
+    first = _Driver([*args, json.dumps(options)], directory / "first.err")
     stopped: float | None = None
     try:
         async for line in first.lines():
@@ -122,7 +122,7 @@ async def _driver_killed(sc: Scenario, env: Env, out: Outcome, directory: Path) 
     if found:
         out.fail("dead_driver_workers_gone", f"after the first driver ended: {found}")
     record = await anyio.to_thread.run_sync(_record, storage, name)
-    second = _Driver(args, directory / "second.err")
+    second = _Driver([*args, json.dumps({**options, "cancel_s": None})], directory / "second.err")
     try:
         async for _ in second.lines():
             pass
