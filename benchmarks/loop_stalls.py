@@ -2,6 +2,7 @@
 
     python benchmarks/loop_stalls.py                  # 3 fresh drivers x 6 rounds each
     python benchmarks/loop_stalls.py --drivers 1 --rounds 10 --stacks
+    python benchmarks/loop_stalls.py --freeze         # gc.freeze() after start-up
 
 Each driver is a fresh process that does what a service does: imports asyncexec at the top,
 starts Ray before its event loop (``ray.init``, pre-started workers off so that every round
@@ -24,8 +25,8 @@ innermost asyncexec frame of the commonest sample (and the innermost frame when 
 running, other processes were). Each driver's 1 s idle baseline (heartbeat alone, before round
 1) shows the machine's own stalls.
 
-The parent prints each driver's stalls per round and then, over all drivers, the medians of the
-first round's worst stall and of the later rounds' worst stalls.
+The parent prints each driver's stalls per round and then, over all drivers, the median of each
+driver's worst stall in round 1 and of its worst stall in any later round.
 """
 
 from __future__ import annotations
@@ -354,15 +355,18 @@ def report(results: list[dict[str, Any]], rounds: int, show_sites: bool) -> None
                     for site, n in s["others"]:
                         print(f"        {n:3d} x meanwhile {site}")
     firsts = [_worst(r["stalls"], 1) for r in results]
-    laters = [_worst(r["stalls"], n) for r in results for n in range(2, rounds + 1)]
+    laters = [max(_worst(r["stalls"], n) for n in range(2, rounds + 1)) for r in results]
     idles = [_worst(r["stalls"], 0) for r in results]
     print(
-        f"\nworst stall per round, median over {len(results)} driver(s): "
-        f"round 1 {statistics.median(firsts):.0f} ms (each: "
-        + ", ".join(f"{x:.0f}" for x in firsts)
-        + f"); rounds 2-{rounds} {statistics.median(laters):.0f} ms (max {max(laters):.0f}); "
-        f"idle baseline {statistics.median(idles):.0f} ms"
+        f"\nworst stall, median over {len(results)} driver(s) (each driver's): round 1 "
+        f"{statistics.median(firsts):.0f} ms ({_each(firsts)}); rounds 2-{rounds} "
+        f"{statistics.median(laters):.0f} ms ({_each(laters)}); idle 1 s "
+        f"{statistics.median(idles):.0f} ms ({_each(idles)})"
     )
+
+
+def _each(values: list[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values)
 
 
 def main(argv: list[str] | None = None) -> int:
