@@ -1,10 +1,11 @@
 """A short, fixed-seed subset of the chaos runner (``benchmarks.chaos``) against the shared local
 Ray: one scenario of every fast kind (kills at steps, in start-up, in a restart's start-up and wait,
 in shutdown, between runs, beside another executor; hangs; cancellation; user errors; exhausted
-restarts), and of every group kind but the elastic one (pools, spares, reservations, weight
-channels, independent ranks, a named run's driver killed) once with its fault and once cancelled
-at a drawn moment, each checked by the runner's invariants. Before them, the invariants themselves
-are shown to catch broken streams and records, so a green run means something."""
+restarts), and of every group kind (pools, spares, reservations, weight channels, independent
+ranks, a named run's driver killed; an elastic group losing a node, on a Cluster of its own) with
+its fault and cancelled at drawn moments, each checked by the runner's invariants. Before them,
+the invariants themselves are shown to catch broken streams and records, so a green run means
+something."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 import asyncexec
 from benchmarks import chaos
+from benchmarks.chaos.groups import SLOT
 
 SEED = 20261130
 
@@ -510,3 +512,19 @@ async def test_group_scenario_keeps_every_promise(kind: str, number: int, tmp_pa
     _assert_passed(outcome)
     if number in (_FAULTED, _FAULTED_SLOW):  # a cancel may land in start-up, before any step
         assert outcome.steps > 0
+
+
+@pytest.mark.multinode
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_elastic_group_goes_on_smaller_and_grows_back(
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+) -> None:
+    """The elastic kind on a Cluster of its own (each scenario adds the node it removes): a
+    fresh group after the loss (scenario 1), the survivors kept (6), cancelled at 2.9 s (18)."""
+    cluster = make_cluster([{"num_cpus": 4, "resources": {SLOT: 2}}])
+    for number in (1, 6, 18):
+        outcome = await chaos.run_scenario(
+            _group_scenario("elastic", number), chaos.Env(tmp_path, cluster)
+        )
+        _assert_passed(outcome)
