@@ -61,9 +61,9 @@ SLOT = "chaos_slot"
 Runner = Callable[[Scenario, Env, Outcome, Path], Awaitable[None]]
 
 
-def _prefix(out: Outcome, sc: Scenario, seen: _Seen, workers: int | None = None) -> None:
+def _prefix(out: Outcome, sc: Scenario, seen: _Seen) -> None:
     """What a cancelled scenario's consumer saw: a valid prefix of the stream, and no error."""
-    for problem in check_stream(seen.steps, workers=workers or sc.workers, every=sc.every):
+    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
         out.fail(*problem)
     if seen.error is not None:
         out.fail("finished", f"the stream ended with {type(seen.error).__name__}: {seen.error}")
