@@ -22,9 +22,19 @@ def _forbidden(modules: list[str]) -> list[str]:
     return sorted(m for m in modules if m in FORBIDDEN or m.startswith(FORBIDDEN[4] + "."))
 
 
+#: Puts a fresh interpreter in Ray's worker mode, as Ray does in a worker before it runs any code
+#: of the application: ``import asyncexec`` anywhere else imports the driver side too.
+_AS_A_WORKER = "import ray._private.worker as w\nw.global_worker.mode = w.WORKER_MODE\n"
+
+
 def _fresh_import(code: str) -> list[str]:
-    """Run ``code`` in a fresh interpreter and return the modules it has imported."""
-    script = textwrap.dedent(code) + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    """Run ``code`` in a fresh interpreter in Ray's worker mode and return the modules it has
+    imported."""
+    script = (
+        _AS_A_WORKER
+        + textwrap.dedent(code)
+        + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )

@@ -35,6 +35,7 @@ from ._elastic import Resize
 from ._group import WorkerGroup, with_others
 from ._health import declare_hung, find_dead, watch, watch_steps
 from ._independent import IndependentRun
+from ._interrupt import hurried_away
 from ._metrics import RunMeter, metrics
 from ._restart import RestartPolicy
 from ._resume import RECORD_INTERVAL_S, Resume, RunRecord, decide, load_record, save_record
@@ -515,8 +516,12 @@ class RunDriver:
             return
         self._session_live = False
         timeout = self.config.stop_timeout_s
-        late = await group.stop_each(group.workers, timeout)
-        if late:
+        with hurried_away() as hurry:
+            late = await group.stop_each(group.workers, timeout)
+        if hurry.cancelled_caught:  # a second Ctrl-C: no waiting, no stacks
+            self.log.warning("run_stop_hurried")
+            await self.slot.discard(force=True)
+        elif late:
             hung: list[AsyncExecError] = []
             detail = f"its function did not end within {timeout:g} s of the run being stopped"
             await declare_hung(group, [group.workers[r] for r in late], detail, hung.append)

@@ -29,6 +29,7 @@ from .._errors import (
 from .._protocol import WorkerContext
 from ..backends._base import Backend
 from ._attempts import RunDriver, RunSpec
+from ._interrupt import defer_interrupts, restore_interrupts
 from ._logging import get_logger
 from ._metrics import metrics
 from ._pool import WorkerPool
@@ -280,6 +281,7 @@ class Executor:
         self._run: RunCore | None = None
         self._result: RunResult | None = None
         self._closed = anyio.Event()
+        self._interrupts = False  # whether this executor defers SIGINT (see _interrupt)
         self._stats = {
             "runs_started": 0,
             "runs_finished": 0,
@@ -308,6 +310,7 @@ class Executor:
         elif self._state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self._state.value}")
         self._state = ExecutorState.STARTING
+        self._interrupts = defer_interrupts()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._slot.tg = self._tg
@@ -326,9 +329,12 @@ class Executor:
             self._release_claim()
             self._state = ExecutorState.CLOSED
             self._closed.set()
-            # Exit the task group in this task's own scope (no shield around it: anyio requires
-            # the group's scope to be the innermost one). It has no tasks yet.
-            await self._tg.__aexit__(None, None, None)
+            try:
+                # Exit the task group in this task's own scope (no shield around it: anyio
+                # requires the group's scope to be the innermost one). It has no tasks yet.
+                await self._tg.__aexit__(None, None, None)
+            finally:
+                self._restore_interrupts()
             raise
         return self
 
@@ -346,7 +352,10 @@ class Executor:
                 # What is left (a spare still starting in the background, a run task that
                 # outlived aclose()'s bound) is cancelled: leaving never waits without a bound.
                 tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
+                try:
+                    await tg.__aexit__(None, None, None)
+                finally:
+                    self._restore_interrupts()
 
     async def aclose(self, *, force: bool = False) -> None:
         """Stop any run and tear the group down; ``force`` skips the graceful part. Shielded,
@@ -385,6 +394,11 @@ class Executor:
         if spec.datasets is not None:
             raise ConfigurationError("a run of independent ranks does not take datasets")
         return replace(spec, independent=True)
+
+    def _restore_interrupts(self) -> None:
+        if self._interrupts:
+            self._interrupts = False
+            restore_interrupts()
 
     def _release_claim(self) -> None:
         if self._claim is not None and self.reservation is not None:

@@ -9,6 +9,7 @@ idempotent; when it returns, the actors are dead and the placement group is remo
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -24,12 +25,14 @@ from .._protocol import Outcome, WorkerContext, WorkerMetadata
 from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import backend_error, call_error, outcome_error
+from ._interrupt import hurried_away
 from ._local import LocalWorker, is_local
 from ._logging import get_logger
 from ._placement import Placement
 from ._workers import Standby, WorkerInfo
 
 __all__ = [
+    "CREATING",
     "WorkerGroup",
     "actor_options",
     "device_envs",
@@ -40,6 +43,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: Held while worker actors are created, by every thread of the process: Ray checks whether the
+#: actor class is exported without a lock, so executors starting at once each exported it again
+#: (about 15 ms of the GIL each, stalling the event loop in the first round of a service).
+CREATING = threading.Lock()
 #: Where the failures of teardown calls are logged (they never raise: teardown goes on).
 _log = get_logger(component="cluster")
 
@@ -472,7 +479,8 @@ class WorkerGroup:
             actors += self._starting
             try:
                 if not force:
-                    await self._close_gracefully(actors)
+                    with hurried_away():
+                        await self._close_gracefully(actors)
             finally:
                 # Whatever happened above, nothing of the group may be left behind.
                 await kill_all(actors, self.placement, self.deaths, self.config.shutdown_timeout_s)
@@ -485,7 +493,7 @@ class WorkerGroup:
         broken). The others are killed by the pool, which refills."""
         clean = [False] * len(self.workers)
         timeout = self.config.stop_timeout_s
-        with anyio.move_on_after(self.config.shutdown_timeout_s + timeout):
+        with anyio.move_on_after(self.config.shutdown_timeout_s + timeout), hurried_away():
             if self.backend is None or not force:
                 try:
                     await self.run_backend_hook("on_shutdown")
@@ -537,7 +545,8 @@ def spawn(options: dict[str, Any], n: int) -> list[tuple[ActorHandle, Any]]:
     """Create ``n`` workers and ask each to describe itself. Blocking: call it in a thread (the
     first actor of a class exports it synchronously, and the first call on an actor still being
     created waits for its handle)."""
-    actors = [WorkerActor.options(**options).remote() for _ in range(n)]
+    with CREATING:
+        actors = [WorkerActor.options(**options).remote() for _ in range(n)]
     return [(actor, actor.describe.remote()) for actor in actors]
 
 

@@ -182,10 +182,13 @@ class Run:
         core.mark_consumed()
         try:
             item = await self._receive.receive()
-        except anyio.get_cancelled_exc_class():
+        except anyio.get_cancelled_exc_class() as exc:
             # The consumer was cancelled while it waited for a step (its task cancelled, a
             # timeout around the loop): nobody will read the rest, so the run stops now.
             core.cancel()
+            # The stream's receive waits inside its own ``except WouldBlock``: that internal
+            # error is no context of the cancellation (it doubled a Ctrl-C's traceback).
+            exc.__suppress_context__ = True
             raise
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             core.closed = True

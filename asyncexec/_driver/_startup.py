@@ -24,7 +24,7 @@ from .._ranks import assign_ranks, order_workers
 from .._worker._actor import WorkerActor
 from ..backends._base import Backend
 from ._boundary import startup_error
-from ._group import WorkerGroup, actor_options, device_envs, kill_all
+from ._group import CREATING, WorkerGroup, actor_options, device_envs, kill_all
 from ._local import LocalWorker
 from ._metrics import metrics
 from ._placement import Placement, create_placement, current_parent, wait_placement_ready
@@ -48,9 +48,12 @@ def _request(
     options = actor_options(config)
     actors: list[ActorHandle] = []
     try:
-        for i in range(config.num_workers + config.spares):
-            strategy = placement.strategy(i)
-            actors.append(WorkerActor.options(scheduling_strategy=strategy, **options).remote())
+        with CREATING:
+            for i in range(config.num_workers + config.spares):
+                strategy = placement.strategy(i)
+                actors.append(
+                    WorkerActor.options(scheduling_strategy=strategy, **options).remote()
+                )
     except Exception as exc:
         # Ray refused the options (a resource amount below its precision, a fractional amount of
         # a whole-unit accelerator, a runtime_env it cannot read).
