@@ -50,6 +50,26 @@ async def _wait_until(predicate: Any, timeout_s: float = 30.0) -> None:
             await anyio.sleep(0.05)
 
 
+async def test_break_stops_a_run_held_in_a_variable_and_the_next_run_is_accepted() -> None:
+    """With the Run in a variable, ``break`` left it running (only garbage collection stopped
+    it) and the next ``run()`` was refused."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        run = ex.run(forever)
+        async for step in run:
+            if step.index == 2:
+                break
+        second = ex.run(few, {"steps": 2})  # accepted at once; it waits for the first to stop
+        with anyio.fail_after(30):
+            await run.wait_finished()
+        assert run.state is asyncexec.RunState.CANCELLED
+        assert [s.index for s in [s async for s in second]] == [0, 1]
+        # Read without a loop (``__anext__``), a run is not stopped by anything but aclose().
+        third = ex.run(few, {"steps": 3})
+        assert (await third.__anext__()).index == 0
+        assert third.state is not asyncexec.RunState.CANCELLED
+        await third.aclose()
+
+
 async def test_break_stops_the_run_and_the_executor_runs_again() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         run = ex.run(forever)

@@ -546,7 +546,8 @@ class Executor:
                 raise ConfigurationError("an elastic executor does not run independent ranks")
         if self._run is not None and self._run.active and not self._run.closed:
             raise ExecutorStateError(
-                f"run {self._run.run_id} is in progress; close it or let it finish first"
+                f"run {self._run.run_id} is in progress: leave its `async for` (break), call "
+                "its aclose(), or let it finish first"
             )
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(spec.name or new_run_id())

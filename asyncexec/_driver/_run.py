@@ -19,6 +19,7 @@ import enum
 import time
 import uuid
 import weakref
+from collections.abc import Coroutine
 from typing import Any
 
 import anyio
@@ -112,8 +113,9 @@ class Run:
     ``async for step in run`` yields each step once every rank has reported it. The iterator ends
     when the function has returned on every rank; :attr:`result` then holds each rank's return
     value and the latest checkpoint. It raises the error that ended the run, if one did.
-    Breaking out of the loop and calling :meth:`aclose` (or ``async with run:``), cancelling the
-    task that reads it, or dropping the iterator stops the run.
+    Leaving the ``async for`` early (``break``, an exception), :meth:`aclose` (or
+    ``async with run:``), cancelling the task that reads it, or dropping the run stops the run;
+    :meth:`aclose` also waits until its workers have stopped.
     """
 
     def __init__(self, core: RunCore, receive: MemoryObjectReceiveStream[Any]) -> None:
@@ -124,7 +126,8 @@ class Run:
         self._len = 0
         # Dropping the iterator stops the run. The finalizer may run in any thread and in the
         # middle of any code: it only asks the event loop to cancel, at a safe point.
-        weakref.finalize(self, _cancel_soon, core, asyncio.get_running_loop()).atexit = False
+        self._loop = asyncio.get_running_loop()
+        weakref.finalize(self, _stop_dropped, core, self._loop).atexit = False
 
     def __repr__(self) -> str:
         core = self._core
@@ -167,8 +170,10 @@ class Run:
             raise ExecutorStateError(f"run {core.run_id} has no result: it is {core.state.value}")
         return core.result
 
-    def __aiter__(self) -> Run:
-        return self
+    def __aiter__(self) -> _Loop:
+        # Each ``async for`` gets an iterator of its own: when the loop is left early (break, an
+        # exception), it is dropped and the run stops, also while the Run is held in a variable.
+        return _Loop(self, self._loop)
 
     async def __anext__(self) -> Step:
         pos = self._pos
@@ -221,7 +226,38 @@ class Run:
         await self.aclose()
 
 
-def _cancel_soon(core: RunCore, loop: asyncio.AbstractEventLoop) -> None:
-    if not core.finished.is_set():
-        with contextlib.suppress(RuntimeError):  # the loop has closed: the run ended with it
-            loop.call_soon_threadsafe(core.cancel)
+class _Loop:
+    """One ``async for`` over a run. It is dropped when the loop ends: early (``break``, an
+    exception leaving the loop), that stops the run; after the last step, nothing is left to
+    stop. ``await run.__anext__()`` reads the run without one."""
+
+    __slots__ = ("__weakref__", "_run")
+
+    def __init__(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
+        self._run = run
+        weakref.finalize(self, _stop_dropped, run._core, loop).atexit = False
+
+    def __aiter__(self) -> _Loop:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, Step]:
+        return self._run.__anext__()
+
+
+def _stop_dropped(core: RunCore, loop: asyncio.AbstractEventLoop) -> None:
+    """Stop a run whose iterator was dropped. A finalizer: it may run in any thread and in the
+    middle of any code. The run counts as closed at once (a new ``run()`` right after a
+    ``break`` is accepted, and waits for this one to stop); the cancellation is made on the
+    run's loop: here when this is that loop's thread (the usual ``break``), else soon."""
+    if core.finished.is_set():
+        return
+    core.closed = True
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        core.cancel()
+        return
+    with contextlib.suppress(RuntimeError):  # the loop has closed: the run ended with it
+        loop.call_soon_threadsafe(core.cancel)
