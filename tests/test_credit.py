@@ -27,7 +27,7 @@ async def test_a_batch_counts_as_consumed_once_the_iterator_moves_past_it() -> N
     without letting it, and credit that lags by that batch could hold a pump for good."""
     send, receive = anyio.create_memory_object_stream[Any](0)
     core = RunCore("run-test")
-    handover = HandOver(core, send, CheckpointBook(None, None, "max"))
+    handover = HandOver(core, send, CheckpointBook(None, None, "max"), lambda paths: None)
     run = Run(core, receive)
     handover.queue(_batch(0, 3))
     handover.queue(_batch(3, 2))

@@ -414,3 +414,37 @@ async def test_execute_works_again_after_a_failed_run() -> None:
         assert sorted(await ex.execute(os.getpid)) != []
         steps = [s async for s in ex.run(counter, {"steps": 3, "every": 10})]
         assert len(steps) == 3
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["aligned", "independent"])
+@pytest.mark.parametrize("error", [OSError, TimeoutError])
+async def test_a_checkpoint_that_cannot_be_deleted_never_fails_the_run(
+    independent: bool, error: type[Exception], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pruning a checkpoint on a store whose ``rm`` fails (here our deletion, made to raise as
+    a remote filesystem's would): it failed an aligned run, a TimeoutError restarted it as a
+    start-up timeout, and in a run of independent ranks it cancelled the caller's body."""
+    import asyncexec._checkpoint
+    import asyncexec._driver._independent
+    import asyncexec._driver._window
+
+    def failing_rm(path: str) -> None:
+        raise error(f"rm {path} failed on the remote store")
+
+    for module in (asyncexec._checkpoint, asyncexec._driver._window, asyncexec._driver._independent):
+        if hasattr(module, "remove_directory"):
+            monkeypatch.setattr(module, "remove_directory", failing_rm)
+    config = {"steps": 6, "every": 1}
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.5},
+        storage_path=tmp_path,
+        checkpoint=asyncexec.CheckpointConfig(num_to_keep=1),
+        restart=asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT),
+    ) as ex:
+        with capture_logs() as logs:
+            steps = [s async for s in ex.run(counter, config, independent=independent)]
+        assert len(steps) == 6 * (2 if independent else 1)
+        assert ex.result.attempts == 1 and ex.result.failures == []
+    failed = [e for e in logs if e["event"] == "checkpoint_prune_failed"]
+    assert failed and "failed on the remote store" in failed[0]["error"]

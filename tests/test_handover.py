@@ -20,7 +20,7 @@ def _batch(first: int) -> StepBatch:
 async def test_a_step_whose_send_is_cancelled_after_the_hand_off_is_not_sent_again() -> None:
     send, receive = anyio.create_memory_object_stream[Any](0)
     core = RunCore("run-test")
-    handover = HandOver(core, send, CheckpointBook(None, None, "max"))
+    handover = HandOver(core, send, CheckpointBook(None, None, "max"), lambda paths: None)
     run = Run(core, receive)
     handover.queue(_batch(0))
     async with anyio.create_task_group() as tg:
@@ -48,7 +48,7 @@ async def test_a_batch_the_iterator_received_is_never_sent_again() -> None:
     batch before the sender runs; the sender's send raises though the batch arrived."""
     send, receive = anyio.create_memory_object_stream[Any](0)
     core = RunCore("run-test")
-    handover = HandOver(core, send, CheckpointBook(None, None, "max"))
+    handover = HandOver(core, send, CheckpointBook(None, None, "max"), lambda paths: None)
     run = Run(core, receive)
     handover.queue(_batch(0))
     handover.queue(_batch(1))

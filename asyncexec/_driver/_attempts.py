@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +37,7 @@ from ._health import declare_hung, find_dead, watch, watch_steps
 from ._independent import IndependentRun
 from ._interrupt import hurried_away
 from ._metrics import RunMeter, metrics
+from ._prune import Pruner
 from ._restart import RestartPolicy
 from ._resume import RECORD_INTERVAL_S, Resume, RunRecord, decide, load_record, save_record
 from ._run import RunCore, RunEnd, RunState
@@ -93,7 +94,8 @@ class RunDriver:
         self.log = slot.log.bind(run_id=run.run_id)
         ckpt = self.config.checkpoint
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
-        self.handover = HandOver(run, send, book)
+        self.pruner = Pruner(self.log)
+        self.handover = HandOver(run, send, book, self.pruner.submit)
         self._send = send
         self._on_end = on_end
         self._payload: Any = None
@@ -219,18 +221,23 @@ class RunDriver:
         return await self._attempts()
 
     async def _recorded(self) -> list[Any]:
-        """The run's work, with a named run's record kept beside it."""
-        if self._record is None:
-            return await self._work()
+        """The run's work, with its helpers beside it: the deletion of the checkpoints it no
+        longer keeps (given ``shutdown_timeout_s`` to finish after the work), and a named
+        run's record."""
         values: list[Any] = []
         error: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._keep_record)
-            try:
-                values = await self._work()
-            except Exception as exc:  # raised below, not wrapped in the task group's group
-                error = exc
-            tg.cancel_scope.cancel()
+        async with anyio.create_task_group() as helpers:
+            helpers.start_soon(self.pruner.serve)
+            async with anyio.create_task_group() as tg:
+                if self._record is not None:
+                    tg.start_soon(self._keep_record)
+                try:
+                    values = await self._work()
+                except Exception as exc:  # raised below, not wrapped in the task group's group
+                    error = exc
+                tg.cancel_scope.cancel()
+            self.pruner.close()
+            helpers.cancel_scope.deadline = anyio.current_time() + self.config.shutdown_timeout_s
         if error is not None:
             raise error
         return values
@@ -417,7 +424,7 @@ class RunDriver:
             tg.start_soon(watch, group, fail)
             try:
                 self._session_live = True
-                with anyio.fail_after(self.config.start_timeout_s):
+                with _startup_deadline(self.config.start_timeout_s):
                     await group.run_backend_hook("on_training_start")
                     for join in self.slot.joiners:  # a channel's latest version, first
                         await join(group)
@@ -449,9 +456,6 @@ class RunDriver:
                 finished = True
             except AsyncExecError as exc:
                 fail(exc)
-            except TimeoutError:
-                timeout = self.config.start_timeout_s
-                fail(StartupTimeoutError("starting the function on the workers", timeout))
             tg.cancel_scope.cancel()
         if failures:
             self.handover.queue(window.asm.take(window.asm.ready))
@@ -536,6 +540,17 @@ class RunDriver:
                 stacks=stacks,
             )
             await self.slot.discard(force=True)
+
+
+@contextlib.contextmanager
+def _startup_deadline(timeout_s: float) -> Iterator[None]:
+    """The deadline of starting an attempt's functions: a :class:`StartupTimeoutError` when it
+    passes (and only then: a ``TimeoutError`` raised by anything after the start is not one)."""
+    scope = anyio.CancelScope(deadline=anyio.current_time() + timeout_s)
+    with scope:
+        yield
+    if scope.cancelled_caught:
+        raise StartupTimeoutError("starting the function on the workers", timeout_s)
 
 
 def _internal(exc: Exception) -> AsyncExecError:

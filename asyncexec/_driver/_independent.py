@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import tenacity
 
-from .._checkpoint import Checkpoint, CheckpointBook, join_path, remove_directory
+from .._checkpoint import Checkpoint, CheckpointBook, join_path
 from .._errors import (
     AsyncExecError,
     ExecutorStateError,
@@ -282,9 +282,8 @@ class IndependentRun:
             ranks=[rank] * count,
         )
         self.handover.queue(batch)
+        self.handover.prune_after(pruned)
         self.arrivals.append([rank, key[1], count])
-        if pruned and self.d.slot.tg is not None:
-            self.d.slot.tg.start_soon(anyio.to_thread.run_sync, _remove_dirs, pruned)
 
     async def _account(self) -> None:
         """Credit each rank with the reports the consumer took, in stream order."""
@@ -304,8 +303,4 @@ class IndependentRun:
             changed, self._changed = self._changed, anyio.Event()
             changed.set()
 
-
-def _remove_dirs(paths: list[str]) -> None:
-    for path in paths:
-        remove_directory(path)
 

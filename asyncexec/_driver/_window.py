@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .._checkpoint import Checkpoint, CheckpointBook, remove_directory
+from .._checkpoint import Checkpoint, CheckpointBook
 from .._errors import AsyncExecError, ReportMismatchError
 from .._protocol import Outcome, Poll
 from ._boundary import call_error, outcome_error
@@ -214,17 +214,30 @@ class HandOver:
     the steps stay queued and are handed over after the failed group is gone, so no completed
     step is lost."""
 
-    def __init__(self, run: RunCore, send: MemoryObjectSendStream[Any], book: CheckpointBook):
+    def __init__(
+        self,
+        run: RunCore,
+        send: MemoryObjectSendStream[Any],
+        book: CheckpointBook,
+        prune: Callable[[list[str]], None],
+    ):
         self.run = run
         self.book = book
         self.steps = 0
         self._send = send
         self._unsent: list[StepBatch] = []
+        #: Checkpoints no longer kept, deleted (by ``prune``) once the steps queued with them
+        #: have been handed to the iterator.
         self._pruned: list[str] = []
+        self._prune = prune
         #: Called when a checkpoint becomes the latest (a named run records it).
         self.on_checkpoint: Callable[[], None] | None = None
         #: Counts steps and reports for the metrics, when they are on.
         self.meter: RunMeter | None = None
+
+    def prune_after(self, paths: list[str]) -> None:
+        """Delete ``paths`` once the steps queued so far have been handed to the iterator."""
+        self._pruned.extend(paths)
 
     def queue(self, batch: StepBatch) -> None:
         for part in batch.split(BATCH):
@@ -252,9 +265,4 @@ class HandOver:
             self.run.handed += len(self._unsent.pop(0))
             if self._pruned:
                 pruned, self._pruned = self._pruned, []
-                await anyio.to_thread.run_sync(_remove_dirs, pruned)
-
-
-def _remove_dirs(paths: list[str]) -> None:
-    for path in paths:
-        remove_directory(path)
+                self._prune(pruned)
