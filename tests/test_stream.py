@@ -127,3 +127,35 @@ async def test_run_end_is_prompt_after_the_last_report() -> None:
         steps = [s async for s in run]
         ended = time.time()
         assert ended - steps[0].metrics["t"] < 1.0  # loose: the benchmark measures it tightly
+
+
+def _then_unpicklable() -> None:
+    import threading
+
+    asyncexec.report({"i": 0})
+    asyncexec.report({"i": 1})
+    asyncexec.report({"i": 2, "lock": threading.Lock()})
+    asyncexec.report({"i": 3})
+
+
+@pytest.mark.ray_only
+@pytest.mark.parametrize("independent", [False, True], ids=["aligned", "independent"])
+async def test_a_report_that_cannot_be_pickled_is_named_and_the_good_steps_arrive(
+    independent: bool,
+) -> None:
+    """It failed later, from the internal poll, with a cloudpickle traceback that named neither
+    the step nor the key, and the good steps reported just before it never arrived."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+        steps: list[asyncexec.Step] = []
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for step in ex.run(_then_unpicklable, independent=independent):
+                steps.append(step)
+        cause = info.value.__cause__
+        assert isinstance(cause, TypeError)
+        assert "'lock'" in str(cause) and "step 2" in str(cause), cause
+        assert "report() #3" in str(cause)
+        if independent:
+            ranks = {s.rank for s in steps if s.metrics["i"] == 1}
+            assert info.value.rank in ranks  # its good reports arrived before its error
+        else:
+            assert [s.metrics["i"] for s in steps] == [0, 1]

@@ -44,7 +44,7 @@ from ._group import WorkerGroup
 from ._health import _ping
 from ._run import RunState
 from ._steps import StepBatch
-from ._window import POLL_CREDIT_SHARE, _versions_of
+from ._window import POLL_CREDIT_SHARE, _versions_of, poll_rank
 
 if TYPE_CHECKING:
     from ._attempts import RunDriver
@@ -241,7 +241,7 @@ class IndependentRun:
             while (credit := self._credit(key)) < self._min_poll:
                 await self._changed.wait()
             try:
-                poll: Poll = await worker.actor.poll.remote(self.consumed[key], credit)
+                poll = await poll_rank(worker, self.consumed[key], credit)
             except Exception as exc:
                 raise await call_error(exc, worker, attempt) from None
             if poll.reports:

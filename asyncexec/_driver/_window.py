@@ -20,11 +20,12 @@ from anyio.streams.memory import MemoryObjectSendStream
 from .._checkpoint import Checkpoint, CheckpointBook
 from .._errors import AsyncExecError, ReportMismatchError
 from .._protocol import Outcome, Poll
-from ._boundary import call_error, outcome_error
+from ._boundary import call_error, outcome_error, ray_error_kind
 from ._group import WorkerGroup
 from ._metrics import RunMeter
 from ._run import RunCore
 from ._steps import StepBatch
+from ._workers import WorkerInfo
 
 __all__ = ["Assembly", "HandOver", "Window"]
 
@@ -143,6 +144,29 @@ def _versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int |
     return out
 
 
+async def poll_rank(worker: WorkerInfo, ack: int, credit: int) -> Poll:
+    """One poll of ``worker``. When its answer could not be sent (Ray failed to pickle it: a
+    report that does not), the worker says what it held instead: the reports before the bad
+    one, and an error that names that report and its key.
+
+    Raises:
+        Exception: the poll's own error, when nothing was salvaged.
+    """
+    try:
+        poll: Poll = await worker.actor.poll.remote(ack, credit)
+        return poll
+    except Exception as exc:
+        if ray_error_kind(exc) != "raised":  # the worker died, or Ray failed: not a bad report
+            raise
+        try:
+            salvaged: Poll | None = await worker.actor.salvage.remote()
+        except Exception:
+            raise exc from None
+        if salvaged is None:
+            raise
+        return salvaged
+
+
 class Window:
     """One attempt's pumps over its assembly: each rank is polled while it has credit."""
 
@@ -183,7 +207,7 @@ class Window:
             while True:
                 while (credit := self.credit(rank)) < self._min_poll:
                     await self.run.wait_consumed()
-                poll: Poll = await worker.actor.poll.remote(self._consumed(), credit)
+                poll = await poll_rank(worker, self._consumed(), credit)
                 self.asm.add(rank, poll)
                 if poll.outcome is not None:
                     if poll.outcome.kind != "ok":

@@ -93,6 +93,10 @@ class _Worker:
             raise RuntimeError("poll() before start_run()")
         return await self._session.poll(ack, max_items)
 
+    async def salvage(self) -> Poll | None:
+        """What the last poll held, when Ray could not send it (see ``Session.salvage``)."""
+        return None if self._session is None else self._session.salvage()
+
     async def buffered(self) -> int:
         """Reports of the current run waiting in this worker for a poll (0 without a run)."""
         return 0 if self._session is None else self._session.buffered()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._checkpoint import Checkpoint, join_path, persist_directory
-from .._errors import ExecutorStateError
+from .._errors import ExecutorStateError, describe
 from .._protocol import Outcome, Poll, RunStart, WorkerContext, checkpoint_name
 
 __all__ = [
@@ -233,6 +233,9 @@ class Session:
         self._stop = False
         self._outcome: Outcome | None = None
         self._poll_waiting = False
+        #: The last poll's answer and the sequence number of its first report, until the next
+        #: poll: when Ray cannot send it (a report that does not pickle), ``salvage`` finds why.
+        self._inflight: tuple[Poll, int] | None = None
         #: How many queued reports wake the waiting poll: 1, or a batch (see ``poll``).
         self._poll_wants = 1
         self._wake = asyncio.Event()
@@ -371,6 +374,7 @@ class Session:
         or ``BATCH_LINGER_S`` has passed. A poll per report or two would cost both processes
         a round trip per report; a slow producer's reports still go at once."""
         batch = False
+        self._inflight = None  # the driver received the previous answer
         while True:
             with self._lock:
                 if ack > self._ack:
@@ -414,7 +418,34 @@ class Session:
         versions = None
         if self._versions:
             versions, self._versions = self._versions, []
-        return Poll(items, ckpts, outcome, versions)
+        poll = Poll(items, ckpts, outcome, versions)
+        self._inflight = (poll, self._sent - len(items))
+        return poll
+
+    def salvage(self) -> Poll | None:
+        """After the last poll's answer could not be sent to the driver: when a report in it does
+        not pickle, stop the function and return what can be sent (the reports before that one)
+        with an error that names the report, its step and its key; else None (something else
+        failed)."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        poll, first = inflight
+        found = _unpicklable(poll.reports)
+        if found is None:
+            return None
+        index, what = found
+        self.halt()
+        seq = first + index
+        ctx = self.context
+        error = TypeError(
+            f"report() #{seq + 1} of rank {ctx.world_rank} (step {self._offset + seq}) cannot be "
+            f"sent to the driver: {what}"
+        )
+        kept = {s: p for s, p in (poll.checkpoints or {}).items() if s < seq}
+        outcome = Outcome("error", error=error)
+        return Poll(poll.reports[:index], kept or None, outcome, poll.versions)
 
     def buffered(self) -> int:
         """Reports this rank has made that no poll has taken yet (the worker's part of the
@@ -445,6 +476,23 @@ class Session:
     @property
     def finished(self) -> bool:
         return self._finished.done()
+
+
+def _unpicklable(reports: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """The first report that does not pickle, and what in it does not (its key), or None."""
+    from ray import cloudpickle
+
+    for index, metrics in enumerate(reports):
+        try:
+            cloudpickle.dumps(metrics)
+        except Exception as exc:
+            for key, value in metrics.items():
+                try:
+                    cloudpickle.dumps(value)
+                except Exception as inner:
+                    return index, f"the value of {key!r} cannot be pickled ({describe(inner)})"
+            return index, f"its metrics cannot be pickled ({describe(exc)})"
+    return None
 
 
 def _fields(values: Mapping[str, Any]) -> str:
