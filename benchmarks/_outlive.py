@@ -44,7 +44,8 @@ class OutliveFigures:
     replaced_s: list[float] = field(default_factory=list)
     resume_s: list[float] = field(default_factory=list)  # new driver start to its first step
     resume_ready_s: list[float] = field(default_factory=list)  # executor ready to first step
-    resume_index_ok: list[float] = field(default_factory=list)  # 1 when it went on from k+1
+    #: 1 when the resumed stream's first index is the work's (the step after the checkpoint)
+    resume_index_ok: list[float] = field(default_factory=list)
 
 
 def rollout(config: dict[str, Any]) -> None:
@@ -159,7 +160,8 @@ async def measure_resume(
                 now = time.perf_counter()
                 figures.resume_s.append(now - t0)
                 figures.resume_ready_s.append(now - (ready or t0))
-                figures.resume_index_ok.append(1.0 if record["index"] >= index - 3 else 0.0)
+                # The index goes on from the step after the checkpoint: it matches the work.
+                figures.resume_index_ok.append(1.0 if record["index"] == record["i"] else 0.0)
                 break
         second.send_signal(signal.SIGKILL)
         await anyio.to_thread.run_sync(second.wait)

@@ -424,7 +424,7 @@ class Bench:
             self.add("resume", "asyncexec", seconds)
             self.note("resume_ready_to_step_s", ready)
         if not all(resumed.resume_index_ok):
-            self.note("resume_index_went_back", 1.0)
+            self.note("resume_index_not_the_work", 1.0)
 
     # Weights from one executor to another ------------------------------------------------------
 

@@ -39,12 +39,22 @@ def train(config: dict[str, Any]) -> int:
     return total
 
 
+#: A set of strings in the config: it pickles in an order that differs between processes (each
+#: driver is started with its own PYTHONHASHSEED), and must still be the same config.
+TAGS = frozenset({"alpha", "beta", "gamma", "delta", "epsilon", "zeta"})
+
+
 async def main(address: str, storage: str, name: str, steps: int, delay: float, tag: str) -> None:
     async with asyncexec.Executor(
-        2, address=address, storage_path=storage, resources_per_worker={"CPU": 0.5}
+        2,
+        address=address,
+        storage_path=storage,
+        resources_per_worker={"CPU": 0.5},
+        checkpoint=asyncexec.CheckpointConfig(num_to_keep=2),
     ) as executor:
         print(json.dumps({"started": time.time()}), flush=True)
-        run = executor.run(train, {"steps": steps, "delay": delay, "tag": tag}, name=name)
+        config = {"steps": steps, "delay": delay, "tag": tag, "tags": set(TAGS)}
+        run = executor.run(train, config, name=name)
         async for step in run:
             line = {"index": step.index, "i": step.metrics["i"], "attempt": step.attempt}
             print(json.dumps(line), flush=True)

@@ -431,7 +431,8 @@ async def test_a_checkpoint_that_cannot_be_deleted_never_fails_the_run(
     def failing_rm(path: str) -> None:
         raise error(f"rm {path} failed on the remote store")
 
-    for module in (asyncexec._checkpoint, asyncexec._driver._window, asyncexec._driver._independent):
+    modules = (asyncexec._checkpoint, asyncexec._driver._window, asyncexec._driver._independent)
+    for module in modules:
         if hasattr(module, "remove_directory"):
             monkeypatch.setattr(module, "remove_directory", failing_rm)
     config = {"steps": 6, "every": 1}

@@ -6,6 +6,7 @@ refused clearly."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,11 +28,14 @@ DRIVER = str(Path(__file__).with_name("resume_driver.py"))
 STEPS = 24
 
 
-def _start(storage: Path, name: str, delay: float, log: Path) -> subprocess.Popen[str]:
+def _start(
+    storage: Path, name: str, delay: float, log: Path, hash_seed: int
+) -> subprocess.Popen[str]:
     address = ray.get_runtime_context().gcs_address
     args = [sys.executable, DRIVER, address, str(storage), name, str(STEPS), str(delay)]
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
     with open(log, "w") as stderr:  # the child keeps its own descriptor
-        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
 
 
 async def _lines(proc: subprocess.Popen[str]) -> Any:
@@ -50,6 +54,10 @@ def _record(storage: Path, name: str) -> dict[str, Any]:
 async def test_a_new_driver_resumes_a_named_run_after_the_first_was_sigkilled(
     tmp_path: Path,
 ) -> None:
+    """Also: the config holds a set of strings and each driver has its own hash seed (it was
+    refused as another config); the resumed stream's index matches the work (it was one off:
+    it went on from the recorded step count, not from the step after the checkpoint); the
+    checkpoints the dead driver kept are pruned by the new one (they were left for ever)."""
     # The undisturbed run, for the final state.
     async with asyncexec.Executor(
         2, storage_path=str(tmp_path / "ref"), resources_per_worker={"CPU": 0.5}
@@ -59,7 +67,7 @@ async def test_a_new_driver_resumes_a_named_run_after_the_first_was_sigkilled(
         expected = executor.result.return_values
 
     storage = tmp_path / "runs"
-    first = _start(storage, "job", 0.05, tmp_path / "first.err")
+    first = _start(storage, "job", 0.05, tmp_path / "first.err", hash_seed=1)
     seen: list[dict[str, Any]] = []
     async for line in _lines(first):
         if "index" in line:
@@ -76,18 +84,23 @@ async def test_a_new_driver_resumes_a_named_run_after_the_first_was_sigkilled(
     # The record lags the stream by at most its interval (0.1 s, 2 steps here) and a poll.
     assert len(seen) - 6 <= record["steps"] <= len(seen)
 
-    second = _start(storage, "job", 0.05, tmp_path / "second.err")
+    second = _start(storage, "job", 0.05, tmp_path / "second.err", hash_seed=2)
     resumed = [line async for line in _lines(second)]
     if second.wait(60) != 0:
         pytest.fail(await anyio.Path(tmp_path / "second.err").read_text())
     steps = [line for line in resumed if "index" in line]
-    # The stream goes on from the recorded step, in a new attempt, from the checkpoint.
-    assert steps[0]["index"] == record["steps"]
-    assert [s["index"] for s in steps] == list(range(record["steps"], record["steps"] + len(steps)))
+    # The stream goes on from the step after the checkpoint, in a new attempt: each index is
+    # the same work as in the first driver's stream (here, with no restart there, step i).
+    checkpoint_index = int(Path(record["checkpoint"]).name.split("_")[1])
+    assert steps[0]["index"] == checkpoint_index + 1
+    assert record.get("checkpoint_index") == checkpoint_index
+    assert all(s["index"] == s["i"] for s in steps), steps
+    assert [s["index"] for s in steps] == list(range(checkpoint_index + 1, STEPS))
     assert {s["attempt"] for s in steps} == {2}
-    checkpoint_i = int(Path(record["checkpoint"]).name.split("_")[1])
-    assert steps[0]["i"] == checkpoint_i + 1
     assert steps[-1]["i"] == STEPS - 1
+    # CheckpointConfig(num_to_keep=2) over both drivers: the first's are pruned too.
+    kept = sorted(p.name for p in (storage / "job").iterdir() if p.name.startswith("checkpoint_"))
+    assert len(kept) == 2, (kept, json.dumps(record))
     final = resumed[-1]
     assert final["result"] == expected and final["attempts"] == 2
     assert _record(storage, "job")["status"] == "finished"

@@ -252,3 +252,37 @@ def _retry_state(attempt: int) -> tenacity.RetryCallState:
     state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
     state.attempt_number = attempt
     return state
+
+
+def _fingerprints_in(hash_seed: int) -> list[str]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json\n"
+        "from asyncexec._driver._resume import fingerprint, legacy_fingerprint\n"
+        "config = {'tags': {'alpha', 'beta', 'gamma', 'delta', 'epsilon'}, 'lr': 0.1,\n"
+        "          'nested': [frozenset({'x', 'y', 'z'}), {'b': 1, 'a': 2}]}\n"
+        "print(json.dumps([fingerprint(config), legacy_fingerprint(config)]))\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    printed: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return printed
+
+
+def test_a_config_with_sets_has_one_fingerprint_in_every_process() -> None:
+    """A set of strings pickles in hash-seed order: resume="auto" refused a genuine resume in a
+    new process as another config."""
+    seeds = [_fingerprints_in(seed) for seed in (1, 2, 3)]
+    assert len({canonical for canonical, _ in seeds}) == 1
+    assert len({legacy for _, legacy in seeds}) > 1  # what the pickled config gave
+    from asyncexec._driver._resume import fingerprint
+
+    assert fingerprint({"a": 1, "b": {1, 2}}) == fingerprint({"b": {2, 1}, "a": 1})
+    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+    assert fingerprint([1, 2]) != fingerprint((1, 2))

@@ -39,7 +39,15 @@ from ._interrupt import hurried_away
 from ._metrics import RunMeter, metrics
 from ._prune import Pruner
 from ._restart import RestartPolicy
-from ._resume import RECORD_INTERVAL_S, Resume, RunRecord, decide, load_record, save_record
+from ._resume import (
+    RECORD_INTERVAL_S,
+    Resume,
+    RunRecord,
+    decide,
+    load_record,
+    save_record,
+    stray_checkpoints,
+)
 from ._run import RunCore, RunEnd, RunState
 from ._slot import GroupSlot
 from ._window import HandOver, Window
@@ -68,7 +76,8 @@ class RunSpec:
     independent: bool = False  # ranks replaced on their own, an unaligned stream
     name: str | None = None  # a named run keeps a record to resume from (see _resume)
     resume: Resume = "auto"
-    fingerprint: str = ""
+    #: The config's fingerprint (then the form records written before 0.2 hold).
+    fingerprints: tuple[str, ...] = ()
 
 
 class RunDriver:
@@ -193,22 +202,37 @@ class RunDriver:
         assert name is not None
         storage = self.config.storage_path
         record = await anyio.to_thread.run_sync(load_record, storage, name)
-        previous = decide(record, name, self.spec.fingerprint, self.spec.resume)
+        fingerprints = self.spec.fingerprints
+        previous = decide(record, name, fingerprints, self.spec.resume)
         run = self.run
         if previous is None:
-            self._record = RunRecord(name, "running", 0, 0, None, self.spec.fingerprint)
+            self._record = RunRecord(name, "running", 0, 0, None, fingerprints[0])
         else:
-            self._record = previous.advanced(status="running")
+            # The record takes this config's fingerprint (a legacy one, or a forced resume).
+            self._record = previous.advanced(status="running", fingerprint=fingerprints[0])
             self._attempt_base = previous.attempt
             run.attempt = previous.attempt
             if previous.checkpoint is not None:
                 self.latest = Checkpoint(previous.checkpoint)
-            # The stream goes on from where the dead driver's stopped.
-            self.handover.steps = self._steps_base = previous.steps
-            run.handed = run.consumed = run.received_upto = previous.steps
+                run.latest_index = previous.resume_index() - 1
+            # What the dead driver kept still counts (and is pruned as newer ones come); what it
+            # had dropped but not yet deleted goes now.
+            self.handover.book.kept = [(Checkpoint(path), m) for path, m in previous.kept]
+            try:
+                stray = await anyio.to_thread.run_sync(stray_checkpoints, storage, previous)
+            except OSError as exc:
+                self.log.warning("checkpoint_listing_failed", error=describe(exc))
+            else:
+                self.pruner.submit(stray)
+            # The stream goes on from the step after the latest checkpoint: the work the
+            # function does from there has the indices it had in the dead driver's stream.
+            index = previous.resume_index()
+            self.handover.steps = self._steps_base = index
+            run.handed = run.consumed = run.received_upto = index
             self.log.warning(
                 "run_resumed",
-                steps=previous.steps,
+                index=index,
+                delivered=previous.steps,
                 attempt=previous.attempt,
                 checkpoint=previous.checkpoint,
             )
@@ -262,6 +286,8 @@ class RunDriver:
             steps=self._steps_base + run.delivered,
             attempt=run.attempt,
             checkpoint=latest.path if latest is not None else None,
+            checkpoint_index=run.latest_index,
+            kept=self._kept(),
         )
         if (updated.steps, updated.attempt, updated.checkpoint, updated.status) == (
             record.steps,
@@ -275,6 +301,16 @@ class RunDriver:
             await anyio.to_thread.run_sync(save_record, self.config.storage_path, updated)
         except OSError as exc:
             self.log.warning("run_record_failed", error=describe(exc))
+
+    def _kept(self) -> list[list[Any]]:
+        """The checkpoints the run keeps, as a record holds them: the path, and the score the
+        book ranks them by (only that metric: a record is small)."""
+        score = self.config.checkpoint.score_attribute
+        kept = []
+        for checkpoint, reported in self.handover.book.kept:
+            value = reported.get(score) if score and isinstance(reported, dict) else None
+            kept.append([checkpoint.path, {} if value is None else {score: value}])
+        return kept
 
     def _result(self, values: list[Any]) -> Any:
         from ._steps import RunResult

@@ -66,6 +66,8 @@ class RunCore:
         self.state = RunState.RUNNING
         self.attempt = 1
         self.latest_checkpoint: Checkpoint | None = None
+        #: The stream index of the step that carried it (a resumed run goes on after it).
+        self.latest_index: int | None = None
         self.result: RunResult | None = None
         self.error: BaseException | None = None
         self.failures: list[BaseException] = []

@@ -15,7 +15,7 @@ from .._checkpoint import Checkpoint, is_uri
 from .._config import validate_buffer_size
 from .._errors import ConfigurationError, describe
 from ._attempts import RunSpec
-from ._resume import check_name, fingerprint
+from ._resume import check_name, fingerprint, legacy_fingerprint
 
 __all__ = ["named_spec", "run_spec"]
 
@@ -73,7 +73,10 @@ def named_spec(spec: RunSpec, name: str | None, resume: Any, config: Any) -> Run
         raise ConfigurationError("resume= applies to a named run: give run(..., name=...)")
     check_name(name)
     return replace(
-        spec, name=name, resume=resume, fingerprint=fingerprint(cloudpickle.dumps(config))
+        spec,
+        name=name,
+        resume=resume,
+        fingerprints=(fingerprint(config), legacy_fingerprint(config)),
     )
 
 

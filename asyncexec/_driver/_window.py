@@ -269,6 +269,7 @@ class HandOver:
                 for i in sorted(part.checkpoints):
                     checkpoint = part.checkpoints[i][0]
                     self.run.latest_checkpoint = checkpoint
+                    self.run.latest_index = part.first + i
                     self._pruned.extend(self.book.add(checkpoint, part.rows[i][0]))
                 if part.checkpoints and self.on_checkpoint is not None:
                     self.on_checkpoint()
