@@ -245,3 +245,164 @@ async def test_a_cancelled_push_is_cancelled_not_a_channel_error(tmp_path: Any) 
             await channel.push()
         assert scope.cancelled_caught
         assert channel.version == 0 and channel.statistics().failed_pushes == 0
+
+
+# Defects at the channel's joints ----------------------------------------------------------------
+
+
+def _versioned_reports(config: dict[str, Any]) -> None:
+    """Each report carries the version ``weights_version()`` said just before ``report()``."""
+    asyncexec.receive_weights(lambda state, version: None)
+    for i in range(config["steps"]):
+        asyncexec.report({"i": i, "seen": asyncexec.weights_version()})
+
+
+def _serve_counter() -> None:
+    state = {"n": 0}
+    asyncexec.serve_weights(lambda: dict(state))
+    while True:
+        state["n"] += 1
+        asyncexec.report({"n": state["n"]})
+        time.sleep(0.01)
+
+
+async def test_a_report_holds_the_version_held_when_report_was_called(tmp_path: Any) -> None:
+    """With buffer_size=1, report() waits for the consumer; a version installed during that
+    wait was read as the report's (28 of 30 reports in the issue)."""
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b) as channel,
+    ):
+        learn = a.run(_serve_counter)
+        await _next(learn)
+        await channel.push()
+        mismatched = 0
+        async for step in b.run(_versioned_reports, {"steps": 30}, buffer_size=1):
+            for report in step.reports:
+                mismatched += report.version != report.metrics["seen"]
+            await channel.push()  # installed while the next report() waits for credit
+        assert mismatched == 0
+        await learn.aclose()
+
+
+def _serve_any(config: dict[str, Any]) -> None:
+    state = config["state"]
+    asyncexec.serve_weights(lambda: state)
+    while True:
+        asyncexec.report({"alive": 1})
+        time.sleep(0.01)
+
+
+_received: list[Any] = []
+
+
+def _receive_any() -> None:
+    asyncexec.receive_weights(lambda state, version: _received.append(state))
+    while True:
+        asyncexec.report({"alive": 1})
+        time.sleep(0.01)
+
+
+def _received_states() -> list[Any]:
+    return list(_received)
+
+
+async def test_the_object_store_transport_moves_any_picklable_state(tmp_path: Any) -> None:
+    """The docs said any picklable state; anything but a mapping was refused."""
+    state = ("weights", [1.5, 2.5], {"nested": True})
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b) as channel,
+    ):
+        learn, roll = a.run(_serve_any, {"state": state}), b.run(_receive_any)
+        await _next(learn)
+        await _next(roll)
+        assert await channel.push() == 1
+        assert await b.execute(_received_states) == [[state]]
+        await learn.aclose()
+        await roll.aclose()
+
+
+async def test_a_torch_channel_holds_its_rendezvous_port_from_the_moment_it_is_chosen(
+    tmp_path: Any,
+) -> None:
+    """The port was chosen free, closed, and bound again at the join: anyone on the node could
+    take it in between."""
+    import socket
+
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as a:
+        [worker] = a._slot.group.workers  # type: ignore[union-attr]
+        address, port = await worker.actor.channel_port.remote("weights", "g.1/0", 30.0)
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind(("", port))
+
+
+_hold_read = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".hold_read")
+
+
+def _serve_when_released(config: dict[str, Any]) -> None:
+    """Serves a counter; a read waits while the file ``config["hold"]`` exists."""
+    state = {"n": 0}
+
+    def read() -> dict[str, Any]:
+        while os.path.exists(config["hold"]):
+            time.sleep(0.02)
+        return dict(state)
+
+    asyncexec.serve_weights(read)
+    while True:
+        state["n"] += 1
+        asyncexec.report({"n": state["n"]})
+        time.sleep(0.01)
+
+
+def _roll_forever() -> None:
+    asyncexec.receive_weights(lambda state, version: None)
+    while True:
+        asyncexec.report({"pid": os.getpid()})
+        time.sleep(0.01)
+
+
+async def test_a_push_delivers_to_a_target_group_that_restarted_during_its_read(
+    tmp_path: Any,
+) -> None:
+    """The push's targets were fixed before the source's state was read: a group that joined
+    during the read got the previous version, and the new one went only to the dead group."""
+    hold = str(tmp_path / "hold")
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(
+            2,
+            resources_per_worker={"CPU": 0.5},
+            storage_path=str(tmp_path),
+            restart=asyncexec.RestartPolicy(max_restarts=2),
+        ) as b,
+        asyncexec.WeightChannel(a, b) as channel,
+        anyio.create_task_group() as tg,
+    ):
+        learn, roll = a.run(_serve_when_released, {"hold": hold}), b.run(_roll_forever)
+        await _next(learn)
+        await _next(roll)
+        assert await channel.push() == 1
+        open(hold, "w").close()  # the next read waits
+        pushed: list[int] = []
+
+        async def push() -> None:
+            pushed.append(await channel.push())
+
+        tg.start_soon(push)
+        pid = (await _next(roll)).reports[1].metrics["pid"]
+        os.kill(pid, signal.SIGKILL)
+        while (step := await _next(roll)).attempt == 1:  # the new group joined, during the read
+            pass
+        assert step.versions == (1, 1) and not pushed
+        os.unlink(hold)
+        with anyio.fail_after(60):
+            while not pushed:
+                await anyio.sleep(0.02)  # noqa: ASYNC110 - the push task's own result
+        assert pushed == [2]
+        assert await b.execute(asyncexec.weights_version) == [2, 2]
+        await learn.aclose()
+        await roll.aclose()

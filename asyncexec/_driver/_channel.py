@@ -95,8 +95,8 @@ class WeightChannel:
         source: the executor whose rank 0 (every rank, with ``sharded``) has the state.
         target: the executor whose every rank receives it. One open channel per target.
         name: the channel's name, as the workers' ``serve_weights`` / ``receive_weights`` use it.
-        transport: ``"object_store"`` (any picklable state) or ``"torch"`` (a flat mapping of
-            name to tensor, broadcast over torch.distributed).
+        transport: ``"object_store"`` (any picklable state; a mapping when ``sharded``) or
+            ``"torch"`` (a flat mapping of name to tensor, broadcast over torch.distributed).
         sharded: every source rank has a part of the state (disjoint keys); a target installs
             their union.
         max_staleness: K: a push returns once the version K - 1 before it is installed
@@ -300,12 +300,16 @@ class WeightChannel:
             except Exception as exc:
                 self._counts["failed_pushes"] += 1
                 raise _channel_error(f"reading version {version}", exc, self.timeout_s) from exc
+            # At once (no wait in between): the version is the latest, and its targets are the
+            # target's workers now. A group that joined during the read got the previous version
+            # and is among them; one that joins from now on gets this one (see ``_join``).
             self._version = version
             self._counts["pushes"] += 1
             previous = self._pending.get(version - 1)
             self._pending[version] = pending
             if self.transport == "object_store":
                 self._last = pending
+                pending.targets = self._live(self.target, "target", allow_none=True)
             tg.start_soon(self._deliver, pending, previous)
         return pending
 
@@ -314,16 +318,20 @@ class WeightChannel:
         if not self.sharded:
             sources = sources[:1]
         pending.sources = sources
-        pending.targets = self._live(self.target, "target", allow_none=True)
         if self.transport == "object_store":
             calls = [
-                w.actor.channel_read.options(num_returns=2).remote(self.name, self.timeout_s)
+                w.actor.channel_read.options(num_returns=2).remote(
+                    self.name, self.timeout_s, self.sharded
+                )
                 for w in sources
             ]
-            # The sizes are awaited; the states stay where they are, referenced.
+            # The first results (the states' types) are awaited; the states stay where they
+            # are, referenced.
             await _gather([c[0] for c in calls], sources, self.source)
             pending.refs = [c[1] for c in calls]
             return
+        # torch: the process groups span the targets, so they are fixed before the read.
+        pending.targets = self._live(self.target, "target", allow_none=True)
         groups = await self._torch_groups(sources, pending.targets)
         metas = await _gather(
             [
@@ -422,7 +430,7 @@ class WeightChannel:
         for k, src in enumerate(sources):
             gid = f"{self.id}.{self._generation}/{k}"
             ((address, port),) = await _gather(
-                [src.actor.channel_port.remote()], [src], self.source
+                [src.actor.channel_port.remote(self.name, gid, self.timeout_s)], [src], self.source
             )
             size = 1 + len(targets)
             for rank, w in enumerate([src, *targets]):

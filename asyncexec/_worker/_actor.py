@@ -141,12 +141,12 @@ class _Worker:
 
     # Weight channels (see ``_channel``): each call runs in a thread, beside the run's function.
 
-    async def channel_read(self, name: str, timeout_s: float) -> tuple[int, Any]:
+    async def channel_read(self, name: str, timeout_s: float, mapping: bool) -> tuple[str, Any]:
         """This rank's state for an object-store push: the driver calls this with two return
-        values, awaits the first (its size) and passes the second, which stays in this node's
-        object store, to the receivers by reference."""
-        state = await asyncio.to_thread(_channel.read_state, name, timeout_s)
-        return len(state), state
+        values, awaits the first (the state's type, once it is read) and passes the second,
+        which stays in this node's object store, to the receivers by reference."""
+        state = await asyncio.to_thread(_channel.read_state, name, timeout_s, mapping=mapping)
+        return type(state).__name__, state
 
     async def channel_receive(self, name: str, version: int, refs: list[Any]) -> None:
         """Fetch the shards of ``version`` from the object store and install them."""
@@ -157,8 +157,8 @@ class _Worker:
 
         await asyncio.to_thread(fetch_and_install)
 
-    async def channel_port(self) -> tuple[str, int]:
-        return _channel.free_port()
+    async def channel_port(self, name: str, group_id: str, timeout_s: float) -> tuple[str, int]:
+        return await asyncio.to_thread(_channel.reserve_store, name, group_id, timeout_s)
 
     async def channel_cuda(self) -> bool:
         return await asyncio.to_thread(_channel.cuda_available)

@@ -37,12 +37,16 @@ class _End:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.read: Callable[[], Mapping[str, Any]] | None = None
-        self.install: Callable[[Mapping[str, Any], int], object] | None = None
+        self.read: Callable[[], Any] | None = None
+        self.install: Callable[[Any, int], object] | None = None
         self.version: int | None = None  # the version held (received, installed or held back)
-        self.held: Mapping[str, Any] | None = None  # received before install was registered
+        self.held: Any = None  # received before install was registered
+        self.holding = False  # whether ``held`` holds a state (which may itself be None)
         self.snapshots: dict[int, Mapping[str, Any]] = {}  # torch: read, not yet broadcast
         self.groups: dict[str, Any] = {}  # torch: process group by id
+        #: torch, on a source rank: the store server of each group being built, listening from
+        #: the moment its port is chosen (see ``reserve_store``) until the group is joined.
+        self.stores: dict[str, Any] = {}
         #: torch: receive buffers by (group id, key), two per tensor, used in turn by version
         #: (fresh memory for each version costs more than the broadcast: page faults).
         self.buffers: dict[tuple[str, str], list[Any]] = {}
@@ -67,13 +71,15 @@ def reset() -> None:
     _session.set_report_version(None)
 
 
-def serve_weights(read: Callable[[], Mapping[str, Any]], *, channel: str = DEFAULT_CHANNEL) -> None:
+def serve_weights(read: Callable[[], Any], *, channel: str = DEFAULT_CHANNEL) -> None:
     """Say how this rank's state is read when the driver pushes it over ``channel``.
 
     Called in the function given to ``run()`` on the ranks of the sending executor. ``read`` is
     called in a thread of this worker while the function keeps running: it should return a
     consistent snapshot (copies of the tensors, taken under a lock the function holds while it
-    updates them). With the torch transport it returns a flat mapping of name to tensor.
+    updates them). With the object-store transport it returns any picklable state (a mapping
+    when the channel is sharded: the target installs the union of the ranks' mappings); with
+    the torch transport, a flat mapping of name to tensor.
     """
     if not callable(read):
         raise TypeError(f"serve_weights() takes a function, got {read!r}")
@@ -83,7 +89,7 @@ def serve_weights(read: Callable[[], Mapping[str, Any]], *, channel: str = DEFAU
 
 
 def receive_weights(
-    install: Callable[[Mapping[str, Any], int], object], *, channel: str = DEFAULT_CHANNEL
+    install: Callable[[Any, int], object], *, channel: str = DEFAULT_CHANNEL
 ) -> int | None:
     """Say how a state pushed over ``channel`` is installed on this rank; return the version this
     worker holds.
@@ -99,9 +105,9 @@ def receive_weights(
     end = _end(channel)
     with end.lock:
         end.install = install
-        held, version = end.held, end.version
-        end.held = None
-        if held is not None and version is not None:
+        held, holding, version = end.held, end.holding, end.version
+        end.held, end.holding = None, False
+        if holding and version is not None:
             install(held, version)
     return version
 
@@ -115,6 +121,7 @@ def close(name: str) -> None:
             end.groups.clear()
             end.buffers.clear()
             end.snapshots.clear()
+            end.stores.clear()
 
 
 def weights_version(channel: str = DEFAULT_CHANNEL) -> int | None:
@@ -126,9 +133,11 @@ def weights_version(channel: str = DEFAULT_CHANNEL) -> int | None:
 # The driver's calls (through the actor) ---------------------------------------------------------
 
 
-def read_state(name: str, timeout_s: float) -> Mapping[str, Any]:
+def read_state(name: str, timeout_s: float, *, mapping: bool = True) -> Any:
     """This rank's state, read with the function ``serve_weights`` registered (waiting up to
-    ``timeout_s`` for the run's function to register one). Blocking: runs in a thread."""
+    ``timeout_s`` for the run's function to register one); a mapping, unless ``mapping`` is
+    False (the object-store transport of an unsharded channel takes any picklable state).
+    Blocking: runs in a thread."""
     end = _end(name)
     deadline = time.monotonic() + timeout_s
     while end.read is None:
@@ -139,15 +148,18 @@ def read_state(name: str, timeout_s: float) -> Mapping[str, Any]:
             )
         time.sleep(_READER_POLL_S)
     state = end.read()
-    if not isinstance(state, Mapping):
+    if mapping and not isinstance(state, Mapping):
         kind = type(state).__name__
-        raise TypeError(f"the serve_weights function returned {kind}, not a mapping")
+        raise TypeError(
+            f"the serve_weights function returned {kind}, not a mapping (a sharded channel, and "
+            "the torch transport, move mappings)"
+        )
     return state
 
 
-def install_state(name: str, version: int, state: Mapping[str, Any]) -> None:
+def install_state(name: str, version: int, state: Any) -> None:
     """Install ``version`` (or hold it until ``receive_weights``); a late, older version never
-    replaces a newer one. Blocking: runs in a thread."""
+    replaces a newer one. Reports made from then on hold it. Blocking: runs in a thread."""
     end = _end(name)
     with end.lock:
         if end.version is not None and version <= end.version:
@@ -155,13 +167,14 @@ def install_state(name: str, version: int, state: Mapping[str, Any]) -> None:
         if end.install is not None:
             end.install(state, version)
         else:
-            end.held = state
+            end.held, end.holding = state, True
         end.version = version
-    _session.set_report_version(version)
+        _session.set_report_version(version)
 
 
-def merge(shards: list[Mapping[str, Any]]) -> Mapping[str, Any]:
-    """One state from the shards of a sharded push (by key; the shards must not overlap)."""
+def merge(shards: list[Any]) -> Any:
+    """One state from the shards of a sharded push (by key; the shards must not overlap); the
+    one shard of an unsharded push as it is."""
     if len(shards) == 1:
         return shards[0]
     merged: dict[str, Any] = {}
@@ -176,16 +189,28 @@ def merge(shards: list[Mapping[str, Any]]) -> Mapping[str, Any]:
 # The torch transport ----------------------------------------------------------------------------
 
 
-def free_port() -> tuple[str, int]:
-    """This node's address and a free TCP port (for a process group's store)."""
-    import socket
+def reserve_store(name: str, group_id: str, timeout_s: float) -> tuple[str, int]:
+    """On a source rank: start the store server of process group ``group_id`` on a port the
+    kernel picks and keep it listening until the group is joined; return this node's address
+    and the port. (Choosing a free port, closing it and binding it later, at the join, left it
+    to anyone on the node in between: the race the torch backend also avoids.)"""
+    import datetime
 
     import ray
+    import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    address = ray.util.get_node_ip_address()
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        address,
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    end = _end(name)
+    with end.lock:
+        end.stores[group_id] = store
+    return address, int(store.port)
 
 
 def join_group(
@@ -205,14 +230,18 @@ def join_group(
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, size, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    end = _end(name)
+    if rank == 0:  # the source: its store server is already listening (see reserve_store)
+        with end.lock:
+            store = end.stores.pop(group_id)
+    else:
+        store = dist.TCPStore(address, port, size, False, timeout=timeout)  # type: ignore[attr-defined]
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
         group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    end = _end(name)
     with end.lock:
         generation = group_id.split("/")[0]
         for old in list(end.groups):

@@ -87,12 +87,9 @@ def set_group_context(context: WorkerContext | None) -> None:
 
 
 def set_report_version(version: int | None) -> None:
-    """Tag this worker's next reports with ``version`` (a weight channel installed it)."""
-    place = PLACE.get(_PROCESS)
-    place.version = version
-    session = place.session
-    if session is not None and version is not None:
-        session.mark_version(version)
+    """This worker holds weight ``version`` (a weight channel installed it): reports made from
+    now on carry it (``report()`` reads it when it is called)."""
+    PLACE.get(_PROCESS).version = version
 
 
 def get_context() -> WorkerContext:
@@ -225,8 +222,8 @@ class Session:
         # not yet sent: a change costs one entry, the hot path nothing.
         self._versions: list[tuple[int, int]] = []
         self._place = PLACE.get(_PROCESS)
-        if self._place.version is not None:
-            self._versions.append((0, self._place.version))
+        #: The version the last report held (a mark goes out only when it changes).
+        self._version: int | None = None
         self._reported = 0
         self._sent = 0
         self._ack = 0
@@ -303,12 +300,17 @@ class Session:
                     f"report() takes a mapping of metrics, got {type(metrics).__name__}"
                 )
             metrics = dict(metrics)
+        # The weight version this report was made with: the one held when report() is called,
+        # not when it has waited for credit (a version installed meanwhile came after it).
+        version = self._place.version
         if checkpoint is not None:
-            self._report_checkpoint(metrics, checkpoint)
+            self._report_checkpoint(metrics, checkpoint, version)
             return
         with self._lock:
             if self._stop or self._reported - self._ack >= self._bound:
                 self._wait_credit()
+            if version != self._version:
+                self._mark_version(version)
             buffer = self._buffer
             buffer.append(metrics)
             self._reported += 1
@@ -316,7 +318,9 @@ class Session:
                 self._poll_waiting = False
                 self._loop.call_soon_threadsafe(self._wake.set)
 
-    def _report_checkpoint(self, metrics: dict[str, Any], checkpoint: Checkpoint) -> None:
+    def _report_checkpoint(
+        self, metrics: dict[str, Any], checkpoint: Checkpoint, version: int | None
+    ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
                 "report(checkpoint=...) takes an asyncexec.Checkpoint, "
@@ -330,19 +334,23 @@ class Session:
         name = checkpoint_name(self._offset + seq, self.context.attempt)
         path = persist_directory(checkpoint.path, join_path(storage, name))
         with self._lock:
+            if version != self._version:
+                self._mark_version(version)
             self._buffer.append(metrics)
             self._checkpoints[seq] = path
             self._reported += 1
             self._wake_poll()
 
-    def mark_version(self, version: int) -> None:
-        """Reports from now on hold weight ``version``."""
-        with self._lock:
-            marks = self._versions
-            if marks and marks[-1][0] == self._reported:
-                marks[-1] = (self._reported, version)
-            else:
-                marks.append((self._reported, version))
+    def _mark_version(self, version: int | None) -> None:
+        """The next report (and those after it) holds weight ``version``. With the lock held."""
+        self._version = version
+        if version is None:
+            return
+        marks = self._versions
+        if marks and marks[-1][0] == self._reported:
+            marks[-1] = (self._reported, version)
+        else:
+            marks.append((self._reported, version))
 
     def _wait_credit(self) -> None:
         # Called with the lock held: wait while the window is full; raise once the run stops.
