@@ -334,7 +334,7 @@ async def test_a_torch_channel_holds_its_rendezvous_port_from_the_moment_it_is_c
 
     async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as a:
         [worker] = a._slot.group.workers  # type: ignore[union-attr]
-        address, port = await worker.actor.channel_port.remote("weights", "g.1/0", 30.0)
+        _, port = await worker.actor.channel_port.remote("weights", "g.1/0", 30.0)
         with socket.socket() as other, pytest.raises(OSError, match="in use"):
             other.bind(("", port))
 
@@ -386,11 +386,13 @@ async def test_a_push_delivers_to_a_target_group_that_restarted_during_its_read(
         await _next(learn)
         await _next(roll)
         assert await channel.push() == 1
-        open(hold, "w").close()  # the next read waits
+        await anyio.Path(hold).touch()  # the next read waits
         pushed: list[int] = []
+        done = anyio.Event()
 
         async def push() -> None:
             pushed.append(await channel.push())
+            done.set()
 
         tg.start_soon(push)
         pid = (await _next(roll)).reports[1].metrics["pid"]
@@ -398,10 +400,9 @@ async def test_a_push_delivers_to_a_target_group_that_restarted_during_its_read(
         while (step := await _next(roll)).attempt == 1:  # the new group joined, during the read
             pass
         assert step.versions == (1, 1) and not pushed
-        os.unlink(hold)
+        await anyio.Path(hold).unlink()
         with anyio.fail_after(60):
-            while not pushed:
-                await anyio.sleep(0.02)  # noqa: ASYNC110 - the push task's own result
+            await done.wait()
         assert pushed == [2]
         assert await b.execute(asyncexec.weights_version) == [2, 2]
         await learn.aclose()
