@@ -339,7 +339,6 @@ async def test_a_torch_channel_holds_its_rendezvous_port_from_the_moment_it_is_c
             other.bind(("", port))
 
 
-_hold_read = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".hold_read")
 
 
 def _serve_when_released(config: dict[str, Any]) -> None:

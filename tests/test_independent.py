@@ -86,6 +86,8 @@ async def test_a_killed_rank_is_replaced_alone_and_the_survivors_never_stop(
                 if step.rank != victim:
                     assert step.attempt == 1
         result = executor.result
+        # The rank replaced alone counts as a restart (it counted none).
+        assert executor.statistics().restarts == 1
         # Survivors went on while the victim was replaced, and none of them started again:
         # same processes, each function started once.
         assert survivors_during_gap > 5

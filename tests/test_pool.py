@@ -326,6 +326,7 @@ async def test_a_spare_takes_the_place_of_a_killed_rank_and_the_run_resumes(
         after = [w.pid for w in ex.workers]
         assert after == [before[0], spare]  # the survivor kept, the spare in rank 1's place
         assert ex.statistics().group_starts == 1  # no new group
+        assert ex.statistics().restarts == 1  # but a restart (it counted none)
         second = [s for s in steps if s.attempt == 2]
         # Resumed after the latest checkpoint (the step before it), not from the start.
         resumed = second[0].reports[0].metrics["n"]

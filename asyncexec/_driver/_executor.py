@@ -120,6 +120,8 @@ class ExecutorStatistics:
     runs_finished: int
     runs_failed: int
     runs_cancelled: int
+    #: Restarts after a failure: of the whole group, or of one rank (a standby spare taking a
+    #: failed rank's place, a rank replaced alone, a rank of an independent run renewed).
     restarts: int
     steps_delivered: int
     #: Groups of an elastic executor that started at another size than the one before: after

@@ -207,6 +207,7 @@ class IndependentRun:
                 "bundle of its own (leased from a pool, or in a parent placement group)"
             )
         self.generation[rank] += 1
+        self.d.slot.restarts += 1
         if len(group.spares) < spares and self.d.slot.tg is not None:
             self.d.slot.tg.start_soon(group.refill_spare, freed.bundle)
 

@@ -150,8 +150,10 @@ class GroupSlot:
                     # Started once the next attempt runs (see start_refills): a process
                     # starting now would compete for the CPU with the restart itself.
                     self._refills.append((group, freed.bundle))
+                    self.restarts += 1
                     return
                 if reuse_survivors and await group.replace_rank(failure.rank):
+                    self.restarts += 1
                     return
             except Exception as exc:
                 self.log.warning("rank_replace_failed", error=describe(exc))
