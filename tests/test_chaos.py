@@ -468,19 +468,6 @@ def _group_scenario(kind: str, number: int) -> chaos.Scenario:
     return dataclasses.replace(drawn, **two)  # type: ignore[arg-type]
 
 
-# Not in the suite while a library defect fails them (run them by hand with --only):
-# - spares, independent (faulted): statistics().restarts stays 0 when a standby spare takes a
-#   killed rank's place, or when an independent rank is replaced, although the run restarted
-#   (attempt 2, one failure; the restart metric counts it, and an elastic shrink counts).
-# - driver_killed (faulted, cancelled in the run): after a resume, Step.index goes on from the
-#   steps the record counted, not from the step after the latest checkpoint, so an index means
-#   other work than it did before.
-# - channel_target (slow fault: a target rank killed 0.42 s before push 2): push() returns before
-#   its version is installed on the target group that restarted during it; the new group's
-#   reports made after push() of version 2 returned hold version 1.
-_DEFECTS = {(k, n) for k in ("spares", "independent") for n in (_FAULTED, _FAULTED_SLOW)}
-_DEFECTS |= {("driver_killed", n) for n in (_FAULTED, _FAULTED_SLOW, _CANCELLED)}
-_DEFECTS |= {("channel_target", _FAULTED_SLOW)}
 _NAMES = {
     _FAULTED: "fault",
     _FAULTED_SLOW: "fault-slow",
@@ -492,7 +479,6 @@ _GROUP_SUBSET = [
     for kind in chaos.GROUP_KINDS
     if kind not in chaos.NODE_KINDS
     for number in _NAMES
-    if (kind, number) not in _DEFECTS
 ]
 
 
