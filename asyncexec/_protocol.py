@@ -3,7 +3,10 @@
 Both sides import this module; it imports only the standard library. The driver sends a
 :class:`WorkerContext` at set-up and a :class:`RunStart` per attempt; a worker answers with its
 :class:`WorkerMetadata`, with :class:`Poll` results while a run goes on, and with an
-:class:`Outcome` when its function (or an ``execute()`` call) ends.
+:class:`Outcome` when its function (or an ``execute()`` call) ends. A group with worker classes
+(roles) sends each role as a :class:`RoleSpec` once, names a role's method as a
+:class:`RoleMethod` where a run's function goes, and learns which role failed to start from a
+:class:`RoleFailure`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import Any, Literal, NamedTuple
 __all__ = [
     "Outcome",
     "Poll",
+    "RoleFailure",
+    "RoleMethod",
+    "RoleSpec",
     "RunStart",
     "WorkerContext",
     "WorkerMetadata",
@@ -73,6 +79,7 @@ class Outcome(NamedTuple):
 
     ``error`` is the exception itself when it pickles, else a ``RuntimeError`` that keeps its
     type and text; ``traceback`` is the traceback as formatted on the worker, without colours.
+    When the roles of a worker could not be made, ``value`` is a :class:`RoleFailure`.
     """
 
     kind: Literal["ok", "error", "stopped"]
@@ -105,6 +112,31 @@ class RunStart:
     step_offset: int
     shards: Mapping[str, Any]
     function_context: Callable[[], AbstractContextManager[Any]] | None = None
+
+
+class RoleSpec(NamedTuple):
+    """One role as a worker receives it: the class and its constructor's arguments."""
+
+    cls: type
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class RoleMethod(NamedTuple):
+    """A method of a role, named where a function goes (a run's function): each worker calls it
+    on its own instance of the role at ``role_index`` (in the group's role order)."""
+
+    role_index: int
+    name: str
+
+
+class RoleFailure(NamedTuple):
+    """Which role could not be made on a worker, and at which stage: ``"load"`` (its class or
+    arguments did not unpickle there), ``"init"`` (its ``__init__`` raised) or ``"restore"``
+    (its ``restore(checkpoint)`` raised)."""
+
+    role_index: int
+    stage: Literal["load", "init", "restore"]
 
 
 def checkpoint_name(step_index: int, attempt: int | None) -> str:

@@ -13,12 +13,13 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import ray
 
-from .._protocol import Outcome, Poll, RunStart, WorkerContext, WorkerMetadata
-from . import _channel, _session
+from .._protocol import Outcome, Poll, RoleMethod, RunStart, WorkerContext, WorkerMetadata
+from . import _channel, _roles, _session
 
 __all__ = ["WorkerActor"]
 
@@ -75,9 +76,32 @@ class _Worker:
         are passed as Ray passes them, so ``ObjectRef`` arguments arrive resolved."""
         return await _call(fn, args, kwargs)
 
+    # Roles (see ``_roles``): the instances of the group's worker classes.
+
+    async def make_roles(
+        self,
+        payload: bytes,
+        checkpoint: Any = None,
+        context: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> Outcome:
+        """Make this worker's instances of its roles (dropping those it held), in role order,
+        each ``__init__`` in a thread; call ``restore(checkpoint)`` after each when a checkpoint
+        is given. ``payload`` is the roles pickled once for all ranks; ``context`` is the
+        backend's function context, entered around the roles' code. A failure is an error
+        outcome whose ``value`` is a ``RoleFailure``."""
+        return await _roles.make(payload, checkpoint, context)
+
+    async def call_role(self, role_index: int, name: str, /, *args: Any, **kwargs: Any) -> Outcome:
+        """Call method ``name`` of this worker's instance of role ``role_index``: an ``async
+        def`` on this loop, a plain method in a thread, as ``execute`` runs a function.
+        Arguments are passed as Ray passes them, so ``ObjectRef`` arguments (the parts of a
+        scattered argument) arrive resolved."""
+        return await _roles.call(role_index, name, args, kwargs)
+
     async def start_run(self, payload: bytes, start: RunStart) -> None:
         """Start the run's function in its own thread and return at once; reports are taken
-        with ``poll``. ``payload`` is the function and its config, pickled once for all ranks."""
+        with ``poll``. ``payload`` is the function and its config, pickled once for all ranks;
+        a ``RoleMethod`` in place of the function is the method of this worker's instance."""
         from ray import cloudpickle
 
         if self._session is not None and not self._session.finished:
@@ -85,6 +109,8 @@ class _Worker:
         if self._session is not None:
             _session.end_session(self._session)
         fn, config = cloudpickle.loads(payload)
+        if isinstance(fn, RoleMethod):
+            fn = _roles.method(fn.role_index, fn.name)
         self._session = _session.Session(fn, config, start, asyncio.get_running_loop())
         self._session.start()
 
@@ -124,6 +150,7 @@ class _Worker:
                 return Outcome("error", error=RuntimeError("the run's function did not stop"))
             _session.end_session(self._session)
             self._session = None
+        _roles.drop()
         _session.set_group_context(None)
         _channel.reset()
         if "ray.data" in sys.modules:

@@ -26,11 +26,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._checkpoint import Checkpoint, join_path, persist_directory
 from .._errors import ExecutorStateError, describe
 from .._protocol import Outcome, Poll, RunStart, WorkerContext, checkpoint_name
+
+if TYPE_CHECKING:
+    from ._roles import Roles
 
 __all__ = [
     "Session",
@@ -57,9 +60,10 @@ _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class Place:
-    """One worker's state: the group's context, the run's session, the weight version held."""
+    """One worker's state: the group's context, the run's session, the weight version held,
+    the instances of its roles."""
 
-    __slots__ = ("context", "session", "version")
+    __slots__ = ("context", "roles", "session", "version")
 
     def __init__(self) -> None:
         self.context: WorkerContext | None = None
@@ -67,12 +71,19 @@ class Place:
         #: The weight version this worker holds (of the channel it receives from), tagged on
         #: reports.
         self.version: int | None = None
+        #: The instances of the group's roles (see ``_roles``), once made.
+        self.roles: Roles | None = None
 
 
 #: The current worker's place when a local worker's call set it (see
 #: ``asyncexec._driver._local``); else the process's own, ``_PROCESS``.
 PLACE: contextvars.ContextVar[Place] = contextvars.ContextVar("asyncexec_place")
 _PROCESS = Place()
+
+
+def current_place() -> Place:
+    """The current worker's state."""
+    return PLACE.get(_PROCESS)
 
 
 def current_session() -> Session | None:

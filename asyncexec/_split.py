@@ -1,0 +1,281 @@
+"""Splitting a call's argument over ranks, and merging their results. Pure: numpy and torch
+are never imported here (a value is one of theirs only when its module is already loaded).
+
+What splits (:func:`split`): lists and tuples by items; numpy arrays and torch tensors along axis
+0; mappings of these, value by value in lockstep; any object with ``__asyncexec_split__(n)``
+(:class:`Splittable`). Parts are contiguous, and uneven where they must be
+(:func:`split_sizes`: 10 over 4 is 3, 3, 2, 2). :func:`concat` is the way back.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
+
+from ._errors import ConfigurationError
+
+__all__ = [
+    "Scatter",
+    "Splittable",
+    "compact",
+    "concat",
+    "scatter",
+    "short_repr",
+    "split",
+    "split_length",
+    "split_sizes",
+]
+
+T = TypeVar("T")
+
+#: What scatter() splits, for the messages that refuse anything else.
+_SPLITS = (
+    "lists, tuples, numpy arrays and torch tensors (along axis 0), mappings of them, and objects "
+    "with __asyncexec_split__(n)"
+)
+
+
+class Splittable(Protocol):
+    """An object that splits itself for :func:`scatter`: ``__asyncexec_split__(n)`` returns
+    exactly ``n`` parts, the one for each rank (or mesh coordinate) in order."""
+
+    def __asyncexec_split__(self, n: int) -> Sequence[Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Scatter:
+    """An argument marked to be split over the ranks (see :func:`scatter`)."""
+
+    value: Any
+    axis: str | None = None
+
+    def __repr__(self) -> str:
+        axis = "" if self.axis is None else f", axis={self.axis!r}"
+        return f"scatter({short_repr(self.value)}{axis})"
+
+
+def scatter(value: T, *, axis: str | None = None) -> T:
+    """Mark ``value`` to be split over the ranks of a call: each rank receives its part.
+
+    Without ``axis`` the value splits into one part per rank (of the world, or of every mesh
+    coordinate); with ``axis`` (a call ``on=`` a :class:`Mesh`) into one part per coordinate
+    of that axis, each replicated along the other axes. Several scattered arguments of one call
+    (on one axis) split in lockstep and must have the same length. Typed as the value it marks,
+    so a type checker checks the call's arguments against the method's parameters (a part has
+    the value's type).
+
+    Args:
+        value: what to split (see :func:`split`); checked when the call is planned.
+        axis: the mesh axis to split along.
+
+    Raises:
+        ConfigurationError: ``axis`` is not a string.
+    """
+    if axis is not None and not isinstance(axis, str):
+        raise ConfigurationError(f"scatter(axis=...) takes an axis name, got {axis!r}")
+    return cast(T, Scatter(value, axis))
+
+
+def split_sizes(total: int, n: int) -> list[int]:
+    """The sizes of ``n`` contiguous parts of ``total`` items: as even as can be, the larger
+    ones first (10 over 4: 3, 3, 2, 2; 2 over 4: 1, 1, 0, 0).
+
+    Raises:
+        ConfigurationError: ``n`` is not positive or ``total`` is negative.
+    """
+    if n < 1 or total < 0:
+        raise ConfigurationError(f"cannot split {total} items into {n} parts")
+    base, extra = divmod(total, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def split(value: Any, n: int, *, what: str = "the value") -> list[Any]:
+    """Split ``value`` into ``n`` contiguous parts, each of the value's type.
+
+    Lists and tuples split by items; numpy arrays and torch tensors along axis 0 (each part a
+    view); a mapping value by value in lockstep (each part a dict of the same keys); an object
+    with ``__asyncexec_split__(n)`` splits itself. When there are fewer items than parts, the
+    last parts are empty. Checked before anything is sent: a call that cannot split fails whole.
+
+    Args:
+        value: what to split.
+        n: how many parts.
+        what: how messages name the value (``"argument 'batch'"``).
+
+    Raises:
+        ConfigurationError: the value does not split (a str, a set, an int, a generator, a
+            0-d array, a named tuple), a mapping's values differ in length, or
+            ``__asyncexec_split__`` returned another number of parts.
+    """
+    splitter = getattr(type(value), "__asyncexec_split__", None)
+    if splitter is not None:
+        parts = splitter(value, n)
+        if not isinstance(parts, Sequence) or len(parts) != n:
+            got = f"{len(parts)} parts" if isinstance(parts, Sequence) else type(parts).__name__
+            raise ConfigurationError(
+                f"scatter(): {type(value).__qualname__}.__asyncexec_split__({n}) returned "
+                f"{got} for {what}; it must return a sequence of exactly {n}"
+            )
+        return list(parts)
+    if isinstance(value, Mapping):
+        return _split_mapping(value, n, what)
+    total = _length(value, what)
+    bounds = _bounds(split_sizes(total, n))
+    return [value[a:b] for a, b in bounds]
+
+
+def _split_mapping(value: Mapping[Any, Any], n: int, what: str) -> list[Any]:
+    _common_length(value, what)
+    columns = {k: split(v, n, what=f"{what}[{k!r}]") for k, v in value.items()}
+    return [{k: parts[i] for k, parts in columns.items()} for i in range(n)]
+
+
+def _common_length(value: Mapping[Any, Any], what: str) -> int | None:
+    """The length every value of a mapping shares (None when none has one)."""
+    common: tuple[Any, int] | None = None
+    for key, item in value.items():
+        length = split_length(item, f"{what}[{key!r}]")
+        if length is None:
+            continue
+        if common is not None and length != common[1]:
+            raise ConfigurationError(
+                f"scatter() splits the values of {what} in lockstep, but {key!r} has {length} "
+                f"items and {common[0]!r} has {common[1]}"
+            )
+        common = (key, length)
+    return None if common is None else common[1]
+
+
+def split_length(value: Any, what: str) -> int | None:
+    """How many items ``value`` splits over (None for an object that splits itself and has no
+    length, and for an empty mapping)."""
+    if getattr(type(value), "__asyncexec_split__", None) is not None:
+        try:
+            return len(value)
+        except TypeError:
+            return None
+    if isinstance(value, Mapping):
+        return _common_length(value, what)
+    return _length(value, what)
+
+
+def _length(value: Any, what: str) -> int:
+    """The length of a list, tuple, array or tensor that splits along axis 0."""
+    if isinstance(value, list):
+        return len(value)
+    if isinstance(value, tuple):
+        if hasattr(value, "_fields"):
+            raise ConfigurationError(
+                f"scatter() cannot split {what} ({type(value).__qualname__}, a named tuple): its "
+                "parts could not be of its type; pass its fields as a dict, or give it "
+                "__asyncexec_split__(n)"
+            )
+        return len(value)
+    if _is_array(value):
+        if value.ndim == 0:
+            raise ConfigurationError(
+                f"scatter() cannot split {what} (a 0-d {type(value).__qualname__}): it splits "
+                "along axis 0"
+            )
+        return int(value.shape[0])
+    raise ConfigurationError(
+        f"scatter() cannot split {what} ({type(value).__qualname__}): it splits {_SPLITS}"
+    )
+
+
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _is_array(value: object) -> bool:
+    """A numpy array or a torch tensor (never imports either: a value of theirs means the
+    module is loaded)."""
+    return _is_numpy(value) or _is_torch(value)
+
+
+def _is_numpy(value: object) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+def _is_torch(value: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def compact(part: Any) -> Any:
+    """``part`` as it should travel: a torch view pickles its whole storage (every rank's data),
+    so a tensor that does not own its storage is copied, once (a numpy view pickles its own data
+    only)."""
+    if _is_torch(part):
+        if part.untyped_storage().nbytes() > part.numel() * part.element_size():
+            return part.clone()
+        return part
+    if type(part) is dict:
+        return {k: compact(v) for k, v in part.items()}
+    return part
+
+
+def concat(results: Sequence[T]) -> T:
+    """Merge the results of several ranks into one: lists and tuples concatenated, numpy arrays
+    and torch tensors along axis 0, mappings key by key (into a dict with the first's keys).
+
+    Raises:
+        TypeError: no results, results of different kinds or keys, or results that do not
+            concatenate (named by type).
+    """
+    if not results:
+        raise TypeError("concat() needs at least one result")
+    return cast(T, _concat(list(results), "the results"))
+
+
+def _concat(values: list[Any], what: str) -> Any:
+    first = values[0]
+    if isinstance(first, list | tuple) and not hasattr(first, "_fields"):
+        kind = list if isinstance(first, list) else tuple
+        _same_kind(values, kind, what)
+        return kind(item for value in values for item in value)
+    if _is_numpy(first):
+        _same_kind(values, sys.modules["numpy"].ndarray, what)
+        return sys.modules["numpy"].concatenate(values, axis=0)
+    if _is_torch(first):
+        _same_kind(values, sys.modules["torch"].Tensor, what)
+        return sys.modules["torch"].cat(values, dim=0)
+    if isinstance(first, Mapping):
+        _same_kind(values, Mapping, what)
+        keys = list(first)
+        for value in values[1:]:
+            if set(value) != set(keys):
+                raise TypeError(
+                    f"concat() merges mappings key by key, but {what} have different keys: "
+                    f"{sorted(map(str, keys))} and {sorted(map(str, value))}"
+                )
+        return {k: _concat([v[k] for v in values], f"{what}[{k!r}]") for k in keys}
+    raise TypeError(
+        f"concat() cannot merge {what} ({type(first).__qualname__}): it merges lists, tuples, "
+        "numpy arrays, torch tensors and mappings of them"
+    )
+
+
+def _same_kind(values: list[Any], kind: type | Any, what: str) -> None:
+    for value in values:
+        if not isinstance(value, kind):
+            raise TypeError(
+                f"concat() cannot merge {what}: {type(values[0]).__qualname__} and "
+                f"{type(value).__qualname__}"
+            )
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """A repr for messages, cut short; never raises."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,170 @@
+"""The instances of a worker's roles (its worker classes), and the calls of their methods.
+
+A group with roles sends every worker the roles pickled once (``asyncexec._dispatch.
+roles_payload``); each worker makes one instance of each, in role order, after the group's
+backend has set up (``torch.distributed`` is ready in ``__init__``). A plain ``__init__`` runs in
+a thread, as ``execute()`` runs a plain function, inside the worker's context (``get_context()``
+works in it); when the driver gives a checkpoint, a class's ``restore(checkpoint)`` is called
+right after its ``__init__``. The instances live in the worker's :class:`~._session.Place` (in
+local mode, several workers share a process), until the roles are made again or the worker is
+reset.
+
+Calls of the instances' methods run as ``execute()`` calls do: an ``async def`` on the actor's
+loop, a plain method in a thread of its own, several at once when the driver sends several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+from .._errors import ExecutorStateError
+from .._protocol import Outcome, RoleFailure, RoleSpec
+from . import _session
+
+__all__ = ["Roles", "call", "drop", "make", "method"]
+
+#: A factory of the context entered around the roles' code (the backend's: the current CUDA
+#: device), as around a run's function.
+ContextFactory = Callable[[], AbstractContextManager[Any]]
+
+
+class Roles:
+    """One worker's instances of its roles, in role order."""
+
+    __slots__ = ("context", "instances")
+
+    def __init__(self, instances: list[object], context: ContextFactory | None) -> None:
+        self.instances = instances
+        #: Entered around each call of a method (in the thread that runs a plain one).
+        self.context = context
+
+    def method(self, role_index: int, name: str) -> Callable[..., Any]:
+        """The bound method ``name`` of the instance of role ``role_index``.
+
+        Raises:
+            ExecutorStateError: no such role, or its class has no such attribute.
+        """
+        if not 0 <= role_index < len(self.instances):
+            raise ExecutorStateError(
+                f"this worker holds {len(self.instances)} role(s), not role {role_index}"
+            )
+        instance = self.instances[role_index]
+        found = getattr(instance, name, None)
+        if not callable(found):
+            raise ExecutorStateError(f"{type(instance).__qualname__} has no method {name!r}")
+        return found  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"<Roles {[type(i).__qualname__ for i in self.instances]}>"
+
+
+async def make(
+    payload: bytes, checkpoint: Any = None, context: ContextFactory | None = None
+) -> Outcome:
+    """Make this worker's instances of its roles from ``payload``, in role order, dropping those
+    it held; call each class's ``restore(checkpoint)`` right after its ``__init__`` when
+    ``checkpoint`` is not None. On the actor's loop.
+
+    Returns:
+        ``Outcome("ok")``, or an error outcome whose ``value`` is the :class:`RoleFailure` that
+        says which role failed and where (the instances made before it are dropped).
+    """
+    from ray import cloudpickle
+
+    place = _session.current_place()
+    place.roles = None
+    blobs: tuple[bytes, ...] = cloudpickle.loads(payload)
+    instances: list[object] = []
+    for index, blob in enumerate(blobs):
+        stage: Literal["load", "init", "restore"] = "load"
+        try:
+            spec: RoleSpec = await asyncio.to_thread(cloudpickle.loads, blob)
+            stage = "init"
+            instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
+            restore = getattr(instance, "restore", None)
+            if checkpoint is not None and callable(restore):
+                stage = "restore"
+                await _invoke(restore, (checkpoint,), {}, context)
+        except Exception as exc:
+            failed = _session.error_outcome(exc)
+            return failed._replace(value=RoleFailure(index, stage))
+        instances.append(instance)
+    place.roles = Roles(instances, context)
+    return Outcome("ok")
+
+
+def method(role_index: int, name: str) -> Callable[..., Any]:
+    """The bound method ``name`` of this worker's instance of role ``role_index`` (a run's
+    function: the session enters the backend's context around it).
+
+    Raises:
+        ExecutorStateError: this worker holds no roles, or not that role or method.
+    """
+    return _held().method(role_index, name)
+
+
+async def call(
+    role_index: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Outcome:
+    """Call method ``name`` of this worker's instance of role ``role_index``: an ``async def``
+    on this loop, a plain method in a thread, inside the backend's context; how it ended, as an
+    outcome (a worker without that role or method is an error outcome too)."""
+    try:
+        roles = _held()
+        result = await _invoke(roles.method(role_index, name), args, kwargs, roles.context)
+    except Exception as exc:
+        return _session.error_outcome(exc)
+    return _session.value_outcome(result)
+
+
+def _held() -> Roles:
+    roles = _session.current_place().roles
+    if roles is None:
+        raise ExecutorStateError("this worker holds no instances of roles (make_roles first)")
+    return roles
+
+
+def drop() -> None:
+    """Forget this worker's instances (a pooled worker going back)."""
+    _session.current_place().roles = None
+
+
+async def _invoke(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ContextFactory | None,
+) -> Any:
+    """``fn`` as ``execute()`` calls it: an ``async def`` on this loop, else in a thread."""
+    if inspect.iscoroutinefunction(fn):
+        with _entered(context):
+            return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(_call_within, fn, args, kwargs, context)
+    if inspect.isawaitable(result):
+        with _entered(context):
+            result = await result
+    return result
+
+
+def _call_within(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ContextFactory | None,
+) -> Any:
+    with _entered(context):
+        return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _entered(context: ContextFactory | None) -> Iterator[None]:
+    if context is None:
+        yield
+        return
+    with context():
+        yield
