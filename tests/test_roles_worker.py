@@ -1,0 +1,353 @@
+"""The worker side of worker classes (roles), against a real worker: a Ray actor, and a local
+worker (threads of this process). Instances are made from one payload in role order, inside the
+worker's context; their methods are called (plain in a thread, ``async def`` on the loop, errors
+as outcomes); a run's function can be a method; a reset drops the instances."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from conftest import wait_no_local_threads
+from ray import cloudpickle
+
+from asyncexec import Checkpoint, ExecutorStateError, get_context, report
+from asyncexec._dispatch import Role, roles_payload
+from asyncexec._protocol import Outcome, RoleFailure, RoleMethod, RunStart, WorkerContext
+from asyncexec._worker._actor import WorkerActor
+
+try:
+    from asyncexec._driver.cluster._local import LocalWorker
+except ImportError:  # the driver's layout before its wings (cluster/, group/, run/)
+    from asyncexec._driver._local import LocalWorker  # type: ignore[no-redef]
+
+#: Bounds every wait on a worker.
+WAIT_S = 30.0
+
+
+class Counter:
+    """A role with state: made with the worker's context, plain and async methods."""
+
+    def __init__(self, start: int, *, step: int = 1) -> None:
+        self.value = start
+        self.step = step
+        self.rank = get_context().world_rank
+        self.init_thread = threading.get_ident()
+        self.restored: str | None = None
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        self.restored = checkpoint.path
+
+    def add(self, n: int = 1) -> int:
+        self.value += n * self.step
+        return self.value
+
+    async def add_async(self, n: int) -> int:
+        await asyncio.sleep(0)
+        self.value += n
+        return self.value
+
+    def state(self) -> dict[str, Any]:
+        return {"value": self.value, "rank": self.rank, "restored": self.restored}
+
+    def threads(self) -> tuple[int, int]:
+        """The thread of ``__init__`` and of this plain call."""
+        return self.init_thread, threading.get_ident()
+
+    async def loop_thread(self) -> int:
+        return threading.get_ident()
+
+    def fail(self) -> None:
+        raise ValueError("counter refused")
+
+    async def fail_async(self) -> None:
+        raise KeyError("async counter refused")
+
+    def meet(self, key: str) -> int:
+        """Waits for another call at a barrier of this process: passes only when calls run at
+        once."""
+        return _barriers[key].wait(timeout=WAIT_S)
+
+    def sizes(self, part: Any, *, other: Any) -> tuple[str, str]:
+        return type(part).__name__, type(other).__name__
+
+    def in_context(self) -> bool:
+        return getattr(_marks, "inside", False)
+
+    def train(self, config: dict[str, int]) -> int:
+        for i in range(config["steps"]):
+            self.value += 1
+            report({"i": i, "value": self.value, "rank": get_context().world_rank})
+        return self.value
+
+    async def train_async(self) -> str:
+        report({"async": True})
+        return "done"
+
+
+class Doubler:
+    """A second role, made after the first: it sees the worker's context too."""
+
+    def __init__(self) -> None:
+        self.world_size = get_context().world_size
+
+    def double(self, x: int) -> int:
+        return 2 * x
+
+
+class Broken:
+    def __init__(self) -> None:
+        raise RuntimeError("cannot start")
+
+
+class BadRestore:
+    def restore(self, checkpoint: Checkpoint) -> None:
+        raise OSError("checkpoint unreadable")
+
+
+_marks = threading.local()
+
+
+@contextlib.contextmanager
+def _marked() -> Iterator[None]:
+    """A stand-in for a backend's function context (the CUDA device): marks the thread."""
+    _marks.inside = True
+    try:
+        yield
+    finally:
+        _marks.inside = False
+
+
+async def _call(target: Any, method: str, /, *args: Any, **kwargs: Any) -> Any:
+    """Call a method of a worker actor, or of a local worker, and wait for it (bounded)."""
+    if not isinstance(target, LocalWorker) or "__getattr__" in vars(LocalWorker):
+        ref = getattr(target, method).remote(*args, **kwargs)
+    else:
+        ref = target.call(method, *args, **kwargs)
+
+    async def wait() -> Any:
+        return await ref
+
+    return await asyncio.wait_for(wait(), WAIT_S)
+
+
+class Handle:
+    """A worker set up as a group sets it up (rank 0 of one), called the same way in both
+    modes."""
+
+    def __init__(self, target: Any, context: WorkerContext) -> None:
+        self.target = target
+        self.context = context
+
+    async def __call__(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return await _call(self.target, method, *args, **kwargs)
+
+
+async def _set_up(target: Any) -> Handle:
+    meta = await _call(target, "describe")
+    context = WorkerContext(
+        world_rank=0,
+        local_rank=0,
+        node_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_id=meta.node_id,
+        node_ip=meta.node_ip,
+        pid=meta.pid,
+    )
+    assert (await _call(target, "setup", {}, context, None)).kind == "ok"
+    return Handle(target, context)
+
+
+@pytest.fixture
+async def worker(mode: str) -> AsyncIterator[Handle]:
+    """One worker, set up as rank 0 of a group of one; killed after the test."""
+    target: Any
+    if mode == "local":
+        target = LocalWorker("roles")
+    else:
+        target = WorkerActor.options(num_cpus=0).remote()
+    try:
+        yield await _set_up(target)
+    finally:
+        if mode == "local":
+            target.kill()
+        else:
+            ray.kill(target)
+
+
+def _payload(*roles: Role[Any]) -> bytes:
+    return roles_payload(roles)
+
+
+async def test_roles_are_made_in_order_inside_the_workers_context(worker: Handle) -> None:
+    outcome = await worker("make_roles", _payload(Role(Counter, 5, step=2), Role(Doubler)))
+    assert outcome == Outcome("ok")
+    assert await worker("call_role", 0, "add", 3) == Outcome("ok", 11)
+    assert await worker("call_role", 1, "double", 21) == Outcome("ok", 42)
+    assert (await worker("call_role", 0, "state")).value == {
+        "value": 11,
+        "rank": 0,
+        "restored": None,
+    }
+
+
+async def test_plain_methods_run_in_threads_and_async_ones_on_the_loop(worker: Handle) -> None:
+    await worker("make_roles", _payload(Role(Counter, 0)))
+    init_thread, call_thread = (await worker("call_role", 0, "threads")).value
+    loop_thread = (await worker("call_role", 0, "loop_thread")).value
+    assert loop_thread not in (init_thread, call_thread)
+    assert await worker("call_role", 0, "add_async", 4) == Outcome("ok", 4)
+
+
+async def test_plain_calls_on_one_instance_run_at_once(worker: Handle) -> None:
+    await worker("make_roles", _payload(Role(Counter, 0)))
+    await worker("execute", _make_barrier, "meet")
+    outcomes = await asyncio.gather(*[worker("call_role", 0, "meet", "meet") for _ in range(2)])
+    assert sorted(o.value for o in outcomes) == [0, 1]
+
+
+#: Barriers of this process (a worker's, or in local mode the test's), made by ``execute``.
+_barriers: dict[str, threading.Barrier] = {}
+
+
+def _make_barrier(key: str) -> None:
+    _barriers[key] = threading.Barrier(2)
+
+
+async def test_errors_of_methods_come_back_as_outcomes(worker: Handle) -> None:
+    await worker("make_roles", _payload(Role(Counter, 0)))
+    failed = await worker("call_role", 0, "fail")
+    assert failed.kind == "error"
+    assert isinstance(failed.error, ValueError)
+    assert "counter refused" in failed.traceback
+    assert "in fail" in failed.traceback
+    failed = await worker("call_role", 0, "fail_async")
+    assert isinstance(failed.error, KeyError)
+    missing = await worker("call_role", 0, "no_such_method")
+    assert isinstance(missing.error, ExecutorStateError)
+    assert "no method 'no_such_method'" in str(missing.error)
+    missing = await worker("call_role", 3, "add")
+    assert isinstance(missing.error, ExecutorStateError)
+
+
+async def test_restore_is_called_after_init_when_a_checkpoint_is_given(
+    worker: Handle, tmp_path: Path
+) -> None:
+    checkpoint = Checkpoint(tmp_path)
+    await worker("make_roles", _payload(Role(Counter, 1), Role(Doubler)), checkpoint)
+    assert (await worker("call_role", 0, "state")).value["restored"] == str(tmp_path)
+    await worker("make_roles", _payload(Role(Counter, 1)), None)
+    assert (await worker("call_role", 0, "state")).value["restored"] is None
+
+
+@pytest.mark.parametrize(
+    ("roles", "failure", "error"),
+    [
+        ((Role(Counter, 0), Role(Broken)), RoleFailure(1, "init"), RuntimeError),
+        ((Role(BadRestore), Role(Counter, 0)), RoleFailure(0, "restore"), OSError),
+    ],
+)
+async def test_a_role_that_fails_to_start_is_named_and_no_instance_is_kept(
+    worker: Handle, tmp_path: Path, roles: tuple[Role[Any], ...], failure: RoleFailure, error: type
+) -> None:
+    outcome = await worker("make_roles", _payload(*roles), Checkpoint(tmp_path))
+    assert outcome.kind == "error"
+    assert outcome.value == failure
+    assert isinstance(outcome.error, error)
+    after = await worker("call_role", 0, "state")
+    assert isinstance(after.error, ExecutorStateError)
+
+
+async def test_a_role_that_does_not_unpickle_on_the_worker_is_named(worker: Handle) -> None:
+    payload = cloudpickle.dumps((cloudpickle.dumps(Role(Doubler).spec()), b"not a pickle"))
+    outcome = await worker("make_roles", payload)
+    assert outcome.value == RoleFailure(1, "load")
+
+
+async def test_the_backends_context_is_entered_around_the_roles_code(worker: Handle) -> None:
+    await worker("make_roles", _payload(Role(Counter, 0)), None, _marked)
+    assert await worker("call_role", 0, "in_context") == Outcome("ok", True)
+    await worker("make_roles", _payload(Role(Counter, 0)))
+    assert await worker("call_role", 0, "in_context") == Outcome("ok", False)
+
+
+async def _run_to_end(worker: Handle) -> tuple[list[dict[str, Any]], Outcome]:
+    reports: list[dict[str, Any]] = []
+    while True:
+        poll = await worker("poll", len(reports), 64)
+        reports += poll.reports
+        if poll.outcome is not None:
+            return reports, poll.outcome
+
+
+def _start(worker: Handle, tmp_path: Path) -> RunStart:
+    context = replace(worker.context, run_id="run", attempt=1, storage_path=str(tmp_path))
+    return RunStart(context, None, 16, 0, {})
+
+
+async def test_a_runs_function_can_be_a_method_of_the_workers_instance(
+    worker: Handle, tmp_path: Path
+) -> None:
+    await worker("make_roles", _payload(Role(Counter, 10)))
+    payload = cloudpickle.dumps((RoleMethod(0, "train"), {"steps": 3}))
+    await worker("start_run", payload, _start(worker, tmp_path))
+    reports, outcome = await _run_to_end(worker)
+    assert [r["value"] for r in reports] == [11, 12, 13]
+    assert outcome == Outcome("ok", 13)
+    # The run changed the instance that calls reach.
+    assert await worker("call_role", 0, "add", 0) == Outcome("ok", 13)
+    # An async def method without a config parameter.
+    await worker(
+        "start_run",
+        cloudpickle.dumps((RoleMethod(0, "train_async"), None)),
+        _start(worker, tmp_path),
+    )
+    reports, outcome = await _run_to_end(worker)
+    assert (reports, outcome) == ([{"async": True}], Outcome("ok", "done"))
+
+
+async def test_a_reset_drops_the_instances(worker: Handle, tmp_path: Path) -> None:
+    await worker("make_roles", _payload(Role(Counter, 0)))
+    assert (await worker("reset", 5.0, None)).kind == "ok"
+    dropped = await worker("call_role", 0, "add")
+    assert isinstance(dropped.error, ExecutorStateError)
+    assert "no instances of roles" in str(dropped.error)
+    await worker("setup", {}, worker.context, None)  # the next lease
+    payload = cloudpickle.dumps((RoleMethod(0, "train"), {"steps": 1}))
+    with pytest.raises(ExecutorStateError):
+        await worker("start_run", payload, _start(worker, tmp_path))
+
+
+@pytest.mark.ray_only
+async def test_object_refs_among_the_arguments_arrive_resolved(worker: Handle) -> None:
+    """How the driver sends a rank its parts: references, positional and keyword."""
+    await worker("make_roles", _payload(Role(Counter, 0)))
+    part, other = ray.put([1, 2]), ray.put({"x": 1})
+    assert await worker("call_role", 0, "sizes", part, other=other) == Outcome(
+        "ok", ("list", "dict")
+    )
+
+
+async def test_local_workers_in_one_process_hold_instances_of_their_own() -> None:
+    """In local mode the instances live in each worker's place, not in the process."""
+    targets = [LocalWorker("a"), LocalWorker("b")]
+    try:
+        first, second = [await _set_up(t) for t in targets]
+        await first("make_roles", _payload(Role(Counter, 0)))
+        await second("make_roles", _payload(Role(Counter, 100)))
+        assert await first("call_role", 0, "add") == Outcome("ok", 1)
+        assert await second("call_role", 0, "add") == Outcome("ok", 101)
+        await first("reset", 5.0, None)
+        assert await second("call_role", 0, "add") == Outcome("ok", 102)
+    finally:
+        for target in targets:
+            target.kill()
+    wait_no_local_threads()
