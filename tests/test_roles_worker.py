@@ -169,11 +169,9 @@ async def _set_up(target: Any) -> Handle:
 @pytest.fixture
 async def worker(mode: str) -> AsyncIterator[Handle]:
     """One worker, set up as rank 0 of a group of one; killed after the test."""
-    target: Any
-    if mode == "local":
-        target = LocalWorker("roles")
-    else:
-        target = WorkerActor.options(num_cpus=0).remote()
+    target: Any = (
+        LocalWorker("roles") if mode == "local" else WorkerActor.options(num_cpus=0).remote()
+    )
     try:
         yield await _set_up(target)
     finally:
