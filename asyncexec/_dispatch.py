@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, cast
 
@@ -75,6 +75,9 @@ __all__ = [
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+#: The longest list, tuple or dict argument looked into for a misplaced scatter() marker.
+_NESTED_SCAN = 64
 
 
 # Roles -------------------------------------------------------------------------------------
@@ -585,12 +588,14 @@ def _scatter_column(
 
 
 def _refuse_nested(value: Any, what: str) -> None:
-    """A scatter marker inside an argument would reach the worker as a marker."""
-    items: Iterator[Any]
-    if isinstance(value, list | tuple):
-        items = iter(value)
-    elif isinstance(value, dict):
-        items = iter(value.values())
+    """A scatter marker inside an argument would reach the worker as a marker. Short lists,
+    tuples and dicts are looked into (where the mistake is made: ``call(fn, [scatter(x)])``);
+    a long one, a batch of data, is not scanned on every call."""
+    items: Iterable[Any]
+    if isinstance(value, list | tuple) and len(value) <= _NESTED_SCAN:
+        items = value
+    elif isinstance(value, dict) and len(value) <= _NESTED_SCAN:
+        items = value.values()
     else:
         return
     if any(isinstance(item, Scatter) for item in items):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from ._errors import ConfigurationError
 
@@ -37,6 +37,7 @@ _SPLITS = (
 )
 
 
+@runtime_checkable
 class Splittable(Protocol):
     """An object that splits itself for :func:`scatter`: ``__asyncexec_split__(n)`` returns
     exactly ``n`` parts, the one for each rank (or mesh coordinate) in order."""
@@ -106,9 +107,11 @@ def split(value: Any, n: int, *, what: str = "the value") -> list[Any]:
 
     Raises:
         ConfigurationError: the value does not split (a str, a set, an int, a generator, a
-            0-d array, a named tuple), a mapping's values differ in length, or
-            ``__asyncexec_split__`` returned another number of parts.
+            0-d array, a named tuple), a mapping's values differ in length,
+            ``__asyncexec_split__`` returned another number of parts, or ``n`` is not positive.
     """
+    if n < 1:
+        raise ConfigurationError(f"cannot split {what} into {n} parts")
     splitter = getattr(type(value), "__asyncexec_split__", None)
     if splitter is not None:
         parts = splitter(value, n)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -161,10 +161,5 @@ def _call_within(
         return fn(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _entered(context: ContextFactory | None) -> Iterator[None]:
-    if context is None:
-        yield
-        return
-    with context():
-        yield
+def _entered(context: ContextFactory | None) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext() if context is None else context()
