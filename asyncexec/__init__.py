@@ -28,39 +28,41 @@ _EXPORTS: dict[str, str] = {
     "AsyncExecError": "_errors",
     "BackendError": "_errors",
     "ChannelError": "_errors",
-    "ChannelStatistics": "_driver._channel",
+    "ChannelStatistics": "_driver.channel",
     "Checkpoint": "_checkpoint",
     "CheckpointConfig": "_config",
     "ConfigurationError": "_errors",
-    "DataConfig": "_driver._data",
+    "DataConfig": "_driver.cluster",
     "Executor": "_driver._executor",
     "ExecutorState": "_driver._executor",
     "ExecutorStateError": "_errors",
     "ExecutorStatistics": "_driver._executor",
+    "HealthChecks": "_config",
     "NodeLostError": "_errors",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
-    "Report": "_driver._steps",
-    "Reservation": "_driver._reservation",
-    "ReservationStatistics": "_driver._reservation",
+    "Report": "_driver.run",
+    "Reservation": "_driver.group",
+    "ReservationStatistics": "_driver.group",
     "ReportMismatchError": "_errors",
     "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
-    "Run": "_driver._run",
-    "RunResult": "_driver._steps",
-    "RunState": "_driver._run",
+    "Run": "_driver.run",
+    "RunResult": "_driver.run",
+    "RunState": "_driver.run",
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
-    "Step": "_driver._steps",
+    "Step": "_driver.run",
+    "Timeouts": "_config",
     "WorkerContext": "_protocol",
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
-    "WorkerPool": "_driver._pool",
-    "PoolStatistics": "_driver._pool",
+    "WorkerPool": "_driver.group",
+    "PoolStatistics": "_driver.group",
     "WorkerRaisedError": "_errors",
     "WorkerUnreachableError": "_errors",
-    "WeightChannel": "_driver._channel",
+    "WeightChannel": "_driver.channel",
     "configure_logging": "_cli._logconfig",
     "enable_metrics": "_driver._metrics",
     "start_metrics_server": "_driver._metrics",
@@ -124,24 +126,26 @@ if TYPE_CHECKING:
     from ._checkpoint import Checkpoint as Checkpoint
     from ._cli._logconfig import configure_logging as configure_logging
     from ._config import CheckpointConfig as CheckpointConfig
-    from ._driver._channel import ChannelStatistics as ChannelStatistics
-    from ._driver._channel import WeightChannel as WeightChannel
-    from ._driver._data import DataConfig as DataConfig
+    from ._config import HealthChecks as HealthChecks
+    from ._config import Timeouts as Timeouts
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics
     from ._driver._metrics import enable_metrics as enable_metrics
     from ._driver._metrics import start_metrics_server as start_metrics_server
-    from ._driver._pool import PoolStatistics as PoolStatistics
-    from ._driver._pool import WorkerPool as WorkerPool
-    from ._driver._reservation import Reservation as Reservation
-    from ._driver._reservation import ReservationStatistics as ReservationStatistics
     from ._driver._restart import RestartPolicy as RestartPolicy
-    from ._driver._run import Run as Run
-    from ._driver._run import RunState as RunState
-    from ._driver._steps import Report as Report
-    from ._driver._steps import RunResult as RunResult
-    from ._driver._steps import Step as Step
+    from ._driver.channel import ChannelStatistics as ChannelStatistics
+    from ._driver.channel import WeightChannel as WeightChannel
+    from ._driver.cluster import DataConfig as DataConfig
+    from ._driver.group import PoolStatistics as PoolStatistics
+    from ._driver.group import Reservation as Reservation
+    from ._driver.group import ReservationStatistics as ReservationStatistics
+    from ._driver.group import WorkerPool as WorkerPool
+    from ._driver.run import Report as Report
+    from ._driver.run import Run as Run
+    from ._driver.run import RunResult as RunResult
+    from ._driver.run import RunState as RunState
+    from ._driver.run import Step as Step
     from ._errors import AsyncExecError as AsyncExecError
     from ._errors import BackendError as BackendError
     from ._errors import ChannelError as ChannelError

@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "Checkpoint",
     "CheckpointBook",
+    "filesystem",
     "is_uri",
     "join_path",
     "persist_directory",
@@ -40,7 +41,7 @@ def join_path(base: str, *parts: str) -> str:
     return os.path.join(base, *parts)
 
 
-def _filesystem(uri: str) -> tuple[Any, str]:
+def filesystem(uri: str) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError as exc:  # pragma: no cover - checked when the executor is configured
@@ -94,7 +95,7 @@ class Checkpoint:
     def to_directory(self, destination: str | os.PathLike[str]) -> str:
         """Copy the files into ``destination`` (created if needed) and return its path."""
         if is_uri(self._path):
-            fs, root = _filesystem(self._path)
+            fs, root = filesystem(self._path)
             if not fs.isdir(root):
                 raise FileNotFoundError(f"checkpoint directory does not exist: {self._path!r}")
             for remote in fs.find(root):
@@ -138,7 +139,7 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint directory does not exist: {os.fspath(source)!r}")
     if is_uri(os.fspath(destination)):
-        fs, root = _filesystem(os.fspath(destination))
+        fs, root = filesystem(os.fspath(destination))
         for item in src.rglob("*"):
             if item.is_file():
                 remote = f"{root.rstrip('/')}/{item.relative_to(src).as_posix()}"
@@ -184,7 +185,7 @@ def _collision(target: Path | str) -> FileExistsError:
 def remove_directory(path: str) -> None:
     """Delete a persisted checkpoint (local or remote); a missing one is fine."""
     if is_uri(path):
-        fs, root = _filesystem(path)
+        fs, root = filesystem(path)
         if fs.exists(root):
             fs.rm(root, recursive=True)
     else:

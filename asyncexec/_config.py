@@ -20,8 +20,12 @@ from ._devices import DEVICE_KINDS
 from ._errors import ConfigurationError
 
 __all__ = [
+    "LEGACY_OPTIONS",
     "CheckpointConfig",
     "ExecutorConfig",
+    "HealthChecks",
+    "Timeouts",
+    "grouped_options",
     "check_count",
     "validate_buffer_size",
     "validate_resources",
@@ -130,6 +134,124 @@ class CheckpointConfig:
             raise ConfigurationError(
                 f"score_attribute must be a metric name, got {self.score_attribute!r}"
             )
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long an executor waits for each part of a group's life.
+
+    Args:
+        placement_s: for the placement group (the workers' resources) to be ready.
+        start_s: for the rest of start-up: the worker processes, their set-up, the backend's
+            ``on_start``, and each attempt's start of the function.
+        stop_s: for a stopped run's functions to end before the group is discarded.
+        shutdown_s: bound on each teardown (the backend's ``on_shutdown``, the workers' exit).
+        graceful_patience_s: how long workers get to exit before they are killed.
+    """
+
+    placement_s: float = 60.0
+    start_s: float = 120.0
+    stop_s: float = 10.0
+    shutdown_s: float = 30.0
+    graceful_patience_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("placement_s", "start_s", "stop_s", "shutdown_s"):
+            _positive(f"Timeouts.{name}", getattr(self, name))
+        patience = self.graceful_patience_s
+        if not _is_number(patience) or patience < 0:
+            raise ConfigurationError(
+                f"Timeouts.graceful_patience_s must be a non-negative number, got {patience!r}"
+            )
+
+
+@dataclass(frozen=True)
+class HealthChecks:
+    """How an executor notices a worker that hangs (one that dies is noticed at once).
+
+    Args:
+        interval_s: how often every worker is pinged (``None``: no pings).
+        timeout_s: a worker that does not answer a ping within this is hung.
+        step_timeout_s: a rank that has credit and reports nothing for this long is hung
+            (``None``, the default: no deadline).
+    """
+
+    interval_s: float | None = 5.0
+    timeout_s: float = 30.0
+    step_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive("HealthChecks.interval_s", self.interval_s, allow_none=True)
+        _positive("HealthChecks.timeout_s", self.timeout_s)
+        _positive("HealthChecks.step_timeout_s", self.step_timeout_s, allow_none=True)
+        if self.interval_s is not None and self.interval_s < 0.05:
+            raise ConfigurationError(
+                f"HealthChecks.interval_s below 0.05 s would flood the workers, got "
+                f"{self.interval_s!r}"
+            )
+
+
+#: The keyword arguments ``Executor`` took before they were grouped, and where each went: kept
+#: for a release, with a DeprecationWarning.
+LEGACY_OPTIONS: dict[str, tuple[str, str]] = {
+    "placement_timeout_s": ("timeouts", "placement_s"),
+    "start_timeout_s": ("timeouts", "start_s"),
+    "stop_timeout_s": ("timeouts", "stop_s"),
+    "shutdown_timeout_s": ("timeouts", "shutdown_s"),
+    "graceful_patience_s": ("timeouts", "graceful_patience_s"),
+    "health_check_interval_s": ("health", "interval_s"),
+    "health_check_timeout_s": ("health", "timeout_s"),
+    "step_timeout_s": ("health", "step_timeout_s"),
+}
+
+
+def grouped_options(
+    timeouts: Timeouts | None, health: HealthChecks | None, legacy: Mapping[str, Any]
+) -> tuple[Timeouts, HealthChecks]:
+    """The timeouts and health checks, from the grouped values and the old keyword arguments
+    (``start_timeout_s=``: deprecated, warned about).
+
+    Raises:
+        TypeError: an unknown keyword argument (as Python would say it).
+        ConfigurationError: a value and an old argument for the same group, or a bad value.
+    """
+    import warnings
+
+    unknown = sorted(k for k in legacy if k not in LEGACY_OPTIONS)
+    if unknown:
+        raise TypeError(f"Executor() got an unexpected keyword argument {unknown[0]!r}")
+    if timeouts is not None and not isinstance(timeouts, Timeouts):
+        raise ConfigurationError(f"timeouts must be an asyncexec.Timeouts, got {timeouts!r}")
+    if health is not None and not isinstance(health, HealthChecks):
+        raise ConfigurationError(f"health must be an asyncexec.HealthChecks, got {health!r}")
+    groups: dict[str, dict[str, Any]] = {"timeouts": {}, "health": {}}
+    for key, value in legacy.items():
+        group, field_name = LEGACY_OPTIONS[key]
+        given = timeouts if group == "timeouts" else health
+        new = "Timeouts" if group == "timeouts" else "HealthChecks"
+        if given is not None:
+            raise ConfigurationError(
+                f"{key}= and {group}= were both given: write {group}={new}({field_name}=...)"
+            )
+        warnings.warn(
+            f"Executor({key}=...) is deprecated: use {group}=asyncexec.{new}({field_name}=...)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        groups[group][field_name] = value
+    try:
+        return (
+            timeouts if timeouts is not None else Timeouts(**groups["timeouts"]),
+            health if health is not None else HealthChecks(**groups["health"]),
+        )
+    except ConfigurationError as exc:
+        # Name the argument as it was given.
+        message = str(exc)
+        for key, (group, field_name) in LEGACY_OPTIONS.items():
+            prefix = f"{'Timeouts' if group == 'timeouts' else 'HealthChecks'}.{field_name} "
+            if key in legacy and message.startswith(prefix):
+                raise ConfigurationError(key + message[len(prefix) - 1 :]) from None
+        raise
 
 
 @dataclass(frozen=True)

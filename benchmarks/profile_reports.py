@@ -81,7 +81,7 @@ POLLS = Counter[str]()
 
 
 def _count_polls() -> None:
-    from asyncexec._driver import _window
+    from asyncexec._driver.run import _window
 
     add = _window.Assembly.add
 

@@ -334,7 +334,7 @@ async def test_a_torch_channel_holds_its_rendezvous_port_from_the_moment_it_is_c
 
     async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as a:
         [worker] = a._slot.group.workers  # type: ignore[union-attr]
-        _, port = await worker.actor.channel_port.remote("weights", "g.1/0", 30.0)
+        _, port = await worker.handle.call("channel_port", "weights", "g.1/0", 30.0)
         with socket.socket() as other, pytest.raises(OSError, match="in use"):
             other.bind(("", port))
 

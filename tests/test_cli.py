@@ -25,7 +25,7 @@ import asyncexec
 from asyncexec._cli._logconfig import configure_logging
 from asyncexec._cli._main import main, quiet_planned_crash, total_steps
 from asyncexec._cli._views import JsonView
-from asyncexec._driver._steps import Report, Step
+from asyncexec._driver.run import Report, Step
 
 
 def counting(config: dict[str, Any]) -> int:

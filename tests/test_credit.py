@@ -11,9 +11,7 @@ import anyio
 import pytest
 
 from asyncexec._checkpoint import CheckpointBook
-from asyncexec._driver._run import Run, RunCore
-from asyncexec._driver._steps import StepBatch
-from asyncexec._driver._window import HandOver
+from asyncexec._driver.run import HandOver, Run, RunCore, StepBatch
 from asyncexec._protocol import RunStart, WorkerContext
 from asyncexec._worker import _session
 

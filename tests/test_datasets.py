@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import pytest
@@ -27,7 +27,7 @@ import tenacity
 from ray.data import DataContext, ExecutionOptions
 
 import asyncexec
-from asyncexec._driver._data import DataConfig, make_shards, release_shards, validate_datasets
+from asyncexec._driver.cluster import DataConfig, make_shards, release_shards, validate_datasets
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -232,14 +232,13 @@ async def test_restart_mid_epoch_gives_new_workers_fresh_shards(tmp_path: Path) 
 
 
 async def test_each_split_stops_the_previous_one_and_release_stops_the_last() -> None:
-    """make_shards with a stand-in group (only node ids and handles are read): every call makes
+    """make_shards with stand-in handles (only node ids and handles are read): every call makes
     a new coordinator and stops the previous one; release_shards stops the last."""
     prepared, config = validate_datasets({"train": ray.data.range(8)}, None)
     node = ray.get_runtime_context().get_node_id()
-    worker = SimpleNamespace(actor=None, metadata=SimpleNamespace(node_id=node))
-    group = cast(Any, SimpleNamespace(workers=[worker, worker]))
-    first = await make_shards(prepared, config, group)
-    second = await make_shards(prepared, config, group)
+    handles = [SimpleNamespace(actor=None)] * 2
+    first = await make_shards(prepared, config, handles, [node, node])
+    second = await make_shards(prepared, config, handles, [node, node])
     assert [sorted(p) for p in second] == [["train"], ["train"]]
     old, new = (s[0]["train"]._coord_actor._actor_id.hex() for s in (first, second))
     assert old != new

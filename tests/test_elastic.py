@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 import asyncexec
 import asyncexec.backends
 from asyncexec._config import ExecutorConfig
-from asyncexec._driver._elastic import decide_size, fitting_workers
+from asyncexec._driver.group import decide_size, fitting_workers
 
 log = logging.getLogger(__name__)
 NO_WAIT = tenacity.wait_none()
@@ -169,11 +169,13 @@ async def test_elastic_size_inside_a_parent_placement_group_is_refused(
 ) -> None:
     """Inside a placement group that captures child tasks, the workers would take the parent's
     bundles, which the size decision does not measure."""
-    from asyncexec._driver import _elastic
+    from asyncexec._driver.cluster import RayCluster
+    from asyncexec._driver.group import _elastic
 
-    monkeypatch.setattr(_elastic, "current_parent", lambda: object())
+    cluster = RayCluster()
+    monkeypatch.setattr(cluster, "parent", lambda: object())
     config = ExecutorConfig.build((1, 2), resources_per_worker={"CPU": 1})
-    sizer = _elastic.Sizer(config, None)
+    sizer = _elastic.Sizer(config, cluster, None)
     with pytest.raises(asyncexec.ConfigurationError, match="parent placement group"):
         await sizer.size()
 

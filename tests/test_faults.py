@@ -363,7 +363,7 @@ async def test_reuse_survivors_replaces_only_the_failed_rank(
     synchronously, and its first call waits for its handle): it was created on the loop."""
     import threading
 
-    from asyncexec._driver import _group
+    from asyncexec._driver.cluster import _ray
 
     created_on: list[threading.Thread] = []
 
@@ -372,8 +372,8 @@ async def test_reuse_survivors_replaces_only_the_failed_rank(
             created_on.append(threading.current_thread())
             return real.options(**options)
 
-    real = _group.WorkerActor
-    monkeypatch.setattr(_group, "WorkerActor", Spy())
+    real = _ray.WorkerActor
+    monkeypatch.setattr(_ray, "WorkerActor", Spy())
     config = {"steps": 20, "every": 3, "sleep": 0.02}
     policy = asyncexec.RestartPolicy(max_restarts=2, wait=NO_WAIT, reuse_survivors=True)
     async with asyncexec.Executor(
@@ -425,16 +425,11 @@ async def test_a_checkpoint_that_cannot_be_deleted_never_fails_the_run(
     a remote filesystem's would): it failed an aligned run, a TimeoutError restarted it as a
     start-up timeout, and in a run of independent ranks it cancelled the caller's body."""
     import asyncexec._checkpoint
-    import asyncexec._driver._independent
-    import asyncexec._driver._window
 
     def failing_rm(path: str) -> None:
         raise error(f"rm {path} failed on the remote store")
 
-    modules = (asyncexec._checkpoint, asyncexec._driver._window, asyncexec._driver._independent)
-    for module in modules:
-        if hasattr(module, "remove_directory"):
-            monkeypatch.setattr(module, "remove_directory", failing_rm)
+    monkeypatch.setattr(asyncexec._checkpoint, "remove_directory", failing_rm)
     config = {"steps": 6, "every": 1}
     async with asyncexec.Executor(
         2,

@@ -120,7 +120,7 @@ def test_ctrl_c_exits_promptly_with_keyboard_interrupt(tmp_path: Path) -> None:
 
 
 def test_the_executors_sigterm_handler_is_rays_own_and_only_set_when_free() -> None:
-    from asyncexec._driver import _ray
+    from asyncexec._driver.cluster import _start as _ray
 
     previous = signal.getsignal(signal.SIGTERM)
     try:

@@ -8,9 +8,7 @@ from typing import Any
 import anyio
 
 from asyncexec._checkpoint import CheckpointBook
-from asyncexec._driver._run import Run, RunCore
-from asyncexec._driver._steps import StepBatch
-from asyncexec._driver._window import HandOver
+from asyncexec._driver.run import HandOver, Run, RunCore, StepBatch
 
 
 def _batch(first: int) -> StepBatch:

@@ -237,10 +237,12 @@ async def test_a_feasibility_check_that_raised_is_logged_and_the_deadline_applie
 
 @pytest.mark.ray_only
 async def test_a_kill_that_fails_is_logged() -> None:
-    from asyncexec._driver._group import kill_all
+    from types import SimpleNamespace
+
+    from asyncexec._driver.cluster import RayCluster
 
     with capture_logs() as logs:
-        await kill_all([object()], None)  # type: ignore[list-item]
+        await RayCluster().kill([SimpleNamespace(actor=object())])  # type: ignore[list-item]
     [event] = [e for e in logs if e["event"] == "kill_failed"]
     assert "ValueError" in event["error"]
 
@@ -522,7 +524,7 @@ def config_size(config: bytes) -> int:
 async def test_a_large_config_goes_through_the_object_store_and_a_small_one_inline() -> None:
     """A payload above the inline bound is put in the object store once per run; a small one
     travels with each rank's call: both reach every rank whole."""
-    from asyncexec._driver._attempts import INLINE_PAYLOAD_BYTES
+    from asyncexec._driver.run import INLINE_PAYLOAD_BYTES
 
     async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
         for size in (10, INLINE_PAYLOAD_BYTES * 3):

@@ -20,7 +20,7 @@ from conftest import wait_no_leaks
 from resume_driver import train
 
 import asyncexec
-from asyncexec._driver._resume import RECORD_FILE
+from asyncexec._driver.run import RECORD_FILE
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(240)]
 

@@ -242,7 +242,7 @@ def _ray_exception_classes() -> list[type[BaseException]]:
 
 def test_every_ray_exception_class_is_mapped_on_purpose() -> None:
     """As httpx tests that every httpcore error is mapped: a class Ray adds must be decided."""
-    from asyncexec._driver._boundary import RAY_ERROR_KINDS
+    from asyncexec._driver.cluster import RAY_ERROR_KINDS
 
     missing = sorted(c.__name__ for c in _ray_exception_classes() if c not in RAY_ERROR_KINDS)
     assert missing == [], f"Ray exception classes with no decided meaning: {missing}"
@@ -250,7 +250,7 @@ def test_every_ray_exception_class_is_mapped_on_purpose() -> None:
 
 
 def _worker_on(node_id: str) -> Any:
-    from asyncexec._driver._workers import WorkerInfo
+    from asyncexec._driver.group import WorkerInfo
     from asyncexec._protocol import WorkerContext, WorkerMetadata
 
     meta = WorkerMetadata(node_id, "127.0.0.1", "host", 1234, {})
@@ -263,7 +263,7 @@ async def test_a_lost_result_or_a_ray_system_error_restarts_and_is_no_user_error
     were WorkerRaisedError, which the default policy does not restart."""
     import ray.exceptions as rex
 
-    from asyncexec._driver._boundary import call_error
+    from asyncexec._driver.cluster import call_error
 
     here = ray.get_runtime_context().get_node_id()
     errors: list[BaseException] = [
@@ -302,7 +302,7 @@ async def test_a_second_rank_dying_while_the_first_is_mapped_is_recorded(
     import os
     import signal
 
-    from asyncexec._driver import _boundary
+    from asyncexec._driver.cluster import _errors as _boundary
 
     real = _boundary.node_alive
 

@@ -21,8 +21,7 @@ from structlog.testing import capture_logs
 
 import asyncexec
 from asyncexec._cli._stack import WorkerProcess, format_stacks
-from asyncexec._driver import _stacks
-from asyncexec._driver._stacks import NOT_TAKEN, dump_processes, dump_stacks, take_stacks
+from asyncexec._driver.cluster import NOT_TAKEN, _stacks, dump_processes, take_stacks
 
 pytestmark = pytest.mark.skipif(_stacks.find_pyspy() is None, reason="py-spy is not installed")
 
@@ -163,8 +162,7 @@ async def test_stack_command_prints_a_live_runs_stacks() -> None:
         2, resources_per_worker={"CPU": 0.5}, buffer_size=1, name="stackdemo"
     ) as ex:
         run = ex.run(waits_for_the_cli)
-        async for _ in run:  # every rank's function runs
-            break
+        await run.__anext__()  # every rank's function runs (a loop left by break would stop it)
         done = await anyio.run_process(
             [sys.executable, "-m", "asyncexec", "stack", "--address", address],
             check=False,
@@ -225,7 +223,7 @@ async def test_stacks_of_other_nodes_are_taken_by_a_task_pinned_there() -> None:
         [worker] = group.workers
         node = worker.metadata.node_id
         texts = await dump_processes([(node, worker.metadata.pid), (node, 2**22 + 1)], local=False)
-        by_rank = await dump_stacks(group.workers)
+        by_rank = await group.stacks()
     assert f"Process {worker.metadata.pid}" in texts[0], texts[0]
     assert texts[1].startswith(f"{NOT_TAKEN}py-spy failed on node {node[:12]}"), texts[1]
     assert list(by_rank) == [0] and f"Process {worker.metadata.pid}" in by_rank[0]

@@ -262,7 +262,7 @@ def _fingerprints_in(hash_seed: int) -> list[str]:
 
     code = (
         "import json\n"
-        "from asyncexec._driver._resume import fingerprint, legacy_fingerprint\n"
+        "from asyncexec._driver.run import fingerprint, legacy_fingerprint\n"
         "config = {'tags': {'alpha', 'beta', 'gamma', 'delta', 'epsilon'}, 'lr': 0.1,\n"
         "          'nested': [frozenset({'x', 'y', 'z'}), {'b': 1, 'a': 2}]}\n"
         "print(json.dumps([fingerprint(config), legacy_fingerprint(config)]))\n"
@@ -281,7 +281,7 @@ def test_a_config_with_sets_has_one_fingerprint_in_every_process() -> None:
     seeds = [_fingerprints_in(seed) for seed in (1, 2, 3)]
     assert len({canonical for canonical, _ in seeds}) == 1
     assert len({legacy for _, legacy in seeds}) > 1  # what the pickled config gave
-    from asyncexec._driver._resume import fingerprint
+    from asyncexec._driver.run import fingerprint
 
     assert fingerprint({"a": 1, "b": {1, 2}}) == fingerprint({"b": {2, 1}, "a": 1})
     assert fingerprint({"a": 1}) != fingerprint({"a": 2})

@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 
 from .._config import validate_resources
-from .._driver._steps import RunResult
+from .._driver.run import RunResult
 from .._errors import AsyncExecError, ConfigurationError, describe
 from ._logconfig import configure_logging
 from ._views import Tracker, View, make_view

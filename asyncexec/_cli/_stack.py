@@ -2,7 +2,8 @@
 
 It joins the cluster as a driver of its own, finds the live worker actors in Ray's actor table
 (class ``_Worker``, alive) and reads each process's stacks from outside it, with py-spy on its
-node (see ``_driver._stacks``): a hung worker, which answers no call, is read like any other.
+node (see ``_driver.cluster._stacks``): a hung worker, which answers no call, is read like any
+other.
 The output is grouped by the driver (Ray job) that owns the workers, then by node and pid; the
 thread that runs a run's function is named ``asyncexec-fn <executor name> rank <rank>``, and
 the header of each process repeats what that name says.
@@ -31,7 +32,7 @@ from typing import Any
 
 import anyio
 
-from .._driver._stacks import DUMP_TIMEOUT_S, dump_processes
+from .._driver.cluster import DUMP_TIMEOUT_S, dump_processes
 from .._errors import describe, short_node
 
 __all__ = ["WorkerProcess", "auth_refusal", "format_stacks", "live_workers", "stack_command"]

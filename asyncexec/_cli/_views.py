@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
-from .._driver._steps import Step
+from .._driver.run import Step
 from ._logconfig import _json_default
 
 __all__ = ["JsonView", "PlainView", "RichView", "Tracker", "View", "make_view"]

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import ray
 
-from asyncexec._driver._resume import RECORD_FILE
+from asyncexec._driver.run import RECORD_FILE
 from benchmarks.chaos.group_invariants import Line, check_resumed
 from benchmarks.chaos.harness import STEP_SLEEP_S, wait_no_leftovers
 from benchmarks.chaos.invariants import RECOVERY_BOUND_S, STOP_BOUND_S, expected_total

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._checkpoint import Checkpoint
+from ..._checkpoint import Checkpoint
 
 __all__ = ["Report", "RunResult", "Step", "StepBatch"]
 

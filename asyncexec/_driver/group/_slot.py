@@ -14,17 +14,19 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._config import ExecutorConfig
-from .._errors import (
+from ..._config import ExecutorConfig
+from ..._errors import (
     AsyncExecError,
     ExecutorStateError,
     WorkerCrashedError,
     WorkerHungError,
     describe,
 )
-from ..backends._base import Backend
+from ...backends._base import Backend
+from ..cluster import Cluster
 from ._elastic import Sizer
 from ._group import WorkerGroup
+from ._spares import refill_spare, replace_rank, take_spare
 from ._startup import start_group
 
 __all__ = ["GroupSlot"]
@@ -40,12 +42,14 @@ class GroupSlot:
         self,
         config: ExecutorConfig,
         backend: Backend | None,
+        cluster: Cluster,
         log: Any,
         pool: Any = None,
         reservation: Any = None,
     ) -> None:
         self.config = config
         self.backend = backend
+        self.cluster = cluster
         self.log = log
         self.pool = pool  # a WorkerPool the groups are leased from, or None
         self.reservation = reservation  # a Reservation the groups are placed on, or None
@@ -56,7 +60,7 @@ class GroupSlot:
         self.restarts = 0
         #: Elastic executors: groups that started at another size than the one before.
         self.resizes = 0
-        self.sizer = Sizer(config, log) if config.elastic else None
+        self.sizer = Sizer(config, cluster, log) if config.elastic else None
         self._size: int | None = None  # the size of the last group started
         self._planned = False  # the next start is a planned resize, not a restart
         self.closing = False
@@ -74,7 +78,7 @@ class GroupSlot:
         refills, self._refills = self._refills, []
         for group, bundle in refills:
             if self.tg is not None and group is self.group and not group.closed:
-                self.tg.start_soon(group.refill_spare, bundle)
+                self.tg.start_soon(refill_spare, group, bundle)
 
     async def acquire(self, attempt: int | None = None) -> WorkerGroup:
         """The live group, started first when there is none. ``attempt`` (a run's attempt
@@ -98,6 +102,7 @@ class GroupSlot:
                     if self.sizer is not None:
                         config = replace(config, num_workers=await self.sizer.size())
                     self.group = await start_group(
+                        self.cluster,
                         config,
                         self.backend,
                         attempt=attempt or 1,
@@ -145,14 +150,14 @@ class GroupSlot:
                 self.log.warning("group_shrink_failed", error=describe(exc))
         if group is not None and isinstance(failure, WorkerCrashedError | WorkerHungError):
             try:
-                freed = await group.take_spare(failure.rank) if group.spares else None
+                freed = await take_spare(group, failure.rank) if group.spares else None
                 if freed is not None:
                     # Started once the next attempt runs (see start_refills): a process
                     # starting now would compete for the CPU with the restart itself.
                     self._refills.append((group, freed.bundle))
                     self.restarts += 1
                     return
-                if reuse_survivors and await group.replace_rank(failure.rank):
+                if reuse_survivors and await replace_rank(group, failure.rank):
                     self.restarts += 1
                     return
             except Exception as exc:

@@ -27,15 +27,12 @@ import anyio
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .._errors import describe, short_node
-from ._local import is_local
-from ._workers import WorkerInfo
+from ..._errors import describe, short_node
 
 __all__ = [
     "DUMP_TIMEOUT_S",
     "NOT_TAKEN",
     "dump_processes",
-    "dump_stacks",
     "find_pyspy",
     "take_stacks",
 ]
@@ -175,17 +172,3 @@ def _submit(node: str, pids: list[int], timeout_s: float, where: str) -> ray.Obj
         scheduling_strategy=strategy
     ).remote(pids, timeout_s, where)
     return ref
-
-
-async def dump_stacks(
-    workers: Sequence[WorkerInfo], *, timeout_s: float = DUMP_TIMEOUT_S
-) -> dict[int, str]:
-    """Every worker's threads' stacks by rank, in rank order (see :func:`dump_processes`)."""
-    ordered = sorted(workers, key=lambda w: w.rank)
-    local = {w.rank: w.actor.stacks() for w in ordered if is_local(w.actor)}
-    if local:  # a local group's workers are threads of this process: read here
-        return local
-    texts = await dump_processes(
-        [(w.metadata.node_id, w.metadata.pid) for w in ordered], timeout_s=timeout_s
-    )
-    return {w.rank: text for w, text in zip(ordered, texts, strict=True)}

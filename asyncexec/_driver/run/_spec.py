@@ -5,19 +5,32 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ray import cloudpickle
+from ..._checkpoint import Checkpoint, is_uri
+from ..._config import ExecutorConfig, validate_buffer_size
+from ..._errors import ConfigurationError, describe
+from ..cluster import dumps, validate_datasets
+from ._resume import Resume, check_name, fingerprint, legacy_fingerprint
 
-from .._checkpoint import Checkpoint, is_uri
-from .._config import validate_buffer_size
-from .._errors import ConfigurationError, describe
-from ._attempts import RunSpec
-from ._resume import check_name, fingerprint, legacy_fingerprint
+__all__ = ["RunSpec", "named_spec", "prepare", "run_spec"]
 
-__all__ = ["named_spec", "run_spec"]
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What ``Executor.run()`` checked and prepared for the driver task."""
+
+    payload: bytes  # the function and its config, pickled once
+    checkpoint: Checkpoint | None
+    buffer_size: int
+    datasets: Any  # (prepared datasets, DataConfig) or None
+    independent: bool = False  # ranks replaced on their own, an unaligned stream
+    name: str | None = None  # a named run keeps a record to resume from (see _resume)
+    resume: Resume = "auto"
+    #: The config's fingerprint (then the form records written before 0.2 hold).
+    fingerprints: tuple[str, ...] = ()
 
 
 def _as_checkpoint(value: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
@@ -54,8 +67,6 @@ def run_spec(
     bound = validate_buffer_size(buffer_size)
     data = None
     if datasets is not None or data_config is not None:
-        from ._data import validate_datasets
-
         data = validate_datasets({} if datasets is None else datasets, data_config)
     return RunSpec(payload, start, bound, data)
 
@@ -89,13 +100,54 @@ def _pickle(fn: Callable[..., Any], config: Any) -> bytes:
         ConfigurationError: either one cannot be pickled.
     """
     try:
-        return bytes(cloudpickle.dumps((fn, config)))
+        return bytes(dumps((fn, config)))
     except Exception as error:
         for what, value in (("fn", fn), ("config", config)):
             try:
-                cloudpickle.dumps(value)
+                dumps(value)
             except Exception as exc:
                 raise ConfigurationError(
                     f"{what} cannot be pickled to send to the workers: {describe(exc)}"
                 ) from exc
         raise ConfigurationError(f"fn and config cannot be pickled: {describe(error)}") from error
+
+
+def prepare(
+    config: ExecutorConfig,
+    backend: Any,
+    fn: Callable[..., Any],
+    run_config: Any,
+    *,
+    checkpoint: Checkpoint | str | os.PathLike[str] | None,
+    buffer_size: int | None,
+    datasets: Mapping[str, Any] | None,
+    data_config: Any,
+    name: str | None,
+    resume: Any,
+    independent: bool | None,
+) -> RunSpec:
+    """Everything ``Executor.run()`` checks before a run starts, and its spec.
+
+    Raises:
+        ConfigurationError: anything invalid, named (see ``Executor.run``).
+    """
+    bound = config.buffer_size if buffer_size is None else buffer_size
+    if config.local and (datasets is not None or data_config is not None):
+        raise ConfigurationError("a local executor takes no datasets: Ray Data needs Ray")
+    spec = run_spec(fn, run_config, checkpoint, bound, datasets, data_config)
+    if name is not None or resume != "auto":
+        spec = named_spec(spec, name, resume, run_config)
+    if independent is None:
+        independent = bool(backend is not None and backend.independent_ranks)
+    if not independent:
+        return spec
+    if backend is not None and not backend.independent_ranks:
+        raise ConfigurationError(
+            f"the {backend.name} backend's ranks depend on each other: a run with it cannot be "
+            "independent"
+        )
+    if spec.datasets is not None:
+        raise ConfigurationError("a run of independent ranks does not take datasets")
+    if config.elastic:
+        raise ConfigurationError("an elastic executor does not run independent ranks")
+    return replace(spec, independent=True)

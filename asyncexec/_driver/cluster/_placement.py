@@ -23,9 +23,10 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .._errors import PlacementInfeasibleError, PlacementTimeoutError, describe
+from ..._errors import PlacementInfeasibleError, PlacementTimeoutError, describe
 
 __all__ = [
+    "PRECISION",
     "Placement",
     "check_feasible",
     "create_placement",
@@ -52,13 +53,18 @@ class Placement:
     removed: bool = False
     slots: Sequence[int] | None = None
 
-    def strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
+    def strategy(self, index: int | None) -> PlacementGroupSchedulingStrategy:
         """Scheduling strategy for worker ``index``: its own bundle (its slot's, on a
-        reservation), or any bundle of a parent."""
-        bundle = index if self.owned else -1
-        if self.slots is not None:
+        reservation), or any bundle (of a parent, or when ``index`` is None)."""
+        bundle = index if self.owned and index is not None else -1
+        if self.slots is not None and index is not None:
             bundle = self.slots[index]
         return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+
+    def within(self, bundles: list[dict[str, float]], slots: Sequence[int]) -> Placement:
+        """A part of this placement (a reservation's) that another owner's workers go into:
+        worker i on bundle ``slots[i]``; never removed by them."""
+        return Placement(self.group, bundles, owned=False, slots=slots)
 
     def remove(self) -> None:
         """Remove the group if this executor made it. Idempotent. Blocking (a GCS call): call it
@@ -79,11 +85,11 @@ def current_parent() -> PlacementGroup | None:
 
 
 #: Ray counts resources in units of 1/10000: smaller differences are rounding.
-_PRECISION = 1e-4
+PRECISION = 1e-4
 
 
 def _fits(bundle: Mapping[str, float], free: Mapping[str, float]) -> bool:
-    return all(free.get(k, 0.0) + _PRECISION / 2 >= v for k, v in bundle.items())
+    return all(free.get(k, 0.0) + PRECISION / 2 >= v for k, v in bundle.items())
 
 
 def _take(bundle: Mapping[str, float], free: dict[str, float]) -> None:

@@ -1,11 +1,12 @@
-"""Local mode: workers in threads of the driver's process instead of Ray actors.
+r"""Local mode: workers in threads of the driver's process instead of Ray actors.
 
-A :class:`LocalWorker` stands where an actor handle stands in a :class:`~._group.WorkerGroup`.
-It hosts the worker's own code (the actor class, undecorated) on an event loop in a thread of
-its own, as Ray hosts an async actor's methods on the actor's loop; ``worker.method.remote(...)``
-schedules the method there and returns an awaitable, as an ``ObjectRef`` is one. So the group,
-the run's pumps, health checks, stops and closes are the same code in both modes, and the user's
-function runs in a thread of its own, exactly as on an actor (see ``_worker._session``).
+:class:`LocalCluster` is the seam's second implementation (see ``_base``): its workers are
+:class:`LocalWorker`\ s, each hosting the worker's own code (the actor class, undecorated) on an
+event loop in a thread of its own, as Ray hosts an async actor's methods on the actor's loop;
+``worker.call(method, ...)`` schedules the method there and returns an awaitable, as an
+``ObjectRef`` is one. So the group, the run's pumps, health checks, stops and closes are the same
+code in both modes, and the user's function runs in a thread of its own, exactly as on an actor
+(see ``_worker._session``).
 
 What Ray provides and a thread cannot is absent, and said so in the docs: no process isolation
 (module-level state is shared by the ranks and the driver), no devices or resources enforced, no
@@ -31,14 +32,19 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Awaitable, Generator
-from typing import Any, TypeGuard
+from collections.abc import Awaitable, Generator, Mapping, Sequence
+from typing import Any
 
-from .._protocol import WorkerMetadata
-from .._worker import _session
-from .._worker._actor import _Worker
+import anyio
 
-__all__ = ["LOCAL_NODE", "LocalWorker", "LocalWorkerGone", "is_local"]
+from ..._config import ExecutorConfig
+from ..._protocol import WorkerMetadata
+from ..._worker import _session
+from ..._worker._actor import _Worker
+from ._base import Handle, Spawned, described, settle
+from ._placement import Placement
+
+__all__ = ["LOCAL_NODE", "LocalCluster", "LocalWorker", "LocalWorkerGone"]
 
 #: The node id of every local worker (they all run in the driver's process).
 LOCAL_NODE = "local"
@@ -84,17 +90,6 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-class _Method:
-    __slots__ = ("_name", "_worker")
-
-    def __init__(self, worker: LocalWorker, name: str) -> None:
-        self._worker = worker
-        self._name = name
-
-    def remote(self, *args: Any, **kwargs: Any) -> _Ref:
-        return self._worker.call(self._name, args, kwargs)
-
-
 class LocalWorker:
     """One worker in threads of this process: an event loop for its methods (the actor's loop)
     and, during a run, the thread of the user's function."""
@@ -114,10 +109,9 @@ class LocalWorker:
     def __repr__(self) -> str:
         return f"<LocalWorker {self.label} {'gone' if self._gone else 'live'}>"
 
-    def __getattr__(self, name: str) -> _Method:
-        if name.startswith("_") and name != "__ray_terminate__":
-            raise AttributeError(name)
-        return _Method(self, name)
+    @property
+    def key(self) -> str:
+        return self._thread.name
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -126,7 +120,7 @@ class LocalWorker:
         finally:
             self._loop.close()
 
-    def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Ref:
+    def call(self, name: str, /, *args: Any, **kwargs: Any) -> _Ref:
         """Schedule the worker's method ``name`` on its loop; a closed worker's call fails."""
         if name == "__ray_terminate__":  # the graceful exit of a Ray actor
             self.kill()
@@ -190,6 +184,92 @@ class LocalWorker:
         return "\n\n".join(parts) or "no live thread"
 
 
-def is_local(actor: object) -> TypeGuard[LocalWorker]:
-    """Whether ``actor`` is a local worker rather than a Ray actor handle."""
-    return isinstance(actor, LocalWorker)
+    def call_n(self, name: str, n: int, /, *args: Any) -> list[Any]:
+        raise NotImplementedError("a local worker's results are not references (no channels)")
+
+
+class LocalCluster:
+    """The seam in local mode: every worker a :class:`LocalWorker` of this process, on one node
+    (:data:`LOCAL_NODE`), no placement, no resources, nothing to start or join."""
+
+    async def connect(self, address: str | None) -> None:
+        return None
+
+    def driver_node(self) -> str | None:
+        return LOCAL_NODE
+
+    def parent(self) -> Any:
+        return None
+
+    def place(
+        self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
+    ) -> Placement | None:
+        return None
+
+    async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
+        return None
+
+    def release(self, placement: Placement | None) -> None:
+        return None
+
+    def bundle_nodes(self, placement: Placement) -> list[str]:
+        return [LOCAL_NODE] * len(placement.bundles)
+
+    def spawn(
+        self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
+    ) -> list[Spawned]:
+        workers = [LocalWorker(config.name) for _ in bundles]
+        return [Spawned(w, w.call("describe")) for w in workers]
+
+    async def start_workers(
+        self,
+        config: ExecutorConfig,
+        placement: Placement | None,
+        bundles: Sequence[int | None],
+        timeout_s: float,
+        *,
+        track: list[Handle] | None = None,
+    ) -> list[tuple[Handle, WorkerMetadata]]:
+        return await described(self, self.spawn(config, placement, bundles), timeout_s, track)
+
+    async def kill(
+        self,
+        handles: Sequence[Handle],
+        placement: Placement | None = None,
+        deaths: Sequence[Any] = (),
+        timeout_s: float = 0.0,
+    ) -> None:
+        for handle in handles:
+            assert isinstance(handle, LocalWorker)
+            handle.kill()
+        if deaths:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+                await settle(deaths)
+
+    async def node_alive(self, node_id: str | None) -> bool:
+        return True
+
+    async def available(self) -> dict[str, float]:
+        return {}
+
+    async def live_nodes(self) -> set[str] | None:
+        return {LOCAL_NODE}
+
+    async def free_nodes(
+        self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
+    ) -> list[dict[str, float]] | None:
+        return None  # no resources: an elastic size is refused in local mode
+
+    async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
+        # The workers are threads of this process: their stacks are read here.
+        return {
+            rank: handle.stacks()
+            for rank, handle, _ in sorted(workers, key=lambda w: w[0])
+            if isinstance(handle, LocalWorker)
+        }
+
+    async def put(self, value: Any) -> Any:
+        return value
+
+    def data_context(self) -> Any:
+        return None

@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._checkpoint import Checkpoint
-from .._errors import ExecutorStateError
+from ..._checkpoint import Checkpoint
+from ..._errors import ExecutorStateError
 from ._steps import RunResult, Step, StepBatch
 
 __all__ = ["Run", "RunCore", "RunEnd", "RunState", "new_run_id"]

@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
-from .. import _checkpoint
-from .._errors import describe
+from ... import _checkpoint
+from ..._errors import describe
 
 __all__ = ["Pruner"]
 

@@ -19,79 +19,121 @@ is no reason to stop the others. In such a run (``run(..., independent=True)``):
 - the result's ``return_values`` are each rank's last function's, ``checkpoints`` each rank's
   latest, ``checkpoint`` rank 0's, ``attempts`` 1 plus the replacements, ``failures`` every rank
   failure in order.
+
+The pump, the health watch and the hand-over are the aligned run's (``_window``, the group's
+``watch``); what differs is the assembly (none: each report is a step) and the credit, which
+the consumer gives back in the order of the stream (:class:`StreamCredit`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import tenacity
 
-from .._checkpoint import Checkpoint, CheckpointBook, join_path
-from .._errors import (
+from ..._checkpoint import Checkpoint, CheckpointBook, join_path
+from ..._errors import (
     AsyncExecError,
     ExecutorStateError,
     RestartsExhaustedError,
     StartupError,
     describe,
 )
-from .._protocol import Poll, RunStart
-from ._boundary import call_error, outcome_error
-from ._group import WorkerGroup
-from ._health import _ping
-from ._run import RunState
+from ..._protocol import Poll
+from ..cluster import outcome_error
+from ..group import WorkerGroup, refill_spare, renew_rank, watch
+from ._context import RunContext
+from ._iterator import RunCore, RunState
 from ._steps import StepBatch
-from ._window import POLL_CREDIT_SHARE, _versions_of, poll_rank
+from ._window import min_poll, pump, versions_of
 
-if TYPE_CHECKING:
-    from ._attempts import RunDriver
+__all__ = ["IndependentRun", "StreamCredit"]
 
-__all__ = ["IndependentRun"]
+Key = tuple[int, int]  # (rank, generation): one worker's reports
+
+
+class StreamCredit:
+    """The credit of each rank's worker in an unaligned stream: what it reported, and what of it
+    the consumer took, given back in the order the stream delivered it."""
+
+    def __init__(self, run: RunCore, buffer_size: int) -> None:
+        self.run = run
+        self.buffer_size = buffer_size
+        self.received: dict[Key, int] = {}
+        self.consumed: dict[Key, int] = {}
+        self.arrivals: deque[list[int]] = deque()  # [rank, generation, count] in stream order
+        self.accounted = 0
+        self._changed = anyio.Event()
+
+    def open(self, key: Key) -> None:
+        self.received[key] = self.consumed[key] = 0
+
+    def credit(self, key: Key) -> int:
+        return self.buffer_size - (self.received[key] - self.consumed[key])
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def arrived(self, key: Key, count: int) -> None:
+        self.received[key] += count
+        self.arrivals.append([key[0], key[1], count])
+
+    async def account(self) -> None:
+        """Credit each worker with the reports the consumer took, in stream order (runs until
+        cancelled)."""
+        while True:
+            await self.run.wait_consumed()
+            taken = self.run.consumed - self.accounted
+            while taken > 0 and self.arrivals:
+                entry = self.arrivals[0]
+                n = min(taken, entry[2])
+                key = (entry[0], entry[1])
+                self.consumed[key] = self.consumed.get(key, 0) + n
+                entry[2] -= n
+                taken -= n
+                self.accounted += n
+                if entry[2] == 0:
+                    self.arrivals.popleft()
+            changed, self._changed = self._changed, anyio.Event()
+            changed.set()
 
 
 class IndependentRun:
     """Drives one run of independent ranks (see the module's docstring)."""
 
-    def __init__(self, driver: RunDriver) -> None:
-        self.d = driver
-        self.run = driver.run
-        self.config = driver.config
-        self.handover = driver.handover
-        ckpt = self.config.checkpoint
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.run = ctx.run
+        self.handover = ctx.handover
+        ckpt = ctx.config.checkpoint
         # Checkpoints are kept per rank here: the hand-over's book (rank 0's) prunes none.
         self.handover.book = CheckpointBook(None, None, "max")
-        n = self.config.num_workers
+        n = ctx.config.num_workers
         self.books = [
             CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
             for _ in range(n)
         ]
-        self.latest: list[Checkpoint | None] = [driver.latest] * n
+        self.latest: list[Checkpoint | None] = [ctx.latest] * n
         self.values: list[Any] = [None] * n
         self.attempts = [1] * n
         self.generation = [0] * n  # the worker of each rank: 0, then 1 after its replacement ...
         self.delivered = [0] * n  # reports of each rank, over its generations
-        self.received: dict[tuple[int, int], int] = {}
-        self.consumed: dict[tuple[int, int], int] = {}
-        self.marks: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        self.arrivals: deque[list[int]] = deque()  # [rank, generation, count] in stream order
-        self.accounted = self.handover.steps
+        self.credit = StreamCredit(ctx.run, ctx.spec.buffer_size)
+        self.credit.accounted = self.handover.steps
+        self.marks: dict[Key, list[tuple[int, int]]] = {}
         self.error: AsyncExecError | None = None
-        self._changed = anyio.Event()
         self._drain_lock = anyio.Lock()
-        self._min_poll = 1
 
     async def main(self) -> list[Any]:
         """Start every rank, keep each alive under the policy; each rank's return value."""
-        group = await self.d.slot.acquire(1)
-        self.d._group = group
+        group = await self.ctx.slot.acquire(1)
+        self.ctx.group = group
         self.run.state = RunState.RUNNING
-        payload = await self.d._put_payload()
-        self._min_poll = max(1, int(self.d.spec.buffer_size * POLL_CREDIT_SHARE))
+        payload = await self.ctx.payload()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._account)
+            tg.start_soon(self.credit.account)
             async with anyio.create_task_group() as lives:
                 for rank in range(len(group.workers)):
                     lives.start_soon(self._life, rank, group, payload, lives.cancel_scope)
@@ -111,16 +153,17 @@ class IndependentRun:
     ) -> None:
         progressed = [False]
         failures: list[BaseException] = []
+        ctx = self.ctx
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             wait = state.next_action.sleep if state.next_action else 0.0
             if state.outcome is not None and state.outcome.failed:
-                self.d.meter.failed(state.outcome.exception())
-            self.d.log.warning(
+                ctx.meter.failed(state.outcome.exception())
+            ctx.log.warning(
                 "rank_restarting", rank=rank, attempt=state.attempt_number + 1, wait_s=wait
             )
 
-        retrying = self.d.policy.retrying(before_sleep, lambda: progressed[0])
+        retrying = ctx.policy.retrying(before_sleep, lambda: progressed[0])
         try:
             try:
                 async for attempt in retrying:
@@ -134,7 +177,7 @@ class IndependentRun:
                             progressed[0] = self.delivered[rank] > before
                             failures.append(exc)
                             self.run.failures.append(exc)
-                            self.d._log_failure(exc)
+                            ctx.log_failure(exc)
                             raise
             except tenacity.RetryError:
                 last = failures[-1] if failures else None
@@ -145,27 +188,16 @@ class IndependentRun:
             lives.cancel()
 
     async def _attempt(self, rank: int, number: int, group: WorkerGroup, payload: Any) -> Any:
+        ctx = self.ctx
         if number > 1:
             await self._renew(rank, group)
             self.attempts[rank] = number
             self.run.attempt = 1 + sum(a - 1 for a in self.attempts)
         worker = group.workers[rank]
         key = (rank, self.generation[rank])
-        self.received[key] = self.consumed[key] = 0
-        function_context = self.d.backend.function_context() if self.d.backend else None
-        start = RunStart(
-            replace(
-                worker.context,
-                run_id=self.run.run_id,
-                attempt=number,
-                storage_path=join_path(self.d.storage, f"rank_{rank}"),
-            ),
-            self.latest[rank],
-            self.d.spec.buffer_size,
-            self.delivered[rank],
-            {},
-            function_context,
-        )
+        self.credit.open(key)
+        storage = join_path(ctx.storage, f"rank_{rank}")
+        start = ctx.run_start(worker, number, self.latest[rank], self.delivered[rank], {}, storage)
         failed: list[AsyncExecError] = []
 
         def fail(exc: AsyncExecError) -> None:
@@ -175,14 +207,14 @@ class IndependentRun:
 
         value: list[Any] = [None]
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._watch, group, rank, fail)
+            tg.start_soon(watch, group, fail, [rank])
             try:
-                with anyio.fail_after(self.config.start_timeout_s):
-                    for join in self.d.slot.joiners:  # a channel's latest version, first
+                with anyio.fail_after(ctx.config.start_timeout_s):
+                    for join in ctx.slot.joiners:  # a channel's latest version, first
                         await join(group)
-                    await group.gather([worker.actor.start_run.remote(payload, start)], [worker])
-                self.d._session_live = True
-                value[0] = await self._pump(rank, key, number, group, fail)
+                    await group.gather([worker.handle.call("start_run", payload, start)], [worker])
+                ctx.session_live = True
+                value[0] = await self._pump(rank, key, number, group)
             except AsyncExecError as exc:
                 fail(exc)
             except TimeoutError:
@@ -196,7 +228,7 @@ class IndependentRun:
         """Put a spare or a fresh process in ``rank``'s place; the others keep running."""
         spares = len(group.spares)
         try:
-            freed = await group.renew_rank(rank)
+            freed = await renew_rank(group, rank)
         except Exception as exc:
             error = StartupError(f"replacing rank {rank}: {describe(exc)}")
             error.__cause__ = exc
@@ -207,59 +239,41 @@ class IndependentRun:
                 "bundle of its own (leased from a pool, or in a parent placement group)"
             )
         self.generation[rank] += 1
-        self.d.slot.restarts += 1
-        if len(group.spares) < spares and self.d.slot.tg is not None:
-            self.d.slot.tg.start_soon(group.refill_spare, freed.bundle)
-
-    async def _watch(self, group: WorkerGroup, rank: int, fail: Any) -> None:
-        """The rank's death (its pending ``wait_closed`` call) and health checks."""
-        worker = group.workers[rank]
-
-        async def death() -> None:
-            try:
-                await group.deaths[rank]
-            except Exception as exc:
-                fail(await call_error(exc, worker, group.attempt))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(death)
-            interval = self.config.health_check_interval_s
-            if interval is not None:
-                while True:
-                    await anyio.sleep(interval)
-                    await _ping(group, worker, self.config.health_check_timeout_s, fail)
+        slot = self.ctx.slot
+        slot.restarts += 1
+        if len(group.spares) < spares and slot.tg is not None:
+            slot.tg.start_soon(refill_spare, group, freed.bundle)
 
     # Reports -----------------------------------------------------------------------------------
 
-    def _credit(self, key: tuple[int, int]) -> int:
-        return self.d.spec.buffer_size - (self.received[key] - self.consumed[key])
-
-    async def _pump(
-        self, rank: int, key: tuple[int, int], attempt: int, group: WorkerGroup, fail: Any
-    ) -> Any:
+    async def _pump(self, rank: int, key: Key, attempt: int, group: WorkerGroup) -> Any:
         worker = group.workers[rank]
-        while True:
-            while (credit := self._credit(key)) < self._min_poll:
-                await self._changed.wait()
-            try:
-                poll = await poll_rank(worker, self.consumed[key], credit)
-            except Exception as exc:
-                raise await call_error(exc, worker, attempt) from None
+        credit = self.credit
+
+        async def take(poll: Poll) -> None:
             if poll.reports:
                 self._queue(rank, key, attempt, poll)
                 async with self._drain_lock:
                     await self.handover.drain()
-            if poll.outcome is not None:
-                if poll.outcome.kind != "ok":
-                    raise outcome_error(poll.outcome, worker, attempt)
-                return poll.outcome.value
 
-    def _queue(self, rank: int, key: tuple[int, int], attempt: int, poll: Poll) -> None:
+        outcome = await pump(
+            worker,
+            attempt,
+            lambda: credit.credit(key),
+            lambda: credit.consumed[key],
+            credit.wait_changed,
+            min_poll(self.ctx.spec.buffer_size),
+            take,
+        )
+        if outcome.kind != "ok":
+            raise outcome_error(outcome, worker, attempt)
+        return outcome.value
+
+    def _queue(self, rank: int, key: Key, attempt: int, poll: Poll) -> None:
         """Hand a poll's reports to the stream, in arrival order (no await: the stream index is
         the hand-over's count)."""
-        first_seq = self.received[key]
+        first_seq = self.credit.received[key]
         count = len(poll.reports)
-        self.received[key] += count
         self.delivered[rank] += count
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
         pruned: list[str] = []
@@ -273,7 +287,7 @@ class IndependentRun:
         if poll.versions or key in self.marks:
             marks = self.marks.setdefault(key, [])
             marks.extend(poll.versions or [])
-            versions = [(v,) for v in _versions_of(marks, first_seq, count)]
+            versions = [(v,) for v in versions_of(marks, first_seq, count)]
         batch = StepBatch(
             self.handover.steps,
             attempt,
@@ -284,24 +298,4 @@ class IndependentRun:
         )
         self.handover.queue(batch)
         self.handover.prune_after(pruned)
-        self.arrivals.append([rank, key[1], count])
-
-    async def _account(self) -> None:
-        """Credit each rank with the reports the consumer took, in stream order."""
-        while True:
-            await self.run.wait_consumed()
-            taken = self.run.consumed - self.accounted
-            while taken > 0 and self.arrivals:
-                entry = self.arrivals[0]
-                n = min(taken, entry[2])
-                key = (entry[0], entry[1])
-                self.consumed[key] = self.consumed.get(key, 0) + n
-                entry[2] -= n
-                taken -= n
-                self.accounted += n
-                if entry[2] == 0:
-                    self.arrivals.popleft()
-            changed, self._changed = self._changed, anyio.Event()
-            changed.set()
-
-
+        self.credit.arrived(key, count)

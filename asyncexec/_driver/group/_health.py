@@ -17,17 +17,16 @@ from typing import Protocol
 
 import anyio
 
-from .._errors import (
+from ..._errors import (
     AsyncExecError,
     NodeLostError,
     WorkerCrashedError,
     WorkerError,
     WorkerHungError,
 )
-from ._boundary import call_error, worker_error
+from ..cluster import call_error, worker_error
 from ._group import WorkerGroup
-from ._stacks import dump_stacks
-from ._workers import WorkerInfo
+from ._members import WorkerInfo
 
 __all__ = ["FailureSink", "declare_hung", "find_dead", "watch", "watch_steps"]
 
@@ -49,13 +48,16 @@ class StepClock(Protocol):
         ...
 
 
-async def watch(group: WorkerGroup, fail: FailureSink) -> None:
-    """Report every failure of any worker to ``fail``; runs until cancelled."""
+async def watch(group: WorkerGroup, fail: FailureSink, ranks: Sequence[int] | None = None) -> None:
+    """Report every failure of the workers of ``ranks`` (every rank by default) to ``fail``:
+    their deaths, and health checks that they do not answer. Runs until cancelled."""
+    ranks = range(len(group.workers)) if ranks is None else ranks
+    workers = [group.workers[r] for r in ranks]
     async with anyio.create_task_group() as tg:
-        for worker, death in zip(group.workers, group.deaths, strict=True):
-            tg.start_soon(_watch_death, group, worker, death, fail)
+        for rank, worker in zip(ranks, workers, strict=True):
+            tg.start_soon(_watch_death, group, worker, group.deaths[rank], fail)
         if group.config.health_check_interval_s is not None:
-            tg.start_soon(_health_loop, group, fail)
+            tg.start_soon(_health_loop, group, workers, fail)
 
 
 async def _watch_death(
@@ -68,7 +70,9 @@ async def _watch_death(
             fail(await call_error(exc, worker, group.attempt))
 
 
-async def _health_loop(group: WorkerGroup, fail: FailureSink) -> None:
+async def _health_loop(
+    group: WorkerGroup, workers: Sequence[WorkerInfo], fail: FailureSink
+) -> None:
     interval = group.config.health_check_interval_s
     assert interval is not None
     timeout = group.config.health_check_timeout_s
@@ -76,7 +80,7 @@ async def _health_loop(group: WorkerGroup, fail: FailureSink) -> None:
         await anyio.sleep(interval)
         silent: list[WorkerInfo] = []
         async with anyio.create_task_group() as tg:
-            for worker in group.workers:
+            for worker in workers:
                 tg.start_soon(_check, group, worker, timeout, fail, silent)
         if silent:  # one dump of the stacks for every rank that hung in this round
             silent.sort(key=lambda w: w.rank)
@@ -94,7 +98,7 @@ async def _answers(
     to ``fail`` and counts as an answer."""
     try:
         with anyio.move_on_after(timeout):
-            await worker.actor.ping.remote()
+            await worker.handle.call("ping")
             return True
     except Exception as exc:
         fail(await call_error(exc, worker, group.attempt))
@@ -113,19 +117,13 @@ async def _check(
         silent.append(worker)
 
 
-async def _ping(group: WorkerGroup, worker: WorkerInfo, timeout: float, fail: FailureSink) -> None:
-    """One health check of one worker, declared hung when it does not answer in time."""
-    if not await _answers(group, worker, timeout, fail):
-        await declare_hung(group, [worker], _no_answer(timeout), fail)
-
-
 async def declare_hung(
     group: WorkerGroup, hung: Sequence[WorkerInfo], detail: str, fail: FailureSink
 ) -> None:
     """Fail each of ``hung`` with a :class:`WorkerHungError` that holds every rank's stack, read
     now, while every process is still there (bounded by ``_stacks.DUMP_TIMEOUT_S``)."""
     declared = time.time()
-    stacks = await dump_stacks(group.workers)
+    stacks = await group.stacks()
     for worker in hung:
         error = worker_error(
             WorkerHungError, worker, group.attempt, detail, stacks=stacks, time_s=declared
@@ -158,7 +156,7 @@ async def find_dead(group: WorkerGroup) -> WorkerError | None:
     async def probe(worker: WorkerInfo) -> None:
         try:
             with anyio.move_on_after(PROBE_TIMEOUT_S):
-                await worker.actor.ping.remote()
+                await worker.handle.call("ping")
         except Exception as exc:
             error = await call_error(exc, worker, group.attempt)
             if isinstance(error, WorkerCrashedError | NodeLostError):

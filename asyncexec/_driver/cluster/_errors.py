@@ -11,12 +11,12 @@ Ray's error classes, and that a ``RayTaskError`` is also an instance of its caus
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import ray.exceptions as rex
 
-from .._errors import (
+from ..._errors import (
     AsyncExecError,
     BackendError,
     NodeLostError,
@@ -31,9 +31,9 @@ from .._errors import (
     first_line,
     short_node,
 )
-from .._protocol import Outcome
+from ..._protocol import Outcome, WorkerMetadata
 from ._local import LocalWorkerGone
-from ._workers import WorkerInfo, node_alive
+from ._ray import node_alive
 
 __all__ = [
     "RAY_ERROR_KINDS",
@@ -46,6 +46,18 @@ __all__ = [
 ]
 
 E = TypeVar("E", bound=WorkerError)
+
+
+class Who(Protocol):
+    """The worker an error is about (a group's member)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def metadata(self) -> WorkerMetadata: ...
+
+
 #: The most of a death message kept as the error's detail.
 _DETAIL_CHARS = 300
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -54,7 +66,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ACTOR_FIELDS = ("class_name", "actor_id", "pid:", "namespace", "ip:")
 
 
-def worker_error(cls: type[E], worker: WorkerInfo, attempt: int, detail: str, **extra: Any) -> E:
+def worker_error(cls: type[E], worker: Who, attempt: int, detail: str, **extra: Any) -> E:
     """An error of ``cls`` about ``worker``, with its rank, node, pid and attempt filled in."""
     return cls(
         worker.rank,
@@ -99,7 +111,7 @@ def _remote_traceback(exc: BaseException) -> str:
     return _ANSI.sub("", text)
 
 
-def _raised(worker: WorkerInfo, attempt: int, cause: BaseException, tb: str) -> WorkerRaisedError:
+def _raised(worker: Who, attempt: int, cause: BaseException, tb: str) -> WorkerRaisedError:
     return worker_error(
         WorkerRaisedError, worker, attempt, describe(cause), error=cause, remote_traceback=tb
     )
@@ -175,7 +187,7 @@ def ray_error_kind(exc: BaseException) -> str | None:
     return None
 
 
-async def _gone(worker: WorkerInfo) -> bool:
+async def _gone(worker: Who) -> bool:
     """Whether the worker's node has left the cluster. Shielded: a failure seen just before its
     attempt is cancelled (the other ranks' failures are collected for a moment, then the attempt
     goes) is still mapped, so that ranks that fail together are all recorded."""
@@ -184,7 +196,7 @@ async def _gone(worker: WorkerInfo) -> bool:
     return not alive
 
 
-async def call_error(exc: BaseException, worker: WorkerInfo, attempt: int) -> AsyncExecError:
+async def call_error(exc: BaseException, worker: Who, attempt: int) -> AsyncExecError:
     """Map the error of a call on ``worker`` to asyncexec's tree (see :data:`RAY_ERROR_KINDS`).
 
     A dead actor or a lost result is a lost node when Ray's node table no longer holds the
@@ -214,7 +226,7 @@ async def call_error(exc: BaseException, worker: WorkerInfo, attempt: int) -> As
     return _raised(worker, attempt, exc, "")
 
 
-def outcome_error(outcome: Outcome, worker: WorkerInfo, attempt: int) -> WorkerError:
+def outcome_error(outcome: Outcome, worker: Who, attempt: int) -> WorkerError:
     """The error of a call whose outcome is not ``ok`` (the user's function raised, or its run
     was stopped)."""
     if outcome.kind == "error" and outcome.error is not None:

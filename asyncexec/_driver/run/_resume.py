@@ -32,8 +32,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from .._checkpoint import _filesystem, is_uri, join_path
-from .._errors import ConfigurationError, ExecutorStateError
+from ..._checkpoint import filesystem, is_uri, join_path
+from ..._errors import ConfigurationError, ExecutorStateError
+from ..cluster import dumps
 
 __all__ = [
     "RECORD_FILE",
@@ -104,16 +105,12 @@ def check_name(name: object) -> str:
 def fingerprint(config: Any) -> str:
     """The fingerprint of a run's config (a resumed run must be given the same config), taken of
     its canonical form: the same in every process."""
-    from ray import cloudpickle
-
-    return hashlib.sha256(cloudpickle.dumps(_canonical(config))).hexdigest()[:16]
+    return hashlib.sha256(dumps(_canonical(config))).hexdigest()[:16]
 
 
 def legacy_fingerprint(config: Any) -> str:
     """The fingerprint records written before the canonical form hold (of the pickled config)."""
-    from ray import cloudpickle
-
-    return hashlib.sha256(cloudpickle.dumps(config)).hexdigest()[:16]
+    return hashlib.sha256(dumps(config)).hexdigest()[:16]
 
 
 def _canonical(value: Any) -> Any:
@@ -147,7 +144,7 @@ def load_record(storage: str, name: str) -> RunRecord | None:
     path = _record_path(storage, name)
     try:
         if is_uri(path):
-            fs, root = _filesystem(path)
+            fs, root = filesystem(path)
             if not fs.exists(root):
                 return None
             with fs.open(root, "r") as f:
@@ -168,7 +165,7 @@ def save_record(storage: str, record: RunRecord) -> None:
     path = _record_path(storage, record.name)
     text = json.dumps(asdict(record), indent=1)
     if is_uri(path):
-        fs, root = _filesystem(path)
+        fs, root = filesystem(path)
         fs.makedirs(root.rsplit("/", 1)[0], exist_ok=True)
         with fs.open(root + ".tmp", "w") as f:
             f.write(text)
@@ -193,7 +190,7 @@ def stray_checkpoints(storage: str, record: RunRecord) -> list[str]:
         keep.add(record.checkpoint.rstrip("/"))
     folder = join_path(storage, record.name)
     if is_uri(folder):
-        fs, root = _filesystem(folder)
+        fs, root = filesystem(folder)
         scheme = folder.split("://", 1)[0]
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
         paths = [f"{scheme}://{root.rstrip('/')}/{n}" for n in names]

@@ -27,20 +27,17 @@ from typing import Any, Literal
 
 import anyio
 import anyio.abc
-from ray.actor import ActorHandle
 
-from .._config import ExecutorConfig, PlacementStrategy, check_count
-from .._errors import (
+from ..._config import ExecutorConfig, PlacementStrategy, check_count
+from ..._errors import (
     ConfigurationError,
     ExecutorStateError,
     StartupTimeoutError,
     describe,
 )
-from .._protocol import WorkerMetadata
-from ._group import actor_options, kill_all, start_workers
-from ._logging import get_logger
-from ._placement import Placement, create_placement, wait_placement_ready
-from ._ray import ensure_ray
+from ..._protocol import WorkerMetadata
+from .._logging import get_logger
+from ..cluster import Handle, Placement, cluster_for
 from ._reservation import Claim, Reservation
 
 __all__ = ["PoolStatistics", "PoolWorker", "WorkerPool"]
@@ -57,7 +54,7 @@ class PoolWorker:
     """One warm process of a pool (or a fresh one started for a lease the pool could not
     fill: ``bundle`` is None, and it is killed when given back)."""
 
-    actor: ActorHandle
+    handle: Handle
     metadata: WorkerMetadata
     bundle: int | None
     leases: int = 0
@@ -164,11 +161,13 @@ class WorkerPool:
         self.reset_hook = reset_hook
         self.when_short = when_short
         self.log = get_logger(pool=f"{name}-{os.urandom(4).hex()}")
+        #: Pools hold Ray actors (a local executor takes none).
+        self.cluster = cluster_for(local=False)
         self._placement: Placement | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._idle: list[PoolWorker] = []
         self._leased: dict[str, PoolWorker] = {}
-        self._starting: dict[int, list[ActorHandle]] = {}  # bundle -> actor being started
+        self._starting: dict[int, list[Handle]] = {}  # bundle -> actor being started
         self._changed = anyio.Event()  # set (and replaced) when a worker becomes idle
         self._open = False
         self._closed = False
@@ -187,7 +186,7 @@ class WorkerPool:
     async def __aenter__(self) -> WorkerPool:
         if self._open or self._closed:
             raise ExecutorStateError("a WorkerPool is entered once")
-        await ensure_ray(self.config.address)
+        await self.cluster.connect(self.config.address)
         if self.reservation is not None:  # refused before anything starts
             self._claim = self.reservation.claim(
                 f"pool {self.config.name!r}", self.size, self.config.resources_per_worker
@@ -197,20 +196,21 @@ class WorkerPool:
         self._open = True
         t0 = time.perf_counter()
         try:
+            placement: Placement | None
             if self.reservation is not None:
                 placement = self.reservation.placement(self.config.bundles)
                 self._placement = placement
             else:
                 with anyio.CancelScope(shield=True):
                     placement = await anyio.to_thread.run_sync(
-                        create_placement,
+                        self.cluster.place,
                         self.config.bundles,
                         self.config.placement_strategy,
                         None,
                         self.log,
                     )
                     self._placement = placement
-            await wait_placement_ready(placement, self.config.placement_timeout_s)
+            await self.cluster.wait_placed(placement, self.config.placement_timeout_s)
             with anyio.fail_after(self.config.start_timeout_s):
                 async with anyio.create_task_group() as tg:
                     for bundle in range(self.size):
@@ -257,13 +257,13 @@ class WorkerPool:
             # entered the pool runs inside it).
             for scope in self._background:
                 scope.cancel()
-            actors = [w.actor for w in self._idle] + [w.actor for w in self._leased.values()]
+            actors = [w.handle for w in self._idle] + [w.handle for w in self._leased.values()]
             actors += [a for starting in self._starting.values() for a in starting]
             self._idle.clear()
             self._leased.clear()
             self._starting.clear()
             self._wake()
-            await kill_all(actors, self._placement)
+            await self.cluster.kill(actors, self._placement)
         if self._claim is not None and self.reservation is not None:
             self.reservation.release(self._claim)
             self._claim = None
@@ -319,7 +319,7 @@ class WorkerPool:
                 candidates = self._idle[: n - len(taken)]
                 del self._idle[: len(candidates)]
                 for w in candidates:
-                    self._leased[_key(w.actor)] = w
+                    self._leased[w.handle.key] = w
                 taken += await self._alive(candidates)
                 if len(taken) == n or candidates:
                     continue
@@ -336,17 +336,17 @@ class WorkerPool:
                 )
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.give_back([(w.actor, True) for w in taken])
+                await self.give_back([(w.handle, True) for w in taken])
             raise
         self._counts["leases"] += 1
         return taken
 
-    async def give_back(self, returned: Sequence[tuple[ActorHandle, bool]]) -> None:
+    async def give_back(self, returned: Sequence[tuple[Handle, bool]]) -> None:
         """Take back leased workers; ``True`` with a worker says it was reset and may be
         leased again. Any other is killed and its bundle refilled in the background."""
         doomed: list[PoolWorker] = []
         for actor, clean in returned:
-            worker = self._leased.pop(_key(actor), None)
+            worker = self._leased.pop(actor.key, None)
             if worker is None:
                 continue  # the pool closed, or it was already given back
             worker.leases += 1
@@ -376,7 +376,7 @@ class WorkerPool:
 
         async def ping(w: PoolWorker) -> None:
             with anyio.move_on_after(LEASE_PING_TIMEOUT_S), contextlib.suppress(Exception):
-                await w.actor.ping.remote()
+                await w.handle.call("ping")
                 answered.append(w)
 
         async with anyio.create_task_group() as tg:
@@ -386,24 +386,25 @@ class WorkerPool:
         if dead:
             self.log.warning("pool_worker_dead_at_lease", pids=[w.metadata.pid for w in dead])
             for w in dead:
-                self._leased.pop(_key(w.actor), None)
+                self._leased.pop(w.handle.key, None)
             await self._replace(dead)
         return [w for w in workers if w in answered]
 
     async def _fresh(self, n: int) -> list[PoolWorker]:
         """Start ``n`` workers outside the pool for a lease it could not fill."""
         try:
-            started = await start_workers(
-                actor_options(self.config), n, self.config.start_timeout_s
+            # Outside the pool's placement group: anywhere the cluster has room.
+            started = await self.cluster.start_workers(
+                self.config, None, [None] * n, self.config.start_timeout_s
             )
         except TimeoutError as exc:
             raise StartupTimeoutError(
                 f"starting {n} workers beyond the pool", self.config.start_timeout_s
             ) from exc
         fresh: list[PoolWorker] = []
-        for actor, meta in started:
-            worker = PoolWorker(actor, meta, None, death=actor.wait_closed.remote())
-            self._leased[_key(actor)] = worker
+        for handle, meta in started:
+            worker = PoolWorker(handle, meta, None, death=handle.call("wait_closed"))
+            self._leased[handle.key] = worker
             fresh.append(worker)
         self._counts["fresh_for_leases"] += n
         self.log.info("pool_short", fresh=n)
@@ -447,7 +448,7 @@ class WorkerPool:
         """Kill these workers; refill the pool's bundles they held, in the background."""
         if not workers:
             return
-        await kill_all([w.actor for w in workers], None)
+        await self.cluster.kill([w.handle for w in workers])
         for w in workers:
             if w.bundle is not None and self._open:
                 self._counts["replaced"] += 1
@@ -468,25 +469,18 @@ class WorkerPool:
     async def _fill(self, bundle: int) -> None:
         """Start a worker in ``bundle`` and make it idle."""
         assert self._placement is not None
-        options = {"scheduling_strategy": self._placement.strategy(bundle)}
         starting = self._starting[bundle] = []
         try:
-            [(actor, meta)] = await start_workers(
-                actor_options(self.config) | options,
-                1,
-                self.config.start_timeout_s,
-                track=starting,
+            [(handle, meta)] = await self.cluster.start_workers(
+                self.config, self._placement, [bundle], self.config.start_timeout_s, track=starting
             )
         finally:
             self._starting.pop(bundle, None)
         if not self._open:
             with anyio.CancelScope(shield=True):
-                await kill_all([actor], None)
+                await self.cluster.kill([handle])
             return
-        worker = PoolWorker(actor, meta, bundle, death=actor.wait_closed.remote())
+        worker = PoolWorker(handle, meta, bundle, death=handle.call("wait_closed"))
         self._spawn(self._watch, worker)
         self._make_idle(worker)
 
-
-def _key(actor: ActorHandle) -> str:
-    return str(actor._actor_id.hex())

@@ -32,12 +32,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from .._errors import ConfigurationError
+from ..._errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
-
-    from ._group import WorkerGroup
 
 __all__ = ["DataConfig", "make_shards", "release_shards", "validate_datasets"]
 
@@ -271,7 +269,10 @@ def _kill(actors: Sequence[Any]) -> None:
 
 
 async def make_shards(
-    datasets: Mapping[str, Any], data_config: DataConfig, group: WorkerGroup
+    datasets: Mapping[str, Any],
+    data_config: DataConfig,
+    handles: Sequence[Any],
+    node_ids: Sequence[str],
 ) -> list[dict[str, Any]]:
     """Each rank's dataset parts for one attempt, in rank order, for the group's nodes.
 
@@ -283,15 +284,14 @@ async def make_shards(
         ConfigurationError: a :meth:`DataConfig.configure` override returned something other
             than one mapping per rank.
     """
-    n = len(group.workers)
-    handles = [w.actor for w in group.workers]
-    node_ids = [w.metadata.node_id for w in group.workers]
+    n = len(handles)
+    actors = [getattr(h, "actor", h) for h in handles]  # Ray Train's API takes actor handles
     stale = list(getattr(datasets, "coordinators", ()))
     if stale:
         await anyio.to_thread.run_sync(_kill, stale)
         datasets.coordinators.clear()  # type: ignore[attr-defined]
     shards = await anyio.to_thread.run_sync(
-        partial(data_config.configure, datasets, n, handles, node_ids)
+        partial(data_config.configure, datasets, n, actors, list(node_ids))
     )
     if (
         not isinstance(shards, Sequence)

@@ -12,7 +12,8 @@ every ``elastic_check_interval_s`` how many would fit if the group's own bundles
 more would, the run restarts on a larger group from the latest checkpoint (a planned resize, not
 a failure).
 
-Ray's resource view is read in a thread (GCS calls), bounded: a slow answer counts as unknown.
+The cluster's resource view is read off the loop, bounded (see ``Cluster.free_nodes``): a slow
+answer counts as unknown.
 Ray shows resources freed by a removed placement group some 50-100 ms after the removal, so the
 free resources are measured before a group is discarded, counting its own bundles as free, and
 the next start uses that measure when it is recent; a start that measures anew and finds fewer
@@ -30,18 +31,16 @@ from dataclasses import replace
 from typing import Any
 
 import anyio
-import ray
 
-from .._config import ExecutorConfig
-from .._errors import AsyncExecError, ConfigurationError, NodeLostError, describe
+from ..._config import ExecutorConfig
+from ..._errors import AsyncExecError, ConfigurationError, NodeLostError, describe
+from ..cluster import Cluster, infeasible_reason
 from ._group import WorkerGroup
-from ._placement import current_parent, infeasible_reason
+from ._spares import shrink
 from ._startup import worker_contexts
 
 __all__ = ["Resize", "Sizer", "decide_size", "fitting_workers", "holding", "measure_free"]
 
-#: How long one look at Ray's resource view may take before it counts as unknown.
-MEASURE_TIMEOUT_S = 5.0
 #: How long a measure taken as a group was discarded stays good for the next start.
 MEASURE_FRESH_S = 5.0
 #: A start that measures anew and finds fewer than the maximum free looks once more after this
@@ -81,52 +80,18 @@ def holding(group: WorkerGroup) -> dict[str, int]:
     return dict(Counter(w.metadata.node_id for w in group.workers))
 
 
-def _held(group: WorkerGroup | None) -> dict[str, int]:
-    """How many bundles ``group`` holds on each node: its placement group's, as Ray placed them
-    (after a lost node, Ray places the lost bundles again, on a node added later, say), else one
-    per worker. Blocking (a GCS call when the group has a placement group)."""
-    if group is None:
-        return {}
-    placement = group.placement
-    if placement is not None and placement.owned and not placement.removed:
-        table = ray.util.placement_group_table(placement.group)
-        return dict(Counter(table.get("bundles_to_node_id", {}).values()))
-    return holding(group)
-
-
-def _alive() -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-
-
-def _free_now(bundle: Mapping[str, float], group: WorkerGroup | None) -> Nodes:
-    """Each live node's available resources, with ``group``'s bundles counted as free. Blocking
-    (GCS calls): run it in a thread. A node Ray has marked dead is left out (its available
-    resources linger for a moment after)."""
-    held = _held(group)
-    alive = _alive()
-    available = ray._private.state.available_resources_per_node()
-    nodes: Nodes = []
-    for node_id, resources in available.items():
-        if node_id not in alive:
-            continue
-        free = {k: float(v) for k, v in resources.items()}
-        for key, amount in bundle.items():
-            free[key] = free.get(key, 0.0) + amount * held.get(node_id, 0)
-        nodes.append(free)
-    return nodes
-
-
 async def measure_free(
-    config: ExecutorConfig, group: WorkerGroup | None, log: Any
+    config: ExecutorConfig, cluster: Cluster, group: WorkerGroup | None, log: Any
 ) -> Nodes | None:
-    """The live nodes' free resources (``group``'s bundles counted as free), or None when Ray
-    did not answer within :data:`MEASURE_TIMEOUT_S` or failed (logged)."""
+    """The live nodes' free resources (``group``'s bundles counted as free), or None when the
+    cluster did not answer within its bound or failed (logged)."""
     try:
-        with anyio.move_on_after(MEASURE_TIMEOUT_S):
-            return await anyio.to_thread.run_sync(
-                _free_now, config.bundle, group, abandon_on_cancel=True
-            )
-        log.warning("elastic_measure_timed_out", seconds=MEASURE_TIMEOUT_S)
+        placement = group.placement if group is not None else None
+        held = holding(group) if group is not None else {}
+        nodes = await cluster.free_nodes(config.bundle, placement, held)
+        if nodes is None:
+            log.warning("elastic_measure_timed_out")
+        return nodes
     except Exception as exc:
         log.warning("elastic_measure_failed", error=describe(exc))
     return None
@@ -135,9 +100,10 @@ async def measure_free(
 class Sizer:
     """Decides each start's size for an elastic executor; the group slot holds one."""
 
-    def __init__(self, config: ExecutorConfig, log: Any) -> None:
+    def __init__(self, config: ExecutorConfig, cluster: Cluster, log: Any) -> None:
         assert config.min_workers is not None and config.max_workers is not None
         self.config = config
+        self.cluster = cluster
         self.minimum = config.min_workers
         self.maximum = config.max_workers
         self.log = log
@@ -150,7 +116,7 @@ class Sizer:
     async def remember(self, group: WorkerGroup) -> None:
         """Measure what is free as if ``group`` were gone, before it is discarded (see the
         module's docstring)."""
-        nodes = await measure_free(self.config, group, self.log)
+        nodes = await measure_free(self.config, self.cluster, group, self.log)
         self._measured = None if nodes is None else (time.monotonic(), nodes)
 
     async def size(self) -> int:
@@ -161,7 +127,7 @@ class Sizer:
             ConfigurationError: the executor runs inside a placement group that captures child
                 tasks (its workers would take the parent's bundles, which this does not measure).
         """
-        if current_parent() is not None:
+        if self.cluster.parent() is not None:
             raise ConfigurationError(
                 "an elastic executor cannot place its workers in the parent placement group "
                 "that captures child tasks: give it a fixed num_workers"
@@ -180,7 +146,7 @@ class Sizer:
 
     async def _measure(self, group: WorkerGroup | None = None) -> int:
         """How many workers fit now (``group``'s bundles counted as free); 0 when unknown."""
-        nodes = await measure_free(self.config, group, self.log)
+        nodes = await measure_free(self.config, self.cluster, group, self.log)
         return 0 if nodes is None else self.fitting(nodes)
 
     async def watch_growth(self, group: WorkerGroup, grow: Callable[[int], None]) -> None:
@@ -208,9 +174,7 @@ class Sizer:
             or not group.placement.owned
         ):
             return False
-        alive: set[str] | None = None
-        with anyio.move_on_after(MEASURE_TIMEOUT_S):
-            alive = await anyio.to_thread.run_sync(_alive, abandon_on_cancel=True)
+        alive = await self.cluster.live_nodes()
         if alive is None:
             return False
         keep = [w for w in group.workers if w.metadata.node_id in alive]
@@ -221,5 +185,5 @@ class Sizer:
         # The kept workers stay in rank order (grouped by node, the driver's first): only their
         # ranks and the world's size change.
         config = replace(group.config, num_workers=len(keep))
-        await group.shrink(config, keep, worker_contexts(config, [w.metadata for w in keep]))
+        await shrink(group, config, keep, worker_contexts(config, [w.metadata for w in keep]))
         return True

@@ -16,17 +16,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 import anyio
-import ray
 
-from .._config import PlacementStrategy, check_count, validate_resources
-from .._errors import ConfigurationError, ExecutorStateError
-from .._ranks import order_workers
-from ._logging import get_logger
-from ._placement import _PRECISION, Placement, create_placement, wait_placement_ready
-from ._ray import ensure_ray
+from ..._config import PlacementStrategy, check_count, validate_resources
+from ..._errors import ConfigurationError, ExecutorStateError
+from ..._ranks import order_workers
+from .._logging import get_logger
+from ..cluster import PRECISION, Placement, cluster_for
 
 __all__ = ["Claim", "Reservation", "ReservationStatistics"]
 
@@ -104,6 +101,8 @@ class Reservation:
         self.address = address
         self.name = name
         self.log = get_logger(reservation=f"{name}-{os.urandom(4).hex()}")
+        #: Reservations are Ray's placement groups (a local executor takes none).
+        self.cluster = cluster_for(local=False)
         self._placement: Placement | None = None
         self._order: list[int] = []  # bundle index of each slot, in rank order
         self._nodes: list[str] = []  # node id of each slot
@@ -118,24 +117,26 @@ class Reservation:
     async def __aenter__(self) -> Reservation:
         if self._open or self._closed:
             raise ExecutorStateError("a Reservation is entered once")
-        await ensure_ray(self.address)
+        cluster = self.cluster
+        await cluster.connect(self.address)
         t0 = time.perf_counter()
         bundles = [dict(self.resources) for _ in range(self.size)]
         with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
-            placement = await anyio.to_thread.run_sync(
-                create_placement, bundles, self.strategy, None, self.log
+            made = await anyio.to_thread.run_sync(
+                cluster.place, bundles, self.strategy, None, self.log
             )
-            self._placement = placement
+        assert made is not None  # a Ray cluster's placement
+        placement: Placement = made
+        self._placement = placement
         try:
-            await wait_placement_ready(placement, self.placement_timeout_s)
-            nodes = await anyio.to_thread.run_sync(_bundle_nodes, placement.group)
+            await cluster.wait_placed(placement, self.placement_timeout_s)
+            nodes = await anyio.to_thread.run_sync(cluster.bundle_nodes, placement)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(placement.remove)
+                await anyio.to_thread.run_sync(cluster.release, placement)
             self._closed = True
             raise
-        driver = ray.get_runtime_context().get_node_id()
-        self._order = order_workers(nodes, [{} for _ in nodes], driver)
+        self._order = order_workers(nodes, [{} for _ in nodes], cluster.driver_node())
         self._nodes = [nodes[b] for b in self._order]
         self._open = True
         self.log.info(
@@ -165,7 +166,7 @@ class Reservation:
         placement = self._placement
         if placement is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_remove, placement)
+                await anyio.to_thread.run_sync(self.cluster.release, placement)
         self.log.info("reservation_closed")
 
     # Claims -----------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ class Reservation:
                 f"{self.name!r} do not hold ({self.resources})"
             )
         free = self._free(0)  # the first bundle is used by every claim: the fullest
-        over = {k: v for k, v in wanted.items() if v > free.get(k, 0.0) + _PRECISION / 2}
+        over = {k: v for k, v in wanted.items() if v > free.get(k, 0.0) + PRECISION / 2}
         if over:
             others = ", ".join(f"{c.owner} {dict(c.resources)}" for c in self._claims) or "none"
             raise ConfigurationError(
@@ -223,9 +224,7 @@ class Reservation:
         """Where the workers of a claim go: worker i on the bundle of slot i."""
         if not self._open or self._placement is None:
             raise ExecutorStateError(f"the reservation {self.name!r} is closed")
-        return Placement(
-            self._placement.group, bundles, owned=False, slots=self._order[: len(bundles)]
-        )
+        return self._placement.within(bundles, self._order[: len(bundles)])
 
     def statistics(self) -> ReservationStatistics:
         """Bundles, claims, what each bundle has left, and each bundle's node."""
@@ -235,14 +234,3 @@ class Reservation:
             free=tuple(self._free(i) for i in range(self.size)),
             nodes=tuple(self._nodes),
         )
-
-
-def _bundle_nodes(group: Any) -> list[str]:
-    """Each bundle's node id, by bundle index (blocking: a GCS call)."""
-    table = ray.util.placement_group_table(group)
-    by_index = table["bundles_to_node_id"]
-    return [by_index[i] for i in range(len(table["bundles"]))]
-
-
-def _remove(placement: Placement) -> None:
-    ray.util.remove_placement_group(placement.group)

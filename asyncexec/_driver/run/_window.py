@@ -1,5 +1,6 @@
-"""The credit window, in one place: the pumps that poll each rank, the assembly of complete
-steps, and the hand-over of those steps to the run's iterator.
+"""The credit window, in one place: the pump that polls a rank while it has credit (both kinds of
+run use it), the assembly of complete steps of an aligned run, and the hand-over of steps to the
+run's iterator.
 
 Each rank's reports arrive in batches, in order, through one long poll per rank. Step k of an
 attempt is complete when every rank has delivered its k-th report. A rank may have at most
@@ -11,23 +12,30 @@ on that acknowledgement), so memory stays bounded however long the run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from .._checkpoint import Checkpoint, CheckpointBook
-from .._errors import AsyncExecError, ReportMismatchError
-from .._protocol import Outcome, Poll
-from ._boundary import call_error, outcome_error, ray_error_kind
-from ._group import WorkerGroup
-from ._metrics import RunMeter
-from ._run import RunCore
+from ..._checkpoint import Checkpoint, CheckpointBook
+from ..._errors import AsyncExecError, ReportMismatchError
+from ..._protocol import Outcome, Poll
+from .._metrics import RunMeter
+from ..cluster import call_error, outcome_error, ray_error_kind
+from ..group import WorkerGroup, WorkerInfo
+from ._iterator import RunCore
 from ._steps import StepBatch
-from ._workers import WorkerInfo
 
-__all__ = ["Assembly", "HandOver", "Window"]
+__all__ = [
+    "Assembly",
+    "HandOver",
+    "Window",
+    "min_poll",
+    "poll_rank",
+    "pump",
+    "versions_of",
+]
 
 #: The most steps assembled and handed over at once; bounds the time the event loop is held.
 BATCH = 256
@@ -108,7 +116,7 @@ class Assembly:
         self.assembled += n
         versions = None
         if self.versions is not None:
-            columns = [_versions_of(marks, first, n) for marks in self.versions]
+            columns = [versions_of(marks, first, n) for marks in self.versions]
             versions = list(zip(*columns, strict=True))
         return StepBatch(
             self.index_offset + first,
@@ -128,7 +136,7 @@ class Assembly:
         return [o.value for o in self.outcomes if o is not None]
 
 
-def _versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int | None]:
+def versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int | None]:
     """The version held by each of reports ``first .. first + n - 1`` of a rank, from its
     marks (which are pruned to what later reports still need)."""
     out: list[int | None] = []
@@ -153,13 +161,13 @@ async def poll_rank(worker: WorkerInfo, ack: int, credit: int) -> Poll:
         Exception: the poll's own error, when nothing was salvaged.
     """
     try:
-        poll: Poll = await worker.actor.poll.remote(ack, credit)
+        poll: Poll = await worker.handle.call("poll", ack, credit)
         return poll
     except Exception as exc:
         if ray_error_kind(exc) != "raised":  # the worker died, or Ray failed: not a bad report
             raise
         try:
-            salvaged: Poll | None = await worker.actor.salvage.remote()
+            salvaged: Poll | None = await worker.handle.call("salvage")
         except Exception:
             raise exc from None
         if salvaged is None:
@@ -167,8 +175,43 @@ async def poll_rank(worker: WorkerInfo, ack: int, credit: int) -> Poll:
         return salvaged
 
 
+def min_poll(buffer_size: int) -> int:
+    """The credit a rank must have before it is polled (see :data:`POLL_CREDIT_SHARE`)."""
+    return max(1, int(buffer_size * POLL_CREDIT_SHARE))
+
+
+async def pump(
+    worker: WorkerInfo,
+    attempt: int,
+    credit: Callable[[], int],
+    acked: Callable[[], int],
+    changed: Callable[[], Awaitable[None]],
+    least: int,
+    take: Callable[[Poll], Awaitable[None]],
+) -> Outcome:
+    """Poll ``worker`` whenever it has at least ``least`` of credit (``credit()``; waiting on
+    ``changed()`` meanwhile), acknowledging ``acked()`` reports taken by the consumer, and hand
+    each answer to ``take``; return the function's outcome once it has ended and every report
+    was taken.
+
+    Raises:
+        AsyncExecError: a call on the worker failed (mapped: it died, or Ray failed).
+    """
+    while True:
+        while (room := credit()) < least:
+            await changed()
+        try:
+            poll = await poll_rank(worker, acked(), room)
+        except Exception as exc:
+            raise await call_error(exc, worker, attempt) from None
+        await take(poll)
+        if poll.outcome is not None:
+            return poll.outcome
+
+
 class Window:
-    """One attempt's pumps over its assembly: each rank is polled while it has credit."""
+    """One aligned attempt's pumps over its assembly: each rank is polled while it has
+    credit."""
 
     def __init__(self, run: RunCore, group: WorkerGroup, buffer_size: int, index_offset: int):
         self.run = run
@@ -177,7 +220,7 @@ class Window:
         self.asm = Assembly(len(group.workers), group.attempt, index_offset)
         # Steps handed over before this attempt do not count against its credit.
         self._consumed_base = run.handed
-        self._min_poll = max(1, int(buffer_size * POLL_CREDIT_SHARE))
+        self._min_poll = min_poll(buffer_size)
 
     def _consumed(self) -> int:
         return max(0, self.run.consumed - self._consumed_base)
@@ -203,18 +246,25 @@ class Window:
         """Poll ``rank`` until its function has ended, feeding the assembly."""
         worker = self.group.workers[rank]
         attempt = self.group.attempt
+
+        async def take(poll: Poll) -> None:
+            self.asm.add(rank, poll)
+
         try:
-            while True:
-                while (credit := self.credit(rank)) < self._min_poll:
-                    await self.run.wait_consumed()
-                poll = await poll_rank(worker, self._consumed(), credit)
-                self.asm.add(rank, poll)
-                if poll.outcome is not None:
-                    if poll.outcome.kind != "ok":
-                        fail(outcome_error(poll.outcome, worker, attempt))
-                    return
-        except Exception as exc:
-            fail(await call_error(exc, worker, attempt))
+            outcome = await pump(
+                worker,
+                attempt,
+                lambda: self.credit(rank),
+                self._consumed,
+                self.run.wait_consumed,
+                self._min_poll,
+                take,
+            )
+        except AsyncExecError as exc:
+            fail(exc)
+            return
+        if outcome.kind != "ok":
+            fail(outcome_error(outcome, worker, attempt))
 
     async def assemble(self, handover: HandOver) -> None:
         """Hand complete steps over until every rank has finished."""

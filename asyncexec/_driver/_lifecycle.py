@@ -1,0 +1,196 @@
+"""An executor's life: entering starts (or joins) the cluster and the worker group; leaving stops
+any run and tears the group down, also on error or cancellation. The tasks that drive runs, and
+what runs in the background (a spare being started), belong to a task group that this life
+owns.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .._config import ExecutorConfig
+from .._errors import ConfigurationError, ExecutorStateError
+from ..backends._base import Backend
+from ._interrupt import defer_interrupts, restore_interrupts
+from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
+from .group import Claim, GroupSlot, Reservation, WorkerPool
+from .run import RunCore
+
+__all__ = ["LOCAL_ENV", "ExecutorState", "Lifecycle", "local_default"]
+
+#: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
+_RUN_END_MARGIN_S = 10.0
+#: The environment variable that makes executors local by default (``local=None``).
+LOCAL_ENV = "ASYNCEXEC_LOCAL"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def local_default(local: object) -> bool:
+    """``local`` as given, or (None) as ``ASYNCEXEC_LOCAL`` says.
+
+    Raises:
+        ConfigurationError: ``local`` is not a bool or None, or the variable is neither a
+            true nor a false word.
+    """
+    if isinstance(local, bool):
+        return local
+    if local is not None:
+        raise ConfigurationError(f"local must be True, False or None, got {local!r}")
+    value = os.environ.get(LOCAL_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(
+        f"{LOCAL_ENV} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}"
+    )
+
+
+class ExecutorState(enum.Enum):
+    """Where an executor is in its life."""
+
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class Lifecycle:
+    """One executor's life (see the module's docstring); an executor may live more than once
+    (entered again after it closed: a fresh group)."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        backend: Backend | None,
+        log: Any,
+        pool: WorkerPool | None,
+        reservation: Reservation | None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.log = log
+        self.pool = pool
+        self.reservation = reservation
+        self.cluster: Cluster = cluster_for(config.local)
+        self.state = ExecutorState.NEW
+        self.tg: anyio.abc.TaskGroup | None = None
+        #: The run in progress (or the last one).
+        self.run: RunCore | None = None
+        #: What runs before a run's functions start on a group (see WeightChannel).
+        self.joiners: list[Any] = []
+        self.slot = self._new_slot()
+        self._claim: Claim | None = None
+        self._closed = anyio.Event()
+        self._interrupts = False  # whether this executor defers SIGINT (see _interrupt)
+
+    def _new_slot(self) -> GroupSlot:
+        slot = GroupSlot(
+            self.config, self.backend, self.cluster, self.log, self.pool, self.reservation
+        )
+        slot.joiners = self.joiners
+        return slot
+
+    async def enter(self) -> None:
+        """Start: the cluster (off the loop), a claim on the reservation, the group."""
+        if self.state is ExecutorState.CLOSED:
+            # A closed executor may be entered again: it starts a fresh group.
+            self._closed = anyio.Event()
+            self.slot = self._new_slot()
+            self.run = None
+        elif self.state is not ExecutorState.NEW:
+            raise ExecutorStateError(f"the executor is already {self.state.value}")
+        self.state = ExecutorState.STARTING
+        self._interrupts = defer_interrupts()
+        self.tg = anyio.create_task_group()
+        await self.tg.__aenter__()
+        self.slot.tg = self.tg
+        try:
+            await self.cluster.connect(self.config.address)
+            if self.reservation is not None:
+                self._claim = self.reservation.claim(
+                    f"executor {self.config.name!r}",
+                    self.config.num_workers + self.config.spares,
+                    self.config.resources_per_worker,
+                )
+            await self.slot.acquire()
+            self.state = ExecutorState.READY
+        except BaseException:
+            self._release_claim()
+            self.state = ExecutorState.CLOSED
+            self._closed.set()
+            try:
+                # Exit the task group in this task's own scope (no shield around it: anyio
+                # requires the group's scope to be the innermost one). It has no tasks yet.
+                await self.tg.__aexit__(None, None, None)
+            finally:
+                self._restore_interrupts()
+            raise
+
+    async def exit(self) -> None:
+        """Leave: close, then cancel what is left in the task group and leave it."""
+        try:
+            await self.aclose()
+        finally:
+            if self.tg is not None:
+                tg, self.tg = self.tg, None
+                # What is left (a spare still starting in the background, a run task that
+                # outlived aclose()'s bound) is cancelled: leaving never waits without a bound.
+                tg.cancel_scope.cancel()
+                try:
+                    await tg.__aexit__(None, None, None)
+                finally:
+                    self._restore_interrupts()
+
+    async def aclose(self, *, force: bool = False) -> None:
+        """Stop any run and tear the group down (see ``Executor.aclose``)."""
+        if self.state in (ExecutorState.CLOSING, ExecutorState.CLOSED):
+            with anyio.CancelScope(shield=True):
+                await self._closed.wait()
+            return
+        self.state = ExecutorState.CLOSING
+        self.slot.closing = True
+        with anyio.CancelScope(shield=True):
+            run = self.run
+            if run is not None:
+                run.cancel()
+                bound = self.config.stop_timeout_s + self.config.shutdown_timeout_s
+                bound += DUMP_TIMEOUT_S  # the stacks of functions that did not stop
+                with anyio.move_on_after(bound + _RUN_END_MARGIN_S):
+                    await run.finished.wait()
+            await self.slot.discard(force=force)
+        self._release_claim()
+        self.state = ExecutorState.CLOSED
+        self._closed.set()
+        self.log.info("executor_closed")
+
+    def check_open(self) -> anyio.abc.TaskGroup:
+        """The task group runs belong to.
+
+        Raises:
+            ExecutorStateError: the executor is not started, or is closed.
+        """
+        if self.state is ExecutorState.NEW:
+            raise ExecutorStateError("the executor is not started: use `async with Executor(...)`")
+        if self.state in (ExecutorState.CLOSING, ExecutorState.CLOSED) or self.tg is None:
+            raise ExecutorStateError("the executor is closed")
+        return self.tg
+
+    def _restore_interrupts(self) -> None:
+        if self._interrupts:
+            self._interrupts = False
+            restore_interrupts()
+
+    def _release_claim(self) -> None:
+        if self._claim is not None and self.reservation is not None:
+            self.reservation.release(self._claim)
+        self._claim = None

@@ -1,0 +1,71 @@
+"""The object-store transport: the source rank returns its state from a call whose result the
+driver owns but never fetches: it stays in the source node's object store, and each target rank
+fetches it by reference (put once, never copied through the driver). The channel keeps the latest
+version's reference, so a rank that joins later gets it even after the source died."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+
+from ..._errors import AsyncExecError
+from ..cluster import call_error
+from ..group import WorkerInfo
+from ._transport import Core, Pending, died, gather
+
+__all__ = ["ObjectStoreTransport"]
+
+
+class ObjectStoreTransport:
+    """Moves any picklable state (a mapping when sharded) by reference."""
+
+    targets_before_read = False
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def read(self, pending: Pending) -> None:
+        core, sources = self.core, pending.sources or []
+        calls = [
+            w.handle.call_n("channel_read", 2, core.name, core.timeout_s, core.sharded)
+            for w in sources
+        ]
+        # The first results (the states' types) are awaited; the states stay where they are,
+        # referenced.
+        await gather([c[0] for c in calls], sources, core.source_slot)
+        pending.refs = [c[1] for c in calls]
+
+    async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:
+        """Every live target rank fetches and installs the shards; one that died is skipped."""
+        core = self.core
+        refs = [
+            w.handle.call("channel_receive", core.name, pending.version, pending.refs)
+            for w in targets
+        ]
+        errors: list[AsyncExecError] = []
+
+        async def one(i: int) -> None:
+            try:
+                await refs[i]
+                core.installed(targets[i], pending.version)
+            except Exception as exc:
+                error = await call_error(exc, targets[i], targets[i].context.attempt or 0)
+                if died(error):
+                    core.log.info("push_skipped_dead_rank", rank=targets[i].rank)
+                else:
+                    errors.append(error)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(refs)):
+                tg.start_soon(one, i)
+        if errors:
+            raise errors[0]
+
+    async def join(self, joiners: Sequence[WorkerInfo]) -> None:
+        latest = self.core.latest()
+        if latest is not None:
+            await self.deliver(latest, joiners)
+
+    def broken(self) -> None:
+        return None

@@ -1,0 +1,114 @@
+"""The torch transport: a torch.distributed process group per source rank spans that rank and
+every target rank (gloo for CPU tensors, nccl for CUDA), built when first needed and rebuilt when
+either executor's workers change (a restart); the state is broadcast tensor by tensor. A rank that
+joins the target gets the source's current state as a new version (the groups are rebuilt for
+it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..group import WorkerInfo
+from ._transport import Core, Pending, gather
+
+__all__ = ["TorchTransport"]
+
+
+class TorchTransport:
+    """Moves a flat mapping of name to tensor over torch.distributed."""
+
+    targets_before_read = True
+
+    def __init__(
+        self, core: Core, channel_id: str, backend: str | None, reuse_buffers: bool
+    ) -> None:
+        self.core = core
+        self.channel_id = channel_id
+        self.backend = backend
+        self.reuse_buffers = reuse_buffers
+        #: The built groups: (the members' keys, (group id, source) per source, backend).
+        self._groups: tuple[tuple[str, ...], list[tuple[str, WorkerInfo]], str] | None = None
+        self._generation = 0
+
+    async def read(self, pending: Pending) -> None:
+        core, sources = self.core, pending.sources or []
+        groups = await self._built(sources, pending.targets or [])
+        metas = await gather(
+            [
+                w.handle.call("channel_snapshot", core.name, pending.version, core.timeout_s)
+                for w in sources
+            ],
+            sources,
+            core.source_slot,
+        )
+        pending.parts = [(gid, meta) for (gid, _), meta in zip(groups, metas, strict=True)]
+
+    async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:
+        core = self.core
+        sources, parts = pending.sources or [], pending.parts or []
+        device = "cuda" if self._groups is not None and self._groups[2] == "nccl" else "cpu"
+        refs = [
+            w.handle.call("channel_send", core.name, pending.version, gid)
+            for w, (gid, _) in zip(sources, parts, strict=True)
+        ]
+        refs += [
+            w.handle.call(
+                "channel_receive_torch", core.name, pending.version, parts, device,
+                self.reuse_buffers,
+            )
+            for w in targets
+        ]
+        await gather(refs, [*sources, *targets], core.target_slot)
+        for w in targets:
+            core.installed(w, pending.version)
+
+    async def join(self, joiners: Sequence[WorkerInfo]) -> None:
+        # The workers changed, so the groups are rebuilt; the source's current state goes to
+        # every target rank as a new version.
+        pending = await self.core.push_now()
+        await pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+
+    def broken(self) -> None:
+        self._groups = None  # a broken collective: rebuilt at the next push
+
+    async def _built(
+        self, sources: list[WorkerInfo], targets: list[WorkerInfo]
+    ) -> list[tuple[str, WorkerInfo]]:
+        """The process groups (one per source rank, with every target rank), built anew when
+        the workers changed."""
+        core = self.core
+        key = tuple(w.handle.key for w in [*sources, *targets])
+        if self._groups is not None and self._groups[0] == key:
+            return self._groups[1]
+        self._groups = None
+        backend = self.backend
+        if backend is None:
+            calls = [sources[0].handle.call("channel_cuda")]
+            cuda = await gather(calls, sources[:1], core.source_slot)
+            backend = "nccl" if cuda[0] else "gloo"
+        self._generation += 1
+        groups: list[tuple[str, WorkerInfo]] = []
+        joins: list[Any] = []
+        members: list[WorkerInfo] = []
+        for k, src in enumerate(sources):
+            gid = f"{self.channel_id}.{self._generation}/{k}"
+            port_call = src.handle.call("channel_port", core.name, gid, core.timeout_s)
+            ((address, port),) = await gather([port_call], [src], core.source_slot)
+            size = 1 + len(targets)
+            for rank, w in enumerate([src, *targets]):
+                joins.append(
+                    w.handle.call(
+                        "channel_join",
+                        core.name, gid, address, port, rank, size, backend, core.timeout_s,
+                    )
+                )
+                members.append(w)
+            groups.append((gid, src))
+        await gather(joins, members, core.target_slot)
+        self._groups = (key, groups, backend)
+        core.counts["rebuilds"] += 1
+        core.log.info("channel_group_built", generation=self._generation, backend=backend)
+        return groups

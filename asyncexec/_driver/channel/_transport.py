@@ -1,0 +1,115 @@
+"""What a weight channel's transports share: the version on its way, the calls on both sides'
+workers, and the protocol a transport implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from ..._errors import AsyncExecError, ChannelError, NodeLostError, WorkerCrashedError, describe
+from ..cluster import call_error
+from ..group import GroupSlot, WorkerInfo
+
+__all__ = ["Core", "Pending", "Transport", "channel_error", "died", "gather"]
+
+
+@dataclass
+class Pending:
+    """One version on its way: what was read, and whether it has been delivered."""
+
+    version: int
+    done: anyio.Event
+    refs: list[Any] | None = None  # object store: the shards' references
+    parts: list[tuple[str, Any]] | None = None  # torch: (group id, tensor list) per source
+    targets: list[WorkerInfo] | None = None
+    sources: list[WorkerInfo] | None = None
+    error: BaseException | None = None
+    started: float = 0.0
+
+
+class Core(Protocol):
+    """What a transport uses of its channel."""
+
+    name: str
+    timeout_s: float
+    sharded: bool
+    log: Any
+    counts: dict[str, int]
+
+    @property
+    def source_slot(self) -> GroupSlot:
+        """The source executor's slot (its live group)."""
+        ...
+
+    @property
+    def target_slot(self) -> GroupSlot:
+        ...
+
+    def installed(self, worker: WorkerInfo, version: int) -> None:
+        """``worker`` holds ``version`` now."""
+        ...
+
+    def latest(self) -> Pending | None:
+        """The latest version read."""
+        ...
+
+    async def push_now(self) -> Pending:
+        """Read the source's state as a new version and start delivering it."""
+        ...
+
+
+class Transport(Protocol):
+    """How a channel moves a state from its source's ranks to its target's."""
+
+    #: Whether the targets are fixed before the state is read (its groups span them), or after.
+    targets_before_read: bool
+
+    async def read(self, pending: Pending) -> None:
+        """Read the state of ``pending.sources`` for ``pending.version`` (the targets too, when
+        they are fixed before the read)."""
+        ...
+
+    async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:
+        """Install ``pending``'s state on ``targets``; a target rank that died is skipped."""
+        ...
+
+    async def join(self, joiners: Sequence[WorkerInfo]) -> None:
+        """Give ranks that joined the target (after a restart) the latest version."""
+        ...
+
+    def broken(self) -> None:
+        """A delivery failed: what it built (process groups) is rebuilt at the next push."""
+        ...
+
+
+def died(error: AsyncExecError) -> bool:
+    return isinstance(error, WorkerCrashedError | NodeLostError)
+
+
+async def gather(refs: list[Any], workers: list[WorkerInfo], slot: GroupSlot) -> list[Any]:
+    """Await calls on workers; the first failure raised as asyncexec's error."""
+    group = slot.group
+    if group is None:
+        results: list[Any] = []
+        for ref, w in zip(refs, workers, strict=True):
+            try:
+                results.append(await ref)
+            except Exception as exc:
+                raise await call_error(exc, w, w.context.attempt or 0) from exc
+        return results
+    values: list[Any] = await group.gather(refs, workers)
+    return values
+
+
+def channel_error(what: str, exc: BaseException, timeout_s: float) -> ChannelError:
+    if isinstance(exc, ChannelError):
+        return exc
+    if isinstance(exc, TimeoutError) and timeout_s:
+        error = ChannelError(f"{what}: no answer within {timeout_s:g} s")
+    else:
+        error = ChannelError(f"{what}: {describe(exc)}")
+    error.__cause__ = exc
+    return error

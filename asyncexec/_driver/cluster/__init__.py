@@ -1,0 +1,69 @@
+"""The one seam to where the workers live (see ``_base``): the only driver code that imports Ray.
+
+Upper layers get a :class:`Cluster` from :func:`cluster_for` and talk to workers through their
+:class:`Handle`\\ s; Ray's errors become asyncexec's in ``_errors`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+from ray import cloudpickle
+
+from ._base import Cluster, Handle, Spawned, awaited, described, settle
+from ._data import DataConfig, make_shards, release_shards, validate_datasets
+from ._errors import (
+    RAY_ERROR_KINDS,
+    backend_error,
+    call_error,
+    outcome_error,
+    ray_error_kind,
+    startup_error,
+    worker_error,
+)
+from ._local import LOCAL_NODE, LocalCluster, LocalWorkerGone
+from ._placement import PRECISION, Placement, infeasible_reason
+from ._ray import RayCluster
+from ._stacks import DUMP_TIMEOUT_S, NOT_TAKEN, dump_processes, take_stacks
+
+__all__ = [
+    "DUMP_TIMEOUT_S",
+    "LOCAL_NODE",
+    "NOT_TAKEN",
+    "PRECISION",
+    "RAY_ERROR_KINDS",
+    "Cluster",
+    "DataConfig",
+    "Handle",
+    "LocalCluster",
+    "LocalWorkerGone",
+    "Placement",
+    "RayCluster",
+    "Spawned",
+    "awaited",
+    "backend_error",
+    "call_error",
+    "cluster_for",
+    "described",
+    "dump_processes",
+    "dumps",
+    "infeasible_reason",
+    "make_shards",
+    "outcome_error",
+    "ray_error_kind",
+    "release_shards",
+    "settle",
+    "startup_error",
+    "take_stacks",
+    "validate_datasets",
+    "worker_error",
+]
+
+#: How what crosses to the workers is pickled (they unpickle with Ray's cloudpickle).
+dumps = cloudpickle.dumps
+
+_RAY: Cluster = RayCluster()
+_LOCAL: Cluster = LocalCluster()
+
+
+def cluster_for(local: bool) -> Cluster:
+    """The cluster an executor's workers live in: Ray's, or this process's threads."""
+    return _LOCAL if local else _RAY

@@ -1,0 +1,228 @@
+"""The seam between the driver and wherever its workers live.
+
+Everything the driver does to workers goes through a :class:`Cluster` and the :class:`Handle` of
+each worker, as anyio's code goes through its backends and httpx's through its transports:
+start or join the cluster, reserve bundles (a placement), start workers in them, call a worker's
+methods, kill workers, see a worker's death (a pending call that fails when its process dies), the
+node table, workers' stacks, and the mapping of the cluster's errors to asyncexec's.
+
+Two implementations: :class:`~.._ray.RayCluster` (Ray actors, the real thing) and
+:class:`~.._local.LocalCluster` (threads of the driver's process: local mode). Nothing above this
+package imports Ray or knows which one it talks to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import anyio
+
+from ..._config import ExecutorConfig
+from ..._protocol import WorkerMetadata
+from ._placement import Placement
+
+__all__ = ["Cluster", "Handle", "Spawned", "awaited", "described", "settle"]
+
+
+class Handle(Protocol):
+    """One worker as the driver calls it."""
+
+    @property
+    def key(self) -> str:
+        """A stable id of the worker (of its process), the same for every handle to it."""
+        ...
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """Call the worker's ``method`` (see ``asyncexec._worker._actor``); the result is awaited
+        (arguments that are references of :meth:`Cluster.put` or :meth:`call_n` arrive
+        resolved)."""
+        ...
+
+    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+        """Call ``method``, which returns ``n`` values, and return a reference to each: awaited,
+        or passed to other workers' calls, which receive the value without it passing through
+        the driver."""
+        ...
+
+
+class Spawned(NamedTuple):
+    """A worker being started: its handle, and its description to await."""
+
+    handle: Handle
+    described: Any
+
+
+class Cluster(Protocol):
+    """Where a driver's workers live."""
+
+    async def connect(self, address: str | None) -> None:
+        """Start a cluster, or join the one at ``address``, unless this process already has one.
+        Never blocks the event loop."""
+        ...
+
+    def driver_node(self) -> str | None:
+        """The node of this process (its workers rank first), or None."""
+        ...
+
+    def parent(self) -> Any:
+        """The placement group that captures this task's children (a Ray task running an
+        executor), else None. Reads a thread-local: call it on the executor's thread."""
+        ...
+
+    def place(
+        self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
+    ) -> Placement | None:
+        """Reserve ``bundles`` (or use ``parent``). Blocking: call it in a thread.
+
+        Raises:
+            PlacementInfeasibleError: they can never fit, and the cluster cannot grow.
+        """
+        ...
+
+    async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
+        """Wait until the reservation is placed.
+
+        Raises:
+            PlacementTimeoutError: not within ``timeout_s``.
+        """
+        ...
+
+    def release(self, placement: Placement | None) -> None:
+        """Give a reservation back (idempotent; not one this process did not make). Blocking."""
+        ...
+
+    def bundle_nodes(self, placement: Placement) -> list[str]:
+        """Each bundle's node, by bundle index. Blocking."""
+        ...
+
+    def spawn(
+        self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
+    ) -> list[Spawned]:
+        """Create a worker in each of ``bundles`` and ask each to describe itself, without
+        waiting (see :func:`described`). Blocking: call it in a thread.
+
+        Raises:
+            ConfigurationError: the cluster refused the worker options.
+        """
+        ...
+
+    async def start_workers(
+        self,
+        config: ExecutorConfig,
+        placement: Placement | None,
+        bundles: Sequence[int | None],
+        timeout_s: float,
+        *,
+        track: list[Handle] | None = None,
+    ) -> list[tuple[Handle, WorkerMetadata]]:
+        """Start a worker in each of ``bundles`` of ``placement`` (None: anywhere in it) and
+        return each with its description, all within ``timeout_s``. When that fails, times out
+        or is cancelled, they are killed: nothing half-started is left. ``track`` holds the
+        handles while they start (an owner that closes meanwhile kills them too).
+
+        Raises:
+            ConfigurationError: the cluster refused the worker options.
+            TimeoutError: not every worker described itself in time.
+        """
+        ...
+
+    async def kill(
+        self,
+        handles: Sequence[Handle],
+        placement: Placement | None = None,
+        deaths: Sequence[Any] = (),
+        timeout_s: float = 0.0,
+    ) -> None:
+        """Kill the workers and give ``placement`` back (shielded, off the loop), then wait, up to
+        ``timeout_s``, until each pending death call of ``deaths`` has failed (the processes are
+        gone). A failure to kill is logged, never raised."""
+        ...
+
+    async def node_alive(self, node_id: str | None) -> bool:
+        """Whether ``node_id`` is alive in the node table (True when it cannot tell in time)."""
+        ...
+
+    async def free_nodes(
+        self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
+    ) -> list[dict[str, float]] | None:
+        """Each live node's available resources, with the bundles ``held`` per node (or, for
+        ``placement``'s own reservation, as placed) counted as free; None when the cluster did
+        not answer in time."""
+        ...
+
+    async def available(self) -> dict[str, float]:
+        """The cluster's available resources now, for error messages ({} when it cannot tell
+        in time)."""
+        ...
+
+    async def live_nodes(self) -> set[str] | None:
+        """The ids of the live nodes; None when the cluster did not answer in time."""
+        ...
+
+    async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
+        """Each worker's threads' stacks by rank (a note where one could not be taken), read from
+        outside the processes, within a bound. Never raises."""
+        ...
+
+    async def put(self, value: Any) -> Any:
+        """``value`` where every worker can read it (a reference), put once, off the loop."""
+        ...
+
+    def data_context(self) -> Any:
+        """The driver's data-processing context to give the workers (Ray Data's), or None."""
+        ...
+
+
+
+
+
+async def described(
+    cluster: Cluster,
+    spawned: Sequence[Spawned],
+    timeout_s: float,
+    track: list[Handle] | None = None,
+) -> list[tuple[Handle, WorkerMetadata]]:
+    """Await the descriptions of ``spawned`` workers within ``timeout_s``; kill them all when
+    that fails, times out or is cancelled. ``track`` holds their handles meanwhile."""
+    handles = [s.handle for s in spawned]
+    if track is not None:
+        track.extend(handles)
+    try:
+        with anyio.fail_after(timeout_s):
+            metas: list[WorkerMetadata] = await awaited([s.described for s in spawned])
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await cluster.kill(handles)
+        raise
+    finally:
+        if track is not None:
+            for handle in handles:
+                track.remove(handle)
+    return list(zip(handles, metas, strict=True))
+
+
+async def awaited(refs: Sequence[Any]) -> list[Any]:
+    """Every ref's value, awaited at once; the first failure raised."""
+    results: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        results[i] = await refs[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(refs)):
+            tg.start_soon(one, i)
+    return results
+
+
+async def settle(refs: Sequence[Any]) -> None:
+    """Await every ref, ignoring how each ends."""
+
+    async def one(ref: Any) -> None:
+        with contextlib.suppress(Exception):
+            await ref
+
+    async with anyio.create_task_group() as tg:
+        for ref in refs:
+            tg.start_soon(one, ref)

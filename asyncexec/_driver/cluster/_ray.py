@@ -1,0 +1,266 @@
+"""The seam's Ray implementation: workers are Ray actors (:class:`~asyncexec._worker._actor.
+WorkerActor`) in placement groups.
+
+Ray's calls that block (creating actors: the first of a class exports it; creating and removing
+placement groups; the node table; ``ray.put``) run in threads, never on the event loop; calls on
+actors return ``ObjectRef``s, which are awaited.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import ray
+from ray.actor import ActorHandle
+
+from ..._config import ExecutorConfig
+from ..._errors import ConfigurationError, describe
+from ..._protocol import WorkerMetadata
+from ..._worker._actor import WorkerActor
+from .._logging import get_logger
+from ._base import Handle, Spawned, described, settle
+from ._placement import (
+    Placement,
+    create_placement,
+    current_parent,
+    wait_placement_ready,
+)
+from ._stacks import dump_processes
+from ._start import ensure_ray
+
+__all__ = ["CREATING", "RayCluster", "RayHandle", "actor_options", "node_alive"]
+
+#: Held while worker actors are created, by every thread of the process: Ray checks whether the
+#: actor class is exported without a lock, so executors starting at once each exported it again
+#: (about 15 ms of the GIL each, stalling the event loop in the first round of a service).
+CREATING = threading.Lock()
+#: How long a look-up in Ray's node table may take before it counts as unknown.
+LOOKUP_TIMEOUT_S = 5.0
+#: Where the failures of teardown calls are logged (they never raise: teardown goes on).
+_log = get_logger(component="cluster")
+
+
+class RayHandle:
+    """A worker that is a Ray actor."""
+
+    __slots__ = ("actor", "key")
+
+    def __init__(self, actor: ActorHandle) -> None:
+        self.actor = actor
+        self.key: str = actor._actor_id.hex()
+
+    def __repr__(self) -> str:
+        return f"<RayHandle {self.key[:12]}>"
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+        refs: list[Any] = getattr(self.actor, method).options(num_returns=n).remote(*args)
+        return refs
+
+
+def actor_options(config: ExecutorConfig) -> dict[str, Any]:
+    """Ray actor options for one worker of ``config``."""
+    resources = dict(config.resources_per_worker)
+    options: dict[str, Any] = {
+        "num_cpus": resources.pop("CPU", 0),
+        "num_gpus": resources.pop("GPU", 0),
+        "resources": resources,
+    }
+    memory = resources.pop("memory", 0)
+    if memory:
+        options["memory"] = memory
+    if config.runtime_env is not None:
+        options["runtime_env"] = dict(config.runtime_env)
+    return options
+
+
+class RayCluster:
+    """Workers as Ray actors (see the module's docstring)."""
+
+    async def connect(self, address: str | None) -> None:
+        await ensure_ray(address)
+
+    def driver_node(self) -> str | None:
+        node: str = ray.get_runtime_context().get_node_id()
+        return node
+
+    def parent(self) -> Any:
+        return current_parent()
+
+    def place(
+        self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
+    ) -> Placement:
+        return create_placement(bundles, strategy, parent, log)
+
+    async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
+        if placement is not None:
+            await wait_placement_ready(placement, timeout_s)
+
+    def release(self, placement: Placement | None) -> None:
+        if placement is not None:
+            placement.remove()
+
+    def bundle_nodes(self, placement: Placement) -> list[str]:
+        table = ray.util.placement_group_table(placement.group)
+        by_index = table["bundles_to_node_id"]
+        return [by_index[i] for i in range(len(table["bundles"]))]
+
+    # Workers ----------------------------------------------------------------------------------
+
+    def spawn(
+        self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
+    ) -> list[Spawned]:
+        """Create a worker in each of ``bundles`` and ask each to describe itself, without
+        waiting. Blocking: call it in a thread (the first actor of a class in a process exports
+        it synchronously, and the first call on an actor that is still being created waits for
+        its handle).
+
+        Raises:
+            ConfigurationError: Ray refused the options (a resource amount below its precision,
+                a fractional amount of a whole-unit accelerator, a runtime_env it cannot read).
+        """
+        options = actor_options(config)
+        actors: list[ActorHandle] = []
+        try:
+            with CREATING:
+                for bundle in bundles:
+                    strategy = {}
+                    if placement is not None:  # its bundle (any bundle of a parent's, or None)
+                        strategy = {"scheduling_strategy": placement.strategy(bundle)}
+                    actors.append(WorkerActor.options(**options, **strategy).remote())
+        except Exception as exc:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise ConfigurationError(f"Ray refused the worker options: {describe(exc)}") from exc
+        return [Spawned(RayHandle(a), a.describe.remote()) for a in actors]
+
+    async def start_workers(
+        self,
+        config: ExecutorConfig,
+        placement: Placement | None,
+        bundles: Sequence[int | None],
+        timeout_s: float,
+        *,
+        track: list[Handle] | None = None,
+    ) -> list[tuple[Handle, WorkerMetadata]]:
+        with anyio.CancelScope(shield=True):  # what is started must be known to be killed
+            spawned = await anyio.to_thread.run_sync(self.spawn, config, placement, bundles)
+        return await described(self, spawned, timeout_s, track)
+
+    async def kill(
+        self,
+        handles: Sequence[Handle],
+        placement: Placement | None = None,
+        deaths: Sequence[Any] = (),
+        timeout_s: float = 0.0,
+    ) -> None:
+        def kill() -> None:
+            for handle in handles:
+                try:  # a dead actor is killed without complaint: an error here is news
+                    ray.kill(handle.actor, no_restart=True)  # type: ignore[attr-defined]
+                except Exception as exc:
+                    _log.warning("kill_failed", actor=repr(handle), error=describe(exc))
+            if placement is not None:
+                try:
+                    placement.remove()
+                except Exception as exc:
+                    _log.warning("placement_remove_failed", error=describe(exc))
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(kill)
+            if deaths:
+                with anyio.move_on_after(timeout_s):
+                    await settle(deaths)
+
+    # The node table ---------------------------------------------------------------------------
+
+    async def node_alive(self, node_id: str | None) -> bool:
+        return await node_alive(node_id)
+
+    async def available(self) -> dict[str, float]:
+        with anyio.move_on_after(LOOKUP_TIMEOUT_S):
+            found: dict[str, float] = await anyio.to_thread.run_sync(
+                ray.available_resources, abandon_on_cancel=True
+            )
+            return found
+        return {}
+
+    async def live_nodes(self) -> set[str] | None:
+        with anyio.move_on_after(LOOKUP_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(_alive, abandon_on_cancel=True)
+        return None
+
+    async def free_nodes(
+        self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
+    ) -> list[dict[str, float]] | None:
+        with anyio.move_on_after(LOOKUP_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(
+                _free_now, bundle, placement, held, abandon_on_cancel=True
+            )
+        return None
+
+    async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
+        ordered = sorted(workers, key=lambda w: w[0])
+        texts = await dump_processes([(m.node_id, m.pid) for _, _, m in ordered])
+        return {rank: text for (rank, _, _), text in zip(ordered, texts, strict=True)}
+
+    async def put(self, value: Any) -> Any:
+        return await anyio.to_thread.run_sync(ray.put, value)
+
+    def data_context(self) -> Any:
+        """The driver's Ray Data context, when the driver uses Ray Data (never imported
+        otherwise: it is heavy, and workers that do not need it must not pay for it)."""
+        import sys
+
+        if "ray.data" not in sys.modules:
+            return None
+        from ray.data import DataContext
+
+        return DataContext.get_current()
+
+
+async def node_alive(node_id: str | None) -> bool:
+    """Whether Ray's node table holds ``node_id`` as alive (True when it cannot tell in time).
+    The look-up is a blocking GCS call: it runs in a thread that is abandoned at the bound."""
+    if node_id is None:
+        return True
+
+    def lookup() -> bool:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+    with anyio.move_on_after(LOOKUP_TIMEOUT_S):
+        return await anyio.to_thread.run_sync(lookup, abandon_on_cancel=True)
+    return True
+
+
+def _alive() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _free_now(
+    bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
+) -> list[dict[str, float]]:
+    """Each live node's available resources, with the bundles held counted as free. Blocking
+    (GCS calls). A node Ray has marked dead is left out (its available resources linger for a
+    moment after). A placement group of the caller's own counts its bundles as Ray placed them
+    (after a lost node, Ray places the lost bundles again, on a node added later, say)."""
+    if placement is not None and placement.owned and not placement.removed:
+        table = ray.util.placement_group_table(placement.group)
+        held = dict(Counter(table.get("bundles_to_node_id", {}).values()))
+    alive = _alive()
+    available = ray._private.state.available_resources_per_node()
+    nodes: list[dict[str, float]] = []
+    for node_id, resources in available.items():
+        if node_id not in alive:
+            continue
+        free = {k: float(v) for k, v in resources.items()}
+        for key, amount in bundle.items():
+            free[key] = free.get(key, 0.0) + amount * held.get(node_id, 0)
+        nodes.append(free)
+    return nodes

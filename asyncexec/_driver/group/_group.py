@@ -1,0 +1,286 @@
+"""The live group of workers: calls on all of them, set-up, stopping functions, closing.
+
+Every call awaits its results (no ``ray.get``) in tasks of an anyio task group; the first failure
+stops the wait, and every rank that had failed by then is kept (the first is raised, the others
+are attached to it as notes). Closing is shielded from cancellation, bounded in time and
+idempotent; when it returns, the workers are dead (or back in their pool) and the placement is
+given back. How a group's members change (a spare, a replaced rank, a smaller group) is in
+``_spares``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+
+from ..._config import ExecutorConfig
+from ..._errors import AsyncExecError, ConfigurationError, describe
+from ..._protocol import Outcome, WorkerContext, WorkerMetadata
+from ...backends._base import Backend
+from .._interrupt import hurried_away
+from ..cluster import Cluster, Handle, Placement, backend_error, call_error, outcome_error, settle
+from ._members import Standby, WorkerInfo
+
+__all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
+
+T = TypeVar("T")
+#: Extra time a stop call gets beyond the worker-side bound it was given (the call's own trip).
+STOP_MARGIN_S = 1.0
+
+
+def device_envs(metas: Sequence[WorkerMetadata], config: ExecutorConfig) -> list[dict[str, str]]:
+    """Each worker's environment for seeing its node's devices, in the order of ``metas``."""
+    from ..._devices import shared_device_env
+
+    return shared_device_env(
+        [m.node_id for m in metas],
+        [m.accelerator_ids for m in metas],
+        sorted(config.share_devices),
+    )
+
+
+def with_others(errors: Sequence[AsyncExecError]) -> AsyncExecError:
+    """The first error, with every other one attached as a note (several ranks failed at once)."""
+    first = errors[0]
+    for other in errors[1:]:
+        if other is not first:
+            first.add_note(f"also failed at the same time: {describe(other)}")
+    return first
+
+
+class WorkerGroup:
+    """N workers in rank order (one placement, or leased from a pool), and their spares."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        backend: Backend | None,
+        cluster: Cluster,
+        placement: Placement | None,
+        workers: list[WorkerInfo],
+        attempt: int,
+        log: Any,
+        *,
+        pool: Any = None,
+        spares: Sequence[Standby] = (),
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.cluster = cluster
+        #: The group's own placement; None when its workers are leased from ``pool`` (a
+        #: :class:`~._pool.WorkerPool`), which they go back to when the group closes.
+        self.placement = placement
+        self.pool = pool
+        self.workers = workers
+        #: Started workers kept beside the group, to take a failed rank's place.
+        self.spares = list(spares)
+        self.attempt = attempt
+        self.log = log
+        #: One pending ``wait_closed`` call per rank: it fails the moment the process dies.
+        self.deaths: list[Any] = [
+            w.death if w.death is not None else w.handle.call("wait_closed") for w in workers
+        ]
+        self.closed = False
+        self.starting: list[Handle] = []  # spares being started
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "live"
+        return f"<WorkerGroup {len(self.workers)} workers, attempt {self.attempt}, {state}>"
+
+    @property
+    def contexts(self) -> list[WorkerContext]:
+        return [w.context for w in self.workers]
+
+    # Calls ------------------------------------------------------------------------------------
+
+    async def gather(self, refs: Sequence[Any], workers: Sequence[WorkerInfo]) -> list[Any]:
+        """Await one call per worker; results in the order given.
+
+        Raises:
+            AsyncExecError: the first failure, mapped (the wait stops there); the failures of
+                other ranks seen by then are attached to it as notes.
+        """
+        results: list[Any] = [None] * len(refs)
+        errors: list[AsyncExecError] = []
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await refs[i]
+            except Exception as exc:
+                errors.append(await call_error(exc, workers[i], self.attempt))
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(refs)):
+                tg.start_soon(one, i)
+        if errors:
+            raise with_others(errors)
+        return results
+
+    def values(self, outcomes: Sequence[Outcome], workers: Sequence[WorkerInfo]) -> list[Any]:
+        """The values of calls' outcomes; the failed ones raised (the lowest rank first)."""
+        failed = [
+            outcome_error(o, w, self.attempt)
+            for o, w in zip(outcomes, workers, strict=True)
+            if o.kind != "ok"
+        ]
+        if failed:
+            raise with_others(failed)
+        return [o.value for o in outcomes]
+
+    async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
+        """Run ``fn`` on every worker concurrently; results in rank order."""
+        refs = [w.handle.call("execute", fn, *args, **kwargs) for w in self.workers]
+        return self.values(await self.gather(refs, self.workers), self.workers)
+
+    async def execute_single(
+        self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> T:
+        """Run ``fn`` on one rank."""
+        if not 0 <= rank < len(self.workers):
+            raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
+        worker = self.workers[rank]
+        refs = [worker.handle.call("execute", fn, *args, **kwargs)]
+        values: list[T] = self.values(await self.gather(refs, [worker]), [worker])
+        return values[0]
+
+    async def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Call the workers' ``method``, each with its own arguments; results in rank order."""
+        refs = [
+            w.handle.call(method, *args)
+            for w, args in zip(self.workers, args_per_rank, strict=True)
+        ]
+        return await self.gather(refs, self.workers)
+
+    async def setup(self, envs: Sequence[dict[str, str]], workers: Sequence[WorkerInfo]) -> None:
+        """Give ``workers`` their device environment, context, data context and init hook."""
+        data_context = self.cluster.data_context()
+        refs = [
+            w.handle.call("setup", env, w.context, self.config.init_hook, data_context)
+            for w, env in zip(workers, envs, strict=True)
+        ]
+        self.values(await self.gather(refs, workers), workers)
+
+    async def run_backend_hook(self, hook: str) -> None:
+        """Run a backend hook; a failure becomes a BackendError naming backend, hook and rank."""
+        if self.backend is None:
+            return
+        name = getattr(self.backend, "name", type(self.backend).__name__)
+        try:
+            await getattr(self.backend, hook)(self)
+        except Exception as exc:
+            raise backend_error(exc, name, hook) from exc
+
+    async def stop_functions(self, workers: Sequence[WorkerInfo], timeout_s: float) -> bool:
+        """Stop the run's function on ``workers``; whether all ended within ``timeout_s``."""
+        refs = [w.handle.call("stop_run", timeout_s) for w in workers]
+        with anyio.move_on_after(timeout_s + STOP_MARGIN_S):
+            try:
+                return all(await self.gather(refs, workers))
+            except AsyncExecError:
+                return False
+        return False
+
+    async def stop_each(self, workers: Sequence[WorkerInfo], timeout_s: float) -> list[int]:
+        """Stop the run's function on ``workers``; the ranks whose function did not end within
+        ``timeout_s`` (or whose worker did not answer, or failed), waiting for every rank."""
+        refs = [w.handle.call("stop_run", timeout_s) for w in workers]
+        stopped = await answers(refs, timeout_s + STOP_MARGIN_S)
+        return [w.rank for w, ok in zip(workers, stopped, strict=True) if ok is not True]
+
+    async def stacks(self) -> dict[int, str]:
+        """Every worker's stacks by rank, read from outside (see ``Cluster.stacks``)."""
+        return await self.cluster.stacks([(w.rank, w.handle, w.metadata) for w in self.workers])
+
+    async def drop(self, handles: Sequence[Handle], *, clean: bool = False) -> None:
+        """Let go of workers outside a close: back to the pool (``clean``: reusable), or
+        killed."""
+        with anyio.CancelScope(shield=True):
+            if self.pool is not None:
+                await self.pool.give_back([(h, clean) for h in handles])
+            else:
+                await self.cluster.kill(handles)
+
+    # Shutdown ---------------------------------------------------------------------------------
+
+    async def close(self, *, force: bool = False) -> None:
+        """Stop the group: backend ``on_shutdown``, graceful exit with a patience bound, then kill,
+        then give the placement back. ``force`` skips the graceful part (used after a failure:
+        survivors may be stuck in a collective). Shielded, bounded, idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            t0 = time.perf_counter()
+            if self.pool is not None:
+                await self._give_back(force)
+                self.log.info("group_returned", seconds=round(time.perf_counter() - t0, 3))
+                return
+            handles = [w.handle for w in self.workers] + [s.handle for s in self.spares]
+            handles += self.starting
+            try:
+                if not force:
+                    with hurried_away():
+                        await self._close_gracefully(handles)
+            finally:
+                # Whatever happened above, nothing of the group may be left behind.
+                await self.cluster.kill(
+                    handles, self.placement, self.deaths, self.config.shutdown_timeout_s
+                )
+            self.log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
+
+    async def _give_back(self, force: bool) -> None:
+        """Return leased workers to their pool. A worker is reusable when its function stopped
+        in time and its reset (asyncexec's state dropped, the pool's reset hook) succeeded; after
+        a failure (``force``), a backend's workers are not reused (their framework's state may be
+        broken). The others are killed by the pool, which refills."""
+        clean = [False] * len(self.workers)
+        timeout = self.config.stop_timeout_s
+        with anyio.move_on_after(self.config.shutdown_timeout_s + timeout), hurried_away():
+            if self.backend is None or not force:
+                try:
+                    await self.run_backend_hook("on_shutdown")
+                    hook = self.pool.reset_hook
+                    resets = [w.handle.call("reset", timeout, hook) for w in self.workers]
+                    bound = timeout + STOP_MARGIN_S + self.config.shutdown_timeout_s
+                    outcomes = await answers(resets, bound)
+                    clean = [isinstance(o, Outcome) and o.kind == "ok" for o in outcomes]
+                    failed = [o.error for o in outcomes if isinstance(o, Outcome) and o.error]
+                    if failed:
+                        self.log.warning("pool_reset_failed", error=describe(failed[0]))
+                except Exception as exc:
+                    self.log.warning("pool_return_failed", error=describe(exc))
+        returned = [(w.handle, ok) for w, ok in zip(self.workers, clean, strict=True)]
+        await self.pool.give_back(returned + [(s.handle, True) for s in self.spares])
+
+    async def _close_gracefully(self, handles: list[Handle]) -> None:
+        with anyio.move_on_after(self.config.shutdown_timeout_s):
+            try:
+                await self.run_backend_hook("on_shutdown")
+            except Exception as exc:
+                self.log.warning("backend_shutdown_failed", error=describe(exc))
+            with anyio.move_on_after(self.config.graceful_patience_s):
+                await settle([h.call("close") for h in handles])
+                await settle([h.call("__ray_terminate__") for h in handles])
+
+
+async def answers(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+    """Each ref's value, or None where it failed or did not answer within ``timeout_s`` (a None
+    in ``refs`` stays None)."""
+    results: list[Any] = [None] * len(refs)
+
+    async def one(i: int) -> None:
+        with anyio.move_on_after(timeout_s):
+            try:
+                results[i] = await refs[i]
+            except Exception:
+                results[i] = None
+
+    async with anyio.create_task_group() as tg:
+        for i, ref in enumerate(refs):
+            if ref is not None:
+                tg.start_soon(one, i)
+    return results

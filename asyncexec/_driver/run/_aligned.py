@@ -1,0 +1,264 @@
+"""A run of aligned steps: its attempts under the restart policy, each on a whole group whose
+every rank reports every step.
+
+Each attempt starts the function on every rank, pumps every rank's reports into one assembly
+(``_window``), hands complete steps over and watches the group's health while it does; the first
+failure, after a short settling time in which the failures of ranks that failed with it are
+collected, ends the attempt, and the policy decides whether another starts. An elastic group that
+could grow ends its attempt at a safe point too: that is a planned resize, not counted by the
+policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import tenacity
+
+from ..._errors import (
+    AsyncExecError,
+    ConfigurationError,
+    RestartsExhaustedError,
+    StartupTimeoutError,
+    WorkerRaisedError,
+    describe,
+)
+from ..cluster import make_shards
+from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
+from ._context import RunContext
+from ._iterator import RunState
+from ._window import Window
+
+__all__ = ["DEATH_SETTLE_S", "RAISED_SETTLE_S", "AlignedRun"]
+
+#: After a first failure, how long other ranks' failures are still collected before the attempt
+#: is torn down, so that ranks that fail together (in one collective, on one bad batch) are all
+#: recorded. Short after a death (a restart should not wait), longer after the user's function
+#: raised (the ranks' own errors, which end the run by default, arrive within scheduling jitter).
+DEATH_SETTLE_S = 0.02
+RAISED_SETTLE_S = 0.2
+
+
+class _Attempt:
+    """What ends one attempt: the failures collected, and an elastic group's growth."""
+
+    def __init__(self) -> None:
+        self.failures: list[AsyncExecError] = []
+        self.failed = anyio.Event()
+        self.grown: list[int] = []  # an elastic group's size once more workers would fit
+        self.scope = anyio.CancelScope()
+
+    def fail(self, exc: AsyncExecError) -> None:
+        rank = getattr(exc, "rank", None)
+        if rank is None or all(getattr(f, "rank", None) != rank for f in self.failures):
+            self.failures.append(exc)
+        self.failed.set()
+
+    def grow(self, size: int) -> None:
+        self.grown.append(size)
+        self.scope.cancel()
+
+    async def settle_then_end(self) -> None:
+        await self.failed.wait()
+        raised = isinstance(self.failures[0], WorkerRaisedError)
+        await anyio.sleep(RAISED_SETTLE_S if raised else DEATH_SETTLE_S)
+        self.scope.cancel()
+
+
+class AlignedRun:
+    """Runs the attempts of an aligned run (see the module's docstring)."""
+
+    def __init__(self, ctx: RunContext, attempt_base: int) -> None:
+        self.ctx = ctx
+        #: Attempts of this run before this driver's (a resumed run's dead drivers').
+        self.attempt_base = attempt_base
+        self.resizes = 0  # planned resizes: attempts the restart policy does not count
+
+    async def main(self) -> list[Any]:
+        """Every rank's return value, once an attempt has finished."""
+        ctx, run = self.ctx, self.ctx.run
+        progressed = False  # whether the attempt that failed last completed a step
+        retrying = ctx.policy.retrying(
+            before_sleep=self._before_sleep, progressed=lambda: progressed
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    number = self.attempt_base + attempt.retry_state.attempt_number
+                    number += self.resizes
+                    run.attempt = number
+                    steps_before = ctx.handover.steps
+                    try:
+                        return await self._resizing(number)
+                    except AsyncExecError as exc:
+                        progressed = ctx.handover.steps > steps_before
+                        run.failures.append(exc)
+                        with anyio.CancelScope(shield=True):
+                            await ctx.slot.recover(exc, reuse_survivors=ctx.policy.reuse_survivors)
+                        ctx.session_live = False
+                        # Steps every rank completed before the failure are still delivered.
+                        await ctx.handover.drain()
+                        raise
+        except tenacity.RetryError:
+            last = run.failures[-1] if run.failures else None
+            raise RestartsExhaustedError(run.attempt, run.failures) from last
+        raise AssertionError("unreachable: tenacity ended without an outcome")  # pragma: no cover
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        ctx = self.ctx
+        ctx.run.state = RunState.RESTARTING
+        if state.outcome is not None and state.outcome.failed:
+            ctx.meter.failed(state.outcome.exception())
+        wait = state.next_action.sleep if state.next_action else 0.0
+        latest = ctx.checkpoint
+        ctx.log.warning(
+            "restarting",
+            attempt=self.attempt_base + state.attempt_number + self.resizes + 1,
+            wait_s=round(wait, 3),
+            checkpoint=latest.path if latest else None,
+        )
+
+    async def _resizing(self, number: int) -> list[Any]:
+        """Attempt ``number``, and after each planned resize of an elastic group the next
+        attempt, on the new group: a resize is not a failure, so the restart policy does not
+        count it (nor wait before it)."""
+        ctx = self.ctx
+        while True:
+            try:
+                return await self._attempt(number)
+            except Resize as resize:
+                ctx.run.state = RunState.RESTARTING
+                group = ctx.group
+                assert group is not None
+                latest = ctx.checkpoint
+                ctx.log.info(
+                    "resizing",
+                    from_workers=len(group.workers),
+                    fitting=resize.size,
+                    attempt=number + 1,
+                    checkpoint=latest.path if latest else None,
+                )
+                with anyio.CancelScope(shield=True):
+                    timeout = ctx.config.stop_timeout_s
+                    stopped = await group.stop_functions(group.workers, timeout)
+                    ctx.session_live = False
+                    await ctx.slot.resize(force=not stopped)
+                await ctx.handover.drain()
+                self.resizes += 1
+                number += 1
+                ctx.run.attempt = number
+
+    async def _attempt(self, number: int) -> list[Any]:
+        ctx = self.ctx
+        try:
+            group = await ctx.slot.acquire(number)
+        except AsyncExecError as exc:  # the group did not start: logged like a worker's failure
+            ctx.log_failure(exc)
+            raise
+        ctx.group = group
+        ctx.run.state = RunState.RUNNING
+        window = ctx.window = Window(ctx.run, group, ctx.spec.buffer_size, ctx.handover.steps)
+        attempt = _Attempt()
+        finished = False
+        async with anyio.create_task_group() as tg:
+            with attempt.scope:
+                tg.start_soon(attempt.settle_then_end)
+                # Health is watched from the first call on: a worker can die or hang (blocked
+                # in C code holding the GIL) while its function is being started.
+                tg.start_soon(watch, group, attempt.fail)
+                try:
+                    await self._start(group, number)
+                    await self._follow(tg, group, window, attempt)
+                    finished = True
+                except AsyncExecError as exc:
+                    attempt.fail(exc)
+            tg.cancel_scope.cancel()
+        if attempt.failures:
+            ctx.handover.queue(window.asm.take(window.asm.ready))
+            raise await self._blame(group, attempt.failures)
+        if attempt.grown and not finished:  # a safe point: restart from the latest checkpoint
+            ctx.handover.queue(window.asm.take(window.asm.ready))
+            raise Resize(attempt.grown[0])
+        ctx.session_live = False
+        return window.asm.values()
+
+    async def _start(self, group: WorkerGroup, number: int) -> None:
+        """Start the function on every rank of ``group`` for attempt ``number`` (the backend's
+        hook, then a channel's joining ranks, then the function), within the start deadline."""
+        ctx = self.ctx
+        shards = await self._dataset_shards(group)
+        payload = await ctx.payload()
+        latest = ctx.checkpoint
+        ctx.session_live = True
+        with _startup_deadline(ctx.config.start_timeout_s):
+            await group.run_backend_hook("on_training_start")
+            for join in ctx.slot.joiners:  # a channel's latest version, first
+                await join(group)
+            steps = ctx.handover.steps
+            starts = [
+                ctx.run_start(w, number, latest, steps, shards[w.rank], ctx.storage)
+                for w in group.workers
+            ]
+            await group.call_each("start_run", [(payload, s) for s in starts])
+        ctx.slot.start_refills()
+
+    async def _follow(
+        self, tg: Any, group: WorkerGroup, window: Window, attempt: _Attempt
+    ) -> None:
+        """Pump every rank, watch the step deadline and an elastic group's growth, and hand the
+        complete steps over until every rank's function has ended."""
+        config = self.ctx.config
+        for rank in range(len(group.workers)):
+            tg.start_soon(window.pump, rank, attempt.fail)
+        if config.step_timeout_s is not None:
+            tg.start_soon(watch_steps, group, window, config.step_timeout_s, attempt.fail)
+        if self.ctx.slot.sizer is not None:
+            tg.start_soon(self.ctx.slot.sizer.watch_growth, group, attempt.grow)
+        await window.assemble(self.ctx.handover)
+
+    async def _blame(self, group: WorkerGroup, failures: list[AsyncExecError]) -> AsyncExecError:
+        """The attempt's error: the first failure (a dead peer rather than the survivor's failed
+        collective that echoes its death), with the others attached; each is logged."""
+        first = failures[0]
+        if isinstance(first, WorkerRaisedError):
+            # A peer's death surfaces first as an error in the survivors' collectives.
+            with anyio.CancelScope(shield=True):
+                dead = await find_dead(group)
+            if dead is not None:
+                dead.__context__ = first
+                # The dead rank first, once (its death may have been seen already).
+                others = [f for f in failures if getattr(f, "rank", None) != dead.rank]
+                failures[:] = [dead, *others]
+        for failure in failures:
+            self.ctx.log_failure(failure)
+        return with_others(failures)
+
+    async def _dataset_shards(self, group: WorkerGroup) -> list[dict[str, Any]]:
+        """Each rank's dataset shards, made anew for every attempt (for the new workers' nodes)."""
+        spec = self.ctx.spec
+        if not spec.datasets:
+            return [{} for _ in group.workers]
+        datasets, data_config = spec.datasets
+        handles = [w.handle for w in group.workers]
+        nodes = [w.metadata.node_id for w in group.workers]
+        try:
+            return await make_shards(datasets, data_config, handles, nodes)
+        except AsyncExecError:
+            raise
+        except Exception as exc:
+            name = type(data_config).__name__
+            raise ConfigurationError(f"{name}.configure() failed: {describe(exc)}") from exc
+
+
+@contextlib.contextmanager
+def _startup_deadline(timeout_s: float) -> Iterator[None]:
+    """The deadline of starting an attempt's functions: a :class:`StartupTimeoutError` when it
+    passes (and only then: a ``TimeoutError`` raised by anything after the start is not one)."""
+    scope = anyio.CancelScope(deadline=anyio.current_time() + timeout_s)
+    with scope:
+        yield
+    if scope.cancelled_caught:
+        raise StartupTimeoutError("starting the function on the workers", timeout_s)

@@ -1,0 +1,224 @@
+"""The task that drives one run: its start (a named run's resume), its work (aligned attempts or
+independent ranks, under the restart policy), its helpers (the checkpoint pruner, the record) and
+its end.
+
+The task belongs to the executor's task group and never raises: the run's outcome goes to the
+iterator (:class:`~._iterator.Run`) through the memory stream and ``RunCore.end``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ..._checkpoint import Checkpoint, CheckpointBook
+from ..._errors import AsyncExecError, describe
+from .._interrupt import hurried_away
+from .._metrics import RunMeter, metrics
+from .._restart import RestartPolicy
+from ..cluster import release_shards
+from ..group import GroupSlot, declare_hung, with_others
+from ._aligned import AlignedRun
+from ._context import RunContext
+from ._independent import IndependentRun
+from ._iterator import RunCore, RunEnd, RunState
+from ._prune import Pruner
+from ._recorder import Recorder
+from ._spec import RunSpec
+from ._steps import RunResult
+from ._window import HandOver
+
+__all__ = ["RunDriver"]
+
+
+class RunDriver:
+    """Runs one run and feeds its iterator."""
+
+    def __init__(
+        self,
+        slot: GroupSlot,
+        policy: RestartPolicy,
+        run: RunCore,
+        send: MemoryObjectSendStream[Any],
+        spec: RunSpec,
+        on_end: Callable[[RunCore], None],
+    ) -> None:
+        config = slot.config
+        log = slot.log.bind(run_id=run.run_id)
+        ckpt = config.checkpoint
+        book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
+        self.pruner = Pruner(log)
+        handover = HandOver(run, send, book, self.pruner.submit)
+        meter = RunMeter(config.name, self._held, self._buffered)
+        if metrics() is not None:
+            handover.meter = meter
+        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log)
+        self.recorder = Recorder(self.ctx, self.pruner) if spec.name is not None else None
+        self._send = send
+        self._on_end = on_end
+        self._independent: IndependentRun | None = None
+
+    async def main(self, previous: RunCore | None) -> None:
+        """The driver task: never raises; the outcome goes to the iterator."""
+        ctx = self.ctx
+        run, log = ctx.run, ctx.log
+        end: RunEnd | None = None
+        try:
+            with run.scope:
+                if previous is not None:
+                    await previous.finished.wait()
+                t0 = time.perf_counter()
+                if self.recorder is not None:
+                    await self.recorder.resume()
+                ctx.meter.watch()
+                log.info("run_started")
+                result = self._result(await self._work())
+                run.result, run.state = result, RunState.FINISHED
+                seconds = round(time.perf_counter() - t0, 3)
+                log.info("run_finished", steps=result.steps, attempts=run.attempt, seconds=seconds)
+                end = RunEnd(result, None)
+            if end is None:
+                run.state = RunState.CANCELLED
+                log.info("run_cancelled", steps=ctx.handover.steps)
+        except Exception as exc:
+            error = exc if isinstance(exc, AsyncExecError) else _internal(exc)
+            run.state, run.error = RunState.FAILED, error
+            log.warning("run_failed", error=describe(error))
+            end = RunEnd(None, error)
+        finally:
+            ctx.meter.unwatch()
+            with anyio.CancelScope(shield=True):
+                if self.recorder is not None:
+                    await self.recorder.write(run.state.value)
+                await self._stop_session()
+                await self._release_datasets()
+                run.end = end
+                self._on_end(run)
+                run.finished.set()
+            self._send.close()
+
+    async def _work(self) -> list[Any]:
+        """The run's work, with its helpers beside it: the deletion of the checkpoints it no
+        longer keeps (given ``shutdown_timeout_s`` to finish after the work), and a named run's
+        record."""
+        values: list[Any] = []
+        error: Exception | None = None
+        async with anyio.create_task_group() as helpers:
+            helpers.start_soon(self.pruner.serve)
+            async with anyio.create_task_group() as tg:
+                if self.recorder is not None:
+                    tg.start_soon(self.recorder.keep)
+                try:
+                    if self.ctx.spec.independent:
+                        self._independent = IndependentRun(self.ctx)
+                        values = await self._independent.main()
+                    else:
+                        base = self.recorder.attempt_base if self.recorder else 0
+                        values = await AlignedRun(self.ctx, base).main()
+                except Exception as exc:  # raised below, not wrapped in the task group's group
+                    error = exc
+                tg.cancel_scope.cancel()
+            self.pruner.close()
+            deadline = anyio.current_time() + self.ctx.config.shutdown_timeout_s
+            helpers.cancel_scope.deadline = deadline
+        if error is not None:
+            raise error
+        return values
+
+    def _result(self, values: list[Any]) -> RunResult:
+        run = self.ctx.run
+        latest = self.ctx.checkpoint
+        checkpoints: list[Checkpoint | None] = []
+        if self._independent is not None:
+            checkpoints = self._independent.checkpoints
+            latest = checkpoints[0]
+        return RunResult(
+            run.run_id,
+            values,
+            latest,
+            self.ctx.handover.steps,
+            run.attempt,
+            list(run.failures),
+            checkpoints,
+        )
+
+    # Metrics ----------------------------------------------------------------------------------
+
+    def _held(self) -> int:
+        """Reports the driver has received that the consumer has not taken: in complete steps,
+        and those of ranks that are ahead of the others (read by a metrics scrape)."""
+        ctx = self.ctx
+        if not ctx.run.active:
+            return 0
+        group, window = ctx.group, ctx.window
+        width = 1 if ctx.spec.independent or group is None else len(group.workers)
+        held = max(0, ctx.handover.steps - ctx.run.consumed) * width
+        if window is not None:
+            held += sum(len(queue) for queue in window.asm.queues)
+        return held
+
+    async def _buffered(self) -> int:
+        """Reports waiting in the workers' buffers for a poll (asked of each live worker)."""
+        group = self.ctx.group
+        if group is None or not self.ctx.run.active:
+            return 0
+        counts = [0] * len(group.workers)
+
+        async def count(i: int, handle: Any) -> None:
+            with contextlib.suppress(Exception):  # a dead worker holds nothing
+                counts[i] = await handle.call("buffered")
+
+        async with anyio.create_task_group() as tg:
+            for i, worker in enumerate(group.workers):
+                tg.start_soon(count, i, worker.handle)
+        return sum(counts)
+
+    # The end ----------------------------------------------------------------------------------
+
+    async def _release_datasets(self) -> None:
+        if self.ctx.spec.datasets:
+            with anyio.move_on_after(self.ctx.config.shutdown_timeout_s):
+                await release_shards(self.ctx.spec.datasets[0])
+
+    async def _stop_session(self) -> None:
+        """After a cancelled run: stop the function on every worker, or discard the group. A
+        function that does not end in time is recorded as hung (in ``run.failures`` and the
+        ``run_stop_timed_out`` event), with every rank's stack read before the group goes."""
+        ctx = self.ctx
+        group = ctx.group
+        if not ctx.session_live or group is None or group.closed:
+            return
+        ctx.session_live = False
+        timeout = ctx.config.stop_timeout_s
+        with hurried_away() as hurry:
+            late = await group.stop_each(group.workers, timeout)
+        if hurry.cancelled_caught:  # a second Ctrl-C: no waiting, no stacks
+            ctx.log.warning("run_stop_hurried")
+            await ctx.slot.discard(force=True)
+        elif late:
+            hung: list[AsyncExecError] = []
+            detail = f"its function did not end within {timeout:g} s of the run being stopped"
+            await declare_hung(group, [group.workers[r] for r in late], detail, hung.append)
+            error = with_others(hung)
+            ctx.run.failures.append(error)
+            ctx.log.warning(
+                "run_stop_timed_out",
+                seconds=timeout,
+                ranks=late,
+                error=describe(error),
+                stacks=getattr(error, "stacks", {}),
+            )
+            await ctx.slot.discard(force=True)
+
+
+def _internal(exc: Exception) -> AsyncExecError:
+    """A failure that is none of asyncexec's known ones still ends the run with an asyncexec
+    error (the original is its cause), never with a clean end or a foreign error."""
+    error = AsyncExecError(f"the run failed: {describe(exc)}")
+    error.__cause__ = exc
+    return error
