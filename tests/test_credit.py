@@ -55,7 +55,9 @@ async def test_a_poll_that_frees_a_function_held_back_by_credit_returns_a_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Not the first report of it: a poll per report would cost a round trip per report."""
-    monkeypatch.setattr(_session, "BATCH_LINGER_S", 30.0)
+    from asyncexec._worker import _reports
+
+    monkeypatch.setattr(_reports, "BATCH_LINGER_S", 30.0)
     done = threading.Event()
 
     def fn() -> None:
@@ -70,7 +72,7 @@ async def test_a_poll_that_frees_a_function_held_back_by_credit_returns_a_batch(
             while len(received) < 4:
                 received += (await session.poll(0, 4)).reports
             # The function's thread waits for credit: no event of this loop says when.
-            while not session._credit_waiting:  # noqa: ASYNC110
+            while not session.reports._credit_waiting:  # noqa: ASYNC110
                 await anyio.sleep(0.001)
             batch = await session.poll(4, 4)
     finally:

@@ -87,11 +87,12 @@ async def test_slow_consumer_bounds_unconsumed_reports_per_rank() -> None:
 
 
 def _reported_so_far() -> int:
-    from asyncexec._worker import _session
+    from asyncexec._worker import _place
 
-    session = _session.current_session()
+    session = _place.current_session()
     assert session is not None
-    return session._reported
+    reported: int = session.reports.reported
+    return reported
 
 
 async def test_event_loop_stays_free_during_a_run() -> None:

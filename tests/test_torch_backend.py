@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 import asyncexec
-from asyncexec._worker import _session
+from asyncexec._worker import _place
 from asyncexec.backends import GroupHandle, TorchBackend
 from asyncexec.backends.torch import _worker as torch_backend
 from asyncexec.backends.torch import cuda_device_index, resolve_backend, torch_env
@@ -184,11 +184,14 @@ def test_master_port_stays_bound_from_reservation_until_the_group_is_destroyed(
     import torch.distributed as dist
 
     for name in (*TORCH_ENV, *MASTER_ENV):
-        monkeypatch.delenv(name, raising=False)
-    place = _session.Place()
+        # Set, then deleted: undone as absent, so the variables init_process_group sets here
+        # do not outlive the test (a Ray started later would hand them to every worker).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    place = _place.Place()
     place.context = _context()
-    token = _session.PLACE.set(place)
-    request.addfinalizer(lambda: _session.PLACE.reset(token))
+    token = _place.PLACE.set(place)
+    request.addfinalizer(lambda: _place.PLACE.reset(token))
     assert not dist.is_initialized()
     addr, port = torch_backend.reserve_master(30)
     try:

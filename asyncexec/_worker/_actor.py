@@ -19,9 +19,9 @@ from typing import Any
 import ray
 
 from .._protocol import Outcome, Poll, RoleMethod, RunStart, WorkerContext, WorkerMetadata
-from . import _channel, _roles, _session
+from . import _channel, _outcomes, _place, _roles, _session
 
-__all__ = ["WorkerActor"]
+__all__ = ["WorkerActor", "WorkerCode"]
 
 
 class _Worker:
@@ -62,7 +62,7 @@ class _Worker:
         # about blocking calls inside async actors does not apply.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         os.environ.update(env)
-        _session.set_group_context(context)
+        _place.set_group_context(context)
         if data_context is not None:
             from ray.data import DataContext
 
@@ -125,7 +125,7 @@ class _Worker:
 
     async def buffered(self) -> int:
         """Reports of the current run waiting in this worker for a poll (0 without a run)."""
-        return 0 if self._session is None else self._session.buffered()
+        return 0 if self._session is None else self._session.reports.buffered()
 
     async def stop_run(self, timeout_s: float) -> bool:
         """Stop the current run; return whether its function ended within ``timeout_s``."""
@@ -151,7 +151,7 @@ class _Worker:
             _session.end_session(self._session)
             self._session = None
         _roles.drop()
-        _session.set_group_context(None)
+        _place.set_group_context(None)
         _channel.reset()
         if "ray.data" in sys.modules:
             from ray.data import DataContext
@@ -233,9 +233,11 @@ async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
             if inspect.isawaitable(result):
                 result = await result
     except Exception as exc:
-        return _session.error_outcome(exc)
-    return _session.value_outcome(result)
+        return _outcomes.error_outcome(exc)
+    return _outcomes.value_outcome(result)
 
 
 # max_restarts=0: a dead worker is replaced by a gang restart, never by Ray restarting one actor.
 WorkerActor = ray.remote(max_restarts=0, max_task_retries=0)(_Worker)
+#: The worker's code, undecorated (a local worker hosts it in a thread: see the driver's seam).
+WorkerCode = _Worker

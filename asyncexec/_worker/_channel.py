@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _session
+from . import _place
 
 __all__ = [
     "receive_weights",
@@ -68,7 +68,7 @@ def reset() -> None:
     """Forget every channel (a pooled worker going back to its pool)."""
     with _ends_lock:
         _ends.clear()
-    _session.set_report_version(None)
+    _place.set_report_version(None)
 
 
 def serve_weights(read: Callable[[], Any], *, channel: str = DEFAULT_CHANNEL) -> None:
@@ -169,7 +169,7 @@ def install_state(name: str, version: int, state: Any) -> None:
         else:
             end.held, end.holding = state, True
         end.version = version
-        _session.set_report_version(version)
+        _place.set_report_version(version)
 
 
 def merge(shards: list[Any]) -> Any:

@@ -5,7 +5,7 @@ roles_payload``); each worker makes one instance of each, in role order, after t
 backend has set up (``torch.distributed`` is ready in ``__init__``). A plain ``__init__`` runs in
 a thread, as ``execute()`` runs a plain function, inside the worker's context (``get_context()``
 works in it); when the driver gives a checkpoint, a class's ``restore(checkpoint)`` is called
-right after its ``__init__``. The instances live in the worker's :class:`~._session.Place` (in
+right after its ``__init__``. The instances live in the worker's :class:`~._place.Place` (in
 local mode, several workers share a process), until the roles are made again or the worker is
 reset.
 
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from .._errors import ExecutorStateError
 from .._protocol import Outcome, RoleFailure, RoleSpec
-from . import _session
+from . import _outcomes, _place
 
 __all__ = ["Roles", "call", "drop", "make", "method"]
 
@@ -76,7 +76,7 @@ async def make(
     """
     from ray import cloudpickle
 
-    place = _session.current_place()
+    place = _place.current_place()
     place.roles = None
     blobs: tuple[bytes, ...] = cloudpickle.loads(payload)
     instances: list[object] = []
@@ -91,7 +91,7 @@ async def make(
                 stage = "restore"
                 await _invoke(restore, (checkpoint,), {}, context)
         except Exception as exc:
-            failed = _session.error_outcome(exc)
+            failed = _outcomes.error_outcome(exc)
             return failed._replace(value=RoleFailure(index, stage))
         instances.append(instance)
     place.roles = Roles(instances, context)
@@ -118,20 +118,20 @@ async def call(
         roles = _held()
         result = await _invoke(roles.method(role_index, name), args, kwargs, roles.context)
     except Exception as exc:
-        return _session.error_outcome(exc)
-    return _session.value_outcome(result)
+        return _outcomes.error_outcome(exc)
+    return _outcomes.value_outcome(result)
 
 
 def _held() -> Roles:
-    roles = _session.current_place().roles
-    if roles is None:
+    roles = _place.current_place().roles
+    if not isinstance(roles, Roles):
         raise ExecutorStateError("this worker holds no instances of roles (make_roles first)")
     return roles
 
 
 def drop() -> None:
     """Forget this worker's instances (a pooled worker going back)."""
-    _session.current_place().roles = None
+    _place.current_place().roles = None
 
 
 async def _invoke(

@@ -15,7 +15,7 @@ reservations, spares, elastic sizes or weight channels. A function that does not
 killed: its thread is left to end on its own (a daemon thread, it does not hold the process at
 exit). Nothing here imports or starts Ray.
 
-Each local worker's calls run in a context whose :data:`~.._worker._session.PLACE` is the
+Each local worker's calls run in a context whose :data:`~..._worker._place.PLACE` is the
 worker's own, so ``get_context()``, ``report()`` and ``get_checkpoint()`` find that worker's
 state in the function's thread, in ``execute()`` calls and in the threads they start through
 ``asyncio`` (threads started by hand carry no context: see the docs).
@@ -39,8 +39,8 @@ import anyio
 
 from ..._config import ExecutorConfig
 from ..._protocol import WorkerMetadata
-from ..._worker import _session
-from ..._worker._actor import _Worker
+from ..._worker import _place
+from ..._worker._actor import WorkerCode
 from ._base import Handle, Spawned, described, settle
 from ._placement import Placement
 
@@ -55,7 +55,7 @@ class LocalWorkerGone(Exception):
     """A call on a local worker that was closed (the stand-in for Ray's dead-actor error)."""
 
 
-class _ThreadWorker(_Worker):
+class _ThreadWorker(WorkerCode):
     """The actor's code, describing a thread of this process instead of a Ray worker."""
 
     async def describe(self) -> WorkerMetadata:
@@ -96,7 +96,7 @@ class LocalWorker:
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.place = _session.Place()
+        self.place = _place.Place()
         self._worker = _ThreadWorker()
         self._loop = asyncio.new_event_loop()
         self._gone = False
@@ -138,7 +138,7 @@ class LocalWorker:
 
     async def _in_place(self, call: Awaitable[Any]) -> Any:
         # This task's context (a copy) carries the worker's place to what the call starts.
-        _session.PLACE.set(self.place)
+        _place.PLACE.set(self.place)
         try:
             return await call
         except asyncio.CancelledError:
@@ -172,7 +172,7 @@ class LocalWorker:
         threads = [self._thread]
         session = self.place.session
         if session is not None:
-            threads.append(session._thread)
+            threads.append(session.thread)
         frames = sys._current_frames()
         parts = []
         for thread in threads:

@@ -1,0 +1,77 @@
+"""Where a worker's state lives: its :class:`Place`, one per worker process, or one per worker
+thread in local mode, where several workers share the driver's process (the current place is a
+context variable that each local worker's calls, and the threads they start, carry)."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import Any, Protocol
+
+from .._protocol import WorkerContext
+
+__all__ = [
+    "PLACE",
+    "Place",
+    "Session",
+    "current_place",
+    "current_session",
+    "set_group_context",
+    "set_report_version",
+]
+
+
+class Session(Protocol):
+    """What the place knows of a run's session (``_session.Session``)."""
+
+    context: WorkerContext
+    checkpoint: Any
+    shards: dict[str, Any]
+    thread: threading.Thread
+    reports: Any
+
+    def halt(self) -> None: ...
+
+
+class Place:
+    """One worker's state: the group's context, the run's session, the weight version held,
+    the instances of its roles."""
+
+    __slots__ = ("context", "roles", "session", "version")
+
+    def __init__(self) -> None:
+        self.context: WorkerContext | None = None
+        self.session: Session | None = None
+        #: The weight version this worker holds (of the channel it receives from), tagged on
+        #: reports.
+        self.version: int | None = None
+        #: The instances of the group's roles (a ``_roles.Roles``), once made.
+        self.roles: Any = None
+
+
+#: The current worker's place when a local worker's call set it (see
+#: ``asyncexec._driver.cluster._local``); else the process's own.
+PLACE: contextvars.ContextVar[Place] = contextvars.ContextVar("asyncexec_place")
+_PROCESS = Place()
+
+
+def current_place() -> Place:
+    """The current worker's state."""
+    return PLACE.get(_PROCESS)
+
+
+def current_session() -> Session | None:
+    """The current worker's session, if a run is on it."""
+    return PLACE.get(_PROCESS).session
+
+
+def set_group_context(context: WorkerContext | None) -> None:
+    """Install the group's context in this worker (called at set-up; None when a pooled worker
+    is returned)."""
+    PLACE.get(_PROCESS).context = context
+
+
+def set_report_version(version: int | None) -> None:
+    """This worker holds weight ``version`` (a weight channel installed it): reports made from
+    now on carry it (``report()`` reads it when it is called)."""
+    PLACE.get(_PROCESS).version = version
