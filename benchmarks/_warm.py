@@ -85,7 +85,7 @@ async def measure_warm(
                     for _ in range(cycles):
                         await _lease_once(pool, n, storage)
                     refilled = pool.statistics().replaced + 1
-                    victim = next(iter(pool._idle)).metadata.pid
+                    victim = next(iter(pool._stock.idle)).metadata.pid
                     os.kill(victim, signal.SIGKILL)
                     with anyio.fail_after(60):
                         while pool.statistics().replaced < refilled or (  # noqa: ASYNC110 - the refill runs in the pool's own tasks

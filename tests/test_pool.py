@@ -38,7 +38,7 @@ def forever() -> None:
 
 
 def idle_pids(pool: asyncexec.WorkerPool) -> set[int]:
-    return {w.metadata.pid for w in pool._idle}
+    return {w.metadata.pid for w in pool._stock.idle}
 
 
 async def _wait_until(predicate: Any, timeout_s: float = 30.0) -> None:

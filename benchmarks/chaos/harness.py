@@ -349,7 +349,7 @@ async def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
 
 def _idle_pids(pool: asyncexec.WorkerPool) -> list[int]:
     """The pids of a pool's idle workers (the pool shows only their count)."""
-    return [w.metadata.pid for w in pool._idle]
+    return [w.metadata.pid for w in pool._stock.idle]
 
 
 def _spare_pids(ex: asyncexec.Executor) -> list[int]:

@@ -17,7 +17,6 @@ until enough are given back (``when_short="wait"``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,34 +32,15 @@ from ..._errors import (
     ConfigurationError,
     ExecutorStateError,
     StartupTimeoutError,
-    describe,
 )
-from ..._protocol import WorkerMetadata
 from .._logging import get_logger
-from ..cluster import Handle, Placement, cluster_for
+from ..cluster import Handle, cluster_for
 from ._reservation import Claim, Reservation
+from ._stock import PoolWorker, Stock
 
 __all__ = ["PoolStatistics", "PoolWorker", "WorkerPool"]
 
 _D = ExecutorConfig
-#: How long a leased worker may take to answer the health check of its lease.
-LEASE_PING_TIMEOUT_S = 2.0
-#: Waits between attempts to refill a bundle whose new process failed to start.
-_REFILL_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
-
-
-@dataclass(eq=False)
-class PoolWorker:
-    """One warm process of a pool (or a fresh one started for a lease the pool could not
-    fill: ``bundle`` is None, and it is killed when given back)."""
-
-    handle: Handle
-    metadata: WorkerMetadata
-    bundle: int | None
-    leases: int = 0
-    #: Its one pending ``wait_closed`` call: fails when the process dies. The pool and every
-    #: group that leases the worker await this same reference (no call per lease).
-    death: Any = None
 
 
 @dataclass(frozen=True)
@@ -163,28 +143,22 @@ class WorkerPool:
         self.log = get_logger(pool=f"{name}-{os.urandom(4).hex()}")
         #: Pools hold Ray actors (a local executor takes none).
         self.cluster = cluster_for(local=False)
-        self._placement: Placement | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._idle: list[PoolWorker] = []
-        self._leased: dict[str, PoolWorker] = {}
-        self._starting: dict[int, list[Handle]] = {}  # bundle -> actor being started
-        self._changed = anyio.Event()  # set (and replaced) when a worker becomes idle
-        self._open = False
-        self._closed = False
-        self._background: set[anyio.CancelScope] = set()
         self._counts = {"leases": 0, "returned": 0, "replaced": 0, "fresh_for_leases": 0}
+        self._stock = Stock(self.cluster, self.config, self.log, self._counts)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed = False
 
     def __repr__(self) -> str:
-        state = "open" if self._open else ("closed" if self._closed else "new")
+        state = "open" if self._stock.open else ("closed" if self._closed else "new")
         return (
-            f"<WorkerPool {self.config.name} {state} size={self.size} idle={len(self._idle)} "
-            f"leased={len(self._leased)}>"
+            f"<WorkerPool {self.config.name} {state} size={self.size} idle={len(self._stock.idle)} "
+            f"leased={len(self._stock.leased)}>"
         )
 
     # Lifecycle --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> WorkerPool:
-        if self._open or self._closed:
+        if self._stock.open or self._closed:
             raise ExecutorStateError("a WorkerPool is entered once")
         await self.cluster.connect(self.config.address)
         if self.reservation is not None:  # refused before anything starts
@@ -193,28 +167,11 @@ class WorkerPool:
             )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._open = True
+        stock = self._stock
+        stock.tg, stock.open = self._tg, True
         t0 = time.perf_counter()
         try:
-            placement: Placement | None
-            if self.reservation is not None:
-                placement = self.reservation.placement(self.config.bundles)
-                self._placement = placement
-            else:
-                with anyio.CancelScope(shield=True):
-                    placement = await anyio.to_thread.run_sync(
-                        self.cluster.place,
-                        self.config.bundles,
-                        self.config.placement_strategy,
-                        None,
-                        self.log,
-                    )
-                    self._placement = placement
-            await self.cluster.wait_placed(placement, self.config.placement_timeout_s)
-            with anyio.fail_after(self.config.start_timeout_s):
-                async with anyio.create_task_group() as tg:
-                    for bundle in range(self.size):
-                        tg.start_soon(self._fill, bundle)
+            await stock.fill_all(self.reservation, self.size)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
@@ -251,19 +208,14 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
-        self._open = False
+        stock = self._stock
+        stock.open = False
         with anyio.CancelScope(shield=True):
-            # The refills and idle watches (not the task group's own scope: the task that
-            # entered the pool runs inside it).
-            for scope in self._background:
-                scope.cancel()
-            actors = [w.handle for w in self._idle] + [w.handle for w in self._leased.values()]
-            actors += [a for starting in self._starting.values() for a in starting]
-            self._idle.clear()
-            self._leased.clear()
-            self._starting.clear()
-            self._wake()
-            await self.cluster.kill(actors, self._placement)
+            # The refills and idle watches go (not the task group's own scope: the task that
+            # entered the pool runs inside it), and every process.
+            handles = stock.handles()
+            stock.empty()
+            await self.cluster.kill(handles, stock.placement)
         if self._claim is not None and self.reservation is not None:
             self.reservation.release(self._claim)
             self._claim = None
@@ -275,9 +227,9 @@ class WorkerPool:
         """A snapshot of the pool's counters."""
         return PoolStatistics(
             size=self.size,
-            idle=len(self._idle),
-            leased=len(self._leased),
-            starting=len(self._starting),
+            idle=len(self._stock.idle),
+            leased=len(self._stock.leased),
+            starting=len(self._stock.starting),
             **self._counts,
         )
 
@@ -310,23 +262,24 @@ class WorkerPool:
                 its bound.
         """
         taken: list[PoolWorker] = []
+        stock = self._stock
         try:
             deadline = anyio.current_time() + self.config.placement_timeout_s
             while len(taken) < n:
                 self._check_open()
                 if self.reservation is not None:  # the lowest bundles first: rank i on bundle i
-                    self._idle.sort(key=lambda w: w.bundle if w.bundle is not None else self.size)
-                candidates = self._idle[: n - len(taken)]
-                del self._idle[: len(candidates)]
+                    stock.idle.sort(key=lambda w: self.size if w.bundle is None else w.bundle)
+                candidates = stock.idle[: n - len(taken)]
+                del stock.idle[: len(candidates)]
                 for w in candidates:
-                    self._leased[w.handle.key] = w
-                taken += await self._alive(candidates)
+                    stock.leased[w.handle.key] = w
+                taken += await stock.alive(candidates)
                 if len(taken) == n or candidates:
                     continue
                 if self.when_short == "start":
-                    taken += await self._fresh(n - len(taken))
+                    taken += await stock.fresh(n - len(taken))
                     break
-                changed = self._changed
+                changed = stock.changed
                 with anyio.move_on_after(deadline - anyio.current_time()):
                     await changed.wait()
                     continue
@@ -344,143 +297,11 @@ class WorkerPool:
     async def give_back(self, returned: Sequence[tuple[Handle, bool]]) -> None:
         """Take back leased workers; ``True`` with a worker says it was reset and may be
         leased again. Any other is killed and its bundle refilled in the background."""
-        doomed: list[PoolWorker] = []
-        for actor, clean in returned:
-            worker = self._leased.pop(actor.key, None)
-            if worker is None:
-                continue  # the pool closed, or it was already given back
-            worker.leases += 1
-            self._counts["returned"] += 1
-            reusable = (
-                clean
-                and self._open
-                and worker.bundle is not None
-                and (self.max_leases is None or worker.leases < self.max_leases)
-            )
-            if reusable:
-                self._make_idle(worker)
-            else:
-                doomed.append(worker)
-        await self._replace(doomed)
+        await self._stock.take_back(returned, self.max_leases)
 
     # Inside -----------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if not self._open:
+        if not self._stock.open:
             what = "closed" if self._closed else "not entered (use `async with WorkerPool(...)`)"
             raise ExecutorStateError(f"the worker pool {self.config.name} is {what}")
-
-    async def _alive(self, workers: list[PoolWorker]) -> list[PoolWorker]:
-        """The workers that answer a ping in time; the others are replaced."""
-        answered: list[PoolWorker] = []
-
-        async def ping(w: PoolWorker) -> None:
-            with anyio.move_on_after(LEASE_PING_TIMEOUT_S), contextlib.suppress(Exception):
-                await w.handle.call("ping")
-                answered.append(w)
-
-        async with anyio.create_task_group() as tg:
-            for w in workers:
-                tg.start_soon(ping, w)
-        dead = [w for w in workers if w not in answered]
-        if dead:
-            self.log.warning("pool_worker_dead_at_lease", pids=[w.metadata.pid for w in dead])
-            for w in dead:
-                self._leased.pop(w.handle.key, None)
-            await self._replace(dead)
-        return [w for w in workers if w in answered]
-
-    async def _fresh(self, n: int) -> list[PoolWorker]:
-        """Start ``n`` workers outside the pool for a lease it could not fill."""
-        try:
-            # Outside the pool's placement group: anywhere the cluster has room.
-            started = await self.cluster.start_workers(
-                self.config, None, [None] * n, self.config.start_timeout_s
-            )
-        except TimeoutError as exc:
-            raise StartupTimeoutError(
-                f"starting {n} workers beyond the pool", self.config.start_timeout_s
-            ) from exc
-        fresh: list[PoolWorker] = []
-        for handle, meta in started:
-            worker = PoolWorker(handle, meta, None, death=handle.call("wait_closed"))
-            self._leased[handle.key] = worker
-            fresh.append(worker)
-        self._counts["fresh_for_leases"] += n
-        self.log.info("pool_short", fresh=n)
-        return fresh
-
-    def _make_idle(self, worker: PoolWorker) -> None:
-        self._idle.append(worker)
-        self._wake()
-
-    def _wake(self) -> None:
-        """Wake every lease waiting for a worker (each waits on the event of its time)."""
-        changed, self._changed = self._changed, anyio.Event()
-        changed.set()
-
-    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` in the background, cancelled when the pool closes."""
-
-        async def background() -> None:
-            with anyio.CancelScope() as scope:
-                self._background.add(scope)
-                try:
-                    await fn(*args)
-                finally:
-                    self._background.discard(scope)
-
-        if self._tg is not None:
-            self._tg.start_soon(background)
-
-    async def _watch(self, worker: PoolWorker) -> None:
-        """Replace an idle worker the moment its process dies (a leased one is its group's to
-        notice; it is replaced when given back)."""
-        try:
-            await worker.death
-        except Exception:
-            if worker in self._idle:
-                self._idle.remove(worker)
-                self.log.warning("pool_worker_died", pid=worker.metadata.pid)
-                await self._replace([worker])
-
-    async def _replace(self, workers: Sequence[PoolWorker]) -> None:
-        """Kill these workers; refill the pool's bundles they held, in the background."""
-        if not workers:
-            return
-        await self.cluster.kill([w.handle for w in workers])
-        for w in workers:
-            if w.bundle is not None and self._open:
-                self._counts["replaced"] += 1
-                self._starting[w.bundle] = []
-                self._spawn(self._refill, w.bundle)
-
-    async def _refill(self, bundle: int) -> None:
-        for wait in (0.0, *_REFILL_BACKOFF_S):
-            await anyio.sleep(wait)
-            try:
-                await self._fill(bundle)
-                return
-            except Exception as exc:
-                self.log.warning("pool_refill_failed", bundle=bundle, error=describe(exc))
-        self._starting.pop(bundle, None)
-        self.log.error("pool_refill_gave_up", bundle=bundle)
-
-    async def _fill(self, bundle: int) -> None:
-        """Start a worker in ``bundle`` and make it idle."""
-        assert self._placement is not None
-        starting = self._starting[bundle] = []
-        try:
-            [(handle, meta)] = await self.cluster.start_workers(
-                self.config, self._placement, [bundle], self.config.start_timeout_s, track=starting
-            )
-        finally:
-            self._starting.pop(bundle, None)
-        if not self._open:
-            with anyio.CancelScope(shield=True):
-                await self.cluster.kill([handle])
-            return
-        worker = PoolWorker(handle, meta, bundle, death=handle.call("wait_closed"))
-        self._spawn(self._watch, worker)
-        self._make_idle(worker)
-
