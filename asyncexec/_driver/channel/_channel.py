@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,13 +26,13 @@ import anyio
 import anyio.abc
 
 from ..._config import check_count
-from ..._errors import ChannelError, ConfigurationError, ExecutorStateError, describe
+from ..._errors import ConfigurationError, ExecutorStateError
 from .._executor import Executor, slot_of
 from .._logging import get_logger
-from ..group import GroupSlot, WorkerGroup, WorkerInfo
+from ..group import WorkerInfo
 from ._object_store import ObjectStoreTransport
 from ._torch import TorchTransport
-from ._transport import Pending, Transport, channel_error
+from ._versions import Versions, live
 
 if TYPE_CHECKING:
     from ..run import Step
@@ -115,84 +114,64 @@ class WeightChannel:
         self.timeout_s = float(timeout_s)
         self.id = os.urandom(4).hex()
         self.log = get_logger(channel=f"{name}-{self.id}")
-        self.counts = {"pushes": 0, "failed_pushes": 0, "joins": 0, "rebuilds": 0}
-        self._moves: Transport = (
-            ObjectStoreTransport(self)
-            if transport == "object_store"
-            else TorchTransport(self, self.id, torch_backend, bool(reuse_buffers))
+        self._versions = Versions(
+            name,
+            lambda: slot_of(source),
+            lambda: slot_of(target),
+            sharded,
+            max_staleness,
+            self.timeout_s,
+            self.log,
         )
-        self._version = 0
-        self._delivered = 0
-        self._pending: dict[int, Pending] = {}
-        self._last: Pending | None = None  # the latest version read (its refs serve joins)
-        self._held: dict[str, int] = {}  # target worker -> version installed
-        #: The target group the held versions are of: a new group (a restart, a lease of
-        #: pooled workers whose channel state was reset) starts from nothing held.
-        self._held_group: WorkerGroup | None = None
-        self._read_lock = anyio.Lock()
+        self._versions.moves = (
+            ObjectStoreTransport(self._versions)
+            if transport == "object_store"
+            else TorchTransport(self._versions, self.id, torch_backend, bool(reuse_buffers))
+        )
         self._tg: anyio.abc.TaskGroup | None = None
         self._open = False
         self._closed = False
-        self._last_push_s = 0.0
 
     def __repr__(self) -> str:
-        return f"<WeightChannel {self.name} {self.transport} version={self._version}>"
+        return f"<WeightChannel {self.name} {self.transport} version={self.version}>"
 
     @property
     def version(self) -> int:
         """The latest version pushed (0 before the first push)."""
-        return self._version
+        return self._versions.version
 
     def statistics(self) -> ChannelStatistics:
         """A snapshot of the channel's counters: versions pushed and delivered, pushes, failed
         pushes, joins, process-group rebuilds and the last delivery's duration."""
+        versions = self._versions
         return ChannelStatistics(
-            version=self._version,
-            delivered=self._delivered,
-            last_push_s=round(self._last_push_s, 4),
-            **self.counts,
+            version=versions.version,
+            delivered=versions.delivered,
+            last_push_s=round(versions.last_push_s, 4),
+            **versions.counts,
         )
 
     def lag(self, step: Step) -> int | None:
         """How many versions the oldest report of ``step`` is behind the latest push (None when
         no rank of it held a version)."""
         versions = [v for v in step.versions if v is not None]
-        return self._version - min(versions) if versions else None
-
-    # What the transports use (see ``_transport.Core``) ---------------------------------------
-
-    @property
-    def source_slot(self) -> GroupSlot:
-        return slot_of(self.source)
-
-    @property
-    def target_slot(self) -> GroupSlot:
-        return slot_of(self.target)
-
-    def installed(self, worker: WorkerInfo, version: int) -> None:
-        key = worker.handle.key
-        self._held[key] = max(version, self._held.get(key, 0))
-
-    def latest(self) -> Pending | None:
-        return self._last
-
-    async def push_now(self) -> Pending:
-        return await self._push()
+        return self.version - min(versions) if versions else None
 
     # Lifecycle --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> WeightChannel:
         if self._open or self._closed:
             raise ExecutorStateError("a WeightChannel is entered once")
-        joiners = self.target_slot.joiners
+        joiners = slot_of(self.target).joiners
         if joiners:
             raise ConfigurationError(
                 f"the executor {self.target.config.name!r} already receives from an open "
                 "channel: a rank's reports carry the version of one channel"
             )
-        joiners.append(self._join)
+        joiners.append(self._versions.join)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        self._versions.tg = self._tg
         self._open = True
         return self
 
@@ -204,22 +183,22 @@ class WeightChannel:
     ) -> None:
         self._open = False
         self._closed = True
-        joiners = self.target_slot.joiners
-        if self._join in joiners:
-            joiners.remove(self._join)
+        joiners = slot_of(self.target).joiners
+        if self._versions.join in joiners:
+            joiners.remove(self._versions.join)
         tg, self._tg = self._tg, None
+        self._versions.tg = None
         if tg is not None:
             tg.cancel_scope.cancel()  # deliveries still on their way
             await tg.__aexit__(None, None, None)
-        self._pending.clear()
-        self._last = None  # the references go: the states are freed
+        self._versions.forget()
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
             await self._forget()
 
     async def _forget(self) -> None:
         """Tell the live workers of both sides to drop the channel's process groups and
         buffers (best effort: a worker that is gone has nothing to drop)."""
-        workers = self._live(self.source_slot) + self._live(self.target_slot)
+        workers = live(slot_of(self.source)) + live(slot_of(self.target))
 
         async def one(worker: WorkerInfo) -> None:
             with contextlib.suppress(Exception):
@@ -253,102 +232,8 @@ class WeightChannel:
                 version when it joins again.
             ExecutorStateError: the channel is not open.
         """
-        pending = await self._push()
-        wait_for = self._pending.get(pending.version - (self.max_staleness - 1))
-        if wait_for is not None:
-            await wait_for.done.wait()
-            if wait_for.error is not None:
-                raise wait_for.error
-        return pending.version
-
-    async def _push(self) -> Pending:
-        tg = self._check_open()
-        async with self._read_lock:
-            version = self._version + 1
-            pending = Pending(version, anyio.Event(), started=time.perf_counter())
-            try:
-                with anyio.fail_after(self.timeout_s):
-                    await self._read(pending)
-            except anyio.get_cancelled_exc_class():
-                raise  # the caller was cancelled: not the channel's failure
-            except Exception as exc:
-                self.counts["failed_pushes"] += 1
-                raise channel_error(f"reading version {version}", exc, self.timeout_s) from exc
-            # At once (no wait in between): the version is the latest, and its targets are the
-            # target's workers now (unless the transport fixed them before the read). A group
-            # that joined during the read got the previous version and is among them; one that
-            # joins from now on gets this one (see ``_join``).
-            self._version = version
-            self.counts["pushes"] += 1
-            previous = self._pending.get(version - 1)
-            self._pending[version] = pending
-            self._last = pending
-            if pending.targets is None:
-                pending.targets = self._live(self.target_slot)
-            tg.start_soon(self._deliver, pending, previous)
-        return pending
-
-    async def _read(self, pending: Pending) -> None:
-        sources = self._live(self.source_slot)
-        if not sources:
-            raise ChannelError(
-                f"the source executor {self.source.config.name!r} has no live workers "
-                "(it is starting, restarting or closed)"
-            )
-        pending.sources = sources if self.sharded else sources[:1]
-        if self._moves.targets_before_read:
-            pending.targets = self._live(self.target_slot)
-        await self._moves.read(pending)
-
-    async def _deliver(self, pending: Pending, previous: Pending | None) -> None:
-        try:
-            if previous is not None:
-                await previous.done.wait()  # versions arrive in order
-            with anyio.fail_after(self.timeout_s):
-                await self._moves.deliver(pending, pending.targets or [])
-            self._delivered = max(self._delivered, pending.version)
-            self._last_push_s = time.perf_counter() - pending.started
-        except BaseException as exc:
-            if isinstance(exc, anyio.get_cancelled_exc_class()) and not self._open:
-                raise
-            self.counts["failed_pushes"] += 1
-            self._moves.broken()
-            pending.error = channel_error(f"delivering version {pending.version}", exc, 0)
-            self.log.warning("push_failed", version=pending.version, error=describe(exc))
-        finally:
-            pending.done.set()
-            for v in [v for v in self._pending if v < pending.version - self.max_staleness]:
-                del self._pending[v]
-
-    # Joins ------------------------------------------------------------------------------------
-
-    async def _join(self, group: WorkerGroup) -> None:
-        """Called by the target executor before its functions start on ``group``: every rank
-        that does not hold the latest version gets it first."""
-        if self._version == 0 or not self._open:
-            return
-        if group is not self._held_group:
-            self._held_group = group
-            self._held = {}
-        joiners = [w for w in group.workers if self._held.get(w.handle.key, 0) < self._version]
-        if not joiners:
-            return
-        self.counts["joins"] += len(joiners)
-        self.log.info("ranks_join", ranks=[w.rank for w in joiners], version=self._version)
-        try:
-            with anyio.fail_after(self.timeout_s):
-                await self._moves.join(joiners)
-        except ChannelError:
-            raise
-        except Exception as exc:
-            raise channel_error(
-                "giving joining ranks the latest version", exc, self.timeout_s
-            ) from exc
-
-    @staticmethod
-    def _live(slot: GroupSlot) -> list[WorkerInfo]:
-        group = slot.group
-        return [] if group is None or group.closed else list(group.workers)
+        self._check_open()
+        return await self._versions.push()
 
 
 def _check(

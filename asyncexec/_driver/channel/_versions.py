@@ -1,0 +1,190 @@
+"""The versions of a weight channel on their way: each push reads the source's state as the next
+version and delivers it to the target's ranks, in order, through the channel's transport; a rank
+that joins the target gets the latest version. This is what the transports see of their channel
+(``_transport.Core``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ..._errors import ChannelError, describe
+from ..group import GroupSlot, WorkerGroup, WorkerInfo
+from ._transport import Pending, Transport, channel_error
+
+__all__ = ["Versions", "live"]
+
+
+def live(slot: GroupSlot) -> list[WorkerInfo]:
+    """The workers of ``slot``'s live group (none while it starts, restarts or is closed)."""
+    group = slot.group
+    return [] if group is None or group.closed else list(group.workers)
+
+
+class Versions:
+    """A channel's versions and their deliveries (see the module's docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        source: Callable[[], GroupSlot],
+        target: Callable[[], GroupSlot],
+        sharded: bool,
+        max_staleness: int,
+        timeout_s: float,
+        log: Any,
+    ) -> None:
+        self.name = name
+        self._source, self._target = source, target
+        self.sharded = sharded
+        self.max_staleness = max_staleness
+        self.timeout_s = timeout_s
+        self.log = log
+        self.counts = {"pushes": 0, "failed_pushes": 0, "joins": 0, "rebuilds": 0}
+        self.moves: Transport | None = None  # set by the channel
+        #: Where deliveries run: the channel's task group, while it is open.
+        self.tg: anyio.abc.TaskGroup | None = None
+        self.version = 0
+        self.delivered = 0
+        self.last_push_s = 0.0
+        self.pending: dict[int, Pending] = {}
+        self._last: Pending | None = None  # the latest version read (its refs serve joins)
+        self._held: dict[str, int] = {}  # target worker -> version installed
+        #: The target group the held versions are of: a new group (a restart, a lease of
+        #: pooled workers whose channel state was reset) starts from nothing held.
+        self._held_group: WorkerGroup | None = None
+        self._read_lock = anyio.Lock()
+
+    @property
+    def source_slot(self) -> GroupSlot:
+        return self._source()
+
+    @property
+    def target_slot(self) -> GroupSlot:
+        return self._target()
+
+    def installed(self, worker: WorkerInfo, version: int) -> None:
+        key = worker.handle.key
+        self._held[key] = max(version, self._held.get(key, 0))
+
+    def latest(self) -> Pending | None:
+        return self._last
+
+    async def push_now(self) -> Pending:
+        return await self._push()
+
+    def forget(self) -> None:
+        """The channel closed: nothing is on its way, nothing is kept (the states are freed)."""
+        self.pending.clear()
+        self._last = None
+
+    async def push(self) -> int:
+        """See ``WeightChannel.push``."""
+        pending = await self._push()
+        wait_for = self.pending.get(pending.version - (self.max_staleness - 1))
+        if wait_for is not None:
+            await wait_for.done.wait()
+            if wait_for.error is not None:
+                raise wait_for.error
+        return pending.version
+
+    async def _push(self) -> Pending:
+        tg = self._open_tg()
+        async with self._read_lock:
+            version = self.version + 1
+            pending = Pending(version, anyio.Event(), started=time.perf_counter())
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    await self._read(pending)
+            except anyio.get_cancelled_exc_class():
+                raise  # the caller was cancelled: not the channel's failure
+            except Exception as exc:
+                self.counts["failed_pushes"] += 1
+                raise channel_error(f"reading version {version}", exc, self.timeout_s) from exc
+            # At once (no wait in between): the version is the latest, and its targets are the
+            # target's workers now (unless the transport fixed them before the read). A group
+            # that joined during the read got the previous version and is among them; one that
+            # joins from now on gets this one (see ``join``).
+            self.version = version
+            self.counts["pushes"] += 1
+            previous = self.pending.get(version - 1)
+            self.pending[version] = pending
+            self._last = pending
+            if pending.targets is None:
+                pending.targets = live(self.target_slot)
+            tg.start_soon(self._deliver, pending, previous)
+        return pending
+
+    async def _read(self, pending: Pending) -> None:
+        sources = live(self.source_slot)
+        if not sources:
+            raise ChannelError(
+                f"the source executor {self.source_slot.config.name!r} has no live workers "
+                "(it is starting, restarting or closed)"
+            )
+        pending.sources = sources if self.sharded else sources[:1]
+        if self._transport().targets_before_read:
+            pending.targets = live(self.target_slot)
+        await self._transport().read(pending)
+
+    async def _deliver(self, pending: Pending, previous: Pending | None) -> None:
+        try:
+            if previous is not None:
+                await previous.done.wait()  # versions arrive in order
+            with anyio.fail_after(self.timeout_s):
+                await self._transport().deliver(pending, pending.targets or [])
+            self.delivered = max(self.delivered, pending.version)
+            self.last_push_s = time.perf_counter() - pending.started
+        except BaseException as exc:
+            if isinstance(exc, anyio.get_cancelled_exc_class()) and not self._is_open():
+                raise
+            self.counts["failed_pushes"] += 1
+            self._transport().broken()
+            pending.error = channel_error(f"delivering version {pending.version}", exc, 0)
+            self.log.warning("push_failed", version=pending.version, error=describe(exc))
+        finally:
+            pending.done.set()
+            for v in [v for v in self.pending if v < pending.version - self.max_staleness]:
+                del self.pending[v]
+
+    # Joins ------------------------------------------------------------------------------------
+
+    async def join(self, group: WorkerGroup) -> None:
+        """Called by the target executor before its functions start on ``group``: every rank
+        that does not hold the latest version gets it first."""
+        if self.version == 0 or not self._is_open():
+            return
+        if group is not self._held_group:
+            self._held_group = group
+            self._held = {}
+        joiners = [w for w in group.workers if self._held.get(w.handle.key, 0) < self.version]
+        if not joiners:
+            return
+        self.counts["joins"] += len(joiners)
+        self.log.info("ranks_join", ranks=[w.rank for w in joiners], version=self.version)
+        try:
+            with anyio.fail_after(self.timeout_s):
+                await self._transport().join(joiners)
+        except ChannelError:
+            raise
+        except Exception as exc:
+            raise channel_error(
+                "giving joining ranks the latest version", exc, self.timeout_s
+            ) from exc
+
+
+    def _open_tg(self) -> anyio.abc.TaskGroup:
+        if self.tg is None:
+            raise ChannelError("the channel is closed")
+        return self.tg
+
+    def _is_open(self) -> bool:
+        return self.tg is not None
+
+    def _transport(self) -> Transport:
+        assert self.moves is not None
+        return self.moves
