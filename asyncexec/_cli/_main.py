@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _run_command(commands)
+    _demo_command(commands)
+    _stack_command(commands)
+    return parser
+
+
+def _run_command(commands: Any) -> None:
+    """The ``run`` command."""
     run = commands.add_parser(
         "run",
         help="run MODULE:FUNCTION on a group of workers",
@@ -121,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_options(run, max_restarts=3)
 
+
+def _demo_command(commands: Any) -> None:
+    """The ``demo`` command."""
     demo = commands.add_parser(
         "demo",
         help="a built-in job that checkpoints, crashes once and recovers",
@@ -157,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_options(demo, max_restarts=2)
 
+
+def _stack_command(commands: Any) -> None:
+    """The ``stack`` command."""
     stack = commands.add_parser(
         "stack",
         help="print the stacks of a running cluster's asyncexec workers",
@@ -178,7 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds to wait for the stacks (default 10)",
     )
-    return parser
 
 
 def _common_options(parser: argparse.ArgumentParser, *, max_restarts: int) -> None:

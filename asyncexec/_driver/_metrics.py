@@ -140,6 +140,13 @@ class Metrics:
         #: The executor label's values (the ``max_executors`` first names, then OVERFLOW).
         self.executors = BoundedLabels("executor", max_executors)
         self.causes = BoundedLabels("cause", MAX_CAUSES)
+        self._collectors(prom, registry)
+        #: The active runs of each executor label value; an entry goes with its last run.
+        self._watched: dict[str, set[RunMeter]] = {}
+        self._lock = threading.Lock()  # runs come and go on their loops while a scrape reads
+
+    def _collectors(self, prom: Any, registry: Any) -> None:
+        """Make the collectors, each of its labels bounded."""
         by_name = self.executors
         ex = ["executor"]
         self.runs = _Bounded(
@@ -204,9 +211,6 @@ class Metrics:
             ex,
             registry=registry,
         )
-        #: The active runs of each executor label value; an entry goes with its last run.
-        self._watched: dict[str, set[RunMeter]] = {}
-        self._lock = threading.Lock()  # runs come and go on their loops while a scrape reads
 
     def watch(self, meter: RunMeter) -> None:
         """Count ``meter``'s run in its executor's backlog until :meth:`unwatch`."""
