@@ -55,6 +55,13 @@ _EXPORTS: dict[str, str] = {
     "Step": "_driver.run",
     "Timeouts": "_config",
     "WorkerContext": "_protocol",
+    "Mesh": "_dispatch",
+    "Role": "_dispatch",
+    "Splittable": "_dispatch",
+    "concat": "_dispatch",
+    "least_loaded": "_dispatch",
+    "rank": "_dispatch",
+    "scatter": "_dispatch",
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
@@ -128,6 +135,13 @@ if TYPE_CHECKING:
     from ._config import CheckpointConfig as CheckpointConfig
     from ._config import HealthChecks as HealthChecks
     from ._config import Timeouts as Timeouts
+    from ._dispatch import Mesh as Mesh
+    from ._dispatch import Role as Role
+    from ._dispatch import Splittable as Splittable
+    from ._dispatch import concat as concat
+    from ._dispatch import least_loaded as least_loaded
+    from ._dispatch import rank as rank
+    from ._dispatch import scatter as scatter
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics

@@ -286,6 +286,10 @@ class ExecutorConfig:
     elastic_check_interval_s: float = 10.0
     #: Local mode: the workers are threads of the driver's process, not Ray actors.
     local: bool = False
+    #: The worker classes each rank holds an instance of (``asyncexec.Role``), in order, and
+    #: them pickled once for every worker (None without roles).
+    roles: tuple[Any, ...] = ()
+    roles_payload: bytes | None = None
 
     @classmethod
     def build(cls, num_workers: object, **options: Any) -> ExecutorConfig:

@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import FrozenInstanceError, dataclass, field
-from typing import Any, Generic, NoReturn, ParamSpec, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar, cast
 
-from ._errors import ConfigurationError, describe
-from ._protocol import RoleMethod, RoleSpec
+from ._errors import ConfigurationError
+from ._protocol import RoleMethod
+from ._role import Role, method_of, qualname, roles_of, roles_payload, takes_self
 from ._split import (
     Scatter,
     Splittable,
     compact,
     concat,
     scatter,
-    short_repr,
     split,
     split_length,
     split_sizes,
@@ -78,241 +77,6 @@ T = TypeVar("T")
 
 #: The longest list, tuple or dict argument looked into for a misplaced scatter() marker.
 _NESTED_SCAN = 64
-
-
-# Roles -------------------------------------------------------------------------------------
-
-
-class Role(Generic[T]):
-    """A worker class and its constructor's arguments: each rank holds one instance.
-
-    A frozen value. The constructor's arguments are checked against ``cls`` by a type checker
-    (``Role(Learner, cfg)`` is typed as ``Learner(cfg)`` is) and, when it is made, against the
-    signature of ``cls``; the class and every argument must pickle (with Ray's cloudpickle),
-    since they are sent to every worker.
-
-    Args:
-        cls: the worker class.
-        *args: positional arguments of its constructor.
-        **kwargs: keyword arguments of its constructor.
-
-    Raises:
-        ConfigurationError: ``cls`` is not a class, the arguments do not bind to its
-            constructor, or the class or an argument cannot be pickled (named).
-    """
-
-    __slots__ = ("args", "cls", "kwargs")
-    cls: type[T]
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-
-    def __init__(self, cls: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> None:
-        if not isinstance(cls, type):
-            raise ConfigurationError(
-                f"Role() takes a class, got {type(cls).__name__}: {short_repr(cls)}"
-            )
-        _check_constructor(cls, args, kwargs)
-        _check_pickles(cls, args, kwargs)
-        object.__setattr__(self, "cls", cls)
-        object.__setattr__(self, "args", tuple(args))
-        object.__setattr__(self, "kwargs", dict(kwargs))
-
-    @property
-    def name(self) -> str:
-        """The class's qualified name, as messages name the role."""
-        return self.cls.__qualname__
-
-    def spec(self) -> RoleSpec:
-        """The record a worker receives."""
-        return RoleSpec(self.cls, self.args, dict(self.kwargs))
-
-    def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Role):
-            return NotImplemented
-        return (self.cls, self.args, self.kwargs) == (other.cls, other.args, other.kwargs)
-
-    def __hash__(self) -> int:
-        return hash(self.cls)  # the arguments may not hash (a config dict)
-
-    def __repr__(self) -> str:
-        shown = [self.cls.__qualname__, *map(short_repr, self.args)]
-        shown += [f"{k}={short_repr(v)}" for k, v in self.kwargs.items()]
-        return f"Role({', '.join(shown)})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_role, (self.cls, self.args, dict(self.kwargs))
-
-
-def _rebuild_role(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Role[Any]:
-    role: Role[Any] = object.__new__(Role)
-    object.__setattr__(role, "cls", cls)
-    object.__setattr__(role, "args", args)
-    object.__setattr__(role, "kwargs", kwargs)
-    return role
-
-
-def _check_constructor(cls: type, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    try:
-        signature = inspect.signature(cls)
-    except (TypeError, ValueError):  # a builtin or an odd metaclass: the worker will tell
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise ConfigurationError(
-            f"Role({cls.__qualname__}): the arguments do not bind to "
-            f"{cls.__qualname__}{signature}: {exc}"
-        ) from None
-
-
-def _check_pickles(cls: type, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    from ray import cloudpickle
-
-    values: list[tuple[str, Any]] = [("the class", cls)]
-    values += [(f"argument {i}", v) for i, v in enumerate(args)]
-    values += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-    for what, value in values:
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:
-            raise ConfigurationError(
-                f"Role({cls.__qualname__}): {what} ({type(value).__name__}) cannot be pickled "
-                f"to be sent to the workers: {describe(exc)}"
-            ) from exc
-
-
-def roles_of(value: Role[Any] | type | Sequence[Role[Any] | type] | None) -> tuple[Role[Any], ...]:
-    """Normalise ``Executor(roles=...)``: one role, a bare class (``Role(cls)``), or a list of
-    them (colocated in one process per rank, made in this order); None for no roles.
-
-    Raises:
-        ConfigurationError: an empty list, an item that is neither a Role nor a class, or two
-            roles of one class.
-    """
-    if value is None:
-        return ()
-    if isinstance(value, Role | type):
-        items: Sequence[Any] = [value]
-    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        items = value
-    else:
-        raise ConfigurationError(
-            f"roles= takes a Role, a class, or a list of them, got {type(value).__name__}"
-        )
-    if not items:
-        raise ConfigurationError("roles= is an empty list: leave it out for a group without roles")
-    roles: list[Role[Any]] = []
-    for item in items:
-        if isinstance(item, Role):
-            roles.append(item)
-        elif isinstance(item, type):
-            roles.append(Role(item))
-        else:
-            raise ConfigurationError(
-                f"roles= takes Roles or classes, got {type(item).__name__}: {short_repr(item)}"
-            )
-    seen: set[type] = set()
-    for role in roles:
-        if role.cls in seen:
-            raise ConfigurationError(
-                f"roles= holds two roles of {role.name}: a rank holds one instance per class "
-                "(a subclass makes a second role)"
-            )
-        seen.add(role.cls)
-    return tuple(roles)
-
-
-def roles_payload(roles: Sequence[Role[Any]]) -> bytes:
-    """What a group sends every worker to make its roles (``make_roles``): pickled once for all
-    ranks, each role apart, so that a worker names the role it could not unpickle."""
-    from ray import cloudpickle
-
-    return bytes(cloudpickle.dumps(tuple(cloudpickle.dumps(r.spec()) for r in roles)))
-
-
-def method_of(fn: Callable[..., Any], roles: Sequence[Role[Any]]) -> RoleMethod | None:
-    """Which role's method ``fn`` is, as ``RoleMethod(role_index, name)``; None for a function
-    that is no class's method (it runs as ``execute()`` runs it).
-
-    ``fn`` is a role's method when ``getattr(cls, fn.__name__) is fn`` for the role's class
-    (inherited methods too). Static and class methods of a role's class count as its methods:
-    they are called through the rank's instance, which changes nothing for them. A static method
-    of another class is a plain function; a bound method of an object (``obj.method``) is a plain
-    callable. A function defined in another class's body is refused, since it needs an instance
-    that no rank holds.
-
-    Raises:
-        ConfigurationError: ``fn`` is a method of a class that is not a role, or of several
-            roles (a base class's method that two roles inherit).
-    """
-    name = getattr(fn, "__name__", None)
-    if not isinstance(name, str):
-        return None
-    found = [i for i, role in enumerate(roles) if _defines(role.cls, name, fn)]
-    if len(found) > 1:
-        which = ", ".join(roles[i].name for i in found)
-        raise ConfigurationError(
-            f"{_qualname(fn)} is a method of several roles ({which}): the call cannot tell "
-            "whose instance it is for (override it in the role it belongs to)"
-        )
-    if found:
-        return RoleMethod(found[0], name)
-    owner = _owner(fn)
-    if owner is None:
-        return None
-    owner_name, owner_cls = owner
-    names = ", ".join(r.name for r in roles) or "none"
-    hint = ""
-    for role in roles:
-        if owner_cls is not None and issubclass(role.cls, owner_cls):
-            hint = f" ({role.name} overrides it: name {role.name}.{name})"
-    raise ConfigurationError(
-        f"{_qualname(fn)} is a method of {owner_name}, which is not a role of this executor "
-        f"(roles: {names}){hint}"
-    )
-
-
-def _defines(cls: type, name: str, fn: Callable[..., Any]) -> bool:
-    attr = getattr(cls, name, None)
-    if attr is fn:
-        return True
-    # A classmethod is bound anew at each attribute access: compare its function and class.
-    return inspect.ismethod(fn) and inspect.ismethod(attr) and attr == fn
-
-
-def _owner(fn: Callable[..., Any]) -> tuple[str, type | None] | None:
-    """The class whose body defines ``fn`` (its name, and the class when it can be found), when
-    ``fn`` needs an instance of it; None for a plain function or callable."""
-    if inspect.ismethod(fn):
-        owner = fn.__self__
-        return (owner.__qualname__, owner) if isinstance(owner, type) else None
-    if not inspect.isfunction(fn):
-        return None
-    parts = fn.__qualname__.split(".")
-    if len(parts) < 2 or parts[-2] == "<locals>":
-        return None
-    found: Any = sys.modules.get(fn.__module__)
-    for part in parts[:-1]:
-        found = getattr(found, part, None)
-    cls = found if isinstance(found, type) else None
-    if cls is not None and isinstance(inspect.getattr_static(cls, parts[-1], None), staticmethod):
-        return None
-    return ".".join(parts[:-1]), cls
-
-
-def _takes_self(cls: type, name: str) -> bool:
-    """Whether ``cls.name`` is called with the instance as its first argument (not a static or
-    class method)."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return not isinstance(vars(klass)[name], staticmethod | classmethod)
-    return True
 
 
 # The plan of a call --------------------------------------------------------------------------
@@ -432,6 +196,28 @@ def plan_call(
             if single
             else f"merge= takes a callable, got {type(merge).__name__}"
         )
+    parts, rows = _laid_out(values, names, on, world_size, single)
+    return CallPlan(
+        fn=fn,
+        method=method,
+        parts=tuple(parts),
+        ranks=ranks,
+        returned=returned,
+        single=single,
+        choose=choose,
+        merge=merge,
+        positional=len(args),
+        keywords=tuple(kwargs),
+        rows=rows,
+    )
+
+
+def _laid_out(
+    values: list[Any], names: list[str], on: Target, world_size: int, single: bool
+) -> tuple[list[Any], tuple[tuple[int, ...], ...]]:
+    """The call's parts (a scattered argument's pieces, every other argument once: a value
+    passed as several arguments is one part) and each rank's row of part indices (one row that
+    every rank shares when nothing is scattered)."""
     parts: list[Any] = []
     shared: dict[int, int] = {}  # id of a value passed as several arguments: its part
     columns: list[list[int] | int] = []  # per argument: the part of each rank, or a shared part
@@ -450,25 +236,12 @@ def plan_call(
             shared[id(value)] = len(parts)
             parts.append(value)
         columns.append(shared[id(value)])
-    if scattered:
-        rows = tuple(
-            tuple(c if isinstance(c, int) else c[r] for c in columns) for r in range(world_size)
-        )
-    else:
-        rows = (tuple(cast(list[int], columns)),)
-    return CallPlan(
-        fn=fn,
-        method=method,
-        parts=tuple(parts),
-        ranks=ranks,
-        returned=returned,
-        single=single,
-        choose=choose,
-        merge=merge,
-        positional=len(args),
-        keywords=tuple(kwargs),
-        rows=rows,
+    if not scattered:
+        return parts, (tuple(cast(list[int], columns)),)
+    rows = tuple(
+        tuple(c if isinstance(c, int) else c[r] for c in columns) for r in range(world_size)
     )
+    return parts, rows
 
 
 def _unwrapped(
@@ -487,9 +260,9 @@ def _unwrapped(
     if not callable(fn):
         raise ConfigurationError(f"a call takes a callable, got {type(fn).__name__}")
     method = method_of(fn, roles)
-    if method is not None and bound and _takes_self(roles[method.role_index].cls, method.name):
+    if method is not None and bound and takes_self(roles[method.role_index].cls, method.name):
         raise ConfigurationError(
-            f"functools.partial({_qualname(fn)}, ...) binds positional arguments, which would "
+            f"functools.partial({qualname(fn)}, ...) binds positional arguments, which would "
             "stand for the instance: bind keywords only"
         )
     return fn, args, kwargs, method
@@ -510,13 +283,13 @@ def _bind(
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin: the worker will tell
         return named
-    takes_self = method is not None and _takes_self(roles[method.role_index].cls, method.name)
-    instance = (None,) if takes_self else ()
+    with_self = method is not None and takes_self(roles[method.role_index].cls, method.name)
+    instance = (None,) if with_self else ()
     try:
         signature.bind(*instance, *args, **kwargs)
     except TypeError as exc:
         raise ConfigurationError(
-            f"the arguments do not bind to {_qualname(fn)}{signature}: {exc}"
+            f"the arguments do not bind to {qualname(fn)}{signature}: {exc}"
         ) from None
     params = list(signature.parameters.values())[len(instance) :]
     for i, param in enumerate(params[: len(args)]):
@@ -602,7 +375,3 @@ def _refuse_nested(value: Any, what: str) -> None:
         raise ConfigurationError(
             f"{what} holds a scatter() inside it: scatter() marks a whole argument"
         )
-
-
-def _qualname(fn: Callable[..., Any]) -> str:
-    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))

@@ -23,10 +23,7 @@ from asyncexec._dispatch import Role, roles_payload
 from asyncexec._protocol import Outcome, RoleFailure, RoleMethod, RunStart, WorkerContext
 from asyncexec._worker._actor import WorkerActor
 
-try:
-    from asyncexec._driver.cluster._local import LocalWorker
-except ImportError:  # the driver's layout before its wings (cluster/, group/, run/)
-    from asyncexec._driver._local import LocalWorker  # type: ignore[no-redef]
+from asyncexec._driver.cluster._local import LocalWorker
 
 #: Bounds every wait on a worker.
 WAIT_S = 30.0

@@ -1,17 +1,14 @@
-"""Executor: the public entry point. Its life (``_lifecycle``), run(), execute(), statistics."""
+"""Executor: the public entry point. Its life (``_lifecycle``), its calls on the workers
+(``_dispatcher``), its runs and counters (``_runs``)."""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-import anyio
-
-from .._checkpoint import Checkpoint
 from .._config import (
     CheckpointConfig,
     ExecutorConfig,
@@ -20,41 +17,23 @@ from .._config import (
     Timeouts,
     grouped_options,
 )
-from .._errors import ConfigurationError, ExecutorStateError, NodeLostError, WorkerCrashedError
+from .._dispatch import Role, roles_of, roles_payload
+from .._errors import ConfigurationError
 from .._protocol import WorkerContext
 from ..backends._base import Backend
+from ._dispatcher import WorkerCalls
 from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
 from ._logging import get_logger
-from ._metrics import metrics
 from ._restart import RestartPolicy
-from .group import GroupSlot, Reservation, WorkerGroup, WorkerPool
-from .run import Resume, Run, RunCore, RunDriver, RunResult, RunState, new_run_id, prepare
+from ._runs import ExecutorRuns, ExecutorStatistics
+from .group import GroupSlot, Reservation, WorkerPool
+from .run import RunState
 
 __all__ = ["Executor", "ExecutorState", "ExecutorStatistics", "local_default", "slot_of"]
 
 T = TypeVar("T")
 #: Defaults of the configuration, written once (in ExecutorConfig's fields).
 _D = ExecutorConfig
-
-
-@dataclass(frozen=True)
-class ExecutorStatistics:
-    """Counters of an executor, from :meth:`Executor.statistics`."""
-
-    state: ExecutorState
-    num_workers: int
-    group_starts: int
-    runs_started: int
-    runs_finished: int
-    runs_failed: int
-    runs_cancelled: int
-    #: Restarts after a failure: of the whole group, or of one rank (a standby spare taking a
-    #: failed rank's place, a rank replaced alone, a rank of an independent run renewed).
-    restarts: int
-    steps_delivered: int
-    #: Groups of an elastic executor that started at another size than the one before: after
-    #: a loss (shrinking, counted in ``restarts`` too) or a planned growth (not a restart).
-    resizes: int = 0
 
 
 def _check_parts(
@@ -97,7 +76,7 @@ def _check_parts(
         )
 
 
-class Executor:
+class Executor(WorkerCalls, ExecutorRuns):
     """Runs one function on a group of Ray actor workers and streams their reports.
 
     Use it as an async context manager::
@@ -117,6 +96,9 @@ class Executor:
             (``"GPU"``, ``"memory"``, custom resources such as ``"neuron_cores"``).
         backend: a :class:`asyncexec.backends.Backend` that sets a framework up across the
             group, such as :class:`asyncexec.backends.TorchBackend`.
+        roles: the worker classes each rank holds an instance of (:class:`Role`, a class, or
+            a list of them: colocated in one process), made once the backend has set up and
+            again after a restart; their methods are called with :meth:`call`.
         restart: the :class:`RestartPolicy` (3 restarts with backoff by default).
         checkpoint: which persisted checkpoints are kept (:class:`CheckpointConfig`).
         timeouts: the :class:`Timeouts` of placement, start-up, stopping and shutdown.
@@ -153,6 +135,7 @@ class Executor:
         *,
         resources_per_worker: Mapping[str, float] | None = None,
         backend: Backend | None = None,
+        roles: Role[Any] | type | Sequence[Role[Any] | type] | None = None,
         restart: RestartPolicy | None = None,
         checkpoint: CheckpointConfig | None = None,
         timeouts: Timeouts | None = None,
@@ -203,6 +186,8 @@ class Executor:
             spares=spares,
             elastic_check_interval_s=elastic_check_interval_s,
             local=local,
+            roles=(checked := roles_of(roles)),
+            roles_payload=roles_payload(checked) if checked else None,
         )
         if pool is not None:
             pool.check_shape(self.config)
@@ -213,11 +198,8 @@ class Executor:
         self.id = uuid.uuid4().hex[:8]
         self.log = get_logger(executor=f"{name}-{self.id}")
         self._life = Lifecycle(self.config, backend, self.log, pool, reservation)
-        self._result: RunResult | None = None
-        self._stats = dict.fromkeys(
-            ("runs_started", "runs_finished", "runs_failed", "runs_cancelled", "steps_delivered"),
-            0,
-        )
+        self._init_calls()
+        self._init_runs()
 
     def __repr__(self) -> str:
         return (
@@ -262,17 +244,6 @@ class Executor:
         return ExecutorState.READY
 
     @property
-    def result(self) -> RunResult:
-        """The result of the last run that finished.
-
-        Raises:
-            ExecutorStateError: no run has finished yet.
-        """
-        if self._result is None:
-            raise ExecutorStateError("no run has finished on this executor")
-        return self._result
-
-    @property
     def workers(self) -> list[WorkerContext]:
         """Each live worker's context (ranks, node, pid, devices), in rank order."""
         group = self._life.slot.group
@@ -288,164 +259,6 @@ class Executor:
         group = self._life.slot.group
         return self.config.num_workers if group is None else len(group.workers)
 
-    def statistics(self) -> ExecutorStatistics:
-        """A snapshot of the executor's counters (``steps_delivered`` counts the steps taken
-        from every run, the one in progress included)."""
-        stats = dict(self._stats)
-        if self._life.run is not None:
-            stats["steps_delivered"] += self._life.run.delivered
-        slot = self._life.slot
-        return ExecutorStatistics(
-            state=self.state,
-            num_workers=self._size(),
-            group_starts=slot.starts,
-            restarts=slot.restarts,
-            resizes=slot.resizes,
-            **stats,
-        )
-
-    # Runs -------------------------------------------------------------------------------------
-
-    def run(
-        self,
-        fn: Callable[..., Any],
-        config: Any = None,
-        *,
-        checkpoint: Checkpoint | str | os.PathLike[str] | None = None,
-        buffer_size: int | None = None,
-        datasets: Mapping[str, Any] | None = None,
-        data_config: Any = None,
-        name: str | None = None,
-        resume: Resume = "auto",
-        independent: bool | None = None,
-    ) -> Run:
-        """Start ``fn`` on every worker and return an async iterator of its steps.
-
-        ``fn`` is a plain function (run in a thread) or an ``async def``, called with ``config``
-        when it takes a positional parameter, else with no argument. Inside it,
-        :func:`asyncexec.report`, :func:`asyncexec.get_context` and
-        :func:`asyncexec.get_checkpoint` are available.
-
-        Args:
-            fn: the function; it must pickle (it is sent to the workers).
-            config: passed to ``fn``; it must pickle.
-            checkpoint: the checkpoint (or directory) the first attempt starts from.
-            buffer_size: this run's bound on unconsumed reports per rank.
-            datasets: Ray Data datasets by name; each rank reads its part with
-                :func:`asyncexec.get_dataset_shard` (needs the ``data`` extra).
-            data_config: an :class:`asyncexec.DataConfig` saying which datasets are split.
-            name: names the run (its id, and its folder under ``storage_path``): a new driver
-                process starting a run of the same name and storage resumes it after this one
-                died, from the latest checkpoint (see the docs: resuming after the driver dies).
-            resume: for a named run: ``"auto"`` resumes an unfinished run of that name (and
-                refuses a finished one, or one started with another config), ``"force"``
-                resumes it whatever its config, ``"never"`` starts it over.
-            independent: the ranks do not depend on each other: a rank that fails is replaced
-                on its own and restarts from its own latest checkpoint while the others go on,
-                and the stream yields each report as it arrives (a step of one report, with its
-                ``rank``). ``None``: as the backend declares, else False.
-
-        Raises:
-            ConfigurationError: ``fn`` is not callable or does not pickle, the checkpoint
-                directory does not exist, ``buffer_size`` is not a positive int, or ``name``
-                or ``resume`` is invalid. A named run whose record refuses it (finished, or
-                another config) fails with it when first iterated.
-            ExecutorStateError: the executor is not started or is closed, or another run is in
-                progress (leave its ``async for``, call its ``aclose()``, or let it finish).
-        """
-        life = self._life
-        tg = life.check_open()
-        spec = prepare(
-            self.config,
-            self.backend,
-            fn,
-            config,
-            checkpoint=checkpoint,
-            buffer_size=buffer_size,
-            datasets=datasets,
-            data_config=data_config,
-            name=name,
-            resume=resume,
-            independent=independent,
-        )
-        previous = life.run
-        if previous is not None and previous.active and not previous.closed:
-            raise ExecutorStateError(
-                f"run {previous.run_id} is in progress: leave its `async for` (break), call "
-                "its aclose(), or let it finish first"
-            )
-        send, receive = anyio.create_memory_object_stream[Any](0)
-        core = RunCore(spec.name or new_run_id())
-        driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
-        life.run = core
-        if previous is not None:
-            self._stats["steps_delivered"] += previous.delivered
-        self._count("runs_started")
-        tg.start_soon(driver.main, previous)
-        return Run(core, receive)
-
-    def _run_ended(self, run: RunCore) -> None:
-        outcome = {RunState.FINISHED: "finished", RunState.FAILED: "failed"}
-        self._count(f"runs_{outcome.get(run.state, 'cancelled')}")
-        if run.result is not None:
-            self._result = run.result
-
-    def _count(self, key: str) -> None:
-        if key != "runs_started":
-            self._stats[key] += 1
-        else:
-            self._stats[key] += 1
-        meters = metrics()
-        if meters is not None:
-            meters.runs.labels(self.config.name, key.removeprefix("runs_")).inc()
-
-    # Calls on the live workers ----------------------------------------------------------------
-
-    async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
-        """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
-
-        Works while a run is in progress (an ``async def`` runs on the worker's event loop, a
-        plain function in a thread), for example to push new weights to live workers. Arguments
-        travel as Ray passes them: an ``ObjectRef`` argument arrives resolved (``ray.put`` a
-        large state once and pass the ref, instead of pickling it once per rank).
-
-        ``fn`` is pickled by reference when its module can be imported on the workers, and by
-        value otherwise (a function defined in ``__main__``): then it runs on a copy of its
-        globals, and module-level state it changes is not the workers' state. Keep state that
-        ``execute()`` updates in an importable module.
-
-        Raises:
-            WorkerRaisedError: ``fn`` raised on a rank (the lowest failing rank is reported).
-            WorkerCrashedError: a worker died.
-        """
-        group = await self._group()
-        try:
-            return await group.execute(fn, *args, **kwargs)
-        except (WorkerCrashedError, NodeLostError):
-            await self._drop_broken(group)
-            raise
-
-    async def execute_single(
-        self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
-    ) -> T:
-        """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
-        group = await self._group()
-        try:
-            return await group.execute_single(rank, fn, *args, **kwargs)
-        except (WorkerCrashedError, NodeLostError):
-            await self._drop_broken(group)
-            raise
-
-    async def _group(self) -> WorkerGroup:
-        self._life.check_open()
-        return await self._life.slot.acquire()
-
-    async def _drop_broken(self, group: WorkerGroup) -> None:
-        """A worker of the group is dead: discard the group (unless a run has already replaced
-        it), so that the next call or run starts a fresh one."""
-        run = self._life.run
-        if run is None or not run.active:
-            await self._life.slot.drop_if(group)
 
 
 def slot_of(executor: Executor) -> GroupSlot:

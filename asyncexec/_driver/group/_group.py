@@ -85,6 +85,10 @@ class WorkerGroup:
         ]
         self.closed = False
         self.starting: list[Handle] = []  # spares being started
+        #: The checkpoint the instances of the roles are restored from when they are made
+        #: (a restart's: the slot sets it), and the roles as sent to the workers (see _roles).
+        self.restore_from: Any = None
+        self.roles_ref: Any = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "live"

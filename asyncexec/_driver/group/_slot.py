@@ -68,6 +68,9 @@ class GroupSlot:
         #: Called with a group before a run's functions start on it (a channel's joining ranks
         #: get the latest version); the executor's list, shared by its slots.
         self.joiners: list[Callable[[WorkerGroup], Awaitable[None]]] = []
+        #: The checkpoint the roles' instances are restored from when a group (or a member of
+        #: it) is started after a failure: the run's latest (the run keeps it current).
+        self.restore_from: Any = None
         self._lock = anyio.Lock()
         self._refills: list[tuple[WorkerGroup, int | None]] = []
 
@@ -109,6 +112,7 @@ class GroupSlot:
                         log=self.log,
                         pool=self.pool,
                         reservation=self.reservation,
+                        restore_from=self.restore_from,
                     )
                 finally:
                     self.starting = None
@@ -140,6 +144,8 @@ class GroupSlot:
         asked; after a lost node, an elastic group goes on with the workers that are left; else
         discard the whole group (the next attempt starts or leases a fresh one)."""
         group = self.group
+        if group is not None:
+            group.restore_from = self.restore_from
         if group is not None and self.sizer is not None:
             try:
                 if await self.sizer.keep_survivors(group, failure):

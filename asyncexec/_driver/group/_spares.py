@@ -20,6 +20,7 @@ from ..._errors import describe
 from ..._protocol import WorkerContext
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
+from ._roles import make_roles
 
 __all__ = ["refill_spare", "renew_rank", "replace_rank", "shrink", "take_spare"]
 
@@ -89,10 +90,12 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
         await group.drop([spare.handle])
         return None
     _seat(group, rank, fresh)
-    if group.backend is not None:
-        with anyio.fail_after(config.start_timeout_s):
+    with anyio.fail_after(config.start_timeout_s):
+        if group.backend is not None:
             await group.run_backend_hook("on_shutdown")
             await group.run_backend_hook("on_start")
+        # The new member's instances; every rank's when the backend's group was formed anew.
+        await make_roles(group, group.workers if group.backend is not None else [fresh])
     group.log.info("spare_took_rank", rank=rank, pid=spare.metadata.pid)
     return Standby(failed.handle, failed.metadata, failed.bundle)
 
@@ -130,6 +133,7 @@ async def replace_rank(group: WorkerGroup, rank: int) -> bool:
             context = replace(failed.context, pid=meta.pid, accelerator_ids=meta.accelerator_ids)
             fresh = WorkerInfo(handle, meta, context, failed.bundle)
             await group.setup([device_envs(metas, config)[rank]], [fresh])
+            await make_roles(group, [fresh])
     except BaseException:
         with anyio.CancelScope(shield=True):
             await group.cluster.kill([handle])
@@ -193,6 +197,7 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(group.drop, [failed.handle])
                 await group.setup([env], [fresh])
+            await make_roles(group, [fresh])
     except BaseException:
         with anyio.CancelScope(shield=True):
             await group.drop([fresh.handle])
@@ -247,4 +252,5 @@ async def shrink(
     group.config = config
     await group.setup(device_envs([w.metadata for w in fresh], config), fresh)
     group.workers, group.deaths = fresh, deaths
+    await make_roles(group, fresh)  # for the new world size
     group.log.info("group_shrunk", workers=len(fresh), ranks_lost=len(gone))

@@ -24,6 +24,7 @@ from .._metrics import metrics
 from ..cluster import Cluster, Handle, Placement, Spawned, awaited, startup_error
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
+from ._roles import make_roles
 
 __all__ = ["start_group", "worker_contexts"]
 
@@ -91,6 +92,7 @@ async def start_group(
     log: Any,
     pool: Any = None,
     reservation: Any = None,
+    restore_from: Any = None,
 ) -> WorkerGroup:
     """Start a group (in its own placement, or on ``reservation``, a
     :class:`~._reservation.Reservation`; or lease it from ``pool``, a
@@ -105,7 +107,9 @@ async def start_group(
         ExecutorStateError: the pool is closed.
     """
     if pool is not None:
-        return await _lease_group(cluster, config, backend, pool, attempt=attempt, log=log)
+        return await _lease_group(
+            cluster, config, backend, pool, attempt=attempt, log=log, restore_from=restore_from
+        )
     t0 = time.perf_counter()
     parent = cluster.parent()  # a thread-local of the cluster's: read on this thread
     with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
@@ -133,6 +137,7 @@ async def start_group(
                 (h, m, i, None) for i, (h, m) in enumerate(zip(handles, metas, strict=True))
             ]
             group = _form(cluster, config, backend, placement, members, attempt, log, None)
+            group.restore_from = restore_from
             await _set_up(group, phase, t0)
         log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt)
         return group
@@ -150,6 +155,7 @@ async def _lease_group(
     *,
     attempt: int,
     log: Any,
+    restore_from: Any,
 ) -> WorkerGroup:
     """A group of warm workers leased from ``pool``: no process starts (unless the pool is
     short); ranks, devices, init hook and backend are set up as for fresh workers."""
@@ -164,6 +170,7 @@ async def _lease_group(
             if pool.reservation is not None:  # rank order is the reservation's bundle order
                 members.sort(key=lambda m: (m[2] is None, m[2] or 0))
             group = _form(cluster, config, backend, None, members, attempt, log, pool)
+            group.restore_from = restore_from
             await _set_up(group, phase, t0)
         log.info("group_leased", seconds=_phase(config, "leased", t0), attempt=attempt)
         return group
@@ -247,6 +254,9 @@ async def _set_up(group: WorkerGroup, phase: list[str], t0: float) -> None:
     if group.backend is not None:
         phase[0] = f"running {group.backend.name}.on_start"
         await group.run_backend_hook("on_start")
+    if group.config.roles:
+        phase[0] = "making the instances of the roles"
+        await make_roles(group, group.workers)
 
 
 def _row(worker: WorkerInfo) -> dict[str, Any]:

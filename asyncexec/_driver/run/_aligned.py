@@ -96,6 +96,8 @@ class AlignedRun:
                     except AsyncExecError as exc:
                         progressed = ctx.handover.steps > steps_before
                         run.failures.append(exc)
+                        # The roles' instances the restart makes are restored from it.
+                        ctx.slot.restore_from = ctx.checkpoint
                         with anyio.CancelScope(shield=True):
                             await ctx.slot.recover(exc, reuse_survivors=ctx.policy.reuse_survivors)
                         ctx.session_live = False
@@ -145,6 +147,7 @@ class AlignedRun:
                     timeout = ctx.config.stop_timeout_s
                     stopped = await group.stop_functions(group.workers, timeout)
                     ctx.session_live = False
+                    ctx.slot.restore_from = latest
                     await ctx.slot.resize(force=not stopped)
                 await ctx.handover.drain()
                 self.resizes += 1

@@ -227,6 +227,7 @@ class IndependentRun:
     async def _renew(self, rank: int, group: WorkerGroup) -> None:
         """Put a spare or a fresh process in ``rank``'s place; the others keep running."""
         spares = len(group.spares)
+        group.restore_from = self.latest[rank]  # the new worker's roles restore from it
         try:
             freed = await renew_rank(group, rank)
         except Exception as exc:

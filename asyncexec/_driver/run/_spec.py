@@ -4,13 +4,14 @@ config pickled once, the starting checkpoint, the buffer bound, datasets, a name
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..._checkpoint import Checkpoint, is_uri
 from ..._config import ExecutorConfig, validate_buffer_size
+from ..._dispatch import method_of
 from ..._errors import ConfigurationError, describe
 from ..cluster import dumps, validate_datasets
 from ._resume import Resume, check_name, fingerprint, legacy_fingerprint
@@ -54,15 +55,19 @@ def run_spec(
     buffer_size: int,
     datasets: Mapping[str, Any] | None,
     data_config: Any,
+    roles: Sequence[Any] = (),
 ) -> RunSpec:
-    """Check what ``run()`` was given and prepare it for the driver task.
+    """Check what ``run()`` was given and prepare it for the driver task (``fn`` may be a
+    method of one of ``roles``).
 
     Raises:
         ConfigurationError: anything invalid, named.
     """
     if not callable(fn):
         raise ConfigurationError(f"fn must be callable, got {fn!r}")
-    payload = _pickle(fn, config)
+    # A role's method runs on each rank's instance (the worker turns the name into it).
+    method = method_of(fn, roles) if roles else None
+    payload = _pickle(method if method is not None else fn, config)
     start = _as_checkpoint(checkpoint)
     bound = validate_buffer_size(buffer_size)
     data = None
@@ -91,7 +96,7 @@ def named_spec(spec: RunSpec, name: str | None, resume: Any, config: Any) -> Run
     )
 
 
-def _pickle(fn: Callable[..., Any], config: Any) -> bytes:
+def _pickle(fn: Any, config: Any) -> bytes:
     """The function and its config, pickled once for every rank and attempt (on the loop: its
     cost is the one Ray's ``.remote()`` would pay per rank; a large state is better put in the
     object store and passed as a reference).
@@ -134,7 +139,7 @@ def prepare(
     bound = config.buffer_size if buffer_size is None else buffer_size
     if config.local and (datasets is not None or data_config is not None):
         raise ConfigurationError("a local executor takes no datasets: Ray Data needs Ray")
-    spec = run_spec(fn, run_config, checkpoint, bound, datasets, data_config)
+    spec = run_spec(fn, run_config, checkpoint, bound, datasets, data_config, config.roles)
     if name is not None or resume != "auto":
         spec = named_spec(spec, name, resume, run_config)
     if independent is None:

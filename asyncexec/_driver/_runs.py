@@ -1,0 +1,185 @@
+"""What an executor does with runs: start one (``run()``), count them (``statistics()``), and
+keep the last one's result."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from .._checkpoint import Checkpoint
+from .._config import ExecutorConfig
+from .._errors import ExecutorStateError
+from ..backends._base import Backend
+from ._lifecycle import ExecutorState, Lifecycle
+from ._metrics import metrics
+from ._restart import RestartPolicy
+from .run import Resume, Run, RunCore, RunDriver, RunResult, RunState, new_run_id, prepare
+
+__all__ = ["ExecutorRuns", "ExecutorStatistics"]
+
+
+@dataclass(frozen=True)
+class ExecutorStatistics:
+    """Counters of an executor, from :meth:`Executor.statistics`."""
+
+    state: ExecutorState
+    num_workers: int
+    group_starts: int
+    runs_started: int
+    runs_finished: int
+    runs_failed: int
+    runs_cancelled: int
+    #: Restarts after a failure: of the whole group, or of one rank (a standby spare taking a
+    #: failed rank's place, a rank replaced alone, a rank of an independent run renewed).
+    restarts: int
+    steps_delivered: int
+    #: Groups of an elastic executor that started at another size than the one before: after
+    #: a loss (shrinking, counted in ``restarts`` too) or a planned growth (not a restart).
+    resizes: int = 0
+
+
+class ExecutorRuns:
+    """The runs of an :class:`asyncexec.Executor` (see the module's docstring)."""
+
+    config: ExecutorConfig
+    backend: Backend | None
+    restart_policy: RestartPolicy
+    _life: Lifecycle
+
+    def _init_runs(self) -> None:
+        self._result: RunResult | None = None
+        self._stats = dict.fromkeys(
+            ("runs_started", "runs_finished", "runs_failed", "runs_cancelled", "steps_delivered"),
+            0,
+        )
+
+    @property
+    def state(self) -> ExecutorState:
+        raise NotImplementedError
+
+    def _size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def result(self) -> RunResult:
+        """The result of the last run that finished.
+
+        Raises:
+            ExecutorStateError: no run has finished yet.
+        """
+        if self._result is None:
+            raise ExecutorStateError("no run has finished on this executor")
+        return self._result
+
+    def statistics(self) -> ExecutorStatistics:
+        """A snapshot of the executor's counters (``steps_delivered`` counts the steps taken
+        from every run, the one in progress included)."""
+        stats = dict(self._stats)
+        if self._life.run is not None:
+            stats["steps_delivered"] += self._life.run.delivered
+        slot = self._life.slot
+        return ExecutorStatistics(
+            state=self.state,
+            num_workers=self._size(),
+            group_starts=slot.starts,
+            restarts=slot.restarts,
+            resizes=slot.resizes,
+            **stats,
+        )
+
+    # Runs -------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        config: Any = None,
+        *,
+        checkpoint: Checkpoint | str | os.PathLike[str] | None = None,
+        buffer_size: int | None = None,
+        datasets: Mapping[str, Any] | None = None,
+        data_config: Any = None,
+        name: str | None = None,
+        resume: Resume = "auto",
+        independent: bool | None = None,
+    ) -> Run:
+        """Start ``fn`` on every worker and return an async iterator of its steps.
+
+        ``fn`` is a plain function (run in a thread) or an ``async def``, called with ``config``
+        when it takes a positional parameter, else with no argument. Inside it,
+        :func:`asyncexec.report`, :func:`asyncexec.get_context` and
+        :func:`asyncexec.get_checkpoint` are available.
+
+        Args:
+            fn: the function; it must pickle (it is sent to the workers).
+            config: passed to ``fn``; it must pickle.
+            checkpoint: the checkpoint (or directory) the first attempt starts from.
+            buffer_size: this run's bound on unconsumed reports per rank.
+            datasets: Ray Data datasets by name; each rank reads its part with
+                :func:`asyncexec.get_dataset_shard` (needs the ``data`` extra).
+            data_config: an :class:`asyncexec.DataConfig` saying which datasets are split.
+            name: names the run (its id, and its folder under ``storage_path``): a new driver
+                process starting a run of the same name and storage resumes it after this one
+                died, from the latest checkpoint (see the docs: resuming after the driver dies).
+            resume: for a named run: ``"auto"`` resumes an unfinished run of that name (and
+                refuses a finished one, or one started with another config), ``"force"``
+                resumes it whatever its config, ``"never"`` starts it over.
+            independent: the ranks do not depend on each other: a rank that fails is replaced
+                on its own and restarts from its own latest checkpoint while the others go on,
+                and the stream yields each report as it arrives (a step of one report, with its
+                ``rank``). ``None``: as the backend declares, else False.
+
+        Raises:
+            ConfigurationError: ``fn`` is not callable or does not pickle, the checkpoint
+                directory does not exist, ``buffer_size`` is not a positive int, or ``name``
+                or ``resume`` is invalid. A named run whose record refuses it (finished, or
+                another config) fails with it when first iterated.
+            ExecutorStateError: the executor is not started or is closed, or another run is in
+                progress (leave its ``async for``, call its ``aclose()``, or let it finish).
+        """
+        life = self._life
+        tg = life.check_open()
+        spec = prepare(
+            self.config,
+            self.backend,
+            fn,
+            config,
+            checkpoint=checkpoint,
+            buffer_size=buffer_size,
+            datasets=datasets,
+            data_config=data_config,
+            name=name,
+            resume=resume,
+            independent=independent,
+        )
+        previous = life.run
+        if previous is not None and previous.active and not previous.closed:
+            raise ExecutorStateError(
+                f"run {previous.run_id} is in progress: leave its `async for` (break), call "
+                "its aclose(), or let it finish first"
+            )
+        send, receive = anyio.create_memory_object_stream[Any](0)
+        core = RunCore(spec.name or new_run_id())
+        driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
+        life.run = core
+        if previous is not None:
+            self._stats["steps_delivered"] += previous.delivered
+        self._count("runs_started")
+        tg.start_soon(driver.main, previous)
+        return Run(core, receive)
+
+    def _run_ended(self, run: RunCore) -> None:
+        outcome = {RunState.FINISHED: "finished", RunState.FAILED: "failed"}
+        self._count(f"runs_{outcome.get(run.state, 'cancelled')}")
+        if run.result is not None:
+            self._result = run.result
+
+    def _count(self, key: str) -> None:
+        self._stats[key] += 1
+        meters = metrics()
+        if meters is not None:
+            meters.runs.labels(self.config.name, key.removeprefix("runs_")).inc()
+

@@ -1,0 +1,66 @@
+"""The instances of a group's roles (its worker classes) on its workers: made on every worker once
+the group is set up (after the backend's ``on_start``: ``torch.distributed`` is ready in
+``__init__``), on a worker that joins the group in a failed rank's place, and again on every worker
+when the group's world changes (a smaller group, a backend's group formed anew); each instance's
+``restore(checkpoint)`` is called after its ``__init__`` when the group has a checkpoint to
+restore from (a restart). The roles are pickled once per executor and sent once per group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..._errors import AsyncExecError, StartupError, describe
+from ..._protocol import Outcome, RoleFailure
+from ._members import WorkerInfo
+
+__all__ = ["INLINE_ROLES_BYTES", "make_roles"]
+
+#: Roles pickled to at most this travel inline with each worker's call; larger ones are put
+#: where every worker reads them, once per group.
+INLINE_ROLES_BYTES = 64 * 1024
+
+
+async def make_roles(group: Any, workers: Sequence[WorkerInfo]) -> None:
+    """Make the instances of the group's roles on ``workers`` (every worker of ``group`` when
+    they are its workers), restoring them from ``group.restore_from`` when it is set.
+
+    Raises:
+        StartupError: a role could not be unpickled, its ``__init__`` or its ``restore``
+            raised on a rank (named, with the rank and the cause).
+    """
+    payload = group.config.roles_payload
+    if payload is None or not workers:
+        return
+    if group.roles_ref is None:
+        big = len(payload) > INLINE_ROLES_BYTES
+        group.roles_ref = await group.cluster.put(payload) if big else payload
+    context = group.backend.function_context() if group.backend is not None else None
+    refs = [
+        w.handle.call("make_roles", group.roles_ref, group.restore_from, context)
+        for w in workers
+    ]
+    outcomes: list[Outcome] = await group.gather(refs, workers)
+    for worker, outcome in zip(workers, outcomes, strict=True):
+        if outcome.kind != "ok":
+            raise _role_error(group.config.roles, worker, outcome)
+
+
+def _role_error(roles: Sequence[Any], worker: WorkerInfo, outcome: Outcome) -> AsyncExecError:
+    failure = outcome.value
+    cause = outcome.error
+    if isinstance(failure, RoleFailure):
+        name = roles[failure.role_index].name
+        what = {
+            "load": f"role {name} could not be unpickled",
+            "init": f"{name}.__init__ raised",
+            "restore": f"{name}.restore(checkpoint) raised",
+        }[failure.stage]
+    else:
+        what = "the roles could not be made"
+    detail = describe(cause) if cause is not None else outcome.kind
+    error = StartupError(f"{what} on rank {worker.rank}: {detail}")
+    if outcome.traceback:
+        error.add_note(f"Remote traceback (rank {worker.rank}):\n{outcome.traceback}")
+    error.__cause__ = cause
+    return error
