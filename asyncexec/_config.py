@@ -205,11 +205,19 @@ LEGACY_OPTIONS: dict[str, tuple[str, str]] = {
 }
 
 
+#: The old keyword arguments ``WorkerPool`` took (its only timeouts).
+POOL_LEGACY_OPTIONS = frozenset({"placement_timeout_s", "start_timeout_s", "shutdown_timeout_s"})
+
+
 def grouped_options(
-    timeouts: Timeouts | None, health: HealthChecks | None, legacy: Mapping[str, Any]
+    timeouts: Timeouts | None,
+    health: HealthChecks | None,
+    legacy: Mapping[str, Any],
+    owner: str = "Executor",
+    accepted: Collection[str] = LEGACY_OPTIONS.keys(),
 ) -> tuple[Timeouts, HealthChecks]:
     """The timeouts and health checks, from the grouped values and the old keyword arguments
-    (``start_timeout_s=``: deprecated, warned about).
+    (``start_timeout_s=``: deprecated, warned about) that ``owner`` accepted.
 
     Raises:
         TypeError: an unknown keyword argument (as Python would say it).
@@ -217,9 +225,9 @@ def grouped_options(
     """
     import warnings
 
-    unknown = sorted(k for k in legacy if k not in LEGACY_OPTIONS)
+    unknown = sorted(k for k in legacy if k not in accepted)
     if unknown:
-        raise TypeError(f"Executor() got an unexpected keyword argument {unknown[0]!r}")
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
     if timeouts is not None and not isinstance(timeouts, Timeouts):
         raise ConfigurationError(f"timeouts must be an asyncexec.Timeouts, got {timeouts!r}")
     if health is not None and not isinstance(health, HealthChecks):
@@ -234,9 +242,9 @@ def grouped_options(
                 f"{key}= and {group}= were both given: write {group}={new}({field_name}=...)"
             )
         warnings.warn(
-            f"Executor({key}=...) is deprecated: use {group}=asyncexec.{new}({field_name}=...)",
+            f"{owner}({key}=...) is deprecated: use {group}=asyncexec.{new}({field_name}=...)",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
         groups[group][field_name] = value
     try:

@@ -29,7 +29,7 @@ async def main() -> None:
     mode = os.environ.get("MODE", "fast")
     ready = {"fast": 5000, "slow": 5, "stuck": 100}[mode]
     async with asyncexec.Executor(
-        2, resources_per_worker={"CPU": 0.25}, stop_timeout_s=60
+        2, resources_per_worker={"CPU": 0.25}, timeouts=asyncexec.Timeouts(stop_s=60)
     ) as ex:
         async for step in ex.run(forever, mode, buffer_size=64):
             if step.index == ready:

@@ -142,10 +142,10 @@ def test_num_workers_is_accepted_exactly_when_a_positive_int(value: object) -> N
 )
 def test_graceful_patience_is_accepted_exactly_when_a_non_negative_number(value: object) -> None:
     if _real(value) and value >= 0:  # type: ignore[operator]
-        asyncexec.Executor(1, graceful_patience_s=value)  # type: ignore[arg-type]
+        asyncexec.Timeouts(graceful_patience_s=value)  # type: ignore[arg-type]
     else:
         with pytest.raises(asyncexec.ConfigurationError, match="graceful_patience_s"):
-            asyncexec.Executor(1, graceful_patience_s=value)  # type: ignore[arg-type]
+            asyncexec.Timeouts(graceful_patience_s=value)  # type: ignore[arg-type]
 
 
 # Configuration: what test_units does not cover -------------------------------------------------
@@ -226,7 +226,7 @@ def test_an_int_too_large_for_a_float_is_refused_as_configuration(
 
 def test_nan_graceful_patience_is_refused() -> None:
     with pytest.raises(asyncexec.ConfigurationError, match="graceful_patience_s"):
-        asyncexec.Executor(1, graceful_patience_s=float("nan"))
+        asyncexec.Timeouts(graceful_patience_s=float("nan"))
 
 
 # Amounts that pass asyncexec's checks but not Ray's ------------------------------------------

@@ -219,7 +219,7 @@ class _Parent:
 
     async def run_executor(self, n: int, timeout_s: float) -> dict[str, Any]:
         async with asyncexec.Executor(
-            n, resources_per_worker={"CPU": 0.5}, placement_timeout_s=timeout_s
+            n, resources_per_worker={"CPU": 0.5}, timeouts=asyncexec.Timeouts(placement_s=timeout_s)
         ) as ex:
             return {
                 "parent": (get_current_placement_group().id.hex(), bundle_indices()),
@@ -315,7 +315,7 @@ async def test_lost_node_restarts_on_the_rest_or_gives_up_when_workers_no_longer
         resources_per_worker={"CPU": 0.5},
         placement_strategy="SPREAD",
         restart=policy,
-        placement_timeout_s=10,
+        timeouts=asyncexec.Timeouts(placement_s=10),
     ) as ex:
         assert {w.node_id for w in ex.workers} == {head, other.node_id}
         lost_rank = next(w.world_rank for w in ex.workers if w.node_id == other.node_id)
@@ -361,7 +361,7 @@ async def test_lost_node_restarts_on_the_rest_or_gives_up_when_workers_no_longer
         resources_per_worker={"CPU": 1.5},
         placement_strategy="PACK",
         restart=policy,
-        placement_timeout_s=2,
+        timeouts=asyncexec.Timeouts(placement_s=2),
     ) as ex:
         assert {w.node_id for w in ex.workers} == {head, third.node_id}
         lost_rank = next(w.world_rank for w in ex.workers if w.node_id == third.node_id)

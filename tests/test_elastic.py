@@ -292,7 +292,7 @@ async def test_lost_node_goes_on_with_the_minimum_then_grows_back(
         placement_strategy="SPREAD",
         restart=asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT),
         elastic_check_interval_s=0.5,
-        placement_timeout_s=20,
+        timeouts=asyncexec.Timeouts(placement_s=20),
         storage_path=str(tmp_path),
         backend=None if kept else asyncexec.backends.Backend(),
     ) as ex:

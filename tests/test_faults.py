@@ -283,7 +283,10 @@ def sleeps_forever_on_rank_0(config: dict[str, Any]) -> None:
 async def test_worker_that_stops_reporting_is_declared_hung_and_restarted() -> None:
     policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
     async with asyncexec.Executor(
-        2, resources_per_worker={"CPU": 0.5}, restart=policy, step_timeout_s=1.0
+        2,
+        resources_per_worker={"CPU": 0.5},
+        restart=policy,
+        health=asyncexec.HealthChecks(step_timeout_s=1.0),
     ) as ex:
         t0 = time.monotonic()
         run = ex.run(sleeps_forever_on_rank_0, {})
@@ -315,8 +318,7 @@ async def test_worker_blocked_in_c_holding_the_gil_fails_health_checks() -> None
         2,
         resources_per_worker={"CPU": 0.5},
         restart=policy,
-        health_check_interval_s=0.5,
-        health_check_timeout_s=2.0,
+        health=asyncexec.HealthChecks(interval_s=0.5, timeout_s=2.0),
     ) as ex:
         run = ex.run(holds_the_gil_on_rank_1, {})
         steps = [s async for s in run]

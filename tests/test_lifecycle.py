@@ -129,7 +129,9 @@ async def test_cancelling_the_consumer_mid_run_leaves_nothing_and_restarts() -> 
 
 @pytest.mark.ray_only
 async def test_cancel_while_waiting_for_placement_leaves_nothing() -> None:
-    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 2}, placement_timeout_s=600)
+    ex = asyncexec.Executor(
+        2, resources_per_worker={"CPU": 2}, timeouts=asyncexec.Timeouts(placement_s=600)
+    )
     with cluster_held({"CPU": LOCAL_CPUS}):
         async with anyio.create_task_group() as tg:
 
@@ -175,10 +177,13 @@ async def test_cancel_during_start_up_leaves_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.ray_only
 async def test_placement_timeout_names_requested_and_available_resources() -> None:
-    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 2}, placement_timeout_s=0.5)
-    with cluster_held({"CPU": LOCAL_CPUS - 1}), pytest.raises(
-        asyncexec.PlacementTimeoutError
-    ) as info:
+    ex = asyncexec.Executor(
+        2, resources_per_worker={"CPU": 2}, timeouts=asyncexec.Timeouts(placement_s=0.5)
+    )
+    with (
+        cluster_held({"CPU": LOCAL_CPUS - 1}),
+        pytest.raises(asyncexec.PlacementTimeoutError) as info,
+    ):
         async with ex:
             pass
     error = info.value
@@ -192,7 +197,9 @@ async def test_placement_timeout_names_requested_and_available_resources() -> No
 async def test_a_placement_that_can_never_fit_fails_at_once_without_an_autoscaler() -> None:
     """4 CPUs in all, no autoscaler: 2 workers of 3 CPUs can never be placed, so entering fails
     at once (a 10-minute placement deadline would outlive the test's timeout)."""
-    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 3}, placement_timeout_s=600)
+    ex = asyncexec.Executor(
+        2, resources_per_worker={"CPU": 3}, timeouts=asyncexec.Timeouts(placement_s=600)
+    )
     with pytest.raises(asyncexec.PlacementInfeasibleError) as info:
         async with ex:
             pass
@@ -227,7 +234,9 @@ async def test_a_feasibility_check_that_raised_is_logged_and_the_deadline_applie
         raise RuntimeError("GCS unavailable")
 
     monkeypatch.setattr(ray_state.state, "get_cluster_config", unavailable)
-    ex = asyncexec.Executor(2, resources_per_worker={"CPU": 3}, placement_timeout_s=1)
+    ex = asyncexec.Executor(
+        2, resources_per_worker={"CPU": 3}, timeouts=asyncexec.Timeouts(placement_s=1)
+    )
     with capture_logs() as logs, pytest.raises(asyncexec.PlacementTimeoutError):
         async with ex:
             pass

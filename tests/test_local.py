@@ -147,7 +147,9 @@ async def test_a_hung_rank_is_declared_with_its_threads_stack() -> None:
     RELEASE.clear()
     policy = asyncexec.RestartPolicy(max_restarts=0)
     try:
-        async with asyncexec.Executor(2, local=True, restart=policy, step_timeout_s=0.5) as ex:
+        async with asyncexec.Executor(
+            2, local=True, restart=policy, health=asyncexec.HealthChecks(step_timeout_s=0.5)
+        ) as ex:
             run = ex.run(stuck_in_python)
             with pytest.raises(asyncexec.RestartsExhaustedError) as info:
                 async for _ in run:

@@ -247,7 +247,7 @@ def ignores_stop() -> None:
 async def test_a_worker_whose_function_does_not_stop_is_never_given_back() -> None:
     async with asyncexec.WorkerPool(2, resources_per_worker=CPU) as pool:
         warm = idle_pids(pool)
-        async with asyncexec.Executor(2, pool=pool, stop_timeout_s=0.5) as ex:
+        async with asyncexec.Executor(2, pool=pool, timeouts=asyncexec.Timeouts(stop_s=0.5)) as ex:
             async for _ in ex.run(ignores_stop):
                 break
             stuck = {w.pid for w in ex.workers}
@@ -375,7 +375,7 @@ async def test_a_pool_that_fails_to_start_raises_its_error_and_leaves_nothing() 
     """The failure path of entering a pool exits its task group outside the shield (inside it,
     anyio raised 'Attempted to exit a cancel scope that isn't the current task's current cancel
     scope' instead of the start-up error)."""
-    pool = asyncexec.WorkerPool(1, start_timeout_s=0.001)
+    pool = asyncexec.WorkerPool(1, timeouts=asyncexec.Timeouts(start_s=0.001))
     with pytest.raises(asyncexec.StartupTimeoutError):
         async with pool:
             pass
@@ -392,7 +392,10 @@ async def test_the_start_deadline_covers_a_worker_process_that_never_comes_up(
     own placement group, a worker that never came up was waited for forever."""
     held_start.hold()
     ex = asyncexec.Executor(
-        2, resources_per_worker=CPU, runtime_env=held_start.runtime_env, start_timeout_s=2
+        2,
+        resources_per_worker=CPU,
+        runtime_env=held_start.runtime_env,
+        timeouts=asyncexec.Timeouts(start_s=2),
     )
     with anyio.fail_after(30), pytest.raises(asyncexec.StartupTimeoutError) as info:
         async with ex:
@@ -424,7 +427,7 @@ async def test_a_spare_that_fails_to_start_is_killed_not_left_holding_its_bundle
         2,
         resources_per_worker=CPU,
         runtime_env=held_start.runtime_env,
-        start_timeout_s=2,
+        timeouts=asyncexec.Timeouts(start_s=2),
         **options,
     ) as ex:
         held_start.hold()  # from now on, a new process does not come up
@@ -444,7 +447,10 @@ async def test_leaving_an_executor_does_not_wait_for_a_spare_still_starting(
     exit for the whole start-up deadline."""
     policy = asyncexec.RestartPolicy(max_restarts=1)
     pool = asyncexec.WorkerPool(
-        3, resources_per_worker=CPU, runtime_env=held_start.runtime_env, start_timeout_s=600
+        3,
+        resources_per_worker=CPU,
+        runtime_env=held_start.runtime_env,
+        timeouts=asyncexec.Timeouts(start_s=600),
     )
     with anyio.fail_after(60):
         async with pool:

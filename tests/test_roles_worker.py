@@ -20,10 +20,9 @@ from ray import cloudpickle
 
 from asyncexec import Checkpoint, ExecutorStateError, get_context, report
 from asyncexec._dispatch import Role, roles_payload
+from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._protocol import Outcome, RoleFailure, RoleMethod, RunStart, WorkerContext
 from asyncexec._worker._actor import WorkerActor
-
-from asyncexec._driver.cluster._local import LocalWorker
 
 #: Bounds every wait on a worker.
 WAIT_S = 30.0

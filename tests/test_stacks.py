@@ -92,8 +92,7 @@ async def test_worker_stuck_in_c_holding_the_gil_is_declared_hung_with_its_stack
         2,
         resources_per_worker={"CPU": 0.5},
         restart=NO_RESTART,
-        health_check_interval_s=0.2,
-        health_check_timeout_s=1.0,
+        health=asyncexec.HealthChecks(interval_s=0.2, timeout_s=1.0),
     ) as ex:
         with pytest.raises(asyncexec.RestartsExhaustedError) as info:
             async for _ in ex.run(one_rank_stuck_in_c):
@@ -116,7 +115,10 @@ async def test_worker_stuck_in_c_holding_the_gil_is_declared_hung_with_its_stack
 @pytest.mark.timeout(90)
 async def test_rank_sleeping_in_python_is_caught_by_the_step_deadline_with_its_stack() -> None:
     async with asyncexec.Executor(
-        2, resources_per_worker={"CPU": 0.5}, restart=NO_RESTART, step_timeout_s=1.0
+        2,
+        resources_per_worker={"CPU": 0.5},
+        restart=NO_RESTART,
+        health=asyncexec.HealthChecks(step_timeout_s=1.0),
     ) as ex:
         with pytest.raises(asyncexec.RestartsExhaustedError) as info:
             async for _ in ex.run(one_rank_stops_reporting):
@@ -134,7 +136,7 @@ async def test_rank_sleeping_in_python_is_caught_by_the_step_deadline_with_its_s
 async def test_function_that_does_not_stop_is_recorded_with_the_stacks() -> None:
     with capture_logs() as logs:
         async with asyncexec.Executor(
-            2, resources_per_worker={"CPU": 0.5}, stop_timeout_s=0.5
+            2, resources_per_worker={"CPU": 0.5}, timeouts=asyncexec.Timeouts(stop_s=0.5)
         ) as ex:
             run = ex.run(deaf_to_stop)
             async for _ in run:
@@ -234,10 +236,14 @@ def test_missing_pyspy_is_a_note_that_says_how_to_install_it(
 ) -> None:
     monkeypatch.setattr(_stacks, "find_pyspy", lambda: None)
     texts = take_stacks([os.getpid(), 1], 1.0, "node abc")
-    assert texts == [
-        f"{NOT_TAKEN}py-spy is not installed on node abc "
-        "(pip install py-spy, or asyncexec[diagnostics])"
-    ] * 2
+    assert (
+        texts
+        == [
+            f"{NOT_TAKEN}py-spy is not installed on node abc "
+            "(pip install py-spy, or asyncexec[diagnostics])"
+        ]
+        * 2
+    )
 
 
 def test_pyspy_that_does_not_answer_or_fails_is_a_note(

@@ -286,3 +286,36 @@ def test_a_config_with_sets_has_one_fingerprint_in_every_process() -> None:
     assert fingerprint({"a": 1, "b": {1, 2}}) == fingerprint({"b": {2, 1}, "a": 1})
     assert fingerprint({"a": 1}) != fingerprint({"a": 2})
     assert fingerprint([1, 2]) != fingerprint((1, 2))
+
+
+def test_grouped_options_and_their_old_spelling() -> None:
+    """Timeouts and HealthChecks are the spelling of 0.2; the old keyword arguments still work
+    for a release, with a DeprecationWarning that points at the caller's line."""
+    new = asyncexec.Executor(
+        1,
+        timeouts=asyncexec.Timeouts(start_s=7, stop_s=3),
+        health=asyncexec.HealthChecks(step_timeout_s=9),
+    )
+    with pytest.warns(DeprecationWarning, match=r"timeouts=asyncexec.Timeouts\(start_s=") as seen:
+        old = asyncexec.Executor(1, start_timeout_s=7, stop_timeout_s=3, step_timeout_s=9)
+    assert {w.filename for w in seen} == {__file__}
+    for field in ("start_timeout_s", "stop_timeout_s", "step_timeout_s", "placement_timeout_s"):
+        assert getattr(old.config, field) == getattr(new.config, field)
+    assert new.config.start_timeout_s == 7 and new.config.step_timeout_s == 9
+    with pytest.raises(asyncexec.ConfigurationError, match="both given"):
+        asyncexec.Executor(1, timeouts=asyncexec.Timeouts(), start_timeout_s=1)
+    with pytest.raises(TypeError, match="start_timeout"):
+        asyncexec.Executor(1, start_timeout=1)
+    with (
+        pytest.warns(DeprecationWarning, match="deprecated"),
+        pytest.raises(asyncexec.ConfigurationError, match=r"^start_timeout_s"),
+    ):
+        asyncexec.Executor(1, start_timeout_s=-1)  # named as it was given
+
+    pool = asyncexec.WorkerPool(1, timeouts=asyncexec.Timeouts(start_s=4, placement_s=5))
+    assert (pool.config.start_timeout_s, pool.config.placement_timeout_s) == (4, 5)
+    with pytest.warns(DeprecationWarning, match=r"WorkerPool\(start_timeout_s") as seen:
+        asyncexec.WorkerPool(1, start_timeout_s=4)
+    assert {w.filename for w in seen} == {__file__}
+    with pytest.raises(TypeError, match=r"WorkerPool.*stop_timeout_s"):
+        asyncexec.WorkerPool(1, stop_timeout_s=1)  # a pool has no runs to stop

@@ -449,7 +449,7 @@ async def _elastic(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
                 resources_per_worker={"CPU": 0.25, SLOT: 1},
                 restart=asyncexec.RestartPolicy(max_restarts=1, wait=tenacity.wait_none()),
                 elastic_check_interval_s=0.5,
-                placement_timeout_s=20,
+                timeouts=asyncexec.Timeouts(placement_s=20),
                 storage_path=env.root / "storage",
                 backend=asyncexec.backends.Backend() if sc.alt else None,
                 buffer_size=sc.buffer,

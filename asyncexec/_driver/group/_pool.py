@@ -27,7 +27,14 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ..._config import ExecutorConfig, PlacementStrategy, check_count
+from ..._config import (
+    POOL_LEGACY_OPTIONS,
+    ExecutorConfig,
+    PlacementStrategy,
+    Timeouts,
+    check_count,
+    grouped_options,
+)
 from ..._errors import (
     ConfigurationError,
     ExecutorStateError,
@@ -85,10 +92,10 @@ class WorkerPool:
             replaced.
         when_short: what a lease for more workers than are idle does: ``"start"`` fresh workers
             for the rest (killed when given back), or ``"wait"`` for workers to be given back
-            (up to ``placement_timeout_s``).
-        placement_timeout_s: how long the pool's placement group may take to be ready.
-        start_timeout_s: bound on starting the pool's workers (and each refill).
-        shutdown_timeout_s: bound on closing the pool.
+            (up to ``timeouts.placement_s``).
+        timeouts: the :class:`Timeouts` the pool uses: ``placement_s`` for its placement
+            group, ``start_s`` for starting its workers (and each refill), ``shutdown_s`` for
+            closing it.
         address: the Ray cluster to join when Ray is not initialized.
         name: a name for logs.
         reservation: a :class:`Reservation` to keep the workers on (worker j on its bundle j,
@@ -107,21 +114,23 @@ class WorkerPool:
         max_leases: int | None = None,
         reset_hook: Callable[[], object] | None = None,
         when_short: Literal["start", "wait"] = "start",
-        placement_timeout_s: float = _D.placement_timeout_s,
-        start_timeout_s: float = _D.start_timeout_s,
-        shutdown_timeout_s: float = _D.shutdown_timeout_s,
+        timeouts: Timeouts | None = None,
         address: str | None = None,
         name: str = "pool",
         reservation: Reservation | None = None,
+        **legacy: Any,
     ) -> None:
+        timeouts, _ = grouped_options(
+            timeouts, None, legacy, owner="WorkerPool", accepted=POOL_LEGACY_OPTIONS
+        )
         self.config = ExecutorConfig.build(
             size,
             resources_per_worker=resources_per_worker,
             runtime_env=runtime_env,
             placement_strategy=placement_strategy,
-            placement_timeout_s=placement_timeout_s,
-            start_timeout_s=start_timeout_s,
-            shutdown_timeout_s=shutdown_timeout_s,
+            placement_timeout_s=timeouts.placement_s,
+            start_timeout_s=timeouts.start_s,
+            shutdown_timeout_s=timeouts.shutdown_s,
             address=address,
             name=name,
         )
