@@ -8,6 +8,7 @@ input refused before anything is sent."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -88,7 +89,7 @@ class Counter:
             if n == config.get("die_at") and ctx.attempt == 1 and ctx.world_rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             saved = None
-            if ctx.world_rank == 0 and n % 2 == 0:
+            if (ctx.world_rank == 0 or config.get("every_rank_saves")) and n % 2 == 0:
                 tmp = tempfile.mkdtemp()
                 (Path(tmp) / "n.json").write_text(json.dumps({"n": n}))
                 saved = asyncexec.Checkpoint.from_directory(tmp)
@@ -275,6 +276,76 @@ async def test_a_spare_that_takes_a_rank_has_the_roles(tmp_path: Path) -> None:
         assert {s.attempt for s in steps} == {1, 2}
         assert await ex.call(Counter.pid) == [w.pid for w in ex.workers]
         assert (await ex.call(Counter.restored_from))[1] is not None
+
+
+class Reducer:
+    """A role made after the backend set up: torch.distributed is ready in ``__init__``."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        assert dist.is_initialized()
+        self.world = dist.get_world_size()
+
+    def summed(self, part: list[float]) -> float:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([sum(part)])
+        dist.all_reduce(total)
+        return float(total.item())
+
+
+@pytest.mark.ray_only
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+async def test_instances_are_made_once_the_backend_has_set_up() -> None:
+    from asyncexec.backends import TorchBackend
+
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, backend=TorchBackend(), roles=Reducer
+    ) as ex:
+        # Each rank sums its own part; all_reduce gives every rank the sum of both.
+        assert await ex.call(Reducer.summed, asyncexec.scatter([1.0, 2.0, 3.0])) == [6.0, 6.0]
+
+
+@pytest.mark.ray_only
+async def test_roles_on_a_reservation_and_on_an_elastic_executor() -> None:
+    async with (
+        asyncexec.Reservation(2, {"CPU": 0.25}) as reservation,
+        asyncexec.Executor(
+            2, reservation=reservation, resources_per_worker=CPU, roles=Counter
+        ) as ex,
+    ):
+        assert await ex.call(Counter.take, asyncexec.scatter([1, 2, 3])) == [
+            {"rank": 0, "part": [1, 2]},
+            {"rank": 1, "part": [3]},
+        ]
+    async with asyncexec.Executor((1, 2), resources_per_worker=CPU, roles=Counter) as ex:
+        size = len(ex.workers)
+        assert await ex.call(Counter.count) == [0] * size
+        parts = await ex.call(Counter.take, asyncexec.scatter(list(range(4))))
+        assert sum(len(p["part"]) for p in parts) == 4
+
+
+@pytest.mark.ray_only
+async def test_an_independent_rank_renewed_has_its_instance_restored(tmp_path: Path) -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
+    async with asyncexec.Executor(
+        2, resources_per_worker=CPU, roles=Counter, restart=policy, storage_path=tmp_path
+    ) as ex:
+        before = [w.pid for w in ex.workers]
+        config = {"steps": 8, "die_at": 5, "every_rank_saves": True}
+        run = ex.run(Counter.train, config, independent=True, buffer_size=1)
+        steps = [s async for s in run]
+        assert {s.attempt for s in steps if s.rank == 1} == {1, 2}
+        assert {s.attempt for s in steps if s.rank == 0} == {1}  # rank 0 went on
+        after = [w.pid for w in ex.workers]
+        assert after[0] == before[0] and after[1] != before[1]
+        # The renewed rank's new instance was restored from that rank's own latest checkpoint;
+        # rank 0 kept its instance, never restored.
+        restored = await ex.call(Counter.restored_from)
+        own = [s.checkpoint for s in steps if s.rank == 1 and s.attempt == 1 and s.checkpoint]
+        assert restored == [None, Path(own[-1].path).name]
 
 
 # Failures -------------------------------------------------------------------------------------
