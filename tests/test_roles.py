@@ -348,6 +348,17 @@ async def test_an_independent_rank_renewed_has_its_instance_restored(tmp_path: P
         assert restored == [None, Path(own[-1].path).name]
 
 
+async def test_the_worker_classes_example(mode: str) -> None:
+    from examples import worker_classes
+
+    out = await worker_classes.main()
+    assert out["sizes"] == [3, 3, 2, 2]
+    assert out["totals"] == [2.0 * sum(p) for p in ([0, 1, 2], [3, 4, 5], [6, 7], [8, 9])]
+    assert sorted(out["order"]) == [0, 1, 2, 3]  # type: ignore[call-overload]
+    ranks = [rank for rank, _ in out["answers"]]  # type: ignore[attr-defined]
+    assert len(ranks) == 8 and set(ranks) == {0, 1, 2, 3}  # spread by load
+
+
 # Failures -------------------------------------------------------------------------------------
 
 
