@@ -276,23 +276,48 @@ def _bind(
     kwargs: dict[str, Any],
 ) -> list[str]:
     """Check that the arguments bind to ``fn``; return how messages name each argument
-    (positional ones by their parameter's name where there is one)."""
-    named = [f"argument {i}" for i in range(len(args))]
-    named += [f"argument {k!r}" for k in kwargs]
+    (positional ones by their parameter's name where there is one).
+
+    Whether arguments bind depends only on how many are positional and the keywords' names,
+    never on their values: a role's method is checked once per shape of call and remembered
+    (a method lives as long as its class); a plain function is checked every call."""
+    shape = (len(args), tuple(kwargs))
+    if method is None:
+        return _names(fn, False, *shape)
+    with_self = takes_self(roles[method.role_index].cls, method.name)
+    try:
+        return list(_role_method_names(fn, with_self, *shape))
+    except TypeError:  # a callable object as a class attribute: nothing to remember it by
+        return _names(fn, with_self, *shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _role_method_names(
+    fn: Callable[..., Any], with_self: bool, positional: int, keywords: tuple[str, ...]
+) -> tuple[str, ...]:
+    return tuple(_names(fn, with_self, positional, keywords))
+
+
+def _names(
+    fn: Callable[..., Any], with_self: bool, positional: int, keywords: tuple[str, ...]
+) -> list[str]:
+    """The arguments' names in messages, once a call of this shape is known to bind to ``fn``
+    (placeholders stand for the values: binding looks at names and counts only)."""
+    named = [f"argument {i}" for i in range(positional)]
+    named += [f"argument {k!r}" for k in keywords]
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin: the worker will tell
         return named
-    with_self = method is not None and takes_self(roles[method.role_index].cls, method.name)
     instance = (None,) if with_self else ()
     try:
-        signature.bind(*instance, *args, **kwargs)
+        signature.bind(*instance, *([None] * positional), **dict.fromkeys(keywords))
     except TypeError as exc:
         raise ConfigurationError(
             f"the arguments do not bind to {qualname(fn)}{signature}: {exc}"
         ) from None
     params = list(signature.parameters.values())[len(instance) :]
-    for i, param in enumerate(params[: len(args)]):
+    for i, param in enumerate(params[:positional]):
         if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
             named[i] = f"argument {param.name!r}"
     return named

@@ -139,3 +139,37 @@ def test_lifecycle_samples_count_toward_every_phase_active_in_them(
     notes = "\n".join(result.notes())
     assert "streaming alone" in notes
     assert "200.0 ms  repeat 1" in notes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_dispatch_benchmark_prints_every_row_and_checks_the_parts() -> None:
+    """``benchmarks/dispatch.py --quick``: each figure for both systems, every rank's scattered
+    part checked (the script raises otherwise), and no Ray left behind."""
+    _stop_ray_of_this_process()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.time() - 1.0
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "dispatch.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.split("|")] for line in table]
+    head = cells[0]
+    assert head[3:5] == ["plain Ray", "asyncexec"], head
+    labels = [row[1] for row in cells[2:]]
+    for figure in ("small call, 1 rank,", "small call, 4 ranks,", "scatter", "least_loaded("):
+        assert any(label.startswith(figure) for label in labels), labels
+    for row in cells[2:]:
+        assert row[3] not in ("", "-") and row[4] not in ("", "-"), row
+    assert "bytes each rank received" in out
+    deadline = time.monotonic() + 15
+    while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left

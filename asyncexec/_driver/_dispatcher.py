@@ -36,8 +36,8 @@ from .._errors import (
     describe,
 )
 from ._lifecycle import Lifecycle
-from .cluster import Cluster
-from .group import WorkerGroup, WorkerInfo, renew_rank
+from .cluster import Cluster, call_error
+from .group import GroupSlot, WorkerGroup, WorkerInfo, renew_rank
 
 __all__ = ["CallStream", "WorkerCalls"]
 
@@ -59,11 +59,12 @@ class WorkerCalls:
         self._load_group: WorkerGroup | None = None
         self._load = Load(0)
         self._freed = anyio.Event()  # set (and replaced) when a call chosen by load ends
+        self._waiting = 0  # callers waiting on it for a rank under the cap
         self._renewing = anyio.Lock()
 
     async def _group(self) -> WorkerGroup:
         self._life.check_open()
-        return await self._life.slot.acquire()
+        return _live(self._life.slot) or await self._life.slot.acquire()
 
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
@@ -135,6 +136,8 @@ class WorkerCalls:
         if plan.choose is not None:
             return (await self._call_one(group, plan, parts))[1]
         workers = [group.workers[r] for r in plan.ranks]
+        if len(workers) == 1:
+            return plan.result([await self._one(group, workers[0], plan, parts)])
         try:
             outcomes = await group.gather([_send(w, plan, parts) for w in workers], workers)
         except _DIED as exc:
@@ -198,12 +201,18 @@ class WorkerCalls:
     async def _one(
         self, group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]
     ) -> Any:
-        """One rank's call; its value."""
+        """One rank's call; its value (awaited as ``group.gather`` awaits one, without a task
+        group of its own: a call's hot path)."""
+        ref = _send(worker, plan, parts)
         try:
-            [outcome] = await group.gather([_send(worker, plan, parts)], [worker])
-        except _DIED as exc:
-            raise await self._lost(group, exc) from exc
-        return group.values([outcome], [worker])[0]
+            outcome = await ref
+        except Exception as exc:
+            error = await call_error(exc, worker, group.attempt)
+        else:
+            return group.values([outcome], [worker])[0]
+        if isinstance(error, _DIED):
+            raise await self._lost(group, error) from error
+        raise error
 
     async def _call_one(
         self, group: WorkerGroup, plan: CallPlan, parts: Sequence[Any]
@@ -219,7 +228,11 @@ class WorkerCalls:
             if r is None:
                 if len(dead) == len(group.workers):
                     raise ExecutorStateError("every rank of the group died during the call")
-                await freed.wait()
+                self._waiting += 1
+                try:
+                    await freed.wait()
+                finally:
+                    self._waiting -= 1
                 load, freed = self._load_of(group)
                 continue
             load.started(r)
@@ -243,8 +256,9 @@ class WorkerCalls:
         return self._load, self._freed
 
     def _wake(self) -> None:
-        freed, self._freed = self._freed, anyio.Event()
-        freed.set()
+        if self._waiting:  # a new event per ended call only when someone waits for one
+            freed, self._freed = self._freed, anyio.Event()
+            freed.set()
 
     async def _lost(self, group: WorkerGroup, exc: AsyncExecError) -> AsyncExecError:
         """The error of a call whose worker died, saying so when the executor replaced the group
@@ -280,6 +294,16 @@ class WorkerCalls:
                 except Exception as failure:
                     self.log.warning("rank_renew_failed", rank=exc.rank, error=describe(failure))
         return False
+
+
+def _live(slot: GroupSlot) -> WorkerGroup | None:
+    """The slot's group when it is live: what ``acquire()`` returns then, without taking its
+    lock (a call's hot path)."""
+    group = slot.group
+    if group is None or group.closed:
+        return None
+    slot.start_refills()
+    return group
 
 
 def _send(worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]) -> Any:

@@ -1,0 +1,89 @@
+"""What runs in the worker processes of the dispatch benchmark (``dispatch.py``): a worker class
+used as asyncexec's role, and the same methods on plain Ray actors (async and sync).
+
+Workers import this module by name (the benchmark puts its folder on ``PYTHONPATH``), so the role
+is pickled by reference and the module stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+__all__ = ["Echo", "RawEcho", "RawEchoSync", "part_summary"]
+
+
+def part_summary(part: Any) -> dict[str, Any]:
+    """What a rank says about the part it received: its bytes, and its first and last items
+    (the driver checks them against the part it meant that rank to have)."""
+    return {
+        "nbytes": int(part.nbytes),
+        "first": float(part[0]) if len(part) else None,
+        "last": float(part[-1]) if len(part) else None,
+        "pid": os.getpid(),
+    }
+
+
+class Echo:
+    """The role: a small call (``async def`` on the worker's loop, and a plain method, which
+    runs in a thread), a scattered part's summary, and a call served by one rank."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def small(self, x: int) -> int:
+        self.calls += 1
+        return x + 1
+
+    def small_sync(self, x: int) -> int:
+        self.calls += 1
+        return x + 1
+
+    async def take(self, part: Any) -> dict[str, Any]:
+        return part_summary(part)
+
+    async def serve(self, x: int) -> int:
+        self.calls += 1
+        return x
+
+    def served(self) -> int:
+        return self.calls
+
+
+@ray.remote
+class RawEcho:
+    """The same methods on a plain async Ray actor (each runs on the actor's event loop)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    async def small(self, x: int) -> int:
+        self.calls += 1
+        return x + 1
+
+    async def take(self, part: Any) -> dict[str, Any]:
+        return part_summary(part)
+
+    async def serve(self, x: int) -> int:
+        self.calls += 1
+        return x
+
+
+@ray.remote
+class RawEchoSync:
+    """A plain sync Ray actor: its methods run on Ray's own executor thread."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def small_sync(self, x: int) -> int:
+        self.calls += 1
+        return x + 1

@@ -1,0 +1,497 @@
+"""Dispatch (``Executor.call``) beside the same calls on plain Ray actors, in one run.
+
+    python benchmarks/dispatch.py            # about 2 minutes on 2 cores
+    python benchmarks/dispatch.py --quick    # tiny sizes, one repeat: a smoke run (tests run it)
+    python benchmarks/dispatch.py --only small --profile   # and where the driver's time goes
+
+Three figures, each measured for asyncexec and for the hand-written Ray equivalent, with the
+repeats of the two interleaved (the order alternates each repeat) so that the machine's noise
+falls on both alike; the table shows the medians over repeats and asyncexec's ratio:
+
+- **small call**: ``await ex.call(Echo.small, x)`` on an executor of 1 and of 4 ranks (the
+  method returns ``x + 1``) against ``await asyncio.gather(*[a.small.remote(x) for a in
+  actors])`` on as many plain async actors; per repeat the median latency of a block of
+  sequential calls. The same with a plain ``def`` method (it runs in a thread of the worker)
+  against a plain sync actor, as a contrast.
+- **scatter**: a numpy array (256 MB) over 4 ranks, ``ex.call(Echo.take,
+  asyncexec.scatter(arr))`` against ``np.array_split``, one ``ray.put`` per part in a thread
+  (off the loop, as a careful user does) and one actor call per part with its reference. Each
+  rank reports the bytes and the first and last items of what it received; the run checks that
+  every rank got exactly its own part, in both.
+- **least-loaded calls per second**: many concurrent callers, each calling
+  ``ex.call(Echo.serve, 1, on=least_loaded(max_in_flight=cap))`` in a loop, against the same
+  callers choosing the plain actor with the fewest calls in flight by hand (lowest on ties,
+  waiting while every actor is at the cap). 8 ranks of ``{"CPU": 0.25}`` on a 2-core machine
+  are oversubscribed: the figure is the driver's dispatch, not the workers' speed.
+
+``--profile`` runs cProfile over asyncexec's side of the chosen figures and prints the driver's
+top functions (by own time and by cumulative time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import platform
+import pstats
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The workers import the role and the plain actors by module name.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
+)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import ray  # noqa: E402
+import structlog  # noqa: E402
+from _common import median, progress  # noqa: E402
+from _dispatch_workload import Echo, RawEcho, RawEchoSync  # noqa: E402
+from _pairs import Pair, render_pairs  # noqa: E402
+
+import asyncexec  # noqa: E402
+
+#: Every worker of both systems asks for this (8 ranks of each fit in the Ray started here).
+RESOURCES = {"CPU": 0.25}
+RAY_CPUS = 16
+OBJECT_STORE_BYTES = 2 << 30
+FIGURES = ("small", "scatter", "load")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int
+    small_calls: int  # sequential calls per repeat (each system)
+    warm_calls: int
+    scatter_bytes: int
+    scatter_repeats: int
+    scatter_warm: int
+    load_ranks: int
+    load_callers: int
+    load_cap: int
+    load_calls: int  # calls per repeat (each system)
+
+
+FULL = Sizes(
+    repeats=9,
+    small_calls=200,
+    warm_calls=100,
+    scatter_bytes=256 << 20,
+    scatter_repeats=9,
+    scatter_warm=4,
+    load_ranks=8,
+    load_callers=64,
+    load_cap=4,
+    load_calls=4000,
+)
+QUICK = Sizes(
+    repeats=1,
+    small_calls=20,
+    warm_calls=5,
+    scatter_bytes=4 << 20,
+    scatter_repeats=1,
+    scatter_warm=1,
+    load_ranks=2,
+    load_callers=4,
+    load_cap=2,
+    load_calls=40,
+)
+
+
+class Profiler:
+    """cProfile over asyncexec's side of the measurements, when asked for."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.profile = cProfile.Profile() if enabled else None
+
+    async def timed(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        if self.profile is None:
+            return await call()
+        self.profile.enable()
+        try:
+            return await call()
+        finally:
+            self.profile.disable()
+
+    def report(self, top: int = 30) -> str:
+        if self.profile is None:
+            return ""
+        out = io.StringIO()
+        stats = pstats.Stats(self.profile, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        return out.getvalue()
+
+
+async def raw_actors(cls: Any, n: int) -> list[Any]:
+    actors = [cls.options(num_cpus=RESOURCES["CPU"]).remote() for _ in range(n)]
+    await asyncio.gather(*(a.ping.remote() for a in actors))
+    return actors
+
+
+def kill(actors: list[Any]) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+async def alternate(
+    i: int,
+    base: Callable[[], Awaitable[Any]],
+    ours: Callable[[], Awaitable[Any]],
+    prof: Profiler,
+) -> tuple[Any, Any]:
+    """Measure ``base`` and ``ours`` once each, in an order that alternates with repeat ``i``
+    (only asyncexec's side is profiled); their results."""
+    if i % 2 == 0:
+        b = await base()
+        o = await prof.timed(ours)
+    else:
+        o = await prof.timed(ours)
+        b = await base()
+    return b, o
+
+
+# Small calls ------------------------------------------------------------------------------------
+
+
+async def latencies(calls: int, one: Callable[[int], Awaitable[Any]]) -> tuple[float, float, float]:
+    """The median latency (us) of ``calls`` sequential calls, the CPU per call of the event
+    loop's thread and of the whole driver (us; Ray's own threads serialise and send)."""
+    seen = []
+    loop0, cpu0 = time.thread_time(), time.process_time()
+    for i in range(calls):
+        t0 = time.perf_counter()
+        await one(i)
+        seen.append(time.perf_counter() - t0)
+    loop, cpu = time.thread_time() - loop0, time.process_time() - cpu0
+    return median(seen) * 1e6, loop / calls * 1e6, cpu / calls * 1e6
+
+
+async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> list[Pair]:
+    """Small calls on ``n`` ranks: an async method and a plain one, against plain actors."""
+    ranks = f"{n} rank{'s' if n > 1 else ''}"
+    rows = {
+        kind: (
+            Pair(f"small call, {ranks}, {what}: median latency", "us", limit=limit),
+            Pair(f"the same: the event loop's CPU per call, {ranks}", "us"),
+            Pair(f"the same: the driver's CPU per call (all threads), {ranks}", "us"),
+        )
+        for kind, what, limit in (
+            ("async", "async def method", 1.2),
+            ("plain", "plain def method (a sync actor by hand)", None),
+        )
+    }
+    progress(f"small calls, {ranks}: an executor and {n} plain actors of each kind")
+    raw = await raw_actors(RawEcho, n)
+    raw_sync = await raw_actors(RawEchoSync, n)
+    try:
+        async with asyncexec.Executor(
+            n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)
+        ) as ex:
+
+            async def ae_async(x: int) -> Any:
+                return await ex.call(Echo.small, x)
+
+            async def ae_plain(x: int) -> Any:
+                return await ex.call(Echo.small_sync, x)
+
+            async def raw_async(x: int) -> Any:
+                return await asyncio.gather(*[a.small.remote(x) for a in raw])
+
+            async def raw_plain(x: int) -> Any:
+                return await asyncio.gather(*[a.small_sync.remote(x) for a in raw_sync])
+
+            for one in (ae_async, ae_plain, raw_async, raw_plain):
+                assert await one(1) == [2] * n
+                await latencies(sizes.warm_calls, one)
+            for i in range(sizes.repeats):
+                progress(f"small calls, {ranks}, repeat {i + 1}/{sizes.repeats}")
+                for kind, base, ours in (
+                    ("async", raw_async, ae_async),
+                    ("plain", raw_plain, ae_plain),
+                ):
+                    b, o = await alternate(
+                        i,
+                        lambda base=base: latencies(sizes.small_calls, base),
+                        lambda ours=ours: latencies(sizes.small_calls, ours),
+                        prof,
+                    )
+                    for row, base_value, our_value in zip(rows[kind], b, o, strict=True):
+                        row.base.append(base_value)
+                        row.ours.append(our_value)
+    finally:
+        kill(raw)
+        kill(raw_sync)
+    return [*rows["async"], *rows["plain"]]
+
+
+# Scatter ----------------------------------------------------------------------------------------
+
+
+def check_parts(parts: list[Any], received: list[dict[str, Any]], who: str) -> list[int]:
+    """Each rank's received bytes; raises unless every rank got exactly its own part."""
+    for r, (part, got) in enumerate(zip(parts, received, strict=True)):
+        want = (int(part.nbytes), float(part[0]), float(part[-1]))
+        if (got["nbytes"], got["first"], got["last"]) != want:
+            raise AssertionError(f"{who}: rank {r} received {got}, not its part {want}")
+    return [int(got["nbytes"]) for got in received]
+
+
+async def measure_scatter(sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[str]]:
+    """A numpy array scattered over 4 ranks, against ray.put per part and one call each."""
+    n = 4
+    mb = sizes.scatter_bytes >> 20
+    row = Pair(f"scatter {mb} MB (numpy) over {n} ranks: call to results", "ms", limit=1.1)
+    arr = np.arange(sizes.scatter_bytes // 8, dtype=np.float64)
+    parts = np.array_split(arr, n)
+    notes: list[str] = []
+    progress(f"scatter, {mb} MB over {n} ranks: an executor and {n} plain actors")
+    raw = await raw_actors(RawEcho, n)
+    try:
+        async with asyncexec.Executor(
+            n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)
+        ) as ex:
+
+            async def ours() -> list[Any]:
+                out: list[Any] = await ex.call(Echo.take, asyncexec.scatter(arr))
+                return out
+
+            async def base() -> list[Any]:
+                pieces = np.array_split(arr, n)
+                refs = await asyncio.to_thread(lambda: [ray.put(p) for p in pieces])
+                return list(
+                    await asyncio.gather(
+                        *(a.take.remote(r) for a, r in zip(raw, refs, strict=True))
+                    )
+                )
+
+            async def timed(fn: Callable[[], Awaitable[list[Any]]]) -> tuple[float, list[Any]]:
+                t0 = time.perf_counter()
+                out = await fn()
+                return (time.perf_counter() - t0) * 1e3, out
+
+            for _ in range(sizes.scatter_warm):  # fresh object store pages fault on first touch
+                for fn in (base, ours):
+                    await fn()
+            for i in range(sizes.scatter_repeats):
+                progress(f"scatter, repeat {i + 1}/{sizes.scatter_repeats}")
+                (b, got_b), (o, got_o) = await alternate(
+                    i, lambda: timed(base), lambda: timed(ours), prof
+                )
+                row.base.append(b)
+                row.ours.append(o)
+                bytes_b = check_parts(parts, got_b, "ray.put by hand")
+                bytes_o = check_parts(parts, got_o, "asyncexec")
+            notes.append(
+                f"- scatter: bytes each rank received, ray.put by hand {bytes_b}, asyncexec "
+                f"{bytes_o} (of {arr.nbytes} in all; each rank's first and last items checked "
+                "against its own part)"
+            )
+            notes.append(
+                "- scatter, each repeat (ms): by hand "
+                + ", ".join(f"{v:.0f}" for v in row.base)
+                + "; asyncexec "
+                + ", ".join(f"{v:.0f}" for v in row.ours)
+            )
+    finally:
+        kill(raw)
+    return [row], notes
+
+
+# Least-loaded calls per second ------------------------------------------------------------------
+
+
+async def ae_load(ex: asyncexec.Executor, calls: int, callers: int, cap: int) -> float:
+    """Calls per second of ``callers`` tasks calling one least-loaded rank each time."""
+    target = asyncexec.least_loaded(max_in_flight=cap)
+    left = calls
+
+    async def caller() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await ex.call(Echo.serve, 1, on=target)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return calls / (time.perf_counter() - t0)
+
+
+async def raw_load(actors: list[Any], calls: int, callers: int, cap: int) -> float:
+    """The same by hand: each caller picks the actor with the fewest calls in flight (lowest on
+    ties), waits while every actor is at ``cap``, and awaits the actor's call."""
+    counts = [0] * len(actors)
+    freed = asyncio.Event()
+    left = calls
+
+    def choose() -> int | None:
+        best: int | None = None
+        for r, count in enumerate(counts):
+            if count < cap and (best is None or count < counts[best]):
+                best = r
+        return best
+
+    async def caller() -> None:
+        nonlocal left, freed
+        while left > 0:
+            r = choose()
+            if r is None:
+                await freed.wait()
+                continue
+            left -= 1
+            counts[r] += 1
+            try:
+                await actors[r].serve.remote(1)
+            finally:
+                counts[r] -= 1
+                woken, freed = freed, asyncio.Event()
+                woken.set()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return calls / (time.perf_counter() - t0)
+
+
+async def measure_load(sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[str]]:
+    n, callers, cap = sizes.load_ranks, sizes.load_callers, sizes.load_cap
+    rate = Pair(
+        f"least_loaded(max_in_flight={cap}) calls/s, {n} ranks, {callers} callers",
+        "calls/s",
+        higher_is_better=True,
+        limit=1.2,
+    )
+    loop = Pair("the same: the event loop's CPU per call", "us")
+    cpu = Pair("the same: the driver's CPU per call (all threads)", "us")
+    progress(f"least-loaded calls, {n} ranks: an executor and {n} plain actors")
+    raw = await raw_actors(RawEcho, n)
+    try:
+        async with asyncexec.Executor(
+            n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)
+        ) as ex:
+
+            async def with_cpu(fn: Callable[[], Awaitable[float]]) -> tuple[float, ...]:
+                loop0, cpu0 = time.thread_time(), time.process_time()
+                calls_per_s = await fn()
+                used = time.thread_time() - loop0, time.process_time() - cpu0
+                return calls_per_s, *(seconds / sizes.load_calls * 1e6 for seconds in used)
+
+            def base() -> Awaitable[tuple[float, ...]]:
+                return with_cpu(lambda: raw_load(raw, sizes.load_calls, callers, cap))
+
+            def ours() -> Awaitable[tuple[float, ...]]:
+                return with_cpu(lambda: ae_load(ex, sizes.load_calls, callers, cap))
+
+            for fn in (base, ours):
+                await fn()
+            for i in range(sizes.repeats):
+                progress(f"least-loaded calls, repeat {i + 1}/{sizes.repeats}")
+                b, o = await alternate(i, base, ours, prof)
+                for row, base_value, our_value in zip((rate, loop, cpu), b, o, strict=True):
+                    row.base.append(base_value)
+                    row.ours.append(our_value)
+            served = await ex.call(Echo.served)
+    finally:
+        kill(raw)
+    return [rate, loop, cpu], [f"- least-loaded: calls each rank served (asyncexec): {served}"]
+
+
+async def bench(sizes: Sizes, only: set[str], prof: Profiler) -> tuple[list[Pair], list[str]]:
+    rows: list[Pair] = []
+    notes: list[str] = []
+    if "small" in only:
+        for n in (1, 4):
+            rows += await measure_small(n, sizes, prof)
+    if "scatter" in only:
+        more, said = await measure_scatter(sizes, prof)
+        rows += more
+        notes += said
+    if "load" in only:
+        more, said = await measure_load(sizes, prof)
+        rows += more
+        notes += said
+    return rows, notes
+
+
+def _dropped(logger: Any, name: str, event: Any) -> Any:
+    raise structlog.DropEvent
+
+
+def start_ray() -> None:
+    """A fresh local Ray for this run only; no pre-started workers (every process is fresh).
+    The object store is small enough that the scatter's warm-up rounds touch its pages: a put
+    into pages never touched pays a page fault per 4 KiB (256 MB: up to 0.4 s here), which would
+    fall on whichever system's turn it was."""
+    ray.init(
+        address="local",
+        num_cpus=RAY_CPUS,
+        object_store_memory=OBJECT_STORE_BYTES,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={
+            "prestart_worker_first_driver": False,
+            "enable_worker_prestart": False,
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    parser.add_argument(
+        "--only",
+        default=",".join(FIGURES),
+        help=f"comma-separated figures to measure, of {', '.join(FIGURES)} (default: all)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile asyncexec's side; print the top"
+    )
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set(FIGURES):
+        parser.error(f"--only takes {', '.join(FIGURES)}")
+    sizes = QUICK if args.quick else FULL
+    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
+    prof = Profiler(args.profile)
+    t0 = time.perf_counter()
+    start_ray()
+    try:
+        rows, notes = asyncio.run(bench(sizes, only, prof))
+    finally:
+        ray.shutdown()
+    print()
+    print(
+        f"asyncexec dispatch benchmarks ({'quick' if args.quick else 'full'}), "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {psutil.cpu_count(logical=True)} cores "
+        f"({platform.machine()}), Python {platform.python_version()}, Ray {ray.__version__}; "
+        f"medians of {sizes.repeats} interleaved repeat(s) (scatter {sizes.scatter_repeats}); "
+        f"every worker {RESOURCES}"
+    )
+    print()
+    print(render_pairs(rows, "plain Ray", "asyncexec"))
+    print()
+    for line in notes:
+        print(line)
+    print(f"- total {time.perf_counter() - t0:.0f} s")
+    if args.profile:
+        print()
+        print(prof.report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
