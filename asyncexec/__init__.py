@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "NodeLostError": "_errors",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
+    "PreemptionNotice": "_protocol",
     "Report": "_driver.run",
     "Reservation": "_driver.group",
     "ReservationStatistics": "_driver.group",
@@ -76,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "get_checkpoint": "_worker._session",
     "get_context": "_worker._session",
     "get_dataset_shard": "_worker._session",
+    "get_preemption_info": "_worker._session",
     "receive_weights": "_worker._channel",
     "report": "_worker._session",
     "serve_weights": "_worker._channel",
@@ -177,6 +179,7 @@ if TYPE_CHECKING:
     from ._errors import WorkerHungError as WorkerHungError
     from ._errors import WorkerRaisedError as WorkerRaisedError
     from ._errors import WorkerUnreachableError as WorkerUnreachableError
+    from ._protocol import PreemptionNotice as PreemptionNotice
     from ._protocol import WorkerContext as WorkerContext
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
@@ -184,6 +187,7 @@ if TYPE_CHECKING:
     from ._worker._session import get_checkpoint as get_checkpoint
     from ._worker._session import get_context as get_context
     from ._worker._session import get_dataset_shard as get_dataset_shard
+    from ._worker._session import get_preemption_info as get_preemption_info
     from ._worker._session import report as report
 else:
     # The error tree and the worker-side API are light and always needed: load them now.

@@ -6,11 +6,13 @@ Both sides import this module; it imports only the standard library. The driver 
 :class:`Outcome` when its function (or an ``execute()`` call) ends. A group with worker classes
 (roles) sends each role as a :class:`RoleSpec` once, names a role's method as a
 :class:`RoleMethod` where a run's function goes, and learns which role failed to start from a
-:class:`RoleFailure`.
+:class:`RoleFailure`. When nodes of the group are about to be taken away (a preemption), the
+driver tells every worker with a :class:`PreemptionNotice`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any, Literal, NamedTuple
 __all__ = [
     "Outcome",
     "Poll",
+    "PreemptionNotice",
     "RoleFailure",
     "RoleMethod",
     "RoleSpec",
@@ -137,6 +140,37 @@ class RoleFailure(NamedTuple):
 
     role_index: int
     stage: Literal["load", "init", "restore"]
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Nodes of the group that the cluster is about to take away, and when.
+
+    A spot or preemptible node is announced before it goes: the cluster marks it as draining,
+    with a deadline (Ray's ``DrainNode``). The driver sees the mark and tells the run
+    (``Step.preemption``, ``RunResult.preemption_notices``, a ``preemption_noticed`` log event)
+    and every worker of the group (:func:`asyncexec.get_preemption_info`), so that the function
+    can save a checkpoint before the deadline. When several of the group's nodes are marked, one
+    notice covers them all: the earliest deadline, every rank on them.
+
+    Attributes:
+        deadline: when the nodes go, in seconds since the epoch (``time.time()``); None when
+            the cluster gave no deadline (save a checkpoint now).
+        node_ids: the nodes that go, sorted.
+        ranks: the world ranks on them, sorted (the ranks that will go).
+        noticed: when the driver saw the mark, in seconds since the epoch.
+    """
+
+    deadline: float | None
+    node_ids: tuple[str, ...]
+    ranks: tuple[int, ...]
+    noticed: float
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the deadline (0.0 once it has passed), or None without one."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.time())
 
 
 def checkpoint_name(step_index: int, attempt: int | None) -> str:

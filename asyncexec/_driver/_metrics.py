@@ -203,6 +203,16 @@ class Metrics:
             ),
             by_name,
         )
+        self.preemptions = _Bounded(
+            prom.Counter(
+                "asyncexec_preemptions",
+                "Preemptions: notices that nodes of a group are drained (stage noticed), and "
+                "restarts after their workers were lost (stage restarted).",
+                [*ex, "stage"],
+                registry=registry,
+            ),
+            by_name,
+        )
         # Its series are made and removed here, by label value (already bounded).
         self.backlog = prom.Gauge(
             "asyncexec_backlog_reports",
@@ -373,6 +383,15 @@ class RunMeter:
         if m is not None:
             m.restarts.labels(self.executor, type(exc).__name__ if exc else "unknown").inc()
             self.failed_at = time.perf_counter()
+
+    def preempted(self, stage: str) -> None:
+        """A preemption notice (``"noticed"``), or a restart after one (``"restarted"``: the
+        restart time is measured from it, as after a failure)."""
+        m = _metrics
+        if m is not None:
+            m.preemptions.labels(self.executor, stage).inc()
+            if stage == "restarted":
+                self.failed_at = time.perf_counter()
 
     def stepped(self, steps: int, reports: int) -> None:
         m = _metrics

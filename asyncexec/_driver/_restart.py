@@ -6,10 +6,15 @@ default. Any tenacity ``stop`` or ``wait`` strategy can replace the defaults, an
 function is injectable so tests never sleep for real. Which failures restart is said one way:
 ``retry_if``, a predicate over the failure (``restart_on_user_error=True`` is the shorthand for
 the most common change of it).
+
+A preemption is not a failure of the run: a worker lost with a node that the cluster had marked
+for preemption restarts under a budget of its own (``max_preemptions``), without waiting and
+without counting against ``max_restarts`` or ``stop``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +36,7 @@ from .._errors import (
     WorkerUnreachableError,
 )
 
-__all__ = ["RestartPolicy", "is_restartable"]
+__all__ = ["PreemptionsSpent", "RestartPolicy", "is_restartable"]
 
 
 _RESTARTABLE = (
@@ -41,6 +46,25 @@ _RESTARTABLE = (
     WorkerUnreachableError,
     StartupError,
 )
+
+
+class PreemptionsSpent(Exception):  # a signal from a run's attempts to its driver, not an error
+    """A preemption came after ``max_preemptions`` of them: the run ends with ``failure``.
+    Never restarted by the policy (see :meth:`RestartPolicy.retrying`)."""
+
+    def __init__(self, failure: BaseException, preemptions: int, budget: int) -> None:
+        super().__init__(failure)
+        self.failure = failure
+        self.preemptions = preemptions
+        self.budget = budget
+
+    @property
+    def note(self) -> str:
+        """What the run's error says of it."""
+        return (
+            f"preemption {self.preemptions} is beyond RestartPolicy.max_preemptions="
+            f"{self.budget}: a node of the group was drained and its workers are gone"
+        )
 
 
 def is_restartable(exc: BaseException) -> bool:
@@ -67,6 +91,16 @@ class RestartPolicy:
         stop: tenacity stop strategy; replaces ``max_restarts`` when given, for example
             ``stop_after_attempt(5) | stop_after_delay(600)``.
         sleep: the coroutine function that waits; tests inject one that returns at once.
+        max_preemptions: restarts allowed after a preemption (a worker lost with a node that
+            the cluster had marked as draining, or that its node table says a preemption took),
+            counted apart from ``max_restarts`` (and from ``stop``), never waited for; ``None``
+            (the default) for no bound: each one needs the cluster to take a node away. A
+            preemption beyond it ends the run with :class:`RestartsExhaustedError` (a note says
+            so). In a run of independent ranks, each rank renewed counts once.
+        preemption_check_interval_s: how often the driver asks the cluster which of the
+            group's nodes are being drained (one cheap look-up); ``None`` to never ask: a
+            preemption is then only known by its cause of death, and the function gets no
+            notice.
         backoff_after_progress: wait before a restart also when the attempt that failed had
             completed a step since it started. Off by default: the first restart after progress
             starts at once (backoff is for failures that repeat without progress, as in a crash
@@ -92,9 +126,22 @@ class RestartPolicy:
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep
     reuse_survivors: bool = False
     backoff_after_progress: bool = False
+    max_preemptions: int | None = None
+    preemption_check_interval_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         check_count("max_restarts", self.max_restarts, minimum=0, allow_none=True)
+        check_count("max_preemptions", self.max_preemptions, minimum=0, allow_none=True)
+        interval = self.preemption_check_interval_s
+        if interval is not None and (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0 < interval < math.inf
+        ):
+            raise ConfigurationError(
+                "RestartPolicy.preemption_check_interval_s must be a positive number of seconds "
+                f"or None, got {interval!r}"
+            )
         for name in ("retry_if", "wait", "stop", "sleep"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -145,10 +192,13 @@ class RestartPolicy:
             def wait(state: RetryCallState) -> float:
                 return 0.0 if progressed() else float(backoff(state))
 
+        def restarts(exc: BaseException) -> bool:
+            return not isinstance(exc, PreemptionsSpent) and self.should_restart(exc)
+
         return tenacity.AsyncRetrying(
             stop=stop,
             wait=wait,
-            retry=tenacity.retry_if_exception(self.should_restart),
+            retry=tenacity.retry_if_exception(restarts),
             sleep=self.sleep,
             before_sleep=before_sleep,
             reraise=False,

@@ -40,6 +40,9 @@ class ExecutorStatistics:
     #: Groups of an elastic executor that started at another size than the one before: after
     #: a loss (shrinking, counted in ``restarts`` too) or a planned growth (not a restart).
     resizes: int = 0
+    #: Restarts after a preemption (workers lost with a node the cluster had drained), counted
+    #: apart from ``restarts``: of the group, or of one rank of an independent run.
+    preemptions: int = 0
 
 
 class ExecutorRuns:
@@ -53,7 +56,14 @@ class ExecutorRuns:
     def _init_runs(self) -> None:
         self._result: RunResult | None = None
         self._stats = dict.fromkeys(
-            ("runs_started", "runs_finished", "runs_failed", "runs_cancelled", "steps_delivered"),
+            (
+                "runs_started",
+                "runs_finished",
+                "runs_failed",
+                "runs_cancelled",
+                "steps_delivered",
+                "preemptions",
+            ),
             0,
         )
 
@@ -163,7 +173,9 @@ class ExecutorRuns:
             )
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(spec.name or new_run_id())
-        driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
+        driver = RunDriver(
+            life.slot, self.restart_policy, core, send, spec, self._run_ended, self._preempted
+        )
         life.run = core
         if previous is not None:
             self._stats["steps_delivered"] += previous.delivered
@@ -176,6 +188,9 @@ class ExecutorRuns:
         self._count(f"runs_{outcome.get(run.state, 'cancelled')}")
         if run.result is not None:
             self._result = run.result
+
+    def _preempted(self) -> None:
+        self._stats["preemptions"] += 1
 
     def _count(self, key: str) -> None:
         self._stats[key] += 1

@@ -18,7 +18,15 @@ from typing import Any
 
 import ray
 
-from .._protocol import Outcome, Poll, RoleMethod, RunStart, WorkerContext, WorkerMetadata
+from .._protocol import (
+    Outcome,
+    Poll,
+    PreemptionNotice,
+    RoleMethod,
+    RunStart,
+    WorkerContext,
+    WorkerMetadata,
+)
 from . import _channel, _outcomes, _place, _roles, _session
 
 __all__ = ["WorkerActor", "WorkerCode"]
@@ -152,6 +160,7 @@ class _Worker:
             self._session = None
         _roles.drop()
         _place.set_group_context(None)
+        _place.current_place().preemption = None
         _channel.reset()
         if "ray.data" in sys.modules:
             from ray.data import DataContext
@@ -207,6 +216,11 @@ class _Worker:
     async def channel_close(self, name: str) -> None:
         """Forget the channel (its process groups and buffers)."""
         _channel.close(name)
+
+    async def notify_preemption(self, notice: PreemptionNotice | None) -> None:
+        """Hold the driver's word on the preemption of the group's nodes (None: no notice, or
+        no longer), for ``get_preemption_info()``."""
+        _place.current_place().preemption = notice
 
     async def ping(self) -> int:
         return os.getpid()

@@ -8,7 +8,7 @@ import contextvars
 import threading
 from typing import Any, Protocol
 
-from .._protocol import WorkerContext
+from .._protocol import PreemptionNotice, WorkerContext
 
 __all__ = [
     "PLACE",
@@ -35,9 +35,9 @@ class Session(Protocol):
 
 class Place:
     """One worker's state: the group's context, the run's session, the weight version held,
-    the instances of its roles."""
+    the instances of its roles, the preemption notice the driver gave it."""
 
-    __slots__ = ("context", "roles", "session", "version")
+    __slots__ = ("context", "preemption", "roles", "session", "version")
 
     def __init__(self) -> None:
         self.context: WorkerContext | None = None
@@ -47,6 +47,9 @@ class Place:
         self.version: int | None = None
         #: The instances of the group's roles (a ``_roles.Roles``), once made.
         self.roles: Any = None
+        #: The driver's latest word on the preemption of the group's nodes (a
+        #: ``PreemptionNotice``), or None.
+        self.preemption: PreemptionNotice | None = None
 
 
 #: The current worker's place when a local worker's call set it (see

@@ -1,5 +1,6 @@
 """The worker side of a run: its session (the user's function in a thread of its own), and what
-the function calls: ``report()``, ``get_context()``, ``get_checkpoint()``, ``get_dataset_shard()``.
+the function calls: ``report()``, ``get_context()``, ``get_checkpoint()``, ``get_dataset_shard()``,
+``get_preemption_info()``.
 
 A worker holds at most one session at a time, in its :class:`~._place.Place`. The user's function
 runs in a thread of its own (an ``async def`` on an event loop of its own in that thread), so that
@@ -22,7 +23,7 @@ from typing import Any
 
 from .._checkpoint import Checkpoint
 from .._errors import ExecutorStateError
-from .._protocol import Outcome, Poll, RunStart, WorkerContext
+from .._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext
 from . import _place
 from ._outcomes import error_outcome, takes_config, value_outcome
 from ._place import current_place
@@ -34,6 +35,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
+    "get_preemption_info",
     "report",
 ]
 
@@ -84,6 +86,27 @@ def get_checkpoint() -> Checkpoint | None:
     one passed to ``run()``), or None."""
     checkpoint: Checkpoint | None = _require_session("get_checkpoint()").checkpoint
     return checkpoint
+
+
+def get_preemption_info() -> PreemptionNotice | None:
+    """The notice that nodes of this group are about to be taken away (a spot or preemptible
+    node drained by the cluster): the deadline and the ranks that will go; None when there is
+    none. Cheap (a local read): call it at every step, and save a checkpoint (``report(...,
+    checkpoint=...)``) when it is not None; the run then goes on from that checkpoint after the
+    nodes are gone, and the restart counts against ``RestartPolicy.max_preemptions``, not
+    ``max_restarts``.
+
+    Every rank of the group gets the notice (about a poll interval after the cluster marks the
+    node, 1 s by default), at a slightly different step: a function whose ranks must agree on
+    the step that checkpoints decides it together (rank 0's view, broadcast).
+
+    Raises:
+        ExecutorStateError: called outside an asyncexec worker.
+    """
+    place = current_place()
+    if place.session is None and place.context is None:
+        raise ExecutorStateError("get_preemption_info() must be called inside an asyncexec worker")
+    return place.preemption
 
 
 def get_dataset_shard(name: str) -> Any:

@@ -4,7 +4,8 @@ Everything the driver does to workers goes through a :class:`Cluster` and the :c
 each worker, as anyio's code goes through its backends and httpx's through its transports:
 start or join the cluster, reserve bundles (a placement), start workers in them, call a worker's
 methods, kill workers, see a worker's death (a pending call that fails when its process dies), the
-node table, workers' stacks, and the mapping of the cluster's errors to asyncexec's.
+node table (and which nodes are being drained, as before a preemption), workers' stacks, and the
+mapping of the cluster's errors to asyncexec's.
 
 Two implementations: :class:`~.._ray.RayCluster` (Ray actors, the real thing) and
 :class:`~.._local.LocalCluster` (threads of the driver's process: local mode). Nothing above this
@@ -14,7 +15,7 @@ package imports Ray or knows which one it talks to.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import anyio
@@ -159,6 +160,18 @@ class Cluster(Protocol):
 
     async def live_nodes(self) -> set[str] | None:
         """The ids of the live nodes; None when the cluster did not answer in time."""
+        ...
+
+    async def draining(self) -> dict[str, float | None] | None:
+        """The nodes marked to leave the cluster (drained: a spot or preemptible node announced
+        before it goes), each with its deadline in seconds since the epoch (None: the cluster
+        gave none); {} when none is; None when the cluster did not answer in time. One cheap
+        look-up, off the loop."""
+        ...
+
+    async def preempted(self, node_ids: Collection[str]) -> set[str]:
+        """Those of ``node_ids`` that left the cluster because they were drained for a
+        preemption (the node table's cause of death); empty when it cannot tell in time."""
         ...
 
     async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:

@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Awaitable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Generator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -254,6 +254,12 @@ class LocalCluster:
 
     async def live_nodes(self) -> set[str] | None:
         return {LOCAL_NODE}
+
+    async def draining(self) -> dict[str, float | None] | None:
+        return {}  # the driver's own process is never drained
+
+    async def preempted(self, node_ids: Collection[str]) -> set[str]:
+        return set()
 
     async def free_nodes(
         self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]

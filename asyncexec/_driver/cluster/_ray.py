@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import anyio
 import ray
 from ray.actor import ActorHandle
+from ray.core.generated.common_pb2 import NodeDeathInfo
 
 from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
@@ -42,6 +43,8 @@ CREATING = threading.Lock()
 LOOKUP_TIMEOUT_S = 5.0
 #: Where the failures of teardown calls are logged (they never raise: teardown goes on).
 _log = get_logger(component="cluster")
+#: The node table's cause of death of a node that a preemption drain took.
+_PREEMPTED = NodeDeathInfo.Reason.Value("AUTOSCALER_DRAIN_PREEMPTED")
 
 
 class RayHandle:
@@ -205,6 +208,18 @@ class RayCluster:
             )
         return None
 
+    async def draining(self) -> dict[str, float | None] | None:
+        with anyio.move_on_after(LOOKUP_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(_draining, abandon_on_cancel=True)
+        return None
+
+    async def preempted(self, node_ids: Collection[str]) -> set[str]:
+        with anyio.move_on_after(LOOKUP_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(
+                _preempted, set(node_ids), abandon_on_cancel=True
+            )
+        return set()
+
     async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
         ordered = sorted(workers, key=lambda w: w[0])
         texts = await dump_processes([(m.node_id, m.pid) for _, _, m in ordered])
@@ -241,6 +256,26 @@ async def node_alive(node_id: str | None) -> bool:
 
 def _alive() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _draining() -> dict[str, float | None]:
+    """Ray's draining nodes (``DrainNode``, which an autoscaler or a cloud's preemption notice
+    sends the GCS), read with the driver's own GCS client (its address and its auth): each
+    deadline in seconds since the epoch, None for Ray's 0 (no deadline). Blocking: about 0.3 ms
+    (measured on Ray 2.60). A node leaves the list once it is dead."""
+    gcs = ray._private.worker.global_worker.gcs_client
+    found: dict[str, int] = gcs.get_draining_nodes(timeout=LOOKUP_TIMEOUT_S)
+    return {node: (ms / 1000 if ms > 0 else None) for node, ms in found.items()}
+
+
+def _preempted(node_ids: set[str]) -> set[str]:
+    """Those of ``node_ids`` that Ray's node table holds as dead because a preemption drain
+    took them (what sets a dead actor's ``ActorDiedError.preempted``). Blocking."""
+    return {
+        n["NodeID"]
+        for n in ray.nodes()
+        if n["NodeID"] in node_ids and not n.get("Alive") and n.get("DeathReason") == _PREEMPTED
+    }
 
 
 def _free_now(

@@ -6,7 +6,8 @@ Each attempt starts the function on every rank, pumps every rank's reports into 
 failure, after a short settling time in which the failures of ranks that failed with it are
 collected, ends the attempt, and the policy decides whether another starts. An elastic group that
 could grow ends its attempt at a safe point too: that is a planned resize, not counted by the
-policy.
+policy. Workers lost to a preemption (see ``_preemption``) restart under the preemption budget,
+not the policy.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from ..._errors import (
     WorkerRaisedError,
     describe,
 )
+from .._restart import PreemptionsSpent
 from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
 from ._context import RunContext
 from ._iterator import RunState
+from ._preemption import Preempted, exhausted
 from ._window import Window
 
 __all__ = ["DEATH_SETTLE_S", "RAISED_SETTLE_S", "AlignedRun"]
@@ -75,7 +78,8 @@ class AlignedRun:
         self.ctx = ctx
         #: Attempts of this run before this driver's (a resumed run's dead drivers').
         self.attempt_base = attempt_base
-        self.resizes = 0  # planned resizes: attempts the restart policy does not count
+        # Planned resizes and moves after a preemption: attempts the restart policy does not count.
+        self.resizes = 0
 
     async def main(self) -> list[Any]:
         """Every rank's return value, once an attempt has finished."""
@@ -107,6 +111,8 @@ class AlignedRun:
         except tenacity.RetryError:
             last = run.failures[-1] if run.failures else None
             raise RestartsExhaustedError(run.attempt, run.failures) from last
+        except PreemptionsSpent as spent:
+            raise exhausted(spent, run.attempt, run.failures) from spent.failure
         raise AssertionError("unreachable: tenacity ended without an outcome")  # pragma: no cover
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
@@ -153,6 +159,40 @@ class AlignedRun:
                 self.resizes += 1
                 number += 1
                 ctx.run.attempt = number
+            except Preempted as preempted:
+                await self._move(preempted.error, number + 1)
+                await ctx.handover.drain()
+                self.resizes += 1
+                number += 1
+                ctx.run.attempt = number
+
+    async def _move(self, error: AsyncExecError, attempt: int) -> None:
+        """After workers were lost to a preemption: count it against ``max_preemptions`` and
+        put the group aside; the next attempt (``attempt``) starts at once, on a new group, from
+        the latest checkpoint (the one taken on notice), as a planned start that the restart
+        policy does not count. Draining nodes take no new work: the new group lands elsewhere.
+
+        Raises:
+            PreemptionsSpent: one preemption beyond ``max_preemptions`` (the group is discarded
+                and the steps completed before the loss are delivered first).
+        """
+        ctx = self.ctx
+        ctx.run.failures.append(error)
+        ctx.run.state = RunState.RESTARTING
+        latest = ctx.checkpoint
+        ctx.slot.restore_from = latest  # the roles' instances the restart makes
+        path = latest.path if latest else None
+        try:
+            ctx.preemption.charge(error, attempt=attempt, checkpoint=path)
+        except PreemptionsSpent:
+            with anyio.CancelScope(shield=True):
+                await ctx.slot.discard(force=True)
+            ctx.session_live = False
+            await ctx.handover.drain()
+            raise
+        with anyio.CancelScope(shield=True):
+            await ctx.slot.resize(force=True)
+        ctx.session_live = False
 
     async def _attempt(self, number: int) -> list[Any]:
         ctx = self.ctx
@@ -172,6 +212,7 @@ class AlignedRun:
                 # Health is watched from the first call on: a worker can die or hang (blocked
                 # in C code holding the GIL) while its function is being started.
                 tg.start_soon(watch, group, attempt.fail)
+                tg.start_soon(ctx.preemption.watch, group)
                 try:
                     await self._start(group, number)
                     await self._follow(tg, group, window, attempt)
@@ -181,7 +222,10 @@ class AlignedRun:
             tg.cancel_scope.cancel()
         if attempt.failures:
             ctx.handover.queue(window.asm.take(window.asm.ready))
-            raise await self._blame(group, attempt.failures)
+            error = await self._blame(group, attempt.failures)
+            if await ctx.preemption.is_preemption(attempt.failures):
+                raise Preempted(error)
+            raise error
         if attempt.grown and not finished:  # a safe point: restart from the latest checkpoint
             ctx.handover.queue(window.asm.take(window.asm.ready))
             raise Resize(attempt.grown[0])

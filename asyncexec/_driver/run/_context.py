@@ -1,7 +1,7 @@
 """What the two ways of running (aligned attempts, independent ranks) share of one run: its
 state, the executor's group slot and restart policy, the hand-over to the iterator, the run's
-meter and log, and the few things both do the same way (the payload, each rank's start record,
-logging a failure).
+meter and log, the watch on its nodes' preemption, and the few things both do the same way (the
+payload, each rank's start record, logging a failure).
 
 The engine (``_engine``) makes one and hands it to the way of running the run asks for; neither
 reaches into the other.
@@ -21,6 +21,7 @@ from .._metrics import RunMeter
 from .._restart import RestartPolicy
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._iterator import RunCore
+from ._preemption import PreemptionWatch
 from ._spec import RunSpec
 from ._window import HandOver, Window
 
@@ -43,6 +44,7 @@ class RunContext:
         handover: HandOver,
         meter: RunMeter,
         log: Any,
+        preemption: PreemptionWatch,
     ) -> None:
         self.slot = slot
         self.config: ExecutorConfig = slot.config
@@ -53,6 +55,8 @@ class RunContext:
         self.handover = handover
         self.meter = meter
         self.log = log
+        #: What the run knows of its nodes' preemption (notices, and the budget's count).
+        self.preemption = preemption
         #: The checkpoint a restart starts from when no completed step carried one (the run's
         #: start, or a resumed run's record).
         self.latest: Checkpoint | None = spec.checkpoint

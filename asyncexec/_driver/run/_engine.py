@@ -27,11 +27,11 @@ from ._aligned import AlignedRun
 from ._context import RunContext
 from ._independent import IndependentRun
 from ._iterator import RunCore, RunEnd, RunState
+from ._preemption import NoticedHandOver, PreemptionWatch
 from ._prune import Pruner
 from ._recorder import Recorder
 from ._spec import RunSpec
 from ._steps import RunResult
-from ._window import HandOver
 
 __all__ = ["RunDriver"]
 
@@ -47,17 +47,21 @@ class RunDriver:
         send: MemoryObjectSendStream[Any],
         spec: RunSpec,
         on_end: Callable[[RunCore], None],
+        on_preempted: Callable[[], None] | None = None,
     ) -> None:
+        """``on_end`` is called with the run when it has ended, ``on_preempted`` at each restart
+        after a preemption (the executor's count)."""
         config = slot.config
         log = slot.log.bind(run_id=run.run_id)
         ckpt = config.checkpoint
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
         self.pruner = Pruner(log)
-        handover = HandOver(run, send, book, self.pruner.submit)
         meter = RunMeter(config.name, self._held, self._buffered)
+        watch = PreemptionWatch(slot.cluster, policy, meter, log, on_preempted)
+        handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
         if metrics() is not None:
             handover.meter = meter
-        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log)
+        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch)
         self.recorder = Recorder(self.ctx, self.pruner) if spec.name is not None else None
         self._send = send
         self._on_end = on_end
@@ -145,6 +149,7 @@ class RunDriver:
             run.attempt,
             list(run.failures),
             checkpoints,
+            list(self.ctx.preemption.notices),
         )
 
     # Metrics ----------------------------------------------------------------------------------

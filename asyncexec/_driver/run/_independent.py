@@ -7,7 +7,8 @@ is no reason to stop the others. In such a run (``run(..., independent=True)``):
 - each rank lives under the restart policy of its own: when it crashes, hangs or is lost (or
   raises, when the policy restarts on user errors), a standby spare on its node, or else a fresh
   process in its bundle, takes its place, and only its function starts again, from the rank's own
-  latest checkpoint; the other ranks' functions are never stopped;
+  latest checkpoint; the other ranks' functions are never stopped; a rank lost to a preemption
+  (see ``_preemption``) is renewed under the preemption budget instead, once per rank;
 - the stream yields each report as soon as it arrives, as a :class:`Step` with one report:
   ``Step.index`` is the report's position in the run's stream (arrival order, over every rank),
   ``Step.rank`` its rank, ``Step.attempt`` the rank's attempt (1, then 2 after its first
@@ -42,10 +43,12 @@ from ..._errors import (
     describe,
 )
 from ..._protocol import Poll
+from .._restart import PreemptionsSpent
 from ..cluster import outcome_error
 from ..group import WorkerGroup, refill_spare, renew_rank, watch
 from ._context import RunContext
 from ._iterator import RunCore, RunState
+from ._preemption import exhausted
 from ._steps import StepBatch
 from ._window import min_poll, pump, versions_of
 
@@ -134,6 +137,7 @@ class IndependentRun:
         payload = await self.ctx.payload()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.credit.account)
+            tg.start_soon(self.ctx.preemption.watch, group)
             async with anyio.create_task_group() as lives:
                 for rank in range(len(group.workers)):
                     lives.start_soon(self._life, rank, group, payload, lives.cancel_scope)
@@ -164,33 +168,45 @@ class IndependentRun:
             )
 
         retrying = ctx.policy.retrying(before_sleep, lambda: progressed[0])
+        moves = 0  # renewals after a preemption: attempts the restart policy does not count
         try:
             try:
                 async for attempt in retrying:
                     with attempt:
-                        number = attempt.retry_state.attempt_number
-                        before = self.delivered[rank]
-                        try:
-                            self.values[rank] = await self._attempt(rank, number, group, payload)
-                            return
-                        except AsyncExecError as exc:
-                            progressed[0] = self.delivered[rank] > before
-                            failures.append(exc)
-                            self.run.failures.append(exc)
-                            ctx.log_failure(exc)
-                            raise
+                        moved = False
+                        while True:
+                            number = attempt.retry_state.attempt_number + moves
+                            before = self.delivered[rank]
+                            try:
+                                self.values[rank] = await self._attempt(
+                                    rank, number, group, payload, moved
+                                )
+                                return
+                            except AsyncExecError as exc:
+                                progressed[0] = self.delivered[rank] > before
+                                failures.append(exc)
+                                self.run.failures.append(exc)
+                                ctx.log_failure(exc)
+                                if not await ctx.preemption.is_preemption([exc]):
+                                    raise
+                                ctx.preemption.charge(exc, rank=rank, attempt=number + 1)
+                            moves, moved = moves + 1, True
             except tenacity.RetryError:
                 last = failures[-1] if failures else None
                 raise RestartsExhaustedError(self.attempts[rank], failures) from last
+            except PreemptionsSpent as spent:
+                raise exhausted(spent, self.attempts[rank], failures) from spent.failure
         except AsyncExecError as exc:
             if self.error is None:
                 self.error = exc
             lives.cancel()
 
-    async def _attempt(self, rank: int, number: int, group: WorkerGroup, payload: Any) -> Any:
+    async def _attempt(
+        self, rank: int, number: int, group: WorkerGroup, payload: Any, preempted: bool = False
+    ) -> Any:
         ctx = self.ctx
         if number > 1:
-            await self._renew(rank, group)
+            await self._renew(rank, group, preempted)
             self.attempts[rank] = number
             self.run.attempt = 1 + sum(a - 1 for a in self.attempts)
         worker = group.workers[rank]
@@ -224,8 +240,9 @@ class IndependentRun:
             raise failed[0]
         return value[0]
 
-    async def _renew(self, rank: int, group: WorkerGroup) -> None:
-        """Put a spare or a fresh process in ``rank``'s place; the others keep running."""
+    async def _renew(self, rank: int, group: WorkerGroup, preempted: bool) -> None:
+        """Put a spare or a fresh process in ``rank``'s place; the others keep running. A
+        renewal after a preemption is counted as one, not as a restart."""
         spares = len(group.spares)
         group.restore_from = self.latest[rank]  # the new worker's roles restore from it
         try:
@@ -241,7 +258,8 @@ class IndependentRun:
             )
         self.generation[rank] += 1
         slot = self.ctx.slot
-        slot.restarts += 1
+        if not preempted:
+            slot.restarts += 1
         if len(group.spares) < spares and slot.tg is not None:
             slot.tg.start_soon(refill_spare, group, freed.bundle)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._checkpoint import Checkpoint
+from ..._protocol import PreemptionNotice
 
 __all__ = ["Report", "RunResult", "Step", "StepBatch"]
 
@@ -57,6 +58,9 @@ class Step:
         attempt: the attempt that produced it (1 for the first).
         reports: one Report per rank, in rank order.
         checkpoint: the persisted checkpoint this step carried, if any rank reported one.
+        preemption: the notice that nodes of the step's group are about to be taken away (see
+            :class:`PreemptionNotice`), when one was in effect as the step was handed over;
+            None otherwise (the steps of the attempt after the move carry none).
     """
 
     # A step from a run holds its ranks' metrics as they arrived (``_row``) and builds its
@@ -71,6 +75,7 @@ class Step:
         "attempt",
         "checkpoint",
         "index",
+        "preemption",
     )
 
     def __init__(
@@ -80,6 +85,7 @@ class Step:
         reports: Sequence[Report],
         checkpoint: Checkpoint | None = None,
         rank: int | None = None,
+        preemption: PreemptionNotice | None = None,
     ) -> None:
         self.index = index
         self.attempt = attempt
@@ -89,6 +95,7 @@ class Step:
         self._checkpoint_ranks: tuple[int, ...] = ()
         self._versions: tuple[int | None, ...] | None = None
         self.checkpoint = checkpoint
+        self.preemption = preemption
 
     @property
     def reports(self) -> Sequence[Report]:
@@ -140,7 +147,14 @@ class Step:
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             Step,
-            (self.index, self.attempt, list(self.reports), self.checkpoint, self._rank),
+            (
+                self.index,
+                self.attempt,
+                list(self.reports),
+                self.checkpoint,
+                self._rank,
+                self.preemption,
+            ),
         )
 
 
@@ -151,7 +165,7 @@ class StepBatch:
     at once instead of piling up in the garbage collector's older generations (which cost the
     event loop tens of milliseconds per full collection)."""
 
-    __slots__ = ("attempt", "checkpoints", "first", "ranks", "rows", "versions")
+    __slots__ = ("attempt", "checkpoints", "first", "preemption", "ranks", "rows", "versions")
 
     def __init__(
         self,
@@ -169,6 +183,8 @@ class StepBatch:
         self.versions = versions
         #: Unaligned steps (independent ranks): each row is one report of this rank.
         self.ranks = ranks
+        #: The preemption notice in effect when the batch was handed over (every step's).
+        self.preemption: PreemptionNotice | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -182,6 +198,7 @@ class StepBatch:
         step._row = self.rows[i]
         step._versions = self.versions[i] if self.versions is not None else None
         step._rank = self.ranks[i] if self.ranks is not None else None
+        step.preemption = self.preemption
         if self.checkpoints and i in self.checkpoints:
             step.checkpoint, step._checkpoint_ranks = self.checkpoints[i]
         else:
@@ -192,7 +209,7 @@ class StepBatch:
         """This batch cut into batches of at most ``size`` steps."""
         if len(self.rows) <= size:
             return [self]
-        return [
+        parts = [
             StepBatch(
                 self.first + start,
                 self.attempt,
@@ -203,6 +220,9 @@ class StepBatch:
             )
             for start in range(0, len(self.rows), size)
         ]
+        for part in parts:
+            part.preemption = self.preemption
+        return parts
 
 
 @dataclass(frozen=True)
@@ -216,8 +236,11 @@ class RunResult:
         steps: how many steps were delivered, over all attempts.
         attempts: how many attempts ran (1 when nothing failed; for independent ranks, 1 plus
             the ranks replaced).
-        failures: the error that ended each failed attempt (or rank), in order.
+        failures: the error that ended each failed attempt (or rank), in order (a worker lost
+            to a preemption included).
         checkpoints: for independent ranks, each rank's latest checkpoint (else empty).
+        preemption_notices: each preemption notice the run received, in order (a node marked,
+            or its deadline changed).
     """
 
     run_id: str
@@ -227,3 +250,4 @@ class RunResult:
     attempts: int
     failures: list[BaseException] = field(default_factory=list)
     checkpoints: list[Checkpoint | None] = field(default_factory=list)
+    preemption_notices: list[PreemptionNotice] = field(default_factory=list)

@@ -1,0 +1,289 @@
+"""Preemption as an event, not a crash: a run learns that nodes of its group are about to be
+taken away, tells its workers, and charges the loss of their workers to a budget of its own.
+
+A spot or preemptible node is announced before it goes: the cluster marks it as draining, with a
+deadline (Ray's ``DrainNode``, which a cloud's preemption notice or an autoscaler sends the GCS).
+While an attempt runs, :meth:`PreemptionWatch.watch` asks the cluster every
+``RestartPolicy.preemption_check_interval_s`` which nodes are draining (one cheap look-up, off
+the loop). When one of the group's nodes is marked, or its deadline changes:
+
+- the run learns it: a :class:`PreemptionNotice` (the earliest deadline, the marked nodes, the
+  ranks on them) joins ``RunResult.preemption_notices``, is logged (``preemption_noticed``) and
+  counted (``asyncexec_preemptions{stage="noticed"}``), and every step handed over from then on
+  in the attempt carries it (``Step.preemption``);
+- every worker of the group learns it (``get_preemption_info()``), so that the function can save
+  a checkpoint before the deadline.
+
+Ray does nothing at the deadline: the node goes when the cloud (or whoever drained it) takes it.
+When the workers die with it, the attempt's failure is a preemption (:meth:`charge`): a death on
+a node seen draining, or on one whose cause of death in the node table is a preemption drain
+(when the drain came and went between two looks). It restarts from the latest checkpoint (the
+one taken on notice) without waiting and without counting against the restart policy, under
+``RestartPolicy.max_preemptions``; draining nodes take no new work, so the new group lands
+elsewhere. A drain the cluster rejected is never listed; a later drain with no deadline (an
+idle termination's, which replaces a preemption's) leaves the notice as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ..._checkpoint import CheckpointBook
+from ..._errors import (
+    AsyncExecError,
+    NodeLostError,
+    RestartsExhaustedError,
+    WorkerCrashedError,
+    WorkerUnreachableError,
+    describe,
+    short_node,
+)
+from ..._protocol import PreemptionNotice
+from .._metrics import RunMeter
+from .._restart import PreemptionsSpent, RestartPolicy
+from ..cluster import Cluster, Handle
+from ..group import WorkerGroup
+from ._iterator import RunCore
+from ._steps import StepBatch
+from ._window import HandOver
+
+__all__ = [
+    "NoticedHandOver",
+    "Preempted",
+    "PreemptionWatch",
+    "exhausted",
+    "mark",
+    "notice_of",
+]
+
+#: How long telling one worker of a notice may take (a worker that does not answer in time is
+#: the health watch's business).
+TELL_TIMEOUT_S = 5.0
+#: Failures that are a worker's death (its node's, when that node was drained).
+_DEATHS = (WorkerCrashedError, NodeLostError, WorkerUnreachableError)
+
+Marked = dict[str, float | None]  # node id -> deadline (seconds since the epoch) or None
+
+
+class Preempted(Exception):  # a signal from an attempt to its driver, not an error
+    """The attempt ended because workers were lost to a preemption (``error`` says which)."""
+
+    def __init__(self, error: AsyncExecError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def mark(marked: Marked, drains: Mapping[str, float | None], nodes: set[str]) -> None:
+    """Bring ``marked`` (the group's nodes marked as draining, with their deadlines) up to date
+    with the cluster's ``drains``, for a group on ``nodes``. Pure.
+
+    A node stays marked while workers of the group are on it, also once the cluster no longer
+    lists it (it is gone: the failure is on its way); a deadline that becomes None (a drain
+    without one replaced the first, as an idle termination does) leaves the mark as it was."""
+    for node in [n for n in marked if n not in nodes]:  # no worker of the group is left there
+        del marked[node]
+    for node, deadline in drains.items():
+        if node not in nodes:
+            continue
+        if node not in marked or (deadline is not None and deadline != marked[node]):
+            marked[node] = deadline
+
+
+def notice_of(marked: Marked, ranks: Sequence[int], noticed: float) -> PreemptionNotice:
+    """One notice for every marked node: the earliest deadline (None when none has one), the
+    nodes and their ranks, sorted. Pure."""
+    deadlines = [d for d in marked.values() if d is not None]
+    return PreemptionNotice(
+        deadline=min(deadlines) if deadlines else None,
+        node_ids=tuple(sorted(marked)),
+        ranks=tuple(sorted(ranks)),
+        noticed=noticed,
+    )
+
+
+class PreemptionWatch:
+    """One run's view of the preemption of its group's nodes (see the module's docstring)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: RestartPolicy,
+        meter: RunMeter,
+        log: Any,
+        count: Callable[[], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.interval = policy.preemption_check_interval_s
+        self.budget = policy.max_preemptions
+        self.meter = meter
+        self.log = log
+        self._count = count
+        #: Every notice of the run, in order.
+        self.notices: list[PreemptionNotice] = []
+        #: The notice in effect for the current group (stamped on the steps handed over).
+        self.current: PreemptionNotice | None = None
+        #: Restarts after a preemption so far (charged to ``max_preemptions``).
+        self.preemptions = 0
+        self._drained: set[str] = set()  # every node of the run's groups seen draining
+        #: Each (node, deadline) the run has announced, and when it was first seen.
+        self._seen: dict[tuple[str, float | None], float] = {}
+        self._told: dict[str, PreemptionNotice | None] = {}  # by worker key
+        self._failing = False  # the last look-up failed (logged once until one works)
+
+    def __repr__(self) -> str:
+        return f"<PreemptionWatch notices={len(self.notices)} preemptions={self.preemptions}>"
+
+    async def watch(self, group: WorkerGroup) -> None:
+        """Tell the run and ``group``'s workers when nodes of the group are drained, every
+        ``interval`` seconds (not at all when it is None). Runs until cancelled; never fails."""
+        self.current = None
+        if self.interval is None:
+            return
+        marked: Marked = {}
+        while True:
+            drains = await self._read()
+            if drains is not None:
+                await self._update(group, marked, drains)
+            await anyio.sleep(self.interval)
+
+    async def _read(self) -> Mapping[str, float | None] | None:
+        """The cluster's draining nodes, or None when it did not answer (logged once)."""
+        try:
+            drains = await self.cluster.draining()
+        except Exception as exc:
+            drains, error = None, describe(exc)
+        else:
+            error = "no answer in time"
+        if drains is None and not self._failing:
+            self.log.warning("drain_check_failed", error=error)
+        self._failing = drains is None
+        return drains
+
+    async def _update(
+        self, group: WorkerGroup, marked: Marked, drains: Mapping[str, float | None]
+    ) -> None:
+        nodes = {w.metadata.node_id for w in group.workers}
+        mark(marked, drains, nodes)
+        self._drained.update(marked)
+        ranks = [w.rank for w in group.workers if w.metadata.node_id in marked]
+        now = time.time()
+        fresh = [pair for pair in marked.items() if pair not in self._seen]
+        for pair in fresh:
+            self._seen[pair] = now
+        notice = None
+        if marked:
+            noticed = max(self._seen[pair] for pair in marked.items())
+            notice = notice_of(marked, ranks, noticed)
+            if notice == self.current:
+                notice = self.current  # the same word: nobody is told again
+            if fresh:
+                self._announce(notice)
+        self.current = notice
+        await self._tell(group, notice)
+
+    def _announce(self, notice: PreemptionNotice) -> None:
+        self.notices.append(notice)
+        self.meter.preempted("noticed")
+        left = notice.seconds_left()
+        self.log.warning(
+            "preemption_noticed",
+            node_ids=[short_node(n) for n in notice.node_ids],
+            ranks=list(notice.ranks),
+            deadline=notice.deadline,
+            seconds_left=None if left is None else round(left, 3),
+        )
+
+    async def _tell(self, group: WorkerGroup, notice: PreemptionNotice | None) -> None:
+        """Give ``notice`` to each worker of ``group`` that holds another word (None only to
+        those told something before), all at once, each within :data:`TELL_TIMEOUT_S`."""
+        async with anyio.create_task_group() as tg:
+            for worker in group.workers:
+                key = worker.handle.key
+                if self._told.get(key) is not notice:
+                    self._told[key] = notice
+                    tg.start_soon(self._tell_one, worker.handle, notice)
+
+    async def _tell_one(self, handle: Handle, notice: PreemptionNotice | None) -> None:
+        try:
+            with anyio.move_on_after(TELL_TIMEOUT_S):
+                await handle.call("notify_preemption", notice)
+        except Exception as exc:  # a dead worker: its death is the health watch's to report
+            self.log.debug(
+                "preemption_notice_undelivered", worker=repr(handle), error=describe(exc)
+            )
+
+    # After a failure ---------------------------------------------------------------------------
+
+    async def is_preemption(self, failures: Sequence[AsyncExecError]) -> bool:
+        """Whether ``failures`` (of one attempt, or of one rank) are a preemption: a worker died
+        (crashed, lost its node, could not be reached) on a node seen draining, or on a node
+        that a preemption drain took (the node table's cause of death: a drain that came and
+        went between two looks). Any such death makes it one, whatever the other ranks'
+        failures (their collectives fail with it)."""
+        deaths = [f for f in failures if isinstance(f, _DEATHS)]
+        if any(f.node_id in self._drained for f in deaths):
+            return True
+        lost = {f.node_id for f in deaths if f.node_id}
+        if not lost:
+            return False
+        found: set[str] = set()
+        try:
+            with anyio.CancelScope(shield=True):  # bounded by the seam
+                found = await self.cluster.preempted(lost)
+        except Exception as exc:
+            self.log.warning("preemption_check_failed", error=describe(exc))
+        return bool(found)
+
+    def charge(self, error: AsyncExecError, **fields: Any) -> None:
+        """Count a preemption (``error`` is its failure) against ``max_preemptions``, and log
+        the restart that follows (with ``fields``).
+
+        Raises:
+            PreemptionsSpent: it is one preemption beyond ``max_preemptions``.
+        """
+        self.preemptions += 1
+        if self.budget is not None and self.preemptions > self.budget:
+            raise PreemptionsSpent(error, self.preemptions, self.budget)
+        if self._count is not None:
+            self._count()
+        self.meter.preempted("restarted")
+        self.log.warning(
+            "restarting_after_preemption",
+            preemptions=self.preemptions,
+            max_preemptions=self.budget,
+            error=describe(error),
+            **fields,
+        )
+
+
+def exhausted(spent: PreemptionsSpent, attempts: int, failures: list[Any]) -> AsyncExecError:
+    """The run's error when a preemption came beyond the budget: the restart policy's
+    :class:`RestartsExhaustedError`, with a note that says it was the preemptions'."""
+    error = RestartsExhaustedError(attempts, failures)
+    error.add_note(spent.note)
+    return error
+
+
+class NoticedHandOver(HandOver):
+    """The hand-over of a run whose steps carry the preemption notice in effect as they are
+    handed over (``Step.preemption``)."""
+
+    def __init__(
+        self,
+        run: RunCore,
+        send: MemoryObjectSendStream[Any],
+        book: CheckpointBook,
+        prune: Callable[[list[str]], None],
+        watch: PreemptionWatch,
+    ) -> None:
+        super().__init__(run, send, book, prune)
+        self.watch = watch
+
+    def queue(self, batch: StepBatch) -> None:
+        batch.preemption = self.watch.current
+        super().queue(batch)

@@ -1,0 +1,336 @@
+"""Preemption as an event, not a crash: a node drained with Ray's real ``DrainNode`` (reason
+preemption, with a deadline) is noticed by the run and its workers, the function checkpoints on
+notice, and after the node is gone the run goes on from that checkpoint under a budget of its
+own; a drain that is rejected, or replaced by one without a deadline, changes nothing; local mode
+has none of it. The pure parts (marks, notices, the policy's budget) are tested without Ray."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import ray
+import tenacity
+from ray.core.generated import autoscaler_pb2
+from structlog.testing import capture_logs
+
+import asyncexec
+from asyncexec._driver._restart import PreemptionsSpent
+from asyncexec._driver.run._preemption import mark, notice_of
+
+PREEMPTION = "DRAIN_NODE_REASON_PREEMPTION"
+IDLE = "DRAIN_NODE_REASON_IDLE_TERMINATION"
+#: Looks at the drain state this often in the tests (1 s by default).
+CHECK_S = 0.05
+TWO_NODES = [{"num_cpus": 2}, {"num_cpus": 2}]
+
+
+# Without Ray ----------------------------------------------------------------------------------
+
+
+def test_marks_follow_the_groups_drained_nodes_and_keep_a_deadline_that_a_later_drain_drops() -> (
+    None
+):
+    marked: dict[str, float | None] = {}
+    mark(marked, {"other": 5.0}, {"a", "b"})
+    assert marked == {}  # a node without a worker of the group is none of its business
+    mark(marked, {"a": 10.0}, {"a", "b"})
+    assert marked == {"a": 10.0}
+    mark(marked, {"a": None}, {"a", "b"})  # an idle termination's drain replaced it
+    assert marked == {"a": 10.0}
+    mark(marked, {"a": 12.0, "b": None}, {"a", "b"})  # a new deadline, a drain without one
+    assert marked == {"a": 12.0, "b": None}
+    mark(marked, {}, {"a", "b"})  # dead nodes leave the list: the failure is on its way
+    assert marked == {"a": 12.0, "b": None}
+    mark(marked, {}, {"b"})  # the group has no worker on "a" any more
+    assert marked == {"b": None}
+
+
+def test_one_notice_covers_every_marked_node_with_the_earliest_deadline() -> None:
+    notice = notice_of({"n2": 20.0, "n1": None, "n3": 15.0}, [5, 1, 3], 7.0)
+    assert notice == asyncexec.PreemptionNotice(15.0, ("n1", "n2", "n3"), (1, 3, 5), 7.0)
+    assert notice_of({"n1": None}, [0], 7.0).deadline is None
+    assert pickle.loads(pickle.dumps(notice)) == notice
+    assert notice.seconds_left() == 0.0  # 15 s after the epoch is long past
+    assert notice_of({"n1": None}, [0], 7.0).seconds_left() is None
+    ahead = asyncexec.PreemptionNotice(time.time() + 60, ("n",), (0,), time.time())
+    left = ahead.seconds_left()
+    assert left is not None and 50 < left <= 60
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_preemptions": -1},
+        {"max_preemptions": 1.5},
+        {"max_preemptions": True},
+        {"preemption_check_interval_s": 0},
+        {"preemption_check_interval_s": -1.0},
+        {"preemption_check_interval_s": float("nan")},
+        {"preemption_check_interval_s": float("inf")},
+        {"preemption_check_interval_s": "1"},
+    ],
+)
+def test_restart_policy_refuses_a_bad_preemption_budget_or_interval(options: Any) -> None:
+    with pytest.raises(asyncexec.ConfigurationError):
+        asyncexec.RestartPolicy(**options)
+
+
+async def test_a_spent_preemption_budget_is_never_restarted_whatever_retry_if_says() -> None:
+    policy = asyncexec.RestartPolicy(retry_if=lambda exc: True, max_preemptions=0)
+    assert policy.max_preemptions == 0
+    assert asyncexec.RestartPolicy().max_preemptions is None  # no bound by default
+    failure = asyncexec.NodeLostError(1, node_id="n" * 20, attempt=1, detail="gone")
+    tries = 0
+    with pytest.raises(PreemptionsSpent) as info:
+        async for attempt in policy.retrying(before_sleep=lambda state: None):
+            with attempt:
+                tries += 1
+                raise PreemptionsSpent(failure, 1, 0)
+    assert tries == 1
+    assert "max_preemptions=0" in info.value.note
+
+
+def test_get_preemption_info_outside_a_worker_refuses() -> None:
+    with pytest.raises(asyncexec.ExecutorStateError, match="inside an asyncexec worker"):
+        asyncexec.get_preemption_info()
+
+
+# The function and the drains ----------------------------------------------------------------
+
+
+def _save(step: int) -> asyncexec.Checkpoint:
+    directory = tempfile.mkdtemp()
+    (Path(directory) / "step").write_text(str(step))
+    return asyncexec.Checkpoint.from_directory(directory)
+
+
+def until_noticed(config: dict[str, Any]) -> asyncexec.PreemptionNotice | None:
+    """Report a step every ``sleep`` seconds; rank 0 checkpoints after step ``early`` and again
+    at the first step that sees a preemption notice. A restart goes on from its checkpoint for
+    ``after`` steps. Returns the first notice the rank saw."""
+    ctx = asyncexec.get_context()
+    start = 0
+    checkpoint = asyncexec.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            start = int((Path(directory) / "step").read_text())
+    end = config["steps"] if start == 0 else start + config["after"]
+    noticed: asyncexec.PreemptionNotice | None = None
+    for i in range(start, end):
+        time.sleep(config["sleep"])
+        info = asyncexec.get_preemption_info()
+        first = info is not None and noticed is None
+        noticed = noticed or info
+        saved = None
+        if ctx.world_rank == 0 and (first or i == config["early"]):
+            saved = _save(i + 1)
+        asyncexec.report({"i": i, "start": start, "noticed": info is not None}, checkpoint=saved)
+    return noticed
+
+
+def _drain(node_id: str, reason: str, deadline: float) -> tuple[bool, str]:
+    """Ray's own drain call, through the driver's GCS client (as an autoscaler makes it);
+    ``deadline`` in seconds since the epoch, 0 for none."""
+    gcs = ray._private.worker.global_worker.gcs_client
+    code = autoscaler_pb2.DrainNodeReason.Value(reason)
+    accepted, why = gcs.drain_node(node_id, code, "test", int(deadline * 1000), timeout=10)
+    return bool(accepted), str(why)
+
+
+async def drain(node_id: str, reason: str, deadline: float) -> tuple[bool, str]:
+    return await anyio.to_thread.run_sync(_drain, node_id, reason, deadline)
+
+
+async def draining() -> dict[str, int]:
+    gcs = ray._private.worker.global_worker.gcs_client
+    found: dict[str, int] = await anyio.to_thread.run_sync(gcs.get_draining_nodes, 10)
+    return found
+
+
+async def remove_after(cluster: Any, node: Any, deadline: float) -> None:
+    """What the cloud does: take the node once its deadline has passed (Ray itself does nothing
+    at the deadline). Off the loop: the removal waits for the node's processes."""
+    await anyio.sleep(max(0.0, deadline - time.time()))
+    await anyio.to_thread.run_sync(lambda: cluster.remove_node(node, allow_graceful=False))
+
+
+def _spread(policy: asyncexec.RestartPolicy, storage: Path) -> asyncexec.Executor:
+    """Two workers, one on each node (the driver's, rank 0, first)."""
+    return asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.5},
+        placement_strategy="SPREAD",
+        restart=policy,
+        storage_path=storage,
+    )
+
+
+# On two nodes -------------------------------------------------------------------------------
+
+
+@pytest.mark.multinode
+@pytest.mark.timeout(120)
+async def test_drained_node_is_noticed_checkpointed_and_left_without_counting_a_restart(
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+) -> None:
+    """A node drained with a deadline 2 s ahead: the run and both workers see the notice, rank
+    0 checkpoints on it, the node goes after its deadline, and the run goes on on the other node
+    from that checkpoint (not the earlier one), charged to the preemption budget: no restart is
+    counted, and the policy allows none."""
+    cluster = make_cluster(TWO_NODES)
+    (node,) = cluster.worker_nodes
+    policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=CHECK_S)
+    config = {"steps": 400, "after": 5, "sleep": 0.05, "early": 2}
+    async with _spread(policy, tmp_path) as ex:
+        (doomed,) = [w.world_rank for w in ex.workers if w.node_id == node.node_id]
+        head = ex.workers[1 - doomed].node_id
+        run = ex.run(until_noticed, config)
+        steps: list[asyncexec.Step] = []
+        deadline = drained = 0.0
+        with capture_logs() as logs:
+            async for step in run:
+                steps.append(step)
+                if step.attempt == 1 and step.index == config["early"] + 1:
+                    drained, deadline = time.time(), time.time() + 2.0
+                    assert await drain(node.node_id, PREEMPTION, deadline) == (True, "")
+                if step.attempt == 1 and step.checkpoint and step.metrics["noticed"]:
+                    await remove_after(cluster, node, deadline)
+        result, stats = run.result, ex.statistics()
+        assert {w.node_id for w in ex.workers} == {head}
+    # The run and the consumer learned it once: the node, its rank, the deadline given.
+    (notice,) = result.preemption_notices
+    assert notice.node_ids == (node.node_id,) and notice.ranks == (doomed,)
+    assert notice.deadline == pytest.approx(deadline, abs=0.002)
+    assert drained <= notice.noticed < deadline
+    first = [s for s in steps if s.attempt == 1]
+    second = [s for s in steps if s.attempt == 2]
+    seen = [s for s in first if s.preemption is not None]
+    assert seen and all(s.preemption == notice for s in seen)
+    assert all(s.preemption is None for s in first if s.index <= config["early"] + 1)
+    assert second and all(s.preemption is None for s in second)
+    # Every rank's function saw it; rank 0 checkpointed on it, and the run went on from there.
+    for rank in (0, 1):
+        assert any(s.reports[rank].metrics["noticed"] for s in first), rank
+    (on_notice,) = [s for s in first if s.checkpoint and s.metrics["noticed"]]
+    start = second[0].metrics["start"]
+    assert start == on_notice.metrics["i"] + 1 > config["early"] + 1
+    assert [s.metrics["i"] for s in second] == list(range(start, start + config["after"]))
+    assert result.return_values == [None, None]  # the new group has no notice
+    # Charged to the preemption budget, not to the restart policy.
+    (lost,) = result.failures
+    assert isinstance(lost, asyncexec.NodeLostError | asyncexec.WorkerCrashedError), lost
+    assert (lost.rank, lost.node_id, lost.attempt) == (doomed, node.node_id, 1)
+    assert result.attempts == 2
+    assert (stats.restarts, stats.preemptions) == (0, 1)
+    events = [e["event"] for e in logs]
+    assert events.count("preemption_noticed") == 1
+    assert events.count("restarting_after_preemption") == 1
+    assert "restarting" not in events
+
+
+@pytest.mark.multinode
+@pytest.mark.timeout(120)
+async def test_preemption_beyond_the_budget_ends_the_run_even_unseen_by_the_watch(
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+) -> None:
+    """With the drain checks off, the lost node's cause of death in Ray's node table makes the
+    loss a preemption; with ``max_preemptions=0`` it ends the run at once (the restart policy,
+    which allows two restarts, is not asked), and the error says why."""
+    cluster = make_cluster(TWO_NODES)
+    (node,) = cluster.worker_nodes
+    policy = asyncexec.RestartPolicy(
+        max_restarts=2,
+        max_preemptions=0,
+        preemption_check_interval_s=None,
+        wait=tenacity.wait_none(),
+    )
+    config = {"steps": 400, "after": 5, "sleep": 0.05, "early": 2}
+    async with _spread(policy, tmp_path) as ex:
+        (doomed,) = [w.world_rank for w in ex.workers if w.node_id == node.node_id]
+        run = ex.run(until_noticed, config)
+        steps: list[asyncexec.Step] = []
+        with pytest.raises(asyncexec.RestartsExhaustedError) as info:
+            async for step in run:
+                steps.append(step)
+                if step.index == config["early"] + 1:
+                    deadline = time.time() + 0.5
+                    assert await drain(node.node_id, PREEMPTION, deadline) == (True, "")
+                    await remove_after(cluster, node, deadline)
+        stats = ex.statistics()
+    error = info.value
+    assert "preemption 1 is beyond RestartPolicy.max_preemptions=0" in "".join(error.__notes__)
+    (lost,) = error.failures
+    assert isinstance(lost, asyncexec.NodeLostError | asyncexec.WorkerCrashedError), lost
+    assert (lost.rank, lost.node_id) == (doomed, node.node_id)
+    assert error.attempts == 1 and error.__cause__ is lost
+    assert {s.attempt for s in steps} == {1}
+    assert all(s.preemption is None for s in steps)  # the watch was off: no notice
+    assert (stats.restarts, stats.preemptions, stats.runs_failed) == (0, 0, 1)
+
+
+@pytest.mark.multinode
+@pytest.mark.timeout(120)
+async def test_rejected_drain_and_one_without_deadline_change_nothing(
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+) -> None:
+    """An idle-termination drain of the node that holds a worker is rejected by Ray: no notice.
+    A preemption drain is noticed once; the idle termination that then replaces it (Ray has no
+    cancel: its deadline becomes 0) leaves that notice as it was, and the run ends as usual."""
+    cluster = make_cluster(TWO_NODES)
+    (node,) = cluster.worker_nodes
+    policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=CHECK_S)
+    config = {"steps": 60, "after": 0, "sleep": 0.05, "early": -1}
+    async with _spread(policy, tmp_path) as ex:
+        run = ex.run(until_noticed, config)
+        steps: list[asyncexec.Step] = []
+        deadline = 0.0
+        replaced = None
+        async for step in run:
+            steps.append(step)
+            if step.index == 2:
+                accepted, why = await drain(node.node_id, IDLE, 0)
+                assert not accepted and "no longer idle" in why
+            if step.index == 12:  # ten steps (about ten looks at the drain state) later
+                deadline = time.time() + 60
+                assert await drain(node.node_id, PREEMPTION, deadline) == (True, "")
+            if step.preemption is not None and replaced is None:
+                assert await drain(node.node_id, IDLE, 0) == (True, "")
+                assert (await draining())[node.node_id] == 0
+                replaced = step.index
+        result, stats = run.result, ex.statistics()
+    assert replaced is not None and replaced < config["steps"] - 20
+    (notice,) = result.preemption_notices
+    assert notice.deadline == pytest.approx(deadline, abs=0.002)
+    assert all(s.preemption is None for s in steps[:13])
+    assert all(s.preemption == notice for s in steps[replaced:])
+    assert result.return_values == [notice, notice]  # what each rank's function saw
+    assert (result.attempts, result.failures) == (1, [])
+    assert (stats.restarts, stats.preemptions) == (0, 0)
+
+
+# Anywhere -----------------------------------------------------------------------------------
+
+
+async def test_without_a_drain_there_is_no_notice(mode: str, tmp_path: Path) -> None:
+    """On Ray (no node drained) and in local mode (nothing to drain) a run sees no notice."""
+    policy = asyncexec.RestartPolicy(preemption_check_interval_s=CHECK_S)
+    config = {"steps": 10, "after": 0, "sleep": 0.02, "early": 3}
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, restart=policy, storage_path=tmp_path
+    ) as ex:
+        run = ex.run(until_noticed, config)
+        steps = [s async for s in run]
+        assert [s.preemption for s in steps] == [None] * 10
+        assert run.result.return_values == [None, None]
+        assert run.result.preemption_notices == []
+        assert ex.statistics().preemptions == 0
+        assert await ex.execute(asyncexec.get_preemption_info) == [None, None]
+    assert os.environ.get("ASYNCEXEC_LOCAL") == ("1" if mode == "local" else None)
