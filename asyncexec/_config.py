@@ -27,6 +27,7 @@ __all__ = [
     "Timeouts",
     "grouped_options",
     "check_count",
+    "check_stragglers",
     "validate_buffer_size",
     "validate_resources",
 ]
@@ -167,28 +168,53 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class HealthChecks:
-    """How an executor notices a worker that hangs (one that dies is noticed at once).
+    """How an executor notices a worker that hangs (one that dies is noticed at once), and a
+    rank that the others wait for (a straggler).
 
     Args:
         interval_s: how often every worker is pinged (``None``: no pings).
         timeout_s: a worker that does not answer a ping within this is hung.
         step_timeout_s: a rank that has credit and reports nothing for this long is hung
             (``None``, the default: no deadline).
+        straggler_factor: a rank whose steps all take more than this many times the typical
+            rank's (the lower median of the ranks' shortest step), for ``straggler_steps``
+            steps in a row, is a straggler: logged once (``straggler``, with its stack when
+            py-spy can read it) and counted (``asyncexec_stragglers_total``); its steps' times
+            are ``Step.durations``, its own speed, the time it waits for credit left out.
+            ``None``: not watched. Above 1; 2.0 by default.
+        straggler_steps: the steps in a row (10 by default).
     """
 
     interval_s: float | None = 5.0
     timeout_s: float = 30.0
     step_timeout_s: float | None = None
+    straggler_factor: float | None = 2.0
+    straggler_steps: int = 10
 
     def __post_init__(self) -> None:
         _positive("HealthChecks.interval_s", self.interval_s, allow_none=True)
         _positive("HealthChecks.timeout_s", self.timeout_s)
         _positive("HealthChecks.step_timeout_s", self.step_timeout_s, allow_none=True)
+        check_stragglers("HealthChecks.", self.straggler_factor, self.straggler_steps)
         if self.interval_s is not None and self.interval_s < 0.05:
             raise ConfigurationError(
                 f"HealthChecks.interval_s below 0.05 s would flood the workers, got "
                 f"{self.interval_s!r}"
             )
+
+
+def check_stragglers(prefix: str, factor: object, steps: object) -> None:
+    """Refuse a straggler factor that is not a number above 1 (or None), and a count of steps
+    that is not a positive int.
+
+    Raises:
+        ConfigurationError: naming the argument (after ``prefix``) and the value.
+    """
+    if factor is not None and (not _is_number(factor) or float(factor) <= 1):  # type: ignore[arg-type]
+        raise ConfigurationError(
+            f"{prefix}straggler_factor must be a number above 1 or None, got {factor!r}"
+        )
+    check_count(f"{prefix}straggler_steps", steps)
 
 
 #: The keyword arguments ``Executor`` took before they were grouped, and where each went: kept
@@ -278,6 +304,9 @@ class ExecutorConfig:
     health_check_interval_s: float | None = 5.0
     health_check_timeout_s: float = 30.0
     step_timeout_s: float | None = None
+    #: See :class:`HealthChecks`.
+    straggler_factor: float | None = 2.0
+    straggler_steps: int = 10
     stop_timeout_s: float = 10.0
     storage_path: str = field(default_factory=lambda: str(Path.home() / "asyncexec_results"))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -338,6 +367,9 @@ class ExecutorConfig:
             raise ConfigurationError(
                 f"graceful_patience_s must be a non-negative number, got {patience!r}"
             )
+        check_stragglers(
+            "", options.get("straggler_factor", 2.0), options.get("straggler_steps", 10)
+        )
         if "share_devices" in options:
             options["share_devices"] = _share_devices(options["share_devices"])
         if "buffer_size" in options:

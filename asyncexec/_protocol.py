@@ -13,6 +13,7 @@ driver tells every worker with a :class:`PreemptionNotice`.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ __all__ = [
     "Outcome",
     "Poll",
     "PreemptionNotice",
+    "ReportTimes",
     "RoleFailure",
     "RoleMethod",
     "RoleSpec",
@@ -102,6 +104,21 @@ class Poll(NamedTuple):
     checkpoints: dict[int, str] | None
     outcome: Outcome | None
     versions: list[tuple[int, int]] | None = None
+    #: When the reports were made (see :class:`ReportTimes`); None for a poll without reports.
+    times: ReportTimes | None = None
+
+
+class ReportTimes(NamedTuple):
+    """When a poll's reports were made, on the worker's own clock (``time.monotonic()``, which
+    only differences make sense of): ``calls`` holds the time each ``report()`` was called,
+    ``busy`` how long the function ran before it (since its previous ``report()`` returned, or
+    since it started: the time ``report()`` waited for credit or persisted a checkpoint is not
+    in it), one entry per report; ``now`` is when the poll answered, so that the driver can place
+    ``calls`` on its own clock."""
+
+    calls: array[float]
+    busy: array[float]
+    now: float
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ class Metrics:
         self.executors = BoundedLabels("executor", max_executors)
         self.causes = BoundedLabels("cause", MAX_CAUSES)
         self._collectors(prom, registry)
+        self._straggler_collectors(prom, registry)
         #: The active runs of each executor label value; an entry goes with its last run.
         self._watched: dict[str, set[RunMeter]] = {}
         self._lock = threading.Lock()  # runs come and go on their loops while a scrape reads
@@ -220,6 +221,30 @@ class Metrics:
             "or waiting in a worker's buffer for a poll.",
             ex,
             registry=registry,
+        )
+
+    def _straggler_collectors(self, prom: Any, registry: Any) -> None:
+        """The step skew and the stragglers found: by executor only (no rank label, which
+        would grow with the group)."""
+        self.skew = _Bounded(
+            prom.Histogram(
+                "asyncexec_step_skew_seconds",
+                "Seconds between the first and the last rank's report of a step, sampled: the "
+                "last step of each batch handed to a run's iterator.",
+                ["executor"],
+                buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+                registry=registry,
+            ),
+            self.executors,
+        )
+        self.stragglers = _Bounded(
+            prom.Counter(
+                "asyncexec_stragglers",
+                "Ranks found slower than the others (each straggler event).",
+                ["executor"],
+                registry=registry,
+            ),
+            self.executors,
         )
 
     def watch(self, meter: RunMeter) -> None:
@@ -377,6 +402,18 @@ class RunMeter:
     async def refresh(self) -> None:
         with anyio.move_on_after(SCRAPE_WAIT_S), contextlib.suppress(Exception):
             self.buffered = await self._count_buffered()
+
+    def skewed(self, seconds: float) -> None:
+        """A step waited ``seconds`` for its slowest rank (one sample per batch of steps)."""
+        m = _metrics
+        if m is not None:
+            m.skew.labels(self.executor).observe(seconds)
+
+    def straggled(self) -> None:
+        """A straggler was found."""
+        m = _metrics
+        if m is not None:
+            m.stragglers.labels(self.executor).inc()
 
     def failed(self, exc: BaseException | None) -> None:
         m = _metrics

@@ -14,12 +14,14 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
 from .._checkpoint import Checkpoint, join_path, persist_directory
 from .._errors import describe
-from .._protocol import Outcome, Poll, WorkerContext, checkpoint_name
+from .._protocol import Outcome, Poll, ReportTimes, WorkerContext, checkpoint_name
 from ._place import Place
 
 __all__ = ["BATCH_LINGER_S", "Reports", "RunStopped"]
@@ -73,6 +75,12 @@ class Reports:
         #: How many queued reports wake the waiting poll: 1, or a batch (see ``poll``).
         self._poll_wants = 1
         self._wake = asyncio.Event()
+        # When each queued report was made, and how long the function ran before it (see
+        # ``ReportTimes``): two floats a report, in arrays (no object per report).
+        self._calls: array[float] = array("d")
+        self._busy: array[float] = array("d")
+        #: When the function last left ``report()`` (its start, before the first report).
+        self._free = time.monotonic()
 
     def finish(self, outcome: Outcome) -> None:
         """The function has ended: the poll that takes the last report carries ``outcome``."""
@@ -83,6 +91,7 @@ class Reports:
     def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
         # The hot path of a run: one lock, no allocation but the buffer's slot, and no wake-up
         # of the actor's loop unless a poll waits for this very report (once per batch).
+        called = time.monotonic()
         if type(metrics) is not dict:
             if not isinstance(metrics, Mapping):
                 raise TypeError(
@@ -93,22 +102,27 @@ class Reports:
         # not when it has waited for credit (a version installed meanwhile came after it).
         version = self._place.version
         if checkpoint is not None:
-            self._report_checkpoint(metrics, checkpoint, version)
+            self._report_checkpoint(metrics, checkpoint, version, called)
             return
         with self._lock:
+            free = self._free
+            self._free = called
             if self.stopped or self.reported - self._ack >= self._bound:
                 self._wait_credit()
+                self._free = time.monotonic()
             if version != self._version:
                 self._mark_version(version)
             buffer = self._buffer
             buffer.append(metrics)
+            self._calls.append(called)
+            self._busy.append(called - free)
             self.reported += 1
             if self._poll_waiting and len(buffer) >= self._poll_wants:
                 self._poll_waiting = False
                 self._loop.call_soon_threadsafe(self._wake.set)
 
     def _report_checkpoint(
-        self, metrics: dict[str, Any], checkpoint: Checkpoint, version: int | None
+        self, metrics: dict[str, Any], checkpoint: Checkpoint, version: int | None, called: float
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(
@@ -126,6 +140,9 @@ class Reports:
             if version != self._version:
                 self._mark_version(version)
             self._buffer.append(metrics)
+            self._calls.append(called)
+            self._busy.append(called - self._free)
+            self._free = time.monotonic()
             self._checkpoints[seq] = path
             self.reported += 1
             self._wake_poll()
@@ -202,9 +219,13 @@ class Reports:
         buffer = self._buffer
         if len(buffer) <= max_items:
             items, self._buffer = buffer, []
+            calls, self._calls = self._calls, array("d")
+            busy, self._busy = self._busy, array("d")
         else:
             items = buffer[:max_items]
             del buffer[:max_items]
+            calls, busy = self._calls[:max_items], self._busy[:max_items]
+            del self._calls[:max_items], self._busy[:max_items]
         self._sent += len(items)
         ckpts = None
         if self._checkpoints:
@@ -215,7 +236,8 @@ class Reports:
         versions = None
         if self._versions:
             versions, self._versions = self._versions, []
-        poll = Poll(items, ckpts, outcome, versions)
+        times = ReportTimes(calls, busy, time.monotonic()) if items else None
+        poll = Poll(items, ckpts, outcome, versions, times)
         self._inflight = (poll, self._sent - len(items))
         return poll
 
@@ -242,7 +264,10 @@ class Reports:
         )
         kept = {s: p for s, p in (poll.checkpoints or {}).items() if s < seq}
         outcome = Outcome("error", error=error)
-        return Poll(poll.reports[:index], kept or None, outcome, poll.versions)
+        times = poll.times
+        if times is not None:
+            times = ReportTimes(times.calls[:index], times.busy[:index], times.now)
+        return Poll(poll.reports[:index], kept or None, outcome, poll.versions, times)
 
     def buffered(self) -> int:
         """Reports this rank has made that no poll has taken yet (the worker's part of the

@@ -6,6 +6,9 @@ Upper layers get a :class:`Cluster` from :func:`cluster_for` and talk to workers
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from ray import cloudpickle
 
 from ._base import Cluster, Handle, Spawned, awaited, described, settle
@@ -22,6 +25,7 @@ from ._errors import (
 from ._local import LOCAL_NODE, LocalCluster, LocalWorkerGone
 from ._placement import PRECISION, Placement, infeasible_reason
 from ._ray import RayCluster
+from ._sim import SimCluster, SimLoad, SimStatistics
 from ._stacks import DUMP_TIMEOUT_S, NOT_TAKEN, dump_processes, take_stacks
 
 __all__ = [
@@ -37,6 +41,9 @@ __all__ = [
     "LocalWorkerGone",
     "Placement",
     "RayCluster",
+    "SimCluster",
+    "SimLoad",
+    "SimStatistics",
     "Spawned",
     "awaited",
     "backend_error",
@@ -51,6 +58,7 @@ __all__ = [
     "ray_error_kind",
     "release_shards",
     "settle",
+    "simulated",
     "startup_error",
     "take_stacks",
     "validate_datasets",
@@ -62,8 +70,25 @@ dumps = cloudpickle.dumps
 
 _RAY: Cluster = RayCluster()
 _LOCAL: Cluster = LocalCluster()
+#: Simulated clusters in force (see :func:`simulated`), the innermost last.
+_SIMULATED: list[Cluster] = []
 
 
 def cluster_for(local: bool) -> Cluster:
-    """The cluster an executor's workers live in: Ray's, or this process's threads."""
+    """The cluster an executor's workers live in: Ray's, or this process's threads (or, inside
+    :func:`simulated`, the simulated one)."""
+    if _SIMULATED:
+        return _SIMULATED[-1]
     return _LOCAL if local else _RAY
+
+
+@contextlib.contextmanager
+def simulated(cluster: SimCluster) -> Iterator[SimCluster]:
+    """Executors (and pools, reservations) made inside get ``cluster``'s simulated workers,
+    whatever their ``local`` says: the benchmarks' and tests' thousands of cheap ranks (see
+    ``_sim``). Not for applications: nothing public reaches it."""
+    _SIMULATED.append(cluster)
+    try:
+        yield cluster
+    finally:
+        _SIMULATED.remove(cluster)

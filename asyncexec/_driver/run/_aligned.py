@@ -264,6 +264,8 @@ class AlignedRun:
             tg.start_soon(watch_steps, group, window, config.step_timeout_s, attempt.fail)
         if self.ctx.slot.sizer is not None:
             tg.start_soon(self.ctx.slot.sizer.watch_growth, group, attempt.grow)
+        if window.stragglers is not None:
+            tg.start_soon(window.stragglers.serve, group, self.ctx.log, self.ctx.meter)
         await window.assemble(self.ctx.handover)
 
     async def _blame(self, group: WorkerGroup, failures: list[AsyncExecError]) -> AsyncExecError:

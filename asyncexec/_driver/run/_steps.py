@@ -1,16 +1,18 @@
 """What a run yields and returns: Report, Step, RunResult, and the compact StepBatch that
-carries complete steps from the driver task to the iterator."""
+carries complete steps from the driver task to the iterator (with StepTimes: when each rank made
+its reports)."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..._checkpoint import Checkpoint
 from ..._protocol import PreemptionNotice
 
-__all__ = ["Report", "RunResult", "Step", "StepBatch"]
+__all__ = ["Report", "RunResult", "Step", "StepBatch", "StepTimes"]
 
 
 class Report:
@@ -67,6 +69,7 @@ class Step:
     # Report objects the first time ``reports`` is read: a consumer that reads ``metrics``, or
     # nothing, pays for one object per step instead of one per rank and step.
     __slots__ = (
+        "_batch",
         "_checkpoint_ranks",
         "_rank",
         "_reports",
@@ -94,6 +97,7 @@ class Step:
         self._row: tuple[Mapping[str, Any], ...] = ()
         self._checkpoint_ranks: tuple[int, ...] = ()
         self._versions: tuple[int | None, ...] | None = None
+        self._batch: StepBatch | None = None  # a run's step: the batch it came in (its times)
         self.checkpoint = checkpoint
         self.preemption = preemption
 
@@ -132,6 +136,46 @@ class Step:
         return tuple(r.version for r in self.reports)
 
     @property
+    def arrivals(self) -> Mapping[int, float]:
+        """When each rank made its report of this step (called ``report()``), in seconds after
+        the first rank's, by rank: ``{0: 0.0, 1: 0.0021, 2: 0.0004}``; the slowest rank has the
+        largest. Each time is taken on its worker's own clock and placed on the driver's (to
+        within the time a poll takes to arrive), so the clocks of different nodes need not
+        agree. One rank's step (independent ranks) has ``{rank: 0.0}``; empty when not known
+        (a step made by hand).
+
+        Under backpressure the ranks that are ahead wait for credit, so a slow rank's report
+        can come as much as ``buffer_size`` steps after the others': see :attr:`durations` for
+        each rank's own speed."""
+        batch = self._batch
+        if batch is not None and batch.times is not None:
+            return batch.times.arrivals(self.index - batch.first)
+        return {self._rank: 0.0} if self._rank is not None else {}
+
+    @property
+    def skew(self) -> float:
+        """Seconds between the first and the last rank's report of this step: how long the
+        step waited for its slowest rank (the largest of :attr:`arrivals`; 0.0 when not
+        known)."""
+        batch = self._batch
+        if batch is not None and batch.times is not None:
+            return batch.times.skew(self.index - batch.first)
+        return 0.0
+
+    @property
+    def durations(self) -> Mapping[int, float]:
+        """How long each rank's function ran for this step, in seconds, by rank: from the end of
+        its previous ``report()`` (or its start) to this ``report()``, on its own clock. The
+        time ``report()`` waited for credit (for the consumer) is not in it, so a rank held back
+        by a slower one still shows its own speed: the straggler has the longest (see
+        :class:`HealthChecks`). Empty when not known (a step of independent ranks, or made by
+        hand)."""
+        batch = self._batch
+        if batch is not None and batch.times is not None:
+            return batch.times.durations(self.index - batch.first)
+        return {}
+
+    @property
     def metrics(self) -> Mapping[str, Any]:
         """Rank 0's metrics."""
         if self._reports is None:
@@ -158,6 +202,45 @@ class Step:
         )
 
 
+class StepTimes(NamedTuple):
+    """When the ranks made their reports of a batch of steps (see ``ReportTimes``): per rank, the
+    times ``report()`` was called on its worker's clock and how long its function ran before
+    each, one entry per step (NaN where not known), and per rank the offset from its worker's
+    clock to the driver's."""
+
+    calls: list[array[float]]
+    busy: list[array[float]]
+    offsets: list[float]
+
+    def part(self, start: int, stop: int) -> StepTimes:
+        """The times of steps ``start .. stop - 1`` of the batch."""
+        return StepTimes(
+            [c[start:stop] for c in self.calls], [b[start:stop] for b in self.busy], self.offsets
+        )
+
+    def _on_driver(self, i: int) -> list[float]:
+        """Step ``i``'s report times of every rank, on the driver's clock."""
+        return [c[i] + o for c, o in zip(self.calls, self.offsets, strict=True)]
+
+    def arrivals(self, i: int) -> dict[int, float]:
+        """Step ``i``'s report times, in seconds after the first rank's, by rank (the ranks
+        whose time is not known left out)."""
+        known = [(r, t) for r, t in enumerate(self._on_driver(i)) if t == t]
+        if not known:
+            return {}
+        first = min(t for _, t in known)
+        return {r: t - first for r, t in known}
+
+    def skew(self, i: int) -> float:
+        """Seconds between the first and the last rank's report of step ``i``."""
+        known = [t for t in self._on_driver(i) if t == t]
+        return max(known) - min(known) if known else 0.0
+
+    def durations(self, i: int) -> dict[int, float]:
+        """How long each rank's function ran for step ``i``, by rank."""
+        return {r: b[i] for r, b in enumerate(self.busy) if b[i] == b[i]}
+
+
 class StepBatch:
     """Complete steps as they travel from the driver task to the iterator: one tuple of metrics
     per step (one entry per rank) and the few checkpoints. The iterator builds each
@@ -165,7 +248,16 @@ class StepBatch:
     at once instead of piling up in the garbage collector's older generations (which cost the
     event loop tens of milliseconds per full collection)."""
 
-    __slots__ = ("attempt", "checkpoints", "first", "preemption", "ranks", "rows", "versions")
+    __slots__ = (
+        "attempt",
+        "checkpoints",
+        "first",
+        "preemption",
+        "ranks",
+        "rows",
+        "times",
+        "versions",
+    )
 
     def __init__(
         self,
@@ -175,6 +267,7 @@ class StepBatch:
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]],
         versions: list[tuple[int | None, ...]] | None = None,
         ranks: list[int] | None = None,
+        times: StepTimes | None = None,
     ) -> None:
         self.first = first
         self.attempt = attempt
@@ -183,6 +276,8 @@ class StepBatch:
         self.versions = versions
         #: Unaligned steps (independent ranks): each row is one report of this rank.
         self.ranks = ranks
+        #: When each rank made its reports (aligned steps; None for unaligned ones).
+        self.times = times
         #: The preemption notice in effect when the batch was handed over (every step's).
         self.preemption: PreemptionNotice | None = None
 
@@ -198,6 +293,7 @@ class StepBatch:
         step._row = self.rows[i]
         step._versions = self.versions[i] if self.versions is not None else None
         step._rank = self.ranks[i] if self.ranks is not None else None
+        step._batch = self
         step.preemption = self.preemption
         if self.checkpoints and i in self.checkpoints:
             step.checkpoint, step._checkpoint_ranks = self.checkpoints[i]
@@ -217,6 +313,7 @@ class StepBatch:
                 {i - start: c for i, c in self.checkpoints.items() if start <= i < start + size},
                 self.versions[start : start + size] if self.versions is not None else None,
                 self.ranks[start : start + size] if self.ranks is not None else None,
+                self.times.part(start, start + size) if self.times is not None else None,
             )
             for start in range(0, len(self.rows), size)
         ]

@@ -11,8 +11,13 @@ on that acknowledgement), so memory stays bounded however long the run.
 
 from __future__ import annotations
 
+import math
 import time
+from array import array
+from collections import deque
 from collections.abc import Awaitable, Callable
+from itertools import repeat
+from operator import delitem, not_
 from typing import Any
 
 import anyio
@@ -25,7 +30,8 @@ from .._metrics import RunMeter
 from ..cluster import call_error, outcome_error, ray_error_kind
 from ..group import WorkerGroup, WorkerInfo
 from ._iterator import RunCore
-from ._steps import StepBatch
+from ._steps import StepBatch, StepTimes
+from ._stragglers import StragglerWatch
 
 __all__ = [
     "Assembly",
@@ -47,7 +53,12 @@ POLL_CREDIT_SHARE = 0.75
 
 
 class Assembly:
-    """One attempt's reports, per rank, until every rank has reported a step."""
+    """One attempt's reports, per rank, until every rank has reported a step.
+
+    What is asked of it after each poll costs the same whatever the number of ranks: it counts
+    the ranks with nothing queued (a step is ready once none is left), the most reports a rank
+    has sent, the fewest of a rank whose function returned, and the ranks that ended. Only a
+    take touches every rank (once per batch of steps, not per poll)."""
 
     def __init__(self, num_ranks: int, attempt: int, index_offset: int) -> None:
         self.num_ranks = num_ranks
@@ -58,21 +69,57 @@ class Assembly:
         self.received = [0] * num_ranks
         self.outcomes: list[Outcome | None] = [None] * num_ranks
         self.last_report = [time.monotonic()] * num_ranks
+        #: Per rank, when its queued reports were made and how long its function ran before
+        #: each, on its worker's clock (see ``ReportTimes``), and the offset from that clock to
+        #: the driver's, as its latest poll measured it.
+        self.calls: list[array[float]] = [array("d") for _ in range(num_ranks)]
+        self.busy: list[array[float]] = [array("d") for _ in range(num_ranks)]
+        self.offsets = [0.0] * num_ranks
         #: Per rank, the weight versions its reports hold: (first sequence number, version).
         self.versions: list[list[tuple[int, int]]] | None = None
         self.assembled = 0
         self._changed = anyio.Event()
+        self._empty = num_ranks  # ranks with nothing queued
+        self._most = 0  # the most reports a rank has sent
+        self._fewest_done: int | None = None  # the fewest reports of a rank that returned
+        self._done: list[int] = []  # the ranks whose function returned
+        self._ended = 0  # the ranks with an outcome
+        self._pending_checkpoints = 0  # checkpoints not yet taken with their step
 
     def add(self, rank: int, poll: Poll) -> None:
         """Take one poll's answer from ``rank``."""
-        if poll.reports:
-            self.queues[rank].extend(poll.reports)
-            self.received[rank] += len(poll.reports)
-            self.last_report[rank] = time.monotonic()
+        reports = poll.reports
+        if reports:
+            queue = self.queues[rank]
+            if not queue:
+                self._empty -= 1
+            queue.extend(reports)
+            received = self.received[rank] = self.received[rank] + len(reports)
+            if received > self._most:
+                self._most = received
+            now = self.last_report[rank] = time.monotonic()
+            times = poll.times
+            if times is not None:
+                self.calls[rank].extend(times.calls)
+                self.busy[rank].extend(times.busy)
+                self.offsets[rank] = now - times.now
+            else:  # a worker that does not time its reports
+                unknown = array("d", [math.nan]) * len(reports)
+                self.calls[rank].extend(unknown)
+                self.busy[rank].extend(unknown)
         if poll.checkpoints:
             self.checkpoints[rank].update(poll.checkpoints)
-        if poll.outcome is not None:
-            self.outcomes[rank] = poll.outcome
+            self._pending_checkpoints += len(poll.checkpoints)
+        outcome = poll.outcome
+        if outcome is not None:
+            if self.outcomes[rank] is None:
+                self._ended += 1
+                if outcome.kind == "ok":
+                    self._done.append(rank)
+                    n = self.received[rank]
+                    if self._fewest_done is None or n < self._fewest_done:
+                        self._fewest_done = n
+            self.outcomes[rank] = outcome
         if poll.versions:
             if self.versions is None:
                 self.versions = [[] for _ in range(self.num_ranks)]
@@ -84,35 +131,36 @@ class Assembly:
         self._changed = anyio.Event()
 
     def check(self) -> None:
-        """Raise ReportMismatchError when ranks cannot reach the same number of reports."""
-        done = [r for r, o in enumerate(self.outcomes) if o is not None and o.kind == "ok"]
-        if not done:
+        """Raise ReportMismatchError when ranks cannot reach the same number of reports: a rank
+        that returned sent fewer than another rank has, or every rank returned and their counts
+        differ."""
+        fewest = self._fewest_done
+        if fewest is None:
             return
-        fewest = min(self.received[r] for r in done)
-        over = any(c > fewest for c in self.received)
-        all_done = len(done) == self.num_ranks
-        if over or (all_done and len(set(self.received)) > 1):
-            raise ReportMismatchError(dict(enumerate(self.received)), done)
+        all_done = len(self._done) == self.num_ranks
+        if self._most > fewest or (all_done and min(self.received) != self._most):
+            raise ReportMismatchError(dict(enumerate(self.received)), sorted(self._done))
 
     @property
     def ready(self) -> int:
         """How many complete steps can be taken now."""
-        return min(len(q) for q in self.queues)
+        if self._empty:
+            return 0
+        return min(map(len, self.queues))
 
     def take(self, limit: int) -> StepBatch:
         """Take up to ``limit`` complete steps, as a compact batch."""
         n = min(self.ready, limit)
-        per_rank = []
-        for queue in self.queues:  # slices: no Python work per report
-            per_rank.append(queue[:n])
-            del queue[:n]
+        per_rank = [queue[:n] for queue in self.queues]
+        calls = [times[:n] for times in self.calls]
+        busy = [times[:n] for times in self.busy]
+        # The deletions, and the count of what is left empty: passes done in C.
+        cut = repeat(slice(0, n))
+        for column in (self.queues, self.calls, self.busy):
+            deque(map(delitem, column, cut), maxlen=0)
+        self._empty = sum(map(not_, self.queues))
         first = self.assembled
-        checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
-        for rank, pending in enumerate(self.checkpoints):
-            for seq in [s for s in pending if s < first + n]:
-                path = pending.pop(seq)
-                ckpt, ranks = checkpoints.get(seq - first, (Checkpoint(path), ()))
-                checkpoints[seq - first] = (ckpt, (*ranks, rank))
+        checkpoints = self._take_checkpoints(first, n) if self._pending_checkpoints else {}
         self.assembled += n
         versions = None
         if self.versions is not None:
@@ -124,12 +172,28 @@ class Assembly:
             list(zip(*per_rank, strict=True)),
             checkpoints,
             versions,
+            None,
+            StepTimes(calls, busy, list(self.offsets)),
         )
+
+    def _take_checkpoints(
+        self, first: int, n: int
+    ) -> dict[int, tuple[Checkpoint, tuple[int, ...]]]:
+        """The checkpoints of steps ``first .. first + n - 1``, by step in the batch, each with
+        the ranks that reported it."""
+        checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
+        for rank, pending in enumerate(self.checkpoints):
+            for seq in [s for s in pending if s < first + n]:
+                path = pending.pop(seq)
+                self._pending_checkpoints -= 1
+                ckpt, ranks = checkpoints.get(seq - first, (Checkpoint(path), ()))
+                checkpoints[seq - first] = (ckpt, (*ranks, rank))
+        return checkpoints
 
     @property
     def finished(self) -> bool:
         """Every rank's function returned and every step has been taken."""
-        return all(o is not None for o in self.outcomes) and not any(self.queues)
+        return self._ended == self.num_ranks and self._empty == self.num_ranks
 
     def values(self) -> list[Any]:
         """Each rank's return value, in rank order (after every rank finished)."""
@@ -221,6 +285,9 @@ class Window:
         # Steps handed over before this attempt do not count against its credit.
         self._consumed_base = run.handed
         self._min_poll = min_poll(buffer_size)
+        #: Finds the ranks the others wait for (None: not watched); its ``serve`` task reports
+        #: them.
+        self.stragglers = StragglerWatch.of(group.config, len(group.workers))
 
     def _consumed(self) -> int:
         return max(0, self.run.consumed - self._consumed_base)
@@ -272,7 +339,10 @@ class Window:
         while True:
             asm.check()
             while asm.ready:
-                handover.queue(asm.take(BATCH))
+                batch = asm.take(BATCH)
+                if self.stragglers is not None and batch.times is not None:
+                    self.stragglers.observe(batch.first, batch.times.busy, len(batch))
+                handover.queue(batch)
                 await handover.drain()
             if asm.finished:
                 asm.check()
@@ -327,6 +397,8 @@ class HandOver:
                 self._unsent.append(part)
                 if self.meter is not None:
                     self.meter.stepped(len(part), len(part) * len(part.rows[0]))
+                    if part.times is not None:  # one sample a batch: its last step's
+                        self.meter.skewed(part.times.skew(len(part) - 1))
 
     async def drain(self) -> None:
         """Hand the queued steps to the iterator, waiting for the consumer."""

@@ -1,0 +1,525 @@
+r"""Simulated workers, for measuring the driver with thousands of ranks: the seam's third
+implementation (see ``_base``), beside Ray's and local mode's.
+
+A :class:`SimCluster`'s workers are small objects on the driver's own event loop: no process, no
+thread and no event loop per rank. They answer the calls the driver makes on a worker
+(``describe``, ``setup``, ``start_run``, ``poll``, ``stop_run``, ``ping``, ``wait_closed``,
+``close``, ...) with the worker protocol's records, and the function they "run" is not the run's:
+each rank reports at a fixed rate (:class:`SimLoad`), one report every ``1 / rate`` seconds of its
+own work, waits for credit as ``report()`` does, and returns its rank after ``reports`` reports.
+Reports are made lazily: a poll takes what its rank has reported by now, and a poll that finds
+nothing waits on one timer, set for the rank's next report. Every answer crosses a pickle round
+trip, as an actor's result does: dumped by the worker, loaded by the driver when it awaits it.
+
+What the simulated workers cost (making reports, answering calls, dumping answers, their timers)
+is timed (:meth:`SimCluster.statistics`), so that a benchmark can subtract it from the process's
+CPU time and keep the driver's own.
+
+Private: the benchmarks and tests select it with ``simulated()`` (this package's ``__init__``);
+nothing in the public API or in a configuration does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import pickle
+import time
+from array import array
+from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import anyio
+
+from ..._config import ExecutorConfig
+from ..._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
+from ..._worker._outcomes import error_outcome, value_outcome
+from ._base import Handle, Spawned, described, settle
+from ._local import LocalWorkerGone
+from ._placement import Placement
+
+__all__ = ["SimCluster", "SimLoad", "SimStatistics", "SimWorker"]
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+#: The fake process ids of simulated workers start here.
+_PID_BASE = 1_000_000
+
+
+@dataclass(frozen=True)
+class SimLoad:
+    """What every simulated rank's function does in a run.
+
+    Args:
+        reports: how many reports each rank makes in an attempt before it returns its rank.
+        rate: reports per second of each rank's own work (it waits for credit on top).
+        slow: ranks made slower on purpose: rank -> how many times longer its steps take.
+        tagged: each report is ``{"rank": r, "i": k}`` (k counts from 0 in each attempt); else
+            all are one shared empty dict (the cheapest report).
+        spread: the ranks' reports fall at different moments, spread evenly over a period (as
+            real ranks' do); else every rank reports at once.
+    """
+
+    reports: int = 100
+    rate: float = 100.0
+    slow: Mapping[int, float] = field(default_factory=dict)
+    tagged: bool = True
+    spread: bool = True
+
+
+class SimStatistics(NamedTuple):
+    """What the simulated workers did, and the time they took on the driver's thread."""
+
+    spent_s: float
+    workers: int
+    reports: int
+    polls: int
+    calls: int
+
+
+_EMPTY: dict[str, Any] = {}
+_GOLDEN = 0.6180339887498949
+
+
+class _Ready:
+    """A call's answer that is there: awaitable any number of times, without waiting."""
+
+    __slots__ = ("_data", "_error")
+
+    def __init__(self, data: bytes | None, error: BaseException | None = None) -> None:
+        self._data = data
+        self._error = error
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None
+        return pickle.loads(self._data)
+        yield  # a generator: ``await`` accepts it
+
+
+class _Pending:
+    """A call's answer to come: awaitable any number of times and from several tasks; a
+    cancelled wait does not cancel the call (as with an ``ObjectRef``)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.future.add_done_callback(_retrieve)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        data = yield from asyncio.shield(self.future).__await__()
+        return pickle.loads(data)
+
+    def answer(self, value: Any) -> None:
+        if not self.future.done():
+            self.future.set_result(pickle.dumps(value, _PROTOCOL))
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _ready(value: Any) -> _Ready:
+    return _Ready(pickle.dumps(value, _PROTOCOL))
+
+
+class _SimRun:
+    """One attempt of a run on one simulated rank: its reports, made at a fixed rate."""
+
+    __slots__ = (
+        "ack",
+        "blocked",
+        "bound",
+        "buffer",
+        "busy",
+        "calls",
+        "made",
+        "next_at",
+        "outcome",
+        "period",
+        "rank",
+        "tagged",
+        "timer",
+        "total",
+        "waiting",
+        "worker",
+    )
+
+    def __init__(self, worker: SimWorker, rank: int, load: SimLoad, bound: int) -> None:
+        self.worker = worker
+        self.rank = rank
+        self.period = load.slow.get(rank, 1.0) / load.rate
+        self.total = load.reports
+        self.bound = bound
+        self.tagged = load.tagged
+        # When the next report() is called: a period on, and a fraction of one that differs
+        # between ranks (spread evenly by the golden ratio) when the load spreads them.
+        phase = (rank * _GOLDEN) % 1.0 if load.spread else 0.0
+        self.next_at = time.monotonic() + self.period * (1.0 + phase)
+        self.blocked = False  # that report() waits for credit
+        self.made = 0
+        self.ack = 0
+        self.buffer: list[dict[str, Any]] = []
+        self.calls: array[float] = array("d")
+        self.busy: array[float] = array("d")
+        self.outcome: Outcome | None = None if self.total else Outcome("ok", rank)
+        self.waiting: tuple[_Pending, int] | None = None  # a poll, and how much it takes
+        self.timer: asyncio.TimerHandle | None = None
+
+    def _make(self, at: float) -> None:
+        self.buffer.append({"rank": self.rank, "i": self.made} if self.tagged else _EMPTY)
+        self.calls.append(at)
+        self.busy.append(self.period)
+        self.made += 1
+        if self.made == self.total:
+            self.outcome = Outcome("ok", self.rank)
+
+    def advance(self, now: float) -> None:
+        """Make every report the function has made by ``now``, as credit allows."""
+        while not self.blocked and self.made < self.total and self.next_at <= now:
+            if self.made - self.ack >= self.bound:
+                self.blocked = True
+                break
+            self._make(self.next_at)
+            self.next_at += self.period
+
+    def acknowledge(self, ack: int, now: float) -> None:
+        """The consumer has taken ``ack`` steps: a report() waiting for credit goes on."""
+        self.ack = max(self.ack, ack)
+        if self.blocked and self.made - self.ack < self.bound:
+            self.blocked = False
+            self._make(self.next_at)
+            self.next_at = now + self.period
+
+    def take(self, max_items: int, now: float) -> Poll:
+        buffer = self.buffer
+        n = min(len(buffer), max_items)
+        items, calls, busy = buffer[:n], self.calls[:n], self.busy[:n]
+        del buffer[:n], self.calls[:n], self.busy[:n]
+        outcome = self.outcome if not buffer else None
+        times = ReportTimes(calls, busy, now) if items else None
+        self.worker.cluster.reports += n
+        return Poll(items, None, outcome, None, times)
+
+    def poll(self, ack: int, max_items: int) -> Awaitable[Any]:
+        now = time.monotonic()
+        self.acknowledge(ack, now)
+        self.advance(now)
+        if self.buffer or self.outcome is not None:
+            return _ready(self.take(max_items, now))
+        pending = _Pending()
+        self.waiting = (pending, max_items)
+        if not self.blocked:
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_at(self.next_at, self.worker.cluster.timed, self._wake)
+        return pending
+
+    def _wake(self) -> None:
+        self.timer = None
+        if self.waiting is None:
+            return
+        now = time.monotonic()
+        self.advance(now)
+        if self.buffer or self.outcome is not None:
+            pending, max_items = self.waiting
+            self.waiting = None
+            pending.answer(self.take(max_items, now))
+        elif not self.blocked:
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_at(self.next_at, self.worker.cluster.timed, self._wake)
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """The function is stopped (or its worker killed: ``error`` fails a waiting poll)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.outcome is None:
+            self.outcome = Outcome("stopped")
+        self.total = self.made
+        if self.waiting is not None:
+            pending, max_items = self.waiting
+            self.waiting = None
+            if error is not None:
+                pending.fail(error)
+            else:
+                pending.answer(self.take(max_items, time.monotonic()))
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
+
+
+class SimWorker:
+    """One simulated worker: answers the driver's calls (see the module's docstring)."""
+
+    __slots__ = ("_closed", "_run", "cluster", "gone", "index", "metadata")
+
+    def __init__(self, cluster: SimCluster, index: int, metadata: WorkerMetadata) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.metadata = metadata
+        self.gone = False
+        self._run: _SimRun | None = None
+        self._closed: _Pending | None = None
+
+    def __repr__(self) -> str:
+        return f"<SimWorker {self.index} {'gone' if self.gone else 'live'}>"
+
+    @property
+    def key(self) -> str:
+        return f"sim-{self.index}"
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """Answer the worker's ``method`` (timed as the simulated workers' cost)."""
+        t0 = time.perf_counter()
+        cluster = self.cluster
+        cluster.calls += 1
+        try:
+            if self.gone:
+                return _Ready(None, LocalWorkerGone(f"the simulated worker {self.index} is gone"))
+            answer = _METHODS.get(method)
+            if answer is None:
+                error = NotImplementedError(f"a simulated worker has no method {method!r}")
+                return _Ready(None, error)
+            return answer(self, *args, **kwargs)
+        finally:
+            cluster.spent += time.perf_counter() - t0
+
+    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+        raise NotImplementedError("a simulated worker's results are not references")
+
+    # The worker's methods ---------------------------------------------------------------------
+
+    def _describe(self) -> Awaitable[Any]:
+        return _ready(self.metadata)
+
+    def _setup(self, *args: Any) -> Awaitable[Any]:
+        return _ready(Outcome("ok"))
+
+    def _execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        try:
+            outcome = value_outcome(fn(*args, **kwargs))
+        except Exception as exc:
+            outcome = error_outcome(exc)
+        return _ready(outcome)
+
+    def _start_run(self, payload: Any, start: RunStart) -> Awaitable[Any]:
+        if self._run is not None and not self._run.finished:
+            return _Ready(None, RuntimeError("a run is still in progress on this worker"))
+        rank = start.context.world_rank
+        self._run = _SimRun(self, rank, self.cluster.load, start.buffer_size)
+        return _ready(None)
+
+    def _poll(self, ack: int, max_items: int) -> Awaitable[Any]:
+        if self._run is None:
+            return _Ready(None, RuntimeError("poll() before start_run()"))
+        self.cluster.polls += 1
+        return self._run.poll(ack, max_items)
+
+    def _salvage(self) -> Awaitable[Any]:
+        return _ready(None)
+
+    def _buffered(self) -> Awaitable[Any]:
+        return _ready(0 if self._run is None else len(self._run.buffer))
+
+    def _stop_run(self, timeout_s: float) -> Awaitable[Any]:
+        if self._run is not None:
+            self._run.stop()
+        return _ready(True)
+
+    def _reset(self, stop_timeout_s: float, reset_hook: Any) -> Awaitable[Any]:
+        if self._run is not None:
+            self._run.stop()
+            self._run = None
+        return _ready(Outcome("ok"))
+
+    def _ping(self) -> Awaitable[Any]:
+        return _ready(self.metadata.pid)
+
+    def _wait_closed(self) -> Awaitable[Any]:
+        if self._closed is None:
+            self._closed = _Pending()
+        return self._closed
+
+    def _close(self) -> Awaitable[Any]:
+        if self._closed is not None:
+            self._closed.answer(None)
+        return _ready(None)
+
+    def _terminate(self) -> Awaitable[Any]:
+        self.kill()
+        return _ready(None)
+
+    def kill(self) -> None:
+        """The worker is gone: its pending calls fail, as a dead actor's do."""
+        if self.gone:
+            return
+        self.gone = True
+        error = LocalWorkerGone(f"the simulated worker {self.index} was killed")
+        if self._run is not None:
+            self._run.stop(error)
+        if self._closed is not None:
+            self._closed.fail(error)
+
+
+_METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "describe": SimWorker._describe,
+    "setup": SimWorker._setup,
+    "execute": SimWorker._execute,
+    "start_run": SimWorker._start_run,
+    "poll": SimWorker._poll,
+    "salvage": SimWorker._salvage,
+    "buffered": SimWorker._buffered,
+    "stop_run": SimWorker._stop_run,
+    "reset": SimWorker._reset,
+    "ping": SimWorker._ping,
+    "wait_closed": SimWorker._wait_closed,
+    "close": SimWorker._close,
+    "__ray_terminate__": SimWorker._terminate,
+}
+
+
+class SimCluster:
+    """The seam with simulated workers (see the module's docstring): ``ranks_per_node`` workers
+    a node, each holding one GPU id of its node (``gpus``), no resources, nothing to start."""
+
+    def __init__(
+        self, load: SimLoad | None = None, *, ranks_per_node: int = 8, gpus: bool = True
+    ) -> None:
+        #: What the ranks' functions do in the runs started from now on.
+        self.load = load if load is not None else SimLoad()
+        self.ranks_per_node = ranks_per_node
+        self.gpus = gpus
+        self.spent = 0.0
+        self.reports = 0
+        self.polls = 0
+        self.calls = 0
+        self._numbers = itertools.count()
+        self._workers = 0
+
+    def __repr__(self) -> str:
+        return f"<SimCluster workers={self._workers} {self.load!r}>"
+
+    def statistics(self) -> SimStatistics:
+        """What the simulated workers did so far, and the time they took."""
+        return SimStatistics(self.spent, self._workers, self.reports, self.polls, self.calls)
+
+    def timed(self, callback: Callable[[], None]) -> None:
+        """Run a simulated worker's ``callback`` (a timer's), timed as theirs."""
+        t0 = time.perf_counter()
+        try:
+            callback()
+        finally:
+            self.spent += time.perf_counter() - t0
+
+    def node_of(self, index: int) -> str:
+        return f"sim-node-{index // self.ranks_per_node}"
+
+    def _worker(self) -> SimWorker:
+        index = next(self._numbers)
+        local = index % self.ranks_per_node
+        metadata = WorkerMetadata(
+            node_id=self.node_of(index),
+            node_ip=f"10.{index // 65536 % 256}.{index // 256 % 256}.{index % 256}",
+            hostname=self.node_of(index),
+            pid=_PID_BASE + index,
+            accelerator_ids={"GPU": (str(local),)} if self.gpus else {},
+        )
+        self._workers += 1
+        return SimWorker(self, index, metadata)
+
+    # The seam ---------------------------------------------------------------------------------
+
+    async def connect(self, address: str | None) -> None:
+        return None
+
+    def driver_node(self) -> str | None:
+        return self.node_of(0)
+
+    def parent(self) -> Any:
+        return None
+
+    def place(
+        self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
+    ) -> Placement | None:
+        return None
+
+    async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
+        return None
+
+    def release(self, placement: Placement | None) -> None:
+        return None
+
+    def bundle_nodes(self, placement: Placement) -> list[str]:
+        return [self.node_of(i) for i in range(len(placement.bundles))]
+
+    def spawn(
+        self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
+    ) -> list[Spawned]:
+        t0 = time.perf_counter()
+        workers = [self._worker() for _ in bundles]
+        self.spent += time.perf_counter() - t0
+        return [Spawned(w, w.call("describe")) for w in workers]
+
+    async def start_workers(
+        self,
+        config: ExecutorConfig,
+        placement: Placement | None,
+        bundles: Sequence[int | None],
+        timeout_s: float,
+        *,
+        track: list[Handle] | None = None,
+    ) -> list[tuple[Handle, WorkerMetadata]]:
+        return await described(self, self.spawn(config, placement, bundles), timeout_s, track)
+
+    async def kill(
+        self,
+        handles: Sequence[Handle],
+        placement: Placement | None = None,
+        deaths: Sequence[Any] = (),
+        timeout_s: float = 0.0,
+    ) -> None:
+        t0 = time.perf_counter()
+        for handle in handles:
+            assert isinstance(handle, SimWorker)
+            handle.kill()
+        self.spent += time.perf_counter() - t0
+        if deaths:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+                await settle(deaths)
+
+    async def node_alive(self, node_id: str | None) -> bool:
+        return True
+
+    async def available(self) -> dict[str, float]:
+        return {}
+
+    async def live_nodes(self) -> set[str] | None:
+        return {self.node_of(i) for i in range(0, self._workers, self.ranks_per_node)}
+
+    async def draining(self) -> dict[str, float | None] | None:
+        return {}
+
+    async def preempted(self, node_ids: Collection[str]) -> set[str]:
+        return set()
+
+    async def free_nodes(
+        self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
+    ) -> list[dict[str, float]] | None:
+        return None
+
+    async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
+        return {rank: f"simulated worker {handle.key}: no threads" for rank, handle, _ in workers}
+
+    async def put(self, value: Any) -> Any:
+        return value
+
+    def data_context(self) -> Any:
+        return None

@@ -1,0 +1,150 @@
+"""Stragglers: the rank an aligned run waits for.
+
+A run of aligned steps goes as fast as its slowest rank. Every report carries how long its rank's
+function ran for that step (``Step.durations``: the rank's own progress, on its own clock,
+without the time ``report()`` waited for credit, so that a rank held back by a slower one still
+shows its own speed). :class:`StragglerWatch` reads them in windows of ``straggler_steps`` steps:
+a rank whose shortest step in a window took more than ``straggler_factor`` times the typical
+rank's shortest (the lower median over the ranks), and at least :data:`MIN_LAG_S` more, was
+slower than the others in every step of the window: a straggler. Each one is logged
+(``straggler``: rank, node, pid, its and the typical step time, their ratio, and its threads'
+stacks, read from outside as a hang's are, when they can be read), counted in the metrics, and
+logged again only after a window in which it was not slow.
+
+The shortest step, not the mean: a rank that paused once (a collection, a checkpoint) is not
+slow; one that is slow in every step of the window is. Watching costs two passes over the ranks
+per step and a sort per window, in C (``map``), and nothing per report.
+
+Ranks that wait for one another inside a collective (``all_reduce``) all spend the collective's
+time, so their step times are alike and no straggler shows: there, time what a rank does before
+the collective and report it.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Sequence
+from itertools import repeat
+from operator import getitem
+from typing import Any, NamedTuple
+
+import anyio
+
+from ..._config import ExecutorConfig
+from ..._errors import short_node
+from .._metrics import RunMeter
+from ..cluster import NOT_TAKEN
+from ..group import WorkerGroup
+
+__all__ = ["MIN_LAG_S", "Straggler", "StragglerWatch"]
+
+#: A straggler's shortest step is at least this much longer than the typical rank's: below it,
+#: the difference is the machine's noise (a thread scheduled late), not a slow rank.
+MIN_LAG_S = 0.001
+
+
+class Straggler(NamedTuple):
+    """A rank found slower than the others in every step of a window."""
+
+    rank: int
+    step: int  # the window's last step (its index in the run's stream)
+    step_s: float  # the rank's shortest step in the window
+    typical_s: float  # the typical rank's shortest step (the lower median over the ranks)
+
+    @property
+    def factor(self) -> float:
+        return self.step_s / self.typical_s if self.typical_s > 0 else math.inf
+
+
+class StragglerWatch:
+    """Finds one attempt's stragglers in the steps handed over, and reports them (see the
+    module's docstring)."""
+
+    def __init__(self, num_ranks: int, factor: float, steps: int) -> None:
+        self.num_ranks = num_ranks
+        self.factor = factor
+        self.steps = steps
+        #: Each rank's shortest step in the window so far.
+        self._shortest = [math.inf] * num_ranks
+        self._filled = 0  # steps of the window seen so far
+        self._slow: set[int] = set()  # the ranks found slow in the last window
+        self._found: list[Straggler] = []  # not reported yet
+        self._wake = anyio.Event()
+
+    @classmethod
+    def of(cls, config: ExecutorConfig, num_ranks: int) -> StragglerWatch | None:
+        """The watch ``config`` asks for over ``num_ranks`` ranks, or None (off, or one rank)."""
+        factor = config.straggler_factor
+        if factor is None or num_ranks < 2:
+            return None
+        return cls(num_ranks, factor, config.straggler_steps)
+
+    def observe(self, first: int, busy: Sequence[array[float]], n: int) -> None:
+        """Take the step times of ``n`` steps from stream index ``first`` on (per rank, one
+        entry a step); a window that ends among them is judged."""
+        start = 0
+        while start < n:
+            stop = min(n, start + self.steps - self._filled)
+            # Each rank's shortest step of these, then of the window so far: passes in C.
+            part = map(min, map(getitem, busy, repeat(slice(start, stop))))
+            self._shortest = list(map(min, self._shortest, part))
+            self._filled += stop - start
+            start = stop
+            if self._filled == self.steps:
+                self._judge(first + stop - 1)
+                self._shortest = [math.inf] * self.num_ranks
+                self._filled = 0
+
+    def _judge(self, step: int) -> None:
+        """Find the ranks slow in the window that ended at ``step``."""
+        shortest = self._shortest
+        known = sorted(s for s in shortest if s < math.inf)  # a rank's times may be unknown
+        if len(known) < 2:
+            return
+        typical = known[(len(known) - 1) // 2]
+        threshold = max(typical * self.factor, typical + MIN_LAG_S)
+        if known[-1] <= threshold:  # nobody slow: the common case, no pass in Python
+            self._slow = set()
+            return
+        slow = {rank for rank, s in enumerate(shortest) if threshold < s < math.inf}
+        new = sorted(slow - self._slow)
+        self._slow = slow
+        for rank in new:
+            self._found.append(Straggler(rank, step, shortest[rank], typical))
+        if new:
+            self._wake.set()
+
+    async def serve(self, group: WorkerGroup, log: Any, meter: RunMeter) -> None:
+        """Report the stragglers as they are found (one read of their stacks for those found
+        together); runs until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            found, self._found = self._found, []
+            stacks: dict[int, str] = {}
+            try:
+                stacks = await group.cluster.stacks(
+                    [(s.rank, w.handle, w.metadata) for s in found for w in [group.workers[s.rank]]]
+                )
+            finally:  # each is logged, with or without its stack (the attempt may end now)
+                for straggler in found:
+                    meter.straggled()
+                    _log(log, group, straggler, self.steps, stacks.get(straggler.rank))
+
+
+def _log(log: Any, group: WorkerGroup, straggler: Straggler, steps: int, stack: str | None) -> None:
+    worker = group.workers[straggler.rank]
+    log.warning(
+        "straggler",
+        rank=straggler.rank,
+        node_id=short_node(worker.metadata.node_id),
+        pid=worker.metadata.pid,
+        attempt=group.attempt,
+        step=straggler.step,
+        steps=steps,
+        step_s=round(straggler.step_s, 6),
+        typical_s=round(straggler.typical_s, 6),
+        factor=round(straggler.factor, 2),
+        stack=None if stack is None or stack.startswith(NOT_TAKEN) else stack,
+    )
