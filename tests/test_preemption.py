@@ -316,6 +316,64 @@ async def test_rejected_drain_and_one_without_deadline_change_nothing(
     assert (stats.restarts, stats.preemptions) == (0, 0)
 
 
+def rank_until_noticed(config: dict[str, Any]) -> str:
+    """Independent ranks: a rank named in a notice checkpoints once; a rank that starts from a
+    checkpoint reports ``after`` steps more. Returns the node it ran on."""
+    ctx = asyncexec.get_context()
+    start = 0
+    checkpoint = asyncexec.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            start = int((Path(directory) / "step").read_text())
+    end = config["steps"] if start == 0 else start + config["after"]
+    saved = False
+    for i in range(start, end):
+        time.sleep(config["sleep"])
+        info = asyncexec.get_preemption_info()
+        mine = info is not None and ctx.world_rank in info.ranks and not saved
+        asyncexec.report({"i": i, "start": start}, checkpoint=_save(i + 1) if mine else None)
+        saved = saved or mine
+    return ctx.node_id
+
+
+@pytest.mark.multinode
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=True,
+    raises=asyncexec.RestartsExhaustedError,
+    reason="renew_rank (group/_spares.py) refuses a fresh process on another node, and a lost "
+    "node's rank can only go to another one: 'the replacement landed on another node'",
+)
+async def test_independent_rank_lost_to_a_preemption_is_renewed_under_the_budget(
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+) -> None:
+    """Independent ranks: the rank on the drained node checkpoints on notice and, once its node
+    is gone, is renewed on the head from that checkpoint, charged to the preemption budget; the
+    other rank runs on."""
+    cluster = make_cluster(TWO_NODES)
+    (node,) = cluster.worker_nodes
+    policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=CHECK_S)
+    config = {"steps": 80, "after": 5, "sleep": 0.05}
+    async with _spread(policy, tmp_path) as ex:
+        (doomed,) = [w.world_rank for w in ex.workers if w.node_id == node.node_id]
+        run = ex.run(rank_until_noticed, config, independent=True)
+        deadline = 0.0
+        steps: list[asyncexec.Step] = []
+        async for step in run:
+            steps.append(step)
+            if step.index == 4:
+                deadline = time.time() + 1.0
+                assert await drain(node.node_id, PREEMPTION, deadline) == (True, "")
+            if step.rank == doomed and step.attempt == 1 and step.checkpoint:
+                await remove_after(cluster, node, deadline)
+        result, stats = run.result, ex.statistics()
+    renewed = [s for s in steps if s.rank == doomed and s.attempt == 2]
+    (on_notice,) = [s for s in steps if s.rank == doomed and s.checkpoint]
+    assert renewed and renewed[0].metrics["start"] == on_notice.metrics["i"] + 1
+    assert result.return_values[doomed] == cluster.head_node.node_id
+    assert (stats.restarts, stats.preemptions) == (0, 1)
+
+
 # Anywhere -----------------------------------------------------------------------------------
 
 

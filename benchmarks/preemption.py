@@ -1,0 +1,268 @@
+"""Drain notice to checkpoint taken: asyncexec beside Ray Train V2, on a ray.cluster_utils.Cluster.
+
+    python benchmarks/preemption.py            # 3 drains a system: about 4 minutes on 2 cores
+    python benchmarks/preemption.py --quick    # 1 drain a system: a smoke run
+
+Each trial adds a fresh node to a two-node cluster (the head and it, 2 CPUs each) and runs two
+workers of 1 CPU spread over both. Rank 0's function drains the new node with Ray's own
+``DrainNode`` (reason preemption, deadline 30 s ahead, as a cloud's notice gives) at a random
+time 0.5-5.5 s after it starts (the same for every system in a trial: a drain comes at any
+point of a watcher's poll period) and steps on, 10 ms a step; every rank looks for a notice at
+each step and, on seeing one, reports a checkpoint (a small directory). Measured in the
+function from the drain call (one clock: the nodes share the machine): when rank 0 saw the
+notice, and when its ``report()`` with the checkpoint returned (the checkpoint persisted). For
+asyncexec also: the node removed once the checkpoint is in, to the first step of the next
+attempt (from that checkpoint, on the head; a restart charged to the preemption budget).
+
+Systems: asyncexec with its default check interval (1 s) and with 0.1 s; Ray Train V2 (its
+``PreemptionWatcher``) with its default poll (5 s) and with 1 s
+(``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``). Ray Train runs in a driver process of its own that
+joins the cluster (``import ray.train`` would load Ray Data into this one). Ray Train's
+``report()`` with a checkpoint waits for every rank's, asyncexec's does not: that is in the
+second figure. Medians over the trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
+)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import ray  # noqa: E402
+
+STEP_S = 0.01
+DEADLINE_S = 30.0
+AFTER = 3  # steps of the attempt after the move
+
+
+def drain(node_id: str) -> float:
+    """Drain ``node_id`` for a preemption, 30 s ahead; return when the call was made."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    t0 = time.time()
+    accepted, why = gcs.drain_node(node_id, reason, "bench", int((t0 + DEADLINE_S) * 1000), 10)
+    if not accepted:
+        raise RuntimeError(f"drain rejected: {why}")
+    return t0
+
+
+def _checkpoint_dir(rank: int) -> str:
+    directory = tempfile.mkdtemp()
+    Path(directory, f"rank{rank}").write_text("state")
+    return directory
+
+
+# asyncexec ------------------------------------------------------------------------------------
+
+
+def ae_fn(config: dict[str, Any]) -> None:
+    """See the module's docstring. After its checkpoint a rank steps on until its group goes;
+    the attempt after the move reports ``AFTER`` steps."""
+    import asyncexec
+
+    rank = asyncexec.get_context().world_rank
+    if asyncexec.get_checkpoint() is not None:
+        for i in range(AFTER):
+            asyncexec.report({"i": i, "t": time.time()})
+        return
+    t0 = None
+    saved = False
+    i = 0
+    start = time.monotonic()
+    while True:
+        time.sleep(STEP_S)
+        if rank == 0 and t0 is None and time.monotonic() - start >= config["drain_after"]:
+            t0 = drain(config["node"])
+        metrics: dict[str, Any] = {"i": i, "t0": t0}
+        if not saved and asyncexec.get_preemption_info() is not None:
+            metrics["seen"] = time.time()
+            ckpt = asyncexec.Checkpoint.from_directory(_checkpoint_dir(rank))
+            asyncexec.report(metrics, checkpoint=ckpt)
+            saved = True
+            metrics = {"i": i, "t0": t0, "saved": time.time()}
+        asyncexec.report(metrics)
+        i += 1
+
+
+async def ae_trial(
+    cluster: Any, interval: float, storage: str, drain_after: float
+) -> dict[str, float]:
+    import anyio
+
+    import asyncexec
+
+    node = cluster.add_node(num_cpus=2)
+    await anyio.to_thread.run_sync(cluster.wait_for_nodes)
+    policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=interval)
+    figures: dict[str, float] = {}
+    async with asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 1},
+        placement_strategy="SPREAD",
+        restart=policy,
+        storage_path=storage,
+    ) as ex:
+        assert {w.node_id for w in ex.workers} == {cluster.head_node.node_id, node.node_id}
+        t0 = gone = 0.0
+        async for step in ex.run(ae_fn, {"node": node.node_id, "drain_after": drain_after}):
+            first = step.reports[0].metrics
+            t0 = first.get("t0") or t0
+            if "seen" in first:
+                figures["seen"] = first["seen"] - t0
+            if "saved" in first and not gone:
+                figures["saved"] = first["saved"] - t0
+                await anyio.to_thread.run_sync(lambda: cluster.remove_node(node, False))
+                gone = time.time()
+            if step.attempt == 2 and "moved" not in figures:
+                figures["moved"] = time.time() - gone
+        stats = ex.statistics()
+        assert (stats.restarts, stats.preemptions) == (0, 1), stats
+    return figures
+
+
+# Ray Train V2 ---------------------------------------------------------------------------------
+
+
+def rt_fn(config: dict[str, Any]) -> None:
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    t0 = None
+    i = 0
+    start = time.monotonic()
+    while True:
+        time.sleep(STEP_S)
+        if rank == 0 and t0 is None and time.monotonic() - start >= config["drain_after"]:
+            t0 = drain(config["node"])
+        if ray.train.get_preemption_info() is not None:
+            seen = time.time()
+            ckpt = ray.train.Checkpoint.from_directory(_checkpoint_dir(rank))
+            ray.train.report({"i": i}, checkpoint=ckpt)
+            saved = time.time()
+            if rank == 0:
+                assert t0 is not None
+                Path(config["out"]).write_text(json.dumps({"seen": seen - t0, "saved": saved - t0}))
+            return
+        i += 1
+
+
+def rt_main(address: str, node: str, drain_after: str, out: str) -> None:
+    """One Ray Train V2 trial, in a driver process of its own (see the module's docstring)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    ray.init(address=address, log_to_driver=False)
+    trainer = DataParallelTrainer(
+        rt_fn,
+        train_loop_config={"node": node, "out": out, "drain_after": float(drain_after)},
+        scaling_config=ScalingConfig(
+            num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="SPREAD"
+        ),
+        run_config=RunConfig(storage_path=tempfile.mkdtemp(), name="preemption"),
+    )
+    trainer.fit()
+    ray.shutdown()
+
+
+def rt_trial(cluster: Any, poll_s: float | None, drain_after: float) -> dict[str, float]:
+    node = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    out = os.path.join(tempfile.mkdtemp(), "figures.json")
+    env = {**os.environ, "RAY_TRAIN_V2_ENABLED": "1"}
+    if poll_s is not None:
+        env["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(poll_s)
+    command = [sys.executable, __file__, "--raytrain", cluster.address, node.node_id]
+    command += [str(drain_after), out]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"Ray Train's trial failed:\n{done.stderr[-3000:]}")
+    cluster.remove_node(node, False)
+    figures: dict[str, float] = json.loads(Path(out).read_text())
+    return figures
+
+
+# The table ------------------------------------------------------------------------------------
+
+
+def median(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1000:,.0f}" if values else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one drain a system")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--raytrain", nargs=4, metavar=("ADDRESS", "NODE", "AFTER", "OUT"))
+    args = parser.parse_args()
+    if args.raytrain:
+        rt_main(*args.raytrain)
+        return
+    from ray.cluster_utils import Cluster
+
+    trials = 1 if args.quick else args.trials
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False},
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    rows: dict[str, dict[str, list[float]]] = {}
+    systems: list[tuple[str, Any]] = [
+        ("asyncexec, check every 1 s (default)", lambda after: asyncio.run(ae(1.0, after))),
+        ("asyncexec, check every 0.1 s", lambda after: asyncio.run(ae(0.1, after))),
+        ("Ray Train V2, poll every 5 s (default)", lambda after: rt_trial(cluster, None, after)),
+        ("Ray Train V2, poll every 1 s", lambda after: rt_trial(cluster, 1.0, after)),
+    ]
+
+    async def ae(interval: float, after: float) -> dict[str, float]:
+        return await ae_trial(cluster, interval, tempfile.mkdtemp(), after)
+
+    rng = random.Random(26)
+    try:
+        for trial in range(trials):  # the systems interleaved: the machine's noise falls on all
+            after = rng.uniform(0.5, 5.5)
+            for name, measure in systems:
+                figures = measure(after)
+                for key, value in figures.items():
+                    rows.setdefault(name, {}).setdefault(key, []).append(value)
+                print(f"trial {trial + 1}/{trials} {name}: {figures}", flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print()
+    print(f"Drain notice to checkpoint taken, ms (median of {trials}; from rank 0's drain call)")
+    print(
+        "| system | notice seen by the function | report() with checkpoint returned "
+        "| node gone to the next attempt's first step |"
+    )
+    print("|---|--:|--:|--:|")
+    for name, _ in systems:
+        got = rows.get(name, {})
+        print(
+            f"| {name} | {median(got.get('seen', []))} | {median(got.get('saved', []))} "
+            f"| {median(got.get('moved', []))} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
