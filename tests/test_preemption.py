@@ -10,7 +10,7 @@ import os
 import pickle
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from ray.core.generated import autoscaler_pb2
 from structlog.testing import capture_logs
 
 import asyncexec
+from asyncexec._driver import _metrics
 from asyncexec._driver._restart import PreemptionsSpent
 from asyncexec._driver.run._preemption import mark, notice_of
 
@@ -170,7 +171,18 @@ def _spread(policy: asyncexec.RestartPolicy, storage: Path) -> asyncexec.Executo
         placement_strategy="SPREAD",
         restart=policy,
         storage_path=storage,
+        name="spot",
     )
+
+
+@pytest.fixture
+def registry() -> Iterator[Any]:
+    """Metrics on, in a registry of their own; off again afterwards, for the other tests."""
+    prom = pytest.importorskip("prometheus_client")
+    own = prom.CollectorRegistry()
+    asyncexec.enable_metrics(own)
+    yield own
+    _metrics._metrics = None
 
 
 # On two nodes -------------------------------------------------------------------------------
@@ -179,7 +191,7 @@ def _spread(policy: asyncexec.RestartPolicy, storage: Path) -> asyncexec.Executo
 @pytest.mark.multinode
 @pytest.mark.timeout(120)
 async def test_drained_node_is_noticed_checkpointed_and_left_without_counting_a_restart(
-    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path, registry: Any
 ) -> None:
     """A node drained with a deadline 2 s ahead: the run and both workers see the notice, rank
     0 checkpoints on it, the node goes after its deadline, and the run goes on on the other node
@@ -234,6 +246,17 @@ async def test_drained_node_is_noticed_checkpointed_and_left_without_counting_a_
     assert events.count("preemption_noticed") == 1
     assert events.count("restarting_after_preemption") == 1
     assert "restarting" not in events
+    for stage in ("noticed", "restarted"):
+        labels = {"executor": "spot", "stage": stage}
+        assert registry.get_sample_value("asyncexec_preemptions_total", labels) == 1.0
+    restarts = [
+        sample
+        for metric in registry.collect()
+        if metric.name == "asyncexec_restarts"
+        for sample in metric.samples
+        if sample.labels.get("executor") == "spot"
+    ]
+    assert restarts == []
 
 
 @pytest.mark.multinode
