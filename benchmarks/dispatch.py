@@ -433,9 +433,10 @@ def _dropped(logger: Any, name: str, event: Any) -> Any:
 
 def start_ray() -> None:
     """A fresh local Ray for this run only; no pre-started workers (every process is fresh).
-    The object store is small enough that the scatter's warm-up rounds touch its pages: a put
-    into pages never touched pays a page fault per 4 KiB (256 MB: up to 0.4 s here), which would
-    fall on whichever system's turn it was."""
+    The object store is small and allocated up front, and the scatter's warm-up rounds touch its
+    pages: a put into pages never touched pays a page fault per 4 KiB (256 MB: 30 ms became up to
+    0.5 s here, in about a third of the rounds), which would fall on whichever system's turn it
+    was."""
     ray.init(
         address="local",
         num_cpus=RAY_CPUS,
@@ -445,6 +446,7 @@ def start_ray() -> None:
         _system_config={
             "prestart_worker_first_driver": False,
             "enable_worker_prestart": False,
+            "preallocate_plasma_memory": True,
         },
     )
 

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import inspect
 import logging
 import math
 import os
@@ -740,7 +741,12 @@ def metrics_on() -> Iterator[None]:
     from asyncexec._driver import _metrics
 
     registry = prometheus_client.CollectorRegistry()
-    asyncexec.enable_metrics(registry)
+    # Every scrape asks the workers (the library's default asks at most every 5 s); a baseline
+    # tree's enable_metrics may not take the setting yet, and asked at every scrape then.
+    every_scrape = {"backlog_refresh_s": 0}
+    if "backlog_refresh_s" not in inspect.signature(asyncexec.enable_metrics).parameters:
+        every_scrape = {}
+    asyncexec.enable_metrics(registry, **every_scrape)
     done = threading.Event()
 
     def scrape() -> None:

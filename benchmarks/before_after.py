@@ -1,0 +1,206 @@
+"""Rows of ``run.py`` for two trees of asyncexec (before and after a change), in one run.
+
+    python benchmarks/before_after.py --before /tmp/before            # this tree is "after"
+    python benchmarks/before_after.py --before /tmp/before --rounds 4 --what reports,restart
+    python benchmarks/before_after.py --before /tmp/before --lock /tmp/asyncexec-ray.lock
+
+``--before`` is a tree of the earlier commit: a git worktree (``git worktree add /tmp/before
+e9dad94``) or an export with a ``COMMIT`` file naming it (``git archive e9dad94 | tar -x -C
+/tmp/before-e9dad94``).
+Each measurement runs in a fresh process with that tree's asyncexec (driver and workers):
+``_before_after_probe.py`` is copied into the tree's ``benchmarks/`` and run from there. The
+rounds interleave the two trees, the order alternating each round, so that the machine's noise
+falls on both alike; the table shows each figure's median over every sample of every round and
+after / before. The batched floor, measured in the same processes (reports/s) and beside the
+same rounds (start-up, lifecycle), shows how fast the machine was meanwhile.
+
+With ``--lock``, each process runs under that lock (``flock``), released between processes, so
+that other Ray jobs of the machine can run in between rather than at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import progress  # noqa: E402
+from _pairs import Pair, render_pairs  # noqa: E402
+
+PROBE = "_before_after_probe.py"
+WHAT = ("reports", "startup", "restart", "lifecycle")
+
+#: The rows: (measurement, figure key, column, label, unit, higher is better, limit on the ratio).
+#: A limit of 1.1 reads "no worse than before beyond 10 %", the noise of this machine.
+ROWS: tuple[tuple[str, str, str, str, str, bool, float | None], ...] = (
+    ("reports", "rate1", "asyncexec", "reports/s, 1 worker", "reports/s", True, 1.1),
+    ("reports", "rate4", "asyncexec", "reports/s, 4 workers", "reports/s", True, 1.1),
+    ("reports", "rate16", "asyncexec", "reports/s, 16 workers", "reports/s", True, 1.1),
+    (
+        "reports",
+        "rate4",
+        "floor",
+        "(the batched floor beside it, 4 workers)",
+        "reports/s",
+        True,
+        None,
+    ),
+    ("startup", "startup", "asyncexec", "start-up, 4 workers", "s", False, 1.1),
+    ("startup", "startup", "floor", "(4 plain actors ready beside it)", "s", False, None),
+    (
+        "startup",
+        "freeze_start",
+        "asyncexec",
+        "event-loop freeze during start-up",
+        "ms",
+        False,
+        None,
+    ),
+    (
+        "restart",
+        "restart",
+        "asyncexec",
+        "SIGKILL of 1 of 4 to the next first step",
+        "s",
+        False,
+        1.1,
+    ),
+    ("restart", "restart_reuse", "asyncexec", "the same, reuse_survivors=True", "s", False, 1.1),
+    ("restart", "restart_spare", "asyncexec", "the same, a standby spare", "s", False, 1.1),
+    (
+        "restart",
+        "restart_default",
+        "asyncexec",
+        "the same, default RestartPolicy()",
+        "s",
+        False,
+        1.1,
+    ),
+    ("lifecycle", "life_p99", "asyncexec", "lifecycle lag p99, 4 executors x 2", "ms", False, 1.1),
+    ("lifecycle", "life_max", "asyncexec", "lifecycle lag max", "ms", False, None),
+    ("lifecycle", "life_alone_p99", "asyncexec", "lag p99 while streaming alone", "ms", False, 1.1),
+    (
+        "lifecycle",
+        "life_alone_max",
+        "asyncexec",
+        "lag max while streaming alone",
+        "ms",
+        False,
+        None,
+    ),
+    ("lifecycle", "life_p99", "floor", "(the floor's streaming p99 beside it)", "ms", False, None),
+)
+
+
+def probe(tree: str, what: str, repeats: int | None, quick: bool, lock: str | None) -> Any:
+    """Run one measurement with ``tree``'s asyncexec; its JSON result."""
+    here = os.path.join(tree, "benchmarks", PROBE)
+    if os.path.abspath(tree) != os.path.dirname(HERE):
+        shutil.copyfile(os.path.join(HERE, PROBE), here)
+    command = [sys.executable, here, what]
+    if repeats is not None:
+        command += ["--repeats", str(repeats)]
+    if quick:
+        command.append("--quick")
+    if lock is not None:
+        command = ["flock", lock, *command]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} in {tree} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = os.path.join(os.path.abspath(tree), "asyncexec")
+    if result["asyncexec"] != want:
+        raise RuntimeError(f"{tree}'s probe imported asyncexec from {result['asyncexec']}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="the earlier tree (a git worktree)")
+    parser.add_argument("--after", default=os.path.dirname(HERE), help="default: this tree")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="repeats in each process")
+    parser.add_argument("--what", default=",".join(WHAT), help=f"of {', '.join(WHAT)}")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument("--lock", default=None, help="run each process under flock LOCK")
+    parser.add_argument("--save", default=None, help="write each process's JSON result here")
+    args = parser.parse_args(argv)
+    chosen = [w for w in args.what.split(",") if w]
+    if not set(chosen) <= set(WHAT):
+        parser.error(f"--what takes {', '.join(WHAT)}")
+    trees = {"before": args.before, "after": args.after}
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {"before": {}, "after": {}}
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        for what in chosen:
+            order = ["before", "after"] if (r + WHAT.index(what)) % 2 == 0 else ["after", "before"]
+            for side in order:
+                progress(f"round {r + 1}/{args.rounds}: {what}, {side}")
+                result = probe(trees[side], what, args.repeats, args.quick, args.lock)
+                for key, columns in result["figures"].items():
+                    for column, values in columns.items():
+                        samples[side].setdefault(key, {}).setdefault(column, []).extend(values)
+                if args.save is not None:
+                    os.makedirs(args.save, exist_ok=True)
+                    name = f"{what}-{side}-{r + 1}.json"
+                    with open(os.path.join(args.save, name), "w") as f:
+                        json.dump(result, f)
+    rows = []
+    for what, key, column, label, unit, higher, limit in ROWS:
+        if what not in chosen:
+            continue
+        row = Pair(label, unit, higher_is_better=higher, limit=limit)
+        row.base = samples["before"].get(key, {}).get(column, [])
+        row.ours = samples["after"].get(key, {}).get(column, [])
+        rows.append(row)
+    commits = {side: _commit(tree) for side, tree in trees.items()}
+    print()
+    print(
+        f"asyncexec before ({commits['before']}) and after ({commits['after']}), "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({platform.machine()}), "
+        f"Python {platform.python_version()}; {args.rounds} interleaved round(s) of a fresh "
+        f"process per tree and measurement; medians of every sample"
+    )
+    print()
+    print(render_pairs(rows, "before", "after"))
+    print()
+    if args.save is not None:
+        print(f"- each process's figures, notes and where the time went: {args.save}")
+    print(f"- total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def _commit(tree: str) -> str:
+    """The tree's commit (a git tree's HEAD, or a ``COMMIT`` file beside an exported one)."""
+    marker = os.path.join(tree, "COMMIT")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return f.read().strip()
+    head = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    dirty = subprocess.run(
+        ["git", "-C", tree, "status", "--porcelain", "--", "asyncexec"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    name = head.stdout.strip() or tree
+    return name + (" + uncommitted changes to asyncexec/" if dirty.stdout.strip() else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
