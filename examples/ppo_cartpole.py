@@ -1,46 +1,32 @@
-"""PPO on CartPole-v1 with asyncexec: a rollout group that plays the environments and streams its
-experience back, a learner group that trains on it with DistributedDataParallel, both on one
-reservation, the weights pushed over a WeightChannel after every update, the event loop free
-throughout.
+"""PPO on CartPole-v1 with asyncexec: a rollout group plays the environments and streams its
+experience back, a learner group trains on it with DistributedDataParallel, both on one
+reservation; the weights go back over a WeightChannel after every update; the event loop stays
+free throughout. Solved: the last 100 episodes average 475 or more (gymnasium's threshold).
 
     pip install -e ".[torch,rl]"                   # torch and gymnasium
-    python examples/ppo_cartpole.py                 # until solved (about 30 s on 2 cores)
+    python examples/ppo_cartpole.py                 # until solved (about 20 s on 2 cores)
     python examples/ppo_cartpole.py --kill-rollout-at 20 --kill-learner-at 47   # with faults
     python examples/ppo_cartpole.py --rollout-workers 4 --staleness 2 --max-updates 400
 
-Solved means gymnasium's ``reward_threshold`` for CartPole-v1: an average return of at least 475
-over the last 100 episodes (the episodes the rollout workers played, with the sampling policy).
+How the pieces fit (docs/rl-loops.md walks through it):
 
-How the pieces fit:
-
-- ``Reservation(max(L, R), {"CPU": 1})`` holds one placement group; the learner executor (L
-  ranks, ``TorchBackend`` over gloo) and the rollout executor (R ranks) place rank i on bundle
-  i, each worker ``{"CPU": 0.5}``. Their state lives in worker classes: every learner rank
-  holds a :class:`Learner`, every rollout rank a :class:`Rollout`.
-- The rollout group runs ``rollout.run(Rollout.collect, buffer_size=1)``: each rank loads the
-  newest weights the channel installed (in a thread of the worker, under a lock), plays its
-  environments for a batch and ``report()``s it with the version it acted with.
-- For each step (one batch per rollout rank) the driver checks staleness, joins the batches
-  and calls ``learner.call(Learner.update, asyncexec.scatter(batch))``: each learner rank is
-  sent only its share of the environments, runs a PPO update on it (DDP averages the
-  gradients) and returns its losses; rank 0 saves a checkpoint every few updates. Then
-  ``await channel.push()`` sends learner rank 0's weights to every rollout rank
-  (``max_staleness=1``: it returns once every rank holds them).
-- Staleness: with ``buffer_size=1`` a rollout rank starts a batch only after the driver has
-  taken its batch before last, and the driver takes a step only after pushing the update of the
-  step before: a batch is at most 2 versions behind when it is trained on (1 in every run
-  measured). A step beyond the bound K (``--staleness``) is dropped and counted.
-- Faults: ``--kill-rollout-at N`` SIGKILLs rollout rank 1 after update N: the rollout run
-  restarts, and the new workers get the latest weights before ``collect`` starts.
-  ``--kill-learner-at N`` SIGKILLs learner rank 0, the weights' source: the next update fails
-  with ``WorkerCrashedError``, the driver calls it again, which starts a fresh learner group
-  whose ``Learner`` resumes from the latest checkpoint (at most ``--checkpoint-every`` - 1
-  updates lost).
+- Every rollout rank holds a :class:`Rollout` (its policy, the newest weights pushed to it) and
+  runs ``rollout.run(Rollout.collect, buffer_size=1)``: load the newest weights, play a batch,
+  ``report()`` it with the version it acted with.
+- Every learner rank holds a :class:`Learner` (the model in DDP, its optimizer). For each step
+  (a batch from every rollout rank) the driver checks the batches' staleness, then calls
+  ``learner.call(Learner.update, asyncexec.scatter(batch))``: each rank is sent only its share
+  of the environments; rank 0 saves a checkpoint every few updates. Then ``channel.push()``
+  sends learner rank 0's weights to every rollout rank.
+- Staleness: with ``buffer_size=1`` a batch is at most 2 versions behind when it is trained on
+  (1 in every run measured); a step over the bound K (``--staleness``) is dropped and counted.
+- Faults: ``--kill-rollout-at N`` SIGKILLs rollout rank 1 after update N: the run restarts and
+  the new workers get the latest weights before ``collect`` starts. ``--kill-learner-at N``
+  SIGKILLs learner rank 0: the next update raises ``WorkerCrashedError``, and calling it again
+  starts a fresh learner group whose ``Learner`` resumes from the latest checkpoint.
 - A coroutine on the driver's loop wakes every 5 ms and records how late it wakes up.
 
-Measured on 2 cores (x86_64, Ray 2.60, torch 2.13 CPU, 2 + 2 workers): see docs/rl-loops.md.
-:func:`train_local` runs the same algorithm in one process without Ray (collectors acting with
-weights ``lag`` updates old), which is how the hyper-parameters were chosen.
+:func:`train_local` runs the same algorithm in one process, without Ray.
 """
 
 from __future__ import annotations
@@ -58,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -134,7 +120,6 @@ class Collector:
         self.obs = np.stack([env.reset(seed=seed * 10_007 + i)[0] for i, env in
                              enumerate(self.envs)]).astype(np.float32)  # fmt: skip
         self.returns = np.zeros(n)
-        self.env_steps = 0
 
     def collect(self, model: Any, steps: int) -> tuple[Batch, np.ndarray]:
         """Act with ``model`` for ``steps`` steps in every environment: the batch, and the
@@ -166,9 +151,9 @@ class Collector:
                         self.returns[i] = 0.0
                         o, _ = env.reset()
                     self.obs[i] = o
-        self.env_steps += steps * n
-        batch = {"obs": obs, "actions": actions, "logp": logp, "rewards": rewards, "dones": dones}
-        return {**batch, "last_obs": self.obs.copy()}, np.asarray(finished, np.float64)
+        batch: Batch = {"obs": obs, "actions": actions, "logp": logp, "rewards": rewards,
+                        "dones": dones, "last_obs": self.obs.copy()}  # fmt: skip
+        return batch, np.asarray(finished, np.float64)
 
 
 def gae(
@@ -242,24 +227,15 @@ def average_last(returns: Sequence[float], n: int = SOLVED_WINDOW) -> float:
     return float(np.mean(returns[-n:])) if len(returns) else 0.0
 
 
-@dataclass
-class LocalResult:
-    """What :func:`train_local` did."""
-
-    updates: int
-    episodes: int
-    average_return: float
-    returns: list[float] = field(repr=False)
-
-
 def train_local(
     cfg: PPOConfig = PPOConfig(), *, rollout_workers: int = 2, max_updates: int = 500, lag: int = 0
-) -> LocalResult:
+) -> tuple[int, list[float]]:
     """The same algorithm in one process, without Ray: ``rollout_workers`` collectors act with
     weights ``lag`` updates old (as the async loop's stale rollouts do), one learner trains on
-    their batches side by side. Stops when solved or after ``max_updates``::
+    their batches side by side, until solved or ``max_updates``. Returns the updates made and
+    the episodes' returns. This is how the hyper-parameters were chosen::
 
-        python -c "from examples.ppo_cartpole import train_local; print(train_local(lag=2))"
+        python -c "from examples.ppo_cartpole import *; print(train_local(lag=2)[0])"
     """
     import torch
 
@@ -268,7 +244,7 @@ def train_local(
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, eps=1e-5)
     collectors = [Collector(cfg.envs_per_worker, cfg.seed * 1000 + r, cfg.gamma)
                   for r in range(rollout_workers)]  # fmt: skip
-    history, returns, update = [copy.deepcopy(model)], [], 0
+    history, update, returns = [copy.deepcopy(model)], 0, list[float]()
     rng = np.random.default_rng(cfg.seed)
     while update < max_updates:
         batches = [c.collect(history[0], cfg.rollout_steps) for c in collectors]
@@ -278,7 +254,7 @@ def train_local(
         ppo_update(model, optimizer, asyncexec.concat([b for b, _ in batches]), cfg, rng)
         update += 1
         history = [*history, copy.deepcopy(model)][-(lag + 1) :]
-    return LocalResult(update, len(returns), average_last(returns), returns)
+    return update, returns
 
 
 # The workers' classes ---------------------------------------------------------------------------
@@ -326,7 +302,7 @@ class Learner:
             state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
             torch.save({**state, "updates": self.updates}, self.path + ".tmp")
             os.replace(self.path + ".tmp", self.path)  # a kill mid-save keeps the last one whole
-        return {**stats, "updates": self.updates, "resumed_from": self.resumed_from}
+        return {**stats, "resumed_from": self.resumed_from}
 
 
 class Rollout:
@@ -377,16 +353,16 @@ class Summary:
     updates: int = 0
     pushes: int = 0
     env_steps: int = 0
-    returns: list[float] = field(default_factory=list, repr=False)
+    returns: list[float] = field(default_factory=list, repr=False)  # of the episodes played
     solved_after_s: float | None = None
     max_lag: int = 0  # over the batches trained on: channel.version - the version acted with
     max_report_lag: int = 0  # the same with Report.version (the version held at report())
     dropped: int = 0  # steps over the bound, not trained on
     restarts: dict[str, int] = field(default_factory=lambda: {"rollout": 0, "learner": 0})
-    recovery_s: dict[str, float] = field(default_factory=dict)  # from a kill to its group's next
-    learner_resumed_from: list[int] = field(default_factory=list)  # batch or update
+    back_after_s: dict[str, float] = field(default_factory=dict)  # kill -> next step or update
+    learner_resumed_from: list[int] = field(default_factory=list)  # the checkpoints' updates
     loop_lag_ms: tuple[float, ...] = (0.0, 0.0, 0.0)  # p50, p99, max
-    running_loop_lag_ms: tuple[float, ...] = (0.0, 0.0, 0.0)  # from the first update on
+    running_loop_lag_ms: tuple[float, ...] = (0.0, 0.0, 0.0)  # once the groups had started
     seconds: float = 0.0
 
     @property
@@ -403,12 +379,9 @@ class Summary:
 
     def report(self) -> str:
         """A few lines for people."""
-        restarts = ", ".join(
-            f"{n} {which}" + (f" (back in {self.recovery_s[which]:.2f} s)"
-                              if which in self.recovery_s else "")
-            for which, n in self.restarts.items()
-        )  # fmt: skip
         solved = f"solved after {self.solved_after_s:.1f} s" if self.solved else "not solved"
+        back = {k: f" (back after {v:.2f} s)" for k, v in self.back_after_s.items()}
+        restarts = [f"{n} {group}{back.get(group, '')}" for group, n in self.restarts.items()]
         return "\n".join([
             f"{solved}: average return {self.initial_average_return:.1f} (first 100 episodes) "
             f"-> {self.final_average_return:.1f} (last 100)",
@@ -416,14 +389,15 @@ class Summary:
             f"steps, {len(self.returns)} episodes in {self.seconds:.1f} s",
             f"staleness: max lag {self.max_lag} versions (Report.version: {self.max_report_lag};"
             f" bound {self.staleness_bound}), {self.dropped} steps dropped",
-            f"restarts: {restarts}; the learner resumed from updates {self.learner_resumed_from}",
+            f"restarts: {', '.join(restarts)}; the learner resumed from updates "
+            f"{self.learner_resumed_from}",
             "loop lag p50 {:.2f} ms, p99 {:.2f} ms, max {:.2f} ms".format(*self.loop_lag_ms)
-            + " (after start-up: p99 {1:.2f} ms, max {2:.2f} ms)".format(*self.running_loop_lag_ms),
+            + " (once started: p99 {1:.2f} ms, max {2:.2f} ms)".format(*self.running_loop_lag_ms),
         ])  # fmt: skip
 
 
 async def probe_loop_lag(lags: list[float], interval_s: float = 0.005) -> None:
-    """Wake every ``interval_s`` on the driver's loop and record how late (seconds)."""
+    """Wake every ``interval_s`` on the driver's loop and record how late, in seconds."""
     while True:
         t0 = time.perf_counter()
         await asyncio.sleep(interval_s)
@@ -443,10 +417,10 @@ class Trainer:
     rollout: asyncexec.Executor
     channel: asyncexec.WeightChannel
     summary: Summary
-    max_restarts: int
+    learners: int  # learner ranks
+    max_restarts: int  # of the learner (the rollout executor's RestartPolicy has its own)
     kill_at: dict[str, int | None]  # "rollout", "learner": kill a worker after this update
     on_update: Callable[[int, float], None] | None = None
-    verbose: bool = False
     killed: dict[str, float] = field(default_factory=dict)  # when (perf_counter)
 
     async def train(self, max_updates: int, stop_when_solved: bool) -> None:
@@ -454,7 +428,7 @@ class Trainer:
         s.pushes = await self.channel.push()  # version 1: the learner's initial weights
         async for step in self.rollout.run(Rollout.collect, buffer_size=1):
             if step.attempt > 1 and "rollout" in self.killed:
-                s.recovery_s["rollout"] = time.perf_counter() - self.killed.pop("rollout")
+                s.back_after_s["rollout"] = time.perf_counter() - self.killed.pop("rollout")
             s.returns.extend(x for r in step.reports for x in r.metrics["returns"].tolist())
             s.env_steps += sum(r.metrics["batch"]["rewards"].size for r in step.reports)
             solved = len(s.returns) >= SOLVED_WINDOW and s.final_average_return >= SOLVED_RETURN
@@ -464,10 +438,16 @@ class Trainer:
                 break
             if (batch := self.take(step)) is None:
                 continue
-            kl = await self.update(batch)
+            await self.update(batch)
             s.pushes = await self.channel.push()
             s.updates += 1
-            self.after(s.updates, kl)
+            if self.on_update is not None:
+                self.on_update(s.updates, s.final_average_return)
+            for group, executor in (("rollout", self.rollout), ("learner", self.learner)):
+                if self.kill_at[group] == s.updates:
+                    rank = 1 if group == "rollout" and len(executor.workers) > 1 else 0
+                    os.kill(executor.workers[rank].pid, signal.SIGKILL)
+                    self.killed[group] = time.perf_counter()
 
     def take(self, step: asyncexec.Step) -> Batch | None:
         """Count a step's staleness; its batch, or None when it is over the bound."""
@@ -481,14 +461,14 @@ class Trainer:
         batch = asyncexec.concat([r.metrics["batch"] for r in step.reports])  # side by side
         # Deal the environments out (i to learner rank i % L): the contiguous parts scatter()
         # sends then hold environments of every rollout rank.
-        n, learners = len(batch["obs"]), len(self.learner.workers)
-        dealt = np.concatenate([np.arange(j, n, learners) for j in range(learners)])
+        n, every = len(batch["obs"]), self.learners
+        dealt = np.concatenate([np.arange(j, n, every) for j in range(every)])
         return {k: v[dealt] for k, v in batch.items()}
 
-    async def update(self, batch: Batch) -> float:
-        """The learner's update on ``batch`` (each rank is sent its part of the environments);
-        its KL. When a learner rank has died, the call raises and the next one starts a fresh
-        learner group, which resumes from its checkpoint: the batch is sent again."""
+    async def update(self, batch: Batch) -> None:
+        """The learner's update on ``batch``, each rank sent its part of it. After a
+        learner rank died the call raises, and the next one starts a fresh learner group,
+        which resumes from its checkpoint: the batch is sent again."""
         s, restarted = self.summary, False
         while True:
             try:
@@ -502,25 +482,7 @@ class Trainer:
         if restarted:
             s.learner_resumed_from.append(int(stats[0]["resumed_from"]))
             if "learner" in self.killed:
-                s.recovery_s["learner"] = time.perf_counter() - self.killed.pop("learner")
-        return float(stats[0]["kl"])
-
-    def after(self, update: int, kl: float) -> None:
-        """Report progress; kill a worker when asked to after this update."""
-        s = self.summary
-        if self.on_update is not None:
-            self.on_update(update, s.final_average_return)
-        if self.verbose and update % 10 == 0:
-            print(f"update {update}: average return {s.final_average_return:.1f} of "
-                  f"{len(s.returns)} episodes, kl {kl:.4f}, "
-                  f"{time.perf_counter() - s.started:.1f} s", flush=True)  # fmt: skip
-        for which, executor in (("rollout", self.rollout), ("learner", self.learner)):
-            if self.kill_at[which] == update:
-                rank = 1 if which == "rollout" and len(executor.workers) > 1 else 0
-                os.kill(executor.workers[rank].pid, signal.SIGKILL)
-                self.killed[which] = time.perf_counter()
-                if self.verbose:
-                    print(f"killed {which} rank {rank}", flush=True)
+                s.back_after_s["learner"] = time.perf_counter() - self.killed.pop("learner")
 
 
 async def main(
@@ -534,11 +496,10 @@ async def main(
     kill_learner_at: int | None = None,
     checkpoint_every: int = 5,
     max_restarts: int = 3,
-    transport: str = "object_store",
+    transport: Literal["object_store", "torch"] = "object_store",
     ppo: PPOConfig | None = None,
     storage_path: str | os.PathLike[str] | None = None,
     on_update: Callable[[int, float], None] | None = None,
-    verbose: bool = False,
 ) -> Summary:
     """Train PPO on CartPole-v1 with a learner and a rollout group; return what happened.
 
@@ -547,8 +508,8 @@ async def main(
     average return of the last 100 episodes) after each update.
     """
     ppo = ppo or PPOConfig()
-    if rollout_workers * ppo.envs_per_worker % learner_workers:
-        raise ValueError("the environments must split evenly over the learner ranks")
+    if rollout_workers * ppo.envs_per_worker < learner_workers:
+        raise ValueError("fewer environments than learner ranks")
     summary, lags = Summary(staleness_bound=staleness), list[float]()
     half = {"CPU": 0.5}
     checkpoints = tempfile.mkdtemp(prefix="ppo_learner_", dir=storage_path)
@@ -581,15 +542,14 @@ async def main(
             ) as channel,
         ):
             kill_at = {"rollout": kill_rollout_at, "learner": kill_learner_at}
-            trainer = Trainer(
-                learner, rollout, channel, summary, max_restarts, kill_at, on_update, verbose
-            )
-            running_from = len(lags)
+            trainer = Trainer(learner, rollout, channel, summary, learner_workers, max_restarts,
+                              kill_at, on_update)  # fmt: skip
+            started = len(lags)
             await trainer.train(max_updates, stop_when_solved)
             summary.restarts["rollout"] = rollout.statistics().restarts
         probe.cancel_scope.cancel()
     summary.loop_lag_ms = percentiles_ms(lags)
-    summary.running_loop_lag_ms = percentiles_ms(lags[running_from:])
+    summary.running_loop_lag_ms = percentiles_ms(lags[started:])
     summary.seconds = time.perf_counter() - summary.started
     return summary
 
@@ -619,6 +579,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ppo = PPOConfig(envs_per_worker=args.envs_per_worker, rollout_steps=args.rollout_steps,
                     lr=args.lr, seed=args.seed)  # fmt: skip
+
+    def progress(update: int, average: float) -> None:
+        if update % 10 == 0:
+            print(f"update {update}: the last 100 episodes average {average:.1f}", flush=True)
+
     asyncexec.configure_logging("console", "warning")
     import ray
 
@@ -635,7 +600,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         staleness=args.staleness, max_updates=args.max_updates, stop_when_solved=not args.no_stop,
         kill_rollout_at=args.kill_rollout_at, kill_learner_at=args.kill_learner_at,
         checkpoint_every=args.checkpoint_every, max_restarts=args.max_restarts,
-        transport=args.transport, ppo=ppo, storage_path=args.storage_path, verbose=not args.quiet,
+        transport=args.transport, ppo=ppo, storage_path=args.storage_path,
+        on_update=None if args.quiet else progress,
     ))  # fmt: skip
     print(summary.report())
     rose = args.no_stop and summary.final_average_return > summary.initial_average_return

@@ -43,12 +43,12 @@ def test_gae_matches_a_direct_sum() -> None:
 @pytest.mark.timeout(60)
 def test_the_algorithm_learns_in_one_process_with_stale_actors() -> None:
     ppo = import_example("ppo_cartpole")
-    result = ppo.train_local(max_updates=15, lag=2)
-    assert result.updates == 15
-    assert result.episodes >= 100
-    first = float(np.mean(result.returns[:100]))
+    updates, returns = ppo.train_local(max_updates=15, lag=2)
+    assert updates == 15
+    assert len(returns) >= 100
+    first, last = float(np.mean(returns[:100])), float(np.mean(returns[-100:]))
     assert first < 40  # a random policy lasts about 22 steps
-    assert result.average_return > first + 30
+    assert last > first + 30
 
 
 @pytest.mark.usefixtures("ray_local")
@@ -77,7 +77,7 @@ async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path
     # Both groups restarted once; the learner resumed from its checkpoint of update 10.
     assert summary.restarts == {"rollout": 1, "learner": 1}
     assert summary.learner_resumed_from == [10]
-    assert set(summary.recovery_s) == {"rollout", "learner"}
+    assert set(summary.back_after_s) == {"rollout", "learner"}
     assert summary.pushes >= 25
     # The driver's loop stayed free: the probe ran all along.
     p50, p99, worst = summary.loop_lag_ms
