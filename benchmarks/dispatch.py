@@ -373,7 +373,6 @@ async def measure_load(sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[s
         f"least_loaded(max_in_flight={cap}) calls/s, {n} ranks, {callers} callers",
         "calls/s",
         higher_is_better=True,
-        limit=1.2,
     )
     loop = Pair("the same: the event loop's CPU per call", "us")
     cpu = Pair("the same: the driver's CPU per call (all threads)", "us")
