@@ -361,12 +361,6 @@ def rank_until_noticed(config: dict[str, Any]) -> str:
 
 @pytest.mark.multinode
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    raises=asyncexec.RestartsExhaustedError,
-    reason="renew_rank (group/_spares.py) refuses a fresh process on another node, and a lost "
-    "node's rank can only go to another one: 'the replacement landed on another node'",
-)
 async def test_independent_rank_lost_to_a_preemption_is_renewed_under_the_budget(
     make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path
 ) -> None:

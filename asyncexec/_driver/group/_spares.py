@@ -21,6 +21,7 @@ from ..._protocol import WorkerContext
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
 from ._roles import make_roles
+from ._startup import worker_contexts
 
 __all__ = ["refill_spare", "renew_rank", "replace_rank", "shrink", "take_spare"]
 
@@ -52,6 +53,23 @@ def _in_place_of(failed: WorkerInfo, spare: Standby) -> WorkerInfo:
         failed.context, pid=spare.metadata.pid, accelerator_ids=spare.metadata.accelerator_ids
     )
     return WorkerInfo(spare.handle, spare.metadata, context, spare.bundle, spare.death)
+
+
+def _moved(group: WorkerGroup, rank: int, fresh: WorkerInfo) -> WorkerInfo:
+    """``fresh`` with the context of its own node: an independent rank whose node is gone goes
+    on where Ray placed its bundle again. Its local rank and node rank are those of the group
+    with it there; the other ranks keep the contexts their functions started with."""
+    metas = [fresh.metadata if w.rank == rank else w.metadata for w in group.workers]
+    moved = worker_contexts(group.config, metas)[rank]
+    context = replace(
+        fresh.context,
+        node_id=moved.node_id,
+        node_ip=moved.node_ip,
+        node_rank=moved.node_rank,
+        local_rank=moved.local_rank,
+        local_world_size=moved.local_world_size,
+    )
+    return replace(fresh, context=context)
 
 
 async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
@@ -190,7 +208,11 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
     try:
         with anyio.fail_after(config.start_timeout_s):
             if fresh.metadata.node_id != failed.metadata.node_id:
-                raise RuntimeError("the replacement landed on another node")
+                if group.backend is not None or await group.cluster.node_alive(
+                    failed.metadata.node_id
+                ):
+                    raise RuntimeError("the replacement landed on another node")
+                fresh = _moved(group, rank, fresh)  # its node is gone (lost, or preempted)
             if env is None:
                 metas = [fresh.metadata if w.rank == rank else w.metadata for w in group.workers]
                 env = device_envs(metas, config)[rank]
