@@ -104,8 +104,8 @@ class Poll(NamedTuple):
     checkpoints: dict[int, str] | None
     outcome: Outcome | None
     versions: list[tuple[int, int]] | None = None
-    #: When the reports were made (see :class:`ReportTimes`); None for a poll without reports.
-    times: ReportTimes | None = None
+    #: When the reports were made: a :class:`ReportTimes`, packed (None without reports).
+    times: bytes | None = None
 
 
 class ReportTimes(NamedTuple):
@@ -114,11 +114,36 @@ class ReportTimes(NamedTuple):
     ``busy`` how long the function ran before it (since its previous ``report()`` returned, or
     since it started: the time ``report()`` waited for credit or persisted a checkpoint is not
     in it), one entry per report; ``now`` is when the poll answered, so that the driver can place
-    ``calls`` on its own clock."""
+    ``calls`` on its own clock.
+
+    It crosses the wire packed into one ``bytes`` (``now``, then ``calls``, then ``busy``, as
+    doubles): that unpickles in a third of the time two arrays in a record take, which is a
+    cost per poll on the driver's event loop."""
 
     calls: array[float]
     busy: array[float]
     now: float
+
+    def pack(self) -> bytes:
+        return array("d", (self.now,)).tobytes() + self.calls.tobytes() + self.busy.tobytes()
+
+    @classmethod
+    def unpack(cls, data: bytes) -> ReportTimes:
+        calls: array[float] = array("d")
+        busy: array[float] = array("d")
+        now = cls.unpack_into(data, calls, busy)
+        return cls(calls, busy, now)
+
+    @staticmethod
+    def unpack_into(data: bytes, calls: array[float], busy: array[float]) -> float:
+        """Append packed times to ``calls`` and ``busy``; return ``now``. (No array of its own
+        is made: what the driver keeps of a poll goes straight where it is kept.)"""
+        view = memoryview(data)
+        half = (len(data) - 8) // 2
+        calls.frombytes(view[8 : 8 + half])
+        busy.frombytes(view[8 + half :])
+        now: float = array("d", view[:8].tobytes())[0]
+        return now
 
 
 @dataclass(frozen=True)

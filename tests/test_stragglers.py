@@ -19,6 +19,7 @@ import asyncexec
 from asyncexec._config import ExecutorConfig
 from asyncexec._driver import _metrics
 from asyncexec._driver.cluster import NOT_TAKEN, SimCluster, SimLoad, simulated
+from asyncexec._driver.run._steps import StepTimes
 from asyncexec._driver.run._stragglers import MIN_LAG_S, StragglerWatch
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,18 +147,20 @@ async def test_straggler_counted_and_skew_sampled_by_executor(registry: Any) -> 
 # The watch itself -------------------------------------------------------------------------------
 
 
-def _times(rows: list[list[float]]) -> list[array[float]]:
-    """Per rank, the step times of ``rows`` (one row a step, one column a rank)."""
-    return [array("d", column) for column in zip(*rows, strict=True)]
+def _times(rows: list[list[float]]) -> StepTimes:
+    """The busy times of ``rows`` (one row a step, one column a rank), as a batch holds them."""
+    busy = array("d", [t for column in zip(*rows, strict=True) for t in column])
+    ranks = len(rows[0])
+    return StepTimes(array("d", [0.0]) * len(busy), busy, [0.0] * ranks, len(rows))
 
 
 async def test_watch_needs_every_step_of_the_window_slow() -> None:
     watch = StragglerWatch(4, factor=2.0, steps=5)
     # Rank 1 is 3x slower in 4 steps of 5, then in all 5 of the next window.
     once_fast = [[0.01, 0.03, 0.01, 0.01]] * 4 + [[0.01, 0.01, 0.01, 0.01]]
-    watch.observe(0, _times(once_fast), 5)
+    watch.observe(0, _times(once_fast))
     assert watch._found == []
-    watch.observe(5, _times([[0.01, 0.03, 0.01, 0.01]] * 5), 5)
+    watch.observe(5, _times([[0.01, 0.03, 0.01, 0.01]] * 5))
     assert [(s.rank, s.step, s.factor) for s in watch._found] == [(1, 9, pytest.approx(3.0))]
 
 
@@ -165,24 +168,24 @@ async def test_watch_reports_a_straggler_again_only_after_a_window_without_it() 
     watch = StragglerWatch(3, factor=2.0, steps=2)
     slow, even = [[0.01, 0.01, 0.05]], [[0.01, 0.01, 0.01]]
     # Steps arrive in batches that cut across windows.
-    watch.observe(0, _times(slow * 3), 3)
-    watch.observe(3, _times(slow * 1 + even * 2), 3)
-    watch.observe(6, _times(slow * 2), 2)
+    watch.observe(0, _times(slow * 3))
+    watch.observe(3, _times(slow * 1 + even * 2))
+    watch.observe(6, _times(slow * 2))
     assert [(s.rank, s.step) for s in watch._found] == [(2, 1), (2, 7)]
 
 
 async def test_watch_ignores_differences_below_the_floor_and_unknown_times() -> None:
     watch = StragglerWatch(3, factor=2.0, steps=2)
     tiny = MIN_LAG_S / 4  # 4x slower, but by less than the floor
-    watch.observe(0, _times([[MIN_LAG_S / 16, MIN_LAG_S / 16, tiny]] * 2), 2)
+    watch.observe(0, _times([[MIN_LAG_S / 16, MIN_LAG_S / 16, tiny]] * 2))
     nan = math.nan
-    watch.observe(2, _times([[0.01, 0.01, nan]] * 2), 2)  # a rank whose times are not known
+    watch.observe(2, _times([[0.01, 0.01, nan]] * 2))  # a rank whose times are not known
     assert watch._found == []
 
 
 async def test_two_ranks_one_slow() -> None:
     watch = StragglerWatch(2, factor=2.0, steps=3)
-    watch.observe(0, _times([[0.01, 0.05]] * 3), 3)
+    watch.observe(0, _times([[0.01, 0.05]] * 3))
     assert [s.rank for s in watch._found] == [1]
 
 

@@ -236,7 +236,7 @@ class Reports:
         versions = None
         if self._versions:
             versions, self._versions = self._versions, []
-        times = ReportTimes(calls, busy, time.monotonic()) if items else None
+        times = ReportTimes(calls, busy, time.monotonic()).pack() if items else None
         poll = Poll(items, ckpts, outcome, versions, times)
         self._inflight = (poll, self._sent - len(items))
         return poll
@@ -266,7 +266,8 @@ class Reports:
         outcome = Outcome("error", error=error)
         times = poll.times
         if times is not None:
-            times = ReportTimes(times.calls[:index], times.busy[:index], times.now)
+            calls, busy, now = ReportTimes.unpack(times)
+            times = ReportTimes(calls[:index], busy[:index], now).pack()
         return Poll(poll.reports[:index], kept or None, outcome, poll.versions, times)
 
     def buffered(self) -> int:

@@ -7,6 +7,7 @@ Upper layers get a :class:`Cluster` from :func:`cluster_for` and talk to workers
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 
 from ray import cloudpickle
@@ -25,7 +26,7 @@ from ._errors import (
 from ._local import LOCAL_NODE, LocalCluster, LocalWorkerGone
 from ._placement import PRECISION, Placement, infeasible_reason
 from ._ray import RayCluster
-from ._sim import SimCluster, SimLoad, SimStatistics
+from ._sim import GcClock, SimCluster, SimLoad, SimStatistics
 from ._stacks import DUMP_TIMEOUT_S, NOT_TAKEN, dump_processes, take_stacks
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "RAY_ERROR_KINDS",
     "Cluster",
     "DataConfig",
+    "GcClock",
     "Handle",
     "LocalCluster",
     "LocalWorkerGone",
@@ -88,7 +90,9 @@ def simulated(cluster: SimCluster) -> Iterator[SimCluster]:
     whatever their ``local`` says: the benchmarks' and tests' thousands of cheap ranks (see
     ``_sim``). Not for applications: nothing public reaches it."""
     _SIMULATED.append(cluster)
+    gc.callbacks.append(cluster.gc_clock)
     try:
         yield cluster
     finally:
+        gc.callbacks.remove(cluster.gc_clock)
         _SIMULATED.remove(cluster)

@@ -203,24 +203,36 @@ class Step:
 
 
 class StepTimes(NamedTuple):
-    """When the ranks made their reports of a batch of steps (see ``ReportTimes``): per rank, the
-    times ``report()`` was called on its worker's clock and how long its function ran before
-    each, one entry per step (NaN where not known), and per rank the offset from its worker's
-    clock to the driver's."""
+    """When the ranks made their reports of a batch of ``steps`` steps (see ``ReportTimes``):
+    the times ``report()`` was called on each worker's clock, and how long its function ran
+    before each, rank by rank (entry ``r * steps + i`` is rank r's of step i; NaN where not
+    known); and per rank the offset from its worker's clock to the driver's. Two arrays a batch,
+    whatever the number of ranks: the driver makes no object per rank and step."""
 
-    calls: list[array[float]]
-    busy: list[array[float]]
+    calls: array[float]
+    busy: array[float]
     offsets: list[float]
+    steps: int
 
     def part(self, start: int, stop: int) -> StepTimes:
         """The times of steps ``start .. stop - 1`` of the batch."""
+        n, ranks = self.steps, len(self.offsets)
+        keep = [r * n + i for r in range(ranks) for i in range(start, stop)]
+        calls, busy = self.calls, self.busy
         return StepTimes(
-            [c[start:stop] for c in self.calls], [b[start:stop] for b in self.busy], self.offsets
+            array("d", [calls[k] for k in keep]),
+            array("d", [busy[k] for k in keep]),
+            self.offsets,
+            stop - start,
         )
+
+    def column(self, i: int) -> array[float]:
+        """Step ``i``'s busy times, rank by rank."""
+        return self.busy[i :: self.steps]
 
     def _on_driver(self, i: int) -> list[float]:
         """Step ``i``'s report times of every rank, on the driver's clock."""
-        return [c[i] + o for c, o in zip(self.calls, self.offsets, strict=True)]
+        return [c + o for c, o in zip(self.calls[i :: self.steps], self.offsets, strict=True)]
 
     def arrivals(self, i: int) -> dict[int, float]:
         """Step ``i``'s report times, in seconds after the first rank's, by rank (the ranks
@@ -238,7 +250,7 @@ class StepTimes(NamedTuple):
 
     def durations(self, i: int) -> dict[int, float]:
         """How long each rank's function ran for step ``i``, by rank."""
-        return {r: b[i] for r, b in enumerate(self.busy) if b[i] == b[i]}
+        return {r: b for r, b in enumerate(self.column(i)) if b == b}
 
 
 class StepBatch:

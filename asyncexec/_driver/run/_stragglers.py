@@ -23,10 +23,6 @@ the collective and report it.
 from __future__ import annotations
 
 import math
-from array import array
-from collections.abc import Sequence
-from itertools import repeat
-from operator import getitem
 from typing import Any, NamedTuple
 
 import anyio
@@ -36,6 +32,7 @@ from ..._errors import short_node
 from .._metrics import RunMeter
 from ..cluster import NOT_TAKEN
 from ..group import WorkerGroup
+from ._steps import StepTimes
 
 __all__ = ["MIN_LAG_S", "Straggler", "StragglerWatch"]
 
@@ -80,19 +77,15 @@ class StragglerWatch:
             return None
         return cls(num_ranks, factor, config.straggler_steps)
 
-    def observe(self, first: int, busy: Sequence[array[float]], n: int) -> None:
-        """Take the step times of ``n`` steps from stream index ``first`` on (per rank, one
-        entry a step); a window that ends among them is judged."""
-        start = 0
-        while start < n:
-            stop = min(n, start + self.steps - self._filled)
-            # Each rank's shortest step of these, then of the window so far: passes in C.
-            part = map(min, map(getitem, busy, repeat(slice(start, stop))))
-            self._shortest = list(map(min, self._shortest, part))
-            self._filled += stop - start
-            start = stop
+    def observe(self, first: int, times: StepTimes) -> None:
+        """Take the step times of a batch of steps from stream index ``first`` on; a window
+        that ends among them is judged."""
+        for i in range(times.steps):
+            # Each rank's shortest step of the window so far: a pass in C.
+            self._shortest = list(map(min, self._shortest, times.column(i)))
+            self._filled += 1
             if self._filled == self.steps:
-                self._judge(first + stop - 1)
+                self._judge(first + i)
                 self._shortest = [math.inf] * self.num_ranks
                 self._filled = 0
 

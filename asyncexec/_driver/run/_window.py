@@ -16,8 +16,8 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
-from itertools import repeat
-from operator import delitem, not_
+from itertools import chain, repeat
+from operator import delitem, getitem, itemgetter, not_
 from typing import Any
 
 import anyio
@@ -25,7 +25,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from ..._checkpoint import Checkpoint, CheckpointBook
 from ..._errors import AsyncExecError, ReportMismatchError
-from ..._protocol import Outcome, Poll
+from ..._protocol import Outcome, Poll, ReportTimes
 from .._metrics import RunMeter
 from ..cluster import call_error, outcome_error, ray_error_kind
 from ..group import WorkerGroup, WorkerInfo
@@ -38,8 +38,8 @@ __all__ = [
     "HandOver",
     "Window",
     "min_poll",
-    "poll_rank",
     "pump",
+    "salvage",
     "versions_of",
 ]
 
@@ -98,11 +98,9 @@ class Assembly:
             if received > self._most:
                 self._most = received
             now = self.last_report[rank] = time.monotonic()
-            times = poll.times
-            if times is not None:
-                self.calls[rank].extend(times.calls)
-                self.busy[rank].extend(times.busy)
-                self.offsets[rank] = now - times.now
+            if poll.times is not None:
+                sent = ReportTimes.unpack_into(poll.times, self.calls[rank], self.busy[rank])
+                self.offsets[rank] = now - sent
             else:  # a worker that does not time its reports
                 unknown = array("d", [math.nan]) * len(reports)
                 self.calls[rank].extend(unknown)
@@ -149,16 +147,23 @@ class Assembly:
         return min(map(len, self.queues))
 
     def take(self, limit: int) -> StepBatch:
-        """Take up to ``limit`` complete steps, as a compact batch."""
+        """Take up to ``limit`` complete steps, as a compact batch.
+
+        It makes one object a step and a few a batch, not one a rank: the objects the driver
+        makes in quantity decide how often Python's garbage collector runs, and with thousands
+        of ranks each of its runs moves every pending call's objects to an older generation."""
         n = min(self.ready, limit)
-        per_rank = [queue[:n] for queue in self.queues]
-        calls = [times[:n] for times in self.calls]
-        busy = [times[:n] for times in self.busy]
-        # The deletions, and the count of what is left empty: passes done in C.
+        queues = self.queues
+        if n < self.num_ranks:  # a few steps of many ranks: a row at a time, in C
+            rows = [tuple(map(itemgetter(i), queues)) for i in range(n)]
+        else:
+            rows = list(zip(*[queue[:n] for queue in queues], strict=True))
         cut = repeat(slice(0, n))
-        for column in (self.queues, self.calls, self.busy):
+        calls: array[float] = array("d", chain.from_iterable(map(getitem, self.calls, cut)))
+        busy: array[float] = array("d", chain.from_iterable(map(getitem, self.busy, cut)))
+        for column in (queues, self.calls, self.busy):
             deque(map(delitem, column, cut), maxlen=0)
-        self._empty = sum(map(not_, self.queues))
+        self._empty = sum(map(not_, queues))
         first = self.assembled
         checkpoints = self._take_checkpoints(first, n) if self._pending_checkpoints else {}
         self.assembled += n
@@ -169,11 +174,11 @@ class Assembly:
         return StepBatch(
             self.index_offset + first,
             self.attempt,
-            list(zip(*per_rank, strict=True)),
+            rows,
             checkpoints,
             versions,
             None,
-            StepTimes(calls, busy, list(self.offsets)),
+            StepTimes(calls, busy, list(self.offsets), n),
         )
 
     def _take_checkpoints(
@@ -216,27 +221,23 @@ def versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int | 
     return out
 
 
-async def poll_rank(worker: WorkerInfo, ack: int, credit: int) -> Poll:
-    """One poll of ``worker``. When its answer could not be sent (Ray failed to pickle it: a
-    report that does not), the worker says what it held instead: the reports before the bad
-    one, and an error that names that report and its key.
+async def salvage(worker: WorkerInfo, exc: Exception) -> Poll:
+    """After a poll of ``worker`` failed with ``exc``: when its answer could not be sent (Ray
+    failed to pickle it: a report that does not), the worker says what it held instead: the
+    reports before the bad one, and an error that names that report and its key.
 
     Raises:
-        Exception: the poll's own error, when nothing was salvaged.
+        Exception: ``exc``, when nothing was salvaged.
     """
+    if ray_error_kind(exc) != "raised":  # the worker died, or Ray failed: not a bad report
+        raise exc
     try:
-        poll: Poll = await worker.handle.call("poll", ack, credit)
-        return poll
-    except Exception as exc:
-        if ray_error_kind(exc) != "raised":  # the worker died, or Ray failed: not a bad report
-            raise
-        try:
-            salvaged: Poll | None = await worker.handle.call("salvage")
-        except Exception:
-            raise exc from None
-        if salvaged is None:
-            raise
-        return salvaged
+        salvaged: Poll | None = await worker.handle.call("salvage")
+    except Exception:
+        raise exc from None
+    if salvaged is None:
+        raise exc
+    return salvaged
 
 
 def min_poll(buffer_size: int) -> int:
@@ -261,11 +262,17 @@ async def pump(
     Raises:
         AsyncExecError: a call on the worker failed (mapped: it died, or Ray failed).
     """
+    call = worker.handle.call
     while True:
         while (room := credit()) < least:
             await changed()
         try:
-            poll = await poll_rank(worker, acked(), room)
+            try:
+                # Awaited here, not in a helper: a coroutine less per poll (each pending one is
+                # an object that lives as long as its rank takes to report).
+                poll: Poll = await call("poll", acked(), room)
+            except Exception as exc:
+                poll = await salvage(worker, exc)
         except Exception as exc:
             raise await call_error(exc, worker, attempt) from None
         await take(poll)
@@ -341,7 +348,7 @@ class Window:
             while asm.ready:
                 batch = asm.take(BATCH)
                 if self.stragglers is not None and batch.times is not None:
-                    self.stragglers.observe(batch.first, batch.times.busy, len(batch))
+                    self.stragglers.observe(batch.first, batch.times)
                 handover.queue(batch)
                 await handover.drain()
             if asm.finished:

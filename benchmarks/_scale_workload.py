@@ -1,0 +1,34 @@
+"""What the Ray actors of ``benchmarks/scale.py`` run (workers import it by name: it imports
+nothing heavy)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import asyncexec
+
+#: Ranks' reports fall at different moments, spread evenly over a period by the golden ratio
+#: (the simulated ranks spread theirs the same way).
+GOLDEN = 0.6180339887498949
+
+
+def paced(config: dict[str, Any]) -> None:
+    """Report ``reports`` empty reports, one every ``1 / rate`` seconds, at a phase of its own."""
+    period = 1.0 / config["rate"]
+    rank = asyncexec.get_context().world_rank
+    due = time.monotonic() + period * (1.0 + (rank * GOLDEN) % 1.0)
+    for _ in range(config["reports"]):
+        pause = due - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        asyncexec.report({})
+        due += period
+
+
+def flat_out(config: dict[str, Any]) -> None:
+    """Report ``reports`` empty reports as fast as credit allows."""
+    report = asyncexec.report
+    empty: dict[str, Any] = {}
+    for _ in range(config["reports"]):
+        report(empty)

@@ -1,0 +1,480 @@
+"""The driver's cost as ranks grow: real Ray actors at 1, 4, 16 and 64 ranks (fractional CPUs)
+and simulated ranks at 4 to 4,096, in one table of medians.
+
+    python benchmarks/scale.py                  # the full table: about 6 minutes on 2 cores
+    python benchmarks/scale.py --quick          # small sizes, one repeat (the tests run it)
+    python benchmarks/scale.py --sim-only       # only the simulated ranks (no Ray)
+    python benchmarks/scale.py --profile 4096   # cProfile of the driver through a paced run
+
+Simulated ranks are the cluster seam's third implementation (``asyncexec._driver.cluster``'s
+``SimCluster``, selected with ``simulated()``): objects on the driver's own event loop that
+answer the worker protocol and report at a fixed rate, each answer crossing a pickle round trip
+as an actor's does. What they cost is timed apart and subtracted: the figures are the driver's.
+
+What is measured, per size (health checks off: they cost one small call per rank and interval):
+
+- **paced**: every rank reports at a fixed rate, its reports spread over the period (as real
+  ranks' are), each poll carrying one report or two: the costliest shape per report. The rate is
+  1,000 reports/s per rank, or 20,000/s in total above 20 ranks, so that the driver is never
+  busy enough to batch. Over the steady middle of a run (the first and last fifth of its steps
+  left out), the event loop thread's CPU (``time.thread_time``), less the simulated workers',
+  per rank-report and per step; the time from the last rank's ``report()`` of a step to the
+  consumer holding it (median over steps); and what the run costs once per rank (its start and
+  its end: the whole run's CPU less its reports').
+- **assembly**: the assembly alone (pure, timed apart): adding one answer from each of N
+  ranks, then taking the step (with the straggler watch).
+- **memory**: the Python heap (tracemalloc) the driver holds per idle rank of an entered
+  executor, the simulated workers' own objects left out. For Ray actors, Ray's per-actor state
+  in C++ is not in it.
+- **start-up**: planning (rank order, ranks, device sets: pure functions over N workers on nodes
+  of 8, each with a GPU), and the group's whole start (the driver's CPU per rank).
+- **saturated**: every rank reports as fast as credit allows (polls of hundreds of reports): the
+  reports per second of driver CPU, the rate at which one driver core saturates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import os
+import platform
+import pstats
+import sys
+import time
+import tracemalloc
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The workers import the workload by module name.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
+)
+for path in (HERE, ROOT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import psutil  # noqa: E402
+import structlog  # noqa: E402
+from _common import median, progress  # noqa: E402
+from _scale_workload import flat_out, paced  # noqa: E402
+
+import asyncexec  # noqa: E402
+from asyncexec._devices import DEVICE_KINDS, shared_device_env  # noqa: E402
+from asyncexec._driver.cluster import GcClock, SimCluster, SimLoad, simulated  # noqa: E402
+from asyncexec._driver.run._stragglers import StragglerWatch  # noqa: E402
+from asyncexec._driver.run._window import BATCH, Assembly  # noqa: E402
+from asyncexec._protocol import Poll, ReportTimes, WorkerMetadata  # noqa: E402
+from asyncexec._ranks import assign_ranks, order_workers  # noqa: E402
+
+#: Paced runs: this many reports a second in total, each rank's share of it (Ray actors: at
+#: most RAY_RATE_PER_RANK each, as a sleeping function keeps a faster pace badly).
+RATE_TOTAL, RAY_RATE_PER_RANK = 16_000.0, 2_000.0
+#: A paced run lasts about this long (at least 20 steps); a saturated one has this window.
+PACED_S, SATURATED_BUFFER = 3.0, 256
+#: Ray actors' CPU each (64 of them fit in the Ray started here).
+RAY_CPUS, RAY_RESOURCES = 8, {"CPU": 0.1}
+NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
+#: The tuned collector's first threshold: this many allocations a rank (see ``tuned_gc``).
+GC_PER_RANK = 20
+
+
+@dataclass
+class Sizes:
+    sim: list[int]
+    ray: list[int]
+    repeats: int
+    paced_reports: int  # in a paced run, over every rank (at least 30 steps)
+    saturated_reports: int  # in a saturated run, over every rank
+
+
+#: ``SCALE_REPEATS=1`` for a shorter full run.
+_REPEATS = int(os.environ.get("SCALE_REPEATS", "3"))
+FULL = Sizes([4, 16, 64, 256, 1024, 4096], [1, 4, 16, 64], _REPEATS, 48_000, 400_000)
+QUICK = Sizes([4, 64, 256], [1, 4], 1, 4_000, 20_000)
+
+
+@dataclass
+class Row:
+    kind: str
+    ranks: int
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.values.setdefault(key, []).append(value)
+
+    def get(self, key: str) -> float:
+        return median(self.values.get(key, []))
+
+
+def noop(config: Any = None) -> None:
+    """The simulated ranks' function (they do not call it)."""
+
+
+class Clock:
+    """The driver's CPU (the event loop thread's), less the simulated workers' time; and the time
+    spent in garbage collections (the whole process's, counted as the driver's)."""
+
+    def __init__(self, sim: SimCluster | None) -> None:
+        self.sim = sim
+        self.process = psutil.Process()
+        self.gc = GcClock()
+
+    def read(self) -> tuple[float, float, float, float]:
+        """(the driver's loop CPU, the whole process's CPU, garbage collections, the simulated
+        workers' time), in seconds."""
+        spent = self.sim.spent if self.sim is not None else 0.0
+        t = self.process.cpu_times()
+        return time.thread_time() - spent, t.user + t.system - spent, self.gc.total, spent
+
+
+@contextlib.contextmanager
+def tuned_gc(n: int) -> Iterator[None]:
+    """What the docs advise a driver of many ranks: everything made so far out of the
+    collector's way (``gc.freeze()``), and its first threshold raised with the ranks."""
+    old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(max(old[0], GC_PER_RANK * n), old[1], old[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
+def _last_report(step: asyncexec.Step) -> float:
+    """When the last rank made its report of ``step``, on this node's monotonic clock (the
+    workers' clock: simulated ranks and actors on this node share it)."""
+    batch = step._batch  # the benchmark reads the raw times the step was built from
+    assert batch is not None and batch.times is not None
+    i = step.index - batch.first
+    times = batch.times
+    return max(times.calls[i :: times.steps])
+
+
+# Pure parts -------------------------------------------------------------------------------------
+
+
+def metadata(n: int) -> list[WorkerMetadata]:
+    """N workers on nodes of 8, each with one GPU of its node (as the simulated ranks are)."""
+    return [
+        WorkerMetadata(f"node-{i // 8}", "10.0.0.1", f"node-{i // 8}", i, {"GPU": (str(i % 8),)})
+        for i in range(n)
+    ]
+
+
+def planning_ms(n: int, repeats: int) -> float:
+    """Rank order, ranks and device sets of N workers, median ms."""
+    metas = metadata(n)
+    nodes = [m.node_id for m in metas]
+    ids = [m.accelerator_ids for m in metas]
+    times = []
+    for _ in range(max(3, repeats)):
+        t0 = time.perf_counter()
+        order = order_workers(nodes, ids, nodes[0])
+        ordered = [nodes[i] for i in order]
+        assign_ranks(ordered)
+        shared_device_env(ordered, [ids[i] for i in order], DEVICE_KINDS)
+        times.append(time.perf_counter() - t0)
+    return median(times) * 1e3
+
+
+async def assembly_ms(n: int, repeats: int) -> tuple[float, float]:
+    """Adding one answer from each of N ranks, and taking the step: median ms each."""
+    now = time.monotonic()
+    packed = ReportTimes(array("d", [now]), array("d", [0.01]), now).pack()
+    poll = Poll([{}], None, None, None, packed)
+    adds, takes = [], []
+    for _ in range(max(5, repeats)):
+        asm = Assembly(n, 1, 0)
+        watch = StragglerWatch(n, 2.0, 10)
+        t0 = time.perf_counter()
+        for rank in range(n):
+            asm.add(rank, poll)
+        t1 = time.perf_counter()
+        batch = asm.take(BATCH)
+        assert batch.times is not None
+        watch.observe(batch.first, batch.times)
+        batch.step(0)
+        t2 = time.perf_counter()
+        adds.append(t1 - t0)
+        takes.append(t2 - t1)
+    return median(adds) * 1e3, median(takes) * 1e3
+
+
+# Runs -------------------------------------------------------------------------------------------
+
+
+def paced_rate(n: int, ray: bool) -> float:
+    return min(RAY_RATE_PER_RANK, RATE_TOTAL / n) if ray else RATE_TOTAL / n
+
+
+async def paced_run(
+    executor: asyncexec.Executor, clock: Clock, n: int, total: int, row: Row, tuned: bool
+) -> None:
+    """One paced run (see the module's docstring), its figures added to ``row`` (``tuned``:
+    with the garbage collector as the docs advise, the figures' keys end in ``_tuned``)."""
+    sim = clock.sim
+    rate = paced_rate(n, ray=sim is None)
+    reports = max(20, min(total // n, int(rate * PACED_S)))
+    if sim is not None:
+        sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
+    first, last = reports // 5, reports - reports // 5
+    gc.collect()
+    marks: dict[int, tuple[float, float, float, float]] = {}
+    latencies = []
+    with tuned_gc(n) if tuned else contextlib.nullcontext():
+        start = clock.read()
+        async for step in executor.run(paced, {"rate": rate, "reports": reports}):
+            if first <= step.index < last:
+                latencies.append(time.monotonic() - _last_report(step))
+            if step.index in (0, first, last, reports - 1):
+                marks[step.index] = clock.read()
+        end = clock.read()
+    (loop0, proc0, gc0, sim0), (loop1, proc1, gc1, sim1) = marks[first], marks[last]
+    reported = n * (last - first)
+    per_report = (loop1 - loop0) / reported
+    suffix = "_tuned" if tuned else ""
+    row.add("report_us" + suffix, per_report * 1e6)
+    row.add("gc_us" + suffix, (gc1 - gc0) / reported * 1e6)
+    row.add("step_ms" + suffix, per_report * n * 1e3)
+    row.add("latency_ms" + suffix, median(latencies) * 1e3)
+    if sim is not None:
+        row.add("sim_us" + suffix, (sim1 - sim0) / reported * 1e6)
+    if not tuned:
+        row.add("process_report_us", (proc1 - proc0) / reported * 1e6)
+        # A run's start (to its first step) and end (from its last step), per rank.
+        ends = marks[0][0] - start[0] + end[0] - marks[reports - 1][0]
+        row.add("run_rank_us", ends / n * 1e6)
+
+
+async def saturated_run(
+    executor: asyncexec.Executor, clock: Clock, n: int, total: int, row: Row
+) -> None:
+    """One run of ranks reporting as fast as credit allows: reports per driver CPU second."""
+    reports = max(4 * SATURATED_BUFFER, total // n)
+    sim = clock.sim
+    if sim is not None:
+        sim.load = SimLoad(reports=reports, rate=1e9, tagged=False, spread=False)
+    first, last = reports // 5, reports - reports // 5
+    gc.collect()
+    marks: dict[int, tuple[float, float, float, float]] = {}
+    run = executor.run(flat_out, {"reports": reports}, buffer_size=SATURATED_BUFFER)
+    async for step in run:
+        if step.index in (first, last):
+            marks[step.index] = clock.read()
+    loop0, loop1 = marks[first][0], marks[last][0]
+    row.add("saturated_per_s", n * (last - first) / (loop1 - loop0))
+
+
+async def entered(
+    make: Callable[[], asyncexec.Executor], clock: Clock, n: int, row: Row
+) -> asyncexec.Executor:
+    """Enter an executor of N ranks, measuring its start-up and the heap it holds per rank."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    t0, c0 = time.perf_counter(), clock.read()[0]
+    executor = make()
+    await executor.__aenter__()
+    wall, cpu = time.perf_counter() - t0, clock.read()[0] - c0
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    keep = [tracemalloc.Filter(False, "*/_sim.py"), tracemalloc.Filter(False, tracemalloc.__file__)]
+    grown = sum(d.size_diff for d in after.filter_traces(keep).compare_to(
+        before.filter_traces(keep), "filename"
+    ))
+    row.add("heap_rank_kib", grown / n / 1024)
+    row.add("start_ms", wall * 1e3)
+    row.add("start_rank_us", cpu / n * 1e6)
+    return executor
+
+
+async def measure(kind: str, n: int, sizes: Sizes) -> Row:
+    row = Row(kind, n)
+    row.add("planning_ms", planning_ms(n, sizes.repeats))
+    add, take = await assembly_ms(n, sizes.repeats)
+    row.add("add_ms", add)
+    row.add("take_ms", take)
+    sim = SimCluster() if kind == "simulated" else None
+    clock = Clock(sim)
+
+    def make() -> asyncexec.Executor:
+        if sim is not None:
+            return asyncexec.Executor(n, health=NO_HEALTH, name="scale")
+        return asyncexec.Executor(
+            n, resources_per_worker=RAY_RESOURCES, health=NO_HEALTH, name="scale"
+        )
+
+    gc.callbacks.append(clock.gc)
+    with simulated(sim) if sim is not None else contextlib.nullcontext():
+        executor = await entered(make, clock, n, row)
+        try:
+            for repeat in range(sizes.repeats):
+                progress(f"{kind} {n}: paced runs {repeat + 1}")
+                await paced_run(executor, clock, n, sizes.paced_reports, row, tuned=False)
+                await paced_run(executor, clock, n, sizes.paced_reports, row, tuned=True)
+                progress(f"{kind} {n}: saturated run {repeat + 1}")
+                await saturated_run(executor, clock, n, sizes.saturated_reports, row)
+        finally:
+            await executor.aclose()
+            gc.callbacks.remove(clock.gc)
+    return row
+
+
+# The table --------------------------------------------------------------------------------------
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    if value != value:
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def render(rows: list[Row]) -> str:
+    head = (
+        "| ranks | driver CPU per report, us (of it GC) | per step, ms | last report to "
+        "consumer, ms | the same, GC tuned: us / ms / ms | control: simulated workers' own, "
+        "us a report | assembly: add N / take, ms | run start + end, us a rank |"
+    )
+    lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(
+            f"| {r.kind} {r.ranks} | {_fmt(r.get('report_us'), 2)} ({_fmt(r.get('gc_us'), 2)}) "
+            f"| {_fmt(r.get('step_ms'), 3)} | {_fmt(r.get('latency_ms'), 2)} "
+            f"| {_fmt(r.get('report_us_tuned'), 2)} / {_fmt(r.get('step_ms_tuned'), 3)} / "
+            f"{_fmt(r.get('latency_ms_tuned'), 2)} | {_fmt(r.get('sim_us_tuned'), 2)} "
+            f"| {_fmt(r.get('add_ms'), 3)} / {_fmt(r.get('take_ms'), 3)} "
+            f"| {_fmt(r.get('run_rank_us'))} |"
+        )
+    head = (
+        "| ranks | heap per idle rank, KiB | planning, ms | group start, ms (driver CPU, us a "
+        "rank) | saturated: reports/s per driver core | whole driver process, us a report |"
+    )
+    lines += ["", head, "|---|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(
+            f"| {r.kind} {r.ranks} | {_fmt(r.get('heap_rank_kib'), 2)} "
+            f"| {_fmt(r.get('planning_ms'), 3)} "
+            f"| {_fmt(r.get('start_ms'))} ({_fmt(r.get('start_rank_us'))}) "
+            f"| {_fmt(r.get('saturated_per_s'))} | {_fmt(r.get('process_report_us'), 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[Row]) -> list[str]:
+    sim = {r.ranks: r for r in rows if r.kind == "simulated"}
+    out = []
+    for key, what in (
+        ("report_us", "default GC"),
+        ("report_us_tuned", "GC tuned"),
+        ("sim_us_tuned", "the control (constant work)"),
+    ):
+        costs = {n: r.get(key) for n, r in sim.items()}
+        if len(costs) >= 2:
+            low, high = min(costs.values()), max(costs.values())
+            out.append(
+                f"cost per rank-report over {min(costs)}..{max(costs)} simulated ranks, {what}: "
+                f"{_fmt(low, 2)}..{_fmt(high, 2)} us, max/min {high / low:.2f} (target <= 1.5)"
+            )
+    if 1024 in sim:
+        r = sim[1024]
+        out.append(
+            f"a 1,024-rank step: {_fmt(r.get('step_ms'), 2)} ms of driver CPU "
+            f"({_fmt(r.get('step_ms_tuned'), 2)} GC tuned), "
+            f"{_fmt(r.get('latency_ms'), 2)} ms from its last report to the consumer, "
+            f"{_fmt(r.get('take_ms'), 2)} ms to take it from the assembly (target <= 10 ms)"
+        )
+    heaps = [r.get("heap_rank_kib") for r in sim.values()]
+    if heaps:
+        out.append(f"heap per idle rank: at most {_fmt(max(heaps), 2)} KiB (target < 50 KiB)")
+    return out
+
+
+def profile(n: int) -> None:
+    """cProfile the driver through one paced run of N simulated ranks."""
+
+    async def run() -> None:
+        with simulated(SimCluster()) as sim:
+            async with asyncexec.Executor(n, health=NO_HEALTH) as executor:
+                rate = paced_rate(n, ray=False)
+                reports = max(30, 30_000 // n)
+                sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
+                prof = cProfile.Profile()
+                prof.enable()
+                async for _ in executor.run(noop):
+                    pass
+                prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+    asyncio.run(run())
+
+
+def _dropped(logger: Any, name: str, event: Any) -> Any:
+    raise structlog.DropEvent
+
+
+async def bench(sizes: Sizes, sim_only: bool) -> list[Row]:
+    rows = []
+    for n in sizes.sim:
+        progress(f"simulated {n}")
+        rows.append(await measure("simulated", n, sizes))
+    if not sim_only:
+        import ray
+
+        ray.init(
+            num_cpus=RAY_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"enable_worker_prestart": False},
+        )
+        try:
+            for n in sizes.ray:
+                progress(f"Ray actors {n}")
+                rows.append(await measure("Ray actors", n, sizes))
+        finally:
+            ray.shutdown()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
+    parser.add_argument("--sim-only", action="store_true", help="only the simulated ranks")
+    parser.add_argument("--profile", type=int, metavar="N", help="cProfile N simulated ranks")
+    args = parser.parse_args(argv)
+    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
+    if args.profile:
+        profile(args.profile)
+        return 0
+    sizes = QUICK if args.quick else FULL
+    t0 = time.perf_counter()
+    rows = asyncio.run(bench(sizes, args.sim_only))
+    print()
+    print(
+        f"asyncexec: the driver's cost as ranks grow ({'quick' if args.quick else 'full'}), "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({platform.machine()}), "
+        f"Python {platform.python_version()}; medians of {sizes.repeats} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+    print()
+    print(render(rows))
+    print()
+    for line in verdicts(rows):
+        print(f"- {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
