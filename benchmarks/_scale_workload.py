@@ -32,3 +32,14 @@ def flat_out(config: dict[str, Any]) -> None:
     empty: dict[str, Any] = {}
     for _ in range(config["reports"]):
         report(empty)
+
+
+def turns_slow(config: dict[str, Any]) -> None:
+    """Steps of ``step_s``; rank ``slow_rank`` takes ``factor`` times as long from step
+    ``slow_from`` on, and reports when its first slow step started (``slow_since``)."""
+    slow = asyncexec.get_context().world_rank == config.get("slow_rank", -1)
+    slow_from = config.get("slow_from", 0)
+    for i in range(config["steps"]):
+        started = time.monotonic()
+        time.sleep(config["step_s"] * (config["factor"] if slow and i >= slow_from else 1.0))
+        asyncexec.report({"slow_since": started if slow and i == slow_from else None})

@@ -173,3 +173,55 @@ def test_quick_dispatch_benchmark_prints_every_row_and_checks_the_parts() -> Non
     while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, left
+
+
+@pytest.mark.timeout(120)
+def test_quick_scale_benchmark_prints_its_tables_and_verdicts() -> None:
+    """``benchmarks/scale.py --quick --sim-only``: every simulated size has a row in both
+    tables with a figure in each column, and the verdicts against the issue's targets print."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "scale.py"), "--quick", "--sim-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    rows = [line for line in out.splitlines() if line.startswith("| simulated")]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        f"simulated {n}" for n in (4, 64, 256)
+    ] * 2, out
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[2:-1]]
+        assert all(c and not c.startswith("-") for c in cells), row
+    assert "cost per rank-report over 4..256 simulated ranks" in out
+    assert "heap per idle rank: at most" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_straggler_benchmark_names_the_slow_rank() -> None:
+    """``benchmarks/stragglers.py --quick``: the slow rank is named on Ray actors and among
+    1,024 simulated ranks (the script raises otherwise), no balanced run fires, and no Ray is
+    left behind."""
+    _stop_ray_of_this_process()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.time() - 1.0
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "stragglers.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1].startswith("| Ray actors, 4 ranks"), proc.stdout
+    assert rows[1].endswith("| 0 in 1 |"), rows[1]  # no event in the balanced run
+    assert rows[2].startswith("| simulated, 1024 ranks"), proc.stdout
+    deadline = time.monotonic() + 15
+    while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left

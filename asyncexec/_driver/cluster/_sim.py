@@ -60,6 +60,7 @@ class SimLoad:
             all are one shared empty dict (the cheapest report).
         spread: the ranks' reports fall at different moments, spread evenly over a period (as
             real ranks' do); else every rank reports at once.
+        slow_from: the ranks in ``slow`` are slow from this step on (each attempt's count).
     """
 
     reports: int = 100
@@ -67,6 +68,7 @@ class SimLoad:
     slow: Mapping[int, float] = field(default_factory=dict)
     tagged: bool = True
     spread: bool = True
+    slow_from: int = 0
 
 
 class SimStatistics(NamedTuple):
@@ -165,6 +167,8 @@ class _SimRun:
         "outcome",
         "period",
         "rank",
+        "slow_from",
+        "slow_period",
         "tagged",
         "timer",
         "total",
@@ -175,7 +179,9 @@ class _SimRun:
     def __init__(self, worker: SimWorker, rank: int, load: SimLoad, bound: int) -> None:
         self.worker = worker
         self.rank = rank
-        self.period = load.slow.get(rank, 1.0) / load.rate
+        self.slow_period = load.slow.get(rank, 1.0) / load.rate
+        self.slow_from = load.slow_from
+        self.period = self.slow_period if load.slow_from == 0 else 1.0 / load.rate
         self.total = load.reports
         self.bound = bound
         self.tagged = load.tagged
@@ -198,6 +204,8 @@ class _SimRun:
         self.calls.append(at)
         self.busy.append(self.period)
         self.made += 1
+        if self.made == self.slow_from:
+            self.period = self.slow_period
         if self.made == self.total:
             self.outcome = Outcome("ok", self.rank)
 
