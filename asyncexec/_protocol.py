@@ -192,8 +192,9 @@ class PreemptionNotice:
     with a deadline (Ray's ``DrainNode``). The driver sees the mark and tells the run
     (``Step.preemption``, ``RunResult.preemption_notices``, a ``preemption_noticed`` log event)
     and every worker of the group (:func:`asyncexec.get_preemption_info`), so that the function
-    can save a checkpoint before the deadline. When several of the group's nodes are marked, one
-    notice covers them all: the earliest deadline, every rank on them.
+    can save a checkpoint before the deadline; once it has, the group moves to other nodes
+    where they have room (the run goes on from that checkpoint). When several of the group's
+    nodes are marked, one notice covers them all: the earliest deadline, every rank on them.
 
     Attributes:
         deadline: when the nodes go, in seconds since the epoch (``time.time()``); None when

@@ -11,8 +11,10 @@ point of a watcher's poll period) and steps on, 10 ms a step; every rank looks f
 each step and, on seeing one, reports a checkpoint (a small directory). Measured in the
 function from the drain call (one clock: the nodes share the machine): when rank 0 saw the
 notice, and when its ``report()`` with the checkpoint returned (the checkpoint persisted). For
-asyncexec also: the node removed once the checkpoint is in, to the first step of the next
-attempt (from that checkpoint, on the head; a restart charged to the preemption budget).
+asyncexec also: from the drain call to the first step of the next attempt (from that
+checkpoint, on the head, while the drained node is still there: the group moves before the
+deadline, a move charged to the preemption budget). Ray Train V2 does not move: its run goes on
+on the drained node until the node goes, then restarts as after any failure.
 
 Systems: asyncexec with its default check interval (1 s) and with 0.1 s; Ray Train V2 (its
 ``PreemptionWatcher``) with its default poll (5 s) and with 1 s
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -124,20 +127,22 @@ async def ae_trial(
         storage_path=storage,
     ) as ex:
         assert {w.node_id for w in ex.workers} == {cluster.head_node.node_id, node.node_id}
-        t0 = gone = 0.0
+        t0 = 0.0
         async for step in ex.run(ae_fn, {"node": node.node_id, "drain_after": drain_after}):
             first = step.reports[0].metrics
             t0 = first.get("t0") or t0
             if "seen" in first:
                 figures["seen"] = first["seen"] - t0
-            if "saved" in first and not gone:
+            if "saved" in first:
                 figures["saved"] = first["saved"] - t0
-                await anyio.to_thread.run_sync(lambda: cluster.remove_node(node, False))
-                gone = time.time()
             if step.attempt == 2 and "moved" not in figures:
-                figures["moved"] = time.time() - gone
+                figures["moved"] = first["t"] - t0
         stats = ex.statistics()
         assert (stats.restarts, stats.preemptions) == (0, 1), stats
+        assert node.node_id not in {w.node_id for w in ex.workers}
+    # The drained node, left idle, goes by itself; what is left of it goes now.
+    with contextlib.suppress(Exception):
+        await anyio.to_thread.run_sync(lambda: cluster.remove_node(node, False))
     return figures
 
 
@@ -253,7 +258,7 @@ def main() -> None:
     print(f"Drain notice to checkpoint taken, ms (median of {trials}; from rank 0's drain call)")
     print(
         "| system | notice seen by the function | report() with checkpoint returned "
-        "| node gone to the next attempt's first step |"
+        "| the next attempt's first step, on another node |"
     )
     print("|---|--:|--:|--:|")
     for name, _ in systems:

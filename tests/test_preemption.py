@@ -115,8 +115,9 @@ def _save(step: int) -> asyncexec.Checkpoint:
 
 def until_noticed(config: dict[str, Any]) -> asyncexec.PreemptionNotice | None:
     """Report a step every ``sleep`` seconds; rank 0 checkpoints after step ``early`` and again
-    at the first step that sees a preemption notice. A restart goes on from its checkpoint for
-    ``after`` steps. Returns the first notice the rank saw."""
+    at the first step that sees a preemption notice (unless ``save_on_notice`` is false). A
+    restart goes on from its checkpoint for ``after`` steps. Returns the first notice the rank
+    saw."""
     ctx = asyncexec.get_context()
     start = 0
     checkpoint = asyncexec.get_checkpoint()
@@ -128,7 +129,7 @@ def until_noticed(config: dict[str, Any]) -> asyncexec.PreemptionNotice | None:
     for i in range(start, end):
         time.sleep(config["sleep"])
         info = asyncexec.get_preemption_info()
-        first = info is not None and noticed is None
+        first = info is not None and noticed is None and config.get("save_on_notice", True)
         noticed = noticed or info
         saved = None
         if ctx.world_rank == 0 and (first or i == config["early"]):
@@ -190,13 +191,14 @@ def registry() -> Iterator[Any]:
 
 @pytest.mark.multinode
 @pytest.mark.timeout(120)
-async def test_drained_node_is_noticed_checkpointed_and_left_without_counting_a_restart(
+async def test_group_moves_before_the_deadline_from_the_checkpoint_taken_on_notice(
     make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path, registry: Any
 ) -> None:
-    """A node drained with a deadline 2 s ahead: the run and both workers see the notice, rank
-    0 checkpoints on it, the node goes after its deadline, and the run goes on on the other node
-    from that checkpoint (not the earlier one), charged to the preemption budget: no restart is
-    counted, and the policy allows none."""
+    """A node drained with a deadline 60 s ahead: the run and both workers see the notice, rank
+    0 checkpoints on it, and the group moves to the other node at once (it has room), while the
+    drained node is still alive: the next attempt goes on from that checkpoint (not the earlier
+    one), charged to the preemption budget with no failure; no restart is counted, and the
+    policy allows none."""
     cluster = make_cluster(TWO_NODES)
     (node,) = cluster.worker_nodes
     policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=CHECK_S)
@@ -206,49 +208,98 @@ async def test_drained_node_is_noticed_checkpointed_and_left_without_counting_a_
         head = ex.workers[1 - doomed].node_id
         run = ex.run(until_noticed, config)
         steps: list[asyncexec.Step] = []
-        deadline = drained = 0.0
+        deadline = drained = moved_at = 0.0
         with capture_logs() as logs:
             async for step in run:
                 steps.append(step)
                 if step.attempt == 1 and step.index == config["early"] + 1:
-                    drained, deadline = time.time(), time.time() + 2.0
+                    drained, deadline = time.time(), time.time() + 60.0
                     assert await drain(node.node_id, PREEMPTION, deadline) == (True, "")
-                if step.attempt == 1 and step.checkpoint and step.metrics["noticed"]:
-                    await remove_after(cluster, node, deadline)
+                if step.attempt == 2 and not moved_at:
+                    moved_at = time.time()
         result, stats = run.result, ex.statistics()
         assert {w.node_id for w in ex.workers} == {head}
-    # The run and the consumer learned it once: the node, its rank, the deadline given.
     (notice,) = result.preemption_notices
     assert notice.node_ids == (node.node_id,) and notice.ranks == (doomed,)
     assert notice.deadline == pytest.approx(deadline, abs=0.002)
-    assert drained <= notice.noticed < deadline
+    assert drained <= notice.noticed < moved_at < deadline  # on the other node in time
     first = [s for s in steps if s.attempt == 1]
     second = [s for s in steps if s.attempt == 2]
-    seen = [s for s in first if s.preemption is not None]
-    assert seen and all(s.preemption == notice for s in seen)
-    assert all(s.preemption is None for s in first if s.index <= config["early"] + 1)
+    assert all(s.preemption == notice for s in first if s.preemption is not None)
     assert second and all(s.preemption is None for s in second)
-    # Every rank's function saw it; rank 0 checkpointed on it, and the run went on from there.
-    for rank in (0, 1):
-        assert any(s.reports[rank].metrics["noticed"] for s in first), rank
+    # Rank 0 checkpointed on the notice, and the next attempt went on from that checkpoint.
     (on_notice,) = [s for s in first if s.checkpoint and s.metrics["noticed"]]
     start = second[0].metrics["start"]
     assert start == on_notice.metrics["i"] + 1 > config["early"] + 1
     assert [s.metrics["i"] for s in second] == list(range(start, start + config["after"]))
     assert result.return_values == [None, None]  # the new group has no notice
-    # Charged to the preemption budget, not to the restart policy.
+    # A planned move: no failure, charged to the preemption budget, not to the restart policy.
+    assert result.failures == []
+    assert result.attempts == 2
+    assert (stats.restarts, stats.preemptions) == (0, 1)
+    (moved,) = [e for e in logs if e["event"] == "moving_before_preemption"]
+    assert moved["attempt"] == 2 and moved["seconds_left"] > 30
+    events = [e["event"] for e in logs]
+    assert events.count("preemption_noticed") == 1
+    assert "restarting_after_preemption" not in events and "restarting" not in events
+    for stage, count in (("noticed", 1.0), ("moved", 1.0), ("restarted", None)):
+        labels = {"executor": "spot", "stage": stage}
+        assert registry.get_sample_value("asyncexec_preemptions_total", labels) == count
+
+
+@pytest.mark.multinode
+@pytest.mark.timeout(120)
+async def test_drained_node_gone_before_a_checkpoint_restarts_from_the_latest_one(
+    make_cluster: Callable[[list[dict[str, Any]]], Any], tmp_path: Path, registry: Any
+) -> None:
+    """A node drained with a deadline 2 s ahead, whose workers' function does not checkpoint on
+    notice: nothing moves, the node goes after its deadline, and the run goes on on the other
+    node from the latest checkpoint, charged to the preemption budget: no restart is counted,
+    and the policy allows none."""
+    cluster = make_cluster(TWO_NODES)
+    (node,) = cluster.worker_nodes
+    policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=CHECK_S)
+    config = {"steps": 400, "after": 5, "sleep": 0.05, "early": 2, "save_on_notice": False}
+    async with _spread(policy, tmp_path) as ex:
+        (doomed,) = [w.world_rank for w in ex.workers if w.node_id == node.node_id]
+        head = ex.workers[1 - doomed].node_id
+        run = ex.run(until_noticed, config)
+        steps: list[asyncexec.Step] = []
+        deadline = 0.0
+        removing = False
+        with capture_logs() as logs:
+            async for step in run:
+                steps.append(step)
+                if step.attempt == 1 and step.index == config["early"] + 1:
+                    deadline = time.time() + 2.0
+                    assert await drain(node.node_id, PREEMPTION, deadline) == (True, "")
+                if step.attempt == 1 and step.metrics["noticed"] and not removing:
+                    removing = True
+                    await remove_after(cluster, node, deadline)
+        result, stats = run.result, ex.statistics()
+        assert {w.node_id for w in ex.workers} == {head}
+    (notice,) = result.preemption_notices
+    first = [s for s in steps if s.attempt == 1]
+    second = [s for s in steps if s.attempt == 2]
+    seen = [s for s in first if s.preemption is not None]
+    assert seen and all(s.preemption == notice for s in seen)
+    assert all(s.preemption is None for s in first if s.index <= config["early"] + 1)
+    for rank in (0, 1):  # every rank's function saw it
+        assert any(s.reports[rank].metrics["noticed"] for s in first), rank
+    # The latest checkpoint was the early one: the next attempt goes on from there.
+    assert second[0].metrics["start"] == config["early"] + 1
+    assert result.return_values == [None, None]
     (lost,) = result.failures
     assert isinstance(lost, asyncexec.NodeLostError | asyncexec.WorkerCrashedError), lost
     assert (lost.rank, lost.node_id, lost.attempt) == (doomed, node.node_id, 1)
     assert result.attempts == 2
     assert (stats.restarts, stats.preemptions) == (0, 1)
     events = [e["event"] for e in logs]
-    assert events.count("preemption_noticed") == 1
     assert events.count("restarting_after_preemption") == 1
-    assert "restarting" not in events
-    for stage in ("noticed", "restarted"):
+    assert "restarting" not in events and "moving_before_preemption" not in events
+    for stage, count in (("noticed", 1.0), ("restarted", 1.0), ("moved", None)):
         labels = {"executor": "spot", "stage": stage}
-        assert registry.get_sample_value("asyncexec_preemptions_total", labels) == 1.0
+        assert registry.get_sample_value("asyncexec_preemptions_total", labels) == count
     restarts = [
         sample
         for metric in registry.collect()
@@ -310,7 +361,8 @@ async def test_rejected_drain_and_one_without_deadline_change_nothing(
     cluster = make_cluster(TWO_NODES)
     (node,) = cluster.worker_nodes
     policy = asyncexec.RestartPolicy(max_restarts=0, preemption_check_interval_s=CHECK_S)
-    config = {"steps": 60, "after": 0, "sleep": 0.05, "early": -1}
+    # No checkpoint on notice: the group stays (a move would need one).
+    config = {"steps": 60, "after": 0, "sleep": 0.05, "early": -1, "save_on_notice": False}
     async with _spread(policy, tmp_path) as ex:
         run = ex.run(until_noticed, config)
         steps: list[asyncexec.Step] = []

@@ -422,12 +422,13 @@ class RunMeter:
             self.failed_at = time.perf_counter()
 
     def preempted(self, stage: str) -> None:
-        """A preemption notice (``"noticed"``), or a restart after one (``"restarted"``: the
-        restart time is measured from it, as after a failure)."""
+        """A preemption notice (``"noticed"``), a move before its deadline (``"moved"``) or a
+        restart after the node went (``"restarted"``): the restart time is measured from a move
+        or a restart, as after a failure."""
         m = _metrics
         if m is not None:
             m.preemptions.labels(self.executor, stage).inc()
-            if stage == "restarted":
+            if stage != "noticed":
                 self.failed_at = time.perf_counter()
 
     def stepped(self, steps: int, reports: int) -> None:

@@ -91,9 +91,11 @@ class RestartPolicy:
         stop: tenacity stop strategy; replaces ``max_restarts`` when given, for example
             ``stop_after_attempt(5) | stop_after_delay(600)``.
         sleep: the coroutine function that waits; tests inject one that returns at once.
-        max_preemptions: restarts allowed after a preemption (a worker lost with a node that
-            the cluster had marked as draining, or that its node table says a preemption took),
-            counted apart from ``max_restarts`` (and from ``stop``), never waited for; ``None``
+        max_preemptions: restarts allowed after a preemption (the group moved off a node
+            marked as draining once a checkpoint was taken on notice, or a worker lost with a
+            node that the cluster had marked as draining, or that its node table says a
+            preemption took), counted apart from ``max_restarts`` (and from ``stop``), never
+            waited for; ``None``
             (the default) for no bound: each one needs the cluster to take a node away. A
             preemption beyond it ends the run with :class:`RestartsExhaustedError` (a note says
             so). In a run of independent ranks, each rank renewed counts once.

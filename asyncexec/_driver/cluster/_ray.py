@@ -283,16 +283,18 @@ def _free_now(
 ) -> list[dict[str, float]]:
     """Each live node's available resources, with the bundles held counted as free. Blocking
     (GCS calls). A node Ray has marked dead is left out (its available resources linger for a
-    moment after). A placement group of the caller's own counts its bundles as Ray placed them
-    (after a lost node, Ray places the lost bundles again, on a node added later, say)."""
+    moment after), and so is a draining one (Ray gives it no new work). A placement group of
+    the caller's own counts its bundles as Ray placed them (after a lost node, Ray places the
+    lost bundles again, on a node added later, say)."""
     if placement is not None and placement.owned and not placement.removed:
         table = ray.util.placement_group_table(placement.group)
         held = dict(Counter(table.get("bundles_to_node_id", {}).values()))
     alive = _alive()
+    draining = _draining()
     available = ray._private.state.available_resources_per_node()
     nodes: list[dict[str, float]] = []
     for node_id, resources in available.items():
-        if node_id not in alive:
+        if node_id not in alive or node_id in draining:
             continue
         free = {k: float(v) for k, v in resources.items()}
         for key, amount in bundle.items():

@@ -3,7 +3,7 @@ slot for its one group, elastic sizing, warm pools and reservations."""
 
 from __future__ import annotations
 
-from ._elastic import Resize, Sizer, decide_size, fitting_workers
+from ._elastic import Resize, Sizer, decide_size, fitting_workers, measure_free
 from ._group import STOP_MARGIN_S, WorkerGroup, answers, device_envs, with_others
 from ._health import FailureSink, declare_hung, find_dead, watch, watch_steps
 from ._members import Standby, WorkerInfo
@@ -34,6 +34,7 @@ __all__ = [
     "device_envs",
     "find_dead",
     "fitting_workers",
+    "measure_free",
     "refill_spare",
     "renew_rank",
     "replace_rank",

@@ -32,7 +32,7 @@ from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
 from ._context import RunContext
 from ._iterator import RunState
-from ._preemption import Preempted, exhausted
+from ._preemption import Moving, Preempted, exhausted
 from ._window import Window
 
 __all__ = ["DEATH_SETTLE_S", "RAISED_SETTLE_S", "AlignedRun"]
@@ -52,6 +52,7 @@ class _Attempt:
         self.failures: list[AsyncExecError] = []
         self.failed = anyio.Event()
         self.grown: list[int] = []  # an elastic group's size once more workers would fit
+        self.moving = False  # off nodes about to be preempted, from a checkpoint taken on notice
         self.scope = anyio.CancelScope()
 
     def fail(self, exc: AsyncExecError) -> None:
@@ -62,6 +63,10 @@ class _Attempt:
 
     def grow(self, size: int) -> None:
         self.grown.append(size)
+        self.scope.cancel()
+
+    def move(self) -> None:
+        self.moving = True
         self.scope.cancel()
 
     async def settle_then_end(self) -> None:
@@ -130,25 +135,29 @@ class AlignedRun:
         )
 
     async def _resizing(self, number: int) -> list[Any]:
-        """Attempt ``number``, and after each planned resize of an elastic group the next
-        attempt, on the new group: a resize is not a failure, so the restart policy does not
-        count it (nor wait before it)."""
+        """Attempt ``number``, and after each planned resize of an elastic group, or move off
+        nodes about to be preempted, the next attempt, on the new group: neither is a failure,
+        so the restart policy does not count them (nor waits before them)."""
         ctx = self.ctx
         while True:
             try:
                 return await self._attempt(number)
-            except Resize as resize:
+            except (Resize, Moving) as planned:
                 ctx.run.state = RunState.RESTARTING
                 group = ctx.group
                 assert group is not None
                 latest = ctx.checkpoint
-                ctx.log.info(
-                    "resizing",
-                    from_workers=len(group.workers),
-                    fitting=resize.size,
-                    attempt=number + 1,
-                    checkpoint=latest.path if latest else None,
-                )
+                path = latest.path if latest else None
+                if isinstance(planned, Moving):
+                    ctx.preemption.moving(attempt=number + 1, checkpoint=path)
+                else:
+                    ctx.log.info(
+                        "resizing",
+                        from_workers=len(group.workers),
+                        fitting=planned.size,
+                        attempt=number + 1,
+                        checkpoint=path,
+                    )
                 with anyio.CancelScope(shield=True):
                     timeout = ctx.config.stop_timeout_s
                     stopped = await group.stop_functions(group.workers, timeout)
@@ -213,6 +222,7 @@ class AlignedRun:
                 # in C code holding the GIL) while its function is being started.
                 tg.start_soon(watch, group, attempt.fail)
                 tg.start_soon(ctx.preemption.watch, group)
+                tg.start_soon(ctx.preemption.move_when_saved, group, attempt.move)
                 try:
                     await self._start(group, number)
                     await self._follow(tg, group, window, attempt)
@@ -226,9 +236,9 @@ class AlignedRun:
             if await ctx.preemption.is_preemption(attempt.failures):
                 raise Preempted(error)
             raise error
-        if attempt.grown and not finished:  # a safe point: restart from the latest checkpoint
-            ctx.handover.queue(window.asm.take(window.asm.ready))
-            raise Resize(attempt.grown[0])
+        if (attempt.grown or attempt.moving) and not finished:  # a safe point: restart from
+            ctx.handover.queue(window.asm.take(window.asm.ready))  # the latest checkpoint
+            raise Moving() if attempt.moving else Resize(attempt.grown[0])
         ctx.session_live = False
         return window.asm.values()
 

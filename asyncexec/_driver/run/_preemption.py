@@ -15,6 +15,12 @@ the loop). When one of the group's nodes is marked, or its deadline changes:
   a checkpoint before the deadline.
 
 Ray does nothing at the deadline: the node goes when the cloud (or whoever drained it) takes it.
+The group moves first where it can (:meth:`PreemptionWatch.move_when_saved`): once a checkpoint
+has become the latest while the notice is in effect, and the group would fit on the nodes that
+are not draining (its own bundles there counted as free), the attempt ends at that safe point and
+the next starts from that checkpoint on a new group, before the deadline: a planned move, charged
+to ``max_preemptions``, with no failure. A group that cannot be placed anew (leased from a pool,
+on a reservation's bundles) or finds no room stays until its workers die with the node.
 When the workers die with it, the attempt's failure is a preemption (:meth:`charge`): a death on
 a node seen draining, or on one whose cause of death in the node table is a preemption drain
 (when the drain came and went between two looks). It restarts from the latest checkpoint (the
@@ -47,12 +53,13 @@ from ..._protocol import PreemptionNotice
 from .._metrics import RunMeter
 from .._restart import PreemptionsSpent, RestartPolicy
 from ..cluster import Cluster, Handle
-from ..group import WorkerGroup
+from ..group import WorkerGroup, fitting_workers, measure_free
 from ._iterator import RunCore
 from ._steps import StepBatch
 from ._window import HandOver
 
 __all__ = [
+    "Moving",
     "NoticedHandOver",
     "Preempted",
     "PreemptionWatch",
@@ -76,6 +83,10 @@ class Preempted(Exception):  # a signal from an attempt to its driver, not an er
     def __init__(self, error: AsyncExecError) -> None:
         super().__init__(error)
         self.error = error
+
+
+class Moving(Exception):  # a signal from an attempt to its driver, not an error
+    """The attempt ended at a safe point to move the group off nodes about to be preempted."""
 
 
 def mark(marked: Marked, drains: Mapping[str, float | None], nodes: set[str]) -> None:
@@ -134,6 +145,7 @@ class PreemptionWatch:
         self._seen: dict[tuple[str, float | None], float] = {}
         self._told: dict[str, PreemptionNotice | None] = {}  # by worker key
         self._failing = False  # the last look-up failed (logged once until one works)
+        self._saved = anyio.Event()  # a checkpoint became the latest under a notice
 
     def __repr__(self) -> str:
         return f"<PreemptionWatch notices={len(self.notices)} preemptions={self.preemptions}>"
@@ -217,6 +229,61 @@ class PreemptionWatch:
                 "preemption_notice_undelivered", worker=repr(handle), error=describe(exc)
             )
 
+    # Before the deadline ----------------------------------------------------------------------
+
+    def saved(self) -> None:
+        """A checkpoint has become the latest (the hand-over says so)."""
+        if self.current is not None:
+            self._saved.set()
+
+    async def move_when_saved(self, group: WorkerGroup, move: Callable[[], None]) -> None:
+        """Call ``move()`` (and return) once a checkpoint has become the latest while a notice
+        is in effect for ``group``, and the group would fit on the nodes that are not draining;
+        looked at again at each later checkpoint. Never for a group that cannot be placed anew
+        (leased from a pool, on a reservation's bundles) nor beyond ``max_preemptions``. Runs
+        until cancelled."""
+        self._saved = anyio.Event()
+        placement = group.placement
+        if self.interval is None or group.pool is not None or placement is None:
+            return
+        if not placement.owned:
+            return
+        while True:
+            await self._saved.wait()
+            self._saved = anyio.Event()
+            spent = self.budget is not None and self.preemptions >= self.budget
+            if self.current is not None and not spent and await self._room(group):
+                move()
+                return
+
+    async def _room(self, group: WorkerGroup) -> bool:
+        """Whether the nodes that are not draining hold ``group`` (an elastic one at its
+        minimum), its own bundles on them counted as free."""
+        config = group.config
+        nodes = await measure_free(config, self.cluster, group, self.log)
+        need = config.min_workers or len(group.workers)
+        if nodes is None:
+            return False
+        return fitting_workers(config.bundle, config.placement_strategy, nodes, need) >= need
+
+    def moving(self, **fields: Any) -> None:
+        """Count a move before the deadline against ``max_preemptions`` (the watch checked the
+        budget), and log it with ``fields``."""
+        self.preemptions += 1
+        if self._count is not None:
+            self._count()
+        self.meter.preempted("moved")
+        notice = self.current
+        left = notice.seconds_left() if notice is not None else None
+        self.log.warning(
+            "moving_before_preemption",
+            preemptions=self.preemptions,
+            max_preemptions=self.budget,
+            node_ids=[short_node(n) for n in notice.node_ids] if notice is not None else [],
+            seconds_left=None if left is None else round(left, 3),
+            **fields,
+        )
+
     # After a failure ---------------------------------------------------------------------------
 
     async def is_preemption(self, failures: Sequence[AsyncExecError]) -> bool:
@@ -287,3 +354,5 @@ class NoticedHandOver(HandOver):
     def queue(self, batch: StepBatch) -> None:
         batch.preemption = self.watch.current
         super().queue(batch)
+        if batch.checkpoints:
+            self.watch.saved()
