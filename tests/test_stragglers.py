@@ -218,3 +218,29 @@ def test_step_made_by_hand_has_no_times() -> None:
     assert (step.arrivals, step.skew, step.durations) == ({}, 0.0, {})
     one = asyncexec.Step(0, 1, [report], rank=3)
     assert (one.arrivals, one.skew) == ({3: 0.0}, 0.0)
+
+
+def test_a_batch_of_many_steps_split_for_the_iterator_keeps_each_steps_times() -> None:
+    """After a failure the assembly hands over every complete step at once (more than a batch
+    of BATCH), cut into parts: each part's steps keep their own ranks' times (the last, short
+    part was read beyond the batch's end)."""
+    from asyncexec._driver.run._window import BATCH, Assembly
+    from asyncexec._protocol import Poll, ReportTimes
+
+    ranks, steps = 3, 2 * BATCH + 37
+    asm = Assembly(ranks, 1, 0)
+    for rank in range(ranks):
+        busy = array("d", [rank + i / 10_000 for i in range(steps)])
+        calls = array("d", [100.0 + i + rank / 10 for i in range(steps)])
+        times = ReportTimes(calls, busy, 1_000.0).pack()
+        asm.add(rank, Poll([{"i": i} for i in range(steps)], None, None, None, times))
+    parts = asm.take(asm.ready).split(BATCH)
+    assert [len(p) for p in parts] == [BATCH, BATCH, 37]
+    seen = [p.step(i) for p in parts for i in range(len(p))]
+    assert [s.index for s in seen] == list(range(steps))
+    for i, step in enumerate(seen):
+        assert step.durations == {r: pytest.approx(r + i / 10_000) for r in range(ranks)}
+        # Every step's reports were made 0.1 s apart rank by rank (placed on the driver's
+        # clock by each rank's own offset): the same arrivals in every step.
+        first = seen[0].arrivals
+        assert step.arrivals == {r: pytest.approx(first[r], abs=1e-6) for r in range(ranks)}

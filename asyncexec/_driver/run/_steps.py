@@ -215,8 +215,9 @@ class StepTimes(NamedTuple):
     steps: int
 
     def part(self, start: int, stop: int) -> StepTimes:
-        """The times of steps ``start .. stop - 1`` of the batch."""
+        """The times of steps ``start .. stop - 1`` of the batch (``stop`` at most its end)."""
         n, ranks = self.steps, len(self.offsets)
+        stop = min(stop, n)
         keep = [r * n + i for r in range(ranks) for i in range(start, stop)]
         calls, busy = self.calls, self.busy
         return StepTimes(
