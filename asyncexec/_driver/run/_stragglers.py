@@ -12,8 +12,8 @@ stacks, read from outside as a hang's are, when they can be read), counted in th
 logged again only after a window in which it was not slow.
 
 The shortest step, not the mean: a rank that paused once (a collection, a checkpoint) is not
-slow; one that is slow in every step of the window is. Watching costs two passes over the ranks
-per step and a sort per window, in C (``map``), and nothing per report.
+slow; one that is slow in every step of the window is. Watching costs a pass over the ranks
+per window and a sort, in C (``map``), and nothing per report.
 
 Ranks that wait for one another inside a collective (``all_reduce``) all spend the collective's
 time, so their step times are alike and no straggler shows: there, time what a rank does before
@@ -23,6 +23,7 @@ the collective and report it.
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Any, NamedTuple
 
 import anyio
@@ -78,20 +79,49 @@ class StragglerWatch:
         return cls(num_ranks, factor, config.straggler_steps)
 
     def observe(self, first: int, times: StepTimes) -> None:
-        """Take the step times of a batch of steps from stream index ``first`` on; a window
+        """Take the step times of a batch of steps from stream index ``first`` on; each window
         that ends among them is judged."""
-        for i in range(times.steps):
-            # Each rank's shortest step of the window so far: a pass in C.
-            self._shortest = list(map(min, self._shortest, times.column(i)))
-            self._filled += 1
-            if self._filled == self.steps:
-                self._judge(first + i)
-                self._shortest = [math.inf] * self.num_ranks
-                self._filled = 0
+        n, busy, w = times.steps, times.busy, self.steps
+        ranks = range(0, len(times.offsets) * n, n)  # where each rank's times start
+        start = 0
+        if self._filled:  # the window begun in an earlier batch
+            start = min(n, w - self._filled)
+            self._take(busy, ranks, 0, start)
+            if self._filled == w:
+                self._end(first + start - 1)
+        whole = (n - start) // w
+        if whole:
+            # Each rank's shortest step of each whole window (a rank's times are contiguous):
+            # one pass in C over every (rank, window), then a column a window.
+            firsts = range(start, start + whole * w, w)
+            cuts = [slice(r + a, r + a + w) for r in ranks for a in firsts]
+            shortest = list(map(min, map(busy.__getitem__, cuts)))
+            for k in range(whole):
+                self._shortest = shortest[k::whole]
+                self._end(first + start + (k + 1) * w - 1)
+            start += whole * w
+        if start < n:
+            self._take(busy, ranks, start, n)
+
+    def _take(self, busy: array[float], ranks: range, start: int, stop: int) -> None:
+        """Steps ``start .. stop - 1`` of a batch join the window in progress."""
+        part = map(min, map(busy.__getitem__, [slice(r + start, r + stop) for r in ranks]))
+        self._shortest = list(map(min, self._shortest, part))
+        self._filled += stop - start
+
+    def _end(self, step: int) -> None:
+        """The window ends at ``step``: judge it, and start the next."""
+        self._judge(step)
+        self._shortest = [math.inf] * self.num_ranks
+        self._filled = 0
 
     def _judge(self, step: int) -> None:
         """Find the ranks slow in the window that ended at ``step``."""
         shortest = self._shortest
+        low, high = min(shortest), max(shortest)
+        if low == low and high < math.inf and high <= max(low * self.factor, low + MIN_LAG_S):
+            self._slow = set()  # every rank known and none slow, whatever the typical one: the
+            return  # common case, two passes in C
         known = sorted(s for s in shortest if s < math.inf)  # a rank's times may be unknown
         if len(known) < 2:
             return
