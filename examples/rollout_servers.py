@@ -106,7 +106,8 @@ class Server:
 
 class SentAgain(logging.Handler):
     """Counts asyncexec's ``call_sent_again`` events (a call whose server died, sent to another
-    server), which asyncexec's logger emits when structlog is not configured."""
+    server): records of the standard library's ``asyncexec`` logger, with logging left alone or
+    set up by ``asyncexec.configure_logging()``."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
