@@ -244,3 +244,15 @@ def test_a_batch_of_many_steps_split_for_the_iterator_keeps_each_steps_times() -
         # clock by each rank's own offset): the same arrivals in every step.
         first = seen[0].arrivals
         assert step.arrivals == {r: pytest.approx(first[r], abs=1e-6) for r in range(ranks)}
+
+
+async def test_watch_judges_the_last_whole_window_of_a_long_batch() -> None:
+    """A batch of 25 steps with windows of 10: a rank slow throughout is named once, at the end
+    of the batch's last whole window (step 19); the 5 steps left open the next window."""
+    watch = StragglerWatch(3, factor=2.0, steps=10)
+    watch.observe(0, _times([[0.01, 0.01, 0.05]] * 25))
+    assert [(s.rank, s.step) for s in watch._found] == [(2, 19)]
+    # The open window is completed by the next batch and judged: still slow, not named again.
+    watch.observe(25, _times([[0.01, 0.01, 0.05]] * 5))
+    assert len(watch._found) == 1
+    assert watch._slow == {2}

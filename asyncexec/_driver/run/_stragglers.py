@@ -11,6 +11,10 @@ slower than the others in every step of the window: a straggler. Each one is log
 stacks, read from outside as a hang's are, when they can be read), counted in the metrics, and
 logged again only after a window in which it was not slow.
 
+Fast steps come to the watch in batches of many windows (up to 256 steps): of those, the last
+whole window of each batch is judged, so a rank that stays slow is named within a batch, and the
+watch costs a pass over the ranks per batch, not per window.
+
 The shortest step, not the mean: a rank that paused once (a collection, a checkpoint) is not
 slow; one that is slow in every step of the window is. Watching costs a pass over the ranks
 per window and a sort, in C (``map``), and nothing per report.
@@ -79,8 +83,8 @@ class StragglerWatch:
         return cls(num_ranks, factor, config.straggler_steps)
 
     def observe(self, first: int, times: StepTimes) -> None:
-        """Take the step times of a batch of steps from stream index ``first`` on; each window
-        that ends among them is judged."""
+        """Take the step times of a batch of steps from stream index ``first`` on: the window
+        in progress is completed and judged, and of the whole windows in the batch the last."""
         n, busy, w = times.steps, times.busy, self.steps
         ranks = range(0, len(times.offsets) * n, n)  # where each rank's times start
         start = 0
@@ -91,14 +95,13 @@ class StragglerWatch:
                 self._end(first + start - 1)
         whole = (n - start) // w
         if whole:
-            # Each rank's shortest step of each whole window (a rank's times are contiguous):
-            # one pass in C over every (rank, window), then a column a window.
-            firsts = range(start, start + whole * w, w)
-            cuts = [slice(r + a, r + a + w) for r in ranks for a in firsts]
-            shortest = list(map(min, map(busy.__getitem__, cuts)))
-            for k in range(whole):
-                self._shortest = shortest[k::whole]
-                self._end(first + start + (k + 1) * w - 1)
+            # Of the whole windows in the batch, the last is judged (fast steps come in batches
+            # of many windows: one a batch is enough to name a rank that stays slow, and costs
+            # one pass in C over the ranks, a rank's times being contiguous).
+            last = start + (whole - 1) * w
+            cuts = [slice(r + last, r + last + w) for r in ranks]
+            self._shortest = list(map(min, map(busy.__getitem__, cuts)))
+            self._end(first + last + w - 1)
             start += whole * w
         if start < n:
             self._take(busy, ranks, start, n)
