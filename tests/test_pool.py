@@ -427,7 +427,9 @@ async def test_a_spare_that_fails_to_start_is_killed_not_left_holding_its_bundle
         2,
         resources_per_worker=CPU,
         runtime_env=held_start.runtime_env,
-        timeouts=asyncexec.Timeouts(start_s=2),
+        # Long enough for 3 processes with a runtime_env to come up on 2 busy cores (2 s was
+        # not, at times); the held spare's start then times out after as long.
+        timeouts=asyncexec.Timeouts(start_s=8),
         **options,
     ) as ex:
         held_start.hold()  # from now on, a new process does not come up
