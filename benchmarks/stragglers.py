@@ -72,6 +72,14 @@ class Straggled:
             self.events.append((time.monotonic(), dict(event_dict)))
         raise structlog.DropEvent
 
+    def delay(self, mark: int, started: float | None) -> float:
+        """Seconds from ``started`` (the slow rank's first slow step) to the first event after
+        ``mark``, which must name SLOW_RANK."""
+        events = self.events[mark:]
+        assert started is not None and events, "the slow rank was not named"
+        assert events[0][1]["rank"] == SLOW_RANK, events
+        return events[0][0] - started
+
 
 async def ray_trial(executor: asyncexec.Executor, seen: Straggled, slow_from: int) -> float:
     """One run whose SLOW_RANK turns slow at step ``slow_from``; the delay to its event, s."""
@@ -90,10 +98,7 @@ async def ray_trial(executor: asyncexec.Executor, seen: Straggled, slow_from: in
             started = report["slow_since"]
         if len(seen.events) > mark:
             break
-    events = seen.events[mark:]
-    assert started is not None and events, "the slow rank was not named"
-    assert events[0][1]["rank"] == SLOW_RANK, events
-    return events[0][0] - started
+    return seen.delay(mark, started)
 
 
 async def sim_trial(n: int, seen: Straggled, slow_from: int) -> float:
@@ -120,20 +125,17 @@ async def sim_trial(n: int, seen: Straggled, slow_from: int) -> float:
                     started = made - SIM_STEP_S * SLOW_FACTOR
                 if len(seen.events) > mark:
                     break
-    events = seen.events[mark:]
-    assert started is not None and events, "the slow rank was not named"
-    assert events[0][1]["rank"] == SLOW_RANK, events
-    return events[0][0] - started
+    return seen.delay(mark, started)
 
 
-async def cost(executor: asyncexec.Executor, watched: bool) -> tuple[float, int]:
-    """A balanced run: the loop's CPU per rank-report (us), and the straggler events (count)."""
-    del watched  # the executor given has the watch on or off
+async def cost(executor: asyncexec.Executor) -> float:
+    """A balanced run on ``executor`` (its watch on or off): the loop's CPU per rank-report,
+    us."""
     t0 = time.thread_time()
     n = 0
     async for step in executor.run(turns_slow, {"step_s": STEP_S / 10, "steps": BALANCED_STEPS}):
         n += len(step.reports)
-    return (time.thread_time() - t0) / n * 1e6, n
+    return (time.thread_time() - t0) / n * 1e6
 
 
 async def bench(trials: int) -> list[str]:
@@ -165,8 +167,7 @@ async def bench(trials: int) -> list[str]:
                 progress(f"Ray actors {RAY_RANKS}: balanced runs {i + 1}/{trials}")
                 for watched, executor in ((True, on), (False, off)):
                     mark = len(seen.events)
-                    us, _ = await cost(executor, watched)
-                    costs[watched].append(us)
+                    costs[watched].append(await cost(executor))
                     false_events += len(seen.events) - mark
         out.append(
             _row(f"Ray actors, {RAY_RANKS} ranks", STEP_S, delays, costs, false_events, trials)

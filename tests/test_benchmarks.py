@@ -43,6 +43,29 @@ def _ray_processes_since(t0: float) -> list[str]:
     return found
 
 
+def _run_alone(args: list[str], timeout_s: float) -> str:
+    """Run a benchmark script with ``args`` in a Ray of its own (this process's is stopped
+    first), require it to succeed, and require that the Ray it started is gone afterwards (no
+    raylet or GCS server it started still alive after 15 s); its stdout."""
+    _stop_ray_of_this_process()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.time() - 1.0  # process start times are rounded
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / args[0]), *args[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    deadline = time.monotonic() + 15
+    while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left
+    return proc.stdout
+
+
 def _expected_rows(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
     """Each row's label, and whether Ray Train has a figure in it."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -55,19 +78,7 @@ def _expected_rows(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
 @pytest.mark.timeout(600)
 def test_quick_benchmark_prints_every_row_and_cleans_up(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = _expected_rows(monkeypatch)
-    _stop_ray_of_this_process()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    t0 = time.time() - 1.0  # process start times are rounded
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout
+    out = _run_alone(["run.py", "--quick"], 540)  # and its Ray is gone afterwards
     table = [line for line in out.splitlines() if line.startswith("|")]
     header = table[0]
     for column in ("Ray Train v1", "lockstep loop", "batched floor", "asyncexec", "target"):
@@ -96,11 +107,6 @@ def test_quick_benchmark_prints_every_row_and_cleans_up(monkeypatch: pytest.Monk
     assert "event-loop lag through whole lifecycles" in out
     for phase in ("entering", "streaming alone", "restarting", "finishing", "closing"):
         assert f"    {phase} " in out, out
-    # Its Ray is gone: no raylet or GCS server that the run started is still alive.
-    deadline = time.monotonic() + 15
-    while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, left
 
 
 def test_lifecycle_samples_count_toward_every_phase_active_in_them(
@@ -146,19 +152,7 @@ def test_lifecycle_samples_count_toward_every_phase_active_in_them(
 def test_quick_dispatch_benchmark_prints_every_row_and_checks_the_parts() -> None:
     """``benchmarks/dispatch.py --quick``: each figure for both systems, every rank's scattered
     part checked (the script raises otherwise), and no Ray left behind."""
-    _stop_ray_of_this_process()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    t0 = time.time() - 1.0
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "dispatch.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout
+    out = _run_alone(["dispatch.py", "--quick"], 240)
     table = [line for line in out.splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in line.split("|")] for line in table]
     head = cells[0]
@@ -169,10 +163,6 @@ def test_quick_dispatch_benchmark_prints_every_row_and_checks_the_parts() -> Non
     for row in cells[2:]:
         assert row[3] not in ("", "-") and row[4] not in ("", "-"), row
     assert "bytes each rank received" in out
-    deadline = time.monotonic() + 15
-    while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, left
 
 
 @pytest.mark.timeout(120)
@@ -205,23 +195,8 @@ def test_quick_straggler_benchmark_names_the_slow_rank() -> None:
     """``benchmarks/stragglers.py --quick``: the slow rank is named on Ray actors and among
     1,024 simulated ranks (the script raises otherwise), no balanced run fires, and no Ray is
     left behind."""
-    _stop_ray_of_this_process()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    t0 = time.time() - 1.0
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "stragglers.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[1].startswith("| Ray actors, 4 ranks"), proc.stdout
+    out = _run_alone(["stragglers.py", "--quick"], 240)
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[1].startswith("| Ray actors, 4 ranks"), out
     assert rows[1].endswith("| 0 in 1 |"), rows[1]  # no event in the balanced run
-    assert rows[2].startswith("| simulated, 1024 ranks"), proc.stdout
-    deadline = time.monotonic() + 15
-    while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, left
+    assert rows[2].startswith("| simulated, 1024 ranks"), out
