@@ -178,15 +178,17 @@ def _config(sc: Scenario, directory: Path, fault: dict[str, Any] | None) -> dict
     }
 
 
-def _executor(sc: Scenario, env: Env, **options: Any) -> asyncexec.Executor:
+def _executor(
+    sc: Scenario, env: Env, *, start_s: float = asyncexec.Timeouts.start_s, **options: Any
+) -> asyncexec.Executor:
     defaults: dict[str, Any] = {
         "resources_per_worker": {"CPU": 0.5},
         "storage_path": env.root / "storage",
         "buffer_size": sc.buffer,
         "restart": asyncexec.RestartPolicy(max_restarts=3, wait=tenacity.wait_none()),
-        "stop_timeout_s": 5.0,
-        "shutdown_timeout_s": 10.0,
-        "graceful_patience_s": 2.0,
+        "timeouts": asyncexec.Timeouts(
+            start_s=start_s, stop_s=5.0, shutdown_s=10.0, graceful_patience_s=2.0
+        ),
         "name": f"chaos{sc.number}",
     }
     defaults.update(options)
