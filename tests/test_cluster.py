@@ -71,6 +71,7 @@ def check_rank_map(
     return nodes
 
 
+@pytest.mark.timeout(300)  # two clusters of two nodes, one after the other
 async def test_ranks_follow_nodes_driver_node_first_and_placement_strategy_decides_nodes(
     make_cluster: Callable[[list[dict[str, Any]]], Any],
 ) -> None:

@@ -52,7 +52,7 @@ def test_the_algorithm_learns_in_one_process_with_stale_actors() -> None:
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(240)
 async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path: Path) -> None:
     ppo = import_example("ppo_cartpole")
     seen: list[tuple[int, float]] = []
@@ -85,7 +85,7 @@ async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_command_line_prints_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -31,7 +31,7 @@ async def test_thirty_lifecycles_in_a_row_leave_nothing_and_grow_nothing(tmp_pat
     _assert_no_growth(phase)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 async def test_eight_executors_at_once_in_one_loop_leave_nothing_and_grow_nothing(
     tmp_path: Path,
 ) -> None:
