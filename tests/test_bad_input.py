@@ -258,19 +258,32 @@ async def _left_behind(timeout_s: float = 10.0) -> str:
 
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "error", "message"),
     [
-        {"resources_per_worker": {"CPU": 0.00001}},
-        {"resources_per_worker": {"CPU": 0.5, "neuron_cores": 0.5}},
-        {"resources_per_worker": CPU, "runtime_env": {"pip": 3}},
+        (
+            {"resources_per_worker": {"CPU": 0.00001}},
+            asyncexec.ConfigurationError,
+            r"Ray refused the worker options: .*precision .* num_cpus",
+        ),
+        (
+            {"resources_per_worker": {"CPU": 0.5, "neuron_cores": 0.5}},
+            asyncexec.PlacementInfeasibleError,
+            r"no node has a resource named 'neuron_cores'",
+        ),
+        (
+            {"resources_per_worker": CPU, "runtime_env": {"pip": 3}},
+            asyncexec.ConfigurationError,
+            r"Ray refused the worker options: .*runtime_env\['pip'\]",
+        ),
     ],
     ids=["cpu-below-ray-precision", "fractional-neuron-cores", "runtime-env-ray-refuses"],
 )
 async def test_options_ray_refuses_end_in_a_clear_error_and_leave_nothing(
-    kwargs: dict[str, Any],
+    kwargs: dict[str, Any], error: type[Exception], message: str
 ) -> None:
+    """Each ends in the error that names what was refused (its kind and Ray's reason)."""
     try:
-        with pytest.raises((asyncexec.ConfigurationError, asyncexec.StartupError)):
+        with pytest.raises(error, match=message):
             async with asyncexec.Executor(1, **kwargs):
                 pass
         assert await _left_behind() == ""

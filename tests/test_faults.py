@@ -18,6 +18,7 @@ import tenacity
 from structlog.testing import capture_logs
 
 import asyncexec
+from asyncexec._errors import short_node
 
 pytestmark = pytest.mark.usefixtures("mode")
 
@@ -247,12 +248,14 @@ def raises_value_error(config: dict[str, Any]) -> None:
 
 async def test_user_error_is_not_retried_by_default_and_names_rank_and_node() -> None:
     async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+        nodes = [w.node_id for w in ex.workers]  # read before the run: it may close the group
         with pytest.raises(asyncexec.WorkerRaisedError) as info:
             async for _ in ex.run(raises_value_error, {"times": 5}):
                 pass
         error = info.value
         assert error.rank == 1
-        assert error.node_id == ex.workers[1].node_id if ex.workers else True
+        assert len(nodes) == 2 and error.node_id == nodes[1]
+        assert f"rank 1 (node {short_node(nodes[1])}," in str(error)
         assert error.attempt == 1
         assert isinstance(error.__cause__, ValueError)
         assert "bad batch on attempt 1" in str(error)

@@ -12,8 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
-import ray
-from conftest import live_workers
+from conftest import live_placement_groups, live_workers, wait_no_leaks
 from structlog.testing import capture_logs
 
 import asyncexec
@@ -342,9 +341,13 @@ async def test_a_spare_takes_the_place_of_a_killed_rank_and_the_run_resumes(
 async def test_ray_is_left_as_it_was_by_a_pool() -> None:
     """The pool's placement group and actors are gone after it closes (also checked after
     every test); a pool can be entered only once."""
+    before = await anyio.to_thread.run_sync(live_placement_groups)
     pool = asyncexec.WorkerPool(2, resources_per_worker=CPU)
     async with pool:
-        assert len(ray.util.placement_group_table()) >= 1
+        held = await anyio.to_thread.run_sync(live_placement_groups)
+        assert len(held) == len(before) + 1  # the pool's own, live (the table keeps removed ones)
+        assert len(await anyio.to_thread.run_sync(live_workers)) == 2
+    await anyio.to_thread.run_sync(wait_no_leaks)  # fails unless both are gone within 15 s
     with pytest.raises(asyncexec.ExecutorStateError, match="once"):
         async with pool:
             pass
