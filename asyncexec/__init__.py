@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "ExecutorStateError": "_errors",
     "ExecutorStatistics": "_driver._executor",
     "HealthChecks": "_config",
+    "MergeError": "_errors",
     "NodeLostError": "_errors",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
@@ -167,6 +168,7 @@ if TYPE_CHECKING:
     from ._errors import ChannelError as ChannelError
     from ._errors import ConfigurationError as ConfigurationError
     from ._errors import ExecutorStateError as ExecutorStateError
+    from ._errors import MergeError as MergeError
     from ._errors import NodeLostError as NodeLostError
     from ._errors import PlacementInfeasibleError as PlacementInfeasibleError
     from ._errors import PlacementTimeoutError as PlacementTimeoutError

@@ -18,6 +18,7 @@ Every error the library raises derives from :class:`AsyncExecError`::
     │   └── WorkerRaisedError                  the user's function raised (``__cause__``)
     ├── ReportMismatchError                    ranks reported a different number of times
     ├── RestartsExhaustedError                 the restart policy gave up (``failures``)
+    ├── MergeError (TypeError)                 a call's results did not merge (``results``)
     └── ChannelError                           a weight channel could not read or deliver a state
 
 Errors cross process boundaries (worker to driver, driver to a process pool), so each one
@@ -38,6 +39,7 @@ __all__ = [
     "ChannelError",
     "ConfigurationError",
     "ExecutorStateError",
+    "MergeError",
     "NodeLostError",
     "PlacementInfeasibleError",
     "PlacementTimeoutError",
@@ -449,6 +451,42 @@ class RestartsExhaustedError(AsyncExecError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.attempts, self.failures), _notes(self))
+
+
+class MergeError(AsyncExecError, TypeError):
+    """A call's ``merge=`` failed on the ranks' results, after every rank had run the call; the
+    merge's own error is ``__cause__``.
+
+    Attributes:
+        merge: the merge, by name (``"concat"``).
+        method: the function called, by name (``"Learner.update"``).
+        ranks: the ranks whose results were merged, in order.
+        results: each of those ranks' result, in the same order: nothing is lost.
+    """
+
+    def __init__(
+        self, merge: str, method: str, ranks: Sequence[int], results: Sequence[Any], detail: str
+    ) -> None:
+        self.merge = merge
+        self.method = method
+        self.ranks = list(ranks)
+        self.results = list(results)
+        self.detail = detail
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return (
+            f"merge={self.merge} could not merge the results of {self.method} from ranks "
+            f"{self.ranks}: {self.detail}; every rank ran the call, and their results are this "
+            "error's .results (leave merge= out for the list of them)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.merge, self.method, self.ranks, self.results, self.detail),
+            _notes(self),
+        )
 
 
 class ChannelError(AsyncExecError):
