@@ -439,6 +439,8 @@ async def main(
             asyncexec.WeightChannel(learner, rollout, transport=transport,
                                     max_staleness=1) as channel,
         ):  # fmt: skip
+            gc.collect()
+            gc.freeze()  # what lives now lives long (Ray's heap): full collections skip it
             started = len(lags)
             s.pushes = await channel.push()  # version 1: the learner's initial weights
             async for step in rollout.run(Rollout.collect, buffer_size=1):
@@ -507,8 +509,6 @@ def cli(argv: Sequence[str] | None = None) -> int:
         bundles = max(args["rollout_workers"], args["learner_workers"])
         ray.init(num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
                  logging_level=logging.WARNING)  # fmt: skip
-        gc.collect()
-        gc.freeze()  # Ray's heap is long-lived: keep full collections from walking it (loop lag)
     summary = asyncio.run(main(**args, stop_when_solved=stop_when_solved, ppo=ppo,
                                on_update=None if quiet else progress))  # fmt: skip
     print(summary.report())

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -464,7 +465,15 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Ready means ready: the service takes requests once the pool's workers are up.
         async with manager.running():
-            yield
+            # What exists now (Ray's objects, the imports, the pool) lives as long as the
+            # service: out of the collector's way, full collections stall the loop far less
+            # (docs/operating.md).
+            gc.collect()
+            gc.freeze()
+            try:
+                yield
+            finally:
+                gc.unfreeze()
 
     async def start_run(request: Request) -> Response:
         raw = await request.body()

@@ -7,6 +7,7 @@ The algorithm alone is checked without Ray first."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -90,12 +91,16 @@ def test_command_line_prints_the_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ppo = import_example("ppo_cartpole")
+    gc.unfreeze()
     try:
         rc = ppo.cli(
             ["--max-updates", "8", "--no-stop", "--quiet", "--storage-path", str(tmp_path)]
         )
+        frozen = gc.get_freeze_count()  # main() froze the heap once both groups were up
     finally:
+        gc.unfreeze()
         reset_logging()  # cli() configured logging for the process
+    assert frozen > 0
     out = capsys.readouterr().out
     assert "8 updates" in out
     assert "0 steps dropped" in out

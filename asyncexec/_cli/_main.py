@@ -38,6 +38,7 @@ import anyio
 from .._config import validate_resources
 from .._driver.run import RunResult
 from .._errors import AsyncExecError, ConfigurationError, describe
+from ._heap import frozen_heap
 from ._logconfig import configure_logging
 from ._views import Tracker, View, make_view
 
@@ -354,7 +355,7 @@ async def drive(
         runtime_env=options.runtime_env,
         name="cli",
         local=options.local,
-    ) as executor:
+    ) as executor, frozen_heap():
         run = executor.run(fn, config)
         tracker.run_id = run.run_id
         tracker.state = "running"
