@@ -160,11 +160,13 @@ class RunStart:
 
 
 class RoleSpec(NamedTuple):
-    """One role as a worker receives it: the class and its constructor's arguments."""
+    """One role as a worker receives it: the class, its constructor's arguments, and how many
+    calls of its plain methods may run at once on an instance."""
 
     cls: type
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    max_concurrency: int = 1
 
 
 class RoleMethod(NamedTuple):

@@ -30,6 +30,10 @@ class Role(Generic[T]):
     signature of ``cls``; the class and every argument must pickle (with Ray's cloudpickle),
     since they are sent to every worker.
 
+    A rank runs the plain (``def``) methods of its instance one call at a time, as Ray runs a
+    plain actor's methods, and ``async def`` methods concurrently on its event loop, as on an
+    async Ray actor; :meth:`options` lets more plain calls run at once.
+
     Args:
         cls: the worker class.
         *args: positional arguments of its constructor.
@@ -40,10 +44,12 @@ class Role(Generic[T]):
             constructor, or the class or an argument cannot be pickled (named).
     """
 
-    __slots__ = ("args", "cls", "kwargs")
+    __slots__ = ("args", "cls", "kwargs", "max_concurrency")
     cls: type[T]
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
+    #: How many calls of the plain methods of one instance may run at once (1 by default).
+    max_concurrency: int
 
     def __init__(self, cls: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> None:
         if not isinstance(cls, type):
@@ -55,6 +61,29 @@ class Role(Generic[T]):
         object.__setattr__(self, "cls", cls)
         object.__setattr__(self, "args", tuple(args))
         object.__setattr__(self, "kwargs", dict(kwargs))
+        object.__setattr__(self, "max_concurrency", 1)
+
+    def options(self, *, max_concurrency: int) -> Role[T]:
+        """This role with other options (as Ray's ``.options()``).
+
+        Args:
+            max_concurrency: how many calls of the plain (``def``) methods of one instance may
+                run at once, each in a thread of its own (1 by default: one at a time, as on a
+                plain Ray actor). ``async def`` methods run concurrently on the worker's event
+                loop whatever this is, and are not counted.
+
+        Raises:
+            ConfigurationError: ``max_concurrency`` is not a positive int.
+        """
+        if (
+            not isinstance(max_concurrency, int)
+            or isinstance(max_concurrency, bool)
+            or max_concurrency < 1
+        ):
+            raise ConfigurationError(
+                f"max_concurrency must be a positive int, got {max_concurrency!r}"
+            )
+        return _rebuild_role(self.cls, self.args, dict(self.kwargs), max_concurrency)
 
     @property
     def name(self) -> str:
@@ -63,7 +92,7 @@ class Role(Generic[T]):
 
     def spec(self) -> RoleSpec:
         """The record a worker receives."""
-        return RoleSpec(self.cls, self.args, dict(self.kwargs))
+        return RoleSpec(self.cls, self.args, dict(self.kwargs), self.max_concurrency)
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise FrozenInstanceError(f"cannot assign to field {name!r}")
@@ -74,7 +103,8 @@ class Role(Generic[T]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Role):
             return NotImplemented
-        return (self.cls, self.args, self.kwargs) == (other.cls, other.args, other.kwargs)
+        mine = (self.cls, self.args, self.kwargs, self.max_concurrency)
+        return mine == (other.cls, other.args, other.kwargs, other.max_concurrency)
 
     def __hash__(self) -> int:
         return hash(self.cls)  # the arguments may not hash (a config dict)
@@ -82,17 +112,21 @@ class Role(Generic[T]):
     def __repr__(self) -> str:
         shown = [self.cls.__qualname__, *map(short_repr, self.args)]
         shown += [f"{k}={short_repr(v)}" for k, v in self.kwargs.items()]
-        return f"Role({', '.join(shown)})"
+        options = f".options(max_concurrency={self.max_concurrency})"
+        return f"Role({', '.join(shown)})" + (options if self.max_concurrency != 1 else "")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_role, (self.cls, self.args, dict(self.kwargs))
+        return _rebuild_role, (self.cls, self.args, dict(self.kwargs), self.max_concurrency)
 
 
-def _rebuild_role(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Role[Any]:
+def _rebuild_role(
+    cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], max_concurrency: int = 1
+) -> Role[Any]:
     role: Role[Any] = object.__new__(Role)
     object.__setattr__(role, "cls", cls)
     object.__setattr__(role, "args", args)
     object.__setattr__(role, "kwargs", kwargs)
+    object.__setattr__(role, "max_concurrency", max_concurrency)
     return role
 
 

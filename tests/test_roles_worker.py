@@ -201,8 +201,10 @@ async def test_plain_methods_run_in_threads_and_async_ones_on_the_loop(worker: H
     assert await worker("call_role", 0, "add_async", 4) == Outcome("ok", 4)
 
 
-async def test_plain_calls_on_one_instance_run_at_once(worker: Handle) -> None:
-    await worker("make_roles", _payload(Role(Counter, 0)))
+async def test_plain_calls_on_one_instance_run_at_once_up_to_max_concurrency(
+    worker: Handle,
+) -> None:
+    await worker("make_roles", _payload(Role(Counter, 0).options(max_concurrency=2)))
     await worker("execute", _make_barrier, "meet")
     outcomes = await asyncio.gather(*[worker("call_role", 0, "meet", "meet") for _ in range(2)])
     assert sorted(o.value for o in outcomes) == [0, 1]

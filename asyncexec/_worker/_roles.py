@@ -9,14 +9,19 @@ right after its ``__init__``. The instances live in the worker's :class:`~._plac
 local mode, several workers share a process), until the roles are made again or the worker is
 reset.
 
-Calls of the instances' methods run as ``execute()`` calls do: an ``async def`` on the actor's
-loop, a plain method in a thread of its own, several at once when the driver sends several.
+Calls of the instances' methods run as on a Ray actor: an ``async def`` on the actor's loop,
+concurrently with any others; a plain method in a thread, one call at a time per instance (as a
+plain Ray actor runs its methods), or up to the role's ``max_concurrency`` at once. A plain call
+holds its place until its thread ends, even when the driver stopped waiting for it (a thread
+cannot be cancelled): the next one starts after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -36,12 +41,20 @@ ContextFactory = Callable[[], AbstractContextManager[Any]]
 class Roles:
     """One worker's instances of its roles, in role order."""
 
-    __slots__ = ("context", "instances")
+    __slots__ = ("context", "instances", "limits")
 
-    def __init__(self, instances: list[object], context: ContextFactory | None) -> None:
+    def __init__(
+        self,
+        instances: list[object],
+        context: ContextFactory | None,
+        max_concurrency: list[int] | None = None,
+    ) -> None:
         self.instances = instances
         #: Entered around each call of a method (in the thread that runs a plain one).
         self.context = context
+        #: Per instance: the calls of its plain methods that may run at once (made on the
+        #: actor's loop, where the calls come).
+        self.limits = [asyncio.Semaphore(n) for n in (max_concurrency or [1] * len(instances))]
 
     def method(self, role_index: int, name: str) -> Callable[..., Any]:
         """The bound method ``name`` of the instance of role ``role_index``.
@@ -80,6 +93,7 @@ async def make(
     place.roles = None
     blobs: tuple[bytes, ...] = cloudpickle.loads(payload)
     instances: list[object] = []
+    limits: list[int] = []
     for index, blob in enumerate(blobs):
         stage: Literal["load", "init", "restore"] = "load"
         try:
@@ -94,7 +108,8 @@ async def make(
             failed = _outcomes.error_outcome(exc)
             return failed._replace(value=RoleFailure(index, stage))
         instances.append(instance)
-    place.roles = Roles(instances, context)
+        limits.append(spec.max_concurrency)
+    place.roles = Roles(instances, context, limits)
     return Outcome("ok")
 
 
@@ -112,11 +127,16 @@ async def call(
     role_index: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Outcome:
     """Call method ``name`` of this worker's instance of role ``role_index``: an ``async def``
-    on this loop, a plain method in a thread, inside the backend's context; how it ended, as an
-    outcome (a worker without that role or method is an error outcome too)."""
+    on this loop, a plain method in a thread once the instance's limit lets it (see the
+    module's docstring), inside the backend's context; how it ended, as an outcome (a worker
+    without that role or method is an error outcome too)."""
     try:
         roles = _held()
-        result = await _invoke(roles.method(role_index, name), args, kwargs, roles.context)
+        fn = roles.method(role_index, name)
+        if inspect.iscoroutinefunction(fn):
+            result = await _invoke(fn, args, kwargs, roles.context)
+        else:
+            result = await _limited(roles.limits[role_index], fn, args, kwargs, roles.context)
     except Exception as exc:
         return _outcomes.error_outcome(exc)
     return _outcomes.value_outcome(result)
@@ -145,6 +165,32 @@ async def _invoke(
         with _entered(context):
             return await fn(*args, **kwargs)
     result = await asyncio.to_thread(_call_within, fn, args, kwargs, context)
+    if inspect.isawaitable(result):
+        with _entered(context):
+            result = await result
+    return result
+
+
+async def _limited(
+    limit: asyncio.Semaphore,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ContextFactory | None,
+) -> Any:
+    """A plain method in a thread once ``limit`` lets it; the place is given back when the
+    thread ends, not when this caller stops waiting (a cancelled call's thread runs on)."""
+    await limit.acquire()
+    try:
+        run = functools.partial(
+            contextvars.copy_context().run, _call_within, fn, args, kwargs, context
+        )
+        thread = asyncio.get_running_loop().run_in_executor(None, run)
+    except BaseException:
+        limit.release()
+        raise
+    thread.add_done_callback(lambda _: limit.release())
+    result = await asyncio.shield(thread)
     if inspect.isawaitable(result):
         with _entered(context):
             result = await result

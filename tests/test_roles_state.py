@@ -1,0 +1,110 @@
+"""Role instances and their state, against a real Ray (and in local mode where it applies): how
+many calls of one instance's methods run at once, a weight channel opened again on a target that
+already holds versions, methods resolved by the class the caller names among colocated roles that
+share a base class, and a rank replaced outside a run restored to where the others are."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+import asyncexec
+
+CPU = {"CPU": 0.25}
+
+
+# How many calls of one instance run at once ----------------------------------------------------
+
+
+class Learner:
+    """Counts the calls of its methods that run at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.most = 0
+        self.overlapped = threading.Event()  # set when a call finds another one running
+        self.barrier = threading.Barrier(4)
+        self.async_active = 0
+        self.async_all_in: asyncio.Event | None = None
+
+    def update(self) -> int:
+        """Waits for another call to overlap it (an event, not a sleep), up to 0.2 s."""
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            if self.active > 1:
+                self.overlapped.set()
+        self.overlapped.wait(0.2)
+        with self.lock:
+            self.active -= 1
+        return self.most
+
+    def update_together(self) -> int:
+        """Returns only once four calls are in it at once."""
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        self.barrier.wait(timeout=20)
+        with self.lock:
+            self.active -= 1
+        return self.most
+
+    async def generate(self) -> int:
+        """Returns only once four calls are in it at once (on the worker's loop)."""
+        if self.async_all_in is None:
+            self.async_all_in = asyncio.Event()
+        self.async_active += 1
+        if self.async_active == 4:
+            self.async_all_in.set()
+        await asyncio.wait_for(self.async_all_in.wait(), timeout=20)
+        return self.async_active
+
+
+async def _four_at_once(ex: asyncexec.Executor, method: Any) -> list[int]:
+    results: list[int] = []
+
+    async def one() -> None:
+        results.extend(await ex.call(method))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(one)
+    return results
+
+
+@pytest.mark.timeout(30)
+async def test_plain_methods_of_one_instance_run_one_at_a_time(mode: str) -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=Learner) as ex:
+        assert max(await _four_at_once(ex, Learner.update)) == 1
+
+
+@pytest.mark.timeout(30)
+async def test_max_concurrency_lets_plain_methods_of_a_role_run_together(mode: str) -> None:
+    role = asyncexec.Role(Learner).options(max_concurrency=4)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=role) as ex:
+        assert max(await _four_at_once(ex, Learner.update_together)) == 4
+
+
+@pytest.mark.timeout(30)
+async def test_async_methods_of_one_instance_run_together(mode: str) -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=Learner) as ex:
+        assert await _four_at_once(ex, Learner.generate) == [4, 4, 4, 4]
+
+
+def test_max_concurrency_is_checked_and_kept() -> None:
+    role = asyncexec.Role(Learner)
+    assert role.max_concurrency == 1
+    four = role.options(max_concurrency=4)
+    assert (four.max_concurrency, role.max_concurrency) == (4, 1)
+    assert four != role and "max_concurrency=4" in repr(four)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(four)).max_concurrency == 4
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(asyncexec.ConfigurationError, match="max_concurrency"):
+            role.options(max_concurrency=bad)  # type: ignore[arg-type]
