@@ -188,9 +188,6 @@ class Cluster(Protocol):
         ...
 
 
-
-
-
 async def described(
     cluster: Cluster,
     spawned: Sequence[Spawned],

@@ -1,0 +1,166 @@
+"""The seam's errors and the driver's bookkeeping under failure (issue 31): one node look-up for
+every failed call of one death, a lost node reported as lost; drain marks that end with their
+drain; a pool's lease that never hands out workers its closing killed; one policy for what
+escapes a task group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import asyncexec
+
+CPU = {"CPU": 0.5}
+
+
+@ray.remote(num_cpus=0)
+class _Gate:
+    """Opens once ``n`` calls have arrived (an actor of the test, on the driver's node)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.arrived = 0
+        self.open = asyncio.Event()
+
+    async def arrive(self) -> None:
+        self.arrived += 1
+        if self.arrived >= self.n:
+            self.open.set()
+
+    async def wait_open(self) -> None:
+        await self.open.wait()
+
+
+def _gate(n: int) -> Any:
+    here = ray.get_runtime_context().get_node_id()
+    return _Gate.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
+    ).remote(n)
+
+
+async def _hold(gate: Any) -> None:
+    """Arrive at ``gate``, then wait to be killed."""
+    await gate.arrive.remote()
+    await anyio.sleep(120)
+
+
+async def _failures(ex: asyncexec.Executor, n: int, kill: Callable[[], Any]) -> list[Any]:
+    """Start ``n`` calls of :func:`_hold` on rank 0, call ``kill()`` once they have all begun on
+    the worker, and return how each ended."""
+    ended: list[Any] = [None] * n
+    gate = _gate(n)
+
+    async def one(i: int) -> None:
+        try:
+            ended[i] = await ex.execute_single(0, _hold, gate)
+        except Exception as exc:
+            ended[i] = exc
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+                await gate.wait_open.remote()
+                await kill()
+    finally:
+        ray.kill(gate)
+    return ended
+
+
+# Item 8: one look-up of the node table per death, not per failed call ---------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("ray_local")
+async def test_one_death_makes_one_node_lookup_for_all_its_failed_calls() -> None:
+    """Eight calls in flight on a worker that is SIGKILLed fail together; each failure asks
+    whether the worker's node is gone. They share one look-up of the node table (it made one
+    ``ray.nodes()`` each, in a thread, with no bound of its own)."""
+    from asyncexec._driver.cluster import _ray
+
+    n = 8
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        pid = ex.workers[0].pid
+        before = _ray.LIVENESS.lookups
+
+        async def kill() -> None:
+            os.kill(pid, signal.SIGKILL)
+
+        ended = await _failures(ex, n, kill)
+        assert all(isinstance(e, asyncexec.WorkerCrashedError) for e in ended), ended
+        assert _ray.LIVENESS.lookups - before == 1
+
+
+@pytest.mark.timeout(90)
+async def test_calls_on_a_removed_node_fail_as_a_lost_node(
+    make_cluster: Callable[[list[dict[str, Any]]], Any],
+) -> None:
+    """Every call in flight on a worker whose node is removed fails with NodeLostError (not a
+    crash), naming the node, with one look-up of the node table for all of them."""
+    from asyncexec._driver.cluster import _ray
+
+    cluster = make_cluster([{"num_cpus": 1}, {"num_cpus": 1, "resources": {"far": 1}}])
+    (far,) = cluster.worker_nodes
+    n = 8
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5, "far": 0.5}) as ex:
+        assert ex.workers[0].node_id == far.node_id
+        before = _ray.LIVENESS.lookups
+
+        async def remove() -> None:
+            await anyio.to_thread.run_sync(lambda: cluster.remove_node(far, allow_graceful=False))
+
+        ended = await _failures(ex, n, remove)
+        assert all(isinstance(e, asyncexec.NodeLostError) for e in ended), ended
+        assert {e.node_id for e in ended} == {far.node_id}
+        assert _ray.LIVENESS.lookups - before == 1
+
+
+@pytest.mark.timeout(10)
+async def test_node_liveness_is_asked_once_for_concurrent_askers_and_bounded() -> None:
+    """Without Ray: askers at once share one look-up; "alive" is kept a moment, "dead" for good;
+    a look-up that hangs counts as "alive" at its bound, and is not kept."""
+    import threading
+
+    from asyncexec._driver.cluster._liveness import Liveness
+
+    asked: list[str] = []
+    release = threading.Event()
+
+    def lookup(node: str, timeout_s: float) -> bool:
+        asked.append(node)
+        release.wait(10)  # longer than any bound here: a look-up that hangs
+        return node != "dead"
+
+    liveness = Liveness(lookup, timeout_s=5.0, ttl_s=60.0)
+    answers: list[bool] = []
+
+    async def ask(node: str) -> None:
+        answers.append(await liveness.alive(node))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(10):
+            tg.start_soon(ask, "dead")
+        await anyio.wait_all_tasks_blocked()
+        release.set()
+    assert answers == [False] * 10 and asked == ["dead"]
+    assert (
+        not await liveness.alive("dead")
+        and await liveness.alive("a")
+        and await liveness.alive(None)
+    )
+    assert asked == ["dead", "a"] and liveness.lookups == 2
+    release.clear()
+    hung = Liveness(lookup, timeout_s=0.2)
+    with anyio.fail_after(2):
+        assert await hung.alive("b") and await hung.alive("b")
+    assert hung.lookups == 2  # an unknown answer is not kept
+    release.set()
