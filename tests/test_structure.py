@@ -2,7 +2,8 @@
 functions under about 80, modules under about 600; no import circle (imports for type checkers
 and imports inside functions included); the driver's wings layered (cluster below group below run
 below the executor and the channel) with ``ray`` imported only by the cluster seam; no module
-importing another wing's private names; local mode with no ``is_local`` checks outside the seam.
+importing another wing's private names, nor the worker side's private modules from outside it;
+local mode with no ``is_local`` checks outside the seam.
 """
 
 from __future__ import annotations
@@ -178,6 +179,35 @@ def test_no_module_takes_another_wings_private_names() -> None:
                 and f"{target}.{n}".lstrip(".") not in MODULES  # a module, not a name
             ]
             taken += [f"{name}:{line} takes {target}.{n}" for n in private]
+    assert taken == []
+
+
+def _private_modules_taken(name: str) -> Iterator[tuple[str, int]]:
+    """The private modules of sub-packages that module ``name`` imports (``from pkg import
+    _mod``, ``from pkg._mod import x``, ``import pkg._mod``), with the line."""
+    for target, names, line in _imports(name):
+        if target not in MODULES:
+            continue
+        modules = [f"{target}.{n}" if target else n for n in names]
+        modules = [m for m in modules if m in MODULES] or [target]
+        for module in modules:
+            inner = module.rpartition(".")[2]
+            if _wing(module) != module and inner.startswith("_") and not inner.startswith("__"):
+                yield module, line
+
+
+def test_no_module_outside_the_worker_side_takes_its_private_modules() -> None:
+    """Code outside ``_worker/`` (the seam's local and simulated workers, the Ray actor's
+    spawner, worker-side helpers elsewhere) takes the names ``asyncexec._worker`` gives, never
+    its private modules: a driver wing reaching into them crosses the process boundary by a side
+    door. The package root, where the public names are made, may."""
+    taken = [
+        f"{name}:{line} takes {module}"
+        for name in MODULES
+        if name and not name.startswith("_worker")
+        for module, line in _private_modules_taken(name)
+        if module.startswith("_worker.")
+    ]
     assert taken == []
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checkpoint import Checkpoint
-from .._worker._session import get_checkpoint, get_context, report
+from .._worker import get_checkpoint, get_context, report
 
 __all__ = ["DEFAULT_CONFIG", "demo_train"]
 

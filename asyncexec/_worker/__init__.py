@@ -3,4 +3,30 @@
 It imports the standard library, ray and ``asyncexec._protocol`` (with the small modules both
 sides share: errors and checkpoints) only, never the driver's modules, anyio, structlog or
 tenacity: ``tests/test_boundary.py`` checks it in a fresh interpreter.
+
+Code outside this package takes what it needs of it from here, never from its private modules
+(``tests/test_structure.py`` checks it): the actor and its undecorated code (for local mode's
+threads), a worker's place (its state, per thread in local mode), how a call's outcome is made
+(the simulated workers make theirs so), and the run's functions for worker-side helpers.
 """
+
+from __future__ import annotations
+
+from ._actor import WorkerActor, WorkerCode
+from ._channel import weights_version
+from ._outcomes import error_outcome, value_outcome
+from ._place import PLACE, Place
+from ._session import get_checkpoint, get_context, report
+
+__all__ = [
+    "PLACE",
+    "Place",
+    "WorkerActor",
+    "WorkerCode",
+    "error_outcome",
+    "get_checkpoint",
+    "get_context",
+    "report",
+    "value_outcome",
+    "weights_version",
+]

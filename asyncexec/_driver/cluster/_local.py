@@ -15,7 +15,7 @@ reservations, spares, elastic sizes or weight channels. A function that does not
 killed: its thread is left to end on its own (a daemon thread, it does not hold the process at
 exit). Nothing here imports or starts Ray.
 
-Each local worker's calls run in a context whose :data:`~..._worker._place.PLACE` is the
+Each local worker's calls run in a context whose :data:`~..._worker.PLACE` is the
 worker's own, so ``get_context()``, ``report()`` and ``get_checkpoint()`` find that worker's
 state in the function's thread, in ``execute()`` calls and in the threads they start through
 ``asyncio`` (threads started by hand carry no context: see the docs).
@@ -39,8 +39,7 @@ import anyio
 
 from ..._config import ExecutorConfig
 from ..._protocol import WorkerMetadata
-from ..._worker import _place
-from ..._worker._actor import WorkerCode
+from ..._worker import PLACE, Place, WorkerCode
 from ._base import Handle, Spawned, described, settle
 from ._placement import Placement
 
@@ -96,7 +95,7 @@ class LocalWorker:
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.place = _place.Place()
+        self.place = Place()
         self._worker = _ThreadWorker()
         self._loop = asyncio.new_event_loop()
         self._gone = False
@@ -138,7 +137,7 @@ class LocalWorker:
 
     async def _in_place(self, call: Awaitable[Any]) -> Any:
         # This task's context (a copy) carries the worker's place to what the call starts.
-        _place.PLACE.set(self.place)
+        PLACE.set(self.place)
         try:
             return await call
         except asyncio.CancelledError:

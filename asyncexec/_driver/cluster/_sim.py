@@ -36,7 +36,7 @@ import anyio
 
 from ..._config import ExecutorConfig
 from ..._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
-from ..._worker._outcomes import error_outcome, value_outcome
+from ..._worker import error_outcome, value_outcome
 from ._base import Handle, Spawned, described, settle
 from ._local import LocalWorkerGone
 from ._placement import Placement

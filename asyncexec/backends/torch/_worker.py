@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..._worker._session import get_context
+from ..._worker import get_context
 
 if TYPE_CHECKING:
     import torch as torch_
