@@ -108,3 +108,55 @@ def test_max_concurrency_is_checked_and_kept() -> None:
     for bad in (0, -1, 1.5, True, None):
         with pytest.raises(asyncexec.ConfigurationError, match="max_concurrency"):
             role.options(max_concurrency=bad)  # type: ignore[arg-type]
+
+
+# A weight channel opened again on a target that holds versions --------------------------------
+
+_installs: list[tuple[int, Any]] = []  # (version, state) in install order, this worker
+
+
+def _serve_counter() -> None:
+    pushed = iter(range(1, 1_000_000))
+    asyncexec.serve_weights(lambda: {"w": next(pushed)})
+    while True:
+        asyncexec.report({"alive": 1})
+        threading.Event().wait(0.01)
+
+
+def _receive() -> None:
+    asyncexec.receive_weights(lambda state, version: _installs.append((version, state)))
+    while True:
+        asyncexec.report({"alive": 1})
+        threading.Event().wait(0.01)
+
+
+def _installed() -> list[tuple[int, Any]]:
+    return list(_installs)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_a_second_channel_to_a_target_delivers_after_the_versions_it_holds(
+    tmp_path: Any,
+) -> None:
+    """A new channel numbered its versions from 1 again: the target, holding 2, skipped every
+    push while push() returned and the statistics said delivered."""
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(1, resources_per_worker=CPU, storage_path=str(tmp_path)) as b,
+    ):
+        learn, roll = a.run(_serve_counter), b.run(_receive)
+        with anyio.fail_after(30):
+            await learn.__anext__()
+            await roll.__anext__()
+        async with asyncexec.WeightChannel(a, b) as first:
+            assert [await first.push(), await first.push()] == [1, 2]
+        async with asyncexec.WeightChannel(a, b) as second:
+            version = await second.push()
+            assert version == 3
+            stats = second.statistics()
+            assert (stats.version, stats.delivered, stats.pushes) == (3, 3, 1)
+        [installs] = await b.execute(_installed)
+        assert installs == [(1, {"w": 1}), (2, {"w": 2}), (3, {"w": 3})]
+        await learn.aclose()
+        await roll.aclose()

@@ -5,13 +5,14 @@ How a state travels is a transport's (``_object_store``, ``_torch``, behind the 
 ``_transport``); this module holds what every transport shares: the versions, the deliveries in
 order, the ranks that join, the counters.
 
-Versions: ``push()`` numbers the states 1, 2, 3, ...; a target rank installs a version with the
-``install`` function its run's function registered (``receive_weights``), in a thread, while the
-function keeps running, and tags its later reports with it. ``max_staleness`` K bounds how far
-behind a target rank may be: ``push()`` of version v returns once v - (K - 1) is installed on
-every rank (K = 1: v itself), so the next state can be computed while earlier ones travel. A rank
-that joins after a restart (a fresh group, a spare, a replaced rank) gets the latest version
-before its function starts.
+Versions: ``push()`` numbers the states 1, 2, 3, ... (after the latest version a target rank
+holds, when an earlier channel to the target delivered some); a target rank installs a version
+with the ``install`` function its run's function registered (``receive_weights``), in a thread,
+while the function keeps running, and tags its later reports with it. ``max_staleness`` K
+bounds how far behind a target rank may be: ``push()`` of version v returns once v - (K - 1) is
+installed on every rank (K = 1: v itself), so the next state can be computed while earlier ones
+travel. A rank that joins after a restart (a fresh group, a spare, a replaced rank) gets the
+latest version before its function starts.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ _CLOSE_TIMEOUT_S = 5.0
 class ChannelStatistics:
     """Counters of a channel, from :meth:`WeightChannel.statistics`."""
 
-    version: int  # the latest version pushed (0 before the first)
+    #: The latest version pushed (0 before the first; a channel opened on a target whose ranks
+    #: hold versions of an earlier channel starts from the latest of them).
+    version: int
     delivered: int  # the latest version installed on every target rank
     pushes: int
     failed_pushes: int
@@ -137,7 +140,9 @@ class WeightChannel:
 
     @property
     def version(self) -> int:
-        """The latest version pushed (0 before the first push)."""
+        """The latest version pushed (0 before the first push; after the latest version the
+        target's ranks held when the channel was opened, when an earlier channel delivered
+        some)."""
         return self._versions.version
 
     def statistics(self) -> ChannelStatistics:
@@ -168,6 +173,7 @@ class WeightChannel:
                 f"the executor {self.target.config.name!r} already receives from an open "
                 "channel: a rank's reports carry the version of one channel"
             )
+        await self._versions.start_after_held()
         joiners.append(self._versions.join)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()

@@ -13,8 +13,10 @@ import anyio
 import anyio.abc
 
 from ..._errors import ChannelError, describe
+from ..._worker import weights_version
+from ..cluster import call_error
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
-from ._transport import Pending, Transport, channel_error
+from ._transport import Pending, Transport, channel_error, died
 
 __all__ = ["Versions", "live"]
 
@@ -81,6 +83,47 @@ class Versions:
         """The channel closed: nothing is on its way, nothing is kept (the states are freed)."""
         self.pending.clear()
         self._last = None
+
+    async def start_after_held(self) -> None:
+        """Number this channel's versions after the latest that a live rank of the target holds
+        (an earlier channel to it delivered them): a rank installs only versions newer than the
+        one it holds, so a channel numbering from 1 again would have every push skipped. A rank
+        that died meanwhile holds nothing when it comes back.
+
+        Raises:
+            ChannelError: a target rank could not say which version it holds.
+        """
+        workers = live(self.target_slot)
+        held: list[int] = []
+        errors: list[BaseException] = []
+
+        async def one(worker: WorkerInfo) -> None:
+            try:
+                outcome = await worker.handle.call("execute", weights_version, self.name)
+            except Exception as exc:
+                error = await call_error(exc, worker, worker.context.attempt or 0)
+                if not died(error):
+                    errors.append(error)
+                return
+            if outcome.kind != "ok":
+                errors.append(ChannelError(f"rank {worker.rank}: {describe(outcome.error)}"))
+            else:
+                held.append(outcome.value or 0)
+
+        what = "reading the versions the target's ranks hold"
+        try:
+            with anyio.fail_after(self.timeout_s):
+                async with anyio.create_task_group() as tg:
+                    for worker in workers:
+                        tg.start_soon(one, worker)
+        except TimeoutError as exc:
+            raise channel_error(what, exc, self.timeout_s) from exc
+        if errors:
+            raise channel_error(what, errors[0], 0) from errors[0]
+        if held:
+            self.version, self.delivered = max(held), min(held)
+            if self.version:
+                self.log.info("versions_continue", after=self.version)
 
     async def push(self) -> int:
         """See ``WeightChannel.push``."""
