@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar, cast
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, MergeError, describe
 from ._protocol import RoleMethod
 from ._role import Role, method_of, qualname, roles_of, roles_payload, takes_self
 from ._split import (
@@ -149,7 +150,14 @@ class CallPlan:
         else:
             where = {r: i for i, r in enumerate(self.ranks)}
             picked = [values[where[r]] for r in self.returned]
-        return picked if self.merge is None else self.merge(picked)
+        if self.merge is None:
+            return picked
+        try:
+            return self.merge(picked)
+        except Exception as exc:  # every rank ran the call: their results go with the error
+            raise MergeError(
+                _name_of(self.merge), qualname(self.fn), self.returned, picked, describe(exc)
+            ) from exc
 
 
 def plan_call(
@@ -196,6 +204,8 @@ def plan_call(
             if single
             else f"merge= takes a callable, got {type(merge).__name__}"
         )
+    if merge is concat:
+        _check_concat(fn)
     parts, rows = _laid_out(values, names, on, world_size, single)
     return CallPlan(
         fn=fn,
@@ -321,6 +331,49 @@ def _names(
         if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
             named[i] = f"argument {param.name!r}"
     return named
+
+
+def _name_of(merge: Callable[..., Any]) -> str:
+    name = getattr(merge, "__qualname__", None)
+    return name if isinstance(name, str) else type(merge).__qualname__
+
+
+#: Results that concat() never merges, by the type a function's return is annotated with.
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _check_concat(fn: Callable[..., Any]) -> None:
+    """What can be checked of ``merge=concat`` before the call is sent: a function annotated to
+    return a scalar, or a mapping of scalars (metrics), returns what concat() cannot merge."""
+    try:
+        refused = _concat_refuses(fn)
+    except TypeError:  # an unhashable callable: nothing to remember it by
+        refused = _concat_refuses.__wrapped__(fn)
+    if refused is not None:
+        raise ConfigurationError(
+            f"merge=concat cannot merge the results of {qualname(fn)} (annotated {refused}): it "
+            "merges lists, tuples, numpy arrays, torch tensors and mappings of them; leave "
+            "merge= out for each rank's result, or pass a merge of your own"
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _concat_refuses(fn: Callable[..., Any]) -> str | None:
+    """``fn``'s return annotation, written out, when concat() cannot merge what it names."""
+    try:
+        hint = inspect.signature(fn, eval_str=True).return_annotation
+    except Exception:  # no signature, or an annotation that does not resolve: not checked
+        return None
+    return inspect.formatannotation(hint) if _scalar_results(hint) else None
+
+
+def _scalar_results(hint: Any) -> bool:
+    if hint in _SCALARS:
+        return True
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (dict, Mapping) and len(args) == 2:
+        return _scalar_results(args[1])
+    return False
 
 
 def _targets(

@@ -2,7 +2,8 @@
 are never imported here (a value is one of theirs only when its module is already loaded).
 
 What splits (:func:`split`): lists and tuples by items; numpy arrays and torch tensors along axis
-0; mappings of these, value by value in lockstep; any object with ``__asyncexec_split__(n)``
+0; mappings of these, value by value in lockstep (a value that cannot split, such as a batch's
+metadata, goes whole to every part); any object with ``__asyncexec_split__(n)``
 (:class:`Splittable`). Parts are contiguous, and uneven where they must be
 (:func:`split_sizes`: 10 over 4 is 3, 3, 2, 2). :func:`concat` is the way back.
 """
@@ -40,7 +41,25 @@ _SPLITS = (
 @runtime_checkable
 class Splittable(Protocol):
     """An object that splits itself for :func:`scatter`: ``__asyncexec_split__(n)`` returns
-    exactly ``n`` parts, the one for each rank (or mesh coordinate) in order."""
+    exactly ``n`` parts, the one for each rank (or mesh coordinate) in order.
+
+    Give a batch class of your own (verl's ``DataProto``, a dataclass of tensors) this method and
+    ``scatter(batch)`` sends each rank its part; ``len()``, when the object has one, is checked
+    against the other scattered arguments (they split in lockstep)::
+
+        @dataclasses.dataclass
+        class Batch:
+            obs: torch.Tensor
+            meta: dict[str, Any]  # the same for every part
+
+            def __len__(self) -> int:
+                return len(self.obs)
+
+            def __asyncexec_split__(self, n: int) -> list[Batch]:
+                return [Batch(o, self.meta) for o in self.obs.tensor_split(n)]
+
+    Returning another number of parts than ``n`` is refused before anything is sent.
+    """
 
     def __asyncexec_split__(self, n: int) -> Sequence[Any]: ...
 
@@ -66,6 +85,17 @@ def scatter(value: T, *, axis: str | None = None) -> T:
     (on one axis) split in lockstep and must have the same length. Typed as the value it marks,
     so a type checker checks the call's arguments against the method's parameters (a part has
     the value's type).
+
+    Parts differ in size by at most one item (10 over 4 ranks: 3, 3, 2, 2). Under DDP each
+    rank's loss is the mean over its own part and the gradients are averaged over the ranks, so
+    each rank's mean counts the same: an item on a rank of 2 items weighs 1.5 times one on a
+    rank of 3. Scatter a multiple of the world size for equal weights, or weigh each rank's loss
+    by its part's share. With fewer items than ranks the last ranks get an empty part and still
+    run the method: a mean over no items is ``nan`` (a torch loss over an empty batch), with a
+    zero gradient that the average over ranks still counts.
+
+    A mapping's values that cannot split (numbers, strings, metadata dicts of them) are
+    replicated: every part holds them whole.
 
     Args:
         value: what to split (see :func:`split`); checked when the call is planned.
@@ -96,9 +126,11 @@ def split(value: Any, n: int, *, what: str = "the value") -> list[Any]:
     """Split ``value`` into ``n`` contiguous parts, each of the value's type.
 
     Lists and tuples split by items; numpy arrays and torch tensors along axis 0 (each part a
-    view); a mapping value by value in lockstep (each part a dict of the same keys); an object
-    with ``__asyncexec_split__(n)`` splits itself. When there are fewer items than parts, the
-    last parts are empty. Checked before anything is sent: a call that cannot split fails whole.
+    view); a mapping value by value in lockstep (each part a dict of the same keys; a value that
+    cannot split, such as a number, a string or a dict of them, is in every part whole); an
+    object with ``__asyncexec_split__(n)`` splits itself. When there are fewer items than parts,
+    the last parts are empty. Checked before anything is sent: a call that cannot split fails
+    whole.
 
     Args:
         value: what to split.
@@ -107,7 +139,8 @@ def split(value: Any, n: int, *, what: str = "the value") -> list[Any]:
 
     Raises:
         ConfigurationError: the value does not split (a str, a set, an int, a generator, a
-            0-d array, a named tuple), a mapping's values differ in length,
+            0-d array, a named tuple, unless inside a mapping, where all but a named tuple are
+            replicated), a mapping's values differ in length,
             ``__asyncexec_split__`` returned another number of parts, or ``n`` is not positive.
     """
     if n < 1:
@@ -131,14 +164,30 @@ def split(value: Any, n: int, *, what: str = "the value") -> list[Any]:
 
 def _split_mapping(value: Mapping[Any, Any], n: int, what: str) -> list[Any]:
     _common_length(value, what)
-    columns = {k: split(v, n, what=f"{what}[{k!r}]") for k, v in value.items()}
+    columns = {
+        k: [v] * n if _replicated(v) else split(v, n, what=f"{what}[{k!r}]")
+        for k, v in value.items()
+    }
     return [{k: parts[i] for k, parts in columns.items()} for i in range(n)]
+
+
+def _replicated(value: Any) -> bool:
+    """Whether a mapping's value goes whole to every part: a leaf that cannot split (a number,
+    a string, a 0-d array, a set, any other object), such as a batch's metadata. Lists, tuples,
+    arrays, mappings and objects that split themselves are split (a named tuple is refused)."""
+    if getattr(type(value), "__asyncexec_split__", None) is not None:
+        return False
+    if isinstance(value, Mapping | list | tuple):
+        return False
+    return value.ndim == 0 if _is_array(value) else True
 
 
 def _common_length(value: Mapping[Any, Any], what: str) -> int | None:
     """The length every value of a mapping shares (None when none has one)."""
     common: tuple[Any, int] | None = None
     for key, item in value.items():
+        if _replicated(item):
+            continue
         length = split_length(item, f"{what}[{key!r}]")
         if length is None:
             continue
@@ -228,6 +277,10 @@ def compact(part: Any) -> Any:
 def concat(results: Sequence[T]) -> T:
     """Merge the results of several ranks into one: lists and tuples concatenated, numpy arrays
     and torch tensors along axis 0, mappings key by key (into a dict with the first's keys).
+
+    Scalars (a dict of metrics) do not concatenate: ``call(..., merge=concat)`` of a method
+    annotated to return them is refused before it is sent, and a merge that fails on the
+    results raises :class:`~asyncexec.MergeError`, which holds each rank's result.
 
     Raises:
         TypeError: no results, results of different kinds or keys, or results that do not
