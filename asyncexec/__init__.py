@@ -62,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "Splittable": "_dispatch",
     "concat": "_dispatch",
     "least_loaded": "_dispatch",
+    "method": "_role",
     "rank": "_dispatch",
     "scatter": "_dispatch",
     "WorkerCrashedError": "_errors",
@@ -183,6 +184,7 @@ if TYPE_CHECKING:
     from ._errors import WorkerUnreachableError as WorkerUnreachableError
     from ._protocol import PreemptionNotice as PreemptionNotice
     from ._protocol import WorkerContext as WorkerContext
+    from ._role import method as method
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version

@@ -9,14 +9,24 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar
 
 from ._errors import ConfigurationError, describe
 from ._protocol import RoleMethod, RoleSpec
 from ._split import short_repr
 
-__all__ = ["Role", "RoleMethod", "method_of", "qualname", "roles_of", "roles_payload", "takes_self"]
+__all__ = [
+    "NamedMethod",
+    "Role",
+    "RoleMethod",
+    "method",
+    "method_of",
+    "qualname",
+    "roles_of",
+    "roles_payload",
+    "takes_self",
+]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -209,6 +219,64 @@ def roles_payload(roles: Sequence[Role[Any]]) -> bytes:
     return bytes(cloudpickle.dumps(tuple(cloudpickle.dumps(r.spec()) for r in roles)))
 
 
+@dataclass(frozen=True)
+class NamedMethod:
+    """A method named with the class it is called through (see :func:`method`)."""
+
+    cls: type
+    name: str
+    fn: Callable[..., Any]
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # its signature is the method's
+        return self.fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            f"{qualname(self)} names a method for Executor.call(), stream() or run(); "
+            "it cannot be called here"
+        )
+
+    def __repr__(self) -> str:
+        return f"asyncexec.method({self.cls.__qualname__}, {self.name!r})"
+
+
+def method(cls: type, fn: Callable[..., Any] | str) -> Callable[..., Any]:
+    """Name a method with the class whose instance it is for, where ``cls.method`` cannot say.
+
+    In Python, ``Actor.who`` is the very function ``Base.who`` when ``Actor`` inherits it, and
+    ``SubCritic.values`` is ``Critic.values``: a call given ``Actor.who`` cannot tell which
+    role's instance is meant when several colocated roles inherit it, and one given
+    ``SubCritic.values`` runs on the ``Critic`` role's instance. ``asyncexec.method(Actor,
+    Actor.who)`` (or ``asyncexec.method(Actor, "who")``) names the class: a call goes to the
+    instance of the role whose class is ``cls`` itself, and is refused when no role's is::
+
+        await ex.call(asyncexec.method(Actor, Actor.who), on=asyncexec.rank(0))
+
+    Args:
+        cls: the class the method is called through (a role's class, for the call to go).
+        fn: the method (``cls.name``), or its name.
+
+    Raises:
+        ConfigurationError: ``cls`` is not a class, has no such method, or ``fn`` is not the
+            method ``cls`` has under its name.
+    """
+    if not isinstance(cls, type):
+        raise ConfigurationError(
+            f"asyncexec.method() takes a class, got {type(cls).__name__}: {short_repr(cls)}"
+        )
+    name = fn if isinstance(fn, str) else getattr(fn, "__name__", None)
+    if not isinstance(name, str) or not callable(getattr(cls, name, None)):
+        raise ConfigurationError(f"{cls.__qualname__} has no method {short_repr(name or fn)}")
+    found = getattr(cls, name)
+    if not isinstance(fn, str) and not _defines(cls, name, fn):
+        raise ConfigurationError(
+            f"asyncexec.method({cls.__qualname__}, {qualname(fn)}): {qualname(fn)} is not "
+            f"{cls.__qualname__}.{name}"
+        )
+    return NamedMethod(cls, name, found)
+
+
 def method_of(fn: Callable[..., Any], roles: Sequence[Role[Any]]) -> RoleMethod | None:
     """Which role's method ``fn`` is, as ``RoleMethod(role_index, name)``; None for a function
     that is no class's method (it runs as ``execute()`` runs it).
@@ -220,19 +288,26 @@ def method_of(fn: Callable[..., Any], roles: Sequence[Role[Any]]) -> RoleMethod 
     callable. A function defined in another class's body is refused, since it needs an instance
     that no rank holds.
 
+    A method named with :func:`method` is the method of the role whose class is the one
+    named, and no other's.
+
     Raises:
         ConfigurationError: ``fn`` is a method of a class that is not a role, or of several
             roles (a base class's method that two roles inherit).
     """
+    if isinstance(fn, NamedMethod):
+        return _named(fn, roles)
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str):
         return None
     found = [i for i, role in enumerate(roles) if _defines(role.cls, name, fn)]
     if len(found) > 1:
         which = ", ".join(roles[i].name for i in found)
+        first = roles[found[0]].name
         raise ConfigurationError(
-            f"{qualname(fn)} is a method of several roles ({which}): the call cannot tell "
-            "whose instance it is for (override it in the role it belongs to)"
+            f"{qualname(fn)} is a method of several roles ({which}), which inherit it: the "
+            "call cannot tell whose instance it is for; name the class: "
+            f"asyncexec.method({first}, {first}.{name})"
         )
     if found:
         return RoleMethod(found[0], name)
@@ -248,6 +323,16 @@ def method_of(fn: Callable[..., Any], roles: Sequence[Role[Any]]) -> RoleMethod 
     raise ConfigurationError(
         f"{qualname(fn)} is a method of {owner_name}, which is not a role of this executor "
         f"(roles: {names}){hint}"
+    )
+
+
+def _named(fn: NamedMethod, roles: Sequence[Role[Any]]) -> RoleMethod:
+    for i, role in enumerate(roles):
+        if role.cls is fn.cls:
+            return RoleMethod(i, fn.name)
+    names = ", ".join(r.name for r in roles) or "none"
+    raise ConfigurationError(
+        f"{qualname(fn)}: {fn.cls.__qualname__} is not a role of this executor (roles: {names})"
     )
 
 
@@ -289,4 +374,6 @@ def takes_self(cls: type, name: str) -> bool:
 
 
 def qualname(fn: Callable[..., Any]) -> str:
+    if isinstance(fn, NamedMethod):
+        return f"{fn.cls.__qualname__}.{fn.name}"
     return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn))

@@ -160,3 +160,67 @@ async def test_a_second_channel_to_a_target_delivers_after_the_versions_it_holds
         assert installs == [(1, {"w": 1}), (2, {"w": 2}), (3, {"w": 3})]
         await learn.aclose()
         await roll.aclose()
+
+
+# Colocated roles that share a base class -------------------------------------------------------
+
+
+class Base:
+    def who(self) -> str:
+        return type(self).__name__
+
+
+class Actor(Base):
+    pass
+
+
+class Ref(Base):
+    pass
+
+
+class Critic:
+    def values(self) -> str:
+        return type(self).__name__
+
+
+class SubCritic(Critic):
+    pass
+
+
+class Stranger:
+    def values(self) -> str:
+        return "stranger"
+
+
+@pytest.mark.timeout(30)
+async def test_an_inherited_method_named_through_its_class_reaches_that_roles_instance(
+    mode: str,
+) -> None:
+    """``Actor.who`` is ``Base.who`` in Python: it was refused with no way to say which role's
+    instance was meant."""
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=[Actor, Ref, Critic]) as ex:
+        with pytest.raises(asyncexec.ConfigurationError, match=r"asyncexec\.method\(Actor, "):
+            await ex.call(Actor.who)
+        assert await ex.call(asyncexec.method(Actor, Actor.who)) == ["Actor"]
+        assert await ex.call(asyncexec.method(Ref, Ref.who)) == ["Ref"]
+        assert await ex.call(asyncexec.method(Ref, "who"), on=asyncexec.rank(0)) == "Ref"
+        assert [v async for _, v in ex.stream(asyncexec.method(Actor, Base.who))] == ["Actor"]
+        assert await ex.call(Critic.values) == ["Critic"]
+
+
+def test_a_method_named_through_a_class_that_is_no_role_is_refused() -> None:
+    """``SubCritic.values`` is ``Critic.values`` in Python, and ran on the Critic instance;
+    named through its class, it is refused."""
+    from asyncexec._dispatch import plan_call, roles_of
+
+    roles = roles_of([Critic])
+    with pytest.raises(asyncexec.ConfigurationError, match=r"SubCritic is not a role"):
+        plan_call(asyncexec.method(SubCritic, SubCritic.values), (), {}, 1, roles=roles)
+    plan = plan_call(asyncexec.method(Critic, Critic.values), (), {}, 1, roles=roles)
+    assert plan.method == (0, "values")
+    with pytest.raises(asyncexec.ConfigurationError, match=r"Critic has no method 'nope'"):
+        asyncexec.method(Critic, "nope")
+    with pytest.raises(asyncexec.ConfigurationError, match=r"is not Critic\.values"):
+        asyncexec.method(Critic, Stranger.values)
+    with pytest.raises(asyncexec.ConfigurationError, match=r"takes a class"):
+        asyncexec.method(Critic(), "values")  # type: ignore[arg-type]
