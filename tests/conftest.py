@@ -1,12 +1,21 @@
 """Shared fixtures: one local Ray for the whole session, clusters for multi-node tests, and a
 leak check after every test that touches Ray: no live asyncexec worker and no live placement
-group may remain."""
+group may remain.
+
+Every test is put in one tier by what it uses, not by hand (``pytest_collection_modifyitems``):
+``fast`` (no Ray: pure, local-mode and simulated-cluster tests), ``ray`` (the shared local Ray),
+``subprocess`` (starts a Python process of its own), ``bench`` (runs a benchmark or the chaos
+harness) and ``multinode`` (a ``ray.cluster_utils.Cluster``); the tiers run in that order, so the
+shared Ray starts once and the clusters come last. ``smoke`` marks a few Ray tests by hand: the
+inner loop is ``pytest -m "fast or smoke"``."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -204,6 +213,82 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _shutdown()
+
+
+# Tiers ----------------------------------------------------------------------------------------
+
+#: The tiers in the order they run.
+TIERS = ("fast", "ray", "subprocess", "bench", "multinode")
+_SPAWNS = ("subprocess", "sys.executable", "create_subprocess_exec", "multiprocessing")
+
+
+def _sources(fn: object, module: types.ModuleType, depth: int = 2) -> Iterator[str]:
+    """The source of ``fn`` and of the functions of its module that it names (``depth`` calls
+    deep): where a test's helper starts a process, the test does."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    try:
+        yield inspect.getsource(fn)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return
+    if depth:
+        for name in code.co_names:
+            helper = getattr(module, name, None)
+            if isinstance(helper, types.FunctionType) and helper.__module__ == module.__name__:
+                yield from _sources(helper, module, depth - 1)
+
+
+def _uses_benchmarks(module: types.ModuleType) -> bool:
+    return any(
+        isinstance(v, types.ModuleType) and v.__name__.startswith("benchmarks")
+        for v in vars(module).values()
+    ) or "BENCHMARKS" in vars(module)
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier of a collected test, from the fixtures it uses and what its code starts; a test
+    of a module that drives the benchmarks (or the chaos harness) on Ray is ``bench``."""
+    names = set(getattr(item, "fixturenames", ()))
+    if "make_cluster" in names:
+        return "multinode"
+    module = getattr(item, "module", None)
+    callspec = getattr(item, "callspec", None)
+    on_ray = "mode" in names and callspec is not None and callspec.params.get("mode") == "ray"
+    if module is not None and any(
+        word in src for src in _sources(getattr(item, "function", None), module) for word in _SPAWNS
+    ):
+        tier = "subprocess"
+    elif "ray_local" in names or on_ray:
+        tier = "ray"
+    else:
+        return "fast"
+    return "bench" if module is not None and _uses_benchmarks(module) else tier
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: Any, items: list[Any]) -> None:
+    """Mark each test with its tier and run the tiers in order (stable within a tier)."""
+    tiers: dict[int, str] = {}
+    for item in items:
+        tier = tier_of(item)
+        tiers[id(item)] = tier
+        item.add_marker(getattr(pytest.mark, tier))
+    items.sort(key=lambda item: TIERS.index(tiers[id(item)]))
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_ray(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test of the ``fast`` tier that starts Ray is in the wrong tier: it fails, saying so."""
+    if request.node.get_closest_marker("fast") is None or ray.is_initialized():
+        yield
+        return
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(
+            "this test started Ray but its tier is 'fast': give it the ray_local (or mode) "
+            "fixture, so that it runs in the 'ray' tier"
+        )
 
 
 class HeldStart:

@@ -203,7 +203,7 @@ async def test_bad_calls_are_refused_before_anything_is_sent(mode: str) -> None:
 # Data moves once ------------------------------------------------------------------------------
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_a_scattered_array_reaches_each_rank_as_its_own_part_only() -> None:
     data = np.ones(4 * 100_000, dtype=np.float64)  # 3.2 MB: put once, by part
     async with asyncexec.Executor(4, resources_per_worker=CPU, roles=Counter) as ex:
@@ -214,7 +214,7 @@ async def test_a_scattered_array_reaches_each_rank_as_its_own_part_only() -> Non
 # A method as a run's function, restarts, pools and spares -------------------------------------
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_a_method_runs_as_a_run_and_restarts_make_instances_again_restored(
     tmp_path: Path,
 ) -> None:
@@ -241,7 +241,6 @@ async def test_a_method_runs_as_a_run_and_restarts_make_instances_again_restored
         assert ex.result.return_values == await ex.call(Counter.count)
 
 
-@pytest.mark.ray_only
 @pytest.mark.usefixtures("ray_local")
 async def test_calls_reach_the_run_s_instances_while_it_runs() -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Counter) as ex:
@@ -256,7 +255,7 @@ async def test_calls_reach_the_run_s_instances_while_it_runs() -> None:
         await run.aclose()
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_a_pooled_worker_drops_its_instances_when_it_goes_back() -> None:
     async with asyncexec.WorkerPool(2, resources_per_worker=CPU) as pool:
         async with asyncexec.Executor(2, pool=pool, roles=Counter) as ex:
@@ -270,7 +269,7 @@ async def test_a_pooled_worker_drops_its_instances_when_it_goes_back() -> None:
                 await ex.call(Counter.total)  # refused before anything is sent
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_a_spare_that_takes_a_rank_has_the_roles(tmp_path: Path) -> None:
     policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
     async with asyncexec.Executor(
@@ -301,7 +300,7 @@ class Reducer:
         return float(total.item())
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 async def test_instances_are_made_once_the_backend_has_set_up() -> None:
     from asyncexec.backends import TorchBackend
@@ -313,7 +312,7 @@ async def test_instances_are_made_once_the_backend_has_set_up() -> None:
         assert await ex.call(Reducer.summed, asyncexec.scatter([1.0, 2.0, 3.0])) == [6.0, 6.0]
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_roles_on_a_reservation_and_on_an_elastic_executor() -> None:
     async with (
         asyncexec.Reservation(2, {"CPU": 0.25}) as reservation,
@@ -332,7 +331,7 @@ async def test_roles_on_a_reservation_and_on_an_elastic_executor() -> None:
         assert sum(len(p["part"]) for p in parts) == 4
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_an_independent_rank_renewed_has_its_instance_restored(tmp_path: Path) -> None:
     policy = asyncexec.RestartPolicy(max_restarts=1, wait=NO_WAIT)
     async with asyncexec.Executor(
@@ -367,7 +366,7 @@ async def test_the_worker_classes_example(mode: str) -> None:
 # Failures -------------------------------------------------------------------------------------
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_a_call_to_a_dead_rank_names_it_and_an_idempotent_one_goes_elsewhere() -> None:
     async with asyncexec.Executor(
         2, resources_per_worker=CPU, roles=Counter, restart=asyncexec.RestartPolicy.never()
@@ -398,7 +397,7 @@ async def _expect_rank(ex: asyncexec.Executor, rank: int) -> None:
     assert await ex.call(Counter.slow, 1.0, on=asyncexec.rank(rank)) == rank
 
 
-@pytest.mark.ray_only
+@pytest.mark.usefixtures("ray_local")
 async def test_a_call_in_flight_when_the_executor_restarts_fails_and_never_hangs(
     tmp_path: Path,
 ) -> None:
