@@ -10,7 +10,10 @@ parts only; a small part travels inline with the call. A call on a rank that die
 ``WorkerCrashedError`` with its rank (with a note saying so when the executor replaced the group
 while the call was on its way: a restart); no call hangs on a dead worker. Outside a run, a
 crashed rank of a group without a backend gets a fresh process in its place (the others keep
-their calls); otherwise the dead group is dropped and the next call starts a fresh one.
+their calls); otherwise the dead group is dropped and the next call starts a fresh one (see
+``_recovery``). A call chosen by load holds its rank's slot until the remote call ends, also when
+its caller stops waiting; an idempotent one follows the group when it is replaced (see
+``_loads`` for the bookkeeping).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -30,14 +33,15 @@ from .._config import ExecutorConfig
 from .._dispatch import ALL, CallPlan, Load, Target, plan_call
 from .._errors import (
     AsyncExecError,
-    ExecutorStateError,
     NodeLostError,
     WorkerCrashedError,
     describe,
 )
 from ._lifecycle import Lifecycle
+from ._loads import Loads
+from ._recovery import Recovery
 from .cluster import Cluster, call_error
-from .group import GroupSlot, WorkerGroup, WorkerInfo, renew_rank
+from .group import GroupSlot, WorkerGroup, WorkerInfo
 
 __all__ = ["CallStream", "WorkerCalls"]
 
@@ -55,12 +59,9 @@ class WorkerCalls:
     _life: Lifecycle
 
     def _init_calls(self) -> None:
-        #: The calls in flight on the ranks of the group they were sent to (see ``_load_of``).
-        self._load_group: WorkerGroup | None = None
-        self._load = Load(0)
-        self._freed = anyio.Event()  # set (and replaced) when a call chosen by load ends
-        self._waiting = 0  # callers waiting on it for a rank under the cap
-        self._renewing = anyio.Lock()
+        #: The calls chosen by load in flight per group, renewals, counters.
+        self._loads = Loads()
+        self._recovery = Recovery(self._life, self._loads, self.log)
 
     async def _group(self) -> WorkerGroup:
         self._life.check_open()
@@ -81,20 +82,24 @@ class WorkerCalls:
             WorkerCrashedError: a worker died.
         """
         group = await self._group()
+        workers = list(group.workers)
+        self._loads.calls += len(workers)
         try:
             return await group.execute(fn, *args, **kwargs)
         except _DIED as exc:
-            raise await self._lost(group, exc) from exc
+            raise await self._recovery.lost(group, _who(workers, exc), exc) from exc
 
     async def execute_single(
         self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
     ) -> T:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         group = await self._group()
+        workers = list(group.workers)
+        self._loads.calls += 1
         try:
             return await group.execute_single(rank, fn, *args, **kwargs)
         except _DIED as exc:
-            raise await self._lost(group, exc) from exc
+            raise await self._recovery.lost(group, _who(workers, exc), exc) from exc
 
     async def call(
         self,
@@ -138,10 +143,11 @@ class WorkerCalls:
         workers = [group.workers[r] for r in plan.ranks]
         if len(workers) == 1:
             return plan.result([await self._one(group, workers[0], plan, parts)])
+        self._loads.calls += len(workers)
         try:
             outcomes = await group.gather([_send(w, plan, parts) for w in workers], workers)
         except _DIED as exc:
-            raise await self._lost(group, exc) from exc
+            raise await self._recovery.lost(group, _who(workers, exc), exc) from exc
         return plan.result(group.values(outcomes, workers))
 
     def stream(
@@ -184,7 +190,7 @@ class WorkerCalls:
                         for r in plan.ranks:
                             tg.start_soon(self._stream_one, group, plan, parts, r, send)
                 except Exception as exc:
-                    await send.send(_Failed(exc))
+                    await send.send(_Failed(_escaped(exc)))
 
     async def _stream_one(
         self,
@@ -199,101 +205,101 @@ class WorkerCalls:
             await send.send((r, value))
 
     async def _one(
-        self, group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]
+        self,
+        group: WorkerGroup,
+        worker: WorkerInfo,
+        plan: CallPlan,
+        parts: Sequence[Any],
+        held: tuple[Load, int] | None = None,
     ) -> Any:
         """One rank's call; its value (awaited as ``group.gather`` awaits one, without a task
-        group of its own: a call's hot path)."""
+        group of its own: a call's hot path). ``held``: the rank's slot taken by load, given
+        back when the remote call ends (when the caller stops waiting first, a task of the
+        executor's waits for that end)."""
         ref = _send(worker, plan, parts)
+        self._loads.calls += 1
         try:
             outcome = await ref
-        except Exception as exc:
+        except BaseException as exc:
+            if held is not None:
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    # The method goes on running on the worker: its slot is held until it ends.
+                    self._loads.release_when_done(ref, *held, self._life.tg)
+                else:
+                    self._loads.release(*held)
+            if not isinstance(exc, Exception):
+                raise
             error = await call_error(exc, worker, group.attempt)
         else:
+            if held is not None:
+                self._loads.release(*held)
             return group.values([outcome], [worker])[0]
         if isinstance(error, _DIED):
-            raise await self._lost(group, error) from error
+            raise await self._recovery.lost(group, worker, error) from error
         raise error
 
     async def _call_one(
         self, group: WorkerGroup, plan: CallPlan, parts: Sequence[Any]
     ) -> tuple[int, Any]:
-        """A call to one rank chosen by load (with a cap in flight, and again elsewhere when the
-        chosen rank died and the call is idempotent): the rank, and its result."""
+        """A call to one rank chosen by load (with a cap in flight): the rank, and its result.
+        An idempotent call whose rank died goes again to another live rank, and to the group
+        that took its group's place when the executor replaced or dropped it; it gives up after
+        as many deaths as its first group had ranks, raising the last."""
         choose = plan.choose
         assert choose is not None
-        load, freed = self._load_of(group)
-        dead: set[int] = set()
+        loads = self._loads
+        dead: set[str] = set()  # the workers (by key) that died under this call
+        tried: set[int] = set()  # their ranks in ``group``: elsewhere first
+        last: AsyncExecError | None = None
+        limit = len(group.workers)
         while True:
-            r = load.choose(choose.max_in_flight, exclude=dead)
-            if r is None:
-                if len(dead) == len(group.workers):
-                    raise ExecutorStateError("every rank of the group died during the call")
-                self._waiting += 1
-                try:
-                    await freed.wait()
-                finally:
-                    self._waiting -= 1
-                load, freed = self._load_of(group)
+            if group.closed:  # replaced or dropped: the slot's live group now
+                group, tried = await self._group(), set()
+            exclude: Collection[int] = tried
+            if len(tried) >= len(group.workers):  # a rank renewed meanwhile may take it
+                exclude = {w.rank for w in group.workers if w.handle.key in dead}
+            taken = loads.take(group, choose.max_in_flight, exclude=exclude)
+            if taken is None:
+                if last is not None and len(exclude) == len(group.workers):
+                    # Every rank this call could go to died under it, and none was replaced.
+                    last.add_note(f"sent {len(dead)} times: every rank it went to died")
+                    raise last
+                await loads.wait_freed()
                 continue
-            load.started(r)
+            worker = group.workers[taken[1]]
             try:
-                return r, await self._one(group, group.workers[r], plan, parts)
+                return taken[1], await self._one(group, worker, plan, parts, taken)
             except _DIED as exc:
-                if not choose.retry:
+                if not choose.retry or len(dead) + 1 > limit:
+                    if dead:
+                        exc.add_note(f"sent {len(dead) + 1} times: every rank it went to died")
                     raise
-                dead.add(r)
-                self.log.warning("call_sent_again", rank=r, error=describe(exc))
-            finally:
-                load.finished(r)
-                self._wake()
+                last = exc
+                dead.add(worker.handle.key)
+                tried.add(taken[1])
+                loads.resends += 1
+                self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
 
-    def _load_of(self, group: WorkerGroup) -> tuple[Load, anyio.Event]:
-        """The calls in flight on ``group``'s ranks (a new group starts from none), and the
-        event set when one of them ends."""
-        if self._load_group is not group:
-            self._load_group = group
-            self._load = Load(len(group.workers))
-        return self._load, self._freed
 
-    def _wake(self) -> None:
-        if self._waiting:  # a new event per ended call only when someone waits for one
-            freed, self._freed = self._freed, anyio.Event()
-            freed.set()
+def _who(workers: Sequence[WorkerInfo], exc: AsyncExecError) -> WorkerInfo | None:
+    """The worker a call's error is about, of the workers the call was sent to."""
+    rank = getattr(exc, "rank", None)
+    if isinstance(rank, int) and 0 <= rank < len(workers):
+        return workers[rank]
+    return None
 
-    async def _lost(self, group: WorkerGroup, exc: AsyncExecError) -> AsyncExecError:
-        """The error of a call whose worker died, saying so when the executor replaced the group
-        meanwhile (a restart); a dead group that no run replaces is discarded, so that the next
-        call starts a fresh one."""
-        slot = self._life.slot
-        if group.closed and slot.group is not group:
-            exc.add_note(
-                "the call was on its way when the executor replaced its group (a restart): the "
-                "new group has new instances; call again"
-            )
-            return exc
-        run = self._life.run
-        if (run is None or not run.active) and not await self._renew(group, exc):
-            await slot.drop_if(group)
+
+def _escaped(exc: BaseException) -> BaseException:
+    """What a caller catches of a task group's failure: the one error of a group of one (a
+    rank's ``WorkerRaisedError``, not an ``ExceptionGroup``); of several, the first, with the
+    others attached as notes."""
+    if not isinstance(exc, BaseExceptionGroup):
         return exc
-
-    async def _renew(self, group: WorkerGroup, exc: AsyncExecError) -> bool:
-        """Outside a run, put a fresh process in a crashed rank's place and keep the others
-        (their calls in flight go on: rollout servers lose only the dead one's requests); False
-        where that cannot be done (a backend's group is formed anew as a whole, a lost node
-        takes more than one rank, or no bundle of its own), and the group is then dropped."""
-        if not isinstance(exc, WorkerCrashedError) or group.backend is not None:
-            return False
-        async with self._renewing:  # the failed calls of one death renew its rank once
-            if group.closed or self._life.slot.group is not group:
-                return True
-            if exc.pid is not None and group.workers[exc.rank].metadata.pid != exc.pid:
-                return True  # renewed already
-            with anyio.CancelScope(shield=True):
-                try:
-                    return await renew_rank(group, exc.rank) is not None
-                except Exception as failure:
-                    self.log.warning("rank_renew_failed", rank=exc.rank, error=describe(failure))
-        return False
+    leaves = [_escaped(e) for e in exc.exceptions]
+    first = leaves[0]
+    for other in leaves[1:]:
+        first.add_note(f"also failed at the same time: {describe(other)}")
+    return first
 
 
 def _live(slot: GroupSlot) -> WorkerGroup | None:

@@ -224,6 +224,10 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
         with anyio.CancelScope(shield=True):
             await group.drop([fresh.handle])
         raise
+    if group.closed:  # it closed while the new process started: nothing may be left of it
+        with anyio.CancelScope(shield=True):
+            await group.drop([fresh.handle])
+        return None
     _seat(group, rank, fresh)
     group.log.info("rank_renewed", rank=rank, pid=fresh.metadata.pid, spare=found is not None)
     return Standby(failed.handle, failed.metadata, failed.bundle)

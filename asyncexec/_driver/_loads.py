@@ -1,0 +1,155 @@
+"""The dispatcher's own bookkeeping, apart from any executor: the calls chosen by load that are in
+flight on each group (every group its own record, so that a caller of a replaced group never
+touches the live one's), the event that wakes the callers waiting for a rank under the cap, the
+renewals of dead workers (one per worker, however many calls saw it die; one at a time), and the
+counters that the executor's statistics report.
+
+Pure bookkeeping on one event loop: nothing here talks to a worker.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+
+from .._dispatch import Load
+
+__all__ = ["DispatchStatistics", "Loads"]
+
+
+class _Sized(Protocol):
+    """What a load record is kept for: a group (its ranks are its workers)."""
+
+    @property
+    def workers(self) -> Sequence[Any]: ...
+
+
+@dataclass(frozen=True)
+class DispatchStatistics:
+    """Counters of the calls an executor dispatched (see ``Executor.statistics()``)."""
+
+    #: Calls sent to a rank, chosen by load or not (a call to N ranks counts N).
+    calls: int = 0
+    #: Idempotent calls sent again after the rank they went to died.
+    resends: int = 0
+    #: Dead ranks that got a fresh process in their place outside a run.
+    renewed_ranks: int = 0
+    #: Calls chosen by load in flight on each rank of the live group, in rank order.
+    in_flight: tuple[int, ...] = ()
+
+
+class Loads:
+    """Calls in flight per group, the wake-up of waiters, and renewals (see the module's
+    docstring)."""
+
+    def __init__(self) -> None:
+        # Keyed by the group itself, weakly: a dropped group's record goes with it.
+        self._records: weakref.WeakKeyDictionary[Any, Load] = weakref.WeakKeyDictionary()
+        self._freed = anyio.Event()  # set (and replaced) when a call chosen by load ends
+        self._waiting = 0  # callers waiting on it for a rank under the cap
+        self._renewals: dict[Hashable, anyio.Event] = {}
+        self._renewing = anyio.Lock()
+        self._live: Any = None  # the group whose load the statistics show
+        self.calls = 0
+        self.resends = 0
+        self.renewed_ranks = 0
+
+    def of(self, group: _Sized) -> Load:
+        """``group``'s load record (a new group, or one whose size changed, starts from no
+        call in flight)."""
+        load = self._records.get(group)
+        if load is None or len(load.counts) != len(group.workers):
+            load = self._records[group] = Load(len(group.workers))
+        self._live = weakref.ref(group)
+        return load
+
+    def take(
+        self, group: _Sized, max_in_flight: int | None, *, exclude: Collection[int] = ()
+    ) -> tuple[Load, int] | None:
+        """The least-loaded rank of ``group`` under the cap, leaving out ``exclude``, counted
+        as having one more call in flight (give it back with :meth:`release`); None when every
+        rank is at the cap or excluded."""
+        load = self.of(group)
+        r = load.choose(max_in_flight, exclude=exclude)
+        if r is None:
+            return None
+        load.started(r)
+        return load, r
+
+    def release(self, load: Load, r: int) -> None:
+        """The call taken on rank ``r`` of ``load`` ended: wake the callers waiting for a
+        rank."""
+        load.finished(r)
+        if self._waiting:  # a new event per ended call only when someone waits for one
+            freed, self._freed = self._freed, anyio.Event()
+            freed.set()
+
+    def release_when_done(
+        self, call: Awaitable[Any], load: Load, r: int, tg: anyio.abc.TaskGroup | None
+    ) -> None:
+        """Give rank ``r``'s slot back once ``call`` ends (however it ends), waiting in ``tg``
+        (the executor's task group: cancelled, and the slot given back, when the executor
+        closes); at once without one. For a call whose caller stopped waiting for it."""
+        if tg is None:
+            self.release(load, r)
+        else:
+            tg.start_soon(self._release_when_done, call, load, r)
+
+    async def _release_when_done(self, call: Awaitable[Any], load: Load, r: int) -> None:
+        try:
+            await call
+        except Exception:
+            pass  # how the call ended is for its caller, who stopped waiting for it
+        finally:
+            self.release(load, r)
+
+    async def wait_freed(self) -> None:
+        """Wait until a call taken by load ends (on any group)."""
+        self._waiting += 1
+        try:
+            await self._freed.wait()
+        finally:
+            self._waiting -= 1
+
+    async def renew_once(
+        self,
+        key: Hashable,
+        renew: Callable[[], Awaitable[None]],
+        tg: anyio.abc.TaskGroup | None = None,
+    ) -> None:
+        """Run ``renew()`` once for the dead worker ``key`` while it is under way, one renewal
+        at a time; every caller waits for it to end. With ``tg`` it runs there (the executor's
+        task group): a caller that stops waiting leaves it going on."""
+        done = self._renewals.get(key)
+        if done is None:
+            done = self._renewals[key] = anyio.Event()
+            if tg is None:
+                await self._renew(key, renew, done)
+            else:
+                tg.start_soon(self._renew, key, renew, done)
+        await done.wait()
+
+    async def _renew(
+        self, key: Hashable, renew: Callable[[], Awaitable[None]], done: anyio.Event
+    ) -> None:
+        try:
+            async with self._renewing:
+                await renew()
+        finally:
+            del self._renewals[key]
+            done.set()
+
+    def statistics(self) -> DispatchStatistics:
+        """The counters, and the calls in flight on the group last chosen from."""
+        group = self._live() if self._live is not None else None
+        load = None if group is None else self._records.get(group)
+        counts = () if load is None else load.counts
+        return DispatchStatistics(self.calls, self.resends, self.renewed_ranks, counts)
+
+    def __repr__(self) -> str:
+        return f"<Loads of {len(self._records)} group(s), {self._waiting} waiting>"

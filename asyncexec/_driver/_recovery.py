@@ -1,0 +1,70 @@
+"""What the dispatcher does when a call's worker died: say so when the executor replaced the group
+meanwhile (a restart); outside a run, put a fresh process in a crashed rank's place, once however
+many calls saw it die, in the executor's task group (a caller that stops waiting leaves it going
+on), or drop the group so that the next call starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .._errors import AsyncExecError, WorkerCrashedError, describe
+from ._lifecycle import Lifecycle
+from ._loads import Loads
+from .group import WorkerGroup, WorkerInfo, renew_rank
+
+__all__ = ["Recovery"]
+
+
+class Recovery:
+    """An executor's answer to its calls' dead workers (see the module's docstring)."""
+
+    def __init__(self, life: Lifecycle, loads: Loads, log: Any) -> None:
+        self.life = life
+        self.loads = loads
+        self.log = log
+
+    async def lost(
+        self, group: WorkerGroup, worker: WorkerInfo | None, exc: AsyncExecError
+    ) -> AsyncExecError:
+        """The error of a call whose worker died, saying so when the executor replaced the group
+        meanwhile (a restart). Outside a run, a dead group is discarded, so that the next call
+        starts a fresh one; or, when it can be, only the dead rank gets a fresh process (see
+        ``_renew``), once however many calls saw it die. The renewal runs in the executor's
+        task group: a caller that stops waiting (a deadline) leaves it going on."""
+        slot = self.life.slot
+        if group.closed and slot.group is not group:
+            exc.add_note(
+                "the call was on its way when the executor replaced its group (a restart): the "
+                "new group has new instances; call again"
+            )
+            return exc
+        run = self.life.run
+        if run is not None and run.active:
+            return exc
+        if worker is None or not isinstance(exc, WorkerCrashedError) or group.backend is not None:
+            await slot.drop_if(group)
+            return exc
+        renew = functools.partial(self._renew, group, worker, exc.rank)
+        await self.loads.renew_once(worker.handle.key, renew, self.life.tg)
+        return exc
+
+    async def _renew(self, group: WorkerGroup, worker: WorkerInfo, rank: int) -> None:
+        """Outside a run, put a fresh process in a crashed rank's place and keep the others
+        (their calls in flight go on: rollout servers lose only the dead one's requests); where
+        that cannot be done (no bundle of its own) or fails, the group is dropped."""
+        slot = self.life.slot
+        if group.closed or slot.group is not group:
+            return
+        if rank >= len(group.workers) or group.workers[rank].handle.key != worker.handle.key:
+            return  # renewed already (a worker's key is its own, in local mode too)
+        try:
+            renewed = await renew_rank(group, rank) is not None
+        except Exception as failure:
+            self.log.warning("rank_renew_failed", rank=rank, error=describe(failure))
+            renewed = False
+        if renewed:
+            self.loads.renewed_ranks += 1
+        else:
+            await slot.drop_if(group)

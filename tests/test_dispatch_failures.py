@@ -1,0 +1,258 @@
+"""Dispatch under failure: an idempotent call follows the group when it is replaced, a call's slot
+is held until the remote call ends, each group keeps its own load record, a dead rank is renewed
+once however many calls saw it die, a renewal does not hold the caller past its deadline nor
+outlive the executor, and a stream raises the rank's error. The dispatcher's bookkeeping is
+tested without an executor."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+import asyncexec
+
+CPU = {"CPU": 0.25}
+
+
+class Server:
+    """A stateless server: answers with its pid; ``slow`` holds the call."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def answer(self, request: int) -> tuple[int, int]:
+        return request, os.getpid()
+
+    async def slow(self, seconds: float) -> int:
+        await asyncio.sleep(seconds)
+        return int(asyncexec.get_context().world_rank)
+
+    def fail_on_one(self) -> int:
+        rank = int(asyncexec.get_context().world_rank)
+        if rank == 1:
+            raise KeyError("rank one says no")
+        return rank
+
+
+def _block_while(path: str, entered: str) -> None:
+    """An init hook that waits while ``path`` exists (saying so in ``entered``): holds a
+    renewal's start-up until the test lets it go."""
+    if os.path.exists(path):
+        Path(entered).touch()
+    deadline = time.monotonic() + 60
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+# Item 1: an idempotent call follows the group ----------------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_idempotent_calls_go_to_the_new_group_after_a_backend_group_died(
+    ray_local: None,
+) -> None:
+    """2 servers with TorchBackend (gloo), one SIGKILLed: the group is dropped, and every
+    idempotent request is answered by the group started in its place."""
+    pytest.importorskip("torch")
+    from asyncexec.backends import TorchBackend
+
+    async with asyncexec.Executor(
+        2, resources_per_worker=CPU, roles=Server, backend=TorchBackend(backend="gloo")
+    ) as ex:
+        pids = await ex.call(Server.pid)
+        os.kill(pids[0], signal.SIGKILL)
+        retry = asyncexec.least_loaded(max_in_flight=4, retry=True)
+        answers: dict[int, int] = {}
+
+        async def ask(request: int) -> None:
+            got, pid = await ex.call(Server.answer, request, on=retry)
+            answers[got] = pid
+
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                for request in range(8):
+                    tg.start_soon(ask, request)
+        assert sorted(answers) == list(range(8))
+        assert pids[0] not in answers.values()
+        new = await ex.call(Server.pid)  # a new group: the survivor went with the dead one
+        assert not set(new) & set(pids)
+        assert set(new) & set(answers.values())  # and the requests sent again went to it
+
+
+# Item 2: a call's slot is held until the remote call ends --------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_the_caller_stopped_waiting_for_keeps_its_slot_until_it_ends(
+    mode: str,
+) -> None:
+    one = asyncexec.least_loaded(max_in_flight=1)
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
+        with anyio.move_on_after(0.3):
+            await ex.call(Server.slow, 1.5, on=one)  # rank 0, still running there
+        # Rank 0 is busy until its call ends: the next calls go to rank 1, one at a time.
+        assert await ex.call(Server.slow, 0.0, on=one) == 1
+        assert await ex.call(Server.slow, 0.0, on=one) == 1
+        # Once rank 0's call has ended, its slot is free again (the lowest rank wins ties).
+        with anyio.fail_after(10):
+            while await ex.call(Server.slow, 0.0, on=one) != 0:  # noqa: ASYNC110 - remote
+                await anyio.sleep(0.05)
+
+
+# Item 6: one renewal per death, in local mode too ----------------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_a_dead_rank_is_renewed_once_however_many_calls_saw_it_die(mode: str) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
+        group = ex._slot.group
+        assert group is not None
+        if mode == "local":
+            handle: Any = group.workers[0].handle
+            handle.kill()  # a local worker dies so
+        else:
+            os.kill(ex.workers[0].pid, signal.SIGKILL)
+        failures: list[BaseException] = []
+
+        async def call_dead_rank() -> None:
+            try:
+                await ex.call(Server.slow, 0.0, on=asyncexec.rank(0))
+            except asyncexec.WorkerCrashedError as exc:
+                failures.append(exc)
+
+        with capture_logs() as logs, anyio.fail_after(40):
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(call_dead_rank)
+        assert len(failures) == 3
+        assert [e["event"] for e in logs].count("rank_renewed") == 1
+        assert await ex.call(Server.slow, 0.0) == [0, 1]
+
+
+# Item 4: a renewal neither holds the caller nor outlives the executor ----------------------
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(90)
+async def test_a_renewal_lets_the_caller_go_at_its_deadline_and_dies_with_the_executor(
+    mode: str, tmp_path: Path
+) -> None:
+    block, entered = tmp_path / "block", tmp_path / "entered"
+    hook = functools.partial(_block_while, str(block), str(entered))
+    async with anyio.create_task_group() as outer:
+        async with asyncexec.Executor(
+            2, resources_per_worker=CPU, roles=Server, init_hook=hook
+        ) as ex:
+            block.touch()  # the renewed worker's start-up waits until the test lets it go
+            outer.start_soon(_unlink_after, block, 15.0)  # or until a caller held gets out
+            os.kill(ex.workers[0].pid, signal.SIGKILL)
+            with anyio.move_on_after(1.0), pytest.raises(asyncexec.WorkerCrashedError):
+                await ex.call(Server.slow, 0.0, on=asyncexec.rank(0))
+            assert block.exists(), "the caller waited for the renewal past its deadline"
+            with anyio.fail_after(30):
+                while not entered.exists():  # noqa: ASYNC110 - a worker's file
+                    await anyio.sleep(0.05)
+        # The executor closed during the renewal: the worker made for its group is killed
+        # (the ray_local fixture checks that no worker is left), once it is let go.
+        block.unlink(missing_ok=True)
+        outer.cancel_scope.cancel()
+
+
+async def _unlink_after(path: Path, seconds: float) -> None:
+    await anyio.sleep(seconds)
+    path.unlink(missing_ok=True)  # noqa: ASYNC240 - a test's file
+
+
+# Item 3: a stream raises the rank's error --------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_raises_the_ranks_error_not_a_group_of_them(mode: str) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.stream(Server.fail_on_one):
+                pass
+        assert info.value.rank == 1
+        assert isinstance(info.value.__cause__, KeyError)
+
+
+# Items 5 and 7: the load record, without an executor ---------------------------------------
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self.workers = [object()] * size
+
+
+async def test_each_group_keeps_its_own_load_record() -> None:
+    """A waiter of a replaced group does not reset the live group's record (the cap holds)."""
+    from asyncexec._driver._loads import Loads
+
+    loads = Loads()
+    old, live = _Group(1), _Group(1)
+    loads.of(live).started(0)
+    loads.of(old)  # a caller of the replaced group, woken
+    assert loads.of(live).in_flight(0) == 1
+    assert loads.of(live).choose(1) is None
+
+
+async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
+    from asyncexec._driver._loads import Loads
+
+    loads = Loads()
+    group = _Group(2)
+    first = loads.take(group, max_in_flight=1)
+    second = loads.take(group, max_in_flight=1)
+    assert first is not None and second is not None
+    assert (first[1], second[1]) == (0, 1)
+    assert loads.take(group, max_in_flight=1) is None
+    woken: list[int | None] = []
+
+    async def waiter() -> None:
+        await loads.wait_freed()
+        taken = loads.take(group, max_in_flight=1)
+        woken.append(None if taken is None else taken[1])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        loads.release(*second)
+    assert woken == [1]
+    assert loads.of(group).counts == (1, 1)
+    assert loads.statistics().in_flight == (1, 1)
+
+
+async def test_a_renewal_is_made_once_per_dead_worker() -> None:
+    from asyncexec._driver._loads import Loads
+
+    loads = Loads()
+    made: list[int] = []
+    gate = anyio.Event()
+
+    async def renew() -> None:
+        made.append(1)
+        await gate.wait()
+
+    dead = object()
+    ended: list[int] = []
+
+    async def ask() -> None:
+        await loads.renew_once(dead, renew)
+        ended.append(1)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(ask)
+        await anyio.wait_all_tasks_blocked()
+        assert ended == []  # every caller waits for the one renewal
+        gate.set()
+    assert made == [1] and ended == [1, 1, 1]
