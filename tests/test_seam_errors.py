@@ -164,3 +164,130 @@ async def test_node_liveness_is_asked_once_for_concurrent_askers_and_bounded() -
         assert await hung.alive("b") and await hung.alive("b")
     assert hung.lookups == 2  # an unknown answer is not kept
     release.set()
+
+
+# Item 7: a drain's mark ends with the drain ------------------------------------------------------
+
+
+class _Drains:
+    """The part of a cluster a preemption watch asks: which nodes are alive."""
+
+    def __init__(self, alive: set[str]) -> None:
+        self.alive = alive
+
+    async def live_nodes(self) -> set[str] | None:
+        return set(self.alive)
+
+    async def preempted(self, node_ids: Any) -> set[str]:
+        return set()
+
+
+class _Meter:
+    def preempted(self, stage: str) -> None:
+        pass
+
+
+class _Handle:
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.told: list[Any] = []
+
+    async def call(self, method: str, notice: Any) -> None:
+        self.told.append(notice)
+
+
+def _group(nodes: list[str], tag: str) -> Any:
+    """A stand-in for a group: rank i on ``nodes[i]``, worker keys named by ``tag``."""
+    from types import SimpleNamespace
+
+    workers = [
+        SimpleNamespace(rank=i, metadata=SimpleNamespace(node_id=n), handle=_Handle(f"{tag}{i}"))
+        for i, n in enumerate(nodes)
+    ]
+    return SimpleNamespace(workers=workers)
+
+
+@pytest.mark.timeout(10)
+async def test_a_drain_that_ends_on_a_live_node_leaves_no_mark_and_the_watch_stays_bounded() -> (
+    None
+):
+    """A crash on a node whose drain ended (rejected, cancelled, or its deadline long past) while
+    the node stayed alive was still a preemption: restarted at once outside the restart policy,
+    without bound under ``max_preemptions=None``. A node that left with its drain stays one."""
+    import time
+
+    import structlog
+
+    from asyncexec._driver.run._preemption import LAPSE_S, PreemptionWatch
+
+    cluster = _Drains({"a", "b"})
+    watch = PreemptionWatch(cluster, asyncexec.RestartPolicy(), _Meter(), structlog.get_logger())  # type: ignore[arg-type]
+    group = _group(["a", "b"], "first")
+    on_a = asyncexec.WorkerCrashedError(0, node_id="a", attempt=1, detail="crashed")
+    on_b = asyncexec.WorkerCrashedError(1, node_id="b", attempt=1, detail="crashed")
+    marked: dict[str, float | None] = {}
+    soon = time.time() + 60
+    await watch._update(group, marked, {"a": soon})
+    assert watch.current is not None and watch.current.node_ids == ("a",)
+    assert await watch.is_preemption([on_a])
+    # The drain ended and "a" is alive: its crashes are crashes again, and the workers are told.
+    await watch._update(group, marked, {})
+    assert marked == {} and watch.current is None
+    assert group.workers[0].handle.told[-1] is None
+    assert not await watch.is_preemption([on_a])
+    # A node that leaves with its drain stays drained: its workers' deaths are the preemption.
+    await watch._update(group, marked, {"b": soon})
+    cluster.alive = {"a"}
+    await watch._update(group, marked, {})
+    assert await watch.is_preemption([on_b])
+    # A deadline long past on a node still alive: no longer drained, and not marked again.
+    cluster.alive = {"a", "b"}
+    later = _group(["a", "c"], "second")
+    marked = {}
+    past = time.time() - LAPSE_S - 1
+    await watch._update(later, marked, {"a": past})
+    await watch._update(later, marked, {"a": past})
+    assert marked == {} and watch.current is None
+    assert not await watch.is_preemption([on_a])
+    # What the watch remembers is the current group's workers, not every worker it ever told.
+    assert set(watch._told) <= {"second0", "second1"}
+
+
+# Item 11: a lease never hands out what the pool's closing killed ---------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("ray_local")
+async def test_a_lease_that_the_pools_close_overtakes_raises_and_hands_out_nothing() -> None:
+    """A pool closed while a lease waits for its workers' pings killed those workers, and the
+    lease returned them. It raises ExecutorStateError naming the closed pool instead."""
+    outcome: list[Any] = []
+    async with asyncexec.WorkerPool(2, resources_per_worker=CPU) as pool:
+        stock = pool._stock
+        real = stock.alive
+        answered, closed = anyio.Event(), anyio.Event()
+
+        async def alive(workers: list[Any]) -> list[Any]:
+            found = await real(workers)
+            answered.set()  # the pings answered; the pool closes before the lease goes on
+            await closed.wait()
+            return found
+
+        stock.alive = alive  # type: ignore[method-assign]
+
+        async def lease() -> None:
+            try:
+                outcome.append(await pool.lease(2))
+            except asyncexec.ExecutorStateError as exc:
+                outcome.append(exc)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lease)
+                await answered.wait()
+                await pool.aclose()
+                closed.set()
+    [got] = outcome
+    assert isinstance(got, asyncexec.ExecutorStateError), got
+    assert "closed" in str(got)
+    assert pool.statistics().leased == 0

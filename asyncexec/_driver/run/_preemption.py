@@ -28,6 +28,11 @@ one taken on notice) without waiting and without counting against the restart po
 ``RestartPolicy.max_preemptions``; draining nodes take no new work, so the new group lands
 elsewhere. A drain the cluster rejected is never listed; a later drain with no deadline (an
 idle termination's, which replaces a preemption's) leaves the notice as it was.
+
+A mark ends with its drain: when the cluster no longer lists a marked node and the node is alive
+(the drain was rejected or cancelled), or the node's deadline passed :data:`LAPSE_S` ago and the
+node is still alive, the node is no longer marked, the workers are told, and a later death there
+is an ordinary failure under the restart policy. What the watch remembers is bounded.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from ._steps import StepBatch
 from ._window import HandOver
 
 __all__ = [
+    "DrainMemory",
     "Moving",
     "NoticedHandOver",
     "Preempted",
@@ -73,6 +79,11 @@ __all__ = [
 TELL_TIMEOUT_S = 5.0
 #: Failures that are a worker's death (its node's, when that node was drained).
 _DEATHS = (WorkerCrashedError, NodeLostError, WorkerUnreachableError)
+#: How long after its deadline a drained node that is still alive stops counting as drained
+#: (whoever drained it did not take it).
+LAPSE_S = 30.0
+#: The most nodes (and announced deadlines) a run remembers as drained.
+_BOUND = 256
 
 Marked = dict[str, float | None]  # node id -> deadline (seconds since the epoch) or None
 
@@ -117,6 +128,68 @@ def notice_of(marked: Marked, ranks: Sequence[int], noticed: float) -> Preemptio
     )
 
 
+class DrainMemory:
+    """What a run remembers of its nodes' drains: the nodes under one (alive, or gone with it),
+    and the drains whose deadline lapsed on a node that stayed alive. A node's mark ends with
+    its drain (see the module's docstring); both are bounded."""
+
+    def __init__(self, cluster: Cluster, log: Any) -> None:
+        self.cluster = cluster
+        self.log = log
+        #: Nodes under a drain, oldest first: True once seen gone (a death there is then a
+        #: preemption for good), False while alive.
+        self.drained: dict[str, bool] = {}
+        #: Nodes whose deadline passed while they stayed alive, with that deadline.
+        self.lapsed: dict[str, float] = {}
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.drained
+
+    def in_effect(self, drains: Mapping[str, float | None]) -> dict[str, float | None]:
+        """The cluster's ``drains`` less those whose deadline lapsed (a new deadline is a new
+        drain; none is the drain that replaced it, as :func:`mark` reads it)."""
+        for node in [n for n in self.lapsed if n not in drains]:  # that drain is over
+            del self.lapsed[node]
+        found: dict[str, float | None] = {}
+        for node, deadline in drains.items():
+            lapsed = self.lapsed.get(node)
+            if lapsed is not None and (deadline is None or deadline == lapsed):
+                continue
+            self.lapsed.pop(node, None)
+            found[node] = deadline
+        return found
+
+    async def prune(self, marked: Marked, drains: Mapping[str, float | None]) -> list[str]:
+        """Remember ``marked``; end (and return) the marks whose drain ended on a live node: the
+        cluster no longer lists it (the drain was rejected or cancelled; a node the drain took
+        is dead), or its deadline passed :data:`LAPSE_S` ago. Left as they are when the cluster
+        does not answer."""
+        for node in marked:
+            self.drained.setdefault(node, False)
+        _bound(self.drained)
+        now = time.time()
+        ended = [n for n, gone in self.drained.items() if not gone and n not in drains]
+        lapsed = [n for n, d in marked.items() if d is not None and now - d > LAPSE_S]
+        if not ended and not lapsed:
+            return []
+        alive = await self.cluster.live_nodes()
+        if alive is None:
+            return []
+        for node in [n for n in ended if n not in alive]:  # gone with its drain
+            self.drained[node] = True
+        over = [n for n in [*ended, *lapsed] if n in alive]
+        for node in over:
+            if node in lapsed:
+                deadline = marked[node]
+                assert deadline is not None
+                self.lapsed[node] = deadline
+                _bound(self.lapsed)
+            marked.pop(node, None)
+            self.drained.pop(node, None)
+            self.log.info("drain_ended", node_id=short_node(node), lapsed=node in lapsed)
+        return over
+
+
 class PreemptionWatch:
     """One run's view of the preemption of its group's nodes (see the module's docstring)."""
 
@@ -140,7 +213,7 @@ class PreemptionWatch:
         self.current: PreemptionNotice | None = None
         #: Restarts after a preemption so far (charged to ``max_preemptions``).
         self.preemptions = 0
-        self._drained: set[str] = set()  # every node of the run's groups seen draining
+        self._drains = DrainMemory(cluster, log)
         #: Each (node, deadline) the run has announced, and when it was first seen.
         self._seen: dict[tuple[str, float | None], float] = {}
         self._told: dict[str, PreemptionNotice | None] = {}  # by worker key
@@ -180,13 +253,20 @@ class PreemptionWatch:
         self, group: WorkerGroup, marked: Marked, drains: Mapping[str, float | None]
     ) -> None:
         nodes = {w.metadata.node_id for w in group.workers}
+        drains = self._drains.in_effect(drains)
         mark(marked, drains, nodes)
-        self._drained.update(marked)
+        for node in await self._drains.prune(marked, drains):
+            for pair in [p for p in self._seen if p[0] == node]:
+                del self._seen[pair]
         ranks = [w.rank for w in group.workers if w.metadata.node_id in marked]
         now = time.time()
         fresh = [pair for pair in marked.items() if pair not in self._seen]
         for pair in fresh:
             self._seen[pair] = now
+        if len(self._seen) > _BOUND:  # the oldest that are not in effect go
+            old = [p for p in self._seen if p[0] not in marked or marked[p[0]] != p[1]]
+            for pair in old[: len(self._seen) - _BOUND]:
+                del self._seen[pair]
         notice = None
         if marked:
             noticed = max(self._seen[pair] for pair in marked.items())
@@ -213,6 +293,9 @@ class PreemptionWatch:
     async def _tell(self, group: WorkerGroup, notice: PreemptionNotice | None) -> None:
         """Give ``notice`` to each worker of ``group`` that holds another word (None only to
         those told something before), all at once, each within :data:`TELL_TIMEOUT_S`."""
+        keys = {w.handle.key for w in group.workers}
+        for key in [k for k in self._told if k not in keys]:  # workers of an earlier group
+            del self._told[key]
         async with anyio.create_task_group() as tg:
             for worker in group.workers:
                 key = worker.handle.key
@@ -293,7 +376,7 @@ class PreemptionWatch:
         went between two looks). Any such death makes it one, whatever the other ranks'
         failures (their collectives fail with it)."""
         deaths = [f for f in failures if isinstance(f, _DEATHS)]
-        if any(f.node_id in self._drained for f in deaths):
+        if any(f.node_id in self._drains for f in deaths):
             return True
         lost = {f.node_id for f in deaths if f.node_id}
         if not lost:
@@ -326,6 +409,12 @@ class PreemptionWatch:
             error=describe(error),
             **fields,
         )
+
+
+def _bound(remembered: dict[Any, Any]) -> None:
+    """Forget the oldest of ``remembered`` beyond :data:`_BOUND`."""
+    while len(remembered) > _BOUND:
+        del remembered[next(iter(remembered))]
 
 
 def exhausted(spent: PreemptionsSpent, attempts: int, failures: list[Any]) -> AsyncExecError:
