@@ -266,7 +266,8 @@ class WorkerPool:
         or a wait for the rest, as ``when_short`` says.
 
         Raises:
-            ExecutorStateError: the pool is not open.
+            ExecutorStateError: the pool is not open, or closed while the lease was being made
+                (what it had taken is given back).
             StartupTimeoutError: waiting for given-back workers, or starting fresh ones, overran
                 its bound.
         """
@@ -296,6 +297,10 @@ class WorkerPool:
                     f"waiting for {n - len(taken)} workers of the pool to be given back",
                     self.config.placement_timeout_s,
                 )
+            # The pool may have closed while the lease waited (for pings, fresh workers or a
+            # worker given back): its closing killed what was taken, which must not be handed
+            # out. Nothing is awaited from here to the return.
+            self._check_open()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.give_back([(w.handle, True) for w in taken])
