@@ -1,19 +1,34 @@
-"""The worker's interface and the programs around it: the programs asyncexec ships freeze
-their heap once their groups have started (docs/operating.md's advice: a full collection of
-Ray's heap stalls the loop)."""
+"""The worker's one typed interface (``asyncexec._interface``), which the Ray actor's code, the
+local worker and the simulated worker implement, method for method; the simulated cluster
+running roles and dispatch on it; and the programs asyncexec ships, which freeze their heap once
+their groups have started (docs/operating.md's advice: a full collection of Ray's heap stalls
+the loop)."""
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import gc
+import inspect
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from conftest import import_example
 
 import asyncexec
 from asyncexec._cli._main import main
+from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
+from asyncexec._driver.cluster._local import _ThreadWorker
+from asyncexec._driver.cluster._sim import SimWorker
+from asyncexec._interface import WORKER_METHODS, WorkerInterface
+from asyncexec._worker import WorkerCode
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
 
 
 @pytest.fixture
@@ -65,3 +80,136 @@ async def test_the_service_freezes_the_heap_once_its_pool_is_up() -> None:
     async with app.router.lifespan_context(app):
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+# One typed interface, three workers -------------------------------------------------------------
+
+IMPLEMENTATIONS = {"actor": WorkerCode, "local": _ThreadWorker, "simulated": SimWorker}
+
+
+def _parameters(fn: Any) -> list[tuple[str, Any, Any]]:
+    """A method's parameters as the driver sees them: name, kind, default (types are mypy's).
+    Ray's tracing adds a keyword of its own to an actor class's methods: not the worker's."""
+    parameters = inspect.signature(fn).parameters.values()
+    return [(p.name, p.kind, p.default) for p in parameters if p.name != "_ray_trace_ctx"]
+
+
+@pytest.mark.parametrize("kind", sorted(IMPLEMENTATIONS))
+def test_each_worker_implements_every_method_of_the_interface(kind: str) -> None:
+    cls = IMPLEMENTATIONS[kind]
+    wrong = {}
+    for name in sorted(WORKER_METHODS):
+        method = getattr(cls, name, None)
+        if method is None:
+            wrong[name] = "missing"
+        elif _parameters(method) != _parameters(getattr(WorkerInterface, name)):
+            wrong[name] = str(inspect.signature(method))
+    assert wrong == {}
+
+
+def test_the_interface_holds_every_remote_method_of_the_actor() -> None:
+    remote = {
+        name
+        for name, value in vars(WorkerCode).items()
+        if not name.startswith("_") and inspect.iscoroutinefunction(value)
+    }
+    assert remote == set(WORKER_METHODS)
+
+
+def _names_called() -> dict[str, str]:
+    """Every method name the driver calls on a worker by name (``handle.call("name", ...)``,
+    ``call_n``, a ``call`` taken from a handle), with where."""
+    called = {}
+    for path in sorted((ROOT / "asyncexec" / "_driver").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None)
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if (
+                isinstance(node, ast.Call)
+                and name in ("call", "call_n")  # handle.call(...), or call = handle.call
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                called[node.args[0].value] = f"{path.relative_to(ROOT)}:{node.lineno}"
+    return called
+
+
+def test_every_method_the_driver_calls_by_name_is_in_the_interface() -> None:
+    called = _names_called()
+    assert {"call_role", "make_roles", "poll", "setup"} <= set(called)  # the scan finds them
+    unknown = {n: where for n, where in called.items() if n not in WORKER_METHODS}
+    assert unknown == {"__ray_terminate__": unknown.get("__ray_terminate__")}
+
+
+# The simulated cluster runs roles and dispatch --------------------------------------------------
+
+
+class Shard:
+    """A role for simulated ranks: state kept on the instance, a plain and an async method."""
+
+    def __init__(self, scale: int) -> None:
+        self.scale = scale
+        self.rank = asyncexec.get_context().world_rank
+        self.seen: list[int] = []
+
+    def take(self, part: list[int]) -> dict[str, Any]:
+        self.seen.extend(part)
+        return {"rank": self.rank, "sum": sum(part) * self.scale}
+
+    def seen_count(self) -> int:
+        return len(self.seen)
+
+    async def wait(self, event_name: str) -> int:
+        ARRIVED.append(self.rank)
+        if len(ARRIVED) == 4:
+            EVENTS["all_in"].set()
+        await EVENTS[event_name].wait()
+        return self.rank
+
+    def fail(self) -> None:
+        raise KeyError(f"no shard on rank {self.rank}")
+
+
+EVENTS: dict[str, asyncio.Event] = {}
+ARRIVED: list[int] = []
+
+
+async def async_rank() -> int:
+    await asyncio.sleep(0)
+    return asyncexec.get_context().world_rank
+
+
+@pytest.mark.timeout(30)
+async def test_simulated_ranks_run_roles_and_every_dispatch_form() -> None:
+    """Instances made on every simulated rank (``get_context()`` works in ``__init__``), a
+    scatter, one rank, least-loaded under a cap with async methods in flight, a raised error,
+    and an ``async def`` function through ``execute`` (awaited, not left a coroutine)."""
+    with simulated(SimCluster(SimLoad(reports=1))):
+        role = asyncexec.Role(Shard, 10)
+        async with asyncexec.Executor(4, roles=role, health=NO_HEALTH) as ex:
+            results = await ex.call(Shard.take, asyncexec.scatter(list(range(10))))
+            assert [r["rank"] for r in results] == [0, 1, 2, 3]
+            assert sum(r["sum"] for r in results) == 10 * sum(range(10))
+            counts = await ex.call(Shard.seen_count)
+            assert await ex.call(Shard.seen_count, on=asyncexec.rank(2)) == counts[2]
+            assert sum(counts) == 10 and all(c > 0 for c in counts)  # state kept per instance
+            EVENTS.update(held=asyncio.Event(), all_in=asyncio.Event())
+            ARRIVED.clear()
+            cap = asyncexec.least_loaded(max_in_flight=1)
+            async with anyio.create_task_group() as tg:
+                ranks: list[int] = []
+
+                async def one() -> None:
+                    ranks.append(await ex.call(Shard.wait, "held", on=cap))
+
+                for _ in range(4):
+                    tg.start_soon(one)
+                await EVENTS["all_in"].wait()
+                assert sorted(ARRIVED) == [0, 1, 2, 3]  # a cap of 1: each rank holds one
+                EVENTS["held"].set()
+            assert sorted(ranks) == [0, 1, 2, 3]
+            with pytest.raises(asyncexec.WorkerRaisedError) as info:
+                await ex.call(Shard.fail, on=asyncexec.rank(3))
+            assert info.value.rank == 3 and isinstance(info.value.__cause__, KeyError)
+            assert await ex.execute(async_rank) == [0, 1, 2, 3]

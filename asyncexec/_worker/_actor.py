@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -28,6 +28,9 @@ from .._protocol import (
     WorkerMetadata,
 )
 from . import _channel, _outcomes, _place, _roles, _session
+
+if TYPE_CHECKING:
+    from .._interface import WorkerInterface
 
 __all__ = ["WorkerActor", "WorkerCode"]
 
@@ -199,8 +202,20 @@ class _Worker:
     async def channel_cuda(self) -> bool:
         return await asyncio.to_thread(_channel.cuda_available)
 
-    async def channel_join(self, *args: Any) -> None:
-        await asyncio.to_thread(_channel.join_group, *args)
+    async def channel_join(
+        self,
+        name: str,
+        group_id: str,
+        address: str,
+        port: int,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        await asyncio.to_thread(
+            _channel.join_group, name, group_id, address, port, rank, size, backend, timeout_s
+        )
 
     async def channel_snapshot(self, name: str, version: int, timeout_s: float) -> Any:
         return await asyncio.to_thread(_channel.snapshot, name, version, timeout_s)
@@ -255,3 +270,5 @@ async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 WorkerActor = ray.remote(max_restarts=0, max_task_retries=0)(_Worker)
 #: The worker's code, undecorated (a local worker hosts it in a thread: see the driver's seam).
 WorkerCode = _Worker
+if TYPE_CHECKING:  # the worker's methods are the interface's (mypy checks them)
+    _IMPLEMENTS: type[WorkerInterface] = _Worker

@@ -33,11 +33,12 @@ import sys
 import threading
 import traceback
 from collections.abc import Awaitable, Collection, Generator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ..._config import ExecutorConfig
+from ..._interface import WorkerInterface
 from ..._protocol import WorkerMetadata
 from ..._worker import PLACE, Place, WorkerCode
 from ._base import Handle, Spawned, described, settle
@@ -65,6 +66,10 @@ class _ThreadWorker(WorkerCode):
             pid=os.getpid(),
             accelerator_ids={},
         )
+
+
+if TYPE_CHECKING:  # a local worker's methods are the interface's (mypy checks them)
+    _IMPLEMENTS: type[WorkerInterface] = _ThreadWorker
 
 
 class _Ref:

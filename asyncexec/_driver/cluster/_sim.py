@@ -2,9 +2,11 @@ r"""Simulated workers, for measuring the driver with thousands of ranks: the sea
 implementation (see ``_base``), beside Ray's and local mode's.
 
 A :class:`SimCluster`'s workers are small objects on the driver's own event loop: no process, no
-thread and no event loop per rank. They answer the calls the driver makes on a worker
-(``describe``, ``setup``, ``start_run``, ``poll``, ``stop_run``, ``ping``, ``wait_closed``,
-``close``, ...) with the worker protocol's records, and the function they "run" is not the run's:
+thread and no event loop per rank. They implement the worker's interface
+(``asyncexec._interface``: ``describe``, ``setup``, ``start_run``, ``poll``, ``make_roles``,
+``call_role``, ...) with the worker protocol's records; they make the group's role instances and
+run their methods, and ``execute()``'s functions, on the driver's loop (``_sim_roles``: dispatch
+at thousands of ranks); weight channels they refuse. The function a run "runs" is not the run's:
 each rank reports at a fixed rate (:class:`SimLoad`), one report every ``1 / rate`` seconds of its
 own work, waits for credit as ``report()`` does, and returns its rank after ``reports`` reports.
 Reports are made lazily: a poll takes what its rank has reported by now, and a poll that finds
@@ -25,25 +27,26 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import pickle
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
 from ..._config import ExecutorConfig
+from ..._interface import WORKER_METHODS, WorkerInterface
 from ..._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
-from ..._worker import error_outcome, value_outcome
+from ..._worker import Place
 from ._base import Handle, Spawned, described, settle
 from ._local import LocalWorkerGone
 from ._placement import Placement
+from ._sim_answers import Pending, Ready, ready
+from ._sim_roles import SimCalls
 
 __all__ = ["GcClock", "SimCluster", "SimLoad", "SimStatistics", "SimWorker"]
 
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
 #: The fake process ids of simulated workers start here.
 _PID_BASE = 1_000_000
 
@@ -103,55 +106,6 @@ _EMPTY: dict[str, Any] = {}
 _GOLDEN = 0.6180339887498949
 
 
-class _Ready:
-    """A call's answer that is there: awaitable any number of times, without waiting."""
-
-    __slots__ = ("_data", "_error")
-
-    def __init__(self, data: bytes | None, error: BaseException | None = None) -> None:
-        self._data = data
-        self._error = error
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        if self._error is not None:
-            raise self._error
-        assert self._data is not None
-        return pickle.loads(self._data)
-        yield  # a generator: ``await`` accepts it
-
-
-class _Pending:
-    """A call's answer to come: awaitable any number of times and from several tasks; a
-    cancelled wait does not cancel the call (as with an ``ObjectRef``)."""
-
-    __slots__ = ("future",)
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.future.add_done_callback(_retrieve)
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        data = yield from asyncio.shield(self.future).__await__()
-        return pickle.loads(data)
-
-    def answer(self, value: Any) -> None:
-        if not self.future.done():
-            self.future.set_result(pickle.dumps(value, _PROTOCOL))
-
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def _ready(value: Any) -> _Ready:
-    return _Ready(pickle.dumps(value, _PROTOCOL))
-
-
 class _SimRun:
     """One attempt of a run on one simulated rank: its reports, made at a fixed rate."""
 
@@ -196,7 +150,7 @@ class _SimRun:
         self.calls: array[float] = array("d")
         self.busy: array[float] = array("d")
         self.outcome: Outcome | None = None if self.total else Outcome("ok", rank)
-        self.waiting: tuple[_Pending, int] | None = None  # a poll, and how much it takes
+        self.waiting: tuple[Pending, int] | None = None  # a poll, and how much it takes
         self.timer: asyncio.TimerHandle | None = None
 
     def _make(self, at: float) -> None:
@@ -241,8 +195,8 @@ class _SimRun:
         self.acknowledge(ack, now)
         self.advance(now)
         if self.buffer or self.outcome is not None:
-            return _ready(self.take(max_items, now))
-        pending = _Pending()
+            return ready(self.take(max_items, now))
+        pending = Pending()
         self.waiting = (pending, max_items)
         if not self.blocked:
             loop = asyncio.get_running_loop()
@@ -284,18 +238,22 @@ class _SimRun:
         return self.outcome is not None
 
 
-class SimWorker:
-    """One simulated worker: answers the driver's calls (see the module's docstring)."""
+class SimWorker(SimCalls):
+    """One simulated worker: answers the driver's calls (see the module's docstring); what
+    runs the user's code (calls, roles, hooks) is :class:`~._sim_roles.SimCalls`'."""
 
-    __slots__ = ("_closed", "_run", "cluster", "gone", "index", "metadata")
+    __slots__ = ("_closed", "_run", "cluster", "gone", "index", "metadata", "place", "tasks")
+    cluster: SimCluster
 
     def __init__(self, cluster: SimCluster, index: int, metadata: WorkerMetadata) -> None:
         self.cluster = cluster
         self.index = index
         self.metadata = metadata
         self.gone = False
+        self.place = Place()
+        self.tasks = {}
         self._run: _SimRun | None = None
-        self._closed: _Pending | None = None
+        self._closed: Pending | None = None
 
     def __repr__(self) -> str:
         return f"<SimWorker {self.index} {'gone' if self.gone else 'live'}>"
@@ -311,11 +269,11 @@ class SimWorker:
         cluster.calls += 1
         try:
             if self.gone:
-                return _Ready(None, LocalWorkerGone(f"the simulated worker {self.index} is gone"))
+                return Ready(None, LocalWorkerGone(f"the simulated worker {self.index} is gone"))
             answer = _METHODS.get(method)
             if answer is None:
                 error = NotImplementedError(f"a simulated worker has no method {method!r}")
-                return _Ready(None, error)
+                return Ready(None, error)
             return answer(self, *args, **kwargs)
         finally:
             cluster.spend(t0, gc0)
@@ -325,65 +283,60 @@ class SimWorker:
 
     # The worker's methods ---------------------------------------------------------------------
 
-    def _describe(self) -> Awaitable[Any]:
-        return _ready(self.metadata)
+    def describe(self) -> Awaitable[WorkerMetadata]:
+        return ready(self.metadata)
 
-    def _setup(self, *args: Any) -> Awaitable[Any]:
-        return _ready(Outcome("ok"))
-
-    def _execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        try:
-            outcome = value_outcome(fn(*args, **kwargs))
-        except Exception as exc:
-            outcome = error_outcome(exc)
-        return _ready(outcome)
-
-    def _start_run(self, payload: Any, start: RunStart) -> Awaitable[Any]:
+    def start_run(self, payload: bytes, start: RunStart) -> Awaitable[None]:
         if self._run is not None and not self._run.finished:
-            return _Ready(None, RuntimeError("a run is still in progress on this worker"))
+            return Ready(None, RuntimeError("a run is still in progress on this worker"))
         rank = start.context.world_rank
         self._run = _SimRun(self, rank, self.cluster.load, start.buffer_size)
-        return _ready(None)
+        return ready(None)
 
-    def _poll(self, ack: int, max_items: int) -> Awaitable[Any]:
+    def poll(self, ack: int, max_items: int) -> Awaitable[Poll]:
         if self._run is None:
-            return _Ready(None, RuntimeError("poll() before start_run()"))
+            return Ready(None, RuntimeError("poll() before start_run()"))
         self.cluster.polls += 1
         return self._run.poll(ack, max_items)
 
-    def _salvage(self) -> Awaitable[Any]:
-        return _ready(None)
+    def salvage(self) -> Awaitable[Poll | None]:
+        return ready(None)
 
-    def _buffered(self) -> Awaitable[Any]:
-        return _ready(0 if self._run is None else len(self._run.buffer))
+    def buffered(self) -> Awaitable[int]:
+        return ready(0 if self._run is None else len(self._run.buffer))
 
-    def _stop_run(self, timeout_s: float) -> Awaitable[Any]:
+    def stop_run(self, timeout_s: float) -> Awaitable[bool]:
         if self._run is not None:
             self._run.stop()
-        return _ready(True)
+        return ready(True)
 
-    def _reset(self, stop_timeout_s: float, reset_hook: Any) -> Awaitable[Any]:
+    def reset(
+        self, stop_timeout_s: float, reset_hook: Callable[[], object] | None
+    ) -> Awaitable[Outcome]:
         if self._run is not None:
             self._run.stop()
             self._run = None
-        return _ready(Outcome("ok"))
+        self.forget()
+        if reset_hook is None:
+            return ready(Outcome("ok"))
+        return self._call_here(reset_hook, (), {})
 
-    def _ping(self) -> Awaitable[Any]:
-        return _ready(self.metadata.pid)
+    def ping(self) -> Awaitable[int]:
+        return ready(self.metadata.pid)
 
-    def _wait_closed(self) -> Awaitable[Any]:
+    def wait_closed(self) -> Awaitable[None]:
         if self._closed is None:
-            self._closed = _Pending()
+            self._closed = Pending()
         return self._closed
 
-    def _close(self) -> Awaitable[Any]:
+    def close(self) -> Awaitable[None]:
         if self._closed is not None:
             self._closed.answer(None)
-        return _ready(None)
+        return ready(None)
 
-    def _terminate(self) -> Awaitable[Any]:
+    def _terminate(self) -> Awaitable[None]:
         self.kill()
-        return _ready(None)
+        return ready(None)
 
     def kill(self) -> None:
         """The worker is gone: its pending calls fail, as a dead actor's do."""
@@ -395,23 +348,16 @@ class SimWorker:
             self._run.stop(error)
         if self._closed is not None:
             self._closed.fail(error)
+        self.fail_tasks(error)
 
 
+#: The worker interface's methods, and Ray's graceful exit of an actor.
 _METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
-    "describe": SimWorker._describe,
-    "setup": SimWorker._setup,
-    "execute": SimWorker._execute,
-    "start_run": SimWorker._start_run,
-    "poll": SimWorker._poll,
-    "salvage": SimWorker._salvage,
-    "buffered": SimWorker._buffered,
-    "stop_run": SimWorker._stop_run,
-    "reset": SimWorker._reset,
-    "ping": SimWorker._ping,
-    "wait_closed": SimWorker._wait_closed,
-    "close": SimWorker._close,
+    **{name: getattr(SimWorker, name) for name in sorted(WORKER_METHODS)},
     "__ray_terminate__": SimWorker._terminate,
 }
+if TYPE_CHECKING:  # the simulated worker's methods are the interface's (mypy checks them)
+    _IMPLEMENTS: type[WorkerInterface] = SimWorker
 
 
 class SimCluster:

@@ -1,0 +1,124 @@
+"""The worker's remote methods, as one typed protocol: what the driver may call on a worker.
+
+Three classes implement :class:`WorkerInterface`: the Ray actor's code
+(``asyncexec._worker._actor``), the local worker, which hosts that same code in a thread of the
+driver's process (``_driver/cluster/_local.py``), and the simulated worker
+(``_driver/cluster/_sim.py``), which answers every call on the driver's own loop. mypy checks
+each against it, and ``tests/test_worker_interface.py`` checks that every method is there with
+the same parameters, and that every method the driver calls by name is one of these.
+
+A method returns an awaitable: the actor's are ``async def``; a simulated worker's answer at once
+or later without a task of their own. ``__ray_terminate__`` (a Ray actor's graceful exit) is
+Ray's, not the worker's: each handle answers it.
+
+Both sides import this module; it imports only the standard library and ``_protocol``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from ._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext, WorkerMetadata
+
+__all__ = ["WORKER_METHODS", "WorkerInterface"]
+
+
+class WorkerInterface(Protocol):
+    """A worker's remote methods (see the actor's code for what each does)."""
+
+    # Start-up, calls and roles.
+
+    def describe(self) -> Awaitable[WorkerMetadata]: ...
+
+    def setup(
+        self,
+        env: Mapping[str, str],
+        context: WorkerContext,
+        init_hook: Callable[[], object] | None,
+        data_context: Any = None,
+    ) -> Awaitable[Outcome]: ...
+
+    def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Awaitable[Outcome]:
+        ...
+
+    def make_roles(
+        self,
+        payload: bytes,
+        checkpoint: Any = None,
+        context: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> Awaitable[Outcome]: ...
+
+    def call_role(
+        self, role_index: int, name: str, /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Outcome]: ...
+
+    # A run.
+
+    def start_run(self, payload: bytes, start: RunStart) -> Awaitable[None]: ...
+
+    def poll(self, ack: int, max_items: int) -> Awaitable[Poll]: ...
+
+    def salvage(self) -> Awaitable[Poll | None]: ...
+
+    def buffered(self) -> Awaitable[int]: ...
+
+    def stop_run(self, timeout_s: float) -> Awaitable[bool]: ...
+
+    def reset(
+        self, stop_timeout_s: float, reset_hook: Callable[[], object] | None
+    ) -> Awaitable[Outcome]: ...
+
+    # Weight channels.
+
+    def channel_read(
+        self, name: str, timeout_s: float, mapping: bool
+    ) -> Awaitable[tuple[str, Any]]: ...
+
+    def channel_receive(self, name: str, version: int, refs: list[Any]) -> Awaitable[None]: ...
+
+    def channel_port(
+        self, name: str, group_id: str, timeout_s: float
+    ) -> Awaitable[tuple[str, int]]: ...
+
+    def channel_cuda(self) -> Awaitable[bool]: ...
+
+    def channel_join(
+        self,
+        name: str,
+        group_id: str,
+        address: str,
+        port: int,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> Awaitable[None]: ...
+
+    def channel_snapshot(self, name: str, version: int, timeout_s: float) -> Awaitable[Any]: ...
+
+    def channel_send(self, name: str, version: int, group_id: str) -> Awaitable[int]: ...
+
+    def channel_receive_torch(
+        self, name: str, version: int, parts: list[Any], device: str, reuse: bool
+    ) -> Awaitable[int]: ...
+
+    def channel_close(self, name: str) -> Awaitable[None]: ...
+
+    # Health and the worker's life.
+
+    def notify_preemption(self, notice: PreemptionNotice | None) -> Awaitable[None]: ...
+
+    def ping(self) -> Awaitable[int]: ...
+
+    def wait_closed(self) -> Awaitable[None]: ...
+
+    def close(self) -> Awaitable[None]: ...
+
+
+#: The names of the worker's remote methods.
+WORKER_METHODS: frozenset[str] = frozenset(
+    name for name, value in vars(WorkerInterface).items()
+    if callable(value) and not name.startswith("_")
+)
