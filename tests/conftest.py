@@ -38,12 +38,18 @@ LOCAL_CPUS = 4
 _current: dict[str, Any] = {"mode": None, "cluster": None}
 
 
+#: Every state of an actor but DEAD: the GCS filters by state, so a leak check reads the live
+#: actors only, not the table of every actor the session made (it keeps the dead ones).
+_LIVE_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "ALIVE", "RESTARTING")
+
+
 def live_workers() -> list[dict[str, Any]]:
     """asyncexec worker actors that are not dead."""
     return [
         a
-        for a in ray_state.actors().values()
-        if a["ActorClassName"] == "_Worker" and a["State"] != "DEAD"
+        for state in _LIVE_STATES
+        for a in ray_state.actors(actor_state_name=state).values()
+        if a["ActorClassName"] == "_Worker"
     ]
 
 

@@ -101,6 +101,7 @@ async def _next(run: Any) -> Any:
         return await run.__anext__()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("transport", ["object_store", "torch"])
 async def test_pushes_deliver_equal_bytes_to_every_rank_while_both_runs_go_on(
     transport: str, tmp_path: Any

@@ -61,6 +61,7 @@ async def _consume(run: asyncexec.Run, on_step: Any = None) -> list[asyncexec.St
     return steps
 
 
+@pytest.mark.smoke
 @pytest.mark.ray_only
 @pytest.mark.timeout(180)
 async def test_sigkill_at_random_step_resumes_from_checkpoint_with_same_final_state(

@@ -47,6 +47,7 @@ async def _wait_until(predicate: Any, timeout_s: float = 30.0) -> None:
             await anyio.sleep(0.02)
 
 
+@pytest.mark.smoke
 async def test_executors_lease_warm_workers_and_give_them_back() -> None:
     async with asyncexec.WorkerPool(3, resources_per_worker=CPU) as pool:
         warm = idle_pids(pool)

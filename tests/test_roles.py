@@ -118,6 +118,7 @@ def _as_list(part: Any) -> list[Any]:
 # Dispatch forms -----------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 async def test_instances_are_made_once_per_rank_and_keep_their_state(mode: str) -> None:
     async with asyncexec.Executor(
         3, resources_per_worker=CPU, roles=asyncexec.Role(Counter, 2.0)

@@ -29,6 +29,7 @@ async def counting_async(config: dict[str, Any]) -> str:
     return f"done-{ctx.world_rank}"
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("fn", [counting, counting_async], ids=["sync", "async"])
 async def test_every_rank_every_step_arrives_in_order_exactly_once(fn: Any) -> None:
     async with asyncexec.Executor(3, resources_per_worker={"CPU": 0.5}) as ex:

@@ -264,6 +264,7 @@ class RecordingTorchBackend(TorchBackend):
         await group.execute(record_initialized, self.record_dir)
 
 
+@pytest.mark.smoke
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("init_method", ["env", "tcp"])
 async def test_process_group_is_initialised_on_every_rank_and_all_reduce_sums(
