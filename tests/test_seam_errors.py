@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -291,3 +292,52 @@ async def test_a_lease_that_the_pools_close_overtakes_raises_and_hands_out_nothi
     assert isinstance(got, asyncexec.ExecutorStateError), got
     assert "closed" in str(got)
     assert pool.statistics().leased == 0
+
+
+# Item 3 (the seam's part): one policy for what escapes a task group -------------------------------
+
+
+async def _value(v: int) -> int:
+    await anyio.lowlevel.checkpoint()
+    return v
+
+
+async def _fail(error: BaseException) -> None:
+    await anyio.lowlevel.checkpoint()
+    raise error
+
+
+@pytest.mark.timeout(10)
+async def test_awaited_raises_the_failed_calls_own_error_not_an_exception_group() -> None:
+    """``awaited()`` says the first failure is raised: an ExceptionGroup escaped, which an
+    ``except asyncexec.WorkerCrashedError`` misses."""
+    from asyncexec._driver.cluster import awaited
+
+    crashed = asyncexec.WorkerCrashedError(1, node_id="n" * 20, attempt=1, detail="killed")
+    assert await awaited([_value(1), _value(2)]) == [1, 2]
+    with pytest.raises(asyncexec.WorkerCrashedError) as info:
+        await awaited([_value(1), _fail(crashed)])
+    assert info.value is crashed
+
+
+@pytest.mark.timeout(10)
+async def test_a_task_group_raises_one_error_the_others_as_notes() -> None:
+    """Of several failures: an interrupt first, then asyncexec's error, then the first other;
+    the rest as notes; a group of cancellations alone is left to anyio."""
+    from asyncexec._taskgroups import escaped, task_group
+
+    raised = asyncexec.WorkerRaisedError(0, attempt=1, detail="ValueError: bad")
+    with pytest.raises(asyncexec.WorkerRaisedError) as info:
+        async with task_group() as tg:
+            tg.start_soon(_fail, KeyError("internal"))
+            tg.start_soon(_fail, raised)
+    assert info.value is raised
+    assert any("KeyError" in note for note in info.value.__notes__)
+    assert isinstance(info.value.__context__, BaseExceptionGroup)
+    with pytest.raises(KeyError):
+        async with task_group() as tg:
+            tg.start_soon(_fail, KeyError("only"))
+    group = BaseExceptionGroup("", [ValueError("v"), KeyboardInterrupt()])
+    assert isinstance(escaped(group), KeyboardInterrupt)
+    cancelled = BaseExceptionGroup("", [anyio.get_cancelled_exc_class()()])
+    assert escaped(cancelled) is cancelled

@@ -15,6 +15,7 @@ import anyio.abc
 
 from .._config import ExecutorConfig
 from .._errors import ConfigurationError, ExecutorStateError
+from .._taskgroups import one_error
 from ..backends._base import Backend
 from ._interrupt import defer_interrupts, restore_interrupts
 from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
@@ -131,7 +132,8 @@ class Lifecycle:
             try:
                 # Exit the task group in this task's own scope (no shield around it: anyio
                 # requires the group's scope to be the innermost one). It has no tasks yet.
-                await self.tg.__aexit__(None, None, None)
+                with one_error():
+                    await self.tg.__aexit__(None, None, None)
             finally:
                 self._restore_interrupts()
             raise
@@ -147,7 +149,8 @@ class Lifecycle:
                 # outlived aclose()'s bound) is cancelled: leaving never waits without a bound.
                 tg.cancel_scope.cancel()
                 try:
-                    await tg.__aexit__(None, None, None)
+                    with one_error():
+                        await tg.__aexit__(None, None, None)
                 finally:
                     self._restore_interrupts()
 

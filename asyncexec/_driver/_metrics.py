@@ -37,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from .._taskgroups import task_group
 from ._logging import get_logger
 
 __all__ = [
@@ -305,7 +306,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 async def _refresh(meters: list[RunMeter]) -> None:
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for meter in meters:
             tg.start_soon(meter.refresh)
 

@@ -28,6 +28,7 @@ import anyio.abc
 
 from ..._config import check_count
 from ..._errors import ConfigurationError, ExecutorStateError
+from ..._taskgroups import one_error, task_group
 from .._executor import Executor, slot_of
 from .._logging import get_logger
 from ..group import WorkerInfo
@@ -196,7 +197,8 @@ class WeightChannel:
         self._versions.tg = None
         if tg is not None:
             tg.cancel_scope.cancel()  # deliveries still on their way
-            await tg.__aexit__(None, None, None)
+            with one_error():
+                await tg.__aexit__(None, None, None)
         self._versions.forget()
         with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
             await self._forget()
@@ -210,7 +212,7 @@ class WeightChannel:
             with contextlib.suppress(Exception):
                 await worker.handle.call("channel_close", self.name)
 
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for worker in workers:
                 tg.start_soon(one, worker)
 

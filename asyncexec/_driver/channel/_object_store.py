@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import anyio
-
 from ..._errors import AsyncExecError
+from ..._taskgroups import task_group
 from ..cluster import call_error
 from ..group import WorkerInfo
 from ._transport import Core, Pending, died, gather
@@ -56,7 +55,7 @@ class ObjectStoreTransport:
                 else:
                     errors.append(error)
 
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for i in range(len(refs)):
                 tg.start_soon(one, i)
         if errors:

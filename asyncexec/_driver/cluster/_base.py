@@ -22,6 +22,7 @@ import anyio
 
 from ..._config import ExecutorConfig
 from ..._protocol import WorkerMetadata
+from ..._taskgroups import task_group
 from ._placement import Placement
 
 __all__ = ["Cluster", "Handle", "Spawned", "awaited", "described", "settle"]
@@ -220,7 +221,7 @@ async def awaited(refs: Sequence[Any]) -> list[Any]:
     async def one(i: int) -> None:
         results[i] = await refs[i]
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for i in range(len(refs)):
             tg.start_soon(one, i)
     return results
@@ -233,6 +234,6 @@ async def settle(refs: Sequence[Any]) -> None:
         with contextlib.suppress(Exception):
             await ref
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for ref in refs:
             tg.start_soon(one, ref)

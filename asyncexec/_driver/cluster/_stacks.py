@@ -28,6 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..._errors import describe, short_node
+from ..._taskgroups import task_group
 
 __all__ = [
     "DUMP_TIMEOUT_S",
@@ -160,7 +161,7 @@ async def dump_processes(
         for i, text in zip(indices, got, strict=True):
             texts[i] = text
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for node, indices in by_node.items():
             tg.start_soon(one_node, node, indices)
     return texts

@@ -19,6 +19,7 @@ import anyio
 from ..._config import ExecutorConfig
 from ..._errors import AsyncExecError, ConfigurationError, describe
 from ..._protocol import Outcome, WorkerContext, WorkerMetadata
+from ..._taskgroups import task_group
 from ...backends._base import Backend
 from .._interrupt import hurried_away
 from ..cluster import Cluster, Handle, Placement, backend_error, call_error, outcome_error, settle
@@ -117,7 +118,7 @@ class WorkerGroup:
                 errors.append(await call_error(exc, workers[i], self.attempt))
                 tg.cancel_scope.cancel()
 
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for i in range(len(refs)):
                 tg.start_soon(one, i)
         if errors:
@@ -283,7 +284,7 @@ async def answers(refs: Sequence[Any], timeout_s: float) -> list[Any]:
             except Exception:
                 results[i] = None
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for i, ref in enumerate(refs):
             if ref is not None:
                 tg.start_soon(one, i)

@@ -24,6 +24,7 @@ from ..._errors import (
     WorkerError,
     WorkerHungError,
 )
+from ..._taskgroups import task_group
 from ..cluster import call_error, worker_error
 from ._group import WorkerGroup
 from ._members import WorkerInfo
@@ -53,7 +54,7 @@ async def watch(group: WorkerGroup, fail: FailureSink, ranks: Sequence[int] | No
     their deaths, and health checks that they do not answer. Runs until cancelled."""
     ranks = range(len(group.workers)) if ranks is None else ranks
     workers = [group.workers[r] for r in ranks]
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for rank, worker in zip(ranks, workers, strict=True):
             tg.start_soon(_watch_death, group, worker, group.deaths[rank], fail)
         if group.config.health_check_interval_s is not None:
@@ -79,7 +80,7 @@ async def _health_loop(
     while True:
         await anyio.sleep(interval)
         silent: list[WorkerInfo] = []
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for worker in workers:
                 tg.start_soon(_check, group, worker, timeout, fail, silent)
         if silent:  # one dump of the stacks for every rank that hung in this round
@@ -162,7 +163,7 @@ async def find_dead(group: WorkerGroup) -> WorkerError | None:
             if isinstance(error, WorkerCrashedError | NodeLostError):
                 found.append(error)
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for worker in group.workers:
             tg.start_soon(probe, worker)
     found.sort(key=lambda e: e.rank)

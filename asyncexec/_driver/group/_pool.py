@@ -40,6 +40,7 @@ from ..._errors import (
     ExecutorStateError,
     StartupTimeoutError,
 )
+from ..._taskgroups import one_error
 from .._logging import get_logger
 from ..cluster import Handle, cluster_for
 from ._reservation import Claim, Reservation
@@ -206,9 +207,10 @@ class WorkerPool:
             await self._exit_tg()
 
     async def _exit_tg(self) -> None:
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            await tg.__aexit__(None, None, None)
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            with one_error():
+                await tg.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
         """Kill every worker of the pool, leased ones included (their executors' runs fail
@@ -234,13 +236,10 @@ class WorkerPool:
 
     def statistics(self) -> PoolStatistics:
         """A snapshot of the pool's counters."""
-        return PoolStatistics(
-            size=self.size,
-            idle=len(self._stock.idle),
-            leased=len(self._stock.leased),
-            starting=len(self._stock.starting),
-            **self._counts,
-        )
+        stock = self._stock
+        now = {"idle": len(stock.idle), "leased": len(stock.leased)}
+        now["starting"] = len(stock.starting)
+        return PoolStatistics(size=self.size, **now, **self._counts)
 
     def check_shape(self, config: ExecutorConfig) -> None:
         """Refuse an executor whose workers are not of this pool's shape.
@@ -266,8 +265,7 @@ class WorkerPool:
         or a wait for the rest, as ``when_short`` says.
 
         Raises:
-            ExecutorStateError: the pool is not open, or closed while the lease was being made
-                (what it had taken is given back).
+            ExecutorStateError: the pool is not open, or closed while the lease was made.
             StartupTimeoutError: waiting for given-back workers, or starting fresh ones, overran
                 its bound.
         """
@@ -297,10 +295,7 @@ class WorkerPool:
                     f"waiting for {n - len(taken)} workers of the pool to be given back",
                     self.config.placement_timeout_s,
                 )
-            # The pool may have closed while the lease waited (for pings, fresh workers or a
-            # worker given back): its closing killed what was taken, which must not be handed
-            # out. Nothing is awaited from here to the return.
-            self._check_open()
+            self._check_open()  # closed meanwhile: what was taken is dead (no await from here)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.give_back([(w.handle, True) for w in taken])

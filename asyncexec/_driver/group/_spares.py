@@ -18,6 +18,7 @@ import anyio
 from ..._config import ExecutorConfig
 from ..._errors import describe
 from ..._protocol import WorkerContext
+from ..._taskgroups import task_group
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
 from ._roles import make_roles
@@ -96,7 +97,7 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
     # The survivors' functions stop, the spare is set up and the failed worker goes, at once.
     try:
         with anyio.fail_after(config.start_timeout_s + config.stop_timeout_s):
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(stop_survivors)
                 tg.start_soon(group.drop, [failed.handle])
                 await group.setup([env], [fresh])
@@ -216,7 +217,7 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
             if env is None:
                 metas = [fresh.metadata if w.rank == rank else w.metadata for w in group.workers]
                 env = device_envs(metas, config)[rank]
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(group.drop, [failed.handle])
                 await group.setup([env], [fresh])
             await make_roles(group, [fresh])

@@ -15,6 +15,7 @@ import anyio.abc
 from ..._config import ExecutorConfig
 from ..._errors import StartupTimeoutError, describe
 from ..._protocol import WorkerMetadata
+from ..._taskgroups import task_group
 from ..cluster import Cluster, Handle, Placement
 
 __all__ = ["PoolWorker", "Stock"]
@@ -76,7 +77,7 @@ class Stock:
                 )
         await self.cluster.wait_placed(self.placement, config.placement_timeout_s)
         with anyio.fail_after(config.start_timeout_s):
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 for bundle in range(size):
                     tg.start_soon(self.fill, bundle)
 
@@ -201,7 +202,7 @@ class Stock:
                 await w.handle.call("ping")
                 answered.append(w)
 
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for w in workers:
                 tg.start_soon(ping, w)
         dead = [w for w in workers if w not in answered]

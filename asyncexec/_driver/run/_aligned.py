@@ -27,6 +27,7 @@ from ..._errors import (
     WorkerRaisedError,
     describe,
 )
+from ..._taskgroups import task_group
 from .._restart import PreemptionsSpent
 from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
@@ -215,7 +216,7 @@ class AlignedRun:
         window = ctx.window = Window(ctx.run, group, ctx.spec.buffer_size, ctx.handover.steps)
         attempt = _Attempt()
         finished = False
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             with attempt.scope:
                 tg.start_soon(attempt.settle_then_end)
                 # Health is watched from the first call on: a worker can die or hang (blocked

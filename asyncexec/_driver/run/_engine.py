@@ -18,6 +18,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from ..._checkpoint import Checkpoint, CheckpointBook
 from ..._errors import AsyncExecError, describe
+from ..._taskgroups import task_group
 from .._interrupt import hurried_away
 from .._metrics import RunMeter, metrics
 from .._restart import RestartPolicy
@@ -112,9 +113,9 @@ class RunDriver:
         record."""
         values: list[Any] = []
         error: Exception | None = None
-        async with anyio.create_task_group() as helpers:
+        async with task_group() as helpers:
             helpers.start_soon(self.pruner.serve)
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 if self.recorder is not None:
                     tg.start_soon(self.recorder.keep)
                 try:
@@ -178,7 +179,7 @@ class RunDriver:
             with contextlib.suppress(Exception):  # a dead worker holds nothing
                 counts[i] = await handle.call("buffered")
 
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for i, worker in enumerate(group.workers):
                 tg.start_soon(count, i, worker.handle)
         return sum(counts)

@@ -43,6 +43,7 @@ from ..._errors import (
     describe,
 )
 from ..._protocol import Poll
+from ..._taskgroups import task_group
 from .._restart import PreemptionsSpent
 from ..cluster import outcome_error
 from ..group import WorkerGroup, refill_spare, renew_rank, watch
@@ -135,10 +136,10 @@ class IndependentRun:
         self.ctx.group = group
         self.run.state = RunState.RUNNING
         payload = await self.ctx.payload()
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             tg.start_soon(self.credit.account)
             tg.start_soon(self.ctx.preemption.watch, group)
-            async with anyio.create_task_group() as lives:
+            async with task_group() as lives:
                 for rank in range(len(group.workers)):
                     lives.start_soon(self._life, rank, group, payload, lives.cancel_scope)
             tg.cancel_scope.cancel()
@@ -222,7 +223,7 @@ class IndependentRun:
             tg.cancel_scope.cancel()
 
         value: list[Any] = [None]
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             tg.start_soon(watch, group, fail, [rank])
             try:
                 with anyio.fail_after(ctx.config.start_timeout_s):

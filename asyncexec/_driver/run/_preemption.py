@@ -55,6 +55,7 @@ from ..._errors import (
     short_node,
 )
 from ..._protocol import PreemptionNotice
+from ..._taskgroups import task_group
 from .._metrics import RunMeter
 from .._restart import PreemptionsSpent, RestartPolicy
 from ..cluster import Cluster, Handle
@@ -296,7 +297,7 @@ class PreemptionWatch:
         keys = {w.handle.key for w in group.workers}
         for key in [k for k in self._told if k not in keys]:  # workers of an earlier group
             del self._told[key]
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             for worker in group.workers:
                 key = worker.handle.key
                 if self._told.get(key) is not notice:
