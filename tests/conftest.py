@@ -12,7 +12,6 @@ inner loop is ``pytest -m "fast or smoke"``."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import time
 import types
@@ -225,24 +224,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 #: The tiers in the order they run.
 TIERS = ("fast", "ray", "subprocess", "bench", "multinode")
-_SPAWNS = ("subprocess", "sys.executable", "create_subprocess_exec", "multiprocessing")
+_SPAWNS = frozenset(
+    {"subprocess", "executable", "create_subprocess_exec", "create_subprocess_shell", "Popen"}
+)
 
 
-def _sources(fn: object, module: types.ModuleType, depth: int = 2) -> Iterator[str]:
-    """The source of ``fn`` and of the functions of its module that it names (``depth`` calls
-    deep): where a test's helper starts a process, the test does."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return
-    try:
-        yield inspect.getsource(fn)  # type: ignore[arg-type]
-    except (OSError, TypeError):
-        return
-    if depth:
-        for name in code.co_names:
-            helper = getattr(module, name, None)
-            if isinstance(helper, types.FunctionType) and helper.__module__ == module.__name__:
-                yield from _sources(helper, module, depth - 1)
+def _names(code: types.CodeType, module: types.ModuleType, depth: int = 2) -> Iterator[str]:
+    """The global and attribute names that ``code`` uses, with those of the functions nested in
+    it and of the functions of its module that it calls (``depth`` calls deep): where a test's
+    helper starts a process, the test does."""
+    for name in code.co_names:
+        yield name
+        helper = getattr(module, name, None) if depth else None
+        if isinstance(helper, types.FunctionType) and helper.__module__ == module.__name__:
+            yield from _names(helper.__code__, module, depth - 1)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const, module, depth)
 
 
 def _uses_benchmarks(module: types.ModuleType) -> bool:
@@ -261,9 +259,8 @@ def tier_of(item: pytest.Item) -> str:
     module = getattr(item, "module", None)
     callspec = getattr(item, "callspec", None)
     on_ray = "mode" in names and callspec is not None and callspec.params.get("mode") == "ray"
-    if module is not None and any(
-        word in src for src in _sources(getattr(item, "function", None), module) for word in _SPAWNS
-    ):
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    if module is not None and code is not None and not _SPAWNS.isdisjoint(_names(code, module)):
         tier = "subprocess"
     elif "ray_local" in names or on_ray:
         tier = "ray"

@@ -1,0 +1,48 @@
+"""The tiers are set by what a test uses (tests/conftest.py), and run in order: the collected
+session, read from inside one of its tests."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TIERS, tier_of
+
+
+def _tiers(items: list[pytest.Item]) -> dict[str, str]:
+    return {item.nodeid: tier_of(item) for item in items}
+
+
+def test_each_test_has_exactly_the_marker_of_its_tier(request: pytest.FixtureRequest) -> None:
+    for item in request.session.items:
+        marked = [t for t in TIERS if item.get_closest_marker(t) is not None]
+        assert marked == [tier_of(item)], item.nodeid
+
+
+def test_tiers_follow_what_a_test_uses(request: pytest.FixtureRequest) -> None:
+    items = request.session.items
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        tier = tier_of(item)
+        if "make_cluster" in names:
+            assert tier == "multinode", item.nodeid
+        elif "ray_local" in names:
+            assert tier in ("ray", "subprocess", "bench"), item.nodeid
+        elif tier != "fast":
+            assert tier in ("subprocess", "bench") or "mode" in names, item.nodeid
+    tiers = _tiers(items)
+    assert tiers[request.node.nodeid] == "fast"
+    known = [
+        # a helper of the test's module starts the driver process
+        ("test_resume.py::test_a_new_driver_resumes_a_named_run", "subprocess"),
+        ("test_cluster.py::test_parent_placement_group_that_captures", "multinode"),
+        ("test_stream.py::test_every_rank_every_step_arrives_in_order_exactly_once[ray", "ray"),
+        ("test_stream.py::test_every_rank_every_step_arrives_in_order_exactly_once[local", "fast"),
+    ]
+    for prefix, tier in known:
+        for nodeid in tiers:  # a run of one file or tier holds only some of them
+            if nodeid.startswith(f"tests/{prefix}"):
+                assert tiers[nodeid] == tier, nodeid
+
+
+def test_the_tiers_run_in_order(request: pytest.FixtureRequest) -> None:
+    order = [TIERS.index(tier_of(item)) for item in request.session.items]
+    assert order == sorted(order)
