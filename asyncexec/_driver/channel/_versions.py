@@ -13,6 +13,7 @@ import anyio
 import anyio.abc
 
 from ..._errors import ChannelError, describe
+from ..._taskgroups import task_group
 from ..._worker import weights_version
 from ..cluster import call_error
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
@@ -113,7 +114,7 @@ class Versions:
         what = "reading the versions the target's ranks hold"
         try:
             with anyio.fail_after(self.timeout_s):
-                async with anyio.create_task_group() as tg:
+                async with task_group() as tg:
                     for worker in workers:
                         tg.start_soon(one, worker)
         except TimeoutError as exc:
