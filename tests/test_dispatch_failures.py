@@ -83,6 +83,7 @@ async def test_idempotent_calls_go_to_the_new_group_after_a_backend_group_died(
                     tg.start_soon(ask, request)
         assert sorted(answers) == list(range(8))
         assert pids[0] not in answers.values()
+        assert ex.statistics().resends >= 1
         new = await ex.call(Server.pid)  # a new group: the survivor went with the dead one
         assert not set(new) & set(pids)
         assert set(new) & set(answers.values())  # and the requests sent again went to it
@@ -99,6 +100,7 @@ async def test_a_call_the_caller_stopped_waiting_for_keeps_its_slot_until_it_end
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
         with anyio.move_on_after(0.3):
             await ex.call(Server.slow, 1.5, on=one)  # rank 0, still running there
+        assert ex.statistics().in_flight == (1, 0)
         # Rank 0 is busy until its call ends: the next calls go to rank 1, one at a time.
         assert await ex.call(Server.slow, 0.0, on=one) == 1
         assert await ex.call(Server.slow, 0.0, on=one) == 1
@@ -135,6 +137,9 @@ async def test_a_dead_rank_is_renewed_once_however_many_calls_saw_it_die(mode: s
                     tg.start_soon(call_dead_rank)
         assert len(failures) == 3
         assert [e["event"] for e in logs].count("rank_renewed") == 1
+        stats = ex.statistics()
+        assert (stats.renewed_ranks, stats.resends, stats.in_flight) == (1, 0, (0, 0))
+        assert stats.calls == 3
         assert await ex.call(Server.slow, 0.0) == [0, 1]
 
 
@@ -228,7 +233,8 @@ async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
         loads.release(*second)
     assert woken == [1]
     assert loads.of(group).counts == (1, 1)
-    assert loads.statistics().in_flight == (1, 1)
+    assert loads.statistics(group).in_flight == (1, 1)
+    assert loads.statistics(_Group(3)).in_flight == (0, 0, 0)
 
 
 async def test_a_renewal_is_made_once_per_dead_worker() -> None:

@@ -54,7 +54,6 @@ class Loads:
         self._waiting = 0  # callers waiting on it for a rank under the cap
         self._renewals: dict[Hashable, anyio.Event] = {}
         self._renewing = anyio.Lock()
-        self._live: Any = None  # the group whose load the statistics show
         self.calls = 0
         self.resends = 0
         self.renewed_ranks = 0
@@ -65,7 +64,6 @@ class Loads:
         load = self._records.get(group)
         if load is None or len(load.counts) != len(group.workers):
             load = self._records[group] = Load(len(group.workers))
-        self._live = weakref.ref(group)
         return load
 
     def take(
@@ -144,11 +142,13 @@ class Loads:
             del self._renewals[key]
             done.set()
 
-    def statistics(self) -> DispatchStatistics:
-        """The counters, and the calls in flight on the group last chosen from."""
-        group = self._live() if self._live is not None else None
+    def statistics(self, group: _Sized | None = None) -> DispatchStatistics:
+        """The counters, and the calls chosen by load in flight on each rank of ``group`` (the
+        live one; none without)."""
         load = None if group is None else self._records.get(group)
-        counts = () if load is None else load.counts
+        counts = () if group is None else (0,) * len(group.workers)
+        if load is not None and len(load.counts) == len(counts):
+            counts = load.counts
         return DispatchStatistics(self.calls, self.resends, self.renewed_ranks, counts)
 
     def __repr__(self) -> str:

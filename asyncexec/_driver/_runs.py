@@ -15,6 +15,7 @@ from .._config import ExecutorConfig
 from .._errors import ExecutorStateError
 from ..backends._base import Backend
 from ._lifecycle import ExecutorState, Lifecycle
+from ._loads import Loads
 from ._metrics import metrics
 from ._restart import RestartPolicy
 from .run import Resume, Run, RunCore, RunDriver, RunResult, RunState, new_run_id, prepare
@@ -43,6 +44,15 @@ class ExecutorStatistics:
     #: Restarts after a preemption (workers lost with a node the cluster had drained), counted
     #: apart from ``restarts``: of the group, or of one rank of an independent run.
     preemptions: int = 0
+    #: Calls sent to a rank by ``call()``, ``stream()`` and ``execute()`` (a call to N ranks
+    #: counts N; a call sent again counts again).
+    calls: int = 0
+    #: Idempotent calls (``least_loaded(retry=True)``) sent again after their rank died.
+    resends: int = 0
+    #: Dead ranks that got a fresh process in their place outside a run.
+    renewed_ranks: int = 0
+    #: Calls chosen by load (``least_loaded()``) in flight on each rank of the live group.
+    in_flight: tuple[int, ...] = ()
 
 
 class ExecutorRuns:
@@ -52,6 +62,7 @@ class ExecutorRuns:
     backend: Backend | None
     restart_policy: RestartPolicy
     _life: Lifecycle
+    _loads: Loads
 
     def _init_runs(self) -> None:
         self._result: RunResult | None = None
@@ -92,12 +103,17 @@ class ExecutorRuns:
         if self._life.run is not None:
             stats["steps_delivered"] += self._life.run.delivered
         slot = self._life.slot
+        calls = self._loads.statistics(slot.group)
         return ExecutorStatistics(
             state=self.state,
             num_workers=self._size(),
             group_starts=slot.starts,
             restarts=slot.restarts,
             resizes=slot.resizes,
+            calls=calls.calls,
+            resends=calls.resends,
+            renewed_ranks=calls.renewed_ranks,
+            in_flight=calls.in_flight,
             **stats,
         )
 
