@@ -6,7 +6,12 @@ share a base class, and a rank replaced outside a run restored to where the othe
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -224,3 +229,79 @@ def test_a_method_named_through_a_class_that_is_no_role_is_refused() -> None:
         asyncexec.method(Critic, Stranger.values)
     with pytest.raises(asyncexec.ConfigurationError, match=r"takes a class"):
         asyncexec.method(Critic(), "values")  # type: ignore[arg-type]
+
+
+# A rank replaced outside a run is restored where the others are --------------------------------
+
+
+class Stepper:
+    """Its step is its state: a run moves it on (rank 0 saves each), restore() sets it."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def restore(self, checkpoint: asyncexec.Checkpoint) -> None:
+        self.step = json.loads((Path(checkpoint.path) / "step.json").read_text())["step"]
+
+    def train(self, config: dict[str, Any]) -> int:
+        if (checkpoint := asyncexec.get_checkpoint()) is not None:
+            self.restore(checkpoint)
+        rank = asyncexec.get_context().world_rank
+        while self.step < config["to"] + rank * config.get("per_rank", 0):
+            self.step += 1
+            saved = None
+            if rank == 0 or config.get("every_rank_saves"):
+                folder = Path(tempfile.mkdtemp())
+                (folder / "step.json").write_text(json.dumps({"step": self.step}))
+                saved = asyncexec.Checkpoint.from_directory(str(folder))
+            asyncexec.report({"step": self.step}, checkpoint=saved)
+        return self.step
+
+    def where(self) -> int:
+        return self.step
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+async def _killed_and_renewed(ex: asyncexec.Executor, rank: int) -> None:
+    """SIGKILL ``rank`` outside a run; a call finds it dead, and the rank gets a fresh process."""
+    pids = await ex.call(Stepper.pid)
+    os.kill(pids[rank], signal.SIGKILL)
+    with anyio.fail_after(30), pytest.raises(asyncexec.WorkerCrashedError):
+        await ex.call(Stepper.where, on=asyncexec.rank(rank))
+    with anyio.fail_after(30):
+        assert (await ex.call(Stepper.pid))[rank] != pids[rank]
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_a_rank_renewed_after_runs_is_restored_from_the_last_runs_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """It came back at step 0 (or at an earlier failure's checkpoint) beside ranks at 6."""
+    async with asyncexec.Executor(
+        2, resources_per_worker=CPU, roles=Stepper, storage_path=str(tmp_path)
+    ) as ex:
+        first = ex.run(Stepper.train, {"to": 3})
+        [s async for s in first]
+        second = ex.run(Stepper.train, {"to": 6}, checkpoint=first.result.checkpoint)
+        [s async for s in second]
+        assert await ex.call(Stepper.where) == [6, 6]
+        await _killed_and_renewed(ex, 1)
+        assert await ex.call(Stepper.where) == [6, 6]
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_a_rank_renewed_after_independent_runs_is_restored_from_its_own_checkpoint(
+    tmp_path: Path,
+) -> None:
+    async with asyncexec.Executor(
+        2, resources_per_worker=CPU, roles=Stepper, storage_path=str(tmp_path)
+    ) as ex:
+        config = {"to": 4, "per_rank": 2, "every_rank_saves": True}  # rank 1 goes on to 6
+        [s async for s in ex.run(Stepper.train, config, independent=True)]
+        assert await ex.call(Stepper.where) == [4, 6]
+        await _killed_and_renewed(ex, 1)
+        assert await ex.call(Stepper.where) == [4, 6]

@@ -9,6 +9,7 @@ from ._health import FailureSink, declare_hung, find_dead, watch, watch_steps
 from ._members import Standby, WorkerInfo
 from ._pool import PoolStatistics, PoolWorker, WorkerPool
 from ._reservation import Claim, Reservation, ReservationStatistics
+from ._roles import PerRank
 from ._slot import GroupSlot
 from ._spares import refill_spare, renew_rank, replace_rank, shrink, take_spare
 from ._startup import start_group, worker_contexts
@@ -18,6 +19,7 @@ __all__ = [
     "Claim",
     "FailureSink",
     "GroupSlot",
+    "PerRank",
     "PoolStatistics",
     "PoolWorker",
     "Reservation",

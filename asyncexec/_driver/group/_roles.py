@@ -3,22 +3,41 @@ the group is set up (after the backend's ``on_start``: ``torch.distributed`` is 
 ``__init__``), on a worker that joins the group in a failed rank's place, and again on every worker
 when the group's world changes (a smaller group, a backend's group formed anew); each instance's
 ``restore(checkpoint)`` is called after its ``__init__`` when the group has a checkpoint to
-restore from (a restart). The roles are pickled once per executor and sent once per group."""
+restore from (a restart, or a rank replaced after a run: the run's latest; after independent
+ranks, each rank's own, :class:`PerRank`). The roles are pickled once per executor and sent once
+per group."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import AsyncExecError, StartupError, describe
 from ..._protocol import Outcome, RoleFailure
 from ._members import WorkerInfo
 
-__all__ = ["INLINE_ROLES_BYTES", "make_roles"]
+__all__ = ["INLINE_ROLES_BYTES", "PerRank", "make_roles"]
 
 #: Roles pickled to at most this travel inline with each worker's call; larger ones are put
 #: where every worker reads them, once per group.
 INLINE_ROLES_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """A checkpoint per rank to restore the instances from (after a run of independent ranks,
+    each rank's own latest); a rank past them, or with None, is not restored."""
+
+    checkpoints: tuple[Any, ...]
+
+    def of(self, rank: int) -> Any:
+        return self.checkpoints[rank] if 0 <= rank < len(self.checkpoints) else None
+
+
+def _restore_from(group: Any, rank: int) -> Any:
+    found = group.restore_from
+    return found.of(rank) if isinstance(found, PerRank) else found
 
 
 async def make_roles(group: Any, workers: Sequence[WorkerInfo]) -> None:
@@ -37,7 +56,7 @@ async def make_roles(group: Any, workers: Sequence[WorkerInfo]) -> None:
         group.roles_ref = await group.cluster.put(payload) if big else payload
     context = group.backend.function_context() if group.backend is not None else None
     refs = [
-        w.handle.call("make_roles", group.roles_ref, group.restore_from, context)
+        w.handle.call("make_roles", group.roles_ref, _restore_from(group, w.rank), context)
         for w in workers
     ]
     outcomes: list[Outcome] = await group.gather(refs, workers)

@@ -23,7 +23,7 @@ from .._interrupt import hurried_away
 from .._metrics import RunMeter, metrics
 from .._restart import RestartPolicy
 from ..cluster import release_shards
-from ..group import GroupSlot, declare_hung, with_others
+from ..group import GroupSlot, PerRank, declare_hung, with_others
 from ._aligned import AlignedRun
 from ._context import RunContext
 from ._independent import IndependentRun
@@ -103,6 +103,7 @@ class RunDriver:
                 await self._stop_session()
                 await self._release_datasets()
                 run.end = end
+                self._keep_restore_point()
                 self._on_end(run)
                 run.finished.set()
             self._send.close()
@@ -134,6 +135,23 @@ class RunDriver:
         if error is not None:
             raise error
         return values
+
+    def _keep_restore_point(self) -> None:
+        """Where this run left the roles' instances, for a rank replaced after it (a call that
+        finds a dead rank outside a run) or a group started afresh: the run's latest
+        checkpoint (each rank's own, for independent ranks), as a restart would restore them.
+        A run that knew no checkpoint leaves the previous one."""
+        ctx = self.ctx
+        latest: Any = ctx.checkpoint
+        if self._independent is not None:
+            checkpoints = self._independent.checkpoints
+            latest = PerRank(tuple(checkpoints)) if any(checkpoints) else None
+        if latest is None:
+            return
+        ctx.slot.restore_from = latest
+        group = ctx.slot.group
+        if group is not None and not group.closed:
+            group.restore_from = latest
 
     def _result(self, values: list[Any]) -> RunResult:
         run = self.ctx.run
