@@ -1,8 +1,10 @@
 """What the Ray actors of ``benchmarks/scale.py`` run (workers import it by name: it imports
-nothing heavy)."""
+nothing heavy), and the worker class of its dispatch figures (pickled by reference, so that the
+simulated ranks' instances share this module's globals with the benchmark)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -43,3 +45,21 @@ def turns_slow(config: dict[str, Any]) -> None:
         started = time.monotonic()
         time.sleep(config["step_s"] * (config["factor"] if slow and i >= slow_from else 1.0))
         asyncexec.report({"slow_since": started if slow and i == slow_from else None})
+
+
+#: What the held calls of the dispatch figures wait for, by name; how many are held.
+HELD: dict[str, asyncio.Event] = {}
+WAITING: dict[str, int] = {}
+
+
+class Shard:
+    """The worker class of the dispatch figures: each simulated rank holds an instance."""
+
+    def take(self, part: Any) -> int:
+        return 0 if part is None else len(part)
+
+    async def hold(self, name: str, expected: int) -> None:
+        WAITING[name] = WAITING.get(name, 0) + 1
+        if WAITING[name] == expected:
+            HELD[f"{name} all in"].set()
+        await HELD[name].wait()

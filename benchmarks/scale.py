@@ -4,6 +4,7 @@ and simulated ranks at 4 to 4,096, in one table of medians.
     python benchmarks/scale.py                  # the full table: about 6 minutes on 2 cores
     python benchmarks/scale.py --quick          # small sizes, one repeat (the tests run it)
     python benchmarks/scale.py --sim-only       # only the simulated ranks (no Ray)
+    python benchmarks/scale.py --dispatch-only  # only the dispatch figures (no Ray)
     python benchmarks/scale.py --profile 4096   # cProfile of the driver through a paced run
 
 Simulated ranks are the cluster seam's third implementation (``asyncexec._driver.cluster``'s
@@ -30,6 +31,12 @@ What is measured, per size (health checks off: they cost one small call per rank
   of 8, each with a GPU), and the group's whole start (the driver's CPU per rank).
 - **saturated**: every rank reports as fast as credit allows (polls of hundreds of reports): the
   reports per second of driver CPU, the rate at which one driver core saturates.
+- **dispatch** (simulated ranks, at 1,024 and 4,096): an executor with a worker class, whose
+  instances the simulated ranks hold; the driver's CPU (less the simulated workers') and the
+  wall time of one ``call()`` to every rank with the same arguments and with a numpy array
+  scattered over them (64 floats a rank), and of one ``least_loaded()`` call: with every rank
+  idle, and with every rank but one holding a call under a cap of one (the choice then scans a
+  full load table); beside one call to ``rank(i)``, which makes no choice.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import functools
 import gc
 import os
 import platform
@@ -62,10 +70,11 @@ for path in (HERE, ROOT):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import anyio  # noqa: E402
 import psutil  # noqa: E402
 import structlog  # noqa: E402
 from _common import median, progress  # noqa: E402
-from _scale_workload import flat_out, paced  # noqa: E402
+from _scale_workload import HELD, WAITING, Shard, flat_out, paced  # noqa: E402
 
 import asyncexec  # noqa: E402
 from asyncexec._devices import DEVICE_KINDS, shared_device_env  # noqa: E402
@@ -94,12 +103,19 @@ class Sizes:
     repeats: int
     paced_reports: int  # in a paced run, over every rank (at least 30 steps)
     saturated_reports: int  # in a saturated run, over every rank
+    dispatch: list[int] = field(default_factory=list)  # simulated sizes with dispatch rows
 
 
 #: ``SCALE_REPEATS=1`` for a shorter full run.
 _REPEATS = int(os.environ.get("SCALE_REPEATS", "3"))
-FULL = Sizes([4, 16, 64, 256, 1024, 4096], [1, 4, 16, 64], _REPEATS, 48_000, 400_000)
+FULL = Sizes(
+    [4, 16, 64, 256, 1024, 4096], [1, 4, 16, 64], _REPEATS, 48_000, 400_000, [1024, 4096]
+)
+#: Quick: no dispatch figures beside the others (``--dispatch-only --quick``: at 256 ranks).
 QUICK = Sizes([4, 64, 256], [1, 4], 1, 4_000, 20_000)
+QUICK_DISPATCH = [256]
+#: Dispatch: calls timed one after the other, per figure and repeat; floats a rank scattered.
+DISPATCH_CALLS, LEAST_CALLS, SCATTER_FLOATS = 10, 100, 64
 
 
 @dataclass
@@ -289,7 +305,11 @@ async def entered(
     wall, cpu = time.perf_counter() - t0, clock.read()[0] - c0
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    keep = [tracemalloc.Filter(False, "*/_sim.py"), tracemalloc.Filter(False, tracemalloc.__file__)]
+    # The simulated workers' modules (_sim, _sim_answers, _sim_roles) are not the driver's.
+    keep = [
+        tracemalloc.Filter(False, "*/_sim*.py"),
+        tracemalloc.Filter(False, tracemalloc.__file__),
+    ]
     grown = sum(d.size_diff for d in after.filter_traces(keep).compare_to(
         before.filter_traces(keep), "filename"
     ))
@@ -297,6 +317,51 @@ async def entered(
     row.add("start_ms", wall * 1e3)
     row.add("start_rank_us", cpu / n * 1e6)
     return executor
+
+
+async def _timed_calls(clock: Clock, calls: int, call: Callable[[], Any]) -> tuple[float, float]:
+    """``calls`` awaits of ``call()``, one after the other: the driver's CPU and the wall time
+    of one, in ms."""
+    gc.collect()
+    c0, t0 = clock.read()[0], time.perf_counter()
+    for _ in range(calls):
+        await call()
+    return (clock.read()[0] - c0) / calls * 1e3, (time.perf_counter() - t0) / calls * 1e3
+
+
+async def dispatch_figures(clock: Clock, n: int, repeats: int, row: Row) -> None:
+    """The dispatch figures of N simulated ranks (see the module's docstring) into ``row``."""
+    import numpy as np
+
+    data = np.arange(n * SCATTER_FLOATS, dtype=np.float32)
+    role = asyncexec.Role(Shard)
+    async with asyncexec.Executor(n, roles=role, health=NO_HEALTH, name="scale") as ex:
+        least, last = asyncexec.least_loaded(), asyncexec.rank(n - 1)
+        figures: dict[str, Callable[[], Any]] = {
+            "all": lambda: ex.call(Shard.take, None),
+            "scatter": lambda: ex.call(Shard.take, asyncexec.scatter(data)),
+            "least": lambda: ex.call(Shard.take, None, on=least),
+            "rank": lambda: ex.call(Shard.take, None, on=last),
+        }
+        for _ in range(repeats):
+            for key, call in figures.items():
+                many = DISPATCH_CALLS if key in ("all", "scatter") else LEAST_CALLS
+                cpu, wall = await _timed_calls(clock, many, call)
+                row.add(f"{key}_cpu_ms", cpu)
+                row.add(f"{key}_ms", wall)
+            # Every rank but the last holds a call under a cap of one: each choice scans them.
+            HELD.update({"busy": asyncio.Event(), "busy all in": asyncio.Event()})
+            WAITING["busy"] = 0
+            cap = asyncexec.least_loaded(max_in_flight=1)
+            async with anyio.create_task_group() as tg:
+                for _ in range(n - 1):
+                    tg.start_soon(functools.partial(ex.call, Shard.hold, "busy", n - 1, on=cap))
+                await HELD["busy all in"].wait()
+                capped = functools.partial(ex.call, Shard.take, None, on=cap)
+                cpu, wall = await _timed_calls(clock, LEAST_CALLS, capped)
+                row.add("least_busy_cpu_ms", cpu)
+                row.add("least_busy_ms", wall)
+                HELD["busy"].set()
 
 
 async def measure(kind: str, n: int, sizes: Sizes) -> Row:
@@ -327,7 +392,25 @@ async def measure(kind: str, n: int, sizes: Sizes) -> Row:
                 await saturated_run(executor, clock, n, sizes.saturated_reports, row)
         finally:
             await executor.aclose()
+        try:
+            if sim is not None and n in sizes.dispatch:
+                progress(f"{kind} {n}: dispatch")
+                await dispatch_figures(clock, n, sizes.repeats, row)
+        finally:
             gc.callbacks.remove(clock.gc)
+    return row
+
+
+async def dispatch_only(n: int, sizes: Sizes) -> Row:
+    """The dispatch figures alone, of N simulated ranks."""
+    row, sim = Row("simulated", n), SimCluster()
+    clock = Clock(sim)
+    gc.callbacks.append(clock.gc)
+    try:
+        with simulated(sim):
+            await dispatch_figures(clock, n, sizes.repeats, row)
+    finally:
+        gc.callbacks.remove(clock.gc)
     return row
 
 
@@ -343,6 +426,8 @@ def _fmt(value: float, digits: int = 1) -> str:
 
 
 def render(rows: list[Row]) -> str:
+    dispatched = [r for r in rows if "scatter_ms" in r.values]
+    rows = [r for r in rows if "planning_ms" in r.values]  # not the dispatch figures alone
     head = (
         "| ranks | driver CPU per report, us (of it GC) | per step, ms | last report to "
         "consumer, ms | the same, GC tuned: us / ms / ms | control: simulated workers' own, "
@@ -370,6 +455,21 @@ def render(rows: list[Row]) -> str:
             f"| {_fmt(r.get('start_ms'))} ({_fmt(r.get('start_rank_us'))}) "
             f"| {_fmt(r.get('saturated_per_s'))} | {_fmt(r.get('process_report_us'), 2)} |"
         )
+    if not rows:  # the dispatch figures alone
+        lines = []
+    if dispatched:
+        head = (
+            "| ranks | call, same arguments: ms (driver CPU) | scatter, 64 floats a rank: ms "
+            "(driver CPU) | least_loaded, idle ranks: ms (CPU) | least_loaded, all but one "
+            "busy, cap 1: ms (CPU) | rank(i): ms (CPU) |"
+        )
+        lines += ["", head, "|---|--:|--:|--:|--:|--:|"]
+        for r in dispatched:
+            cells = [
+                f"{_fmt(r.get(k + '_ms'), 3)} ({_fmt(r.get(k + '_cpu_ms'), 3)})"
+                for k in ("all", "scatter", "least", "least_busy", "rank")
+            ]
+            lines.append(f"| {r.kind} {r.ranks} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -381,14 +481,14 @@ def verdicts(rows: list[Row]) -> list[str]:
         ("report_us_tuned", "GC tuned"),
         ("sim_us_tuned", "the control (constant work)"),
     ):
-        costs = {n: r.get(key) for n, r in sim.items()}
+        costs = {n: r.get(key) for n, r in sim.items() if key in r.values}
         if len(costs) >= 2:
             low, high = min(costs.values()), max(costs.values())
             out.append(
                 f"cost per rank-report over {min(costs)}..{max(costs)} simulated ranks, {what}: "
                 f"{_fmt(low, 2)}..{_fmt(high, 2)} us, max/min {high / low:.2f} (target <= 1.5)"
             )
-    if 1024 in sim:
+    if 1024 in sim and "step_ms" in sim[1024].values:
         r = sim[1024]
         out.append(
             f"a 1,024-rank step: {_fmt(r.get('step_ms'), 2)} ms of driver CPU "
@@ -396,7 +496,17 @@ def verdicts(rows: list[Row]) -> list[str]:
             f"{_fmt(r.get('latency_ms'), 2)} ms from its last report to the consumer, "
             f"{_fmt(r.get('take_ms'), 2)} ms to take it from the assembly (target <= 10 ms)"
         )
-    heaps = [r.get("heap_rank_kib") for r in sim.values()]
+    for n, r in sorted(sim.items()):
+        if "scatter_ms" in r.values:
+            out.append(
+                f"dispatch to {n:,} simulated ranks: a call to every rank "
+                f"{_fmt(r.get('all_cpu_ms'), 2)} ms of driver CPU, a scatter "
+                f"{_fmt(r.get('scatter_cpu_ms'), 2)} ms; a least-loaded choice (the call less "
+                f"rank(i)'s) {_fmt((r.get('least_cpu_ms') - r.get('rank_cpu_ms')) * 1e3, 0)} us "
+                f"idle, {_fmt((r.get('least_busy_cpu_ms') - r.get('rank_cpu_ms')) * 1e3, 0)} us "
+                f"with all but one rank busy"
+            )
+    heaps = [h for r in sim.values() if (h := r.get("heap_rank_kib")) == h]  # nan: not measured
     if heaps:
         out.append(f"heap per idle rank: at most {_fmt(max(heaps), 2)} KiB (target < 50 KiB)")
     return out
@@ -425,8 +535,13 @@ def _dropped(logger: Any, name: str, event: Any) -> Any:
     raise structlog.DropEvent
 
 
-async def bench(sizes: Sizes, sim_only: bool) -> list[Row]:
+async def bench(sizes: Sizes, sim_only: bool, dispatch: bool = False) -> list[Row]:
     rows = []
+    if dispatch:
+        for n in sizes.dispatch or QUICK_DISPATCH:
+            progress(f"simulated {n}: dispatch")
+            rows.append(await dispatch_only(n, sizes))
+        return rows
     for n in sizes.sim:
         progress(f"simulated {n}")
         rows.append(await measure("simulated", n, sizes))
@@ -452,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
     parser.add_argument("--sim-only", action="store_true", help="only the simulated ranks")
+    parser.add_argument(
+        "--dispatch-only", action="store_true", help="only the dispatch figures (simulated)"
+    )
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N simulated ranks")
     args = parser.parse_args(argv)
     structlog.configure(processors=[_dropped])  # the library's log lines are not the output
@@ -460,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = QUICK if args.quick else FULL
     t0 = time.perf_counter()
-    rows = asyncio.run(bench(sizes, args.sim_only))
+    rows = asyncio.run(bench(sizes, args.sim_only, args.dispatch_only))
     print()
     print(
         f"asyncexec: the driver's cost as ranks grow ({'quick' if args.quick else 'full'}), "
