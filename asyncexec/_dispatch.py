@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -31,6 +31,7 @@ from ._split import (
     Splittable,
     compact,
     concat,
+    estimated_nbytes,
     scatter,
     split,
     split_length,
@@ -61,7 +62,9 @@ __all__ = [
     "Scatter",
     "Splittable",
     "Target",
+    "compact",
     "concat",
+    "estimated_nbytes",
     "least_loaded",
     "method_of",
     "plan_call",
@@ -115,6 +118,8 @@ class CallPlan:
     keywords: tuple[str, ...]
     #: Each rank's part index for each argument (one row for every rank when nothing scatters).
     rows: tuple[tuple[int, ...], ...] = field(repr=False)
+    #: How messages name each argument (``"argument 'batch'"``), in the order of a row.
+    names: tuple[str, ...] = field(default=(), repr=False)
     _returned_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +143,58 @@ class CallPlan:
     def returns(self, r: int) -> bool:
         """Whether rank ``r``'s result is returned (always, for a rank chosen by load)."""
         return self.choose is not None or r in self._returned_set
+
+    async def travelling(
+        self, put: Callable[[Any], Awaitable[Any]], inline_bytes: int
+    ) -> list[Any]:
+        """Each part as it travels, in the order of ``parts``: one over ``inline_bytes`` (by
+        :func:`estimated_nbytes`) compacted in a thread (torch views copied to storage of their
+        own, see :func:`compact`: a large copy stays off the event loop) and handed to ``put``
+        (the object store's, once for every rank that receives it); a smaller one compacted
+        here, to travel inline with the call.
+
+        Raises:
+            ConfigurationError: a large part does not pickle (named by its argument).
+        """
+        import anyio  # here, not at the top: planning a call loads no event-loop library
+
+        travelling: list[Any] = []
+        for part in self.parts:
+            if estimated_nbytes(part) <= inline_bytes:
+                travelling.append(compact(part))
+                continue
+            whole = await anyio.to_thread.run_sync(compact, part)
+            try:
+                travelling.append(await put(whole))
+            except TypeError as exc:  # Ray's own text for what does not pickle: name it
+                raise self.pickling_error(exc) from exc
+        return travelling
+
+    def pickling_error(self, exc: Exception) -> Exception:
+        """What to raise when sending the call failed with ``exc`` (Ray's ``TypeError`` for an
+        argument that does not pickle, a long text with colours): a
+        :class:`ConfigurationError` that names the first argument that does not pickle, or
+        ``exc`` itself when each does. Pickles the parts again: only on such a failure."""
+        from ray import cloudpickle
+
+        for index, part in enumerate(self.parts):
+            try:
+                cloudpickle.dumps(part)
+            except Exception as failure:
+                return ConfigurationError(
+                    f"{self._argument_of(index)} ({type(part).__name__}) cannot be pickled to "
+                    f"be sent to the workers: {describe(failure)}"
+                )
+        return exc
+
+    def _argument_of(self, part: int) -> str:
+        """How messages name the argument that part ``part`` is (a piece) of."""
+        for row in self.rows:
+            for column, index in enumerate(row):
+                if index == part and column < len(self.names):
+                    whole = all(r[column] == index for r in self.rows)
+                    return self.names[column] if whole else f"a part of {self.names[column]}"
+        return f"part {part} of the arguments"
 
     def result(self, values: Sequence[Any]) -> Any:
         """What the call returns, from the results of the ranks called (in the order of
@@ -219,6 +276,7 @@ def plan_call(
         positional=len(args),
         keywords=tuple(kwargs),
         rows=rows,
+        names=tuple(names),
     )
 
 
@@ -269,6 +327,8 @@ def _unwrapped(
         fn = fn.func
     if not callable(fn):
         raise ConfigurationError(f"a call takes a callable, got {type(fn).__name__}")
+    if isinstance(fn, type):
+        _refuse_class(fn, roles)
     method = method_of(fn, roles)
     if method is not None and bound and takes_self(roles[method.role_index].cls, method.name):
         raise ConfigurationError(
@@ -276,6 +336,22 @@ def _unwrapped(
             "stand for the instance: bind keywords only"
         )
     return fn, args, kwargs, method
+
+
+def _refuse_class(cls: type, roles: Sequence[Role[Any]]) -> None:
+    """A class passed where a method is expected (``call(Learner, ...)``): say what is."""
+    name = cls.__qualname__
+    methods = [n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")][:3]
+    example = ", ".join(f"{name}.{m}" for m in methods) or f"{name}.<method>"
+    made = (
+        "the executor makes its instances (roles=); "
+        if any(role.cls is cls for role in roles)
+        else ""
+    )
+    raise ConfigurationError(
+        f"a call takes a method of a role or a function, got the class {name}: {made}call one "
+        f"of its methods ({example})"
+    )
 
 
 def _bind(
@@ -424,7 +500,7 @@ def _scatter_column(
     """Split a scattered argument into ``parts``; return each rank's part index."""
     base = len(parts)
     if marker.axis is None:
-        parts.extend(map(compact, split(marker.value, world_size, what=what)))
+        parts.extend(split(marker.value, world_size, what=what))
         return list(range(base, base + world_size))
     if not isinstance(on, Mesh):
         raise ConfigurationError(
@@ -434,7 +510,7 @@ def _scatter_column(
     axes = on.axes
     if marker.axis not in axes:
         raise ConfigurationError(f"scatter({what}, axis={marker.axis!r}): {on!r} has no such axis")
-    parts.extend(map(compact, split(marker.value, axes[marker.axis], what=what)))
+    parts.extend(split(marker.value, axes[marker.axis], what=what))
     return [base + on.coord(r, marker.axis) for r in range(world_size)]
 
 

@@ -10,8 +10,11 @@ metadata, goes whole to every part); any object with ``__asyncexec_split__(n)``
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import itertools
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -22,6 +25,7 @@ __all__ = [
     "Splittable",
     "compact",
     "concat",
+    "estimated_nbytes",
     "scatter",
     "short_repr",
     "split",
@@ -261,17 +265,139 @@ def _is_torch(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def compact(part: Any) -> Any:
-    """``part`` as it should travel: a torch view pickles its whole storage (every rank's data),
-    so a tensor that does not own its storage is copied, once (a numpy view pickles its own data
-    only)."""
+#: How deep :func:`compact` and :func:`estimated_nbytes` look into containers and objects.
+_DEPTH = 4
+#: How many items of a container they look at (the rest are taken to be alike).
+_SAMPLE = 64
+#: What a value counts when nothing more of its size is known.
+_SMALL = 64
+#: Values with nothing inside to look into.
+_ATOMS = (int, float, complex, bool, str, bytes, bytearray, memoryview, type(None), type)
+#: Libraries whose objects are not taken apart (their own pickling knows them).
+_OPAQUE = frozenset({"builtins", "numpy", "pandas", "torch", "ray", "pyarrow"})
+
+
+def compact(part: Any, depth: int = 0) -> Any:
+    """``part`` as it should travel: a torch tensor that views a larger storage pickles that
+    whole storage (every rank's data, for a part of a scattered tensor), so it is copied to a
+    storage of its own. Views are looked for in dicts, lists, tuples, dataclasses and other
+    objects' fields (as a :class:`Splittable`'s parts hold them), a bounded depth down; a
+    container or object is copied (shallowly) only when something in it was. A numpy view
+    pickles its own data only. Copies as much as the views hold: run it off the event loop for
+    a large part."""
     if _is_torch(part):
-        if part.untyped_storage().nbytes() > part.numel() * part.element_size():
-            return part.clone()
+        return _clone(part) if _is_view(part) else part
+    if depth >= _DEPTH or isinstance(part, _ATOMS):
         return part
-    if type(part) is dict:
-        return {k: compact(v) for k, v in part.items()}
-    return part
+    kind = type(part)
+    if kind is dict:
+        values = {k: compact(v, depth + 1) for k, v in part.items()}
+        changed = any(values[k] is not v for k, v in part.items())
+        return values if changed else part
+    if kind is list or kind is tuple:
+        if not any(_may_hold_views(v) for v in part[:_SAMPLE]):
+            return part  # a list of plain items: not walked item by item
+        items = [compact(v, depth + 1) for v in part]
+        changed = any(new is not old for new, old in zip(items, part, strict=True))
+        return (items if kind is list else tuple(items)) if changed else part
+    return _compact_fields(part, depth)
+
+
+def _may_hold_views(value: Any) -> bool:
+    return not isinstance(value, _ATOMS) and not _is_numpy(value)
+
+
+def _compact_fields(part: Any, depth: int) -> Any:
+    """An object with its fields compacted: a shallow copy when one of them changed."""
+    fields = _fields(part)
+    if not fields:
+        return part
+    changed = {}
+    for name, value in fields.items():
+        new = compact(value, depth + 1)
+        if new is not value:
+            changed[name] = new
+    if not changed:
+        return part
+    try:
+        copied = copy.copy(part)
+        for name, value in changed.items():
+            object.__setattr__(copied, name, value)
+    except Exception:  # an object that does not copy: it travels as it is
+        return part
+    return copied
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    """The data fields of a dataclass or another object (``__dict__``, ``__slots__``); none for
+    a class, a function, a module or an object of a library in :data:`_OPAQUE`."""
+    kind = type(value)
+    if kind.__module__.partition(".")[0] in _OPAQUE or callable(value):
+        return {}
+    if dataclasses.is_dataclass(value):
+        return {f.name: getattr(value, f.name, None) for f in dataclasses.fields(value)}
+    found: dict[str, Any] = dict(getattr(value, "__dict__", None) or {})
+    for klass in kind.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                found[name] = getattr(value, name)
+    return found
+
+
+def _is_view(tensor: Any) -> bool:
+    """Whether a torch tensor's storage holds more than the tensor (it pickles all of it)."""
+    try:
+        held = tensor.untyped_storage().nbytes()
+    except Exception:  # a sparse, meta or other tensor without a plain storage
+        return False
+    return bool(held > tensor.numel() * tensor.element_size())
+
+
+def _clone(tensor: Any) -> Any:
+    """A copy of ``tensor`` with a storage of its own."""
+    return tensor.clone()
+
+
+def estimated_nbytes(value: Any, depth: int = 0) -> int:
+    """About how many bytes ``value`` pickles to, without pickling it, to decide whether it
+    travels inline with a call or is put where the workers read it once: arrays and tensors by
+    their ``nbytes``, bytes and strings by length, pandas objects by their ``memory_usage()``,
+    containers by a sample of their items, dataclasses and other objects by their fields
+    (``__dict__``, ``__slots__``), a bounded depth down. Never raises."""
+    try:
+        return _estimate(value, depth)
+    except Exception:  # an odd object (a property that raises): counted small
+        return _SMALL
+
+
+def _estimate(value: Any, depth: int) -> int:
+    if isinstance(value, bytes | bytearray | memoryview | str):
+        return len(value)
+    if isinstance(value, _ATOMS):
+        return _SMALL
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(value, pandas.DataFrame | pandas.Series | pandas.Index):
+        usage = value.memory_usage(index=True, deep=False)
+        return int(usage.sum()) if hasattr(usage, "sum") else int(usage)
+    if depth >= _DEPTH:
+        return _SMALL
+    if isinstance(value, Mapping):
+        return _SMALL + _sampled(value.values(), len(value), depth)
+    if isinstance(value, list | tuple | set | frozenset):
+        return _SMALL + _sampled(value, len(value), depth)
+    fields = _fields(value)
+    return _SMALL + _sampled(fields.values(), len(fields), depth)
+
+
+def _sampled(items: Iterable[Any], length: int, depth: int) -> int:
+    """The size of ``length`` items from that of the first :data:`_SAMPLE`."""
+    sample = list(itertools.islice(items, _SAMPLE))
+    seen = sum(_estimate(item, depth + 1) for item in sample)
+    return seen if length <= len(sample) else seen * length // max(len(sample), 1)
 
 
 def concat(results: Sequence[T]) -> T:

@@ -467,15 +467,23 @@ def test_scattered_arguments_split_in_lockstep_and_must_match_in_length() -> Non
         plan_call(plain, [scatter([1, 2, 3])], {"y": scatter([1, 2])}, 2)
 
 
-def test_a_torch_part_travels_without_the_rest_of_its_storage() -> None:
-    """A torch view pickles its whole storage: a planned part is a copy of its rows only."""
+async def _kept(value: Any) -> Any:
+    return value
+
+
+async def test_a_torch_part_travels_without_the_rest_of_its_storage() -> None:
+    """A torch view pickles its whole storage: a part travels as a copy of its rows only (the
+    plan copies nothing; the copy is made as the parts are sent, off the loop when large)."""
     tensor = torch.zeros(1000, 4)
     plan = plan_call(plain, [scatter(tensor)], {}, 4)
-    for part in plan.parts:
-        assert part.untyped_storage().nbytes() == 250 * 4 * 4
-    whole = len(pickle.dumps(tensor))
-    assert all(len(pickle.dumps(p)) < whole / 3 for p in plan.parts)
-    columns = plan_call(plain, [scatter({"x": tensor})], {}, 4).parts
+    assert all(p.untyped_storage().nbytes() == 1000 * 4 * 4 for p in plan.parts)  # views
+    for inline in (0, 1 << 20):  # put (compacted in a thread) and inline
+        parts = await plan.travelling(_kept, inline)
+        for part in parts:
+            assert part.untyped_storage().nbytes() == 250 * 4 * 4
+        whole = len(pickle.dumps(tensor))
+        assert all(len(pickle.dumps(p)) < whole / 3 for p in parts)
+    columns = await plan_call(plain, [scatter({"x": tensor})], {}, 4).travelling(_kept, 0)
     assert all(p["x"].untyped_storage().nbytes() == 250 * 4 * 4 for p in columns)
 
 

@@ -5,11 +5,14 @@ way (once, off the driver's loop, a part's own bytes only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import asyncexec
 from asyncexec._dispatch import plan_call
@@ -104,3 +107,195 @@ async def test_a_scattered_batch_with_metadata_reaches_every_rank(mode: str) -> 
         {"rows": 2, "meta": {"temperature": 0.7}, "step": 9},
         {"rows": 1, "meta": {"temperature": 0.7}, "step": 9},
     ]
+
+
+# Arguments that cannot travel (item 17) --------------------------------------------------------
+
+
+class Echo:
+    def take(self, value: Any) -> int:
+        return 1
+
+    def takes(self, batch: list[Any]) -> int:
+        return len(batch)
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(60)
+async def test_an_argument_that_does_not_pickle_is_named(mode: str) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Echo) as ex:
+        with pytest.raises(asyncexec.ConfigurationError) as info:
+            await ex.call(Echo.take, threading.Lock())
+        message = str(info.value)
+        assert "argument 'value'" in message and "lock" in message and "pickle" in message
+        assert "\x1b[" not in message and "_Worker" not in message and len(message) < 400
+        with pytest.raises(asyncexec.ConfigurationError, match=r"argument 'batch'.*pickle"):
+            await ex.call(Echo.takes, asyncexec.scatter([1, threading.Lock()]))
+        big = [b"x" * 1024] * 100 + [threading.Lock()]  # over 64 KiB: put in the object store
+        with pytest.raises(asyncexec.ConfigurationError, match=r"argument 'value'.*pickle"):
+            await ex.call(Echo.take, big)
+        assert await ex.call(Echo.take, 1) == [1, 1]  # the group is unharmed
+
+
+def test_a_class_called_instead_of_a_method_says_what_is_expected() -> None:
+    roles = [asyncexec.Role(Echo)]
+    with pytest.raises(asyncexec.ConfigurationError, match=r"class Echo.*Echo\.take"):
+        plan_call(Echo, [1], {}, 2, roles=roles)
+    with pytest.raises(asyncexec.ConfigurationError, match="class Learner"):
+        plan_call(Learner, [], {}, 2)
+
+
+# The size that decides how a part travels (item 10) --------------------------------------------
+
+
+@dataclasses.dataclass
+class Columns:
+    obs: np.ndarray
+    rewards: np.ndarray
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.obs = np.zeros(100_000)
+        self.name = "plain"
+
+
+class Slotted:
+    __slots__ = ("obs",)
+
+    def __init__(self) -> None:
+        self.obs = np.zeros(100_000)
+
+
+def test_the_size_of_a_frame_a_dataclass_and_a_plain_object_is_estimated() -> None:
+    from asyncexec._split import estimated_nbytes
+
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.DataFrame({"a": np.zeros(100_000), "b": np.ones(100_000)})
+    assert estimated_nbytes(frame) >= 1_600_000
+    assert estimated_nbytes(Columns(np.zeros(100_000), np.zeros(100_000))) >= 1_600_000
+    assert estimated_nbytes(Plain()) >= 800_000
+    assert estimated_nbytes(Slotted()) >= 800_000
+    assert estimated_nbytes({"batch": [Columns(np.zeros(10_000), np.zeros(10))]}) >= 80_000
+    assert estimated_nbytes(1) < 1024 and estimated_nbytes(Learner) < 1024  # a class: small
+    nested: list[Any] = []
+    nested.append(nested)  # a cycle, and depth, are bounded
+    assert estimated_nbytes(nested) < 1024
+
+
+class Sent:
+    """Counts how often it is pickled where it is pickled (here: the driver)."""
+
+    count = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        Sent.count += 1
+        return (Sent, ())
+
+
+@dataclasses.dataclass
+class Batch:
+    obs: np.ndarray
+    sent: Sent
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(60)
+async def test_a_large_dataclass_argument_is_put_once_not_pickled_per_rank(mode: str) -> None:
+    batch = Batch(np.zeros(200_000), Sent())  # 1.6 MB, no nbytes or len of its own
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Echo) as ex:
+        Sent.count = 0
+        assert await ex.call(Echo.take, batch) == [1, 1]
+        assert Sent.count == 1  # put in the object store once; it was pickled once per rank
+
+
+# Pickled once, copied off the loop, a part's own bytes only (item 9) ----------------------------
+
+
+class Counted:
+    """Counts its picklings on the instance that made it (in the worker)."""
+
+    def __init__(self, counter: list[int]) -> None:
+        self.counter = counter
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.counter[0] += 1
+        return (Counted, ([],))
+
+
+class Rows:
+    """A batch that splits itself into views of its tensor."""
+
+    def __init__(self, data: torch.Tensor, meta: dict[str, Any]) -> None:
+        self.data = data
+        self.meta = meta
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __asyncexec_split__(self, n: int) -> list[Rows]:
+        return [Rows(part, self.meta) for part in self.data.tensor_split(n)]
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.pickles = [0]
+
+    def make(self) -> Counted:
+        return Counted(self.pickles)
+
+    def pickled(self) -> int:
+        return self.pickles[0]
+
+    def lock(self) -> threading.Lock:
+        return threading.Lock()
+
+    def storage(self, rows: Any) -> int:
+        data = rows.data if isinstance(rows, Rows) else rows
+        return int(data.untyped_storage().nbytes())
+
+    def array(self, n: int) -> np.ndarray:
+        return np.arange(n)
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(60)
+async def test_a_return_value_is_pickled_once_on_the_worker(mode: str) -> None:
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=Holder) as ex:
+        await ex.call(Holder.make)
+        assert await ex.call(Holder.pickled) == [1]  # it was dumped to be tested, then sent
+        with pytest.raises(asyncexec.WorkerRaisedError, match="return value cannot be pickled"):
+            await ex.call(Holder.lock)
+        big = await ex.call(Holder.array, 1_000_000, on=asyncexec.rank(0))  # out of band
+        assert big.tolist() == list(range(1_000_000))
+
+
+@pytest.mark.timeout(60)
+async def test_a_splittable_batch_of_views_sends_each_rank_its_part_only(mode: str) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as ex:
+        large = Rows(torch.zeros(40_000), {"step": 1})  # 160 KB: parts put in the object store
+        assert await ex.call(Holder.storage, asyncexec.scatter(large)) == [80_000, 80_000]
+        small = Rows(torch.zeros(1_000), {"step": 1})  # parts inline with the call
+        assert await ex.call(Holder.storage, asyncexec.scatter(small)) == [2_000, 2_000]
+        views = torch.zeros(40_000)
+        assert await ex.call(Holder.storage, asyncexec.scatter(views)) == [80_000, 80_000]
+
+
+@pytest.mark.timeout(60)
+async def test_large_parts_are_compacted_off_the_event_loop(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncexec._split as split_module
+
+    on_loop: list[bool] = []
+    clone = split_module._clone
+
+    def recorded(tensor: torch.Tensor) -> torch.Tensor:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return clone(tensor)
+
+    monkeypatch.setattr(split_module, "_clone", recorded)
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as ex:
+        data = torch.zeros(100_000)  # 400 KB: two parts of 200 KB, each a view
+        assert await ex.call(Holder.storage, asyncexec.scatter(data)) == [200_000, 200_000]
+    assert on_loop == [False, False]

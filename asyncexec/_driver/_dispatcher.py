@@ -137,7 +137,7 @@ class WorkerCalls:
         plan = plan_call(
             fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
         )
-        parts = await _put_parts(group.cluster, plan.parts)
+        parts = await _put_parts(group.cluster, plan)
         if plan.choose is not None:
             return (await self._call_one(group, plan, parts))[1]
         workers = [group.workers[r] for r in plan.ranks]
@@ -182,7 +182,7 @@ class WorkerCalls:
                     group = await self._group()
                     roles = self.config.roles
                     plan = plan_call(fn, args, kwargs, len(group.workers), on, roles=roles)
-                    parts = await _put_parts(group.cluster, plan.parts)
+                    parts = await _put_parts(group.cluster, plan)
                     if plan.choose is not None:
                         await send.send(await self._call_one(group, plan, parts))
                         return
@@ -314,31 +314,20 @@ def _live(slot: GroupSlot) -> WorkerGroup | None:
 
 def _send(worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]) -> Any:
     args, kwargs = plan.arguments(worker.rank, parts)
-    if plan.method is None:
-        return worker.handle.call("execute", plan.fn, *args, **kwargs)
-    index, name = plan.method
-    return worker.handle.call("call_role", index, name, *args, **kwargs)
+    try:
+        if plan.method is None:
+            return worker.handle.call("execute", plan.fn, *args, **kwargs)
+        index, name = plan.method
+        return worker.handle.call("call_role", index, name, *args, **kwargs)
+    except TypeError as exc:  # an argument that does not pickle: named (CallPlan.pickling_error)
+        raise plan.pickling_error(exc) from exc
 
 
-async def _put_parts(cluster: Cluster, parts: Sequence[Any]) -> list[Any]:
-    """Each part, or a reference to it where it is large: put once, off the loop."""
-    return [await cluster.put(p) if _nbytes(p) > INLINE_PART_BYTES else p for p in parts]
-
-
-def _nbytes(value: Any, depth: int = 0) -> int:
-    """About how many bytes ``value`` pickles to, without pickling it: arrays and tensors by
-    their ``nbytes``, bytes and strings by length, containers by their first items."""
-    nbytes = getattr(value, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
-    if isinstance(value, bytes | bytearray | memoryview | str):
-        return len(value)
-    if depth < 2 and isinstance(value, list | tuple | dict):
-        items = list(value.values() if isinstance(value, dict) else value)
-        sample = items[:64]
-        seen = sum(_nbytes(v, depth + 1) for v in sample)
-        return seen if len(items) <= 64 else seen * len(items) // len(sample)
-    return 64
+async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:
+    """Each part of the call, or a reference to it where it is large (by
+    ``asyncexec._split.estimated_nbytes``): put once, copied and put off the loop (see
+    ``CallPlan.travelling``)."""
+    return await plan.travelling(cluster.put, INLINE_PART_BYTES)
 
 
 class _Failed:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from .._protocol import Outcome
+from . import _place
 
 __all__ = ["error_outcome", "takes_config", "value_outcome"]
 
@@ -46,12 +48,51 @@ def error_outcome(exc: BaseException) -> Outcome:
 
 
 def value_outcome(value: Any) -> Outcome:
-    """The outcome of a call that returned ``value``; an error when it cannot be pickled."""
+    """The outcome of a call that returned ``value``; an error when it cannot be pickled.
+
+    The value is pickled here, once (it was pickled to be tested, then again by Ray): in a
+    worker process the outcome carries that pickle, its large buffers out of band (Ray sends
+    them without a copy, as it sends a value's own), and the value is whole again when Ray
+    unpickles the outcome on the driver. A local worker (a thread of the driver's process,
+    where nothing is pickled) returns the value itself, pickled once to check that it would
+    travel, as from a worker process. Numbers, strings, bytes and ``None`` travel as they are."""
+    if type(value) in _PLAIN:
+        return Outcome("ok", value)
     from ray import cloudpickle
 
+    buffers: list[pickle.PickleBuffer] = []
     try:
-        cloudpickle.dumps(value)
+        data = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     except Exception as exc:
         message = f"the return value cannot be pickled ({type(value).__name__}): {exc}"
         return Outcome("error", error=TypeError(message))
-    return Outcome("ok", value)
+    if _place.PLACE.get(None) is not None:  # a local worker's call: nothing crosses a process
+        return Outcome("ok", value)
+    return Outcome("ok", _Pickled(data, buffers))
+
+
+#: Return values that travel as they are (Ray pickles them at once, and always can).
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+#: A pickle longer than this travels out of band too (not copied into Ray's message).
+_OUT_OF_BAND_BYTES = 64 * 1024
+
+
+class _Pickled:
+    """A return value pickled on the worker: it pickles as its pickle (the bytes, its buffers
+    out of band) and unpickles as the value."""
+
+    __slots__ = ("buffers", "data")
+
+    def __init__(self, data: bytes, buffers: list[pickle.PickleBuffer]) -> None:
+        self.data = data
+        self.buffers = buffers
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        data = self.data
+        carried = pickle.PickleBuffer(data) if len(data) > _OUT_OF_BAND_BYTES else data
+        return (_unpickled, (carried, self.buffers))
+
+
+def _unpickled(data: Any, buffers: list[Any]) -> Any:
+    """The value of a :class:`_Pickled`, where it arrives."""
+    return pickle.loads(data, buffers=buffers)
