@@ -201,7 +201,8 @@ async def call_error(exc: BaseException, worker: Who, attempt: int) -> AsyncExec
 
     A dead actor or a lost result is a lost node when Ray's node table no longer holds the
     worker's node (Ray marks a lost node's actors dead only after the node), else a crashed
-    worker or an unreachable one."""
+    worker or an unreachable one. The failed calls of one death share one look-up of the node
+    (``_liveness``)."""
     kind = ray_error_kind(exc)
     if kind == "raised":
         cause = _attribute(exc, "cause")

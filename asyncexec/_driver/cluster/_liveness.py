@@ -2,15 +2,17 @@
 
 One death fails every call in flight on the dead worker at once, and each failure asks whether
 the worker's node is still there (a lost node or a crashed worker). :class:`Liveness` asks the
-node table about a node one look-up at a time: askers that come while a look-up is on its way
-share its answer, an answer is kept a moment (:data:`ALIVE_TTL_S`; a node's death is final, so
-"dead" is kept until the bound of the cache pushes it out), and each look-up has a bound of its
-own (the look-up itself is given the timeout, and its thread is abandoned at it). A look-up that
-fails or does not answer in time says "alive" (unknown), and is not kept.
+node table about a node one look-up at a time (per thread: each event loop shares its own):
+askers that come while a look-up is on its way share its answer; an answer is kept a moment
+(:data:`ALIVE_TTL_S`; a node's death is final, so "dead" is kept until the bound of the cache
+pushes it out); and each look-up has a bound of its own (the look-up itself is given the
+timeout, and its thread is abandoned at it). A look-up that fails or does not answer in time
+says "alive" (unknown), and is not kept.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -60,7 +62,9 @@ class Liveness:
         self.ttl_s = ttl_s
         self.bound = bound
         self._known: dict[str, tuple[float, bool]] = {}  # node -> (answered at, alive)
-        self._asking: dict[str, _Asking] = {}
+        #: Look-ups on their way, by the asking thread (each has its own event loop: an
+        #: executor may run in a thread of its own) and node.
+        self._asking: dict[tuple[int, str], _Asking] = {}
         #: Look-ups made so far (the node table asked), for tests and statistics.
         self.lookups = 0
 
@@ -75,18 +79,19 @@ class Liveness:
         known = self._known.get(node_id)
         if known is not None and (not known[1] or time.monotonic() - known[0] < self.ttl_s):
             return known[1]
-        asking = self._asking.get(node_id)
+        key = (threading.get_ident(), node_id)
+        asking = self._asking.get(key)
         if asking is not None:
             await asking.done.wait()
             return asking.alive
-        asking = self._asking[node_id] = _Asking()
+        asking = self._asking[key] = _Asking()
         try:
             # Bounded by the look-up's own timeout; shielded so that the askers who share it
             # get an answer even when the one who started it goes.
             with anyio.CancelScope(shield=True):
                 asking.alive = await self._ask(node_id)
         finally:
-            del self._asking[node_id]
+            del self._asking[key]
             asking.done.set()
         return asking.alive
 
