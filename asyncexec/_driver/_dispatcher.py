@@ -254,7 +254,10 @@ class WorkerCalls:
         limit = len(group.workers)
         while True:
             if group.closed:  # replaced or dropped: the slot's live group now
-                group, tried = await self._group(), set()
+                try:
+                    group, tried = await self._group(), set()
+                except AsyncExecError as exc:  # the executor closed, or no group starts
+                    raise exc from last
             exclude: Collection[int] = tried
             if len(tried) >= len(group.workers):  # a rank renewed meanwhile may take it
                 exclude = {w.rank for w in group.workers if w.handle.key in dead}
@@ -267,6 +270,7 @@ class WorkerCalls:
                 await loads.wait_freed()
                 continue
             worker = group.workers[taken[1]]
+            loads.resends += bool(dead)
             try:
                 return taken[1], await self._one(group, worker, plan, parts, taken)
             except _DIED as exc:
@@ -277,7 +281,6 @@ class WorkerCalls:
                 last = exc
                 dead.add(worker.handle.key)
                 tried.add(taken[1])
-                loads.resends += 1
                 self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
 
 
