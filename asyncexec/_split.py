@@ -62,7 +62,10 @@ class Splittable(Protocol):
             def __asyncexec_split__(self, n: int) -> list[Batch]:
                 return [Batch(o, self.meta) for o in self.obs.tensor_split(n)]
 
-    Returning another number of parts than ``n`` is refused before anything is sent.
+    The parts may be views of the batch's tensors: as they are sent, each is copied to storage
+    of its own (off the driver's event loop when large), so a rank receives its part's bytes
+    only, not the whole batch's. Returning another number of parts than ``n`` is refused
+    before anything is sent.
     """
 
     def __asyncexec_split__(self, n: int) -> Sequence[Any]: ...
