@@ -37,6 +37,7 @@ from .._errors import (
     WorkerCrashedError,
     describe,
 )
+from .._taskgroups import task_group
 from ._lifecycle import Lifecycle
 from ._loads import Loads
 from ._recovery import Recovery
@@ -186,11 +187,11 @@ class WorkerCalls:
                     if plan.choose is not None:
                         await send.send(await self._call_one(group, plan, parts))
                         return
-                    async with anyio.create_task_group() as tg:
+                    async with task_group() as tg:  # a rank's error, not a group of them
                         for r in plan.ranks:
                             tg.start_soon(self._stream_one, group, plan, parts, r, send)
                 except Exception as exc:
-                    await send.send(_Failed(_escaped(exc)))
+                    await send.send(_Failed(exc))
 
     async def _stream_one(
         self,
@@ -290,19 +291,6 @@ def _who(workers: Sequence[WorkerInfo], exc: AsyncExecError) -> WorkerInfo | Non
     if isinstance(rank, int) and 0 <= rank < len(workers):
         return workers[rank]
     return None
-
-
-def _escaped(exc: BaseException) -> BaseException:
-    """What a caller catches of a task group's failure: the one error of a group of one (a
-    rank's ``WorkerRaisedError``, not an ``ExceptionGroup``); of several, the first, with the
-    others attached as notes."""
-    if not isinstance(exc, BaseExceptionGroup):
-        return exc
-    leaves = [_escaped(e) for e in exc.exceptions]
-    first = leaves[0]
-    for other in leaves[1:]:
-        first.add_note(f"also failed at the same time: {describe(other)}")
-    return first
 
 
 def _live(slot: GroupSlot) -> WorkerGroup | None:
