@@ -213,3 +213,27 @@ async def test_simulated_ranks_run_roles_and_every_dispatch_form() -> None:
                 await ex.call(Shard.fail, on=asyncexec.rank(3))
             assert info.value.rank == 3 and isinstance(info.value.__cause__, KeyError)
             assert await ex.execute(async_rank) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(30)
+async def test_a_killed_simulated_rank_fails_the_calls_it_holds() -> None:
+    """A call held by an ``async def`` method of a simulated rank that is killed fails, as a
+    dead actor's calls do, instead of waiting for ever."""
+    with simulated(SimCluster(SimLoad(reports=1))):
+        async with asyncexec.Executor(2, roles=asyncexec.Role(Shard, 1), health=NO_HEALTH) as ex:
+            EVENTS.update(never=asyncio.Event(), all_in=asyncio.Event())
+            ARRIVED[:] = [0, 0, 0]  # the fourth arrival sets all_in
+            failed: list[BaseException] = []
+
+            async def held() -> None:
+                try:
+                    await ex.call(Shard.wait, "never", on=asyncexec.rank(1))
+                except asyncexec.WorkerError as exc:
+                    failed.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(held)
+                await EVENTS["all_in"].wait()
+                ex._slot.group.workers[1].handle.kill()  # type: ignore[union-attr]
+            assert [type(e).__name__ for e in failed] == ["WorkerCrashedError"]
+            assert failed[0].rank == 1  # type: ignore[attr-defined]
