@@ -177,6 +177,44 @@ async def _unlink_after(path: Path, seconds: float) -> None:
     path.unlink(missing_ok=True)  # noqa: ASYNC240 - a test's file
 
 
+# Item 18: counters of dispatch -----------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_calls_resends_and_renewed_ranks_are_counted_in_statistics_and_metrics(
+    mode: str,
+) -> None:
+    prom = pytest.importorskip("prometheus_client")
+    from asyncexec._driver import _metrics
+
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    try:
+        async with asyncexec.Executor(
+            2, resources_per_worker=CPU, roles=Server, name="dispatching"
+        ) as ex:
+            await ex.call(Server.slow, 0.0)  # 2 calls
+            group = ex._slot.group
+            assert group is not None
+            if mode == "local":
+                handle: Any = group.workers[0].handle
+                handle.kill()
+            else:
+                os.kill(ex.workers[0].pid, signal.SIGKILL)
+            retry = asyncexec.least_loaded(retry=True)
+            with anyio.fail_after(40):  # rank 0 (the lowest) is dead: sent again to rank 1
+                assert await ex.call(Server.slow, 0.0, on=retry) == 1
+            stats = ex.statistics()
+        counted = (stats.calls, stats.resends, stats.renewed_ranks)
+        assert counted == (4, 1, 1)
+        label = {"executor": "dispatching"}
+        names = ("asyncexec_calls_total", "asyncexec_call_resends_total")
+        names += ("asyncexec_ranks_renewed_total",)
+        assert tuple(registry.get_sample_value(n, label) for n in names) == counted
+    finally:
+        _metrics._metrics = None
+
+
 # Item 3: a stream raises the rank's error --------------------------------------------------
 
 

@@ -61,7 +61,7 @@ class WorkerCalls:
 
     def _init_calls(self) -> None:
         #: The calls chosen by load in flight per group, renewals, counters.
-        self._loads = Loads()
+        self._loads = Loads(self.config.name)
         self._recovery = Recovery(self._life, self._loads, self.log)
 
     async def _group(self) -> WorkerGroup:
@@ -84,7 +84,7 @@ class WorkerCalls:
         """
         group = await self._group()
         workers = list(group.workers)
-        self._loads.calls += len(workers)
+        self._loads.sent(len(workers))
         try:
             return await group.execute(fn, *args, **kwargs)
         except _DIED as exc:
@@ -96,7 +96,7 @@ class WorkerCalls:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         group = await self._group()
         workers = list(group.workers)
-        self._loads.calls += 1
+        self._loads.sent()
         try:
             return await group.execute_single(rank, fn, *args, **kwargs)
         except _DIED as exc:
@@ -144,7 +144,7 @@ class WorkerCalls:
         workers = [group.workers[r] for r in plan.ranks]
         if len(workers) == 1:
             return plan.result([await self._one(group, workers[0], plan, parts)])
-        self._loads.calls += len(workers)
+        self._loads.sent(len(workers))
         try:
             outcomes = await group.gather([_send(w, plan, parts) for w in workers], workers)
         except _DIED as exc:
@@ -218,7 +218,7 @@ class WorkerCalls:
         back when the remote call ends (when the caller stops waiting first, a task of the
         executor's waits for that end)."""
         ref = _send(worker, plan, parts)
-        self._loads.calls += 1
+        self._loads.sent()
         try:
             outcome = await ref
         except BaseException as exc:
@@ -271,7 +271,8 @@ class WorkerCalls:
                 await loads.wait_freed()
                 continue
             worker = group.workers[taken[1]]
-            loads.resends += bool(dead)
+            if dead:
+                loads.resent()
             try:
                 return taken[1], await self._one(group, worker, plan, parts, taken)
             except _DIED as exc:

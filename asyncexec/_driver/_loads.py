@@ -18,6 +18,7 @@ import anyio
 import anyio.abc
 
 from .._dispatch import Load
+from ._metrics import metrics
 
 __all__ = ["DispatchStatistics", "Loads"]
 
@@ -47,7 +48,8 @@ class Loads:
     """Calls in flight per group, the wake-up of waiters, and renewals (see the module's
     docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, executor: str = "") -> None:
+        self.executor = executor  # its metrics' label
         # Keyed by the group itself, weakly: a dropped group's record goes with it.
         self._records: weakref.WeakKeyDictionary[Any, Load] = weakref.WeakKeyDictionary()
         self._freed = anyio.Event()  # set (and replaced) when a call chosen by load ends
@@ -57,6 +59,24 @@ class Loads:
         self.calls = 0
         self.resends = 0
         self.renewed_ranks = 0
+
+    def sent(self, n: int = 1) -> None:
+        """``n`` calls were sent to ranks."""
+        self.calls += n
+        if (meters := metrics()) is not None:
+            meters.calls.labels(self.executor).inc(n)
+
+    def resent(self) -> None:
+        """An idempotent call is sent again after its rank died."""
+        self.resends += 1
+        if (meters := metrics()) is not None:
+            meters.call_resends.labels(self.executor).inc()
+
+    def renewed(self) -> None:
+        """A dead rank got a fresh process in its place."""
+        self.renewed_ranks += 1
+        if (meters := metrics()) is not None:
+            meters.ranks_renewed.labels(self.executor).inc()
 
     def of(self, group: _Sized) -> Load:
         """``group``'s load record (a new group, or one whose size changed, starts from no

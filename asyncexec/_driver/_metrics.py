@@ -143,6 +143,7 @@ class Metrics:
         self.causes = BoundedLabels("cause", MAX_CAUSES)
         self._collectors(prom, registry)
         self._straggler_collectors(prom, registry)
+        self._dispatch_collectors(prom, registry)
         #: The active runs of each executor label value; an entry goes with its last run.
         self._watched: dict[str, set[RunMeter]] = {}
         self._lock = threading.Lock()  # runs come and go on their loops while a scrape reads
@@ -223,6 +224,27 @@ class Metrics:
             ex,
             registry=registry,
         )
+
+    def _dispatch_collectors(self, prom: Any, registry: Any) -> None:
+        """What ``call()``, ``stream()`` and ``execute()`` sent: by executor only (the calls
+        in flight per rank are in ``Executor.statistics()``: a rank label would grow with the
+        group)."""
+        made = {}
+        for name, doc in (
+            (
+                "calls",
+                "Calls sent to ranks by call(), stream() and execute() (a call to N ranks "
+                "counts N; a call sent again counts again).",
+            ),
+            (
+                "call_resends",
+                "Idempotent calls (least_loaded(retry=True)) sent again after their rank died.",
+            ),
+            ("ranks_renewed", "Dead ranks given a fresh process in their place outside a run."),
+        ):
+            counter = prom.Counter(f"asyncexec_{name}", doc, ["executor"], registry=registry)
+            made[name] = _Bounded(counter, self.executors)
+        self.calls, self.call_resends, self.ranks_renewed = made.values()
 
     def _straggler_collectors(self, prom: Any, registry: Any) -> None:
         """The step skew and the stragglers found: by executor only (no rank label, which

@@ -65,6 +65,6 @@ class Recovery:
             self.log.warning("rank_renew_failed", rank=rank, error=describe(failure))
             renewed = False
         if renewed:
-            self.loads.renewed_ranks += 1
+            self.loads.renewed()
         else:
             await slot.drop_if(group)
