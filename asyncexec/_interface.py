@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext, WorkerMetadata
 
-__all__ = ["WORKER_METHODS", "WorkerInterface"]
+__all__ = ["WORKER_METHODS", "WorkerInterface", "WorkerMethod"]
 
 
 class WorkerInterface(Protocol):
@@ -115,6 +115,38 @@ class WorkerInterface(Protocol):
     def wait_closed(self) -> Awaitable[None]: ...
 
     def close(self) -> Awaitable[None]: ...
+
+
+#: A worker method's name as a handle's ``call`` takes it (mypy checks the name at every call;
+#: ``tests/test_worker_interface.py`` that these are the interface's), and a Ray actor's
+#: graceful exit.
+WorkerMethod = Literal[
+    "buffered",
+    "call_role",
+    "channel_close",
+    "channel_cuda",
+    "channel_join",
+    "channel_port",
+    "channel_read",
+    "channel_receive",
+    "channel_receive_torch",
+    "channel_send",
+    "channel_snapshot",
+    "close",
+    "describe",
+    "execute",
+    "make_roles",
+    "notify_preemption",
+    "ping",
+    "poll",
+    "reset",
+    "salvage",
+    "setup",
+    "start_run",
+    "stop_run",
+    "wait_closed",
+    "__ray_terminate__",
+]
 
 
 #: The names of the worker's remote methods.

@@ -13,7 +13,7 @@ import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import anyio
 import pytest
@@ -24,7 +24,7 @@ from asyncexec._cli._main import main
 from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
-from asyncexec._interface import WORKER_METHODS, WorkerInterface
+from asyncexec._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from asyncexec._worker import WorkerCode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,6 +133,12 @@ def _names_called() -> dict[str, str]:
             ):
                 called[node.args[0].value] = f"{path.relative_to(ROOT)}:{node.lineno}"
     return called
+
+
+def test_the_names_a_handle_takes_are_the_interface_s_methods() -> None:
+    """``WorkerMethod`` (what mypy checks every ``handle.call`` name against) is the interface's
+    methods, and Ray's graceful exit."""
+    assert set(get_args(WorkerMethod)) == {*WORKER_METHODS, "__ray_terminate__"}
 
 
 def test_every_method_the_driver_calls_by_name_is_in_the_interface() -> None:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import anyio
 
 from ..._config import ExecutorConfig
+from ..._interface import WorkerMethod
 from ..._protocol import WorkerMetadata
 from ..._taskgroups import task_group
 from ._placement import Placement
@@ -36,13 +37,13 @@ class Handle(Protocol):
         """A stable id of the worker (of its process), the same for every handle to it."""
         ...
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         """Call the worker's ``method`` (see ``asyncexec._worker._actor``); the result is awaited
         (arguments that are references of :meth:`Cluster.put` or :meth:`call_n` arrive
         resolved)."""
         ...
 
-    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+    def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         """Call ``method``, which returns ``n`` values, and return a reference to each: awaited,
         or passed to other workers' calls, which receive the value without it passing through
         the driver."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..._config import ExecutorConfig
-from ..._interface import WorkerInterface
+from ..._interface import WorkerInterface, WorkerMethod
 from ..._protocol import WorkerMetadata
 from ..._worker import PLACE, Place, WorkerCode
 from ._base import Handle, Spawned, described, settle
@@ -124,7 +124,7 @@ class LocalWorker:
         finally:
             self._loop.close()
 
-    def call(self, name: str, /, *args: Any, **kwargs: Any) -> _Ref:
+    def call(self, name: WorkerMethod, /, *args: Any, **kwargs: Any) -> _Ref:
         """Schedule the worker's method ``name`` on its loop; a closed worker's call fails."""
         if name == "__ray_terminate__":  # the graceful exit of a Ray actor
             self.kill()
@@ -188,7 +188,7 @@ class LocalWorker:
         return "\n\n".join(parts) or "no live thread"
 
 
-    def call_n(self, name: str, n: int, /, *args: Any) -> list[Any]:
+    def call_n(self, name: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         raise NotImplementedError("a local worker's results are not references (no channels)")
 
 

@@ -21,6 +21,7 @@ from ray.core.generated.common_pb2 import NodeDeathInfo
 
 from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
+from ..._interface import WorkerMethod
 from ..._protocol import WorkerMetadata
 from ..._worker import WorkerActor
 from .._logging import get_logger
@@ -61,10 +62,10 @@ class RayHandle:
     def __repr__(self) -> str:
         return f"<RayHandle {self.key[:12]}>"
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.actor, method).remote(*args, **kwargs)
 
-    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+    def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         refs: list[Any] = getattr(self.actor, method).options(num_returns=n).remote(*args)
         return refs
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import anyio
 
 from ..._config import ExecutorConfig
-from ..._interface import WORKER_METHODS, WorkerInterface
+from ..._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from ..._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
 from ..._worker import Place
 from ._base import Handle, Spawned, described, settle
@@ -262,7 +262,7 @@ class SimWorker(SimCalls):
     def key(self) -> str:
         return f"sim-{self.index}"
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         """Answer the worker's ``method`` (timed as the simulated workers' cost)."""
         cluster = self.cluster
         t0, gc0 = time.perf_counter(), cluster.gc_clock.total
@@ -278,7 +278,7 @@ class SimWorker(SimCalls):
         finally:
             cluster.spend(t0, gc0)
 
-    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+    def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         raise NotImplementedError("a simulated worker's results are not references")
 
     # The worker's methods ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ import anyio
 
 from ..._config import ExecutorConfig
 from ..._errors import AsyncExecError, ConfigurationError, describe
+from ..._interface import WorkerMethod
 from ..._protocol import Outcome, WorkerContext, WorkerMetadata
 from ..._taskgroups import task_group
 from ...backends._base import Backend
@@ -152,7 +153,9 @@ class WorkerGroup:
         values: list[T] = self.values(await self.gather(refs, [worker]), [worker])
         return values[0]
 
-    async def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+    async def call_each(
+        self, method: WorkerMethod, args_per_rank: Sequence[tuple[Any, ...]]
+    ) -> list[Any]:
         """Call the workers' ``method``, each with its own arguments; results in rank order."""
         refs = [
             w.handle.call(method, *args)
