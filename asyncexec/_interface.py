@@ -5,7 +5,9 @@ Three classes implement :class:`WorkerInterface`: the Ray actor's code
 driver's process (``_driver/cluster/_local.py``), and the simulated worker
 (``_driver/cluster/_sim.py``), which answers every call on the driver's own loop. mypy checks
 each against it, and ``tests/test_worker_interface.py`` checks that every method is there with
-the same parameters, and that every method the driver calls by name is one of these.
+the same parameters. The driver names a method in a handle's ``call`` as a :data:`WorkerMethod`,
+so mypy checks the name at every call site (the arguments are checked by the tests that run
+them).
 
 A method returns an awaitable: the actor's are ``async def``; a simulated worker's answer at once
 or later without a task of their own. ``__ray_terminate__`` (a Ray actor's graceful exit) is
