@@ -294,15 +294,25 @@ def compact(part: Any, depth: int = 0) -> Any:
         return part
     kind = type(part)
     if kind is dict:
-        values = {k: compact(v, depth + 1) for k, v in part.items()}
-        changed = any(values[k] is not v for k, v in part.items())
-        return values if changed else part
+        values: dict[Any, Any] | None = None  # a copy, made at the first change only
+        for key, value in part.items():
+            new = compact(value, depth + 1)
+            if new is not value:
+                values = dict(part) if values is None else values
+                values[key] = new
+        return part if values is None else values
     if kind is list or kind is tuple:
         if not any(_may_hold_views(v) for v in part[:_SAMPLE]):
             return part  # a list of plain items: not walked item by item
-        items = [compact(v, depth + 1) for v in part]
-        changed = any(new is not old for new, old in zip(items, part, strict=True))
-        return (items if kind is list else tuple(items)) if changed else part
+        items: list[Any] | None = None
+        for i, value in enumerate(part):
+            new = compact(value, depth + 1)
+            if new is not value:
+                items = list(part) if items is None else items
+                items[i] = new
+        if items is None:
+            return part
+        return items if kind is list else tuple(items)
     return _compact_fields(part, depth)
 
 

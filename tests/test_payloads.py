@@ -299,3 +299,25 @@ async def test_large_parts_are_compacted_off_the_event_loop(
         data = torch.zeros(100_000)  # 400 KB: two parts of 200 KB, each a view
         assert await ex.call(Holder.storage, asyncexec.scatter(data)) == [200_000, 200_000]
     assert on_loop == [False, False]
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    data: torch.Tensor
+    rows: tuple[torch.Tensor, ...]
+    name: str
+
+
+def test_compact_copies_views_inside_objects_and_leaves_the_rest_alone() -> None:
+    from asyncexec._split import compact
+
+    storage = torch.zeros(1000)
+    part = Frozen(storage[:10], (storage[10:20], torch.ones(3)), "p")
+    out = compact({"batch": part, "plain": [1, 2, 3]})
+    assert out["batch"] is not part and out["batch"].name == "p"
+    assert out["batch"].data.untyped_storage().nbytes() == 40
+    assert out["batch"].rows[0].untyped_storage().nbytes() == 40
+    assert torch.equal(out["batch"].data, storage[:10])
+    assert part.data.untyped_storage().nbytes() == 4000  # the original is untouched
+    whole = {"x": torch.ones(5), "y": [np.zeros(3)], "z": Plain()}
+    assert compact(whole) is whole  # nothing to copy: the very same objects
