@@ -89,6 +89,39 @@ async def test_idempotent_calls_go_to_the_new_group_after_a_backend_group_died(
         assert set(new) & set(answers.values())  # and the requests sent again went to it
 
 
+@pytest.mark.timeout(150)
+async def test_idempotent_calls_are_answered_after_a_node_is_lost(make_cluster: Any) -> None:
+    """Two workers, one on each node; the second node is lost (its actor dead in Ray's tables
+    before the requests are sent): every idempotent request is answered, none by the lost
+    node."""
+    from conftest import live_workers
+
+    cluster = make_cluster([{"num_cpus": 2}, {"num_cpus": 2}])
+    (node,) = cluster.worker_nodes
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, roles=Server, placement_strategy="SPREAD"
+    ) as ex:
+        assert node.node_id in {w.node_id for w in ex.workers}
+        await anyio.to_thread.run_sync(lambda: cluster.remove_node(node, allow_graceful=False))
+        with anyio.fail_after(30):
+            while len(await anyio.to_thread.run_sync(live_workers)) > 1:  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        retry = asyncexec.least_loaded(max_in_flight=2, retry=True)
+        answers: dict[int, int] = {}
+
+        async def ask(request: int) -> None:
+            got, pid = await ex.call(Server.answer, request, on=retry)
+            answers[got] = pid
+
+        with anyio.fail_after(100):
+            async with anyio.create_task_group() as tg:
+                for request in range(6):
+                    tg.start_soon(ask, request)
+        assert sorted(answers) == list(range(6))
+        assert ex.statistics().resends >= 1
+        assert node.node_id not in {w.node_id for w in ex.workers}
+
+
 # Item 2: a call's slot is held until the remote call ends --------------------------------
 
 
