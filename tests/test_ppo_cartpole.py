@@ -57,15 +57,18 @@ def test_the_algorithm_learns_in_one_process_with_stale_actors() -> None:
 async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path: Path) -> None:
     ppo = import_example("ppo_cartpole")
     seen: list[tuple[int, float]] = []
-    summary = await ppo.main(
-        max_updates=25,
-        staleness=2,
-        kill_rollout_at=6,
-        kill_learner_at=12,
-        checkpoint_every=5,
-        storage_path=tmp_path,
-        on_update=lambda update, average: seen.append((update, average)),
-    )
+    try:
+        summary = await ppo.main(
+            max_updates=25,
+            staleness=2,
+            kill_rollout_at=6,
+            kill_learner_at=12,
+            checkpoint_every=5,
+            storage_path=tmp_path,
+            on_update=lambda update, average: seen.append((update, average)),
+        )
+    finally:
+        gc.unfreeze()  # main() froze the heap, as a program does: not the test session's
     assert summary.updates == 25
     assert [u for u, _ in seen] == list(range(1, 26))
     # Clearly better than where it started (a random policy averages about 22).
