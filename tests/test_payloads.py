@@ -46,7 +46,7 @@ class Learner:
 # Merges and metadata (item 16) -----------------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_a_merge_that_fails_after_the_call_keeps_each_ranks_result(mode: str) -> None:
     batch = {"obs": np.arange(5)}
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Learner) as ex:
@@ -64,6 +64,7 @@ async def test_a_merge_that_fails_after_the_call_keeps_each_ranks_result(mode: s
     assert again.results == error.results and str(again) == str(error)
 
 
+@pytest.mark.timeout(10)
 def test_a_merge_that_cannot_fit_the_annotated_results_is_refused_before_sending() -> None:
     batch = {"obs": np.arange(4)}
     roles = [asyncexec.Role(Learner)]
@@ -81,6 +82,7 @@ def test_a_merge_that_cannot_fit_the_annotated_results_is_refused_before_sending
     plan_call(Learner.step, [asyncexec.scatter(batch)], {}, 2, roles=roles, merge=asyncexec.concat)
 
 
+@pytest.mark.timeout(10)
 def test_scatter_replicates_the_fields_of_a_mapping_that_cannot_split() -> None:
     batch = {
         "obs": np.arange(5),
@@ -98,7 +100,7 @@ def test_scatter_replicates_the_fields_of_a_mapping_that_cannot_split() -> None:
         split({"obs": np.arange(5), "act": [1, 2], "step": 3}, 2)  # what splits, still in step
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_a_scattered_batch_with_metadata_reaches_every_rank(mode: str) -> None:
     batch = {"obs": np.arange(3), "meta": {"temperature": 0.7}, "step": 9}
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Learner) as ex:
@@ -121,7 +123,7 @@ class Echo:
 
 
 @pytest.mark.ray_only
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_an_argument_that_does_not_pickle_is_named(mode: str) -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Echo) as ex:
         with pytest.raises(asyncexec.ConfigurationError) as info:
@@ -137,6 +139,7 @@ async def test_an_argument_that_does_not_pickle_is_named(mode: str) -> None:
         assert await ex.call(Echo.take, 1) == [1, 1]  # the group is unharmed
 
 
+@pytest.mark.timeout(10)
 def test_a_class_called_instead_of_a_method_says_what_is_expected() -> None:
     roles = [asyncexec.Role(Echo)]
     with pytest.raises(asyncexec.ConfigurationError, match=r"class Echo.*Echo\.take"):
@@ -167,6 +170,7 @@ class Slotted:
         self.obs = np.zeros(100_000)
 
 
+@pytest.mark.timeout(10)
 def test_the_size_of_a_frame_a_dataclass_and_a_plain_object_is_estimated() -> None:
     from asyncexec._split import estimated_nbytes
 
@@ -200,7 +204,7 @@ class Batch:
 
 
 @pytest.mark.ray_only
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_a_large_dataclass_argument_is_put_once_not_pickled_per_rank(mode: str) -> None:
     batch = Batch(np.zeros(200_000), Sent())  # 1.6 MB, no nbytes or len of its own
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Echo) as ex:
@@ -259,7 +263,7 @@ class Holder:
 
 
 @pytest.mark.ray_only
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_a_return_value_is_pickled_once_on_the_worker(mode: str) -> None:
     async with asyncexec.Executor(1, resources_per_worker=CPU, roles=Holder) as ex:
         await ex.call(Holder.make)
@@ -270,7 +274,7 @@ async def test_a_return_value_is_pickled_once_on_the_worker(mode: str) -> None:
         assert big.tolist() == list(range(1_000_000))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_a_splittable_batch_of_views_sends_each_rank_its_part_only(mode: str) -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as ex:
         large = Rows(torch.zeros(40_000), {"step": 1})  # 160 KB: parts put in the object store
@@ -281,7 +285,7 @@ async def test_a_splittable_batch_of_views_sends_each_rank_its_part_only(mode: s
         assert await ex.call(Holder.storage, asyncexec.scatter(views)) == [80_000, 80_000]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_large_parts_are_compacted_off_the_event_loop(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -308,6 +312,7 @@ class Frozen:
     name: str
 
 
+@pytest.mark.timeout(10)
 def test_compact_copies_views_inside_objects_and_leaves_the_rest_alone() -> None:
     from asyncexec._split import compact
 
