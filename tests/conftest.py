@@ -82,11 +82,11 @@ def cluster_held(resources: dict[str, float]) -> Iterator[None]:
     """Hold ``resources`` in a placement group of their own, so that a placement that could fit
     the cluster has to wait (a request that can never fit fails at once instead)."""
     group = ray.util.placement_group([resources])
-    ray.get(group.ready(), timeout=30)
     try:
+        ray.get(group.ready(), timeout=30)
         yield
     finally:
-        ray.util.remove_placement_group(group)
+        ray.util.remove_placement_group(group)  # also when it never became ready
 
 
 def import_example(name: str) -> Any:
