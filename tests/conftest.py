@@ -77,10 +77,27 @@ def wait_no_leaks(timeout_s: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+def wait_all_free(timeout_s: float = 15.0) -> None:
+    """Wait until every CPU of the cluster is free; fail naming the live actors otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while (free := ray.available_resources().get("CPU", 0.0)) < ray.cluster_resources()["CPU"]:
+        if time.monotonic() > deadline:
+            actors = [
+                (a["ActorClassName"], a["State"])
+                for state in _LIVE_STATES
+                for a in ray_state.actors(actor_state_name=state).values()
+            ]
+            pytest.fail(f"only {free} CPUs of the cluster are free; live actors: {actors}")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def cluster_held(resources: dict[str, float]) -> Iterator[None]:
     """Hold ``resources`` in a placement group of their own, so that a placement that could fit
-    the cluster has to wait (a request that can never fit fails at once instead)."""
+    the cluster has to wait (a request that can never fit fails at once instead). What an
+    earlier test freed is waited for first (Ray returns a killed worker's CPUs a little later),
+    so that what is left free is exactly the rest."""
+    wait_all_free()
     group = ray.util.placement_group([resources])
     try:
         ray.get(group.ready(), timeout=30)

@@ -53,6 +53,17 @@ def wait_actor_dead(actor_id: str, timeout_s: float = 15.0) -> bool:
     return False
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_ray_after_the_module() -> Iterator[None]:
+    """Ray Data leaves actors of its own (its stats actor, its autoscaling coordinator) and,
+    at times, work that holds CPUs in the Ray it ran in: the tests after this module get a
+    fresh shared Ray (a later test that holds all but k CPUs found half a CPU missing)."""
+    yield
+    import conftest
+
+    conftest._shutdown()
+
+
 @pytest.fixture(autouse=True)
 def no_coordinator_left(ray_local: None) -> Iterator[None]:
     """After each test (whose executor has closed), no split coordinator may be left."""
