@@ -308,9 +308,9 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     it: see ``cluster.submit_named``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
     if plan.method is None:
-        return submit_named(group, worker, plan, "execute", (plan.fn, *args), kwargs)
+        return submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
     index, name = plan.method
-    return submit_named(group, worker, plan, "call_role", (index, name, *args), kwargs)
+    return submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

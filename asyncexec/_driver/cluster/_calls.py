@@ -150,12 +150,7 @@ def submit(caller: Caller, who: Member, method: WorkerMethod, /, *args: Any, **k
 
 
 def submit_named(
-    caller: Caller,
-    who: Member,
-    naming: Naming,
-    method: WorkerMethod,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
+    caller: Caller, who: Member, naming: Naming, method: WorkerMethod, /, *args: Any, **kwargs: Any
 ) -> Call:
     """:func:`submit`, where ``naming`` says how messages name the user's arguments (as the
     call's plan named them: ``argument 'batch'``)."""
