@@ -79,6 +79,7 @@ class WorkerCalls:
         that ``execute()`` updates in an importable module, or in a role's instances).
 
         Raises:
+            ConfigurationError: an argument does not pickle (named).
             WorkerRaisedError: ``fn`` raised on a rank (the lowest failing rank is reported).
             WorkerCrashedError: a worker died.
         """
