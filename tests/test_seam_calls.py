@@ -13,7 +13,7 @@ import pytest
 import ray.exceptions as rex
 
 import asyncexec
-from asyncexec._driver.cluster import LocalWorkerGone, result_of, submit
+from asyncexec._driver.cluster import RAY_ERROR_KINDS, LocalWorkerGone, result_of, submit
 from asyncexec._protocol import WorkerMetadata
 
 CPU = {"CPU": 0.5}
@@ -97,6 +97,30 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     with pytest.raises(asyncexec.WorkerRaisedError) as failed:
         await submit(caller, raised, "execute")
     assert failed.value.rank == 3
+
+
+#: What each kind of :data:`RAY_ERROR_KINDS` raises through the seam (a live node).
+_RAISES = {
+    "raised": asyncexec.WorkerRaisedError,
+    "died": asyncexec.WorkerCrashedError,
+    "unreachable": asyncexec.WorkerUnreachableError,
+    "hung": asyncexec.WorkerHungError,
+    "startup": asyncexec.StartupError,
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("cls", list(RAY_ERROR_KINDS), ids=lambda c: c.__name__)
+async def test_every_ray_error_is_raised_as_asyncexecs_through_the_seam(
+    cls: type[BaseException],
+) -> None:
+    """As httpx tests that every httpcore error is mapped: whatever Ray raises (built bare, as
+    an odd instance would be), a call through the seam raises asyncexec's error of its kind."""
+    expected = _RAISES[RAY_ERROR_KINDS[cls]]
+    if cls is rex.NodeDiedError:  # Ray says the node died: no look-up needed
+        expected = asyncexec.NodeLostError
+    with pytest.raises(expected):
+        await submit(_Caller(alive=True), _Member(cls.__new__(cls)), "ping")
 
 
 @pytest.mark.timeout(10)
