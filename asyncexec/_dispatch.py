@@ -187,6 +187,20 @@ class CallPlan:
                 )
         return exc
 
+    def argument_name(self, rank: int, key: int | str) -> str:
+        """How messages name the argument that rank ``rank`` receives at position ``key`` or by
+        keyword ``key`` (the seam asks, naming an argument that does not pickle)."""
+        if isinstance(key, int):
+            column = key
+        elif key in self.keywords:
+            column = self.positional + self.keywords.index(key)
+        else:
+            return f"argument {key!r}"
+        row = self.parts_of(rank)
+        if 0 <= column < len(row):
+            return self._argument_of(row[column])
+        return f"argument {key!r}"
+
     def _argument_of(self, part: int) -> str:
         """How messages name the argument that part ``part`` is (a piece) of."""
         for row in self.rows:

@@ -263,7 +263,7 @@ async def test_a_lost_result_or_a_ray_system_error_restarts_and_is_no_user_error
     were WorkerRaisedError, which the default policy does not restart."""
     import ray.exceptions as rex
 
-    from asyncexec._driver.cluster import call_error
+    from asyncexec._driver.cluster._errors import call_error
 
     here = ray.get_runtime_context().get_node_id()
     errors: list[BaseException] = [
@@ -302,7 +302,7 @@ async def test_a_second_rank_dying_while_the_first_is_mapped_is_recorded(
     import os
     import signal
 
-    from asyncexec._driver.cluster import _errors as _boundary
+    from asyncexec._driver.cluster import _ray as _boundary
 
     real = _boundary.node_alive
 

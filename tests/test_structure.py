@@ -241,3 +241,34 @@ def test_local_mode_is_decided_in_the_seam_alone(word: str) -> None:
     if word == "config.local":  # a channel refuses local executors, as a configuration check
         users = [u for u in users if u != "_driver.channel._channel"]
     assert users == []
+
+
+#: The seam's own mapping of the cluster's errors (and Ray's classes, through it): only the seam
+#: uses it, inside the calls it makes.
+SEAM_MAPPING = {"call_error", "ray_error_kind", "RAY_ERROR_KINDS"}
+
+
+def test_only_the_seam_maps_the_clusters_errors() -> None:
+    """A call on a worker made through the seam (``cluster.submit``) raises asyncexec's errors,
+    mapped inside the seam, as httpx's transports map httpcore's; no upper layer catches the
+    cluster's raw errors to map them itself (``call_error`` was called at ten sites)."""
+    users = sorted(
+        f"{name}:{line} uses {word}"
+        for name, path in MODULES.items()
+        if not name.startswith("_driver.cluster")
+        for word, line in _names_used(path)
+        if word in SEAM_MAPPING
+    )
+    assert users == []
+
+
+def _names_used(path: Path) -> Iterator[tuple[str, int]]:
+    """Every name a module reads, imports or takes as an attribute, with its line."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            yield node.id, node.lineno
+        elif isinstance(node, ast.Attribute):
+            yield node.attr, node.lineno
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                yield alias.name.rpartition(".")[2], node.lineno

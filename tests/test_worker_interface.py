@@ -116,22 +116,28 @@ def test_the_interface_holds_every_remote_method_of_the_actor() -> None:
     assert remote == set(WORKER_METHODS)
 
 
+#: Where the method's name is among the arguments of each way of calling a worker by name.
+_NAME_AT = {"call": 0, "call_n": 0, "submit": 2, "submit_n": 2, "submit_named": 3}
+
+
 def _names_called() -> dict[str, str]:
     """Every method name the driver calls on a worker by name (``handle.call("name", ...)``,
-    ``call_n``, a ``call`` taken from a handle), with where."""
+    ``call_n``, a ``call`` taken from a handle, the seam's ``submit(caller, worker, "name",
+    ...)``), with where."""
     called = {}
     for path in sorted((ROOT / "asyncexec" / "_driver").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             func = getattr(node, "func", None)
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            at = _NAME_AT.get(name) if isinstance(name, str) else None
             if (
                 isinstance(node, ast.Call)
-                and name in ("call", "call_n")  # handle.call(...), or call = handle.call
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
+                and at is not None
+                and len(node.args) > at
+                and isinstance(node.args[at], ast.Constant)
+                and isinstance(node.args[at].value, str)
             ):
-                called[node.args[0].value] = f"{path.relative_to(ROOT)}:{node.lineno}"
+                called[node.args[at].value] = f"{path.relative_to(ROOT)}:{node.lineno}"
     return called
 
 

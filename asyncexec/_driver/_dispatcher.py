@@ -41,7 +41,7 @@ from .._taskgroups import task_group
 from ._lifecycle import Lifecycle
 from ._loads import Loads
 from ._recovery import Recovery
-from .cluster import Cluster, call_error
+from .cluster import Call, Cluster, submit_named
 from .group import GroupSlot, WorkerGroup, WorkerInfo
 
 __all__ = ["CallStream", "WorkerCalls"]
@@ -79,6 +79,7 @@ class WorkerCalls:
         that ``execute()`` updates in an importable module, or in a role's instances).
 
         Raises:
+            ConfigurationError: an argument does not pickle (named).
             WorkerRaisedError: ``fn`` raised on a rank (the lowest failing rank is reported).
             WorkerCrashedError: a worker died.
         """
@@ -146,7 +147,7 @@ class WorkerCalls:
             return plan.result([await self._one(group, workers[0], plan, parts)])
         self._loads.sent(len(workers))
         try:
-            outcomes = await group.gather([_send(w, plan, parts) for w in workers], workers)
+            outcomes = await group.gather([_send(group, w, plan, parts) for w in workers])
         except _DIED as exc:
             raise await self._recovery.lost(group, _who(workers, exc), exc) from exc
         return plan.result(group.values(outcomes, workers))
@@ -217,27 +218,26 @@ class WorkerCalls:
         group of its own: a call's hot path). ``held``: the rank's slot taken by load, given
         back when the remote call ends (when the caller stops waiting first, a task of the
         executor's waits for that end)."""
-        ref = _send(worker, plan, parts)
+        call = _send(group, worker, plan, parts)
         self._loads.sent()
         try:
-            outcome = await ref
+            outcome = await call
         except BaseException as exc:
             if held is not None:
                 if isinstance(exc, anyio.get_cancelled_exc_class()):
                     # The method goes on running on the worker: its slot is held until it ends.
-                    self._loads.release_when_done(ref, *held, self._life.tg)
+                    self._loads.release_when_done(call, *held, self._life.tg)
                 else:
                     self._loads.release(*held)
-            if not isinstance(exc, Exception):
+            if isinstance(exc, _DIED):
+                error = exc
+            else:
                 raise
-            error = await call_error(exc, worker, group.attempt)
         else:
             if held is not None:
                 self._loads.release(*held)
             return group.values([outcome], [worker])[0]
-        if isinstance(error, _DIED):
-            raise await self._recovery.lost(group, worker, error) from error
-        raise error
+        raise await self._recovery.lost(group, worker, error) from error
 
     async def _call_one(
         self, group: WorkerGroup, plan: CallPlan, parts: Sequence[Any]
@@ -304,15 +304,14 @@ def _live(slot: GroupSlot) -> WorkerGroup | None:
     return group
 
 
-def _send(worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]) -> Any:
+def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]) -> Call:
+    """Send rank ``worker``'s call (an argument that does not pickle is named as the plan names
+    it: see ``cluster.submit_named``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
-    try:
-        if plan.method is None:
-            return worker.handle.call("execute", plan.fn, *args, **kwargs)
-        index, name = plan.method
-        return worker.handle.call("call_role", index, name, *args, **kwargs)
-    except TypeError as exc:  # an argument that does not pickle: named (CallPlan.pickling_error)
-        raise plan.pickling_error(exc) from exc
+    if plan.method is None:
+        return submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
+    index, name = plan.method
+    return submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

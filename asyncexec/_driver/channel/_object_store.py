@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from ..._errors import AsyncExecError
 from ..._taskgroups import task_group
-from ..cluster import call_error
+from ..cluster import result_of, submit, submit_n
 from ..group import WorkerInfo
-from ._transport import Core, Pending, died, gather
+from ._transport import Core, Pending, caller_of, died, gather
 
 __all__ = ["ObjectStoreTransport"]
 
@@ -26,37 +26,39 @@ class ObjectStoreTransport:
 
     async def read(self, pending: Pending) -> None:
         core, sources = self.core, pending.sources or []
+        caller = caller_of(core.source_slot)
         calls = [
-            w.handle.call_n("channel_read", 2, core.name, core.timeout_s, core.sharded)
+            submit_n(caller, w, "channel_read", 2, core.name, core.timeout_s, core.sharded)
             for w in sources
         ]
         # The first results (the states' types) are awaited; the states stay where they are,
         # referenced.
-        await gather([c[0] for c in calls], sources, core.source_slot)
+        types = [result_of(caller, w, c[0]) for w, c in zip(sources, calls, strict=True)]
+        await gather(types, core.source_slot)
         pending.refs = [c[1] for c in calls]
 
     async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:
         """Every live target rank fetches and installs the shards; one that died is skipped."""
         core = self.core
-        refs = [
-            w.handle.call("channel_receive", core.name, pending.version, pending.refs)
+        caller = caller_of(core.target_slot)
+        calls = [
+            submit(caller, w, "channel_receive", core.name, pending.version, pending.refs)
             for w in targets
         ]
         errors: list[AsyncExecError] = []
 
         async def one(i: int) -> None:
             try:
-                await refs[i]
+                await calls[i]
                 core.installed(targets[i], pending.version)
-            except Exception as exc:
-                error = await call_error(exc, targets[i], targets[i].context.attempt or 0)
+            except AsyncExecError as error:
                 if died(error):
                     core.log.info("push_skipped_dead_rank", rank=targets[i].rank)
                 else:
                     errors.append(error)
 
         async with task_group() as tg:
-            for i in range(len(refs)):
+            for i in range(len(calls)):
                 tg.start_soon(one, i)
         if errors:
             raise errors[0]

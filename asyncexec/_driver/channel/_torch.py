@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..cluster import submit
 from ..group import WorkerInfo
-from ._transport import Core, Pending, gather
+from ._transport import Core, Pending, caller_of, gather
 
 __all__ = ["TorchTransport"]
 
@@ -34,12 +35,12 @@ class TorchTransport:
     async def read(self, pending: Pending) -> None:
         core, sources = self.core, pending.sources or []
         groups = await self._built(sources, pending.targets or [])
+        caller = caller_of(core.source_slot)
         metas = await gather(
             [
-                w.handle.call("channel_snapshot", core.name, pending.version, core.timeout_s)
+                submit(caller, w, "channel_snapshot", core.name, pending.version, core.timeout_s)
                 for w in sources
             ],
-            sources,
             core.source_slot,
         )
         pending.parts = [(gid, meta) for (gid, _), meta in zip(groups, metas, strict=True)]
@@ -48,18 +49,21 @@ class TorchTransport:
         core = self.core
         sources, parts = pending.sources or [], pending.parts or []
         device = "cuda" if self._groups is not None and self._groups[2] == "nccl" else "cpu"
-        refs = [
-            w.handle.call("channel_send", core.name, pending.version, gid)
+        source, target = caller_of(core.source_slot), caller_of(core.target_slot)
+        calls = [
+            submit(source, w, "channel_send", core.name, pending.version, gid)
             for w, (gid, _) in zip(sources, parts, strict=True)
         ]
-        refs += [
-            w.handle.call(
+        calls += [
+            submit(
+                target,
+                w,
                 "channel_receive_torch", core.name, pending.version, parts, device,
                 self.reuse_buffers,
             )
             for w in targets
         ]
-        await gather(refs, [*sources, *targets], core.target_slot)
+        await gather(calls, core.target_slot)
         for w in targets:
             core.installed(w, pending.version)
 
@@ -85,29 +89,30 @@ class TorchTransport:
             return self._groups[1]
         self._groups = None
         backend = self.backend
+        source, target = caller_of(core.source_slot), caller_of(core.target_slot)
         if backend is None:
-            calls = [sources[0].handle.call("channel_cuda")]
-            cuda = await gather(calls, sources[:1], core.source_slot)
+            calls = [submit(source, sources[0], "channel_cuda")]
+            cuda = await gather(calls, core.source_slot)
             backend = "nccl" if cuda[0] else "gloo"
         self._generation += 1
         groups: list[tuple[str, WorkerInfo]] = []
         joins: list[Any] = []
-        members: list[WorkerInfo] = []
         for k, src in enumerate(sources):
             gid = f"{self.channel_id}.{self._generation}/{k}"
-            port_call = src.handle.call("channel_port", core.name, gid, core.timeout_s)
-            ((address, port),) = await gather([port_call], [src], core.source_slot)
+            port_call = submit(source, src, "channel_port", core.name, gid, core.timeout_s)
+            ((address, port),) = await gather([port_call], core.source_slot)
             size = 1 + len(targets)
             for rank, w in enumerate([src, *targets]):
                 joins.append(
-                    w.handle.call(
+                    submit(
+                        source if rank == 0 else target,
+                        w,
                         "channel_join",
                         core.name, gid, address, port, rank, size, backend, core.timeout_s,
                     )
                 )
-                members.append(w)
             groups.append((gid, src))
-        await gather(joins, members, core.target_slot)
+        await gather(joins, core.target_slot)
         self._groups = (key, groups, backend)
         core.counts["rebuilds"] += 1
         core.log.info("channel_group_built", generation=self._generation, backend=backend)

@@ -10,10 +10,10 @@ from typing import Any, Protocol
 import anyio
 
 from ..._errors import AsyncExecError, ChannelError, NodeLostError, WorkerCrashedError, describe
-from ..cluster import call_error
+from ..cluster import Call, Caller, at_attempt
 from ..group import GroupSlot, WorkerInfo
 
-__all__ = ["Core", "Pending", "Transport", "channel_error", "died", "gather"]
+__all__ = ["Core", "Pending", "Transport", "caller_of", "channel_error", "died", "gather"]
 
 
 @dataclass
@@ -89,18 +89,20 @@ def died(error: AsyncExecError) -> bool:
     return isinstance(error, WorkerCrashedError | NodeLostError)
 
 
-async def gather(refs: list[Any], workers: list[WorkerInfo], slot: GroupSlot) -> list[Any]:
-    """Await calls on workers; the first failure raised as asyncexec's error."""
+def caller_of(slot: GroupSlot) -> Caller:
+    """For whom a channel calls ``slot``'s workers (see ``cluster.submit``): its live group,
+    whose attempt their errors carry, else its cluster (attempt 0)."""
+    group = slot.group
+    return group if group is not None else at_attempt(slot.cluster, 0)
+
+
+async def gather(calls: Sequence[Call], slot: GroupSlot) -> list[Any]:
+    """Await calls on workers (made through the seam: their errors are asyncexec's); the first
+    failure raised."""
     group = slot.group
     if group is None:
-        results: list[Any] = []
-        for ref, w in zip(refs, workers, strict=True):
-            try:
-                results.append(await ref)
-            except Exception as exc:
-                raise await call_error(exc, w, w.context.attempt or 0) from exc
-        return results
-    values: list[Any] = await group.gather(refs, workers)
+        return [await call for call in calls]
+    values: list[Any] = await group.gather(calls)
     return values
 
 

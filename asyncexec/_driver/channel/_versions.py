@@ -12,12 +12,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ..._errors import ChannelError, describe
+from ..._errors import AsyncExecError, ChannelError, describe
 from ..._taskgroups import task_group
 from ..._worker import weights_version
-from ..cluster import call_error
+from ..cluster import submit
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
-from ._transport import Pending, Transport, channel_error, died
+from ._transport import Pending, Transport, caller_of, channel_error, died
 
 __all__ = ["Versions", "live"]
 
@@ -95,14 +95,14 @@ class Versions:
             ChannelError: a target rank could not say which version it holds.
         """
         workers = live(self.target_slot)
+        caller = caller_of(self.target_slot)
         held: list[int] = []
         errors: list[BaseException] = []
 
         async def one(worker: WorkerInfo) -> None:
             try:
-                outcome = await worker.handle.call("execute", weights_version, self.name)
-            except Exception as exc:
-                error = await call_error(exc, worker, worker.context.attempt or 0)
+                outcome = await submit(caller, worker, "execute", weights_version, self.name)
+            except AsyncExecError as error:
                 if not died(error):
                     errors.append(error)
                 return

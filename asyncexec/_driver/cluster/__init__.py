@@ -1,7 +1,8 @@
 """The one seam to where the workers live (see ``_base``): the only driver code that imports Ray.
 
 Upper layers get a :class:`Cluster` from :func:`cluster_for` and talk to workers through their
-:class:`Handle`\\ s; Ray's errors become asyncexec's in ``_errors`` and nowhere else.
+:class:`Handle`\\ s, calling them through ``_calls`` (:func:`submit`), whose calls raise
+asyncexec's errors: Ray's become asyncexec's in ``_errors`` and nowhere else.
 """
 
 from __future__ import annotations
@@ -13,11 +14,23 @@ from collections.abc import Iterator
 from ray import cloudpickle
 
 from ._base import Cluster, Handle, Spawned, awaited, described, settle
+from ._calls import (
+    Call,
+    Caller,
+    Member,
+    Names,
+    Naming,
+    NodeTable,
+    at_attempt,
+    result_of,
+    submit,
+    submit_n,
+    submit_named,
+)
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
     backend_error,
-    call_error,
     outcome_error,
     ray_error_kind,
     startup_error,
@@ -35,21 +48,27 @@ __all__ = [
     "NOT_TAKEN",
     "PRECISION",
     "RAY_ERROR_KINDS",
+    "Call",
+    "Caller",
     "Cluster",
     "DataConfig",
     "GcClock",
     "Handle",
     "LocalCluster",
     "LocalWorkerGone",
+    "Member",
+    "Names",
+    "Naming",
+    "NodeTable",
     "Placement",
     "RayCluster",
     "SimCluster",
     "SimLoad",
     "SimStatistics",
     "Spawned",
+    "at_attempt",
     "awaited",
     "backend_error",
-    "call_error",
     "cluster_for",
     "described",
     "dump_processes",
@@ -59,9 +78,13 @@ __all__ = [
     "outcome_error",
     "ray_error_kind",
     "release_shards",
+    "result_of",
     "settle",
     "simulated",
     "startup_error",
+    "submit",
+    "submit_n",
+    "submit_named",
     "take_stacks",
     "validate_datasets",
     "worker_error",

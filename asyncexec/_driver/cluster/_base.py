@@ -40,7 +40,8 @@ class Handle(Protocol):
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         """Call the worker's ``method`` (see ``asyncexec._worker._actor``); the result is awaited
         (arguments that are references of :meth:`Cluster.put` or :meth:`call_n` arrive
-        resolved)."""
+        resolved). Its failures are the cluster's own: the driver calls through
+        ``_calls.submit``, which raises asyncexec's errors."""
         ...
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:

@@ -1,7 +1,8 @@
 """The one place where Ray's errors (and the outcomes workers send) become asyncexec's.
 
 Like httpcore's ``map_exceptions``: every call on a worker that fails goes through
-:func:`call_error`, every failed outcome through :func:`outcome_error`, start-up failures through
+:func:`call_error`, inside the seam (a call made through ``_calls`` raises what it maps to),
+every failed outcome through :func:`outcome_error`, start-up failures through
 :func:`startup_error` and backend hooks through :func:`backend_error`. This module alone knows
 Ray's error classes, and that a ``RayTaskError`` is also an instance of its cause's class (Ray's
 ``as_instanceof_cause``): a worker-side ``AsyncExecError`` arrives as a ``RayTaskError`` that
@@ -11,6 +12,7 @@ Ray's error classes, and that a ``RayTaskError`` is also an instance of its caus
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -187,29 +189,34 @@ def ray_error_kind(exc: BaseException) -> str | None:
     return None
 
 
-async def _gone(worker: Who) -> bool:
+async def _gone(worker: Who, alive: Callable[[str | None], Awaitable[bool]] | None) -> bool:
     """Whether the worker's node has left the cluster. Shielded: a failure seen just before its
     attempt is cancelled (the other ranks' failures are collected for a moment, then the attempt
     goes) is still mapped, so that ranks that fail together are all recorded."""
     with anyio.CancelScope(shield=True):
-        alive = await node_alive(worker.metadata.node_id)
-    return not alive
+        found = await (alive or node_alive)(worker.metadata.node_id)
+    return not found
 
 
-async def call_error(exc: BaseException, worker: Who, attempt: int) -> AsyncExecError:
+async def call_error(
+    exc: BaseException,
+    worker: Who,
+    attempt: int,
+    alive: Callable[[str | None], Awaitable[bool]] | None = None,
+) -> AsyncExecError:
     """Map the error of a call on ``worker`` to asyncexec's tree (see :data:`RAY_ERROR_KINDS`).
 
-    A dead actor or a lost result is a lost node when Ray's node table no longer holds the
-    worker's node (Ray marks a lost node's actors dead only after the node), else a crashed
-    worker or an unreachable one. The failed calls of one death share one look-up of the node
-    (``_liveness``)."""
+    A dead actor or a lost result is a lost node when the node table (``alive``, the cluster's
+    ``node_alive``; Ray's by default) no longer holds the worker's node (Ray marks a lost node's
+    actors dead only after the node), else a crashed worker or an unreachable one. The failed
+    calls of one death share one look-up of the node (``_liveness``)."""
     kind = ray_error_kind(exc)
     if kind == "raised":
         cause = _attribute(exc, "cause")
         cause = cause if isinstance(cause, BaseException) else exc
         return _raised(worker, attempt, cause, _remote_traceback(exc))
     if kind in ("died", "unreachable"):
-        if isinstance(exc, rex.NodeDiedError) or await _gone(worker):
+        if isinstance(exc, rex.NodeDiedError) or await _gone(worker, alive):
             node = short_node(worker.metadata.node_id)
             return worker_error(NodeLostError, worker, attempt, f"node {node} left the cluster")
         cls = WorkerCrashedError if kind == "died" else WorkerUnreachableError

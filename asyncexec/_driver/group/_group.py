@@ -1,7 +1,9 @@
 """The live group of workers: calls on all of them, set-up, stopping functions, closing.
 
-Every call awaits its results (no ``ray.get``) in tasks of an anyio task group; the first failure
-stops the wait, and every rank that had failed by then is kept (the first is raised, the others
+Every call awaits its results (no ``ray.get``) in tasks of an anyio task group; each call is made
+through the seam (``cluster.submit``, with the group as its caller: its attempt and its cluster's
+node table), so a failure arrives as asyncexec's error, mapped there; the first failure stops the
+wait, and every rank that had failed by then is kept (the first is raised, the others
 are attached to it as notes). Closing is shielded from cancellation, bounded in time and
 idempotent; when it returns, the workers are dead (or back in their pool) and the placement is
 given back. How a group's members change (a spare, a replaced rank, a smaller group) is in
@@ -11,7 +13,7 @@ given back. How a group's members change (a spare, a replaced rank, a smaller gr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -23,7 +25,7 @@ from ..._protocol import Outcome, WorkerContext, WorkerMetadata
 from ..._taskgroups import task_group
 from ...backends._base import Backend
 from .._interrupt import hurried_away
-from ..cluster import Cluster, Handle, Placement, backend_error, call_error, outcome_error, settle
+from ..cluster import Cluster, Handle, Placement, backend_error, outcome_error, settle, submit
 from ._members import Standby, WorkerInfo
 
 __all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
@@ -100,27 +102,33 @@ class WorkerGroup:
     def contexts(self) -> list[WorkerContext]:
         return [w.context for w in self.workers]
 
+    def node_alive(self, node_id: str | None) -> Awaitable[bool]:
+        """Whether ``node_id`` is alive in the cluster's node table (the seam asks it when a
+        call of this group fails: a lost node or a crashed worker)."""
+        return self.cluster.node_alive(node_id)
+
     # Calls ------------------------------------------------------------------------------------
 
-    async def gather(self, refs: Sequence[Any], workers: Sequence[WorkerInfo]) -> list[Any]:
-        """Await one call per worker; results in the order given.
+    async def gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
+        """Await calls made through the seam (``cluster.submit``), one per worker; results in
+        the order given.
 
         Raises:
-            AsyncExecError: the first failure, mapped (the wait stops there); the failures of
-                other ranks seen by then are attached to it as notes.
+            AsyncExecError: the first failure, as the seam mapped it (the wait stops there);
+                the failures of other ranks seen by then are attached to it as notes.
         """
-        results: list[Any] = [None] * len(refs)
+        results: list[Any] = [None] * len(calls)
         errors: list[AsyncExecError] = []
 
         async def one(i: int) -> None:
             try:
-                results[i] = await refs[i]
-            except Exception as exc:
-                errors.append(await call_error(exc, workers[i], self.attempt))
+                results[i] = await calls[i]
+            except AsyncExecError as exc:
+                errors.append(exc)
                 tg.cancel_scope.cancel()
 
         async with task_group() as tg:
-            for i in range(len(refs)):
+            for i in range(len(calls)):
                 tg.start_soon(one, i)
         if errors:
             raise with_others(errors)
@@ -139,8 +147,8 @@ class WorkerGroup:
 
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn`` on every worker concurrently; results in rank order."""
-        refs = [w.handle.call("execute", fn, *args, **kwargs) for w in self.workers]
-        return self.values(await self.gather(refs, self.workers), self.workers)
+        calls = [submit(self, w, "execute", fn, *args, **kwargs) for w in self.workers]
+        return self.values(await self.gather(calls), self.workers)
 
     async def execute_single(
         self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
@@ -149,28 +157,28 @@ class WorkerGroup:
         if not 0 <= rank < len(self.workers):
             raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
         worker = self.workers[rank]
-        refs = [worker.handle.call("execute", fn, *args, **kwargs)]
-        values: list[T] = self.values(await self.gather(refs, [worker]), [worker])
+        calls = [submit(self, worker, "execute", fn, *args, **kwargs)]
+        values: list[T] = self.values(await self.gather(calls), [worker])
         return values[0]
 
     async def call_each(
         self, method: WorkerMethod, args_per_rank: Sequence[tuple[Any, ...]]
     ) -> list[Any]:
         """Call the workers' ``method``, each with its own arguments; results in rank order."""
-        refs = [
-            w.handle.call(method, *args)
+        calls = [
+            submit(self, w, method, *args)
             for w, args in zip(self.workers, args_per_rank, strict=True)
         ]
-        return await self.gather(refs, self.workers)
+        return await self.gather(calls)
 
     async def setup(self, envs: Sequence[dict[str, str]], workers: Sequence[WorkerInfo]) -> None:
         """Give ``workers`` their device environment, context, data context and init hook."""
         data_context = self.cluster.data_context()
-        refs = [
-            w.handle.call("setup", env, w.context, self.config.init_hook, data_context)
+        calls = [
+            submit(self, w, "setup", env, w.context, self.config.init_hook, data_context)
             for w, env in zip(workers, envs, strict=True)
         ]
-        self.values(await self.gather(refs, workers), workers)
+        self.values(await self.gather(calls), workers)
 
     async def run_backend_hook(self, hook: str) -> None:
         """Run a backend hook; a failure becomes a BackendError naming backend, hook and rank."""
@@ -184,10 +192,10 @@ class WorkerGroup:
 
     async def stop_functions(self, workers: Sequence[WorkerInfo], timeout_s: float) -> bool:
         """Stop the run's function on ``workers``; whether all ended within ``timeout_s``."""
-        refs = [w.handle.call("stop_run", timeout_s) for w in workers]
+        calls = [submit(self, w, "stop_run", timeout_s) for w in workers]
         with anyio.move_on_after(timeout_s + STOP_MARGIN_S):
             try:
-                return all(await self.gather(refs, workers))
+                return all(await self.gather(calls))
             except AsyncExecError:
                 return False
         return False

@@ -25,7 +25,7 @@ from ..._errors import (
     WorkerHungError,
 )
 from ..._taskgroups import task_group
-from ..cluster import call_error, worker_error
+from ..cluster import result_of, submit, worker_error
 from ._group import WorkerGroup
 from ._members import WorkerInfo
 
@@ -65,10 +65,10 @@ async def _watch_death(
     group: WorkerGroup, worker: WorkerInfo, death: object, fail: FailureSink
 ) -> None:
     try:
-        await death  # type: ignore[misc]
-    except Exception as exc:
+        await result_of(group, worker, death)
+    except AsyncExecError as exc:
         if not group.closed:
-            fail(await call_error(exc, worker, group.attempt))
+            fail(exc)
 
 
 async def _health_loop(
@@ -99,10 +99,10 @@ async def _answers(
     to ``fail`` and counts as an answer."""
     try:
         with anyio.move_on_after(timeout):
-            await worker.handle.call("ping")
+            await submit(group, worker, "ping")
             return True
-    except Exception as exc:
-        fail(await call_error(exc, worker, group.attempt))
+    except AsyncExecError as exc:
+        fail(exc)
         return True
     return False
 
@@ -157,11 +157,11 @@ async def find_dead(group: WorkerGroup) -> WorkerError | None:
     async def probe(worker: WorkerInfo) -> None:
         try:
             with anyio.move_on_after(PROBE_TIMEOUT_S):
-                await worker.handle.call("ping")
-        except Exception as exc:
-            error = await call_error(exc, worker, group.attempt)
-            if isinstance(error, WorkerCrashedError | NodeLostError):
-                found.append(error)
+                await submit(group, worker, "ping")
+        except (WorkerCrashedError, NodeLostError) as exc:
+            found.append(exc)
+        except AsyncExecError:
+            pass  # alive: the run's own error stands
 
     async with task_group() as tg:
         for worker in group.workers:

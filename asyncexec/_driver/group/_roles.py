@@ -15,6 +15,7 @@ from typing import Any
 
 from ..._errors import AsyncExecError, StartupError, describe
 from ..._protocol import Outcome, RoleFailure
+from ..cluster import submit
 from ._members import WorkerInfo
 
 __all__ = ["INLINE_ROLES_BYTES", "PerRank", "make_roles"]
@@ -55,11 +56,11 @@ async def make_roles(group: Any, workers: Sequence[WorkerInfo]) -> None:
         big = len(payload) > INLINE_ROLES_BYTES
         group.roles_ref = await group.cluster.put(payload) if big else payload
     context = group.backend.function_context() if group.backend is not None else None
-    refs = [
-        w.handle.call("make_roles", group.roles_ref, _restore_from(group, w.rank), context)
+    calls = [
+        submit(group, w, "make_roles", group.roles_ref, _restore_from(group, w.rank), context)
         for w in workers
     ]
-    outcomes: list[Outcome] = await group.gather(refs, workers)
+    outcomes: list[Outcome] = await group.gather(calls)
     for worker, outcome in zip(workers, outcomes, strict=True):
         if outcome.kind != "ok":
             raise _role_error(group.config.roles, worker, outcome)

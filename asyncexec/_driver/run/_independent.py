@@ -45,7 +45,7 @@ from ..._errors import (
 from ..._protocol import Poll
 from ..._taskgroups import task_group
 from .._restart import PreemptionsSpent
-from ..cluster import outcome_error
+from ..cluster import at_attempt, outcome_error, submit
 from ..group import WorkerGroup, refill_spare, renew_rank, watch
 from ._context import RunContext
 from ._iterator import RunCore, RunState
@@ -229,7 +229,7 @@ class IndependentRun:
                 with anyio.fail_after(ctx.config.start_timeout_s):
                     for join in ctx.slot.joiners:  # a channel's latest version, first
                         await join(group)
-                    await group.gather([worker.handle.call("start_run", payload, start)], [worker])
+                    await submit(group, worker, "start_run", payload, start)
                 ctx.session_live = True
                 value[0] = await self._pump(rank, key, number, group)
             except AsyncExecError as exc:
@@ -278,7 +278,7 @@ class IndependentRun:
 
         outcome = await pump(
             worker,
-            attempt,
+            at_attempt(group, attempt),
             lambda: credit.credit(key),
             lambda: credit.consumed[key],
             credit.wait_changed,

@@ -11,6 +11,7 @@ on that acknowledgement), so memory stays bounded however long the run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from array import array
@@ -24,10 +25,10 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ..._checkpoint import Checkpoint, CheckpointBook
-from ..._errors import AsyncExecError, ReportMismatchError
+from ..._errors import AsyncExecError, ReportMismatchError, WorkerRaisedError
 from ..._protocol import Outcome, Poll, ReportTimes
 from .._metrics import RunMeter
-from ..cluster import call_error, outcome_error, ray_error_kind
+from ..cluster import Caller, at_attempt, outcome_error, submit
 from ..group import WorkerGroup, WorkerInfo
 from ._iterator import RunCore
 from ._steps import StepBatch, StepTimes
@@ -221,20 +222,18 @@ def versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int | 
     return out
 
 
-async def salvage(worker: WorkerInfo, exc: Exception) -> Poll:
-    """After a poll of ``worker`` failed with ``exc``: when its answer could not be sent (Ray
-    failed to pickle it: a report that does not), the worker says what it held instead: the
-    reports before the bad one, and an error that names that report and its key.
+async def salvage(caller: Caller, worker: WorkerInfo, exc: WorkerRaisedError) -> Poll:
+    """After a poll of ``worker`` raised ``exc`` (not a death: the call itself failed on the
+    worker): when its answer could not be sent (Ray failed to pickle it: a report that does
+    not), the worker says what it held instead: the reports before the bad one, and an error
+    that names that report and its key.
 
     Raises:
-        Exception: ``exc``, when nothing was salvaged.
+        WorkerRaisedError: ``exc``, when nothing was salvaged.
     """
-    if ray_error_kind(exc) != "raised":  # the worker died, or Ray failed: not a bad report
-        raise exc
-    try:
-        salvaged: Poll | None = await worker.handle.call("salvage")
-    except Exception:
-        raise exc from None
+    salvaged: Poll | None = None
+    with contextlib.suppress(AsyncExecError):  # a worker that cannot say: the poll's error
+        salvaged = await submit(caller, worker, "salvage")
     if salvaged is None:
         raise exc
     return salvaged
@@ -247,7 +246,7 @@ def min_poll(buffer_size: int) -> int:
 
 async def pump(
     worker: WorkerInfo,
-    attempt: int,
+    caller: Caller,
     credit: Callable[[], int],
     acked: Callable[[], int],
     changed: Callable[[], Awaitable[None]],
@@ -257,24 +256,21 @@ async def pump(
     """Poll ``worker`` whenever it has at least ``least`` of credit (``credit()``; waiting on
     ``changed()`` meanwhile), acknowledging ``acked()`` reports taken by the consumer, and hand
     each answer to ``take``; return the function's outcome once it has ended and every report
-    was taken.
+    was taken. ``caller``: whose attempt the call's errors carry (a group, or one rank's).
 
     Raises:
-        AsyncExecError: a call on the worker failed (mapped: it died, or Ray failed).
+        AsyncExecError: a call on the worker failed (mapped by the seam: it died, or Ray
+            failed).
     """
-    call = worker.handle.call
     while True:
         while (room := credit()) < least:
             await changed()
         try:
-            try:
-                # Awaited here, not in a helper: a coroutine less per poll (each pending one is
-                # an object that lives as long as its rank takes to report).
-                poll: Poll = await call("poll", acked(), room)
-            except Exception as exc:
-                poll = await salvage(worker, exc)
-        except Exception as exc:
-            raise await call_error(exc, worker, attempt) from None
+            # Awaited here, not in a helper: a coroutine less per poll (each pending one is an
+            # object that lives as long as its rank takes to report).
+            poll: Poll = await submit(caller, worker, "poll", acked(), room)
+        except WorkerRaisedError as exc:  # not a death: perhaps an answer that did not pickle
+            poll = await salvage(caller, worker, exc)
         await take(poll)
         if poll.outcome is not None:
             return poll.outcome
@@ -327,7 +323,7 @@ class Window:
         try:
             outcome = await pump(
                 worker,
-                attempt,
+                at_attempt(self.group, attempt),
                 lambda: self.credit(rank),
                 self._consumed,
                 self.run.wait_consumed,

@@ -1,0 +1,276 @@
+"""Calls on a group's workers that raise asyncexec's errors: the seam maps its own failures.
+
+As httpx's transports map httpcore's errors inside themselves, a call made with :func:`submit`
+(or a pending result awaited through :func:`result_of`) raises asyncexec's errors, never the
+cluster's: mapped by :func:`~._errors.call_error` with the worker's rank and node, the attempt of
+the caller (read when the call fails: a group's attempt changes when a run takes it) and the node
+table of the caller's cluster (``Cluster.node_alive``: one liveness cache per cluster, see
+``_liveness``). Arguments that do not pickle are refused when the call is submitted (Ray raises
+``TypeError`` then, a long text with colours) as a :class:`~asyncexec.ConfigurationError` that
+names the first argument that does not pickle.
+
+A call costs one object (:class:`Call`) beside the cluster's own reference: no task, and no
+coroutine unless it fails.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from typing import Any, NoReturn, Protocol
+
+from ray import cloudpickle
+
+from ..._errors import AsyncExecError, ConfigurationError, describe
+from ..._interface import WorkerMethod
+from ..._protocol import WorkerMetadata
+from ._base import Handle
+from ._errors import call_error
+
+__all__ = [
+    "Call",
+    "Caller",
+    "Member",
+    "Names",
+    "Naming",
+    "NodeTable",
+    "at_attempt",
+    "result_of",
+    "submit",
+    "submit_n",
+    "submit_named",
+    "unpicklable",
+]
+
+#: How a call's argument is named in messages, by its position among the arguments given to the
+#: worker's method (an int) or its keyword.
+Names = Callable[[int | str], str]
+#: How many of the arguments of a worker's method come before the user's: ``execute``'s function,
+#: ``call_role``'s role and method name.
+_LEADING: dict[str, int] = {"execute": 1, "call_role": 2}
+
+
+class Naming(Protocol):
+    """How a call's planner names its arguments in messages (a call plan)."""
+
+    def argument_name(self, rank: int, key: int | str) -> str:
+        """The name of the argument that rank ``rank`` receives at position ``key`` (among the
+        user's arguments) or by keyword ``key``."""
+        ...
+
+
+class Member(Protocol):
+    """A worker as its caller knows it (a group's :class:`~..group.WorkerInfo`)."""
+
+    @property
+    def handle(self) -> Handle: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def metadata(self) -> WorkerMetadata: ...
+
+
+class Caller(Protocol):
+    """Who calls the workers (a group): the attempt its errors carry, and its cluster, whose
+    node table says whether a failed call's node is gone."""
+
+    @property
+    def attempt(self) -> int: ...
+
+    def node_alive(self, node_id: str | None) -> Awaitable[bool]: ...
+
+
+class Call:
+    """A call on a worker, awaitable (as often as its reference is): its value, or the failure
+    mapped to asyncexec's error (never the cluster's); a cancelled wait leaves the call running
+    on the worker, as a cancelled wait on its reference does."""
+
+    __slots__ = ("_caller", "_ref", "_who")
+
+    def __init__(self, ref: Any, who: Member, caller: Caller) -> None:
+        self._ref = ref
+        self._who = who
+        self._caller = caller
+
+    def __repr__(self) -> str:
+        return f"<Call on rank {self._who.rank}>"
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        try:
+            return (yield from self._ref.__await__())
+        except Exception as exc:
+            error = yield from _mapped(exc, self._who, self._caller).__await__()
+        raise error  # outside the handler: the cluster's error is not its context
+
+
+class NodeTable(Protocol):
+    """What says whether a node is alive (a cluster, or a group of it)."""
+
+    def node_alive(self, node_id: str | None) -> Awaitable[bool]: ...
+
+
+class _AtAttempt:
+    """A caller whose calls' errors carry a fixed attempt."""
+
+    __slots__ = ("_table", "attempt")
+
+    def __init__(self, table: NodeTable, attempt: int) -> None:
+        self._table = table
+        self.attempt = attempt
+
+    def node_alive(self, node_id: str | None) -> Awaitable[bool]:
+        return self._table.node_alive(node_id)
+
+
+def at_attempt(table: NodeTable, attempt: int) -> Caller:
+    """A caller for calls whose errors carry ``attempt`` (an independent run's rank has its own;
+    a channel's calls, outside any run, 0), whose nodes ``table`` (a cluster, or a group)
+    knows."""
+    return _AtAttempt(table, attempt)
+
+
+async def _mapped(exc: Exception, who: Member, caller: Caller) -> AsyncExecError:
+    return await call_error(exc, who, caller.attempt, caller.node_alive)
+
+
+def submit(caller: Caller, who: Member, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Call:
+    """Call ``who``'s ``method``; awaiting the result raises asyncexec's errors (see the module's
+    docstring).
+
+    Raises:
+        ConfigurationError: an argument does not pickle (named).
+    """
+    try:
+        ref = who.handle.call(method, *args, **kwargs)
+    except TypeError as exc:
+        _refuse(exc, method, args, kwargs, None)
+    return Call(ref, who, caller)
+
+
+def submit_named(
+    caller: Caller, who: Member, naming: Naming, method: WorkerMethod, /, *args: Any, **kwargs: Any
+) -> Call:
+    """:func:`submit`, where ``naming`` says how messages name the user's arguments (as the
+    call's plan named them: ``argument 'batch'``)."""
+    try:
+        ref = who.handle.call(method, *args, **kwargs)
+    except TypeError as exc:
+        lead = _LEADING.get(method, 0)
+        default = _default_names(method, args)
+
+        def names(key: int | str) -> str:
+            if isinstance(key, int) and key < lead:
+                return default(key)
+            return naming.argument_name(who.rank, key - lead if isinstance(key, int) else key)
+
+        _refuse(exc, method, args, kwargs, names)
+    return Call(ref, who, caller)
+
+
+def submit_n(
+    caller: Caller, who: Member, method: WorkerMethod, n: int, /, *args: Any
+) -> list[Any]:
+    """Call ``method``, which returns ``n`` values: a reference to each, to pass to other
+    workers' calls (they receive the value) or to await through :func:`result_of`.
+
+    Raises:
+        ConfigurationError: an argument does not pickle (named).
+    """
+    try:
+        return who.handle.call_n(method, n, *args)
+    except TypeError as exc:
+        _refuse(exc, method, args, {}, None)
+
+
+def result_of(caller: Caller, who: Member, ref: Any) -> Call:
+    """A pending result of ``who`` (of :func:`submit_n`, or its death call), awaited as a
+    :class:`Call`."""
+    return Call(ref, who, caller)
+
+
+def _refuse(
+    exc: TypeError,
+    method: WorkerMethod,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    names: Names | None,
+) -> NoReturn:
+    error = unpicklable(exc, method, args, kwargs, names)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+def unpicklable(
+    exc: Exception,
+    method: WorkerMethod,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    names: Names | None = None,
+) -> Exception:
+    """What to raise when submitting a call failed with ``exc`` (Ray's ``TypeError`` for an
+    argument that does not pickle): a :class:`ConfigurationError` that names the first argument
+    that does not pickle, or ``exc`` itself when each does (another ``TypeError``). Pickles the
+    arguments again: only on such a failure."""
+    keyed: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    for key, value in keyed:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as failure:
+            return ConfigurationError(
+                f"{_name(key, method, args, names)} ({type(value).__name__}) cannot be pickled "
+                f"to be sent to the workers: {describe(failure)}"
+            )
+    return exc
+
+
+def _name(key: int | str, method: WorkerMethod, args: Sequence[Any], names: Names | None) -> str:
+    """The argument's name in the message (never raises: this runs while an error is handled)."""
+    try:
+        return (names or _default_names(method, args))(key)
+    except Exception:
+        return f"argument {key!r}"
+
+
+def _default_names(method: WorkerMethod, args: Sequence[Any]) -> Names:
+    """How messages name the arguments of a call of ``method``: ``execute``'s by the parameters
+    of its function (its first argument), ``call_role``'s by their place after the role and the
+    method's name, any other's by their place."""
+    if method == "execute" and args:
+        return _function_names(args[0])
+    if method == "call_role" and len(args) >= 2:
+        what = str(args[1])
+
+        def of_role_method(key: int | str) -> str:
+            if isinstance(key, int):
+                return "the role" if key < 2 else f"argument {key - 2} of {what}"
+            return f"argument {key!r} of {what}"
+
+        return of_role_method
+    return lambda key: f"argument {key!r} of {method}"
+
+
+def _function_names(fn: Any) -> Names:
+    """Names for ``execute``'s arguments: the function, then its parameters' names (where its
+    signature has them) for the arguments after it."""
+    label = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a builtin: no names
+        params = []
+
+    def of_function(key: int | str) -> str:
+        if key == 0:
+            return f"the function {label}"
+        if isinstance(key, int):
+            name: Any = params[key - 1] if key - 1 < len(params) else key - 1
+            return f"argument {name!r} of {label}"
+        return f"argument {key!r} of {label}"
+
+    return of_function

@@ -1,0 +1,157 @@
+"""The seam maps its own errors (issue 31): a call on a worker made through the seam raises
+asyncexec's errors, with the worker's rank and node and its caller's attempt, and a call whose
+arguments do not pickle is refused when it is submitted, naming the argument, for ``execute()``
+as for ``call()``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import ray.exceptions as rex
+
+import asyncexec
+from asyncexec._driver.cluster import RAY_ERROR_KINDS, LocalWorkerGone, result_of, submit
+from asyncexec._protocol import WorkerMetadata
+
+CPU = {"CPU": 0.5}
+
+
+class _Failed:
+    """A call's reference that fails with ``error`` when awaited."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        raise self.error
+        yield  # a generator: ``await`` accepts it
+
+
+class _Handle:
+    """A worker's handle whose calls fail with ``error`` (or refuse their arguments)."""
+
+    key = "fake"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, type(threading.Lock())):
+                raise TypeError("\x1b[31mCould not serialize the argument\x1b[39m (1.6 KB of it)")
+        return _Failed(self.error)
+
+    def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
+        return [_Failed(self.error) for _ in range(n)]
+
+
+class _Member:
+    def __init__(self, error: BaseException, node: str = "ab" * 28) -> None:
+        self.handle = _Handle(error)
+        self.rank = 3
+        self.metadata = WorkerMetadata(node, "127.0.0.1", "host", 4321, {})
+
+
+class _Caller:
+    """A group as the seam sees it: an attempt, and a node table (here: every node gone)."""
+
+    def __init__(self, alive: bool) -> None:
+        self.attempt = 1
+        self.alive = alive
+        self.asked: list[str | None] = []
+
+    async def node_alive(self, node_id: str | None) -> bool:
+        self.asked.append(node_id)
+        return self.alive
+
+
+@pytest.mark.timeout(10)
+async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_and_attempt() -> (
+    None
+):
+    """What upper layers mapped themselves (``call_error`` at ten sites), the seam's call raises:
+    a dead actor is a crash, or a lost node when the caller's node table lacks the node; the
+    attempt is the caller's when the call fails (a run may take the group meanwhile)."""
+    died = rex.ActorDiedError()
+    caller = _Caller(alive=True)
+    call = submit(caller, _Member(died), "ping")
+    caller.attempt = 4  # read when the call fails
+    with pytest.raises(asyncexec.WorkerCrashedError) as info:
+        await call
+    error = info.value
+    assert (error.rank, error.pid, error.attempt, error.node_id) == (3, 4321, 4, "ab" * 28)
+    assert error.__context__ is None  # Ray's long text is not chained to it
+    assert caller.asked == ["ab" * 28]  # the caller's cluster's node table was asked
+    lost = _Caller(alive=False)
+    with pytest.raises(asyncexec.NodeLostError):
+        await submit(lost, _Member(died), "ping")
+    # A pending result (a death call, a reference of call_n) awaited through the seam.
+    member = _Member(LocalWorkerGone("the local worker was closed"))
+    with pytest.raises(asyncexec.WorkerCrashedError):
+        await result_of(caller, member, member.handle.call_n("channel_read", 2)[0])
+    # The user's code raised on the worker: its own error, as the cause.
+    raised = _Member(rex.RayTaskError("execute", "Traceback ...", KeyError("k")))
+    with pytest.raises(asyncexec.WorkerRaisedError) as failed:
+        await submit(caller, raised, "execute")
+    assert failed.value.rank == 3
+
+
+#: What each kind of :data:`RAY_ERROR_KINDS` raises through the seam (a live node).
+_RAISES = {
+    "raised": asyncexec.WorkerRaisedError,
+    "died": asyncexec.WorkerCrashedError,
+    "unreachable": asyncexec.WorkerUnreachableError,
+    "hung": asyncexec.WorkerHungError,
+    "startup": asyncexec.StartupError,
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("cls", list(RAY_ERROR_KINDS), ids=lambda c: c.__name__)
+async def test_every_ray_error_is_raised_as_asyncexecs_through_the_seam(
+    cls: type[BaseException],
+) -> None:
+    """As httpx tests that every httpcore error is mapped: whatever Ray raises (built bare, as
+    an odd instance would be), a call through the seam raises asyncexec's error of its kind."""
+    expected = _RAISES[RAY_ERROR_KINDS[cls]]
+    if cls is rex.NodeDiedError:  # Ray says the node died: no look-up needed
+        expected = asyncexec.NodeLostError
+    with pytest.raises(expected):
+        await submit(_Caller(alive=True), _Member(cls.__new__(cls)), "ping")
+
+
+@pytest.mark.timeout(10)
+async def test_arguments_that_do_not_pickle_are_named_when_submitted() -> None:
+    def push(weights: Any, step: int) -> None: ...
+
+    caller, member = _Caller(alive=True), _Member(rex.ActorDiedError())
+    with pytest.raises(asyncexec.ConfigurationError) as info:
+        submit(caller, member, "execute", push, threading.Lock(), 1)
+    message = str(info.value)
+    assert "argument 'weights'" in message and "push" in message and "pickle" in message
+    assert "\x1b[" not in message and isinstance(info.value.__cause__, TypeError)
+    with pytest.raises(asyncexec.ConfigurationError, match=r"argument 'step' of .*push"):
+        submit(caller, member, "execute", push, 1, step=threading.Lock())
+
+
+def _weights_version(weights: Any) -> int:
+    return 1
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(30)
+async def test_execute_names_an_argument_that_does_not_pickle(mode: str) -> None:
+    """``execute()`` raised Ray's raw 1.6 KB TypeError (colours, ``_Worker``) where ``call()``
+    named the argument."""
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        with pytest.raises(asyncexec.ConfigurationError) as info:
+            await ex.execute(_weights_version, threading.Lock())
+        message = str(info.value)
+        assert "argument 'weights'" in message and "lock" in message and "pickle" in message
+        assert "\x1b[" not in message and "_Worker" not in message and len(message) < 400
+        with pytest.raises(asyncexec.ConfigurationError, match="argument 'weights'"):
+            await ex.execute_single(0, _weights_version, weights=threading.Lock())
+        assert await ex.execute(_weights_version, 1) == [1]  # the group is unharmed
