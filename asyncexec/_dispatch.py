@@ -120,6 +120,12 @@ class CallPlan:
     rows: tuple[tuple[int, ...], ...] = field(repr=False)
     #: How messages name each argument (``"argument 'batch'"``), in the order of a row.
     names: tuple[str, ...] = field(default=(), repr=False)
+    #: A role's plain (``def``) method whose role runs one call at a time (the default): the
+    #: worker runs it where its calls queue, without a hop to a thread (``call_role_sync``).
+    plain: bool = False
+    #: An ``async def`` (method or function): cancelled on the worker when its caller stops
+    #: waiting. A plain one runs to its end.
+    cancellable: bool = False
     _returned_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -291,7 +297,14 @@ def plan_call(
         keywords=tuple(kwargs),
         rows=rows,
         names=tuple(names),
+        plain=method is not None and _one_at_a_time(fn, method, roles),
+        cancellable=inspect.iscoroutinefunction(fn),
     )
+
+
+def _one_at_a_time(fn: Callable[..., Any], method: RoleMethod, roles: Sequence[Role[Any]]) -> bool:
+    """Whether ``fn`` is a plain method of a role that runs one such call at a time."""
+    return roles[method.role_index].max_concurrency == 1 and not inspect.iscoroutinefunction(fn)
 
 
 def _laid_out(

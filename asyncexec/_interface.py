@@ -56,6 +56,10 @@ class WorkerInterface(Protocol):
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
     ) -> Awaitable[Outcome]: ...
 
+    def call_role_sync(
+        self, role_index: int, name: str, /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Outcome]: ...
+
     # A run.
 
     def start_run(self, payload: bytes, start: RunStart) -> Awaitable[None]: ...
@@ -125,6 +129,7 @@ class WorkerInterface(Protocol):
 WorkerMethod = Literal[
     "buffered",
     "call_role",
+    "call_role_sync",
     "channel_close",
     "channel_cuda",
     "channel_join",

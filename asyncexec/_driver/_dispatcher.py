@@ -311,6 +311,8 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     if plan.method is None:
         return submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
     index, name = plan.method
+    if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
+        return submit_named(group, worker, plan, "call_role_sync", index, name, *args, **kwargs)
     return submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
 
 

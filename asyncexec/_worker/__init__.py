@@ -12,7 +12,7 @@ threads), a worker's place (its state, per thread in local mode), how a call's o
 
 from __future__ import annotations
 
-from ._actor import WorkerActor, WorkerCode
+from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, role_group
 from ._channel import weights_version
 from ._outcomes import error_outcome, value_outcome
 from ._place import PLACE, Place
@@ -20,6 +20,7 @@ from ._session import get_checkpoint, get_context, report
 
 __all__ = [
     "PLACE",
+    "ROLE_GROUPS",
     "Place",
     "WorkerActor",
     "WorkerCode",
@@ -27,6 +28,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "report",
+    "role_group",
     "value_outcome",
     "weights_version",
 ]

@@ -32,7 +32,7 @@ from . import _channel, _outcomes, _place, _roles, _session
 if TYPE_CHECKING:
     from .._interface import WorkerInterface
 
-__all__ = ["WorkerActor", "WorkerCode"]
+__all__ = ["ROLE_GROUPS", "WorkerActor", "WorkerCode", "role_group"]
 
 
 class _Worker:
@@ -108,6 +108,17 @@ class _Worker:
         Arguments are passed as Ray passes them, so ``ObjectRef`` arguments (the parts of a
         scattered argument) arrive resolved."""
         return await _roles.call(role_index, name, args, kwargs)
+
+    async def call_role_sync(
+        self, role_index: int, name: str, /, *args: Any, **kwargs: Any
+    ) -> Outcome:
+        """Call the plain method ``name`` of the instance of role ``role_index`` right here,
+        with no hop to a thread: the driver sends this call to the role's own concurrency group
+        (``ROLE_GROUPS``: a thread and event loop of Ray's, one call at a time), so the actor's
+        loop stays free while the method runs, and the role's plain calls run one after another
+        as ``call_role`` runs them under a limit of one. An ``async def`` found under that name
+        runs on the group's loop."""
+        return await _roles.call_here(role_index, name, args, kwargs)
 
     async def start_run(self, payload: bytes, start: RunStart) -> None:
         """Start the run's function in its own thread and return at once; reports are taken
@@ -266,8 +277,24 @@ async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     return _outcomes.value_outcome(result)
 
 
+#: The roles whose plain calls can take the fast path: role ``i`` (``i < ROLE_GROUPS``) has a
+#: concurrency group of its own, ``role_group(i)``, of one call at a time (Ray runs each group's
+#: calls on a thread and event loop of its own, beside the actor's loop). The others, and roles
+#: that allow several plain calls at once, go through ``call_role``.
+ROLE_GROUPS = 4
+
+
+def role_group(role_index: int) -> str:
+    """The name of role ``role_index``'s concurrency group (see :data:`ROLE_GROUPS`)."""
+    return f"role{role_index}"
+
+
 # max_restarts=0: a dead worker is replaced by a gang restart, never by Ray restarting one actor.
-WorkerActor = ray.remote(max_restarts=0, max_task_retries=0)(_Worker)
+WorkerActor = ray.remote(
+    max_restarts=0,
+    max_task_retries=0,
+    concurrency_groups={role_group(i): 1 for i in range(ROLE_GROUPS)},
+)(_Worker)
 #: The worker's code, undecorated (a local worker hosts it in a thread: see the driver's seam).
 WorkerCode = _Worker
 if TYPE_CHECKING:  # the worker's methods are the interface's (mypy checks them)

@@ -13,7 +13,10 @@ Calls of the instances' methods run as on a Ray actor: an ``async def`` on the a
 concurrently with any others; a plain method in a thread, one call at a time per instance (as a
 plain Ray actor runs its methods), or up to the role's ``max_concurrency`` at once. A plain call
 holds its place until its thread ends, even when the driver stopped waiting for it (a thread
-cannot be cancelled): the next one starts after it.
+cannot be cancelled): the next one starts after it. The driver sends the plain calls of a role
+that runs them one at a time to ``call_here`` instead, through the role's own Ray concurrency
+group (see ``_actor.ROLE_GROUPS``): Ray runs them one at a time on that group's thread, so they
+skip the hop from the actor's loop to a thread and back (about 100 us a call on 2 cores).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .._errors import ExecutorStateError
 from .._protocol import Outcome, RoleFailure, RoleSpec
 from . import _outcomes, _place
 
-__all__ = ["Roles", "call", "drop", "make", "method"]
+__all__ = ["Roles", "call", "call_here", "drop", "make", "method"]
 
 #: A factory of the context entered around the roles' code (the backend's: the current CUDA
 #: device), as around a run's function.
@@ -137,6 +140,28 @@ async def call(
             result = await _invoke(fn, args, kwargs, roles.context)
         else:
             result = await _limited(roles.limits[role_index], fn, args, kwargs, roles.context)
+    except Exception as exc:
+        return _outcomes.error_outcome(exc)
+    return _outcomes.value_outcome(result)
+
+
+async def call_here(
+    role_index: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Outcome:
+    """Call method ``name`` of this worker's instance of role ``role_index`` on the running
+    loop's thread, inside the backend's context: a plain method inline (the caller runs it on a
+    loop of its own: a Ray concurrency group's, one call at a time), an ``async def`` awaited
+    there; how it ended, as an outcome."""
+    try:
+        roles = _held()
+        fn = roles.method(role_index, name)
+        if inspect.iscoroutinefunction(fn):
+            result = await _invoke(fn, args, kwargs, roles.context)
+        else:
+            result = _call_within(fn, args, kwargs, roles.context)
+            if inspect.isawaitable(result):
+                with _entered(roles.context):
+                    result = await result
     except Exception as exc:
         return _outcomes.error_outcome(exc)
     return _outcomes.value_outcome(result)

@@ -46,8 +46,8 @@ __all__ = [
 #: worker's method (an int) or its keyword.
 Names = Callable[[int | str], str]
 #: How many of the arguments of a worker's method come before the user's: ``execute``'s function,
-#: ``call_role``'s role and method name.
-_LEADING: dict[str, int] = {"execute": 1, "call_role": 2}
+#: ``call_role``'s (and ``call_role_sync``'s) role and method name.
+_LEADING: dict[str, int] = {"execute": 1, "call_role": 2, "call_role_sync": 2}
 
 
 class Naming(Protocol):
@@ -240,7 +240,7 @@ def _default_names(method: WorkerMethod, args: Sequence[Any]) -> Names:
     method's name, any other's by their place."""
     if method == "execute" and args:
         return _function_names(args[0])
-    if method == "call_role" and len(args) >= 2:
+    if method in ("call_role", "call_role_sync") and len(args) >= 2:
         what = str(args[1])
 
         def of_role_method(key: int | str) -> str:

@@ -131,6 +131,8 @@ class LocalWorker:
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result(None)
             return _Ref(done)
+        if name == "call_role_sync":  # one loop here: a plain method goes to a thread
+            name = "call_role"
         method = getattr(self._worker, name)
         with self._lock:
             if not self._gone:

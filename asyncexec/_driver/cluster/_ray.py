@@ -23,7 +23,7 @@ from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
 from ..._interface import WorkerMethod
 from ..._protocol import WorkerMetadata
-from ..._worker import WorkerActor
+from ..._worker import ROLE_GROUPS, WorkerActor, role_group
 from .._logging import get_logger
 from ._base import Handle, Spawned, described, settle
 from ._liveness import Liveness
@@ -53,17 +53,33 @@ _PREEMPTED = NodeDeathInfo.Reason.Value("AUTOSCALER_DRAIN_PREEMPTED")
 class RayHandle:
     """A worker that is a Ray actor."""
 
-    __slots__ = ("actor", "key")
+    __slots__ = ("_plain", "actor", "key")
 
     def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
         self.key: str = actor._actor_id.hex()
+        #: ``call_role_sync`` sent to each role's concurrency group, made on first use.
+        self._plain: list[Any] = []
 
     def __repr__(self) -> str:
         return f"<RayHandle {self.key[:12]}>"
 
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Any:
+        if method == "call_role_sync":  # a plain method, one call at a time
+            return self._plain_method(args[0]).remote(*args, **kwargs)
         return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def _plain_method(self, role_index: Any) -> Any:
+        """``call_role_sync`` in role ``role_index``'s concurrency group (Ray runs its calls one
+        at a time on a thread of their own, beside the actor's loop); ``call_role`` for a role
+        past the groups (the same calls, through a thread of the actor's loop)."""
+        if not isinstance(role_index, int) or not 0 <= role_index < ROLE_GROUPS:
+            return self.actor.call_role
+        plain = self._plain
+        while len(plain) <= role_index:
+            group = role_group(len(plain))
+            plain.append(self.actor.call_role_sync.options(concurrency_group=group))
+        return plain[role_index]
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         refs: list[Any] = getattr(self.actor, method).options(num_returns=n).remote(*args)

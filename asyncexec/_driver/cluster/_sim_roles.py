@@ -87,6 +87,9 @@ class SimCalls:
             return ready(error_outcome(exc))
         return self._call_here(fn, args, kwargs)
 
+    #: A plain method runs inline here in any case (as on its Ray concurrency group).
+    call_role_sync = call_role
+
     def notify_preemption(self, notice: PreemptionNotice | None) -> Awaitable[None]:
         self.place.preemption = notice
         return ready(None)
