@@ -146,10 +146,16 @@ class WorkerCalls:
         if len(workers) == 1:
             return plan.result([await self._one(group, workers[0], plan, parts)])
         self._loads.sent(len(workers))
+        calls = [_send(group, w, plan, parts) for w in workers]
         try:
-            outcomes = await group.gather([_send(group, w, plan, parts) for w in workers])
+            outcomes = await group.gather(calls)
         except _DIED as exc:
             raise await self._recovery.lost(group, _who(workers, exc), exc) from exc
+        except anyio.get_cancelled_exc_class():
+            if plan.cancellable:  # the caller gave up: so do the workers' coroutines
+                for sent in calls:
+                    sent.cancel()
+            raise
         return plan.result(group.values(outcomes, workers))
 
     def stream(
@@ -217,15 +223,19 @@ class WorkerCalls:
         """One rank's call; its value (awaited as ``group.gather`` awaits one, without a task
         group of its own: a call's hot path). ``held``: the rank's slot taken by load, given
         back when the remote call ends (when the caller stops waiting first, a task of the
-        executor's waits for that end)."""
+        executor's waits for that end). A caller that stops waiting for an ``async def``
+        cancels it on the worker; a plain method runs to its end."""
         call = _send(group, worker, plan, parts)
         self._loads.sent()
         try:
             outcome = await call
         except BaseException as exc:
+            stopped = isinstance(exc, anyio.get_cancelled_exc_class())
+            if stopped and plan.cancellable:
+                call.cancel()  # its slot frees when the cancellation has landed
             if held is not None:
-                if isinstance(exc, anyio.get_cancelled_exc_class()):
-                    # The method goes on running on the worker: its slot is held until it ends.
+                if stopped:
+                    # The call ends on the worker later: its slot is held until then.
                     self._loads.release_when_done(call, *held, self._life.tg)
                 else:
                     self._loads.release(*held)

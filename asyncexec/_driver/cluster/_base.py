@@ -50,6 +50,15 @@ class Handle(Protocol):
         the driver."""
         ...
 
+    def cancel(self, ref: Any) -> None:
+        """Ask the worker to cancel the call whose pending result is ``ref`` (what :meth:`call`
+        returned): an ``async def`` running on the worker's loop is cancelled there (it sees
+        ``CancelledError``), and ``ref`` then fails once the cancellation has landed; a call
+        not started yet is dropped. Meant for ``async def`` calls only: a plain method in a
+        thread cannot be cancelled. Returns at once; never raises (a call that has ended, or a
+        dead worker, ignores it)."""
+        ...
+
 
 class Spawned(NamedTuple):
     """A worker being started: its handle, and its description to await."""

@@ -97,6 +97,12 @@ class Call:
     def __repr__(self) -> str:
         return f"<Call on rank {self._who.rank}>"
 
+    def cancel(self) -> None:
+        """Cancel the call on the worker: an ``async def`` is cancelled there, and awaiting
+        this call then fails (once the worker has ended it) with asyncexec's error for a call
+        that did not complete. Only for ``async def`` calls (see ``Handle.cancel``)."""
+        self._who.handle.cancel(self._ref)
+
     def __await__(self) -> Generator[Any, None, Any]:
         try:
             return (yield from self._ref.__await__())

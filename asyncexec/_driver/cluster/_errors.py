@@ -34,7 +34,7 @@ from ..._errors import (
     short_node,
 )
 from ..._protocol import Outcome, WorkerMetadata
-from ._local import LocalWorkerGone
+from ._local import LocalCallCancelled, LocalWorkerGone
 from ._ray import node_alive
 
 __all__ = [
@@ -229,6 +229,8 @@ async def call_error(
         return error
     if isinstance(exc, LocalWorkerGone):
         return worker_error(WorkerCrashedError, worker, attempt, str(exc))
+    if isinstance(exc, LocalCallCancelled):  # as Ray's TaskCancelledError: not completed
+        return worker_error(WorkerUnreachableError, worker, attempt, str(exc))
     if isinstance(exc, AsyncExecError):
         return exc
     return _raised(worker, attempt, exc, "")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import itertools
 import os
 import socket
@@ -44,7 +45,7 @@ from ..._worker import PLACE, Place, WorkerCode
 from ._base import Handle, Spawned, described, settle
 from ._placement import Placement
 
-__all__ = ["LOCAL_NODE", "LocalCluster", "LocalWorker", "LocalWorkerGone"]
+__all__ = ["LOCAL_NODE", "LocalCallCancelled", "LocalCluster", "LocalWorker", "LocalWorkerGone"]
 
 #: The node id of every local worker (they all run in the driver's process).
 LOCAL_NODE = "local"
@@ -53,6 +54,11 @@ _numbers = itertools.count()
 
 class LocalWorkerGone(Exception):
     """A call on a local worker that was closed (the stand-in for Ray's dead-actor error)."""
+
+
+class LocalCallCancelled(Exception):
+    """A call on a local (or simulated) worker that the driver cancelled (the stand-in for
+    Ray's ``TaskCancelledError``)."""
 
 
 class _ThreadWorker(WorkerCode):
@@ -76,12 +82,15 @@ class _Ref:
     """A pending call on a local worker: awaitable from any event loop, like an ``ObjectRef``.
 
     Awaiting it and being cancelled does not cancel the call (a cancelled wait on a Ray call
-    leaves the actor's method running too)."""
+    leaves the actor's method running too); :meth:`LocalWorker.cancel` does. ``task`` and
+    ``cancelled`` are read and written on the worker's loop only."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "cancelled", "task")
 
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
-        self._future = future
+    def __init__(self, future: concurrent.futures.Future[Any] | None = None) -> None:
+        self._future: concurrent.futures.Future[Any] = future or concurrent.futures.Future()
+        self.task: asyncio.Task[Any] | None = None
+        self.cancelled = False
 
     def __await__(self) -> Generator[Any, None, Any]:
         call = asyncio.wrap_future(self._future)
@@ -92,6 +101,13 @@ class _Ref:
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _cancel(ref: _Ref) -> None:
+    """On the worker's loop: cancel ``ref``'s task, or mark it to end as it starts."""
+    ref.cancelled = True
+    if ref.task is not None:
+        ref.task.cancel()
 
 
 class LocalWorker:
@@ -136,19 +152,37 @@ class LocalWorker:
         method = getattr(self._worker, name)
         with self._lock:
             if not self._gone:
-                coro = self._in_place(method(*args, **kwargs))
-                return _Ref(asyncio.run_coroutine_threadsafe(coro, self._loop))
+                ref = _Ref()
+                coro = self._in_place(method(*args, **kwargs), ref)
+                ref._future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+                return ref
         failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
         failed.set_exception(LocalWorkerGone(f"the local worker {self.label} was closed"))
         return _Ref(failed)
 
-    async def _in_place(self, call: Awaitable[Any]) -> Any:
+    async def _in_place(self, call: Awaitable[Any], ref: _Ref) -> Any:
         # This task's context (a copy) carries the worker's place to what the call starts.
         PLACE.set(self.place)
+        ref.task = asyncio.current_task()
         try:
+            if ref.cancelled:  # cancelled before it started
+                raise asyncio.CancelledError
             return await call
         except asyncio.CancelledError:
+            if ref.cancelled:
+                raise LocalCallCancelled(f"the call was cancelled on {self.label}") from None
             raise LocalWorkerGone(f"the local worker {self.label} was closed") from None
+        finally:
+            if inspect.iscoroutine(call):
+                call.close()  # never started (cancelled first): no "never awaited" warning
+
+    def cancel(self, ref: Any) -> None:
+        """Cancel the call of ``ref`` on the worker's loop, as Ray cancels an async actor's
+        task: its coroutine sees ``CancelledError``, and ``ref`` fails with
+        :class:`LocalCallCancelled` when it has ended."""
+        if isinstance(ref, _Ref):
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing runs
+                self._loop.call_soon_threadsafe(_cancel, ref)
 
     def kill(self) -> None:
         """Close the worker at once, from any thread: its run's function is told to stop, its

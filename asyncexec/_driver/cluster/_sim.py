@@ -242,7 +242,17 @@ class SimWorker(SimCalls):
     """One simulated worker: answers the driver's calls (see the module's docstring); what
     runs the user's code (calls, roles, hooks) is :class:`~._sim_roles.SimCalls`'."""
 
-    __slots__ = ("_closed", "_run", "cluster", "gone", "index", "metadata", "place", "tasks")
+    __slots__ = (
+        "_closed",
+        "_run",
+        "cancelled",
+        "cluster",
+        "gone",
+        "index",
+        "metadata",
+        "place",
+        "tasks",
+    )
     cluster: SimCluster
 
     def __init__(self, cluster: SimCluster, index: int, metadata: WorkerMetadata) -> None:
@@ -252,6 +262,7 @@ class SimWorker(SimCalls):
         self.gone = False
         self.place = Place()
         self.tasks = {}
+        self.cancelled = set()
         self._run: _SimRun | None = None
         self._closed: Pending | None = None
 
@@ -280,6 +291,15 @@ class SimWorker(SimCalls):
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         raise NotImplementedError("a simulated worker's results are not references")
+
+    def cancel(self, ref: Any) -> None:
+        """Cancel the coroutine of the call whose answer is ``ref`` (as Ray cancels an async
+        actor's task); its answer fails with ``LocalCallCancelled`` once it has ended."""
+        for task, pending in self.tasks.items():
+            if pending is ref:
+                self.cancelled.add(task)
+                task.cancel()
+                return
 
     # The worker's methods ---------------------------------------------------------------------
 

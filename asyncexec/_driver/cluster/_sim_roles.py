@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 from ..._errors import ExecutorStateError
 from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
 from ..._worker import PLACE, Place, error_outcome, value_outcome
+from ._local import LocalCallCancelled
 from ._sim_answers import Pending, Ready, ready
 
 __all__ = ["SimCalls"]
@@ -45,6 +46,8 @@ class SimCalls:
     place: Place
     #: The worker's tasks (its coroutines in progress), each with the answer it owes.
     tasks: dict[asyncio.Task[None], Pending]
+    #: Those of its tasks that the driver cancelled (see ``SimWorker.cancel``).
+    cancelled: set[asyncio.Task[None]]
 
     def setup(
         self,
@@ -104,6 +107,7 @@ class SimCalls:
             task.cancel()
             pending.fail(error)
         self.tasks.clear()
+        self.cancelled.clear()
 
     # Weight channels: refused.
 
@@ -175,6 +179,12 @@ class SimCalls:
         async def run() -> None:
             try:
                 value = await awaitable
+            except asyncio.CancelledError:
+                self.tasks.pop(task, None)
+                if task in self.cancelled:  # by the driver (a kill has failed it already)
+                    self.cancelled.discard(task)
+                    pending.fail(LocalCallCancelled(f"the call was cancelled on {self!r}"))
+                raise
             except Exception as exc:
                 answer = error_outcome(exc)
             else:
