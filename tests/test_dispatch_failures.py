@@ -36,6 +36,10 @@ class Server:
         await asyncio.sleep(seconds)
         return int(asyncexec.get_context().world_rank)
 
+    def slow_plain(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return int(asyncexec.get_context().world_rank)
+
     def fail_on_one(self) -> int:
         rank = int(asyncexec.get_context().world_rank)
         if rank == 1:
@@ -129,10 +133,12 @@ async def test_idempotent_calls_are_answered_after_a_node_is_lost(make_cluster: 
 async def test_a_call_the_caller_stopped_waiting_for_keeps_its_slot_until_it_ends(
     mode: str,
 ) -> None:
+    """A plain method (an ``async def`` is cancelled instead: see
+    ``test_dispatch_speed_paths.py``)."""
     one = asyncexec.least_loaded(max_in_flight=1)
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
         with anyio.move_on_after(0.3):
-            await ex.call(Server.slow, 1.5, on=one)  # rank 0, still running there
+            await ex.call(Server.slow_plain, 1.5, on=one)  # rank 0, still running there
         assert ex.statistics().in_flight == (1, 0)
         # Rank 0 is busy until its call ends: the next calls go to rank 1, one at a time.
         assert await ex.call(Server.slow, 0.0, on=one) == 1
