@@ -253,3 +253,74 @@ async def test_simulated_ranks_cancel_an_async_call_given_up() -> None:
             with anyio.fail_after(5):
                 state = await ex.call(Worker.state, on=cap)
             assert state["cancelled"] == 1 and state["hanging"] == 0
+
+
+# The least-loaded wait: an ended call hands its slot over ----------------------------------------
+
+
+class _Group:
+    def __init__(self, n: int) -> None:
+        self.workers = [object()] * n
+
+
+async def test_an_ended_call_hands_its_slot_to_the_longest_waiter_only() -> None:
+    """One waiter wakes per ended call, with the slot (still counted); a caller that did not
+    wait cannot take it first; a waiter cancelled after it was handed one passes it on."""
+    from asyncexec._driver._loads import Loads
+
+    loads = Loads()
+    group = _Group(1)
+    slot = loads.take(group, max_in_flight=1)
+    assert slot is not None
+    got: list[Any] = []
+
+    async def waiter() -> None:
+        got.append(await loads.wait_slot())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        loads.release(*slot)
+        assert loads.take(group, max_in_flight=1) is None  # handed: still counted
+        await anyio.wait_all_tasks_blocked()
+        assert got == [slot]  # the first waiter only
+        loads.release(*slot)
+    assert got == [slot, slot] and loads.of(group).counts == (1,)
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)  # will be handed a slot, then cancelled before it runs
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            loads.release(*slot)
+            scope.cancel()
+    # The slot is counted only while a waiter holds it: a waiter that returned with it before
+    # its cancellation arrived holds it; one cancelled first passed it on, and it went round
+    # to be free again.
+    holders = len(got) - 2
+    assert loads.of(group).counts == (holders,) and holders in (0, 1)
+
+
+async def test_a_refused_slot_is_freed_and_every_waiter_looks_again() -> None:
+    from asyncexec._driver._loads import Loads
+
+    loads = Loads()
+    group = _Group(1)
+    slot = loads.take(group, max_in_flight=1)
+    assert slot is not None
+    woken: list[Any] = []
+
+    async def waiter() -> None:
+        woken.append(await loads.wait_slot())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        loads.release(*slot)
+        await anyio.wait_all_tasks_blocked()
+        assert woken == [slot]
+        loads.refuse(slot)  # say its group was replaced: free, and the others look again
+    assert woken == [slot, None, None] and loads.of(group).counts == (0,)

@@ -39,7 +39,7 @@ from .._errors import (
 )
 from .._taskgroups import task_group
 from ._lifecycle import Lifecycle
-from ._loads import Loads
+from ._loads import Loads, Slot
 from ._recovery import Recovery
 from .cluster import Call, Cluster, submit_named
 from .group import GroupSlot, WorkerGroup, WorkerInfo
@@ -263,8 +263,12 @@ class WorkerCalls:
         tried: set[int] = set()  # their ranks in ``group``: elsewhere first
         last: AsyncExecError | None = None
         limit = len(group.workers)
+        handed: Slot | None = None  # a slot an ended call handed to this one
         while True:
             if group.closed:  # replaced or dropped: the slot's live group now
+                if handed is not None:
+                    loads.refuse(handed)
+                    handed = None
                 try:
                     group, tried = await self._group(), set()
                 except AsyncExecError as exc:  # the executor closed, or no group starts
@@ -272,13 +276,19 @@ class WorkerCalls:
             exclude: Collection[int] = tried
             if len(tried) >= len(group.workers):  # a rank renewed meanwhile may take it
                 exclude = {w.rank for w in group.workers if w.handle.key in dead}
-            taken = loads.take(group, choose.max_in_flight, exclude=exclude)
+            if handed is not None:
+                taken = _usable(handed, loads.of(group), choose.max_in_flight, exclude)
+                if taken is None:
+                    loads.refuse(handed)
+                handed = None
+            else:
+                taken = loads.take(group, choose.max_in_flight, exclude=exclude)
             if taken is None:
                 if last is not None and len(exclude) == len(group.workers):
                     # Every rank this call could go to died under it, and none was replaced.
                     last.add_note(f"sent {len(dead)} times: every rank it went to died")
                     raise last
-                await loads.wait_freed()
+                handed = await loads.wait_slot()
                 continue
             worker = group.workers[taken[1]]
             if dead:
@@ -294,6 +304,19 @@ class WorkerCalls:
                 dead.add(worker.handle.key)
                 tried.add(taken[1])
                 self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
+
+
+def _usable(
+    slot: Slot, load: Load, max_in_flight: int | None, exclude: Collection[int]
+) -> Slot | None:
+    """``slot`` (handed by an ended call, counted already) when this call may take it: the
+    live group's, a rank it does not leave out, within its cap; else None."""
+    held, r = slot
+    if held is not load or r in exclude:
+        return None
+    if max_in_flight is not None and load.in_flight(r) > max_in_flight:
+        return None
+    return slot
 
 
 def _who(workers: Sequence[WorkerInfo], exc: AsyncExecError) -> WorkerInfo | None:
