@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-__all__ = ["Echo", "RawEcho", "RawEchoSync", "part_summary"]
+__all__ = ["Echo", "RawEcho", "RawEchoPlainGroup", "RawEchoSync", "part_summary"]
 
 
 def part_summary(part: Any) -> dict[str, Any]:
@@ -84,6 +84,25 @@ class RawEchoSync:
     def ping(self) -> int:
         return os.getpid()
 
+    def small_sync(self, x: int) -> int:
+        self.calls += 1
+        return x + 1
+
+
+@ray.remote(concurrency_groups={"plain": 1})
+class RawEchoPlainGroup:
+    """A plain method on an async Ray actor, in a concurrency group of its own (one call at a
+    time, off the actor's loop): where asyncexec runs a role's plain method, by hand. What Ray
+    itself costs for that shape, against a sync actor, is the floor of asyncexec's plain rows
+    (its workers are async actors)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="plain")
     def small_sync(self, x: int) -> int:
         self.calls += 1
         return x + 1

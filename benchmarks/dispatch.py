@@ -11,8 +11,9 @@ falls on both alike; the table shows the medians over repeats and asyncexec's ra
 - **small call**: ``await ex.call(Echo.small, x)`` on an executor of 1 and of 4 ranks (the
   method returns ``x + 1``) against ``await asyncio.gather(*[a.small.remote(x) for a in
   actors])`` on as many plain async actors; per repeat the median latency of a block of
-  sequential calls. The same with a plain ``def`` method (it runs in a thread of the worker)
-  against a plain sync actor, as a contrast.
+  sequential calls. The same with a plain ``def`` method (it runs on its role's concurrency
+  group of the worker's async actor) against a plain sync actor; and, as a note, the same
+  method on a bare async actor's concurrency group by hand: Ray's own floor for that row.
 - **scatter**: a numpy array (256 MB) over 4 ranks, ``ex.call(Echo.take,
   asyncexec.scatter(arr))`` against ``np.array_split``, one ``ray.put`` per part in a thread
   (off the loop, as a careful user does) and one actor call per part with its reference. Each
@@ -61,7 +62,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 import structlog  # noqa: E402
 from _common import median, progress  # noqa: E402
-from _dispatch_workload import Echo, RawEcho, RawEchoSync  # noqa: E402
+from _dispatch_workload import Echo, RawEcho, RawEchoPlainGroup, RawEchoSync  # noqa: E402
 from _pairs import Pair, render_pairs  # noqa: E402
 
 import asyncexec  # noqa: E402
@@ -182,8 +183,10 @@ async def latencies(calls: int, one: Callable[[int], Awaitable[Any]]) -> tuple[f
     return median(seen) * 1e6, loop / calls * 1e6, cpu / calls * 1e6
 
 
-async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> list[Pair]:
-    """Small calls on ``n`` ranks: an async method and a plain one, against plain actors."""
+async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[str]]:
+    """Small calls on ``n`` ranks: an async method and a plain one, against plain actors; and,
+    as a note, Ray's own floor for the plain one (a plain method on an async actor, in a
+    concurrency group, by hand)."""
     ranks = f"{n} rank{'s' if n > 1 else ''}"
     rows = {
         kind: (
@@ -193,12 +196,14 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> list[Pair]:
         )
         for kind, what, limit in (
             ("async", "async def method", 1.2),
-            ("plain", "plain def method (a sync actor by hand)", None),
+            ("plain", "plain def method (a sync actor by hand)", 1.2),
         )
     }
     progress(f"small calls, {ranks}: an executor and {n} plain actors of each kind")
     raw = await raw_actors(RawEcho, n)
     raw_sync = await raw_actors(RawEchoSync, n)
+    raw_group = await raw_actors(RawEchoPlainGroup, n)
+    floor: list[float] = []
     try:
         async with asyncexec.Executor(
             n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)
@@ -216,7 +221,10 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> list[Pair]:
             async def raw_plain(x: int) -> Any:
                 return await asyncio.gather(*[a.small_sync.remote(x) for a in raw_sync])
 
-            for one in (ae_async, ae_plain, raw_async, raw_plain):
+            async def raw_group_plain(x: int) -> Any:
+                return await asyncio.gather(*[a.small_sync.remote(x) for a in raw_group])
+
+            for one in (ae_async, ae_plain, raw_async, raw_plain, raw_group_plain):
                 assert await one(1) == [2] * n
                 await latencies(sizes.warm_calls, one)
             for i in range(sizes.repeats):
@@ -234,10 +242,19 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> list[Pair]:
                     for row, base_value, our_value in zip(rows[kind], b, o, strict=True):
                         row.base.append(base_value)
                         row.ours.append(our_value)
+                floor.append((await latencies(sizes.small_calls, raw_group_plain))[0])
     finally:
         kill(raw)
         kill(raw_sync)
-    return [*rows["async"], *rows["plain"]]
+        kill(raw_group)
+    plain = rows["plain"][0]
+    note = (
+        f"- small call, {ranks}: a plain def method on a bare async Ray actor (a concurrency "
+        f"group of one, by hand: where asyncexec runs it) {median(floor):,.0f} us, "
+        f"{median(floor) / median(plain.base):.2f}x the sync actor: Ray's own floor for the "
+        "plain row"
+    )
+    return [*rows["async"], *rows["plain"]], [note]
 
 
 # Scatter ----------------------------------------------------------------------------------------
@@ -373,6 +390,7 @@ async def measure_load(sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[s
         f"least_loaded(max_in_flight={cap}) calls/s, {n} ranks, {callers} callers",
         "calls/s",
         higher_is_better=True,
+        limit=1.0,
     )
     loop = Pair("the same: the event loop's CPU per call", "us")
     cpu = Pair("the same: the driver's CPU per call (all threads)", "us")
@@ -414,7 +432,9 @@ async def bench(sizes: Sizes, only: set[str], prof: Profiler) -> tuple[list[Pair
     notes: list[str] = []
     if "small" in only:
         for n in (1, 4):
-            rows += await measure_small(n, sizes, prof)
+            more, said = await measure_small(n, sizes, prof)
+            rows += more
+            notes += said
     if "scatter" in only:
         more, said = await measure_scatter(sizes, prof)
         rows += more
