@@ -324,3 +324,23 @@ async def test_a_refused_slot_is_freed_and_every_waiter_looks_again() -> None:
         assert woken == [slot]
         loads.refuse(slot)  # say its group was replaced: free, and the others look again
     assert woken == [slot, None, None] and loads.of(group).counts == (0,)
+
+
+def test_a_handed_slot_the_call_cannot_use_is_given_back_and_the_call_looks_again() -> None:
+    """A slot of a replaced group (or over this call's cap) is refused, and the call takes a
+    free rank of its own group at once rather than waiting for another call to end."""
+    from asyncexec._driver._dispatcher import _next_slot
+    from asyncexec._driver._loads import Loads
+
+    loads = Loads()
+    old, live = _Group(1), _Group(2)
+    handed = loads.take(old, max_in_flight=1)
+    assert handed is not None
+    taken = _next_slot(loads, live, handed, 1, ())  # type: ignore[arg-type]
+    assert taken is not None and taken[1] == 0 and taken[0] is loads.of(live)
+    assert loads.of(old).counts == (0,)  # given back
+    over = loads.take(live, max_in_flight=3)
+    assert over is not None and loads.of(live).counts == (1, 1)
+    loads.of(live).started(1)  # rank 1 has 2 in flight: over a cap of 1 for the next call
+    assert _next_slot(loads, live, (loads.of(live), 1), 1, ()) is None  # type: ignore[arg-type]
+    assert loads.of(live).counts == (1, 1)  # the handed one given back; none free under 1

@@ -11,9 +11,13 @@ parts only; a small part travels inline with the call. A call on a rank that die
 while the call was on its way: a restart); no call hangs on a dead worker. Outside a run, a
 crashed rank of a group without a backend gets a fresh process in its place (the others keep
 their calls); otherwise the dead group is dropped and the next call starts a fresh one (see
-``_recovery``). A call chosen by load holds its rank's slot until the remote call ends, also when
-its caller stops waiting; an idempotent one follows the group when it is replaced (see
-``_loads`` for the bookkeeping).
+``_recovery``). A caller that stops waiting for an ``async def`` cancels it on the workers it
+was sent to; a plain method runs to its end. A call chosen by load holds its rank's slot until
+the remote call ends (or its cancellation lands), also when its caller stops waiting, and a call
+that ends hands its slot to the longest waiter; an idempotent one follows the group when it is
+replaced (see ``_loads`` for the bookkeeping). A role's plain method that runs one call at a
+time is sent as ``call_role_sync`` (the worker runs it where its calls queue, without a hop to
+a thread), every other method as ``call_role``.
 """
 
 from __future__ import annotations
@@ -276,13 +280,8 @@ class WorkerCalls:
             exclude: Collection[int] = tried
             if len(tried) >= len(group.workers):  # a rank renewed meanwhile may take it
                 exclude = {w.rank for w in group.workers if w.handle.key in dead}
-            if handed is not None:
-                taken = _usable(handed, loads.of(group), choose.max_in_flight, exclude)
-                if taken is None:
-                    loads.refuse(handed)
-                handed = None
-            else:
-                taken = loads.take(group, choose.max_in_flight, exclude=exclude)
+            taken = _next_slot(loads, group, handed, choose.max_in_flight, exclude)
+            handed = None
             if taken is None:
                 if last is not None and len(exclude) == len(group.workers):
                     # Every rank this call could go to died under it, and none was replaced.
@@ -306,17 +305,28 @@ class WorkerCalls:
                 self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
 
 
-def _usable(
-    slot: Slot, load: Load, max_in_flight: int | None, exclude: Collection[int]
+def _next_slot(
+    loads: Loads,
+    group: WorkerGroup,
+    handed: Slot | None,
+    max_in_flight: int | None,
+    exclude: Collection[int],
 ) -> Slot | None:
-    """``slot`` (handed by an ended call, counted already) when this call may take it: the
-    live group's, a rank it does not leave out, within its cap; else None."""
-    held, r = slot
-    if held is not load or r in exclude:
-        return None
-    if max_in_flight is not None and load.in_flight(r) > max_in_flight:
-        return None
-    return slot
+    """The slot a call chosen by load takes now: the one an ended call handed it (counted
+    already) when it may use it (``group``'s, a rank it does not leave out, within its cap),
+    else the least-loaded rank's (a handed slot it cannot use given back first); None when no
+    rank is free."""
+    if handed is None:
+        return loads.take(group, max_in_flight, exclude=exclude)
+    held, r = handed
+    if (
+        held is not loads.of(group)
+        or r in exclude
+        or (max_in_flight is not None and held.in_flight(r) > max_in_flight)
+    ):
+        loads.refuse(handed)  # free again: this call looks too, as every waiter does
+        return loads.take(group, max_in_flight, exclude=exclude)
+    return handed
 
 
 def _who(workers: Sequence[WorkerInfo], exc: AsyncExecError) -> WorkerInfo | None:
