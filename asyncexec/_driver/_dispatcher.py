@@ -171,7 +171,8 @@ class WorkerCalls:
             async for rank, out in rollout.stream(Rollout.generate, asyncexec.scatter(prompts)):
                 ...
 
-        Leaving the loop early (``break``) cancels the waits for the others. Errors are raised
+        Leaving the loop early (``break``) cancels the waits for the others (an ``async def``
+        is cancelled on their workers too; a plain method runs to its end). Errors are raised
         by the iteration (a bad call before anything is sent, at the first step)."""
         tg = self._life.check_open()
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
