@@ -49,9 +49,12 @@ _EXPORTS: dict[str, str] = {
     "ReportMismatchError": "_errors",
     "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
+    "RolloutRequest": "_worker._rollout",
+    "RolloutServer": "_worker._rollout",
     "Run": "_driver.run",
     "RunResult": "_driver.run",
     "RunState": "_driver.run",
+    "Sample": "_worker._rollout",
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
     "Step": "_driver.run",
@@ -188,6 +191,9 @@ if TYPE_CHECKING:
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version
+    from ._worker._rollout import RolloutRequest as RolloutRequest
+    from ._worker._rollout import RolloutServer as RolloutServer
+    from ._worker._rollout import Sample as Sample
     from ._worker._session import get_checkpoint as get_checkpoint
     from ._worker._session import get_context as get_context
     from ._worker._session import get_dataset_shard as get_dataset_shard

@@ -16,12 +16,16 @@ from ._actor import WorkerActor, WorkerCode
 from ._channel import weights_version
 from ._outcomes import error_outcome, value_outcome
 from ._place import PLACE, Place
+from ._rollout import RolloutRequest, RolloutServer, Sample
 from ._session import get_checkpoint, get_context, report
 
 __all__ = [
     "PLACE",
     "Place",
     "WorkerActor",
+    "RolloutRequest",
+    "RolloutServer",
+    "Sample",
     "WorkerCode",
     "error_outcome",
     "get_checkpoint",

@@ -1,0 +1,10 @@
+"""The RL pipeline: staleness-bounded rollouts from rollout servers (``RolloutServer`` roles)
+to a learner, weight updates while generating, a router for the servers.
+
+Above the executor, its dispatch and the weight channel (``tests/test_structure.py``). This
+file is a plain list of re-exports.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
