@@ -51,6 +51,8 @@ _EXPORTS: dict[str, str] = {
     "RestartsExhaustedError": "_errors",
     "RolloutRequest": "_worker._rollout",
     "RolloutServer": "_worker._rollout",
+    "Router": "_driver.pipeline",
+    "RouterStatistics": "_driver.pipeline",
     "Run": "_driver.run",
     "RunResult": "_driver.run",
     "RunState": "_driver.run",
@@ -162,6 +164,8 @@ if TYPE_CHECKING:
     from ._driver.group import Reservation as Reservation
     from ._driver.group import ReservationStatistics as ReservationStatistics
     from ._driver.group import WorkerPool as WorkerPool
+    from ._driver.pipeline import Router as Router
+    from ._driver.pipeline import RouterStatistics as RouterStatistics
     from ._driver.run import Report as Report
     from ._driver.run import Run as Run
     from ._driver.run import RunResult as RunResult

@@ -7,4 +7,6 @@ file is a plain list of re-exports.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ._router import Router, RouterStatistics
+
+__all__ = ["Router", "RouterStatistics"]
