@@ -144,11 +144,12 @@ def grpo_loss(forward: Any, prompts: Sequence[Task], groups: Sequence[Group], cl
 
     total = torch.zeros(())
     for task, g in zip(prompts, groups, strict=True):
-        advantage = torch.from_numpy((g.rewards - g.rewards.mean()) / (g.rewards.std() + 1e-6))
+        # torch.tensor copies: arrays out of Ray's object store are read-only.
+        advantage = torch.tensor((g.rewards - g.rewards.mean()) / (g.rewards.std() + 1e-6))
         n = g.tokens.shape[1]
         lp = torch.log_softmax(forward(torch.from_numpy(features(task.digits, np.arange(n)))), -1)
-        new = lp[torch.arange(n)[None], torch.from_numpy(g.tokens)]  # [G, n]
-        ratio = (new - torch.from_numpy(g.logp)).exp()
+        new = lp[torch.arange(n)[None], torch.tensor(g.tokens)]  # [G, n]
+        ratio = (new - torch.tensor(g.logp)).exp()
         a = advantage.float()[:, None]
         objective = torch.min(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a).mean(-1)
         total = total - objective.mean()
