@@ -1,0 +1,137 @@
+"""The router's parts without Ray: the choice of a server (least in flight under the cap, the
+lowest rank on ties, a session's server first, the servers already tried last), the sessions'
+bounded memory, the counters, and the arguments refused before anything is made."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import asyncexec
+from asyncexec._driver.pipeline._router_state import Balance, Sessions
+
+
+class Toy(asyncexec.RolloutServer):
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class Plain:
+    def work(self) -> int:
+        return 1
+
+
+def _balance(n: int, cap: int) -> Balance:
+    return Balance([f"w{r}" for r in range(n)], cap)
+
+
+@pytest.mark.timeout(10)
+def test_least_in_flight_under_the_cap_lowest_rank_on_ties() -> None:
+    balance = _balance(3, 2)
+    chosen = []
+    for _ in range(6):
+        r = balance.choose()
+        assert r is not None
+        balance.take(r)
+        chosen.append(r)
+    assert chosen == [0, 1, 2, 0, 1, 2]  # round the servers, each up to the cap
+    assert balance.choose() is None  # every server holds the cap: the request waits
+    balance.release(1)
+    assert balance.choose() == 1
+    assert balance.in_flight == {0: 2, 1: 1, 2: 2}
+    assert [s.peak for s in balance.servers] == [2, 2, 2]
+
+
+@pytest.mark.timeout(10)
+def test_servers_tried_come_last_and_a_server_out_gets_nothing() -> None:
+    balance = _balance(3, 4)
+    assert balance.choose(exclude=[0]) == 1
+    assert balance.choose(exclude=[0, 1, 2]) == 0  # all tried: the least loaded of them
+    balance.servers[1].serving = False
+    balance.take(0)
+    assert balance.choose() == 2
+    assert balance.choose(exclude=[2]) == 0  # 1 is out; 0 holds one, but it is not tried
+    balance.servers[0].serving = balance.servers[2].serving = False
+    assert balance.choose() is None
+
+
+@pytest.mark.timeout(10)
+def test_a_session_goes_to_its_server_while_it_serves_in_the_same_worker() -> None:
+    balance = _balance(3, 1)
+    assert balance.choose(pinned=(2, "w2")) == 2  # not the least loaded's tie-break (0)
+    balance.take(2)
+    assert balance.choose(pinned=(2, "w2")) is None  # its server at the cap: it waits there
+    assert balance.choose(pinned=(2, "w-old")) == 0  # a replaced server: chosen afresh
+    balance.servers[2].serving = False
+    assert balance.choose(pinned=(2, "w2")) == 0  # taken out: chosen afresh
+
+
+@pytest.mark.timeout(10)
+def test_sessions_forget_the_least_recently_used_past_the_limit() -> None:
+    sessions = Sessions(limit=3)
+    for key in "abc":
+        sessions.pin(key, 0, "w0")
+    assert sessions.get("a") == (0, "w0")  # used: now the most recent
+    sessions.pin("d", 1, "w1")
+    assert len(sessions) == 3
+    assert sessions.get("b") is None  # the least recently used went
+    assert sessions.get("a") == (0, "w0") and sessions.get("d") == (1, "w1")
+    for i in range(1000):
+        sessions.pin(i, i % 3, None)
+    assert len(sessions) == 3  # bounded however many sessions come
+
+
+@pytest.mark.timeout(10)
+async def test_a_waiting_request_is_woken_when_a_slot_is_freed() -> None:
+    balance = _balance(1, 1)
+    balance.take(0)
+    woken = anyio.Event()
+
+    async def wait() -> None:
+        await balance.wait_freed()
+        woken.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.lowlevel.checkpoint()
+        assert not woken.is_set()
+        balance.release(0)
+        with anyio.fail_after(2):
+            await woken.wait()
+    assert balance.choose() == 0
+
+
+@pytest.mark.timeout(10)
+def test_router_refuses_bad_arguments_before_anything_starts() -> None:
+    servers = asyncexec.Executor(2, roles=Toy, local=True)
+    with pytest.raises(asyncexec.ConfigurationError, match="RolloutServer"):
+        asyncexec.Router(asyncexec.Executor(2, roles=Plain, local=True))
+    with pytest.raises(asyncexec.ConfigurationError, match="Executor"):
+        asyncexec.Router("servers")  # type: ignore[arg-type]
+    with pytest.raises(asyncexec.ConfigurationError, match="max_in_flight"):
+        asyncexec.Router(servers, max_in_flight=0)
+    with pytest.raises(asyncexec.ConfigurationError, match="unhealthy_after"):
+        asyncexec.Router(servers, unhealthy_after=0)
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(asyncexec.ConfigurationError, match="health_interval_s"):
+            asyncexec.Router(servers, health_interval_s=bad)
+    asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
+    router = asyncexec.Router(servers)
+    assert router.statistics == asyncexec.RouterStatistics()
+    assert "Router" in repr(router)
+
+
+@pytest.mark.timeout(10)
+async def test_router_used_before_it_is_entered_says_so() -> None:
+    router = asyncexec.Router(asyncexec.Executor(2, roles=Toy, local=True))
+    with pytest.raises(asyncexec.ExecutorStateError, match="async with"):
+        await router.generate(asyncexec.RolloutRequest(0, "p"))
+    with pytest.raises(asyncexec.ExecutorStateError):
+        await router.pause("keep")
