@@ -135,3 +135,38 @@ async def test_router_used_before_it_is_entered_says_so() -> None:
         await router.generate(asyncexec.RolloutRequest(0, "p"))
     with pytest.raises(asyncexec.ExecutorStateError):
         await router.pause("keep")
+
+
+@pytest.mark.timeout(20)
+async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -> None:
+    """Local mode (threads, no Ray): the router's counters by the executor's name, its requests
+    in flight by executor and rank, and no label of a session key or a request id; the
+    in-flight series go when the router closes."""
+    prom = pytest.importorskip("prometheus_client")
+    from asyncexec._driver import _metrics
+
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    try:
+        async with (
+            asyncexec.Executor(2, roles=Toy, local=True, name="servers") as servers,
+            asyncexec.Router(servers, max_in_flight=2) as router,
+        ):
+            for i in range(5):
+                await router.generate(asyncexec.RolloutRequest(i, "p", key=f"chat-{i}"))
+            value = registry.get_sample_value
+            assert value("asyncexec_router_requests_total", {"executor": "servers"}) == 5
+            assert value("asyncexec_router_answered_total", {"executor": "servers"}) == 5
+            in_flight = {"executor": "servers", "rank": "0"}
+            assert value("asyncexec_router_in_flight", in_flight) == 0
+            labels = {
+                name
+                for family in registry.collect()
+                if family.name.startswith("asyncexec_router")
+                for sample in family.samples
+                for name in sample.labels
+            }
+            assert labels == {"executor", "rank"}
+        assert registry.get_sample_value("asyncexec_router_in_flight", in_flight) is None
+    finally:
+        _metrics._metrics = None
