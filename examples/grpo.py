@@ -287,9 +287,11 @@ class Summary:
     trained: list[Any] = field(default_factory=list, repr=False)  # ids, as learners said
     staleness_max: int = 0
     lengths: list[int] = field(default_factory=list, repr=False)  # tokens asked, per sample
-    restarts: dict[str, int] = field(default_factory=lambda: {"server": 0, "learner": 0})
-    learner_resumed_from: list[int] = field(default_factory=list)
+    killed: dict[str, int] = field(default_factory=lambda: {"server": 0, "learner": 0})
+    learner_restarts: int = 0
+    learner_resumed_from: list[int] = field(default_factory=list)  # the checkpoints' updates
     statistics: Any = None  # the pipeline's, at the end
+    router: Any = None  # the router's, at the end
     seconds: float = 0.0
 
     @property
@@ -321,9 +323,10 @@ class Summary:
             f"staleness max {self.staleness_max}",
             f"consumed {len(self.consumed)} samples, trained {len(self.trained)}: "
             f"{'each exactly once' if self.exactly_once else 'NOT exactly once'}",
-            f"restarts: {self.restarts}; the learner resumed from updates "
-            f"{self.learner_resumed_from}",
+            f"killed: {self.killed}; learner restarts: {self.learner_restarts}, resumed from "
+            f"updates {self.learner_resumed_from}",
             f"pipeline: {self.statistics}",
+            f"router: {self.router}",
         ])  # fmt: skip
 
 
@@ -345,9 +348,9 @@ async def learn(learner: asyncexec.Executor, samples: list[asyncexec.Sample], in
             out = await learner.call(Learner.update, asyncexec.scatter(samples), index, state)
             break
         except asyncexec.WorkerCrashedError:
-            if s.restarts["learner"] == max_restarts:
+            if s.learner_restarts == max_restarts:
                 raise
-            s.restarts["learner"] += 1
+            s.learner_restarts += 1
             s.learner_resumed_from.append(-1)  # filled in below
     if s.learner_resumed_from and s.learner_resumed_from[-1] == -1:
         s.learner_resumed_from[-1] = int(out[0]["resumed_from"])
@@ -408,10 +411,11 @@ async def main(
                 await pipe.update_weights()
                 if kill_server_at == s.updates:  # server rank 1 (if there): the router replaces
                     os.kill(rollout.workers[-1].pid, signal.SIGKILL)
-                    s.restarts["server"] += 1
+                    s.killed["server"] += 1
                 if kill_learner_at == s.updates:  # learner rank 0: the next update resumes
                     os.kill(learner.workers[0].pid, signal.SIGKILL)
-            s.statistics = pipe.statistics
+                    s.killed["learner"] += 1
+            s.statistics, s.router = pipe.statistics, router.statistics
     s.seconds = time.perf_counter() - s.started
     return s
 

@@ -52,7 +52,7 @@ def _stop_ray_of_this_process() -> None:
         ray.shutdown()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 def test_the_example_reaches_its_threshold_through_a_killed_server_and_learner() -> None:
     _stop_ray_of_this_process()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -60,7 +60,7 @@ def test_the_example_reaches_its_threshold_through_a_killed_server_and_learner()
     args = ["--kill-server-at", "4", "--kill-learner-at", "8", "--quiet", "--max-updates", "150"]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "grpo.py"), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
     )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-4000:]
@@ -70,4 +70,4 @@ def test_the_example_reaches_its_threshold_through_a_killed_server_and_learner()
     assert consumed is not None and consumed[1] == consumed[2], out
     staleness = re.search(r"staleness max (\d+)", out)
     assert staleness is not None and int(staleness[1]) <= 1, out
-    assert "'learner': 1" in out, out  # the learner was restarted once, and resumed
+    assert "learner restarts: 1, resumed from updates [8]" in out, out
