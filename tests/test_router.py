@@ -1,9 +1,9 @@
 """The Router on real servers (RolloutServer ranks of 0.25 CPU): balance under uniform load and
 sticky sessions, a deadline that sends a request again (the late answer dropped and counted),
-pause and resume through it; on Ray only: a server SIGKILLed mid-run (every request answered
-once, sessions re-pinned, the replacement at the channel's current version before it serves)
-and the health watch (a failing server's checks in its grace period do not count; after it,
-it is taken out, its requests sent elsewhere, and it is replaced)."""
+pause and resume through it, the health watch (a failing server's checks in its grace period
+do not count; after it, it is taken out, its requests sent elsewhere, and it is replaced), each
+on Ray and in local mode; on Ray only: a server SIGKILLed mid-run (every request answered once,
+sessions re-pinned, the replacement at the channel's current version before it serves)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ class Toy(asyncexec.RolloutServer):
 
     def make_sick(self) -> None:
         self.sick = True
+
+    def is_sick(self) -> bool:
+        return self.sick
 
     def pid(self) -> int:
         return os.getpid()
@@ -184,7 +187,8 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
     """One of 4 servers SIGKILLed mid-run, after a push it holds: every request is answered
     once; a session on it moves to another server and stays there; the server that comes back
     in its place holds the channel's current version before it serves (a rank renewed outside
-    a run gets nothing from the channel by itself)."""
+    a run gets nothing from the channel by itself). Then the whole group is replaced: each
+    server of the new one rejoins at the current version before it serves."""
     async with (
         asyncexec.Executor(1, resources_per_worker=CPU) as learner,
         asyncexec.Executor(4, resources_per_worker=CPU, roles=Toy) as servers,
@@ -238,16 +242,24 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
                 assert sample.versions == (2, 2), sample
             assert await servers.call(Toy.weights_version) == [2, 2, 2, 2]
             print(f"\nSIGKILL: {len(ids)} requests answered once; {stats}")
+            # The whole group replaced (as after a death in a group with a backend): a push
+            # meanwhile reaches no server; every server of the new group rejoins at it.
+            await servers._slot.drop_if(servers._slot.group)
+            assert await channel.push() == 3
+            for i in range(8):
+                sample = await router.generate(asyncexec.RolloutRequest(("new", i), (2, 0.0)))
+                assert sample.versions == (3, 3), sample
+            assert router.statistics.replaced == 1 + 4
 
 
-@pytest.mark.ray_only
 @pytest.mark.timeout(90)
 async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
-    ray_local: None,
+    mode: str,
 ) -> None:
     """Server 1's health raises. Within its grace period the failed checks do not count; after
     it, two failed checks in a row take it out: its request in flight goes to server 0 and is
-    answered once, it is killed and comes back in a fresh process, and serves again."""
+    answered once, it is killed and comes back in a fresh process (a healthy instance), and
+    serves again."""
     health = {"health_interval_s": 0.1, "health_timeout_s": 2.0, "unhealthy_after": 2}
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Toy) as servers:
         pids = await servers.call(Toy.pid)
@@ -272,11 +284,13 @@ async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
                     tg.start_soon(ask, 1)  # rank 1, the sick one
                 await _wait_for(lambda: router.statistics.replaced == 1, 30)
             assert sorted(s.id for s in samples) == [0, 1]
-            assert {s.output[1] for s in samples} == {pids[0]}  # both answered by server 0
+            assert [s.rank for s in samples] == [0, 0]  # both answered by server 0
             stats = router.statistics
             assert stats.taken_out == 1 and stats.retries == 1 and stats.duplicates_dropped == 0
             assert all(stats.serving)
-            new = await servers.call(Toy.pid)
-            assert new[0] == pids[0] and new[1] != pids[1]
+            assert await servers.call(Toy.is_sick) == [False, False]  # a fresh instance
+            if mode == "ray":
+                new = await servers.call(Toy.pid)
+                assert new[0] == pids[0] and new[1] != pids[1]
             sample = await router.generate(asyncexec.RolloutRequest("again", (1, 0.0)), retry=False)
             assert sample.rank in (0, 1)

@@ -66,6 +66,7 @@ class HealthWatch:
         router = self.router
         while True:
             await anyio.sleep(router.health_interval_s)
+            self.follow_group()
             async with task_group() as tg:
                 for server in router.balance.servers:
                     if server.serving:
@@ -125,6 +126,22 @@ class HealthWatch:
         router.log.warning("server_lost", rank=r)
         self._rejoin_soon(server)
 
+    def follow_group(self) -> None:
+        """When the executor replaced its whole group (a group with a backend after a death,
+        or a renewal that failed: the next call starts a fresh one), every server is a fresh
+        process: each rejoins, at the channel's version, before it takes a request."""
+        router = self.router
+        current = slot_of(router.servers).group
+        if current is router.group and current is not None and not current.closed:
+            return
+        router.group = None  # the next rejoin that succeeds says which group serves
+        fresh = [s for s in router.balance.servers if s.serving]
+        if fresh:
+            router.log.warning("servers_group_replaced", servers=len(fresh))
+        for server in fresh:
+            server.serving = False
+            self._rejoin_soon(server)
+
     def _rejoin_soon(self, server: ServerRecord) -> None:
         tg = self.router.tg
         if tg is not None and not server.rejoining:
@@ -182,8 +199,10 @@ class HealthWatch:
                 )
         if router.paused is not None:
             await servers.call(methods.pause, router.paused, on=on_rank(r))
-        if _key(servers, r) != before:
+        group = slot_of(servers).group
+        if _key(servers, r) != before or group is None:
             raise ExecutorStateError(f"rank {r} was replaced again while it rejoined")
+        router.group = group
         return before
 
     async def on_serving(self, fn: Callable[..., Any], *args: Any) -> list[Any]:

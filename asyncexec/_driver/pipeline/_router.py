@@ -38,7 +38,7 @@ from ..._errors import (
 from ..._role import method
 from ..._taskgroups import one_error
 from ..._worker import RolloutRequest, RolloutServer, Sample
-from .._executor import Executor
+from .._executor import Executor, slot_of
 from .._logging import get_logger
 from ._health import HealthWatch, worker_keys
 from ._router_metrics import RouterMeters
@@ -129,6 +129,8 @@ class Router:
         self.watch = HealthWatch(self)
         self.requests = Requests(self)
         self.tg: anyio.abc.TaskGroup | None = None
+        #: The servers' group the router's records are of (None: being replaced).
+        self.group: Any = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -150,6 +152,7 @@ class Router:
                 "the router's executor has no live workers: enter it (async with) first"
             )
         self.balance = Balance(keys, self.max_in_flight, time.monotonic())
+        self.group = slot_of(self.servers).group
         self.tg = anyio.create_task_group()
         await self.tg.__aenter__()
         self.tg.start_soon(self.watch.run)

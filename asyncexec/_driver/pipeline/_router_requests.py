@@ -101,6 +101,7 @@ class Requests:
         balance = router.balance
         while True:
             router.check_open()
+            router.watch.follow_group()
             pinned = None
             if request.key is not None and not tried:
                 pinned = router.sessions.get(request.key)
