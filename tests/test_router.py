@@ -70,7 +70,7 @@ async def _wait_for(condition: Any, timeout_s: float) -> None:
             await anyio.sleep(0.02)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: str) -> None:
     """10 clients on 4 servers under a cap of 4: the router's requests in flight per server,
     averaged over the run, within 1.25 x of the mean; 5 sessions of 4 turns each keep their
@@ -101,7 +101,7 @@ async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: st
                 )
                 turns.setdefault(s, []).append(sample.rank)
 
-        with anyio.fail_after(40):
+        with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sample_in_flight)
                 async with anyio.create_task_group() as clients:
@@ -122,7 +122,7 @@ async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: st
         assert stats.retries == stats.duplicates_dropped == 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_deadline_sends_again_and_the_late_answer_is_dropped(mode: str) -> None:
     """Server 0 is slow: an idempotent request past its deadline there is answered by server
     1, and server 0's answer, when it comes, is dropped and counted; a request that may not be
@@ -145,7 +145,7 @@ async def test_deadline_sends_again_and_the_late_answer_is_dropped(mode: str) ->
         assert stats.in_flight == (0, 0)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_pause_keep_parks_and_abort_ends_the_generations_in_flight(mode: str) -> None:
     async with (
         asyncexec.Executor(2, resources_per_worker=CPU, roles=Toy) as servers,
@@ -180,7 +180,7 @@ async def test_pause_keep_parks_and_abort_ends_the_generations_in_flight(mode: s
 
 
 @pytest.mark.ray_only
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(45)
 async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_current_version(
     ray_local: None,
 ) -> None:
@@ -216,7 +216,7 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
                     if t == 2:
                         third.set()
 
-            with anyio.fail_after(60):
+            with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
                     for c in range(8):
                         tg.start_soon(client, c)
@@ -230,7 +230,7 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
             assert chat[:3] == [killed] * 3
             moved = chat[3:]
             assert killed not in moved and len(set(moved)) == 1  # re-pinned, and it stays
-            await _wait_for(lambda: all(router.statistics.serving), 30)
+            await _wait_for(lambda: all(router.statistics.serving), 20)
             stats = router.statistics
             assert stats.replaced == 1 and stats.retries >= 1
             assert stats.duplicates_dropped == 0
@@ -252,7 +252,7 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
             assert router.statistics.replaced == 1 + 4
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(45)
 async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
     mode: str,
 ) -> None:
@@ -267,7 +267,7 @@ async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
         with capture_logs() as logs:
             async with asyncexec.Router(servers, health_grace_s=60, **health) as router:
                 graced = lambda: [e for e in logs if e["event"] == "health_failed_in_grace"]  # noqa: E731
-                await _wait_for(lambda: len(graced()) >= 3, 20)
+                await _wait_for(lambda: len(graced()) >= 3, 15)
                 assert router.statistics.taken_out == 0
                 assert all(router.statistics.serving)
                 assert {e["rank"] for e in graced()} == {1}
@@ -278,11 +278,11 @@ async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
             async def ask(i: int) -> None:
                 samples.append(await router.generate(asyncexec.RolloutRequest(i, slow)))
 
-            with anyio.fail_after(60):
+            with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(ask, 0)  # rank 0
                     tg.start_soon(ask, 1)  # rank 1, the sick one
-                await _wait_for(lambda: router.statistics.replaced == 1, 30)
+                await _wait_for(lambda: router.statistics.replaced == 1, 20)
             assert sorted(s.id for s in samples) == [0, 1]
             assert [s.rank for s in samples] == [0, 0]  # both answered by server 0
             stats = router.statistics
