@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import anyio
 from _pipeline_workload import Job, Trainer, long_tailed
@@ -60,9 +61,10 @@ async def throughput(
     sizes: Sizes,
     staleness: int,
     seed: int,
+    mode: Literal["strict", "aggregate"] = "strict",
 ) -> dict[str, float]:
     """Samples trained per second over ``sizes.batches`` batches of the long-tailed workload
-    through a strict pipeline with bound ``staleness``, each batch trained (simulated time) and
+    through a pipeline with bound ``staleness``, each batch trained (simulated time) and
     followed by a push (``on_update="keep"``); and how many samples were beyond the bound, by
     each sample's oldest chunk against the version the learner held."""
     router = asyncexec.Router(servers, max_in_flight=sizes.max_in_flight, channel=channel)
@@ -76,7 +78,7 @@ async def throughput(
             long_tailed(seed),
             batch_size=sizes.batch,
             staleness=staleness,
-            mode="strict",
+            mode=mode,
             on_update="keep",
             channel=channel,
         ) as pipe,
