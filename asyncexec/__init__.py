@@ -40,6 +40,9 @@ _EXPORTS: dict[str, str] = {
     "HealthChecks": "_config",
     "MergeError": "_errors",
     "NodeLostError": "_errors",
+    "Pipeline": "_driver.pipeline",
+    "PipelineBatch": "_driver.pipeline",
+    "PipelineStatistics": "_driver.pipeline",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
     "PreemptionNotice": "_protocol",
@@ -164,6 +167,9 @@ if TYPE_CHECKING:
     from ._driver.group import Reservation as Reservation
     from ._driver.group import ReservationStatistics as ReservationStatistics
     from ._driver.group import WorkerPool as WorkerPool
+    from ._driver.pipeline import Pipeline as Pipeline
+    from ._driver.pipeline import PipelineBatch as PipelineBatch
+    from ._driver.pipeline import PipelineStatistics as PipelineStatistics
     from ._driver.pipeline import Router as Router
     from ._driver.pipeline import RouterStatistics as RouterStatistics
     from ._driver.run import Report as Report

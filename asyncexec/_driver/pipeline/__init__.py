@@ -7,6 +7,15 @@ file is a plain list of re-exports.
 
 from __future__ import annotations
 
+from ._pipeline import Pipeline
 from ._router import Router, RouterStatistics
+from ._stats import PauseFigures, PipelineBatch, PipelineStatistics
 
-__all__ = ["Router", "RouterStatistics"]
+__all__ = [
+    "PauseFigures",
+    "Pipeline",
+    "PipelineBatch",
+    "PipelineStatistics",
+    "Router",
+    "RouterStatistics",
+]
