@@ -276,3 +276,94 @@ def test_consumed_ids_are_kept_as_a_watermark_and_the_ids_above_it() -> None:
     assert 4 not in again and 5 not in again and len(again) == 6
     with pytest.raises(asyncexec.ConfigurationError):
         Consumed.from_state({"watermark": 3})
+
+
+# A server whose engine runs its own loop and pauses itself -------------------------------------
+
+
+_END = object()
+
+
+class _Engine:
+    """An engine with its own loop: one token per step for each request, into its queue, unless
+    paused; ``abort`` ends every request."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, asyncio.Queue[Any]] = {}
+        self.running = asyncio.Event()
+        self.running.set()
+        self.weights: Any = None
+
+    async def stream(self, rid: int, n: int) -> AsyncIterator[Any]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queues[rid] = queue
+        steps = asyncio.ensure_future(self._steps(queue, n))
+        try:
+            while (token := await queue.get()) is not _END:
+                yield token
+        finally:
+            steps.cancel()
+            del self.queues[rid]
+
+    async def _steps(self, queue: asyncio.Queue[Any], n: int) -> None:
+        for _ in range(n):
+            await self.running.wait()
+            await asyncio.sleep(0.002)
+            queue.put_nowait(self.weights)
+        queue.put_nowait(_END)
+
+    def abort_all(self) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(_END)
+
+
+class EngineServer(asyncexec.RolloutServer):
+    pause_point = "engine"
+
+    def __init__(self) -> None:
+        super().__init__(channel="units-engine")
+        self.engine = _Engine()
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        async for token in self.engine.stream(prompt["id"], prompt["n"]):
+            yield token
+
+    def load_weights(self, state: Any, version: int) -> None:
+        assert not self.engine.running.is_set()  # installed while the engine is paused
+        self.engine.weights = state
+
+    async def pause_engine(self, mode: Any) -> None:
+        self.engine.running.clear()
+        if mode == "abort":
+            self.engine.abort_all()
+
+    async def resume_engine(self) -> None:
+        self.engine.running.set()
+
+
+@pytest.mark.timeout(10)
+async def test_an_engine_that_pauses_itself_installs_while_a_chunk_waits_for_it() -> None:
+    """With ``pause_point = "engine"`` a chunk waiting for the paused engine's output holds
+    neither the pause nor the install up (with the chunk pause point, a chunk waiting for a
+    paused engine whose output queue is empty would hold both up until the engine resumed)."""
+    server = EngineServer()
+    task = asyncio.ensure_future(server.generate(asyncexec.RolloutRequest(0, {"id": 0, "n": 30})))
+    await asyncio.sleep(0.02)
+    assert await asyncio.wait_for(server.pause("keep"), 2) == 1
+    await asyncio.wait_for(server.install_weights("w1", 1), 2)
+    await server.resume()
+    sample = await asyncio.wait_for(task, 5)
+    assert not sample.aborted and len(sample.output) == 30
+    assert sample.output[0] is None and sample.output[-1] == "w1"
+    assert sample.versions[0] is None and sample.versions[-1] == 1
+
+
+@pytest.mark.timeout(10)
+async def test_an_engine_that_ends_its_requests_on_abort_gives_aborted_samples() -> None:
+    server = EngineServer()
+    task = asyncio.ensure_future(server.generate(asyncexec.RolloutRequest(0, {"id": 0, "n": 30})))
+    await asyncio.sleep(0.02)
+    await asyncio.wait_for(server.pause("abort"), 2)
+    sample = await asyncio.wait_for(task, 5)
+    assert sample.aborted and 0 < len(sample.output) < 30
+    await server.resume()

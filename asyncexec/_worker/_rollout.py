@@ -24,7 +24,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from . import _channel
 from ._session import get_context
@@ -109,6 +109,9 @@ class _Gate:
         self.running = 0  # chunks running now
         self.generations = 0  # generations started and not ended
         self.version: int | None = None
+        #: The engine said it is paused (``pause_point = "engine"``): no step runs in it, though
+        #: a chunk may be waiting for its next output.
+        self.engine_at_rest = False
         self.parked: list[_Waiter] = []  # generations parked at the pause point
         self.resting: list[_Waiter] = []  # pause() calls waiting until no chunk runs
 
@@ -162,9 +165,16 @@ class _Gate:
             self._wake_all(self.parked)  # parked ones look again (an abort ends them)
             return self.generations
 
+    def rested(self) -> None:
+        """The engine is paused: installs may go on while chunks wait for its output."""
+        with self.lock:
+            self.engine_at_rest = True
+            self.lock.notify_all()
+
     def resume(self) -> None:
         with self.lock:
             self.mode = None
+            self.engine_at_rest = False
             if not self.installing:
                 self._wake_all(self.parked)
 
@@ -175,7 +185,7 @@ class _Gate:
             if self.version is not None and version <= self.version:
                 return
             self.installing += 1
-            self.lock.wait_for(lambda: self.running == 0)
+            self.lock.wait_for(lambda: self.running == 0 or self.engine_at_rest)
         try:
             load(state, version)
             with self.lock:
@@ -209,10 +219,20 @@ class RolloutServer:
     :meth:`weights_version` through dispatch (``servers.call(RolloutServer.generate, ...)``),
     or a :class:`~asyncexec.Pipeline` / :class:`~asyncexec.Router` does.
 
+    An engine that runs its own loop (vLLM, SGLang) pauses itself: set ``pause_point =
+    "engine"`` and implement :meth:`pause_engine` and :meth:`resume_engine` (see the docs' RL
+    pipeline page for the mapping).
+
     Args:
         channel: the weight channel's name (as ``WeightChannel(..., name=)``) whose versions
             this server installs through :meth:`load_weights`.
     """
+
+    #: Where generation pauses: ``"chunk"``, between two chunks of :meth:`chunks` (the chunks
+    #: are the engine's steps); or ``"engine"``, in the engine, which :meth:`pause_engine`
+    #: pauses (a chunk that waits for the paused engine's next output then holds neither a
+    #: pause nor an install up).
+    pause_point: ClassVar[Literal["chunk", "engine"]] = "chunk"
 
     def __init__(self, *, channel: str = _channel.DEFAULT_CHANNEL) -> None:
         self._rollout_gate = _Gate()
@@ -242,6 +262,16 @@ class RolloutServer:
 
     async def health(self) -> None:
         """Raise (or hang) when this server is unhealthy; the router's health watch calls it."""
+
+    async def pause_engine(self, mode: PauseMode) -> None:
+        """Pause the engine itself, for ``pause_point = "engine"`` (vLLM:
+        ``await engine.pause_generation(mode=mode)``); return once no step runs in it. With
+        ``"abort"`` the engine ends its requests: a :meth:`chunks` that then ends counts as
+        aborted. Called by :meth:`pause` (nothing by default)."""
+
+    async def resume_engine(self) -> None:
+        """Let the engine go on (vLLM: ``await engine.resume_generation()``); called by
+        :meth:`resume` (nothing by default)."""
 
     # What the base provides -------------------------------------------------------------------
 
@@ -275,6 +305,8 @@ class RolloutServer:
                         version = gate.version
                         chunk = await anext(steps)
                     except StopAsyncIteration:
+                        # Ended while paused to abort: the engine may have cut it short.
+                        aborted = gate.mode == "abort"
                         break
                     finally:
                         gate.leave()
@@ -296,11 +328,16 @@ class RolloutServer:
             raise ValueError(f'pause() takes "keep" or "abort", got {mode!r}')
         gate = self._gate()
         in_flight = gate.pause(mode)
-        await gate.wait_at_rest()
+        await self.pause_engine(mode)
+        if self.pause_point == "engine":
+            gate.rested()
+        else:
+            await gate.wait_at_rest()
         return in_flight
 
     async def resume(self) -> None:
         """Let parked generations go on (with the weights installed meanwhile)."""
+        await self.resume_engine()
         self._gate().resume()
 
     def weights_version(self) -> int | None:
