@@ -282,3 +282,58 @@ def test_a_resumed_driver_hands_no_consumed_prompt_again_and_skips_none(
     # The lost batch was handed again; nothing consumed before the checkpoint was.
     assert set(first[4]["ids"]) <= {i for line in second for i in line["ids"]}
     assert not set(saved["trained"]) & {i for line in second for i in line["ids"]}
+
+
+# What it shows ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prom = pytest.importorskip("prometheus_client")
+    from structlog.testing import capture_logs
+
+    from asyncexec._driver import _metrics
+
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    prompts = [{"id": i, "length": 2, "slow": i in (0, 5)} for i in range(12)]
+    try:
+        with capture_logs() as logs:
+            async with (
+                asyncexec.Executor(2, roles=asyncexec.Role(Toy), name="rollout") as servers,
+                asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
+            ):
+                modes = itertools.cycle(["abort", "keep"])
+                async for _ in pipe:
+                    await pipe.update_weights({"w": pipe.version + 1}, on_update=next(modes))
+    finally:
+        _metrics._metrics = None
+    stats = pipe.statistics
+    assert stats.consumed == 12 and stats.in_flight == 0 and stats.buffer_depth == 0
+    assert stats.aborted >= 1 and set(stats.pauses) == {"abort", "keep"}
+    assert 0 <= stats.trainer_idle_ratio <= 1 and 0 <= stats.rollout_idle_ratio <= 1
+    events = [e["event"] for e in logs if e["event"].startswith("pipeline_")]
+    assert events[0] == "pipeline_started" and events[-1] == "pipeline_ended"
+    updates = [e for e in logs if e["event"] == "pipeline_update"]
+    assert [e["mode"] for e in updates] == ["abort", "keep", "abort"]
+    samples = {
+        s.labels["event"]: s.value
+        for metric in registry.collect()
+        if metric.name == "asyncexec_pipeline_samples"
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+    # Synced at each batch: the last batch's counts.
+    assert samples["consumed"] == 12 and samples["admitted"] == stats.admitted
+    assert samples["aborted"] == stats.aborted
+    labels = {
+        key
+        for metric in registry.collect()
+        if metric.name.startswith("asyncexec_pipeline")
+        for s in metric.samples
+        for key in s.labels
+    }
+    assert labels <= {"executor", "event", "mode", "le"}  # no id, no prompt
