@@ -154,6 +154,8 @@ class HealthWatch:
         router = self.router
         old = server.worker
         bound = router.health_timeout_s + router.servers.config.start_timeout_s
+        if router.channel is not None:  # a fresh process, then the channel's latest version
+            bound += router.channel.timeout_s
         try:
             while True:
                 try:
