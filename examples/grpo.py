@@ -287,6 +287,7 @@ class Summary:
     trained: list[Any] = field(default_factory=list, repr=False)  # ids, as learners said
     staleness_max: int = 0
     lengths: list[int] = field(default_factory=list, repr=False)  # tokens asked, per sample
+    started_from: int = 0  # the checkpoint's update when the driver resumed from one
     killed: dict[str, int] = field(default_factory=lambda: {"server": 0, "learner": 0})
     learner_restarts: int = 0
     learner_resumed_from: list[int] = field(default_factory=list)  # the checkpoints' updates
@@ -323,8 +324,8 @@ class Summary:
             f"staleness max {self.staleness_max}",
             f"consumed {len(self.consumed)} samples, trained {len(self.trained)}: "
             f"{'each exactly once' if self.exactly_once else 'NOT exactly once'}",
-            f"killed: {self.killed}; learner restarts: {self.learner_restarts}, resumed from "
-            f"updates {self.learner_resumed_from}",
+            f"started from update {self.started_from}; killed: {self.killed}; learner "
+            f"restarts: {self.learner_restarts}, resumed from updates {self.learner_resumed_from}",
             f"pipeline: {self.statistics}",
             f"router: {self.router}",
         ])  # fmt: skip
@@ -378,6 +379,7 @@ async def main(
     path = os.path.join(checkpoint_dir or tempfile.mkdtemp(prefix="grpo_"), "learner.pt")
     resumed = load_checkpoint(path)
     consumed = resumed["pipeline"] if resumed else None
+    s.started_from = int(resumed["updates"]) if resumed else 0
     async with (
         asyncexec.Executor(learners, backend=TorchBackend(backend="gloo"),
                            roles=asyncexec.Role(Learner, cfg, path), name="learner",
@@ -394,7 +396,7 @@ async def main(
             on_update=on_update, channel=channel, consumed=consumed,
         ) as pipe:  # fmt: skip
             async for batch in pipe:
-                index = (resumed["updates"] if resumed else 0) + s.updates + 1
+                index = s.started_from + s.updates + 1
                 s.consumed.extend(batch.ids)
                 s.lengths.extend(x.prompt.length for x in batch.samples)
                 s.staleness_max = max(s.staleness_max, batch.staleness_max)
