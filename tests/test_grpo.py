@@ -52,16 +52,20 @@ def _stop_ray_of_this_process() -> None:
         ray.shutdown()
 
 
-@pytest.mark.timeout(120)
-def test_the_example_reaches_its_threshold_through_a_killed_server_and_learner() -> None:
+def _run_example(*args: str, timeout_s: float = 110) -> subprocess.CompletedProcess[str]:
+    """``python examples/grpo.py --quiet *args`` in a Ray of its own."""
     _stop_ray_of_this_process()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = ["--kill-server-at", "4", "--kill-learner-at", "8", "--quiet", "--max-updates", "150"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "grpo.py"), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grpo.py"), "--quiet", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_the_example_reaches_its_threshold_through_a_killed_server_and_learner() -> None:
+    proc = _run_example("--kill-server-at", "4", "--kill-learner-at", "8", "--max-updates", "150")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-4000:]
     assert "reached 0.9" in out, out
@@ -71,3 +75,17 @@ def test_the_example_reaches_its_threshold_through_a_killed_server_and_learner()
     staleness = re.search(r"staleness max (\d+)", out)
     assert staleness is not None and int(staleness[1]) <= 1, out
     assert "learner restarts: 1, resumed from updates [8]" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_a_driver_started_again_resumes_from_the_learners_checkpoint(tmp_path: Path) -> None:
+    """The first driver stops after 4 updates (short of the threshold: exit 1); the second,
+    given the same checkpoint directory, goes on from update 4 with the pipeline's consumed ids
+    and reaches it."""
+    first = _run_example("--max-updates", "4", "--checkpoint-dir", str(tmp_path), timeout_s=70)
+    assert first.returncode == 1, first.stdout + first.stderr[-4000:]
+    assert "did NOT reach" in first.stdout and "4 updates" in first.stdout, first.stdout
+    second = _run_example("--checkpoint-dir", str(tmp_path), "--max-updates", "150")
+    out = second.stdout
+    assert second.returncode == 0, out + second.stderr[-4000:]
+    assert "started from update 4" in out and "each exactly once" in out, out
