@@ -170,3 +170,44 @@ async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -
         assert registry.get_sample_value("asyncexec_router_in_flight", in_flight) is None
     finally:
         _metrics._metrics = None
+
+
+@pytest.mark.timeout(10)
+async def test_a_burst_of_sends_is_spread_over_turns_of_the_event_loop() -> None:
+    """50 requests that start together, each send taking 1 ms of the loop: at most the turn's
+    budget (2 ms) of sends, and one more, go in one turn; the rest wait for the next turns, so
+    the loop serves its timers in between (a burst of 256 sends on Ray held it 100 ms)."""
+    import asyncio
+    import time
+
+    from asyncexec._driver.pipeline._router_state import Pacer
+
+    pacer = Pacer(budget_s=0.002)
+    turn = 0
+    loop = asyncio.get_running_loop()
+    ticking = True
+
+    def tick() -> None:
+        nonlocal turn
+        turn += 1
+        if ticking:
+            loop.call_soon(tick)
+
+    sent_in: list[int] = []
+
+    async def send() -> None:
+        await pacer.wait_turn()
+        sent_in.append(turn)
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:  # the send's own work, on the loop
+            pass
+
+    loop.call_soon(tick)
+    async with anyio.create_task_group() as tg:
+        for _ in range(50):
+            tg.start_soon(send)
+    ticking = False
+    per_turn = [sent_in.count(t) for t in set(sent_in)]
+    assert len(sent_in) == 50
+    assert max(per_turn) <= 3 and len(per_turn) >= 17
+    assert pacer.waits > 0

@@ -43,7 +43,7 @@ from .._logging import get_logger
 from ._health import HealthWatch, worker_keys
 from ._router_metrics import RouterMeters
 from ._router_requests import Requests
-from ._router_state import Balance, RouterStatistics, Sessions
+from ._router_state import Balance, Pacer, RouterStatistics, Sessions
 
 if TYPE_CHECKING:
     from ..channel import WeightChannel
@@ -121,6 +121,7 @@ class Router:
         self.meters = RouterMeters(servers.config.name)
         self.sessions = Sessions(max_sessions)
         self.balance = Balance([], max_in_flight)
+        self.pacer = Pacer()
         self.counts = dict.fromkeys(
             ("requests", "answered", "retries", "duplicates_dropped", "late_dropped", "timeouts"),
             0,

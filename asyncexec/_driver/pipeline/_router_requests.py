@@ -133,6 +133,7 @@ class Requests:
         with send:
             try:
                 with scope:
+                    await router.pacer.wait_turn()
                     answer.sample = await router.servers.call(
                         router.methods.generate, request, on=on_rank(r)
                     )

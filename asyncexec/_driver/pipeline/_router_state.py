@@ -10,14 +10,21 @@ tests it without Ray).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
-__all__ = ["Balance", "RouterStatistics", "ServerRecord", "Sessions"]
+__all__ = ["Balance", "Pacer", "RouterStatistics", "ServerRecord", "Sessions"]
+
+#: How long the requests sent in one turn of the event loop may keep it, before the rest wait
+#: for the next turn.
+SEND_BUDGET_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -147,3 +154,35 @@ class Balance:
     @property
     def in_flight(self) -> dict[int, int]:
         return {s.rank: s.in_flight for s in self.servers}
+
+
+class Pacer:
+    """Spreads a burst of sends over turns of the event loop.
+
+    Requests that start together (a pipeline admitting 256 prompts) would each submit its call
+    in the same turn of the loop, and the loop would answer nothing else meanwhile (about 0.4 ms
+    a call on Ray: 100 ms for 256). A send waits here until its turn's budget allows it: the
+    sends of one turn take at most ``budget_s`` (and one more send), the others go on in the
+    next turns, with the timers and callbacks due in between served first.
+    """
+
+    def __init__(self, budget_s: float = SEND_BUDGET_S) -> None:
+        self.budget_s = budget_s
+        self._start: float | None = None  # when this turn's first send began
+        self.waits = 0  # sends moved to a later turn
+
+    def _next_turn(self) -> None:
+        self._start = None
+
+    async def wait_turn(self) -> None:
+        """Return when a send may go in this turn of the loop."""
+        while True:
+            now = time.perf_counter()
+            if self._start is None:  # the first send of this turn opens its window
+                self._start = now
+                asyncio.get_running_loop().call_soon(self._next_turn)
+                return
+            if now - self._start < self.budget_s:
+                return
+            self.waits += 1
+            await anyio.lowlevel.checkpoint()
