@@ -8,6 +8,7 @@ once, no sample beyond the bound in strict mode), and reports a failure of it as
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -22,7 +23,15 @@ from _pipeline_workload import Job, Trainer, long_tailed
 
 import asyncexec
 
-__all__ = ["Sizes", "balance", "kill_one", "pause_resume", "sticky", "throughput"]
+__all__ = [
+    "Sizes",
+    "balance",
+    "kill_one",
+    "pause_resume",
+    "pipeline_pauses",
+    "sticky",
+    "throughput",
+]
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,39 @@ async def pause_resume(
             await anyio.sleep(0.2)
             out[f"{mode}_lag_ms"] = max(lags[mark:], default=0.0) * 1e3
     out["aborted"] = float(aborted)
+    return out
+
+
+async def pipeline_pauses(
+    servers: asyncexec.Executor, channel: asyncexec.WeightChannel, sizes: Sizes
+) -> dict[str, float]:
+    """The same through a pipeline (aggregate mode, S = 1, B = 128: 256 admitted, each a
+    minute long): ``update_weights(on_update="abort")``, then ``"keep"`` once 256 are in
+    flight again; the pipeline's own figure of each (pause to resume, the push apart) and the
+    push's time, in ms. A last ``router.pause("abort")`` ends the generations left."""
+    cap = math.ceil(sizes.pause_in_flight / sizes.servers)
+    router = asyncexec.Router(servers, max_in_flight=cap, channel=channel)
+    chunk = max(1, round(sizes.pause_chunk_s / sizes.token_s))
+    job = Job(int(60.0 / sizes.token_s), chunk)
+    out: dict[str, float] = {}
+    async with router:
+        async with asyncexec.Pipeline(
+            router,
+            itertools.repeat(job),
+            batch_size=sizes.pause_in_flight // 2,
+            staleness=1,
+            mode="aggregate",
+            channel=channel,
+        ) as pipe:
+            for mode in ("abort", "keep"):
+                await wait_until(lambda: sum(router.in_flight.values()) == sizes.pause_in_flight)
+                await anyio.sleep(0.5)  # every generation past its first chunk
+                await pipe.update_weights(on_update=mode)
+                figures = pipe.statistics.pauses[mode]
+                out[f"{mode}_ms"] = figures.max_s * 1e3
+                out[f"{mode}_push_ms"] = figures.push_s * 1e3
+        await router.pause("abort")  # the requests the pipeline left end on their servers
+        await router.resume()
     return out
 
 

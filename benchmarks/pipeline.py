@@ -65,6 +65,7 @@ from _pipeline_phases import (  # noqa: E402
     balance,
     kill_one,
     pause_resume,
+    pipeline_pauses,
     sticky,
     throughput,
 )
@@ -142,6 +143,10 @@ def make_rows() -> dict[str, Row]:
                     check=lambda b, p, r: p <= 50),
         "abort": Row('pause to resume, "abort", 256 in flight, ms', target="<= 50 ms",
                      check=lambda b, p, r: p <= 50),
+        "pipe_keep": Row('update_weights() with 256 in flight, "keep", the push apart, ms',
+                         target="<= 50 ms", check=lambda b, p, r: p <= 50),
+        "pipe_abort": Row('update_weights() with 256 in flight, "abort", the push apart, ms',
+                          target="<= 50 ms", check=lambda b, p, r: p <= 50),
         "once": Row("1 of 4 servers SIGKILLed: requests answered other than once", target="0",
                     check=lambda b, p, r: p == 0),
         "stale": Row("1 of 4 servers SIGKILLed: replacement's answers on an older version",
@@ -200,6 +205,10 @@ class Bench:
         self.note('pause alone, "keep", ms', got["keep_pause_ms"])
         self.note('pause alone, "abort", ms', got["abort_pause_ms"])
         self.note("generations aborted", got["aborted"])
+        got_pipe = await pipeline_pauses(self.servers, self.channel, self.sizes)
+        for mode in ("keep", "abort"):
+            self.rows[f"pipe_{mode}"].pipeline.append(got_pipe[f"{mode}_ms"])
+            self.note(f'the push in update_weights(), "{mode}", ms', got_pipe[f"{mode}_push_ms"])
         self.note("event-loop max lag while the 256 are sent, ms", got["sending_lag_ms"])
         for mode in ("keep", "abort"):
             self.note(f'event-loop max lag, "{mode}" pause to resume, ms', got[f"{mode}_lag_ms"])

@@ -63,7 +63,9 @@ def test_quick_pipeline_benchmark_prints_every_figure_and_cleans_up() -> None:
             rows[cells[0]] = cells
     labels = list(rows)
     for figure in ("samples trained/s", "samples beyond S", 'pause to resume, "keep"',
-                   'pause to resume, "abort"', "1 of 4 servers SIGKILLed: requests answered",
+                   'pause to resume, "abort"', 'update_weights() with 256 in flight, "keep"',
+                   'update_weights() with 256 in flight, "abort"',
+                   "1 of 4 servers SIGKILLed: requests answered",
                    "1 of 4 servers SIGKILLed: replacement", "balance", "sticky sessions",
                    "event-loop max lag"):  # fmt: skip
         assert any(label.startswith(figure) for label in labels), (figure, proc.stdout)
