@@ -285,7 +285,7 @@ class Summary:
     reached_after_s: float | None = None
     consumed: list[Any] = field(default_factory=list, repr=False)  # ids, as batches came
     trained: list[Any] = field(default_factory=list, repr=False)  # ids, as learners said
-    staleness_max: int = 0
+    staleness_max: int = 0  # by the pipeline's count and by each sample's oldest chunk
     lengths: list[int] = field(default_factory=list, repr=False)  # tokens asked, per sample
     started_from: int = 0  # the checkpoint's update when the driver resumed from one
     killed: dict[str, int] = field(default_factory=lambda: {"server": 0, "learner": 0})
@@ -399,7 +399,10 @@ async def main(
                 index = s.started_from + s.updates + 1
                 s.consumed.extend(batch.ids)
                 s.lengths.extend(x.prompt.length for x in batch.samples)
-                s.staleness_max = max(s.staleness_max, batch.staleness_max)
+                # Staleness by the samples' own versions against the weights the learner holds.
+                lags = [channel.version - (-1 if x.version is None else x.version)
+                        for x in batch.samples]  # fmt: skip
+                s.staleness_max = max(s.staleness_max, batch.staleness_max, *lags)
                 s.rewards.append(float(np.mean([x.output.rewards.mean() for x in batch.samples])))
                 await learn(learner, batch.samples, index, pipe.state_dict(), s, max_restarts)
                 s.updates += 1
