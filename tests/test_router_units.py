@@ -211,3 +211,55 @@ async def test_a_burst_of_sends_is_spread_over_turns_of_the_event_loop() -> None
     assert len(sent_in) == 50
     assert max(per_turn) <= 3 and len(per_turn) >= 17
     assert pacer.waits > 0
+
+
+class Slow(asyncexec.RolloutServer):
+    """``prompt`` chunks of 50 ms each."""
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        for i in range(prompt):
+            await anyio.sleep(0.05)
+            yield i
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+@pytest.mark.timeout(20)
+async def test_a_caller_that_stops_waiting_leaves_the_slot_held_until_the_server_answers() -> None:
+    """Local mode: a request whose caller is cancelled keeps its server's slot until the
+    server's answer comes, which is then dropped (counted as late); closing the router with
+    requests in flight raises ExecutorStateError in their callers, and leaves none in flight."""
+    async with (
+        asyncexec.Executor(2, roles=Slow, local=True) as servers,
+        asyncexec.Router(servers, max_in_flight=1) as router,
+    ):
+        with anyio.move_on_after(0.1):
+            await router.generate(asyncexec.RolloutRequest("gone", 6))  # 0.3 s on rank 0
+        assert router.in_flight == {0: 1, 1: 0}
+        sample = await router.generate(asyncexec.RolloutRequest("next", 1))
+        assert sample.rank == 1  # rank 0 still holds the cancelled one
+        with anyio.fail_after(5):
+            while router.statistics.late_dropped == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        assert router.in_flight == {0: 0, 1: 0}
+    errors: list[BaseException] = []
+
+    async def ask(router: asyncexec.Router, i: int) -> None:
+        try:
+            await router.generate(asyncexec.RolloutRequest(i, 100))
+        except asyncexec.ExecutorStateError as exc:
+            errors.append(exc)
+
+    async with asyncexec.Executor(2, roles=Slow, local=True) as servers:
+        router = asyncexec.Router(servers, max_in_flight=1)
+        async with anyio.create_task_group() as tg, router:
+            for i in range(3):  # two in flight, one waiting for a slot
+                tg.start_soon(ask, router, i)
+            with anyio.fail_after(5):
+                while sum(router.in_flight.values()) < 2:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+        assert len(errors) == 3
+        assert router.in_flight == {0: 0, 1: 0}
+        with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
+            await router.generate(asyncexec.RolloutRequest("after", 1))
