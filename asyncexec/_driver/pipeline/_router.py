@@ -16,8 +16,9 @@ counted (``RouterStatistics.duplicates_dropped``). A request that is not idempot
 server's error, or ``TimeoutError`` on its deadline. An error the server's ``generate`` raised
 (``WorkerRaisedError``) is never retried.
 
-The health watch, the replacement of a server and its rejoin at the channel's current version:
-``_health``. The bookkeeping (records, the choice, sessions, counters): ``_router_state``.
+One request's attempts, deadline and retries: ``_router_requests``. The health watch, the
+replacement of a server and its rejoin at the channel's current version: ``_health``. The
+bookkeeping (records, the choice, sessions, the pacing of bursts, counters): ``_router_state``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ import anyio
 import anyio.abc
 
 from ..._config import check_count
-from ..._errors import (
-    ConfigurationError,
-    ExecutorStateError,
-)
+from ..._errors import ConfigurationError, ExecutorStateError
 from ..._role import method
 from ..._taskgroups import one_error
 from ..._worker import RolloutRequest, RolloutServer, Sample
