@@ -337,3 +337,29 @@ async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
         for key in s.labels
     }
     assert labels <= {"executor", "event", "mode", "le"}  # no id, no prompt
+
+
+class Failing(Toy):
+    async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
+        if prompt["id"] == 3:
+            raise ValueError("no tokens for prompt 3")
+        async for chunk in super().chunks(prompt):
+            yield chunk
+
+
+@pytest.mark.timeout(30)
+async def test_a_server_error_ends_the_iteration_with_it_and_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    prompts = [{"id": i, "length": 2} for i in range(8)]
+    with pytest.raises(asyncexec.WorkerRaisedError) as raised:
+        async with (
+            asyncexec.Executor(2, roles=asyncexec.Role(Failing)) as servers,
+            asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1) as pipe,
+        ):
+            async for _ in pipe:
+                await pipe.update_weights({"w": pipe.version + 1})
+    assert isinstance(raised.value.__cause__, ValueError)
+    with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
+        await pipe.__anext__()
