@@ -72,9 +72,9 @@ async def _wait_for(condition: Any, timeout_s: float) -> None:
 
 @pytest.mark.timeout(30)
 async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: str) -> None:
-    """10 clients on 4 servers under a cap of 4: the router's requests in flight per server,
-    averaged over the run, within 1.25 x of the mean; 5 sessions of 4 turns each keep their
-    server, their turns interleaved with the load."""
+    """12 clients of uniform requests on 4 servers under a cap of 4: the router's requests in
+    flight per server, averaged over the run, within 1.25 x of the mean. Then 5 sessions of 4
+    turns each, their turns interleaved with 6 clients' load: each keeps its server."""
     async with (
         asyncexec.Executor(4, resources_per_worker=CPU, roles=Toy) as servers,
         asyncexec.Router(servers, max_in_flight=4) as router,
@@ -88,10 +88,21 @@ async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: st
                     totals[r] += n
                 await anyio.sleep(0.005)
 
-        async def client(c: int) -> None:
-            for i in range(8):
+        async def client(c: int, requests: int) -> None:
+            for i in range(requests):
                 await router.generate(asyncexec.RolloutRequest((c, i), (3, 0.02)))
 
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sample_in_flight)
+                async with anyio.create_task_group() as clients:
+                    for c in range(12):
+                        clients.start_soon(client, c, 8)
+                done.set()
+        mean = sum(totals) / len(totals)
+        ratio = max(totals) / mean
+        print(f"\nbalance: max/mean in flight per server = {ratio:.3f} ({mode})")
+        assert ratio <= 1.25
         turns: dict[int, list[int]] = {}
 
         async def session(s: int) -> None:
@@ -102,21 +113,15 @@ async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: st
                 turns.setdefault(s, []).append(sample.rank)
 
         with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sample_in_flight)
-                async with anyio.create_task_group() as clients:
-                    for c in range(10):
-                        clients.start_soon(client, c)
-                    for s in range(5):
-                        clients.start_soon(session, s)
-                done.set()
-        mean = sum(totals) / len(totals)
-        ratio = max(totals) / mean
-        print(f"\nbalance: max/mean in flight per server = {ratio:.3f} ({mode})")
-        assert ratio <= 1.25
+            async with anyio.create_task_group() as clients:
+                for c in range(6):
+                    clients.start_soon(client, 100 + c, 6)
+                for s in range(5):
+                    clients.start_soon(session, s)
         assert all(len(set(ranks)) == 1 for ranks in turns.values()), turns
+        assert len({ranks[0] for ranks in turns.values()}) > 1  # the sessions spread out
         stats = router.statistics
-        assert stats.requests == stats.answered == 10 * 8 + 5 * 4
+        assert stats.requests == stats.answered == 12 * 8 + 6 * 6 + 5 * 4
         assert max(stats.in_flight_max) <= 4
         assert stats.in_flight == (0, 0, 0, 0)
         assert stats.retries == stats.duplicates_dropped == 0
