@@ -363,3 +363,35 @@ async def test_a_server_error_ends_the_iteration_with_it_and_leaves_nothing_runn
     assert isinstance(raised.value.__cause__, ValueError)
     with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
         await pipe.__anext__()
+
+
+class RefusesTwo(Toy):
+    def load_weights(self, state: Any, version: int) -> None:
+        if version == 2:
+            raise RuntimeError("version 2 does not load")
+        super().load_weights(state, version)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("on_update", ["keep", "abort"])
+async def test_a_failed_push_resumes_the_servers_and_keeps_the_version(
+    monkeypatch: pytest.MonkeyPatch, on_update: Literal["keep", "abort"]
+) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    prompts = [{"id": i, "length": 3} for i in range(12)]
+    async with (
+        asyncexec.Executor(1, roles=asyncexec.Role(RefusesTwo)) as servers,
+        asyncexec.Pipeline(
+            servers, prompts, batch_size=2, staleness=1, on_update=on_update
+        ) as pipe,
+    ):
+        await pipe.__anext__()
+        assert await pipe.update_weights({"w": 1}) == 1
+        await pipe.__anext__()
+        with pytest.raises(asyncexec.WorkerRaisedError):
+            await pipe.update_weights({"w": 2})
+        assert pipe.version == 1
+        # Generation goes on with the weights it had: the rest of the prompts come.
+        async for batch in pipe:
+            assert all(v in (None, 1) for s in batch.samples for v in s.versions)
+    assert pipe.statistics.consumed == 12

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
+from ..._taskgroups import task_group
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._servers import Servers
@@ -28,11 +29,11 @@ async def update(
     mode: Literal["keep", "wait", "abort"],
     state: Any,
 ) -> tuple[float, float, int]:
-    """Stop admitting; ``"wait"``: let what is in flight finish; ``"abort"``: the servers end
-    their generations at the next pause point, and the driver waits for them to come back
-    (their prompts requeued at the head before anything new is admitted); ``"keep"``: the
-    servers park them at the next pause point. Then push the next version, count it, resume
-    the servers and admission.
+    """Stop admitting; ``"wait"``: let what is in flight finish, then push; ``"abort"``: the
+    servers end their generations at the next pause point, and the push goes on while they
+    come back (their prompts requeued at the head before anything new is admitted);
+    ``"keep"``: the servers park them at the next pause point, then the push. Count the
+    version, resume the servers and admission.
 
     Returns:
         (the pause without the push, the push, the generations in flight at the pause).
@@ -46,12 +47,19 @@ async def update(
         else:
             paused = True
             in_flight = await servers.pause(mode)
-        if mode != "keep":
-            while budget.in_flight_count:
-                await admission.wait_changed()
+        if mode == "wait":
+            await _drained(budget, admission)
         pushing = time.monotonic()
-        await _push(servers, channel, budget, admission, state)
-        push_s = time.monotonic() - pushing
+        if mode == "abort":
+            # The aborted samples come back while the push goes on (no chunk runs: the
+            # servers are paused to abort); admission reopens only once they are requeued.
+            async with task_group() as tg:
+                tg.start_soon(_drained, budget, admission)
+                await _push(servers, channel, budget, admission, state)
+                push_s = time.monotonic() - pushing
+        else:
+            await _push(servers, channel, budget, admission, state)
+            push_s = time.monotonic() - pushing
         budget.advance()
         if paused:
             paused = False
@@ -63,6 +71,12 @@ async def update(
         admission.open = True
         admission.notify()
     return time.monotonic() - started - push_s, push_s, in_flight
+
+
+async def _drained(budget: Budget[Item], admission: Admission) -> None:
+    """Until every prompt in flight has come back (finished, or aborted and requeued)."""
+    while budget.in_flight_count:
+        await admission.wait_changed()
 
 
 async def _push(
