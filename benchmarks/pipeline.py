@@ -1,6 +1,6 @@
 """The async RL pipeline's figures, side by side in one run.
 
-    python benchmarks/pipeline.py            # about 3 minutes on 2 cores
+    python benchmarks/pipeline.py            # about 80 s on 2 cores
     python benchmarks/pipeline.py --quick    # tiny sizes, one repeat: a smoke run (tests run it)
 
 One Ray, one set of workers for every figure: 4 rollout servers (``SleepServer``, a
