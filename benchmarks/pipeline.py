@@ -17,7 +17,10 @@ and S = 1 alternate which goes first); the table shows the medians:
   behind the version the learner held when it took them (strict mode: 0).
 - **pause to resume**: 256 long generations in flight over the servers (64 each); the time from
   ``router.pause(mode)`` to the end of ``router.resume()``, "keep" (the generations go on) and
-  then "abort" (each ends at its pause point); no push in it ("the push apart").
+  then "abort" (each ends at its pause point); no push in it ("the push apart"). The same
+  through a pipeline (aggregate, S = 1, B = 128: 256 admitted): ``update_weights()`` with
+  "abort" and then "keep", the pipeline's own figure (from the pause to the resume, the push
+  apart).
 - **one of 4 servers SIGKILLed**: long-tailed requests through the router, a push every tenth of
   them, the last server killed after a quarter: requests answered other than once (0); answers
   of the replacement that ran on a version older than the one current when they were sent (0);
