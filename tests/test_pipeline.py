@@ -395,3 +395,42 @@ async def test_a_failed_push_resumes_the_servers_and_keeps_the_version(
         async for batch in pipe:
             assert all(v in (None, 1) for s in batch.samples for v in s.versions)
     assert pipe.statistics.consumed == 12
+
+
+class SlowLoad(Toy):
+    def load_weights(self, state: Any, version: int) -> None:
+        import time
+
+        time.sleep(1.0)  # a long install: the source answers meanwhile
+        super().load_weights(state, version)
+
+
+@pytest.mark.timeout(30)
+async def test_a_prompt_the_source_gives_during_an_update_waits_for_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The admission loop was waiting for an async source when the update began; the prompt
+    the source then gave was admitted during the update (before: admitted at once)."""
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    more = anyio.Event()
+
+    async def source() -> AsyncIterator[dict[str, Any]]:
+        for i in range(2):
+            yield {"id": i, "length": 1}
+        await more.wait()
+        for i in range(2, 4):
+            yield {"id": i, "length": 1}
+
+    async with (
+        asyncexec.Executor(1, roles=asyncexec.Role(SlowLoad)) as servers,
+        asyncexec.Pipeline(servers, source(), batch_size=2, staleness=1) as pipe,
+    ):
+        await pipe.__anext__()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipe.update_weights, {"w": 1})
+            await anyio.sleep(0.05)  # the update is installing
+            more.set()
+            await anyio.sleep(0.05)
+            assert pipe.statistics.admitted == 2  # not prompt 2 yet: the update goes on
+        batch = await pipe.__anext__()
+    assert sorted(batch.ids) == [2, 3] and batch.version == 1

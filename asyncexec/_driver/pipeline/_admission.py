@@ -106,6 +106,9 @@ class Admission:
             if request.id in self.pending or request.id in self.consumed:
                 self.meter.duplicates += 1
                 continue
+            # The source may have made us wait: an update may have begun meanwhile.
+            while not (self.open and self.budget.admissible() > 0):
+                await self.wait_changed()
             self.pending.add(request.id)
             admitted = self.budget.admit()
             self.meter.admitted += 1
