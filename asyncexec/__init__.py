@@ -40,6 +40,9 @@ _EXPORTS: dict[str, str] = {
     "HealthChecks": "_config",
     "MergeError": "_errors",
     "NodeLostError": "_errors",
+    "Pipeline": "_driver.pipeline",
+    "PipelineBatch": "_driver.pipeline",
+    "PipelineStatistics": "_driver.pipeline",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
     "PreemptionNotice": "_protocol",
@@ -49,9 +52,14 @@ _EXPORTS: dict[str, str] = {
     "ReportMismatchError": "_errors",
     "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
+    "RolloutRequest": "_worker._rollout",
+    "RolloutServer": "_worker._rollout",
+    "Router": "_driver.pipeline",
+    "RouterStatistics": "_driver.pipeline",
     "Run": "_driver.run",
     "RunResult": "_driver.run",
     "RunState": "_driver.run",
+    "Sample": "_worker._rollout",
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
     "Step": "_driver.run",
@@ -159,6 +167,11 @@ if TYPE_CHECKING:
     from ._driver.group import Reservation as Reservation
     from ._driver.group import ReservationStatistics as ReservationStatistics
     from ._driver.group import WorkerPool as WorkerPool
+    from ._driver.pipeline import Pipeline as Pipeline
+    from ._driver.pipeline import PipelineBatch as PipelineBatch
+    from ._driver.pipeline import PipelineStatistics as PipelineStatistics
+    from ._driver.pipeline import Router as Router
+    from ._driver.pipeline import RouterStatistics as RouterStatistics
     from ._driver.run import Report as Report
     from ._driver.run import Run as Run
     from ._driver.run import RunResult as RunResult
@@ -188,6 +201,9 @@ if TYPE_CHECKING:
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version
+    from ._worker._rollout import RolloutRequest as RolloutRequest
+    from ._worker._rollout import RolloutServer as RolloutServer
+    from ._worker._rollout import Sample as Sample
     from ._worker._session import get_checkpoint as get_checkpoint
     from ._worker._session import get_context as get_context
     from ._worker._session import get_dataset_shard as get_dataset_shard

@@ -35,6 +35,8 @@ LAYERS = [
             "_driver.channel",
         ],
     ),
+    # The RL pipeline: above the executor, its dispatch and the weight channel.
+    ("pipeline", ["_driver.pipeline"]),
 ]
 
 

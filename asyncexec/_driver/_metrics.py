@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,8 +46,10 @@ __all__ = [
     "BoundedLabels",
     "Metrics",
     "RunMeter",
+    "PipelineMeters",
     "enable_metrics",
     "metrics",
+    "pipeline_meters",
     "start_metrics_server",
 ]
 
@@ -463,3 +466,95 @@ class RunMeter:
         if self.failed_at is not None:
             m.restart_time.labels(self.executor).observe(time.perf_counter() - self.failed_at)
             self.failed_at = None
+
+
+#: The pipeline's collectors, made once per registry (on first use).
+_pipeline_made: weakref.WeakKeyDictionary[Metrics, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _pipeline_collectors(m: Metrics) -> dict[str, Any]:
+    """The RL pipeline's collectors in ``m``'s registry: by the servers' executor (bounded),
+    the kind of sample event and the update mode (fixed sets); never a sample's id or a
+    prompt."""
+    found = _pipeline_made.get(m)
+    if found is not None:
+        return found
+    import prometheus_client as prom
+
+    ex, registry = ["executor"], m.registry
+    found = {
+        "samples": prom.Counter(
+            "asyncexec_pipeline_samples",
+            "Samples of a pipeline by event: admitted, consumed, aborted, requeued, "
+            "duplicates (dropped).",
+            [*ex, "event"],
+            registry=registry,
+        ),
+        "staleness": prom.Histogram(
+            "asyncexec_pipeline_staleness",
+            "Staleness of each consumed sample: the learner's version less the version of "
+            "its oldest chunk.",
+            ex,
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+            registry=registry,
+        ),
+        "wait": prom.Histogram(
+            "asyncexec_pipeline_trainer_wait_seconds",
+            "How long the learner waited for each batch.",
+            ex,
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=registry,
+        ),
+        "pause": prom.Histogram(
+            "asyncexec_pipeline_pause_seconds",
+            "Generation paused for a weight update, by mode (the push itself apart).",
+            [*ex, "mode"],
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=registry,
+        ),
+        "buffer": prom.Gauge(
+            "asyncexec_pipeline_buffer_samples",
+            "Finished samples waiting for a batch (at the latest batch).",
+            ex,
+            registry=registry,
+        ),
+    }
+    found = {name: _Bounded(collector, m.executors) for name, collector in found.items()}
+    _pipeline_made[m] = found
+    return found
+
+
+class PipelineMeters:
+    """One pipeline's part (nothing when metrics are off): its counters are synced at each
+    batch from the pipeline's own, as deltas."""
+
+    def __init__(self, executor: str) -> None:
+        self.executor = executor
+        self._synced: dict[str, int] = {}
+
+    def batch(
+        self, staleness: tuple[int, ...], waited_s: float, depth: int, counts: dict[str, int]
+    ) -> None:
+        m = _metrics
+        if m is None:
+            return
+        made = _pipeline_collectors(m)
+        for value in staleness:
+            made["staleness"].labels(self.executor).observe(value)
+        made["wait"].labels(self.executor).observe(waited_s)
+        made["buffer"].labels(self.executor).set(depth)
+        for event, total in counts.items():
+            delta = total - self._synced.get(event, 0)
+            if delta > 0:
+                made["samples"].labels(self.executor, event).inc(delta)
+            self._synced[event] = total
+
+    def paused(self, mode: str, seconds: float) -> None:
+        m = _metrics
+        if m is not None:
+            _pipeline_collectors(m)["pause"].labels(self.executor, mode).observe(seconds)
+
+
+def pipeline_meters(executor: str) -> PipelineMeters:
+    """The meters of a pipeline whose servers are the executor named ``executor``."""
+    return PipelineMeters(executor)

@@ -16,6 +16,7 @@ from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, role_group
 from ._channel import weights_version
 from ._outcomes import error_outcome, value_outcome
 from ._place import PLACE, Place
+from ._rollout import RolloutRequest, RolloutServer, Sample
 from ._session import get_checkpoint, get_context, report
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "ROLE_GROUPS",
     "Place",
     "WorkerActor",
+    "RolloutRequest",
+    "RolloutServer",
+    "Sample",
     "WorkerCode",
     "error_outcome",
     "get_checkpoint",

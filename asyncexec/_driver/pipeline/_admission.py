@@ -1,0 +1,186 @@
+"""Admission: prompts from the source (and the requeued ones, first) to the servers under the
+budget, one task per request in the pipeline's task group, and the samples that come back put
+in the budget's buffer (aborted ones requeued at the head, duplicates dropped)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import AsyncIterable, AsyncIterator, Hashable, Iterable
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ..._worker import RolloutRequest, Sample
+from .._logging import Logger
+from .._metrics import PipelineMeters
+from ._budget import Budget
+from ._consumed import Consumed
+from ._servers import Servers
+from ._stats import Meter, PipelineBatch, batch_of
+
+__all__ = ["Admission", "Item"]
+
+#: What the buffer keeps of a sample: the sample and the learner's version it counts as.
+Item = tuple[Sample, int]
+
+
+async def _requests(prompts: Any, consumed: Consumed) -> AsyncIterator[RolloutRequest]:
+    """The source's prompts as requests (a prompt's id is its position, unless it is a request),
+    without those consumed already."""
+    position = 0
+
+    def request(prompt: Any) -> RolloutRequest:
+        if isinstance(prompt, RolloutRequest):
+            return prompt
+        return RolloutRequest(position, prompt)
+
+    if isinstance(prompts, AsyncIterable):
+        async for prompt in prompts:
+            made = request(prompt)
+            position += 1
+            if made.id not in consumed:
+                yield made
+    else:
+        for prompt in prompts:
+            made = request(prompt)
+            position += 1
+            if made.id not in consumed:
+                yield made
+            await anyio.lowlevel.checkpoint()
+
+
+class Admission:
+    """The admitting side of a pipeline (see the module's docstring)."""
+
+    def __init__(
+        self,
+        prompts: Iterable[Any] | AsyncIterable[Any],
+        servers: Servers,
+        budget: Budget[Item],
+        consumed: Consumed,
+        meter: Meter,
+        log: Logger,
+    ) -> None:
+        self.source = _requests(prompts, consumed)
+        self.servers = servers
+        self.budget = budget
+        self.consumed = consumed
+        self.meter = meter
+        self.log = log
+        #: Requeued prompts by when they were first admitted: sent before the source's.
+        self.queue: list[tuple[int, RolloutRequest]] = []
+        self.sent = 0  # prompts taken from the source so far
+        self.pending: set[Hashable] = set()  # admitted, not consumed (in flight or buffered)
+        self.open = True  # False while a weight update holds admission
+        self.exhausted = False  # the source has no more prompts
+        #: Maps a server's weights version to the learner's: learner = server - offset.
+        self.offset = 0
+        self.changed = anyio.Event()
+
+    def notify(self) -> None:
+        """Something changed: wake whoever waits (the admission loop, the learner)."""
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
+
+    async def wait_changed(self) -> None:
+        await self.changed.wait()
+
+    @property
+    def final(self) -> bool:
+        """Nothing more will be admitted unless an aborted prompt comes back."""
+        return self.exhausted and not self.queue
+
+    def may_admit(self) -> bool:
+        return self.open and self.budget.admissible() > 0 and not self.final
+
+    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        """Admit prompts for as long as the pipeline lives (a task of its group)."""
+        while True:
+            while not self.may_admit():
+                await self.wait_changed()
+            taken = await self._next()
+            if taken is None:
+                continue
+            order, request = taken
+            if request.id in self.pending or request.id in self.consumed:
+                self.meter.duplicates += 1
+                continue
+            # The source may have made us wait: an update may have begun meanwhile.
+            while not (self.open and self.budget.admissible() > 0):
+                await self.wait_changed()
+            self.pending.add(request.id)
+            admitted = self.budget.admit()
+            self.meter.admitted += 1
+            self.meter.in_flight_changed(self.budget.in_flight_count)
+            tg.start_soon(self._generate, request, admitted, order)
+
+    async def _next(self) -> tuple[int, RolloutRequest] | None:
+        if self.queue:
+            return heapq.heappop(self.queue)
+        try:
+            request = await anext(self.source)
+            self.sent += 1
+            return self.sent, request
+        except StopAsyncIteration:
+            self.exhausted = True
+            self.log.debug("pipeline_source_exhausted")
+            self.notify()
+            return None
+
+    async def _generate(self, request: RolloutRequest, admitted: int, order: int) -> None:
+        try:
+            sample = await self.servers.generate(request)
+        except BaseException:
+            self.budget.drop(admitted)
+            self.pending.discard(request.id)
+            raise
+        if sample.aborted:
+            self.budget.drop(admitted)
+            self.pending.discard(request.id)
+            heapq.heappush(self.queue, (order, request))
+            self.meter.aborted += 1
+            self.meter.requeued += 1
+        elif sample.id in self.consumed:  # answered twice: consumed already
+            self.budget.drop(admitted)
+            self.meter.duplicates += 1
+        else:
+            version = self.learner_version(sample)
+            self.budget.finish(admitted, version, (sample, version))
+            depth = self.budget.finished_count
+            self.meter.buffer_depth_max = max(self.meter.buffer_depth_max, depth)
+        self.meter.in_flight_changed(self.budget.in_flight_count)
+        self.notify()
+
+    def learner_version(self, sample: Sample) -> int:
+        """The learner's version that made ``sample`` (its oldest chunk's): a chunk made before
+        any version arrived counts as the version the pipeline started from."""
+        version = sample.version
+        if version is None:
+            return self.budget.start
+        return version - self.offset
+
+    def hand(self, waited_s: float, bound: int, meters: PipelineMeters) -> PipelineBatch:
+        """Take a batch from the buffer (when the budget says it is ready) for the learner,
+        whose version is the budget's: its ids are consumed from now on."""
+        budget = self.budget
+        taken = budget.take()
+        v = budget.version
+        samples = [sample for _, (sample, _) in taken]
+        staleness = tuple(v - version for version, _ in taken)
+        for sample in samples:
+            self.consumed.add(sample.id)
+            self.pending.discard(sample.id)
+        self.meter.consumed_batch(staleness, bound, waited_s)
+        meters.batch(staleness, waited_s, budget.finished_count, self.meter.counts())
+        self.notify()
+        batch = batch_of(samples, v, staleness, waited_s)
+        self.log.debug(
+            "pipeline_batch",
+            version=v,
+            size=len(samples),
+            staleness_max=batch.staleness_max,
+            waited_s=batch.waited_s,
+            buffered=budget.finished_count,
+        )
+        return batch

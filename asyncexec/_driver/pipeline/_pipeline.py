@@ -1,0 +1,294 @@
+"""Pipeline: rollouts from servers to a learner under a staleness bound, batches of B, weight
+updates while generating, exactly-once consumption. The budget's rule is in ``_budget``;
+admission and the requests' tasks in ``_admission``; what it shows in ``_stats``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, Iterable, Mapping
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+
+from ..._config import check_count
+from ..._errors import ConfigurationError, ExecutorStateError
+from ..._taskgroups import one_error
+from .._logging import get_logger
+from .._metrics import pipeline_meters
+from ..channel import WeightChannel
+from ._admission import Admission, Item
+from ._budget import Budget
+from ._consumed import Consumed
+from ._servers import servers_of
+from ._stats import Meter, PipelineBatch, PipelineStatistics
+from ._updates import update
+
+__all__ = ["Pipeline"]
+
+Mode = Literal["strict", "aggregate"]
+OnUpdate = Literal["keep", "wait", "abort"]
+_NO_STATE: Any = object()
+
+
+class Pipeline:
+    """Samples from rollout servers to a learner, in batches, with a bound on their staleness.
+
+    ::
+
+        async with asyncexec.Pipeline(router, prompts, batch_size=64, staleness=1,
+                                      channel=channel) as pipe:
+            async for batch in pipe:
+                ...train on batch.samples...
+                await pipe.update_weights()          # channel.push(), generation paused
+                checkpoint["pipeline"] = pipe.state_dict()
+
+    The learner's version ``v`` counts the updates done; a sample's staleness is ``v`` minus
+    the version of its oldest chunk when the learner gets it. Prompts are admitted while the
+    samples admitted and not consumed stay within the budget ``(S + 1) * B`` (less the batch
+    already taken at ``v``), and batches take finished samples oldest version first. In
+    ``"strict"`` mode a batch also waits for the samples that would otherwise expire, so no
+    sample is ever staler than S; ``"aggregate"`` (SkyRL's) never waits, and the staleness it
+    gets is measured. S = 0 is the synchronous loop. See the docs' RL pipeline page.
+
+    Args:
+        router: a :class:`~asyncexec.Router`, or an :class:`~asyncexec.Executor` whose role
+            subclasses :class:`~asyncexec.RolloutServer` (requests then go to the least loaded
+            server, up to 4 in flight each, sent again when a server dies).
+        prompts: an iterable or async iterable of prompts; a prompt's id is its position in
+            it, unless the prompt is a :class:`~asyncexec.RolloutRequest` (its own id).
+        batch_size: B, the samples per batch (the last batch may be smaller, when the source
+            ends).
+        staleness: S, the bound (0: the synchronous loop).
+        mode: ``"strict"`` (every sample within S) or ``"aggregate"``.
+        on_update: what :meth:`update_weights` does to the rollouts in flight: ``"keep"``
+            (they park at their next pause point and go on with the new weights, a version
+            per chunk), ``"wait"`` (admission stops, they finish, then the push) or ``"abort"``
+            (they end at their next pause point; their prompts go back at the head of the
+            queue).
+        channel: the :class:`~asyncexec.WeightChannel` from the learner to the servers (its
+            ``max_staleness`` must be 1). None: :meth:`update_weights` takes the state and
+            sends it to every server (local mode, small states).
+        consumed: :meth:`state_dict` from the learner's checkpoint: those ids are never handed
+            again, the version goes on from it.
+
+    Raises:
+        ConfigurationError: an argument out of range, or ``router`` is neither a Router nor
+            an executor of rollout servers.
+    """
+
+    def __init__(
+        self,
+        router: Any,
+        prompts: Iterable[Any] | AsyncIterable[Any],
+        *,
+        batch_size: int = 64,
+        staleness: int = 1,
+        mode: Mode = "strict",
+        on_update: OnUpdate = "keep",
+        channel: WeightChannel | None = None,
+        consumed: Mapping[str, Any] | None = None,
+    ) -> None:
+        _check_arguments(prompts, batch_size, staleness, mode, on_update, channel)
+        self.servers = servers_of(router, channel)
+        self.batch_size, self.staleness, self.mode = batch_size, staleness, mode
+        self.on_update: OnUpdate = on_update
+        self.channel = channel
+        self._consumed = Consumed.from_state(consumed)
+        name = self.servers.executor.config.name
+        self.log = get_logger(pipeline=name)
+        self._meters = pipeline_meters(name)
+        self._budget: Budget[Item] = Budget(
+            batch_size, staleness, strict=mode == "strict", version=self._consumed.version
+        )
+        self._meter = Meter()
+        self._admission = Admission(
+            prompts, self.servers, self._budget, self._consumed, self._meter, self.log
+        )
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._state: Literal["new", "open", "closed"] = "new"
+        self._updating = False
+
+    def __repr__(self) -> str:
+        b = self._budget
+        return (
+            f"<Pipeline {self.mode} S={self.staleness} B={self.batch_size} v={b.version} "
+            f"in_flight={b.in_flight_count} buffered={b.finished_count} {self._state}>"
+        )
+
+    @property
+    def version(self) -> int:
+        """The learner's version: the updates done (from the checkpoint's, when resumed)."""
+        return self._budget.version
+
+    @property
+    def statistics(self) -> PipelineStatistics:
+        """A snapshot of the counters (see :class:`~asyncexec.PipelineStatistics`)."""
+        b = self._budget
+        return self._meter.snapshot(b.version, b.in_flight_count, b.finished_count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ids consumed so far and the version, compact (a watermark and the ids above
+        it): save it with the learner's checkpoint, give it back as ``consumed=``."""
+        self._consumed.version = self._budget.version
+        return self._consumed.state()
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Pipeline:
+        if self._state != "new":
+            raise ExecutorStateError("a Pipeline is entered once")
+        if self.channel is not None:
+            # The channel's version now stands for the learner's version now.
+            self._admission.offset = self.channel.version - self._budget.version
+        await self.servers.start()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._state = "open"
+        self._meter = self._admission.meter = Meter()
+        self._tg.start_soon(self._admission.run, self._tg)
+        self.log.info(
+            "pipeline_started",
+            batch_size=self.batch_size,
+            staleness=self.staleness,
+            mode=self.mode,
+            on_update=self.on_update,
+            version=self.version,
+            consumed=len(self._consumed),
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._state = "closed"
+        tg, self._tg = self._tg, None
+        if tg is not None:
+            tg.cancel_scope.cancel()  # requests in flight: their samples are not needed
+            with one_error():
+                try:
+                    await tg.__aexit__(None, None, None)
+                finally:
+                    await self.servers.close()
+        stats = self.statistics
+        self.log.info(
+            "pipeline_ended",
+            version=stats.version,
+            consumed=stats.consumed,
+            staleness_max=stats.staleness_max,
+            beyond_bound=stats.beyond_bound,
+            trainer_idle_ratio=stats.trainer_idle_ratio,
+        )
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ExecutorStateError(
+                "the pipeline is closed" if self._state == "closed" else "use `async with`"
+            )
+
+    # Batches ----------------------------------------------------------------------------------
+
+    def __aiter__(self) -> Pipeline:
+        return self
+
+    async def __anext__(self) -> PipelineBatch:
+        """The next batch: waits until the budget's rule lets one go (see the class).
+
+        Raises:
+            StopAsyncIteration: the source is exhausted and every sample was handed.
+            ExecutorStateError: no batch can come before an update (S = 0 and the batch of
+                this version was taken).
+        """
+        self._check_open()
+        started = time.monotonic()
+        admission, budget = self._admission, self._budget
+        while not budget.ready(final=admission.final):
+            if admission.final and not budget.in_flight_count and not budget.finished_count:
+                raise StopAsyncIteration
+            stuck = not budget.in_flight_count and not admission.may_admit()
+            if stuck and admission.open and not admission.final:
+                raise ExecutorStateError(
+                    f"no batch can come at version {budget.version} (staleness "
+                    f"{self.staleness}): update_weights() first"
+                )
+            await admission.wait_changed()
+        waited_s = time.monotonic() - started
+        return admission.hand(waited_s, self.staleness, self._meters)
+
+    # Weight updates ---------------------------------------------------------------------------
+
+    async def update_weights(
+        self, state: Any = _NO_STATE, *, on_update: OnUpdate | None = None
+    ) -> int:
+        """Push the learner's weights to the servers as the next version, around the rollouts
+        in flight as ``on_update`` says (the pipeline's, unless given); the learner's version
+        goes up by one. Returns the new version.
+
+        Args:
+            state: without a channel, the state to install on every server
+                (``RolloutServer.install_weights``); with one, nothing (the channel reads it).
+            on_update: ``"keep"``, ``"wait"`` or ``"abort"`` for this update.
+
+        Raises:
+            ExecutorStateError: strict mode and no batch was taken at this version; or
+                another update is going on.
+            ConfigurationError: no channel and no state, or a state and a channel.
+            ChannelError: the push failed (the servers are resumed first).
+        """
+        self._check_open()
+        mode: OnUpdate = self.on_update if on_update is None else on_update
+        _check_choice("on_update", mode, ("keep", "wait", "abort"))
+        if (self.channel is None) == (state is _NO_STATE):
+            raise ConfigurationError(
+                "update_weights() takes a state when the pipeline has no channel, and none "
+                "when it has one"
+            )
+        if self._updating:
+            raise ExecutorStateError("update_weights() is already going on")
+        self._budget.check_update()
+        self._updating = True
+        try:
+            pause_s, push_s, in_flight = await update(
+                self.servers, self.channel, self._budget, self._admission, mode, state
+            )
+        finally:
+            self._updating = False
+        self._meter.paused(mode, pause_s, push_s)
+        self._meters.paused(mode, pause_s)
+        self.log.info(
+            "pipeline_update",
+            version=self.version,
+            mode=mode,
+            pause_s=round(pause_s, 6),
+            push_s=round(push_s, 6),
+            in_flight=in_flight,
+        )
+        return self.version
+
+
+def _check_arguments(
+    prompts: Any, batch_size: Any, staleness: Any, mode: Any, on_update: Any, channel: Any
+) -> None:
+    check_count("batch_size", batch_size)
+    check_count("staleness", staleness, minimum=0)
+    _check_choice("mode", mode, ("strict", "aggregate"))
+    _check_choice("on_update", on_update, ("keep", "wait", "abort"))
+    if not isinstance(prompts, Iterable | AsyncIterable):
+        raise ConfigurationError(f"prompts must be an iterable, got {prompts!r:.100}")
+    if channel is not None and not isinstance(channel, WeightChannel):
+        raise ConfigurationError(f"channel must be a WeightChannel, got {channel!r}")
+    if channel is not None and channel.max_staleness != 1:
+        raise ConfigurationError(
+            "the pipeline's channel must have max_staleness=1 (a push returns once every "
+            f"server holds it: the versions count from there), got {channel.max_staleness}"
+        )
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        allowed = " or ".join(f'"{c}"' for c in choices)
+        raise ConfigurationError(f"{name} must be {allowed}, got {value!r}")

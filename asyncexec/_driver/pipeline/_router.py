@@ -1,0 +1,275 @@
+"""Router: sends rollout requests to the servers of an executor whose role is a
+:class:`~asyncexec.RolloutServer`, each to one server, and returns each request's answer once.
+
+Where a request goes: to the server its session key went to before, while that server serves in
+the same process (sticky sessions: multi-turn affinity; the keys are kept in a bounded LRU);
+else to the serving server with the fewest of the router's requests in flight under the cap
+(``max_in_flight`` per server), the lowest rank on ties. When every serving server holds the
+cap (or a session's server does), the request waits in the driver for a slot.
+
+Failures: an idempotent request (``retry=True``) is sent again to another server when its
+server dies, when the health watch takes its server out, or when the attempt's deadline passes
+(``deadline_s`` bounds each attempt, from when it is sent; the earlier attempt goes on, and
+whichever answers first is the answer). A request is sent at most one time more than there are
+servers. The first answer is returned; a later answer of the same request is dropped and
+counted (``RouterStatistics.duplicates_dropped``). A request that is not idempotent raises its
+server's error, or ``TimeoutError`` on its deadline. An error the server's ``generate`` raised
+(``WorkerRaisedError``) is never retried.
+
+One request's attempts, deadline and retries: ``_router_requests``. The health watch, the
+replacement of a server and its rejoin at the channel's current version: ``_health``. The
+bookkeeping (records, the choice, sessions, the pacing of bursts, counters): ``_router_state``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.abc
+
+from ..._config import check_count
+from ..._errors import ConfigurationError, ExecutorStateError
+from ..._role import method
+from ..._taskgroups import one_error
+from ..._worker import RolloutRequest, RolloutServer, Sample
+from .._executor import Executor, slot_of
+from .._logging import get_logger
+from ._health import HealthWatch, worker_keys
+from ._router_metrics import RouterMeters
+from ._router_requests import Requests
+from ._router_state import Balance, Pacer, RouterStatistics, Sessions
+
+if TYPE_CHECKING:
+    from ..channel import WeightChannel
+
+__all__ = ["Router", "RouterStatistics"]
+
+#: How many session keys the router remembers (the least recently used are forgotten).
+MAX_SESSIONS = 100_000
+
+
+class _Methods:
+    """The server role's methods, named through its class (see ``asyncexec.method``)."""
+
+    def __init__(self, cls: type[RolloutServer]) -> None:
+        self.cls = cls
+        self.generate = method(cls, "generate")
+        self.health = method(cls, "health")
+        self.pause = method(cls, "pause")
+        self.resume = method(cls, "resume")
+        self.weights_version = method(cls, "weights_version")
+
+
+class Router:
+    """Sends :class:`~asyncexec.RolloutRequest` s to rollout servers (see the module's
+    docstring)::
+
+        async with asyncexec.Router(servers, max_in_flight=4, channel=channel) as router:
+            sample = await router.generate(asyncexec.RolloutRequest(0, prompt, key="chat-7"))
+
+    Args:
+        servers: an open :class:`~asyncexec.Executor` one of whose roles is a
+            :class:`~asyncexec.RolloutServer` subclass.
+        max_in_flight: the cap: requests of this router in flight on one server.
+        channel: the :class:`~asyncexec.WeightChannel` into ``servers``: a server that comes
+            back in a fresh process installs its latest version before it takes a request.
+        health_interval_s: how often the health watch calls each serving server's ``health``.
+        health_timeout_s: how long one check (and one step of a rejoin) may take.
+        health_grace_s: a server's failed checks within this long after it (re)joined do not
+            count (its first compile).
+        unhealthy_after: failed checks in a row after which a server is taken out (no new
+            requests, its requests in flight sent elsewhere), killed and replaced.
+        max_sessions: how many session keys are remembered (least recently used forgotten).
+    """
+
+    def __init__(
+        self,
+        servers: Executor,
+        *,
+        max_in_flight: int = 4,
+        channel: WeightChannel | None = None,
+        health_interval_s: float = 5.0,
+        health_timeout_s: float = 10.0,
+        health_grace_s: float = 60.0,
+        unhealthy_after: int = 3,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
+        self.servers = servers
+        self.methods = _Methods(_server_class(servers))
+        check_count("max_in_flight", max_in_flight)
+        check_count("unhealthy_after", unhealthy_after)
+        check_count("max_sessions", max_sessions)
+        for name, value in (
+            ("health_interval_s", health_interval_s),
+            ("health_timeout_s", health_timeout_s),
+            ("health_grace_s", health_grace_s),
+        ):
+            _check_seconds(name, value, zero=name == "health_grace_s")
+        self.max_in_flight = max_in_flight
+        self.channel = channel
+        self.health_interval_s = float(health_interval_s)
+        self.health_timeout_s = float(health_timeout_s)
+        self.health_grace_s = float(health_grace_s)
+        self.unhealthy_after = unhealthy_after
+        self.log = get_logger(router=servers.config.name)
+        self.meters = RouterMeters(servers.config.name)
+        self.sessions = Sessions(max_sessions)
+        self.balance = Balance([], max_in_flight)
+        self.pacer = Pacer()
+        self.counts = dict.fromkeys(
+            ("requests", "answered", "retries", "duplicates_dropped", "late_dropped", "timeouts"),
+            0,
+        ) | {"taken_out": 0, "replaced": 0}
+        self.paused: Literal["keep", "abort"] | None = None
+        self.watch = HealthWatch(self)
+        self.requests = Requests(self)
+        self.tg: anyio.abc.TaskGroup | None = None
+        #: The servers' group the router's records are of (None: being replaced).
+        self.group: Any = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        serving = sum(s.serving for s in self.balance.servers)
+        in_flight = sum(s.in_flight for s in self.balance.servers)
+        return (
+            f"<Router {self.servers.config.name} servers={serving}/{len(self.balance.servers)} "
+            f"in_flight={in_flight}>"
+        )
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Router:
+        if self.tg is not None or self._closed:
+            raise ExecutorStateError("a Router is entered once")
+        keys = worker_keys(self.servers)
+        if not keys:
+            raise ExecutorStateError(
+                "the router's executor has no live workers: enter it (async with) first"
+            )
+        self.balance = Balance(keys, self.max_in_flight, time.monotonic())
+        self.group = slot_of(self.servers).group
+        self.tg = anyio.create_task_group()
+        await self.tg.__aenter__()
+        self.tg.start_soon(self.watch.run)
+        self.log.info("router_started", servers=len(keys), max_in_flight=self.max_in_flight)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closed = True
+        tg, self.tg = self.tg, None
+        self.balance.wake()  # requests waiting for a slot see the router closed
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            with one_error():
+                await tg.__aexit__(None, None, None)
+        self.meters.forget(len(self.balance.servers))
+
+    def check_open(self) -> anyio.abc.TaskGroup:
+        if self.tg is None:
+            raise ExecutorStateError(
+                "the router is closed" if self._closed else "use `async with Router(...)`"
+            )
+        return self.tg
+
+    # Requests ---------------------------------------------------------------------------------
+
+    async def generate(
+        self, request: RolloutRequest, *, deadline_s: float | None = None, retry: bool = True
+    ) -> Sample:
+        """Send ``request`` to a server and return its sample (see the module's docstring).
+
+        Args:
+            request: the request; its ``key`` (when not None) is its session.
+            deadline_s: bound on each attempt, from when it is sent (not the wait for a slot):
+                an idempotent request is sent again to another server once it passes; None for
+                no bound.
+            retry: the request is idempotent: send it again when its server dies, is taken
+                out, or the deadline passes.
+
+        Raises:
+            TimeoutError: the deadline passed and the request may not (or may no more) be sent
+                again.
+            WorkerRaisedError: the server's ``generate`` raised.
+            WorkerCrashedError, NodeLostError, WorkerUnreachableError, WorkerHungError: its
+                server died, could not be reached or was taken out, and it may not (or may no
+                more) be sent again.
+            ExecutorStateError: the router is not open, or closed meanwhile.
+        """
+        self.check_open()
+        if deadline_s is not None:
+            _check_seconds("deadline_s", deadline_s)
+        if not isinstance(retry, bool):
+            raise ConfigurationError(f"retry must be a bool, got {retry!r}")
+        return await self.requests.run(request, deadline_s, retry)
+
+    def count(self, name: str) -> None:
+        self.counts[name] += 1
+        self.meters.count(name)
+
+    # Pause, resume, state ---------------------------------------------------------------------
+
+    async def pause(self, mode: Literal["keep", "abort"]) -> int:
+        """Pause every serving server (``RolloutServer.pause``): ``"keep"`` parks each
+        generation at its next pause point, ``"abort"`` ends each there; a server that joins
+        while paused is paused before it takes a request. Returns once every server's chunks
+        have stopped, with the number of generations that were in flight."""
+        if mode not in ("keep", "abort"):
+            raise ConfigurationError(f'pause() takes "keep" or "abort", got {mode!r}')
+        self.check_open()
+        self.paused = mode
+        counts = await self.watch.on_serving(self.methods.pause, mode)
+        self.log.info("servers_paused", mode=mode, generations=sum(counts))
+        return sum(counts)
+
+    async def resume(self) -> None:
+        """Let every serving server's parked generations go on (``RolloutServer.resume``)."""
+        self.check_open()
+        self.paused = None
+        await self.watch.on_serving(self.methods.resume)
+        self.log.info("servers_resumed")
+
+    @property
+    def in_flight(self) -> dict[int, int]:
+        """The router's requests in flight on each server, by rank."""
+        return self.balance.in_flight
+
+    @property
+    def statistics(self) -> RouterStatistics:
+        """A snapshot of the router's counters (see :class:`RouterStatistics`)."""
+        servers = self.balance.servers
+        return RouterStatistics(
+            **self.counts,
+            in_flight=tuple(s.in_flight for s in servers),
+            in_flight_max=tuple(s.peak for s in servers),
+            serving=tuple(s.serving for s in servers),
+        )
+
+
+def _server_class(servers: Any) -> type[RolloutServer]:
+    if not isinstance(servers, Executor):
+        raise ConfigurationError(f"a Router routes to an asyncexec.Executor, got {servers!r}")
+    roles = servers.config.roles
+    found: list[type[RolloutServer]] = [r.cls for r in roles if issubclass(r.cls, RolloutServer)]
+    if len(found) != 1:
+        raise ConfigurationError(
+            "a Router needs an executor with exactly one role that subclasses "
+            f"asyncexec.RolloutServer, found {len(found)}"
+        )
+    return found[0]
+
+
+def _check_seconds(name: str, value: Any, *, zero: bool = False) -> None:
+    """Refuse anything but a finite number of seconds, above 0 (or at least 0 with ``zero``)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not (0 <= value < math.inf) or (value == 0 and not zero):
+        what = "0 or more" if zero else "a positive number of"
+        raise ConfigurationError(f"{name} must be {what} seconds, got {value!r}")

@@ -1,0 +1,88 @@
+"""The router's metrics, when :func:`asyncexec.enable_metrics` turned metrics on: counters by
+the servers' executor name (bounded as every executor label is), and the requests in flight
+per server by executor and rank (a rank label is bounded by the group's size; session keys and
+request ids are never labels).
+
+The collectors are made once per :class:`~asyncexec._driver._metrics.Metrics` (its registry),
+on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+from .._metrics import Metrics, metrics
+
+__all__ = ["RouterMeters"]
+
+#: Counter name (as ``RouterStatistics`` names it) -> the metric's help.
+_COUNTERS = {
+    "requests": "Requests given to a router's generate().",
+    "answered": "Requests a router answered with a sample.",
+    "retries": "Requests a router sent again to another server (server gone or taken out, "
+    "or the attempt's deadline passed).",
+    "duplicates_dropped": "Second answers of an answered request, dropped by a router.",
+    "late_dropped": "Answers that came after their request gave up, dropped by a router.",
+    "timeouts": "Requests that gave up on their deadline.",
+    "taken_out": "Servers taken out by a router's health watch.",
+    "replaced": "Servers that rejoined a router in a fresh process at the current weights.",
+}
+
+_made: weakref.WeakKeyDictionary[Metrics, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _collectors(meters: Metrics) -> dict[str, Any]:
+    found = _made.get(meters)
+    if found is None:
+        import prometheus_client as prom
+
+        found = {
+            name: prom.Counter(
+                f"asyncexec_router_{name}", doc, ["executor"], registry=meters.registry
+            )
+            for name, doc in _COUNTERS.items()
+        }
+        found["in_flight"] = prom.Gauge(
+            "asyncexec_router_in_flight",
+            "Requests of a router in flight on each server.",
+            ["executor", "rank"],
+            registry=meters.registry,
+        )
+        _made[meters] = found
+    return found
+
+
+class RouterMeters:
+    """One router's view of the metrics (nothing when metrics are off)."""
+
+    def __init__(self, executor: str) -> None:
+        self.executor = executor
+
+    def _on(self) -> tuple[dict[str, Any], str] | None:
+        meters = metrics()
+        if meters is None:
+            return None
+        return _collectors(meters), meters.executors(self.executor)
+
+    def count(self, name: str) -> None:
+        on = self._on()
+        if on is not None:
+            collectors, label = on
+            collectors[name].labels(label).inc()
+
+    def in_flight(self, rank: int, value: int) -> None:
+        on = self._on()
+        if on is not None:
+            collectors, label = on
+            collectors["in_flight"].labels(label, str(rank)).set(value)
+
+    def forget(self, servers: int) -> None:
+        """The router closed: its in-flight series go."""
+        on = self._on()
+        if on is not None:
+            collectors, label = on
+            for rank in range(servers):
+                with contextlib.suppress(KeyError):
+                    collectors["in_flight"].remove(label, str(rank))

@@ -1,0 +1,207 @@
+"""One request through the router: its attempts (each a task of the router's task group, on one
+server, holding that server's slot until the remote call ends), its deadline per attempt, its
+retries, and its answer returned once: the first sample that comes back is the answer, and every
+later one is dropped and counted (``duplicates_dropped``; ``late_dropped`` for answers that come
+after the request gave up).
+
+See ``_router`` for the rules of where a request goes and when it is sent again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..._dispatch import rank as on_rank
+from ..._errors import ExecutorStateError, WorkerHungError, describe
+from ..._worker import RolloutRequest, Sample
+from ._health import GONE
+
+__all__ = ["Requests"]
+
+
+@dataclass
+class _Answer:
+    rank: int
+    worker: str | None
+    sample: Sample | None = None
+    error: BaseException | None = None
+    taken_out: bool = False
+
+
+@dataclass
+class _Fate:
+    """What became of a request, as its attempts see it."""
+
+    answered: bool = False
+    outstanding: set[int] = field(default_factory=set)  # its attempts in flight, by number
+
+
+class Requests:
+    """The requests of one router (``router``: the :class:`~asyncexec.Router`, typed loosely:
+    it imports this module)."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+
+    async def run(self, request: RolloutRequest, deadline_s: float | None, retry: bool) -> Sample:
+        """See ``Router.generate``."""
+        router = self.router
+        tg = router.check_open()
+        router.count("requests")
+        send, receive = anyio.create_memory_object_stream[_Answer](math.inf)
+        fate = _Fate()
+        tried: list[int] = []
+        limit = len(router.balance.servers) + 1  # attempts at most
+        sent_at = 0.0  # when the latest attempt was sent (0: make one at once)
+        with send:
+            try:
+                while True:
+                    if not fate.outstanding or _due(sent_at, deadline_s):
+                        if tried:  # another attempt of this request
+                            if not retry or len(tried) >= limit:
+                                raise self._gave_up(request, tried, deadline_s)
+                            router.count("retries")
+                        r = await self._take(request, tried)
+                        tried.append(r)
+                        fate.outstanding.add(len(tried))
+                        sent_at = time.monotonic()
+                        tg.start_soon(self._attempt, r, len(tried), request, send.clone(), fate)
+                    answer = await _next(receive, sent_at, deadline_s)
+                    if answer is None:
+                        continue  # the deadline passed: another attempt, or give up
+                    if answer.sample is not None:
+                        fate.answered = True
+                        router.count("answered")
+                        if request.key is not None:
+                            router.sessions.pin(request.key, answer.rank, answer.worker)
+                        return answer.sample
+                    error = answer.error
+                    assert error is not None
+                    if not retry or not (answer.taken_out or isinstance(error, GONE)):
+                        raise error
+                    if len(tried) >= limit:
+                        error.add_note(f"sent {len(tried)} times: every server it went to failed")
+                        raise error
+                    router.log.warning(
+                        "request_sent_again", rank=answer.rank, error=describe(error)
+                    )
+                    sent_at = 0.0
+            finally:
+                self._drop_rest(receive, fate)
+
+    async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
+        """A server for ``request`` under the cap (waiting for one), counted as holding it."""
+        router = self.router
+        balance = router.balance
+        while True:
+            router.check_open()
+            router.watch.follow_group()
+            pinned = None
+            if request.key is not None and not tried:
+                pinned = router.sessions.get(request.key)
+            r: int | None = balance.choose(tried, pinned)
+            if r is not None:
+                balance.take(r)
+                if request.key is not None:  # the session's server from now on
+                    router.sessions.pin(request.key, r, balance.servers[r].worker)
+                router.meters.in_flight(r, balance.servers[r].in_flight)
+                return r
+            await balance.wait_freed()
+
+    async def _attempt(
+        self,
+        r: int,
+        number: int,
+        request: RolloutRequest,
+        send: MemoryObjectSendStream[_Answer],
+        fate: _Fate,
+    ) -> None:
+        """Attempt ``number`` of ``request``, on server ``r``: its answer (or error) to the
+        request. The server's slot is held until the remote call ends, or until the health watch
+        takes the server out (which cancels the attempt)."""
+        router = self.router
+        server = router.balance.servers[r]
+        answer = _Answer(r, server.worker)
+        scope = anyio.CancelScope()
+        server.scopes.add(scope)
+        with send:
+            try:
+                with scope:
+                    await router.pacer.wait_turn()
+                    answer.sample = await router.servers.call(
+                        router.methods.generate, request, on=on_rank(r)
+                    )
+                if scope.cancelled_caught:
+                    answer.taken_out = True
+                    answer.error = WorkerHungError(r, detail="taken out by the health watch")
+            except anyio.get_cancelled_exc_class():
+                answer.error = ExecutorStateError("the router closed while the request ran")
+                raise
+            except Exception as exc:
+                answer.error = exc
+                if isinstance(exc, GONE):
+                    router.watch.lost(r, answer.worker)
+            finally:
+                server.scopes.discard(scope)
+                router.balance.release(r)
+                router.meters.in_flight(r, server.in_flight)
+                fate.outstanding.discard(number)
+                try:
+                    send.send_nowait(answer)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    self._dropped(answer, fate)
+
+    def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
+        """Close the request's answers: those already there, and those still to come, are
+        dropped (counted)."""
+        with receive:
+            while True:
+                try:
+                    self._dropped(receive.receive_nowait(), fate)
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    return
+
+    def _dropped(self, answer: _Answer, fate: _Fate) -> None:
+        if answer.sample is None:
+            return
+        if fate.answered:
+            self.router.count("duplicates_dropped")
+            self.router.log.info("duplicate_dropped", rank=answer.rank)
+        else:
+            self.router.count("late_dropped")
+            self.router.log.info("late_answer_dropped", rank=answer.rank)
+
+    def _gave_up(
+        self, request: RolloutRequest, tried: list[int], deadline_s: float | None
+    ) -> TimeoutError:
+        self.router.count("timeouts")
+        self.router.log.warning("request_timed_out", ranks=tried, deadline_s=deadline_s)
+        return TimeoutError(
+            f"request {request.id!r}: no answer within {deadline_s} s of its attempt "
+            f"(sent {len(tried)} time(s), to ranks {tried})"
+        )
+
+
+def _due(sent_at: float, deadline_s: float | None) -> bool:
+    """Whether another attempt is due: at once (``sent_at`` 0), or the latest attempt's
+    deadline passed."""
+    if sent_at == 0.0:
+        return True
+    return deadline_s is not None and time.monotonic() >= sent_at + deadline_s
+
+
+async def _next(
+    receive: MemoryObjectReceiveStream[_Answer], sent_at: float, deadline_s: float | None
+) -> _Answer | None:
+    """The next answer, or None once the latest attempt's deadline passes."""
+    if deadline_s is None:
+        return await receive.receive()
+    with anyio.move_on_after(max(0.0, sent_at + deadline_s - time.monotonic())):
+        return await receive.receive()
+    return None

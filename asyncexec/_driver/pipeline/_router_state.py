@@ -1,0 +1,188 @@
+"""The router's own bookkeeping, apart from any executor: each server's record (its process,
+whether it takes requests, its requests in flight, its failed health checks), the choice of a
+server (the least in flight under the cap, the lowest rank on ties; a session's server first),
+the sessions' servers (a bounded LRU), the wake-up of requests waiting for a server under the
+cap, and the counters.
+
+Pure bookkeeping on one event loop: nothing here talks to a worker (``tests/test_router_units.py``
+tests it without Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+__all__ = ["Balance", "Pacer", "RouterStatistics", "ServerRecord", "Sessions"]
+
+#: How long the requests sent in one turn of the event loop may keep it, before the rest wait
+#: for the next turn.
+SEND_BUDGET_S = 0.002
+
+
+@dataclass(frozen=True)
+class RouterStatistics:
+    """Counters of a :class:`~asyncexec.Router`, from ``router.statistics``."""
+
+    #: Requests given to ``generate()``.
+    requests: int = 0
+    #: Requests answered (a sample returned to the caller).
+    answered: int = 0
+    #: Requests sent again to another server (its server died or was taken out, or the
+    #: attempt's deadline passed).
+    retries: int = 0
+    #: Second answers of a request already answered, dropped (each request is answered once).
+    duplicates_dropped: int = 0
+    #: Answers that came after their request had given up (its deadline passed), dropped.
+    late_dropped: int = 0
+    #: Requests that gave up on their deadline (``TimeoutError``).
+    timeouts: int = 0
+    #: Servers taken out by the health watch (no new requests; in-flight ones retried).
+    taken_out: int = 0
+    #: Servers that came back in a fresh process (taken out and killed, or died) and took
+    #: requests again, at the channel's current version.
+    replaced: int = 0
+    #: Requests in flight on each server now, in rank order.
+    in_flight: tuple[int, ...] = ()
+    #: The most requests each server held at once, in rank order.
+    in_flight_max: tuple[int, ...] = ()
+    #: Whether each server takes new requests now, in rank order.
+    serving: tuple[bool, ...] = ()
+
+
+@dataclass(eq=False)
+class ServerRecord:
+    """What the router knows of one server (rank)."""
+
+    rank: int
+    worker: str | None = None  # the worker (its key) it last verified: another is a replacement
+    serving: bool = True  # takes new requests (False: taken out, dead, or rejoining)
+    in_flight: int = 0
+    peak: int = 0
+    failures: int = 0  # health checks failed in a row
+    since: float = 0.0  # when it (re)joined: its health grace counts from here
+    rejoining: bool = False  # a task brings it back (one at a time)
+    #: Cancel scopes of the requests it holds (cancelled when it is taken out).
+    scopes: set[Any] = field(default_factory=set)
+
+
+class Sessions:
+    """The server each session key went to, as ``(rank, worker)`` (the worker's key): the
+    least recently used key is forgotten past ``limit`` keys (memory stays bounded however many
+    sessions come)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._servers: OrderedDict[Hashable, tuple[int, str | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._servers)
+
+    def get(self, key: Hashable) -> tuple[int, str | None] | None:
+        found = self._servers.get(key)
+        if found is not None:
+            self._servers.move_to_end(key)
+        return found
+
+    def pin(self, key: Hashable, rank: int, worker: str | None) -> None:
+        self._servers[key] = (rank, worker)
+        self._servers.move_to_end(key)
+        while len(self._servers) > self.limit:
+            self._servers.popitem(last=False)
+
+
+class Balance:
+    """The servers' records and the choice of one (see the module's docstring)."""
+
+    def __init__(self, workers: list[str | None], max_in_flight: int, now: float = 0.0) -> None:
+        self.servers = [ServerRecord(r, w, since=now) for r, w in enumerate(workers)]
+        self.max_in_flight = max_in_flight
+        self._freed = anyio.Event()
+
+    def live(self, rank: int, worker: str | None) -> bool:
+        """Whether ``rank`` serves, in the worker ``worker`` (not a replacement since)."""
+        server = self.servers[rank]
+        return server.serving and server.worker == worker
+
+    def choose(
+        self, exclude: Collection[int] = (), pinned: tuple[int, str | None] | None = None
+    ) -> int | None:
+        """The server for a request, or None when it must wait: a session's server while it
+        serves in the same worker (under the cap: else None, the request waits for it);
+        otherwise the serving server with the fewest requests in flight under the cap, the
+        lowest rank on ties, leaving out ``exclude`` while another has room."""
+        if pinned is not None and self.live(*pinned):
+            rank = pinned[0]
+            return rank if self.servers[rank].in_flight < self.max_in_flight else None
+        best: ServerRecord | None = None
+        spare: ServerRecord | None = None  # the best among the excluded
+        for server in self.servers:
+            if not server.serving or server.in_flight >= self.max_in_flight:
+                continue
+            if server.rank in exclude:
+                if spare is None or server.in_flight < spare.in_flight:
+                    spare = server
+            elif best is None or server.in_flight < best.in_flight:
+                best = server
+        chosen = best or spare
+        return None if chosen is None else chosen.rank
+
+    def take(self, rank: int) -> None:
+        server = self.servers[rank]
+        server.in_flight += 1
+        server.peak = max(server.peak, server.in_flight)
+
+    def release(self, rank: int) -> None:
+        self.servers[rank].in_flight -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the requests waiting for a server (a slot freed, a server came back)."""
+        freed, self._freed = self._freed, anyio.Event()
+        freed.set()
+
+    async def wait_freed(self) -> None:
+        await self._freed.wait()
+
+    @property
+    def in_flight(self) -> dict[int, int]:
+        return {s.rank: s.in_flight for s in self.servers}
+
+
+class Pacer:
+    """Spreads a burst of sends over turns of the event loop.
+
+    Requests that start together (a pipeline admitting 256 prompts) would each submit its call
+    in the same turn of the loop, and the loop would answer nothing else meanwhile (about 0.4 ms
+    a call on Ray: 100 ms for 256). A send waits here until its turn's budget allows it: the
+    sends of one turn take at most ``budget_s`` (and one more send), the others go on in the
+    next turns, with the timers and callbacks due in between served first.
+    """
+
+    def __init__(self, budget_s: float = SEND_BUDGET_S) -> None:
+        self.budget_s = budget_s
+        self._start: float | None = None  # when this turn's first send began
+        self.waits = 0  # sends moved to a later turn
+
+    def _next_turn(self) -> None:
+        self._start = None
+
+    async def wait_turn(self) -> None:
+        """Return when a send may go in this turn of the loop."""
+        while True:
+            now = time.perf_counter()
+            if self._start is None:  # the first send of this turn opens its window
+                self._start = now
+                asyncio.get_running_loop().call_soon(self._next_turn)
+                return
+            if now - self._start < self.budget_s:
+                return
+            self.waits += 1
+            await anyio.lowlevel.checkpoint()

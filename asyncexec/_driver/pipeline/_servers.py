@@ -1,0 +1,80 @@
+"""The pipeline's one way to its rollout servers: a :class:`~asyncexec.Router` (sticky sessions,
+health, retries), the user's or a default one over an executor of servers, which the pipeline
+enters and leaves. Everything the pipeline asks of the servers goes through :class:`Servers`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..._errors import ConfigurationError
+from ..._role import method
+from ..._worker import RolloutRequest, RolloutServer, Sample
+from .._executor import Executor
+from ._router import Router
+
+if TYPE_CHECKING:
+    from ..channel import WeightChannel
+
+__all__ = ["Servers", "servers_of"]
+
+
+class Servers:
+    """Requests, pauses and installs on the rollout servers of ``executor``, through
+    ``router`` (entered by :meth:`start` when ``owned``)."""
+
+    def __init__(self, executor: Executor, router: Router, *, owned: bool) -> None:
+        self.executor = executor
+        self.router = router
+        self.owned = owned
+        self.cls = _server_class(executor)
+
+    async def start(self) -> None:
+        if self.owned:
+            await self.router.__aenter__()
+
+    async def close(self) -> None:
+        if self.owned:
+            await self.router.__aexit__(None, None, None)
+
+    async def generate(self, request: RolloutRequest) -> Sample:
+        """The sample of ``request`` (an idempotent request: sent again when its server dies)."""
+        return await self.router.generate(request, retry=True)
+
+    async def pause(self, mode: Literal["keep", "abort"]) -> int:
+        return await self.router.pause(mode)
+
+    async def resume(self) -> None:
+        await self.router.resume()
+
+    async def install(self, state: Any, version: int) -> None:
+        """Install ``state`` as ``version`` on every server (no weight channel)."""
+        await self.executor.call(method(self.cls, "install_weights"), state, version)
+
+
+def servers_of(target: Any, channel: WeightChannel | None) -> Servers:
+    """The servers behind ``target``: a Router, or an Executor of rollout servers (behind a
+    default Router of the pipeline's, which rejoins a replaced server at ``channel``'s
+    version).
+
+    Raises:
+        ConfigurationError: ``target`` is neither.
+    """
+    if isinstance(target, Executor):
+        return Servers(target, Router(target, channel=channel), owned=True)
+    if isinstance(target, Router):
+        return Servers(target.servers, target, owned=False)
+    raise ConfigurationError(
+        f"a Pipeline takes an asyncexec.Router or an Executor of rollout servers, got {target!r}"
+    )
+
+
+def _server_class(executor: Executor) -> type[RolloutServer]:
+    found: list[type[RolloutServer]] = [
+        r.cls for r in executor.config.roles if issubclass(r.cls, RolloutServer)
+    ]
+    if len(found) != 1:
+        raise ConfigurationError(
+            "a Pipeline's servers are an executor with one role that subclasses "
+            f"asyncexec.RolloutServer; {executor.config.name!r} has {len(found)}"
+        )
+    return found[0]

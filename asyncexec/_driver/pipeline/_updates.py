@@ -1,0 +1,95 @@
+"""A weight update around the rollouts in flight: pause them as the mode says, push, resume."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+
+from ..._taskgroups import task_group
+from ._admission import Admission, Item
+from ._budget import Budget
+from ._servers import Servers
+
+if TYPE_CHECKING:
+    from ..channel import WeightChannel
+
+__all__ = ["update"]
+
+#: How long a failed update waits for the servers to resume.
+_RESUME_TIMEOUT_S = 10.0
+
+
+async def update(
+    servers: Servers,
+    channel: WeightChannel | None,
+    budget: Budget[Item],
+    admission: Admission,
+    mode: Literal["keep", "wait", "abort"],
+    state: Any,
+) -> tuple[float, float, int]:
+    """Stop admitting; ``"wait"``: let what is in flight finish, then push; ``"abort"``: the
+    servers end their generations at the next pause point, and the push goes on while they
+    come back (their prompts requeued at the head before anything new is admitted);
+    ``"keep"``: the servers park them at the next pause point, then the push. Count the
+    version, resume the servers and admission.
+
+    Returns:
+        (the pause without the push, the push, the generations in flight at the pause).
+    """
+    started = time.monotonic()
+    admission.open = False
+    paused = False
+    try:
+        if mode == "wait":
+            in_flight = budget.in_flight_count
+        else:
+            paused = True
+            in_flight = await servers.pause(mode)
+        if mode == "wait":
+            await _drained(budget, admission)
+        pushing = time.monotonic()
+        if mode == "abort":
+            # The aborted samples come back while the push goes on (no chunk runs: the
+            # servers are paused to abort); admission reopens only once they are requeued.
+            async with task_group() as tg:
+                tg.start_soon(_drained, budget, admission)
+                await _push(servers, channel, budget, admission, state)
+                push_s = time.monotonic() - pushing
+        else:
+            await _push(servers, channel, budget, admission, state)
+            push_s = time.monotonic() - pushing
+        budget.advance()
+        if paused:
+            paused = False
+            await servers.resume()
+    finally:
+        if paused:  # the push failed: generation goes on with the weights it had
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_RESUME_TIMEOUT_S):
+                await servers.resume()
+        admission.open = True
+        admission.notify()
+    return time.monotonic() - started - push_s, push_s, in_flight
+
+
+async def _drained(budget: Budget[Item], admission: Admission) -> None:
+    """Until every prompt in flight has come back (finished, or aborted and requeued)."""
+    while budget.in_flight_count:
+        await admission.wait_changed()
+
+
+async def _push(
+    servers: Servers,
+    channel: WeightChannel | None,
+    budget: Budget[Item],
+    admission: Admission,
+    state: Any,
+) -> None:
+    target = budget.version + 1
+    if channel is None:
+        await servers.install(state, target)
+        return
+    pushed = await channel.push()
+    # Versions pushed by others meanwhile shift the numbering: the latest push is ``target``.
+    admission.offset = pushed - target

@@ -1,0 +1,355 @@
+"""Rollout servers: the worker side of the pipeline's protocol.
+
+A rollout server is a worker class (a role) that subclasses :class:`RolloutServer` and
+implements ``chunks(prompt)``, an async generator that yields one chunk per generation step, and
+``load_weights(state, version)``. The base runs ``chunks`` behind a *gate*: between two chunks
+(the pause point) a generation may be parked (``pause("keep")``: it goes on after ``resume()``,
+with whatever weights were installed meanwhile), ended (``pause("abort")``: its sample comes back
+with ``aborted=True``), or held while weights are installed. A chunk never runs half on old
+weights: an install waits until no chunk runs, and no chunk starts while one is pending. Each
+chunk is tagged with the weights version it ran under.
+
+Weights arrive as the weight channel delivers them: the base's ``__init__`` registers the
+install with :func:`asyncexec.receive_weights`, so ``load_weights`` runs (in a thread of the
+worker) with every generation parked at a pause point. Without a channel (local mode), the
+driver calls :meth:`RolloutServer.install_weights` with the state itself.
+
+Light imports only: this module runs in Ray's worker processes (``tests/test_boundary.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from . import _channel
+from ._session import get_context
+
+__all__ = ["RolloutRequest", "RolloutServer", "Sample"]
+
+PauseMode = Literal["keep", "abort"]
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """A prompt sent to a rollout server.
+
+    Attributes:
+        id: the prompt's id, unique in the pipeline's source (its position, unless given).
+        prompt: what ``chunks()`` generates from.
+        key: a session key: requests with the same key go to the same server while it lives
+            (the router's sticky sessions); None for none.
+    """
+
+    id: Hashable
+    prompt: Any
+    key: Hashable | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What a rollout server returns for a :class:`RolloutRequest`.
+
+    Attributes:
+        id: the request's id.
+        prompt: the request's prompt.
+        output: ``finish(prompt, chunks)`` (by default the list of chunks); for an aborted
+            sample, the chunks made before the abort.
+        versions: the weights version each chunk ran under, in order (None: before the first
+            version arrived).
+        rank: the server's world rank.
+        aborted: the generation was ended at a pause point by ``pause("abort")``.
+    """
+
+    id: Hashable
+    prompt: Any
+    output: Any
+    versions: tuple[int | None, ...]
+    rank: int
+    aborted: bool = False
+
+    @property
+    def version(self) -> int | None:
+        """The oldest chunk's version, the one staleness counts from: None when any chunk ran
+        before the first version arrived (or there is no chunk), else the smallest."""
+        if not self.versions or any(v is None for v in self.versions):
+            return None
+        return min(v for v in self.versions if v is not None)
+
+
+@contextlib.asynccontextmanager
+async def _closing(steps: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[Any]]:
+    """``steps``, closed after use when it is an async generator (ended early, or cancelled)."""
+    try:
+        yield steps
+    finally:
+        close = getattr(steps, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Gate:
+    """The pause point between chunks, shared by a server's generations (on its event loop) and
+    the installs of weights (in threads): one lock, futures woken on their own loops."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.mode: PauseMode | None = None
+        self.installing = 0
+        self.running = 0  # chunks running now
+        self.generations = 0  # generations started and not ended
+        self.version: int | None = None
+        #: The engine said it is paused (``pause_point = "engine"``): no step runs in it, though
+        #: a chunk may be waiting for its next output.
+        self.engine_at_rest = False
+        self.parked: list[_Waiter] = []  # generations parked at the pause point
+        self.resting: list[_Waiter] = []  # pause() calls waiting until no chunk runs
+
+    @staticmethod
+    def _wake_all(waiters: list[_Waiter]) -> None:
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there
+                loop.call_soon_threadsafe(_wake, future)
+        waiters.clear()
+
+    async def enter(self) -> bool:
+        """Wait at the pause point until a chunk may run (True), or the generation is to end
+        (False: aborted). Counts the chunk as running when it returns True."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self.lock:
+                if self.mode == "abort":
+                    return False
+                if self.mode is None and not self.installing:
+                    self.running += 1
+                    return True
+                future: asyncio.Future[None] = loop.create_future()
+                self.parked.append((loop, future))
+            try:
+                await future
+            finally:
+                with self.lock, contextlib.suppress(ValueError):
+                    self.parked.remove((loop, future))
+
+    def leave(self) -> None:
+        """A chunk ended (or raised)."""
+        with self.lock:
+            self.running -= 1
+            if self.running == 0:
+                self.lock.notify_all()
+                self._wake_all(self.resting)
+
+    async def wait_at_rest(self) -> None:
+        """Until no chunk runs."""
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            if self.running == 0:
+                return
+            future: asyncio.Future[None] = loop.create_future()
+            self.resting.append((loop, future))
+        await future
+
+    def pause(self, mode: PauseMode) -> int:
+        with self.lock:
+            self.mode = mode
+            self._wake_all(self.parked)  # parked ones look again (an abort ends them)
+            return self.generations
+
+    def rested(self) -> None:
+        """The engine is paused: installs may go on while chunks wait for its output."""
+        with self.lock:
+            self.engine_at_rest = True
+            self.lock.notify_all()
+
+    def resume(self) -> None:
+        with self.lock:
+            self.mode = None
+            self.engine_at_rest = False
+            if not self.installing:
+                self._wake_all(self.parked)
+
+    def install(self, load: Any, state: Any, version: int) -> None:
+        """Run ``load(state, version)`` once no chunk runs, with none starting meanwhile.
+        Blocking: runs in a thread (never on the loop the chunks run on)."""
+        with self.lock:
+            if self.version is not None and version <= self.version:
+                return
+            self.installing += 1
+            self.lock.wait_for(lambda: self.running == 0 or self.engine_at_rest)
+        try:
+            load(state, version)
+            with self.lock:
+                self.version = version
+        finally:
+            with self.lock:
+                self.installing -= 1
+                if not self.installing and self.mode is None:
+                    self._wake_all(self.parked)
+
+
+class RolloutServer:
+    """Base class of a rollout server's worker class: a role whose ranks generate samples in
+    chunks, with a pause point between chunks.
+
+    ::
+
+        class Server(asyncexec.RolloutServer):
+            def __init__(self, cfg):
+                super().__init__()              # hooks weight installs (before any other use)
+                self.engine = make_engine(cfg)
+
+            async def chunks(self, prompt):     # one chunk per generation step
+                async for tokens in self.engine.steps(prompt):
+                    yield tokens                # <- the pause point is between yields
+
+            def load_weights(self, state, version):
+                self.engine.load(state)         # no chunk runs meanwhile
+
+    The driver calls :meth:`generate`, :meth:`pause`, :meth:`resume` and
+    :meth:`weights_version` through dispatch (``servers.call(RolloutServer.generate, ...)``),
+    or a :class:`~asyncexec.Pipeline` / :class:`~asyncexec.Router` does.
+
+    An engine that runs its own loop (vLLM, SGLang) pauses itself: set ``pause_point =
+    "engine"`` and implement :meth:`pause_engine` and :meth:`resume_engine` (see the docs' RL
+    pipeline page for the mapping).
+
+    Args:
+        channel: the weight channel's name (as ``WeightChannel(..., name=)``) whose versions
+            this server installs through :meth:`load_weights`.
+    """
+
+    #: Where generation pauses: ``"chunk"``, between two chunks of :meth:`chunks` (the chunks
+    #: are the engine's steps); or ``"engine"``, in the engine, which :meth:`pause_engine`
+    #: pauses (a chunk that waits for the paused engine's next output then holds neither a
+    #: pause nor an install up).
+    pause_point: ClassVar[Literal["chunk", "engine"]] = "chunk"
+
+    def __init__(self, *, channel: str = _channel.DEFAULT_CHANNEL) -> None:
+        self._rollout_gate = _Gate()
+        try:
+            self._rollout_rank = get_context().world_rank
+        except Exception:  # made outside a worker (a unit test): rank 0
+            self._rollout_rank = 0
+        # A version that arrived before this instance existed is installed now, by this call.
+        _channel.receive_weights(self._install_from_channel, channel=channel)
+
+    # What the user implements -----------------------------------------------------------------
+
+    def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        """Generate from ``prompt``: an async generator that yields one chunk (e.g. a list of
+        tokens) per generation step. The pause point is between two yields."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement chunks(prompt)")
+
+    def load_weights(self, state: Any, version: int) -> None:
+        """Install ``state`` as weights ``version``. Runs in a thread while no chunk runs."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__} must implement load_weights(state, version)"
+        )
+
+    def finish(self, prompt: Any, chunks: list[Any]) -> Any:
+        """The sample's output from its chunks (by default the list of chunks)."""
+        return chunks
+
+    async def health(self) -> None:
+        """Raise (or hang) when this server is unhealthy; the router's health watch calls it."""
+
+    async def pause_engine(self, mode: PauseMode) -> None:
+        """Pause the engine itself, for ``pause_point = "engine"`` (vLLM:
+        ``await engine.pause_generation(mode=mode)``); return once no step runs in it. With
+        ``"abort"`` the engine ends its requests: a :meth:`chunks` that then ends counts as
+        aborted. Called by :meth:`pause` (nothing by default)."""
+
+    async def resume_engine(self) -> None:
+        """Let the engine go on (vLLM: ``await engine.resume_generation()``); called by
+        :meth:`resume` (nothing by default)."""
+
+    # What the base provides -------------------------------------------------------------------
+
+    def _gate(self) -> _Gate:
+        gate = getattr(self, "_rollout_gate", None)
+        if not isinstance(gate, _Gate):
+            raise TypeError(
+                f"{type(self).__qualname__}.__init__ must call super().__init__() "
+                "(RolloutServer's, which sets up the pause point and weight installs)"
+            )
+        return gate
+
+    async def generate(self, request: RolloutRequest) -> Sample:
+        """Run ``chunks(request.prompt)`` through the gate: each chunk starts only when the
+        server is neither paused nor installing weights, and is tagged with the version it ran
+        under. Under ``pause("abort")`` the generation ends at its next pause point and the
+        sample comes back with ``aborted=True`` and the chunks made so far."""
+        gate = self._gate()
+        made: list[Any] = []
+        versions: list[int | None] = []
+        aborted = False
+        with gate.lock:
+            gate.generations += 1
+        try:
+            async with _closing(self.chunks(request.prompt)) as steps:
+                while True:
+                    if not await gate.enter():
+                        aborted = True
+                        break
+                    try:
+                        version = gate.version
+                        chunk = await anext(steps)
+                    except StopAsyncIteration:
+                        # Ended while paused to abort: the engine may have cut it short.
+                        aborted = gate.mode == "abort"
+                        break
+                    finally:
+                        gate.leave()
+                    made.append(chunk)
+                    versions.append(version)
+        finally:
+            with gate.lock:
+                gate.generations -= 1
+        output = made if aborted else self.finish(request.prompt, made)
+        rank = self._rollout_rank
+        return Sample(request.id, request.prompt, output, tuple(versions), rank, aborted)
+
+    async def pause(self, mode: PauseMode) -> int:
+        """Pause generation at the next pause point: ``"keep"`` parks every generation there
+        (until :meth:`resume`), ``"abort"`` ends each there (its sample has ``aborted=True``;
+        requests that arrive while so paused end at once). Returns once no chunk runs, with the
+        number of generations that were in flight."""
+        if mode not in ("keep", "abort"):
+            raise ValueError(f'pause() takes "keep" or "abort", got {mode!r}')
+        gate = self._gate()
+        in_flight = gate.pause(mode)
+        await self.pause_engine(mode)
+        if self.pause_point == "engine":
+            gate.rested()
+        else:
+            await gate.wait_at_rest()
+        return in_flight
+
+    async def resume(self) -> None:
+        """Let parked generations go on (with the weights installed meanwhile)."""
+        await self.resume_engine()
+        self._gate().resume()
+
+    def weights_version(self) -> int | None:
+        """The weights version this server holds (None before the first)."""
+        return self._gate().version
+
+    async def install_weights(self, state: Any, version: int) -> None:
+        """Install ``state`` as ``version`` through :meth:`load_weights`, as a channel's delivery
+        would: the driver's way without a weight channel (local mode, small states). A version
+        not newer than the one held is skipped."""
+        gate = self._gate()
+        await asyncio.to_thread(gate.install, self.load_weights, state, version)
+
+    def _install_from_channel(self, state: Any, version: int) -> None:
+        self._gate().install(self.load_weights, state, version)

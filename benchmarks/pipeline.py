@@ -1,0 +1,332 @@
+"""The async RL pipeline's figures, side by side in one run.
+
+    python benchmarks/pipeline.py            # about 80 s on 2 cores
+    python benchmarks/pipeline.py --quick    # tiny sizes, one repeat: a smoke run (tests run it)
+
+One Ray, one set of workers for every figure: 4 rollout servers (``SleepServer``, a
+``RolloutServer`` whose decoding step is a sleep per token, a pause point every few tokens), a
+trainer of 1 rank (an update is a sleep; its weights, 4 KB, go to the servers over a
+WeightChannel), each worker ``{"CPU": 0.25}``. The repeats of every figure are interleaved (S = 0
+and S = 1 alternate which goes first); the table shows the medians:
+
+- **samples trained/s**: the same long-tailed workload (lognormal lengths, p99 / p50 about 13;
+  the note prints the workload's own) through a strict pipeline with S = 0 (the synchronous
+  loop: generate B, train, push) and with S = 1 (``on_update="keep"``), each batch trained (a
+  fixed time) and followed by a push.
+- **samples beyond S**: over the S = 1 runs, samples whose oldest chunk is more than S versions
+  behind the version the learner held when it took them (strict mode: 0).
+- **pause to resume**: 256 long generations in flight over the servers (64 each); the time from
+  ``router.pause(mode)`` to the end of ``router.resume()``, "keep" (the generations go on) and
+  then "abort" (each ends at its pause point); no push in it ("the push apart"). The same
+  through a pipeline (aggregate, S = 1, B = 128: 256 admitted): ``update_weights()`` with
+  "abort" and then "keep", the pipeline's own figure (from the pause to the resume, the push
+  apart).
+- **one of 4 servers SIGKILLed**: long-tailed requests through the router, a push every tenth of
+  them, the last server killed after a quarter: requests answered other than once (0); answers
+  of the replacement that ran on a version older than the one current when they were sent (0);
+  the replacement's first answer after the kill (a note).
+- **balance**: uniform requests, half the capacity in flight: max / mean in flight per server,
+  sampled every 5 ms (median of the samples; the note has the 99th percentile); **sticky
+  sessions**: sessions of a few turns each, how many stayed on one server.
+- **event-loop max lag**: a 1 ms heartbeat through all of the above, against the same heartbeat
+  while 4 plain actors stream reports (the batched floor of ``benchmarks/run.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The workers import the roles by module name.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
+)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)
+
+import psutil  # noqa: E402
+import ray  # noqa: E402
+import structlog  # noqa: E402
+from _common import heartbeat, median, progress  # noqa: E402
+from _pipeline_phases import (  # noqa: E402
+    Sizes,
+    balance,
+    kill_one,
+    pause_resume,
+    pipeline_pauses,
+    sticky,
+    throughput,
+)
+from _pipeline_workload import SleepServer, Trainer, tail_ratio  # noqa: E402
+from _systems import LoopGroup  # noqa: E402
+
+import asyncexec  # noqa: E402
+
+RESOURCES = {"CPU": 0.25}
+RAY_CPUS = 16
+Mode = Literal["strict", "aggregate"]
+FIGURES = ("throughput", "pause", "kill", "balance", "lag")
+# fmt: off
+FULL = Sizes(repeats=3, servers=4, batch=32, batches=20, train_s=0.05, token_s=0.002,
+             chunk_tokens=4, max_in_flight=16, pause_in_flight=256, pause_chunk_s=0.02,
+             kill_requests=400, balance_s=3.0, sessions=16, turns=5, floor_steps=20_000)
+QUICK = Sizes(repeats=1, servers=4, batch=16, batches=6, train_s=0.05, token_s=0.002,
+              chunk_tokens=4, max_in_flight=16, pause_in_flight=256, pause_chunk_s=0.02,
+              kill_requests=120, balance_s=1.0, sessions=8, turns=3, floor_steps=5_000)
+# fmt: on
+
+
+@dataclass
+class Row:
+    """One row: the baseline's and the pipeline's samples (medians shown), the target."""
+
+    label: str
+    baseline: list[float] = field(default_factory=list)
+    pipeline: list[float] = field(default_factory=list)
+    target: str = ""
+    check: Callable[[float, float, float], bool] | None = None  # (baseline, pipeline, ratio)
+
+    def cells(self) -> list[str]:
+        b, p = median(self.baseline), median(self.pipeline)
+        ratio = p / b if b and not math.isnan(b) and not math.isnan(p) else math.nan
+        met = (
+            "-"
+            if self.check is None or math.isnan(p)
+            else ("yes" if self.check(b, p, ratio) else "NO")
+        )
+        return [self.label, _fmt(b), _fmt(p), _fmt(ratio, "x"), self.target, met]
+
+
+def _fmt(value: float, suffix: str = "") -> str:
+    if math.isnan(value):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:,.0f}{suffix}"
+    return f"{value:.2f}{suffix}" if abs(value) < 10 else f"{value:.1f}{suffix}"
+
+
+def render(rows: list[Row]) -> str:
+    head = ["figure", "baseline", "pipeline", "pipeline / baseline", "target", "met"]
+    table = [head, *(r.cells() for r in rows)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in table
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def make_rows() -> dict[str, Row]:
+    # fmt: off
+    return {
+        "rate": Row("samples trained/s, long-tailed workload (baseline: S = 0; pipeline: S = 1, "
+                    "strict)",
+                    target=">= 1.8x", check=lambda b, p, r: r >= 1.8),
+        "rate_aggregate": Row("the same, pipeline: S = 1, aggregate mode",
+                              target="-"),
+        "rate_s2": Row("the same, pipeline: S = 2, strict", target="-"),
+        "beyond": Row("samples beyond S, strict mode (baseline: S = 0; pipeline: S = 1)",
+                      target="0", check=lambda b, p, r: p == 0 and b == 0),
+        "keep": Row('pause to resume, "keep", 256 in flight, ms', target="<= 50 ms",
+                    check=lambda b, p, r: p <= 50),
+        "abort": Row('pause to resume, "abort", 256 in flight, ms', target="<= 50 ms",
+                     check=lambda b, p, r: p <= 50),
+        "pipe_keep": Row('update_weights() with 256 in flight, "keep", the push apart, ms',
+                         target="<= 50 ms", check=lambda b, p, r: p <= 50),
+        "pipe_abort": Row('update_weights() with 256 in flight, "abort", the push apart, ms',
+                          target="<= 50 ms", check=lambda b, p, r: p <= 50),
+        "once": Row("1 of 4 servers SIGKILLed: requests answered other than once", target="0",
+                    check=lambda b, p, r: p == 0),
+        "stale": Row("1 of 4 servers SIGKILLed: replacement's answers on an older version",
+                     target="0", check=lambda b, p, r: p == 0),
+        "balance": Row("balance: max / mean in flight per server, uniform load",
+                       target="<= 1.25", check=lambda b, p, r: p <= 1.25),
+        "sticky": Row("sticky sessions kept on their server (baseline: sessions)",
+                      target="all", check=lambda b, p, r: p == b),
+        "lag": Row("event-loop max lag through all of it, ms (baseline: streaming floor)",
+                   target="<= 1.5x", check=lambda b, p, r: r <= 1.5),
+    }
+    # fmt: on
+
+
+@dataclass
+class Bench:
+    """The open workers and what the repeats fill in."""
+
+    sizes: Sizes
+    servers: asyncexec.Executor
+    trainer: asyncexec.Executor
+    channel: asyncexec.WeightChannel
+    floor: LoopGroup
+    rows: dict[str, Row] = field(default_factory=lambda: make_rows())
+    notes: dict[str, list[float]] = field(default_factory=dict)
+
+    def note(self, key: str, value: float) -> None:
+        self.notes.setdefault(key, []).append(value)
+
+    async def throughput(self, i: int, lags: list[float]) -> None:
+        runs: list[tuple[int, Mode, str]] = [(0, "strict", "rate"), (1, "strict", "rate"),
+                                             (1, "aggregate", "rate_aggregate"),
+                                             (2, "strict", "rate_s2")]  # fmt: skip
+        for staleness, mode, key in runs if i % 2 == 0 else runs[::-1]:
+            progress(f"repeat {i + 1}: throughput, S = {staleness}, {mode}")
+            got = await throughput(self.servers, self.trainer, self.channel, self.sizes,
+                                   staleness, seed=i, mode=mode)  # fmt: skip
+            if staleness == 0:
+                for k in ("rate", "rate_aggregate", "rate_s2"):
+                    self.rows[k].baseline.append(got["rate"])
+                self.rows["beyond"].baseline.append(got["beyond"])
+            else:
+                self.rows[key].pipeline.append(got["rate"])
+            if (staleness, mode) == (1, "strict"):
+                self.rows["beyond"].pipeline.append(got["beyond"])
+            self.note(f"trainer idle ratio, S = {staleness}, {mode}", got["trainer_idle"])
+            self.note(f"staleness max, S = {staleness}, {mode}", got["staleness_max"])
+            if mode == "aggregate":
+                self.note(f"samples beyond S, S = {staleness}, aggregate", got["beyond"])
+
+    async def pause(self, i: int, lags: list[float]) -> None:
+        progress(f"repeat {i + 1}: pause to resume")
+        got = await pause_resume(self.servers, self.channel, self.sizes, lags)
+        self.rows["keep"].pipeline.append(got["keep_ms"])
+        self.rows["abort"].pipeline.append(got["abort_ms"])
+        self.note('pause alone, "keep", ms', got["keep_pause_ms"])
+        self.note('pause alone, "abort", ms', got["abort_pause_ms"])
+        self.note("generations aborted", got["aborted"])
+        got_pipe = await pipeline_pauses(self.servers, self.channel, self.sizes)
+        for mode in ("keep", "abort"):
+            self.rows[f"pipe_{mode}"].pipeline.append(got_pipe[f"{mode}_ms"])
+            self.note(f'the push in update_weights(), "{mode}", ms', got_pipe[f"{mode}_push_ms"])
+        self.note("event-loop max lag while the 256 are sent, ms", got["sending_lag_ms"])
+        for mode in ("keep", "abort"):
+            self.note(f'event-loop max lag, "{mode}" pause to resume, ms', got[f"{mode}_lag_ms"])
+
+    async def kill(self, i: int, lags: list[float]) -> None:
+        progress(f"repeat {i + 1}: a server killed")
+        got = await kill_one(self.servers, self.channel, self.sizes, seed=100 + i)
+        self.rows["once"].pipeline.append(got["not_once"])
+        self.rows["stale"].pipeline.append(got["stale_after"])
+        self.note("the replacement's first answer after the kill, s", got["rejoined_s"])
+        self.note("requests in the kill figure", got["requests"])
+        self.note("the replacement's answers", got["replaced_answers"])
+        self.note("duplicates dropped by the router", got["duplicates_dropped"])
+
+    async def balance(self, i: int, lags: list[float]) -> None:
+        progress(f"repeat {i + 1}: balance, sticky sessions")
+        got = await balance(self.servers, self.sizes)
+        self.rows["balance"].pipeline.append(got["ratio_p50"])
+        self.note("balance max / mean, p99 of the samples", got["ratio_p99"])
+        got = await sticky(self.servers, self.sizes)
+        self.rows["sticky"].baseline.append(got["sessions"])
+        self.rows["sticky"].pipeline.append(got["kept"])
+
+    async def repeat(self, i: int, only: set[str]) -> None:
+        """One repeat of the figures in ``only``, the pipeline's under one heartbeat, then the
+        streaming floor under the same heartbeat."""
+        async with heartbeat(0.001) as lags:
+            for name in FIGURES:
+                if name in only and name != "lag":
+                    mark = len(lags)
+                    await getattr(self, name)(i, lags)
+                    self.note(
+                        f"event-loop max lag in {name}, ms", max(lags[mark:], default=0) * 1e3
+                    )
+        if "lag" in only:
+            self.rows["lag"].pipeline.append(max(lags, default=math.nan) * 1e3)
+            progress(f"repeat {i + 1}: the streaming floor")
+            async with heartbeat(0.001) as lags:
+                await self.floor.floor(self.sizes.floor_steps)
+            self.rows["lag"].baseline.append(max(lags, default=math.nan) * 1e3)
+
+
+async def bench(sizes: Sizes, only: set[str]) -> tuple[list[Row], list[str]]:
+    floor = LoopGroup(4, RESOURCES, 1024)
+    await floor.start()
+    role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
+    try:
+        async with (
+            asyncexec.Executor(sizes.servers, name="servers", resources_per_worker=RESOURCES,
+                               roles=role,
+                               restart=asyncexec.RestartPolicy(max_restarts=2 * sizes.repeats))
+            as servers,
+            asyncexec.Executor(1, name="trainer", resources_per_worker=RESOURCES,
+                               roles=asyncexec.Role(Trainer, 1024)) as trainer,
+            asyncexec.WeightChannel(trainer, servers) as channel,
+        ):  # fmt: skip
+            await channel.push()
+            b = Bench(sizes, servers, trainer, channel, floor)
+            for i in range(sizes.repeats):
+                await b.repeat(i, only)
+    finally:
+        await floor.close()
+    p50, p99 = tail_ratio(0)
+    said = [
+        f"- the workload's lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens "
+        f"(p99 / p50 {p99 / p50:.1f}), {sizes.token_s * 1e3:.0f} ms a token, "
+        f"{sizes.chunk_tokens} tokens a chunk; B = {sizes.batch}, {sizes.batches} batches a "
+        f"run, {sizes.train_s * 1e3:.0f} ms a training step"
+    ]
+    said += [f"- {k}: {_fmt(median(v))}" for k, v in b.notes.items()]
+    return [r for r in b.rows.values() if r.baseline or r.pipeline], said
+
+
+def _dropped(logger: object, name: str, event: object) -> object:
+    raise structlog.DropEvent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
+    parser.add_argument(
+        "--only",
+        default=",".join(FIGURES),
+        help=f"comma-separated figures to measure, of {', '.join(FIGURES)} (default: all)",
+    )
+    parser.add_argument("--train-ms", type=float, help="the training step's time (50 ms)")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set(FIGURES):
+        parser.error(f"--only takes {', '.join(FIGURES)}")
+    sizes = QUICK if args.quick else FULL
+    if args.train_ms is not None:
+        sizes = dataclasses.replace(sizes, train_s=args.train_ms / 1e3)
+    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+    try:
+        rows, notes = asyncio.run(bench(sizes, only))
+    finally:
+        ray.shutdown()
+    print()
+    print(
+        f"asyncexec pipeline benchmark ({'quick' if args.quick else 'full'}), "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {psutil.cpu_count(logical=True)} cores "
+        f"({platform.machine()}), Python {platform.python_version()}, Ray {ray.__version__}; "
+        f"medians of {sizes.repeats} repeat(s); every worker {RESOURCES}"
+    )
+    print()
+    print(render(rows))
+    print()
+    for line in notes:
+        print(line)
+    print(f"- total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""The pipeline against rollout servers that are worker classes (a toy engine: an async generator
+that sleeps per chunk), on Ray actors and in local mode: each weight-update mode, the strict
+bound under a random workload, the aggregate mode's measured staleness, S = 0 as the
+synchronous loop, aborted prompts requeued at the head, multi-version samples over a weight
+channel, exactly-once consumption through a driver killed and resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import pytest
+
+import asyncexec
+
+CPU = {"CPU": 0.25}
+
+
+class Toy(asyncexec.RolloutServer):
+    """``prompt["length"]`` chunks of ``chunk_s`` each (``prompt["slow"]``: 50 of 5 ms); each
+    chunk is the weights it ran on. Records (id, version) when a generation starts."""
+
+    def __init__(self, chunk_s: float = 0.002) -> None:
+        super().__init__()
+        self.chunk_s = chunk_s
+        self.weights: Any = None
+        self.started: list[tuple[int, int | None]] = []
+
+    async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
+        self.started.append((prompt["id"], self.weights_version()))
+        slow = prompt.get("slow", False)
+        for _ in range(50 if slow else prompt["length"]):
+            await asyncio.sleep(0.005 if slow else self.chunk_s)
+            yield self.weights
+
+    def load_weights(self, state: Any, version: int) -> None:
+        self.weights = state
+
+    def records(self) -> list[tuple[int, int | None]]:
+        return list(self.started)
+
+
+def _servers(n: int = 2) -> asyncexec.Executor:
+    return asyncexec.Executor(n, resources_per_worker=CPU, roles=asyncexec.Role(Toy))
+
+
+def _check_chunks(batches: list[asyncexec.PipelineBatch]) -> None:
+    """Each chunk ran on the weights of the version it is tagged with."""
+    for batch in batches:
+        for sample in batch.samples:
+            assert len(sample.output) == len(sample.versions)
+            for weights, version in zip(sample.output, sample.versions, strict=True):
+                assert weights == (None if version is None else {"w": version})
+
+
+@pytest.mark.timeout(60)
+async def test_each_update_mode_hands_every_prompt_once_within_the_bound(mode: str) -> None:
+    prompts = [{"id": i, "length": 3 + (i * 7) % 12} for i in range(30)]
+    modes = itertools.cycle(["keep", "wait", "abort"])
+    batches: list[asyncexec.PipelineBatch] = []
+    async with (
+        _servers() as servers,
+        asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
+    ):
+        async for batch in pipe:
+            batches.append(batch)
+            await pipe.update_weights({"w": pipe.version + 1}, on_update=next(modes))
+    ids = [i for b in batches for i in b.ids]
+    assert sorted(ids) == list(range(30))  # each once; the last batch holds the 2 left
+    assert [len(b) for b in batches] == [4] * 7 + [2]
+    assert [b.version for b in batches] == list(range(8))
+    stats = pipe.statistics
+    assert stats.beyond_bound == 0 and stats.staleness_max <= 1
+    assert max(b.staleness_max for b in batches) == stats.staleness_max
+    assert set(stats.pauses) == {"keep", "wait", "abort"}
+    assert sum(p.updates for p in stats.pauses.values()) == stats.version == 8
+    assert stats.requeued == stats.aborted and stats.consumed == 30
+    assert stats.admitted == 30 + stats.requeued
+    _check_chunks(batches)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bound", ["strict", "aggregate"])
+async def test_random_workload_strict_has_no_sample_beyond_s_aggregate_measures(
+    mode: str, bound: Literal["strict", "aggregate"]
+) -> None:
+    """Long-tailed lengths (1 to 60 chunks), random time between a batch and its update."""
+    rng = random.Random(7)
+    lengths = [min(60, int(rng.paretovariate(1.1))) for _ in range(48)]
+    prompts = [{"id": i, "length": n} for i, n in enumerate(lengths)]
+    batches = []
+    async with (
+        _servers() as servers,
+        asyncexec.Pipeline(
+            servers, prompts, batch_size=4, staleness=2, mode=bound, on_update="keep"
+        ) as pipe,
+    ):
+        async for batch in pipe:
+            batches.append(batch)
+            await anyio.sleep(rng.uniform(0, 0.02))
+            await pipe.update_weights({"w": pipe.version + 1})
+    every = [s for b in batches for s in b.staleness]
+    stats = pipe.statistics
+    assert sorted(i for b in batches for i in b.ids) == list(range(48))
+    assert stats.staleness_max == max(every)
+    assert stats.beyond_bound == sum(s > 2 for s in every)
+    assert stats.staleness_mean == pytest.approx(sum(every) / len(every), abs=1e-3)
+    if bound == "strict":
+        assert stats.beyond_bound == 0
+    _check_chunks(batches)
+
+
+@pytest.mark.timeout(60)
+async def test_staleness_zero_is_the_synchronous_loop(mode: str) -> None:
+    """Batch k's samples are all made by version k, and nothing is generated while the
+    learner holds a batch."""
+    prompts = [{"id": i, "length": 2 + i % 5} for i in range(16)]
+    async with (
+        _servers() as servers,
+        asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=0, on_update="wait") as pipe,
+    ):
+        async for batch in pipe:
+            assert pipe.statistics.in_flight == 0
+            for sample in batch.samples:
+                assert set(sample.versions) == {batch.version or None}
+            await pipe.update_weights({"w": pipe.version + 1})
+    assert pipe.statistics.version == 4 and pipe.statistics.staleness_max == 0
+
+
+@pytest.mark.timeout(60)
+async def test_abort_requeues_the_prompts_in_flight_at_the_head(mode: str) -> None:
+    """Prompts 0 and 1 are slow: the first batch is 2 and 3, the abort update ends 0 and 1,
+    and they are the first prompts the server starts at the new version (and are aborted
+    again by the next updates, until the source runs out: abort restarts a generation)."""
+    prompts = [{"id": i, "length": 1, "slow": i < 2} for i in range(8)]
+    async with (
+        _servers(1) as servers,
+        asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1, on_update="abort") as pipe,
+    ):
+        batches = []
+        async for batch in pipe:
+            batches.append(batch)
+            await pipe.update_weights({"w": pipe.version + 1})
+        [records] = await servers.call(asyncexec.method(Toy, Toy.records))
+    assert sorted(batches[0].ids) == [2, 3]
+    stats = pipe.statistics
+    assert stats.aborted >= 2 and stats.requeued == stats.aborted
+    at_one = [i for i, version in records if version == 1]
+    # Admitted first at version 1 (with 4 and 5, in the same wave: on Ray concurrent calls
+    # may reach the server in another order; in local mode they reach it in order).
+    assert {0, 1} <= set(at_one[:4])
+    if mode == "local":
+        assert at_one[:2] == [0, 1]
+    assert sorted(i for b in batches for i in b.ids) == list(range(8))
+
+
+@pytest.mark.timeout(30)
+async def test_a_second_batch_before_the_update_at_s0_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    prompts = [{"id": i, "length": 1} for i in range(8)]
+    async with (
+        _servers() as servers,
+        asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=0) as pipe,
+    ):
+        with pytest.raises(asyncexec.ExecutorStateError, match="before a batch"):
+            await pipe.update_weights({"w": 1})  # strict: no batch at version 0 yet
+        await pipe.__anext__()
+        with pytest.raises(asyncexec.ExecutorStateError, match="update_weights"):
+            await pipe.__anext__()
+
+
+def test_bad_arguments_are_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    servers = _servers()
+    bad: list[dict[str, Any]] = [
+        {"batch_size": 0},
+        {"staleness": -1},
+        {"mode": "loose"},
+        {"on_update": "later"},
+        {"channel": object()},
+        {"consumed": {"watermark": 1}},
+    ]
+    for kwargs in bad:
+        with pytest.raises(asyncexec.ConfigurationError):
+            asyncexec.Pipeline(servers, [], **kwargs)
+    with pytest.raises(asyncexec.ConfigurationError):
+        asyncexec.Pipeline(object(), [])
+
+
+# Over a weight channel ------------------------------------------------------------------------
+
+
+class Learner:
+    def __init__(self) -> None:
+        self.w = 0
+        asyncexec.serve_weights(lambda: {"w": self.w})
+
+    def step(self) -> int:
+        self.w += 1
+        return self.w
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(90)
+async def test_keep_over_a_weight_channel_gives_samples_a_version_per_chunk(mode: str) -> None:
+    """The servers install through ``load_weights`` from the channel (registered in
+    ``RolloutServer.__init__``, outside any run); the slow prompt 0 is parked by the update
+    and goes on with the new weights."""
+    prompts = [{"id": i, "length": 1, "slow": i == 0} for i in range(6)]
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Learner)) as learner,
+        _servers() as servers,
+        asyncexec.WeightChannel(learner, servers) as channel,
+        asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1, channel=channel) as pipe,
+    ):
+        batches = []
+        async for batch in pipe:
+            batches.append(batch)
+            await learner.call(Learner.step)
+            assert await pipe.update_weights() == pipe.version
+        versions = await servers.call(asyncexec.method(Toy, Toy.weights_version))
+    assert versions == [3, 3]
+    [slow] = [s for b in batches for s in b.samples if s.id == 0]
+    assert slow.versions[0] is None and slow.versions[-1] == 1  # parked, went on at version 1
+    assert slow.version is None
+    assert pipe.statistics.beyond_bound == 0
+    _check_chunks(batches)
+
+
+# Exactly-once through a driver killed and resumed ---------------------------------------------
+
+DRIVER = str(Path(__file__).with_name("pipeline_driver.py"))
+
+
+def _drive(checkpoint: Path, kill_after: int | None) -> list[dict[str, Any]]:
+    env = dict(os.environ, ASYNCEXEC_LOCAL="1")
+    proc = subprocess.Popen(
+        [sys.executable, DRIVER, str(checkpoint)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(json.loads(line))
+        if kill_after is not None and len(lines) == kill_after:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(30)
+    return lines
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_driver_hands_no_consumed_prompt_again_and_skips_none(
+    tmp_path: Path,
+) -> None:
+    """The driver checkpoints (the ids its learner trained on, the pipeline's state) after
+    every second update; it is SIGKILLed after its 5th batch (one batch trained on and not
+    checkpointed), then started again from the checkpoint."""
+    checkpoint = tmp_path / "checkpoint.json"
+    first = _drive(checkpoint, kill_after=5)
+    assert len(first) == 5
+    saved = json.loads(checkpoint.read_text())
+    assert len(saved["trained"]) == 4 * 4  # the 5th batch's ids were not checkpointed
+    second = _drive(checkpoint, kill_after=None)
+    final = json.loads(checkpoint.read_text())
+    trained = final["trained"]
+    assert sorted(trained) == list(range(40))  # every prompt once: none twice, none skipped
+    assert second[0]["version"] == 4  # the version goes on from the checkpoint
+    # The lost batch was handed again; nothing consumed before the checkpoint was.
+    assert set(first[4]["ids"]) <= {i for line in second for i in line["ids"]}
+    assert not set(saved["trained"]) & {i for line in second for i in line["ids"]}
+
+
+# What it shows ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prom = pytest.importorskip("prometheus_client")
+    from structlog.testing import capture_logs
+
+    from asyncexec._driver import _metrics
+
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    prompts = [{"id": i, "length": 2, "slow": i in (0, 5)} for i in range(12)]
+    try:
+        with capture_logs() as logs:
+            async with (
+                asyncexec.Executor(2, roles=asyncexec.Role(Toy), name="rollout") as servers,
+                asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
+            ):
+                modes = itertools.cycle(["abort", "keep"])
+                async for _ in pipe:
+                    await pipe.update_weights({"w": pipe.version + 1}, on_update=next(modes))
+    finally:
+        _metrics._metrics = None
+    stats = pipe.statistics
+    assert stats.consumed == 12 and stats.in_flight == 0 and stats.buffer_depth == 0
+    assert stats.aborted >= 1 and set(stats.pauses) == {"abort", "keep"}
+    assert 0 <= stats.trainer_idle_ratio <= 1 and 0 <= stats.rollout_idle_ratio <= 1
+    events = [e["event"] for e in logs if e["event"].startswith("pipeline_")]
+    assert events[0] == "pipeline_started" and events[-1] == "pipeline_ended"
+    updates = [e for e in logs if e["event"] == "pipeline_update"]
+    assert [e["mode"] for e in updates] == ["abort", "keep", "abort"]
+    samples = {
+        s.labels["event"]: s.value
+        for metric in registry.collect()
+        if metric.name == "asyncexec_pipeline_samples"
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+    # Synced at each batch: the last batch's counts.
+    assert samples["consumed"] == 12 and samples["admitted"] == stats.admitted
+    assert samples["aborted"] == stats.aborted
+    labels = {
+        key
+        for metric in registry.collect()
+        if metric.name.startswith("asyncexec_pipeline")
+        for s in metric.samples
+        for key in s.labels
+    }
+    assert labels <= {"executor", "event", "mode", "le"}  # no id, no prompt
+
+
+class Failing(Toy):
+    async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
+        if prompt["id"] == 3:
+            raise ValueError("no tokens for prompt 3")
+        async for chunk in super().chunks(prompt):
+            yield chunk
+
+
+@pytest.mark.timeout(30)
+async def test_a_server_error_ends_the_iteration_with_it_and_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    prompts = [{"id": i, "length": 2} for i in range(8)]
+    with pytest.raises(asyncexec.WorkerRaisedError) as raised:
+        async with (
+            asyncexec.Executor(2, roles=asyncexec.Role(Failing)) as servers,
+            asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1) as pipe,
+        ):
+            async for _ in pipe:
+                await pipe.update_weights({"w": pipe.version + 1})
+    assert isinstance(raised.value.__cause__, ValueError)
+    with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
+        await pipe.__anext__()
+
+
+class RefusesTwo(Toy):
+    def load_weights(self, state: Any, version: int) -> None:
+        if version == 2:
+            raise RuntimeError("version 2 does not load")
+        super().load_weights(state, version)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("on_update", ["keep", "abort"])
+async def test_a_failed_push_resumes_the_servers_and_keeps_the_version(
+    monkeypatch: pytest.MonkeyPatch, on_update: Literal["keep", "abort"]
+) -> None:
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    prompts = [{"id": i, "length": 3} for i in range(12)]
+    async with (
+        asyncexec.Executor(1, roles=asyncexec.Role(RefusesTwo)) as servers,
+        asyncexec.Pipeline(
+            servers, prompts, batch_size=2, staleness=1, on_update=on_update
+        ) as pipe,
+    ):
+        await pipe.__anext__()
+        assert await pipe.update_weights({"w": 1}) == 1
+        await pipe.__anext__()
+        with pytest.raises(asyncexec.WorkerRaisedError):
+            await pipe.update_weights({"w": 2})
+        assert pipe.version == 1
+        # Generation goes on with the weights it had: the rest of the prompts come.
+        async for batch in pipe:
+            assert all(v in (None, 1) for s in batch.samples for v in s.versions)
+    assert pipe.statistics.consumed == 12
+
+
+class SlowLoad(Toy):
+    def load_weights(self, state: Any, version: int) -> None:
+        import time
+
+        time.sleep(1.0)  # a long install: the source answers meanwhile
+        super().load_weights(state, version)
+
+
+@pytest.mark.timeout(30)
+async def test_a_prompt_the_source_gives_during_an_update_waits_for_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The admission loop was waiting for an async source when the update began; the prompt
+    the source then gave was admitted during the update (before: admitted at once)."""
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    more = anyio.Event()
+
+    async def source() -> AsyncIterator[dict[str, Any]]:
+        for i in range(2):
+            yield {"id": i, "length": 1}
+        await more.wait()
+        for i in range(2, 4):
+            yield {"id": i, "length": 1}
+
+    async with (
+        asyncexec.Executor(1, roles=asyncexec.Role(SlowLoad)) as servers,
+        asyncexec.Pipeline(servers, source(), batch_size=2, staleness=1) as pipe,
+    ):
+        await pipe.__anext__()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipe.update_weights, {"w": 1})
+            await anyio.sleep(0.05)  # the update is installing
+            more.set()
+            await anyio.sleep(0.05)
+            assert pipe.statistics.admitted == 2  # not prompt 2 yet: the update goes on
+        batch = await pipe.__anext__()
+    assert sorted(batch.ids) == [2, 3] and batch.version == 1

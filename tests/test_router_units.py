@@ -1,0 +1,265 @@
+"""The router's parts without Ray: the choice of a server (least in flight under the cap, the
+lowest rank on ties, a session's server first, the servers already tried last), the sessions'
+bounded memory, the counters, and the arguments refused before anything is made."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import asyncexec
+from asyncexec._driver.pipeline._router_state import Balance, Sessions
+
+
+class Toy(asyncexec.RolloutServer):
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class Plain:
+    def work(self) -> int:
+        return 1
+
+
+def _balance(n: int, cap: int) -> Balance:
+    return Balance([f"w{r}" for r in range(n)], cap)
+
+
+@pytest.mark.timeout(10)
+def test_least_in_flight_under_the_cap_lowest_rank_on_ties() -> None:
+    balance = _balance(3, 2)
+    chosen = []
+    for _ in range(6):
+        r = balance.choose()
+        assert r is not None
+        balance.take(r)
+        chosen.append(r)
+    assert chosen == [0, 1, 2, 0, 1, 2]  # round the servers, each up to the cap
+    assert balance.choose() is None  # every server holds the cap: the request waits
+    balance.release(1)
+    assert balance.choose() == 1
+    assert balance.in_flight == {0: 2, 1: 1, 2: 2}
+    assert [s.peak for s in balance.servers] == [2, 2, 2]
+
+
+@pytest.mark.timeout(10)
+def test_servers_tried_come_last_and_a_server_out_gets_nothing() -> None:
+    balance = _balance(3, 4)
+    assert balance.choose(exclude=[0]) == 1
+    assert balance.choose(exclude=[0, 1, 2]) == 0  # all tried: the least loaded of them
+    balance.servers[1].serving = False
+    balance.take(0)
+    assert balance.choose() == 2
+    assert balance.choose(exclude=[2]) == 0  # 1 is out; 0 holds one, but it is not tried
+    balance.servers[0].serving = balance.servers[2].serving = False
+    assert balance.choose() is None
+
+
+@pytest.mark.timeout(10)
+def test_a_session_goes_to_its_server_while_it_serves_in_the_same_worker() -> None:
+    balance = _balance(3, 1)
+    assert balance.choose(pinned=(2, "w2")) == 2  # not the least loaded's tie-break (0)
+    balance.take(2)
+    assert balance.choose(pinned=(2, "w2")) is None  # its server at the cap: it waits there
+    assert balance.choose(pinned=(2, "w-old")) == 0  # a replaced server: chosen afresh
+    balance.servers[2].serving = False
+    assert balance.choose(pinned=(2, "w2")) == 0  # taken out: chosen afresh
+
+
+@pytest.mark.timeout(10)
+def test_sessions_forget_the_least_recently_used_past_the_limit() -> None:
+    sessions = Sessions(limit=3)
+    for key in "abc":
+        sessions.pin(key, 0, "w0")
+    assert sessions.get("a") == (0, "w0")  # used: now the most recent
+    sessions.pin("d", 1, "w1")
+    assert len(sessions) == 3
+    assert sessions.get("b") is None  # the least recently used went
+    assert sessions.get("a") == (0, "w0") and sessions.get("d") == (1, "w1")
+    for i in range(1000):
+        sessions.pin(i, i % 3, None)
+    assert len(sessions) == 3  # bounded however many sessions come
+
+
+@pytest.mark.timeout(10)
+async def test_a_waiting_request_is_woken_when_a_slot_is_freed() -> None:
+    balance = _balance(1, 1)
+    balance.take(0)
+    woken = anyio.Event()
+
+    async def wait() -> None:
+        await balance.wait_freed()
+        woken.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.lowlevel.checkpoint()
+        assert not woken.is_set()
+        balance.release(0)
+        with anyio.fail_after(2):
+            await woken.wait()
+    assert balance.choose() == 0
+
+
+@pytest.mark.timeout(10)
+def test_router_refuses_bad_arguments_before_anything_starts() -> None:
+    servers = asyncexec.Executor(2, roles=Toy, local=True)
+    with pytest.raises(asyncexec.ConfigurationError, match="RolloutServer"):
+        asyncexec.Router(asyncexec.Executor(2, roles=Plain, local=True))
+    with pytest.raises(asyncexec.ConfigurationError, match="Executor"):
+        asyncexec.Router("servers")  # type: ignore[arg-type]
+    with pytest.raises(asyncexec.ConfigurationError, match="max_in_flight"):
+        asyncexec.Router(servers, max_in_flight=0)
+    with pytest.raises(asyncexec.ConfigurationError, match="unhealthy_after"):
+        asyncexec.Router(servers, unhealthy_after=0)
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(asyncexec.ConfigurationError, match="health_interval_s"):
+            asyncexec.Router(servers, health_interval_s=bad)
+    asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
+    router = asyncexec.Router(servers)
+    assert router.statistics == asyncexec.RouterStatistics()
+    assert "Router" in repr(router)
+
+
+@pytest.mark.timeout(10)
+async def test_router_used_before_it_is_entered_says_so() -> None:
+    router = asyncexec.Router(asyncexec.Executor(2, roles=Toy, local=True))
+    with pytest.raises(asyncexec.ExecutorStateError, match="async with"):
+        await router.generate(asyncexec.RolloutRequest(0, "p"))
+    with pytest.raises(asyncexec.ExecutorStateError):
+        await router.pause("keep")
+
+
+@pytest.mark.timeout(20)
+async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -> None:
+    """Local mode (threads, no Ray): the router's counters by the executor's name, its requests
+    in flight by executor and rank, and no label of a session key or a request id; the
+    in-flight series go when the router closes."""
+    prom = pytest.importorskip("prometheus_client")
+    from asyncexec._driver import _metrics
+
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    try:
+        async with (
+            asyncexec.Executor(2, roles=Toy, local=True, name="servers") as servers,
+            asyncexec.Router(servers, max_in_flight=2) as router,
+        ):
+            for i in range(5):
+                await router.generate(asyncexec.RolloutRequest(i, "p", key=f"chat-{i}"))
+            value = registry.get_sample_value
+            assert value("asyncexec_router_requests_total", {"executor": "servers"}) == 5
+            assert value("asyncexec_router_answered_total", {"executor": "servers"}) == 5
+            in_flight = {"executor": "servers", "rank": "0"}
+            assert value("asyncexec_router_in_flight", in_flight) == 0
+            labels = {
+                name
+                for family in registry.collect()
+                if family.name.startswith("asyncexec_router")
+                for sample in family.samples
+                for name in sample.labels
+            }
+            assert labels == {"executor", "rank"}
+        assert registry.get_sample_value("asyncexec_router_in_flight", in_flight) is None
+    finally:
+        _metrics._metrics = None
+
+
+@pytest.mark.timeout(10)
+async def test_a_burst_of_sends_is_spread_over_turns_of_the_event_loop() -> None:
+    """50 requests that start together, each send taking 1 ms of the loop: at most the turn's
+    budget (2 ms) of sends, and one more, go in one turn; the rest wait for the next turns, so
+    the loop serves its timers in between (a burst of 256 sends on Ray held it 100 ms)."""
+    import asyncio
+    import time
+
+    from asyncexec._driver.pipeline._router_state import Pacer
+
+    pacer = Pacer(budget_s=0.002)
+    turn = 0
+    loop = asyncio.get_running_loop()
+    ticking = True
+
+    def tick() -> None:
+        nonlocal turn
+        turn += 1
+        if ticking:
+            loop.call_soon(tick)
+
+    sent_in: list[int] = []
+
+    async def send() -> None:
+        await pacer.wait_turn()
+        sent_in.append(turn)
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:  # the send's own work, on the loop
+            pass
+
+    loop.call_soon(tick)
+    async with anyio.create_task_group() as tg:
+        for _ in range(50):
+            tg.start_soon(send)
+    ticking = False
+    per_turn = [sent_in.count(t) for t in set(sent_in)]
+    assert len(sent_in) == 50
+    assert max(per_turn) <= 3 and len(per_turn) >= 17
+    assert pacer.waits > 0
+
+
+class Slow(asyncexec.RolloutServer):
+    """``prompt`` chunks of 50 ms each."""
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        for i in range(prompt):
+            await anyio.sleep(0.05)
+            yield i
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+@pytest.mark.timeout(20)
+async def test_a_caller_that_stops_waiting_leaves_the_slot_held_until_the_server_answers() -> None:
+    """Local mode: a request whose caller is cancelled keeps its server's slot until the
+    server's answer comes, which is then dropped (counted as late); closing the router with
+    requests in flight raises ExecutorStateError in their callers, and leaves none in flight."""
+    async with (
+        asyncexec.Executor(2, roles=Slow, local=True) as servers,
+        asyncexec.Router(servers, max_in_flight=1) as router,
+    ):
+        with anyio.move_on_after(0.1):
+            await router.generate(asyncexec.RolloutRequest("gone", 6))  # 0.3 s on rank 0
+        assert router.in_flight == {0: 1, 1: 0}
+        sample = await router.generate(asyncexec.RolloutRequest("next", 1))
+        assert sample.rank == 1  # rank 0 still holds the cancelled one
+        with anyio.fail_after(5):
+            while router.statistics.late_dropped == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        assert router.in_flight == {0: 0, 1: 0}
+    errors: list[BaseException] = []
+
+    async def ask(router: asyncexec.Router, i: int) -> None:
+        try:
+            await router.generate(asyncexec.RolloutRequest(i, 100))
+        except asyncexec.ExecutorStateError as exc:
+            errors.append(exc)
+
+    async with asyncexec.Executor(2, roles=Slow, local=True) as servers:
+        router = asyncexec.Router(servers, max_in_flight=1)
+        async with anyio.create_task_group() as tg, router:
+            for i in range(3):  # two in flight, one waiting for a slot
+                tg.start_soon(ask, router, i)
+            with anyio.fail_after(5):
+                while sum(router.in_flight.values()) < 2:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+        assert len(errors) == 3
+        assert router.in_flight == {0: 0, 1: 0}
+        with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
+            await router.generate(asyncexec.RolloutRequest("after", 1))
