@@ -25,7 +25,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 from ._errors import ConfigurationError, MergeError, describe
 from ._protocol import RoleMethod
-from ._role import Role, method_of, qualname, roles_of, roles_payload, takes_self
+from ._role import NamedMethod, Role, method_of, qualname, roles_of, roles_payload, takes_self
 from ._split import (
     Scatter,
     Splittable,
@@ -298,13 +298,21 @@ def plan_call(
         rows=rows,
         names=tuple(names),
         plain=method is not None and _one_at_a_time(fn, method, roles),
-        cancellable=inspect.iscoroutinefunction(fn),
+        cancellable=inspect.iscoroutinefunction(_code(fn)),
     )
 
 
 def _one_at_a_time(fn: Callable[..., Any], method: RoleMethod, roles: Sequence[Role[Any]]) -> bool:
     """Whether ``fn`` is a plain method of a role that runs one such call at a time."""
-    return roles[method.role_index].max_concurrency == 1 and not inspect.iscoroutinefunction(fn)
+    return roles[method.role_index].max_concurrency == 1 and not inspect.iscoroutinefunction(
+        _code(fn)
+    )
+
+
+def _code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function itself of a method named with :func:`asyncexec.method` (whose wrapper is
+    neither ``def`` nor ``async def``)."""
+    return fn.fn if isinstance(fn, NamedMethod) else fn
 
 
 def _laid_out(

@@ -118,6 +118,17 @@ def test_the_plan_sends_only_one_at_a_time_plain_methods_to_the_fast_path() -> N
     assert not plan_call(len, ([1],), {}, 1, roles=[one]).plain  # a function: execute
 
 
+def test_a_method_named_with_its_class_keeps_its_kind() -> None:
+    """``asyncexec.method(cls, fn)`` wraps the method: an ``async def`` named so is still
+    run on the actor's loop, concurrently, and cancelled when given up (it went to the plain
+    path once, one call at a time: the router's generations ran one after another)."""
+    one = [asyncexec.Role(Worker)]
+    hang = plan_call(asyncexec.method(Worker, "hang"), (), {}, 1, roles=one)
+    assert not hang.plain and hang.cancellable
+    block = plan_call(asyncexec.method(Worker, Worker.block), (), {}, 1, roles=one)
+    assert block.plain and not block.cancellable
+
+
 # The plain path, on Ray actors and in local mode ------------------------------------------------
 
 
