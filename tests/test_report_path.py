@@ -217,3 +217,22 @@ def test_a_step_made_by_hand_and_a_pickled_one_read_as_before() -> None:
             original.versions,
             original.checkpoint,
         )
+
+
+def test_the_stage_table_names_every_stage_for_both_systems() -> None:
+    """``benchmarks/report_stages.py`` (no Ray without ``--transfer``) prints a row a stage."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import report_stages
+    finally:
+        sys.path.pop(0)
+    lines = report_stages.measure(report_stages.PER_POLL * 2, 1, False)
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("| ")}
+    for stage in report_stages.STAGES:
+        assert stage in rows, stage
+    assert rows["transfer"].count("-") == 4  # not measured without Ray
+    totals = [float(c.strip(" *")) for c in rows["**total**"].split("|")[2:6]]
+    assert all(t > 0 for t in totals), totals
