@@ -236,3 +236,89 @@ def test_the_stage_table_names_every_stage_for_both_systems() -> None:
     assert rows["transfer"].count("-") == 4  # not measured without Ray
     totals = [float(c.strip(" *")) for c in rows["**total**"].split("|")[2:6]]
     assert all(t > 0 for t in totals), totals
+
+
+# When a rank is polled ----------------------------------------------------------------------
+
+
+async def _first_poll_room(
+    monkeypatch: pytest.MonkeyPatch, window: int, freed_after_s: float | None
+) -> tuple[int, float]:
+    """Run ``pump`` until its first poll, with three quarters of a ``window`` free and the
+    consumer freeing the rest after ``freed_after_s`` (never: None); the poll's room and when
+    it was sent."""
+    import anyio
+
+    from asyncexec._driver.run import _window
+
+    consumed = anyio.Event()
+    sent: list[tuple[int, float]] = []
+    least = _window.min_poll(window)
+
+    async def submit(caller: Any, worker: Any, method: str, ack: int, room: int) -> Poll:
+        sent.append((room, time.perf_counter()))
+        return Poll([], None, Outcome("ok"))
+
+    async def take(poll: Poll) -> None:
+        pass
+
+    async def changed() -> None:
+        await consumed.wait()
+
+    monkeypatch.setattr(_window, "submit", submit)
+    credit = {"room": least}
+
+    async def free() -> None:
+        assert freed_after_s is not None
+        await anyio.sleep(freed_after_s)
+        credit["room"] = window
+        consumed.set()
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        if freed_after_s is not None:
+            tg.start_soon(free)
+        await _window.pump(
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            lambda: credit["room"],
+            lambda: 0,
+            changed,
+            least,
+            take,
+            window,
+        )
+        tg.cancel_scope.cancel()
+    room, at = sent[0]
+    return room, at - t0
+
+
+@pytest.mark.timeout(10)
+async def test_a_large_window_is_polled_whole_when_the_consumer_frees_it_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The consumer takes its last batch within the linger: the poll carries the whole
+    window, not three quarters of it."""
+    from asyncexec._driver.run._window import CONSUMER_LINGER_S
+
+    room, _ = await _first_poll_room(monkeypatch, 1024, CONSUMER_LINGER_S / 10)
+    assert room == 1024
+
+
+@pytest.mark.timeout(10)
+async def test_a_slow_consumer_delays_the_poll_by_the_linger_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncexec._driver.run._window import CONSUMER_LINGER_S
+
+    room, after = await _first_poll_room(monkeypatch, 1024, None)
+    assert room == 768
+    assert CONSUMER_LINGER_S * 0.9 <= after < CONSUMER_LINGER_S + 0.05
+
+
+@pytest.mark.timeout(10)
+async def test_a_small_window_is_polled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window whose last quarter is less than a batch (latency counts more there) is
+    polled as soon as three quarters of it is free."""
+    room, after = await _first_poll_room(monkeypatch, 16, None)
+    assert room == 12 and after < 0.05
