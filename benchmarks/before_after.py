@@ -54,6 +54,9 @@ ROWS: tuple[tuple[str, str, str, str, str, bool, float | None], ...] = (
         True,
         None,
     ),
+    ("reports", "floor_ratio1", "asyncexec", "asyncexec / floor, 1 worker", "x", True, None),
+    ("reports", "floor_ratio4", "asyncexec", "asyncexec / floor, 4 workers", "x", True, None),
+    ("reports", "floor_ratio16", "asyncexec", "asyncexec / floor, 16 workers", "x", True, None),
     ("startup", "startup", "asyncexec", "start-up, 4 workers", "s", False, 1.1),
     ("startup", "startup", "floor", "(4 plain actors ready beside it)", "s", False, None),
     (
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"{what}-{side}-{r + 1}.json"
                     with open(os.path.join(args.save, name), "w") as f:
                         json.dump(result, f)
+    for side in samples.values():
+        floor_ratios(side)
     rows = []
     for what, key, column, label, unit, higher, limit in ROWS:
         if what not in chosen:
@@ -178,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- each process's figures, notes and where the time went: {args.save}")
     print(f"- total {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def floor_ratios(figures: dict[str, dict[str, list[float]]]) -> None:
+    """Add ``floor_ratio{n}``: each asyncexec rate over the floor's measured just before it in
+    the same process (the probe alternates them), so that a row reads how close to the floor
+    each tree came on the same machine at the same moment."""
+    for n in (1, 4, 16):
+        rates = figures.get(f"rate{n}", {})
+        pairs = zip(rates.get("asyncexec", []), rates.get("floor", []), strict=False)
+        ratios = [ours / floor for ours, floor in pairs if floor > 0]
+        if ratios:
+            figures[f"floor_ratio{n}"] = {"asyncexec": ratios}
 
 
 def _commit(tree: str) -> str:

@@ -3,13 +3,17 @@
     python benchmarks/profile_reports.py                       # rates only, 1/4/16 workers
     python benchmarks/profile_reports.py --workers 4 --driver  # and cProfile of the driver
     python benchmarks/profile_reports.py --workers 4 --spy     # and py-spy of every process
+    python benchmarks/profile_reports.py --buffer-size 2048    # asyncexec's runs with that window
 
 It starts one local Ray as ``run.py`` does, starts the floor's plain actors and an asyncexec
 executor of the same size once, then interleaves the two systems' streams of tiny reports and
 prints each one's reports/s, CPU per report (driver and workers) and their ratio. ``--driver``
 profiles the driver's event loop through asyncexec's streams with cProfile; ``--spy`` samples
 the driver and the workers with py-spy (installed apart: ``pip install py-spy``) and prints the
-functions that hold the most samples, self and inclusive, per process kind.
+functions that hold the most samples, self and inclusive, per process kind. ``--buffer-size``
+runs asyncexec with that credit window instead of its default (the floor's deque keeps
+``run.BUFFER``): asyncexec's window bounds every report the consumer has not taken, on the
+worker, on the wire and on the driver, where the floor's bounds its worker's deque only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -93,9 +98,13 @@ def _count_polls() -> None:
     _window.Assembly.add = counted  # type: ignore[method-assign]
 
 
-async def measure(n: int, steps: int, repeats: int, driver: bool, spy: bool) -> None:
+async def measure(
+    n: int, steps: int, repeats: int, driver: bool, spy: bool, buffer_size: int | None = None
+) -> None:
     loops = LoopGroup(n, bench_run.RESOURCES, bench_run.BUFFER)
     ae = AsyncexecGroup(n, bench_run.RESOURCES, tempfile.mkdtemp(prefix="asyncexec-prof-"))
+    if buffer_size is not None:
+        ae.executor.run = functools.partial(ae.executor.run, buffer_size=buffer_size)  # type: ignore[method-assign]
     await loops.start()
     await ae.start()
     rows: dict[str, list[dict[str, float]]] = {"floor": [], "asyncexec": []}
@@ -157,7 +166,7 @@ async def measure(n: int, steps: int, repeats: int, driver: bool, spy: bool) -> 
 async def _all(args: argparse.Namespace) -> None:
     for n in (int(x) for x in args.workers.split(",")):
         steps = args.steps if n < 16 else args.steps // 2
-        await measure(n, steps, args.repeats, args.driver, args.spy)
+        await measure(n, steps, args.repeats, args.driver, args.spy, args.buffer_size)
 
 
 def main() -> int:
@@ -167,6 +176,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--driver", action="store_true", help="cProfile the driver")
     parser.add_argument("--spy", action="store_true", help="py-spy the driver and the workers")
+    parser.add_argument("--buffer-size", type=int, default=None, help="asyncexec's window")
     args = parser.parse_args()
     _count_polls()
     bench_run.start_ray()

@@ -14,6 +14,8 @@ from ..._protocol import PreemptionNotice
 
 __all__ = ["Report", "RunResult", "Step", "StepBatch", "StepTimes"]
 
+_NO_CHECKPOINT: tuple[None, tuple[int, ...]] = (None, ())
+
 
 class Report:
     """What one rank reported for one step."""
@@ -65,21 +67,12 @@ class Step:
             None otherwise (the steps of the attempt after the move carry none).
     """
 
-    # A step from a run holds its ranks' metrics as they arrived (``_row``) and builds its
-    # Report objects the first time ``reports`` is read: a consumer that reads ``metrics``, or
-    # nothing, pays for one object per step instead of one per rank and step.
-    __slots__ = (
-        "_batch",
-        "_checkpoint_ranks",
-        "_rank",
-        "_reports",
-        "_row",
-        "_versions",
-        "attempt",
-        "checkpoint",
-        "index",
-        "preemption",
-    )
+    # A step is its batch and its place in it: everything else is read from the batch when
+    # asked, and its Report objects are built the first time ``reports`` is read. The
+    # iterator makes one of these a step, so a consumer that reads ``metrics``, or nothing,
+    # pays for one small object per step instead of one per rank and step. A step made by
+    # hand has a batch of its own.
+    __slots__ = ("_batch", "_i", "_reports")
 
     def __init__(
         self,
@@ -90,34 +83,100 @@ class Step:
         rank: int | None = None,
         preemption: PreemptionNotice | None = None,
     ) -> None:
-        self.index = index
-        self.attempt = attempt
-        self._rank = rank
+        batch = StepBatch(
+            index,
+            attempt,
+            [()],
+            {} if checkpoint is None else {0: (checkpoint, ())},
+            None,
+            None if rank is None else [rank],
+        )
+        batch.preemption = preemption
+        self._batch = batch
+        self._i = 0
         self._reports: Sequence[Report] | None = reports
-        self._row: tuple[Mapping[str, Any], ...] = ()
-        self._checkpoint_ranks: tuple[int, ...] = ()
-        self._versions: tuple[int | None, ...] | None = None
-        self._batch: StepBatch | None = None  # a run's step: the batch it came in (its times)
-        self.checkpoint = checkpoint
-        self.preemption = preemption
+
+    @property
+    def index(self) -> int:
+        """The step's position in the run's stream."""
+        return self._batch.first + self._i
+
+    @index.setter
+    def index(self, value: int) -> None:
+        self._own().first = value
+
+    @property
+    def attempt(self) -> int:
+        """The attempt that produced it (1 for the first)."""
+        return self._batch.attempt
+
+    @attempt.setter
+    def attempt(self, value: int) -> None:
+        self._own().attempt = value
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The persisted checkpoint this step carried, if any rank reported one."""
+        checkpoints = self._batch.checkpoints
+        if checkpoints and self._i in checkpoints:
+            return checkpoints[self._i][0]
+        return None
+
+    @checkpoint.setter
+    def checkpoint(self, value: Checkpoint | None) -> None:
+        batch = self._own()
+        ranks = batch.checkpoints[0][1] if batch.checkpoints else ()
+        batch.checkpoints = {} if value is None else {0: (value, ranks)}
+
+    @property
+    def preemption(self) -> PreemptionNotice | None:
+        """The preemption notice in effect as the step was handed over, or None."""
+        return self._batch.preemption
+
+    @preemption.setter
+    def preemption(self, value: PreemptionNotice | None) -> None:
+        self._own().preemption = value
+
+    def _own(self) -> StepBatch:
+        """This step's batch, made its own first when it shares one (before a field of it is
+        set: the other steps of the batch keep theirs)."""
+        batch, i = self._batch, self._i
+        if batch.size == 1:
+            return batch
+        self.reports  # noqa: B018  (built from the shared batch, then kept)
+        own = StepBatch(
+            batch.first + i,
+            batch.attempt,
+            [batch.row(i)],
+            {0: batch.checkpoints[i]} if i in batch.checkpoints else {},
+            None if batch.versions is None else [batch.versions[i]],
+            None if batch.ranks is None else [batch.ranks[i]],
+            None if batch.times is None else batch.times.part(i, i + 1),
+        )
+        own.preemption = batch.preemption
+        self._batch, self._i = own, 0
+        return own
 
     @property
     def reports(self) -> Sequence[Report]:
         """One Report per rank, in rank order."""
         reports = self._reports
         if reports is None:
-            versions = self._versions or (None,) * len(self._row)
+            batch, i = self._batch, self._i
+            row = batch.row(i)
+            versions = batch.versions[i] if batch.versions is not None else (None,) * len(row)
             reports = [
                 Report(rank, metrics, None, version)
-                for rank, (metrics, version) in enumerate(zip(self._row, versions, strict=True))
+                for rank, (metrics, version) in enumerate(zip(row, versions, strict=True))
             ]
-            if self._rank is not None:  # an unaligned step: one report, of this rank
-                reports[0].rank = self._rank
-                if self._checkpoint_ranks:
-                    reports[0].checkpoint = self.checkpoint
+            checkpoint, ranks = batch.checkpoints.get(i, _NO_CHECKPOINT)
+            if batch.ranks is not None:  # an unaligned step: one report, of this rank
+                reports[0].rank = batch.ranks[i]
+                if ranks:
+                    reports[0].checkpoint = checkpoint
             else:
-                for rank in self._checkpoint_ranks:
-                    reports[rank].checkpoint = self.checkpoint
+                for rank in ranks:
+                    reports[rank].checkpoint = checkpoint
             self._reports = reports
         return reports
 
@@ -125,14 +184,16 @@ class Step:
     def rank(self) -> int | None:
         """The rank of an unaligned step's one report (a run of independent ranks); None for a
         step of every rank."""
-        return self._rank
+        ranks = self._batch.ranks
+        return None if ranks is None else ranks[self._i]
 
     @property
     def versions(self) -> tuple[int | None, ...]:
         """The weight version each rank held when it reported (None where it held none), in
         rank order; see :class:`WeightChannel`."""
-        if self._versions is not None:
-            return self._versions
+        versions = self._batch.versions
+        if versions is not None:
+            return versions[self._i]
         return tuple(r.version for r in self.reports)
 
     @property
@@ -148,9 +209,10 @@ class Step:
         can come as much as ``buffer_size`` steps after the others': see :attr:`durations` for
         each rank's own speed."""
         batch = self._batch
-        if batch is not None and batch.times is not None:
-            return batch.times.arrivals(self.index - batch.first)
-        return {self._rank: 0.0} if self._rank is not None else {}
+        if batch.times is not None:
+            return batch.times.arrivals(self._i)
+        rank = self.rank
+        return {rank: 0.0} if rank is not None else {}
 
     @property
     def skew(self) -> float:
@@ -158,8 +220,8 @@ class Step:
         step waited for its slowest rank (the largest of :attr:`arrivals`; 0.0 when not
         known)."""
         batch = self._batch
-        if batch is not None and batch.times is not None:
-            return batch.times.skew(self.index - batch.first)
+        if batch.times is not None:
+            return batch.times.skew(self._i)
         return 0.0
 
     @property
@@ -171,15 +233,15 @@ class Step:
         :class:`HealthChecks`). Empty when not known (a step of independent ranks, or made by
         hand)."""
         batch = self._batch
-        if batch is not None and batch.times is not None:
-            return batch.times.durations(self.index - batch.first)
+        if batch.times is not None:
+            return batch.times.durations(self._i)
         return {}
 
     @property
     def metrics(self) -> Mapping[str, Any]:
         """Rank 0's metrics."""
         if self._reports is None:
-            return self._row[0]
+            return self._batch.first_metrics(self._i)
         return self._reports[0].metrics
 
     def __repr__(self) -> str:
@@ -196,7 +258,7 @@ class Step:
                 self.attempt,
                 list(self.reports),
                 self.checkpoint,
-                self._rank,
+                self.rank,
                 self.preemption,
             ),
         )
@@ -255,19 +317,25 @@ class StepTimes(NamedTuple):
 
 
 class StepBatch:
-    """Complete steps as they travel from the driver task to the iterator: one tuple of metrics
-    per step (one entry per rank) and the few checkpoints. The iterator builds each
-    :class:`Step` when the consumer asks for it, so steps that are consumed and dropped are freed
-    at once instead of piling up in the garbage collector's older generations (which cost the
-    event loop tens of milliseconds per full collection)."""
+    """Complete steps as they travel from the driver task to the iterator: the ranks' metrics
+    and the few checkpoints. The iterator makes each :class:`Step` when the consumer asks for
+    it, so steps that are consumed and dropped are freed at once instead of piling up in the
+    garbage collector's older generations (which cost the event loop tens of milliseconds per
+    full collection).
+
+    The metrics are held as rows (one tuple per step, an entry per rank) or as columns (one
+    list per rank, an entry per step, ``columns=``): the assembly of many steps of a few ranks
+    makes columns, which cost a list per rank and batch instead of a tuple per step."""
 
     __slots__ = (
+        "_rows",
         "attempt",
         "checkpoints",
+        "columns",
         "first",
         "preemption",
         "ranks",
-        "rows",
+        "size",
         "times",
         "versions",
     )
@@ -276,15 +344,20 @@ class StepBatch:
         self,
         first: int,
         attempt: int,
-        rows: list[tuple[dict[str, Any], ...]],
+        rows: list[tuple[dict[str, Any], ...]] | None,
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]],
         versions: list[tuple[int | None, ...]] | None = None,
         ranks: list[int] | None = None,
         times: StepTimes | None = None,
+        *,
+        columns: list[list[dict[str, Any]]] | None = None,
     ) -> None:
         self.first = first
         self.attempt = attempt
-        self.rows = rows
+        self._rows = rows
+        #: Per rank, its metrics of each step (when made from columns; else None).
+        self.columns = columns
+        self.size = len(rows) if rows is not None else len(columns[0]) if columns else 0
         self.checkpoints = checkpoints
         self.versions = versions
         #: Unaligned steps (independent ranks): each row is one report of this rank.
@@ -295,40 +368,60 @@ class StepBatch:
         self.preemption: PreemptionNotice | None = None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.size
+
+    @property
+    def rows(self) -> list[tuple[dict[str, Any], ...]]:
+        """One tuple of metrics per step, an entry per rank."""
+        if self._rows is None:
+            self._rows = list(zip(*(self.columns or ()), strict=True))
+        return self._rows
+
+    def row(self, i: int) -> tuple[dict[str, Any], ...]:
+        """Step ``i``'s metrics, rank by rank."""
+        if self._rows is not None:
+            return self._rows[i]
+        return tuple([column[i] for column in self.columns or ()])
+
+    def first_metrics(self, i: int) -> dict[str, Any]:
+        """Step ``i``'s metrics of its first rank (rank 0's, or an unaligned step's one)."""
+        if self._rows is not None:
+            return self._rows[i][0]
+        assert self.columns is not None
+        return self.columns[0][i]
+
+    @property
+    def num_ranks(self) -> int:
+        """The reports in each step."""
+        if self._rows is not None:
+            return len(self._rows[0]) if self._rows else 0
+        return len(self.columns or ())
 
     def step(self, i: int) -> Step:
         """The i-th step of the batch (its reports are built when first read)."""
         step = object.__new__(Step)
-        step.index = self.first + i
-        step.attempt = self.attempt
-        step._reports = None
-        step._row = self.rows[i]
-        step._versions = self.versions[i] if self.versions is not None else None
-        step._rank = self.ranks[i] if self.ranks is not None else None
         step._batch = self
-        step.preemption = self.preemption
-        if self.checkpoints and i in self.checkpoints:
-            step.checkpoint, step._checkpoint_ranks = self.checkpoints[i]
-        else:
-            step.checkpoint, step._checkpoint_ranks = None, ()
+        step._i = i
+        step._reports = None
         return step
 
     def split(self, size: int) -> list[StepBatch]:
         """This batch cut into batches of at most ``size`` steps."""
-        if len(self.rows) <= size:
+        if self.size <= size:
             return [self]
+        rows, columns = self._rows, self.columns
         parts = [
             StepBatch(
                 self.first + start,
                 self.attempt,
-                self.rows[start : start + size],
+                rows[start : start + size] if rows is not None else None,
                 {i - start: c for i, c in self.checkpoints.items() if start <= i < start + size},
                 self.versions[start : start + size] if self.versions is not None else None,
                 self.ranks[start : start + size] if self.ranks is not None else None,
                 self.times.part(start, start + size) if self.times is not None else None,
+                columns=None if columns is None else [c[start : start + size] for c in columns],
             )
-            for start in range(0, len(self.rows), size)
+            for start in range(0, self.size, size)
         ]
         for part in parts:
             part.preemption = self.preemption

@@ -17,8 +17,8 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
-from itertools import chain, repeat
-from operator import delitem, getitem, itemgetter, not_
+from itertools import repeat
+from operator import delitem, itemgetter, not_
 from typing import Any
 
 import anyio
@@ -51,6 +51,14 @@ BATCH = 256
 #: of CPU each on a 2-core machine), so a poll should carry a large batch; the quarter of the
 #: window not yet taken is what the consumer takes while the poll travels.
 POLL_CREDIT_SHARE = 0.75
+#: Once a rank has that share of its window, it is polled after the consumer has taken the rest
+#: too, or after this many seconds, whichever comes first, when the rest is at least a batch of
+#: steps (a large window, where throughput counts more than a poll's latency). A consumer that
+#: keeps up takes its last batch in well under this (256 steps of one rank: about 0.1 ms), and
+#: the poll then carries the whole window: a round trip moves 1,024 reports instead of 768. A
+#: slower consumer's poll goes this much later, while it still has a quarter of the window to
+#: take.
+CONSUMER_LINGER_S = 0.0005
 
 
 class Assembly:
@@ -155,13 +163,16 @@ class Assembly:
         of ranks each of its runs moves every pending call's objects to an older generation."""
         n = min(self.ready, limit)
         queues = self.queues
+        cut = repeat(slice(0, n))
+        rows: list[tuple[dict[str, Any], ...]] | None = None
+        columns: list[list[dict[str, Any]]] | None = None
         if n < self.num_ranks:  # a few steps of many ranks: a row at a time, in C
             rows = [tuple(map(itemgetter(i), queues)) for i in range(n)]
-        else:
-            rows = list(zip(*[queue[:n] for queue in queues], strict=True))
-        cut = repeat(slice(0, n))
-        calls: array[float] = array("d", chain.from_iterable(map(getitem, self.calls, cut)))
-        busy: array[float] = array("d", chain.from_iterable(map(getitem, self.busy, cut)))
+        else:  # many steps of a few ranks: a list per rank, no object per step
+            columns = [queue[:n] for queue in queues]
+        # The times, rank after rank, copied as bytes (no float object per report).
+        calls = array("d", b"".join(map(_head_bytes, self.calls, repeat(n))))
+        busy = array("d", b"".join(map(_head_bytes, self.busy, repeat(n))))
         for column in (queues, self.calls, self.busy):
             deque(map(delitem, column, cut), maxlen=0)
         self._empty = sum(map(not_, queues))
@@ -170,8 +181,8 @@ class Assembly:
         self.assembled += n
         versions = None
         if self.versions is not None:
-            columns = [versions_of(marks, first, n) for marks in self.versions]
-            versions = list(zip(*columns, strict=True))
+            held = [versions_of(marks, first, n) for marks in self.versions]
+            versions = list(zip(*held, strict=True))
         return StepBatch(
             self.index_offset + first,
             self.attempt,
@@ -180,6 +191,7 @@ class Assembly:
             versions,
             None,
             StepTimes(calls, busy, list(self.offsets), n),
+            columns=columns,
         )
 
     def _take_checkpoints(
@@ -204,6 +216,11 @@ class Assembly:
     def values(self) -> list[Any]:
         """Each rank's return value, in rank order (after every rank finished)."""
         return [o.value for o in self.outcomes if o is not None]
+
+
+def _head_bytes(times: array[float], n: int) -> bytes:
+    """The first ``n`` entries of ``times``, as bytes."""
+    return memoryview(times)[:n].tobytes()
 
 
 def versions_of(marks: list[tuple[int, int]], first: int, n: int) -> list[int | None]:
@@ -252,19 +269,28 @@ async def pump(
     changed: Callable[[], Awaitable[None]],
     least: int,
     take: Callable[[Poll], Awaitable[None]],
+    full: int | None = None,
 ) -> Outcome:
     """Poll ``worker`` whenever it has at least ``least`` of credit (``credit()``; waiting on
     ``changed()`` meanwhile), acknowledging ``acked()`` reports taken by the consumer, and hand
     each answer to ``take``; return the function's outcome once it has ended and every report
     was taken. ``caller``: whose attempt the call's errors carry (a group, or one rank's).
+    ``full``: the whole window; when what is left of it beyond ``least`` is at least a batch,
+    the poll waits up to :data:`CONSUMER_LINGER_S` for the consumer to free it all.
 
     Raises:
         AsyncExecError: a call on the worker failed (mapped by the seam: it died, or Ray
             failed).
     """
+    window = full if full is not None and full - least >= BATCH else None
     while True:
         while (room := credit()) < least:
             await changed()
+        if window is not None and room < window:
+            with anyio.move_on_after(CONSUMER_LINGER_S):
+                while credit() < window:
+                    await changed()
+            room = credit()
         try:
             # Awaited here, not in a helper: a coroutine less per poll (each pending one is an
             # object that lives as long as its rank takes to report).
@@ -329,6 +355,7 @@ class Window:
                 self.run.wait_consumed,
                 self._min_poll,
                 take,
+                self.buffer_size,
             )
         except AsyncExecError as exc:
             fail(exc)
@@ -393,13 +420,13 @@ class HandOver:
                     checkpoint = part.checkpoints[i][0]
                     self.run.latest_checkpoint = checkpoint
                     self.run.latest_index = part.first + i
-                    self._pruned.extend(self.book.add(checkpoint, part.rows[i][0]))
+                    self._pruned.extend(self.book.add(checkpoint, part.first_metrics(i)))
                 if part.checkpoints and self.on_checkpoint is not None:
                     self.on_checkpoint()
                 self.steps += len(part)
                 self._unsent.append(part)
                 if self.meter is not None:
-                    self.meter.stepped(len(part), len(part) * len(part.rows[0]))
+                    self.meter.stepped(len(part), len(part) * part.num_ranks)
                     if part.times is not None:  # one sample a batch: its last step's
                         self.meter.skewed(part.times.skew(len(part) - 1))
 
