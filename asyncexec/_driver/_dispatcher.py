@@ -38,6 +38,7 @@ from .._errors import (
     describe,
 )
 from .._taskgroups import task_group
+from .._timeline import chosen, traced, wait_freed
 from ._lifecycle import Lifecycle
 from ._loads import Loads
 from ._recovery import Recovery
@@ -268,9 +269,10 @@ class WorkerCalls:
                     # Every rank this call could go to died under it, and none was replaced.
                     last.add_note(f"sent {len(dead)} times: every rank it went to died")
                     raise last
-                await loads.wait_freed()
+                await wait_freed(group, loads.wait_freed())
                 continue
             worker = group.workers[taken[1]]
+            chosen(group, taken[1])
             if dead:
                 loads.resent()
             try:
@@ -309,9 +311,11 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     it: see ``cluster.submit_named``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
     if plan.method is None:
-        return submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
-    index, name = plan.method
-    return submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
+        call = submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
+    else:
+        index, name = plan.method
+        call = submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
+    return call if group.timeline is None else traced(group, worker.rank, plan, call)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

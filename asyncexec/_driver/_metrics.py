@@ -423,6 +423,8 @@ class RunMeter:
         self.asked: float | None = None
         self._held = held
         self._count_buffered = buffered
+        #: The executor's timeline, when it keeps one (preemptions are marked on it).
+        self.timeline: Any = None
 
     def watch(self) -> None:
         """Count this run in the backlog while it is active (called on its event loop)."""
@@ -468,6 +470,8 @@ class RunMeter:
         """A preemption notice (``"noticed"``), a move before its deadline (``"moved"``) or a
         restart after the node went (``"restarted"``): the restart time is measured from a move
         or a restart, as after a failure."""
+        if self.timeline is not None:
+            self.timeline.preempted(stage)
         m = _metrics
         if m is not None:
             m.preemptions.labels(self.executor, stage).inc()

@@ -28,6 +28,7 @@ from ..._errors import (
     describe,
 )
 from ..._taskgroups import task_group
+from ..._timeline import DRIVER, failed, started_function, timed, waiting
 from .._restart import PreemptionsSpent
 from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
@@ -106,10 +107,16 @@ class AlignedRun:
                     except AsyncExecError as exc:
                         progressed = ctx.handover.steps > steps_before
                         run.failures.append(exc)
+                        failed(ctx.slot.timeline, exc)
                         # The roles' instances the restart makes are restored from it.
                         ctx.slot.restore_from = ctx.checkpoint
                         with anyio.CancelScope(shield=True):
-                            await ctx.slot.recover(exc, reuse_survivors=ctx.policy.reuse_survivors)
+                            recovered = ctx.slot.recover(
+                                exc, reuse_survivors=ctx.policy.reuse_survivors
+                            )
+                            await timed(
+                                ctx.slot.timeline, DRIVER, "tear down", "restart", recovered
+                            )
                         ctx.session_live = False
                         # Steps every rank completed before the failure are still delivered.
                         await ctx.handover.drain()
@@ -127,6 +134,7 @@ class AlignedRun:
         if state.outcome is not None and state.outcome.failed:
             ctx.meter.failed(state.outcome.exception())
         wait = state.next_action.sleep if state.next_action else 0.0
+        waiting(ctx.slot.timeline, wait)
         latest = ctx.checkpoint
         ctx.log.warning(
             "restarting",
@@ -225,7 +233,7 @@ class AlignedRun:
                 tg.start_soon(ctx.preemption.watch, group)
                 tg.start_soon(ctx.preemption.move_when_saved, group, attempt.move)
                 try:
-                    await self._start(group, number)
+                    await started_function(ctx.slot.timeline, number, self._start(group, number))
                     await self._follow(tg, group, window, attempt)
                     finished = True
                 except AsyncExecError as exc:
@@ -263,9 +271,7 @@ class AlignedRun:
             await group.call_each("start_run", [(payload, s) for s in starts])
         ctx.slot.start_refills()
 
-    async def _follow(
-        self, tg: Any, group: WorkerGroup, window: Window, attempt: _Attempt
-    ) -> None:
+    async def _follow(self, tg: Any, group: WorkerGroup, window: Window, attempt: _Attempt) -> None:
         """Pump every rank, watch the step deadline and an elastic group's growth, and hand the
         complete steps over until every rank's function has ended."""
         config = self.ctx.config

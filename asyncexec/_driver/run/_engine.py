@@ -58,6 +58,7 @@ class RunDriver:
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
         self.pruner = Pruner(log)
         meter = RunMeter(config.name, self._held, self._buffered)
+        run.timeline = meter.timeline = slot.timeline
         watch = PreemptionWatch(slot.cluster, policy, meter, log, on_preempted)
         handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
         if metrics() is not None:
