@@ -34,6 +34,8 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from . import _tracing
+
 __all__ = [
     "DRIVER",
     "STARTING",
@@ -274,7 +276,11 @@ class Timeline:
         return out
 
     def export(self, path: str | os.PathLike[str], name: str = "asyncexec") -> None:
-        """Write the timeline as a Chrome trace-event JSON file (open it in ui.perfetto.dev)."""
+        """Write the timeline as a Chrome trace-event JSON file (open it in ui.perfetto.dev), or
+        as a PNG when ``path`` ends with ``.png`` (see :meth:`render`)."""
+        if os.fspath(path).lower().endswith(".png"):
+            self.render(path, name)
+            return
         document = {
             "traceEvents": self.trace_events(name),
             "displayTimeUnit": "ms",
@@ -301,9 +307,12 @@ async def timed(
     name: str,
     kind: str,
     awaitable: Awaitable[T],
+    span: str | None = None,
 ) -> T:
     """Await ``awaitable``; when ``timeline`` is on, record it as a span (also when it
-    raises)."""
+    raises); inside OpenTelemetry span ``span`` when one is named and tracing is on."""
+    if span is not None:
+        awaitable = _tracing.in_span(span, awaitable)
     if timeline is None:
         return await awaitable
     start = time.monotonic()
@@ -316,6 +325,7 @@ async def timed(
 async def timed_delivery(timeline: Timeline | None, version: int, awaitable: Awaitable[T]) -> T:
     """Await a push's delivery of ``version``; its span, and the start of each target rank's
     install span (see :func:`installed`)."""
+    awaitable = _tracing.in_span("asyncexec.push.deliver", awaitable, version=version)
     if timeline is None:
         return await awaitable
     start = timeline._deliveries[version] = time.monotonic()
@@ -370,35 +380,46 @@ def track_events(events: list[Event]) -> Iterator[tuple[int, list[Event]]]:
 
 class TimedCall:
     """A call on a rank, awaitable as often as the call is, whose first end is recorded as the
-    rank's span from the send (see :func:`traced`)."""
+    rank's span from the send (see :func:`traced`), and ends its OpenTelemetry span."""
 
-    __slots__ = ("_call", "_name", "_rank", "_start", "_timeline")
+    __slots__ = ("_call", "_done", "_name", "_rank", "_span", "_start", "_timeline")
 
-    def __init__(self, timeline: Timeline, rank: int, name: str, call: Any) -> None:
+    def __init__(
+        self, timeline: Timeline | None, rank: int, name: str, call: Any, span: Any
+    ) -> None:
         self._call = call
-        self._timeline: Timeline | None = timeline
+        self._timeline = timeline
+        self._span = span
+        self._done = False
         self._rank = rank
         self._name = name
         self._start = time.monotonic()
 
     def __await__(self) -> Any:
+        error: BaseException | None = None
         try:
             return (yield from self._call.__await__())
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            timeline, self._timeline = self._timeline, None
-            if timeline is not None:
-                timeline.span(self._rank, self._name, "call", self._start, time.monotonic())
+            if not self._done:
+                self._done = True
+                if self._timeline is not None:
+                    end = time.monotonic()
+                    self._timeline.span(self._rank, self._name, "call", self._start, end)
+                _tracing.end(self._span, error)
 
 
-def traced(group: Any, rank: int, plan: Any, call: T) -> T:
+def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
     """``call`` (sent to ``rank`` for ``plan``), recorded on ``group``'s timeline when it has
-    one."""
+    one; ``span`` (its OpenTelemetry span, or None) ends with it."""
     timeline: Timeline | None = group.timeline
-    if timeline is None:
+    if timeline is None and span is None:
         return call
     fn = getattr(plan, "fn", None)
     name = getattr(fn, "__qualname__", None) or "call"
-    return cast(T, TimedCall(timeline, rank, name, call))  # awaited as the call is
+    return cast(T, TimedCall(timeline, rank, name, call, span))  # awaited as the call is
 
 
 def chosen(group: Any, rank: int) -> None:

@@ -176,3 +176,68 @@ async def test_run_with_a_restart_exports_tracks_and_phases_in_order(tmp_path: A
     [call] = [e for e in spans if e["cat"] == "call"]
     assert call["tid"] in (1, 2) and call["name"].endswith("where")
     assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
+# The command line -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_command_line_writes_the_runs_timeline(tmp_path: Any, capsys: Any) -> None:
+    from asyncexec._cli._main import main
+
+    path = tmp_path / "cli.json"
+    config = json.dumps({"steps": 4, "pause": 0.001})
+    argv = ["run", "tests.test_timeline:count_to", "-n", "2", "--local", "--json"]
+    assert main([*argv, "--config", config, "--timeline", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert _tracks(doc) == {0: "driver", 1: "rank 0", 2: "rank 1"}
+    steps = [e["name"] for e in _spans(doc) if e["tid"] == 1 and e["cat"] == "step"]
+    assert steps == ["step 0", "step 1", "step 2", "step 3"]
+    assert len(capsys.readouterr().out.splitlines()) == 4  # the steps, as JSON lines
+
+
+# A weight push ----------------------------------------------------------------------------------
+
+
+def serving(config: dict[str, Any]) -> None:
+    asyncexec.serve_weights(lambda: {"w": [1.0, 2.0]})
+    while True:
+        asyncexec.report({"pid": os.getpid()})
+        time.sleep(0.01)
+
+
+def receiving(config: dict[str, Any]) -> None:
+    asyncexec.receive_weights(lambda state, version: None)
+    while True:
+        asyncexec.report({"pid": os.getpid()})
+        time.sleep(0.01)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_push_is_read_on_the_source_and_installed_on_each_target_rank() -> None:
+    one_cpu = {"CPU": 0.5}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=one_cpu, timeline=True) as source,
+        asyncexec.Executor(2, resources_per_worker=one_cpu, timeline=True) as target,
+        asyncexec.WeightChannel(source, target) as channel,
+    ):
+        learn, roll = source.run(serving), target.run(receiving)
+        await learn.__anext__()
+        await roll.__anext__()
+        for version in (1, 2):
+            assert await channel.push() == version
+        while channel.statistics().delivered < 2:
+            await roll.__anext__()
+        await learn.aclose()
+        await roll.aclose()
+    assert source.timeline is not None and target.timeline is not None
+    read = [e for e in source.timeline.events() if e[3] == "push"]
+    assert [(e[1], e[2]) for e in read] == [(DRIVER, "read v1"), (DRIVER, "read v2")]
+    pushed = [e for e in target.timeline.events() if e[3] == "push"]
+    for version in (1, 2):
+        [deliver] = [e for e in pushed if e[2] == f"push v{version}"]
+        installs = [e for e in pushed if e[2] == f"install v{version}"]
+        assert sorted(e[1] for e in installs) == [0, 1]
+        for install in installs:  # from the delivery's start to each rank's install, inside it
+            assert deliver[4] == install[4] <= install[5] <= deliver[5]

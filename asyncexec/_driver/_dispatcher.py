@@ -39,6 +39,7 @@ from .._errors import (
 )
 from .._taskgroups import task_group
 from .._timeline import chosen, traced, wait_freed
+from .._tracing import call_span
 from ._lifecycle import Lifecycle
 from ._loads import Loads
 from ._recovery import Recovery
@@ -310,12 +311,15 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     """Send rank ``worker``'s call (an argument that does not pickle is named as the plan names
     it: see ``cluster.submit_named``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
+    span, kwargs = call_span(plan.fn, worker.rank, kwargs)  # None unless traced
     if plan.method is None:
         call = submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
     else:
         index, name = plan.method
         call = submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
-    return call if group.timeline is None else traced(group, worker.rank, plan, call)
+    if group.timeline is None and span is None:
+        return call
+    return traced(group, worker.rank, plan, call, span)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

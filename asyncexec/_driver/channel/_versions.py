@@ -176,7 +176,8 @@ class Versions:
         if self._transport().targets_before_read:
             pending.targets = live(self.target_slot)
         read = self._transport().read(pending)
-        await timed(self.source_slot.timeline, DRIVER, f"read v{pending.version}", "push", read)
+        tl, name = self.source_slot.timeline, f"read v{pending.version}"
+        await timed(tl, DRIVER, name, "push", read, span="asyncexec.push.read")
 
     async def _deliver(self, pending: Pending, previous: Pending | None) -> None:
         try:

@@ -29,6 +29,7 @@ from ..._errors import (
 )
 from ..._taskgroups import task_group
 from ..._timeline import DRIVER, failed, started_function, timed, waiting
+from ..._tracing import in_span
 from .._restart import PreemptionsSpent
 from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
@@ -45,6 +46,8 @@ __all__ = ["DEATH_SETTLE_S", "RAISED_SETTLE_S", "AlignedRun"]
 #: raised (the ranks' own errors, which end the run by default, arrive within scheduling jitter).
 DEATH_SETTLE_S = 0.02
 RAISED_SETTLE_S = 0.2
+#: The OpenTelemetry span of a restart (the failed group's recovery).
+RESTART = "asyncexec.restart"
 
 
 class _Attempt:
@@ -114,9 +117,8 @@ class AlignedRun:
                             recovered = ctx.slot.recover(
                                 exc, reuse_survivors=ctx.policy.reuse_survivors
                             )
-                            await timed(
-                                ctx.slot.timeline, DRIVER, "tear down", "restart", recovered
-                            )
+                            tl = ctx.slot.timeline
+                            await timed(tl, DRIVER, "tear down", "restart", recovered, span=RESTART)
                         ctx.session_live = False
                         # Steps every rank completed before the failure are still delivered.
                         await ctx.handover.drain()
@@ -150,7 +152,7 @@ class AlignedRun:
         ctx = self.ctx
         while True:
             try:
-                return await self._attempt(number)
+                return await in_span("asyncexec.attempt", self._attempt(number), attempt=number)
             except (Resize, Moving) as planned:
                 ctx.run.state = RunState.RESTARTING
                 group = ctx.group
