@@ -30,7 +30,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -73,14 +73,15 @@ _PHASES = {
     "leased": "lease",
 }
 
-# An event: (phase 'X' span or 'i' instant, track, name, category, start, end, args or None)
+# An event: (phase 'X' span or 'i' instant, track, name, category, start, end, args or None).
 Event = tuple[str, int, str, str, float, float, "dict[str, Any] | None"]
 
 
 @dataclass(frozen=True)
 class TimelineStatistics:
     """A timeline's counts: the events it holds, the most it holds, and the ones dropped (the
-    oldest, when it was full)."""
+    oldest, when it was full: a batch of steps' spans goes at once, so it may hold a batch's
+    fewer than ``capacity``)."""
 
     events: int
     capacity: int
@@ -99,10 +100,10 @@ class Timeline:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.capacity = capacity
-        self._events: collections.deque[Event] = collections.deque(maxlen=capacity)
+        #: The entries: an event, or a batch of steps (its spans made when they are read).
+        self._events: collections.deque[Any] = collections.deque()
+        self._held = 0  # the events in the entries
         self._recorded = 0
-        #: Each rank's latest report time (the start of its next step when not known).
-        self._last_report: dict[int, float] = {}
         #: The restart under way: when it began, and when the function started again.
         self._restart: float | None = None
         self._restarted_fn: float | None = None
@@ -115,12 +116,22 @@ class Timeline:
         self.wall_origin = time.time()
 
     def __repr__(self) -> str:
-        return f"<Timeline events={len(self._events)} capacity={self.capacity}>"
+        return f"<Timeline events={self._held} capacity={self.capacity}>"
 
     def statistics(self) -> TimelineStatistics:
         """How many events it holds, its capacity, and how many were dropped."""
-        held = len(self._events)
-        return TimelineStatistics(held, self.capacity, self._recorded - held)
+        return TimelineStatistics(self._held, self.capacity, self._recorded - self._held)
+
+    def _add(self, entry: Any, events: int) -> None:
+        """Keep ``entry`` (of ``events`` events), dropping the oldest entries past the
+        capacity."""
+        queue = self._events
+        queue.append(entry)
+        self._recorded += events
+        self._held += events
+        while self._held > self.capacity:
+            old = queue.popleft()
+            self._held -= old[1] if old[0] == "B" else 1
 
     # Recording --------------------------------------------------------------------------------
 
@@ -134,41 +145,22 @@ class Timeline:
         args: dict[str, Any] | None = None,
     ) -> None:
         """A span on ``track`` (a rank, or :data:`DRIVER`) from ``start`` to ``end``."""
-        self._recorded += 1
-        self._events.append(("X", track, name, kind, start, end, args))
+        self._add(("X", track, name, kind, start, end, args), 1)
 
     def instant(self, track: int, name: str, kind: str, args: dict[str, Any] | None = None) -> None:
         """Something that happened now on ``track``."""
-        self._recorded += 1
         now = time.monotonic()
-        self._events.append(("i", track, name, kind, now, now, args))
+        self._add(("i", track, name, kind, now, now, args), 1)
 
     def steps(self, batch: Any) -> None:
         """The ranks' spans of a batch of steps (a ``StepBatch`` with report times; one without,
-        of independent ranks, records nothing)."""
+        of independent ranks, records nothing). One entry a batch, whatever its size: the
+        spans are made when the timeline is read."""
         times = batch.times
         if times is None:
             return
-        n, first, last = times.steps, batch.first, self._last_report
-        calls, busy, offsets = times.calls, times.busy, times.offsets
-        append = self._events.append
-        ended = 0.0
-        for rank, offset in enumerate(offsets):
-            base = rank * n
-            previous = last.get(rank)
-            for i in range(n):
-                at = calls[base + i] + offset
-                if at != at:  # NaN: not known
-                    continue
-                ran = busy[base + i]
-                start = at - ran if ran == ran else (previous if previous is not None else at)
-                append(("X", rank, f"step {first + i}", "step", start, at, None))
-                previous = at
-            if previous is not None:
-                last[rank] = previous
-                if rank == 0 or previous < ended:  # the first step's end: its slowest rank's
-                    ended = previous
-        self._recorded += n * len(offsets)
+        spans = len(times.calls)  # one a rank and step
+        self._add(("B", spans, batch.first, times), spans)
         if self._restarted_fn is not None and batch.attempt >= self._restarted_attempt:
             self._restarted(times)
 
@@ -199,6 +191,8 @@ class Timeline:
     def function_started(self, start: float, end: float, attempt: int) -> None:
         """The function was started on every rank (attempt ``attempt``)."""
         self.span(DRIVER, f"start function (attempt {attempt})", "attempt", start, end)
+        if attempt <= 1:  # a new run: a restart the last one never finished is over
+            self._restart = None
         if self._restart is not None:
             self._restarted_fn, self._restarted_attempt = end, attempt
 
@@ -224,8 +218,30 @@ class Timeline:
     # Export -----------------------------------------------------------------------------------
 
     def events(self) -> list[Event]:
-        """The events held, oldest first."""
-        return list(self._events)
+        """The events held, oldest first: each rank's span of each step (``step N``), from the
+        end of its previous ``report()`` (when its worker did not say, from its previous
+        report)."""
+        out: list[Event] = []
+        last: dict[int, float] = {}
+        for entry in self._events:
+            if entry[0] != "B":
+                out.append(entry)
+                continue
+            _, _, first, times = entry
+            n, calls, busy = times.steps, times.calls, times.busy
+            for rank, offset in enumerate(times.offsets):
+                base, previous = rank * n, last.get(rank)
+                for i in range(n):
+                    at = calls[base + i] + offset
+                    if at != at:  # NaN: not known
+                        continue
+                    ran = busy[base + i]
+                    start = at - ran if ran == ran else (previous if previous is not None else at)
+                    out.append(("X", rank, f"step {first + i}", "step", start, at, None))
+                    previous = at
+                if previous is not None:
+                    last[rank] = previous
+        return out
 
     def trace_events(self, name: str = "asyncexec") -> list[dict[str, Any]]:
         """The events as Chrome trace events (what ui.perfetto.dev and chrome://tracing read):
@@ -257,12 +273,12 @@ class Timeline:
                 }
             )
         origin = self.origin
-        for ph, track, label, kind, start, end, args in events:
+        for ph, track, title, kind, start, end, args in events:
             event: dict[str, Any] = {
                 "ph": ph,
                 "pid": 1,
                 "tid": track + 1,
-                "name": label,
+                "name": title,
                 "cat": kind,
                 "ts": round((start - origin) * 1e6, 3),
             }
@@ -367,15 +383,6 @@ def installed(timeline: Timeline | None, rank: int, version: int) -> None:
     start = timeline._deliveries.get(version)
     now = time.monotonic()
     timeline.span(rank, f"install v{version}", "push", now if start is None else start, now)
-
-
-def track_events(events: list[Event]) -> Iterator[tuple[int, list[Event]]]:
-    """The events by track, the driver's first."""
-    by: dict[int, list[Event]] = {}
-    for event in events:
-        by.setdefault(event[1], []).append(event)
-    for track in sorted(by):
-        yield track, by[track]
 
 
 class TimedCall:

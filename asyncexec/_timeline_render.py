@@ -25,7 +25,8 @@ _OTHER = "#7f7f7f"
 def render(
     events: list[Any], origin: float, path: str | os.PathLike[str], title: str | None = None
 ) -> None:
-    """Draw ``events`` (a timeline's, times on its clock from ``origin``) to ``path``."""
+    """Draw ``events`` (a timeline's, times on its clock) to ``path``, in seconds from the
+    first event (from ``origin`` when there is none)."""
     try:
         import matplotlib
 
@@ -36,6 +37,7 @@ def render(
         raise ImportError(
             "drawing a timeline needs matplotlib: pip install 'asyncexec[timeline]'"
         ) from exc
+    origin = min((e[4] for e in events), default=origin)
     tracks = sorted({e[1] for e in events} | {-1})
     rows = {track: i for i, track in enumerate(reversed(tracks))}  # the driver on top
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * len(tracks)), dpi=110)

@@ -40,6 +40,7 @@ T = TypeVar("T")
 CARRIER = "_asyncexec_trace_context"
 _NAME = "asyncexec"
 _api: Any = None  # opentelemetry.trace once imported; False when it is not installed
+_tracer: tuple[Any, Any] = (None, None)  # the provider, and asyncexec's tracer of it
 
 
 def _trace() -> Any:
@@ -60,10 +61,13 @@ def tracer() -> Any:
     trace = _trace()
     if not trace:
         return None
+    global _tracer
     provider = trace.get_tracer_provider()
     if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
         return None
-    return provider.get_tracer(_NAME)
+    if _tracer[0] is not provider:  # a provider makes a tracer object at each ask
+        _tracer = (provider, provider.get_tracer(_NAME))
+    return _tracer[1]
 
 
 def start(name: str, **attributes: Any) -> Any:
@@ -115,13 +119,27 @@ async def in_span(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
 
 
 def inject(kwargs: dict[str, Any], span: Any) -> None:
-    """Put ``span``'s context in ``kwargs`` (a call's keyword arguments) as a W3C carrier."""
-    from opentelemetry.propagate import inject as put
-
-    trace = _trace()
+    """Put ``span``'s context in ``kwargs`` (a call's keyword arguments) as a W3C carrier
+    (``traceparent``, and ``tracestate`` when there is one, as one string): W3C's propagator,
+    whatever the
+    application set as its global one, since the worker reads it with that one."""
     carrier: dict[str, str] = {}
-    put(carrier, context=trace.set_span_in_context(span))
-    kwargs[CARRIER] = carrier
+    _w3c().inject(carrier, context=_trace().set_span_in_context(span))
+    # One string (the traceparent, then the tracestate's line when there is one): the cheapest
+    # argument for Ray to send.
+    kwargs[CARRIER] = "\n".join(carrier[k] for k in ("traceparent", "tracestate") if k in carrier)
+
+
+_propagator: Any = None
+
+
+def _w3c() -> Any:
+    global _propagator
+    if _propagator is None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        _propagator = TraceContextTextMapPropagator()
+    return _propagator
 
 
 async def carried(kwargs: dict[str, Any], fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -132,10 +150,10 @@ async def carried(kwargs: dict[str, Any], fn: Callable[..., Awaitable[T]], *args
         return await fn(*args)
     try:
         from opentelemetry import context
-        from opentelemetry.propagate import extract
     except ImportError:  # the worker lacks the API: the method runs, untraced
         return await fn(*args)
-    token = context.attach(extract(carrier))
+    fields = dict(zip(("traceparent", "tracestate"), carrier.split("\n"), strict=False))
+    token = context.attach(_w3c().extract(fields))
     try:
         return await fn(*args)
     finally:
