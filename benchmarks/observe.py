@@ -6,12 +6,12 @@ timeline on, and tracing on, side by side in one run (and the same code before t
     python benchmarks/observe.py --quick              # a smoke run
     python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG)
 
-The variants are measured in turn, round by round (each round in another order), in one
-process with one Ray (two executors of 4 workers open side by side: one plain, one with
-``timeline=True``), so that the machine's drift falls on all of them; ``--repeats`` processes
-(2) of ``--rounds`` rounds (5) each. The baseline (the tree at ``REF``, extracted with
-``git archive``, nothing on) runs in processes of its own, alternating with this tree's, with
-a second plain executor open beside the measured one (the same load).
+The variants are measured in turn, round by round (each round in another order), on the same
+4 workers in one process with one Ray (the timeline handed to the executor's runs or taken
+away between runs; a second executor of 4 workers open beside it), so that the machine's drift
+falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) each. The
+baseline (the tree at ``REF``, extracted with ``git archive``, nothing on) runs in processes
+of its own, alternating with this tree's, with the same two executors.
 
 - **reports/s**: 4 workers report tiny metrics as fast as they can for ``STEPS`` steps (an
   aligned run, default ``buffer_size``), counted from the run's start to its last step.
@@ -59,6 +59,18 @@ def tiny(x: int) -> int:
     return x + 1
 
 
+CPU = {"CPU": 0.25}
+
+
+def _keep_timeline(ex: Any, timeline: Any) -> None:
+    """Turn ``ex``'s timeline on (``timeline``) or off (None) between runs: where the executor
+    hands it to its runs, group and calls (a benchmark's reach into private names, so that
+    every variant runs on the same workers)."""
+    ex._life.timeline = ex._slot.timeline = timeline
+    if ex._slot.group is not None:
+        ex._slot.group.timeline = timeline
+
+
 def _provider() -> Any:
     """An OpenTelemetry SDK provider whose spans go, in batches as the SDK recommends, to an
     exporter that drops them: every span is made, carried to the worker and ended."""
@@ -100,11 +112,9 @@ async def _latencies(ex: Any, calls: int) -> list[float]:
 
 
 async def _measure(variants: list[str], steps: int, calls: int, rounds: int) -> dict[str, Any]:
-    """One process's measurements (its own Ray): ``rounds`` rounds, each variant in turn.
-    ``off`` and ``tracing`` share an executor (tracing is on while the application's provider
-    is set); ``timeline`` has its own, open beside it."""
-    import contextlib
-
+    """One process's measurements (its own Ray): ``rounds`` rounds, each variant in turn, on
+    one executor (tracing is on while the application's provider is set, the timeline while
+    the executor holds it), a second one open beside it."""
     import asyncexec
 
     trace: Any = None
@@ -113,32 +123,24 @@ async def _measure(variants: list[str], steps: int, calls: int, rounds: int) -> 
 
         provider, default = _provider(), trace.get_tracer_provider
     out: dict[str, Any] = {v: {"reports_per_s": [], "calls_s": []} for v in variants}
-    async with contextlib.AsyncExitStack() as stack:
-        executors = {}
-        for variant in variants:
-            if variant == "tracing":
-                executors[variant] = executors["off"]
-                continue
-            options = {"timeline": True} if variant == "timeline" else {}
-            executors[variant] = await stack.enter_async_context(
-                asyncexec.Executor(WORKERS, resources_per_worker={"CPU": 0.25}, **options)
-            )
-        if "timeline" not in variants:  # the same load as this tree's: two groups open
-            await stack.enter_async_context(
-                asyncexec.Executor(WORKERS, resources_per_worker={"CPU": 0.25})
-            )
-        for ex in set(executors.values()):  # warm-up
-            async for _ in ex.run(steps_fn, {"steps": 500}):
-                pass
-            for i in range(50):
-                await ex.call(tiny, i, on=asyncexec.rank(0))
+    on = {"timeline": True} if "timeline" in variants else {}  # (the baseline has none)
+    async with (
+        asyncexec.Executor(WORKERS, resources_per_worker=CPU, **on) as ex,
+        asyncexec.Executor(WORKERS, resources_per_worker=CPU),  # the same load in every tree
+    ):
+        async for _ in ex.run(steps_fn, {"steps": 500}):  # warm-up
+            pass
+        for i in range(50):
+            await ex.call(tiny, i, on=asyncexec.rank(0))
+        kept = getattr(ex, "timeline", None)
         for r in range(rounds):
             for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
                 if trace is not None:
                     trace.get_tracer_provider = (
                         (lambda: provider) if variant == "tracing" else default
                     )
-                ex = executors[variant]
+                if kept is not None:
+                    _keep_timeline(ex, kept if variant == "timeline" else None)
                 out[variant]["reports_per_s"].append(await _reports(ex, steps))
                 out[variant]["calls_s"].extend(await _latencies(ex, calls))
         if trace is not None:
