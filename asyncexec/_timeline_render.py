@@ -69,22 +69,7 @@ def render(
             edgecolors="white",
             linewidth=0.3,
         )
-    total = max((s + w for spans in bars.values() for s, w in spans), default=1.0) or 1.0
-    for (track, kind), spans in bars.items():
-        if track != -1:
-            continue
-        for (begin, width), label in zip(spans, labels[(track, kind)], strict=True):
-            if width > 0.06 * total:  # the driver's phases named where they have room
-                ax.text(
-                    begin + width / 2,
-                    rows[track],
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white",
-                    clip_on=True,
-                )
+    _label_driver(ax, bars, labels, rows)
     for at, track, kind in marks:
         y = rows[track]
         ax.plot([at, at], [y - 0.45, y + 0.45], color=COLOURS.get(kind, _OTHER), lw=1.5)
@@ -103,3 +88,28 @@ def render(
     fig.tight_layout()
     fig.savefig(os.fspath(path))
     plt.close(fig)
+
+
+def _label_driver(
+    ax: Any,
+    bars: dict[tuple[int, str], list[tuple[float, float]]],
+    labels: dict[tuple[int, str], list[str]],
+    rows: dict[int, int],
+) -> None:
+    """Name the driver's spans where they have room (6 % of the picture or more)."""
+    total = max((s + w for spans in bars.values() for s, w in spans), default=1.0) or 1.0
+    for (track, kind), spans in bars.items():
+        if track != -1:
+            continue
+        for (begin, width), label in zip(spans, labels[(track, kind)], strict=True):
+            if width > 0.06 * total:  # the driver's phases named where they have room
+                ax.text(
+                    begin + width / 2,
+                    rows[track],
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                    clip_on=True,
+                )
