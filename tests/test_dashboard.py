@@ -192,7 +192,7 @@ def _finite(result: list[dict[str, Any]]) -> bool:
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(60)
 async def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: Any) -> None:
     """Prometheus scrapes ``start_metrics_server`` during a run with a restart and calls; each
     panel's query, as Grafana would send it, returns data (a finite value) over the run."""

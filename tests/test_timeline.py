@@ -96,7 +96,7 @@ def test_executor_keeps_no_timeline_unless_asked() -> None:
         asyncexec.Executor(2, timeline=-1)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 async def test_local_run_records_each_ranks_steps_and_calls(tmp_path: Any) -> None:
     async with asyncexec.Executor(2, local=True, timeline=True) as executor:
         async for step in executor.run(count_to, {"steps": 5, "pause": 0.005}):
@@ -127,7 +127,7 @@ def _driver_phases(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(45)
 async def test_run_with_a_restart_exports_tracks_and_phases_in_order(tmp_path: Any) -> None:
     async with asyncexec.Executor(
         2, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path), timeline=True
@@ -183,7 +183,7 @@ async def test_run_with_a_restart_exports_tracks_and_phases_in_order(tmp_path: A
 # The command line -------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 def test_command_line_writes_the_runs_timeline(tmp_path: Any, capsys: Any) -> None:
     from asyncexec._cli._main import main
 
@@ -216,7 +216,7 @@ def receiving(config: dict[str, Any]) -> None:
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(45)
 async def test_push_is_read_on_the_source_and_installed_on_each_target_rank() -> None:
     one_cpu = {"CPU": 0.5}
     async with (
