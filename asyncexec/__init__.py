@@ -63,6 +63,8 @@ _EXPORTS: dict[str, str] = {
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
     "Step": "_driver.run",
+    "Timeline": "_timeline",
+    "TimelineStatistics": "_timeline",
     "Timeouts": "_config",
     "WorkerContext": "_protocol",
     "Mesh": "_dispatch",
@@ -198,6 +200,8 @@ if TYPE_CHECKING:
     from ._protocol import PreemptionNotice as PreemptionNotice
     from ._protocol import WorkerContext as WorkerContext
     from ._role import method as method
+    from ._timeline import Timeline as Timeline
+    from ._timeline import TimelineStatistics as TimelineStatistics
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version

@@ -226,6 +226,7 @@ def _common_options(parser: argparse.ArgumentParser, *, max_restarts: int) -> No
         default="warning",
         help="least severe log events shown, on stderr (default warning)",
     )
+    parser.add_argument("--timeline", metavar="PATH", help="write the run's timeline: .png or JSON")
 
 
 def parse_config(text: str | None) -> Any:
@@ -328,6 +329,7 @@ class RunOptions:
     runtime_env: Mapping[str, Any] | None = None
     restart_wait_s: float | None = None
     local: bool = False  # the ranks in threads of this process, no Ray
+    timeline: str | None = None  # where the run's timeline is written (PNG or trace JSON)
 
 
 async def drive(
@@ -355,6 +357,7 @@ async def drive(
         runtime_env=options.runtime_env,
         name="cli",
         local=options.local,
+        timeline=options.timeline is not None,
     ) as executor, frozen_heap():
         run = executor.run(fn, config)
         tracker.run_id = run.run_id
@@ -371,6 +374,8 @@ async def drive(
             finally:
                 tg.cancel_scope.cancel()
         tracker.state = run.state.value
+        if executor.timeline is not None and options.timeline:  # also when the run failed
+            executor.timeline.export(options.timeline, "asyncexec run")
         if error is not None:
             raise error
         return run.result
@@ -501,6 +506,7 @@ def _what_to_run(
             address=args.address,
             runtime_env=None if local else worker_import_path(directory, args.address),
             local=local,
+            timeline=args.timeline,
         )
         return fn, parse_config(args.config), args.target, options
     from ._demo import DEFAULT_CONFIG, demo_train
@@ -520,6 +526,7 @@ def _what_to_run(
         storage_path=storage,
         address=args.address,
         restart_wait_s=0.5,
+        timeline=args.timeline,
     )
     return demo_train, config, "asyncexec demo", options
 

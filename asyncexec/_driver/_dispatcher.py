@@ -42,6 +42,8 @@ from .._errors import (
     describe,
 )
 from .._taskgroups import task_group
+from .._timeline import chosen, traced, wait_freed
+from .._tracing import call_span
 from ._lifecycle import Lifecycle
 from ._loads import Loads, Slot
 from ._recovery import Recovery
@@ -288,9 +290,10 @@ class WorkerCalls:
                     # Every rank this call could go to died under it, and none was replaced.
                     last.add_note(f"sent {len(dead)} times: every rank it went to died")
                     raise last
-                handed = await loads.wait_slot()
+                handed = await wait_freed(group, loads.wait_slot())
                 continue
             worker = group.workers[taken[1]]
+            chosen(group, taken[1])
             if dead:
                 loads.resent()
             try:
@@ -352,12 +355,18 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     """Send rank ``worker``'s call (an argument that does not pickle is named as the plan names
     it: see ``cluster.submit_named``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
+    span, kwargs = call_span(plan.fn, worker.rank, kwargs)  # None unless traced
     if plan.method is None:
-        return submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
-    index, name = plan.method
-    if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
-        return submit_named(group, worker, plan, "call_role_sync", index, name, *args, **kwargs)
-    return submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
+        call = submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
+    else:
+        index, name = plan.method
+        # A plain method of a role that runs one call at a time goes to the role's own thread,
+        # without a hop from the actor's loop (see ``CallPlan.plain``).
+        entry = "call_role_sync" if plan.plain else "call_role"
+        call = submit_named(group, worker, plan, entry, index, name, *args, **kwargs)
+    if group.timeline is None and span is None:
+        return call
+    return traced(group, worker.rank, plan, call, span)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

@@ -20,6 +20,7 @@ from .._config import (
 from .._dispatch import Role, roles_of, roles_payload
 from .._errors import ConfigurationError
 from .._protocol import WorkerContext
+from .._timeline import new_timeline
 from ..backends._base import Backend
 from ._dispatcher import WorkerCalls
 from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
@@ -125,6 +126,9 @@ class Executor(WorkerCalls, ExecutorRuns):
             workers would fit.
         local: run the ranks as threads of this process instead of Ray actors (local mode:
             no Ray; for debugging and tests); ``None``: as ``ASYNCEXEC_LOCAL`` says.
+        timeline: keep a :class:`Timeline` of the ranks' steps, calls, pushes and restarts
+            (``executor.timeline``; export it for Perfetto or draw it as a PNG): ``True`` for
+            the last 100,000 events, or how many to keep; off (``False``) by default.
         **legacy: the options grouped into ``timeouts`` and ``health`` in 0.2, under their old
             names (``start_timeout_s=``, ``health_check_interval_s=``, ...): deprecated.
     """
@@ -153,6 +157,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         reservation: Reservation | None = None,
         elastic_check_interval_s: float = _D.elastic_check_interval_s,
         local: bool | None = None,
+        timeline: bool | int = False,
         **legacy: Any,
     ) -> None:
         timeouts, health = grouped_options(timeouts, health, legacy)
@@ -197,7 +202,9 @@ class Executor(WorkerCalls, ExecutorRuns):
         self.restart_policy = restart if restart is not None else RestartPolicy()
         self.id = uuid.uuid4().hex[:8]
         self.log = get_logger(executor=f"{name}-{self.id}")
-        self._life = Lifecycle(self.config, backend, self.log, pool, reservation)
+        #: What the ranks and the driver did, and when (a :class:`Timeline`), or None when off.
+        self.timeline = new_timeline(timeline)
+        self._life = Lifecycle(self.config, backend, self.log, pool, reservation, self.timeline)
         self._init_calls()
         self._init_runs()
 

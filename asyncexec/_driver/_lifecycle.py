@@ -16,6 +16,7 @@ import anyio.abc
 from .._config import ExecutorConfig
 from .._errors import ConfigurationError, ExecutorStateError
 from .._taskgroups import one_error
+from .._timeline import Timeline
 from ..backends._base import Backend
 from ._interrupt import defer_interrupts, restore_interrupts
 from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
@@ -76,6 +77,7 @@ class Lifecycle:
         log: Any,
         pool: WorkerPool | None,
         reservation: Reservation | None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -89,6 +91,8 @@ class Lifecycle:
         self.run: RunCore | None = None
         #: What runs before a run's functions start on a group (see WeightChannel).
         self.joiners: list[Any] = []
+        #: The executor's timeline, or None (given to each slot).
+        self.timeline: Timeline | None = timeline
         self.slot = self._new_slot()
         self._claim: Claim | None = None
         self._closed = anyio.Event()
@@ -99,6 +103,7 @@ class Lifecycle:
             self.config, self.backend, self.cluster, self.log, self.pool, self.reservation
         )
         slot.joiners = self.joiners
+        slot.timeline = self.timeline
         return slot
 
     async def enter(self) -> None:

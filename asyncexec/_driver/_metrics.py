@@ -70,11 +70,13 @@ _log = get_logger()
 
 class BoundedLabels:
     """The values one label may take: the first ``limit`` distinct values as they are, every
-    later one as :data:`OVERFLOW`, with one warning the first time. Thread-safe."""
+    later one as :data:`OVERFLOW`, with one warning the first time; ``on_new(value)`` is
+    called once for each value let through. Thread-safe."""
 
-    def __init__(self, label: str, limit: int) -> None:
+    def __init__(self, label: str, limit: int, on_new: Callable[[str], None] | None = None) -> None:
         self.label = label
         self.limit = limit
+        self._on_new = on_new
         self._known: set[str] = set()
         self._warned = False
         self._lock = threading.Lock()
@@ -83,10 +85,15 @@ class BoundedLabels:
         with self._lock:
             if value in self._known:
                 return value
-            if len(self._known) < self.limit:
+            new = len(self._known) < self.limit
+            if new:
                 self._known.add(value)
-                return value
-            warn, self._warned = not self._warned, True
+            else:
+                warn, self._warned = not self._warned, True
+        if new:
+            if self._on_new is not None:  # outside the lock: it makes series
+                self._on_new(value)
+            return value
         if warn:
             _log.warning(
                 "metrics_labels_capped",
@@ -142,7 +149,7 @@ class Metrics:
         self.registry = registry
         self.backlog_refresh_s = float(backlog_refresh_s)
         #: The executor label's values (the ``max_executors`` first names, then OVERFLOW).
-        self.executors = BoundedLabels("executor", max_executors)
+        self.executors = BoundedLabels("executor", max_executors, on_new=self._zero_series)
         self.causes = BoundedLabels("cause", MAX_CAUSES)
         self._collectors(prom, registry)
         self._straggler_collectors(prom, registry)
@@ -272,6 +279,19 @@ class Metrics:
             ),
             self.executors,
         )
+
+    def _zero_series(self, executor: str) -> None:
+        """Make ``executor``'s series at 0 when the name first gets a label value, so that
+        Prometheus' ``rate()`` and ``increase()`` see their first increment (a series that
+        appears at 1 has nothing before it to differ from) and a dashboard's panel shows 0,
+        not "no data", for what has not happened yet."""
+        per_executor = (self.steps, self.reports, self.stragglers, self.restart_time, self.skew)
+        for collector in (*per_executor, self.calls, self.call_resends, self.ranks_renewed):
+            collector.collector.labels(executor)
+        for outcome in ("started", "finished", "failed", "cancelled"):
+            self.runs.collector.labels(executor, outcome)
+        for stage in ("noticed", "moved", "restarted"):
+            self.preemptions.collector.labels(executor, stage)
 
     def watch(self, meter: RunMeter) -> None:
         """Count ``meter``'s run in its executor's backlog until :meth:`unwatch`."""
@@ -406,6 +426,8 @@ class RunMeter:
         self.asked: float | None = None
         self._held = held
         self._count_buffered = buffered
+        #: The executor's timeline, when it keeps one (preemptions are marked on it).
+        self.timeline: Any = None
 
     def watch(self) -> None:
         """Count this run in the backlog while it is active (called on its event loop)."""
@@ -451,6 +473,8 @@ class RunMeter:
         """A preemption notice (``"noticed"``), a move before its deadline (``"moved"``) or a
         restart after the node went (``"restarted"``): the restart time is measured from a move
         or a restart, as after a failure."""
+        if self.timeline is not None:
+            self.timeline.preempted(stage)
         m = _metrics
         if m is not None:
             m.preemptions.labels(self.executor, stage).inc()

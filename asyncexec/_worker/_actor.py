@@ -27,6 +27,7 @@ from .._protocol import (
     WorkerContext,
     WorkerMetadata,
 )
+from .._tracing import carried
 from . import _channel, _outcomes, _place, _roles, _session
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class _Worker:
     async def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Outcome:
         """Run ``fn``: an ``async def`` on this loop, a plain function in a thread. Arguments
         are passed as Ray passes them, so ``ObjectRef`` arguments arrive resolved."""
-        return await _call(fn, args, kwargs)
+        return await carried(kwargs, _call, fn, args, kwargs)  # a call's trace context
 
     # Roles (see ``_roles``): the instances of the group's worker classes.
 
@@ -107,7 +108,7 @@ class _Worker:
         def`` on this loop, a plain method in a thread, as ``execute`` runs a function.
         Arguments are passed as Ray passes them, so ``ObjectRef`` arguments (the parts of a
         scattered argument) arrive resolved."""
-        return await _roles.call(role_index, name, args, kwargs)
+        return await carried(kwargs, _roles.call, role_index, name, args, kwargs)
 
     async def call_role_sync(
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
@@ -118,7 +119,7 @@ class _Worker:
         loop stays free while the method runs, and the role's plain calls run one after another
         as ``call_role`` runs them under a limit of one. An ``async def`` found under that name
         runs on the group's loop."""
-        return await _roles.call_here(role_index, name, args, kwargs)
+        return await carried(kwargs, _roles.call_here, role_index, name, args, kwargs)
 
     async def start_run(self, payload: bytes, start: RunStart) -> None:
         """Start the run's function in its own thread and return at once; reports are taken

@@ -14,6 +14,7 @@ import anyio.abc
 
 from ..._errors import AsyncExecError, ChannelError, describe
 from ..._taskgroups import task_group
+from ..._timeline import DRIVER, installed, timed, timed_delivery
 from ..._worker import weights_version
 from ..cluster import submit
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
@@ -73,6 +74,7 @@ class Versions:
     def installed(self, worker: WorkerInfo, version: int) -> None:
         key = worker.handle.key
         self._held[key] = max(version, self._held.get(key, 0))
+        installed(self.target_slot.timeline, worker.rank, version)
 
     def latest(self) -> Pending | None:
         return self._last
@@ -173,14 +175,17 @@ class Versions:
         pending.sources = sources if self.sharded else sources[:1]
         if self._transport().targets_before_read:
             pending.targets = live(self.target_slot)
-        await self._transport().read(pending)
+        read = self._transport().read(pending)
+        tl, name = self.source_slot.timeline, f"read v{pending.version}"
+        await timed(tl, DRIVER, name, "push", read, span="asyncexec.push.read")
 
     async def _deliver(self, pending: Pending, previous: Pending | None) -> None:
         try:
             if previous is not None:
                 await previous.done.wait()  # versions arrive in order
             with anyio.fail_after(self.timeout_s):
-                await self._transport().deliver(pending, pending.targets or [])
+                delivered = self._transport().deliver(pending, pending.targets or [])
+                await timed_delivery(self.target_slot.timeline, pending.version, delivered)
             self.delivered = max(self.delivered, pending.version)
             self.last_push_s = time.perf_counter() - pending.started
         except BaseException as exc:

@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 
 from ..._errors import ExecutorStateError
 from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
+from ..._tracing import CARRIER
 from ..._worker import PLACE, Place, error_outcome, value_outcome
 from ._local import LocalCallCancelled
 from ._sim_answers import Pending, Ready, ready
@@ -160,6 +161,7 @@ class SimCalls:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Awaitable[Outcome]:
         """Call ``fn`` in the worker's place; a coroutine it returns goes on as a task."""
+        kwargs.pop(CARRIER, None)  # a call's trace context: not the user's argument
         token = PLACE.set(self.place)
         try:
             result = fn(*args, **kwargs)

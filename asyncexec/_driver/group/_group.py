@@ -23,6 +23,7 @@ from ..._errors import AsyncExecError, ConfigurationError, describe
 from ..._interface import WorkerMethod
 from ..._protocol import Outcome, WorkerContext, WorkerMetadata
 from ..._taskgroups import task_group
+from ..._timeline import Timeline
 from ...backends._base import Backend
 from .._interrupt import hurried_away
 from ..cluster import Cluster, Handle, Placement, backend_error, outcome_error, settle, submit
@@ -57,6 +58,9 @@ def with_others(errors: Sequence[AsyncExecError]) -> AsyncExecError:
 
 class WorkerGroup:
     """N workers in rank order (one placement, or leased from a pool), and their spares."""
+
+    #: The executor's timeline, when it keeps one (set by its slot).
+    timeline: Timeline | None = None
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from ..._errors import (
     WorkerHungError,
     describe,
 )
+from ..._timeline import STARTING, Timeline
 from ...backends._base import Backend
 from ..cluster import Cluster
 from ._elastic import Sizer
@@ -37,6 +38,9 @@ class GroupSlot:
 
     ``starting`` is None, or ``"starting"`` / ``"restarting"`` while a group starts.
     """
+
+    #: The executor's timeline, when it keeps one (its groups record on it too).
+    timeline: Timeline | None = None
 
     def __init__(
         self,
@@ -104,6 +108,7 @@ class GroupSlot:
                     config = self.config
                     if self.sizer is not None:
                         config = replace(config, num_workers=await self.sizer.size())
+                    STARTING.set(self.timeline)  # its start-up phases
                     self.group = await start_group(
                         self.cluster,
                         config,
@@ -117,6 +122,7 @@ class GroupSlot:
                 finally:
                     self.starting = None
                 self.starts += 1
+                self.group.timeline = self.timeline
                 self._sized(len(self.group.workers), attempt, planned)
             if attempt is not None:
                 self.group.attempt = attempt

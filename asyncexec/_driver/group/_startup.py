@@ -19,6 +19,7 @@ from ..._config import ExecutorConfig
 from ..._errors import PlacementTimeoutError, short_node
 from ..._protocol import WorkerContext, WorkerMetadata
 from ..._ranks import assign_ranks, order_workers
+from ..._timeline import STARTING
 from ...backends._base import Backend
 from .._metrics import metrics
 from ..cluster import Cluster, Handle, Placement, Spawned, awaited, startup_error
@@ -185,6 +186,8 @@ def _phase(config: ExecutorConfig, phase: str, t0: float) -> float:
     meters = metrics()
     if meters is not None:
         meters.startup.labels(config.name, phase).observe(seconds)
+    if (timeline := STARTING.get()) is not None:
+        timeline.startup_phase(phase, t0, seconds)
     return round(seconds, 3)
 
 

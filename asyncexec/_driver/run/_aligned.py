@@ -28,6 +28,8 @@ from ..._errors import (
     describe,
 )
 from ..._taskgroups import task_group
+from ..._timeline import DRIVER, failed, started_function, timed, waiting
+from ..._tracing import in_span
 from .._restart import PreemptionsSpent
 from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
@@ -44,6 +46,8 @@ __all__ = ["DEATH_SETTLE_S", "RAISED_SETTLE_S", "AlignedRun"]
 #: raised (the ranks' own errors, which end the run by default, arrive within scheduling jitter).
 DEATH_SETTLE_S = 0.02
 RAISED_SETTLE_S = 0.2
+#: The OpenTelemetry span of a restart (the failed group's recovery).
+RESTART = "asyncexec.restart"
 
 
 class _Attempt:
@@ -106,10 +110,15 @@ class AlignedRun:
                     except AsyncExecError as exc:
                         progressed = ctx.handover.steps > steps_before
                         run.failures.append(exc)
+                        failed(ctx.slot.timeline, exc)
                         # The roles' instances the restart makes are restored from it.
                         ctx.slot.restore_from = ctx.checkpoint
                         with anyio.CancelScope(shield=True):
-                            await ctx.slot.recover(exc, reuse_survivors=ctx.policy.reuse_survivors)
+                            recovered = ctx.slot.recover(
+                                exc, reuse_survivors=ctx.policy.reuse_survivors
+                            )
+                            tl = ctx.slot.timeline
+                            await timed(tl, DRIVER, "tear down", "restart", recovered, span=RESTART)
                         ctx.session_live = False
                         # Steps every rank completed before the failure are still delivered.
                         await ctx.handover.drain()
@@ -127,6 +136,7 @@ class AlignedRun:
         if state.outcome is not None and state.outcome.failed:
             ctx.meter.failed(state.outcome.exception())
         wait = state.next_action.sleep if state.next_action else 0.0
+        waiting(ctx.slot.timeline, wait)
         latest = ctx.checkpoint
         ctx.log.warning(
             "restarting",
@@ -142,7 +152,7 @@ class AlignedRun:
         ctx = self.ctx
         while True:
             try:
-                return await self._attempt(number)
+                return await in_span("asyncexec.attempt", self._attempt(number), attempt=number)
             except (Resize, Moving) as planned:
                 ctx.run.state = RunState.RESTARTING
                 group = ctx.group
@@ -225,7 +235,7 @@ class AlignedRun:
                 tg.start_soon(ctx.preemption.watch, group)
                 tg.start_soon(ctx.preemption.move_when_saved, group, attempt.move)
                 try:
-                    await self._start(group, number)
+                    await started_function(ctx.slot.timeline, number, self._start(group, number))
                     await self._follow(tg, group, window, attempt)
                     finished = True
                 except AsyncExecError as exc:
@@ -263,9 +273,7 @@ class AlignedRun:
             await group.call_each("start_run", [(payload, s) for s in starts])
         ctx.slot.start_refills()
 
-    async def _follow(
-        self, tg: Any, group: WorkerGroup, window: Window, attempt: _Attempt
-    ) -> None:
+    async def _follow(self, tg: Any, group: WorkerGroup, window: Window, attempt: _Attempt) -> None:
         """Pump every rank, watch the step deadline and an elastic group's growth, and hand the
         complete steps over until every rank's function has ended."""
         config = self.ctx.config

@@ -19,6 +19,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from ..._checkpoint import Checkpoint, CheckpointBook
 from ..._errors import AsyncExecError, describe
 from ..._taskgroups import task_group
+from ..._tracing import Opened, begin, finish
 from .._interrupt import hurried_away
 from .._metrics import RunMeter, metrics
 from .._restart import RestartPolicy
@@ -58,6 +59,7 @@ class RunDriver:
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
         self.pruner = Pruner(log)
         meter = RunMeter(config.name, self._held, self._buffered)
+        run.timeline = meter.timeline = slot.timeline
         watch = PreemptionWatch(slot.cluster, policy, meter, log, on_preempted)
         handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
         if metrics() is not None:
@@ -73,6 +75,7 @@ class RunDriver:
         ctx = self.ctx
         run, log = ctx.run, ctx.log
         end: RunEnd | None = None
+        traced: Opened | None = None
         try:
             with run.scope:
                 if previous is not None:
@@ -81,6 +84,7 @@ class RunDriver:
                 if self.recorder is not None:
                     await self.recorder.resume()
                 ctx.meter.watch()
+                traced = begin("asyncexec.run", run_id=run.run_id, executor=ctx.config.name)
                 log.info("run_started")
                 result = self._result(await self._work())
                 run.result, run.state = result, RunState.FINISHED
@@ -96,6 +100,7 @@ class RunDriver:
             log.warning("run_failed", error=describe(error))
             end = RunEnd(None, error)
         finally:
+            finish(traced, run.error)
             ctx.meter.unwatch()
             with anyio.CancelScope(shield=True):
                 if self.recorder is not None:

@@ -1,0 +1,460 @@
+"""A timeline of an executor's life: what each rank and the driver did, and when, in a ring of
+fixed size, exported as Chrome trace events (Perfetto) or drawn as a PNG.
+
+Off by default (``Executor(timeline=True)`` turns it on) and free when off: each place that
+records holds ``timeline: Timeline | None`` and checks it once. What is recorded:
+
+- steps: each rank's span of each step, from the end of its previous ``report()`` to this one
+  (the time its function ran for the step, on the driver's clock: the report times the workers
+  send with their reports, placed on the driver's clock), derived from the batches of steps the
+  run hands to its iterator;
+- dispatched calls (``call()``, ``stream()``): each rank's span from the send to the result; a
+  call chosen by load, the choice (an instant) and the wait for a free slot;
+- weight pushes: the read of the source (on the source executor's timeline), the delivery (the
+  target's driver track) and each target rank's fetch and install;
+- restarts and their phases on the driver's track: the failure, tearing the group down, the
+  policy's wait, placing the new group, starting its workers, setting them up (devices, roles'
+  instances restored), the backend, starting the function from the checkpoint, and the first
+  step after it; one ``restart`` span holds them;
+- preemption notices, moves and the restarts after a lost node, as instants.
+
+Every time is ``time.monotonic()`` (the clock the report times are placed on). The ring keeps
+the last ``capacity`` events; older ones are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import json
+import math
+import os
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from . import _tracing
+
+__all__ = [
+    "DRIVER",
+    "STARTING",
+    "TimedCall",
+    "Timeline",
+    "TimelineStatistics",
+    "chosen",
+    "failed",
+    "installed",
+    "new_timeline",
+    "started_function",
+    "timed",
+    "timed_delivery",
+    "traced",
+    "wait_freed",
+    "waiting",
+]
+
+T = TypeVar("T")
+#: The driver's track (ranks are 0, 1, ...).
+DRIVER = -1
+#: The timeline of the group being started in this task (set by the group's slot; read where
+#: start-up phases end).
+STARTING: contextvars.ContextVar[Timeline | None] = contextvars.ContextVar(
+    "asyncexec_timeline_starting", default=None
+)
+#: The default number of events a timeline keeps.
+CAPACITY = 100_000
+#: The start-up phases as the timeline names them.
+_PHASES = {
+    "placement": "place",
+    "workers": "start workers",
+    "set_up": "set up (restore roles)",
+    "ready": "backend ready",
+    "leased": "lease",
+}
+
+# An event: (phase 'X' span or 'i' instant, track, name, category, start, end, args or None).
+Event = tuple[str, int, str, str, float, float, "dict[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class TimelineStatistics:
+    """A timeline's counts: the events it holds, the most it holds, and the ones dropped (the
+    oldest, when it was full: a batch of steps' spans goes at once, so it may hold a batch's
+    fewer than ``capacity``)."""
+
+    events: int
+    capacity: int
+    dropped: int
+
+
+class Timeline:
+    """What an executor's ranks and driver did, and when (see the module's docstring).
+
+    Args:
+        capacity: the most events kept; older ones are dropped (counted in
+            :meth:`statistics`).
+    """
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        #: The entries: an event, or a batch of steps (its spans made when they are read).
+        self._events: collections.deque[Any] = collections.deque()
+        self._held = 0  # the events in the entries
+        self._recorded = 0
+        #: The restart under way: when it began, and when the function started again.
+        self._restart: float | None = None
+        self._restarted_fn: float | None = None
+        self._restarted_attempt = 0
+        #: Start-up phases under way: the end of the previous phase, by the start-up's t0.
+        self._phases: dict[float, float] = {}
+        #: Deliveries under way: their start, by version.
+        self._deliveries: dict[int, float] = {}
+        self.origin = time.monotonic()
+        self.wall_origin = time.time()
+
+    def __repr__(self) -> str:
+        return f"<Timeline events={self._held} capacity={self.capacity}>"
+
+    def statistics(self) -> TimelineStatistics:
+        """How many events it holds, its capacity, and how many were dropped."""
+        return TimelineStatistics(self._held, self.capacity, self._recorded - self._held)
+
+    def _add(self, entry: Any, events: int) -> None:
+        """Keep ``entry`` (of ``events`` events), dropping the oldest entries past the
+        capacity."""
+        queue = self._events
+        queue.append(entry)
+        self._recorded += events
+        self._held += events
+        while self._held > self.capacity:
+            old = queue.popleft()
+            self._held -= old[1] if old[0] == "B" else 1
+
+    # Recording --------------------------------------------------------------------------------
+
+    def span(
+        self,
+        track: int,
+        name: str,
+        kind: str,
+        start: float,
+        end: float,
+        args: dict[str, Any] | None = None,
+    ) -> None:
+        """A span on ``track`` (a rank, or :data:`DRIVER`) from ``start`` to ``end``."""
+        self._add(("X", track, name, kind, start, end, args), 1)
+
+    def instant(self, track: int, name: str, kind: str, args: dict[str, Any] | None = None) -> None:
+        """Something that happened now on ``track``."""
+        now = time.monotonic()
+        self._add(("i", track, name, kind, now, now, args), 1)
+
+    def steps(self, batch: Any) -> None:
+        """The ranks' spans of a batch of steps (a ``StepBatch`` with report times; one without,
+        of independent ranks, records nothing). One entry a batch, whatever its size: the
+        spans are made when the timeline is read."""
+        times = batch.times
+        if times is None:
+            return
+        spans = len(times.calls)  # one a rank and step
+        self._add(("B", spans, batch.first, times), spans)
+        if self._restarted_fn is not None and batch.attempt >= self._restarted_attempt:
+            self._restarted(times)
+
+    def _restarted(self, times: Any) -> None:
+        """The first step after a restart: its span (from the function's start), and the
+        restart's, from the failure to that step."""
+        on_driver = [c + o for c, o in zip(times.calls[:: times.steps], times.offsets, strict=True)]
+        known = [t for t in on_driver if not math.isnan(t)]
+        if not known:
+            return
+        first_step = max(known)
+        begun, started = self._restart, self._restarted_fn
+        assert begun is not None and started is not None
+        self.span(DRIVER, "first step", "restart", started, first_step)
+        self.span(DRIVER, "restart", "restart", begun, first_step)
+        self._restart = self._restarted_fn = None
+
+    def failed(self, error: BaseException) -> None:
+        """An attempt failed: a restart may follow (its span begins now)."""
+        rank = getattr(error, "rank", None)
+        args = {"error": type(error).__name__}
+        self.instant(DRIVER, f"failed: {type(error).__name__}", "failure", args)
+        if isinstance(rank, int):
+            self.instant(rank, f"failed: {type(error).__name__}", "failure", args)
+        if self._restart is None:
+            self._restart = time.monotonic()
+
+    def function_started(self, start: float, end: float, attempt: int) -> None:
+        """The function was started on every rank (attempt ``attempt``)."""
+        self.span(DRIVER, f"start function (attempt {attempt})", "attempt", start, end)
+        if attempt <= 1:  # a new run: a restart the last one never finished is over
+            self._restart = None
+        if self._restart is not None:
+            self._restarted_fn, self._restarted_attempt = end, attempt
+
+    def startup_phase(self, phase: str, t0: float, seconds: float) -> None:
+        """A group's start-up phase ``phase`` ended ``seconds`` after the start-up began
+        (``t0``: its key)."""
+        end = time.monotonic()
+        start = self._phases.pop(t0, end - seconds)
+        if phase not in ("ready", "leased"):
+            self._phases[t0] = end
+            if len(self._phases) > 64:  # start-ups that never finished
+                self._phases.pop(next(iter(self._phases)))
+        self.span(DRIVER, _PHASES.get(phase, phase), "startup", start, end)
+
+    def preempted(self, stage: str, ranks: Any = None) -> None:
+        """A preemption notice (``noticed``), a move off drained nodes (``moved``) or a restart
+        after a drained node went (``restarted``)."""
+        args = {"ranks": list(ranks)} if ranks else None
+        self.instant(DRIVER, f"preemption {stage}", "preemption", args)
+        if stage != "noticed" and self._restart is None:
+            self._restart = time.monotonic()
+
+    # Export -----------------------------------------------------------------------------------
+
+    def events(self) -> list[Event]:
+        """The events held, oldest first: each rank's span of each step (``step N``), from the
+        end of its previous ``report()`` (when its worker did not say, from its previous
+        report)."""
+        out: list[Event] = []
+        last: dict[int, float] = {}
+        for entry in self._events:
+            if entry[0] != "B":
+                out.append(entry)
+                continue
+            _, _, first, times = entry
+            n, calls, busy = times.steps, times.calls, times.busy
+            for rank, offset in enumerate(times.offsets):
+                base, previous = rank * n, last.get(rank)
+                for i in range(n):
+                    at = calls[base + i] + offset
+                    if at != at:  # NaN: not known
+                        continue
+                    ran = busy[base + i]
+                    start = at - ran if ran == ran else (previous if previous is not None else at)
+                    out.append(("X", rank, f"step {first + i}", "step", start, at, None))
+                    previous = at
+                if previous is not None:
+                    last[rank] = previous
+        return out
+
+    def trace_events(self, name: str = "asyncexec") -> list[dict[str, Any]]:
+        """The events as Chrome trace events (what ui.perfetto.dev and chrome://tracing read):
+        one process ``name``, one thread (track) for the driver and one per rank; times in
+        microseconds since the timeline began."""
+        events = self.events()
+        tracks = sorted({e[1] for e in events} | {DRIVER})
+        out: list[dict[str, Any]] = [
+            {"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": name}}
+        ]
+        for track in tracks:
+            label = "driver" if track == DRIVER else f"rank {track}"
+            out.append(
+                {
+                    "ph": "M",
+                    "pid": 1,
+                    "tid": track + 1,
+                    "name": "thread_name",
+                    "args": {"name": label},
+                }
+            )
+            out.append(
+                {
+                    "ph": "M",
+                    "pid": 1,
+                    "tid": track + 1,
+                    "name": "thread_sort_index",
+                    "args": {"sort_index": track + 1},
+                }
+            )
+        origin = self.origin
+        for ph, track, title, kind, start, end, args in events:
+            event: dict[str, Any] = {
+                "ph": ph,
+                "pid": 1,
+                "tid": track + 1,
+                "name": title,
+                "cat": kind,
+                "ts": round((start - origin) * 1e6, 3),
+            }
+            if ph == "X":
+                event["dur"] = round(max(0.0, end - start) * 1e6, 3)
+            else:
+                event["s"] = "t"
+            if args:
+                event["args"] = args
+            out.append(event)
+        return out
+
+    def export(self, path: str | os.PathLike[str], name: str = "asyncexec") -> None:
+        """Write the timeline as a Chrome trace-event JSON file (open it in ui.perfetto.dev), or
+        as a PNG when ``path`` ends with ``.png`` (see :meth:`render`)."""
+        if os.fspath(path).lower().endswith(".png"):
+            self.render(path, name)
+            return
+        document = {
+            "traceEvents": self.trace_events(name),
+            "displayTimeUnit": "ms",
+            "otherData": {"wall_origin": self.wall_origin, **_counts(self.statistics())},
+        }
+        with open(path, "w") as f:
+            json.dump(document, f)
+
+    def render(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+        """Draw the timeline as a PNG: one row per rank and one for the driver, colours by
+        kind, restarts marked (needs matplotlib: the ``timeline`` extra)."""
+        from ._timeline_render import render
+
+        render(self.events(), self.origin, path, title)
+
+
+def _counts(stats: TimelineStatistics) -> dict[str, int]:
+    return {"events": stats.events, "capacity": stats.capacity, "dropped": stats.dropped}
+
+
+async def timed(
+    timeline: Timeline | None,
+    track: int,
+    name: str,
+    kind: str,
+    awaitable: Awaitable[T],
+    span: str | None = None,
+) -> T:
+    """Await ``awaitable``; when ``timeline`` is on, record it as a span (also when it
+    raises); inside OpenTelemetry span ``span`` when one is named and tracing is on."""
+    if span is not None:
+        awaitable = _tracing.in_span(span, awaitable)
+    if timeline is None:
+        return await awaitable
+    start = time.monotonic()
+    try:
+        return await awaitable
+    finally:
+        timeline.span(track, name, kind, start, time.monotonic())
+
+
+async def timed_delivery(timeline: Timeline | None, version: int, awaitable: Awaitable[T]) -> T:
+    """Await a push's delivery of ``version``; its span, and the start of each target rank's
+    install span (see :func:`installed`)."""
+    awaitable = _tracing.in_span("asyncexec.push.deliver", awaitable, version=version)
+    if timeline is None:
+        return await awaitable
+    start = timeline._deliveries[version] = time.monotonic()
+    try:
+        return await awaitable
+    finally:
+        timeline._deliveries.pop(version, None)
+        timeline.span(DRIVER, f"push v{version}", "push", start, time.monotonic())
+
+
+async def started_function(timeline: Timeline | None, attempt: int, awaitable: Awaitable[T]) -> T:
+    """Await the start of attempt ``attempt``'s function on every rank (after a restart, the
+    function restores from the checkpoint), recorded when ``timeline`` is on."""
+    if timeline is None:
+        return await awaitable
+    start = time.monotonic()
+    value = await awaitable
+    timeline.function_started(start, time.monotonic(), attempt)
+    return value
+
+
+def waiting(timeline: Timeline | None, seconds: float) -> None:
+    """The restart policy waits ``seconds`` before the next attempt (from now)."""
+    if timeline is not None and seconds > 0:
+        now = time.monotonic()
+        timeline.span(DRIVER, "wait (policy)", "restart", now, now + seconds)
+
+
+def failed(timeline: Timeline | None, error: BaseException) -> None:
+    """An attempt failed with ``error``."""
+    if timeline is not None:
+        timeline.failed(error)
+
+
+def installed(timeline: Timeline | None, rank: int, version: int) -> None:
+    """Rank ``rank`` installed ``version``: its span since the delivery began."""
+    if timeline is None:
+        return
+    start = timeline._deliveries.get(version)
+    now = time.monotonic()
+    timeline.span(rank, f"install v{version}", "push", now if start is None else start, now)
+
+
+class TimedCall:
+    """A call on a rank, awaitable as often as the call is, whose first end is recorded as the
+    rank's span from the send (see :func:`traced`), and ends its OpenTelemetry span."""
+
+    __slots__ = ("_call", "_done", "_name", "_rank", "_span", "_start", "_timeline")
+
+    def __init__(
+        self, timeline: Timeline | None, rank: int, name: str, call: Any, span: Any
+    ) -> None:
+        self._call = call
+        self._timeline = timeline
+        self._span = span
+        self._done = False
+        self._rank = rank
+        self._name = name
+        self._start = time.monotonic()
+
+    def __await__(self) -> Any:
+        error: BaseException | None = None
+        try:
+            return (yield from self._call.__await__())
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if not self._done:
+                self._done = True
+                if self._timeline is not None:
+                    end = time.monotonic()
+                    self._timeline.span(self._rank, self._name, "call", self._start, end)
+                _tracing.end(self._span, error)
+
+
+def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
+    """``call`` (sent to ``rank`` for ``plan``), recorded on ``group``'s timeline when it has
+    one; ``span`` (its OpenTelemetry span, or None) ends with it."""
+    timeline: Timeline | None = group.timeline
+    if timeline is None and span is None:
+        return call
+    fn = getattr(plan, "fn", None)
+    name = getattr(fn, "__qualname__", None) or "call"
+    return cast(T, TimedCall(timeline, rank, name, call, span))  # awaited as the call is
+
+
+def chosen(group: Any, rank: int) -> None:
+    """A call chosen by load went to ``rank``."""
+    timeline: Timeline | None = group.timeline
+    if timeline is not None:
+        timeline.instant(DRIVER, f"least loaded: rank {rank}", "call", {"rank": rank})
+        timeline.instant(rank, "chosen by load", "call")
+
+
+async def wait_freed(group: Any, wait: Awaitable[T]) -> T:
+    """A call chosen by load waits for a free slot (every rank at its cap)."""
+    return await timed(group.timeline, DRIVER, "wait for a free rank", "call", wait)
+
+
+def new_timeline(timeline: bool | int) -> Timeline | None:
+    """The timeline an executor keeps: ``True`` for the default capacity, an int for that
+    capacity, ``False`` (or 0) for none.
+
+    Raises:
+        ConfigurationError: not a bool or a non-negative int.
+    """
+    from ._errors import ConfigurationError
+
+    if timeline is False or timeline is None:
+        return None
+    if timeline is True:
+        return Timeline()
+    if not isinstance(timeline, int) or timeline < 0:
+        raise ConfigurationError(f"timeline must be a bool or a number of events, got {timeline!r}")
+    return Timeline(timeline) if timeline else None

@@ -1,0 +1,321 @@
+"""What seeing a run costs: reports/s and call latency with the timeline and traces off, the
+timeline on, and tracing on, side by side in one run (and the same code before them, with
+``--baseline REF``); and the timeline's memory over 100,000 steps.
+
+    python benchmarks/observe.py --baseline a1ad2d1   # about 4 minutes on 2 cores
+    python benchmarks/observe.py --quick              # a smoke run
+    python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG)
+
+The variants are measured in turn, round by round (each round in another order), on the same
+4 workers in one process with one Ray (the timeline handed to the executor's runs or taken
+away between runs; a second executor of 4 workers open beside it), so that the machine's drift
+falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) each. The
+baseline (the tree at ``REF``, extracted with ``git archive``, nothing on) runs in processes
+of its own, alternating with this tree's, with the same two executors.
+
+- **reports/s**: 4 workers report tiny metrics as fast as they can for ``STEPS`` steps (an
+  aligned run, default ``buffer_size``), counted from the run's start to its last step.
+- **call latency**: ``CALLS`` calls of a tiny function on one rank (``on=rank(0)``) a round,
+  one every millisecond (about 1,000 calls/s), each timed from the call to its result.
+- **memory**: the driver's RSS after 10,000, 50,000 and 100,000 steps of 4 workers with the
+  timeline on (its default ring of 100,000 events) and off, and the events it holds.
+
+Variants: ``off`` (this tree, nothing on), ``timeline`` (``Executor(timeline=True)``),
+``tracing`` (an OpenTelemetry SDK provider with a ``BatchSpanProcessor`` whose exporter drops
+the spans: every span is made, carried to the worker, attached there and ended), ``baseline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+for path in (HERE, ROOT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+STEPS, CALLS, WORKERS = 20_000, 1_000, 4
+MEMORY_MARKS = (10_000, 50_000, 100_000)
+
+
+def steps_fn(config: dict[str, Any]) -> None:
+    import asyncexec
+
+    report = asyncexec.report
+    for i in range(config["steps"]):
+        report({"step": i})
+
+
+def tiny(x: int) -> int:
+    return x + 1
+
+
+CPU = {"CPU": 0.25}
+
+
+def _keep_timeline(ex: Any, timeline: Any) -> None:
+    """Turn ``ex``'s timeline on (``timeline``) or off (None) between runs: where the executor
+    hands it to its runs, group and calls (a benchmark's reach into private names, so that
+    every variant runs on the same workers)."""
+    ex._life.timeline = ex._slot.timeline = timeline
+    if ex._slot.group is not None:
+        ex._slot.group.timeline = timeline
+
+
+def _provider() -> Any:
+    """An OpenTelemetry SDK provider whose spans go, in batches as the SDK recommends, to an
+    exporter that drops them: every span is made, carried to the worker and ended."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Dropped(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    return provider
+
+
+async def _reports(ex: Any, steps: int) -> float:
+    t0 = time.perf_counter()
+    last = t0
+    async for _ in ex.run(steps_fn, {"steps": steps}):
+        last = time.perf_counter()
+    return float(steps * WORKERS / (last - t0))
+
+
+async def _latencies(ex: Any, calls: int) -> list[float]:
+    import anyio
+
+    import asyncexec
+
+    latencies = []
+    start = time.perf_counter()
+    for i in range(calls):
+        wait = start + i * 0.001 - time.perf_counter()
+        if wait > 0:
+            await anyio.sleep(wait)  # paced: about 1,000 calls/s
+        t = time.perf_counter()
+        await ex.call(tiny, i, on=asyncexec.rank(0))
+        latencies.append(time.perf_counter() - t)
+    return latencies
+
+
+async def _measure(variants: list[str], steps: int, calls: int, rounds: int) -> dict[str, Any]:
+    """One process's measurements (its own Ray): ``rounds`` rounds, each variant in turn, on
+    one executor (tracing is on while the application's provider is set, the timeline while
+    the executor holds it), a second one open beside it."""
+    import asyncexec
+
+    trace: Any = None
+    if "tracing" in variants:
+        from opentelemetry import trace
+
+        provider, default = _provider(), trace.get_tracer_provider
+    out: dict[str, Any] = {v: {"reports_per_s": [], "calls_s": []} for v in variants}
+    on = {"timeline": True} if "timeline" in variants else {}  # (the baseline has none)
+    async with (
+        asyncexec.Executor(WORKERS, resources_per_worker=CPU, **on) as ex,
+        asyncexec.Executor(WORKERS, resources_per_worker=CPU),  # the same load in every tree
+    ):
+        async for _ in ex.run(steps_fn, {"steps": 500}):  # warm-up
+            pass
+        for i in range(50):
+            await ex.call(tiny, i, on=asyncexec.rank(0))
+        kept = getattr(ex, "timeline", None)
+        for r in range(rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                if trace is not None:
+                    trace.get_tracer_provider = (
+                        (lambda: provider) if variant == "tracing" else default
+                    )
+                if kept is not None:
+                    _keep_timeline(ex, kept if variant == "timeline" else None)
+                out[variant]["reports_per_s"].append(await _reports(ex, steps))
+                out[variant]["calls_s"].extend(await _latencies(ex, calls))
+        if trace is not None:
+            trace.get_tracer_provider = default
+            provider.shutdown()
+    return out
+
+
+async def _memory(variant: str, marks: tuple[int, ...]) -> dict[str, Any]:
+    import psutil
+
+    import asyncexec
+
+    options: dict[str, Any] = {"timeline": True} if variant == "timeline" else {}
+    rss: dict[int, float] = {}
+    async with asyncexec.Executor(
+        WORKERS, resources_per_worker={"CPU": 0.25}, buffer_size=256, **options
+    ) as ex:
+        async for step in ex.run(steps_fn, {"steps": marks[-1]}):
+            if step.index + 1 in marks:
+                rss[step.index + 1] = psutil.Process().memory_info().rss / 2**20
+        stats = ex.timeline.statistics() if ex.timeline is not None else None
+    return {
+        "variant": variant,
+        "rss_mib": rss,
+        "events": None if stats is None else stats.events,
+        "dropped": None if stats is None else stats.dropped,
+    }
+
+
+def paced(config: dict[str, Any]) -> None:
+    """Steps of ``config["step_s"]`` seconds; rank ``config["slow"]`` takes twice as long."""
+    import asyncexec
+
+    rank = asyncexec.get_context().world_rank
+    for i in range(config["steps"]):
+        time.sleep(config["step_s"] * (2 if rank == config.get("slow") else 1))
+        asyncexec.report({"step": i})
+
+
+async def _pictures(folder: str) -> dict[str, Any]:
+    """The docs' pictures: a run through a killed worker (with calls chosen by load), and a
+    straggler's."""
+    import signal
+
+    import asyncexec
+
+    os.makedirs(folder, exist_ok=True)
+    async with asyncexec.Executor(4, resources_per_worker={"CPU": 0.25}, timeline=True) as ex:
+        killed = False
+        async for step in ex.run(paced, {"steps": 24, "step_s": 0.05}):
+            if step.index in (3, 15):
+                await ex.call(tiny, step.index, on=asyncexec.least_loaded())
+            if not killed and step.index == 8:
+                killed = True
+                os.kill(ex.workers[2].pid, signal.SIGKILL)
+        assert ex.timeline is not None
+        ex.timeline.render(
+            os.path.join(folder, "timeline-restart.png"), "4 ranks; rank 2 killed at step 8"
+        )
+    async with asyncexec.Executor(4, resources_per_worker={"CPU": 0.25}, timeline=True) as ex:
+        async for _ in ex.run(paced, {"steps": 16, "step_s": 0.05, "slow": 1}):
+            pass
+        assert ex.timeline is not None
+        ex.timeline.render(
+            os.path.join(folder, "timeline-straggler.png"), "4 ranks; rank 1 twice as slow"
+        )
+    return {"folder": folder}
+
+
+def _child(args: argparse.Namespace) -> None:
+    import anyio
+
+    if args.child == "pictures":
+        out = anyio.run(_pictures, args.pictures)
+    elif args.child == "memory":
+        out = anyio.run(_memory, args.variant, tuple(args.marks))
+    else:
+        variants = args.variant.split(",")
+        out = anyio.run(_measure, variants, args.steps, args.calls, args.rounds)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _run(variant: str, tree: str, what: str, args: argparse.Namespace) -> Any:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, HERE])}
+    command = [sys.executable, os.path.abspath(__file__), "--child", what, "--variant", variant]
+    command += ["--steps", str(args.steps), "--calls", str(args.calls)]
+    command += ["--rounds", str(args.rounds), "--marks", *map(str, args.marks)]
+    if args.pictures:
+        command += ["--pictures", os.path.abspath(args.pictures)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=tree)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{variant} ({what}) printed no result:\n{done.stderr[-3000:]}")
+
+
+def _baseline_tree(ref: str) -> str:
+    where = tempfile.mkdtemp(prefix="asyncexec-baseline-")
+    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", where], input=archive.stdout, check=True)
+    return where
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", metavar="REF", help="also measure the tree at REF")
+    parser.add_argument("--repeats", type=int, default=2, help="processes of each tree")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the variants in each")
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    parser.add_argument("--pictures", metavar="DIR", help="draw the docs' timelines into DIR")
+    parser.add_argument(
+        "--child", choices=("measure", "memory", "pictures"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--variant", default="off", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=CALLS, help=argparse.SUPPRESS)
+    parser.add_argument("--marks", type=int, nargs="+", default=list(MEMORY_MARKS))
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    if args.pictures:
+        _run("pictures", ROOT, "pictures", args)
+        return 0
+    if args.quick:
+        args.repeats, args.rounds, args.steps, args.calls = 1, 1, 2_000, 100
+        args.marks = [1_000, 5_000]
+    trees = {"off,timeline,tracing": ROOT}
+    if args.baseline:
+        trees = {"baseline": _baseline_tree(args.baseline), **trees}
+    results: dict[str, dict[str, list[float]]] = {}
+    for repeat in range(args.repeats):
+        for variants, tree in trees.items():
+            print(f"repeat {repeat + 1}: {variants}", file=sys.stderr, flush=True)
+            measured = _run("off" if variants == "baseline" else variants, tree, "measure", args)
+            for variant, values in measured.items():
+                name = "baseline" if variants == "baseline" else variant
+                mine = results.setdefault(name, {"reports_per_s": [], "calls_s": []})
+                for key, found in values.items():
+                    mine[key].extend(found)
+    _table(results, args)
+    print(f"\nmemory: the driver's RSS (MiB) after each number of steps of {WORKERS} workers")
+    for variant in ("off", "timeline"):
+        mem = _run(variant, ROOT, "memory", args)
+        marks = " ".join(f"{int(k):>7,}: {v:7.1f}" for k, v in mem["rss_mib"].items())
+        held = ""
+        if mem["events"] is not None:
+            held = f"  (events held {mem['events']:,}, dropped {mem['dropped']:,})"
+        print(f"{variant:<10} {marks}{held}")
+    return 0
+
+
+def _table(results: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
+    def figures(runs: dict[str, list[float]]) -> tuple[float, float, float]:
+        calls = sorted(runs["calls_s"])
+        p90 = calls[int(len(calls) * 0.9)]
+        return _median(runs["reports_per_s"]), _median(calls) * 1e3, p90 * 1e3
+
+    off = figures(results["off"])
+    rounds = args.repeats * args.rounds
+    print(f"\n{WORKERS} workers, {args.steps:,} steps a run; {args.calls:,} calls a round at "
+          f"~1,000/s; {rounds} rounds (median reports/s; ratio to off)")  # fmt: skip
+    print(f"{'variant':<10} {'reports/s':>17} {'call p50 ms':>15} {'call p90 ms':>15}")
+    for variant, runs in results.items():
+        mine = figures(runs)
+        cells = [f"{m:>9,.0f} {m / o:>5.3f}x" if i == 0 else f"{m:>6.3f} {m / o:>5.3f}x"
+                 for i, (m, o) in enumerate(zip(mine, off, strict=True))]  # fmt: skip
+        print(f"{variant:<10} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

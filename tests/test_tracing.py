@@ -1,0 +1,133 @@
+"""OpenTelemetry spans: the driver's run, attempt, restart, call and push spans, and the W3C
+trace context carried into the workers, where a span the user's method opens is a child of the
+driver's call. In-memory exporters in the driver and in the worker (the worker's spans are
+returned)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import tenacity
+
+import asyncexec
+from asyncexec import _tracing
+
+trace = pytest.importorskip("opentelemetry.trace")
+sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+
+pytestmark = pytest.mark.timeout(45)
+
+
+@pytest.fixture
+def exported(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """The driver's spans, kept in memory: the application's provider, as asyncexec sees it
+    (the process's global provider is left alone for the other tests)."""
+    exporter = InMemorySpanExporter()
+    provider = sdk_trace.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    yield exporter
+    provider.shutdown()
+
+
+def span_in_worker(x: int) -> dict[str, Any]:
+    """Open a span where the user's code runs (a worker), with a provider of its own, and
+    return its ids and its parent's."""
+    from opentelemetry import trace as api
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("user").start_as_current_span("user.work"):
+        inner = api.get_current_span().get_span_context()
+    [span] = exporter.get_finished_spans()
+    parent = span.parent
+    return {
+        "x": x,
+        "trace_id": inner.trace_id,
+        "span_id": inner.span_id,
+        "parent": None if parent is None else (parent.trace_id, parent.span_id),
+    }
+
+
+class Worker:
+    def work(self, x: int) -> dict[str, Any]:
+        return span_in_worker(x)
+
+    async def work_async(self, x: int) -> dict[str, Any]:
+        return span_in_worker(x)
+
+
+def _ids(span: Any) -> tuple[int, int]:
+    return span.context.trace_id, span.context.span_id
+
+
+async def test_a_span_the_users_method_opens_is_a_child_of_the_drivers_call(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    tracer = trace.get_tracer_provider().get_tracer("app")
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, roles=Worker) as ex:
+        with tracer.start_as_current_span("app.request"):
+            plain = await ex.call(span_in_worker, 1)
+            method = await ex.call(Worker.work, 2, on=asyncexec.rank(1))
+            streamed = [out async for _, out in ex.stream(Worker.work_async, 3)]
+    spans = exported.get_finished_spans()
+    [request] = [s for s in spans if s.name == "app.request"]
+    calls = {_ids(s): s for s in spans if s.name == "asyncexec.call"}
+    assert len(calls) == 2 + 1 + 2
+    for call in calls.values():  # each rank's call is a child of the application's span
+        assert call.parent is not None and call.parent.span_id == request.context.span_id
+    for out in [*plain, method, *streamed]:
+        assert out["parent"] in calls, out  # the worker's span: a child of one call's span
+        assert out["trace_id"] == request.context.trace_id
+    ranks = sorted(calls[out["parent"]].attributes["asyncexec.rank"] for out in plain)
+    assert ranks == [0, 1]
+    assert calls[method["parent"]].attributes["asyncexec.function"] == "Worker.work"
+
+
+def fail_first_attempt() -> None:
+    if asyncexec.get_context().attempt == 1:
+        asyncexec.report({"i": 0})
+        raise ValueError("first attempt fails")
+    asyncexec.report({"i": 1})
+
+
+async def test_run_attempts_and_the_restart_between_them_are_spans_of_the_run(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=tenacity.wait_none()
+    )
+    async with asyncexec.Executor(
+        2, resources_per_worker={"CPU": 0.5}, restart=policy, name="traced"
+    ) as executor:
+        steps = [step.index async for step in executor.run(fail_first_attempt)]
+    assert steps == [0, 1]
+    spans = exported.get_finished_spans()
+    [run] = [s for s in spans if s.name == "asyncexec.run"]
+    attempts = sorted(
+        (s for s in spans if s.name == "asyncexec.attempt"), key=lambda s: s.start_time
+    )
+    [restart] = [s for s in spans if s.name == "asyncexec.restart"]
+    assert [s.attributes["attempt"] for s in attempts] == [1, 2]
+    for child in [*attempts, restart]:
+        assert child.parent is not None and child.parent.span_id == run.context.span_id
+    assert attempts[0].status.status_code == trace.StatusCode.ERROR
+    assert attempts[0].end_time <= restart.start_time <= restart.end_time <= attempts[1].start_time
+    assert run.attributes["executor"] == "traced"
+
+
+def test_nothing_is_made_or_carried_without_a_provider() -> None:
+    """The API's default provider: no span, no carrier (each place pays one check)."""
+    assert _tracing.tracer() is None
+    assert _tracing.call_span(span_in_worker, 0, {"a": 1}) == (None, {"a": 1})
+    assert _tracing.begin("asyncexec.run") is None
