@@ -360,10 +360,10 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
         call = submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
     else:
         index, name = plan.method
-        # A plain method of a role that runs one call at a time goes to the role's own thread,
-        # without a hop from the actor's loop (see ``CallPlan.plain``).
-        entry = "call_role_sync" if plan.plain else "call_role"
-        call = submit_named(group, worker, plan, entry, index, name, *args, **kwargs)
+        if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
+            call = submit_named(group, worker, plan, "call_role_sync", index, name, *args, **kwargs)
+        else:
+            call = submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
     if group.timeline is None and span is None:
         return call
     return traced(group, worker.rank, plan, call, span)
