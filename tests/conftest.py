@@ -12,6 +12,7 @@ inner loop is ``pytest -m "fast or smoke"``."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import types
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import ray
 import ray._private.state as ray_state
+import structlog
 from ray.cluster_utils import Cluster
 
 # Keep Ray quiet and quick on small machines.
@@ -309,6 +311,29 @@ def _fast_tests_start_no_ray(request: pytest.FixtureRequest) -> Iterator[None]:
             "this test started Ray but its tier is 'fast': give it the ray_local (or mode) "
             "fixture, so that it runs in the 'ray' tier"
         )
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> Iterator[None]:
+    """Each test ends with logging as it found it: structlog's configuration and the
+    ``asyncexec`` logger of the standard library. A test that runs ``asyncexec``'s command line
+    in the test process calls ``configure_logging`` (structlog filtered at ``warning``, the
+    ``asyncexec`` logger writing to its own handler only): the tests after it that read the
+    library's events (``structlog.testing.capture_logs``, ``caplog``) then saw none of them."""
+    configured = structlog.is_configured()
+    config = structlog.get_config()
+    stdlib = logging.getLogger("asyncexec")
+    handlers, level, propagate = list(stdlib.handlers), stdlib.level, stdlib.propagate
+    yield
+    if configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
+    for handler in [h for h in stdlib.handlers if h not in handlers]:
+        stdlib.removeHandler(handler)
+        handler.close()
+    stdlib.setLevel(level)
+    stdlib.propagate = propagate
 
 
 class HeldStart:
