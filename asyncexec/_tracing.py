@@ -17,6 +17,7 @@ and without the API installed each place pays one check.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -39,20 +40,14 @@ T = TypeVar("T")
 #: The keyword that carries a call's trace context to the worker.
 CARRIER = "_asyncexec_trace_context"
 _NAME = "asyncexec"
-_api: Any = None  # opentelemetry.trace once imported; False when it is not installed
 _tracer: tuple[Any, Any] = (None, None)  # the provider, and asyncexec's tracer of it
 
 
 def _trace() -> Any:
-    global _api
-    if _api is None:
-        try:
-            from opentelemetry import trace
-        except ImportError:
-            _api = False
-        else:
-            _api = trace
-    return _api
+    """``opentelemetry.trace`` when the application has imported it, else None. An application
+    that set a tracer provider has imported it; asyncexec never imports it itself, so a driver
+    without tracing (or a service's first request, on its event loop) pays no import."""
+    return sys.modules.get("opentelemetry.trace")
 
 
 def tracer() -> Any:
