@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pickle
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,24 +76,30 @@ class _Session:
         self.reports = reports
 
 
-def _ae_reports(loop: asyncio.AbstractEventLoop) -> Reports:
+@contextlib.contextmanager
+def _ae_reports(loop: asyncio.AbstractEventLoop) -> Iterator[Reports]:
+    """A worker's place with a run on it, current while the block runs (then the process is a
+    driver again: ``report()`` outside a worker is refused)."""
     place = Place()
     reports = Reports(None, 1 << 60, 0, loop, place)  # type: ignore[arg-type]
     place.session = _Session(reports)  # type: ignore[assignment]
-    PLACE.set(place)
-    return reports
+    token = PLACE.set(place)
+    try:
+        yield reports
+    finally:
+        PLACE.reset(token)
 
 
 def _ae_polls(n: int) -> list[Poll]:
     """``n`` reports made through ``asyncexec.report``, as the polls that take them."""
     loop = asyncio.new_event_loop()
-    reports = _ae_reports(loop)
     polls = []
-    for start in range(0, n, PER_POLL):
-        for i in range(start, min(n, start + PER_POLL)):
-            asyncexec.report({"step": i})
-        with reports._lock:
-            polls.append(reports._take(PER_POLL))
+    with _ae_reports(loop) as reports:
+        for start in range(0, n, PER_POLL):
+            for i in range(start, min(n, start + PER_POLL)):
+                asyncexec.report({"step": i})
+            with reports._lock:
+                polls.append(reports._take(PER_POLL))
     loop.close()
     return polls
 
@@ -100,21 +107,21 @@ def _ae_polls(n: int) -> list[Poll]:
 def worker_stages(n: int) -> dict[str, dict[str, float]]:
     """The worker's stages (``report()``, its poll) and the answers' pickling."""
     loop = asyncio.new_event_loop()
-    reports = _ae_reports(loop)
     report = asyncexec.report
+    with _ae_reports(loop) as reports:
 
-    def ae_report() -> None:
-        for i in range(n):
-            report({"step": i})
+        def ae_report() -> None:
+            for i in range(n):
+                report({"step": i})
 
-    ae = {"report()": _timed(ae_report, n)}
+        ae = {"report()": _timed(ae_report, n)}
 
-    def ae_take() -> None:
-        with reports._lock:
-            while reports._buffer:
-                reports._take(PER_POLL)
+        def ae_take() -> None:
+            with reports._lock:
+                while reports._buffer:
+                    reports._take(PER_POLL)
 
-    ae["worker poll"] = _timed(ae_take, n)
+        ae["worker poll"] = _timed(ae_take, n)
     loop.close()
 
     from _workload import LoopWorker  # the floor's actor class (its plain class underneath)
