@@ -237,6 +237,11 @@ class Timeline:
                         continue
                     ran = busy[base + i]
                     start = at - ran if ran == ran else (previous if previous is not None else at)
+                    if previous is not None and start < previous:
+                        # Two batches place the worker's clock apart (each with its own offset,
+                        # a millisecond or so off on a loaded machine): a span never starts
+                        # before the rank's previous one ended.
+                        start = min(previous, at)
                     out.append(("X", rank, f"step {first + i}", "step", start, at, None))
                     previous = at
                 if previous is not None:
