@@ -394,17 +394,16 @@ class TimedCall:
     """A call on a rank, awaitable as often as the call is, whose first end is recorded as the
     rank's span from the send (see :func:`traced`), and ends its OpenTelemetry span."""
 
-    __slots__ = ("_call", "_done", "_name", "_rank", "_span", "_start", "_timeline")
+    __slots__ = ("_call", "_done", "_fn", "_name", "_rank", "_span", "_start", "_timeline")
 
-    def __init__(
-        self, timeline: Timeline | None, rank: int, name: str, call: Any, span: Any
-    ) -> None:
+    def __init__(self, timeline: Timeline | None, rank: int, fn: Any, call: Any, span: Any) -> None:
         self._call = call
         self._timeline = timeline
         self._span = span
         self._done = False
         self._rank = rank
-        self._name = name
+        self._fn = fn
+        self._name = getattr(fn, "__qualname__", None) or "call"
         self._start = time.monotonic()
 
     def __await__(self) -> Any:
@@ -420,7 +419,8 @@ class TimedCall:
                 if self._timeline is not None:
                     end = time.monotonic()
                     self._timeline.span(self._rank, self._name, "call", self._start, end)
-                _tracing.end(self._span, error)
+                if self._span is not None:
+                    _tracing.end_call(self._span, self._fn, self._rank, error)
 
 
 def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
@@ -430,8 +430,7 @@ def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
     if timeline is None and span is None:
         return call
     fn = getattr(plan, "fn", None)
-    name = getattr(fn, "__qualname__", None) or "call"
-    return cast(T, TimedCall(timeline, rank, name, call, span))  # awaited as the call is
+    return cast(T, TimedCall(timeline, rank, fn, call, span))  # awaited as the call is
 
 
 def chosen(group: Any, rank: int) -> None:

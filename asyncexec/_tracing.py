@@ -7,8 +7,8 @@ With the ``tracing`` extra (``opentelemetry-api``) and a tracer provider set by 
 opens spans named ``asyncexec.run``, ``asyncexec.attempt``, ``asyncexec.restart``,
 ``asyncexec.call`` (one per rank a call goes to) and ``asyncexec.push.read`` /
 ``asyncexec.push.deliver``. A call carries its span's context to the worker as a W3C
-``traceparent`` (an extra keyword argument of the worker's method, taken off before the user's
-method sees its arguments), where it is the current context while the method runs: a span the
+``traceparent`` (inside the call's leading argument: see :class:`Carried`), where it is the
+current context while the method runs: a span the
 method opens is a child of the driver's call. asyncexec configures no exporter, as it configures
 no logging: with no provider set (the API's default), nothing is made and nothing is carried,
 and without the API installed each place pays one check.
@@ -16,29 +16,31 @@ and without the API installed each place pays one check.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
-    "CARRIER",
+    "Carried",
     "Opened",
     "begin",
     "call_span",
     "carried",
     "current",
     "end",
+    "end_call",
     "finish",
     "in_span",
-    "inject",
+    "plain",
     "start",
+    "traceparent",
     "tracer",
 ]
 
 T = TypeVar("T")
-#: The keyword that carries a call's trace context to the worker.
-CARRIER = "_asyncexec_trace_context"
 _NAME = "asyncexec"
 _tracer: tuple[Any, Any] = (None, None)  # the provider, and asyncexec's tracer of it
 
@@ -113,61 +115,105 @@ async def in_span(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
     return value
 
 
-def inject(kwargs: dict[str, Any], span: Any) -> None:
-    """Put ``span``'s context in ``kwargs`` (a call's keyword arguments) as a W3C carrier
-    (``traceparent``, and ``tracestate`` when there is one, as one string): W3C's propagator,
-    whatever the
-    application set as its global one, since the worker reads it with that one."""
-    carrier: dict[str, str] = {}
-    _w3c().inject(carrier, context=_trace().set_span_in_context(span))
-    # One string (the traceparent, then the tracestate's line when there is one): the cheapest
-    # argument for Ray to send.
-    kwargs[CARRIER] = "\n".join(carrier[k] for k in ("traceparent", "tracestate") if k in carrier)
+class Carried(NamedTuple):
+    """A call's leading argument (the function of ``execute``, the method's name of
+    ``call_role``) with the W3C trace context of the call's span (``traceparent``, then the
+    ``tracestate``'s line when there is one, as one string): the context rides inside an
+    argument the call sends anyway (one more argument costs Ray a serialisation and an entry of
+    the task's specification on each side; a record inside one costs a few bytes of its
+    pickle)."""
+
+    value: Any
+    context: str
 
 
-_propagator: Any = None
+def plain(value: Any) -> Any:
+    """``value`` without the trace context it may carry (see :class:`Carried`)."""
+    return value.value if type(value) is Carried else value
 
 
-def _w3c() -> Any:
-    global _propagator
-    if _propagator is None:
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+def traceparent(span: Any) -> str:
+    """``span``'s context as W3C's ``traceparent`` (and its ``tracestate`` after a newline
+    when it has one), formatted here: what W3C's propagator writes, without its carrier and
+    context objects."""
+    c = span.get_span_context()
+    line = f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"
+    state = c.trace_state
+    return f"{line}\n{state.to_header()}" if state else line
 
-        _propagator = TraceContextTextMapPropagator()
-    return _propagator
 
-
-async def carried(kwargs: dict[str, Any], fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """On a worker: ``await fn(*args)`` with the trace context the call carried (in ``kwargs``,
-    taken off them first) as the current context; a plain ``await`` when it carried none."""
-    carrier = kwargs.pop(CARRIER, None)
-    if carrier is None:
-        return await fn(*args)
+def _remote_parent(trace: Any, carrier: str) -> Any:
+    """The remote span of a carried context, or None when it is not a valid W3C one."""
+    line, _, state = carrier.partition("\n")
+    fields = line.split("-")
+    if len(fields) != 4 or len(fields[1]) != 32 or len(fields[2]) != 16:
+        return None
     try:
-        from opentelemetry import context
+        trace_id, span_id, flags = (int(f, 16) for f in fields[1:])
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    context = trace.SpanContext(
+        trace_id,
+        span_id,
+        is_remote=True,
+        trace_flags=trace.TraceFlags(flags & 0xFF),
+        trace_state=trace.TraceState.from_header([state]) if state else None,
+    )
+    return trace.NonRecordingSpan(context)
+
+
+async def carried(carrier: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """On a worker: ``await fn(*args)`` with the trace context a call carried (the
+    ``context`` of its :class:`Carried` argument) as the current context."""
+    try:
+        from opentelemetry import context, trace
     except ImportError:  # the worker lacks the API: the method runs, untraced
         return await fn(*args)
-    fields = dict(zip(("traceparent", "tracestate"), carrier.split("\n"), strict=False))
-    token = context.attach(_w3c().extract(fields))
+    parent = _remote_parent(trace, carrier)
+    if parent is None:
+        return await fn(*args)
+    token = context.attach(trace.set_span_in_context(parent))
     try:
         return await fn(*args)
     finally:
         context.detach(token)
 
 
-def call_span(fn: Any, rank: int, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """A call's span on ``rank`` (a child of the caller's current context), and the keyword
-    arguments that carry its context to the worker; ``(None, kwargs)`` when tracing is off."""
+def call_span(fn: Any, rank: int) -> tuple[Any, str | None]:
+    """A call's span on ``rank`` (a child of the caller's current context), and the context
+    it carries to the worker (see :class:`Carried`); ``(None, None)`` when tracing is off. End
+    it with :func:`end_call` (which sets its attributes)."""
     made = tracer()
     if made is None:
-        return None, kwargs
+        return None, None
+    span = made.start_span("asyncexec.call")
+    return span, traceparent(span)
+
+
+def end_call(span: Any, fn: Any, rank: int, error: BaseException | None = None) -> None:
+    """End a call's span now, failed with ``error``: its end time is taken now, and the rest
+    (its attributes ``asyncexec.function`` and ``asyncexec.rank``, the SDK's end and span
+    processor, some 10 µs) is done on the event loop's next turn, after the caller has its
+    result."""
+    end_ns = time.time_ns()
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        _end_call(span, fn, rank, error, end_ns)
+        return
+    loop.call_soon(_end_call, span, fn, rank, error, end_ns)
+
+
+def _end_call(span: Any, fn: Any, rank: int, error: BaseException | None, end_ns: int) -> None:
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    span = made.start_span(
-        "asyncexec.call", attributes={"asyncexec.function": name, "asyncexec.rank": rank}
-    )
-    carrying = dict(kwargs)
-    inject(carrying, span)
-    return span, carrying
+    span.set_attributes({"asyncexec.function": name, "asyncexec.rank": rank})
+    if error is not None:
+        trace = _trace()
+        span.record_exception(error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+    span.end(end_ns)
 
 
 class Opened:

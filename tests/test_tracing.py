@@ -129,5 +129,38 @@ async def test_run_attempts_and_the_restart_between_them_are_spans_of_the_run(
 def test_nothing_is_made_or_carried_without_a_provider() -> None:
     """The API's default provider: no span, no carrier (each place pays one check)."""
     assert _tracing.tracer() is None
-    assert _tracing.call_span(span_in_worker, 0, {"a": 1}) == (None, {"a": 1})
+    assert _tracing.call_span(span_in_worker, 0) == (None, None)
     assert _tracing.begin("asyncexec.run") is None
+
+
+def test_the_carried_context_is_w3cs_traceparent_and_reads_back_as_the_remote_parent() -> None:
+    """The driver formats the ``traceparent`` itself (W3C's propagator writes the same) and the
+    worker reads it back as the call's span, remote; a carrier that is not W3C's is no
+    parent (the method runs untraced)."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    provider = sdk_trace.TracerProvider()
+    span = provider.get_tracer("t").start_span("s")
+    state = trace.TraceState([("vendor", "v1")])
+    stated = trace.NonRecordingSpan(
+        trace.SpanContext(7, 9, is_remote=False, trace_flags=trace.TraceFlags(1), trace_state=state)
+    )
+    for made in (span, stated):
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, trace.set_span_in_context(made))
+        assert _tracing.traceparent(made).split("\n") == [
+            carrier[k] for k in ("traceparent", "tracestate") if k in carrier
+        ]
+        parent = _tracing._remote_parent(trace, _tracing.traceparent(made)).get_span_context()
+        sent = made.get_span_context()
+        assert (parent.trace_id, parent.span_id, parent.trace_flags, parent.is_remote) == (
+            sent.trace_id,
+            sent.span_id,
+            sent.trace_flags,
+            True,
+        )
+        assert parent.trace_state == sent.trace_state
+    for bad in ("", "x", "00-zz-yy-01", f"00-{0:032x}-{1:016x}-01", f"00-{1:032x}-{1:08x}-01"):
+        assert _tracing._remote_parent(trace, bad) is None, bad
+    assert _tracing.plain(_tracing.Carried("method", "00-...")) == "method"
+    assert _tracing.plain("method") == "method"

@@ -43,7 +43,7 @@ from .._errors import (
 )
 from .._taskgroups import task_group
 from .._timeline import chosen, traced, wait_freed
-from .._tracing import call_span
+from .._tracing import Carried, call_span
 from ._lifecycle import Lifecycle
 from ._loads import Loads, Slot
 from ._recovery import Recovery
@@ -355,11 +355,14 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     """Send rank ``worker``'s call (an argument that does not pickle is named as the plan names
     it: see ``cluster.submit_named``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
-    span, kwargs = call_span(plan.fn, worker.rank, kwargs)  # None unless traced
+    span, context = call_span(plan.fn, worker.rank)  # None unless traced
     if plan.method is None:
-        call = submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
+        fn = plan.fn if context is None else Carried(plan.fn, context)
+        call = submit_named(group, worker, plan, "execute", fn, *args, **kwargs)
     else:
-        index, name = plan.method
+        index, method = plan.method
+        # The trace context rides with the method's name.
+        name = method if context is None else Carried(method, context)
         if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
             call = submit_named(group, worker, plan, "call_role_sync", index, name, *args, **kwargs)
         else:

@@ -27,7 +27,7 @@ from .._protocol import (
     WorkerContext,
     WorkerMetadata,
 )
-from .._tracing import carried
+from .._tracing import Carried, carried
 from . import _channel, _outcomes, _place, _roles, _session
 
 if TYPE_CHECKING:
@@ -83,10 +83,14 @@ class _Worker:
             return Outcome("ok")
         return await _call(init_hook, (), {})
 
-    async def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Outcome:
+    async def execute(
+        self, fn: Callable[..., Any] | Carried, /, *args: Any, **kwargs: Any
+    ) -> Outcome:
         """Run ``fn``: an ``async def`` on this loop, a plain function in a thread. Arguments
         are passed as Ray passes them, so ``ObjectRef`` arguments arrive resolved."""
-        return await carried(kwargs, _call, fn, args, kwargs)  # a call's trace context
+        if isinstance(fn, Carried):  # the function, with the call's trace context
+            return await carried(fn.context, _call, fn.value, args, kwargs)
+        return await _call(fn, args, kwargs)
 
     # Roles (see ``_roles``): the instances of the group's worker classes.
 
@@ -103,15 +107,19 @@ class _Worker:
         outcome whose ``value`` is a ``RoleFailure``."""
         return await _roles.make(payload, checkpoint, context)
 
-    async def call_role(self, role_index: int, name: str, /, *args: Any, **kwargs: Any) -> Outcome:
+    async def call_role(
+        self, role_index: int, name: str | Carried, /, *args: Any, **kwargs: Any
+    ) -> Outcome:
         """Call method ``name`` of this worker's instance of role ``role_index``: an ``async
         def`` on this loop, a plain method in a thread, as ``execute`` runs a function.
         Arguments are passed as Ray passes them, so ``ObjectRef`` arguments (the parts of a
         scattered argument) arrive resolved."""
-        return await carried(kwargs, _roles.call, role_index, name, args, kwargs)
+        if isinstance(name, Carried):  # the name, with the call's trace context
+            return await carried(name.context, _roles.call, role_index, name.value, args, kwargs)
+        return await _roles.call(role_index, name, args, kwargs)
 
     async def call_role_sync(
-        self, role_index: int, name: str, /, *args: Any, **kwargs: Any
+        self, role_index: int, name: str | Carried, /, *args: Any, **kwargs: Any
     ) -> Outcome:
         """Call the plain method ``name`` of the instance of role ``role_index`` right here,
         with no hop to a thread: the driver sends this call to the role's own concurrency group
@@ -119,7 +127,11 @@ class _Worker:
         loop stays free while the method runs, and the role's plain calls run one after another
         as ``call_role`` runs them under a limit of one. An ``async def`` found under that name
         runs on the group's loop."""
-        return await carried(kwargs, _roles.call_here, role_index, name, args, kwargs)
+        if isinstance(name, Carried):  # the name, with the call's trace context
+            return await carried(
+                name.context, _roles.call_here, role_index, name.value, args, kwargs
+            )
+        return await _roles.call_here(role_index, name, args, kwargs)
 
     async def start_run(self, payload: bytes, start: RunStart) -> None:
         """Start the run's function in its own thread and return at once; reports are taken

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 from ..._errors import ExecutorStateError
 from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
-from ..._tracing import CARRIER
+from ..._tracing import plain
 from ..._worker import PLACE, Place, error_outcome, value_outcome
 from ._local import LocalCallCancelled
 from ._sim_answers import Pending, Ready, ready
@@ -63,7 +63,7 @@ class SimCalls:
         return self._call_here(init_hook, (), {})
 
     def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Awaitable[Outcome]:
-        return self._call_here(fn, args, kwargs)
+        return self._call_here(plain(fn), args, kwargs)  # (without a call's trace context)
 
     def make_roles(
         self, payload: bytes, checkpoint: Any = None, context: ContextFactory | None = None
@@ -74,7 +74,7 @@ class SimCalls:
     def call_role(
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
     ) -> Awaitable[Outcome]:
-        roles = self.place.roles
+        roles, name = self.place.roles, plain(name)  # (without a call's trace context)
         try:
             if not isinstance(roles, list):
                 raise ExecutorStateError("this worker holds no instances of roles yet")
@@ -161,7 +161,6 @@ class SimCalls:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Awaitable[Outcome]:
         """Call ``fn`` in the worker's place; a coroutine it returns goes on as a task."""
-        kwargs.pop(CARRIER, None)  # a call's trace context: not the user's argument
         token = PLACE.set(self.place)
         try:
             result = fn(*args, **kwargs)
