@@ -38,6 +38,7 @@ from . import _tracing
 
 __all__ = [
     "DRIVER",
+    "PIPELINE",
     "STARTING",
     "TimedCall",
     "Timeline",
@@ -49,6 +50,7 @@ __all__ = [
     "started_function",
     "timed",
     "timed_delivery",
+    "track_name",
     "traced",
     "wait_freed",
     "waiting",
@@ -57,6 +59,8 @@ __all__ = [
 T = TypeVar("T")
 #: The driver's track (ranks are 0, 1, ...).
 DRIVER = -1
+#: The RL pipeline's track (see ``_timeline_pipeline``).
+PIPELINE = -2
 #: The timeline of the group being started in this task (set by the group's slot; read where
 #: start-up phases end).
 STARTING: contextvars.ContextVar[Timeline | None] = contextvars.ContextVar(
@@ -73,7 +77,8 @@ _PHASES = {
     "leased": "lease",
 }
 
-# An event: (phase 'X' span or 'i' instant, track, name, category, start, end, args or None).
+# An event: (phase 'X' span, 'i' instant or 'C' counter, track, name, category, start, end, args
+# or None; a counter's args are its values).
 Event = tuple[str, int, str, str, float, float, "dict[str, Any] | None"]
 
 
@@ -151,6 +156,10 @@ class Timeline:
         """Something that happened now on ``track``."""
         now = time.monotonic()
         self._add(("i", track, name, kind, now, now, args), 1)
+
+    def counter(self, track: int, name: str, kind: str, at: float, values: dict[str, Any]) -> None:
+        """Counter ``name``'s ``values`` at ``at`` (Perfetto draws each as a track)."""
+        self._add(("C", track, name, kind, at, at, values), 1)
 
     def steps(self, batch: Any) -> None:
         """The ranks' spans of a batch of steps (a ``StepBatch`` with report times; one without,
@@ -258,7 +267,7 @@ class Timeline:
             {"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": name}}
         ]
         for track in tracks:
-            label = "driver" if track == DRIVER else f"rank {track}"
+            label = track_name(track)
             out.append(
                 {
                     "ph": "M",
@@ -289,7 +298,7 @@ class Timeline:
             }
             if ph == "X":
                 event["dur"] = round(max(0.0, end - start) * 1e6, 3)
-            else:
+            elif ph == "i":
                 event["s"] = "t"
             if args:
                 event["args"] = args
@@ -316,6 +325,11 @@ class Timeline:
         from ._timeline_render import render
 
         render(self.events(), self.origin, path, title)
+
+
+def track_name(track: int) -> str:
+    """A track's name: ``driver``, ``pipeline`` or ``rank N``."""
+    return "driver" if track == DRIVER else "pipeline" if track == PIPELINE else f"rank {track}"
 
 
 def _counts(stats: TimelineStatistics) -> dict[str, int]:

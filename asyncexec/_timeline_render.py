@@ -18,8 +18,13 @@ COLOURS = {
     "attempt": "#937860",
     "failure": "#d62728",
     "preemption": "#e377c2",
+    "pause": "#c9a227",
+    "update": "#64b5cd",
+    "batch": "#2ca02c",
 }
 _OTHER = "#7f7f7f"
+#: The tracks that are not ranks (the driver's, the RL pipeline's).
+_NAMES = {-1: "driver", -2: "pipeline"}
 
 
 def render(
@@ -45,6 +50,7 @@ def render(
     labels: dict[tuple[int, str], list[str]] = {}
     marks: list[tuple[float, int, str]] = []
     restarts: list[tuple[float, float]] = []
+    events = [e for e in events if e[0] != "C"]  # counters: Perfetto's, not drawn here
     for ph, track, name, kind, start, end, _ in events:
         if ph == "X":
             if track == -1 and kind == "restart" and name == "restart":
@@ -61,7 +67,7 @@ def render(
     for (track, kind), spans in bars.items():
         y = rows[track]
         # A driver's nested phases are drawn thinner, over the span that holds them.
-        height = 0.7 if kind in ("step", "call", "push", "attempt") else 0.5
+        height = 0.7 if kind in ("step", "call", "push", "attempt", "update") else 0.5
         ax.broken_barh(
             spans,
             (y - height / 2, height),
@@ -74,7 +80,7 @@ def render(
         y = rows[track]
         ax.plot([at, at], [y - 0.45, y + 0.45], color=COLOURS.get(kind, _OTHER), lw=1.5)
     ax.set_yticks([rows[t] for t in tracks])
-    ax.set_yticklabels(["driver" if t == -1 else f"rank {t}" for t in tracks])
+    ax.set_yticklabels([_NAMES.get(t, f"rank {t}") for t in tracks])
     ax.set_ylim(-0.6, len(tracks) - 0.2)
     ax.set_xlabel("seconds")
     ax.grid(axis="x", alpha=0.3)
@@ -96,10 +102,11 @@ def _label_driver(
     labels: dict[tuple[int, str], list[str]],
     rows: dict[int, int],
 ) -> None:
-    """Name the driver's spans where they have room (6 % of the picture or more)."""
+    """Name the driver's and the pipeline's spans where they have room (6 % of the picture
+    or more)."""
     total = max((s + w for spans in bars.values() for s, w in spans), default=1.0) or 1.0
     for (track, kind), spans in bars.items():
-        if track != -1:
+        if track not in _NAMES:
             continue
         for (begin, width), label in zip(spans, labels[(track, kind)], strict=True):
             if width > 0.06 * total:  # the driver's phases named where they have room

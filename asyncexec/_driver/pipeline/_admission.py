@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ..._timeline_pipeline import PipelineTrack, batch_handed, counted
 from ..._worker import RolloutRequest, Sample
 from .._logging import Logger
 from .._metrics import PipelineMeters
@@ -77,6 +78,7 @@ class Admission:
         #: Maps a server's weights version to the learner's: learner = server - offset.
         self.offset = 0
         self.changed = anyio.Event()
+        self.track: PipelineTrack | None = None  # on the servers' timeline, when on
 
     def notify(self) -> None:
         """Something changed: wake whoever waits (the admission loop, the learner)."""
@@ -113,6 +115,7 @@ class Admission:
             admitted = self.budget.admit()
             self.meter.admitted += 1
             self.meter.in_flight_changed(self.budget.in_flight_count)
+            counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
             tg.start_soon(self._generate, request, admitted, order)
 
     async def _next(self) -> tuple[int, RolloutRequest] | None:
@@ -150,6 +153,7 @@ class Admission:
             depth = self.budget.finished_count
             self.meter.buffer_depth_max = max(self.meter.buffer_depth_max, depth)
         self.meter.in_flight_changed(self.budget.in_flight_count)
+        counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
         self.notify()
 
     def learner_version(self, sample: Sample) -> int:
@@ -175,6 +179,7 @@ class Admission:
         meters.batch(staleness, waited_s, budget.finished_count, self.meter.counts())
         self.notify()
         batch = batch_of(samples, v, staleness, waited_s)
+        batch_handed(self.track, v, len(samples), waited_s)
         self.log.debug(
             "pipeline_batch",
             version=v,

@@ -15,6 +15,7 @@ import anyio.abc
 from ..._config import check_count
 from ..._errors import ConfigurationError, ExecutorStateError
 from ..._taskgroups import one_error
+from ..._timeline_pipeline import pipeline_track, update_ended
 from .._logging import get_logger
 from .._metrics import pipeline_meters
 from ..channel import WeightChannel
@@ -106,6 +107,7 @@ class Pipeline:
         self._admission = Admission(
             prompts, self.servers, self._budget, self._consumed, self._meter, self.log
         )
+        self._admission.track = pipeline_track(self.servers.executor.timeline)
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closed"] = "new"
         self._updating = False
@@ -257,6 +259,7 @@ class Pipeline:
             )
         finally:
             self._updating = False
+        update_ended(self._admission.track, mode, push_s, self.version)
         self._meter.paused(mode, pause_s, push_s)
         self._meters.paused(mode, pause_s)
         self.log.info(

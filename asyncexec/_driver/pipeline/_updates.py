@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 
 from ..._taskgroups import task_group
+from ..._timeline_pipeline import update_paused
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._servers import Servers
@@ -50,6 +51,7 @@ async def update(
         if mode == "wait":
             await _drained(budget, admission)
         pushing = time.monotonic()
+        update_paused(admission.track, mode, started, in_flight)
         if mode == "abort":
             # The aborted samples come back while the push goes on (no chunk runs: the
             # servers are paused to abort); admission reopens only once they are requeued.

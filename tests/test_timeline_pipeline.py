@@ -1,0 +1,102 @@
+"""The timeline beyond runs and dispatched calls: the RL pipeline's track (each weight update's
+pause, push and resume in each mode, the batches handed, the counters of requests in flight and
+samples buffered), ``execute()`` calls, and the steps of independent ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncexec
+from asyncexec._timeline import PIPELINE
+
+CPU = {"CPU": 0.25}
+
+
+class Toy(asyncexec.RolloutServer):
+    """``prompt["length"]`` chunks of 2 ms, each the weights it ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: Any = None
+
+    async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
+        for _ in range(prompt["length"]):
+            await asyncio.sleep(0.002)
+            yield self.weights
+
+    def load_weights(self, state: Any, version: int) -> None:
+        self.weights = state
+
+
+def _on(events: list[Any], track: int, ph: str) -> list[Any]:
+    return [e for e in events if e[1] == track and e[0] == ph]
+
+
+@pytest.mark.timeout(60)
+async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
+    mode: str, tmp_path: Path
+) -> None:
+    prompts = [{"id": i, "length": 4 + (i * 5) % 9} for i in range(16)]
+    modes = ["keep", "wait", "abort"]
+    async with (
+        asyncexec.Executor(
+            2, resources_per_worker=CPU, roles=asyncexec.Role(Toy), timeline=True
+        ) as servers,
+        asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
+    ):
+        async for _ in pipe:
+            if pipe.version < len(modes):
+                await pipe.update_weights({"w": pipe.version + 1}, on_update=modes[pipe.version])
+        timeline = servers.timeline
+        assert timeline is not None
+        events = timeline.events()
+        timeline.export(tmp_path / "pipeline.json")
+    stats = pipe.statistics
+    spans = _on(events, PIPELINE, "X")
+    updates = [e for e in spans if e[3] == "update"]
+    assert [(e[2], e[6]) for e in updates] == [
+        (f"update v{v} ({m})", {"mode": m, "version": v}) for v, m in enumerate(modes, 1)
+    ]
+    for version, (update, m) in enumerate(zip(updates, modes, strict=True), 1):
+        inside = [e for e in spans if update[4] <= e[4] and e[5] <= update[5] and e is not update]
+        [pause] = [e for e in inside if e[2].startswith(f"pause ({m}, ")]
+        [push] = [e for e in inside if e[2] == f"push v{version}"]
+        assert pause[4] == update[4] and pause[5] == push[4] <= push[5] <= update[5]
+        assert pause[6]["mode"] == m and pause[6]["in_flight"] >= 0
+        assert [e[2] for e in inside if e[2] == "resume"] in ([], ["resume"])
+    assert [u[4] for u in updates] == sorted(u[4] for u in updates)
+    # A batch before each update (the learner's loop), all of them in order.
+    batches = _on(events, PIPELINE, "i")
+    assert [e[6]["version"] for e in batches] == list(range(len(batches)))
+    assert sum(e[6]["size"] for e in batches) == 16
+    for version, update in enumerate(updates):
+        assert batches[version][4] <= update[4]
+    # Counters: one at each admission and at each return; never above the budget.
+    counters = _on(events, PIPELINE, "C")
+    assert len(counters) == 2 * stats.admitted
+    assert all(0 <= c[6]["in flight"] <= 2 * 4 and c[6]["buffered"] >= 0 for c in counters)
+    assert max(c[6]["in flight"] for c in counters) > 0
+    assert counters[-1][6]["in flight"] == 0
+    assert [c[4] for c in counters] == sorted(c[4] for c in counters)
+    doc = json.loads((tmp_path / "pipeline.json").read_text())
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names[PIPELINE + 1] == "pipeline"
+    exported = [e for e in doc["traceEvents"] if e["ph"] == "C"]
+    assert len(exported) == len(counters)
+    assert all("dur" not in e and set(e["args"]) == {"in flight", "buffered"} for e in exported)
+
+
+@pytest.mark.timeout(30)
+async def test_no_pipeline_track_without_a_timeline(mode: str) -> None:
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Toy)) as servers,
+        asyncexec.Pipeline(servers, [{"id": 0, "length": 1}], batch_size=1) as pipe,
+    ):
+        assert pipe._admission.track is None
+        assert [len(b) async for b in pipe] == [1]
