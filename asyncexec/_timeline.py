@@ -30,11 +30,13 @@ import json
 import math
 import os
 import time
+from array import array
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from . import _tracing
+from ._protocol import ReportTimes
 
 __all__ = [
     "DRIVER",
@@ -47,11 +49,14 @@ __all__ = [
     "failed",
     "installed",
     "new_timeline",
+    "rank_failed",
+    "rank_reports",
     "started_function",
     "timed",
     "timed_delivery",
     "track_name",
     "traced",
+    "traced_fn",
     "wait_freed",
     "waiting",
 ]
@@ -136,7 +141,7 @@ class Timeline:
         self._held += events
         while self._held > self.capacity:
             old = queue.popleft()
-            self._held -= old[1] if old[0] == "B" else 1
+            self._held -= old[1] if old[0] in "BR" else 1
 
     # Recording --------------------------------------------------------------------------------
 
@@ -172,6 +177,14 @@ class Timeline:
         self._add(("B", spans, batch.first, times), spans)
         if self._restarted_fn is not None and batch.attempt >= self._restarted_attempt:
             self._restarted(times)
+
+    def reports(self, rank: int, first: int, packed: bytes) -> None:
+        """Rank ``rank``'s reports of one poll (a run of independent ranks, whose batches hold
+        one rank each), their stream indices from ``first``; ``packed``: their
+        ``ReportTimes``, as the poll carried them. One entry, its spans made when read."""
+        calls, busy = array("d"), array("d")
+        offset = time.monotonic() - ReportTimes.unpack_into(packed, calls, busy)
+        self._add(("R", len(calls), first, rank, calls, busy, offset), len(calls))
 
     def _restarted(self, times: Any) -> None:
         """The first step after a restart: its span (from the function's start), and the
@@ -233,26 +246,22 @@ class Timeline:
         out: list[Event] = []
         last: dict[int, float] = {}
         for entry in self._events:
+            if entry[0] == "R":
+                _, count, first, rank, calls, busy, offset = entry
+                previous = _steps(out, rank, first, calls, busy, 0, count, offset, last.get(rank))
+                if previous is not None:
+                    last[rank] = previous
+                continue
             if entry[0] != "B":
                 out.append(entry)
                 continue
             _, _, first, times = entry
-            n, calls, busy = times.steps, times.calls, times.busy
+            n = times.steps
             for rank, offset in enumerate(times.offsets):
-                base, previous = rank * n, last.get(rank)
-                for i in range(n):
-                    at = calls[base + i] + offset
-                    if at != at:  # NaN: not known
-                        continue
-                    ran = busy[base + i]
-                    start = at - ran if ran == ran else (previous if previous is not None else at)
-                    if previous is not None and start < previous:
-                        # Two batches place the worker's clock apart (each with its own offset,
-                        # a millisecond or so off on a loaded machine): a span never starts
-                        # before the rank's previous one ended.
-                        start = min(previous, at)
-                    out.append(("X", rank, f"step {first + i}", "step", start, at, None))
-                    previous = at
+                previous = last.get(rank)
+                previous = _steps(
+                    out, rank, first, times.calls, times.busy, rank * n, n, offset, previous
+                )
                 if previous is not None:
                     last[rank] = previous
         return out
@@ -327,6 +336,37 @@ class Timeline:
         render(self.events(), self.origin, path, title)
 
 
+def _steps(
+    out: list[Event],
+    rank: int,
+    first: int,
+    calls: Any,
+    busy: Any,
+    base: int,
+    n: int,
+    offset: float,
+    previous: float | None,
+) -> float | None:
+    """Append rank ``rank``'s spans of steps ``first ..`` (``n`` of them, at ``base`` in
+    ``calls`` and ``busy``, on the worker's clock, ``offset`` from the driver's), each from the
+    end of the rank's previous ``report()`` (when its worker did not say, from its previous
+    report, ``previous``); return when its last one ended."""
+    for i in range(n):
+        at = calls[base + i] + offset
+        if at != at:  # NaN: not known
+            continue
+        ran = busy[base + i]
+        start = at - ran if ran == ran else (previous if previous is not None else at)
+        if previous is not None and start < previous:
+            # Two batches place the worker's clock apart (each with its own offset, a
+            # millisecond or so off on a loaded machine): a span never starts before the
+            # rank's previous one ended.
+            start = min(previous, at)
+        out.append(("X", rank, f"step {first + i}", "step", start, at, None))
+        previous = at
+    return previous
+
+
 def track_name(track: int) -> str:
     """A track's name: ``driver``, ``pipeline`` or ``rank N``."""
     return "driver" if track == DRIVER else "pipeline" if track == PIPELINE else f"rank {track}"
@@ -395,6 +435,20 @@ def failed(timeline: Timeline | None, error: BaseException) -> None:
         timeline.failed(error)
 
 
+def rank_reports(timeline: Timeline | None, rank: int, first: int, packed: bytes | None) -> None:
+    """Rank ``rank`` of a run of independent ranks sent reports (their stream indices from
+    ``first``, their times ``packed``; None: its worker does not time them)."""
+    if timeline is not None and packed is not None:
+        timeline.reports(rank, first, packed)
+
+
+def rank_failed(timeline: Timeline | None, rank: int, error: BaseException) -> None:
+    """Rank ``rank`` of a run of independent ranks failed with ``error`` (the others go on)."""
+    if timeline is not None:
+        name = type(error).__name__
+        timeline.instant(rank, f"failed: {name}", "failure", {"error": name})
+
+
 def installed(timeline: Timeline | None, rank: int, version: int) -> None:
     """Rank ``rank`` installed ``version``: its span since the delivery began."""
     if timeline is None:
@@ -440,10 +494,14 @@ class TimedCall:
 def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
     """``call`` (sent to ``rank`` for ``plan``), recorded on ``group``'s timeline when it has
     one; ``span`` (its OpenTelemetry span, or None) ends with it."""
+    return traced_fn(group, rank, getattr(plan, "fn", None), call, span)
+
+
+def traced_fn(group: Any, rank: int, fn: Any, call: T, span: Any = None) -> T:
+    """``call`` of ``fn`` on ``rank`` (``execute()``'s), as :func:`traced` records one."""
     timeline: Timeline | None = group.timeline
     if timeline is None and span is None:
         return call
-    fn = getattr(plan, "fn", None)
     return cast(T, TimedCall(timeline, rank, fn, call, span))  # awaited as the call is
 
 

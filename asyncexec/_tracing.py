@@ -26,10 +26,12 @@ from typing import Any, NamedTuple, TypeVar
 __all__ = [
     "Carried",
     "Opened",
+    "attached",
     "begin",
     "call_span",
     "carried",
     "current",
+    "current_traceparent",
     "end",
     "end_call",
     "finish",
@@ -177,6 +179,38 @@ async def carried(carrier: str, fn: Callable[..., Awaitable[T]], *args: Any) -> 
     token = context.attach(trace.set_span_in_context(parent))
     try:
         return await fn(*args)
+    finally:
+        context.detach(token)
+
+
+def current_traceparent() -> str | None:
+    """The W3C context of the current span (see :func:`traceparent`), to carry to a worker;
+    None when tracing is off or no span is current."""
+    if tracer() is None:
+        return None
+    span = _trace().get_current_span()
+    return traceparent(span) if span.get_span_context().is_valid else None
+
+
+@contextlib.contextmanager
+def attached(carrier: str | None) -> Iterator[None]:
+    """On a worker: the trace context a driver carried (None: none) current while the block
+    runs (a run's function, in its thread)."""
+    if carrier is None:
+        yield
+        return
+    try:
+        from opentelemetry import context, trace
+    except ImportError:  # the worker lacks the API: the function runs, untraced
+        yield
+        return
+    parent = _remote_parent(trace, carrier)
+    if parent is None:
+        yield
+        return
+    token = context.attach(trace.set_span_in_context(parent))
+    try:
+        yield
     finally:
         context.detach(token)
 

@@ -39,9 +39,12 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-for path in (HERE, ROOT):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+if ROOT not in sys.path:
+    # After PYTHONPATH: a child measuring the baseline imports the baseline's tree (its
+    # PYTHONPATH), as its workers do, not this one.
+    sys.path.append(ROOT)
 
 STEPS, CALLS, WORKERS = 20_000, 1_000, 4
 MEMORY_MARKS = (10_000, 50_000, 100_000)

@@ -5,7 +5,9 @@ samples buffered), ``execute()`` calls, and the steps of independent ranks."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -100,3 +102,56 @@ async def test_no_pipeline_track_without_a_timeline(mode: str) -> None:
     ):
         assert pipe._admission.track is None
         assert [len(b) async for b in pipe] == [1]
+
+
+def slow_add(x: int) -> int:
+    time.sleep(0.02)
+    return x + 1
+
+
+@pytest.mark.timeout(30)
+async def test_execute_calls_are_spans_on_their_ranks_tracks(mode: str) -> None:
+    async with asyncexec.Executor(2, resources_per_worker=CPU, timeline=True) as ex:
+        began = time.monotonic()
+        assert await ex.execute(slow_add, 1) == [2, 2]
+        assert await ex.execute_single(1, slow_add, 2) == 3
+        ended = time.monotonic()
+        assert ex.timeline is not None
+        events = ex.timeline.events()
+    calls = [e for e in events if e[0] == "X" and e[3] == "call"]
+    assert [(e[1], e[2]) for e in calls] == [(0, "slow_add"), (1, "slow_add"), (1, "slow_add")]
+    for _, _, _, _, start, end, _ in calls:
+        assert began <= start and start + 0.02 <= end <= ended
+    assert calls[2][4] >= max(calls[0][5], calls[1][5])  # the second execute after the first
+
+
+def independent(config: dict[str, Any]) -> None:
+    """4 reports a rank, rank 1 slower; rank 1's first attempt fails after its second."""
+    ctx = asyncexec.get_context()
+    start = 2 if ctx.attempt > 1 else 0
+    for n in range(start, 4):
+        time.sleep(0.01 * (1 + ctx.world_rank))
+        asyncexec.report({"n": n})
+        if ctx.world_rank == 1 and ctx.attempt == 1 and n == 1:
+            raise ValueError("rank 1 fails once")
+
+
+@pytest.mark.timeout(60)
+async def test_independent_ranks_steps_and_a_renewed_rank_on_their_tracks(mode: str) -> None:
+    policy = asyncexec.RestartPolicy(max_restarts=1, restart_on_user_error=True)
+    async with asyncexec.Executor(2, resources_per_worker=CPU, restart=policy, timeline=True) as ex:
+        seen = [(s.rank, s.index) async for s in ex.run(independent, independent=True)]
+        assert ex.timeline is not None
+        events = ex.timeline.events()
+    assert sorted(r for r, _ in seen) == [0] * 4 + [1] * 4
+    for rank in (0, 1):
+        steps = [e for e in events if e[0] == "X" and e[1] == rank and e[3] == "step"]
+        assert [e[2] for e in steps] == [f"step {i}" for r, i in seen if r == rank]
+        for before, after in itertools.pairwise(steps):
+            assert before[4] <= before[5] <= after[4] <= after[5]
+    [failed] = [e for e in events if e[3] == "failure"]
+    assert failed[:3] == ("i", 1, "failed: WorkerRaisedError")
+    [renewal] = [e for e in events if e[2] == "replace rank"]
+    assert renewal[1] == 1 and renewal[3] == "restart" and failed[4] <= renewal[4]
+    second = [e for e in events if e[1] == 1 and e[3] == "step"][2]  # the second attempt's
+    assert renewal[5] <= second[5]

@@ -80,18 +80,34 @@ async def test_a_span_the_users_method_opens_is_a_child_of_the_drivers_call(
             plain = await ex.call(span_in_worker, 1)
             method = await ex.call(Worker.work, 2, on=asyncexec.rank(1))
             streamed = [out async for _, out in ex.stream(Worker.work_async, 3)]
+            executed = await ex.execute(span_in_worker, 4)
     spans = exported.get_finished_spans()
     [request] = [s for s in spans if s.name == "app.request"]
     calls = {_ids(s): s for s in spans if s.name == "asyncexec.call"}
-    assert len(calls) == 2 + 1 + 2
+    assert len(calls) == 2 + 1 + 2 + 2
     for call in calls.values():  # each rank's call is a child of the application's span
         assert call.parent is not None and call.parent.span_id == request.context.span_id
-    for out in [*plain, method, *streamed]:
+    for out in [*plain, method, *streamed, *executed]:
         assert out["parent"] in calls, out  # the worker's span: a child of one call's span
         assert out["trace_id"] == request.context.trace_id
     ranks = sorted(calls[out["parent"]].attributes["asyncexec.rank"] for out in plain)
     assert ranks == [0, 1]
     assert calls[method["parent"]].attributes["asyncexec.function"] == "Worker.work"
+
+
+def span_in_run() -> None:
+    asyncexec.report(span_in_worker(asyncexec.get_context().world_rank))
+
+
+async def test_a_span_the_runs_function_opens_is_a_child_of_its_attempt(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+        outs = [r.metrics async for step in ex.run(span_in_run) for r in step.reports]
+    [attempt] = [s for s in exported.get_finished_spans() if s.name == "asyncexec.attempt"]
+    assert sorted(out["x"] for out in outs) == [0, 1]
+    for out in outs:
+        assert out["parent"] == _ids(attempt) and out["trace_id"] == attempt.context.trace_id
 
 
 def fail_first_attempt() -> None:

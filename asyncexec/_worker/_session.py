@@ -24,6 +24,7 @@ from typing import Any
 from .._checkpoint import Checkpoint
 from .._errors import ExecutorStateError
 from .._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext
+from .._tracing import attached
 from . import _place
 from ._outcomes import error_outcome, takes_config, value_outcome
 from ._place import current_place
@@ -137,6 +138,7 @@ class Session:
         self.checkpoint: Checkpoint | None = start.checkpoint
         self.shards = dict(start.shards)
         self._function_context = start.function_context
+        self._trace_context = start.trace_context
         self._fn = fn
         self._args = (config,) if takes_config(fn) else ()
         self._loop = loop
@@ -161,7 +163,10 @@ class Session:
 
     def _call(self) -> Any:
         factory = self._function_context
-        with factory() if factory is not None else contextlib.nullcontext():
+        with (
+            attached(self._trace_context),  # the driver's attempt span, when traced
+            factory() if factory is not None else contextlib.nullcontext(),
+        ):
             if inspect.iscoroutinefunction(self._fn):
                 return asyncio.run(self._run_async())
             return self._fn(*self._args)

@@ -23,7 +23,8 @@ from ..._errors import AsyncExecError, ConfigurationError, describe
 from ..._interface import WorkerMethod
 from ..._protocol import Outcome, WorkerContext, WorkerMetadata
 from ..._taskgroups import task_group
-from ..._timeline import Timeline
+from ..._timeline import Timeline, traced_fn
+from ..._tracing import Carried, call_span
 from ...backends._base import Backend
 from .._interrupt import hurried_away
 from ..cluster import Cluster, Handle, Placement, backend_error, outcome_error, settle, submit
@@ -151,7 +152,7 @@ class WorkerGroup:
 
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn`` on every worker concurrently; results in rank order."""
-        calls = [submit(self, w, "execute", fn, *args, **kwargs) for w in self.workers]
+        calls = [_execute_on(self, w, fn, args, kwargs) for w in self.workers]
         return self.values(await self.gather(calls), self.workers)
 
     async def execute_single(
@@ -161,7 +162,7 @@ class WorkerGroup:
         if not 0 <= rank < len(self.workers):
             raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
         worker = self.workers[rank]
-        calls = [submit(self, worker, "execute", fn, *args, **kwargs)]
+        calls = [_execute_on(self, worker, fn, args, kwargs)]
         values: list[T] = self.values(await self.gather(calls), [worker])
         return values[0]
 
@@ -304,3 +305,14 @@ async def answers(refs: Sequence[Any], timeout_s: float) -> list[Any]:
             if ref is not None:
                 tg.start_soon(one, i)
     return results
+
+
+def _execute_on(
+    group: WorkerGroup, worker: WorkerInfo, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Awaitable[Any]:
+    """Send ``execute`` of ``fn`` to ``worker``: on the group's timeline when it has one, in an
+    OpenTelemetry span (its context carried to the worker) when tracing is on."""
+    span, context = call_span(fn, worker.rank)  # None unless traced
+    sent = fn if context is None else Carried(fn, context)
+    call = submit(group, worker, "execute", sent, *args, **kwargs)
+    return traced_fn(group, worker.rank, fn, call, span)

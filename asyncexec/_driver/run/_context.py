@@ -16,6 +16,7 @@ from ..._checkpoint import Checkpoint, join_path
 from ..._config import ExecutorConfig
 from ..._errors import AsyncExecError, WorkerError, describe
 from ..._protocol import RunStart
+from ..._tracing import current_traceparent
 from ...backends._base import Backend
 from .._metrics import RunMeter
 from .._restart import RestartPolicy
@@ -108,6 +109,7 @@ class RunContext:
             step_offset,
             shards,
             function_context,
+            current_traceparent(),  # None unless traced
         )
 
     def log_failure(self, exc: AsyncExecError) -> None:

@@ -44,6 +44,7 @@ from ..._errors import (
 )
 from ..._protocol import Poll
 from ..._taskgroups import task_group
+from ..._timeline import rank_failed, rank_reports, timed
 from .._restart import PreemptionsSpent
 from ..cluster import at_attempt, outcome_error, submit
 from ..group import WorkerGroup, refill_spare, renew_rank, watch
@@ -187,6 +188,7 @@ class IndependentRun:
                                 progressed[0] = self.delivered[rank] > before
                                 failures.append(exc)
                                 self.run.failures.append(exc)
+                                rank_failed(ctx.slot.timeline, rank, exc)
                                 ctx.log_failure(exc)
                                 if not await ctx.preemption.is_preemption([exc]):
                                     raise
@@ -247,7 +249,8 @@ class IndependentRun:
         spares = len(group.spares)
         group.restore_from = self.latest[rank]  # the new worker's roles restore from it
         try:
-            freed = await renew_rank(group, rank)
+            renewal = renew_rank(group, rank)
+            freed = await timed(self.ctx.slot.timeline, rank, "replace rank", "restart", renewal)
         except Exception as exc:
             error = StartupError(f"replacing rank {rank}: {describe(exc)}")
             error.__cause__ = exc
@@ -294,6 +297,7 @@ class IndependentRun:
         the hand-over's count)."""
         first_seq = self.credit.received[key]
         count = len(poll.reports)
+        rank_reports(self.ctx.slot.timeline, rank, self.handover.steps, poll.times)
         self.delivered[rank] += count
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
         pruned: list[str] = []
