@@ -8,6 +8,7 @@ docs/rl-loops.md walks through it; :func:`train_local` runs the same algorithm w
     python examples/ppo_cartpole.py                 # until solved (about 40 s on 2 cores)
     python examples/ppo_cartpole.py --kill-rollout-at 20 --kill-learner-at 47   # with faults
     python examples/ppo_cartpole.py --rollout-workers 4 --staleness 2 --max-updates 400
+    python examples/ppo_cartpole.py --max-updates 12 --kill-rollout-at 6 --timeline ppo.png
 """
 
 from __future__ import annotations
@@ -411,11 +412,12 @@ async def main(
     kill_learner_at: int | None = None, checkpoint_every: int = 5, max_restarts: int = 3,
     transport: Literal["object_store", "torch"] = "object_store", ppo: PPOConfig | None = None,
     storage_path: str | os.PathLike[str] | None = None,
-    on_update: Callable[[int, float], None] | None = None,
+    on_update: Callable[[int, float], None] | None = None, timeline: str | None = None,
 ) -> Summary:  # fmt: skip
     """Train PPO with a learner and a rollout group; what happened. The arguments are the
     command line's (:func:`cli`); ``on_update(update, average return of the last 100 episodes)``
-    is called after each update."""
+    is called after each update; ``timeline``: where to write the rollout group's timeline
+    (``.png`` or Perfetto JSON), and the learner's beside it (``-learner`` added to its name)."""
     ppo = ppo or PPOConfig()
     if rollout_workers * ppo.envs_per_worker < learner_workers:
         raise ValueError("fewer environments than learner ranks")
@@ -426,16 +428,17 @@ async def main(
     reservation = asyncexec.Reservation(bundles, {"CPU": 1}, name="ppo")
     shared = {"reservation": reservation, "resources_per_worker": {"CPU": 0.5},
               "storage_path": storage_path}  # fmt: skip
+    timed = timeline is not None  # each group keeps a timeline
     async with anyio.create_task_group() as probe:
         probe.start_soon(probe_loop_lag, lags)
         async with (
             reservation,
             asyncexec.Executor(learner_workers, backend=TorchBackend(backend="gloo"),
                                roles=asyncexec.Role(Learner, ppo, checkpoints, checkpoint_every),
-                               name="learner", **shared) as learner,
+                               name="learner", timeline=timed, **shared) as learner,
             asyncexec.Executor(rollout_workers, roles=asyncexec.Role(Rollout, ppo),
                                restart=asyncexec.RestartPolicy(max_restarts=max_restarts),
-                               name="rollout", **shared) as rollout,
+                               name="rollout", timeline=timed, **shared) as rollout,
             asyncexec.WeightChannel(learner, rollout, transport=transport,
                                     max_staleness=1) as channel,
         ):  # fmt: skip
@@ -469,6 +472,10 @@ async def main(
         probe.cancel_scope.cancel()
     s.loop_lag_ms, s.running_loop_lag_ms = percentiles_ms(lags), percentiles_ms(lags[started:])
     s.seconds = time.perf_counter() - s.started
+    if timeline is not None and rollout.timeline and learner.timeline:
+        stem, ext = os.path.splitext(timeline)
+        rollout.timeline.export(timeline, f"PPO rollout ranks ({s.updates} updates)")
+        learner.timeline.export(f"{stem}-learner{ext}", f"PPO learner ranks ({s.updates} updates)")
     return s
 
 
@@ -492,6 +499,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--lr", type=float, default=PPOConfig.lr)
     add("--seed", type=int, default=PPOConfig.seed)
     add("--storage-path", default=None, help="where checkpoints go")
+    add("--timeline", metavar="PATH", help="write the groups' timelines (.png or JSON)")
     add("--quiet", action="store_true", help="print the summary only")
     args = vars(parser.parse_args(argv))  # main()'s arguments, and these:
     quiet, stop_when_solved = args.pop("quiet"), not args.pop("no_stop")

@@ -8,6 +8,7 @@ The algorithm alone is checked without Ray first."""
 from __future__ import annotations
 
 import gc
+import json
 from pathlib import Path
 
 import numpy as np
@@ -96,8 +97,17 @@ def test_command_line_prints_the_summary(
     ppo = import_example("ppo_cartpole")
     gc.unfreeze()
     try:
+        timeline = ["--timeline", str(tmp_path / "ppo.json")]
         rc = ppo.cli(
-            ["--max-updates", "8", "--no-stop", "--quiet", "--storage-path", str(tmp_path)]
+            [
+                "--max-updates",
+                "8",
+                "--no-stop",
+                "--quiet",
+                "--storage-path",
+                str(tmp_path),
+                *timeline,
+            ]
         )
         frozen = gc.get_freeze_count()  # main() froze the heap once both groups were up
     finally:
@@ -109,3 +119,8 @@ def test_command_line_prints_the_summary(
     assert "0 steps dropped" in out
     assert "loop lag p50" in out
     assert rc == 0  # the return rose (--no-stop) and no batch was over the bound
+    # --timeline: the rollout group's steps and the learner's calls, each group's file.
+    for name, kind in (("ppo.json", "step"), ("ppo-learner.json", "call")):
+        events = json.loads((tmp_path / name).read_text())["traceEvents"]
+        ranks = {e["tid"] - 1 for e in events if e.get("cat") == kind}
+        assert ranks == {0, 1}, name
