@@ -156,3 +156,31 @@ async def test_independent_ranks_steps_and_a_renewed_rank_on_their_tracks(mode: 
     assert renewal[1] == 1 and renewal[3] == "restart" and failed[4] <= renewal[4]
     second = [e for e in events if e[1] == 1 and e[3] == "step"][2]  # the second attempt's
     assert renewal[5] <= second[5]
+
+
+def test_counters_and_one_ranks_reports_export_draw_and_leave_the_ring_whole(
+    tmp_path: Path,
+) -> None:
+    from array import array
+
+    from asyncexec._protocol import ReportTimes
+    from asyncexec._timeline import Timeline
+
+    timeline = Timeline(capacity=8)
+    now = time.monotonic()
+    # A worker's clock 100 s behind the driver's: 3 reports, each after 0.1 s of work.
+    calls = array("d", [now - 100.3, now - 100.2, now - 100.1])
+    busy = array("d", [0.1, 0.1, 0.1])
+    timeline.reports(1, 5, ReportTimes(calls, busy, now - 100.0).pack())
+    timeline.counter(PIPELINE, "rollouts", "pipeline", now, {"in flight": 2, "buffered": 0})
+    timeline.span(PIPELINE, "update v1 (keep)", "update", now, now + 0.1)
+    steps = [e for e in timeline.events() if e[3] == "step"]
+    assert [(e[1], e[2]) for e in steps] == [(1, "step 5"), (1, "step 6"), (1, "step 7")]
+    for e, at in zip(steps, (0.3, 0.2, 0.1), strict=True):
+        assert e[5] == pytest.approx(now - at, abs=0.05) and e[5] - e[4] == pytest.approx(0.1)
+    timeline.export(tmp_path / "t.json")
+    timeline.render(tmp_path / "t.png", "counters are not drawn")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    for i in range(6):  # the oldest entry (3 reports) leaves whole
+        timeline.instant(PIPELINE, f"batch v{i} (1)", "batch")
+    assert timeline.statistics() == asyncexec.TimelineStatistics(8, 8, 3)
