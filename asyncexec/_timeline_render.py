@@ -64,7 +64,8 @@ def render(
         ax.axvspan(begin, begin + width, color=COLOURS["restart"], alpha=0.12, lw=0)
         ax.axvline(begin, color=COLOURS["failure"], lw=1.2, ls="--")
         ax.text(begin, len(tracks) - 0.35, " restart", color=COLOURS["failure"], fontsize=8)
-    for (track, kind), spans in bars.items():
+    # A pipeline's update first: its pause, push and resume are drawn over it.
+    for (track, kind), spans in sorted(bars.items(), key=lambda item: item[0][1] != "update"):
         y = rows[track]
         # A driver's nested phases are drawn thinner, over the span that holds them.
         height = 0.7 if kind in ("step", "call", "push", "attempt", "update") else 0.5
@@ -102,11 +103,10 @@ def _label_driver(
     labels: dict[tuple[int, str], list[str]],
     rows: dict[int, int],
 ) -> None:
-    """Name the driver's and the pipeline's spans where they have room (6 % of the picture
-    or more)."""
+    """Name the driver's spans where they have room (6 % of the picture or more)."""
     total = max((s + w for spans in bars.values() for s, w in spans), default=1.0) or 1.0
     for (track, kind), spans in bars.items():
-        if track not in _NAMES:
+        if track != -1:  # (the pipeline's names are longer than its spans: its legend tells)
             continue
         for (begin, width), label in zip(spans, labels[(track, kind)], strict=True):
             if width > 0.06 * total:  # the driver's phases named where they have room
