@@ -8,10 +8,11 @@ opens spans named ``asyncexec.run``, ``asyncexec.attempt``, ``asyncexec.restart`
 ``asyncexec.call`` (one per rank a call goes to) and ``asyncexec.push.read`` /
 ``asyncexec.push.deliver``. A call carries its span's context to the worker as a W3C
 ``traceparent`` (inside the call's leading argument: see :class:`Carried`), where it is the
-current context while the method runs: a span the
-method opens is a child of the driver's call. asyncexec configures no exporter, as it configures
-no logging: with no provider set (the API's default), nothing is made and nothing is carried,
-and without the API installed each place pays one check.
+current context while the method runs: a span the method opens is a child of the driver's call
+(a run's function, likewise, of its attempt's span: ``RunStart.trace_context``). asyncexec
+configures no exporter, as it configures no logging: with no provider set (the API's default),
+nothing is made and nothing is carried, and without the API installed each place pays one
+check.
 """
 
 from __future__ import annotations
