@@ -237,7 +237,7 @@ async def test_an_expired_request_stops_on_its_server_and_is_regenerated_once(mo
     batches = []
     async with (
         asyncexec.Executor(2, resources_per_worker=CPU, roles=asyncexec.Role(Chunky)) as servers,
-        asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1) as pipe,
+        asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1, max_requeues=1) as pipe,
     ):
         async for batch in pipe:
             batches.append(batch)

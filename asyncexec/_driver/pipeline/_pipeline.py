@@ -96,7 +96,7 @@ class Pipeline:
         staleness: int = 1,
         mode: Mode = "strict",
         on_expire: OnExpire = "requeue",
-        max_requeues: int = 1,
+        max_requeues: int = 4,
         on_update: OnUpdate = "keep",
         channel: WeightChannel | None = None,
         consumed: Mapping[str, Any] | None = None,
