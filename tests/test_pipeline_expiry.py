@@ -252,3 +252,27 @@ async def test_an_expired_request_stops_on_its_server_and_is_regenerated_once(mo
     assert min(slow) < 150  # the expired one stopped on its server
     [sample] = [s for b in batches for s in b.samples if s.id == 0]
     assert len(sample.versions) == 150 and _oldest(sample) >= 2
+
+
+@pytest.mark.timeout(20)
+async def test_a_stoppable_request_whose_caller_is_cancelled_stops_on_its_server() -> None:
+    """Local mode: ``generate_stoppable``'s cancelled caller frees the server's slot within a
+    chunk and the generation ends there (``generate`` keeps both until the server answers:
+    ``tests/test_router_units.py``)."""
+    async with (
+        asyncexec.Executor(2, roles=Chunky, local=True) as servers,
+        asyncexec.Router(servers, max_in_flight=1) as router,
+    ):
+        with anyio.move_on_after(0.1):
+            await router.generate_stoppable(asyncexec.RolloutRequest(0, {"id": 0, "length": 200}))
+        with anyio.fail_after(2):
+            while sum(router.in_flight.values()):  # noqa: ASYNC110 (no event for it)
+                await anyio.sleep(0.005)
+        records = await servers.call(asyncexec.method(Chunky, Chunky.records))
+        [made] = [made for rank in records for _, made in rank]
+        assert made < 100  # of 200: stopped about 0.1 s in (5 ms a chunk)
+        sample = await router.generate_stoppable(
+            asyncexec.RolloutRequest(1, {"id": 1, "length": 2})
+        )
+        assert sample.output == [0, 1]
+        assert router.statistics.late_dropped == 0
