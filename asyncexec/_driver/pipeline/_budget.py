@@ -25,10 +25,10 @@ aggregate, and the realised staleness is measured.
 
 Expiry (strict mode, S >= 1): when B samples are finished and the batch waits only for samples
 in flight that would expire after it, :meth:`expiring` names the deadline up to which those
-could be expired instead (aborted and their prompts requeued: admitted again at ``v``, their
-deadline becomes ``v + S``). The pipeline expires the ones it may (not those requeued too often
-already) and asks :meth:`ready` again: the bound is :meth:`ready`'s, expiry only removes samples
-in flight.
+could be expired instead (cancelled and their prompts requeued: admitted again at ``v`` or
+later, their deadline becomes ``v + S`` or later). The pipeline expires the ones it may (not
+those requeued too often already) and asks :meth:`ready` again: the bound is :meth:`ready`'s,
+expiry only removes samples in flight.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ class Budget(Generic[T]):
         """Strict mode, S >= 1, at least B finished and a batch that waits: the latest deadline
         ``t < v + S`` whose need the B oldest finished samples do not meet, so that expiring
         the samples in flight with a deadline at or before ``t`` (their prompts admitted again
-        now, with the deadline ``v + S``) lets the batch go sooner; None otherwise."""
+        at ``v`` or later, with a deadline of ``v + S`` or later) lets the batch go sooner;
+        None otherwise."""
         if not self.strict or not self.staleness or self.finished_count < self.batch_size:
             return None
         b, v = self.batch_size, self.version
