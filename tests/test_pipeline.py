@@ -219,13 +219,16 @@ class Learner:
 async def test_keep_over_a_weight_channel_gives_samples_a_version_per_chunk(mode: str) -> None:
     """The servers install through ``load_weights`` from the channel (registered in
     ``RolloutServer.__init__``, outside any run); the slow prompt 0 is parked by the update
-    and goes on with the new weights."""
+    and goes on with the new weights (``on_expire="wait"``: the batch of version 1 waits for
+    it, where the default would requeue it)."""
     prompts = [{"id": i, "length": 1, "slow": i == 0} for i in range(6)]
     async with (
         asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Learner)) as learner,
         _servers() as servers,
         asyncexec.WeightChannel(learner, servers) as channel,
-        asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1, channel=channel) as pipe,
+        asyncexec.Pipeline(
+            servers, prompts, batch_size=2, staleness=1, channel=channel, on_expire="wait"
+        ) as pipe,
     ):
         batches = []
         async for batch in pipe:

@@ -1,11 +1,16 @@
 """Admission: prompts from the source (and the requeued ones, first) to the servers under the
 budget, one task per request in the pipeline's task group, and the samples that come back put
-in the budget's buffer (aborted ones requeued at the head, duplicates dropped)."""
+in the budget's buffer (aborted ones requeued at the head, duplicates dropped); and expiry: the
+requests a strict batch would wait for, cancelled and their prompts held until the next version,
+then requeued at the head."""
 
 from __future__ import annotations
 
 import heapq
+import time
+from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Hashable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -24,6 +29,20 @@ __all__ = ["Admission", "Item"]
 
 #: What the buffer keeps of a sample: the sample and the learner's version it counts as.
 Item = tuple[Sample, int]
+
+
+@dataclass
+class _Running:
+    """A request in flight (``order``: its place in the queue), the version it was admitted at,
+    when, its scope (cancelled to expire it), and whether it was expired (then its task only
+    ends: the prompt was requeued)."""
+
+    request: RolloutRequest
+    order: int
+    admitted: int
+    started: float = field(default_factory=time.monotonic)
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    expired: bool = False
 
 
 async def _requests(prompts: Any, consumed: Consumed) -> AsyncIterator[RolloutRequest]:
@@ -62,6 +81,7 @@ class Admission:
         consumed: Consumed,
         meter: Meter,
         log: Logger,
+        max_requeues: int = 0,
     ) -> None:
         self.source = _requests(prompts, consumed)
         self.servers = servers
@@ -79,6 +99,15 @@ class Admission:
         self.offset = 0
         self.changed = anyio.Event()
         self.track: PipelineTrack | None = None  # on the servers' timeline, when on
+        #: How often a prompt may be expired; after that a batch waits for it (0: never).
+        self.max_requeues = max_requeues
+        self.running: dict[Hashable, _Running] = {}
+        self.expiries: Counter[Hashable] = Counter()  # by prompt id, until consumed
+        #: Expired prompts by the version they expired at, then their place: requeued once
+        #: the learner's version is past it (admitted at the start of a version, a prompt has
+        #: the longest time to its deadline; admitted at once, at the end of one, it would
+        #: have one training step's).
+        self.held: list[tuple[int, int, RolloutRequest]] = []
 
     def notify(self) -> None:
         """Something changed: wake whoever waits (the admission loop, the learner)."""
@@ -91,10 +120,18 @@ class Admission:
     @property
     def final(self) -> bool:
         """Nothing more will be admitted unless an aborted prompt comes back."""
-        return self.exhausted and not self.queue
+        return self.exhausted and not self.queue and not self.held
+
+    def _release(self) -> None:
+        """Requeue the held prompts whose version is past."""
+        while self.held and self.held[0][0] < self.budget.version:
+            _, order, request = heapq.heappop(self.held)
+            heapq.heappush(self.queue, (order, request))
 
     def may_admit(self) -> bool:
-        return self.open and self.budget.admissible() > 0 and not self.final
+        self._release()
+        waiting = bool(self.queue) or not self.exhausted
+        return self.open and self.budget.admissible() > 0 and waiting
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         """Admit prompts for as long as the pipeline lives (a task of its group)."""
@@ -119,6 +156,7 @@ class Admission:
             tg.start_soon(self._generate, request, admitted, order)
 
     async def _next(self) -> tuple[int, RolloutRequest] | None:
+        self._release()
         if self.queue:
             return heapq.heappop(self.queue)
         try:
@@ -132,12 +170,21 @@ class Admission:
             return None
 
     async def _generate(self, request: RolloutRequest, admitted: int, order: int) -> None:
+        record = self.running[request.id] = _Running(request, order, admitted)
         try:
-            sample = await self.servers.generate(request)
+            with record.scope:
+                sample = await self.servers.generate(request)
         except BaseException:
-            self.budget.drop(admitted)
-            self.pending.discard(request.id)
+            if not record.expired:
+                self.budget.drop(admitted)
+                self.pending.discard(request.id)
             raise
+        finally:
+            if self.running.get(request.id) is record:
+                del self.running[request.id]
+            self.meter.generated_s += time.monotonic() - record.started
+        if record.expired:  # dropped and requeued by expire(); a sample that came is not used
+            return
         if sample.aborted:
             self.budget.drop(admitted)
             self.pending.discard(request.id)
@@ -155,6 +202,36 @@ class Admission:
         self.meter.in_flight_changed(self.budget.in_flight_count)
         counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
         self.notify()
+
+    def expire(self) -> int:
+        """Expire what the budget says a strict batch waits for (:meth:`Budget.expiring`):
+        the requests in flight with a deadline up to it, except prompts expired
+        ``max_requeues`` times already (the batch waits for those). Each is cancelled (its
+        server stops it) and its prompt is held, then requeued at the head of the queue once
+        the version is past this one. Returns how many."""
+        cutoff = self.budget.expiring() if self.max_requeues else None
+        if cutoff is None:
+            return 0
+        s = self.budget.staleness
+        now = time.monotonic()
+        expired = 0
+        for id, record in list(self.running.items()):
+            if record.admitted + s > cutoff or self.expiries[id] >= self.max_requeues:
+                continue
+            record.expired = True
+            record.scope.cancel()
+            del self.running[id]
+            self.budget.drop(record.admitted)
+            self.pending.discard(id)
+            self.expiries[id] += 1
+            heapq.heappush(self.held, (self.budget.version, record.order, record.request))
+            self.meter.expired(now - record.started)
+            expired += 1
+        if expired:
+            self.log.debug("pipeline_expired", version=self.budget.version, expired=expired)
+            self.meter.in_flight_changed(self.budget.in_flight_count)
+            self.notify()
+        return expired
 
     def learner_version(self, sample: Sample) -> int:
         """The learner's version that made ``sample`` (its oldest chunk's): a chunk made before
@@ -175,6 +252,7 @@ class Admission:
         for sample in samples:
             self.consumed.add(sample.id)
             self.pending.discard(sample.id)
+            self.expiries.pop(sample.id, None)
         self.meter.consumed_batch(staleness, bound, waited_s)
         meters.batch(staleness, waited_s, budget.finished_count, self.meter.counts())
         self.notify()

@@ -22,6 +22,13 @@ expire after it). For S = 1 that is the rule "the batch contains every sample of
 that took fresh samples from leaving more than ``B`` to expire at once later. Aggregate batches
 (SkyRL's) take the ``B`` oldest finished samples as soon as there are ``B``: the bound holds on
 aggregate, and the realised staleness is measured.
+
+Expiry (strict mode, S >= 1): when B samples are finished and the batch waits only for samples
+in flight that would expire after it, :meth:`expiring` names the deadline up to which those
+could be expired instead (cancelled and their prompts requeued: admitted again at ``v`` or
+later, their deadline becomes ``v + S`` or later). The pipeline expires the ones it may (not
+those requeued too often already) and asks :meth:`ready` again: the bound is :meth:`ready`'s,
+expiry only removes samples in flight.
 """
 
 from __future__ import annotations
@@ -124,6 +131,31 @@ class Budget(Generic[T]):
             if taken < need and in_flight_before > 0:
                 waiting_helps = True
         return not waiting_helps
+
+    def expiring(self) -> int | None:
+        """Strict mode, S >= 1, at least B finished and a batch that waits: the latest deadline
+        ``t < v + S`` whose need the B oldest finished samples do not meet, so that expiring
+        the samples in flight with a deadline at or before ``t`` (their prompts admitted again
+        at ``v`` or later, with a deadline of ``v + S`` or later) lets the batch go sooner;
+        None otherwise."""
+        if not self.strict or not self.staleness or self.finished_count < self.batch_size:
+            return None
+        b, v = self.batch_size, self.version
+        unconsumed = taken = 0
+        left = b
+        in_flight_before = 0
+        cutoff: int | None = None
+        for deadline, count, ready in self._deadlines():
+            if deadline >= v + self.staleness:
+                break
+            unconsumed += count
+            in_flight_before += count - ready
+            take = min(ready, left)
+            taken, left = taken + take, left - take
+            need = unconsumed - max(0, deadline - v) * b
+            if taken < need and in_flight_before > 0:
+                cutoff = deadline
+        return cutoff
 
     def take(self) -> list[tuple[int, T]]:
         """Hand a batch: up to B finished samples, oldest version first, as (version, item);

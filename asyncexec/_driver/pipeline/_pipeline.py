@@ -30,7 +30,10 @@ __all__ = ["Pipeline"]
 
 Mode = Literal["strict", "aggregate"]
 OnUpdate = Literal["keep", "wait", "abort"]
+OnExpire = Literal["requeue", "wait"]
 _NO_STATE: Any = object()
+#: The statistics the ``pipeline_ended`` log line has.
+_ENDED = ("version", "consumed", "staleness_max", "beyond_bound", "expired", "trainer_idle_ratio")
 
 
 class Pipeline:
@@ -49,9 +52,9 @@ class Pipeline:
     the version of its oldest chunk when the learner gets it. Prompts are admitted while the
     samples admitted and not consumed stay within the budget ``(S + 1) * B`` (less the batch
     already taken at ``v``), and batches take finished samples oldest version first. In
-    ``"strict"`` mode a batch also waits for the samples that would otherwise expire, so no
-    sample is ever staler than S; ``"aggregate"`` (SkyRL's) never waits, and the staleness it
-    gets is measured. S = 0 is the synchronous loop. See the docs' RL pipeline page.
+    ``"strict"`` mode no sample is ever staler than S: a batch does not go while a sample in
+    flight would expire after it (``on_expire``: what it does about those); ``"aggregate"``
+    (SkyRL's) never waits, its staleness measured. S = 0 is the synchronous loop (the docs).
 
     Args:
         router: a :class:`~asyncexec.Router`, or an :class:`~asyncexec.Executor` whose role
@@ -63,6 +66,12 @@ class Pipeline:
             ends).
         staleness: S, the bound (0: the synchronous loop).
         mode: ``"strict"`` (every sample within S) or ``"aggregate"``.
+        on_expire: strict mode, S >= 1: what a batch does about samples in flight that would
+            expire after it, once B samples are finished: ``"requeue"`` (cancel them; their
+            prompts go back at the head of the queue at the next version, regenerated on its
+            weights) or ``"wait"`` (wait for them).
+        max_requeues: with ``"requeue"``, how often one prompt may be expired; after that a
+            batch waits for its sample (a bound on the bias toward short samples).
         on_update: what :meth:`update_weights` does to the rollouts in flight: ``"keep"``
             (they park at their next pause point and go on with the new weights, a version
             per chunk), ``"wait"`` (admission stops, they finish, then the push) or ``"abort"``
@@ -87,11 +96,15 @@ class Pipeline:
         batch_size: int = 64,
         staleness: int = 1,
         mode: Mode = "strict",
+        on_expire: OnExpire = "requeue",
+        max_requeues: int = 4,
         on_update: OnUpdate = "keep",
         channel: WeightChannel | None = None,
         consumed: Mapping[str, Any] | None = None,
     ) -> None:
         _check_arguments(prompts, batch_size, staleness, mode, on_update, channel)
+        _check_expiry(on_expire, max_requeues)
+        self.on_expire: OnExpire = on_expire
         self.servers = servers_of(router, channel)
         self.batch_size, self.staleness, self.mode = batch_size, staleness, mode
         self.on_update: OnUpdate = on_update
@@ -104,8 +117,9 @@ class Pipeline:
             batch_size, staleness, strict=mode == "strict", version=self._consumed.version
         )
         self._meter = Meter()
+        requeues = max_requeues if on_expire == "requeue" else 0  # how often a prompt expires
         self._admission = Admission(
-            prompts, self.servers, self._budget, self._consumed, self._meter, self.log
+            prompts, self.servers, self._budget, self._consumed, self._meter, self.log, requeues
         )
         self._admission.track = pipeline_track(self.servers.executor.timeline)
         self._tg: anyio.abc.TaskGroup | None = None
@@ -155,6 +169,7 @@ class Pipeline:
             batch_size=self.batch_size,
             staleness=self.staleness,
             mode=self.mode,
+            on_expire=self.on_expire,
             on_update=self.on_update,
             version=self.version,
             consumed=len(self._consumed),
@@ -177,14 +192,7 @@ class Pipeline:
                 finally:
                     await self.servers.close()
         stats = self.statistics
-        self.log.info(
-            "pipeline_ended",
-            version=stats.version,
-            consumed=stats.consumed,
-            staleness_max=stats.staleness_max,
-            beyond_bound=stats.beyond_bound,
-            trainer_idle_ratio=stats.trainer_idle_ratio,
-        )
+        self.log.info("pipeline_ended", **{k: getattr(stats, k) for k in _ENDED})
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -209,6 +217,8 @@ class Pipeline:
         started = time.monotonic()
         admission, budget = self._admission, self._budget
         while not budget.ready(final=admission.final):
+            if admission.expire():
+                continue
             if admission.final and not budget.in_flight_count and not budget.finished_count:
                 raise StopAsyncIteration
             stuck = not budget.in_flight_count and not admission.may_admit()
@@ -289,6 +299,11 @@ def _check_arguments(
             "the pipeline's channel must have max_staleness=1 (a push returns once every "
             f"server holds it: the versions count from there), got {channel.max_staleness}"
         )
+
+
+def _check_expiry(on_expire: Any, max_requeues: Any) -> None:
+    _check_choice("on_expire", on_expire, ("requeue", "wait"))
+    check_count("max_requeues", max_requeues)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -211,6 +211,18 @@ class Router:
             raise ConfigurationError(f"retry must be a bool, got {retry!r}")
         return await self.requests.run(request, deadline_s, retry)
 
+    async def generate_stoppable(
+        self, request: RolloutRequest, *, deadline_s: float | None = None, retry: bool = True
+    ) -> Sample:
+        """:meth:`generate`, except that when its caller is cancelled the request's attempts
+        are cancelled too: each stops on its server (``RolloutServer.generate`` is an ``async
+        def``) and frees its slot, rather than run to its end and be dropped. The pipeline's
+        way (a strict batch expiring a request, the pipeline closing)."""
+        self.check_open()
+        if deadline_s is not None:
+            _check_seconds("deadline_s", deadline_s)
+        return await self.requests.run(request, deadline_s, retry, stop=True)
+
     def count(self, name: str) -> None:
         self.counts[name] += 1
         self.meters.count(name)

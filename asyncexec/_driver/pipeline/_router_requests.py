@@ -40,6 +40,7 @@ class _Fate:
 
     answered: bool = False
     outstanding: set[int] = field(default_factory=set)  # its attempts in flight, by number
+    scopes: set[anyio.CancelScope] = field(default_factory=set)  # theirs, to stop them
 
 
 class Requests:
@@ -49,8 +50,10 @@ class Requests:
     def __init__(self, router: Any) -> None:
         self.router = router
 
-    async def run(self, request: RolloutRequest, deadline_s: float | None, retry: bool) -> Sample:
-        """See ``Router.generate``."""
+    async def run(
+        self, request: RolloutRequest, deadline_s: float | None, retry: bool, stop: bool = False
+    ) -> Sample:
+        """See ``Router.generate``; ``stop``: ``Router.generate_stoppable``."""
         router = self.router
         tg = router.check_open()
         router.count("requests")
@@ -92,8 +95,20 @@ class Requests:
                         "request_sent_again", rank=answer.rank, error=describe(error)
                     )
                     sent_at = 0.0
+            except anyio.get_cancelled_exc_class():
+                if stop:
+                    self._stop_attempts(fate)
+                raise
             finally:
                 self._drop_rest(receive, fate)
+
+    @staticmethod
+    def _stop_attempts(fate: _Fate) -> None:
+        """The caller of a stoppable request was cancelled: its attempts in flight are cancelled
+        too, and so their remote calls (an ``async def`` ``generate`` stops on its server and
+        frees its slot, rather than run to its end)."""
+        for scope in fate.scopes:
+            scope.cancel()
 
     async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
         """A server for ``request`` under the cap (waiting for one), counted as holding it."""
@@ -130,6 +145,7 @@ class Requests:
         answer = _Answer(r, server.worker)
         scope = anyio.CancelScope()
         server.scopes.add(scope)
+        fate.scopes.add(scope)
         with send:
             try:
                 with scope:
@@ -149,6 +165,7 @@ class Requests:
                     router.watch.lost(r, answer.worker)
             finally:
                 server.scopes.discard(scope)
+                fate.scopes.discard(scope)
                 router.balance.release(r)
                 router.meters.in_flight(r, server.in_flight)
                 fate.outstanding.discard(number)

@@ -37,8 +37,9 @@ class Servers:
             await self.router.__aexit__(None, None, None)
 
     async def generate(self, request: RolloutRequest) -> Sample:
-        """The sample of ``request`` (an idempotent request: sent again when its server dies)."""
-        return await self.router.generate(request, retry=True)
+        """The sample of ``request`` (an idempotent request: sent again when its server dies;
+        cancelled, it stops on its server)."""
+        return await self.router.generate_stoppable(request, retry=True)
 
     async def pause(self, mode: Literal["keep", "abort"]) -> int:
         return await self.router.pause(mode)

@@ -73,8 +73,9 @@ class PipelineStatistics:
         consumed: samples handed to the learner.
         in_flight: prompts admitted whose sample has not come back.
         buffer_depth: finished samples waiting for a batch; ``buffer_depth_max`` the most.
-        aborted: samples that came back aborted (``on_update="abort"``).
-        requeued: prompts put back at the head of the queue (aborted ones).
+        aborted: generations aborted: samples that came back aborted (``on_update="abort"``)
+            and requests expired.
+        requeued: prompts put back at the head of the queue (the aborted ones).
         duplicates: samples dropped because their id was consumed or waiting already.
         staleness_max: the largest staleness of a consumed sample; ``staleness_mean`` the mean.
         beyond_bound: consumed samples staler than the bound S (0 in strict mode).
@@ -84,6 +85,13 @@ class PipelineStatistics:
         pauses: per update mode (``"wait"``, ``"abort"``, ``"keep"``), the updates made and how
             long generation was paused for them (:class:`PauseFigures`).
         elapsed_s: the time since the pipeline started.
+        expired: requests a strict batch would have waited for, cancelled and requeued
+            instead (``on_expire="requeue"``; counted in ``aborted`` and ``requeued`` too).
+        expired_s: the time those requests had been in flight when expired: generation
+            thrown away.
+        generation_s: the time every request that ended was in flight (from its admission,
+            the wait for a server included): ``expired_s / generation_s`` is the share thrown
+            away.
     """
 
     version: int
@@ -102,6 +110,9 @@ class PipelineStatistics:
     rollout_idle_ratio: float
     pauses: Mapping[str, PauseFigures] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    expired: int = 0
+    expired_s: float = 0.0
+    generation_s: float = 0.0
 
 
 class Meter:
@@ -111,6 +122,8 @@ class Meter:
         self.started = time.monotonic()
         self.admitted = self.consumed = self.aborted = self.requeued = self.duplicates = 0
         self.buffer_depth_max = 0
+        self.expirations = 0
+        self.expired_s = self.generated_s = 0.0
         self.staleness_sum = self.staleness_max = self.beyond = 0
         self.trainer_idle_s = 0.0
         self.rollout_idle_s = 0.0
@@ -125,7 +138,15 @@ class Meter:
             "aborted": self.aborted,
             "requeued": self.requeued,
             "duplicates": self.duplicates,
+            "expired": self.expirations,
         }
+
+    def expired(self, in_flight_s: float) -> None:
+        """A request expired after ``in_flight_s``: aborted, its prompt requeued."""
+        self.expirations += 1
+        self.aborted += 1
+        self.requeued += 1
+        self.expired_s += in_flight_s
 
     def in_flight_changed(self, in_flight: int) -> None:
         """Track the time with nothing in flight."""
@@ -172,4 +193,7 @@ class Meter:
             rollout_idle_ratio=round(min(1.0, idle / elapsed), 4),
             pauses=dict(self.pauses),
             elapsed_s=round(elapsed, 4),
+            expired=self.expirations,
+            expired_s=round(self.expired_s, 4),
+            generation_s=round(self.generated_s, 4),
         )
