@@ -39,9 +39,9 @@ _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: wherever they are: in the worker, on the wire, in the driver. A rank learns what the consumer
 #: took from its next poll, so it moves at most a window per round trip: 2048 is what keeps a
 #: fast rank from waiting for credit (the batched floor's deque of 1024 has as many in flight:
-#: 1024 waiting in the worker and 1024 travelling). It costs about 0.5 MiB per rank of tiny
-#: reports and 2.5 MiB of 1 KB ones, in the driver at most (docs/benchmarks.md). An RL loop that
-#: bounds staleness sets it low.
+#: 1024 waiting in the worker and 1024 travelling). A held-back window of tiny reports holds
+#: about 0.5 MiB in the worker and 0.4 MiB in the driver per rank, of 1 KB reports 2.6 and
+#: 1.6 MiB (benchmarks/report_window.py). An RL loop that bounds staleness sets it low.
 DEFAULT_BUFFER_SIZE = 2048
 
 
