@@ -35,10 +35,14 @@ __all__ = [
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
-#: Reports a rank may have outstanding (reported, not yet taken by the consumer) by default.
-#: 1024 tiny reports are well under 1 MiB per rank; it is large enough for batched transfer to
-#: reach tens of thousands of reports per second. An RL loop that bounds staleness sets it low.
-DEFAULT_BUFFER_SIZE = 1024
+#: Reports a rank may have outstanding (reported, not yet taken by the consumer) by default,
+#: wherever they are: in the worker, on the wire, in the driver. A rank learns what the consumer
+#: took from its next poll, so it moves at most a window per round trip: 2048 is what keeps a
+#: fast rank from waiting for credit (the batched floor's deque of 1024 has as many in flight:
+#: 1024 waiting in the worker and 1024 travelling). A held-back window of tiny reports holds
+#: about 0.5 MiB in the worker and 0.4 MiB in the driver per rank, of 1 KB reports 2.6 and
+#: 1.6 MiB (benchmarks/report_window.py). An RL loop that bounds staleness sets it low.
+DEFAULT_BUFFER_SIZE = 2048
 
 
 def _is_number(value: object) -> bool:

@@ -92,7 +92,12 @@ class LoopGroup:
 
     async def floor(self, steps: int, *, timed: bool = False) -> dict[str, float]:
         """The bare batched floor: each worker's thread fills a bounded deque, one long-poll
-        task per worker drains it, and steps are assembled when every worker has reported."""
+        task per worker drains it, and steps are assembled when every worker has reported.
+
+        The bound (``self.bound``) counts only the reports waiting in a worker's deque: a poll
+        empties it, and the thread makes as many again while the answer travels and is
+        consumed, so up to twice the bound are in flight a worker. asyncexec's ``buffer_size``
+        counts every report the consumer has not taken (worker, wire and driver together)."""
         queues: list[deque[dict[str, Any]]] = [deque() for _ in self.actors]
         done = [False] * self.num
         changed = asyncio.Event()

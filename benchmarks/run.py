@@ -91,11 +91,17 @@ from _service import measure_service_first_event  # noqa: E402
 from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
 from _warm import measure_warm  # noqa: E402
 
+from asyncexec._config import DEFAULT_BUFFER_SIZE  # noqa: E402
+
 #: Every worker of every system asks for this, so that 3 groups of 16 fit in the Ray started here.
 RESOURCES = {"CPU": 0.25}
 #: Logical CPUs of the Ray started here (the machine may have fewer cores).
 RAY_CPUS = 16
-#: Reports a rank may have outstanding: asyncexec's default, and the floor's deque bound.
+#: The batched floor's deque bound. It bounds only the reports waiting in the floor's worker: a
+#: poll empties the deque, and the worker makes as many again while the answer travels and is
+#: consumed, so the floor has up to twice this in flight per worker. asyncexec's window
+#: (``buffer_size``, 2048 by default, not set here) bounds every report the consumer has not
+#: taken, wherever it is: the two systems run with as many reports in flight.
 BUFFER = 1024
 
 
@@ -602,6 +608,11 @@ class Bench:
                     f"{g(f'{column}_worker_cpu_us'):.1f} workers"
                 )
         lines.append("- CPU per report, 4 workers streaming (us): " + "; ".join(cpu))
+        lines.append(
+            f"- reports in flight per worker, at most: floor {2 * BUFFER:,} (a deque of {BUFFER:,} "
+            f"in the worker, as many on their way), asyncexec {DEFAULT_BUFFER_SIZE:,} "
+            "(its default buffer_size: the worker, the wire and the driver together)"
+        )
         lines.append(outlive)
         lines.append(
             f"- asyncexec start-up, 4 workers (s from entering): placement group ready "

@@ -55,7 +55,7 @@ POLL_CREDIT_SHARE = 0.75
 #: too, or after this many seconds, whichever comes first, when the rest is at least a batch of
 #: steps (a large window, where throughput counts more than a poll's latency). A consumer that
 #: keeps up takes its last batch in well under this (256 steps of one rank: about 0.1 ms), and
-#: the poll then carries the whole window: a round trip moves 1,024 reports instead of 768. A
+#: the poll then carries the whole window: a round trip moves 2,048 reports instead of 1,536. A
 #: slower consumer's poll goes this much later, while it still has a quarter of the window to
 #: take.
 CONSUMER_LINGER_S = 0.0005
