@@ -82,7 +82,7 @@ class _Servers:
     versions are the ones held when it started and when it ended. Counts starts and cancels."""
 
     def __init__(self, unit_s: float) -> None:
-        self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"))
+        self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"), timeline=None)
         self.unit_s = unit_s
         self.version = 0
         self.started: Counter[Any] = Counter()
