@@ -60,6 +60,7 @@ class _Methods:
         self.generate = method(cls, "generate")
         self.health = method(cls, "health")
         self.pause = method(cls, "pause")
+        self.abort = method(cls, "abort")
         self.resume = method(cls, "resume")
         self.weights_version = method(cls, "weights_version")
 
@@ -221,12 +222,23 @@ class Router:
         """Pause every serving server (``RolloutServer.pause``): ``"keep"`` parks each
         generation at its next pause point, ``"abort"`` ends each there; a server that joins
         while paused is paused before it takes a request. Returns once every server's chunks
-        have stopped, with the number of generations that were in flight."""
+        have stopped, with the number of generations that were in flight.
+
+        With ``"abort"`` each server hands its aborted samples back in one reply
+        (``RolloutServer.abort``), and each request they belong to is answered with its
+        aborted sample from there before this returns (the request's own reply, which the
+        server sends after the resume, is then dropped, uncounted)."""
         if mode not in ("keep", "abort"):
             raise ConfigurationError(f'pause() takes "keep" or "abort", got {mode!r}')
         self.check_open()
         self.paused = mode
-        counts = await self.watch.on_serving(self.methods.pause, mode)
+        if mode == "keep":
+            counts = list((await self.watch.on_serving(self.methods.pause, mode)).values())
+        else:
+            counts = []
+            for r, (count, samples) in (await self.watch.on_serving(self.methods.abort)).items():
+                counts.append(count)
+                self.requests.hand_back(r, samples)
         self.log.info("servers_paused", mode=mode, generations=sum(counts))
         return sum(counts)
 

@@ -9,8 +9,10 @@ See ``_router`` for the rules of where a request goes and when it is sent again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,13 @@ class _Answer:
     sample: Sample | None = None
     error: BaseException | None = None
     taken_out: bool = False
+    #: Its aborted sample came back in the server's pause reply (``hand_back``): the
+    #: attempt's own reply, later, is dropped uncounted.
+    handed: bool = False
+
+
+#: An attempt in flight: its answer, and the request's stream it goes to.
+_Live = tuple[_Answer, "MemoryObjectSendStream[_Answer]"]
 
 
 @dataclass
@@ -48,6 +57,9 @@ class Requests:
 
     def __init__(self, router: Any) -> None:
         self.router = router
+        #: The attempts in flight by server and request id: their answers, and where to send
+        #: them (a pause to abort answers them from the servers' replies).
+        self.live: dict[tuple[int, Hashable], list[_Live]] = {}
 
     async def run(self, request: RolloutRequest, deadline_s: float | None, retry: bool) -> Sample:
         """See ``Router.generate``."""
@@ -130,6 +142,9 @@ class Requests:
         answer = _Answer(r, server.worker)
         scope = anyio.CancelScope()
         server.scopes.add(scope)
+        live = (answer, send)
+        key = (r, request.id)
+        self.live.setdefault(key, []).append(live)
         with send:
             try:
                 with scope:
@@ -148,14 +163,43 @@ class Requests:
                 if isinstance(exc, GONE):
                     router.watch.lost(r, answer.worker)
             finally:
+                self._forget(key, live)
                 server.scopes.discard(scope)
                 router.balance.release(r)
                 router.meters.in_flight(r, server.in_flight)
                 fate.outstanding.discard(number)
-                try:
-                    send.send_nowait(answer)
-                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    self._dropped(answer, fate)
+                if not answer.handed:
+                    try:
+                        send.send_nowait(answer)
+                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                        self._dropped(answer, fate)
+
+    def _forget(self, key: tuple[int, Hashable], live: _Live) -> None:
+        found = self.live.get(key)
+        if found is not None:
+            with contextlib.suppress(ValueError):
+                found.remove(live)
+            if not found:
+                del self.live[key]
+
+    def hand_back(self, r: int, samples: list[Sample]) -> None:
+        """Server ``r``'s aborted samples, from its pause reply (``RolloutServer.abort``):
+        each answers the oldest attempt in flight there of its request, at once (the
+        attempt's own reply, after the resume, is dropped). A sample whose attempt is gone
+        (gave up meanwhile) is left: that attempt's own reply counts as before."""
+        for sample in samples:
+            key = (r, sample.id)
+            found = self.live.get(key)
+            if not found:
+                continue
+            live = found[0]
+            self._forget(key, live)
+            answer, send = live
+            try:
+                send.send_nowait(_Answer(r, answer.worker, sample=sample))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                continue  # the request is over: the attempt's own reply counts as before
+            answer.handed = True
 
     def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
         """Close the request's answers: those already there, and those still to come, are
