@@ -32,6 +32,9 @@ from ._session import get_context
 __all__ = ["RolloutRequest", "RolloutServer", "Sample"]
 
 PauseMode = Literal["keep", "abort"]
+#: After a resume, the replies of the generations that ``abort()`` handed back go one every
+#: this long (their callers have their samples already).
+HANDED_SPACING_S = 0.002
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
@@ -175,15 +178,15 @@ class _Gate:
         with self.lock:
             self.generations += 1
 
-    def ended(self, sample: Sample | None, aborted: bool) -> bool:
-        """A generation ended with ``sample`` (None: it raised): True when ``abort()``
-        collects it (the sample goes back in its reply; this generation's own reply waits
-        for the resume)."""
+    def ended(self, sample: Sample | None, aborted: bool) -> int | None:
+        """A generation ended with ``sample`` (None: it raised): its place among the samples
+        ``abort()`` collects when it collects it (the sample goes back in its reply; this
+        generation's own reply waits for the resume), else None."""
         with self.lock:
-            handed = False
+            handed = None
             if sample is not None and aborted and self.collecting:
+                handed = len(self.handed)
                 self.handed.append(sample)
-                handed = True
             self.generations -= 1
             if self.generations == 0:
                 self._wake_all(self.emptied)
@@ -374,8 +377,11 @@ class RolloutServer:
         finally:
             handed = gate.ended(sample, aborted)
         assert sample is not None  # (the generation raised otherwise)
-        if handed:  # the caller has it from abort()'s reply: this reply comes after resume()
+        if handed is not None:  # its caller has it from abort()'s reply: this one comes later
             await gate.wait_resumed()
+            # After the resume's reply, and one at a time: the driver takes them in without
+            # a stall (it needs none of them).
+            await asyncio.sleep((handed + 1) * HANDED_SPACING_S)
         return sample
 
     async def pause(self, mode: PauseMode) -> int:
@@ -398,10 +404,11 @@ class RolloutServer:
         """``pause("abort")`` that hands the aborted samples back in its own reply: every
         generation in flight ends at its next pause point (or finishes), and its aborted sample
         is in the list returned; its own :meth:`generate` call returns the same sample only
-        after :meth:`resume` (its caller has it already: one reply for all of them, which the
-        router uses). Requests that arrive once this returned, while paused, end at once as
-        under ``pause("abort")``. Returns once no generation is left, with the number of
-        generations that were in flight and the aborted samples."""
+        after :meth:`resume`, one every ``HANDED_SPACING_S`` (its caller has it already: one
+        reply for all of them, which the router uses). Requests that arrive once this
+        returned, while paused, end at once as under ``pause("abort")``. Returns once no
+        generation is left, with the number of generations that were in flight and the
+        aborted samples."""
         gate = self._gate()
         in_flight = gate.pause("abort", collect=True)
         try:

@@ -165,8 +165,9 @@ class Requests:
             finally:
                 self._forget(key, live)
                 server.scopes.discard(scope)
-                router.balance.release(r)
-                router.meters.in_flight(r, server.in_flight)
+                if not answer.handed:  # (a handed one gave its slot back then)
+                    router.balance.release(r)
+                    router.meters.in_flight(r, server.in_flight)
                 fate.outstanding.discard(number)
                 if not answer.handed:
                     try:
@@ -184,22 +185,25 @@ class Requests:
 
     def hand_back(self, r: int, samples: list[Sample]) -> None:
         """Server ``r``'s aborted samples, from its pause reply (``RolloutServer.abort``):
-        each answers the oldest attempt in flight there of its request, at once (the
-        attempt's own reply, after the resume, is dropped). A sample whose attempt is gone
-        (gave up meanwhile) is left: that attempt's own reply counts as before."""
+        each answers the oldest attempt in flight there of its request, at once, and gives
+        its slot back (the attempt's own reply, after the resume, is dropped). A sample
+        whose attempt is gone (gave up meanwhile) is left: that attempt's own reply counts as
+        before."""
+        router = self.router
         for sample in samples:
-            key = (r, sample.id)
-            found = self.live.get(key)
-            if not found:
+            found = self.live.get((r, sample.id), ())
+            live = next((x for x in found if not x[0].handed), None)
+            if live is None:
                 continue
-            live = found[0]
-            self._forget(key, live)
             answer, send = live
             try:
                 send.send_nowait(_Answer(r, answer.worker, sample=sample))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 continue  # the request is over: the attempt's own reply counts as before
             answer.handed = True
+            # The generation ended on the server: its slot is free (its reply comes later).
+            router.balance.release(r)
+            router.meters.in_flight(r, router.balance.servers[r].in_flight)
 
     def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
         """Close the request's answers: those already there, and those still to come, are
