@@ -65,6 +65,7 @@ class Requests:
         """See ``Router.generate``."""
         router = self.router
         tg = router.check_open()
+        await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
         router.count("requests")
         send, receive = anyio.create_memory_object_stream[_Answer](math.inf)
         fate = _Fate()
