@@ -113,6 +113,14 @@ async def test_router_abort_answers_each_request_from_the_pause_reply_once(mode:
         assert (stats.duplicates_dropped, stats.late_dropped, stats.retries) == (0, 0, 0)
         sample = await router.generate(asyncexec.RolloutRequest(99, (2, 0.0)))
         assert not sample.aborted and sample.output == [0, 1]
+        # Closed right after a resume: the held replies come first (none is cancelled).
+        async with anyio.create_task_group() as tg:
+            for i in range(100, 104):
+                tg.start_soon(ask, i)
+            await _wait_for(lambda: sum(router.in_flight.values()) == 4, 20)
+            await router.pause("abort")
+        await router.resume()
+    assert router.requests.handed == 0 and not router.requests.live
 
 
 @pytest.mark.ray_only

@@ -50,6 +50,8 @@ __all__ = ["Router", "RouterStatistics"]
 
 #: How many session keys the router remembers (the least recently used are forgotten).
 MAX_SESSIONS = 100_000
+#: How long a closing router waits for the replies a pause to abort answered already.
+HANDED_WAIT_S = 1.0
 
 
 class _Methods:
@@ -169,6 +171,11 @@ class Router:
         tg, self.tg = self.tg, None
         self.balance.wake()  # requests waiting for a slot see the router closed
         if tg is not None:
+            # The replies held by a pause to abort come once the servers resumed: cancelling
+            # them would cost a call each (and the driver their errors), so they come first.
+            if self.paused is None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(HANDED_WAIT_S):
+                    await self.requests.wait_handed()
             tg.cancel_scope.cancel()
             with one_error():
                 await tg.__aexit__(None, None, None)

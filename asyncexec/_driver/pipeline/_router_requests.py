@@ -60,6 +60,13 @@ class Requests:
         #: The attempts in flight by server and request id: their answers, and where to send
         #: them (a pause to abort answers them from the servers' replies).
         self.live: dict[tuple[int, Hashable], list[_Live]] = {}
+        self.handed = 0  # attempts answered by ``hand_back`` whose own replies are to come
+        self._handed_in = anyio.Event()
+
+    async def wait_handed(self) -> None:
+        """Until the attempts answered by ``hand_back`` have had their own replies."""
+        while self.handed:
+            await self._handed_in.wait()
 
     async def run(self, request: RolloutRequest, deadline_s: float | None, retry: bool) -> Sample:
         """See ``Router.generate``."""
@@ -169,6 +176,11 @@ class Requests:
                 if not answer.handed:  # (a handed one gave its slot back then)
                     router.balance.release(r)
                     router.meters.in_flight(r, server.in_flight)
+                else:
+                    self.handed -= 1
+                    if not self.handed:
+                        self._handed_in.set()
+                        self._handed_in = anyio.Event()
                 fate.outstanding.discard(number)
                 if not answer.handed:
                     try:
@@ -202,6 +214,7 @@ class Requests:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 continue  # the request is over: the attempt's own reply counts as before
             answer.handed = True
+            self.handed += 1
             # The generation ended on the server: its slot is free (its reply comes later).
             router.balance.release(r)
             router.meters.in_flight(r, router.balance.servers[r].in_flight)
