@@ -120,7 +120,7 @@ async def test_router_abort_answers_each_request_from_the_pause_reply_once(mode:
             await _wait_for(lambda: sum(router.in_flight.values()) == 4, 20)
             await router.pause("abort")
         await router.resume()
-    assert router.requests.handed == 0 and not router.requests.live
+    assert router.requests.held == 0 and not router.requests.live
 
 
 @pytest.mark.ray_only

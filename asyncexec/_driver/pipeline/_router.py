@@ -175,7 +175,7 @@ class Router:
             # them would cost a call each (and the driver their errors), so they come first.
             if self.paused is None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(HANDED_WAIT_S):
-                    await self.requests.wait_handed()
+                    await self.requests.wait_held()
             tg.cancel_scope.cancel()
             with one_error():
                 await tg.__aexit__(None, None, None)

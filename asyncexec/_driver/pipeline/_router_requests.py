@@ -37,6 +37,9 @@ class _Answer:
     #: Its aborted sample came back in the server's pause reply (``hand_back``): the
     #: attempt's own reply, later, is dropped uncounted.
     handed: bool = False
+    #: Its generation ended in a pause to abort that collected it: its slot was given back
+    #: then, and its own reply comes after the resume.
+    held: bool = False
 
 
 #: An attempt in flight: its answer, and the request's stream it goes to.
@@ -60,13 +63,13 @@ class Requests:
         #: The attempts in flight by server and request id: their answers, and where to send
         #: them (a pause to abort answers them from the servers' replies).
         self.live: dict[tuple[int, Hashable], list[_Live]] = {}
-        self.handed = 0  # attempts answered by ``hand_back`` whose own replies are to come
-        self._handed_in = anyio.Event()
+        self.held = 0  # attempts collected by a pause to abort whose own replies are to come
+        self._held_in = anyio.Event()
 
-    async def wait_handed(self) -> None:
-        """Until the attempts answered by ``hand_back`` have had their own replies."""
-        while self.handed:
-            await self._handed_in.wait()
+    async def wait_held(self) -> None:
+        """Until the attempts collected by a pause to abort have had their own replies."""
+        while self.held:
+            await self._held_in.wait()
 
     async def run(self, request: RolloutRequest, deadline_s: float | None, retry: bool) -> Sample:
         """See ``Router.generate``."""
@@ -173,14 +176,14 @@ class Requests:
             finally:
                 self._forget(key, live)
                 server.scopes.discard(scope)
-                if not answer.handed:  # (a handed one gave its slot back then)
+                if not answer.held:  # (a held one gave its slot back then)
                     router.balance.release(r)
                     router.meters.in_flight(r, server.in_flight)
                 else:
-                    self.handed -= 1
-                    if not self.handed:
-                        self._handed_in.set()
-                        self._handed_in = anyio.Event()
+                    self.held -= 1
+                    if not self.held:
+                        self._held_in.set()
+                        self._held_in = anyio.Event()
                 fate.outstanding.discard(number)
                 if not answer.handed:
                     try:
@@ -200,24 +203,25 @@ class Requests:
         """Server ``r``'s aborted samples, from its pause reply (``RolloutServer.abort``):
         each answers the oldest attempt in flight there of its request, at once, and gives
         its slot back (the attempt's own reply, after the resume, is dropped). A sample
-        whose attempt is gone (gave up meanwhile) is left: that attempt's own reply counts as
-        before."""
+        whose request is over (it gave up, or its caller left) answers nothing: that
+        attempt's own reply counts as before."""
         router = self.router
         for sample in samples:
             found = self.live.get((r, sample.id), ())
-            live = next((x for x in found if not x[0].handed), None)
+            live = next((x for x in found if not x[0].held), None)
             if live is None:
                 continue
             answer, send = live
+            # The generation ended on the server: its slot is free (its reply comes later).
+            answer.held = True
+            self.held += 1
+            router.balance.release(r)
+            router.meters.in_flight(r, router.balance.servers[r].in_flight)
             try:
                 send.send_nowait(_Answer(r, answer.worker, sample=sample))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 continue  # the request is over: the attempt's own reply counts as before
             answer.handed = True
-            self.handed += 1
-            # The generation ended on the server: its slot is free (its reply comes later).
-            router.balance.release(r)
-            router.meters.in_flight(r, router.balance.servers[r].in_flight)
 
     def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
         """Close the request's answers: those already there, and those still to come, are
