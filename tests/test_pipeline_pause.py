@@ -102,7 +102,7 @@ async def test_router_abort_answers_each_request_from_the_pause_reply_once(mode:
             await _wait_for(lambda: sum(router.in_flight.values()) == 12, 20)
             await anyio.sleep(0.1)  # under way on the servers
             assert await router.pause("abort") == 12
-        # Every caller answered, with the servers still paused.
+        # Every caller answered (the task group waited for them), the servers still paused.
         assert sorted(s.id for s in samples) == list(range(12))
         assert all(s.aborted and s.output for s in samples)
         assert sum(router.in_flight.values()) == 0  # their slots free (replies after resume)

@@ -233,8 +233,8 @@ class Router:
 
         With ``"abort"`` each server hands its aborted samples back in one reply
         (``RolloutServer.abort``), and each request they belong to is answered with its
-        aborted sample from there before this returns (the request's own reply, which the
-        server sends after the resume, is then dropped, uncounted)."""
+        aborted sample from there, over the next turns of the event loop (the request's own
+        reply, which the server sends after the resume, is then dropped, uncounted)."""
         if mode not in ("keep", "abort"):
             raise ConfigurationError(f'pause() takes "keep" or "abort", got {mode!r}')
         self.check_open()
@@ -242,10 +242,10 @@ class Router:
         if mode == "keep":
             counts = list((await self.watch.on_serving(self.methods.pause, mode)).values())
         else:
-            counts = []
-            for r, (count, samples) in (await self.watch.on_serving(self.methods.abort)).items():
-                counts.append(count)
-                self.requests.hand_back(r, samples)
+            replies = await self.watch.on_serving(self.methods.abort)
+            counts = [count for count, _ in replies.values()]
+            # The requests are answered over the next turns of the loop, as the resume goes.
+            self.check_open().start_soon(self.requests.hand_back, replies)
         self.log.info("servers_paused", mode=mode, generations=sum(counts))
         return sum(counts)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..._dispatch import rank as on_rank
@@ -25,6 +26,9 @@ from ..._worker import RolloutRequest, Sample
 from ._health import GONE
 
 __all__ = ["Requests"]
+
+#: Requests a pause to abort answers in one turn of the event loop (each wakes its caller).
+HAND_BACK = 16
 
 
 @dataclass
@@ -199,29 +203,39 @@ class Requests:
             if not found:
                 del self.live[key]
 
-    def hand_back(self, r: int, samples: list[Sample]) -> None:
-        """Server ``r``'s aborted samples, from its pause reply (``RolloutServer.abort``):
-        each answers the oldest attempt in flight there of its request, at once, and gives
-        its slot back (the attempt's own reply, after the resume, is dropped). A sample
-        whose request is over (it gave up, or its caller left) answers nothing: that
-        attempt's own reply counts as before."""
+    async def hand_back(self, replies: dict[int, tuple[int, list[Sample]]]) -> None:
+        """The servers' aborted samples, from their pause replies (``RolloutServer.abort``,
+        by rank): each answers the oldest attempt in flight there of its request, and gives
+        its slot back (the attempt's own reply, after the resume, is dropped); ``HAND_BACK``
+        a turn of the event loop (each wakes its caller). A sample whose request is over (it
+        gave up, or its caller left) answers nothing: that attempt's own reply counts as
+        before, as does one that comes before its sample is handed."""
+        woken = 0
+        for r, (_, samples) in replies.items():
+            for sample in samples:
+                if self._hand(r, sample):
+                    woken += 1
+                    if woken % HAND_BACK == 0:
+                        await anyio.lowlevel.checkpoint()
+
+    def _hand(self, r: int, sample: Sample) -> bool:
         router = self.router
-        for sample in samples:
-            found = self.live.get((r, sample.id), ())
-            live = next((x for x in found if not x[0].held), None)
-            if live is None:
-                continue
-            answer, send = live
-            # The generation ended on the server: its slot is free (its reply comes later).
-            answer.held = True
-            self.held += 1
-            router.balance.release(r)
-            router.meters.in_flight(r, router.balance.servers[r].in_flight)
-            try:
-                send.send_nowait(_Answer(r, answer.worker, sample=sample))
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                continue  # the request is over: the attempt's own reply counts as before
-            answer.handed = True
+        found = self.live.get((r, sample.id), ())
+        live = next((x for x in found if not x[0].held), None)
+        if live is None:
+            return False
+        answer, send = live
+        # The generation ended on the server: its slot is free (its reply comes later).
+        answer.held = True
+        self.held += 1
+        router.balance.release(r)
+        router.meters.in_flight(r, router.balance.servers[r].in_flight)
+        try:
+            send.send_nowait(_Answer(r, answer.worker, sample=sample))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False  # the request is over: the attempt's own reply counts as before
+        answer.handed = True
+        return True
 
     def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
         """Close the request's answers: those already there, and those still to come, are
