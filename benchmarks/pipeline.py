@@ -33,22 +33,28 @@ and S = 1 alternate which goes first); the table shows the medians:
   sampled every 5 ms (median of the samples; the note has the 99th percentile); **sticky
   sessions**: sessions of a few turns each, how many stayed on one server.
 - **event-loop max lag**: a 1 ms heartbeat through all of the above, against the same heartbeat
-  while 4 plain actors stream reports (the batched floor of ``benchmarks/run.py``).
+  while 4 plain actors stream reports (the batched floor of ``benchmarks/run.py``); the max of
+  each repeat (the table: their median) and the 99th percentile of the beats' lags. The
+  driver's garbage collections are recorded with them: the notes say the longest collection
+  of the oldest generation and the max lag less the collections' time in it. ``--gc-freeze``
+  freezes the driver's heap after start-up (``gc.freeze()``, as docs/operating.md advises).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -66,7 +72,7 @@ if ROOT not in sys.path:
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import structlog  # noqa: E402
-from _common import heartbeat, median, progress  # noqa: E402
+from _common import median, progress  # noqa: E402
 from _pipeline_phases import (  # noqa: E402
     Sizes,
     balance,
@@ -165,8 +171,73 @@ def make_rows() -> dict[str, Row]:
                       target="all", check=lambda b, p, r: p == b),
         "lag": Row("event-loop max lag through all of it, ms (baseline: streaming floor)",
                    target="<= 1.5x", check=lambda b, p, r: r <= 1.5),
+        "lag_p99": Row("event-loop lag, 99th percentile of the beats, ms (the same)",
+                       target="-"),
     }
     # fmt: on
+
+
+@dataclass
+class Watch:
+    """A 1 ms heartbeat's lags (seconds) with when each was seen, and the driver's garbage
+    collections meanwhile: ``(generation, start, end)``."""
+
+    lags: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)
+    collections: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def p99(self) -> float:
+        ordered = sorted(self.lags)
+        return ordered[int(len(ordered) * 0.99)] if ordered else math.nan
+
+    def longest_collection(self, generation: int) -> float:
+        return max((e - s for g, s, e in self.collections if g == generation), default=0.0)
+
+    def max_less_collections(self) -> float:
+        """The max lag of the beats, each less the collections' time within its late span."""
+        spans = [(s, e) for _, s, e in self.collections]
+
+        def less(lag: float, end: float) -> float:
+            start = end - lag
+            return lag - sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+
+        return max(
+            (less(lag, end) for lag, end in zip(self.lags, self.ends, strict=True)), default=0.0
+        )
+
+
+@contextlib.asynccontextmanager
+async def watched(interval_s: float = 0.001) -> AsyncIterator[Watch]:
+    """A heartbeat as ``_common.heartbeat``'s (the lag of each wake-up: how much longer than
+    ``interval_s`` its sleep took), with the time of each and the collections meanwhile."""
+    watch = Watch()
+    stop = False
+    started: list[float] = []
+
+    def collected(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            watch.collections.append((info["generation"], started.pop(), time.perf_counter()))
+
+    async def beat() -> None:
+        while not stop:
+            t0 = time.perf_counter()
+            await asyncio.sleep(interval_s)
+            now = time.perf_counter()
+            watch.lags.append(max(0.0, now - t0 - interval_s))
+            watch.ends.append(now)
+
+    gc.callbacks.append(collected)
+    task = asyncio.create_task(beat())
+    await asyncio.sleep(0)
+    try:
+        yield watch
+        await asyncio.sleep(2 * interval_s)
+    finally:
+        stop = True
+        await task
+        gc.callbacks.remove(collected)
 
 
 @dataclass
@@ -259,7 +330,8 @@ class Bench:
     async def repeat(self, i: int, only: set[str]) -> None:
         """One repeat of the figures in ``only``, the pipeline's under one heartbeat, then the
         streaming floor under the same heartbeat."""
-        async with heartbeat(0.001) as lags:
+        async with watched(0.001) as watch:
+            lags = watch.lags
             for name in FIGURES:
                 if name in only and name != "lag":
                     mark = len(lags)
@@ -268,14 +340,23 @@ class Bench:
                         f"event-loop max lag in {name}, ms", max(lags[mark:], default=0) * 1e3
                     )
         if "lag" in only:
-            self.rows["lag"].pipeline.append(max(lags, default=math.nan) * 1e3)
             progress(f"repeat {i + 1}: the streaming floor")
-            async with heartbeat(0.001) as lags:
+            async with watched(0.001) as floor:
                 await self.floor.floor(self.sizes.floor_steps)
-            self.rows["lag"].baseline.append(max(lags, default=math.nan) * 1e3)
+            for label, got, side in (("", watch, "pipeline"), ("the floor: ", floor, "baseline")):
+                getattr(self.rows["lag"], side).append(max(got.lags, default=math.nan) * 1e3)
+                getattr(self.rows["lag_p99"], side).append(got.p99() * 1e3)
+                self.note(
+                    f"{label}event-loop max lag less the garbage collections in it, ms",
+                    got.max_less_collections() * 1e3,
+                )
+                self.note(
+                    f"{label}longest collection of generation 2 (the whole heap), ms",
+                    got.longest_collection(2) * 1e3,
+                )
 
 
-async def bench(sizes: Sizes, only: set[str]) -> tuple[list[Row], list[str]]:
+async def bench(sizes: Sizes, only: set[str], freeze: bool) -> tuple[list[Row], list[str]]:
     floor = LoopGroup(4, RESOURCES, 1024)
     await floor.start()
     role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
@@ -290,6 +371,9 @@ async def bench(sizes: Sizes, only: set[str]) -> tuple[list[Row], list[str]]:
             asyncexec.WeightChannel(trainer, servers) as channel,
         ):  # fmt: skip
             await channel.push()
+            if freeze:  # what start-up made is never walked by a collection again
+                gc.collect()
+                gc.freeze()
             b = Bench(sizes, servers, trainer, channel, floor)
             for i in range(sizes.repeats):
                 await b.repeat(i, only)
@@ -302,7 +386,17 @@ async def bench(sizes: Sizes, only: set[str]) -> tuple[list[Row], list[str]]:
         f"{sizes.chunk_tokens} tokens a chunk; B = {sizes.batch}, {sizes.batches} batches a "
         f"run, {sizes.train_s * 1e3:.0f} ms a training step"
     ]
-    said += [f"- {k}: {_fmt(median(v))}" for k, v in b.notes.items()]
+    said += [
+        f"- {k}: {_fmt(median(v))}"
+        + (f" (each repeat: {', '.join(f'{x:.1f}' for x in v)})" if "lag in" in k else "")
+        for k, v in b.notes.items()
+    ]
+    lag = b.rows["lag"]
+    if lag.pipeline:
+        each = ", ".join(
+            f"{p:.1f} / {f:.1f}" for p, f in zip(lag.pipeline, lag.baseline, strict=False)
+        )
+        said.append(f"- event-loop max lag each repeat, pipeline / floor, ms: {each}")
     return [r for r in b.rows.values() if r.baseline or r.pipeline], said
 
 
@@ -319,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated figures to measure, of {', '.join(FIGURES)} (default: all)",
     )
     parser.add_argument("--train-ms", type=float, help="the training step's time (50 ms)")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() the driver's heap after start-up"
+    )
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     if not only <= set(FIGURES):
@@ -330,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     try:
-        rows, notes = asyncio.run(bench(sizes, only))
+        rows, notes = asyncio.run(bench(sizes, only, args.gc_freeze))
     finally:
         ray.shutdown()
     print()
@@ -339,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')}, {psutil.cpu_count(logical=True)} cores "
         f"({platform.machine()}), Python {platform.python_version()}, Ray {ray.__version__}; "
         f"medians of {sizes.repeats} repeat(s); every worker {RESOURCES}"
+        f"{'; the heap frozen after start-up' if args.gc_freeze else ''}"
     )
     print()
     print(render(rows))

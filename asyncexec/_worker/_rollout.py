@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -32,6 +32,9 @@ from ._session import get_context
 __all__ = ["RolloutRequest", "RolloutServer", "Sample"]
 
 PauseMode = Literal["keep", "abort"]
+#: After a resume, the replies of the generations that ``abort()`` handed back go one every
+#: this long (their callers have their samples already).
+HANDED_SPACING_S = 0.002
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
@@ -114,6 +117,11 @@ class _Gate:
         self.engine_at_rest = False
         self.parked: list[_Waiter] = []  # generations parked at the pause point
         self.resting: list[_Waiter] = []  # pause() calls waiting until no chunk runs
+        #: ``abort()`` is collecting the aborted samples for its reply.
+        self.collecting = False
+        self.handed: list[Sample] = []  # the samples it collected so far
+        self.emptied: list[_Waiter] = []  # abort() calls waiting until no generation is left
+        self.held: list[_Waiter] = []  # handed generations whose replies wait for resume()
 
     @staticmethod
     def _wake_all(waiters: list[_Waiter]) -> None:
@@ -159,11 +167,59 @@ class _Gate:
             self.resting.append((loop, future))
         await future
 
-    def pause(self, mode: PauseMode) -> int:
+    def pause(self, mode: PauseMode, *, collect: bool = False) -> int:
         with self.lock:
             self.mode = mode
+            self.collecting = collect
             self._wake_all(self.parked)  # parked ones look again (an abort ends them)
             return self.generations
+
+    def began(self) -> None:
+        with self.lock:
+            self.generations += 1
+
+    def ended(self, sample: Sample | None, aborted: bool) -> int | None:
+        """A generation ended with ``sample`` (None: it raised): its place among the samples
+        ``abort()`` collects when it collects it (the sample goes back in its reply; this
+        generation's own reply waits for the resume), else None."""
+        with self.lock:
+            handed = None
+            if sample is not None and aborted and self.collecting:
+                handed = len(self.handed)
+                self.handed.append(sample)
+            self.generations -= 1
+            if self.generations == 0:
+                self._wake_all(self.emptied)
+            return handed
+
+    async def wait_empty(self) -> None:
+        """Until no generation is left (each ended, or was collected by ``abort()``)."""
+        await self._wait_for(lambda: self.generations == 0, self.emptied)
+
+    async def wait_resumed(self) -> None:
+        """Until the server is no longer paused (``resume()``)."""
+        await self._wait_for(lambda: self.mode is None, self.held)
+
+    async def _wait_for(self, done: Callable[[], bool], waiters: list[_Waiter]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self.lock:
+                if done():
+                    return
+                future: asyncio.Future[None] = loop.create_future()
+                waiters.append((loop, future))
+            try:
+                await future
+            finally:
+                with self.lock, contextlib.suppress(ValueError):
+                    waiters.remove((loop, future))
+
+    def collected(self) -> list[Sample]:
+        """Stop collecting: the samples ``abort()`` hands back."""
+        with self.lock:
+            self.collecting = False
+            handed, self.handed = self.handed, []
+            return handed
 
     def rested(self) -> None:
         """The engine is paused: installs may go on while chunks wait for its output."""
@@ -175,6 +231,7 @@ class _Gate:
         with self.lock:
             self.mode = None
             self.engine_at_rest = False
+            self._wake_all(self.held)
             if not self.installing:
                 self._wake_all(self.parked)
 
@@ -288,13 +345,15 @@ class RolloutServer:
         """Run ``chunks(request.prompt)`` through the gate: each chunk starts only when the
         server is neither paused nor installing weights, and is tagged with the version it ran
         under. Under ``pause("abort")`` the generation ends at its next pause point and the
-        sample comes back with ``aborted=True`` and the chunks made so far."""
+        sample comes back with ``aborted=True`` and the chunks made so far; under
+        :meth:`abort` that sample goes back in ``abort()``'s reply, and this call returns it
+        too, after :meth:`resume`."""
         gate = self._gate()
         made: list[Any] = []
         versions: list[int | None] = []
         aborted = False
-        with gate.lock:
-            gate.generations += 1
+        sample: Sample | None = None
+        gate.began()
         try:
             async with _closing(self.chunks(request.prompt)) as steps:
                 while True:
@@ -312,12 +371,18 @@ class RolloutServer:
                         gate.leave()
                     made.append(chunk)
                     versions.append(version)
+            output = made if aborted else self.finish(request.prompt, made)
+            rank = self._rollout_rank
+            sample = Sample(request.id, request.prompt, output, tuple(versions), rank, aborted)
         finally:
-            with gate.lock:
-                gate.generations -= 1
-        output = made if aborted else self.finish(request.prompt, made)
-        rank = self._rollout_rank
-        return Sample(request.id, request.prompt, output, tuple(versions), rank, aborted)
+            handed = gate.ended(sample, aborted)
+        assert sample is not None  # (the generation raised otherwise)
+        if handed is not None:  # its caller has it from abort()'s reply: this one comes later
+            await gate.wait_resumed()
+            # After the resume's reply, and one at a time: the driver takes them in without
+            # a stall (it needs none of them).
+            await asyncio.sleep((handed + 1) * HANDED_SPACING_S)
+        return sample
 
     async def pause(self, mode: PauseMode) -> int:
         """Pause generation at the next pause point: ``"keep"`` parks every generation there
@@ -334,6 +399,26 @@ class RolloutServer:
         else:
             await gate.wait_at_rest()
         return in_flight
+
+    async def abort(self) -> tuple[int, list[Sample]]:
+        """``pause("abort")`` that hands the aborted samples back in its own reply: every
+        generation in flight ends at its next pause point (or finishes), and its aborted sample
+        is in the list returned; its own :meth:`generate` call returns the same sample only
+        after :meth:`resume`, one every ``HANDED_SPACING_S`` (its caller has it already: one
+        reply for all of them, which the router uses). Requests that arrive once this
+        returned, while paused, end at once as under ``pause("abort")``. Returns once no
+        generation is left, with the number of generations that were in flight and the
+        aborted samples."""
+        gate = self._gate()
+        in_flight = gate.pause("abort", collect=True)
+        try:
+            await self.pause_engine("abort")
+            if self.pause_point == "engine":
+                gate.rested()
+            await gate.wait_empty()
+        finally:
+            handed = gate.collected()
+        return in_flight, handed
 
     async def resume(self) -> None:
         """Let parked generations go on (with the weights installed meanwhile)."""

@@ -136,6 +136,7 @@ class Admission:
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         """Admit prompts for as long as the pipeline lives (a task of its group)."""
         while True:
+            await self.servers.turn()  # a burst of admissions spreads over turns of the loop
             while not self.may_admit():
                 await self.wait_changed()
             taken = await self._next()

@@ -207,22 +207,22 @@ class HealthWatch:
         router.group = group
         return before
 
-    async def on_serving(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    async def on_serving(self, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
         """Call ``fn`` on every serving server at once, each bounded by ``health_timeout_s``;
-        their results (a server seen gone meanwhile is left out: it rejoins as the router
-        says).
+        their results by rank (a server seen gone meanwhile is left out: it rejoins as the
+        router says).
 
         Raises:
             TimeoutError: a server did not answer in time.
         """
         router = self.router
-        results: list[Any] = []
+        results: dict[int, Any] = {}
 
         async def one(server: ServerRecord) -> None:
             r, worker = server.rank, server.worker
             try:
                 with anyio.fail_after(router.health_timeout_s):
-                    results.append(await router.servers.call(fn, *args, on=on_rank(r)))
+                    results[r] = await router.servers.call(fn, *args, on=on_rank(r))
             except GONE:
                 self.lost(r, worker)
 

@@ -50,6 +50,8 @@ __all__ = ["Router", "RouterStatistics"]
 
 #: How many session keys the router remembers (the least recently used are forgotten).
 MAX_SESSIONS = 100_000
+#: How long a closing router waits for the replies a pause to abort answered already.
+HANDED_WAIT_S = 1.0
 
 
 class _Methods:
@@ -60,6 +62,7 @@ class _Methods:
         self.generate = method(cls, "generate")
         self.health = method(cls, "health")
         self.pause = method(cls, "pause")
+        self.abort = method(cls, "abort")
         self.resume = method(cls, "resume")
         self.weights_version = method(cls, "weights_version")
 
@@ -168,6 +171,11 @@ class Router:
         tg, self.tg = self.tg, None
         self.balance.wake()  # requests waiting for a slot see the router closed
         if tg is not None:
+            # The replies held by a pause to abort come once the servers resumed: cancelling
+            # them would cost a call each (and the driver their errors), so they come first.
+            if self.paused is None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(HANDED_WAIT_S):
+                    await self.requests.wait_held()
             tg.cancel_scope.cancel()
             with one_error():
                 await tg.__aexit__(None, None, None)
@@ -233,12 +241,23 @@ class Router:
         """Pause every serving server (``RolloutServer.pause``): ``"keep"`` parks each
         generation at its next pause point, ``"abort"`` ends each there; a server that joins
         while paused is paused before it takes a request. Returns once every server's chunks
-        have stopped, with the number of generations that were in flight."""
+        have stopped, with the number of generations that were in flight.
+
+        With ``"abort"`` each server hands its aborted samples back in one reply
+        (``RolloutServer.abort``), and each request they belong to is answered with its
+        aborted sample from there, over the next turns of the event loop (the request's own
+        reply, which the server sends after the resume, is then dropped, uncounted)."""
         if mode not in ("keep", "abort"):
             raise ConfigurationError(f'pause() takes "keep" or "abort", got {mode!r}')
         self.check_open()
         self.paused = mode
-        counts = await self.watch.on_serving(self.methods.pause, mode)
+        if mode == "keep":
+            counts = list((await self.watch.on_serving(self.methods.pause, mode)).values())
+        else:
+            replies = await self.watch.on_serving(self.methods.abort)
+            counts = [count for count, _ in replies.values()]
+            # The requests are answered over the next turns of the loop, as the resume goes.
+            self.check_open().start_soon(self.requests.hand_back, replies)
         self.log.info("servers_paused", mode=mode, generations=sum(counts))
         return sum(counts)
 

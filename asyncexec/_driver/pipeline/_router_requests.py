@@ -9,12 +9,15 @@ See ``_router`` for the rules of where a request goes and when it is sent again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..._dispatch import rank as on_rank
@@ -24,6 +27,9 @@ from ._health import GONE
 
 __all__ = ["Requests"]
 
+#: Requests a pause to abort answers in one turn of the event loop (each wakes its caller).
+HAND_BACK = 16
+
 
 @dataclass
 class _Answer:
@@ -32,6 +38,16 @@ class _Answer:
     sample: Sample | None = None
     error: BaseException | None = None
     taken_out: bool = False
+    #: Its aborted sample came back in the server's pause reply (``hand_back``): the
+    #: attempt's own reply, later, is dropped uncounted.
+    handed: bool = False
+    #: Its generation ended in a pause to abort that collected it: its slot was given back
+    #: then, and its own reply comes after the resume.
+    held: bool = False
+
+
+#: An attempt in flight: its answer, and the request's stream it goes to.
+_Live = tuple[_Answer, "MemoryObjectSendStream[_Answer]"]
 
 
 @dataclass
@@ -49,6 +65,16 @@ class Requests:
 
     def __init__(self, router: Any) -> None:
         self.router = router
+        #: The attempts in flight by server and request id: their answers, and where to send
+        #: them (a pause to abort answers them from the servers' replies).
+        self.live: dict[tuple[int, Hashable], list[_Live]] = {}
+        self.held = 0  # attempts collected by a pause to abort whose own replies are to come
+        self._held_in = anyio.Event()
+
+    async def wait_held(self) -> None:
+        """Until the attempts collected by a pause to abort have had their own replies."""
+        while self.held:
+            await self._held_in.wait()
 
     async def run(
         self, request: RolloutRequest, deadline_s: float | None, retry: bool, stop: bool = False
@@ -56,6 +82,7 @@ class Requests:
         """See ``Router.generate``; ``stop``: ``Router.generate_stoppable``."""
         router = self.router
         tg = router.check_open()
+        await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
         router.count("requests")
         send, receive = anyio.create_memory_object_stream[_Answer](math.inf)
         fate = _Fate()
@@ -146,6 +173,9 @@ class Requests:
         scope = anyio.CancelScope()
         server.scopes.add(scope)
         fate.scopes.add(scope)
+        live = (answer, send)
+        key = (r, request.id)
+        self.live.setdefault(key, []).append(live)
         with send:
             try:
                 with scope:
@@ -164,15 +194,65 @@ class Requests:
                 if isinstance(exc, GONE):
                     router.watch.lost(r, answer.worker)
             finally:
+                self._forget(key, live)
                 server.scopes.discard(scope)
                 fate.scopes.discard(scope)
-                router.balance.release(r)
-                router.meters.in_flight(r, server.in_flight)
+                if not answer.held:  # (a held one gave its slot back then)
+                    router.balance.release(r)
+                    router.meters.in_flight(r, server.in_flight)
+                else:
+                    self.held -= 1
+                    if not self.held:
+                        self._held_in.set()
+                        self._held_in = anyio.Event()
                 fate.outstanding.discard(number)
-                try:
-                    send.send_nowait(answer)
-                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    self._dropped(answer, fate)
+                if not answer.handed:
+                    try:
+                        send.send_nowait(answer)
+                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                        self._dropped(answer, fate)
+
+    def _forget(self, key: tuple[int, Hashable], live: _Live) -> None:
+        found = self.live.get(key)
+        if found is not None:
+            with contextlib.suppress(ValueError):
+                found.remove(live)
+            if not found:
+                del self.live[key]
+
+    async def hand_back(self, replies: dict[int, tuple[int, list[Sample]]]) -> None:
+        """The servers' aborted samples, from their pause replies (``RolloutServer.abort``,
+        by rank): each answers the oldest attempt in flight there of its request, and gives
+        its slot back (the attempt's own reply, after the resume, is dropped); ``HAND_BACK``
+        a turn of the event loop (each wakes its caller). A sample whose request is over (it
+        gave up, or its caller left) answers nothing: that attempt's own reply counts as
+        before, as does one that comes before its sample is handed."""
+        woken = 0
+        for r, (_, samples) in replies.items():
+            for sample in samples:
+                if self._hand(r, sample):
+                    woken += 1
+                    if woken % HAND_BACK == 0:
+                        await anyio.lowlevel.checkpoint()
+
+    def _hand(self, r: int, sample: Sample) -> bool:
+        router = self.router
+        found = self.live.get((r, sample.id), ())
+        live = next((x for x in found if not x[0].held), None)
+        if live is None:
+            return False
+        answer, send = live
+        # The generation ended on the server: its slot is free (its reply comes later).
+        answer.held = True
+        self.held += 1
+        router.balance.release(r)
+        router.meters.in_flight(r, router.balance.servers[r].in_flight)
+        try:
+            send.send_nowait(_Answer(r, answer.worker, sample=sample))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False  # the request is over: the attempt's own reply counts as before
+        answer.handed = True
+        return True
 
     def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
         """Close the request's answers: those already there, and those still to come, are

@@ -36,6 +36,11 @@ class Servers:
         if self.owned:
             await self.router.__aexit__(None, None, None)
 
+    async def turn(self) -> None:
+        """Until a request may start in this turn of the event loop (the router's pacing of
+        bursts: an admission of many prompts spreads over turns as the router's sends do)."""
+        await self.router.pacer.wait_turn()
+
     async def generate(self, request: RolloutRequest) -> Sample:
         """The sample of ``request`` (an idempotent request: sent again when its server dies;
         cancelled, it stops on its server)."""
