@@ -16,10 +16,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import anyio
-from _pipeline_workload import Job, Trainer, long_tailed
+from _pipeline_workload import Job, long_tailed
 
 import asyncexec
 
@@ -30,7 +29,6 @@ __all__ = [
     "pause_resume",
     "pipeline_pauses",
     "sticky",
-    "throughput",
 ]
 
 
@@ -58,59 +56,6 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> 
     with anyio.fail_after(timeout_s):
         while not condition():  # noqa: ASYNC110 (the counters have no event to wait on)
             await anyio.sleep(0.005)
-
-
-# Throughput and the strict bound --------------------------------------------------------------
-
-
-async def throughput(
-    servers: asyncexec.Executor,
-    trainer: asyncexec.Executor,
-    channel: asyncexec.WeightChannel,
-    sizes: Sizes,
-    staleness: int,
-    seed: int,
-    mode: Literal["strict", "aggregate"] = "strict",
-) -> dict[str, float]:
-    """Samples trained per second over ``sizes.batches`` batches of the long-tailed workload
-    through a pipeline with bound ``staleness``, each batch trained (simulated time) and
-    followed by a push (``on_update="keep"``); and how many samples were beyond the bound, by
-    each sample's oldest chunk against the version the learner held."""
-    router = asyncexec.Router(servers, max_in_flight=sizes.max_in_flight, channel=channel)
-    trained = beyond = 0
-    stale_max = 0
-    t0 = time.perf_counter()
-    async with (
-        router,
-        asyncexec.Pipeline(
-            router,
-            long_tailed(seed),
-            batch_size=sizes.batch,
-            staleness=staleness,
-            mode=mode,
-            on_update="keep",
-            channel=channel,
-        ) as pipe,
-    ):
-        async for batch in pipe:
-            held = channel.version
-            for s in batch.samples:
-                lag = math.inf if s.version is None else held - s.version
-                beyond += lag > staleness
-                stale_max = max(stale_max, int(min(lag, 1e9)))
-            await trainer.call(Trainer.train, len(batch.samples), sizes.train_s)
-            trained += len(batch.samples)
-            if trained >= sizes.batches * sizes.batch:
-                break
-            await pipe.update_weights()
-        stats = pipe.statistics
-    seconds = time.perf_counter() - t0
-    return {
-        "rate": trained / seconds,
-        "beyond": float(beyond),
-        "staleness_max": float(stale_max),
-        "trainer_idle": float(getattr(stats, "trainer_idle_ratio", math.nan)),
-    }
 
 
 # Pause to resume ------------------------------------------------------------------------------
