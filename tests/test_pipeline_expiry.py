@@ -95,6 +95,9 @@ class _Servers:
     async def close(self) -> None:
         pass
 
+    async def turn(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
     async def generate(self, request: asyncexec.RolloutRequest) -> asyncexec.Sample:
         self.started[request.id] += 1
         self.started_at.setdefault(request.id, []).append(self.version)
