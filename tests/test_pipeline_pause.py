@@ -139,7 +139,7 @@ async def test_pipeline_abort_requeues_each_prompt_once_at_the_head_in_order(
         asyncexec.Executor(2, resources_per_worker=CPU, roles=Slow) as servers,
         asyncexec.Router(servers, max_in_flight=4) as router,
     ):
-        generate = router.generate
+        generate = router.generate_stoppable  # what a pipeline's requests go through
 
         async def watched(request: asyncexec.RolloutRequest, **kwargs: Any) -> Any:
             sent.append(request.id)
@@ -147,7 +147,7 @@ async def test_pipeline_abort_requeues_each_prompt_once_at_the_head_in_order(
                 request = asyncexec.RolloutRequest(request.id, short)
             return await generate(request, **kwargs)
 
-        router.generate = watched  # type: ignore[method-assign]
+        router.generate_stoppable = watched  # type: ignore[method-assign]
         async with asyncexec.Pipeline(
             router, prompts, batch_size=4, staleness=1, mode="aggregate"
         ) as pipe:

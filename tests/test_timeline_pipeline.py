@@ -79,7 +79,7 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
     assert sum(e[6]["size"] for e in batches) == 16
     for version, update in enumerate(updates):
         assert batches[version][4] <= update[4]
-    # Counters: one at each admission and at each return; never above the budget.
+    # Counters: one at each admission and at each return or expiry; never above the budget.
     counters = _on(events, PIPELINE, "C")
     assert len(counters) == 2 * stats.admitted
     assert all(0 <= c[6]["in flight"] <= 2 * 4 and c[6]["buffered"] >= 0 for c in counters)

@@ -223,6 +223,7 @@ class Admission:
             record.scope.cancel()
             del self.running[id]
             self.budget.drop(record.admitted)
+            counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
             self.pending.discard(id)
             self.expiries[id] += 1
             heapq.heappush(self.held, (self.budget.version, record.order, record.request))
