@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar, cast
 
 from ._errors import ConfigurationError, MergeError, describe
+from ._interface import method_key
 from ._protocol import RoleMethod
 from ._role import NamedMethod, Role, method_of, qualname, roles_of, roles_payload, takes_self
 from ._split import (
@@ -121,15 +122,21 @@ class CallPlan:
     #: How messages name each argument (``"argument 'batch'"``), in the order of a row.
     names: tuple[str, ...] = field(default=(), repr=False)
     #: A role's plain (``def``) method whose role runs one call at a time (the default): the
-    #: worker runs it where its calls queue, without a hop to a thread (``call_role_sync``).
+    #: worker runs it where its calls queue, without a hop to a thread (``call_method_sync``).
     plain: bool = False
     #: An ``async def`` (method or function): cancelled on the worker when its caller stops
     #: waiting. A plain one runs to its end.
     cancellable: bool = False
     _returned_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
+    #: How the worker's ``call_method`` names ``method`` (``_interface.method_key``); "" for a
+    #: plain function.
+    key: str = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "_returned_set", frozenset(self.returned))
+        key = "" if self.method is None else method_key(*self.method)
+        object.__setattr__(self, "key", key)
 
     def parts_of(self, r: int) -> tuple[int, ...]:
         """Which parts rank ``r`` receives, as indices into ``parts`` (one per argument)."""

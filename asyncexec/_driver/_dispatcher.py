@@ -16,8 +16,10 @@ was sent to; a plain method runs to its end. A call chosen by load holds its ran
 the remote call ends (or its cancellation lands), also when its caller stops waiting, and a call
 that ends hands its slot to the longest waiter; an idempotent one follows the group when it is
 replaced (see ``_loads`` for the bookkeeping). A role's plain method that runs one call at a
-time is sent as ``call_role_sync`` (the worker runs it where its calls queue, without a hop to
-a thread), every other method as ``call_role``.
+time is sent as ``call_method_sync`` (the worker runs it where its calls queue, without a hop to
+a thread), every other method as ``call_method``: the role and the method's name travel as one
+key, and a small value (a number, a string, bytes, None) comes back as it is, without an outcome
+around it (see ``asyncexec._interface``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from .._errors import (
     WorkerCrashedError,
     describe,
 )
+from .._interface import as_outcome
+from .._protocol import Outcome
 from .._taskgroups import task_group
 from .._timeline import chosen, traced, wait_freed
 from .._tracing import call_span
@@ -162,7 +166,7 @@ class WorkerCalls:
                 for sent in calls:
                     sent.cancel()
             raise
-        return plan.result(group.values(outcomes, workers))
+        return plan.result(_values(group, outcomes, workers))
 
     def stream(
         self, fn: Callable[..., Any], /, *args: Any, on: Target = ALL, **kwargs: Any
@@ -253,7 +257,7 @@ class WorkerCalls:
         else:
             if held is not None:
                 self._loads.release(*held)
-            return group.values([outcome], [worker])[0]
+            return _value(group, outcome, worker)
         raise await self._recovery.lost(group, worker, error) from error
 
     async def _call_one(
@@ -333,6 +337,22 @@ def _next_slot(
     return handed
 
 
+def _value(group: WorkerGroup, answer: Any, worker: WorkerInfo) -> Any:
+    """The value of one rank's answer (a bare value, or an outcome: see ``call_method``);
+    raised when it failed."""
+    if type(answer) is not Outcome:
+        return answer
+    return group.values([answer], [worker])[0]
+
+
+def _values(group: WorkerGroup, answers: Sequence[Any], workers: Sequence[WorkerInfo]) -> list[Any]:
+    """The values of role methods' or functions' answers (a bare value, or an outcome: see
+    ``call_method``); the failed ones raised (the lowest rank first)."""
+    if all(type(answer) is not Outcome for answer in answers):
+        return list(answers)
+    return group.values([as_outcome(answer) for answer in answers], workers)
+
+
 def _who(workers: Sequence[WorkerInfo], exc: AsyncExecError) -> WorkerInfo | None:
     """The worker a call's error is about, of the workers the call was sent to."""
     rank = getattr(exc, "rank", None)
@@ -358,12 +378,10 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
     span, kwargs = call_span(plan.fn, worker.rank, kwargs)  # None unless traced
     if plan.method is None:
         call = submit_named(group, worker, plan, "execute", plan.fn, *args, **kwargs)
+    elif plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
+        call = submit_named(group, worker, plan, "call_method_sync", plan.key, *args, **kwargs)
     else:
-        index, name = plan.method
-        if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
-            call = submit_named(group, worker, plan, "call_role_sync", index, name, *args, **kwargs)
-        else:
-            call = submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
+        call = submit_named(group, worker, plan, "call_method", plan.key, *args, **kwargs)
     if group.timeline is None and span is None:
         return call
     return traced(group, worker.rank, plan, call, span)

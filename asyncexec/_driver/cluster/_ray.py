@@ -21,7 +21,7 @@ from ray.core.generated.common_pb2 import NodeDeathInfo
 
 from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
-from ..._interface import WorkerMethod
+from ..._interface import WorkerMethod, parse_key
 from ..._protocol import WorkerMetadata
 from ..._worker import ROLE_GROUPS, WorkerActor, role_group
 from .._logging import get_logger
@@ -58,28 +58,36 @@ class RayHandle:
     def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
         self.key: str = actor._actor_id.hex()
-        #: ``call_role_sync`` sent to each role's concurrency group, made on first use.
-        self._plain: list[Any] = []
+        #: ``call_method_sync`` in the concurrency group of each method key's role (or
+        #: ``call_method``, for a role past the groups), made on first use.
+        self._plain: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"<RayHandle {self.key[:12]}>"
 
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Any:
-        if method == "call_role_sync":  # a plain method, one call at a time
-            return self._plain_method(args[0]).remote(*args, **kwargs)
+        if method == "call_method_sync":  # a plain method, one call at a time
+            key = args[0]
+            return (self._plain.get(key) or self._plain_method(key)).remote(*args, **kwargs)
         return getattr(self.actor, method).remote(*args, **kwargs)
 
-    def _plain_method(self, role_index: Any) -> Any:
-        """``call_role_sync`` in role ``role_index``'s concurrency group (Ray runs its calls one
-        at a time on a thread of their own, beside the actor's loop); ``call_role`` for a role
-        past the groups (the same calls, through a thread of the actor's loop)."""
-        if not isinstance(role_index, int) or not 0 <= role_index < ROLE_GROUPS:
-            return self.actor.call_role
-        plain = self._plain
-        while len(plain) <= role_index:
-            group = role_group(len(plain))
-            plain.append(self.actor.call_role_sync.options(concurrency_group=group))
-        return plain[role_index]
+    def _plain_method(self, key: str) -> Any:
+        """``call_method_sync`` in the concurrency group of method key ``key``'s role (Ray runs
+        its calls one at a time on a thread of their own, beside the actor's loop);
+        ``call_method`` for a role past the groups (the same calls, through a thread of the
+        actor's loop)."""
+        try:
+            role_index = parse_key(key)[0]
+        except (TypeError, ValueError):  # the worker says what is wrong with it
+            role_index = -1
+        if 0 <= role_index < ROLE_GROUPS:
+            group = role_group(role_index)
+            found = self.actor.call_method_sync.options(concurrency_group=group)
+        else:
+            found = self.actor.call_method
+        if len(self._plain) < 1024:  # a role has a few methods
+            self._plain[key] = found
+        return found
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         refs: list[Any] = getattr(self.actor, method).options(num_returns=n).remote(*args)
