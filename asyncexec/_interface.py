@@ -58,10 +58,10 @@ def parse_key(key: str) -> tuple[int, str]:
     Raises:
         ValueError: not such a key.
     """
-    index, sep, name = key.partition(":")
-    if not sep or not name:
-        raise ValueError(f"not a role method's key: {key!r}")
-    return int(index), name
+    index, sep, name = key.partition(":") if isinstance(key, str) else ("", "", "")
+    if sep and name and index.isdigit():
+        return int(index), name
+    raise ValueError(f"not a role method's key: {key!r}")
 
 
 def as_outcome(answer: Any) -> Outcome:
