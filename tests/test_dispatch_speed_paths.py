@@ -1,9 +1,11 @@
 """The call paths of dispatch: a role's plain method that runs one call at a time goes to the
-role's own Ray concurrency group (``call_role_sync``: no hop from the actor's loop to a thread),
-every other call through ``call_role``; and what a caller that stops waiting does to the call on
-the worker (an ``async def`` is cancelled there and its slot frees when that lands; a plain
-method runs to its end and keeps its slot), on Ray actors, in local mode and on simulated
-ranks."""
+role's own Ray concurrency group (``call_method_sync``: no hop from the actor's loop to a
+thread), every other call through ``call_method`` (the role and method as one key; a bare value
+back as it is, every kind of value whole); the plan of the commonest call; what a caller that
+stops waiting does to the call on the worker (an ``async def`` is cancelled there and its slot
+frees when that lands; a plain method runs to its end and keeps its slot), on Ray actors, in
+local mode and on simulated ranks; and a rank renewed outside a run, which joins what its group
+receives from a weight channel."""
 
 from __future__ import annotations
 
@@ -177,7 +179,7 @@ class R3:
 
 
 class Fifth:
-    """A role past the concurrency groups: its plain calls go through ``call_role``."""
+    """A role past the concurrency groups: its plain calls go through ``call_method``."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -509,3 +511,58 @@ def test_a_method_replaced_on_its_class_is_looked_up_again() -> None:
     with pytest.raises(asyncexec.ConfigurationError):
         plan_call(old, (), {}, 1, roles=roles)  # no longer the role's method
     assert plan_call(Swapped.m, (), {}, 1, roles=roles).method == (0, "m")
+
+
+# A rank renewed outside a run, and a weight channel to its group -------------------------------
+
+
+class Holder:
+    """A role that installs what a weight channel pushes (as a rollout server does)."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        asyncexec.receive_weights(self.install)
+
+    def install(self, state: Any, version: int) -> None:
+        self.state = state
+
+    def held(self) -> tuple[int | None, Any]:
+        return asyncexec.weights_version(), self.state
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _serve_weights() -> None:
+    asyncexec.serve_weights(lambda: {"w": 2.0})
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(60)
+async def test_a_rank_renewed_outside_a_run_gets_the_channels_latest_version(
+    ray_local: None,
+) -> None:
+    """A ``call()`` user without a Router: a rank of the receiving group dies and the
+    dispatcher puts a fresh process in its place; before the next call reaches it, it holds the
+    channel's latest version (it held nothing: the channel gives it to ranks joining a run)."""
+    import os
+    import signal
+
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU) as learner,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as servers,
+    ):
+        await learner.execute(_serve_weights)
+        async with asyncexec.WeightChannel(learner, servers) as channel:
+            assert await channel.push() == 1
+            assert await servers.call(Holder.held) == [(1, {"w": 2.0})] * 2
+            dead = (await servers.call(Holder.pid))[0]
+            os.kill(dead, signal.SIGKILL)
+            with pytest.raises(asyncexec.WorkerCrashedError), anyio.fail_after(30):
+                while True:  # until a call sees the death (its renewal is awaited)
+                    await servers.call(Holder.pid, on=asyncexec.rank(0))
+            assert servers.statistics().renewed_ranks == 1
+            assert (await servers.call(Holder.pid))[0] != dead
+            assert await servers.call(Holder.held) == [(1, {"w": 2.0})] * 2
