@@ -140,13 +140,25 @@ class CallPlan:
         the parts, in the order of ``self.parts``; the parts themselves when None)."""
         values = self.parts if parts is None else parts
         row = self.parts_of(r)
-        args = tuple(values[i] for i in row[: self.positional])
+        if not self.keywords:
+            return tuple([values[i] for i in row]), {}
+        args = tuple([values[i] for i in row[: self.positional]])
         kwargs = {k: values[i] for k, i in zip(self.keywords, row[self.positional :], strict=True)}
         return args, kwargs
 
     def returns(self, r: int) -> bool:
         """Whether rank ``r``'s result is returned (always, for a rank chosen by load)."""
         return self.choose is not None or r in self._returned_set
+
+    def inline(self, inline_bytes: int) -> list[Any] | None:
+        """Each part as it travels when every part travels inline (none over ``inline_bytes``:
+        see :meth:`travelling`), without a coroutine; None when a part is to be put."""
+        travelling = []
+        for part in self.parts:
+            if estimated_nbytes(part) > inline_bytes:
+                return None
+            travelling.append(compact(part))
+        return travelling
 
     async def travelling(
         self, put: Callable[[Any], Awaitable[Any]], inline_bytes: int

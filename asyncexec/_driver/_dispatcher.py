@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -145,11 +145,12 @@ class WorkerCalls:
             WorkerCrashedError: a worker died (a call to a dead rank names it; a note says when
                 the executor replaced the group meanwhile: a restart).
         """
-        group = await self._group()
+        self._life.check_open()  # as ``_group()``, without its coroutine: the hot path
+        group = _live(self._life.slot) or await self._life.slot.acquire()
         plan = plan_call(
             fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
         )
-        parts = await _put_parts(group.cluster, plan)
+        parts = plan.inline(INLINE_PART_BYTES) or await _put_parts(group.cluster, plan)
         if plan.choose is not None:
             return (await self._call_one(group, plan, parts))[1]
         workers = [group.workers[r] for r in plan.ranks]
@@ -294,7 +295,7 @@ class WorkerCalls:
                     # Every rank this call could go to died under it, and none was replaced.
                     last.add_note(f"sent {len(dead)} times: every rank it went to died")
                     raise last
-                handed = await wait_freed(group, loads.wait_slot())
+                handed = await _slot_freed(group, loads)
                 continue
             worker = group.workers[taken[1]]
             chosen(group, taken[1])
@@ -311,6 +312,13 @@ class WorkerCalls:
                 dead.add(worker.handle.key)
                 tried.add(taken[1])
                 self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
+
+
+def _slot_freed(group: WorkerGroup, loads: Loads) -> Awaitable[Slot | None]:
+    """A slot an ended call hands over (see ``Loads.wait_slot``), on the group's timeline when
+    it keeps one (without a coroutine of its own when not)."""
+    waiting = loads.wait_slot()
+    return waiting if group.timeline is None else wait_freed(group, waiting)
 
 
 def _next_slot(
@@ -390,7 +398,8 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:
     """Each part of the call, or a reference to it where it is large (by
     ``asyncexec._split.estimated_nbytes``): put once, copied and put off the loop (see
-    ``CallPlan.travelling``)."""
+    ``CallPlan.travelling``). A call whose parts all travel inline takes them from
+    ``CallPlan.inline`` first, without this coroutine (a call without arguments comes here)."""
     return await plan.travelling(cluster.put, INLINE_PART_BYTES)
 
 
