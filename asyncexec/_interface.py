@@ -17,7 +17,11 @@ The driver calls a role's method with ``call_method(key, *args)`` (``call_method
 plain method of a role that runs one call at a time): the role and the method's name travel as
 one key (:func:`method_key`), and a value of a :data:`BARE_TYPES` type comes back as it is, any
 other value or failure as an :class:`Outcome` (:func:`as_outcome` makes either an outcome).
-``call_role(role_index, name, *args)`` is the same call answered as an outcome.
+``call_role(role_index, name, *args)`` is the same call answered as an outcome. The Ray handle
+sends the key and the arguments of such a call as ONE argument when it can (:func:`packed`: no
+keyword arguments, no ``ObjectRef`` among them, which Ray resolves only at the top): each
+argument of a Ray call costs its own serialisation on the driver and on the worker. The
+worker's ``call_method`` and ``call_method_sync`` take either form (:func:`unpacked`).
 
 Both sides import this module; it imports only the standard library and ``_protocol``.
 """
@@ -37,7 +41,9 @@ __all__ = [
     "WorkerMethod",
     "as_outcome",
     "method_key",
+    "packed",
     "parse_key",
+    "unpacked",
 ]
 
 #: What a role method's call returns as it is when it succeeds (``call_method``): a value of
@@ -62,6 +68,24 @@ def parse_key(key: str) -> tuple[int, str]:
     if sep and name and index.isdigit():
         return int(index), name
     raise ValueError(f"not a role method's key: {key!r}")
+
+
+def packed(args: tuple[Any, ...]) -> list[Any]:
+    """``call_method``'s method key and positional arguments (``args``, the key first) as the
+    one argument the Ray handle sends: a list, which Ray's serialiser writes as MessagePack
+    where its items are of plain types (a tuple, or any other object, would be pickled).
+    The key may be wrapped (a trace context carried with it): :func:`unpacked` leaves it as
+    it is."""
+    return list(args)
+
+
+def unpacked(lead: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The method key and the arguments of a ``call_method`` (``call_method_sync``) whose
+    leading argument is ``lead`` and the rest ``args``: those of a :func:`packed` call, or
+    ``lead`` and ``args`` as they are (a key is never a list)."""
+    if type(lead) is list:
+        return lead[0], tuple(lead[1:])
+    return lead, args
 
 
 def as_outcome(answer: Any) -> Outcome:
@@ -99,9 +123,11 @@ class WorkerInterface(Protocol):
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
     ) -> Awaitable[Outcome]: ...
 
-    def call_method(self, key: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
+    def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
 
-    def call_method_sync(self, key: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
+    def call_method_sync(
+        self, key: str | list[Any], /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Any]: ...
 
     # A run.
 

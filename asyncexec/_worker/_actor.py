@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from .._interface import WorkerInterface, as_outcome, method_key
+from .._interface import WorkerInterface, as_outcome, method_key, unpacked
 from .._protocol import (
     Outcome,
     Poll,
@@ -101,22 +101,25 @@ class _Worker:
         outcome whose ``value`` is a ``RoleFailure``."""
         return await _roles.make(payload, checkpoint, context)
 
-    async def call_method(self, key: str, /, *args: Any, **kwargs: Any) -> Any:
+    async def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call the method ``key`` (``_interface.method_key``: the role's index and the
         method's name in one argument) of this worker's instance of its role: an ``async def``
         on this loop, a plain method in a thread, as ``execute`` runs a function. Its value
         when it is of a bare type (``_interface.BARE_TYPES``: nothing wrapped or pickled here),
         else how it ended, as an outcome. Arguments are passed as Ray passes them, so
-        ``ObjectRef`` arguments (the parts of a scattered argument) arrive resolved."""
+        ``ObjectRef`` arguments (the parts of a scattered argument) arrive resolved; the key
+        and the arguments may come as one list (``_interface.packed``)."""
+        key, args = unpacked(key, args)
         return await carried(kwargs, _roles.call, key, args, kwargs)
 
-    async def call_method_sync(self, key: str, /, *args: Any, **kwargs: Any) -> Any:
+    async def call_method_sync(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call the plain method ``key`` of this worker's instance of its role right here, with
         no hop to a thread: the driver sends this call to the role's own concurrency group
         (``ROLE_GROUPS``: a thread and event loop of Ray's, one call at a time), so the actor's
         loop stays free while the method runs, and the role's plain calls run one after another
         as ``call_method`` runs them under a limit of one. An ``async def`` found under that
-        name runs on the group's loop. Answers as ``call_method`` does."""
+        name runs on the group's loop. Answers as ``call_method`` does (its arguments too)."""
+        key, args = unpacked(key, args)
         return await carried(kwargs, _roles.call_here, key, args, kwargs)
 
     async def call_role(self, role_index: int, name: str, /, *args: Any, **kwargs: Any) -> Outcome:

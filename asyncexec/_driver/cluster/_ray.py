@@ -15,13 +15,13 @@ from typing import Any
 
 import anyio
 import ray
-from ray._raylet import NodeID
+from ray._raylet import NodeID, ObjectRef
 from ray.actor import ActorHandle
 from ray.core.generated.common_pb2 import NodeDeathInfo
 
 from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
-from ..._interface import WorkerMethod, parse_key
+from ..._interface import WorkerMethod, packed, parse_key
 from ..._protocol import WorkerMetadata
 from ..._worker import ROLE_GROUPS, WorkerActor, role_group
 from .._logging import get_logger
@@ -53,7 +53,7 @@ _PREEMPTED = NodeDeathInfo.Reason.Value("AUTOSCALER_DRAIN_PREEMPTED")
 class RayHandle:
     """A worker that is a Ray actor."""
 
-    __slots__ = ("_plain", "actor", "key")
+    __slots__ = ("_method", "_plain", "actor", "key")
 
     def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
@@ -61,15 +61,30 @@ class RayHandle:
         #: ``call_method_sync`` in the concurrency group of each method key's role (or
         #: ``call_method``, for a role past the groups), made on first use.
         self._plain: dict[str, Any] = {}
+        #: ``call_method`` (Ray makes a method's handle again on each look-up).
+        self._method: Any = actor.call_method
 
     def __repr__(self) -> str:
         return f"<RayHandle {self.key[:12]}>"
 
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Any:
+        """Call the actor's ``method``. A role method's key and positional arguments go as one
+        argument (``_interface.packed``: Ray serialises each argument of a call apart, on both
+        sides) unless there are keyword arguments or an ``ObjectRef`` among them (a scattered
+        part: Ray resolves only those at the top)."""
         if method == "call_method_sync":  # a plain method, one call at a time
             key = args[0]
-            return (self._plain.get(key) or self._plain_method(key)).remote(*args, **kwargs)
-        return getattr(self.actor, method).remote(*args, **kwargs)
+            remote = (self._plain.get(key) or self._plain_method(key)).remote
+        elif method == "call_method":
+            remote = self._method.remote
+        else:
+            return getattr(self.actor, method).remote(*args, **kwargs)
+        if kwargs:
+            return remote(*args, **kwargs)
+        for arg in args:
+            if isinstance(arg, ObjectRef):
+                return remote(*args)
+        return remote(packed(args))
 
     def _plain_method(self, key: str) -> Any:
         """``call_method_sync`` in the concurrency group of method key ``key``'s role (Ray runs

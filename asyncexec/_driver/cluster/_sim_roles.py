@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from ..._errors import ExecutorStateError
-from ..._interface import parse_key
+from ..._interface import parse_key, unpacked
 from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
 from ..._tracing import CARRIER
 from ..._worker import PLACE, Place, error_outcome, value_outcome
@@ -92,12 +92,14 @@ class SimCalls:
             return ready(error_outcome(exc))
         return self._call_here(fn, args, kwargs)
 
-    def call_method(self, key: str, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        """``call_role`` of the method ``key`` (answered as an outcome: the driver takes both)."""
+    def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """``call_role`` of the method ``key`` (answered as an outcome: the driver takes both);
+        the key and the arguments may come as one list (``_interface.packed``)."""
+        lead, args = unpacked(key, args)
         try:
-            role_index, name = parse_key(key)
+            role_index, name = parse_key(lead)
         except (TypeError, ValueError):
-            return ready(error_outcome(ExecutorStateError(f"not a role method: {key!r}")))
+            return ready(error_outcome(ExecutorStateError(f"not a role method: {lead!r}")))
         return self.call_role(role_index, name, *args, **kwargs)
 
     #: A plain method runs inline here in any case (as on its Ray concurrency group).
