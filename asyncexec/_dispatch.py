@@ -317,9 +317,11 @@ def plan_call(
 
 
 #: What planning finds of a role's method that its arguments do not change (its role and name,
-#: whether it takes ``self``, ``plain``, ``cancellable``), per group's roles (held, by identity:
-#: an executor's are fixed) and function; looked up again when the class's attribute changed.
-_FOUND: dict[int, tuple[Sequence[Role[Any]], dict[Any, tuple[RoleMethod, bool, bool, bool]]]] = {}
+#: whether it takes ``self``, ``plain``, ``cancellable``, and the arguments' names by how many
+#: there are: they bind to the method), per group's roles (held, by identity: an executor's are
+#: fixed) and function; looked up again when the class's attribute changed.
+_Found = tuple[RoleMethod, bool, bool, bool, dict[int, tuple[str, ...]]]
+_FOUND: dict[int, tuple[Sequence[Role[Any]], dict[Any, _Found]]] = {}
 
 
 def _quick_plan(
@@ -347,9 +349,13 @@ def _quick_plan(
         with_self = takes_self(roles[method.role_index].cls, method.name)
         cancellable = inspect.iscoroutinefunction(fn)
         plain = not cancellable and roles[method.role_index].max_concurrency == 1
-        found = held[1][fn] = (method, with_self, plain, cancellable)
-    method, with_self, plain, cancellable = found
-    names = _role_method_names(fn, with_self, len(args), ())
+        found = held[1][fn] = (method, with_self, plain, cancellable, {})
+    method, with_self, plain, cancellable, named = found
+    names = named.get(len(args))
+    if names is None:  # binds, or raises: only a call that binds is kept
+        names = _role_method_names(fn, with_self, len(args), ())
+        if len(named) < 16:
+            named[len(args)] = names
     ranks, returned, single, choose = _targets(on, world_size)
     parts: list[Any] = []
     shared: dict[int, int] = {}  # id of a value passed as several arguments: its part

@@ -3,7 +3,7 @@ positional arguments into one list (``_interface.packed``: each argument of a Ra
 serialised apart on the driver and on the worker) unless there are keyword arguments or an
 ``ObjectRef`` among them (a scattered part, a reference the caller passed: Ray resolves only
 those at the top); the worker takes either form (``_interface.unpacked``), in local mode and on
-simulated ranks too."""
+simulated ranks too; and the quick plan, which binds a method's arguments once per count."""
 
 from __future__ import annotations
 
@@ -111,3 +111,29 @@ async def test_ray_handle_packs_plain_positional_calls_only(packs: list[tuple[An
         big = np.ones(100_000)  # over the inline limit: put, sent as an ObjectRef
         assert await ex.call(Adder.total, asyncexec.scatter(big), 1) == [100_001.0]
         assert packs == []
+
+
+def test_the_quick_plan_binds_a_method_once_per_argument_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The arguments' names of a role method's call (its signature bound) are found once per
+    number of arguments; a call that does not bind raises each time."""
+    import asyncexec._dispatch as dispatch
+
+    bound: list[int] = []
+    real = dispatch._role_method_names
+
+    def counting(fn: Any, with_self: bool, positional: int, keywords: tuple[str, ...]) -> Any:
+        bound.append(positional)
+        return real(fn, with_self, positional, keywords)
+
+    monkeypatch.setattr(dispatch, "_role_method_names", counting)
+    roles = [asyncexec.Role(Adder)]
+    for _ in range(3):
+        assert dispatch.plan_call(Adder.plain_add, (1, 2), {}, 2, roles=roles).names == (
+            "argument 'a'",
+            "argument 'b'",
+        )
+        with pytest.raises(asyncexec.ConfigurationError, match="do not bind"):
+            dispatch.plan_call(Adder.plain_add, (1, 2, 3), {}, 2, roles=roles)
+    assert bound == [2, 3, 3, 3]
