@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import typing
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any, ParamSpec, TypeVar, cast
 
+from ._concat_check import check_concat
 from ._errors import ConfigurationError, MergeError, describe
+from ._interface import method_key
 from ._protocol import RoleMethod
 from ._role import NamedMethod, Role, method_of, qualname, roles_of, roles_payload, takes_self
 from ._split import (
@@ -37,17 +39,7 @@ from ._split import (
     split_length,
     split_sizes,
 )
-from ._targets import (
-    ALL,
-    AllRanks,
-    LeastLoaded,
-    Load,
-    Mesh,
-    OneRank,
-    Target,
-    least_loaded,
-    rank,
-)
+from ._targets import ALL, AllRanks, LeastLoaded, Load, Mesh, OneRank, Target, least_loaded, rank
 
 __all__ = [
     "ALL",
@@ -121,15 +113,21 @@ class CallPlan:
     #: How messages name each argument (``"argument 'batch'"``), in the order of a row.
     names: tuple[str, ...] = field(default=(), repr=False)
     #: A role's plain (``def``) method whose role runs one call at a time (the default): the
-    #: worker runs it where its calls queue, without a hop to a thread (``call_role_sync``).
+    #: worker runs it where its calls queue, without a hop to a thread (``call_method_sync``).
     plain: bool = False
     #: An ``async def`` (method or function): cancelled on the worker when its caller stops
     #: waiting. A plain one runs to its end.
     cancellable: bool = False
     _returned_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
+    #: How the worker's ``call_method`` names ``method`` (``_interface.method_key``); "" for a
+    #: plain function.
+    key: str = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "_returned_set", frozenset(self.returned))
+        key = "" if self.method is None else method_key(*self.method)
+        object.__setattr__(self, "key", key)
 
     def parts_of(self, r: int) -> tuple[int, ...]:
         """Which parts rank ``r`` receives, as indices into ``parts`` (one per argument)."""
@@ -142,13 +140,25 @@ class CallPlan:
         the parts, in the order of ``self.parts``; the parts themselves when None)."""
         values = self.parts if parts is None else parts
         row = self.parts_of(r)
-        args = tuple(values[i] for i in row[: self.positional])
+        if not self.keywords:
+            return tuple([values[i] for i in row]), {}
+        args = tuple([values[i] for i in row[: self.positional]])
         kwargs = {k: values[i] for k, i in zip(self.keywords, row[self.positional :], strict=True)}
         return args, kwargs
 
     def returns(self, r: int) -> bool:
         """Whether rank ``r``'s result is returned (always, for a rank chosen by load)."""
         return self.choose is not None or r in self._returned_set
+
+    def inline(self, inline_bytes: int) -> list[Any] | None:
+        """Each part as it travels when every part travels inline (none over ``inline_bytes``:
+        see :meth:`travelling`), without a coroutine; None when a part is to be put."""
+        travelling = []
+        for part in self.parts:
+            if estimated_nbytes(part) > inline_bytes:
+                return None
+            travelling.append(compact(part))
+        return travelling
 
     async def travelling(
         self, put: Callable[[Any], Awaitable[Any]], inline_bytes: int
@@ -271,6 +281,10 @@ def plan_call(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"a call needs a group of at least one rank, got {world_size!r}")
+    if type(fn) is FunctionType and not kwargs and merge is None and roles:
+        quick = _quick_plan(fn, tuple(args), world_size, on, roles)
+        if quick is not None:
+            return quick
     fn, args, kwargs, method = _unwrapped(fn, tuple(args), dict(kwargs), roles)
     names = _bind(fn, method, roles, args, kwargs)
     values: list[Any] = [*args, *kwargs.values()]
@@ -282,7 +296,7 @@ def plan_call(
             else f"merge= takes a callable, got {type(merge).__name__}"
         )
     if merge is concat:
-        _check_concat(fn)
+        check_concat(fn)
     parts, rows = _laid_out(values, names, on, world_size, single)
     return CallPlan(
         fn=fn,
@@ -300,6 +314,61 @@ def plan_call(
         plain=method is not None and _one_at_a_time(fn, method, roles),
         cancellable=inspect.iscoroutinefunction(_code(fn)),
     )
+
+
+#: What planning finds of a role's method that its arguments do not change (its role and name,
+#: whether it takes ``self``, ``plain``, ``cancellable``, and the arguments' names by how many
+#: there are: they bind to the method), per group's roles (held, by identity: an executor's are
+#: fixed) and function; looked up again when the class's attribute changed.
+_Found = tuple[RoleMethod, bool, bool, bool, dict[int, tuple[str, ...]]]
+_FOUND: dict[int, tuple[Sequence[Role[Any]], dict[Any, _Found]]] = {}
+
+
+def _quick_plan(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    world_size: int,
+    on: Target,
+    roles: Sequence[Role[Any]],
+) -> CallPlan | None:
+    """The plan of the commonest call, a role's method with positional arguments that are not
+    scattered, to every rank, one rank or by load: what :func:`plan_call` makes of it, with
+    what does not depend on the arguments found once; None for any other call."""
+    if isinstance(on, Mesh) or any(isinstance(v, Scatter) for v in args):
+        return None
+    held = _FOUND.get(id(roles))
+    if held is None or held[0] is not roles:
+        if len(_FOUND) >= 64:
+            _FOUND.clear()
+        held = _FOUND[id(roles)] = (roles, {})
+    found = held[1].get(fn)
+    if found is None or getattr(roles[found[0].role_index].cls, found[0].name, None) is not fn:
+        method = method_of(fn, roles)
+        if method is None:
+            return None
+        with_self = takes_self(roles[method.role_index].cls, method.name)
+        cancellable = inspect.iscoroutinefunction(fn)
+        plain = not cancellable and roles[method.role_index].max_concurrency == 1
+        found = held[1][fn] = (method, with_self, plain, cancellable, {})
+    method, with_self, plain, cancellable, named = found
+    names = named.get(len(args))
+    if names is None:  # binds, or raises: only a call that binds is kept
+        names = _role_method_names(fn, with_self, len(args), ())
+        if len(named) < 16:
+            named[len(args)] = names
+    ranks, returned, single, choose = _targets(on, world_size)
+    parts: list[Any] = []
+    shared: dict[int, int] = {}  # id of a value passed as several arguments: its part
+    for i, value in enumerate(args):
+        _refuse_nested(value, names[i])
+        if id(value) not in shared:
+            shared[id(value)] = len(parts)
+            parts.append(value)
+    row = tuple(shared[id(value)] for value in args)
+    return CallPlan(
+        fn, method, tuple(parts), ranks, returned, single, choose, None, len(args), (), (row,),
+        names, plain, cancellable,
+    )  # fmt: skip
 
 
 def _one_at_a_time(fn: Callable[..., Any], method: RoleMethod, roles: Sequence[Role[Any]]) -> bool:
@@ -447,44 +516,6 @@ def _names(
 def _name_of(merge: Callable[..., Any]) -> str:
     name = getattr(merge, "__qualname__", None)
     return name if isinstance(name, str) else type(merge).__qualname__
-
-
-#: Results that concat() never merges, by the type a function's return is annotated with.
-_SCALARS = (int, float, complex, bool, str, bytes, type(None))
-
-
-def _check_concat(fn: Callable[..., Any]) -> None:
-    """What can be checked of ``merge=concat`` before the call is sent: a function annotated to
-    return a scalar, or a mapping of scalars (metrics), returns what concat() cannot merge."""
-    try:
-        refused = _concat_refuses(fn)
-    except TypeError:  # an unhashable callable: nothing to remember it by
-        refused = _concat_refuses.__wrapped__(fn)
-    if refused is not None:
-        raise ConfigurationError(
-            f"merge=concat cannot merge the results of {qualname(fn)} (annotated {refused}): it "
-            "merges lists, tuples, numpy arrays, torch tensors and mappings of them; leave "
-            "merge= out for each rank's result, or pass a merge of your own"
-        )
-
-
-@functools.lru_cache(maxsize=1024)
-def _concat_refuses(fn: Callable[..., Any]) -> str | None:
-    """``fn``'s return annotation, written out, when concat() cannot merge what it names."""
-    try:
-        hint = inspect.signature(fn, eval_str=True).return_annotation
-    except Exception:  # no signature, or an annotation that does not resolve: not checked
-        return None
-    return inspect.formatannotation(hint) if _scalar_results(hint) else None
-
-
-def _scalar_results(hint: Any) -> bool:
-    if hint in _SCALARS:
-        return True
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (dict, Mapping) and len(args) == 2:
-        return _scalar_results(args[1])
-    return False
 
 
 def _targets(

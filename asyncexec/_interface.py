@@ -13,6 +13,16 @@ A method returns an awaitable: the actor's are ``async def``; a simulated worker
 or later without a task of their own. ``__ray_terminate__`` (a Ray actor's graceful exit) is
 Ray's, not the worker's: each handle answers it.
 
+The driver calls a role's method with ``call_method(key, *args)`` (``call_method_sync`` for a
+plain method of a role that runs one call at a time): the role and the method's name travel as
+one key (:func:`method_key`), and a value of a :data:`BARE_TYPES` type comes back as it is, any
+other value or failure as an :class:`Outcome` (:func:`as_outcome` makes either an outcome).
+``call_role(role_index, name, *args)`` is the same call answered as an outcome. The Ray handle
+sends the key and the arguments of such a call as ONE argument when it can (:func:`packed`: no
+keyword arguments, no ``ObjectRef`` among them, which Ray resolves only at the top): each
+argument of a Ray call costs its own serialisation on the driver and on the worker. The
+worker's ``call_method`` and ``call_method_sync`` take either form (:func:`unpacked`).
+
 Both sides import this module; it imports only the standard library and ``_protocol``.
 """
 
@@ -24,7 +34,63 @@ from typing import Any, Literal, Protocol
 
 from ._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext, WorkerMetadata
 
-__all__ = ["WORKER_METHODS", "WorkerInterface", "WorkerMethod"]
+__all__ = [
+    "BARE_TYPES",
+    "WORKER_METHODS",
+    "WorkerInterface",
+    "WorkerMethod",
+    "as_outcome",
+    "method_key",
+    "packed",
+    "parse_key",
+    "unpacked",
+]
+
+#: What a role method's call returns as it is when it succeeds (``call_method``): a value of
+#: these types travels as Ray sends it (no record around it, nothing pickled); any other
+#: value, and every failure, as an :class:`Outcome`. A bare value is never an ``Outcome``.
+BARE_TYPES: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def method_key(role_index: int, name: str) -> str:
+    """How ``call_method`` names method ``name`` of role ``role_index``: one small string (Ray
+    serialises each argument of a call apart: one argument, not two)."""
+    return f"{role_index}:{name}"
+
+
+def parse_key(key: str) -> tuple[int, str]:
+    """The role index and the method's name of a :func:`method_key`.
+
+    Raises:
+        ValueError: not such a key.
+    """
+    index, sep, name = key.partition(":") if isinstance(key, str) else ("", "", "")
+    if sep and name and index.isdigit():
+        return int(index), name
+    raise ValueError(f"not a role method's key: {key!r}")
+
+
+def packed(args: tuple[Any, ...]) -> list[Any]:
+    """``call_method``'s method key and positional arguments (``args``, the key first) as the
+    one argument the Ray handle sends: a list, which Ray's serialiser writes as MessagePack
+    where its items are of plain types (a tuple, or any other object, would be pickled).
+    The key may be wrapped (a trace context carried with it): :func:`unpacked` leaves it as
+    it is."""
+    return list(args)
+
+
+def unpacked(lead: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The method key and the arguments of a ``call_method`` (``call_method_sync``) whose
+    leading argument is ``lead`` and the rest ``args``: those of a :func:`packed` call, or
+    ``lead`` and ``args`` as they are (a key is never a list)."""
+    if type(lead) is list:
+        return lead[0], tuple(lead[1:])
+    return lead, args
+
+
+def as_outcome(answer: Any) -> Outcome:
+    """A role method's answer (``call_method``'s: a bare value or an outcome) as an outcome."""
+    return answer if type(answer) is Outcome else Outcome("ok", answer)
 
 
 class WorkerInterface(Protocol):
@@ -42,8 +108,9 @@ class WorkerInterface(Protocol):
         data_context: Any = None,
     ) -> Awaitable[Outcome]: ...
 
-    def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Awaitable[Outcome]:
-        ...
+    def execute(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Outcome]: ...
 
     def make_roles(
         self,
@@ -56,9 +123,11 @@ class WorkerInterface(Protocol):
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
     ) -> Awaitable[Outcome]: ...
 
-    def call_role_sync(
-        self, role_index: int, name: str, /, *args: Any, **kwargs: Any
-    ) -> Awaitable[Outcome]: ...
+    def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
+
+    def call_method_sync(
+        self, key: str | list[Any], /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Any]: ...
 
     # A run.
 
@@ -128,8 +197,9 @@ class WorkerInterface(Protocol):
 #: graceful exit.
 WorkerMethod = Literal[
     "buffered",
+    "call_method",
+    "call_method_sync",
     "call_role",
-    "call_role_sync",
     "channel_close",
     "channel_cuda",
     "channel_join",
@@ -158,6 +228,7 @@ WorkerMethod = Literal[
 
 #: The names of the worker's remote methods.
 WORKER_METHODS: frozenset[str] = frozenset(
-    name for name, value in vars(WorkerInterface).items()
+    name
+    for name, value in vars(WorkerInterface).items()
     if callable(value) and not name.startswith("_")
 )

@@ -7,12 +7,21 @@ is pickled by reference and the module stays light.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from typing import Any
 
 import ray
 
-__all__ = ["Echo", "RawEcho", "RawEchoPlainGroup", "RawEchoSync", "part_summary"]
+__all__ = [
+    "Echo",
+    "RawEcho",
+    "RawEchoPlainGroup",
+    "RawEchoSync",
+    "RawEchoThreaded",
+    "part_summary",
+]
 
 
 def part_summary(part: Any) -> dict[str, Any]:
@@ -106,3 +115,40 @@ class RawEchoPlainGroup:
     def small_sync(self, x: int) -> int:
         self.calls += 1
         return x + 1
+
+
+class _Threaded:
+    """The other shape a worker could take (measured by hand, not asyncexec's): a *sync* Ray
+    actor, its plain methods on Ray's main thread one at a time (as a sync actor's), whose own
+    asyncio loop runs in a background thread for the async parts: an ``async def`` runs there,
+    sent from a thread of a threaded concurrency group (``run_coroutine_threadsafe``), so that
+    such calls run concurrently; long polls would block a thread of a "control" group the
+    same way (one is pending here while the calls are measured)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def small_sync(self, x: int) -> int:
+        self.calls += 1
+        return x + 1
+
+    @ray.method(concurrency_group="async")
+    def small(self, x: int) -> int:
+        async def small() -> int:
+            self.calls += 1
+            return x + 1
+
+        return asyncio.run_coroutine_threadsafe(small(), self.loop).result()
+
+    @ray.method(concurrency_group="control")
+    def hold(self, seconds: float) -> None:
+        """A long poll: blocks a control thread on the loop's future."""
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(seconds), self.loop).result()
+
+
+RawEchoThreaded = ray.remote(concurrency_groups={"async": 32, "control": 2})(_Threaded)

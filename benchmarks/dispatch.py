@@ -62,7 +62,13 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 import structlog  # noqa: E402
 from _common import median, progress  # noqa: E402
-from _dispatch_workload import Echo, RawEcho, RawEchoPlainGroup, RawEchoSync  # noqa: E402
+from _dispatch_workload import (  # noqa: E402
+    Echo,
+    RawEcho,
+    RawEchoPlainGroup,
+    RawEchoSync,
+    RawEchoThreaded,
+)
 from _pairs import Pair, render_pairs  # noqa: E402
 
 import asyncexec  # noqa: E402
@@ -203,7 +209,11 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
     raw = await raw_actors(RawEcho, n)
     raw_sync = await raw_actors(RawEchoSync, n)
     raw_group = await raw_actors(RawEchoPlainGroup, n)
+    raw_threaded = await raw_actors(RawEchoThreaded, n)
+    for actor in raw_threaded:  # a long poll pending, as a worker's would be
+        actor.hold.remote(3600.0)
     floor: list[float] = []
+    threaded: dict[str, list[float]] = {"plain": [], "async": []}
     try:
         async with asyncexec.Executor(
             n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)
@@ -224,7 +234,14 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
             async def raw_group_plain(x: int) -> Any:
                 return await asyncio.gather(*[a.small_sync.remote(x) for a in raw_group])
 
-            for one in (ae_async, ae_plain, raw_async, raw_plain, raw_group_plain):
+            async def threaded_plain(x: int) -> Any:
+                return await asyncio.gather(*[a.small_sync.remote(x) for a in raw_threaded])
+
+            async def threaded_async(x: int) -> Any:
+                return await asyncio.gather(*[a.small.remote(x) for a in raw_threaded])
+
+            by_hand = (raw_async, raw_plain, raw_group_plain, threaded_plain, threaded_async)
+            for one in (ae_async, ae_plain, *by_hand):
                 assert await one(1) == [2] * n
                 await latencies(sizes.warm_calls, one)
             for i in range(sizes.repeats):
@@ -243,18 +260,29 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
                         row.base.append(base_value)
                         row.ours.append(our_value)
                 floor.append((await latencies(sizes.small_calls, raw_group_plain))[0])
+                for kind, one in (("plain", threaded_plain), ("async", threaded_async)):
+                    threaded[kind].append((await latencies(sizes.small_calls, one))[0])
     finally:
         kill(raw)
         kill(raw_sync)
         kill(raw_group)
-    plain = rows["plain"][0]
-    note = (
+        kill(raw_threaded)
+    plain, coro = median(rows["plain"][0].base), median(rows["async"][0].base)
+    ours_plain, ours_async = median(rows["plain"][0].ours), median(rows["async"][0].ours)
+    notes = [
         f"- small call, {ranks}: a plain def method on a bare async Ray actor (a concurrency "
         f"group of one, by hand: where asyncexec runs it) {median(floor):,.0f} us, "
-        f"{median(floor) / median(plain.base):.2f}x the sync actor: Ray's own floor for the "
-        "plain row"
-    )
-    return [*rows["async"], *rows["plain"]], [note]
+        f"{median(floor) / plain:.2f}x the sync actor: Ray's own floor for the plain row "
+        f"(asyncexec's {ours_plain / median(floor):.2f}x that floor)",
+        f"- small call, {ranks}, a threaded sync Ray actor by hand (its asyncio loop in a "
+        f"thread of its own; the shape a worker could take): a plain method "
+        f"{median(threaded['plain']):,.0f} us, {median(threaded['plain']) / plain:.2f}x the "
+        f"sync actor; an async def run on its loop from a concurrency group's thread "
+        f"{median(threaded['async']):,.0f} us, {median(threaded['async']) / coro:.2f}x the "
+        f"async actor, {median(threaded['async']) / plain:.2f}x the sync actor (asyncexec's "
+        f"async row is {ours_async / plain:.2f}x the sync actor)",
+    ]
+    return [*rows["async"], *rows["plain"]], notes
 
 
 # Scatter ----------------------------------------------------------------------------------------

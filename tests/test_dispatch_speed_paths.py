@@ -1,9 +1,11 @@
 """The call paths of dispatch: a role's plain method that runs one call at a time goes to the
-role's own Ray concurrency group (``call_role_sync``: no hop from the actor's loop to a thread),
-every other call through ``call_role``; and what a caller that stops waiting does to the call on
-the worker (an ``async def`` is cancelled there and its slot frees when that lands; a plain
-method runs to its end and keeps its slot), on Ray actors, in local mode and on simulated
-ranks."""
+role's own Ray concurrency group (``call_method_sync``: no hop from the actor's loop to a
+thread), every other call through ``call_method`` (the role and method as one key; a bare value
+back as it is, every kind of value whole); the plan of the commonest call; what a caller that
+stops waiting does to the call on the worker (an ``async def`` is cancelled there and its slot
+frees when that lands; a plain method runs to its end and keeps its slot), on Ray actors, in
+local mode and on simulated ranks; and a rank renewed outside a run, which joins what its group
+receives from a weight channel."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import anyio
 import pytest
 
 import asyncexec
-from asyncexec._dispatch import plan_call
+from asyncexec._dispatch import ALL, plan_call
 from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 from asyncexec._worker import ROLE_GROUPS
 
@@ -177,7 +179,7 @@ class R3:
 
 
 class Fifth:
-    """A role past the concurrency groups: its plain calls go through ``call_role``."""
+    """A role past the concurrency groups: its plain calls go through ``call_method``."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -355,3 +357,212 @@ def test_a_handed_slot_the_call_cannot_use_is_given_back_and_the_call_looks_agai
     loads.of(live).started(1)  # rank 1 has 2 in flight: over a cap of 1 for the next call
     assert _next_slot(loads, live, (loads.of(live), 1), 1, ()) is None  # type: ignore[arg-type]
     assert loads.of(live).counts == (1, 1)  # the handed one given back; none free under 1
+
+
+# The call's own path: one method key, a bare value back ---------------------------------------
+
+
+class Values:
+    """Methods that return values of each kind, ``async def`` and plain."""
+
+    def plain(self, value: Any) -> Any:
+        return value
+
+    async def coro(self, value: Any) -> Any:
+        return value
+
+    def rank_of(self) -> int:
+        return asyncexec.get_context().world_rank
+
+
+#: Bare values (they come back as they are) and others (in an outcome), each with its type kept.
+SENT: list[Any] = [
+    None,
+    True,
+    0,
+    2**70,
+    1.5,
+    "text",
+    b"\x00bytes",
+    b"x" * (100 * 1024),
+    (1, "two"),
+    ("ok", 3, None, ""),  # shaped as an outcome, but the user's tuple
+    {"loss": 0.5},
+    [1, 2],
+]
+
+
+@pytest.mark.timeout(60)
+async def test_every_kind_of_value_comes_back_as_it_was_sent_on_each_path(mode: str) -> None:
+    """A role method's value comes back whole and of its own type, whether it travels bare (a
+    number, a string, bytes, None) or in an outcome, through ``call_method`` (``async def``)
+    and ``call_method_sync`` (a plain method), to one rank, to every rank and by load."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Values) as ex:
+        for method in (Values.plain, Values.coro):
+            for value in SENT:
+                one = await ex.call(method, value, on=asyncexec.rank(1))
+                every = await ex.call(method, value)
+                chosen = await ex.call(method, value, on=asyncexec.least_loaded())
+                for got in (one, *every, chosen):
+                    assert got == value and type(got) is type(value), (method, value, got)
+        assert await ex.call(Values.rank_of) == [0, 1]
+
+
+def test_a_method_key_carries_the_role_and_the_method_name() -> None:
+    from asyncexec._interface import method_key, parse_key
+
+    plan = plan_call(Other.quick, (), {}, 1, roles=[asyncexec.Role(Worker), asyncexec.Role(Other)])
+    assert plan.key == method_key(1, "quick") and parse_key(plan.key) == (1, "quick")
+    assert parse_key(method_key(0, "a:b")) == (0, "a:b")
+    assert plan_call(len, ([1],), {}, 1).key == ""  # a function: no key
+    for bad in ("quick", "x:quick", "1:", "-1:quick", 1):
+        with pytest.raises(ValueError, match="not a role method's key"):
+            parse_key(bad)
+
+
+async def test_a_worker_answers_a_bad_key_with_an_error_and_call_role_with_an_outcome() -> None:
+    """The worker's side, without Ray: a key it cannot read, a role or method it does not hold,
+    are error outcomes; ``call_role`` answers as an outcome even a bare value."""
+    from asyncexec._interface import as_outcome
+    from asyncexec._protocol import Outcome
+    from asyncexec._worker import _roles
+    from asyncexec._worker._actor import WorkerCode
+    from asyncexec._worker._place import PLACE, Place
+
+    place = Place()
+    token = PLACE.set(place)
+    try:
+        place.roles = _roles.Roles([Values()], None)
+        assert await _roles.call("0:plain", (5,), {}) == 5
+        assert await _roles.call_here("0:coro", ("s",), {}) == "s"
+        wrapped = await _roles.call("0:plain", ({"a": 1},), {})
+        assert type(wrapped) is Outcome and wrapped.kind == "ok"
+        for bad in ("plain", "1:plain", "0:missing", 7):
+            failed = await _roles.call(bad, (), {})  # type: ignore[arg-type]
+            assert type(failed) is Outcome and failed.kind == "error", bad
+            assert isinstance(failed.error, asyncexec.ExecutorStateError)
+        assert await WorkerCode().call_role(0, "plain", 3) == Outcome("ok", 3)
+        assert as_outcome(None) == Outcome("ok", None) and as_outcome(wrapped) is wrapped
+    finally:
+        PLACE.reset(token)
+
+
+async def test_simulated_ranks_answer_call_method() -> None:
+    with simulated(SimCluster(SimLoad(reports=1))):
+        async with asyncexec.Executor(2, roles=Values, health=NO_HEALTH) as ex:
+            assert await ex.call(Values.plain, b"b") == [b"b", b"b"]
+            assert await ex.call(Values.coro, {"k": 1}, on=asyncexec.least_loaded()) == {"k": 1}
+
+
+# Planning: the commonest call is planned from what was found of its method once ---------------
+
+
+class Planned:
+    def one(self, x: Any) -> Any:
+        return x
+
+    async def two(self, x: Any, y: Any = 0) -> Any:
+        return x
+
+    @staticmethod
+    def alone(x: Any) -> Any:
+        return x
+
+
+def test_the_quick_plan_is_the_plan_of_the_whole_planner() -> None:
+    """A role's method with positional arguments, to every rank, one rank or by load, is
+    planned as the whole planner plans it (a ``functools.partial`` without arguments takes the
+    whole way); the same value passed twice is one part; errors are the same."""
+    roles = [asyncexec.Role(Worker), asyncexec.Role(Planned).options(max_concurrency=2)]
+    shared = [1, 2]
+    for fn, args in (
+        (Planned.one, (5,)),
+        (Planned.two, (shared, shared)),
+        (Planned.alone, ("a",)),
+        (Worker.block, ()),
+    ):
+        for on in (ALL, asyncexec.rank(1), asyncexec.least_loaded(max_in_flight=2)):
+            quick = plan_call(fn, args, {}, 2, on, roles=roles)
+            whole = plan_call(functools.partial(fn), args, {}, 2, on, roles=roles)
+            assert quick == whole and quick.key == whole.key and quick.names == whole.names
+    assert plan_call(Planned.two, (shared, shared), {}, 2, roles=roles).parts == (shared,)
+    for bad in ((1, 2, 3), ([asyncexec.scatter([1, 2])],)):
+        with pytest.raises(asyncexec.ConfigurationError) as quick_error:
+            plan_call(Planned.two, bad, {}, 2, roles=roles)
+        with pytest.raises(asyncexec.ConfigurationError) as whole_error:
+            plan_call(functools.partial(Planned.two), bad, {}, 2, roles=roles)
+        assert str(quick_error.value) == str(whole_error.value)
+
+
+def test_a_method_replaced_on_its_class_is_looked_up_again() -> None:
+    class Swapped:
+        def m(self) -> int:
+            return 1
+
+    roles = [asyncexec.Role(Swapped)]
+    old = Swapped.m
+    assert plan_call(old, (), {}, 1, roles=roles).method == (0, "m")
+
+    def other(self: Any) -> int:
+        return 2
+
+    other.__name__, other.__qualname__ = "m", "Swapped.m"
+    Swapped.m = other  # type: ignore[method-assign]
+    with pytest.raises(asyncexec.ConfigurationError):
+        plan_call(old, (), {}, 1, roles=roles)  # no longer the role's method
+    assert plan_call(Swapped.m, (), {}, 1, roles=roles).method == (0, "m")
+
+
+# A rank renewed outside a run, and a weight channel to its group -------------------------------
+
+
+class Holder:
+    """A role that installs what a weight channel pushes (as a rollout server does)."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        asyncexec.receive_weights(self.install)
+
+    def install(self, state: Any, version: int) -> None:
+        self.state = state
+
+    def held(self) -> tuple[int | None, Any]:
+        return asyncexec.weights_version(), self.state
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _serve_weights() -> None:
+    asyncexec.serve_weights(lambda: {"w": 2.0})
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(60)
+async def test_a_rank_renewed_outside_a_run_gets_the_channels_latest_version(
+    ray_local: None,
+) -> None:
+    """A ``call()`` user without a Router: a rank of the receiving group dies and the
+    dispatcher puts a fresh process in its place; before the next call reaches it, it holds the
+    channel's latest version (it held nothing: the channel gives it to ranks joining a run)."""
+    import os
+    import signal
+
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU) as learner,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as servers,
+    ):
+        await learner.execute(_serve_weights)
+        async with asyncexec.WeightChannel(learner, servers) as channel:
+            assert await channel.push() == 1
+            assert await servers.call(Holder.held) == [(1, {"w": 2.0})] * 2
+            dead = (await servers.call(Holder.pid))[0]
+            os.kill(dead, signal.SIGKILL)
+            with pytest.raises(asyncexec.WorkerCrashedError), anyio.fail_after(30):
+                while True:  # until a call sees the death (its renewal is awaited)
+                    await servers.call(Holder.pid, on=asyncexec.rank(0))
+            assert servers.statistics().renewed_ranks == 1
+            assert (await servers.call(Holder.pid))[0] != dead
+            assert await servers.call(Holder.held) == [(1, {"w": 2.0})] * 2

@@ -149,7 +149,7 @@ def test_the_names_a_handle_takes_are_the_interface_s_methods() -> None:
 
 def test_every_method_the_driver_calls_by_name_is_in_the_interface() -> None:
     called = _names_called()
-    assert {"call_role", "make_roles", "poll", "setup"} <= set(called)  # the scan finds them
+    assert {"call_method", "make_roles", "poll", "setup"} <= set(called)  # the scan finds them
     unknown = {n: where for n, where in called.items() if n not in WORKER_METHODS}
     assert unknown == {"__ray_terminate__": unknown.get("__ray_terminate__")}
 

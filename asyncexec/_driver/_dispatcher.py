@@ -16,8 +16,10 @@ was sent to; a plain method runs to its end. A call chosen by load holds its ran
 the remote call ends (or its cancellation lands), also when its caller stops waiting, and a call
 that ends hands its slot to the longest waiter; an idempotent one follows the group when it is
 replaced (see ``_loads`` for the bookkeeping). A role's plain method that runs one call at a
-time is sent as ``call_role_sync`` (the worker runs it where its calls queue, without a hop to
-a thread), every other method as ``call_role``.
+time is sent as ``call_method_sync`` (the worker runs it where its calls queue, without a hop to
+a thread), every other method as ``call_method``: the role and the method's name travel as one
+key, and a small value (a number, a string, bytes, None) comes back as it is, without an outcome
+around it (see ``asyncexec._interface``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import asyncio
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -41,6 +43,8 @@ from .._errors import (
     WorkerCrashedError,
     describe,
 )
+from .._interface import as_outcome
+from .._protocol import Outcome
 from .._taskgroups import task_group
 from .._timeline import chosen, traced, wait_freed
 from .._tracing import Carried, call_span
@@ -141,11 +145,12 @@ class WorkerCalls:
             WorkerCrashedError: a worker died (a call to a dead rank names it; a note says when
                 the executor replaced the group meanwhile: a restart).
         """
-        group = await self._group()
+        self._life.check_open()  # as ``_group()``, without its coroutine: the hot path
+        group = _live(self._life.slot) or await self._life.slot.acquire()
         plan = plan_call(
             fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
         )
-        parts = await _put_parts(group.cluster, plan)
+        parts = plan.inline(INLINE_PART_BYTES) or await _put_parts(group.cluster, plan)
         if plan.choose is not None:
             return (await self._call_one(group, plan, parts))[1]
         workers = [group.workers[r] for r in plan.ranks]
@@ -162,7 +167,7 @@ class WorkerCalls:
                 for sent in calls:
                     sent.cancel()
             raise
-        return plan.result(group.values(outcomes, workers))
+        return plan.result(_values(group, outcomes, workers))
 
     def stream(
         self, fn: Callable[..., Any], /, *args: Any, on: Target = ALL, **kwargs: Any
@@ -253,7 +258,7 @@ class WorkerCalls:
         else:
             if held is not None:
                 self._loads.release(*held)
-            return group.values([outcome], [worker])[0]
+            return _value(group, outcome, worker)
         raise await self._recovery.lost(group, worker, error) from error
 
     async def _call_one(
@@ -290,7 +295,7 @@ class WorkerCalls:
                     # Every rank this call could go to died under it, and none was replaced.
                     last.add_note(f"sent {len(dead)} times: every rank it went to died")
                     raise last
-                handed = await wait_freed(group, loads.wait_slot())
+                handed = await _slot_freed(group, loads)
                 continue
             worker = group.workers[taken[1]]
             chosen(group, taken[1])
@@ -307,6 +312,13 @@ class WorkerCalls:
                 dead.add(worker.handle.key)
                 tried.add(taken[1])
                 self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
+
+
+def _slot_freed(group: WorkerGroup, loads: Loads) -> Awaitable[Slot | None]:
+    """A slot an ended call hands over (see ``Loads.wait_slot``), on the group's timeline when
+    it keeps one (without a coroutine of its own when not)."""
+    waiting = loads.wait_slot()
+    return waiting if group.timeline is None else wait_freed(group, waiting)
 
 
 def _next_slot(
@@ -331,6 +343,22 @@ def _next_slot(
         loads.refuse(handed)  # free again: this call looks too, as every waiter does
         return loads.take(group, max_in_flight, exclude=exclude)
     return handed
+
+
+def _value(group: WorkerGroup, answer: Any, worker: WorkerInfo) -> Any:
+    """The value of one rank's answer (a bare value, or an outcome: see ``call_method``);
+    raised when it failed."""
+    if type(answer) is not Outcome:
+        return answer
+    return group.values([answer], [worker])[0]
+
+
+def _values(group: WorkerGroup, answers: Sequence[Any], workers: Sequence[WorkerInfo]) -> list[Any]:
+    """The values of role methods' or functions' answers (a bare value, or an outcome: see
+    ``call_method``); the failed ones raised (the lowest rank first)."""
+    if all(type(answer) is not Outcome for answer in answers):
+        return list(answers)
+    return group.values([as_outcome(answer) for answer in answers], workers)
 
 
 def _who(workers: Sequence[WorkerInfo], exc: AsyncExecError) -> WorkerInfo | None:
@@ -360,13 +388,12 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
         fn = plan.fn if context is None else Carried(plan.fn, context)
         call = submit_named(group, worker, plan, "execute", fn, *args, **kwargs)
     else:
-        index, method = plan.method
-        # The trace context rides with the method's name.
-        name = method if context is None else Carried(method, context)
+        # The trace context rides with the method's key.
+        key = plan.key if context is None else Carried(plan.key, context)
         if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
-            call = submit_named(group, worker, plan, "call_role_sync", index, name, *args, **kwargs)
+            call = submit_named(group, worker, plan, "call_method_sync", key, *args, **kwargs)
         else:
-            call = submit_named(group, worker, plan, "call_role", index, name, *args, **kwargs)
+            call = submit_named(group, worker, plan, "call_method", key, *args, **kwargs)
     if group.timeline is None and span is None:
         return call
     return traced(group, worker.rank, plan, call, span)
@@ -375,7 +402,8 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:
     """Each part of the call, or a reference to it where it is large (by
     ``asyncexec._split.estimated_nbytes``): put once, copied and put off the loop (see
-    ``CallPlan.travelling``)."""
+    ``CallPlan.travelling``). A call whose parts all travel inline takes them from
+    ``CallPlan.inline`` first, without this coroutine (a call without arguments comes here)."""
     return await plan.travelling(cluster.put, INLINE_PART_BYTES)
 
 

@@ -1,7 +1,10 @@
 """What the dispatcher does when a call's worker died: say so when the executor replaced the group
 meanwhile (a restart); outside a run, put a fresh process in a crashed rank's place, once however
 many calls saw it die, in the executor's task group (a caller that stops waiting leaves it going
-on), or drop the group so that the next call starts a fresh one.
+on), or drop the group so that the next call starts a fresh one. A renewed rank joins what the
+group receives (a weight channel's latest version, as ranks joining a run get it: the
+executor's joiners) before the callers waiting for the renewal go on; a rollout server's router
+does the same for its own servers.
 """
 
 from __future__ import annotations
@@ -66,5 +69,16 @@ class Recovery:
             renewed = False
         if renewed:
             self.loads.renewed()
+            await self._join(group, rank)
         else:
             await slot.drop_if(group)
+
+    async def _join(self, group: WorkerGroup, rank: int) -> None:
+        """Bring the renewed rank up to what its group receives (a weight channel's latest
+        version); a failure is logged (the rank serves what it holds, as before: its channel
+        delivers the next version to it)."""
+        for join in list(self.life.slot.joiners):
+            try:
+                await join(group)
+            except Exception as failure:
+                self.log.warning("renewed_rank_join_failed", rank=rank, error=describe(failure))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from .._interface import WorkerInterface, as_outcome, method_key, unpacked
 from .._protocol import (
     Outcome,
     Poll,
@@ -29,9 +30,6 @@ from .._protocol import (
 )
 from .._tracing import Carried, carried
 from . import _channel, _outcomes, _place, _roles, _session
-
-if TYPE_CHECKING:
-    from .._interface import WorkerInterface
 
 __all__ = ["ROLE_GROUPS", "WorkerActor", "WorkerCode", "role_group"]
 
@@ -107,31 +105,39 @@ class _Worker:
         outcome whose ``value`` is a ``RoleFailure``."""
         return await _roles.make(payload, checkpoint, context)
 
-    async def call_role(
-        self, role_index: int, name: str | Carried, /, *args: Any, **kwargs: Any
-    ) -> Outcome:
-        """Call method ``name`` of this worker's instance of role ``role_index``: an ``async
-        def`` on this loop, a plain method in a thread, as ``execute`` runs a function.
-        Arguments are passed as Ray passes them, so ``ObjectRef`` arguments (the parts of a
-        scattered argument) arrive resolved."""
-        if isinstance(name, Carried):  # the name, with the call's trace context
-            return await carried(name.context, _roles.call, role_index, name.value, args, kwargs)
-        return await _roles.call(role_index, name, args, kwargs)
+    async def call_method(
+        self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Call the method ``key`` (``_interface.method_key``: the role's index and the
+        method's name in one argument) of this worker's instance of its role: an ``async def``
+        on this loop, a plain method in a thread, as ``execute`` runs a function. Its value
+        when it is of a bare type (``_interface.BARE_TYPES``: nothing wrapped or pickled here),
+        else how it ended, as an outcome. Arguments are passed as Ray passes them, so
+        ``ObjectRef`` arguments (the parts of a scattered argument) arrive resolved; the key
+        and the arguments may come as one list (``_interface.packed``), and the key with the
+        call's trace context (``Carried``)."""
+        lead, args = unpacked(key, args)
+        if type(lead) is Carried:
+            return await carried(lead.context, _roles.call, lead.value, args, kwargs)
+        return await _roles.call(lead, args, kwargs)
 
-    async def call_role_sync(
-        self, role_index: int, name: str | Carried, /, *args: Any, **kwargs: Any
-    ) -> Outcome:
-        """Call the plain method ``name`` of the instance of role ``role_index`` right here,
-        with no hop to a thread: the driver sends this call to the role's own concurrency group
+    async def call_method_sync(
+        self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Call the plain method ``key`` of this worker's instance of its role right here, with
+        no hop to a thread: the driver sends this call to the role's own concurrency group
         (``ROLE_GROUPS``: a thread and event loop of Ray's, one call at a time), so the actor's
         loop stays free while the method runs, and the role's plain calls run one after another
-        as ``call_role`` runs them under a limit of one. An ``async def`` found under that name
-        runs on the group's loop."""
-        if isinstance(name, Carried):  # the name, with the call's trace context
-            return await carried(
-                name.context, _roles.call_here, role_index, name.value, args, kwargs
-            )
-        return await _roles.call_here(role_index, name, args, kwargs)
+        as ``call_method`` runs them under a limit of one. An ``async def`` found under that
+        name runs on the group's loop. Answers as ``call_method`` does (its arguments too)."""
+        lead, args = unpacked(key, args)
+        if type(lead) is Carried:
+            return await carried(lead.context, _roles.call_here, lead.value, args, kwargs)
+        return await _roles.call_here(lead, args, kwargs)
+
+    async def call_role(self, role_index: int, name: str, /, *args: Any, **kwargs: Any) -> Outcome:
+        """``call_method`` of method ``name`` of role ``role_index``, answered as an outcome."""
+        return as_outcome(await self.call_method(method_key(role_index, name), *args, **kwargs))
 
     async def start_run(self, payload: bytes, start: RunStart) -> None:
         """Start the run's function in its own thread and return at once; reports are taken

@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from .._errors import ExecutorStateError
+from .._interface import BARE_TYPES, parse_key
 from .._protocol import Outcome, RoleFailure, RoleSpec
 from . import _outcomes, _place
 
@@ -39,12 +40,15 @@ __all__ = ["Roles", "call", "call_here", "drop", "make", "method"]
 #: A factory of the context entered around the roles' code (the backend's: the current CUDA
 #: device), as around a run's function.
 ContextFactory = Callable[[], AbstractContextManager[Any]]
+#: The most method keys a worker remembers parsed (a role has a few methods; this bounds a
+#: caller that sends keys without end).
+_KEYS = 1024
 
 
 class Roles:
     """One worker's instances of its roles, in role order."""
 
-    __slots__ = ("context", "instances", "limits")
+    __slots__ = ("_keys", "context", "instances", "limits")
 
     def __init__(
         self,
@@ -58,6 +62,24 @@ class Roles:
         #: Per instance: the calls of its plain methods that may run at once (made on the
         #: actor's loop, where the calls come).
         self.limits = [asyncio.Semaphore(n) for n in (max_concurrency or [1] * len(instances))]
+        #: The role index and method name of each method key seen (a key is parsed once).
+        self._keys: dict[str, tuple[int, str]] = {}
+
+    def found(self, key: str) -> tuple[int, Callable[..., Any]]:
+        """The role index and the bound method of the method key ``key``.
+
+        Raises:
+            ExecutorStateError: not a method key, no such role, or no such method.
+        """
+        parsed = self._keys.get(key)
+        if parsed is None:
+            try:
+                parsed = parse_key(key)
+            except (TypeError, ValueError):
+                raise ExecutorStateError(f"not a role method: {key!r}") from None
+            if len(self._keys) < _KEYS:
+                self._keys[key] = parsed
+        return parsed[0], self.method(*parsed)
 
     def method(self, role_index: int, name: str) -> Callable[..., Any]:
         """The bound method ``name`` of the instance of role ``role_index``.
@@ -126,37 +148,36 @@ def method(role_index: int, name: str) -> Callable[..., Any]:
     return _held().method(role_index, name)
 
 
-async def call(
-    role_index: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Outcome:
-    """Call method ``name`` of this worker's instance of role ``role_index``: an ``async def``
-    on this loop, a plain method in a thread once the instance's limit lets it (see the
-    module's docstring), inside the backend's context; how it ended, as an outcome (a worker
-    without that role or method is an error outcome too)."""
+async def call(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call the method ``key`` (``_interface.method_key``) of this worker's instance of its
+    role: an ``async def`` on this loop, a plain method in a thread once the instance's limit
+    lets it (see the module's docstring), inside the backend's context; its value when it is of
+    a bare type (``_interface.BARE_TYPES``), else how it ended, as an outcome (a worker without
+    that role or method is an error outcome too)."""
     try:
         roles = _held()
-        fn = roles.method(role_index, name)
+        role_index, fn = roles.found(key)
         if inspect.iscoroutinefunction(fn):
-            result = await _invoke(fn, args, kwargs, roles.context)
+            with _entered(roles.context):
+                result = await fn(*args, **kwargs)
         else:
             result = await _limited(roles.limits[role_index], fn, args, kwargs, roles.context)
     except Exception as exc:
         return _outcomes.error_outcome(exc)
-    return _outcomes.value_outcome(result)
+    return result if type(result) in BARE_TYPES else _outcomes.value_outcome(result)
 
 
-async def call_here(
-    role_index: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Outcome:
-    """Call method ``name`` of this worker's instance of role ``role_index`` on the running
-    loop's thread, inside the backend's context: a plain method inline (the caller runs it on a
-    loop of its own: a Ray concurrency group's, one call at a time), an ``async def`` awaited
-    there; how it ended, as an outcome."""
+async def call_here(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call the method ``key`` of this worker's instance of its role on the running loop's
+    thread, inside the backend's context: a plain method inline (the caller runs it on a loop
+    of its own: a Ray concurrency group's, one call at a time), an ``async def`` awaited there;
+    its value or outcome, as :func:`call` returns it."""
     try:
         roles = _held()
-        fn = roles.method(role_index, name)
+        fn = roles.found(key)[1]
         if inspect.iscoroutinefunction(fn):
-            result = await _invoke(fn, args, kwargs, roles.context)
+            with _entered(roles.context):
+                result = await fn(*args, **kwargs)
         else:
             result = _call_within(fn, args, kwargs, roles.context)
             if inspect.isawaitable(result):
@@ -164,7 +185,7 @@ async def call_here(
                     result = await result
     except Exception as exc:
         return _outcomes.error_outcome(exc)
-    return _outcomes.value_outcome(result)
+    return result if type(result) in BARE_TYPES else _outcomes.value_outcome(result)
 
 
 def _held() -> Roles:

@@ -24,6 +24,7 @@ from ray import cloudpickle
 from ..._errors import AsyncExecError, ConfigurationError, describe
 from ..._interface import WorkerMethod
 from ..._protocol import WorkerMetadata
+from ..._tracing import plain
 from ._base import Handle
 from ._errors import call_error
 
@@ -46,8 +47,8 @@ __all__ = [
 #: worker's method (an int) or its keyword.
 Names = Callable[[int | str], str]
 #: How many of the arguments of a worker's method come before the user's: ``execute``'s function,
-#: ``call_role``'s (and ``call_role_sync``'s) role and method name.
-_LEADING: dict[str, int] = {"execute": 1, "call_role": 2, "call_role_sync": 2}
+#: ``call_role``'s role and method name, ``call_method``'s (and ``call_method_sync``'s) method key.
+_LEADING: dict[str, int] = {"execute": 1, "call_role": 2, "call_method": 1, "call_method_sync": 1}
 
 
 class Naming(Protocol):
@@ -175,9 +176,7 @@ def submit_named(
     return Call(ref, who, caller)
 
 
-def submit_n(
-    caller: Caller, who: Member, method: WorkerMethod, n: int, /, *args: Any
-) -> list[Any]:
+def submit_n(caller: Caller, who: Member, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
     """Call ``method``, which returns ``n`` values: a reference to each, to pass to other
     workers' calls (they receive the value) or to await through :func:`result_of`.
 
@@ -242,16 +241,17 @@ def _name(key: int | str, method: WorkerMethod, args: Sequence[Any], names: Name
 
 def _default_names(method: WorkerMethod, args: Sequence[Any]) -> Names:
     """How messages name the arguments of a call of ``method``: ``execute``'s by the parameters
-    of its function (its first argument), ``call_role``'s by their place after the role and the
-    method's name, any other's by their place."""
+    of its function (its first argument), ``call_role``'s (``call_method``'s) by their place
+    after the role and the method's name (the method key), any other's by their place."""
     if method == "execute" and args:
-        return _function_names(args[0])
-    if method in ("call_role", "call_role_sync") and len(args) >= 2:
-        what = str(args[1])
+        return _function_names(plain(args[0]))  # (without a call's trace context)
+    lead = _LEADING.get(method, 0) if method != "execute" else 0
+    if lead and len(args) >= lead:
+        what = str(plain(args[1])) if lead == 2 else str(plain(args[0])).partition(":")[2]
 
         def of_role_method(key: int | str) -> str:
             if isinstance(key, int):
-                return "the role" if key < 2 else f"argument {key - 2} of {what}"
+                return "the role" if key < lead else f"argument {key - lead} of {what}"
             return f"argument {key!r} of {what}"
 
         return of_role_method

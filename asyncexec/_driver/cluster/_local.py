@@ -147,8 +147,8 @@ class LocalWorker:
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result(None)
             return _Ref(done)
-        if name == "call_role_sync":  # one loop here: a plain method goes to a thread
-            name = "call_role"
+        if name == "call_method_sync":  # one loop here: a plain method goes to a thread
+            name = "call_method"
         method = getattr(self._worker, name)
         with self._lock:
             if not self._gone:
@@ -222,7 +222,6 @@ class LocalWorker:
             stack = "".join(traceback.format_stack(frame)).rstrip()
             parts.append(f'Thread {thread.ident} "{thread.name}"\n{stack}')
         return "\n\n".join(parts) or "no live thread"
-
 
     def call_n(self, name: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         raise NotImplementedError("a local worker's results are not references (no channels)")

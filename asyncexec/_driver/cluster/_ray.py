@@ -15,14 +15,15 @@ from typing import Any
 
 import anyio
 import ray
-from ray._raylet import NodeID
+from ray._raylet import NodeID, ObjectRef
 from ray.actor import ActorHandle
 from ray.core.generated.common_pb2 import NodeDeathInfo
 
 from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
-from ..._interface import WorkerMethod
+from ..._interface import WorkerMethod, packed, parse_key
 from ..._protocol import WorkerMetadata
+from ..._tracing import plain
 from ..._worker import ROLE_GROUPS, WorkerActor, role_group
 from .._logging import get_logger
 from ._base import Handle, Spawned, described, settle
@@ -53,33 +54,56 @@ _PREEMPTED = NodeDeathInfo.Reason.Value("AUTOSCALER_DRAIN_PREEMPTED")
 class RayHandle:
     """A worker that is a Ray actor."""
 
-    __slots__ = ("_plain", "actor", "key")
+    __slots__ = ("_method", "_plain", "actor", "key")
 
     def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
         self.key: str = actor._actor_id.hex()
-        #: ``call_role_sync`` sent to each role's concurrency group, made on first use.
-        self._plain: list[Any] = []
+        #: ``call_method_sync`` in the concurrency group of each method key's role (or
+        #: ``call_method``, for a role past the groups), made on first use.
+        self._plain: dict[str, Any] = {}
+        #: ``call_method`` (Ray makes a method's handle again on each look-up).
+        self._method: Any = actor.call_method
 
     def __repr__(self) -> str:
         return f"<RayHandle {self.key[:12]}>"
 
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Any:
-        if method == "call_role_sync":  # a plain method, one call at a time
-            return self._plain_method(args[0]).remote(*args, **kwargs)
-        return getattr(self.actor, method).remote(*args, **kwargs)
+        """Call the actor's ``method``. A role method's key and positional arguments go as one
+        argument (``_interface.packed``: Ray serialises each argument of a call apart, on both
+        sides) unless there are keyword arguments or an ``ObjectRef`` among them (a scattered
+        part: Ray resolves only those at the top)."""
+        if method == "call_method_sync":  # a plain method, one call at a time
+            key = plain(args[0])  # (without a call's trace context)
+            remote = (self._plain.get(key) or self._plain_method(key)).remote
+        elif method == "call_method":
+            remote = self._method.remote
+        else:
+            return getattr(self.actor, method).remote(*args, **kwargs)
+        if kwargs:
+            return remote(*args, **kwargs)
+        for arg in args:
+            if isinstance(arg, ObjectRef):
+                return remote(*args)
+        return remote(packed(args))
 
-    def _plain_method(self, role_index: Any) -> Any:
-        """``call_role_sync`` in role ``role_index``'s concurrency group (Ray runs its calls one
-        at a time on a thread of their own, beside the actor's loop); ``call_role`` for a role
-        past the groups (the same calls, through a thread of the actor's loop)."""
-        if not isinstance(role_index, int) or not 0 <= role_index < ROLE_GROUPS:
-            return self.actor.call_role
-        plain = self._plain
-        while len(plain) <= role_index:
-            group = role_group(len(plain))
-            plain.append(self.actor.call_role_sync.options(concurrency_group=group))
-        return plain[role_index]
+    def _plain_method(self, key: str) -> Any:
+        """``call_method_sync`` in the concurrency group of method key ``key``'s role (Ray runs
+        its calls one at a time on a thread of their own, beside the actor's loop);
+        ``call_method`` for a role past the groups (the same calls, through a thread of the
+        actor's loop)."""
+        try:
+            role_index = parse_key(key)[0]
+        except (TypeError, ValueError):  # the worker says what is wrong with it
+            role_index = -1
+        if 0 <= role_index < ROLE_GROUPS:
+            group = role_group(role_index)
+            found = self.actor.call_method_sync.options(concurrency_group=group)
+        else:
+            found = self.actor.call_method
+        if len(self._plain) < 1024:  # a role has a few methods
+            self._plain[key] = found
+        return found
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
         refs: list[Any] = getattr(self.actor, method).options(num_returns=n).remote(*args)

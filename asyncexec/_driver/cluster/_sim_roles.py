@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from ..._errors import ExecutorStateError
+from ..._interface import parse_key, unpacked
 from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
 from ..._tracing import plain
 from ..._worker import PLACE, Place, error_outcome, value_outcome
@@ -91,8 +92,19 @@ class SimCalls:
             return ready(error_outcome(exc))
         return self._call_here(fn, args, kwargs)
 
+    def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """``call_role`` of the method ``key`` (answered as an outcome: the driver takes both);
+        the key and the arguments may come as one list (``_interface.packed``)."""
+        lead, args = unpacked(key, args)
+        lead = plain(lead)  # (without a call's trace context)
+        try:
+            role_index, name = parse_key(lead)
+        except (TypeError, ValueError):
+            return ready(error_outcome(ExecutorStateError(f"not a role method: {lead!r}")))
+        return self.call_role(role_index, name, *args, **kwargs)
+
     #: A plain method runs inline here in any case (as on its Ray concurrency group).
-    call_role_sync = call_role
+    call_method_sync = call_method
 
     def notify_preemption(self, notice: PreemptionNotice | None) -> Awaitable[None]:
         self.place.preemption = notice
