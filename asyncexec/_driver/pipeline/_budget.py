@@ -117,20 +117,7 @@ class Budget(Generic[T]):
     def _meets_needs(self) -> bool:
         """Whether the B oldest finished samples meet every future batch's need, or waiting
         cannot help (no sample in flight could meet a need that is not met)."""
-        b, v = self.batch_size, self.version
-        unconsumed = taken = 0
-        left = b
-        waiting_helps = False
-        in_flight_before = 0
-        for deadline, count, ready in self._deadlines():
-            unconsumed += count
-            in_flight_before += count - ready
-            take = min(ready, left)
-            taken, left = taken + take, left - take
-            need = unconsumed - max(0, deadline - v) * b
-            if taken < need and in_flight_before > 0:
-                waiting_helps = True
-        return not waiting_helps
+        return not any(waits for _, waits in self._waits())
 
     def expiring(self) -> int | None:
         """Strict mode, S >= 1, at least B finished and a batch that waits: the latest deadline
@@ -140,22 +127,28 @@ class Budget(Generic[T]):
         None otherwise."""
         if not self.strict or not self.staleness or self.finished_count < self.batch_size:
             return None
-        b, v = self.batch_size, self.version
-        unconsumed = taken = 0
-        left = b
-        in_flight_before = 0
         cutoff: int | None = None
+        for deadline, waits in self._waits(before=self.version + self.staleness):
+            if waits:
+                cutoff = deadline
+        return cutoff
+
+    def _waits(self, before: int | None = None) -> Iterator[tuple[int, bool]]:
+        """For each deadline in order (those under ``before``): whether a batch of the B oldest
+        finished samples now would leave its need unmet while a sample in flight with that
+        deadline or an earlier one could still meet it (then waiting helps)."""
+        b, v = self.batch_size, self.version
+        unconsumed = taken = in_flight_before = 0
+        left = b
         for deadline, count, ready in self._deadlines():
-            if deadline >= v + self.staleness:
-                break
+            if before is not None and deadline >= before:
+                return
             unconsumed += count
             in_flight_before += count - ready
             take = min(ready, left)
             taken, left = taken + take, left - take
             need = unconsumed - max(0, deadline - v) * b
-            if taken < need and in_flight_before > 0:
-                cutoff = deadline
-        return cutoff
+            yield deadline, taken < need and in_flight_before > 0
 
     def take(self) -> list[tuple[int, T]]:
         """Hand a batch: up to B finished samples, oldest version first, as (version, item);
