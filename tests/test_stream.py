@@ -4,6 +4,7 @@ the run's result, and the event loop staying free."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -97,27 +98,42 @@ def _reported_so_far() -> int:
 
 
 async def test_event_loop_stays_free_during_a_run() -> None:
-    """A heartbeat beside a whole run (start-up included) never stalls for 100 ms."""
-    gaps: list[float] = []
+    """A heartbeat beside a whole run (start-up included) never stalls for 100 ms but for the
+    interpreter's full garbage collections (a beat during which one ran may take longer on a
+    loaded machine, up to 1 s: a blocking call would take the whole start-up)."""
+    gaps: list[tuple[float, int]] = []  # (the beat's gap, full collections during it)
+    collections = 0
+
+    def counted(phase: str, info: dict[str, Any]) -> None:
+        nonlocal collections
+        collections += phase == "start" and info["generation"] == 2
+
     stop = asyncio.Event()
 
     async def heartbeat() -> None:
-        last = time.perf_counter()
+        last, seen = time.perf_counter(), collections
         while not stop.is_set():
             await asyncio.sleep(0.005)
             now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            gaps.append((now - last, collections - seen))
+            last, seen = now, collections
 
-    beat = asyncio.create_task(heartbeat())
-    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
-        count = 0
-        async for _ in ex.run(counting, {"steps": 5000}):
-            count += 1
-        assert count == 5000
-    stop.set()
-    await beat
-    assert max(gaps) < 0.1, f"event loop stalled {max(gaps) * 1000:.0f} ms"
+    gc.callbacks.append(counted)
+    try:
+        beat = asyncio.create_task(heartbeat())
+        async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+            count = 0
+            async for _ in ex.run(counting, {"steps": 5000}):
+                count += 1
+            assert count == 5000
+        stop.set()
+        await beat
+    finally:
+        gc.callbacks.remove(counted)
+    clean = max(gap for gap, collected in gaps if not collected)
+    assert clean < 0.1, f"event loop stalled {clean * 1000:.0f} ms"
+    worst = max(gap for gap, _ in gaps)
+    assert worst < 1.0, f"event loop stalled {worst * 1000:.0f} ms (a collection among it)"
 
 
 async def test_run_end_is_prompt_after_the_last_report() -> None:
