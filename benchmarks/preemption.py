@@ -40,15 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
-)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import _bootstrap
+
+HERE, ROOT = _bootstrap.setup()
 
 import ray  # noqa: E402
 

@@ -32,16 +32,9 @@ import time
 import tracemalloc
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
-)
-for path in (HERE, ROOT):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import _bootstrap
+
+HERE, ROOT = _bootstrap.setup()
 
 import psutil  # noqa: E402
 from _common import MiB, median, progress  # noqa: E402

@@ -41,22 +41,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# Before Ray starts: the workers inherit the environment of the Ray that ray.init starts here.
-# Ray Train's first executor is only reachable with V2 switched off.
+import _bootstrap
+
+HERE, ROOT = _bootstrap.setup()
+# Ray Train's first executor is only reachable with V2 switched off (before Ray starts).
 os.environ["RAY_TRAIN_V2_ENABLED"] = "0"
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# The workers import the benchmark's functions and actors by module name.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
-)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-# The driver imports the asyncexec the workers import (a baseline worktree's, when run from one).
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)
 
 import psutil  # noqa: E402
 import ray  # noqa: E402

@@ -58,17 +58,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# The workers import the workload by module name.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
-)
-for path in (HERE, ROOT):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import _bootstrap
+
+HERE, ROOT = _bootstrap.setup()
 
 import anyio  # noqa: E402
 import psutil  # noqa: E402
@@ -108,9 +100,7 @@ class Sizes:
 
 #: ``SCALE_REPEATS=1`` for a shorter full run.
 _REPEATS = int(os.environ.get("SCALE_REPEATS", "3"))
-FULL = Sizes(
-    [4, 16, 64, 256, 1024, 4096], [1, 4, 16, 64], _REPEATS, 48_000, 400_000, [1024, 4096]
-)
+FULL = Sizes([4, 16, 64, 256, 1024, 4096], [1, 4, 16, 64], _REPEATS, 48_000, 400_000, [1024, 4096])
 #: Quick: no dispatch figures beside the others (``--dispatch-only --quick``: at 256 ranks).
 QUICK = Sizes([4, 64, 256], [1, 4], 1, 4_000, 20_000)
 QUICK_DISPATCH = [256]
@@ -310,9 +300,10 @@ async def entered(
         tracemalloc.Filter(False, "*/_sim*.py"),
         tracemalloc.Filter(False, tracemalloc.__file__),
     ]
-    grown = sum(d.size_diff for d in after.filter_traces(keep).compare_to(
-        before.filter_traces(keep), "filename"
-    ))
+    grown = sum(
+        d.size_diff
+        for d in after.filter_traces(keep).compare_to(before.filter_traces(keep), "filename")
+    )
     row.add("heap_rank_kib", grown / n / 1024)
     row.add("start_ms", wall * 1e3)
     row.add("start_rank_us", cpu / n * 1e6)
