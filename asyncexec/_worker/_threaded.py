@@ -102,6 +102,7 @@ def _bridge(name: str) -> Callable[..., Any]:
 
 for _name in sorted(WORKER_METHODS - {"call_method_sync"}):
     setattr(_Threaded, _name, _bridge(_name))
+del _name
 
 #: The threaded worker's code, undecorated (the interface's test looks at its methods).
 ThreadedWorkerCode = _Threaded
