@@ -109,6 +109,10 @@ def was_cancelled() -> bool:
     return CANCELLED.wait(10)
 
 
+async def sleeps(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
 async def async_pid() -> int:
     await asyncio.sleep(0)
     return os.getpid()
@@ -203,3 +207,29 @@ async def test_an_async_function_on_threaded_workers_runs_and_is_cancelled() -> 
             await ex.call(sleeps_until_cancelled, on=asyncexec.rank(0))
         assert await ex.call(was_cancelled, on=asyncexec.rank(0))
         assert await ex.call(async_pid) == pids
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(60)
+async def test_a_flood_of_control_calls_never_starves_a_health_check() -> None:
+    """More ``execute()`` calls than the default group has threads wait on one worker: a ping
+    (which still asks the worker's loop) answers at once, from the worker's life group, and the
+    worker closes gracefully with its ``wait_closed`` pending."""
+    import ray
+
+    from asyncexec._worker import CONTROL_THREADS, ThreadedWorkerActor
+
+    actor = ThreadedWorkerActor.options(num_cpus=0).remote()
+    try:
+        closed = actor.wait_closed.remote()
+        pid = await actor.ping.remote()
+        flood = [actor.execute.remote(sleeps, 5.0) for _ in range(CONTROL_THREADS + 8)]
+        await asyncio.sleep(0.5)  # the flood holds every thread of the default group now
+        with anyio.fail_after(2):
+            assert await actor.ping.remote() == pid
+        await actor.close.remote()
+        with anyio.fail_after(2):
+            await closed
+    finally:
+        ray.kill(actor, no_restart=True)
+    del flood

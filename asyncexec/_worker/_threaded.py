@@ -13,9 +13,11 @@ duplicated): the actor starts an asyncio event loop of its own in a daemon threa
 the other methods of the worker's interface is a plain method that runs the worker's coroutine
 of the same name on that loop and blocks a thread of the actor's default group until it ends
 (``run_coroutine_threadsafe``). The default group has :data:`CONTROL_THREADS` threads: it bounds
-the calls that wait at once on one worker (``wait_closed`` for the worker's life, one long poll
-per run, channel calls, concurrent ``execute()`` calls and calls of roles that allow several
-plain calls at once); a call past that waits for a thread.
+the calls that wait at once on one worker (one long poll per run, channel calls, concurrent
+``execute()`` calls and calls of roles that allow several plain calls at once); a call past
+that waits for a thread. The worker's life (``ping``, ``wait_closed``, ``close``: :data:`LIFE`)
+has a group of its own, so that a flood of those calls never starves a health check (which
+still asks the loop) or the wait that tells the driver the process died.
 
 Cancellation: Ray cannot interrupt a running task of a sync actor; it marks it cancelled. The
 bridge of ``execute`` (the one call the driver cancels here: an ``async def`` function's) looks
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
+import inspect
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -39,12 +41,16 @@ from .._tracing import Carried, attached
 from . import _roles
 from ._actor import ROLE_GROUPS, WorkerCode, role_group
 
-__all__ = ["CONTROL_THREADS", "ThreadedWorkerActor", "ThreadedWorkerCode"]
+__all__ = ["CONTROL_THREADS", "LIFE", "LIFE_GROUP", "ThreadedWorkerActor", "ThreadedWorkerCode"]
 
 #: The threads of the actor's default group: how many control calls (everything but a role's
 #: plain calls) may wait at once on one worker. Ray starts them with the actor; 64 costs about
 #: what 8 do in start-up time and memory (see docs/benchmarks.md).
 CONTROL_THREADS = 64
+#: The methods of the worker's life, and their concurrency group (``wait_closed`` holds one of
+#: its threads for the worker's life; the driver sends one ping at a time).
+LIFE = frozenset({"close", "ping", "wait_closed"})
+LIFE_GROUP = "life"
 #: How often a cancellable call's bridge looks whether Ray marked its task cancelled.
 _CANCEL_POLL_S = 0.05
 
@@ -89,14 +95,22 @@ class _Threaded:
 
 def _bridge(name: str) -> Callable[..., Any]:
     """The plain method ``name`` of the threaded actor: the async worker's coroutine of that
-    name, run on the actor's loop (its signature and docstring are the worker's)."""
+    name, run on the actor's loop, with its signature and docstring (not ``functools.wraps``:
+    Ray unwraps ``__wrapped__`` when it reads a method's options, and would read the
+    coroutine's)."""
     code = getattr(WorkerCode, name)
     cancellable = name == "execute"
 
-    @functools.wraps(code)
     def bridge(self: _Threaded, /, *args: Any, **kwargs: Any) -> Any:
         return self._on_loop(code(self._worker, *args, **kwargs), cancellable)
 
+    bridge.__name__ = name
+    bridge.__qualname__ = f"{_Threaded.__qualname__}.{name}"
+    bridge.__doc__ = code.__doc__
+    bridge.__signature__ = inspect.signature(code)  # type: ignore[attr-defined]
+    if name in LIFE:
+        in_group: Callable[..., Any] = ray.method(concurrency_group=LIFE_GROUP)(bridge)
+        return in_group
     return bridge
 
 
@@ -111,5 +125,5 @@ ThreadedWorkerActor = ray.remote(
     max_restarts=0,
     max_task_retries=0,
     max_concurrency=CONTROL_THREADS,
-    concurrency_groups={role_group(i): 1 for i in range(ROLE_GROUPS)},
+    concurrency_groups={LIFE_GROUP: 4, **{role_group(i): 1 for i in range(ROLE_GROUPS)}},
 )(_Threaded)
