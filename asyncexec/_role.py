@@ -22,6 +22,7 @@ __all__ = [
     "RoleMethod",
     "method",
     "method_of",
+    "plain_only",
     "qualname",
     "roles_of",
     "roles_payload",
@@ -362,6 +363,36 @@ def _owner(fn: Callable[..., Any]) -> tuple[str, type | None] | None:
     if cls is not None and isinstance(inspect.getattr_static(cls, parts[-1], None), staticmethod):
         return None
     return ".".join(parts[:-1]), cls
+
+
+#: Whether each class seen has a coroutine method (see :func:`plain_only`).
+_ASYNC: dict[type, bool] = {}
+
+
+def plain_only(roles: Sequence[Role[Any]]) -> bool:
+    """Whether a group with ``roles`` has worker classes and none of them has a coroutine
+    method (an ``async def`` or an async generator, through its MRO): Ray's own rule for a
+    sync actor, made per group. Such a group's workers are threaded sync actors (its plain
+    calls cost what a sync Ray actor's do); any other group's are async actors."""
+    return bool(roles) and not any(_has_async(role.cls) for role in roles)
+
+
+def _has_async(cls: type) -> bool:
+    """Whether ``cls`` has a coroutine method: each name as the class resolves it (a plain
+    override of a base's ``async def`` is plain), a static or class method's function too."""
+    found = _ASYNC.get(cls)
+    if found is None:
+        found, seen = False, set()
+        for klass in cls.__mro__:
+            for name, value in vars(klass).items():
+                if name not in seen:
+                    seen.add(name)
+                    fn = getattr(value, "__func__", value)
+                    found = found or inspect.iscoroutinefunction(fn)
+                    found = found or inspect.isasyncgenfunction(fn)
+        if len(_ASYNC) < 1024:  # a program has a few worker classes
+            _ASYNC[cls] = found
+    return found
 
 
 def takes_self(cls: type, name: str) -> bool:

@@ -16,6 +16,7 @@ import ray
 
 __all__ = [
     "Echo",
+    "EchoPlain",
     "RawEcho",
     "RawEchoPlainGroup",
     "RawEchoSync",
@@ -36,17 +37,13 @@ def part_summary(part: Any) -> dict[str, Any]:
 
 
 class Echo:
-    """The role: a small call (``async def`` on the worker's loop, and a plain method, which
-    runs in a thread), a scattered part's summary, and a call served by one rank."""
+    """The role with ``async def`` methods (its group's workers are async actors): a small
+    call on the worker's loop, a scattered part's summary, and a call served by one rank."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     async def small(self, x: int) -> int:
-        self.calls += 1
-        return x + 1
-
-    def small_sync(self, x: int) -> int:
         self.calls += 1
         return x + 1
 
@@ -59,6 +56,18 @@ class Echo:
 
     def served(self) -> int:
         return self.calls
+
+
+class EchoPlain:
+    """The role with plain methods only, as the hand-written sync actor has: its group's
+    workers are threaded sync actors, and the plain method runs on its role's group thread."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def small_sync(self, x: int) -> int:
+        self.calls += 1
+        return x + 1
 
 
 @ray.remote

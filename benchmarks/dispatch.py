@@ -11,9 +11,11 @@ falls on both alike; the table shows the medians over repeats and asyncexec's ra
 - **small call**: ``await ex.call(Echo.small, x)`` on an executor of 1 and of 4 ranks (the
   method returns ``x + 1``) against ``await asyncio.gather(*[a.small.remote(x) for a in
   actors])`` on as many plain async actors; per repeat the median latency of a block of
-  sequential calls. The same with a plain ``def`` method (it runs on its role's concurrency
-  group of the worker's async actor) against a plain sync actor; and, as a note, the same
-  method on a bare async actor's concurrency group by hand: Ray's own floor for that row.
+  sequential calls. The same with a plain ``def`` method of a role that has plain methods
+  only (its workers are threaded sync actors; the method runs on its role's concurrency
+  group) against a plain sync actor; and, as notes, the same method on a bare async actor's
+  concurrency group by hand (what the row costs on an async worker: Ray's own floor there)
+  and on a threaded sync actor by hand.
 - **scatter**: a numpy array (256 MB) over 4 ranks, ``ex.call(Echo.take,
   asyncexec.scatter(arr))`` against ``np.array_split``, one ``ray.put`` per part in a thread
   (off the loop, as a careful user does) and one actor call per part with its reference. Each
@@ -64,6 +66,7 @@ import structlog  # noqa: E402
 from _common import median, progress  # noqa: E402
 from _dispatch_workload import (  # noqa: E402
     Echo,
+    EchoPlain,
     RawEcho,
     RawEchoPlainGroup,
     RawEchoSync,
@@ -190,9 +193,10 @@ async def latencies(calls: int, one: Callable[[int], Awaitable[Any]]) -> tuple[f
 
 
 async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[str]]:
-    """Small calls on ``n`` ranks: an async method and a plain one, against plain actors; and,
-    as a note, Ray's own floor for the plain one (a plain method on an async actor, in a
-    concurrency group, by hand)."""
+    """Small calls on ``n`` ranks: an async method and a plain one (of a role with plain
+    methods only: a threaded worker), against plain actors; and, as notes, the plain method on
+    an async actor's concurrency group by hand (where an async worker runs it) and on a
+    threaded sync actor by hand."""
     ranks = f"{n} rank{'s' if n > 1 else ''}"
     rows = {
         kind: (
@@ -205,7 +209,7 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
             ("plain", "plain def method (a sync actor by hand)", 1.2),
         )
     }
-    progress(f"small calls, {ranks}: an executor and {n} plain actors of each kind")
+    progress(f"small calls, {ranks}: two executors and {n} plain actors of each kind")
     raw = await raw_actors(RawEcho, n)
     raw_sync = await raw_actors(RawEchoSync, n)
     raw_group = await raw_actors(RawEchoPlainGroup, n)
@@ -215,15 +219,18 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
     floor: list[float] = []
     threaded: dict[str, list[float]] = {"plain": [], "async": []}
     try:
-        async with asyncexec.Executor(
-            n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)
-        ) as ex:
+        async with (
+            asyncexec.Executor(n, resources_per_worker=RESOURCES, roles=asyncexec.Role(Echo)) as ex,
+            asyncexec.Executor(
+                n, resources_per_worker=RESOURCES, roles=asyncexec.Role(EchoPlain)
+            ) as ex_plain,
+        ):
 
             async def ae_async(x: int) -> Any:
                 return await ex.call(Echo.small, x)
 
             async def ae_plain(x: int) -> Any:
-                return await ex.call(Echo.small_sync, x)
+                return await ex_plain.call(EchoPlain.small_sync, x)
 
             async def raw_async(x: int) -> Any:
                 return await asyncio.gather(*[a.small.remote(x) for a in raw])
@@ -271,16 +278,16 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
     ours_plain, ours_async = median(rows["plain"][0].ours), median(rows["async"][0].ours)
     notes = [
         f"- small call, {ranks}: a plain def method on a bare async Ray actor (a concurrency "
-        f"group of one, by hand: where asyncexec runs it) {median(floor):,.0f} us, "
-        f"{median(floor) / plain:.2f}x the sync actor: Ray's own floor for the plain row "
-        f"(asyncexec's {ours_plain / median(floor):.2f}x that floor)",
+        f"group of one, by hand: where an async worker runs it) {median(floor):,.0f} us, "
+        f"{median(floor) / plain:.2f}x the sync actor (asyncexec's threaded worker: "
+        f"{ours_plain / median(floor):.2f}x that)",
         f"- small call, {ranks}, a threaded sync Ray actor by hand (its asyncio loop in a "
-        f"thread of its own; the shape a worker could take): a plain method "
+        f"thread of its own, as asyncexec's threaded worker): a plain method "
         f"{median(threaded['plain']):,.0f} us, {median(threaded['plain']) / plain:.2f}x the "
-        f"sync actor; an async def run on its loop from a concurrency group's thread "
+        f"sync actor (asyncexec's {ours_plain / median(threaded['plain']):.2f}x that); an "
+        f"async def run on its loop from a concurrency group's thread "
         f"{median(threaded['async']):,.0f} us, {median(threaded['async']) / coro:.2f}x the "
-        f"async actor, {median(threaded['async']) / plain:.2f}x the sync actor (asyncexec's "
-        f"async row is {ours_async / plain:.2f}x the sync actor)",
+        f"async actor (asyncexec's async row: {ours_async / coro:.2f}x)",
     ]
     return [*rows["async"], *rows["plain"]], notes
 

@@ -25,7 +25,7 @@ from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
-from asyncexec._worker import WorkerCode
+from asyncexec._worker import ThreadedWorkerCode, WorkerCode
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
@@ -84,7 +84,12 @@ async def test_the_service_freezes_the_heap_once_its_pool_is_up() -> None:
 
 # One typed interface, three workers -------------------------------------------------------------
 
-IMPLEMENTATIONS = {"actor": WorkerCode, "local": _ThreadWorker, "simulated": SimWorker}
+IMPLEMENTATIONS = {
+    "actor": WorkerCode,
+    "threaded actor": ThreadedWorkerCode,
+    "local": _ThreadWorker,
+    "simulated": SimWorker,
+}
 
 
 def _parameters(fn: Any) -> list[tuple[str, Any, Any]]:

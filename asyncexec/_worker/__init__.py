@@ -6,8 +6,9 @@ tenacity: ``tests/test_boundary.py`` checks it in a fresh interpreter.
 
 Code outside this package takes what it needs of it from here, never from its private modules
 (``tests/test_structure.py`` checks it): the actor and its undecorated code (for local mode's
-threads), a worker's place (its state, per thread in local mode), how a call's outcome is made
-(the simulated workers make theirs so), and the run's functions for worker-side helpers.
+threads), the threaded actor (the workers of a group whose roles have only plain methods), a
+worker's place (its state, per thread in local mode), how a call's outcome is made (the
+simulated workers make theirs so), and the run's functions for worker-side helpers.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from ._outcomes import error_outcome, value_outcome
 from ._place import PLACE, Place
 from ._rollout import RolloutRequest, RolloutServer, Sample
 from ._session import get_checkpoint, get_context, report
+from ._threaded import CONTROL_THREADS, ThreadedWorkerActor, ThreadedWorkerCode
 
 __all__ = [
+    "CONTROL_THREADS",
     "PLACE",
     "ROLE_GROUPS",
     "Place",
@@ -27,6 +30,8 @@ __all__ = [
     "RolloutRequest",
     "RolloutServer",
     "Sample",
+    "ThreadedWorkerActor",
+    "ThreadedWorkerCode",
     "WorkerCode",
     "error_outcome",
     "get_checkpoint",

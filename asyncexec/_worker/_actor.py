@@ -1,8 +1,9 @@
 """The actor that runs on each worker. The only place that defines it.
 
 It is an async actor: its methods run on the actor's event loop, which stays free while the user's
-function runs in a thread of its own (see ``_session``). It imports nothing heavy, so a worker
-process costs about what a plain Ray actor costs.
+function runs in a thread of its own (see ``_session``). A group whose roles have only plain
+methods runs this same code on a threaded sync actor instead (``_threaded``). It imports nothing
+heavy, so a worker process costs about what a plain Ray actor costs.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ holds its place until its thread ends, even when the driver stopped waiting for 
 cannot be cancelled): the next one starts after it. The driver sends the plain calls of a role
 that runs them one at a time to ``call_here`` instead, through the role's own Ray concurrency
 group (see ``_actor.ROLE_GROUPS``): Ray runs them one at a time on that group's thread, so they
-skip the hop from the actor's loop to a thread and back (about 100 us a call on 2 cores).
+skip the hop from the actor's loop to a thread and back (about 100 us a call on 2 cores). On
+the threaded worker (``_threaded``: a group whose roles have only plain methods), that group's
+thread runs no loop, and ``call_inline`` runs the method there.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -35,7 +37,7 @@ from .._interface import BARE_TYPES, parse_key
 from .._protocol import Outcome, RoleFailure, RoleSpec
 from . import _outcomes, _place
 
-__all__ = ["Roles", "call", "call_here", "drop", "make", "method"]
+__all__ = ["Roles", "call", "call_here", "call_inline", "drop", "make", "method"]
 
 #: A factory of the context entered around the roles' code (the backend's: the current CUDA
 #: device), as around a run's function.
@@ -186,6 +188,36 @@ async def call_here(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     except Exception as exc:
         return _outcomes.error_outcome(exc)
     return result if type(result) in BARE_TYPES else _outcomes.value_outcome(result)
+
+
+def call_inline(
+    key: str, args: tuple[Any, ...], kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop
+) -> Any:
+    """:func:`call_here`'s sync twin, for a thread that runs no loop (the threaded worker's
+    role group): a plain method inline, inside the backend's context; an ``async def`` found
+    under that name, or an awaitable that the method returns, awaited on ``loop`` (the
+    worker's) while this thread waits; its value or outcome, as :func:`call` returns it."""
+    try:
+        roles = _held()
+        fn = roles.found(key)[1]
+        if inspect.iscoroutinefunction(fn):
+            result = _on(loop, _awaited(fn(*args, **kwargs), roles.context))
+        else:
+            result = _call_within(fn, args, kwargs, roles.context)
+            if inspect.isawaitable(result):
+                result = _on(loop, _awaited(result, roles.context))
+    except Exception as exc:
+        return _outcomes.error_outcome(exc)
+    return result if type(result) in BARE_TYPES else _outcomes.value_outcome(result)
+
+
+def _on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+async def _awaited(awaitable: Awaitable[Any], context: ContextFactory | None) -> Any:
+    with _entered(context):
+        return await awaitable
 
 
 def _held() -> Roles:

@@ -1,5 +1,6 @@
-"""The seam's Ray implementation: workers are Ray actors (:class:`~asyncexec._worker._actor.
-WorkerActor`) in placement groups.
+"""The seam's Ray implementation: workers are Ray actors in placement groups: the async
+``WorkerActor``, or the threaded ``ThreadedWorkerActor`` for a group whose roles have only plain
+methods (Ray's own rule for a sync actor, made per group: :func:`worker_class`).
 
 Ray's calls that block (creating actors: the first of a class exports it; creating and removing
 placement groups; the node table; ``ray.put``) run in threads, never on the event loop; calls on
@@ -23,8 +24,9 @@ from ..._config import ExecutorConfig
 from ..._errors import ConfigurationError, describe
 from ..._interface import WorkerMethod, packed, parse_key
 from ..._protocol import WorkerMetadata
+from ..._role import plain_only
 from ..._tracing import plain
-from ..._worker import ROLE_GROUPS, WorkerActor, role_group
+from ..._worker import ROLE_GROUPS, ThreadedWorkerActor, WorkerActor, role_group
 from .._logging import get_logger
 from ._base import Handle, Spawned, described, settle
 from ._liveness import Liveness
@@ -37,7 +39,15 @@ from ._placement import (
 from ._stacks import dump_processes
 from ._start import ensure_ray
 
-__all__ = ["CREATING", "LIVENESS", "RayCluster", "RayHandle", "actor_options", "node_alive"]
+__all__ = [
+    "CREATING",
+    "LIVENESS",
+    "RayCluster",
+    "RayHandle",
+    "actor_options",
+    "node_alive",
+    "worker_class",
+]
 
 #: Held while worker actors are created, by every thread of the process: Ray checks whether the
 #: actor class is exported without a lock, so executors starting at once each exported it again
@@ -136,6 +146,13 @@ def actor_options(config: ExecutorConfig) -> dict[str, Any]:
     return options
 
 
+def worker_class(config: ExecutorConfig) -> Any:
+    """The actor class of ``config``'s workers: the threaded one when the group has roles and
+    none has a coroutine method (its plain calls then cost what a sync Ray actor's do), else
+    the async one (a pool's workers exist before roles are known: async)."""
+    return ThreadedWorkerActor if plain_only(config.roles) else WorkerActor
+
+
 class RayCluster:
     """Workers as Ray actors (see the module's docstring)."""
 
@@ -182,6 +199,7 @@ class RayCluster:
                 a fractional amount of a whole-unit accelerator, a runtime_env it cannot read).
         """
         options = actor_options(config)
+        cls = worker_class(config)
         actors: list[ActorHandle] = []
         try:
             with CREATING:
@@ -189,7 +207,7 @@ class RayCluster:
                     strategy = {}
                     if placement is not None:  # its bundle (any bundle of a parent's, or None)
                         strategy = {"scheduling_strategy": placement.strategy(bundle)}
-                    actors.append(WorkerActor.options(**options, **strategy).remote())
+                    actors.append(cls.options(**options, **strategy).remote())
         except Exception as exc:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
