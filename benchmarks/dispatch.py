@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import cProfile
 import io
-import os
 import platform
 import pstats
 import sys
@@ -46,18 +45,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# The workers import the role and the plain actors by module name.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
-)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)
+import _bootstrap
+
+HERE, ROOT = _bootstrap.setup()
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
