@@ -35,6 +35,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from ._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext, WorkerMetadata
+from ._tracing import Carried
 
 __all__ = [
     "BARE_TYPES",
@@ -111,7 +112,7 @@ class WorkerInterface(Protocol):
     ) -> Awaitable[Outcome]: ...
 
     def execute(
-        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+        self, fn: Callable[..., Any] | Carried, /, *args: Any, **kwargs: Any
     ) -> Awaitable[Outcome]: ...
 
     def make_roles(
@@ -125,10 +126,12 @@ class WorkerInterface(Protocol):
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
     ) -> Awaitable[Outcome]: ...
 
-    def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]: ...
+    def call_method(
+        self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Any]: ...
 
     def call_method_sync(
-        self, key: str | list[Any], /, *args: Any, **kwargs: Any
+        self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any
     ) -> Awaitable[Any]: ...
 
     # A run.

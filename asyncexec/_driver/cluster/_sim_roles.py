@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 from ..._errors import ExecutorStateError
 from ..._interface import parse_key, unpacked
 from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
-from ..._tracing import plain
+from ..._tracing import Carried, plain
 from ..._worker import PLACE, Place, error_outcome, value_outcome
 from ._local import LocalCallCancelled
 from ._sim_answers import Pending, Ready, ready
@@ -63,7 +63,9 @@ class SimCalls:
             return ready(Outcome("ok"))
         return self._call_here(init_hook, (), {})
 
-    def execute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Awaitable[Outcome]:
+    def execute(
+        self, fn: Callable[..., Any] | Carried, /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Outcome]:
         return self._call_here(plain(fn), args, kwargs)  # (without a call's trace context)
 
     def make_roles(
@@ -92,7 +94,9 @@ class SimCalls:
             return ready(error_outcome(exc))
         return self._call_here(fn, args, kwargs)
 
-    def call_method(self, key: str | list[Any], /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call_method(
+        self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any
+    ) -> Awaitable[Any]:
         """``call_role`` of the method ``key`` (answered as an outcome: the driver takes both);
         the key and the arguments may come as one list (``_interface.packed``)."""
         lead, args = unpacked(key, args)
