@@ -78,11 +78,13 @@ async def pause_resume(
     job = Job(int(60.0 / sizes.token_s), chunk)  # a minute long: far longer than the figure
     out: dict[str, float] = {}
     aborted = 0
+    last_answer = 0.0
 
     async def one(i: int) -> None:
-        nonlocal aborted
+        nonlocal aborted, last_answer
         sample = await router.generate(asyncexec.RolloutRequest(("pause", i), job), retry=False)
         aborted += sample.aborted
+        last_answer = time.perf_counter()
 
     async with router, anyio.create_task_group() as tg:
         for i in range(sizes.pause_in_flight):
@@ -99,8 +101,12 @@ async def pause_resume(
             await router.resume()
             out[f"{mode}_ms"] = (time.perf_counter() - t0) * 1e3
             out[f"{mode}_pause_ms"] = (paused - t0) * 1e3
+            if mode == "abort":
+                out["abort_answered_at_resume"] = float(aborted)
             await anyio.sleep(0.2)
             out[f"{mode}_lag_ms"] = max(lags[mark:], default=0.0) * 1e3
+            if mode == "abort":
+                out["abort_last_answer_ms"] = (last_answer - t0) * 1e3
     out["aborted"] = float(aborted)
     return out
 
