@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -160,3 +162,64 @@ async def test_a_closing_pipeline_stops_its_requests_over_turns_of_the_loop(
     per_turn = [servers.cancelled_in.count(t) for t in set(servers.cancelled_in)]
     assert len(servers.cancelled_in) == 128
     assert max(per_turn) <= _admission.STOP_PER_TURN, per_turn
+
+
+def _slow_server() -> type:
+    import asyncexec
+
+    class Chunks(asyncexec.RolloutServer):
+        """``prompt`` is ``(chunks, seconds per chunk)``."""
+
+        def __init__(self) -> None:
+            super().__init__(channel="lag-tests")
+
+        async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+            n, delay = prompt
+            for i in range(n):
+                await asyncio.sleep(delay)
+                yield i
+
+        def load_weights(self, state: Any, version: int) -> None:
+            pass
+
+    return Chunks
+
+
+@pytest.mark.timeout(30)
+async def test_the_callers_of_an_abort_are_answered_around_the_resume_not_during_it(
+    mode: str,
+) -> None:
+    """48 requests in flight, ``pause("abort")`` and at once ``resume()``: no caller is woken
+    while the resume's calls are in flight (their answers, 16 a turn, held the resume's end
+    back: the pause to resume with 256 in flight was 35-54 ms against 33-38 ms for "keep");
+    every caller is answered once, after."""
+    import asyncexec
+
+    answered = 0
+
+    async with (
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=_slow_server())
+        as servers,
+        asyncexec.Router(servers, max_in_flight=32) as router,
+    ):  # fmt: skip
+
+        async def ask(i: int) -> None:
+            nonlocal answered
+            sample = await router.generate(asyncexec.RolloutRequest(i, (1000, 0.01)))
+            assert sample.aborted
+            answered += 1
+
+        async with anyio.create_task_group() as tg:
+            for i in range(48):
+                tg.start_soon(ask, i)
+            with anyio.fail_after(20):
+                while sum(router.in_flight.values()) < 48:  # noqa: ASYNC110 (router state)
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.1)  # under way on the servers
+            assert await router.pause("abort") == 48
+            before = answered
+            await router.resume()
+            at_resume = answered
+        assert (before, at_resume, answered) == (0, 0, 48)
+        stats = router.statistics
+        assert (stats.answered, stats.duplicates_dropped, stats.late_dropped) == (48, 0, 0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,21 @@ class Requests:
         self.live: dict[tuple[int, Hashable], list[_Live]] = {}
         self.held = 0  # attempts collected by a pause to abort whose own replies are to come
         self._held_in = anyio.Event()
+        self._resuming = 0  # resumes in flight: the hand-back waits for them
+        self._resumed = anyio.Event()
+
+    @contextlib.contextmanager
+    def resuming(self) -> Iterator[None]:
+        """A resume is in flight: a hand-back waits until it has ended (its callers' wake-ups
+        would hold the resume's replies back, 16 a turn of the loop)."""
+        self._resuming += 1
+        try:
+            yield
+        finally:
+            self._resuming -= 1
+            if not self._resuming:
+                self._resumed.set()
+                self._resumed = anyio.Event()
 
     async def wait_held(self) -> None:
         """Until the attempts collected by a pause to abort have had their own replies."""
@@ -226,10 +241,13 @@ class Requests:
         its slot back (the attempt's own reply, after the resume, is dropped); ``HAND_BACK``
         a turn of the event loop (each wakes its caller). A sample whose request is over (it
         gave up, or its caller left) answers nothing: that attempt's own reply counts as
-        before, as does one that comes before its sample is handed."""
+        before, as does one that comes before its sample is handed. While a resume is in
+        flight (:meth:`resuming`) none is handed: the resume's end comes first."""
         woken = 0
         for r, (_, samples) in replies.items():
             for sample in samples:
+                while self._resuming:
+                    await self._resumed.wait()
                 if self._hand(r, sample):
                     woken += 1
                     if woken % HAND_BACK == 0:
