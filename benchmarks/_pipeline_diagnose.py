@@ -22,6 +22,7 @@ import logging
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import loop_stalls
@@ -166,6 +167,13 @@ class Diagnosis:
             names = [(n, a, b) for (_, a, b), n in zip(self.marks, self.names, strict=True)]
             self.turns.print(names)
             return
+        tracked = gc.get_objects()
+        kinds = Counter(type(o).__qualname__ for o in tracked).most_common(12)
+        print(
+            f"\nobjects the collector tracks: {len(tracked):,}, frozen {gc.get_freeze_count():,};"
+            f" the commonest: {', '.join(f'{k} {n:,}' for k, n in kinds)}"
+        )
+        del tracked
         threads = sorted(t.name for t in threading.enumerate())
         print(f"\ndriver threads ({len(threads)}): {', '.join(threads)}")
         print(f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms")

@@ -8,6 +8,7 @@ once, no sample beyond the bound in strict mode), and reports a failure of it as
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -30,6 +31,19 @@ __all__ = [
     "pipeline_pauses",
     "sticky",
 ]
+
+
+#: Count the objects the collector tracks with the 256 in flight, and after (``--diagnose``).
+COUNT_OBJECTS = False
+#: Their kinds: with the 256 in flight less after (the kinds a request in flight holds).
+KINDS: Counter[str] = Counter()
+
+
+def _kind(o: object) -> str:
+    kind = type(o)
+    if kind.__name__ == "coroutine":
+        return f"coroutine {getattr(o, '__qualname__', '?')}"
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,11 @@ async def pause_resume(
         await wait_until(lambda: sum(router.in_flight.values()) == sizes.pause_in_flight)
         await anyio.sleep(0.5)  # every generation past its first chunk
         out["sending_lag_ms"] = max(lags[mark:], default=0.0) * 1e3
+        if COUNT_OBJECTS:  # (--diagnose) what a collection walks, with the 256 in flight
+            tracked = gc.get_objects()
+            out["tracked_in_flight"] = float(len(tracked))
+            KINDS.update(_kind(o) for o in tracked)
+            del tracked
         for mode in ("keep", "abort"):
             mark = len(lags)
             t0 = time.perf_counter()
@@ -108,6 +127,11 @@ async def pause_resume(
             if mode == "abort":
                 out["abort_last_answer_ms"] = (last_answer - t0) * 1e3
     out["aborted"] = float(aborted)
+    if COUNT_OBJECTS:
+        tracked = gc.get_objects()
+        out["tracked_after"] = float(len(tracked))
+        KINDS.subtract(_kind(o) for o in tracked)
+        del tracked
     return out
 
 

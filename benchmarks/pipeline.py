@@ -69,6 +69,7 @@ if HERE not in sys.path:
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
+import _pipeline_phases  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import structlog  # noqa: E402
@@ -302,6 +303,11 @@ class Bench:
         self.note('pause alone, "keep", ms', got["keep_pause_ms"])
         self.note('pause alone, "abort", ms', got["abort_pause_ms"])
         self.note("generations aborted", got["aborted"])
+        if "tracked_in_flight" in got:
+            each = (got["tracked_in_flight"] - got["tracked_after"]) / self.sizes.pause_in_flight
+            self.note("objects the collector tracks, 256 in flight", got["tracked_in_flight"])
+            self.note("the same, once they ended", got["tracked_after"])
+            self.note("objects tracked per request in flight", each)
         self.note(
             '"abort": callers answered when the resume returned', got["abort_answered_at_resume"]
         )
@@ -376,6 +382,7 @@ async def bench(
     floor = LoopGroup(4, RESOURCES, 1024)
     await floor.start()
     diagnosis = None if diagnose is None else Diagnosis(diagnose)
+    _pipeline_phases.COUNT_OBJECTS = diagnose is not None
     role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
     try:
         async with (
@@ -400,6 +407,10 @@ async def bench(
         await floor.close()
         if diagnosis is not None and diagnosis.monitor is not None:
             await diagnosis.stop()
+        if _pipeline_phases.KINDS:
+            top = _pipeline_phases.KINDS.most_common(25)
+            print("\nobjects a request in flight holds, by kind (256 in flight less after):")
+            print("\n".join(f"  {n / FULL.pause_in_flight:6.1f} {k}" for k, n in top))
     p50, p99 = tail_ratio(0)
     said = [
         f"- the workload's lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens "
