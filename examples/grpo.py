@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import logging
 import os
 import signal
@@ -30,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -361,6 +363,18 @@ async def learn(learner: asyncexec.Executor, samples: list[asyncexec.Sample], in
         s.trained.extend(i for o in out for i in o["trained"])
 
 
+@contextlib.asynccontextmanager
+async def frozen_heap() -> AsyncIterator[None]:
+    """What start-up made is never walked by a garbage collection again (as docs/operating.md
+    advises, "Many ranks"); unfrozen when the block ends."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def main(
     *, servers: int = 2, learners: int = 2, staleness: int = 1,
     mode: Literal["strict", "aggregate"] = "strict",
@@ -393,7 +407,7 @@ async def main(
     ):  # fmt: skip
         await channel.push()  # the learner's first weights (or its checkpoint's)
         router = asyncexec.Router(rollout, max_in_flight=max_in_flight, channel=channel)
-        async with router, asyncexec.Pipeline(
+        async with frozen_heap(), router, asyncexec.Pipeline(
             router, make_tasks(cfg), batch_size=cfg.batch_size, staleness=staleness, mode=mode,
             on_update=on_update, on_expire=on_expire, max_requeues=max_requeues, channel=channel,
             consumed=consumed,
