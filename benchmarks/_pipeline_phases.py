@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from _pipeline_workload import Job, long_tailed
@@ -37,6 +38,19 @@ __all__ = [
 COUNT_OBJECTS = False
 #: Their kinds: with the 256 in flight less after (the kinds a request in flight holds).
 KINDS: Counter[str] = Counter()
+TRACEBACKS: Counter[str] = Counter()  # where the tracebacks held in flight were raised
+CELLS: Counter[str] = Counter()  # the closures held in flight
+
+
+def _where(tb: Any) -> str:
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename.rsplit('/', 2)[-1]}:{tb.tb_lineno} {code.co_qualname}"
+
+
+def _cell(fn: Any) -> str:
+    return f"{fn.__qualname__} ({len(fn.__closure__ or ())} cells)"
 
 
 def _kind(o: object) -> str:
@@ -111,6 +125,8 @@ async def pause_resume(
             tracked = gc.get_objects()
             out["tracked_in_flight"] = float(len(tracked))
             KINDS.update(_kind(o) for o in tracked)
+            TRACEBACKS.update(_where(o) for o in tracked if type(o).__name__ == "traceback")
+            CELLS.update(_cell(o) for o in tracked if type(o).__name__ == "function")
             del tracked
         for mode in ("keep", "abort"):
             mark = len(lags)

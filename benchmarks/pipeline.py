@@ -411,6 +411,10 @@ async def bench(
             top = _pipeline_phases.KINDS.most_common(25)
             print("\nobjects a request in flight holds, by kind (256 in flight less after):")
             print("\n".join(f"  {n / FULL.pause_in_flight:6.1f} {k}" for k, n in top))
+            for title, kinds in (("tracebacks", _pipeline_phases.TRACEBACKS),
+                                 ("closures", _pipeline_phases.CELLS)):  # fmt: skip
+                print(f"{title} with 256 in flight, the commonest:")
+                print("\n".join(f"  {n:6d} {k}" for k, n in kinds.most_common(10)))
     p50, p99 = tail_ratio(0)
     said = [
         f"- the workload's lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens "
