@@ -69,10 +69,12 @@ if HERE not in sys.path:
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
+import _pipeline_phases  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 import structlog  # noqa: E402
 from _common import median, progress  # noqa: E402
+from _pipeline_diagnose import Diagnosis  # noqa: E402
 from _pipeline_phases import (  # noqa: E402
     Sizes,
     balance,
@@ -249,6 +251,7 @@ class Bench:
     trainer: asyncexec.Executor
     channel: asyncexec.WeightChannel
     floor: LoopGroup
+    diagnosis: Diagnosis | None = None
     rows: dict[str, Row] = field(default_factory=lambda: make_rows())
     notes: dict[str, list[float]] = field(default_factory=dict)
 
@@ -300,6 +303,17 @@ class Bench:
         self.note('pause alone, "keep", ms', got["keep_pause_ms"])
         self.note('pause alone, "abort", ms', got["abort_pause_ms"])
         self.note("generations aborted", got["aborted"])
+        if "tracked_in_flight" in got:
+            each = (got["tracked_in_flight"] - got["tracked_after"]) / self.sizes.pause_in_flight
+            self.note("objects the collector tracks, 256 in flight", got["tracked_in_flight"])
+            self.note("the same, once they ended", got["tracked_after"])
+            self.note("objects tracked per request in flight", each)
+        self.note(
+            '"abort": callers answered when the resume returned', got["abort_answered_at_resume"]
+        )
+        self.note(
+            '"abort": the last caller answered, ms from the pause', got["abort_last_answer_ms"]
+        )
         got_pipe = await pipeline_pauses(self.servers, self.channel, self.sizes)
         for mode in ("keep", "abort"):
             self.rows[f"pipe_{mode}"].pipeline.append(got_pipe[f"{mode}_ms"])
@@ -327,6 +341,11 @@ class Bench:
         self.rows["sticky"].baseline.append(got["sessions"])
         self.rows["sticky"].pipeline.append(got["kept"])
 
+    def figure(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        if self.diagnosis is None:
+            return contextlib.nullcontext()
+        return self.diagnosis.figure(name)
+
     async def repeat(self, i: int, only: set[str]) -> None:
         """One repeat of the figures in ``only``, the pipeline's under one heartbeat, then the
         streaming floor under the same heartbeat."""
@@ -335,13 +354,14 @@ class Bench:
             for name in FIGURES:
                 if name in only and name != "lag":
                     mark = len(lags)
-                    await getattr(self, name)(i, lags)
+                    async with self.figure(f"{name} {i + 1}"):
+                        await getattr(self, name)(i, lags)
                     self.note(
                         f"event-loop max lag in {name}, ms", max(lags[mark:], default=0) * 1e3
                     )
         if "lag" in only:
             progress(f"repeat {i + 1}: the streaming floor")
-            async with watched(0.001) as floor:
+            async with watched(0.001) as floor, self.figure(f"floor {i + 1}"):
                 await self.floor.floor(self.sizes.floor_steps)
             for label, got, side in (("", watch, "pipeline"), ("the floor: ", floor, "baseline")):
                 getattr(self.rows["lag"], side).append(max(got.lags, default=math.nan) * 1e3)
@@ -356,9 +376,13 @@ class Bench:
                 )
 
 
-async def bench(sizes: Sizes, only: set[str], freeze: bool) -> tuple[list[Row], list[str]]:
+async def bench(
+    sizes: Sizes, only: set[str], freeze: bool, diagnose: str | None = None
+) -> tuple[list[Row], list[str]]:
     floor = LoopGroup(4, RESOURCES, 1024)
     await floor.start()
+    diagnosis = None if diagnose is None else Diagnosis(diagnose)
+    _pipeline_phases.COUNT_OBJECTS = diagnose is not None
     role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
     try:
         async with (
@@ -374,11 +398,23 @@ async def bench(sizes: Sizes, only: set[str], freeze: bool) -> tuple[list[Row], 
             if freeze:  # what start-up made is never walked by a collection again
                 gc.collect()
                 gc.freeze()
-            b = Bench(sizes, servers, trainer, channel, floor)
+            b = Bench(sizes, servers, trainer, channel, floor, diagnosis)
+            if diagnosis is not None:
+                await diagnosis.start()
             for i in range(sizes.repeats):
                 await b.repeat(i, only)
     finally:
         await floor.close()
+        if diagnosis is not None and diagnosis.monitor is not None:
+            await diagnosis.stop()
+        if _pipeline_phases.KINDS:
+            top = _pipeline_phases.KINDS.most_common(25)
+            print("\nobjects a request in flight holds, by kind (256 in flight less after):")
+            print("\n".join(f"  {n / FULL.pause_in_flight:6.1f} {k}" for k, n in top))
+            for title, kinds in (("tracebacks", _pipeline_phases.TRACEBACKS),
+                                 ("closures", _pipeline_phases.CELLS)):  # fmt: skip
+                print(f"{title} with 256 in flight, the commonest:")
+                print("\n".join(f"  {n:6d} {k}" for k, n in kinds.most_common(10)))
     p50, p99 = tail_ratio(0)
     said = [
         f"- the workload's lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens "
@@ -416,18 +452,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() the driver's heap after start-up"
     )
+    parser.add_argument(
+        "--diagnose",
+        nargs="?",
+        const="stacks",
+        choices=("stacks", "debug", "turns"),
+        help="print each stall of the loop with its figure and cause (benchmarks/"
+        "_pipeline_diagnose.py); 'debug' adds asyncio's debug mode (slow callbacks over 3 ms); "
+        "'turns': each long turn of the loop, its callbacks",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="sys.setswitchinterval() of the driver (Python's default: 5 ms)",
+    )
+    parser.add_argument("--repeats", type=int, help="repeats of every figure (3; --quick: 1)")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     if not only <= set(FIGURES):
         parser.error(f"--only takes {', '.join(FIGURES)}")
     sizes = QUICK if args.quick else FULL
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.repeats is not None:
+        sizes = dataclasses.replace(sizes, repeats=args.repeats)
     if args.train_ms is not None:
         sizes = dataclasses.replace(sizes, train_s=args.train_ms / 1e3)
     structlog.configure(processors=[_dropped])  # the library's log lines are not the output
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     try:
-        rows, notes = asyncio.run(bench(sizes, only, args.gc_freeze))
+        rows, notes = asyncio.run(bench(sizes, only, args.gc_freeze, args.diagnose))
     finally:
         ray.shutdown()
     print()
@@ -437,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({platform.machine()}), Python {platform.python_version()}, Ray {ray.__version__}; "
         f"medians of {sizes.repeats} repeat(s); every worker {RESOURCES}"
         f"{'; the heap frozen after start-up' if args.gc_freeze else ''}"
+        f"; switch interval {sys.getswitchinterval() * 1e3:g} ms"
     )
     print()
     print(render(rows))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import logging
 import os
 import signal
@@ -30,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -361,10 +363,24 @@ async def learn(learner: asyncexec.Executor, samples: list[asyncexec.Sample], in
         s.trained.extend(i for o in out for i in o["trained"])
 
 
+@contextlib.asynccontextmanager
+async def frozen_heap() -> AsyncIterator[None]:
+    """What start-up made is never walked by a garbage collection again (as docs/operating.md
+    advises, "Many ranks"); unfrozen when the block ends."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def main(
     *, servers: int = 2, learners: int = 2, staleness: int = 1,
     mode: Literal["strict", "aggregate"] = "strict",
-    on_update: Literal["keep", "wait", "abort"] = "keep", max_updates: int = 200,
+    on_update: Literal["keep", "wait", "abort"] = "keep",
+    on_expire: Literal["requeue", "wait"] = "requeue", max_requeues: int = 4,
+    max_updates: int = 200,
     threshold: float = 0.9, window: int = 3, max_in_flight: int = 8,
     kill_server_at: int | None = None, kill_learner_at: int | None = None, max_restarts: int = 3,
     checkpoint_dir: str | None = None, grpo: GRPOConfig | None = None,
@@ -391,9 +407,10 @@ async def main(
     ):  # fmt: skip
         await channel.push()  # the learner's first weights (or its checkpoint's)
         router = asyncexec.Router(rollout, max_in_flight=max_in_flight, channel=channel)
-        async with router, asyncexec.Pipeline(
+        async with frozen_heap(), router, asyncexec.Pipeline(
             router, make_tasks(cfg), batch_size=cfg.batch_size, staleness=staleness, mode=mode,
-            on_update=on_update, channel=channel, consumed=consumed,
+            on_update=on_update, on_expire=on_expire, max_requeues=max_requeues, channel=channel,
+            consumed=consumed,
         ) as pipe:  # fmt: skip
             async for batch in pipe:
                 index = s.started_from + s.updates + 1
@@ -435,6 +452,10 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--staleness", type=int, default=1, help="S: 0 is the synchronous loop (1)")
     add("--mode", choices=["strict", "aggregate"], default="strict")
     add("--on-update", choices=["keep", "wait", "abort"], default="keep")
+    add("--on-expire", choices=["requeue", "wait"], default="requeue",
+        help="strict mode: a straggler a batch would wait for is cancelled and its prompt "
+        "requeued at the next version (requeue), or waited for (wait)")  # fmt: skip
+    add("--max-requeues", type=int, default=4, help="requeues of one prompt at most (4)")
     add("--max-updates", type=int, default=200, help="at most so many (200)")
     add("--threshold", type=float, default=0.9, help="mean reward to reach (0.9)")
     add("--window", type=int, default=3, help="over the last so many batches (3)")

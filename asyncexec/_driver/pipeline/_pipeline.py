@@ -185,7 +185,11 @@ class Pipeline:
         self._state = "closed"
         tg, self._tg = self._tg, None
         if tg is not None:
-            tg.cancel_scope.cancel()  # requests in flight: their samples are not needed
+            # Requests in flight: their samples are not needed. Stopped over turns of the loop
+            # (``STOP_PER_TURN`` a turn), then the rest of the group.
+            with anyio.CancelScope(shield=True):
+                await self._admission.stop()
+            tg.cancel_scope.cancel()
             with one_error():
                 try:
                     await tg.__aexit__(None, None, None)

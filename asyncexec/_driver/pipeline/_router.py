@@ -245,8 +245,9 @@ class Router:
 
         With ``"abort"`` each server hands its aborted samples back in one reply
         (``RolloutServer.abort``), and each request they belong to is answered with its
-        aborted sample from there, over the next turns of the event loop (the request's own
-        reply, which the server sends after the resume, is then dropped, uncounted)."""
+        aborted sample from there, over the next turns of the event loop, except while a
+        :meth:`resume` is in flight: its end comes first (the request's own reply, which the
+        server sends after the resume, is then dropped, uncounted)."""
         if mode not in ("keep", "abort"):
             raise ConfigurationError(f'pause() takes "keep" or "abort", got {mode!r}')
         self.check_open()
@@ -265,7 +266,8 @@ class Router:
         """Let every serving server's parked generations go on (``RolloutServer.resume``)."""
         self.check_open()
         self.paused = None
-        await self.watch.on_serving(self.methods.resume)
+        with self.requests.resuming():  # the callers a pause to abort answers wait for it
+            await self.watch.on_serving(self.methods.resume)
         self.log.info("servers_resumed")
 
     @property

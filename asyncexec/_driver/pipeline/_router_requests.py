@@ -9,16 +9,16 @@ See ``_router`` for the rules of where a request goes and when it is sent again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import math
 import time
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..._dispatch import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
@@ -46,8 +46,49 @@ class _Answer:
     held: bool = False
 
 
-#: An attempt in flight: its answer, and the request's stream it goes to.
-_Live = tuple[_Answer, "MemoryObjectSendStream[_Answer]"]
+class _Inbox:
+    """A request's answers, from its attempts (and a pause's hand-back), in the order they
+    came. Lighter than a memory object stream, whose ``receive()`` waits inside its ``except
+    WouldBlock`` (the exception and two tracebacks with their frames kept alive a request in
+    flight) with two streams, a deque, two dicts and two events besides: every collection of
+    the older generations walks what the requests in flight hold."""
+
+    __slots__ = ("closed", "items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[_Answer] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.closed = False
+
+    def put(self, answer: _Answer) -> bool:
+        """Deliver ``answer``; False when the request is over (it takes no more)."""
+        if self.closed:
+            return False
+        self.items.append(answer)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return True
+
+    async def get(self) -> _Answer:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+    def close(self) -> list[_Answer]:
+        """The request is over: what came and was not taken."""
+        self.closed = True
+        rest = list(self.items)
+        self.items.clear()
+        return rest
+
+
+#: An attempt in flight: its answer, and the request's inbox it goes to.
+_Live = tuple[_Answer, _Inbox]
 
 
 @dataclass
@@ -70,6 +111,21 @@ class Requests:
         self.live: dict[tuple[int, Hashable], list[_Live]] = {}
         self.held = 0  # attempts collected by a pause to abort whose own replies are to come
         self._held_in = anyio.Event()
+        self._resuming = 0  # resumes in flight: the hand-back waits for them
+        self._resumed = anyio.Event()
+
+    @contextlib.contextmanager
+    def resuming(self) -> Iterator[None]:
+        """A resume is in flight: a hand-back waits until it has ended (its callers' wake-ups
+        would hold the resume's replies back, 16 a turn of the loop)."""
+        self._resuming += 1
+        try:
+            yield
+        finally:
+            self._resuming -= 1
+            if not self._resuming:
+                self._resumed.set()
+                self._resumed = anyio.Event()
 
     async def wait_held(self) -> None:
         """Until the attempts collected by a pause to abort have had their own replies."""
@@ -84,50 +140,47 @@ class Requests:
         tg = router.check_open()
         await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
         router.count("requests")
-        send, receive = anyio.create_memory_object_stream[_Answer](math.inf)
+        inbox = _Inbox()
         fate = _Fate()
         tried: list[int] = []
         limit = len(router.balance.servers) + 1  # attempts at most
         sent_at = 0.0  # when the latest attempt was sent (0: make one at once)
-        with send:
-            try:
-                while True:
-                    if not fate.outstanding or _due(sent_at, deadline_s):
-                        if tried:  # another attempt of this request
-                            if not retry or len(tried) >= limit:
-                                raise self._gave_up(request, tried, deadline_s)
-                            router.count("retries")
-                        r = await self._take(request, tried)
-                        tried.append(r)
-                        fate.outstanding.add(len(tried))
-                        sent_at = time.monotonic()
-                        tg.start_soon(self._attempt, r, len(tried), request, send.clone(), fate)
-                    answer = await _next(receive, sent_at, deadline_s)
-                    if answer is None:
-                        continue  # the deadline passed: another attempt, or give up
-                    if answer.sample is not None:
-                        fate.answered = True
-                        router.count("answered")
-                        if request.key is not None:
-                            router.sessions.pin(request.key, answer.rank, answer.worker)
-                        return answer.sample
-                    error = answer.error
-                    assert error is not None
-                    if not retry or not (answer.taken_out or isinstance(error, GONE)):
-                        raise error
-                    if len(tried) >= limit:
-                        error.add_note(f"sent {len(tried)} times: every server it went to failed")
-                        raise error
-                    router.log.warning(
-                        "request_sent_again", rank=answer.rank, error=describe(error)
-                    )
-                    sent_at = 0.0
-            except anyio.get_cancelled_exc_class():
-                if stop:
-                    self._stop_attempts(fate)
-                raise
-            finally:
-                self._drop_rest(receive, fate)
+        try:
+            while True:
+                if not fate.outstanding or _due(sent_at, deadline_s):
+                    if tried:  # another attempt of this request
+                        if not retry or len(tried) >= limit:
+                            raise self._gave_up(request, tried, deadline_s)
+                        router.count("retries")
+                    r = await self._take(request, tried)
+                    tried.append(r)
+                    fate.outstanding.add(len(tried))
+                    sent_at = time.monotonic()
+                    tg.start_soon(self._attempt, r, len(tried), request, inbox, fate)
+                answer = await _next(inbox, sent_at, deadline_s)
+                if answer is None:
+                    continue  # the deadline passed: another attempt, or give up
+                if answer.sample is not None:
+                    fate.answered = True
+                    router.count("answered")
+                    if request.key is not None:
+                        router.sessions.pin(request.key, answer.rank, answer.worker)
+                    return answer.sample
+                error = answer.error
+                assert error is not None
+                if not retry or not (answer.taken_out or isinstance(error, GONE)):
+                    raise error
+                if len(tried) >= limit:
+                    error.add_note(f"sent {len(tried)} times: every server it went to failed")
+                    raise error
+                router.log.warning("request_sent_again", rank=answer.rank, error=describe(error))
+                sent_at = 0.0
+        except anyio.get_cancelled_exc_class():
+            if stop:
+                self._stop_attempts(fate)
+            raise
+        finally:
+            self._drop_rest(inbox, fate)
 
     @staticmethod
     def _stop_attempts(fate: _Fate) -> None:
@@ -161,7 +214,7 @@ class Requests:
         r: int,
         number: int,
         request: RolloutRequest,
-        send: MemoryObjectSendStream[_Answer],
+        inbox: _Inbox,
         fate: _Fate,
     ) -> None:
         """Attempt ``number`` of ``request``, on server ``r``: its answer (or error) to the
@@ -173,44 +226,40 @@ class Requests:
         scope = anyio.CancelScope()
         server.scopes.add(scope)
         fate.scopes.add(scope)
-        live = (answer, send)
+        live = (answer, inbox)
         key = (r, request.id)
         self.live.setdefault(key, []).append(live)
-        with send:
-            try:
-                with scope:
-                    await router.pacer.wait_turn()
-                    answer.sample = await router.servers.call(
-                        router.methods.generate, request, on=on_rank(r)
-                    )
-                if scope.cancelled_caught:
-                    answer.taken_out = True
-                    answer.error = WorkerHungError(r, detail="taken out by the health watch")
-            except anyio.get_cancelled_exc_class():
-                answer.error = ExecutorStateError("the router closed while the request ran")
-                raise
-            except Exception as exc:
-                answer.error = exc
-                if isinstance(exc, GONE):
-                    router.watch.lost(r, answer.worker)
-            finally:
-                self._forget(key, live)
-                server.scopes.discard(scope)
-                fate.scopes.discard(scope)
-                if not answer.held:  # (a held one gave its slot back then)
-                    router.balance.release(r)
-                    router.meters.in_flight(r, server.in_flight)
-                else:
-                    self.held -= 1
-                    if not self.held:
-                        self._held_in.set()
-                        self._held_in = anyio.Event()
-                fate.outstanding.discard(number)
-                if not answer.handed:
-                    try:
-                        send.send_nowait(answer)
-                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                        self._dropped(answer, fate)
+        try:
+            with scope:
+                await router.pacer.wait_turn()
+                answer.sample = await router.servers.call(
+                    router.methods.generate, request, on=on_rank(r)
+                )
+            if scope.cancelled_caught:
+                answer.taken_out = True
+                answer.error = WorkerHungError(r, detail="taken out by the health watch")
+        except anyio.get_cancelled_exc_class():
+            answer.error = ExecutorStateError("the router closed while the request ran")
+            raise
+        except Exception as exc:
+            answer.error = exc
+            if isinstance(exc, GONE):
+                router.watch.lost(r, answer.worker)
+        finally:
+            self._forget(key, live)
+            server.scopes.discard(scope)
+            fate.scopes.discard(scope)
+            if not answer.held:  # (a held one gave its slot back then)
+                router.balance.release(r)
+                router.meters.in_flight(r, server.in_flight)
+            else:
+                self.held -= 1
+                if not self.held:
+                    self._held_in.set()
+                    self._held_in = anyio.Event()
+            fate.outstanding.discard(number)
+            if not answer.handed and not inbox.put(answer):
+                self._dropped(answer, fate)
 
     def _forget(self, key: tuple[int, Hashable], live: _Live) -> None:
         found = self.live.get(key)
@@ -226,10 +275,13 @@ class Requests:
         its slot back (the attempt's own reply, after the resume, is dropped); ``HAND_BACK``
         a turn of the event loop (each wakes its caller). A sample whose request is over (it
         gave up, or its caller left) answers nothing: that attempt's own reply counts as
-        before, as does one that comes before its sample is handed."""
+        before, as does one that comes before its sample is handed. While a resume is in
+        flight (:meth:`resuming`) none is handed: the resume's end comes first."""
         woken = 0
         for r, (_, samples) in replies.items():
             for sample in samples:
+                while self._resuming:
+                    await self._resumed.wait()
                 if self._hand(r, sample):
                     woken += 1
                     if woken % HAND_BACK == 0:
@@ -241,28 +293,22 @@ class Requests:
         live = next((x for x in found if not x[0].held), None)
         if live is None:
             return False
-        answer, send = live
+        answer, inbox = live
         # The generation ended on the server: its slot is free (its reply comes later).
         answer.held = True
         self.held += 1
         router.balance.release(r)
         router.meters.in_flight(r, router.balance.servers[r].in_flight)
-        try:
-            send.send_nowait(_Answer(r, answer.worker, sample=sample))
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        if not inbox.put(_Answer(r, answer.worker, sample=sample)):
             return False  # the request is over: the attempt's own reply counts as before
         answer.handed = True
         return True
 
-    def _drop_rest(self, receive: MemoryObjectReceiveStream[_Answer], fate: _Fate) -> None:
+    def _drop_rest(self, inbox: _Inbox, fate: _Fate) -> None:
         """Close the request's answers: those already there, and those still to come, are
         dropped (counted)."""
-        with receive:
-            while True:
-                try:
-                    self._dropped(receive.receive_nowait(), fate)
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    return
+        for answer in inbox.close():
+            self._dropped(answer, fate)
 
     def _dropped(self, answer: _Answer, fate: _Fate) -> None:
         if answer.sample is None:
@@ -293,12 +339,10 @@ def _due(sent_at: float, deadline_s: float | None) -> bool:
     return deadline_s is not None and time.monotonic() >= sent_at + deadline_s
 
 
-async def _next(
-    receive: MemoryObjectReceiveStream[_Answer], sent_at: float, deadline_s: float | None
-) -> _Answer | None:
+async def _next(inbox: _Inbox, sent_at: float, deadline_s: float | None) -> _Answer | None:
     """The next answer, or None once the latest attempt's deadline passes."""
     if deadline_s is None:
-        return await receive.receive()
+        return await inbox.get()
     with anyio.move_on_after(max(0.0, sent_at + deadline_s - time.monotonic())):
-        return await receive.receive()
+        return await inbox.get()
     return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,25 +164,66 @@ class Pacer:
     a call on Ray: 100 ms for 256). A send waits here until its turn's budget allows it: the
     sends of one turn take at most ``budget_s`` (and one more send), the others go on in the
     next turns, with the timers and callbacks due in between served first.
+
+    The sends left waiting queue (first come, first sent) and sleep: each turn wakes as many of
+    them as went in the turn before (at least one), and a woken one that finds the budget spent
+    goes back to the head of the queue. A busy wait instead (each waiting send stepped again
+    every turn) cost the loop about 10 us a waiting send a turn: 2.5 ms a turn with 256 waiting,
+    more than the budget itself.
     """
 
     def __init__(self, budget_s: float = SEND_BUDGET_S) -> None:
         self.budget_s = budget_s
         self._start: float | None = None  # when this turn's first send began
+        self._sent = 0  # sends in this turn's window
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._front = 0  # where a woken send that must wait again goes back in the queue
+        self._ticking = False  # a _next_turn is scheduled
         self.waits = 0  # sends moved to a later turn
 
+    def _tick(self) -> None:
+        if not self._ticking:
+            self._ticking = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
     def _next_turn(self) -> None:
+        """The turn after a window: close it, and wake as many waiting sends as went in it."""
+        self._ticking = False
         self._start = None
+        wake, self._sent, self._front = max(1, self._sent), 0, 0
+        while wake and self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():  # (a cancelled send's is)
+                waiter.set_result(None)
+                wake -= 1
+
+    def _may_send(self) -> bool:
+        now = time.perf_counter()
+        if self._start is None:  # the first send of this turn opens its window
+            self._start = now
+            self._tick()
+        elif now - self._start >= self.budget_s:
+            return False
+        self._sent += 1
+        return True
 
     async def wait_turn(self) -> None:
         """Return when a send may go in this turn of the loop."""
+        if not self._waiting and self._may_send():
+            return
+        self.waits += 1
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        self._tick()
         while True:
-            now = time.perf_counter()
-            if self._start is None:  # the first send of this turn opens its window
-                self._start = now
-                asyncio.get_running_loop().call_soon(self._next_turn)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._tick()  # woken, and cancelled before it ran: the next ones go
+                raise
+            if self._may_send():
                 return
-            if now - self._start < self.budget_s:
-                return
-            self.waits += 1
-            await anyio.lowlevel.checkpoint()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.insert(self._front, waiter)
+            self._front += 1
