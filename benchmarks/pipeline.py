@@ -48,7 +48,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
 import platform
 import sys
 import time
@@ -56,18 +55,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-# The workers import the roles by module name.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, ROOT, os.environ.get("PYTHONPATH")) if p
-)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)
+import _bootstrap
+
+HERE, ROOT = _bootstrap.setup()
 
 import _pipeline_phases  # noqa: E402
 import psutil  # noqa: E402
