@@ -566,3 +566,45 @@ async def test_a_rank_renewed_outside_a_run_gets_the_channels_latest_version(
             assert servers.statistics().renewed_ranks == 1
             assert (await servers.call(Holder.pid))[0] != dead
             assert await servers.call(Holder.held) == [(1, {"w": 2.0})] * 2
+
+
+# Results settled in batches ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+async def test_calls_that_end_together_wake_the_loop_once(ray_local: None) -> None:
+    """16 calls of one rank end while the loop is busy: their results are settled in one turn
+    of the loop, woken once, not once a call (each wake-up is a write to the loop's self-pipe
+    on Ray's thread and a turn of the loop)."""
+    import ray
+
+    async with asyncexec.Executor(1, resources_per_worker=CPU, health=NO_HEALTH) as ex:
+        group = ex._slot.group
+        assert group is not None
+        handle: Any = group.workers[0].handle
+        await handle.call("ping")
+        results = [handle.call("ping") for _ in range(16)]
+        loop = asyncio.get_running_loop()
+        woken: list[Any] = []
+        real = loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            woken.append(callback)
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        try:
+            waits = [asyncio.ensure_future(_awaited(r)) for r in results]
+            await asyncio.sleep(0)  # each wait has registered its completion callback
+            # The loop is held (as by other work) until every call has ended.
+            ready, _ = ray.wait([r.ref for r in results], num_returns=16, timeout=30)
+            assert len(ready) == 16
+            answers = await asyncio.gather(*waits)
+        finally:
+            del loop.call_soon_threadsafe
+        assert len(answers) == 16
+        assert 1 <= len(woken) <= 4, f"{len(woken)} wake-ups for 16 calls that ended together"
+
+
+async def _awaited(result: Any) -> Any:
+    return await result
