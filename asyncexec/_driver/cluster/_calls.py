@@ -15,6 +15,7 @@ coroutine unless it fails.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, NoReturn, Protocol
@@ -24,6 +25,7 @@ from ray import cloudpickle
 from ..._errors import AsyncExecError, ConfigurationError, describe
 from ..._interface import WorkerMethod
 from ..._protocol import WorkerMetadata
+from ..._taskgroups import task_group
 from ..._tracing import plain
 from ._base import Handle
 from ._errors import call_error
@@ -36,6 +38,7 @@ __all__ = [
     "Naming",
     "NodeTable",
     "at_attempt",
+    "gathered",
     "result_of",
     "submit",
     "submit_n",
@@ -110,6 +113,70 @@ class Call:
         except Exception as exc:
             error = yield from _mapped(exc, self._who, self._caller).__await__()
         raise error  # outside the handler: the cluster's error is not its context
+
+    def loop_future(self) -> asyncio.Future[Any] | None:
+        """A future of the running loop settled with the call's unmapped result (see
+        :meth:`mapped`), where the cluster's reference gives one (a Ray call's); None where it
+        does not."""
+        make = getattr(self._ref, "loop_future", None)
+        return None if make is None else make()
+
+    def mapped(self, exc: Exception) -> Awaitable[AsyncExecError]:
+        """asyncexec's error for the call's failure ``exc`` (the cluster's)."""
+        return _mapped(exc, self._who, self._caller)
+
+
+async def gathered(calls: Sequence[Awaitable[Any]]) -> tuple[list[Any], list[AsyncExecError]]:
+    """Await ``calls`` (one per worker, made with :func:`submit`) at once: their results in the
+    order given, and the failures seen when the wait stopped (it stops at the first; empty when
+    none failed). Calls whose references give loop futures (Ray's) are waited for together,
+    without a task each (about 20 us of the loop per call less than a task group's); others
+    each in a task of one task group."""
+    futures: list[asyncio.Future[Any]] = []
+    for call in calls:
+        future = call.loop_future() if isinstance(call, Call) else None
+        if future is None:
+            for made in futures:
+                made.cancel()
+            return await _gathered_in_tasks(calls)
+        futures.append(future)
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for future in futures:  # after a failure, or the caller's cancellation: the calls go on
+            future.cancel()
+    results: list[Any] = [None] * len(calls)
+    failed: list[Awaitable[AsyncExecError]] = []
+    for i, (call, future) in enumerate(zip(calls, futures, strict=True)):
+        if future.cancelled():
+            continue
+        if (exc := future.exception()) is None:
+            results[i] = future.result()
+        elif isinstance(exc, Exception):
+            assert isinstance(call, Call)
+            failed.append(call.mapped(exc))
+        else:
+            raise exc
+    return results, list(await asyncio.gather(*failed)) if failed else []
+
+
+async def _gathered_in_tasks(
+    calls: Sequence[Awaitable[Any]],
+) -> tuple[list[Any], list[AsyncExecError]]:
+    results: list[Any] = [None] * len(calls)
+    errors: list[AsyncExecError] = []
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await calls[i]
+        except AsyncExecError as exc:
+            errors.append(exc)
+            tg.cancel_scope.cancel()
+
+    async with task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return results, errors
 
 
 class NodeTable(Protocol):

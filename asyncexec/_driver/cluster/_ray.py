@@ -80,6 +80,11 @@ class Result:
         self.ref = ref
 
     def __await__(self) -> Generator[Any, None, Any]:
+        return (yield from self.loop_future())
+
+    def loop_future(self) -> asyncio.Future[Any]:
+        """A new future of the running loop, settled as the call ends (with what awaiting the
+        reference gives or raises); cancelling it stops nothing but this wait."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         settler = _settler(loop)
@@ -89,7 +94,7 @@ class Result:
             settler.add(future, result, ref)
 
         ref._on_completed(completed)
-        return (yield from future)
+        return future
 
 
 class _Settler:

@@ -27,7 +27,16 @@ from ..._timeline import Timeline, traced_fn
 from ..._tracing import Carried, call_span
 from ...backends._base import Backend
 from .._interrupt import hurried_away
-from ..cluster import Cluster, Handle, Placement, backend_error, outcome_error, settle, submit
+from ..cluster import (
+    Cluster,
+    Handle,
+    Placement,
+    backend_error,
+    gathered,
+    outcome_error,
+    settle,
+    submit,
+)
 from ._members import Standby, WorkerInfo
 
 __all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
@@ -122,19 +131,7 @@ class WorkerGroup:
             AsyncExecError: the first failure, as the seam mapped it (the wait stops there);
                 the failures of other ranks seen by then are attached to it as notes.
         """
-        results: list[Any] = [None] * len(calls)
-        errors: list[AsyncExecError] = []
-
-        async def one(i: int) -> None:
-            try:
-                results[i] = await calls[i]
-            except AsyncExecError as exc:
-                errors.append(exc)
-                tg.cancel_scope.cancel()
-
-        async with task_group() as tg:
-            for i in range(len(calls)):
-                tg.start_soon(one, i)
+        results, errors = await gathered(calls)
         if errors:
             raise with_others(errors)
         return results
