@@ -474,6 +474,10 @@ class TimedCall:
         self._name = getattr(fn, "__qualname__", None) or "call"
         self._start = time.monotonic()
 
+    def cancel(self) -> None:
+        """Cancel the call on the worker (see ``cluster.Call.cancel``)."""
+        self._call.cancel()
+
     def __await__(self) -> Any:
         error: BaseException | None = None
         try:

@@ -660,3 +660,35 @@ async def test_a_rank_that_dies_ends_the_wait_while_another_holds(ray_local: Non
             with anyio.fail_after(WAIT_S):
                 await ex.call(HoldOrDie.hold_or_die)
         assert info.value.rank == 1
+
+
+async def _hang_and_mark(path: str) -> None:
+    """An ``execute()`` function that runs until cancelled, and marks its cancellation."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        with open(path, "a") as out:  # noqa: ASYNC230 (a line, in the worker's process)
+            out.write("cancelled\n")
+        raise
+
+
+@pytest.mark.timeout(60)
+async def test_calls_given_up_are_cancelled_on_the_workers_with_a_timeline_and_for_execute(
+    ray_local: None, tmp_path: Any
+) -> None:
+    """With a timeline kept (each call recorded), a call to every rank given up is cancelled on
+    each; so is an ``execute()`` of an ``async def`` given up (it was left running)."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Worker, timeline=True) as ex:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ex.call, Worker.hang)
+                assert await ex.call(Worker.wait_hanging) == [1, 1]
+                scope.cancel()
+        assert await ex.call(Worker.wait_cancelled) == [1, 1]
+        marks = tmp_path / "marks"
+        with anyio.move_on_after(1.0):
+            await ex.execute(_hang_and_mark, str(marks))
+        with anyio.fail_after(WAIT_S):
+            # Written by the workers' processes: no event to await here.
+            while not marks.exists() or marks.read_text().count("cancelled") < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.05)

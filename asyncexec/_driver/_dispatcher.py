@@ -82,7 +82,9 @@ class WorkerCalls:
         """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
 
         Works while a run is in progress (an ``async def`` runs on the worker's event loop, a
-        plain function in a thread), for example to push new weights to live workers. Arguments
+        plain function in a thread), for example to push new weights to live workers. A
+        caller that stops waiting cancels an ``async def`` on the workers (a plain function runs
+        to its end). Arguments
         travel as Ray passes them: an ``ObjectRef`` argument arrives resolved. ``fn`` is pickled
         by reference when its module can be imported on the workers, and by value otherwise (a
         function defined in ``__main__``: it then runs on a copy of its globals; keep state

@@ -12,6 +12,7 @@ given back. How a group's members change (a spare, a replaced rank, a smaller gr
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -150,7 +151,7 @@ class WorkerGroup:
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn`` on every worker concurrently; results in rank order."""
         calls = [_execute_on(self, w, fn, args, kwargs) for w in self.workers]
-        return self.values(await self.gather(calls), self.workers)
+        return self.values(await _given_up(self.gather(calls), fn, calls), self.workers)
 
     async def execute_single(
         self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
@@ -160,7 +161,7 @@ class WorkerGroup:
             raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
         worker = self.workers[rank]
         calls = [_execute_on(self, worker, fn, args, kwargs)]
-        values: list[T] = self.values(await self.gather(calls), [worker])
+        values: list[T] = self.values(await _given_up(self.gather(calls), fn, calls), [worker])
         return values[0]
 
     async def call_each(
@@ -302,6 +303,19 @@ async def answers(refs: Sequence[Any], timeout_s: float) -> list[Any]:
             if ref is not None:
                 tg.start_soon(one, i)
     return results
+
+
+async def _given_up(wait: Awaitable[T], fn: Any, calls: Sequence[Any]) -> T:
+    """``wait`` for ``execute()``'s ``calls`` of ``fn``; when its caller stops waiting, an
+    ``async def`` ``fn`` is cancelled on the workers (a plain one runs to its end), as
+    ``call()`` does."""
+    try:
+        return await wait
+    except anyio.get_cancelled_exc_class():
+        if inspect.iscoroutinefunction(fn):
+            for call in calls:
+                call.cancel()
+        raise
 
 
 def _execute_on(
