@@ -146,8 +146,7 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
     figs += [
         Figure(
             "metrics_cost",
-            "reports/s, 4 workers, with Prometheus metrics on (floor: the same run with them "
-            "off)",
+            "reports/s, 4 workers, with Prometheus metrics on (floor: the same run with them off)",
             "reports/s",
             target=">= 0.97x off",
             check=lambda m: _ratio(m, "asyncexec", "floor") >= 0.97,
@@ -159,8 +158,9 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             "start-up, 4 workers (floor: 4 plain actors ready)",
             "s",
             target="<= 0.6x Ray Train, <= 1.2x plain actors",
-            check=lambda m: _ratio(m, "asyncexec", "raytrain") <= 0.6
-            and _ratio(m, "asyncexec", "floor") <= 1.2,
+            check=lambda m: (
+                _ratio(m, "asyncexec", "raytrain") <= 0.6 and _ratio(m, "asyncexec", "floor") <= 1.2
+            ),
         ),
         Figure(
             "run_end",
@@ -400,8 +400,7 @@ def channel_figures(sizes: Sizes) -> list[Figure]:
             "s",
             target=">= 0.8x the floor's speed, faster than through the driver",
             # Times: the floor's time over the channel's is the channel's speed relative to it.
-            check=lambda m: _ratio(m, "floor", "asyncexec") >= 0.8
-            and m["asyncexec"] < m["driver"],
+            check=lambda m: _ratio(m, "floor", "asyncexec") >= 0.8 and m["asyncexec"] < m["driver"],
             raytrain=False,
         ),
         Figure(
@@ -431,8 +430,7 @@ def channel_figures(sizes: Sizes) -> list[Figure]:
         ),
         Figure(
             "channel_lag_p99_torch",
-            f"event-loop lag p99 during {mb} pushes, torch transport (floor: during the "
-            "broadcast)",
+            f"event-loop lag p99 during {mb} pushes, torch transport (floor: during the broadcast)",
             "ms",
             target="<= 2 ms",
             check=lambda m: m["asyncexec"] <= 2.0,
@@ -472,9 +470,7 @@ LIFECYCLE_KEYS = ("life_p99", "life_max", "life_alone_p99", "life_alone_max")
 def lifecycle_figures(sizes: Sizes) -> list[Figure]:
     """Event-loop lag through whole lifecycles (asyncexec column) against the same heartbeat
     beside the batched floor streaming (floor column), as ratios measured in one run."""
-    who = (
-        f"{sizes.lifecycle_executors} executors x {sizes.lifecycle_workers} workers in one loop"
-    )
+    who = f"{sizes.lifecycle_executors} executors x {sizes.lifecycle_workers} workers in one loop"
     return [
         Figure(
             "life_p99",

@@ -361,9 +361,7 @@ if __name__ == "__main__":
     # too (from PYTHONPATH, set before Ray starts) and share one POLICY per process.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (here, os.environ.get("PYTHONPATH")) if p
-    )
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     import rl_loop
 
     sys.exit(rl_loop.cli())

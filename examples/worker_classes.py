@@ -57,6 +57,8 @@ async def main() -> dict[str, object]:
         steps = [step.metrics["step"] async for step in ex.run(Shard.sweep, {"steps": 3})]
         print("steps of the run:", steps, "returned:", ex.result.return_values)
         return {"sizes": sizes, "totals": totals, "order": order, "answers": answers}
+
+
 # --8<-- [end:main]
 
 

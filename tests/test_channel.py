@@ -340,8 +340,6 @@ async def test_a_torch_channel_holds_its_rendezvous_port_from_the_moment_it_is_c
             other.bind(("", port))
 
 
-
-
 def _serve_when_released(config: dict[str, Any]) -> None:
     """Serves a counter; a read waits while the file ``config["hold"]`` exists."""
     state = {"n": 0}

@@ -12,11 +12,6 @@ from conftest import import_example, reset_logging
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
-
-
-
-
-
 async def test_learner_improves_the_policy_within_the_staleness_bound(tmp_path: Path) -> None:
     rl_loop = import_example("rl_loop")
     summary = await rl_loop.main(workers=2, steps=60, staleness=1, storage_path=tmp_path)

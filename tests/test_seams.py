@@ -119,9 +119,7 @@ def _workers_in_parent() -> dict[str, Any]:
         parent = ray.util.get_current_placement_group()
         async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
             groups = await ex.execute(_my_placement_group)
-            live = [
-                p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"
-            ]
+            live = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
         return {"parent": parent.id.hex(), "workers": groups, "live_groups": len(live)}
 
     return asyncio.run(main())
@@ -234,9 +232,7 @@ def _ray_exception_classes() -> list[type[BaseException]]:
     import ray.exceptions as rex
 
     return [
-        cls
-        for cls in vars(rex).values()
-        if inspect.isclass(cls) and issubclass(cls, rex.RayError)
+        cls for cls in vars(rex).values() if inspect.isclass(cls) and issubclass(cls, rex.RayError)
     ]
 
 

@@ -54,9 +54,7 @@ async def test_ddp_example_trains_to_the_end_with_loss_going_down(tmp_path: Path
     assert summary.attempts == 1
     assert summary.checkpoint is not None
     assert _state_file_exists(summary.checkpoint)
-    assert len(summary.parameters) == sum(
-        p.numel() for p in torch_ddp.make_model(0).parameters()
-    )
+    assert len(summary.parameters) == sum(p.numel() for p in torch_ddp.make_model(0).parameters())
 
 
 @pytest.mark.usefixtures("ray_local")

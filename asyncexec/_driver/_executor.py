@@ -209,10 +209,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         self._init_runs()
 
     def __repr__(self) -> str:
-        return (
-            f"<Executor {self.config.name}-{self.id} {self.state.value} "
-            f"workers={self._size()}>"
-        )
+        return f"<Executor {self.config.name}-{self.id} {self.state.value} workers={self._size()}>"
 
     # Lifecycle --------------------------------------------------------------------------------
 
@@ -265,7 +262,6 @@ class Executor(WorkerCalls, ExecutorRuns):
         """The live group's size, else the configured one (an elastic executor's maximum)."""
         group = self._life.slot.group
         return self.config.num_workers if group is None else len(group.workers)
-
 
 
 def slot_of(executor: Executor) -> GroupSlot:

@@ -121,8 +121,9 @@ class RestartPolicy:
     wait: wait_base | Callable[[RetryCallState], float] = field(
         # wait_exponential_jitter(initial=...) warns on tenacity 9.1+, and its replacement
         # (multiplier=) does not exist on 9.0: the same wait, composed.
-        default_factory=lambda: tenacity.wait_exponential(multiplier=0.5, max=30)
-        + tenacity.wait_random(0, 0.5)
+        default_factory=lambda: (
+            tenacity.wait_exponential(multiplier=0.5, max=30) + tenacity.wait_random(0, 0.5)
+        )
     )
     stop: stop_base | Callable[[RetryCallState], bool] | None = None
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep

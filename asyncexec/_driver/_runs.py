@@ -213,4 +213,3 @@ class ExecutorRuns:
         meters = metrics()
         if meters is not None:
             meters.runs.labels(self.config.name, key.removeprefix("runs_")).inc()
-

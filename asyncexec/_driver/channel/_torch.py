@@ -58,7 +58,11 @@ class TorchTransport:
             submit(
                 target,
                 w,
-                "channel_receive_torch", core.name, pending.version, parts, device,
+                "channel_receive_torch",
+                core.name,
+                pending.version,
+                parts,
+                device,
                 self.reuse_buffers,
             )
             for w in targets
@@ -108,7 +112,14 @@ class TorchTransport:
                         source if rank == 0 else target,
                         w,
                         "channel_join",
-                        core.name, gid, address, port, rank, size, backend, core.timeout_s,
+                        core.name,
+                        gid,
+                        address,
+                        port,
+                        rank,
+                        size,
+                        backend,
+                        core.timeout_s,
                     )
                 )
             groups.append((gid, src))

@@ -45,8 +45,7 @@ class Core(Protocol):
         ...
 
     @property
-    def target_slot(self) -> GroupSlot:
-        ...
+    def target_slot(self) -> GroupSlot: ...
 
     def installed(self, worker: WorkerInfo, version: int) -> None:
         """``worker`` holds ``version`` now."""

@@ -225,7 +225,6 @@ class Versions:
                 "giving joining ranks the latest version", exc, self.timeout_s
             ) from exc
 
-
     def _open_tg(self) -> anyio.abc.TaskGroup:
         if self.tg is None:
             raise ChannelError("the channel is closed")

@@ -169,7 +169,7 @@ async def dump_processes(
 
 def _submit(node: str, pids: list[int], timeout_s: float, where: str) -> ray.ObjectRef[list[str]]:
     strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-    ref: ray.ObjectRef[list[str]] = _take_stacks_task.options(
-        scheduling_strategy=strategy
-    ).remote(pids, timeout_s, where)
+    ref: ray.ObjectRef[list[str]] = _take_stacks_task.options(scheduling_strategy=strategy).remote(
+        pids, timeout_s, where
+    )
     return ref

@@ -51,6 +51,4 @@ class Pruner:
                             _checkpoint.remove_directory, path, abandon_on_cancel=True
                         )
                     except Exception as exc:
-                        self.log.warning(
-                            "checkpoint_prune_failed", path=path, error=describe(exc)
-                        )
+                        self.log.warning("checkpoint_prune_failed", path=path, error=describe(exc))
