@@ -213,7 +213,7 @@ class Requests:
                 sent_at = 0.0
         except anyio.get_cancelled_exc_class():
             if stop:
-                self._stop_attempts(fate)
+                _stop_attempts(fate)
             raise
         finally:
             self._drop_rest(inbox, fate)
@@ -239,14 +239,6 @@ class Requests:
         if tasks:
             with anyio.CancelScope(shield=True):
                 await asyncio.wait(tasks)
-
-    @staticmethod
-    def _stop_attempts(fate: _Fate) -> None:
-        """The caller of a stoppable request was cancelled: its attempts in flight are cancelled
-        too, and so their remote calls (an ``async def`` ``generate`` stops on its server and
-        frees its slot, rather than run to its end)."""
-        for answer in list(fate.attempts):
-            answer.cancel("stopped")
 
     async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
         """A server for ``request`` under the cap (waiting for one), counted as holding it."""
@@ -301,7 +293,7 @@ class Requests:
                     if answer.why == "closed"
                     else WorkerHungError(r, detail="taken out by the health watch")
                 )
-            self._forget((r, request.id), answer)
+            _forget(self.live, (r, request.id), answer)
             server.scopes.discard(answer)
             with contextlib.suppress(ValueError):
                 fate.attempts.remove(answer)
@@ -317,14 +309,6 @@ class Requests:
             answer.inbox = None
             if not answer.handed and (inbox is None or not inbox.put(answer)):
                 self._dropped(answer, fate)
-
-    def _forget(self, key: tuple[int, Hashable], live: _Answer) -> None:
-        found = self.live.get(key)
-        if found is not None:
-            with contextlib.suppress(ValueError):
-                found.remove(live)
-            if not found:
-                del self.live[key]
 
     async def hand_back(self, replies: dict[int, tuple[int, list[Sample]]]) -> None:
         """The servers' aborted samples, from their pause replies (``RolloutServer.abort``,
@@ -406,3 +390,20 @@ async def _next(inbox: _Inbox, sent_at: float, deadline_s: float) -> _Answer | N
                 inbox.disarm()
         return inbox.items.popleft()
     return None
+
+
+def _stop_attempts(fate: _Fate) -> None:
+    """The caller of a stoppable request was cancelled: its attempts in flight are cancelled
+    too, and so their remote calls (an ``async def`` ``generate`` stops on its server and frees
+    its slot, rather than run to its end)."""
+    for answer in list(fate.attempts):
+        answer.cancel("stopped")
+
+
+def _forget(live: dict[tuple[int, Hashable], list[_Answer]], key: Any, answer: _Answer) -> None:
+    found = live.get(key)
+    if found is not None:
+        with contextlib.suppress(ValueError):
+            found.remove(answer)
+        if not found:
+            del live[key]
