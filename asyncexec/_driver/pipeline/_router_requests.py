@@ -39,12 +39,13 @@ class _Answer:
     """One attempt: its server, its task, and what came of it (its sample, or its error).
 
     An attempt is a plain task, not one of the router's anyio task group: a task group's task
-    is a task handle with a cancel scope, two events, a wrapper coroutine and a done callback
-    with its cells besides, and the attempt had a cancel scope of its own; each is walked by
-    every collection of the older generations while the request is in flight. It is cancelled
-    through :meth:`cancel`, which says why."""
+    is a task handle with a cancel scope of its own, two events, a wrapper coroutine and a done
+    callback with its cells besides, each walked by every collection of the older generations
+    while the request is in flight. It runs in its own cancel scope (an anyio one: its
+    cancellation waits out the shielded parts of the call's path, as a task group's would),
+    cancelled through :meth:`cancel`, which says why."""
 
-    __slots__ = ("error", "handed", "held", "inbox", "rank", "running", "sample", "task", "why",
+    __slots__ = ("error", "handed", "held", "inbox", "rank", "sample", "scope", "task", "why",
                  "worker")  # fmt: skip
 
     def __init__(self, rank: int, worker: str | None, sample: Sample | None = None) -> None:
@@ -54,7 +55,7 @@ class _Answer:
         self.error: BaseException | None = None
         self.inbox: _Inbox | None = None  # the request's, where the answer goes
         self.task: asyncio.Task[None] | None = None
-        self.running = False  # its task has begun (a cancel before that is seen at its start)
+        self.scope = anyio.CancelScope()  # (cancelled before it is entered: at its entry)
         self.why: _Why | None = None  # cancelled, and why
         #: Its aborted sample came back in the server's pause reply (``hand_back``): the
         #: attempt's own reply, later, is dropped uncounted.
@@ -72,8 +73,7 @@ class _Answer:
         """Stop the attempt (the health watch: its server is taken out)."""
         if self.why is None:
             self.why = why
-            if self.running and self.task is not None:
-                self.task.cancel()
+            self.scope.cancel()
 
 
 class _Inbox:
@@ -267,27 +267,22 @@ class Requests:
         router = self.router
         r = answer.rank
         server = router.balance.servers[r]
-        answer.running = True
         try:
-            if answer.why is None:  # (else cancelled before it began)
+            with answer.scope:
                 await router.pacer.wait_turn()
                 answer.sample = await router.servers.call(
                     router.methods.generate, request, on=on_rank(r)
                 )
-        except asyncio.CancelledError:
-            if answer.why is None:  # not by the router: the task itself (the loop closing)
-                answer.error = ExecutorStateError("the router closed while the request ran")
-                raise
-            task = answer.task
-            if task is not None:
-                task.uncancel()
+        except anyio.get_cancelled_exc_class():
+            # Not through its scope: the task itself (the loop closing).
+            answer.error = ExecutorStateError("the router closed while the request ran")
+            raise
         except Exception as exc:
             answer.error = exc
             if isinstance(exc, GONE):
                 router.watch.lost(r, answer.worker)
         finally:
-            answer.running = False
-            if answer.why is not None and answer.error is None and answer.sample is None:
+            if answer.scope.cancelled_caught and answer.error is None and answer.sample is None:
                 answer.error = (
                     ExecutorStateError("the router closed while the request ran")
                     if answer.why == "closed"
