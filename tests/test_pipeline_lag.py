@@ -323,3 +323,36 @@ async def test_a_request_in_flight_holds_no_task_group_task_and_few_objects(mode
     assert (handles, scopes) == (0, 32), (handles, scopes)  # (32, 64) before: 1 and 2 a request
     # 69 a request on Ray before (146 in local mode, the servers in this process), 54 (124) now
     assert tracked / 32 < {"ray": 61, "local": 135}[mode], tracked / 32
+
+
+@pytest.mark.timeout(20)
+async def test_an_attempt_cancelled_as_it_starts_is_sent_again_and_gives_its_slot_back() -> None:
+    """Local mode: the attempts of a request cancelled as the health watch does it (through
+    their records), the moment they exist (their tasks may not have begun: the cancellation
+    lands when they do): each request is sent again to the other server and answered once,
+    and every slot is given back."""
+    import anyio.lowlevel
+
+    import asyncexec
+
+    async with (
+        asyncexec.Executor(2, roles=_slow_server(), local=True) as servers,
+        asyncexec.Router(servers, max_in_flight=4) as router,
+    ):  # fmt: skip
+        samples: list[Any] = []
+
+        async def ask(i: int) -> None:
+            samples.append(await router.generate(asyncexec.RolloutRequest(i, (2, 0.01))))
+
+        first = router.balance.servers[0]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, 0)
+            with anyio.fail_after(5):
+                while not first.scopes:
+                    await anyio.lowlevel.checkpoint()
+            for attempt in list(first.scopes):
+                attempt.cancel()
+        assert [s.rank for s in samples] == [1]
+        stats = router.statistics
+        assert (stats.answered, stats.retries, stats.duplicates_dropped) == (1, 1, 0)
+        assert router.in_flight == {0: 0, 1: 0}
