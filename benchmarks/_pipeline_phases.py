@@ -76,7 +76,9 @@ class Sizes:
     balance_s: float  # how long the uniform load runs
     sessions: int
     turns: int
-    floor_steps: int  # reports per worker of the streaming floor
+    floor_steps: int  # reports per worker of the streaming floor (a pass)
+    #: The floor streams (pass after pass) for as long as the pipeline's repeat took.
+    floor_matched: bool = True
 
 
 async def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:

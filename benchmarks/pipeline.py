@@ -33,20 +33,32 @@ and S = 1 alternate which goes first); the table shows the medians:
   sampled every 5 ms (median of the samples; the note has the 99th percentile); **sticky
   sessions**: sessions of a few turns each, how many stayed on one server.
 - **event-loop max lag**: a 1 ms heartbeat through all of the above, against the same heartbeat
-  while 4 plain actors stream reports (the batched floor of ``benchmarks/run.py``); the max of
-  each repeat (the table: their median) and the 99th percentile of the beats' lags. The
+  while 4 plain actors stream reports (the batched floor of ``benchmarks/run.py``) for as long
+  as the repeat's figures took; the max of each repeat (the table: their median) and the 99th
+  percentile of the beats' lags. Equal durations, because the max of a heartbeat grows with
+  the number of its beats (on 2 shared cores the OS deschedules the process now and then):
+  one pass of the floor (``floor_steps``) streams for about 0.1 s against a repeat's 26 s, and
+  its max was 1.4-1.8 ms where the same floor streaming for 26 s reached 5.6-7.4 ms. The
+  notes keep the short floor's max (its first pass), the durations and the passes. The
   driver's garbage collections are recorded with them: the notes say the longest collection
-  of the oldest generation and the max lag less the collections' time in it. ``--gc-freeze``
-  freezes the driver's heap after start-up (``gc.freeze()``, as docs/operating.md advises).
+  of the oldest generation and the max lag less the collections' time in it. For each beat
+  more than 4 ms late the loop thread's CPU time over it (``time.thread_time()``) says
+  whether the loop ran through the stall (CPU at least half the lag: the loop's own work, or
+  Python's collections: what asyncexec can cut) or waited (the OS ran other processes, or
+  another thread of the driver held the GIL): the notes count both and give each one's max.
+  ``--gc-freeze`` freezes the driver's heap after start-up (``gc.freeze()``, as
+  docs/operating.md advises).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import gc
+import itertools
 import math
 import platform
 import sys
@@ -88,7 +100,8 @@ FULL = Sizes(repeats=3, servers=4, batch=32, batches=20, train_s=0.05, token_s=0
              kill_requests=400, balance_s=3.0, sessions=16, turns=5, floor_steps=20_000)
 QUICK = Sizes(repeats=1, servers=4, batch=16, batches=6, train_s=0.05, token_s=0.002,
               chunk_tokens=4, max_in_flight=16, pause_in_flight=256, pause_chunk_s=0.02,
-              kill_requests=120, balance_s=1.0, sessions=8, turns=3, floor_steps=5_000)
+              kill_requests=120, balance_s=1.0, sessions=8, turns=3, floor_steps=5_000,
+              floor_matched=False)  # (a smoke run: one pass of the floor)
 # fmt: on
 
 
@@ -161,7 +174,8 @@ def make_rows() -> dict[str, Row]:
                        target="<= 1.25", check=lambda b, p, r: p <= 1.25),
         "sticky": Row("sticky sessions kept on their server (baseline: sessions)",
                       target="all", check=lambda b, p, r: p == b),
-        "lag": Row("event-loop max lag through all of it, ms (baseline: streaming floor)",
+        "lag": Row("event-loop max lag through all of it, ms (baseline: the streaming floor, "
+                   "as long)",
                    target="<= 1.5x", check=lambda b, p, r: r <= 1.5),
         "lag_p99": Row("event-loop lag, 99th percentile of the beats, ms (the same)",
                        target="-"),
@@ -169,14 +183,40 @@ def make_rows() -> dict[str, Row]:
     # fmt: on
 
 
+#: A beat this late has the loop thread's CPU time over it recorded (``Watch.late``).
+LATE_S = 0.004
+#: A late beat whose loop thread ran for at least this share of its lag "ran" (the loop's
+#: own work, or Python's: its collections); under it the thread "waited" (the OS ran other
+#: processes on the 2 cores, or another thread of the driver held the GIL).
+RAN_SHARE = 0.5
+
+
 @dataclass
 class Watch:
     """A 1 ms heartbeat's lags (seconds) with when each was seen, and the driver's garbage
-    collections meanwhile: ``(generation, start, end)``."""
+    collections meanwhile: ``(generation, start, end)``; for each beat later than ``LATE_S``,
+    ``(lag, CPU)``: the loop thread's CPU time (``time.thread_time()``) over the beat's span."""
 
     lags: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)
     collections: list[tuple[int, float, float]] = field(default_factory=list)
+    late: list[tuple[float, float]] = field(default_factory=list)
+
+    def split(self) -> dict[str, float]:
+        """The late beats by whether the loop thread ran through them (CPU >= ``RAN_SHARE`` of
+        the lag) or waited: how many, their max lag (ms), and the CPU share over all of them."""
+        ran = [lag for lag, cpu in self.late if cpu >= RAN_SHARE * lag]
+        waited = [lag for lag, cpu in self.late if cpu < RAN_SHARE * lag]
+        lag_sum = sum(lag for lag, _ in self.late)
+        return {
+            "ran": float(len(ran)),
+            "waited": float(len(waited)),
+            "ran_max_ms": max(ran, default=0.0) * 1e3,
+            "waited_max_ms": max(waited, default=0.0) * 1e3,
+            "cpu_share": sum(min(cpu, lag) for lag, cpu in self.late) / lag_sum
+            if lag_sum
+            else math.nan,
+        }
 
     def p99(self) -> float:
         ordered = sorted(self.lags)
@@ -186,16 +226,25 @@ class Watch:
         return max((e - s for g, s, e in self.collections if g == generation), default=0.0)
 
     def max_less_collections(self) -> float:
-        """The max lag of the beats, each less the collections' time within its late span."""
-        spans = [(s, e) for _, s, e in self.collections]
+        """The max lag of the beats, each less the collections' time within its late span.
 
-        def less(lag: float, end: float) -> float:
+        The latest beats first, by lag, until a lag is below the best found (a beat's figure is
+        at most its lag): a floor streaming for tens of seconds has tens of thousands of beats
+        and of collections, which each against each took minutes."""
+        spans = sorted((s, e) for _, s, e in self.collections)
+        ends = list(itertools.accumulate((e for _, e in spans), max))  # sorted: bisect them
+        best = 0.0
+        for lag, end in sorted(zip(self.lags, self.ends, strict=True), reverse=True):
+            if lag <= best:
+                break
             start = end - lag
-            return lag - sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
-
-        return max(
-            (less(lag, end) for lag, end in zip(self.lags, self.ends, strict=True)), default=0.0
-        )
+            overlap = 0.0
+            for s, e in spans[bisect.bisect_right(ends, start) :]:
+                if s >= end:
+                    break
+                overlap += max(0.0, min(e, end) - max(s, start))
+            best = max(best, lag - overlap)
+        return best
 
 
 @contextlib.asynccontextmanager
@@ -214,11 +263,14 @@ async def watched(interval_s: float = 0.001) -> AsyncIterator[Watch]:
 
     async def beat() -> None:
         while not stop:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             await asyncio.sleep(interval_s)
             now = time.perf_counter()
-            watch.lags.append(max(0.0, now - t0 - interval_s))
+            lag = max(0.0, now - t0 - interval_s)
+            watch.lags.append(lag)
             watch.ends.append(now)
+            if lag > LATE_S:  # the loop thread's CPU over the span (the sleep's ~0 apart)
+                watch.late.append((lag, time.thread_time() - cpu0))
 
     gc.callbacks.append(collected)
     task = asyncio.create_task(beat())
@@ -338,7 +390,10 @@ class Bench:
 
     async def repeat(self, i: int, only: set[str]) -> None:
         """One repeat of the figures in ``only``, the pipeline's under one heartbeat, then the
-        streaming floor under the same heartbeat."""
+        streaming floor under the same heartbeat, for as long as the pipeline's took (the max
+        of a heartbeat grows with its beats: maxima over equal durations); the floor's first
+        pass alone (``floor_steps``, a few seconds: the figure before) is a note."""
+        t0 = time.perf_counter()
         async with watched(0.001) as watch:
             lags = watch.lags
             for name in FIGURES:
@@ -349,21 +404,48 @@ class Bench:
                     self.note(
                         f"event-loop max lag in {name}, ms", max(lags[mark:], default=0) * 1e3
                     )
-        if "lag" in only:
-            progress(f"repeat {i + 1}: the streaming floor")
-            async with watched(0.001) as floor, self.figure(f"floor {i + 1}"):
+        took = time.perf_counter() - t0
+        if "lag" not in only:
+            return
+        progress(f"repeat {i + 1}: the streaming floor, {took:.0f} s")
+        passes = 0
+        async with watched(0.001) as floor, self.figure(f"floor {i + 1}"):
+            f0 = time.perf_counter()
+            await self.floor.floor(self.sizes.floor_steps)
+            first_s, first = time.perf_counter() - f0, len(floor.lags)
+            passes = 1
+            while self.sizes.floor_matched and time.perf_counter() - f0 < took:
                 await self.floor.floor(self.sizes.floor_steps)
-            for label, got, side in (("", watch, "pipeline"), ("the floor: ", floor, "baseline")):
-                getattr(self.rows["lag"], side).append(max(got.lags, default=math.nan) * 1e3)
-                getattr(self.rows["lag_p99"], side).append(got.p99() * 1e3)
-                self.note(
-                    f"{label}event-loop max lag less the garbage collections in it, ms",
-                    got.max_less_collections() * 1e3,
-                )
-                self.note(
-                    f"{label}longest collection of generation 2 (the whole heap), ms",
-                    got.longest_collection(2) * 1e3,
-                )
+                passes += 1
+            floor_s = time.perf_counter() - f0
+        self.note("the pipeline's repeat under the heartbeat, s", took)
+        self.note("the floor's first pass (the short floor), s", first_s)
+        self.note("the floor streamed for, s", floor_s)
+        self.note("the floor's passes", passes)
+        self.note("the short floor's max lag (its first pass), ms", max(floor.lags[:first]) * 1e3)
+        for label, got, side in (("", watch, "pipeline"), ("the floor: ", floor, "baseline")):
+            getattr(self.rows["lag"], side).append(max(got.lags, default=math.nan) * 1e3)
+            getattr(self.rows["lag_p99"], side).append(got.p99() * 1e3)
+            self.note(
+                f"{label}event-loop max lag less the garbage collections in it, ms",
+                got.max_less_collections() * 1e3,
+            )
+            self.note(
+                f"{label}longest collection of generation 2 (the whole heap), ms",
+                got.longest_collection(2) * 1e3,
+            )
+            split = got.split()
+            self.note(
+                f"{label}beats over {LATE_S * 1e3:g} ms where the loop thread ran "
+                f"(CPU >= {RAN_SHARE:.0%} of the lag)",
+                split["ran"],
+            )
+            self.note(f"{label}the same, where it waited (CPU below that)", split["waited"])
+            self.note(f"{label}the max lag of the beats it ran through, ms", split["ran_max_ms"])
+            self.note(f"{label}the max lag of the beats it waited through, ms",
+                      split["waited_max_ms"])  # fmt: skip
+            self.note(f"{label}the loop thread's CPU / lag over the late beats",
+                      split["cpu_share"])  # fmt: skip
 
 
 async def bench(
@@ -414,7 +496,11 @@ async def bench(
     ]
     said += [
         f"- {k}: {_fmt(median(v))}"
-        + (f" (each repeat: {', '.join(f'{x:.1f}' for x in v)})" if "lag in" in k else "")
+        + (
+            f" (each repeat: {', '.join(f'{x:.1f}' for x in v)})"
+            if "lag in" in k or "floor" in k or "beats" in k
+            else ""
+        )
         for k, v in b.notes.items()
     ]
     lag = b.rows["lag"]

@@ -176,6 +176,7 @@ class Router:
             if self.paused is None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(HANDED_WAIT_S):
                     await self.requests.wait_held()
+            await self.requests.close()  # (plain tasks, not the task group's)
             tg.cancel_scope.cancel()
             with one_error():
                 await tg.__aexit__(None, None, None)

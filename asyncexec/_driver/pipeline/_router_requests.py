@@ -1,5 +1,5 @@
-"""One request through the router: its attempts (each a task of the router's task group, on one
-server, holding that server's slot until the remote call ends), its deadline per attempt, its
+"""One request through the router: its attempts (each a plain asyncio task, on one server,
+holding that server's slot until the remote call ends), its deadline per attempt, its
 retries, and its answer returned once: the first sample that comes back is the answer, and every
 later one is dropped and counted (``duplicates_dropped``; ``late_dropped`` for answers that come
 after the request gave up).
@@ -14,8 +14,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -31,19 +30,50 @@ __all__ = ["Requests"]
 HAND_BACK = 16
 
 
-@dataclass
+#: Why an attempt was cancelled: its server taken out by the health watch, its stoppable
+#: request's caller cancelled, or the router closing.
+_Why = Literal["taken_out", "stopped", "closed"]
+
+
 class _Answer:
-    rank: int
-    worker: str | None
-    sample: Sample | None = None
-    error: BaseException | None = None
-    taken_out: bool = False
-    #: Its aborted sample came back in the server's pause reply (``hand_back``): the
-    #: attempt's own reply, later, is dropped uncounted.
-    handed: bool = False
-    #: Its generation ended in a pause to abort that collected it: its slot was given back
-    #: then, and its own reply comes after the resume.
-    held: bool = False
+    """One attempt: its server, its task, and what came of it (its sample, or its error).
+
+    An attempt is a plain task, not one of the router's anyio task group: a task group's task
+    is a task handle with a cancel scope of its own, two events, a wrapper coroutine and a done
+    callback with its cells besides, each walked by every collection of the older generations
+    while the request is in flight. It runs in its own cancel scope (an anyio one: its
+    cancellation waits out the shielded parts of the call's path, as a task group's would),
+    cancelled through :meth:`cancel`, which says why."""
+
+    __slots__ = ("error", "handed", "held", "inbox", "rank", "sample", "scope", "task", "why",
+                 "worker")  # fmt: skip
+
+    def __init__(self, rank: int, worker: str | None, sample: Sample | None = None) -> None:
+        self.rank = rank
+        self.worker = worker
+        self.sample = sample
+        self.error: BaseException | None = None
+        self.inbox: _Inbox | None = None  # the request's, where the answer goes
+        self.task: asyncio.Task[None] | None = None
+        self.scope = anyio.CancelScope()  # (cancelled before it is entered: at its entry)
+        self.why: _Why | None = None  # cancelled, and why
+        #: Its aborted sample came back in the server's pause reply (``hand_back``): the
+        #: attempt's own reply, later, is dropped uncounted.
+        self.handed = False
+        #: Its generation ended in a pause to abort that collected it: its slot was given back
+        #: then, and its own reply comes after the resume.
+        self.held = False
+
+    @property
+    def taken_out(self) -> bool:
+        """It was cancelled by the health watch (or by its stopped request: sent nowhere)."""
+        return self.why in ("taken_out", "stopped")
+
+    def cancel(self, why: _Why = "taken_out") -> None:
+        """Stop the attempt (the health watch: its server is taken out)."""
+        if self.why is None:
+            self.why = why
+            self.scope.cancel()
 
 
 class _Inbox:
@@ -70,14 +100,14 @@ class _Inbox:
             waiter.set_result(None)
         return True
 
-    async def get(self) -> _Answer:
-        while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        return self.items.popleft()
+    def arm(self) -> asyncio.Future[None]:
+        """A future settled by the next answer: awaited as it is (``await inbox.arm()``, no
+        coroutine of its own a waiting request), then ``disarm()``."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter
+
+    def disarm(self) -> None:
+        self.waiter = None
 
     def close(self) -> list[_Answer]:
         """The request is over: what came and was not taken."""
@@ -87,17 +117,15 @@ class _Inbox:
         return rest
 
 
-#: An attempt in flight: its answer, and the request's inbox it goes to.
-_Live = tuple[_Answer, _Inbox]
-
-
-@dataclass
 class _Fate:
-    """What became of a request, as its attempts see it."""
+    """What became of a request, as its attempts see it: whether it was answered, and its
+    attempts in flight."""
 
-    answered: bool = False
-    outstanding: set[int] = field(default_factory=set)  # its attempts in flight, by number
-    scopes: set[anyio.CancelScope] = field(default_factory=set)  # theirs, to stop them
+    __slots__ = ("answered", "attempts")
+
+    def __init__(self) -> None:
+        self.answered = False
+        self.attempts: list[_Answer] = []
 
 
 class Requests:
@@ -106,9 +134,9 @@ class Requests:
 
     def __init__(self, router: Any) -> None:
         self.router = router
-        #: The attempts in flight by server and request id: their answers, and where to send
-        #: them (a pause to abort answers them from the servers' replies).
-        self.live: dict[tuple[int, Hashable], list[_Live]] = {}
+        #: The attempts in flight by server and request id (each knows its request's inbox: a
+        #: pause to abort answers them from the servers' replies).
+        self.live: dict[tuple[int, Hashable], list[_Answer]] = {}
         self.held = 0  # attempts collected by a pause to abort whose own replies are to come
         self._held_in = anyio.Event()
         self._resuming = 0  # resumes in flight: the hand-back waits for them
@@ -137,7 +165,7 @@ class Requests:
     ) -> Sample:
         """See ``Router.generate``; ``stop``: ``Router.generate_stoppable``."""
         router = self.router
-        tg = router.check_open()
+        router.check_open()
         await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
         router.count("requests")
         inbox = _Inbox()
@@ -147,17 +175,25 @@ class Requests:
         sent_at = 0.0  # when the latest attempt was sent (0: make one at once)
         try:
             while True:
-                if not fate.outstanding or _due(sent_at, deadline_s):
+                if not fate.attempts or _due(sent_at, deadline_s):
                     if tried:  # another attempt of this request
                         if not retry or len(tried) >= limit:
                             raise self._gave_up(request, tried, deadline_s)
                         router.count("retries")
                     r = await self._take(request, tried)
                     tried.append(r)
-                    fate.outstanding.add(len(tried))
                     sent_at = time.monotonic()
-                    tg.start_soon(self._attempt, r, len(tried), request, inbox, fate)
-                answer = await _next(inbox, sent_at, deadline_s)
+                    self._start(r, request, inbox, fate)
+                answer: _Answer | None
+                if deadline_s is None:  # (the future awaited here: no coroutine of its own)
+                    while not inbox.items:
+                        try:
+                            await inbox.arm()
+                        finally:
+                            inbox.disarm()
+                    answer = inbox.items.popleft()
+                else:
+                    answer = await _next(inbox, sent_at, deadline_s)
                 if answer is None:
                     continue  # the deadline passed: another attempt, or give up
                 if answer.sample is not None:
@@ -177,18 +213,32 @@ class Requests:
                 sent_at = 0.0
         except anyio.get_cancelled_exc_class():
             if stop:
-                self._stop_attempts(fate)
+                _stop_attempts(fate)
             raise
         finally:
             self._drop_rest(inbox, fate)
 
-    @staticmethod
-    def _stop_attempts(fate: _Fate) -> None:
-        """The caller of a stoppable request was cancelled: its attempts in flight are cancelled
-        too, and so their remote calls (an ``async def`` ``generate`` stops on its server and
-        frees its slot, rather than run to its end)."""
-        for scope in fate.scopes:
-            scope.cancel()
+    def _start(self, r: int, request: RolloutRequest, inbox: _Inbox, fate: _Fate) -> None:
+        """Attempt ``request`` on server ``r`` (whose slot it holds): a plain task, in its
+        server's record and the request's (to be cancelled) and in ``live`` until it ends."""
+        server = self.router.balance.servers[r]
+        answer = _Answer(r, server.worker)
+        answer.inbox = inbox
+        server.scopes.add(answer)
+        fate.attempts.append(answer)
+        self.live.setdefault((r, request.id), []).append(answer)
+        answer.task = asyncio.get_running_loop().create_task(self._attempt(answer, request, fate))
+
+    async def close(self) -> None:
+        """The router closes: cancel every attempt in flight, and wait until each has ended
+        (its caller is answered with ``ExecutorStateError``)."""
+        attempts = [a for server in self.router.balance.servers for a in server.scopes]
+        for answer in attempts:
+            answer.cancel("closed")
+        tasks = [a.task for a in attempts if a.task is not None]
+        if tasks:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(tasks)
 
     async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
         """A server for ``request`` under the cap (waiting for one), counted as holding it."""
@@ -209,36 +259,22 @@ class Requests:
                 return r
             await balance.wait_freed()
 
-    async def _attempt(
-        self,
-        r: int,
-        number: int,
-        request: RolloutRequest,
-        inbox: _Inbox,
-        fate: _Fate,
-    ) -> None:
-        """Attempt ``number`` of ``request``, on server ``r``: its answer (or error) to the
-        request. The server's slot is held until the remote call ends, or until the health watch
-        takes the server out (which cancels the attempt)."""
+    async def _attempt(self, answer: _Answer, request: RolloutRequest, fate: _Fate) -> None:
+        """An attempt of ``request`` on server ``answer.rank``: its answer (or error) to the
+        request. The server's slot is held until the remote call ends, or until the attempt is
+        cancelled (:meth:`_Answer.cancel`: the health watch took the server out, the stoppable
+        request was stopped, or the router closes)."""
         router = self.router
+        r = answer.rank
         server = router.balance.servers[r]
-        answer = _Answer(r, server.worker)
-        scope = anyio.CancelScope()
-        server.scopes.add(scope)
-        fate.scopes.add(scope)
-        live = (answer, inbox)
-        key = (r, request.id)
-        self.live.setdefault(key, []).append(live)
         try:
-            with scope:
+            with answer.scope:
                 await router.pacer.wait_turn()
                 answer.sample = await router.servers.call(
                     router.methods.generate, request, on=on_rank(r)
                 )
-            if scope.cancelled_caught:
-                answer.taken_out = True
-                answer.error = WorkerHungError(r, detail="taken out by the health watch")
         except anyio.get_cancelled_exc_class():
+            # Not through its scope: the task itself (the loop closing).
             answer.error = ExecutorStateError("the router closed while the request ran")
             raise
         except Exception as exc:
@@ -246,9 +282,16 @@ class Requests:
             if isinstance(exc, GONE):
                 router.watch.lost(r, answer.worker)
         finally:
-            self._forget(key, live)
-            server.scopes.discard(scope)
-            fate.scopes.discard(scope)
+            if answer.scope.cancelled_caught and answer.error is None and answer.sample is None:
+                answer.error = (
+                    ExecutorStateError("the router closed while the request ran")
+                    if answer.why == "closed"
+                    else WorkerHungError(r, detail="taken out by the health watch")
+                )
+            _forget(self.live, (r, request.id), answer)
+            server.scopes.discard(answer)
+            with contextlib.suppress(ValueError):
+                fate.attempts.remove(answer)
             if not answer.held:  # (a held one gave its slot back then)
                 router.balance.release(r)
                 router.meters.in_flight(r, server.in_flight)
@@ -257,17 +300,10 @@ class Requests:
                 if not self.held:
                     self._held_in.set()
                     self._held_in = anyio.Event()
-            fate.outstanding.discard(number)
-            if not answer.handed and not inbox.put(answer):
+            inbox = answer.inbox
+            answer.inbox = None
+            if not answer.handed and (inbox is None or not inbox.put(answer)):
                 self._dropped(answer, fate)
-
-    def _forget(self, key: tuple[int, Hashable], live: _Live) -> None:
-        found = self.live.get(key)
-        if found is not None:
-            with contextlib.suppress(ValueError):
-                found.remove(live)
-            if not found:
-                del self.live[key]
 
     async def hand_back(self, replies: dict[int, tuple[int, list[Sample]]]) -> None:
         """The servers' aborted samples, from their pause replies (``RolloutServer.abort``,
@@ -290,10 +326,10 @@ class Requests:
     def _hand(self, r: int, sample: Sample) -> bool:
         router = self.router
         found = self.live.get((r, sample.id), ())
-        live = next((x for x in found if not x[0].held), None)
-        if live is None:
+        answer = next((x for x in found if not x.held), None)
+        if answer is None or answer.inbox is None:
             return False
-        answer, inbox = live
+        inbox = answer.inbox
         # The generation ended on the server: its slot is free (its reply comes later).
         answer.held = True
         self.held += 1
@@ -339,10 +375,30 @@ def _due(sent_at: float, deadline_s: float | None) -> bool:
     return deadline_s is not None and time.monotonic() >= sent_at + deadline_s
 
 
-async def _next(inbox: _Inbox, sent_at: float, deadline_s: float | None) -> _Answer | None:
+async def _next(inbox: _Inbox, sent_at: float, deadline_s: float) -> _Answer | None:
     """The next answer, or None once the latest attempt's deadline passes."""
-    if deadline_s is None:
-        return await inbox.get()
     with anyio.move_on_after(max(0.0, sent_at + deadline_s - time.monotonic())):
-        return await inbox.get()
+        while not inbox.items:
+            try:
+                await inbox.arm()
+            finally:
+                inbox.disarm()
+        return inbox.items.popleft()
     return None
+
+
+def _stop_attempts(fate: _Fate) -> None:
+    """The caller of a stoppable request was cancelled: its attempts in flight are cancelled
+    too, and so their remote calls (an ``async def`` ``generate`` stops on its server and frees
+    its slot, rather than run to its end)."""
+    for answer in list(fate.attempts):
+        answer.cancel("stopped")
+
+
+def _forget(live: dict[tuple[int, Hashable], list[_Answer]], key: Any, answer: _Answer) -> None:
+    found = live.get(key)
+    if found is not None:
+        with contextlib.suppress(ValueError):
+            found.remove(answer)
+        if not found:
+            del live[key]

@@ -69,7 +69,8 @@ class ServerRecord:
     failures: int = 0  # health checks failed in a row
     since: float = 0.0  # when it (re)joined: its health grace counts from here
     rejoining: bool = False  # a task brings it back (one at a time)
-    #: Cancel scopes of the requests it holds (cancelled when it is taken out).
+    #: The attempts of requests it holds (each with a ``cancel()``: called when it is taken
+    #: out).
     scopes: set[Any] = field(default_factory=set)
 
 
