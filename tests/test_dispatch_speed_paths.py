@@ -223,12 +223,17 @@ async def test_an_async_call_given_up_is_cancelled_on_the_worker_and_frees_its_s
             state = await ex.call(Worker.state, on=cap)
         assert state["cancelled"] == 1 and state["hanging"] == 0
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Worker) as ex:
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ex.call, Worker.hang)
-                assert await ex.call(Worker.wait_hanging) == [1, 1]
-                scope.cancel()
-        assert await ex.call(Worker.wait_cancelled) == [1, 1]
+        await _give_up_on_every_rank(ex)
+
+
+async def _give_up_on_every_rank(ex: asyncexec.Executor) -> None:
+    """Call ``Worker.hang`` on both ranks, give up once both hang: each sees its cancellation."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ex.call, Worker.hang)
+            assert await ex.call(Worker.wait_hanging) == [1, 1]
+            scope.cancel()
+    assert await ex.call(Worker.wait_cancelled) == [1, 1]
 
 
 @pytest.mark.timeout(60)
@@ -679,12 +684,7 @@ async def test_calls_given_up_are_cancelled_on_the_workers_with_a_timeline_and_f
     """With a timeline kept (each call recorded), a call to every rank given up is cancelled on
     each; so is an ``execute()`` of an ``async def`` given up (it was left running)."""
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Worker, timeline=True) as ex:
-        with anyio.CancelScope() as scope:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ex.call, Worker.hang)
-                assert await ex.call(Worker.wait_hanging) == [1, 1]
-                scope.cancel()
-        assert await ex.call(Worker.wait_cancelled) == [1, 1]
+        await _give_up_on_every_rank(ex)
         marks = tmp_path / "marks"
         with anyio.move_on_after(1.0):
             await ex.execute(_hang_and_mark, str(marks))
