@@ -5,8 +5,9 @@ requests in flight over turns of the loop, not all in one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -232,6 +233,22 @@ async def test_a_request_waiting_for_its_answer_holds_no_exception(mode: str) ->
     tracebacks with their frames a request, among the 129 objects a request in flight that
     every collection of the older generations walks)."""
 
+    async with _slow_router() as (router, ask):
+        before = _waiting_tracebacks()
+        async with anyio.create_task_group() as tg:
+            for i in range(32):
+                tg.start_soon(ask, i)
+            await _until_in_flight(router, 32)
+            held = _waiting_tracebacks() - before  # (others' live streams apart)
+            assert held < 32, held  # (not one or two a request)
+            await router.pause("abort")
+            await router.resume()
+
+
+@contextlib.asynccontextmanager
+async def _slow_router() -> AsyncIterator[tuple[Any, Callable[[int], Awaitable[None]]]]:
+    """A router over 2 servers of ``_slow_server()`` (a cap of 16 each), and a caller that
+    sends it request ``i`` (a long generation) and awaits its answer."""
     import asyncexec
 
     async with (
@@ -243,17 +260,14 @@ async def test_a_request_waiting_for_its_answer_holds_no_exception(mode: str) ->
         async def ask(i: int) -> None:
             await router.generate(asyncexec.RolloutRequest(i, (1000, 0.01)))
 
-        before = _waiting_tracebacks()
-        async with anyio.create_task_group() as tg:
-            for i in range(32):
-                tg.start_soon(ask, i)
-            with anyio.fail_after(20):
-                while sum(router.in_flight.values()) < 32:  # noqa: ASYNC110 (router state)
-                    await anyio.sleep(0.01)
-            held = _waiting_tracebacks() - before  # (others' live streams apart)
-            assert held < 32, held  # (not one or two a request)
-            await router.pause("abort")
-            await router.resume()
+        yield router, ask
+
+
+async def _until_in_flight(router: Any, n: int) -> None:
+    """Wait until ``n`` requests are in flight on the router's servers."""
+    with anyio.fail_after(20):
+        while sum(router.in_flight.values()) < n:  # noqa: ASYNC110 (router state)
+            await anyio.sleep(0.01)
 
 
 def _waiting_tracebacks() -> int:
@@ -290,16 +304,7 @@ async def test_a_request_in_flight_holds_no_task_group_task_and_few_objects(mode
     import anyio._backends._asyncio as anyio_asyncio
     from anyio._core._tasks import TaskHandle
 
-    import asyncexec
-
-    async with (
-        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=_slow_server())
-        as servers,
-        asyncexec.Router(servers, max_in_flight=16) as router,
-    ):  # fmt: skip
-
-        async def ask(i: int) -> None:
-            await router.generate(asyncexec.RolloutRequest(i, (1000, 0.01)))
+    async with _slow_router() as (router, ask):
 
         def count() -> tuple[int, int, int]:
             gc.collect()
@@ -311,9 +316,7 @@ async def test_a_request_in_flight_holds_no_task_group_task_and_few_objects(mode
         await asyncio.sleep(0.1)
         before = count()
         callers = [asyncio.ensure_future(ask(i)) for i in range(32)]
-        with anyio.fail_after(20):
-            while sum(router.in_flight.values()) < 32:  # noqa: ASYNC110 (router state)
-                await anyio.sleep(0.01)
+        await _until_in_flight(router, 32)
         await anyio.sleep(0.2)  # each under way on its server
         during = count()
         await router.pause("abort")
