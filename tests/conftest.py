@@ -155,6 +155,19 @@ def ray_local() -> Iterator[None]:
     wait_no_leaks()
 
 
+@pytest.fixture(scope="module")
+def ray_engines() -> Iterator[None]:
+    """The shared local Ray for a module of real-engine tests, whose engines (started once by the
+    module's own fixture, 20-60 s each) live across its tests; nothing of asyncexec may be left
+    in it after the module."""
+    if _current["mode"] != "local" or not ray.is_initialized():
+        _shutdown()
+        ray.init(num_cpus=LOCAL_CPUS, include_dashboard=False, log_to_driver=False)
+        _current["mode"] = "local"
+    yield
+    wait_no_leaks(timeout_s=60.0)
+
+
 @pytest.fixture
 def make_cluster() -> Iterator[Any]:
     """Build a fresh ray.cluster_utils.Cluster for one test: ``make_cluster([node kwargs...])``.
@@ -242,7 +255,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # Tiers ----------------------------------------------------------------------------------------
 
 #: The tiers in the order they run.
-TIERS = ("fast", "ray", "subprocess", "bench", "multinode")
+TIERS = ("fast", "ray", "subprocess", "bench", "engine", "multinode")
 _SPAWNS = frozenset(
     {"subprocess", "executable", "create_subprocess_exec", "create_subprocess_shell", "Popen"}
 )
@@ -275,6 +288,8 @@ def tier_of(item: pytest.Item) -> str:
     names = set(getattr(item, "fixturenames", ()))
     if "make_cluster" in names:
         return "multinode"
+    if "ray_engines" in names:
+        return "engine"
     module = getattr(item, "module", None)
     callspec = getattr(item, "callspec", None)
     on_ray = "mode" in names and callspec is not None and callspec.params.get("mode") == "ray"

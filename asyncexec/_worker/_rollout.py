@@ -320,6 +320,14 @@ class RolloutServer:
     async def health(self) -> None:
         """Raise (or hang) when this server is unhealthy; the router's health watch calls it."""
 
+    def chunk_version(self, chunk: Any, version: int | None) -> int | None:
+        """The weights version that made ``chunk``; ``version`` is the one this server held when
+        the chunk began, which is what is returned by default. An engine that runs its own loop
+        (``pause_point = "engine"``) knows better: a chunk that waited through a pause and an
+        install was made by the weights installed meanwhile (the vLLM server tags each of the
+        engine's outputs with the version the engine held when it made them)."""
+        return version
+
     async def pause_engine(self, mode: PauseMode) -> None:
         """Pause the engine itself, for ``pause_point = "engine"`` (vLLM:
         ``await engine.pause_generation(mode=mode)``); return once no step runs in it. With
@@ -370,7 +378,7 @@ class RolloutServer:
                     finally:
                         gate.leave()
                     made.append(chunk)
-                    versions.append(version)
+                    versions.append(self.chunk_version(chunk, version))
             output = made if aborted else self.finish(request.prompt, made)
             rank = self._rollout_rank
             sample = Sample(request.id, request.prompt, output, tuple(versions), rank, aborted)

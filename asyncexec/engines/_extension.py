@@ -1,0 +1,65 @@
+"""What runs inside vLLM's worker processes: a worker extension (``worker_extension_cls``) whose
+methods ``AsyncLLM.collective_rpc`` calls by name on every worker of the engine (one on a CPU or
+one GPU; one per rank under tensor parallelism, each loading its shard from the full state).
+
+A state crosses into the engine as packed tensors (:func:`pack`): the engine's RPC encodes a
+tensor nested in a mapping as a list of numbers, so each tensor goes as its raw bytes, its dtype
+and its shape, and becomes a tensor again here without a copy.
+
+Imported by vLLM's worker process, by name; imports torch only (which that process has).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+__all__ = ["Packed", "WeightLoader", "pack", "unpack"]
+
+
+class Packed(NamedTuple):
+    """One tensor as it crosses the engine's RPC."""
+
+    name: str
+    dtype: str  # torch's name without "torch.": "bfloat16"
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def pack(state: Mapping[str, Any], dtype: Any = None) -> list[Packed]:
+    """``state`` (name to tensor) as packed tensors, each cast to ``dtype`` when given (the
+    engine's, so that the cast happens once, here, and not in every worker)."""
+    packed = []
+    for name, tensor in state.items():
+        t = tensor.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        t = t.contiguous().cpu()
+        data = t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+        packed.append(Packed(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), data))
+    return packed
+
+
+def unpack(packed: list[Any]) -> Iterator[tuple[str, Any]]:
+    """The tensors of :func:`pack`, as (name, tensor), without copying their bytes."""
+    import torch
+
+    for name, dtype, shape, data in packed:
+        flat = torch.frombuffer(
+            bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8
+        )
+        yield name, flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class: ``self`` is the worker (``self.model_runner``)."""
+
+    model_runner: Any
+
+    def asyncexec_load_weights(self, packed: list[Any]) -> int:
+        """Load the packed state (parameter names as in the checkpoint) into the running model
+        in place: vLLM's reload, which also redoes what the kernels prepare after loading (the
+        CPU backend repacks its linear weights; a plain ``load_weights`` fails there). Returns
+        the number of tensors loaded."""
+        self.model_runner.reload_weights(weights_iterator=unpack(packed))
+        return len(packed)

