@@ -12,6 +12,7 @@ Imports torch and transformers (a worker class: it runs where they are installed
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import serve_weights
+from .. import get_context, serve_weights
 
 __all__ = ["CausalLMLearner", "Group", "grpo_loss", "token_logprobs"]
 
@@ -102,6 +103,9 @@ class CausalLMLearner:
         keep_versions: how many served versions to remember for :meth:`recompute`.
         allowed_token_ids: the token ids the engines may sample (their ``allowed_token_ids``):
             log-probabilities are taken over these only.
+        checkpoint: a file where rank 0 saves the weights, the optimizer and the count of
+            updates after each update, and every rank resumes from when it exists (a learner
+            group made again after a rank died goes on where it was).
         channel: the weight channel's name.
     """
 
@@ -113,6 +117,7 @@ class CausalLMLearner:
         clip: float = 0.2,
         keep_versions: int = 4,
         allowed_token_ids: Sequence[int] | None = None,
+        checkpoint: str | None = None,
         channel: str = "weights",
     ) -> None:
         from transformers import AutoModelForCausalLM
@@ -127,6 +132,16 @@ class CausalLMLearner:
         )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.updates = 0
+        self.checkpoint = checkpoint
+        if checkpoint is not None and os.path.exists(checkpoint):
+            saved = torch.load(checkpoint, weights_only=True)
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.updates = int(saved["updates"])
+        try:
+            self.rank = get_context().world_rank
+        except Exception:  # made outside a worker (a unit test): rank 0
+            self.rank = 0
         self.keep_versions = keep_versions
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.lock = threading.Lock()  # an update against the channel's reads
@@ -149,6 +164,14 @@ class CausalLMLearner:
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
             self.updates += 1
+        if self.checkpoint is not None and self.rank == 0:
+            saved = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "updates": self.updates,
+            }
+            torch.save(saved, self.checkpoint + ".tmp")
+            os.replace(self.checkpoint + ".tmp", self.checkpoint)  # whole, or the last one
         return {"loss": float(loss.detach()), "updates": self.updates}
 
     def remember(self, version: int) -> None:

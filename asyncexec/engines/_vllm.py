@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
@@ -159,11 +160,21 @@ class VLLMServer(RolloutServer):
             target=self._loop.run_forever, name="asyncexec-vllm-engine", daemon=True
         )
         self._thread.start()
-        self.engine: Any = self._on_engine_loop(self._start(dict(engine or {}))).result()
+        try:
+            self.engine: Any = self._on_engine_loop(self._start(dict(engine or {}))).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
         self._dtype = self.engine.model_config.dtype
         # The worker's exit (the group's teardown) shuts the engine down first: its processes
         # then end without the errors of an engine whose client vanished.
         atexit.register(self.shutdown)
+        # A worker that is killed (taken out by the router's health watch, a SIGKILL) cannot:
+        # the reaper kills the engine's processes then, also one that is stopped (SIGSTOP),
+        # which would never read the pipe that tells vLLM's processes their parent is gone.
+        import psutil
+
+        self._reaper = _reaper([p.pid for p in psutil.Process().children(recursive=True)])
         # Last: a version the channel holds already is loaded now, into the running engine.
         super().__init__(channel=channel)
 
@@ -323,6 +334,29 @@ class VLLMServer(RolloutServer):
             for p in psutil.Process().children(recursive=True)
             if p.name().startswith("VLLM::")
         }
+
+
+#: Run by the reaper: wait for this process (its parent) to end, then SIGKILL the engine's.
+_REAPER = """
+import os, signal, sys, time
+parent, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
+while os.getppid() == parent:
+    time.sleep(0.5)
+for pid in pids:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _reaper(pids: list[int]) -> subprocess.Popen[bytes]:
+    """A small process that kills ``pids`` once this process has ended, however it ended."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(os.getpid()), *map(str, pids)],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # not in the worker's process group: it outlives a group kill
+    )
 
 
 async def _awaited(awaitable: Awaitable[T]) -> T:
