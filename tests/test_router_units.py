@@ -122,6 +122,9 @@ def test_router_refuses_bad_arguments_before_anything_starts() -> None:
     for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
         with pytest.raises(asyncexec.ConfigurationError, match="health_interval_s"):
             asyncexec.Router(servers, health_interval_s=bad)
+    for bad in (3, "weights", object()):
+        with pytest.raises(asyncexec.ConfigurationError, match="channel must be a WeightChannel"):
+            asyncexec.Router(servers, channel=bad)  # type: ignore[arg-type]
     asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
     router = asyncexec.Router(servers)
     assert router.statistics == asyncexec.RouterStatistics()
@@ -135,6 +138,21 @@ async def test_router_used_before_it_is_entered_says_so() -> None:
         await router.generate(asyncexec.RolloutRequest(0, "p"))
     with pytest.raises(asyncexec.ExecutorStateError):
         await router.pause("keep")
+
+
+@pytest.mark.timeout(10)
+async def test_generate_refuses_what_is_not_a_rollout_request_naming_it() -> None:
+    """A prompt given where a request goes is named, not an ``AttributeError`` of the
+    router's internals."""
+    async with (
+        asyncexec.Executor(1, roles=Toy, local=True) as servers,
+        asyncexec.Router(servers) as router,
+    ):
+        for call in (router.generate, router.generate_stoppable):
+            with pytest.raises(asyncexec.ConfigurationError, match=r"RolloutRequest.*'hello'"):
+                await call("hello")  # type: ignore[arg-type]
+        sample = await router.generate(asyncexec.RolloutRequest(0, "p"))
+    assert sample.output == ["p"]
 
 
 @pytest.mark.timeout(20)

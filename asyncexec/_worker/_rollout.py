@@ -64,7 +64,8 @@ class Sample:
         output: ``finish(prompt, chunks)`` (by default the list of chunks); for an aborted
             sample, the chunks made before the abort.
         versions: the weights version each chunk ran under, in order (None: before the first
-            version arrived).
+            version arrived): the weight channel's, or in a :class:`~asyncexec.Pipeline`'s
+            batches the learner's (``PipelineBatch.version``'s scale).
         rank: the server's world rank.
         aborted: the generation was ended at a pause point by ``pause("abort")``.
     """
