@@ -281,3 +281,51 @@ async def test_a_caller_that_stops_waiting_leaves_the_slot_held_until_the_server
         assert router.in_flight == {0: 0, 1: 0}
         with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
             await router.generate(asyncexec.RolloutRequest("after", 1))
+
+
+class ChunksAList(asyncexec.RolloutServer):
+    def chunks(self, prompt: Any) -> Any:  # a list, not an async generator
+        return [prompt]
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class ChunksAwaited(asyncexec.RolloutServer):
+    async def chunks(self, prompt: Any) -> Any:  # a coroutine, not an async generator
+        return [prompt]
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class NoChunks(asyncexec.RolloutServer):
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class ForgetsSuper(Toy):
+    def __init__(self) -> None:  # no super().__init__()
+        self.engine = "ready"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("cls", [ChunksAList, ChunksAwaited, NoChunks])
+def test_a_server_class_whose_chunks_is_no_async_generator_is_refused_when_made(
+    cls: type[asyncexec.RolloutServer],
+) -> None:
+    """It failed only at the first request, with ``'list' object is not an async iterator``,
+    naming neither ``chunks()`` nor the class."""
+    with pytest.raises(asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"):
+        asyncexec.Executor(1, roles=cls, local=True)
+    with pytest.raises(asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"):
+        asyncexec.Executor(1, roles=asyncexec.Role(cls), local=True)
+
+
+@pytest.mark.timeout(20)
+async def test_a_server_class_that_skips_super_init_fails_its_group_start_naming_it() -> None:
+    """It was caught only at the first request (or the router's first health check)."""
+    with pytest.raises(asyncexec.AsyncExecError, match=r"ForgetsSuper") as raised:
+        async with asyncexec.Executor(1, roles=ForgetsSuper, local=True):
+            pass
+    assert "super().__init__()" in str(raised.value) + str(raised.value.__cause__)
