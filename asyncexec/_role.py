@@ -52,7 +52,9 @@ class Role(Generic[T]):
 
     Raises:
         ConfigurationError: ``cls`` is not a class, the arguments do not bind to its
-            constructor, or the class or an argument cannot be pickled (named).
+            constructor, the class or an argument cannot be pickled (named), or the class's
+            own check refuses it (a :class:`~asyncexec.RolloutServer` whose ``chunks`` is not
+            an async generator function).
     """
 
     __slots__ = ("args", "cls", "kwargs", "max_concurrency")
@@ -68,6 +70,7 @@ class Role(Generic[T]):
                 f"Role() takes a class, got {type(cls).__name__}: {short_repr(cls)}"
             )
         _check_constructor(cls, args, kwargs)
+        _check_class(cls)
         _check_pickles(cls, args, kwargs)
         object.__setattr__(self, "cls", cls)
         object.__setattr__(self, "args", tuple(args))
@@ -169,6 +172,20 @@ def _check_pickles(cls: type, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
                 f"Role({cls.__qualname__}): {what} ({type(value).__name__}) cannot be pickled "
                 f"to be sent to the workers: {describe(exc)}"
             ) from exc
+
+
+def _check_class(cls: type) -> None:
+    """The class's own check of itself, when it has one (``RolloutServer``: its ``chunks``).
+
+    Raises:
+        ConfigurationError: what the check said.
+    """
+    check = getattr(cls, "_asyncexec_check_class", None)
+    if callable(check):
+        try:
+            check()
+        except TypeError as exc:
+            raise ConfigurationError(str(exc)) from exc
 
 
 def roles_of(value: Role[Any] | type | Sequence[Role[Any] | type] | None) -> tuple[Role[Any], ...]:

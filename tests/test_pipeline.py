@@ -201,6 +201,37 @@ def test_bad_arguments_are_refused_before_anything_starts(
         asyncexec.Pipeline(object(), [])
 
 
+def test_every_argument_of_the_rl_loop_is_checked_when_it_is_made() -> None:
+    """Each of Router's, Pipeline's and WeightChannel's arguments is refused when the object is
+    made, naming it (nothing is started: the executors are not entered)."""
+    learner, servers = asyncexec.Executor(1, local=False), _servers()
+    other = asyncexec.Executor(1, local=False)
+    elsewhere = asyncexec.WeightChannel(learner, other)
+    channel = asyncexec.WeightChannel(learner, servers)
+    bad_channels: list[tuple[dict[str, Any], str]] = [
+        ({"sharded": "yes"}, "sharded must be a bool"),
+        ({"reuse_buffers": 1}, "reuse_buffers must be a bool"),
+        ({"timeout_s": float("nan")}, "timeout_s must be"),
+        ({"timeout_s": float("inf")}, "timeout_s must be"),
+        ({"timeout_s": True}, "timeout_s must be"),
+    ]
+    for kwargs, needle in bad_channels:
+        with pytest.raises(asyncexec.ConfigurationError, match=needle):
+            asyncexec.WeightChannel(learner, servers, **kwargs)
+    with pytest.raises(asyncexec.ConfigurationError, match="into the router's servers"):
+        asyncexec.Router(servers, channel=elsewhere)
+    with pytest.raises(asyncexec.ConfigurationError, match="into the pipeline's servers"):
+        asyncexec.Pipeline(servers, [], channel=elsewhere)
+    with pytest.raises(asyncexec.ConfigurationError, match="the router's channel"):
+        other_channel = asyncexec.WeightChannel(other, servers)
+        asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=other_channel)
+    with pytest.raises(asyncexec.ConfigurationError, match=r"prompts must be .*not a str"):
+        asyncexec.Pipeline(servers, "prompts")
+    with pytest.raises(asyncexec.ConfigurationError, match="max_requeues"):
+        asyncexec.Pipeline(servers, [], max_requeues=True)
+    asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=channel)
+
+
 # Over a weight channel ------------------------------------------------------------------------
 
 
@@ -236,12 +267,70 @@ async def test_keep_over_a_weight_channel_gives_samples_a_version_per_chunk(mode
             await learner.call(Learner.step)
             assert await pipe.update_weights() == pipe.version
         versions = await servers.call(asyncexec.method(Toy, Toy.weights_version))
-    assert versions == [3, 3]
+    assert versions == [4, 4]  # the channel's: the pipeline's first push and 3 updates
     [slow] = [s for b in batches for s in b.samples if s.id == 0]
-    assert slow.versions[0] is None and slow.versions[-1] == 1  # parked, went on at version 1
-    assert slow.version is None
+    assert slow.versions[0] == 0 and slow.versions[-1] == 1  # parked, went on at version 1
+    assert slow.version == 0
     assert pipe.statistics.beyond_bound == 0
     _check_chunks(batches)
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("first_push", [False, True])
+async def test_samples_and_batches_count_versions_on_one_scale(mode: str, first_push: bool) -> None:
+    """A sample's versions are the learner's (``pipe.version``'s): ``batch.version`` minus a
+    sample's oldest chunk's version is its staleness, with or without a first push of the
+    user's own (the channel's pushes counted one more than the updates: -1 for every sample),
+    and no chunk is made before any weights (they carried None, counted as staleness 0)."""
+    prompts = [{"id": i, "length": 2} for i in range(12)]
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Learner)) as learner,
+        _servers() as servers,
+        asyncexec.WeightChannel(learner, servers) as channel,
+    ):
+        if first_push:
+            await channel.push()
+        async with asyncexec.Pipeline(
+            servers, prompts, batch_size=4, staleness=1, channel=channel
+        ) as pipe:
+            assert pipe.version == 0
+            batches = []
+            async for batch in pipe:
+                batches.append(batch)
+                await learner.call(Learner.step)
+                await pipe.update_weights()
+    assert [b.version for b in batches] == [0, 1, 2]
+    for batch in batches:
+        for sample, staleness in zip(batch.samples, batch.staleness, strict=True):
+            assert None not in sample.versions, sample
+            assert sample.version is not None
+            assert batch.version - sample.version == staleness, (batch, sample)
+            assert 0 <= staleness <= 1
+    _check_chunks(batches)  # each chunk ran on the learner's weights of its version
+
+
+@pytest.mark.timeout(30)
+async def test_chunks_made_before_any_weights_count_as_version_zero_also_after_a_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a channel, servers that were given no weights generate with their own, which
+    stand for the learner's version 0: a pipeline resumed at version 3 hands their samples as
+    3 behind (they were counted from the version it started from: 0 behind)."""
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    resumed = {"format": 1, "version": 3, "watermark": 0, "above": []}
+    prompts = [{"id": i, "length": 1} for i in range(4)]
+    async with (
+        _servers() as servers,
+        asyncexec.Pipeline(
+            servers, prompts, batch_size=4, staleness=1, mode="aggregate", consumed=resumed
+        ) as pipe,
+    ):
+        [batch] = [b async for b in pipe]
+    assert batch.version == 3
+    assert all(s.versions == (None,) for s in batch.samples)
+    assert batch.staleness == (3, 3, 3, 3)
+    assert pipe.statistics.beyond_bound == 4
 
 
 # Exactly-once through a driver killed and resumed ---------------------------------------------
@@ -366,6 +455,38 @@ async def test_a_server_error_ends_the_iteration_with_it_and_leaves_nothing_runn
     assert isinstance(raised.value.__cause__, ValueError)
     with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
         await pipe.__anext__()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("second", [0, 1])
+async def test_a_request_id_that_repeats_in_the_source_is_an_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, second: int
+) -> None:
+    """Ids repeating in the source were dropped silently (``duplicates`` counted them): a
+    prompt the user gave was never trained. Whether the first is still pending or consumed
+    already, the repeat ends the iteration with an error naming the id."""
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+
+    async def prompts() -> AsyncIterator[asyncexec.RolloutRequest]:
+        yield asyncexec.RolloutRequest(7, {"id": 7, "length": 1})
+        yield asyncexec.RolloutRequest(8, {"id": 8, "length": 1})
+        if second:  # after the first batch was consumed
+            while not consumed.is_set():
+                await consumed.wait()
+        yield asyncexec.RolloutRequest(7, {"id": 7, "length": 2})
+
+    consumed = asyncio.Event()
+    batches = []
+    with pytest.raises(asyncexec.ConfigurationError, match="id 7 repeats"):
+        async with (
+            asyncexec.Executor(1, roles=asyncexec.Role(Toy)) as servers,
+            asyncexec.Pipeline(servers, prompts(), batch_size=2, staleness=1) as pipe,
+        ):
+            async for batch in pipe:
+                batches.append(batch.ids)
+                consumed.set()
+                await pipe.update_weights({"w": pipe.version + 1})
+    assert batches in ([], [[7, 8]])
 
 
 class RefusesTwo(Toy):

@@ -122,6 +122,9 @@ def test_router_refuses_bad_arguments_before_anything_starts() -> None:
     for bad in (0, -1.0, float("nan"), float("inf"), True, "5"):
         with pytest.raises(asyncexec.ConfigurationError, match="health_interval_s"):
             asyncexec.Router(servers, health_interval_s=bad)
+    for bad in (3, "weights", object()):
+        with pytest.raises(asyncexec.ConfigurationError, match="channel must be a WeightChannel"):
+            asyncexec.Router(servers, channel=bad)  # type: ignore[arg-type]
     asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
     router = asyncexec.Router(servers)
     assert router.statistics == asyncexec.RouterStatistics()
@@ -135,6 +138,21 @@ async def test_router_used_before_it_is_entered_says_so() -> None:
         await router.generate(asyncexec.RolloutRequest(0, "p"))
     with pytest.raises(asyncexec.ExecutorStateError):
         await router.pause("keep")
+
+
+@pytest.mark.timeout(10)
+async def test_generate_refuses_what_is_not_a_rollout_request_naming_it() -> None:
+    """A prompt given where a request goes is named, not an ``AttributeError`` of the
+    router's internals."""
+    async with (
+        asyncexec.Executor(1, roles=Toy, local=True) as servers,
+        asyncexec.Router(servers) as router,
+    ):
+        for call in (router.generate, router.generate_stoppable):
+            with pytest.raises(asyncexec.ConfigurationError, match=r"RolloutRequest.*'hello'"):
+                await call("hello")  # type: ignore[arg-type]
+        sample = await router.generate(asyncexec.RolloutRequest(0, "p"))
+    assert sample.output == ["p"]
 
 
 @pytest.mark.timeout(20)
@@ -263,3 +281,51 @@ async def test_a_caller_that_stops_waiting_leaves_the_slot_held_until_the_server
         assert router.in_flight == {0: 0, 1: 0}
         with pytest.raises(asyncexec.ExecutorStateError, match="closed"):
             await router.generate(asyncexec.RolloutRequest("after", 1))
+
+
+class ChunksAList(asyncexec.RolloutServer):
+    def chunks(self, prompt: Any) -> Any:  # a list, not an async generator
+        return [prompt]
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class ChunksAwaited(asyncexec.RolloutServer):
+    async def chunks(self, prompt: Any) -> Any:  # a coroutine, not an async generator
+        return [prompt]
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class NoChunks(asyncexec.RolloutServer):
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class ForgetsSuper(Toy):
+    def __init__(self) -> None:  # no super().__init__()
+        self.engine = "ready"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("cls", [ChunksAList, ChunksAwaited, NoChunks])
+def test_a_server_class_whose_chunks_is_no_async_generator_is_refused_when_made(
+    cls: type[asyncexec.RolloutServer],
+) -> None:
+    """It failed only at the first request, with ``'list' object is not an async iterator``,
+    naming neither ``chunks()`` nor the class."""
+    with pytest.raises(asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"):
+        asyncexec.Executor(1, roles=cls, local=True)
+    with pytest.raises(asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"):
+        asyncexec.Executor(1, roles=asyncexec.Role(cls), local=True)
+
+
+@pytest.mark.timeout(20)
+async def test_a_server_class_that_skips_super_init_fails_its_group_start_naming_it() -> None:
+    """It was caught only at the first request (or the router's first health check)."""
+    with pytest.raises(asyncexec.AsyncExecError, match=r"ForgetsSuper") as raised:
+        async with asyncexec.Executor(1, roles=ForgetsSuper, local=True):
+            pass
+    assert "super().__init__()" in str(raised.value) + str(raised.value.__cause__)

@@ -127,6 +127,9 @@ async def make(
             spec: RoleSpec = await asyncio.to_thread(cloudpickle.loads, blob)
             stage = "init"
             instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
+            made = getattr(instance, "_asyncexec_check_made", None)
+            if callable(made):  # the class's check of a made instance (RolloutServer's)
+                made()
             restore = getattr(instance, "restore", None)
             if checkpoint is not None and callable(restore):
                 stage = "restore"

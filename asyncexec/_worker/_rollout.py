@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
@@ -64,7 +65,8 @@ class Sample:
         output: ``finish(prompt, chunks)`` (by default the list of chunks); for an aborted
             sample, the chunks made before the abort.
         versions: the weights version each chunk ran under, in order (None: before the first
-            version arrived).
+            version arrived): the weight channel's, or in a :class:`~asyncexec.Pipeline`'s
+            batches the learner's (``PipelineBatch.version``'s scale).
         rank: the server's world rank.
         aborted: the generation was ended at a pause point by ``pause("abort")``.
     """
@@ -299,6 +301,38 @@ class RolloutServer:
             self._rollout_rank = 0
         # A version that arrived before this instance existed is installed now, by this call.
         _channel.receive_weights(self._install_from_channel, channel=channel)
+
+    # The class checked when a role is made of it, the instance when its group starts ----------
+
+    @classmethod
+    def _asyncexec_check_class(cls) -> None:
+        """Refuse a class whose ``chunks`` is not an async generator function (``Role(cls)``
+        calls this when the executor is made, before anything starts).
+
+        Raises:
+            TypeError: naming the class and ``chunks(prompt)``.
+        """
+        chunks = inspect.unwrap(cls.chunks)
+        if chunks is inspect.unwrap(RolloutServer.chunks):
+            raise TypeError(
+                f"{cls.__qualname__} must implement chunks(prompt), an async generator "
+                "(`async def chunks(self, prompt): ... yield chunk`)"
+            )
+        if not inspect.isasyncgenfunction(chunks):
+            kind = "a coroutine function" if inspect.iscoroutinefunction(chunks) else "a function"
+            raise TypeError(
+                f"{cls.__qualname__}.chunks(prompt) must be an async generator function "
+                f"(`async def` with `yield`: one chunk per yield), not {kind}"
+            )
+
+    def _asyncexec_check_made(self) -> None:
+        """Refuse an instance whose ``__init__`` did not call ``super().__init__()`` (the
+        worker calls this once it is made, so its group's start fails naming it).
+
+        Raises:
+            TypeError: naming the class and ``super().__init__()``.
+        """
+        self._gate()
 
     # What the user implements -----------------------------------------------------------------
 

@@ -18,6 +18,7 @@ latest version before its function starts.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from types import TracebackType
@@ -109,6 +110,9 @@ class WeightChannel:
         timeout_s: float = 120.0,
     ) -> None:
         _check(source, target, name, transport, torch_backend, max_staleness, timeout_s)
+        for flag, value in (("sharded", sharded), ("reuse_buffers", reuse_buffers)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{flag} must be a bool, got {value!r:.100}")
         self.source = source
         self.target = target
         self.name = name
@@ -130,7 +134,7 @@ class WeightChannel:
         self._versions.moves = (
             ObjectStoreTransport(self._versions)
             if transport == "object_store"
-            else TorchTransport(self._versions, self.id, torch_backend, bool(reuse_buffers))
+            else TorchTransport(self._versions, self.id, torch_backend, reuse_buffers)
         )
         self._tg: anyio.abc.TaskGroup | None = None
         self._open = False
@@ -272,7 +276,10 @@ def _check(
     if torch_backend not in (None, "gloo", "nccl"):
         raise ConfigurationError(f'torch_backend must be "gloo" or "nccl", got {torch_backend!r}')
     check_count("max_staleness", max_staleness)
-    if not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ConfigurationError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not number or not 0 < timeout_s < math.inf:
+        raise ConfigurationError(
+            f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}"
+        )
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"name must be a non-empty string, got {name!r}")

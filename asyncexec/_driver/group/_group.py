@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 import anyio
 
 from ..._config import ExecutorConfig
-from ..._errors import AsyncExecError, ConfigurationError, describe
+from ..._errors import (
+    AsyncExecError,
+    ConfigurationError,
+    NodeLostError,
+    WorkerCrashedError,
+    describe,
+)
 from ..._interface import WorkerMethod
 from ..._protocol import Outcome, WorkerContext, WorkerMetadata
 from ..._taskgroups import task_group
@@ -43,6 +49,9 @@ from ._members import Standby, WorkerInfo
 __all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
 
 T = TypeVar("T")
+
+#: ``answers()``'s mark of a worker found dead (its call failed so).
+_GONE = "gone"
 #: Extra time a stop call gets beyond the worker-side bound it was given (the call's own trip).
 STOP_MARGIN_S = 1.0
 
@@ -205,10 +214,14 @@ class WorkerGroup:
 
     async def stop_each(self, workers: Sequence[WorkerInfo], timeout_s: float) -> list[int]:
         """Stop the run's function on ``workers``; the ranks whose function did not end within
-        ``timeout_s`` (or whose worker did not answer, or failed), waiting for every rank."""
-        refs = [w.handle.call("stop_run", timeout_s) for w in workers]
-        stopped = await answers(refs, timeout_s + STOP_MARGIN_S)
-        return [w.rank for w, ok in zip(workers, stopped, strict=True) if ok is not True]
+        ``timeout_s`` (or whose worker did not answer, or failed), waiting for every rank. A
+        worker whose process is gone (its call says so) is not among them: no function of
+        its runs, and it is no hang."""
+        calls = [submit(self, w, "stop_run", timeout_s) for w in workers]  # (errors mapped)
+        stopped = await answers(calls, timeout_s + STOP_MARGIN_S, dead=_GONE)
+        return [
+            w.rank for w, ok in zip(workers, stopped, strict=True) if ok is not True and ok != _GONE
+        ]
 
     async def stacks(self) -> dict[int, str]:
         """Every worker's stacks by rank, read from outside (see ``Cluster.stacks``)."""
@@ -286,15 +299,17 @@ class WorkerGroup:
                 await settle([h.call("__ray_terminate__") for h in handles])
 
 
-async def answers(refs: Sequence[Any], timeout_s: float) -> list[Any]:
+async def answers(refs: Sequence[Any], timeout_s: float, *, dead: Any = None) -> list[Any]:
     """Each ref's value, or None where it failed or did not answer within ``timeout_s`` (a None
-    in ``refs`` stays None)."""
+    in ``refs`` stays None); ``dead`` where its worker's process or node is gone."""
     results: list[Any] = [None] * len(refs)
 
     async def one(i: int) -> None:
         with anyio.move_on_after(timeout_s):
             try:
                 results[i] = await refs[i]
+            except (WorkerCrashedError, NodeLostError):
+                results[i] = dead
             except Exception:
                 results[i] = None
 

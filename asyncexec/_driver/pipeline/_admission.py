@@ -10,13 +10,14 @@ import heapq
 import time
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 
+from ..._errors import ConfigurationError
 from ..._timeline_pipeline import PipelineTrack, batch_handed, counted
 from ..._worker import RolloutRequest, Sample
 from .._logging import Logger
@@ -51,9 +52,19 @@ class _Running:
     expired: bool = False
 
 
+def learner_version(sample: Sample, admitted: int) -> int:
+    """The learner's version that made ``sample`` (on the learner's scale): its oldest chunk's.
+    A chunk made before any weights arrived ran on the servers' own, which stand for the
+    learner's first weights: version 0 (a pipeline resumed at a later version counts them as
+    that far behind). A sample of no chunk counts from the version it was admitted at."""
+    if not sample.versions:
+        return admitted
+    return min(0 if v is None else v for v in sample.versions)
+
+
 async def _requests(prompts: Any, consumed: Consumed) -> AsyncIterator[RolloutRequest]:
     """The source's prompts as requests (a prompt's id is its position, unless it is a request),
-    without those consumed already."""
+    without those ``consumed`` (before the pipeline started: a resumed driver's)."""
     position = 0
 
     def request(prompt: Any) -> RolloutRequest:
@@ -89,7 +100,10 @@ class Admission:
         log: Logger,
         max_requeues: int = 0,
     ) -> None:
-        self.source = _requests(prompts, consumed)
+        #: What was consumed before this pipeline started (the checkpoint's), which the source
+        #: skips; an id consumed since that comes again is a repeat.
+        resumed = Consumed(consumed.watermark, consumed.above, consumed.version)
+        self.source = _requests(prompts, resumed)
         self.servers = servers
         self.budget = budget
         self.consumed = consumed
@@ -151,8 +165,10 @@ class Admission:
                 continue
             order, request = taken
             if request.id in self.pending or request.id in self.consumed:
-                self.meter.duplicates += 1
-                continue
+                raise ConfigurationError(
+                    f"prompts: the id {request.id!r} repeats (a RolloutRequest's id names its "
+                    "prompt in the pipeline's exactly-once record: give each prompt its own)"
+                )
             # The source may have made us wait: an update may have begun meanwhile.
             while self.closing or not (self.open and self.budget.admissible() > 0):
                 await self.wait_changed()
@@ -203,7 +219,8 @@ class Admission:
             self.budget.drop(admitted)
             self.meter.duplicates += 1
         else:
-            version = self.learner_version(sample)
+            sample = self.on_learner_scale(sample)
+            version = learner_version(sample, admitted)
             self.budget.finish(admitted, version, (sample, version))
             depth = self.budget.finished_count
             self.meter.buffer_depth_max = max(self.meter.buffer_depth_max, depth)
@@ -252,13 +269,14 @@ class Admission:
             self.notify()
         return expired
 
-    def learner_version(self, sample: Sample) -> int:
-        """The learner's version that made ``sample`` (its oldest chunk's): a chunk made before
-        any version arrived counts as the version the pipeline started from."""
-        version = sample.version
-        if version is None:
-            return self.budget.start
-        return version - self.offset
+    def on_learner_scale(self, sample: Sample) -> Sample:
+        """``sample`` with its chunks' versions counted as the learner's (``pipe.version``)
+        rather than as the channel's pushes (which differ by the pushes made before the
+        pipeline started, or by others meanwhile: ``offset``)."""
+        if not self.offset:
+            return sample
+        versions = tuple(None if v is None else v - self.offset for v in sample.versions)
+        return replace(sample, versions=versions)
 
     def hand(self, waited_s: float, bound: int, meters: PipelineMeters) -> PipelineBatch:
         """Take a batch from the buffer (when the budget says it is ready) for the learner,

@@ -15,16 +15,18 @@ import anyio.abc
 from ..._config import check_count
 from ..._errors import ConfigurationError, ExecutorStateError
 from ..._taskgroups import one_error
-from ..._timeline_pipeline import pipeline_track, update_ended
+from ..._timeline_pipeline import pipeline_track
+from .._executor import Executor
 from .._logging import get_logger
 from .._metrics import pipeline_meters
 from ..channel import WeightChannel
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._consumed import Consumed
+from ._router import Router
 from ._servers import servers_of
 from ._stats import Meter, PipelineBatch, PipelineStatistics
-from ._updates import update
+from ._updates import Updates
 
 __all__ = ["Pipeline"]
 
@@ -84,8 +86,9 @@ class Pipeline:
             again, the version goes on from it.
 
     Raises:
-        ConfigurationError: an argument out of range, or ``router`` is neither a Router nor
-            an executor of rollout servers.
+        ConfigurationError: an argument out of range, ``router`` is neither a Router nor an
+            executor of rollout servers, or ``channel`` goes into other servers (or is not the
+            Router's own channel).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Pipeline:
         _check_arguments(prompts, batch_size, staleness, mode, on_update, channel)
         _check_expiry(on_expire, max_requeues)
         self.on_expire: OnExpire = on_expire
+        _check_channel_target(channel, router)
         self.servers = servers_of(router, channel)
         self.batch_size, self.staleness, self.mode = batch_size, staleness, mode
         self.on_update: OnUpdate = on_update
@@ -124,7 +128,9 @@ class Pipeline:
         self._admission.track = pipeline_track(self.servers.executor.timeline)
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closed"] = "new"
-        self._updating = False
+        self._updates = Updates(
+            self.servers, channel, self._budget, self._admission, self.log, self._meters
+        )
 
     def __repr__(self) -> str:
         b = self._budget
@@ -156,13 +162,19 @@ class Pipeline:
         if self._state != "new":
             raise ExecutorStateError("a Pipeline is entered once")
         if self.channel is not None:
+            if self.channel.version == 0:
+                # The servers generate with the learner's weights from the first chunk: a
+                # chunk made on their own ones would be counted as made by a version of the
+                # learner's that it was not made by (after a resume, by far the wrong one).
+                await self.channel.push()
+                self.log.info("pipeline_first_push", version=self.version)
             # The channel's version now stands for the learner's version now.
             self._admission.offset = self.channel.version - self._budget.version
         await self.servers.start()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._state = "open"
-        self._meter = self._admission.meter = Meter()
+        self._meter = self._admission.meter = self._updates.meter = Meter()
         self._tg.start_soon(self._admission.run, self._tg)
         self.log.info(
             "pipeline_started",
@@ -214,6 +226,8 @@ class Pipeline:
 
         Raises:
             StopAsyncIteration: the source is exhausted and every sample was handed.
+            ConfigurationError: a prompt's id came again from the source (its first pending,
+                or consumed in this pipeline).
             ExecutorStateError: no batch can come before an update (S = 0 and the batch of
                 this version was taken).
         """
@@ -263,27 +277,7 @@ class Pipeline:
                 "update_weights() takes a state when the pipeline has no channel, and none "
                 "when it has one"
             )
-        if self._updating:
-            raise ExecutorStateError("update_weights() is already going on")
-        self._budget.check_update()
-        self._updating = True
-        try:
-            pause_s, push_s, in_flight = await update(
-                self.servers, self.channel, self._budget, self._admission, mode, state
-            )
-        finally:
-            self._updating = False
-        update_ended(self._admission.track, mode, push_s, self.version)
-        self._meter.paused(mode, pause_s, push_s)
-        self._meters.paused(mode, pause_s)
-        self.log.info(
-            "pipeline_update",
-            version=self.version,
-            mode=mode,
-            pause_s=round(pause_s, 6),
-            push_s=round(push_s, 6),
-            in_flight=in_flight,
-        )
+        await self._updates.run(mode, state)
         return self.version
 
 
@@ -296,12 +290,35 @@ def _check_arguments(
     _check_choice("on_update", on_update, ("keep", "wait", "abort"))
     if not isinstance(prompts, Iterable | AsyncIterable):
         raise ConfigurationError(f"prompts must be an iterable, got {prompts!r:.100}")
+    if isinstance(prompts, str | bytes):
+        raise ConfigurationError(
+            f"prompts must be an iterable of prompts, not a str (one prompt per character): "
+            f"got {prompts!r:.100}; give [prompt] for one"
+        )
     if channel is not None and not isinstance(channel, WeightChannel):
         raise ConfigurationError(f"channel must be a WeightChannel, got {channel!r}")
     if channel is not None and channel.max_staleness != 1:
         raise ConfigurationError(
             "the pipeline's channel must have max_staleness=1 (a push returns once every "
             f"server holds it: the versions count from there), got {channel.max_staleness}"
+        )
+
+
+def _check_channel_target(channel: WeightChannel | None, router: Any) -> None:
+    """Refuse a channel into other servers than ``router``'s (a Router or an Executor), or
+    another than the Router's own."""
+    if channel is None or not isinstance(router, Router | Executor):
+        return  # (``servers_of`` names a wrong ``router``)
+    servers = router.servers if isinstance(router, Router) else router
+    if channel.target is not servers:
+        raise ConfigurationError(
+            "channel must be a WeightChannel into the pipeline's servers "
+            f"({servers.config.name!r}); it goes into {channel.target.config.name!r}"
+        )
+    if isinstance(router, Router) and router.channel not in (None, channel):
+        raise ConfigurationError(
+            "channel must be the router's channel (the one a rejoining server installs "
+            "from), or the router must have none"
         )
 
 

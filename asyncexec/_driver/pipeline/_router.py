@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -38,13 +38,11 @@ from ..._taskgroups import one_error
 from ..._worker import RolloutRequest, RolloutServer, Sample
 from .._executor import Executor, slot_of
 from .._logging import get_logger
+from ..channel import WeightChannel
 from ._health import HealthWatch, worker_keys
 from ._router_metrics import RouterMeters
 from ._router_requests import Requests
 from ._router_state import Balance, Pacer, RouterStatistics, Sessions
-
-if TYPE_CHECKING:
-    from ..channel import WeightChannel
 
 __all__ = ["Router", "RouterStatistics"]
 
@@ -103,6 +101,7 @@ class Router:
     ) -> None:
         self.servers = servers
         self.methods = _Methods(_server_class(servers))
+        _check_channel(channel, servers)
         check_count("max_in_flight", max_in_flight)
         check_count("unhealthy_after", unhealthy_after)
         check_count("max_sessions", max_sessions)
@@ -212,8 +211,11 @@ class Router:
                 server died, could not be reached or was taken out, and it may not (or may no
                 more) be sent again.
             ExecutorStateError: the router is not open, or closed meanwhile.
+            ConfigurationError: ``request`` is not a :class:`~asyncexec.RolloutRequest`, or
+                ``deadline_s`` or ``retry`` is invalid.
         """
         self.check_open()
+        _check_request(request)
         if deadline_s is not None:
             _check_seconds("deadline_s", deadline_s)
         if not isinstance(retry, bool):
@@ -228,6 +230,7 @@ class Router:
         def``) and frees its slot, rather than run to its end and be dropped. The pipeline's
         way (a strict batch expiring a request, the pipeline closing)."""
         self.check_open()
+        _check_request(request)
         if deadline_s is not None:
             _check_seconds("deadline_s", deadline_s)
         return await self.requests.run(request, deadline_s, retry, stop=True)
@@ -299,6 +302,27 @@ def _server_class(servers: Any) -> type[RolloutServer]:
             f"asyncexec.RolloutServer, found {len(found)}"
         )
     return found[0]
+
+
+def _check_channel(channel: Any, servers: Executor) -> None:
+    """Refuse a ``channel`` that is not a weight channel into ``servers``: the router uses it
+    only when a server rejoins, long after it was made."""
+    if channel is None:
+        return
+    if not isinstance(channel, WeightChannel):
+        raise ConfigurationError(f"channel must be a WeightChannel or None, got {channel!r:.100}")
+    if channel.target is not servers:
+        raise ConfigurationError(
+            f"channel must be a WeightChannel into the router's servers "
+            f"({servers.config.name!r}); it goes into {channel.target.config.name!r}"
+        )
+
+
+def _check_request(request: Any) -> None:
+    if not isinstance(request, RolloutRequest):
+        raise ConfigurationError(
+            f"request must be an asyncexec.RolloutRequest(id, prompt), got {request!r:.100}"
+        )
 
 
 def _check_seconds(name: str, value: Any, *, zero: bool = False) -> None:

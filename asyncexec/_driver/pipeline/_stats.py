@@ -20,7 +20,9 @@ class PipelineBatch:
         samples: the samples, oldest version first.
         ids: their ids, in the same order.
         version: the learner's version when it was handed (the updates done).
-        staleness: per sample, ``version`` minus the sample's version (its oldest chunk's).
+        staleness: per sample, ``version`` minus the sample's version (its oldest chunk's;
+            the samples' versions are on the learner's scale, a chunk made before any weights
+            counted as version 0).
         staleness_max: the largest of ``staleness`` (0 for an empty batch).
         staleness_mean: their mean.
         waited_s: how long the learner waited for it (the trainer's idle time before it).
@@ -76,7 +78,8 @@ class PipelineStatistics:
         aborted: generations aborted: samples that came back aborted (``on_update="abort"``)
             and requests expired.
         requeued: prompts put back at the head of the queue (the aborted ones).
-        duplicates: samples dropped because their id was consumed or waiting already.
+        duplicates: samples dropped because their request was answered twice (a retried
+            request whose sample was consumed already).
         staleness_max: the largest staleness of a consumed sample; ``staleness_mean`` the mean.
         beyond_bound: consumed samples staler than the bound S (0 in strict mode).
         trainer_idle_ratio: the share of the time since the pipeline started that the learner

@@ -1,4 +1,5 @@
-"""A weight update around the rollouts in flight: pause them as the mode says, push, resume."""
+"""A pipeline's weight updates: one at a time, each around the rollouts in flight (pause them
+as the mode says, push, resume), counted and logged."""
 
 from __future__ import annotations
 
@@ -7,19 +8,78 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
+from ..._errors import ExecutorStateError
 from ..._taskgroups import task_group
-from ..._timeline_pipeline import update_paused
+from ..._timeline_pipeline import update_ended, update_paused
+from .._logging import Logger
+from .._metrics import PipelineMeters
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._servers import Servers
+from ._stats import Meter
 
 if TYPE_CHECKING:
     from ..channel import WeightChannel
 
-__all__ = ["update"]
+__all__ = ["Updates", "update"]
 
 #: How long a failed update waits for the servers to resume.
 _RESUME_TIMEOUT_S = 10.0
+
+
+class Updates:
+    """The weight updates of one pipeline (``Pipeline.update_weights``)."""
+
+    def __init__(
+        self,
+        servers: Servers,
+        channel: WeightChannel | None,
+        budget: Budget[Item],
+        admission: Admission,
+        log: Logger,
+        meters: PipelineMeters,
+    ) -> None:
+        self.servers, self.channel, self.budget, self.admission = (
+            servers,
+            channel,
+            budget,
+            admission,
+        )
+        self.log = log
+        self.meter = Meter()  # the pipeline's, once it is entered
+        self.meters = meters
+        self.updating = False
+
+    async def run(self, mode: Literal["keep", "wait", "abort"], state: Any) -> None:
+        """One update (the arguments checked).
+
+        Raises:
+            ExecutorStateError: strict mode and no batch was taken at this version; or
+                another update is going on.
+            ChannelError: the push failed (the servers are resumed first).
+        """
+        if self.updating:
+            raise ExecutorStateError("update_weights() is already going on")
+        self.budget.check_update()
+        self.updating = True
+        try:
+            pause_s, push_s, in_flight = await update(
+                self.servers, self.channel, self.budget, self.admission, mode, state
+            )
+        finally:
+            self.updating = False
+        version = self.budget.version
+        update_ended(self.admission.track, mode, push_s, version)
+        self.meter.paused(mode, pause_s, push_s)
+        self.meters.paused(mode, pause_s)
+        self.log.info(
+            "pipeline_update",
+            version=version,
+            mode=mode,
+            pause_s=round(pause_s, 6),
+            push_s=round(push_s, 6),
+            in_flight=in_flight,
+        )
 
 
 async def update(

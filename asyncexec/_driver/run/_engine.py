@@ -217,7 +217,8 @@ class RunDriver:
     async def _stop_session(self) -> None:
         """After a cancelled run: stop the function on every worker, or discard the group. A
         function that does not end in time is recorded as hung (in ``run.failures`` and the
-        ``run_stop_timed_out`` event), with every rank's stack read before the group goes."""
+        ``run_stop_timed_out`` event), with every rank's stack read before the group goes (in
+        the error, and one ``run_stop_stack`` debug event a rank); a rank found dead is not."""
         ctx = self.ctx
         group = ctx.group
         if not ctx.session_live or group is None or group.closed:
@@ -236,12 +237,12 @@ class RunDriver:
             error = with_others(hung)
             ctx.run.failures.append(error)
             ctx.log.warning(
-                "run_stop_timed_out",
-                seconds=timeout,
-                ranks=late,
-                error=describe(error),
-                stacks=getattr(error, "stacks", {}),
+                "run_stop_timed_out", seconds=timeout, ranks=late, error=describe(error)
             )
+            # The stacks (kilobytes each) go one rank an event, at debug, never in the line
+            # above: a log line is read by people and by log pipelines with line limits.
+            for rank, stack in getattr(error, "stacks", {}).items():
+                ctx.log.debug("run_stop_stack", rank=rank, stack=stack)
             await ctx.slot.discard(force=True)
 
 
