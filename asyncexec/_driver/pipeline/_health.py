@@ -31,6 +31,7 @@ from ..._errors import (
     ChannelError,
     ExecutorStateError,
     NodeLostError,
+    RestartsExhaustedError,
     WorkerCrashedError,
     WorkerUnreachableError,
     describe,
@@ -60,6 +61,10 @@ class HealthWatch:
 
     def __init__(self, router: Any) -> None:
         self.router = router
+        #: Since when no server has served, seen by a rejoin that failed (None: one serves).
+        self.none_since: float | None = None
+        self.attempts = 0  # rejoins that failed while no server served
+        self.failures: dict[int, BaseException] = {}  # the last failure of each server
 
     async def run(self) -> None:
         """Check every serving server each ``health_interval_s``, until cancelled."""
@@ -164,6 +169,8 @@ class HealthWatch:
                     break
                 except Exception as exc:  # dead again, not started yet, a failed join
                     router.log.warning("rejoin_failed", rank=server.rank, error=describe(exc))
+                    if self._give_up(server, exc, bound):
+                        return
                     await anyio.sleep(min(1.0, router.health_interval_s))
         finally:
             server.rejoining = False
@@ -171,6 +178,8 @@ class HealthWatch:
         server.failures = 0
         server.since = time.monotonic()
         server.serving = True
+        self.none_since, self.attempts = None, 0
+        self.failures.pop(server.rank, None)
         version = None if router.channel is None else router.channel.version
         if worker != old:
             router.count("replaced")
@@ -178,6 +187,32 @@ class HealthWatch:
         else:
             router.log.info("server_back", rank=server.rank, version=version)
         router.balance.wake()
+
+    def _give_up(self, server: ServerRecord, exc: BaseException, bound: float) -> bool:
+        """Whether the router gives its servers up after ``server``'s rejoin failed with
+        ``exc``: no server has served for longer than one rejoin's ``bound``. It then fails
+        (``Router.fail``): every request waiting for a server, and the pipeline, raise
+        :class:`RestartsExhaustedError` with each server's last failure."""
+        router = self.router
+        self.failures[server.rank] = exc
+        if any(s.serving for s in router.balance.servers):
+            self.none_since, self.attempts = None, 0
+            return False
+        now = time.monotonic()
+        if self.none_since is None:
+            self.none_since = now
+        self.attempts += 1
+        if now - self.none_since <= bound:
+            return False
+        error = RestartsExhaustedError(self.attempts, list(self.failures.values()))
+        error.add_note(
+            f"no rollout server of {router.servers.config.name!r} has served for "
+            f"{now - self.none_since:.0f} s (more than a rejoin's bound, {bound:.0f} s): the "
+            f"router gave them up; last failures by rank: "
+            + ", ".join(f"{r}: {describe(e)}" for r, e in sorted(self.failures.items()))
+        )
+        router.fail(error)
+        return True
 
     async def _ready(self, r: int) -> str | None:
         """Rank ``r``'s worker once it holds the channel's current version (and is paused when

@@ -32,7 +32,7 @@ import anyio
 import anyio.abc
 
 from ..._config import check_count
-from ..._errors import ConfigurationError, ExecutorStateError
+from ..._errors import ConfigurationError, ExecutorStateError, describe
 from ..._role import method
 from ..._taskgroups import one_error
 from ..._worker import RolloutRequest, RolloutServer, Sample
@@ -130,6 +130,8 @@ class Router:
         self.watch = HealthWatch(self)
         self.requests = Requests(self)
         self.tg: anyio.abc.TaskGroup | None = None
+        #: Set when the router gave its servers up (``fail``): what every call raises.
+        self.failure: BaseException | None = None
         #: The servers' group the router's records are of (None: being replaced).
         self.group: Any = None
         self._closed = False
@@ -182,11 +184,21 @@ class Router:
         self.meters.forget(len(self.balance.servers))
 
     def check_open(self) -> anyio.abc.TaskGroup:
+        if self.failure is not None:
+            raise self.failure
         if self.tg is None:
             raise ExecutorStateError(
                 "the router is closed" if self._closed else "use `async with Router(...)`"
             )
         return self.tg
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the router: the requests waiting for a server, and every call after, raise
+        ``error`` (its servers are gone and none came back within the bound)."""
+        if self.failure is None:
+            self.failure = error
+            self.log.error("router_failed", error=describe(error))
+            self.balance.wake()
 
     # Requests ---------------------------------------------------------------------------------
 
