@@ -104,8 +104,8 @@ class Summary:
 
 
 async def learn(learner: asyncexec.Executor, groups: list[Group], s: Summary) -> None:
-    """One update on the learner; after a learner rank died, a fresh group (its weights from
-    the model's folder: this example keeps no checkpoint) makes it."""
+    """One update on the learner; after a learner rank died, a fresh group makes it, resumed
+    from the learner's checkpoint of the update before."""
     for _ in range(3):
         try:
             await learner.call(CausalLMLearner.update, asyncexec.scatter(groups))
@@ -151,7 +151,11 @@ async def main(
             backend=TorchBackend(backend="gloo"),
             name="learner",
             roles=asyncexec.Role(
-                CausalLMLearner, folder, lr=settings.lr, allowed_token_ids=list(DIGIT_IDS)
+                CausalLMLearner,
+                folder,
+                lr=settings.lr,
+                allowed_token_ids=list(DIGIT_IDS),
+                checkpoint=os.path.join(tempfile.mkdtemp(prefix="grpo_vllm_"), "learner.pt"),
             ),
             resources_per_worker={"CPU": 0.5},
         ) as learner,

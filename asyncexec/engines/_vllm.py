@@ -43,6 +43,9 @@ EXTENSION = "asyncexec.engines._extension.WeightLoader"
 #: Sampling settings of every request unless the server or the prompt says otherwise: the
 #: sampled token's log-probability (what GRPO and PPO compare against).
 SAMPLING: Mapping[str, Any] = {"logprobs": 0, "max_tokens": 64}
+#: How often the engine loop looks whether the engine died (vLLM's client notices a core
+#: process that exits at once, and says so in ``AsyncLLM.errored``).
+WATCH_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,17 @@ class VLLMServer(RolloutServer):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         settings.setdefault("worker_extension_cls", EXTENSION)
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **settings))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **settings))
+        self._watching = asyncio.get_running_loop().create_task(self._watch(engine))
+        return engine
+
+    async def _watch(self, engine: Any) -> None:
+        """The server dies with its engine at once, whatever is in flight: a call into a dead
+        engine can wait for ever (``pause_generation`` on a core that was killed does), and a
+        server with no request would not notice at all."""
+        while not engine.errored:  # noqa: ASYNC110 (vLLM says it in a flag, with no event)
+            await asyncio.sleep(WATCH_S)
+        self._died_if_dead(engine.dead_error)
 
     # The engine loop ---------------------------------------------------------------------------
 
@@ -220,7 +233,8 @@ class VLLMServer(RolloutServer):
         a worker that died, and the router retries its requests on the others)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if isinstance(exc, EngineDeadError) or getattr(self.engine, "errored", False):
+        engine = getattr(self, "engine", None)
+        if isinstance(exc, EngineDeadError) or getattr(engine, "errored", False):
             print(
                 f"asyncexec: the vLLM engine died ({exc!r}): the server exits",
                 file=sys.stderr,

@@ -244,12 +244,10 @@ class HealthWatch:
 
     async def on_serving(self, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
         """Call ``fn`` on every serving server at once, each bounded by ``health_timeout_s``;
-        their results by rank (a server seen gone meanwhile is left out: it rejoins as the
-        router says).
-
-        Raises:
-            TimeoutError: a server did not answer in time.
-        """
+        their results by rank. A server seen gone meanwhile is left out (it rejoins as the
+        router says), and so is one that did not answer in time: it is taken out (its requests
+        go elsewhere, its process is killed, a fresh one rejoins), so that a pause or a resume
+        never waits on a server that hangs (an engine that is stopped)."""
         router = self.router
         results: dict[int, Any] = {}
 
@@ -260,6 +258,9 @@ class HealthWatch:
                     results[r] = await router.servers.call(fn, *args, on=on_rank(r))
             except GONE:
                 self.lost(r, worker)
+            except TimeoutError:
+                if router.balance.live(r, worker):
+                    await self.take_out(server, f"{getattr(fn, 'name', fn)}() timed out")
 
         async with task_group() as tg:
             for server in router.balance.servers:
