@@ -5,15 +5,26 @@ version's reference, so a rank that joins later gets it even after the source di
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+
+import anyio
 
 from ..._errors import AsyncExecError
 from ..._taskgroups import task_group
-from ..cluster import result_of, submit, submit_n
+from ..cluster import Call, result_of, submit, submit_n
 from ..group import WorkerInfo
 from ._transport import Core, Pending, caller_of, died, gather
 
 __all__ = ["ObjectStoreTransport"]
+
+
+async def _settle(calls: Sequence[Call], timeout_s: float) -> None:
+    """Await ``calls`` for their outcome alone (their errors were raised already)."""
+    with anyio.move_on_after(timeout_s):
+        for call in calls:
+            with contextlib.suppress(AsyncExecError):
+                await call
 
 
 class ObjectStoreTransport:
@@ -34,7 +45,16 @@ class ObjectStoreTransport:
         # The first results (the states' types) are awaited; the states stay where they are,
         # referenced.
         types = [result_of(caller, w, c[0]) for w, c in zip(sources, calls, strict=True)]
-        await gather(types, core.source_slot)
+        try:
+            await gather(types, core.source_slot)
+        except BaseException:
+            # A state's reference of a failed read holds the error too: left unawaited, Ray
+            # logs it as an "Unhandled error" (with the worker's traceback, at ERROR) when the
+            # reference goes. Awaited (in the channel's group: the push fails now), it does not.
+            states = [result_of(caller, w, c[1]) for w, c in zip(sources, calls, strict=True)]
+            if core.tg is not None:
+                core.tg.start_soon(_settle, states, core.timeout_s)
+            raise
         pending.refs = [c[1] for c in calls]
 
     async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import anyio.abc
 
-from ..._errors import AsyncExecError, ChannelError, NodeLostError, WorkerCrashedError, describe
+from ..._errors import (
+    AsyncExecError,
+    ChannelError,
+    NodeLostError,
+    WorkerCrashedError,
+    WorkerRaisedError,
+    describe,
+)
 from ..cluster import Call, Caller, at_attempt
 from ..group import GroupSlot, WorkerInfo
 
@@ -38,6 +46,8 @@ class Core(Protocol):
     sharded: bool
     log: Any
     counts: dict[str, int]
+    #: The channel's task group while it is open (work that outlives one push runs there).
+    tg: anyio.abc.TaskGroup | None
 
     @property
     def source_slot(self) -> GroupSlot:
@@ -111,6 +121,7 @@ def channel_error(what: str, exc: BaseException, timeout_s: float) -> ChannelErr
     if isinstance(exc, TimeoutError) and timeout_s:
         error = ChannelError(f"{what}: no answer within {timeout_s:g} s")
     else:
-        error = ChannelError(f"{what}: {describe(exc)}")
+        remote = exc.remote_traceback if isinstance(exc, WorkerRaisedError) else ""
+        error = ChannelError(f"{what}: {describe(exc)}", remote_traceback=remote)
     error.__cause__ = exc
     return error

@@ -109,7 +109,9 @@ class Versions:
                     errors.append(error)
                 return
             if outcome.kind != "ok":
-                errors.append(ChannelError(f"rank {worker.rank}: {describe(outcome.error)}"))
+                failed = ChannelError(f"rank {worker.rank}: {describe(outcome.error)}")
+                failed.__cause__ = outcome.error
+                errors.append(failed)
             else:
                 held.append(outcome.value or 0)
 
