@@ -31,6 +31,8 @@ class Pending:
     version: int
     done: anyio.Event
     refs: list[Any] | None = None  # object store: the shards' references
+    #: object store: the installs sent with the read, by target worker (see its ``read``)
+    early: dict[str, Any] | None = None
     parts: list[tuple[str, Any]] | None = None  # torch: (group id, tensor list) per source
     targets: list[WorkerInfo] | None = None
     sources: list[WorkerInfo] | None = None
@@ -63,6 +65,14 @@ class Core(Protocol):
 
     def latest(self) -> Pending | None:
         """The latest version read."""
+        ...
+
+    def delivered_before(self, version: int) -> bool:
+        """Whether every version before ``version`` has been delivered (or failed)."""
+        ...
+
+    def targets_now(self) -> list[WorkerInfo]:
+        """The target's live workers."""
         ...
 
     async def push_now(self) -> Pending:

@@ -79,6 +79,12 @@ class Versions:
     def latest(self) -> Pending | None:
         return self._last
 
+    def delivered_before(self, version: int) -> bool:
+        return all(p.done.is_set() for v, p in self.pending.items() if v < version)
+
+    def targets_now(self) -> list[WorkerInfo]:
+        return live(self.target_slot)
+
     async def push_now(self) -> Pending:
         return await self._push()
 
