@@ -115,7 +115,7 @@ def validate_resources(resources: object) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Which persisted checkpoints a run keeps.
+    """Which persisted checkpoints a run keeps, and whether its folder outlives the executor.
 
     Args:
         num_to_keep: keep this many checkpoints (``None`` keeps all). The latest one is always
@@ -123,14 +123,20 @@ class CheckpointConfig:
         score_attribute: a metric of rank 0's report; when set, the ``num_to_keep`` best by it are
             kept instead of the most recent.
         score_order: ``"max"`` or ``"min"``: which end of ``score_attribute`` is best.
+        keep_runs: keep the folders of the executor's unnamed runs when it closes. By default
+            they are removed then (an unnamed run cannot be resumed; its checkpoints are the
+            executor's while it is open); a named run's folder is always kept.
     """
 
     num_to_keep: int | None = None
     score_attribute: str | None = None
     score_order: Literal["max", "min"] = "max"
+    keep_runs: bool = False
 
     def __post_init__(self) -> None:
         check_count("num_to_keep", self.num_to_keep, allow_none=True)
+        if not isinstance(self.keep_runs, bool):
+            raise ConfigurationError(f"keep_runs must be a bool, got {self.keep_runs!r}")
         if self.score_order not in ("max", "min"):
             raise ConfigurationError(
                 f"score_order must be 'max' or 'min', got {self.score_order!r}"

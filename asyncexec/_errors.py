@@ -491,4 +491,27 @@ class MergeError(AsyncExecError, TypeError):
 
 class ChannelError(AsyncExecError):
     """A weight channel could not read a state from its source or deliver it to its target (the
-    cause, when there is one, is ``__cause__``)."""
+    cause, when there is one, is ``__cause__``).
+
+    Attributes:
+        remote_traceback: when a worker's code raised (``serve_weights``' read, an install,
+            ``load_weights``), its traceback as formatted on the worker, also in ``str(error)``
+            after the first line: it survives a pickle, which ``__cause__`` does not.
+    """
+
+    def __init__(self, message: str, *, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.remote_traceback:
+            return f"{text}\n\nRemote traceback:\n{self.remote_traceback}"
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_channel, (self.args[0], self.remote_traceback), _notes(self)
+
+
+def _rebuild_channel(message: str, remote_traceback: str) -> ChannelError:
+    return ChannelError(message, remote_traceback=remote_traceback)

@@ -162,6 +162,7 @@ async def main(
         resources_per_worker={"CPU": cpus_per_worker},
         backend=TorchBackend(backend="gloo"),
         restart=restart or asyncexec.RestartPolicy(max_restarts=2),
+        checkpoint=asyncexec.CheckpointConfig(keep_runs=True),  # the last one outlives it
         storage_path=storage_path,
     ) as executor:
         async for step in executor.run(train_loop, config):

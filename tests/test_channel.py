@@ -4,8 +4,11 @@ version before its function starts, and the channel survives SIGKILLs of either 
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -233,19 +236,55 @@ async def test_bad_channel_arguments_are_refused_before_anything_moves() -> None
         asyncexec.WeightChannel(object(), object())  # type: ignore[arg-type]
 
 
+def _serves_nothing() -> None:
+    while True:
+        asyncexec.report({"alive": 1})
+        time.sleep(0.01)
+
+
 async def test_a_cancelled_push_is_cancelled_not_a_channel_error(tmp_path: Any) -> None:
-    """A push cancelled while it reads (here: the source's function never registered how its
-    state is read) ends with the cancellation; it was turned into a ChannelError, so a loop that
-    retries on ChannelError never stopped."""
+    """A push cancelled while it reads (here: the source's function runs and has not yet
+    registered how its state is read) ends with the cancellation; it was turned into a
+    ChannelError, so a loop that retries on ChannelError never stopped."""
     async with (
         asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
         asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
         asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
     ):
+        learn = a.run(_serves_nothing)
+        await _next(learn)
         with anyio.move_on_after(1.0) as scope:
             await channel.push()
         assert scope.cancelled_caught
         assert channel.version == 0 and channel.statistics().failed_pushes == 0
+        await learn.aclose()
+
+
+class ServesNothing:
+    """A learner role that forgot ``serve_weights``."""
+
+    def step(self) -> int:
+        return 1
+
+
+async def test_a_source_that_registered_nothing_is_named_at_once_with_what_it_lacks(
+    tmp_path: Any,
+) -> None:
+    """A source whose ranks are up with no function running that could still register one
+    (a role that never called ``serve_weights``): the push failed after the channel's whole
+    timeout (120 s) with ``no answer within 120 s`` and no word of ``serve_weights``."""
+    async with (
+        asyncexec.Executor(
+            1, resources_per_worker={"CPU": 0.5}, roles=ServesNothing, storage_path=str(tmp_path)
+        ) as a,
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b, timeout_s=60) as channel,
+    ):
+        with anyio.fail_after(20), pytest.raises(asyncexec.ChannelError) as failed:
+            await channel.push()
+    message = str(failed.value)
+    assert "serve_weights" in message and "'weights'" in message and "rank 0" in message, message
+    assert channel.statistics().failed_pushes == 1
 
 
 # Defects at the channel's joints ----------------------------------------------------------------
@@ -405,3 +444,75 @@ async def test_a_push_delivers_to_a_target_group_that_restarted_during_its_read(
         assert await b.execute(asyncexec.weights_version) == [2, 2]
         await learn.aclose()
         await roll.aclose()
+
+
+# A push that fails -------------------------------------------------------------------------------
+
+
+def _parse_fails(state: Any) -> None:
+    raise ValueError(f"cannot load {sorted(state)}")
+
+
+class InstallFails:
+    """A target whose install raises, a call below it."""
+
+    def __init__(self) -> None:
+        asyncexec.receive_weights(lambda state, version: _parse_fails(state))
+
+
+class ReadFails:
+    """A source whose read raises."""
+
+    def __init__(self) -> None:
+        asyncexec.serve_weights(self.read)
+
+    def read(self) -> Any:
+        raise RuntimeError("the state is torn")
+
+
+class ServesOne:
+    def __init__(self) -> None:
+        asyncexec.serve_weights(lambda: {"w": 1})
+
+
+async def test_a_failed_install_keeps_the_workers_traceback_also_through_pickle() -> None:
+    """The ChannelError kept the message and dropped the worker's traceback: a copy that
+    crossed a process (pickled), or a log of its text, had no word of where it failed."""
+    cpu = {"CPU": 0.5}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=ServesOne) as a,
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=InstallFails) as b,
+        asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
+    ):
+        with pytest.raises(asyncexec.ChannelError) as failed:
+            await channel.push()
+    error = failed.value
+    assert "cannot load ['w']" in str(error).splitlines()[0]
+    for copy in (error, pickle.loads(pickle.dumps(error))):
+        assert "_parse_fails" in copy.remote_traceback, copy.remote_traceback
+        assert "_parse_fails" in str(copy)
+
+
+async def test_a_failed_read_raises_and_logs_no_unhandled_ray_error() -> None:
+    """Besides the ChannelError, Ray logged "Unhandled error" with the worker's traceback at
+    ERROR level: the state's reference of the failed read was never awaited."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    ray_worker = logging.getLogger("ray._private.worker")
+    ray_worker.addHandler(handler)
+    cpu = {"CPU": 0.5}
+    try:
+        async with (
+            asyncexec.Executor(1, resources_per_worker=cpu, roles=ReadFails) as a,
+            asyncexec.Executor(1, resources_per_worker=cpu) as b,
+            asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
+        ):
+            with pytest.raises(asyncexec.ChannelError, match="the state is torn"):
+                await channel.push()
+            gc.collect()
+            await a.execute(os.getpid)  # a round trip to the source once the refs are freed
+    finally:
+        ray_worker.removeHandler(handler)
+    unhandled = [r.getMessage()[:200] for r in records if "Unhandled error" in r.getMessage()]
+    assert unhandled == []

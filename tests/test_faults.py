@@ -120,7 +120,8 @@ async def test_checkpoints_on_an_fsspec_filesystem_survive_a_restart(tmp_path: P
         storage_path=storage,
         restart=policy,
         buffer_size=1,
-        checkpoint=asyncexec.CheckpointConfig(num_to_keep=2),
+        # The run's folder is read below, after the executor closed.
+        checkpoint=asyncexec.CheckpointConfig(num_to_keep=2, keep_runs=True),
     ) as ex:
         pids = [w.pid for w in ex.workers]
 

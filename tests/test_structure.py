@@ -19,7 +19,16 @@ CLASS_LINES, FUNCTION_LINES, MODULE_LINES = 250, 80, 600
 
 #: The driver's layers, lowest first: a module may import its own layer's and lower ones'.
 LAYERS = [
-    ("base", ["_driver._logging", "_driver._interrupt", "_driver._metrics", "_driver._restart"]),
+    (
+        "base",
+        [
+            "_driver._logging",
+            "_driver._interrupt",
+            "_driver._metrics",
+            "_driver._restart",
+            "_driver._retention",
+        ],
+    ),
     ("cluster", ["_driver.cluster"]),
     ("group", ["_driver.group"]),
     ("run", ["_driver.run"]),

@@ -223,12 +223,20 @@ class Executor(WorkerCalls, ExecutorRuns):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._life.exit()
+        try:
+            await self._life.exit()
+        finally:
+            await self._retention.remove()
 
     async def aclose(self, *, force: bool = False) -> None:
         """Stop any run and tear the group down; ``force`` skips the graceful part. Shielded,
-        bounded and idempotent: afterwards no actor or placement group of this executor is left."""
-        await self._life.aclose(force=force)
+        bounded and idempotent: afterwards no actor or placement group of this executor is left,
+        and the folders of its unnamed runs are removed (unless
+        ``CheckpointConfig(keep_runs=True)``)."""
+        try:
+            await self._life.aclose(force=force)
+        finally:
+            await self._retention.remove()
 
     # State ------------------------------------------------------------------------------------
 

@@ -16,8 +16,10 @@ from .._errors import ExecutorStateError
 from ..backends._base import Backend
 from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
+from ._logging import Logger
 from ._metrics import metrics
 from ._restart import RestartPolicy
+from ._retention import Retention
 from .run import Resume, Run, RunCore, RunDriver, RunResult, RunState, new_run_id, prepare
 
 __all__ = ["ExecutorRuns", "ExecutorStatistics"]
@@ -63,9 +65,11 @@ class ExecutorRuns:
     restart_policy: RestartPolicy
     _life: Lifecycle
     _loads: Loads
+    log: Logger
 
     def _init_runs(self) -> None:
         self._result: RunResult | None = None
+        self._retention = Retention(self.config, self.log)
         self._stats = dict.fromkeys(
             (
                 "runs_started",
@@ -189,6 +193,7 @@ class ExecutorRuns:
             )
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(spec.name or new_run_id())
+        self._retention.started(core.run_id, named=spec.name is not None)
         driver = RunDriver(
             life.slot, self.restart_policy, core, send, spec, self._run_ended, self._preempted
         )

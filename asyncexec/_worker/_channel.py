@@ -30,6 +30,13 @@ __all__ = [
 
 DEFAULT_CHANNEL = "weights"
 _READER_POLL_S = 0.01
+#: The share of a read's bound that a source rank waits for its function's ``serve_weights``.
+_WAIT_SHARE = 0.8
+
+
+def _rank() -> int | str:
+    context = _place.current_place().context
+    return "?" if context is None else context.world_rank
 
 
 class _End:
@@ -133,18 +140,38 @@ def weights_version(channel: str = DEFAULT_CHANNEL) -> int | None:
 # The driver's calls (through the actor) ---------------------------------------------------------
 
 
+class NoReaderError(LookupError):
+    """This source rank has no ``serve_weights`` for the channel (see :func:`read_state`)."""
+
+
 def read_state(name: str, timeout_s: float, *, mapping: bool = True) -> Any:
-    """This rank's state, read with the function ``serve_weights`` registered (waiting up to
-    ``timeout_s`` for the run's function to register one); a mapping, unless ``mapping`` is
-    False (the object-store transport of an unsharded channel takes any picklable state).
-    Blocking: runs in a thread."""
+    """This rank's state, read with the function ``serve_weights`` registered; a mapping,
+    unless ``mapping`` is False (the object-store transport of an unsharded channel takes any
+    picklable state). Blocking: runs in a thread.
+
+    With none registered: while a run's function runs here (it may register one yet), waits
+    for it up to ``_WAIT_SHARE`` of ``timeout_s`` (the driver's bound on the whole read: this
+    error, naming what is missing, comes back before it); with no function running, nothing
+    can register one, and the rank says so at once.
+
+    Raises:
+        NoReaderError: naming ``serve_weights`` and the channel.
+    """
     end = _end(name)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s * _WAIT_SHARE
     while end.read is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"no serve_weights(..., channel={name!r}) on this rank within {timeout_s:g} s: "
-                "the sending executor's function must register how its state is read"
+        session = _place.current_session()
+        running = session is not None and not session.finished
+        if not running or time.monotonic() > deadline:
+            why = (
+                f"its run's function registered none within {timeout_s * _WAIT_SHARE:.3g} s"
+                if running
+                else "no run's function is running here to register one"
+            )
+            raise NoReaderError(
+                f"rank {_rank()} of the source has no serve_weights(read, channel={name!r}) "
+                f"({why}): call asyncexec.serve_weights(read) in the source's run function "
+                "or in its role's __init__"
             )
         time.sleep(_READER_POLL_S)
     state = end.read()

@@ -32,6 +32,11 @@ class Session(Protocol):
 
     def halt(self) -> None: ...
 
+    @property
+    def finished(self) -> bool:
+        """Whether the run's function has ended."""
+        ...
+
 
 class Place:
     """One worker's state: the group's context, the run's session, the weight version held,

@@ -38,7 +38,7 @@ import ray
 
 from .._interface import WORKER_METHODS, unpacked
 from .._tracing import Carried, attached
-from . import _roles
+from . import _channel, _roles
 from ._actor import ROLE_GROUPS, WorkerCode, role_group
 
 __all__ = ["CONTROL_THREADS", "LIFE", "LIFE_GROUP", "ThreadedWorkerActor", "ThreadedWorkerCode"]
@@ -81,6 +81,19 @@ class _Threaded:
                 if context.is_canceled():
                     future.cancel()  # the coroutine sees CancelledError on the loop
 
+    # A weight push's two ends run right here, on the call's thread: they block (the user's
+    # read and install), and the bridge would hop to the loop and from there to a thread of
+    # its own (two hops of each push's critical path).
+
+    def channel_read(self, name: str, timeout_s: float, mapping: bool) -> tuple[str, Any]:
+        """As the async worker's ``channel_read``, on this call's thread."""
+        state = _channel.read_state(name, timeout_s, mapping=mapping)
+        return type(state).__name__, state
+
+    def channel_receive(self, name: str, version: int, *shards: Any) -> None:
+        """As the async worker's ``channel_receive``, on this call's thread."""
+        _channel.install_state(name, version, _channel.merge([*shards]))
+
     def call_method_sync(self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any) -> Any:
         """Call the plain method ``key`` of this worker's instance of its role right here, on
         the role's concurrency-group thread (one call at a time, as on a sync Ray actor); an
@@ -114,7 +127,7 @@ def _bridge(name: str) -> Callable[..., Any]:
     return bridge
 
 
-for _name in sorted(WORKER_METHODS - {"call_method_sync"}):
+for _name in sorted(WORKER_METHODS - {"call_method_sync", "channel_read", "channel_receive"}):
     setattr(_Threaded, _name, _bridge(_name))
 del _name
 

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import anyio.abc
 
-from ..._errors import AsyncExecError, ChannelError, NodeLostError, WorkerCrashedError, describe
+from ..._errors import (
+    AsyncExecError,
+    ChannelError,
+    NodeLostError,
+    WorkerCrashedError,
+    WorkerRaisedError,
+    describe,
+)
 from ..cluster import Call, Caller, at_attempt
 from ..group import GroupSlot, WorkerInfo
 
@@ -23,6 +31,8 @@ class Pending:
     version: int
     done: anyio.Event
     refs: list[Any] | None = None  # object store: the shards' references
+    #: object store: the installs sent with the read, by target worker (see its ``read``)
+    early: dict[str, Any] | None = None
     parts: list[tuple[str, Any]] | None = None  # torch: (group id, tensor list) per source
     targets: list[WorkerInfo] | None = None
     sources: list[WorkerInfo] | None = None
@@ -38,6 +48,8 @@ class Core(Protocol):
     sharded: bool
     log: Any
     counts: dict[str, int]
+    #: The channel's task group while it is open (work that outlives one push runs there).
+    tg: anyio.abc.TaskGroup | None
 
     @property
     def source_slot(self) -> GroupSlot:
@@ -53,6 +65,14 @@ class Core(Protocol):
 
     def latest(self) -> Pending | None:
         """The latest version read."""
+        ...
+
+    def delivered_before(self, version: int) -> bool:
+        """Whether every version before ``version`` has been delivered (or failed)."""
+        ...
+
+    def targets_now(self) -> list[WorkerInfo]:
+        """The target's live workers."""
         ...
 
     async def push_now(self) -> Pending:
@@ -111,6 +131,7 @@ def channel_error(what: str, exc: BaseException, timeout_s: float) -> ChannelErr
     if isinstance(exc, TimeoutError) and timeout_s:
         error = ChannelError(f"{what}: no answer within {timeout_s:g} s")
     else:
-        error = ChannelError(f"{what}: {describe(exc)}")
+        remote = exc.remote_traceback if isinstance(exc, WorkerRaisedError) else ""
+        error = ChannelError(f"{what}: {describe(exc)}", remote_traceback=remote)
     error.__cause__ = exc
     return error

@@ -79,6 +79,12 @@ class Versions:
     def latest(self) -> Pending | None:
         return self._last
 
+    def delivered_before(self, version: int) -> bool:
+        return all(p.done.is_set() for v, p in self.pending.items() if v < version)
+
+    def targets_now(self) -> list[WorkerInfo]:
+        return live(self.target_slot)
+
     async def push_now(self) -> Pending:
         return await self._push()
 
@@ -109,7 +115,9 @@ class Versions:
                     errors.append(error)
                 return
             if outcome.kind != "ok":
-                errors.append(ChannelError(f"rank {worker.rank}: {describe(outcome.error)}"))
+                failed = ChannelError(f"rank {worker.rank}: {describe(outcome.error)}")
+                failed.__cause__ = outcome.error
+                errors.append(failed)
             else:
                 held.append(outcome.value or 0)
 

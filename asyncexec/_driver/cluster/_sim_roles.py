@@ -133,7 +133,7 @@ class SimCalls:
     ) -> Awaitable[tuple[str, Any]]:
         return _no_channels()
 
-    def channel_receive(self, name: str, version: int, refs: list[Any]) -> Awaitable[None]:
+    def channel_receive(self, name: str, version: int, *shards: Any) -> Awaitable[None]:
         return _no_channels()
 
     def channel_port(

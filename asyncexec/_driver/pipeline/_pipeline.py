@@ -80,8 +80,11 @@ class Pipeline:
             (they end at their next pause point; their prompts go back at the head of the
             queue).
         channel: the :class:`~asyncexec.WeightChannel` from the learner to the servers (its
-            ``max_staleness`` must be 1). None: :meth:`update_weights` takes the state and
-            sends it to every server (local mode, small states).
+            ``max_staleness`` must be 1); when it has pushed nothing yet, the pipeline pushes
+            the learner's weights once it is entered, before anything is generated. The
+            samples' versions are the learner's (``version``'s scale), not the channel's.
+            None: :meth:`update_weights` takes the state and sends it to every server (local
+            mode, small states); a chunk made before the first install counts as version 0.
         consumed: :meth:`state_dict` from the learner's checkpoint: those ids are never handed
             again, the version goes on from it.
 
