@@ -96,7 +96,7 @@ async def throughput(
     """Samples trained per second over ``sizes.batches`` batches of the long-tailed workload
     through a pipeline with bound ``staleness``, each batch trained (simulated time) and
     followed by a push (``on_update="keep"``); how many samples were beyond the bound, by each
-    sample's oldest chunk against the version the learner held (not the pipeline's count);
+    sample's oldest chunk against the batch's version (not the pipeline's staleness figures);
     the lengths trained and the lengths the source gave (the bias expiry may bring); the
     requests expired and the share of generation time they threw away."""
     router = asyncexec.Router(servers, max_in_flight=sizes.max_in_flight, channel=channel)
@@ -125,9 +125,8 @@ async def throughput(
         ) as pipe,
     ):
         async for batch in pipe:
-            held = channel.version
-            for s in batch.samples:
-                lag = 10**9 if s.version is None else held - s.version
+            for s in batch.samples:  # (their versions are the learner's, as the batch's)
+                lag = 10**9 if s.version is None else batch.version - s.version
                 beyond += lag > staleness
                 stale_max = max(stale_max, lag)
             await trainer.call(Trainer.train, len(batch.samples), sizes.train_s)

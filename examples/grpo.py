@@ -416,8 +416,8 @@ async def main(
                 index = s.started_from + s.updates + 1
                 s.consumed.extend(batch.ids)
                 s.lengths.extend(x.prompt.length for x in batch.samples)
-                # Staleness by the samples' own versions against the weights the learner holds.
-                lags = [channel.version - (-1 if x.version is None else x.version)
+                # Staleness by the samples' own versions (the learner's: the batch's scale).
+                lags = [batch.version - (0 if x.version is None else x.version)
                         for x in batch.samples]  # fmt: skip
                 s.staleness_max = max(s.staleness_max, batch.staleness_max, *lags)
                 s.rewards.append(float(np.mean([x.output.rewards.mean() for x in batch.samples])))
