@@ -24,6 +24,8 @@ def test_tiers_follow_what_a_test_uses(request: pytest.FixtureRequest) -> None:
         tier = tier_of(item)
         if "make_cluster" in names:
             assert tier == "multinode", item.nodeid
+        elif "ray_engines" in names:
+            assert tier == "engine", item.nodeid
         elif "ray_local" in names:
             assert tier in ("ray", "subprocess", "bench"), item.nodeid
         elif tier != "fast":
@@ -34,6 +36,7 @@ def test_tiers_follow_what_a_test_uses(request: pytest.FixtureRequest) -> None:
         # a helper of the test's module starts the driver process
         ("test_resume.py::test_a_new_driver_resumes_a_named_run", "subprocess"),
         ("test_cluster.py::test_parent_placement_group_that_captures", "multinode"),
+        ("test_engines_vllm.py::test_a_push_changes_greedy_outputs", "engine"),
         ("test_stream.py::test_every_rank_every_step_arrives_in_order_exactly_once[ray", "ray"),
         ("test_stream.py::test_every_rank_every_step_arrives_in_order_exactly_once[local", "fast"),
     ]

@@ -35,7 +35,7 @@ from typing import Any
 
 import anyio
 
-from .._config import validate_resources
+from .._config import CheckpointConfig, validate_resources
 from .._driver.run import RunResult
 from .._errors import AsyncExecError, ConfigurationError, describe
 from ._heap import frozen_heap
@@ -352,7 +352,7 @@ async def drive(
         options.num_workers,
         resources_per_worker=options.resources,
         restart=policy,
-        storage_path=options.storage_path,
+        storage_path=options.storage_path, checkpoint=CheckpointConfig(keep_runs=True),
         address=options.address,
         runtime_env=options.runtime_env,
         name="cli",
