@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequen
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from .. import RolloutServer, Sample
+from .. import RolloutServer, Sample, get_context
 from ._extension import pack
 
 __all__ = ["Completion", "Delta", "EngineChunk", "VLLMServer", "completions"]
@@ -133,7 +133,9 @@ class VLLMServer(RolloutServer):
     Args:
         model: the model's folder (or name, where a hub can be reached).
         engine: ``AsyncEngineArgs`` settings (``dtype``, ``max_model_len``,
-            ``gpu_memory_utilization``, ``tensor_parallel_size``, ``enforce_eager``, ...).
+            ``gpu_memory_utilization``, ``tensor_parallel_size``, ``enforce_eager``, ...). Each
+            server's engine is seeded with ``seed`` (0 by default) plus its world rank, so that
+            servers do not draw the same random numbers.
         sampling: ``SamplingParams`` settings of every request (``n``, ``max_tokens``,
             ``temperature``, ...); ``logprobs=0`` by default (the sampled token's).
         kv_cache_gib: on a CPU, the KV cache's size (``VLLM_CPU_KVCACHE_SPACE``) when not set
@@ -200,6 +202,7 @@ class VLLMServer(RolloutServer):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         settings.setdefault("worker_extension_cls", EXTENSION)
+        settings["seed"] = int(settings.get("seed") or 0) + _rank()
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **settings))
         self._watching = asyncio.get_running_loop().create_task(self._watch(engine))
         return engine
@@ -371,6 +374,13 @@ def _reaper(pids: list[int]) -> subprocess.Popen[bytes]:
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # not in the worker's process group: it outlives a group kill
     )
+
+
+def _rank() -> int:
+    try:
+        return get_context().world_rank
+    except Exception:  # made outside a worker (a unit test): rank 0
+        return 0
 
 
 async def _awaited(awaitable: Awaitable[T]) -> T:
