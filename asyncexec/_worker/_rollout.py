@@ -98,6 +98,25 @@ async def _closing(steps: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[Any
             await close()
 
 
+def _merged(
+    server: RolloutServer, chunks: list[Any], versions: list[int | None]
+) -> tuple[list[Any], list[int | None]]:
+    """``chunks`` with each run of chunks made under one version merged by ``server.merge``
+    (where it merges), and their versions."""
+    out: list[Any] = []
+    out_versions: list[int | None] = []
+    start = 0
+    for end in range(1, len(chunks) + 1):
+        if end < len(chunks) and versions[end] == versions[start]:
+            continue
+        run = chunks[start:end]
+        one = server.merge(run) if len(run) > 1 else None
+        out.extend(run if one is None else [one])
+        out_versions.extend(versions[start:end] if one is None else [versions[start]])
+        start = end
+    return out, out_versions
+
+
 def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -351,6 +370,13 @@ class RolloutServer:
         """The sample's output from its chunks (by default the list of chunks)."""
         return chunks
 
+    def merge(self, chunks: list[Any]) -> Any:
+        """One chunk in place of ``chunks``, consecutive chunks of one generation made under
+        the same weights version, in the sample; None (the default) keeps them apart. A server
+        whose chunks are small (an engine step each) merges them, so that its samples are cheap
+        to send: a sample's chunks and versions then pair up as before, one version a chunk."""
+        return None
+
     async def health(self) -> None:
         """Raise (or hang) when this server is unhealthy; the router's health watch calls it."""
 
@@ -413,6 +439,7 @@ class RolloutServer:
                         gate.leave()
                     made.append(chunk)
                     versions.append(self.chunk_version(chunk, version))
+            made, versions = _merged(self, made, versions)
             output = made if aborted else self.finish(request.prompt, made)
             rank = self._rollout_rank
             sample = Sample(request.id, request.prompt, output, tuple(versions), rank, aborted)

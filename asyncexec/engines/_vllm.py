@@ -297,6 +297,14 @@ class VLLMServer(RolloutServer):
         """The version the engine held when it made the chunk's outputs."""
         return chunk.version if isinstance(chunk, EngineChunk) else version
 
+    def merge(self, chunks: list[Any]) -> EngineChunk:
+        """One chunk for a run of chunks made under one version (an engine step each): a
+        sample of a few hundred tokens is a few objects to send, not a few thousand."""
+        first = chunks[0]
+        return EngineChunk(
+            _joined([c.deltas for c in chunks]), first.version, first.prompt_token_ids
+        )
+
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         """Load ``state`` into the running engine in place (every worker of the engine), reset
         its prefix cache, and tell it the version. Runs in a thread, with the engine paused or
@@ -411,18 +419,31 @@ def _inputs(prompt: Any) -> tuple[Any, Mapping[str, Any]]:
 
 
 def _deltas(outputs: list[Any]) -> tuple[Delta, ...]:
-    """The engine's delta outputs of one request, merged per completion."""
+    """The engine's delta outputs of one request, joined per completion."""
+    parts = [tuple(_delta(c) for c in output.outputs) for output in outputs]
+    return parts[0] if len(parts) == 1 else _joined(parts)
+
+
+def _delta(c: Any) -> Delta:
+    """One completion's delta output (vLLM's ``CompletionOutput``)."""
+    ids = tuple(c.token_ids)
+    lps = (
+        tuple(_logprob(lp, t) for lp, t in zip(c.logprobs, ids, strict=True)) if c.logprobs else ()
+    )
+    spans = tuple((s.version, s.start, s.end) for s in c.weight_versions or ())
+    return Delta(c.index, ids, lps, c.finish_reason, spans)
+
+
+def _joined(parts: list[tuple[Delta, ...]]) -> tuple[Delta, ...]:
+    """Consecutive deltas of one request's completions, joined per completion."""
     merged: dict[int, dict[str, Any]] = {}
-    for output in outputs:
-        for c in output.outputs:
-            part = merged.setdefault(c.index, {"ids": [], "lps": [], "end": None, "spans": ()})
-            ids = list(c.token_ids)
-            part["ids"].extend(ids)
-            if c.logprobs:
-                part["lps"].extend(_logprob(lp, t) for lp, t in zip(c.logprobs, ids, strict=True))
-            part["end"] = c.finish_reason or part["end"]
-            if c.weight_versions:
-                part["spans"] = tuple((s.version, s.start, s.end) for s in c.weight_versions)
+    for deltas in parts:
+        for d in deltas:
+            part = merged.setdefault(d.index, {"ids": [], "lps": [], "end": None, "spans": ()})
+            part["ids"].extend(d.token_ids)
+            part["lps"].extend(d.logprobs)
+            part["end"] = d.finish_reason or part["end"]
+            part["spans"] = d.engine_versions or part["spans"]
     return tuple(
         Delta(i, tuple(p["ids"]), tuple(p["lps"]), p["end"], p["spans"])
         for i, p in sorted(merged.items())
