@@ -29,15 +29,15 @@ _EXPORTS: dict[str, str] = {
     "BackendError": "_errors",
     "ChannelError": "_errors",
     "ChannelStatistics": "_driver.channel",
-    "Checkpoint": "_checkpoint",
-    "CheckpointConfig": "_config",
+    "Checkpoint": "_wire._checkpoint",
+    "CheckpointConfig": "_driver._config",
     "ConfigurationError": "_errors",
     "DataConfig": "_driver.cluster",
     "Executor": "_driver._executor",
     "ExecutorState": "_driver._executor",
     "ExecutorStateError": "_errors",
     "ExecutorStatistics": "_driver._executor",
-    "HealthChecks": "_config",
+    "HealthChecks": "_driver._config",
     "MergeError": "_errors",
     "NodeLostError": "_errors",
     "Pipeline": "_driver.pipeline",
@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "PipelineStatistics": "_driver.pipeline",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
-    "PreemptionNotice": "_protocol",
+    "PreemptionNotice": "_wire._protocol",
     "Report": "_driver.run",
     "Reservation": "_driver.group",
     "ReservationStatistics": "_driver.group",
@@ -63,18 +63,18 @@ _EXPORTS: dict[str, str] = {
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
     "Step": "_driver.run",
-    "Timeline": "_timeline",
-    "TimelineStatistics": "_timeline",
-    "Timeouts": "_config",
-    "WorkerContext": "_protocol",
-    "Mesh": "_dispatch",
-    "Role": "_dispatch",
-    "Splittable": "_dispatch",
-    "concat": "_dispatch",
-    "least_loaded": "_dispatch",
-    "method": "_role",
-    "rank": "_dispatch",
-    "scatter": "_dispatch",
+    "Timeline": "_timeline._timeline",
+    "TimelineStatistics": "_timeline._timeline",
+    "Timeouts": "_driver._config",
+    "WorkerContext": "_wire._protocol",
+    "Mesh": "_dispatch._plan",
+    "Role": "_dispatch._plan",
+    "Splittable": "_dispatch._plan",
+    "concat": "_dispatch._plan",
+    "least_loaded": "_dispatch._plan",
+    "method": "_dispatch._role",
+    "rank": "_dispatch._plan",
+    "scatter": "_dispatch._plan",
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
@@ -144,18 +144,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._checkpoint import Checkpoint as Checkpoint
     from ._cli._logconfig import configure_logging as configure_logging
-    from ._config import CheckpointConfig as CheckpointConfig
-    from ._config import HealthChecks as HealthChecks
-    from ._config import Timeouts as Timeouts
-    from ._dispatch import Mesh as Mesh
-    from ._dispatch import Role as Role
-    from ._dispatch import Splittable as Splittable
-    from ._dispatch import concat as concat
-    from ._dispatch import least_loaded as least_loaded
-    from ._dispatch import rank as rank
-    from ._dispatch import scatter as scatter
+    from ._dispatch._plan import Mesh as Mesh
+    from ._dispatch._plan import Role as Role
+    from ._dispatch._plan import Splittable as Splittable
+    from ._dispatch._plan import concat as concat
+    from ._dispatch._plan import least_loaded as least_loaded
+    from ._dispatch._plan import rank as rank
+    from ._dispatch._plan import scatter as scatter
+    from ._dispatch._role import method as method
+    from ._driver._config import CheckpointConfig as CheckpointConfig
+    from ._driver._config import HealthChecks as HealthChecks
+    from ._driver._config import Timeouts as Timeouts
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics
@@ -197,11 +197,11 @@ if TYPE_CHECKING:
     from ._errors import WorkerHungError as WorkerHungError
     from ._errors import WorkerRaisedError as WorkerRaisedError
     from ._errors import WorkerUnreachableError as WorkerUnreachableError
-    from ._protocol import PreemptionNotice as PreemptionNotice
-    from ._protocol import WorkerContext as WorkerContext
-    from ._role import method as method
-    from ._timeline import Timeline as Timeline
-    from ._timeline import TimelineStatistics as TimelineStatistics
+    from ._timeline._timeline import Timeline as Timeline
+    from ._timeline._timeline import TimelineStatistics as TimelineStatistics
+    from ._wire._checkpoint import Checkpoint as Checkpoint
+    from ._wire._protocol import PreemptionNotice as PreemptionNotice
+    from ._wire._protocol import WorkerContext as WorkerContext
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version
@@ -216,8 +216,8 @@ if TYPE_CHECKING:
 else:
     # The error tree and the worker-side API are light and always needed: load them now.
     _load("_errors")
-    _load("_checkpoint")
-    _load("_protocol")
+    _load("_wire._checkpoint")
+    _load("_wire._protocol")
     _load("_worker._session")
     _load("_worker._channel")
     if not _in_ray_worker():

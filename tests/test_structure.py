@@ -22,6 +22,9 @@ LAYERS = [
     (
         "base",
         [
+            "_driver._config",
+            "_driver._devices",
+            "_driver._taskgroups",
             "_driver._logging",
             "_driver._interrupt",
             "_driver._metrics",
@@ -243,7 +246,7 @@ def test_no_module_outside_the_worker_side_takes_its_private_modules() -> None:
 def test_local_mode_is_decided_in_the_seam_alone(word: str) -> None:
     """Outside the seam, nothing asks whether workers are threads or actors (the configuration
     checks what local mode refuses, before anything starts)."""
-    allowed = ("_driver.cluster", "_config", "_driver._lifecycle", "_driver.run._spec")
+    allowed = ("_driver.cluster", "_driver._config", "_driver._lifecycle", "_driver.run._spec")
     users = [
         name
         for name, path in MODULES.items()

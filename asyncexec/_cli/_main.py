@@ -35,7 +35,7 @@ from typing import Any
 
 import anyio
 
-from .._config import CheckpointConfig, validate_resources
+from .._driver._config import CheckpointConfig, validate_resources
 from .._driver.run import RunResult
 from .._errors import AsyncExecError, ConfigurationError, describe
 from ._heap import frozen_heap

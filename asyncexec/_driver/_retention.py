@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import anyio
 
-from .._checkpoint import join_path, remove_directory
-from .._config import ExecutorConfig
 from .._errors import describe
+from .._wire._checkpoint import join_path, remove_directory
+from ._config import ExecutorConfig
 from ._logging import Logger
 
 __all__ = ["Retention"]

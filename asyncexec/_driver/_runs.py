@@ -10,10 +10,10 @@ from typing import Any
 
 import anyio
 
-from .._checkpoint import Checkpoint
-from .._config import ExecutorConfig
 from .._errors import ExecutorStateError
+from .._wire._checkpoint import Checkpoint
 from ..backends._base import Backend
+from ._config import ExecutorConfig
 from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
 from ._logging import Logger

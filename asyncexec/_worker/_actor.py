@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from .._interface import WorkerInterface, as_outcome, method_key, unpacked
-from .._protocol import (
+from .._wire._interface import WorkerInterface, as_outcome, method_key, unpacked
+from .._wire._protocol import (
     Outcome,
     Poll,
     PreemptionNotice,
@@ -29,7 +29,7 @@ from .._protocol import (
     WorkerContext,
     WorkerMetadata,
 )
-from .._tracing import Carried, carried
+from .._wire._tracing import Carried, carried
 from . import _channel, _outcomes, _place, _roles, _session
 
 __all__ = ["ROLE_GROUPS", "WorkerActor", "WorkerCode", "role_group"]

@@ -18,7 +18,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from ..._errors import ConfigurationError
-from ..._timeline_pipeline import PipelineTrack, batch_handed, counted
+from ..._timeline._pipeline import PipelineTrack, batch_handed, counted
 from ..._worker import RolloutRequest, Sample
 from .._logging import Logger
 from .._metrics import PipelineMeters

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import anyio
 import anyio.lowlevel
 
-from ..._dispatch import rank as on_rank
+from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._worker import RolloutRequest, Sample
 from ._health import GONE

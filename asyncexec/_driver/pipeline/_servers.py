@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..._dispatch._role import method
 from ..._errors import ConfigurationError
-from ..._role import method
 from ..._worker import RolloutRequest, RolloutServer, Sample
 from .._executor import Executor
 from ._router import Router

@@ -31,7 +31,7 @@ from .._base import Backend, GroupHandle
 from . import _worker
 
 if TYPE_CHECKING:
-    from ..._protocol import WorkerContext
+    from ..._wire._protocol import WorkerContext
 
 __all__ = ["TorchBackend", "resolve_backend"]
 
