@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -52,14 +51,14 @@ _EXPORTS: dict[str, str] = {
     "ReportMismatchError": "_errors",
     "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
-    "RolloutRequest": "_worker._rollout",
+    "RolloutRequest": "_wire._rollout",
     "RolloutServer": "_worker._rollout",
     "Router": "_driver.pipeline",
     "RouterStatistics": "_driver.pipeline",
     "Run": "_driver.run",
     "RunResult": "_driver.run",
     "RunState": "_driver.run",
-    "Sample": "_worker._rollout",
+    "Sample": "_wire._rollout",
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
     "Step": "_driver.run",
@@ -117,16 +116,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'asyncexec' has no attribute {name!r}")
     _load(home)
     return globals()[name]
-
-
-def _in_ray_worker() -> bool:
-    """Whether this process is a Ray worker. Ray connects a worker, which sets its mode, before
-    the worker runs any code of the application (unpickling an actor class or a function is what
-    imports asyncexec there); a process that has not imported Ray is not a worker."""
-    ray_worker = sys.modules.get("ray._private.worker")
-    if ray_worker is None:
-        return False
-    return bool(ray_worker.global_worker.mode == ray_worker.WORKER_MODE)
 
 
 def _load_driver_side() -> None:
@@ -202,12 +191,12 @@ if TYPE_CHECKING:
     from ._wire._checkpoint import Checkpoint as Checkpoint
     from ._wire._protocol import PreemptionNotice as PreemptionNotice
     from ._wire._protocol import WorkerContext as WorkerContext
+    from ._wire._rollout import RolloutRequest as RolloutRequest
+    from ._wire._rollout import Sample as Sample
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version
-    from ._worker._rollout import RolloutRequest as RolloutRequest
     from ._worker._rollout import RolloutServer as RolloutServer
-    from ._worker._rollout import Sample as Sample
     from ._worker._session import get_checkpoint as get_checkpoint
     from ._worker._session import get_context as get_context
     from ._worker._session import get_dataset_shard as get_dataset_shard
@@ -220,5 +209,6 @@ else:
     _load("_wire._protocol")
     _load("_worker._session")
     _load("_worker._channel")
-    if not _in_ray_worker():
+    # Whether this process is a Ray worker is the worker side's to tell (it knows Ray).
+    if not importlib.import_module("._worker", __name__).in_ray_worker():
         _load_driver_side()

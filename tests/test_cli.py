@@ -23,7 +23,8 @@ import structlog
 
 import asyncexec
 from asyncexec._cli._logconfig import configure_logging
-from asyncexec._cli._main import main, quiet_planned_crash, total_steps
+from asyncexec._cli._main import main, total_steps
+from asyncexec._driver.cluster import quiet_planned_crash
 from asyncexec._cli._views import JsonView
 from asyncexec._driver.run import Report, Step
 
@@ -352,7 +353,7 @@ def test_console_command_runs_a_module_from_the_working_directory(tmp_path: Path
 
 
 def test_configure_logging_json_carries_the_bound_context() -> None:
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     out = io.StringIO()
     configure_logging("json", "info", stream=out)
@@ -369,7 +370,7 @@ def test_configure_logging_json_carries_the_bound_context() -> None:
 
 
 def test_configure_logging_console_filters_by_level() -> None:
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     out = io.StringIO()
     configure_logging("console", "warning", stream=out, colors=False)
@@ -388,7 +389,7 @@ def test_configure_logging_renders_other_structlog_users_and_replaces_itself(
     """An application's own structlog logger renders like asyncexec's events (as the service
     example's does); a second call replaces the first (one handler, the new stream, the new
     level); without a stream, lines go to whatever sys.stderr is at each write."""
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     first, second = io.StringIO(), io.StringIO()
     configure_logging("console", "debug", stream=first, colors=False)

@@ -23,19 +23,19 @@ import argparse
 import contextlib
 import importlib
 import json
-import logging
 import os
 import shutil
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 
 from .._driver._config import CheckpointConfig, validate_resources
+from .._driver.cluster import init_ray, quiet_planned_crash, ray_is_initialized, shutdown_ray
 from .._driver.run import RunResult
 from .._errors import AsyncExecError, ConfigurationError, describe
 from ._heap import frozen_heap
@@ -307,9 +307,7 @@ def worker_import_path(directory: str, address: str | None) -> dict[str, Any] | 
     if os.path.realpath(directory) in known:
         return None
     os.environ["PYTHONPATH"] = os.pathsep.join([directory, *parts])
-    import ray
-
-    if ray.is_initialized() or address is not None or os.environ.get("RAY_ADDRESS"):
+    if ray_is_initialized() or address is not None or os.environ.get("RAY_ADDRESS"):
         return {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
     return None
 
@@ -425,60 +423,6 @@ def _demo_story(result: RunResult) -> str:
     )
 
 
-def _init_ray(address: str | None) -> bool:
-    """Start (or join) Ray, quietly; return whether this call did. Called before the event loop
-    starts (``ray.init`` blocks for seconds), in the main thread, where Ray can install its
-    signal handlers."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    return True
-
-
-#: How the raylet's notice of a dead worker begins (Ray 2.60's ``node_manager``).
-_WORKER_DIED_NOTICE = "A worker died or was killed"
-
-
-@contextlib.contextmanager
-def quiet_planned_crash() -> Iterator[None]:
-    """Keep Ray's notice of the demo's own SIGKILL out of the demo's output, while it runs.
-
-    When a worker process dies, the raylet publishes a paragraph ("A worker died or was killed
-    while executing a task by an unexpected system error ... the OOM killer ...") that the
-    driver's error listener thread (``ray._private.worker.listen_error_messages``) prints on
-    stdout behind a ``(raylet)`` prefix. ``ray.init(log_to_driver=False)`` does not stop it: that
-    only stops forwarding the workers' own output. The demo kills a worker on purpose and tells
-    the story itself (the ``worker_failed`` event, the summary), so this drops that one notice
-    and nothing else; the workers' forwarded output and Ray's other notices still print.
-    ``asyncexec run`` does not use it: there a dead worker is news.
-    """
-    import ray._private.worker as ray_worker
-
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None:  # a Ray without that hook: print as it does
-        yield
-        return
-
-    def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
-        if data.get("pid") == "raylet":
-            lines = [line for line in data.get("lines", []) if _WORKER_DIED_NOTICE not in line]
-            if not lines:
-                return
-            data = {**data, "lines": lines}
-        original(data, ignore_prefix)
-
-    # The listener thread looks the function up at each message; the handler that forwards the
-    # workers' output was bound to the original when Ray connected, so it is not affected.
-    ray_worker.print_to_stdstream = print_to_stdstream
-    try:
-        yield
-    finally:
-        if ray_worker.print_to_stdstream is print_to_stdstream:
-            ray_worker.print_to_stdstream = original
-
-
 def _what_to_run(
     args: argparse.Namespace, quiet: contextlib.ExitStack
 ) -> tuple[Callable[..., Any], Any, str, RunOptions]:
@@ -557,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             # The demo kills a worker process: it always runs on Ray, whatever ASYNCEXEC_LOCAL
             # says (its options say local=False).
-            started_ray = False if options.local else _init_ray(options.address)
+            started_ray = False if options.local else init_ray(options.address)
         except Exception as exc:  # ray.init's errors are not one family: say what failed
             where = f"join the Ray cluster at {options.address}" if options.address else "start Ray"
             print(f"asyncexec: could not {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -592,9 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         if started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_ray()
         quiet.close()
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from .._dispatch._plan import Role, roles_of, roles_payload
 from .._errors import ConfigurationError
+from .._logging import get_logger
 from .._timeline._timeline import new_timeline
 from .._wire._protocol import WorkerContext
 from ..backends._base import Backend
@@ -24,7 +25,6 @@ from ._config import (
 )
 from ._dispatcher import WorkerCalls
 from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
-from ._logging import get_logger
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
 from .group import GroupSlot, Reservation, WorkerPool

@@ -38,7 +38,7 @@ from typing import Any
 
 import anyio
 
-from ._logging import get_logger
+from .._logging import get_logger
 from ._taskgroups import task_group
 
 __all__ = [

@@ -8,9 +8,9 @@ from __future__ import annotations
 import anyio
 
 from .._errors import describe
+from .._logging import Logger
 from .._wire._checkpoint import join_path, remove_directory
 from ._config import ExecutorConfig
-from ._logging import Logger
 
 __all__ = ["Retention"]
 

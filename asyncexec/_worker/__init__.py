@@ -13,11 +13,11 @@ simulated workers make theirs so), and the run's functions for worker-side helpe
 
 from __future__ import annotations
 
-from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, role_group
+from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, in_ray_worker, role_group
 from ._channel import weights_version
 from ._outcomes import error_outcome, value_outcome
 from ._place import PLACE, Place
-from ._rollout import RolloutRequest, RolloutServer, Sample
+from ._rollout import RolloutServer
 from ._session import get_checkpoint, get_context, report
 from ._threaded import CONTROL_THREADS, ThreadedWorkerActor, ThreadedWorkerCode
 
@@ -27,15 +27,14 @@ __all__ = [
     "ROLE_GROUPS",
     "Place",
     "WorkerActor",
-    "RolloutRequest",
     "RolloutServer",
-    "Sample",
     "ThreadedWorkerActor",
     "ThreadedWorkerCode",
     "WorkerCode",
     "error_outcome",
     "get_checkpoint",
     "get_context",
+    "in_ray_worker",
     "report",
     "role_group",
     "value_outcome",

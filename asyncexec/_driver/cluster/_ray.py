@@ -26,12 +26,12 @@ from ray.exceptions import RayError, RayTaskError
 
 from ..._dispatch._role import plain_only
 from ..._errors import ConfigurationError, describe
+from ..._logging import get_logger
 from ..._wire._interface import WorkerMethod, packed, parse_key
 from ..._wire._protocol import WorkerMetadata
 from ..._wire._tracing import plain
 from ..._worker import ROLE_GROUPS, ThreadedWorkerActor, WorkerActor, role_group
 from .._config import ExecutorConfig
-from .._logging import get_logger
 from ._base import Handle, Spawned, described, settle
 from ._liveness import Liveness
 from ._placement import (

@@ -32,6 +32,7 @@ from ..._errors import (
     ExecutorStateError,
     StartupTimeoutError,
 )
+from ..._logging import get_logger
 from .._config import (
     POOL_LEGACY_OPTIONS,
     ExecutorConfig,
@@ -40,7 +41,6 @@ from .._config import (
     check_count,
     grouped_options,
 )
-from .._logging import get_logger
 from .._taskgroups import one_error
 from ..cluster import Handle, cluster_for
 from ._reservation import Claim, Reservation

@@ -20,8 +20,8 @@ from types import TracebackType
 import anyio
 
 from ..._errors import ConfigurationError, ExecutorStateError
+from ..._logging import get_logger
 from .._config import PlacementStrategy, check_count, validate_resources
-from .._logging import get_logger
 from ..cluster import PRECISION, Placement, cluster_for
 from ._ranks import order_workers
 

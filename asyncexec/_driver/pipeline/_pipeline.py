@@ -13,10 +13,10 @@ import anyio
 import anyio.abc
 
 from ..._errors import ConfigurationError, ExecutorStateError
+from ..._logging import get_logger
 from ..._timeline._pipeline import pipeline_track
 from .._config import check_count
 from .._executor import Executor
-from .._logging import get_logger
 from .._metrics import pipeline_meters
 from .._taskgroups import one_error
 from ..channel import WeightChannel

@@ -21,7 +21,7 @@ import anyio.lowlevel
 
 from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
-from ..._worker import RolloutRequest, Sample
+from ..._wire._rollout import RolloutRequest, Sample
 from ._health import GONE
 
 __all__ = ["Requests"]

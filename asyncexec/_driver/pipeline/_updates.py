@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 
 from ..._errors import ExecutorStateError
+from ..._logging import Logger
 from ..._timeline._pipeline import update_ended, update_paused
-from .._logging import Logger
 from .._metrics import PipelineMeters
 from .._taskgroups import task_group
 from ._admission import Admission, Item

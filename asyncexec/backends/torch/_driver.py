@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from ..._driver._logging import get_logger
 from ..._errors import ConfigurationError
+from ..._logging import get_logger
 from .._base import Backend, GroupHandle
 from . import _worker
 
