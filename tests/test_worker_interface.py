@@ -58,10 +58,14 @@ def test_asyncexec_run_freezes_the_heap_once_the_group_has_started(
     its collector back)."""
     rc = main(
         [
-            "run", "test_worker_interface:reports_the_frozen_heap", "--workers", "1",
-            "--local", "--json",
+            "run",
+            "test_worker_interface:reports_the_frozen_heap",
+            "--workers",
+            "1",
+            "--local",
+            "--json",
         ]
-    )  # fmt: skip
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     steps = [json.loads(line) for line in out.splitlines() if line.strip()]

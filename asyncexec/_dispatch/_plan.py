@@ -365,9 +365,21 @@ def _quick_plan(
             parts.append(value)
     row = tuple(shared[id(value)] for value in args)
     return CallPlan(
-        fn, method, tuple(parts), ranks, returned, single, choose, None, len(args), (), (row,),
-        names, plain, cancellable,
-    )  # fmt: skip
+        fn,
+        method,
+        tuple(parts),
+        ranks,
+        returned,
+        single,
+        choose,
+        None,
+        len(args),
+        (),
+        (row,),
+        names,
+        plain,
+        cancellable,
+    )
 
 
 def _one_at_a_time(fn: Callable[..., Any], method: RoleMethod, roles: Sequence[Role[Any]]) -> bool:
