@@ -81,12 +81,14 @@ class WorkerCalls:
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
 
-        Works while a run is in progress (an ``async def`` runs on the worker's event loop and
-        is cancelled there when the caller stops waiting; a plain function runs in a thread, to
-        its end), for example to push new weights to live workers. Arguments travel as Ray
-        passes them (an ``ObjectRef`` arrives resolved). ``fn`` is pickled by reference when
-        its module imports on the workers, else by value (one from ``__main__`` runs on a copy
-        of its globals: keep state it updates in an importable module, or in a role).
+        Works while a run is in progress (an ``async def`` runs on the worker's event loop, a
+        plain function in a thread), for example to push new weights to live workers. A caller
+        that stops waiting cancels an ``async def`` on the workers (a plain function runs to its
+        end). Arguments travel as Ray passes them: an ``ObjectRef`` argument arrives resolved.
+        ``fn`` is pickled by reference when its module can be imported on the workers, and by
+        value otherwise (a function defined in ``__main__``: it then runs on a copy of its
+        globals; keep state that ``execute()`` updates in an importable module, or in a role's
+        instances).
 
         Raises:
             ConfigurationError: an argument does not pickle (named).
