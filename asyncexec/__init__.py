@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -29,15 +28,15 @@ _EXPORTS: dict[str, str] = {
     "BackendError": "_errors",
     "ChannelError": "_errors",
     "ChannelStatistics": "_driver.channel",
-    "Checkpoint": "_checkpoint",
-    "CheckpointConfig": "_config",
+    "Checkpoint": "_wire._checkpoint",
+    "CheckpointConfig": "_driver._config",
     "ConfigurationError": "_errors",
     "DataConfig": "_driver.cluster",
     "Executor": "_driver._executor",
     "ExecutorState": "_driver._executor",
     "ExecutorStateError": "_errors",
     "ExecutorStatistics": "_driver._executor",
-    "HealthChecks": "_config",
+    "HealthChecks": "_driver._config",
     "MergeError": "_errors",
     "NodeLostError": "_errors",
     "Pipeline": "_driver.pipeline",
@@ -45,36 +44,36 @@ _EXPORTS: dict[str, str] = {
     "PipelineStatistics": "_driver.pipeline",
     "PlacementInfeasibleError": "_errors",
     "PlacementTimeoutError": "_errors",
-    "PreemptionNotice": "_protocol",
+    "PreemptionNotice": "_wire._protocol",
     "Report": "_driver.run",
     "Reservation": "_driver.group",
     "ReservationStatistics": "_driver.group",
     "ReportMismatchError": "_errors",
     "RestartPolicy": "_driver._restart",
     "RestartsExhaustedError": "_errors",
-    "RolloutRequest": "_worker._rollout",
+    "RolloutRequest": "_wire._rollout",
     "RolloutServer": "_worker._rollout",
     "Router": "_driver.pipeline",
     "RouterStatistics": "_driver.pipeline",
     "Run": "_driver.run",
     "RunResult": "_driver.run",
     "RunState": "_driver.run",
-    "Sample": "_worker._rollout",
+    "Sample": "_wire._rollout",
     "StartupError": "_errors",
     "StartupTimeoutError": "_errors",
     "Step": "_driver.run",
-    "Timeline": "_timeline",
-    "TimelineStatistics": "_timeline",
-    "Timeouts": "_config",
-    "WorkerContext": "_protocol",
-    "Mesh": "_dispatch",
-    "Role": "_dispatch",
-    "Splittable": "_dispatch",
-    "concat": "_dispatch",
-    "least_loaded": "_dispatch",
-    "method": "_role",
-    "rank": "_dispatch",
-    "scatter": "_dispatch",
+    "Timeline": "_timeline._timeline",
+    "TimelineStatistics": "_timeline._timeline",
+    "Timeouts": "_driver._config",
+    "WorkerContext": "_wire._protocol",
+    "Mesh": "_dispatch._plan",
+    "Role": "_dispatch._plan",
+    "Splittable": "_dispatch._plan",
+    "concat": "_dispatch._plan",
+    "least_loaded": "_dispatch._plan",
+    "method": "_dispatch._role",
+    "rank": "_dispatch._plan",
+    "scatter": "_dispatch._plan",
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
@@ -119,16 +118,6 @@ def __getattr__(name: str) -> Any:
     return globals()[name]
 
 
-def _in_ray_worker() -> bool:
-    """Whether this process is a Ray worker. Ray connects a worker, which sets its mode, before
-    the worker runs any code of the application (unpickling an actor class or a function is what
-    imports asyncexec there); a process that has not imported Ray is not a worker."""
-    ray_worker = sys.modules.get("ray._private.worker")
-    if ray_worker is None:
-        return False
-    return bool(ray_worker.global_worker.mode == ray_worker.WORKER_MODE)
-
-
 def _load_driver_side() -> None:
     """Load every public name now, while the program imports, not on its event loop later."""
     for home in sorted(set(_EXPORTS.values())):
@@ -144,18 +133,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._checkpoint import Checkpoint as Checkpoint
     from ._cli._logconfig import configure_logging as configure_logging
-    from ._config import CheckpointConfig as CheckpointConfig
-    from ._config import HealthChecks as HealthChecks
-    from ._config import Timeouts as Timeouts
-    from ._dispatch import Mesh as Mesh
-    from ._dispatch import Role as Role
-    from ._dispatch import Splittable as Splittable
-    from ._dispatch import concat as concat
-    from ._dispatch import least_loaded as least_loaded
-    from ._dispatch import rank as rank
-    from ._dispatch import scatter as scatter
+    from ._dispatch._plan import Mesh as Mesh
+    from ._dispatch._plan import Role as Role
+    from ._dispatch._plan import Splittable as Splittable
+    from ._dispatch._plan import concat as concat
+    from ._dispatch._plan import least_loaded as least_loaded
+    from ._dispatch._plan import rank as rank
+    from ._dispatch._plan import scatter as scatter
+    from ._dispatch._role import method as method
+    from ._driver._config import CheckpointConfig as CheckpointConfig
+    from ._driver._config import HealthChecks as HealthChecks
+    from ._driver._config import Timeouts as Timeouts
     from ._driver._executor import Executor as Executor
     from ._driver._executor import ExecutorState as ExecutorState
     from ._driver._executor import ExecutorStatistics as ExecutorStatistics
@@ -197,17 +186,17 @@ if TYPE_CHECKING:
     from ._errors import WorkerHungError as WorkerHungError
     from ._errors import WorkerRaisedError as WorkerRaisedError
     from ._errors import WorkerUnreachableError as WorkerUnreachableError
-    from ._protocol import PreemptionNotice as PreemptionNotice
-    from ._protocol import WorkerContext as WorkerContext
-    from ._role import method as method
-    from ._timeline import Timeline as Timeline
-    from ._timeline import TimelineStatistics as TimelineStatistics
+    from ._timeline._timeline import Timeline as Timeline
+    from ._timeline._timeline import TimelineStatistics as TimelineStatistics
+    from ._wire._checkpoint import Checkpoint as Checkpoint
+    from ._wire._protocol import PreemptionNotice as PreemptionNotice
+    from ._wire._protocol import WorkerContext as WorkerContext
+    from ._wire._rollout import RolloutRequest as RolloutRequest
+    from ._wire._rollout import Sample as Sample
     from ._worker._channel import receive_weights as receive_weights
     from ._worker._channel import serve_weights as serve_weights
     from ._worker._channel import weights_version as weights_version
-    from ._worker._rollout import RolloutRequest as RolloutRequest
     from ._worker._rollout import RolloutServer as RolloutServer
-    from ._worker._rollout import Sample as Sample
     from ._worker._session import get_checkpoint as get_checkpoint
     from ._worker._session import get_context as get_context
     from ._worker._session import get_dataset_shard as get_dataset_shard
@@ -216,9 +205,10 @@ if TYPE_CHECKING:
 else:
     # The error tree and the worker-side API are light and always needed: load them now.
     _load("_errors")
-    _load("_checkpoint")
-    _load("_protocol")
+    _load("_wire._checkpoint")
+    _load("_wire._protocol")
     _load("_worker._session")
     _load("_worker._channel")
-    if not _in_ray_worker():
+    # Whether this process is a Ray worker is the worker side's to tell (it knows Ray).
+    if not importlib.import_module("._worker", __name__).in_ray_worker():
         _load_driver_side()

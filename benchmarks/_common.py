@@ -290,8 +290,11 @@ def render_table(figures: Sequence[Figure]) -> str:
             out.append(cell.rjust(w) if i in numeric else cell.ljust(w))
         return "| " + " | ".join(out) + " |"
 
-    sep = "|" + "|".join(
-        ("-" * (w + 1) + ":") if i in numeric else ("-" * (w + 2))
-        for i, w in enumerate(widths)
-    ) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if i in numeric else ("-" * (w + 2)) for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     return "\n".join([line(rows[0]), sep, *(line(r) for r in rows[1:])])

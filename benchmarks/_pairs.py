@@ -83,9 +83,16 @@ def render_pairs(rows: Sequence[Pair], base: str, ours: str) -> str:
     :meth:`Pair.paired`), the target and whether it is met, and the spread (each column's
     lowest and highest repeat)."""
     head = [
-        "figure", "unit", base, ours, f"{ours} / {base}", "each repeat's", "target", "met",
+        "figure",
+        "unit",
+        base,
+        ours,
+        f"{ours} / {base}",
+        "each repeat's",
+        "target",
+        "met",
         "spread (min-max)",
-    ]  # fmt: skip
+    ]
     table = [head]
     for row in rows:
         ratio = row.ratio()

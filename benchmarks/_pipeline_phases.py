@@ -189,8 +189,9 @@ async def pipeline_pauses(
 # One server killed ----------------------------------------------------------------------------
 
 
-async def kill_one(servers: asyncexec.Executor, channel: asyncexec.WeightChannel, sizes: Sizes,
-                   seed: int) -> dict[str, float]:  # fmt: skip
+async def kill_one(
+    servers: asyncexec.Executor, channel: asyncexec.WeightChannel, sizes: Sizes, seed: int
+) -> dict[str, float]:
     """Callers keep 32 long-tailed requests in flight over the servers, with a push every 0.5 s;
     after ``sizes.kill_requests`` answers the last server is SIGKILLed, and the load goes on
     until its replacement has answered 10 requests sent after the kill (or 60 s). How many

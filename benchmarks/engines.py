@@ -141,13 +141,18 @@ class Sizes:
     trained_repeats: int = 3
 
 
-# fmt: off
-BIG = TinyLlama(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
-                num_attention_heads=16)  # 2**27 parameters in the layers: 256 MiB in bfloat16
+BIG = TinyLlama(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16
+)  # 2**27 parameters in the layers: 256 MiB in bfloat16
 FULL = Sizes(start_repeats=4, repeats=5, big=BIG)
-QUICK = Sizes(start_repeats=1, repeats=1, big=dataclasses.replace(BIG, num_hidden_layers=1),
-              batches=3, updates=3, trained_repeats=1)
-# fmt: on
+QUICK = Sizes(
+    start_repeats=1,
+    repeats=1,
+    big=dataclasses.replace(BIG, num_hidden_layers=1),
+    batches=3,
+    updates=3,
+    trained_repeats=1,
+)
 
 
 def make_rows(sizes: Sizes) -> dict[str, Pair]:
@@ -291,9 +296,11 @@ class Bench:
     ) -> None:
         row = self.rows[key]
         holder_ex = asyncexec.Executor(
-            1, name=f"holder-{key}", roles=asyncexec.Role(StateHolder, folder),
+            1,
+            name=f"holder-{key}",
+            roles=asyncexec.Role(StateHolder, folder),
             resources_per_worker={"CPU": 0.25},
-        )  # fmt: skip
+        )
         holder = HandHolder.options(num_cpus=0.25).remote(folder)
         async with holder_ex, asyncexec.WeightChannel(holder_ex, rollout) as channel:
             await holder.ping.remote()
@@ -438,10 +445,15 @@ class Bench:
                 async with (
                     router,
                     asyncexec.Pipeline(
-                        router, grpo_vllm.prompts(settings(seed)), batch_size=s.tokens_batch,
-                        staleness=1, mode="strict", on_update="keep", channel=channel,
+                        router,
+                        grpo_vllm.prompts(settings(seed)),
+                        batch_size=s.tokens_batch,
+                        staleness=1,
+                        mode="strict",
+                        on_update="keep",
+                        channel=channel,
                     ) as pipe,
-                ):  # fmt: skip
+                ):
                     trace: list[tuple[int, bool]] = []
                     watch = asyncio.create_task(
                         _watch(lambda: (sum(router.in_flight.values()), paused[0]), trace)
@@ -501,8 +513,13 @@ class Bench:
                     watch.cancel()
                 took = time.perf_counter() - t0
                 made = sum(await asyncio.gather(*(a.generated.remote() for a in self.hand))) - made0
-                return {"rate": tokens / took, "made": made / took, "tokens": tokens,
-                        "took": took, **_in_flight(trace, lanes)}  # fmt: skip
+                return {
+                    "rate": tokens / took,
+                    "made": made / took,
+                    "tokens": tokens,
+                    "took": took,
+                    **_in_flight(trace, lanes),
+                }
 
             for i in range(s.repeats):
                 progress(f"tokens {i + 1}")
@@ -515,20 +532,28 @@ class Bench:
                 self.rows["generated"].ours.append(o["made"])
                 self.note("tokens/s: tokens trained, asyncexec", o["tokens"])
                 self.note("tokens/s: tokens generated, floor", b["tokens"])
-                self.note("tokens/s: a batch's generation at the floor's rate, s",
-                          b["took"] / s.batches)  # fmt: skip
-                self.note("tokens/s: update_weights() (paused), s per update, asyncexec",
-                          o["update"])  # fmt: skip
-                self.note("tokens/s: share of the run in update_weights(), asyncexec",
-                          o["updating"])  # fmt: skip
+                self.note(
+                    "tokens/s: a batch's generation at the floor's rate, s", b["took"] / s.batches
+                )
+                self.note(
+                    "tokens/s: update_weights() (paused), s per update, asyncexec", o["update"]
+                )
+                self.note(
+                    "tokens/s: share of the run in update_weights(), asyncexec", o["updating"]
+                )
                 for name, got in (("floor", b), ("asyncexec", o)):
-                    self.note(f"tokens/s: requests in flight, mean while generating, {name}",
-                              got["mean"])  # fmt: skip
-                    self.note(f"tokens/s: share of generating time at the cap ({lanes}), "
-                              f"{name}", got["at_cap"])  # fmt: skip
+                    self.note(
+                        f"tokens/s: requests in flight, mean while generating, {name}", got["mean"]
+                    )
+                    self.note(
+                        f"tokens/s: share of generating time at the cap ({lanes}), {name}",
+                        got["at_cap"],
+                    )
                 self.note("tokens/s: requests expired (requeued), asyncexec", o["expired"])
-                self.note("tokens/s: generation thrown away by expiry, request-s, asyncexec",
-                          o["expired_s"])  # fmt: skip
+                self.note(
+                    "tokens/s: generation thrown away by expiry, request-s, asyncexec",
+                    o["expired_s"],
+                )
 
     async def trained(self) -> None:
         import grpo_vllm
@@ -549,10 +574,14 @@ class Bench:
                 async with (
                     router,
                     asyncexec.Pipeline(
-                        router, grpo_vllm.prompts(settings), batch_size=s.batch,
-                        staleness=staleness, on_update="keep", channel=channel,
+                        router,
+                        grpo_vllm.prompts(settings),
+                        batch_size=s.batch,
+                        staleness=staleness,
+                        on_update="keep",
+                        channel=channel,
                     ) as pipe,
-                ):  # fmt: skip
+                ):
                     got = time.perf_counter()
                     async for batch in pipe:
                         t1 = time.perf_counter()

@@ -310,13 +310,17 @@ def _table(results: dict[str, dict[str, list[float]]], args: argparse.Namespace)
 
     off = figures(results["off"])
     rounds = args.repeats * args.rounds
-    print(f"\n{WORKERS} workers, {args.steps:,} steps a run; {args.calls:,} calls a round at "
-          f"~1,000/s; {rounds} rounds (median reports/s; ratio to off)")  # fmt: skip
+    print(
+        f"\n{WORKERS} workers, {args.steps:,} steps a run; {args.calls:,} calls a round at "
+        f"~1,000/s; {rounds} rounds (median reports/s; ratio to off)"
+    )
     print(f"{'variant':<10} {'reports/s':>17} {'call p50 ms':>15} {'call p90 ms':>15}")
     for variant, runs in results.items():
         mine = figures(runs)
-        cells = [f"{m:>9,.0f} {m / o:>5.3f}x" if i == 0 else f"{m:>6.3f} {m / o:>5.3f}x"
-                 for i, (m, o) in enumerate(zip(mine, off, strict=True))]  # fmt: skip
+        cells = [
+            f"{m:>9,.0f} {m / o:>5.3f}x" if i == 0 else f"{m:>6.3f} {m / o:>5.3f}x"
+            for i, (m, o) in enumerate(zip(mine, off, strict=True))
+        ]
         print(f"{variant:<10} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15}")
 
 

@@ -94,15 +94,41 @@ RESOURCES = {"CPU": 0.25}
 RAY_CPUS = 16
 Mode = Literal["strict", "aggregate"]
 FIGURES = ("throughput", "pause", "kill", "balance", "lag")
-# fmt: off
-FULL = Sizes(repeats=3, servers=4, batch=32, batches=20, train_s=0.05, token_s=0.002,
-             chunk_tokens=4, max_in_flight=16, pause_in_flight=256, pause_chunk_s=0.02,
-             kill_requests=400, balance_s=3.0, sessions=16, turns=5, floor_steps=20_000)
-QUICK = Sizes(repeats=1, servers=4, batch=16, batches=6, train_s=0.05, token_s=0.002,
-              chunk_tokens=4, max_in_flight=16, pause_in_flight=256, pause_chunk_s=0.02,
-              kill_requests=120, balance_s=1.0, sessions=8, turns=3, floor_steps=5_000,
-              floor_matched=False)  # (a smoke run: one pass of the floor)
-# fmt: on
+FULL = Sizes(
+    repeats=3,
+    servers=4,
+    batch=32,
+    batches=20,
+    train_s=0.05,
+    token_s=0.002,
+    chunk_tokens=4,
+    max_in_flight=16,
+    pause_in_flight=256,
+    pause_chunk_s=0.02,
+    kill_requests=400,
+    balance_s=3.0,
+    sessions=16,
+    turns=5,
+    floor_steps=20_000,
+)
+QUICK = Sizes(
+    repeats=1,
+    servers=4,
+    batch=16,
+    batches=6,
+    train_s=0.05,
+    token_s=0.002,
+    chunk_tokens=4,
+    max_in_flight=16,
+    pause_in_flight=256,
+    pause_chunk_s=0.02,
+    kill_requests=120,
+    balance_s=1.0,
+    sessions=8,
+    turns=3,
+    floor_steps=5_000,
+    floor_matched=False,
+)  # (a smoke run: one pass of the floor)
 
 
 @dataclass
@@ -146,41 +172,69 @@ def render(rows: list[Row]) -> str:
 
 
 def make_rows() -> dict[str, Row]:
-    # fmt: off
     return {
-        "rate": Row("samples trained/s, long-tailed workload (baseline: S = 0; pipeline: S = 1, "
-                    "strict, the default: expired samples requeued)",
-                    target=">= 1.8x", check=lambda b, p, r: r >= 1.8),
+        "rate": Row(
+            "samples trained/s, long-tailed workload (baseline: S = 0; pipeline: S = 1, "
+            "strict, the default: expired samples requeued)",
+            target=">= 1.8x",
+            check=lambda b, p, r: r >= 1.8,
+        ),
         "rate_k1": Row("the same, pipeline: S = 1, strict, max_requeues=1", target="-"),
         "rate_wait": Row('the same, pipeline: S = 1, strict, on_expire="wait"', target="-"),
-        "rate_aggregate": Row("the same, pipeline: S = 1, aggregate mode",
-                              target="-"),
+        "rate_aggregate": Row("the same, pipeline: S = 1, aggregate mode", target="-"),
         "rate_s2": Row("the same, pipeline: S = 2, strict", target="-"),
-        "beyond": Row("samples beyond S, strict mode (baseline: S = 0; pipeline: S = 1)",
-                      target="0", check=lambda b, p, r: p == 0 and b == 0),
-        "keep": Row('pause to resume, "keep", 256 in flight, ms', target="<= 50 ms",
-                    check=lambda b, p, r: p <= 50),
-        "abort": Row('pause to resume, "abort", 256 in flight, ms', target="<= 50 ms",
-                     check=lambda b, p, r: p <= 50),
-        "pipe_keep": Row('update_weights() with 256 in flight, "keep", the push apart, ms',
-                         target="<= 50 ms", check=lambda b, p, r: p <= 50),
-        "pipe_abort": Row('update_weights() with 256 in flight, "abort", the push apart, ms',
-                          target="<= 50 ms", check=lambda b, p, r: p <= 50),
-        "once": Row("1 of 4 servers SIGKILLed: requests answered other than once", target="0",
-                    check=lambda b, p, r: p == 0),
-        "stale": Row("1 of 4 servers SIGKILLed: replacement's answers on an older version",
-                     target="0", check=lambda b, p, r: p == 0),
-        "balance": Row("balance: max / mean in flight per server, uniform load",
-                       target="<= 1.25", check=lambda b, p, r: p <= 1.25),
-        "sticky": Row("sticky sessions kept on their server (baseline: sessions)",
-                      target="all", check=lambda b, p, r: p == b),
-        "lag": Row("event-loop max lag through all of it, ms (baseline: the streaming floor, "
-                   "as long)",
-                   target="<= 1.5x", check=lambda b, p, r: r <= 1.5),
-        "lag_p99": Row("event-loop lag, 99th percentile of the beats, ms (the same)",
-                       target="-"),
+        "beyond": Row(
+            "samples beyond S, strict mode (baseline: S = 0; pipeline: S = 1)",
+            target="0",
+            check=lambda b, p, r: p == 0 and b == 0,
+        ),
+        "keep": Row(
+            'pause to resume, "keep", 256 in flight, ms',
+            target="<= 50 ms",
+            check=lambda b, p, r: p <= 50,
+        ),
+        "abort": Row(
+            'pause to resume, "abort", 256 in flight, ms',
+            target="<= 50 ms",
+            check=lambda b, p, r: p <= 50,
+        ),
+        "pipe_keep": Row(
+            'update_weights() with 256 in flight, "keep", the push apart, ms',
+            target="<= 50 ms",
+            check=lambda b, p, r: p <= 50,
+        ),
+        "pipe_abort": Row(
+            'update_weights() with 256 in flight, "abort", the push apart, ms',
+            target="<= 50 ms",
+            check=lambda b, p, r: p <= 50,
+        ),
+        "once": Row(
+            "1 of 4 servers SIGKILLed: requests answered other than once",
+            target="0",
+            check=lambda b, p, r: p == 0,
+        ),
+        "stale": Row(
+            "1 of 4 servers SIGKILLed: replacement's answers on an older version",
+            target="0",
+            check=lambda b, p, r: p == 0,
+        ),
+        "balance": Row(
+            "balance: max / mean in flight per server, uniform load",
+            target="<= 1.25",
+            check=lambda b, p, r: p <= 1.25,
+        ),
+        "sticky": Row(
+            "sticky sessions kept on their server (baseline: sessions)",
+            target="all",
+            check=lambda b, p, r: p == b,
+        ),
+        "lag": Row(
+            "event-loop max lag through all of it, ms (baseline: the streaming floor, as long)",
+            target="<= 1.5x",
+            check=lambda b, p, r: r <= 1.5,
+        ),
+        "lag_p99": Row("event-loop lag, 99th percentile of the beats, ms (the same)", target="-"),
     }
-    # fmt: on
 
 
 #: A beat this late has the loop thread's CPU time over it recorded (``Watch.late``).
@@ -302,18 +356,28 @@ class Bench:
 
     async def throughput(self, i: int, lags: list[float]) -> None:
         runs: list[tuple[int, Mode, str, int, str]] = [
-            (0, "strict", "requeue", 4, "rate"), (1, "strict", "requeue", 4, "rate"),
-            (1, "strict", "requeue", 1, "rate_k1"), (1, "strict", "wait", 4, "rate_wait"),
+            (0, "strict", "requeue", 4, "rate"),
+            (1, "strict", "requeue", 4, "rate"),
+            (1, "strict", "requeue", 1, "rate_k1"),
+            (1, "strict", "wait", 4, "rate_wait"),
             (1, "aggregate", "requeue", 4, "rate_aggregate"),
             (2, "strict", "requeue", 4, "rate_s2"),
-        ]  # fmt: skip
+        ]
         for staleness, mode, on_expire, requeues, key in runs if i % 2 == 0 else runs[::-1]:
             variant = {"rate_wait": ", wait", "rate_k1": ", max_requeues=1"}.get(key, "")
             name = f"S = {staleness}, {mode}{variant}"
             progress(f"repeat {i + 1}: throughput, {name}")
-            got = await throughput(self.servers, self.trainer, self.channel, self.sizes,
-                                   staleness, seed=i, mode=mode, on_expire=on_expire,
-                                   max_requeues=requeues)  # fmt: skip
+            got = await throughput(
+                self.servers,
+                self.trainer,
+                self.channel,
+                self.sizes,
+                staleness,
+                seed=i,
+                mode=mode,
+                on_expire=on_expire,
+                max_requeues=requeues,
+            )
             if staleness == 0:
                 for row in ("rate", "rate_k1", "rate_wait", "rate_aggregate", "rate_s2"):
                     self.rows[row].baseline.append(got["rate"])
@@ -442,10 +506,10 @@ class Bench:
             )
             self.note(f"{label}the same, where it waited (CPU below that)", split["waited"])
             self.note(f"{label}the max lag of the beats it ran through, ms", split["ran_max_ms"])
-            self.note(f"{label}the max lag of the beats it waited through, ms",
-                      split["waited_max_ms"])  # fmt: skip
-            self.note(f"{label}the loop thread's CPU / lag over the late beats",
-                      split["cpu_share"])  # fmt: skip
+            self.note(
+                f"{label}the max lag of the beats it waited through, ms", split["waited_max_ms"]
+            )
+            self.note(f"{label}the loop thread's CPU / lag over the late beats", split["cpu_share"])
 
 
 async def bench(
@@ -458,14 +522,21 @@ async def bench(
     role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
     try:
         async with (
-            asyncexec.Executor(sizes.servers, name="servers", resources_per_worker=RESOURCES,
-                               roles=role,
-                               restart=asyncexec.RestartPolicy(max_restarts=2 * sizes.repeats))
-            as servers,
-            asyncexec.Executor(1, name="trainer", resources_per_worker=RESOURCES,
-                               roles=asyncexec.Role(Trainer, 1024)) as trainer,
+            asyncexec.Executor(
+                sizes.servers,
+                name="servers",
+                resources_per_worker=RESOURCES,
+                roles=role,
+                restart=asyncexec.RestartPolicy(max_restarts=2 * sizes.repeats),
+            ) as servers,
+            asyncexec.Executor(
+                1,
+                name="trainer",
+                resources_per_worker=RESOURCES,
+                roles=asyncexec.Role(Trainer, 1024),
+            ) as trainer,
             asyncexec.WeightChannel(trainer, servers) as channel,
-        ):  # fmt: skip
+        ):
             await channel.push()
             if freeze:  # what start-up made is never walked by a collection again
                 gc.collect()
@@ -483,8 +554,10 @@ async def bench(
             top = _pipeline_phases.KINDS.most_common(25)
             print("\nobjects a request in flight holds, by kind (256 in flight less after):")
             print("\n".join(f"  {n / FULL.pause_in_flight:6.1f} {k}" for k, n in top))
-            for title, kinds in (("tracebacks", _pipeline_phases.TRACEBACKS),
-                                 ("closures", _pipeline_phases.CELLS)):  # fmt: skip
+            for title, kinds in (
+                ("tracebacks", _pipeline_phases.TRACEBACKS),
+                ("closures", _pipeline_phases.CELLS),
+            ):
                 print(f"{title} with 256 in flight, the commonest:")
                 print("\n".join(f"  {n:6d} {k}" for k, n in kinds.most_common(10)))
     p50, p99 = tail_ratio(0)

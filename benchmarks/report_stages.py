@@ -45,7 +45,7 @@ import asyncexec
 from asyncexec._driver.run import _window
 from asyncexec._driver.run._iterator import Run, RunCore
 from asyncexec._driver.run._steps import StepBatch
-from asyncexec._protocol import Outcome, Poll
+from asyncexec._wire._protocol import Outcome, Poll
 from asyncexec._worker._place import PLACE, Place
 from asyncexec._worker._reports import Reports
 
@@ -204,7 +204,7 @@ def driver_stages(n: int, ranks: int) -> dict[str, dict[str, float]]:
     async def hand_off() -> None:
         import anyio
 
-        from asyncexec._checkpoint import CheckpointBook
+        from asyncexec._wire._checkpoint import CheckpointBook
 
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore("stages")

@@ -80,7 +80,7 @@ from _service import measure_service_first_event  # noqa: E402
 from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
 from _warm import measure_warm  # noqa: E402
 
-from asyncexec._config import DEFAULT_BUFFER_SIZE  # noqa: E402
+from asyncexec._driver._config import DEFAULT_BUFFER_SIZE  # noqa: E402
 
 #: Every worker of every system asks for this, so that 3 groups of 16 fit in the Ray started here.
 RESOURCES = {"CPU": 0.25}

@@ -69,12 +69,12 @@ from _common import median, progress  # noqa: E402
 from _scale_workload import HELD, WAITING, Shard, flat_out, paced  # noqa: E402
 
 import asyncexec  # noqa: E402
-from asyncexec._devices import DEVICE_KINDS, shared_device_env  # noqa: E402
+from asyncexec._driver._devices import DEVICE_KINDS, shared_device_env  # noqa: E402
 from asyncexec._driver.cluster import GcClock, SimCluster, SimLoad, simulated  # noqa: E402
+from asyncexec._driver.group._ranks import assign_ranks, order_workers  # noqa: E402
 from asyncexec._driver.run._stragglers import StragglerWatch  # noqa: E402
 from asyncexec._driver.run._window import BATCH, Assembly  # noqa: E402
-from asyncexec._protocol import Poll, ReportTimes, WorkerMetadata  # noqa: E402
-from asyncexec._ranks import assign_ranks, order_workers  # noqa: E402
+from asyncexec._wire._protocol import Poll, ReportTimes, WorkerMetadata  # noqa: E402
 
 #: Paced runs: this many reports a second in total, each rank's share of it (Ray actors: at
 #: most RAY_RATE_PER_RANK each, as a sleeping function keeps a faster pace badly).

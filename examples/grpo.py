@@ -89,8 +89,10 @@ def make_tasks(cfg: GRPOConfig, seed: int | None = None) -> Iterator[Task]:
     rng = np.random.default_rng(cfg.seed if seed is None else seed)
     while True:
         length = cfg.median_tokens * np.exp(cfg.sigma * rng.standard_normal())
-        yield Task(tuple(rng.integers(0, VOCAB, DIGITS).tolist()),
-                   int(np.clip(round(length), 1, cfg.max_tokens)))  # fmt: skip
+        yield Task(
+            tuple(rng.integers(0, VOCAB, DIGITS).tolist()),
+            int(np.clip(round(length), 1, cfg.max_tokens)),
+        )
 
 
 def features(digits: Sequence[int], positions: np.ndarray) -> np.ndarray:
@@ -130,8 +132,9 @@ def make_policy(cfg: GRPOConfig) -> Any:
     import torch
 
     torch.manual_seed(cfg.seed)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, cfg.hidden), torch.nn.Tanh(),
-                               torch.nn.Linear(cfg.hidden, VOCAB))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, cfg.hidden), torch.nn.Tanh(), torch.nn.Linear(cfg.hidden, VOCAB)
+    )
 
 
 def numpy_weights(policy: Any) -> dict[str, np.ndarray]:
@@ -158,10 +161,12 @@ def grpo_loss(forward: Any, prompts: Sequence[Task], groups: Sequence[Group], cl
     return total / max(1, len(groups))
 
 
-def generate_group(weights: Mapping[str, np.ndarray], task: Task, cfg: GRPOConfig,
-                   rng: np.random.Generator) -> Group:  # fmt: skip
-    tokens, logp = sample(weights, features(task.digits, np.arange(task.length)),
-                          cfg.group_size, rng)  # fmt: skip
+def generate_group(
+    weights: Mapping[str, np.ndarray], task: Task, cfg: GRPOConfig, rng: np.random.Generator
+) -> Group:
+    tokens, logp = sample(
+        weights, features(task.digits, np.arange(task.length)), cfg.group_size, rng
+    )
     return Group(tokens, logp, reward(task.digits, tokens))
 
 
@@ -257,19 +262,27 @@ class Learner:
         if index <= self.updates:
             return {"trained": [], "already": True, "resumed_from": self.resumed_from}
         with self.lock:
-            loss = grpo_loss(self.ddp, [s.prompt for s in samples],
-                             [s.output for s in samples], self.cfg.clip)  # fmt: skip
+            loss = grpo_loss(
+                self.ddp, [s.prompt for s in samples], [s.output for s in samples], self.cfg.clip
+            )
             self.optimizer.zero_grad()
             loss.backward()  # DDP averages the gradients over the ranks
             self.optimizer.step()
             self.updates = index
         if self.rank == 0:
-            state = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "updates": index, "pipeline": pipeline}  # fmt: skip
+            state = {
+                "policy": self.policy.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "updates": index,
+                "pipeline": pipeline,
+            }
             torch.save(state, self.path + ".tmp")
             os.replace(self.path + ".tmp", self.path)  # a kill mid-save keeps the last one whole
-        return {"trained": [s.id for s in samples], "already": False,
-                "resumed_from": self.resumed_from}  # fmt: skip
+        return {
+            "trained": [s.id for s in samples],
+            "already": False,
+            "resumed_from": self.resumed_from,
+        }
 
 
 # The driver -------------------------------------------------------------------------------------
@@ -313,24 +326,30 @@ class Summary:
         return not twice and sorted(map(str, self.trained)) == sorted(map(str, self.consumed))
 
     def report(self) -> str:
-        reached = (f"reached {self.threshold} after {self.reached_after_s:.1f} s"
-                   if self.reached else f"did NOT reach {self.threshold}")  # fmt: skip
+        reached = (
+            f"reached {self.threshold} after {self.reached_after_s:.1f} s"
+            if self.reached
+            else f"did NOT reach {self.threshold}"
+        )
         first = float(np.mean(self.rewards[: self.window])) if self.rewards else 0.0
         lengths = np.asarray(self.lengths or [1])
         p50, p99 = np.percentile(lengths, 50), np.percentile(lengths, 99)
-        return "\n".join([
-            f"{reached}: mean reward {first:.2f} (first {self.window} batches) -> "
-            f"{self.average:.2f} (last {self.window}), {self.updates} updates in "
-            f"{self.seconds:.1f} s",
-            f"lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens (p99 / p50 {p99 / p50:.1f}); "
-            f"staleness max {self.staleness_max}",
-            f"consumed {len(self.consumed)} samples, trained {len(self.trained)}: "
-            f"{'each exactly once' if self.exactly_once else 'NOT exactly once'}",
-            f"started from update {self.started_from}; killed: {self.killed}; learner "
-            f"restarts: {self.learner_restarts}, resumed from updates {self.learner_resumed_from}",
-            f"pipeline: {self.statistics}",
-            f"router: {self.router}",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"{reached}: mean reward {first:.2f} (first {self.window} batches) -> "
+                f"{self.average:.2f} (last {self.window}), {self.updates} updates in "
+                f"{self.seconds:.1f} s",
+                f"lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens (p99 / p50 {p99 / p50:.1f}); "
+                f"staleness max {self.staleness_max}",
+                f"consumed {len(self.consumed)} samples, trained {len(self.trained)}: "
+                f"{'each exactly once' if self.exactly_once else 'NOT exactly once'}",
+                f"started from update {self.started_from}; killed: {self.killed}; learner "
+                f"restarts: {self.learner_restarts}, resumed from updates "
+                f"{self.learner_resumed_from}",
+                f"pipeline: {self.statistics}",
+                f"router: {self.router}",
+            ]
+        )
 
 
 def load_checkpoint(path: str) -> dict[str, Any] | None:
@@ -342,8 +361,14 @@ def load_checkpoint(path: str) -> dict[str, Any] | None:
     return dict(torch.load(path, weights_only=False))
 
 
-async def learn(learner: asyncexec.Executor, samples: list[asyncexec.Sample], index: int,
-                state: Any, s: Summary, max_restarts: int) -> None:  # fmt: skip
+async def learn(
+    learner: asyncexec.Executor,
+    samples: list[asyncexec.Sample],
+    index: int,
+    state: Any,
+    s: Summary,
+    max_restarts: int,
+) -> None:
     """The learner's update ``index``, each rank sent its part. After a learner rank died the
     call raises, and calling again starts a fresh group that resumes from its checkpoint."""
     while True:
@@ -376,16 +401,25 @@ async def frozen_heap() -> AsyncIterator[None]:
 
 
 async def main(
-    *, servers: int = 2, learners: int = 2, staleness: int = 1,
+    *,
+    servers: int = 2,
+    learners: int = 2,
+    staleness: int = 1,
     mode: Literal["strict", "aggregate"] = "strict",
     on_update: Literal["keep", "wait", "abort"] = "keep",
-    on_expire: Literal["requeue", "wait"] = "requeue", max_requeues: int = 4,
+    on_expire: Literal["requeue", "wait"] = "requeue",
+    max_requeues: int = 4,
     max_updates: int = 200,
-    threshold: float = 0.9, window: int = 3, max_in_flight: int = 8,
-    kill_server_at: int | None = None, kill_learner_at: int | None = None, max_restarts: int = 3,
-    checkpoint_dir: str | None = None, grpo: GRPOConfig | None = None,
+    threshold: float = 0.9,
+    window: int = 3,
+    max_in_flight: int = 8,
+    kill_server_at: int | None = None,
+    kill_learner_at: int | None = None,
+    max_restarts: int = 3,
+    checkpoint_dir: str | None = None,
+    grpo: GRPOConfig | None = None,
     on_batch: Any = None,
-) -> Summary:  # fmt: skip
+) -> Summary:
     """Train with a rollout group, a router and a pipeline over it, and a learner group, until
     the mean reward of the last ``window`` batches reaches ``threshold`` or ``max_updates``;
     what happened. A checkpoint in ``checkpoint_dir`` resumes the learner and the pipeline
@@ -397,28 +431,48 @@ async def main(
     consumed = resumed["pipeline"] if resumed else None
     s.started_from = int(resumed["updates"]) if resumed else 0
     async with (
-        asyncexec.Executor(learners, backend=TorchBackend(backend="gloo"),
-                           roles=asyncexec.Role(Learner, cfg, path), name="learner",
-                           resources_per_worker={"CPU": 0.5}) as learner,
-        asyncexec.Executor(servers, roles=asyncexec.Role(PolicyServer, cfg), name="servers",
-                           restart=asyncexec.RestartPolicy(max_restarts=max_restarts),
-                           resources_per_worker={"CPU": 0.5}) as rollout,
+        asyncexec.Executor(
+            learners,
+            backend=TorchBackend(backend="gloo"),
+            roles=asyncexec.Role(Learner, cfg, path),
+            name="learner",
+            resources_per_worker={"CPU": 0.5},
+        ) as learner,
+        asyncexec.Executor(
+            servers,
+            roles=asyncexec.Role(PolicyServer, cfg),
+            name="servers",
+            restart=asyncexec.RestartPolicy(max_restarts=max_restarts),
+            resources_per_worker={"CPU": 0.5},
+        ) as rollout,
         asyncexec.WeightChannel(learner, rollout) as channel,
-    ):  # fmt: skip
+    ):
         await channel.push()  # the learner's first weights (or its checkpoint's)
         router = asyncexec.Router(rollout, max_in_flight=max_in_flight, channel=channel)
-        async with frozen_heap(), router, asyncexec.Pipeline(
-            router, make_tasks(cfg), batch_size=cfg.batch_size, staleness=staleness, mode=mode,
-            on_update=on_update, on_expire=on_expire, max_requeues=max_requeues, channel=channel,
-            consumed=consumed,
-        ) as pipe:  # fmt: skip
+        async with (
+            frozen_heap(),
+            router,
+            asyncexec.Pipeline(
+                router,
+                make_tasks(cfg),
+                batch_size=cfg.batch_size,
+                staleness=staleness,
+                mode=mode,
+                on_update=on_update,
+                on_expire=on_expire,
+                max_requeues=max_requeues,
+                channel=channel,
+                consumed=consumed,
+            ) as pipe,
+        ):
             async for batch in pipe:
                 index = s.started_from + s.updates + 1
                 s.consumed.extend(batch.ids)
                 s.lengths.extend(x.prompt.length for x in batch.samples)
                 # Staleness by the samples' own versions (the learner's: the batch's scale).
-                lags = [batch.version - (0 if x.version is None else x.version)
-                        for x in batch.samples]  # fmt: skip
+                lags = [
+                    batch.version - (0 if x.version is None else x.version) for x in batch.samples
+                ]
                 s.staleness_max = max(s.staleness_max, batch.staleness_max, *lags)
                 s.rewards.append(float(np.mean([x.output.rewards.mean() for x in batch.samples])))
                 await learn(learner, batch.samples, index, pipe.state_dict(), s, max_restarts)
@@ -452,9 +506,13 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--staleness", type=int, default=1, help="S: 0 is the synchronous loop (1)")
     add("--mode", choices=["strict", "aggregate"], default="strict")
     add("--on-update", choices=["keep", "wait", "abort"], default="keep")
-    add("--on-expire", choices=["requeue", "wait"], default="requeue",
+    add(
+        "--on-expire",
+        choices=["requeue", "wait"],
+        default="requeue",
         help="strict mode: a straggler a batch would wait for is cancelled and its prompt "
-        "requeued at the next version (requeue), or waited for (wait)")  # fmt: skip
+        "requeued at the next version (requeue), or waited for (wait)",
+    )
     add("--max-requeues", type=int, default=4, help="requeues of one prompt at most (4)")
     add("--max-updates", type=int, default=200, help="at most so many (200)")
     add("--threshold", type=float, default=0.9, help="mean reward to reach (0.9)")
@@ -470,8 +528,12 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--quiet", action="store_true", help="print the summary only")
     args = vars(parser.parse_args(argv))
     quiet = args.pop("quiet")
-    grpo = GRPOConfig(batch_size=args.pop("batch_size"), group_size=args.pop("group_size"),
-                      token_s=args.pop("token_ms") / 1e3, seed=args.pop("seed"))  # fmt: skip
+    grpo = GRPOConfig(
+        batch_size=args.pop("batch_size"),
+        group_size=args.pop("group_size"),
+        token_s=args.pop("token_ms") / 1e3,
+        seed=args.pop("seed"),
+    )
 
     def progress(update: int, mean_reward: float) -> None:
         if update % 5 == 0:
@@ -481,8 +543,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     import ray
 
     if not ray.is_initialized():  # before the event loop: ray.init blocks for seconds
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2), include_dashboard=False,
-                 logging_level=logging.WARNING)  # fmt: skip
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, 2),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
     summary = asyncio.run(main(**args, grpo=grpo, on_batch=None if quiet else progress))
     print(summary.report())
     bound_held = args["mode"] == "aggregate" or summary.staleness_max <= args["staleness"]

@@ -98,8 +98,9 @@ class Collector:
 
         self.envs = [gym.make(ENV_ID) for _ in range(n)]
         self.gamma = gamma
-        self.obs = np.stack([env.reset(seed=seed * 10_007 + i)[0] for i, env in
-                             enumerate(self.envs)]).astype(np.float32)  # fmt: skip
+        self.obs = np.stack(
+            [env.reset(seed=seed * 10_007 + i)[0] for i, env in enumerate(self.envs)]
+        ).astype(np.float32)
         self.returns = np.zeros(n)
 
     def collect(self, model: Any, steps: int) -> tuple[Batch, np.ndarray]:
@@ -130,13 +131,25 @@ class Collector:
                         self.returns[i] = 0.0
                         o, _ = env.reset()
                     self.obs[i] = o
-        batch: Batch = {"obs": obs, "actions": actions, "logp": logp, "rewards": rewards,
-                        "dones": dones, "last_obs": self.obs.copy()}  # fmt: skip
+        batch: Batch = {
+            "obs": obs,
+            "actions": actions,
+            "logp": logp,
+            "rewards": rewards,
+            "dones": dones,
+            "last_obs": self.obs.copy(),
+        }
         return batch, np.asarray(finished, np.float64)
 
 
-def gae(values: np.ndarray, last_values: np.ndarray, rewards: np.ndarray, dones: np.ndarray,
-        gamma: float, lam: float) -> np.ndarray:  # fmt: skip
+def gae(
+    values: np.ndarray,
+    last_values: np.ndarray,
+    rewards: np.ndarray,
+    dones: np.ndarray,
+    gamma: float,
+    lam: float,
+) -> np.ndarray:
     """Generalised advantage estimates, ``[T, N]``: ``dones[t]`` ends the episode after step t."""
     adv = np.zeros_like(rewards)
     running = np.zeros(rewards.shape[1], np.float32)
@@ -150,9 +163,13 @@ def gae(values: np.ndarray, last_values: np.ndarray, rewards: np.ndarray, dones:
 
 
 def ppo_update(
-    model: Any, optimizer: Any, batch: Mapping[str, np.ndarray], cfg: PPOConfig,
-    rng: np.random.Generator, forward: Callable[[Any], Any] | None = None,
-) -> dict[str, float]:  # fmt: skip
+    model: Any,
+    optimizer: Any,
+    batch: Mapping[str, np.ndarray],
+    cfg: PPOConfig,
+    rng: np.random.Generator,
+    forward: Callable[[Any], Any] | None = None,
+) -> dict[str, float]:
     """One PPO update (GAE with the current value head, then clipped-objective minibatches)
     through ``forward``, a DistributedDataParallel wrapper of ``model``; the mean losses."""
     import torch
@@ -164,8 +181,14 @@ def ppo_update(
     with torch.no_grad():
         values = model(obs)[1]
         last_values = model(torch.tensor(batch["last_obs"]))[1]
-    adv = gae(values.numpy().reshape(steps["rewards"].shape), last_values.numpy(),
-              steps["rewards"], steps["dones"], cfg.gamma, cfg.gae_lambda)  # fmt: skip
+    adv = gae(
+        values.numpy().reshape(steps["rewards"].shape),
+        last_values.numpy(),
+        steps["rewards"],
+        steps["dones"],
+        cfg.gamma,
+        cfg.gae_lambda,
+    )
     advantages = torch.from_numpy(adv).reshape(-1)
     returns = advantages + values
     actions = torch.from_numpy(steps["actions"]).reshape(-1)
@@ -208,8 +231,10 @@ def train_local(
     torch.set_num_threads(1)
     model = make_model(cfg.hidden, cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, eps=1e-5)
-    collectors = [Collector(cfg.envs_per_worker, cfg.seed * 1000 + r, cfg.gamma)
-                  for r in range(rollout_workers)]  # fmt: skip
+    collectors = [
+        Collector(cfg.envs_per_worker, cfg.seed * 1000 + r, cfg.gamma)
+        for r in range(rollout_workers)
+    ]
     history, update, returns = [copy.deepcopy(model)], 0, list[float]()
     rng = np.random.default_rng(cfg.seed)
     while update < max_updates:
@@ -344,17 +369,24 @@ class Summary:
         solved = f"solved after {self.solved_after_s:.1f} s" if self.solved else "not solved"
         back = {k: f" (back after {v:.2f} s)" for k, v in self.back_after_s.items()}
         restarts = ", ".join(f"{n} {k}{back.get(k, '')}" for k, n in self.restarts.items())
-        return "\n".join([
-            f"{solved}: average return {self.initial_average_return:.1f} (first 100 episodes) "
-            f"-> {self.final_average_return:.1f} (last 100)",
-            f"{self.updates} updates, {self.pushes} weight pushes, {self.env_steps} environment "
-            f"steps, {len(self.returns)} episodes in {self.seconds:.1f} s",
-            f"staleness: max lag {self.max_lag} versions (Report.version: {self.max_report_lag};"
-            f" bound {self.staleness_bound}), {self.dropped} steps dropped",
-            f"restarts: {restarts}; the learner resumed from updates {self.learner_resumed_from}",
-            "loop lag p50 {:.2f} ms, p99 {:.2f} ms, max {:.2f} ms".format(*self.loop_lag_ms)
-            + " (once started: p99 {1:.2f} ms, max {2:.2f} ms)".format(*self.running_loop_lag_ms),
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"{solved}: average return {self.initial_average_return:.1f} (first 100 episodes) "
+                f"-> {self.final_average_return:.1f} (last 100)",
+                f"{self.updates} updates, {self.pushes} weight pushes, "
+                f"{self.env_steps} environment steps, {len(self.returns)} episodes in "
+                f"{self.seconds:.1f} s",
+                f"staleness: max lag {self.max_lag} versions "
+                f"(Report.version: {self.max_report_lag}; bound {self.staleness_bound}), "
+                f"{self.dropped} steps dropped",
+                f"restarts: {restarts}; the learner resumed from updates "
+                f"{self.learner_resumed_from}",
+                "loop lag p50 {:.2f} ms, p99 {:.2f} ms, max {:.2f} ms".format(*self.loop_lag_ms)
+                + " (once started: p99 {1:.2f} ms, max {2:.2f} ms)".format(
+                    *self.running_loop_lag_ms
+                ),
+            ]
+        )
 
 
 async def probe_loop_lag(lags: list[float], interval_s: float = 0.005) -> None:
@@ -407,13 +439,22 @@ async def learn(learner: asyncexec.Executor, batch: Batch, s: Summary, max_resta
 
 
 async def main(
-    *, rollout_workers: int = 2, learner_workers: int = 2, staleness: int = 2,
-    max_updates: int = 400, stop_when_solved: bool = True, kill_rollout_at: int | None = None,
-    kill_learner_at: int | None = None, checkpoint_every: int = 5, max_restarts: int = 3,
-    transport: Literal["object_store", "torch"] = "object_store", ppo: PPOConfig | None = None,
+    *,
+    rollout_workers: int = 2,
+    learner_workers: int = 2,
+    staleness: int = 2,
+    max_updates: int = 400,
+    stop_when_solved: bool = True,
+    kill_rollout_at: int | None = None,
+    kill_learner_at: int | None = None,
+    checkpoint_every: int = 5,
+    max_restarts: int = 3,
+    transport: Literal["object_store", "torch"] = "object_store",
+    ppo: PPOConfig | None = None,
     storage_path: str | os.PathLike[str] | None = None,
-    on_update: Callable[[int, float], None] | None = None, timeline: str | None = None,
-) -> Summary:  # fmt: skip
+    on_update: Callable[[int, float], None] | None = None,
+    timeline: str | None = None,
+) -> Summary:
     """Train PPO with a learner and a rollout group; what happened. The arguments are the
     command line's (:func:`cli`); ``on_update(update, average return of the last 100 episodes)``
     is called after each update; ``timeline``: where to write the rollout group's timeline
@@ -426,22 +467,36 @@ async def main(
     checkpoints = tempfile.mkdtemp(prefix="ppo_learner_", dir=storage_path)
     bundles = max(rollout_workers, learner_workers)  # rank i of either group on bundle i
     reservation = asyncexec.Reservation(bundles, {"CPU": 1}, name="ppo")
-    shared = {"reservation": reservation, "resources_per_worker": {"CPU": 0.5},
-              "storage_path": storage_path}  # fmt: skip
+    shared = {
+        "reservation": reservation,
+        "resources_per_worker": {"CPU": 0.5},
+        "storage_path": storage_path,
+    }
     timed = timeline is not None  # each group keeps a timeline
     async with anyio.create_task_group() as probe:
         probe.start_soon(probe_loop_lag, lags)
         async with (
             reservation,
-            asyncexec.Executor(learner_workers, backend=TorchBackend(backend="gloo"),
-                               roles=asyncexec.Role(Learner, ppo, checkpoints, checkpoint_every),
-                               name="learner", timeline=timed, **shared) as learner,
-            asyncexec.Executor(rollout_workers, roles=asyncexec.Role(Rollout, ppo),
-                               restart=asyncexec.RestartPolicy(max_restarts=max_restarts),
-                               name="rollout", timeline=timed, **shared) as rollout,
-            asyncexec.WeightChannel(learner, rollout, transport=transport,
-                                    max_staleness=1) as channel,
-        ):  # fmt: skip
+            asyncexec.Executor(
+                learner_workers,
+                backend=TorchBackend(backend="gloo"),
+                roles=asyncexec.Role(Learner, ppo, checkpoints, checkpoint_every),
+                name="learner",
+                timeline=timed,
+                **shared,
+            ) as learner,
+            asyncexec.Executor(
+                rollout_workers,
+                roles=asyncexec.Role(Rollout, ppo),
+                restart=asyncexec.RestartPolicy(max_restarts=max_restarts),
+                name="rollout",
+                timeline=timed,
+                **shared,
+            ) as rollout,
+            asyncexec.WeightChannel(
+                learner, rollout, transport=transport, max_staleness=1
+            ) as channel,
+        ):
             gc.collect()
             gc.freeze()  # what lives now lives long (Ray's heap): full collections skip it
             started = len(lags)
@@ -515,10 +570,19 @@ def cli(argv: Sequence[str] | None = None) -> int:
     if not ray.is_initialized():
         # Before the event loop (ray.init blocks for seconds); a logical CPU for every bundle.
         bundles = max(args["rollout_workers"], args["learner_workers"])
-        ray.init(num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
-                 logging_level=logging.WARNING)  # fmt: skip
-    summary = asyncio.run(main(**args, stop_when_solved=stop_when_solved, ppo=ppo,
-                               on_update=None if quiet else progress))  # fmt: skip
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, bundles),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    summary = asyncio.run(
+        main(
+            **args,
+            stop_when_solved=stop_when_solved,
+            ppo=ppo,
+            on_update=None if quiet else progress,
+        )
+    )
     print(summary.report())
     rose = not stop_when_solved and summary.final_average_return > summary.initial_average_return
     ok = (summary.solved or rose) and summary.dropped == 0

@@ -26,7 +26,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import asyncexec
-from asyncexec._config import validate_resources
+from asyncexec._driver._config import validate_resources
 
 CPU = {"CPU": 0.5}
 

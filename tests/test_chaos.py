@@ -203,8 +203,9 @@ _FIRST = [(i, i, 1) for i in range(12)]
 
 def test_group_invariants_accept_what_the_semantics_allow() -> None:
     # Rank 1 replaced after its step 4: its attempt 2 resumes right after its checkpoint (3).
-    steps = _unaligned([(0, 1, [0, 1, 2]), (1, 1, [0, 1, 2, 3, 4]), (0, 1, [3, 4, 5]),
-                        (1, 2, [4, 5])])  # fmt: skip
+    steps = _unaligned(
+        [(0, 1, [0, 1, 2]), (1, 1, [0, 1, 2, 3, 4]), (0, 1, [3, 4, 5]), (1, 2, [4, 5])]
+    )
     assert chaos.check_independent(steps, workers=2, every=3) == []
     assert (
         chaos.independent_complete(steps, [15, 30], workers=2, total=6, replaced=frozenset({1}))

@@ -23,8 +23,9 @@ import structlog
 
 import asyncexec
 from asyncexec._cli._logconfig import configure_logging
-from asyncexec._cli._main import main, quiet_planned_crash, total_steps
+from asyncexec._cli._main import main, total_steps
 from asyncexec._cli._views import JsonView
+from asyncexec._driver.cluster import quiet_planned_crash
 from asyncexec._driver.run import Report, Step
 
 
@@ -74,10 +75,19 @@ def test_run_json_prints_one_object_per_step(
 ) -> None:
     rc = main(
         [
-            "run", "test_cli:counting", "--workers", "2", "--cpus-per-worker", "0.5",
-            "--config", '{"steps": 7}', "--json", "--storage-path", str(tmp_path),
+            "run",
+            "test_cli:counting",
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "0.5",
+            "--config",
+            '{"steps": 7}',
+            "--json",
+            "--storage-path",
+            str(tmp_path),
         ]
-    )  # fmt: skip
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     lines = _json_lines(out)  # stdout holds the steps and nothing else
@@ -117,10 +127,16 @@ def test_run_live_view_shows_metrics_attempt_and_progress(
     the function's total_steps attribute."""
     rc = main(
         [
-            "run", "test_cli:five_steps", "--workers", "2", "--cpus-per-worker", "0.5",
-            "--storage-path", str(tmp_path),
+            "run",
+            "test_cli:five_steps",
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "0.5",
+            "--storage-path",
+            str(tmp_path),
         ]
-    )  # fmt: skip
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "test_cli:five_steps" in out
@@ -139,15 +155,30 @@ def test_run_live_view_shows_metrics_attempt_and_progress(
 def test_run_without_rich_falls_back_to_plain_lines(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    for name in ("rich", "rich.box", "rich.console", "rich.live", "rich.progress_bar",
-                 "rich.table", "rich.text"):  # fmt: skip
+    for name in (
+        "rich",
+        "rich.box",
+        "rich.console",
+        "rich.live",
+        "rich.progress_bar",
+        "rich.table",
+        "rich.text",
+    ):
         monkeypatch.setitem(sys.modules, name, None)  # makes `import rich...` fail
     rc = main(
         [
-            "run", "test_cli:counting", "--workers", "2", "--cpus-per-worker", "0.5",
-            "--config", '{"steps": 3, "total_steps": 3}', "--storage-path", str(tmp_path),
+            "run",
+            "test_cli:counting",
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "0.5",
+            "--config",
+            '{"steps": 3, "total_steps": 3}',
+            "--storage-path",
+            str(tmp_path),
         ]
-    )  # fmt: skip
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "pip install 'asyncexec[cli]'" in out
@@ -161,10 +192,19 @@ def test_failing_function_exits_1_with_the_error(
 ) -> None:
     rc = main(
         [
-            "run", "test_cli:failing", "--workers", "1", "--cpus-per-worker", "0.5",
-            "--config", '{"n": 42}', "--json", "--storage-path", str(tmp_path),
+            "run",
+            "test_cli:failing",
+            "--workers",
+            "1",
+            "--cpus-per-worker",
+            "0.5",
+            "--config",
+            '{"n": 42}',
+            "--json",
+            "--storage-path",
+            str(tmp_path),
         ]
-    )  # fmt: skip
+    )
     _, err = capsys.readouterr()
     assert rc == 1
     assert "the run failed: WorkerRaisedError" in err
@@ -195,10 +235,19 @@ def test_run_imports_a_module_from_the_working_directory(
     try:
         rc = main(
             [
-                "run", "cwd_job:train", "--workers", "2", "--cpus-per-worker", "0.5",
-                "--config", '{"steps": 3}', "--json", "--storage-path", str(tmp_path / "s"),
+                "run",
+                "cwd_job:train",
+                "--workers",
+                "2",
+                "--cpus-per-worker",
+                "0.5",
+                "--config",
+                '{"steps": 3}',
+                "--json",
+                "--storage-path",
+                str(tmp_path / "s"),
             ]
-        )  # fmt: skip
+        )
     finally:
         sys.modules.pop("cwd_job", None)
     out, err = capsys.readouterr()
@@ -338,12 +387,28 @@ def test_console_command_runs_a_module_from_the_working_directory(tmp_path: Path
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
         [
-            sys.executable, "-m", "asyncexec", "run", "fresh_job:train", "--workers", "2",
-            "--cpus-per-worker", "0.5", "--config", '{"steps": 4}', "--json",
-            "--storage-path", str(tmp_path / "storage"),
+            sys.executable,
+            "-m",
+            "asyncexec",
+            "run",
+            "fresh_job:train",
+            "--workers",
+            "2",
+            "--cpus-per-worker",
+            "0.5",
+            "--config",
+            '{"steps": 4}',
+            "--json",
+            "--storage-path",
+            str(tmp_path / "storage"),
         ],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert [line["index"] for line in _json_lines(proc.stdout)] == [0, 1, 2, 3]
 
@@ -352,7 +417,7 @@ def test_console_command_runs_a_module_from_the_working_directory(tmp_path: Path
 
 
 def test_configure_logging_json_carries_the_bound_context() -> None:
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     out = io.StringIO()
     configure_logging("json", "info", stream=out)
@@ -369,7 +434,7 @@ def test_configure_logging_json_carries_the_bound_context() -> None:
 
 
 def test_configure_logging_console_filters_by_level() -> None:
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     out = io.StringIO()
     configure_logging("console", "warning", stream=out, colors=False)
@@ -388,7 +453,7 @@ def test_configure_logging_renders_other_structlog_users_and_replaces_itself(
     """An application's own structlog logger renders like asyncexec's events (as the service
     example's does); a second call replaces the first (one handler, the new stream, the new
     level); without a stream, lines go to whatever sys.stderr is at each write."""
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     first, second = io.StringIO(), io.StringIO()
     configure_logging("console", "debug", stream=first, colors=False)
@@ -419,7 +484,7 @@ def test_configure_logging_refuses_bad_arguments(fmt: Any, level: Any) -> None:
 
 
 def test_the_summary_names_failures_with_empty_or_broken_messages() -> None:
-    from asyncexec._cli._main import _summary
+    from asyncexec._cli._drive import summary as _summary
     from asyncexec._cli._views import Tracker
 
     class Broken(Exception):

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncexec import ConfigurationError
-from asyncexec._dispatch import (
+from asyncexec._dispatch._plan import (
     ALL,
     Load,
     Mesh,
@@ -590,12 +590,12 @@ def test_all_is_the_default_target() -> None:
 def test_dispatch_imports_neither_numpy_nor_torch_nor_the_driver() -> None:
     code = (
         "import ray._private.worker as w\nw.global_worker.mode = w.WORKER_MODE\n"
-        "import sys, json\nimport asyncexec._dispatch\n"
+        "import sys, json\nimport asyncexec._dispatch._plan\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     modules = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "asyncexec._dispatch" in modules
+    assert "asyncexec._dispatch._plan" in modules
     assert not {"numpy", "torch", "anyio", "asyncexec._driver"} & set(modules)

@@ -18,7 +18,7 @@ import asyncexec
 from asyncexec._driver.cluster import SimCluster, SimLoad, _ray, simulated
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._driver.cluster._sim import SimWorker
-from asyncexec._interface import packed, unpacked
+from asyncexec._wire._interface import packed, unpacked
 
 CPU = {"CPU": 0.25}
 
@@ -118,7 +118,7 @@ def test_the_quick_plan_binds_a_method_once_per_argument_count(
 ) -> None:
     """The arguments' names of a role method's call (its signature bound) are found once per
     number of arguments; a call that does not bind raises each time."""
-    import asyncexec._dispatch as dispatch
+    import asyncexec._dispatch._plan as dispatch
 
     bound: list[int] = []
     real = dispatch._role_method_names

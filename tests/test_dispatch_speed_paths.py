@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 import asyncexec
-from asyncexec._dispatch import ALL, plan_call
+from asyncexec._dispatch._plan import ALL, plan_call
 from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 from asyncexec._worker import ROLE_GROUPS
 
@@ -416,7 +416,7 @@ async def test_every_kind_of_value_comes_back_as_it_was_sent_on_each_path(mode: 
 
 
 def test_a_method_key_carries_the_role_and_the_method_name() -> None:
-    from asyncexec._interface import method_key, parse_key
+    from asyncexec._wire._interface import method_key, parse_key
 
     plan = plan_call(Other.quick, (), {}, 1, roles=[asyncexec.Role(Worker), asyncexec.Role(Other)])
     assert plan.key == method_key(1, "quick") and parse_key(plan.key) == (1, "quick")
@@ -430,8 +430,8 @@ def test_a_method_key_carries_the_role_and_the_method_name() -> None:
 async def test_a_worker_answers_a_bad_key_with_an_error_and_call_role_with_an_outcome() -> None:
     """The worker's side, without Ray: a key it cannot read, a role or method it does not hold,
     are error outcomes; ``call_role`` answers as an outcome even a bare value."""
-    from asyncexec._interface import as_outcome
-    from asyncexec._protocol import Outcome
+    from asyncexec._wire._interface import as_outcome
+    from asyncexec._wire._protocol import Outcome
     from asyncexec._worker import _roles
     from asyncexec._worker._actor import WorkerCode
     from asyncexec._worker._place import PLACE, Place

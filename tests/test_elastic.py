@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 import asyncexec
 import asyncexec.backends
-from asyncexec._config import ExecutorConfig
+from asyncexec._driver._config import ExecutorConfig
 from asyncexec._driver.group import decide_size, fitting_workers
 
 log = logging.getLogger(__name__)

@@ -431,12 +431,12 @@ async def test_a_checkpoint_that_cannot_be_deleted_never_fails_the_run(
     """Pruning a checkpoint on a store whose ``rm`` fails (here our deletion, made to raise as
     a remote filesystem's would): it failed an aligned run, a TimeoutError restarted it as a
     start-up timeout, and in a run of independent ranks it cancelled the caller's body."""
-    import asyncexec._checkpoint
+    import asyncexec._wire._checkpoint
 
     def failing_rm(path: str) -> None:
         raise error(f"rm {path} failed on the remote store")
 
-    monkeypatch.setattr(asyncexec._checkpoint, "remove_directory", failing_rm)
+    monkeypatch.setattr(asyncexec._wire._checkpoint, "remove_directory", failing_rm)
     config = {"steps": 6, "every": 1}
     async with asyncexec.Executor(
         2,

@@ -259,7 +259,7 @@ def test_the_stdlib_route_renders_events_with_their_fields(
 ) -> None:
     import structlog
 
-    from asyncexec._driver._logging import get_logger
+    from asyncexec._logging import get_logger
 
     previous = structlog.get_config()
     structlog.reset_defaults()  # as in a program that configured nothing

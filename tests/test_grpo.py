@@ -59,8 +59,12 @@ def _run_example(*args: str, timeout_s: float = 110) -> subprocess.CompletedProc
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, str(ROOT / "examples" / "grpo.py"), "--quiet", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 @pytest.mark.timeout(120)

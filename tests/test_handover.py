@@ -7,8 +7,8 @@ from typing import Any
 
 import anyio
 
-from asyncexec._checkpoint import CheckpointBook
 from asyncexec._driver.run import HandOver, Run, RunCore, StepBatch
+from asyncexec._wire._checkpoint import CheckpointBook
 
 
 def _batch(first: int) -> StepBatch:

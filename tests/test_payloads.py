@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import asyncexec
-from asyncexec._dispatch import plan_call
-from asyncexec._split import split
+from asyncexec._dispatch._plan import plan_call
+from asyncexec._dispatch._split import split
 
 CPU = {"CPU": 0.25}
 
@@ -172,7 +172,7 @@ class Slotted:
 
 @pytest.mark.timeout(10)
 def test_the_size_of_a_frame_a_dataclass_and_a_plain_object_is_estimated() -> None:
-    from asyncexec._split import estimated_nbytes
+    from asyncexec._dispatch._split import estimated_nbytes
 
     pandas = pytest.importorskip("pandas")
     frame = pandas.DataFrame({"a": np.zeros(100_000), "b": np.ones(100_000)})
@@ -315,7 +315,7 @@ class Frozen:
 
 @pytest.mark.timeout(10)
 def test_compact_copies_views_inside_objects_and_leaves_the_rest_alone() -> None:
-    from asyncexec._split import compact
+    from asyncexec._dispatch._split import compact
 
     storage = torch.zeros(1000)
     part = Frozen(storage[:10], (storage[10:20], torch.ones(3)), "p")

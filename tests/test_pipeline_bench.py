@@ -49,8 +49,12 @@ def test_quick_pipeline_benchmark_prints_every_figure_and_cleans_up() -> None:
     t0 = time.time() - 1.0  # process start times are rounded
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "pipeline.py"), "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=140,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     deadline = time.monotonic() + 15
     while (left := _ray_processes_since(t0)) and time.monotonic() < deadline:
@@ -62,12 +66,19 @@ def test_quick_pipeline_benchmark_prints_every_figure_and_cleans_up() -> None:
         if len(cells) == 6 and cells[0] not in ("figure", "") and not cells[0].startswith("-"):
             rows[cells[0]] = cells
     labels = list(rows)
-    for figure in ("samples trained/s", "samples beyond S", 'pause to resume, "keep"',
-                   'pause to resume, "abort"', 'update_weights() with 256 in flight, "keep"',
-                   'update_weights() with 256 in flight, "abort"',
-                   "1 of 4 servers SIGKILLed: requests answered",
-                   "1 of 4 servers SIGKILLed: replacement", "balance", "sticky sessions",
-                   "event-loop max lag"):  # fmt: skip
+    for figure in (
+        "samples trained/s",
+        "samples beyond S",
+        'pause to resume, "keep"',
+        'pause to resume, "abort"',
+        'update_weights() with 256 in flight, "keep"',
+        'update_weights() with 256 in flight, "abort"',
+        "1 of 4 servers SIGKILLed: requests answered",
+        "1 of 4 servers SIGKILLed: replacement",
+        "balance",
+        "sticky sessions",
+        "event-loop max lag",
+    ):
         assert any(label.startswith(figure) for label in labels), (figure, proc.stdout)
     for label, cells in rows.items():
         assert cells[2] not in ("", "-"), (label, proc.stdout)  # the pipeline's figure

@@ -199,10 +199,9 @@ async def test_the_callers_of_an_abort_are_answered_around_the_resume_not_during
     answered = 0
 
     async with (
-        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=_slow_server())
-        as servers,
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=_slow_server()) as servers,
         asyncexec.Router(servers, max_in_flight=32) as router,
-    ):  # fmt: skip
+    ):
 
         async def ask(i: int) -> None:
             nonlocal answered
@@ -252,10 +251,9 @@ async def _slow_router() -> AsyncIterator[tuple[Any, Callable[[int], Awaitable[N
     import asyncexec
 
     async with (
-        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=_slow_server())
-        as servers,
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=_slow_server()) as servers,
         asyncexec.Router(servers, max_in_flight=16) as router,
-    ):  # fmt: skip
+    ):
 
         async def ask(i: int) -> None:
             await router.generate(asyncexec.RolloutRequest(i, (1000, 0.01)))
@@ -341,7 +339,7 @@ async def test_an_attempt_cancelled_as_it_starts_is_sent_again_and_gives_its_slo
     async with (
         asyncexec.Executor(2, roles=_slow_server(), local=True) as servers,
         asyncexec.Router(servers, max_in_flight=4) as router,
-    ):  # fmt: skip
+    ):
         samples: list[Any] = []
 
         async def ask(i: int) -> None:

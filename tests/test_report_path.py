@@ -18,7 +18,7 @@ import pytest
 import asyncexec
 from asyncexec._driver.run._steps import Report, Step, StepBatch
 from asyncexec._driver.run._window import BATCH, Assembly
-from asyncexec._protocol import Outcome, Poll, ReportTimes
+from asyncexec._wire._protocol import Outcome, Poll, ReportTimes
 
 STEPS = 12
 CHECKPOINT_ONE = 5  # the last rank alone reports a checkpoint here

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import asyncexec
-from asyncexec._config import DEFAULT_BUFFER_SIZE
+from asyncexec._driver._config import DEFAULT_BUFFER_SIZE
 
 WINDOW = 2048
 

@@ -14,7 +14,7 @@ import ray.exceptions as rex
 
 import asyncexec
 from asyncexec._driver.cluster import RAY_ERROR_KINDS, LocalWorkerGone, result_of, submit
-from asyncexec._protocol import WorkerMetadata
+from asyncexec._wire._protocol import WorkerMetadata
 
 CPU = {"CPU": 0.5}
 

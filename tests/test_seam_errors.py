@@ -324,7 +324,7 @@ async def test_awaited_raises_the_failed_calls_own_error_not_an_exception_group(
 async def test_a_task_group_raises_one_error_the_others_as_notes() -> None:
     """Of several failures: an interrupt first, then asyncexec's error, then the first other;
     the rest as notes; a group of cancellations alone is left to anyio."""
-    from asyncexec._taskgroups import escaped, task_group
+    from asyncexec._driver._taskgroups import escaped, task_group
 
     raised = asyncexec.WorkerRaisedError(0, attempt=1, detail="ValueError: bad")
     with pytest.raises(asyncexec.WorkerRaisedError) as info:

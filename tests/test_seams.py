@@ -247,7 +247,7 @@ def test_every_ray_exception_class_is_mapped_on_purpose() -> None:
 
 def _worker_on(node_id: str) -> Any:
     from asyncexec._driver.group import WorkerInfo
-    from asyncexec._protocol import WorkerContext, WorkerMetadata
+    from asyncexec._wire._protocol import WorkerContext, WorkerMetadata
 
     meta = WorkerMetadata(node_id, "127.0.0.1", "host", 1234, {})
     return WorkerInfo(None, meta, WorkerContext(1, 1, 0, 2, 2, node_id, "127.0.0.1", 1234))

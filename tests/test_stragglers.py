@@ -16,8 +16,8 @@ import pytest
 from structlog.testing import capture_logs
 
 import asyncexec
-from asyncexec._config import ExecutorConfig
 from asyncexec._driver import _metrics
+from asyncexec._driver._config import ExecutorConfig
 from asyncexec._driver.cluster import NOT_TAKEN, SimCluster, SimLoad, simulated
 from asyncexec._driver.run._steps import StepTimes
 from asyncexec._driver.run._stragglers import MIN_LAG_S, StragglerWatch
@@ -231,7 +231,7 @@ def test_a_batch_of_many_steps_split_for_the_iterator_keeps_each_steps_times() -
     of BATCH), cut into parts: each part's steps keep their own ranks' times (the last, short
     part was read beyond the batch's end)."""
     from asyncexec._driver.run._window import BATCH, Assembly
-    from asyncexec._protocol import Poll, ReportTimes
+    from asyncexec._wire._protocol import Poll, ReportTimes
 
     ranks, steps = 3, 2 * BATCH + 37
     asm = Assembly(ranks, 1, 0)

@@ -1,9 +1,26 @@
-"""The layout's promises, read from the source (no Ray): classes under about 250 lines,
-functions under about 80, modules under about 600; no import circle (imports for type checkers
-and imports inside functions included); the driver's wings layered (cluster below group below run
-below the executor and the channel) with ``ray`` imported only by the cluster seam; no module
-importing another wing's private names, nor the worker side's private modules from outside it;
-local mode with no ``is_local`` checks outside the seam.
+"""The layout's promises, read from the source (no Ray).
+
+- The root holds wings: the package's ``__init__`` (public names only), ``__main__``, and the two
+  modules every wing uses (the error tree, the library's logger); each other concept is a wing
+  of its own (:data:`ROOT_MODULES`).
+- The wings are layered (:data:`WINGS`): a wing imports only lower ones, so no two wings import
+  each other; inside the driver, its own layers (:data:`LAYERS`: cluster below group below run
+  below the executor and the channel, the pipeline on top); no import circle between modules.
+- Ray is known where it must be and nowhere else (:data:`RAY_KNOWN`): the cluster seam, the
+  worker side (it runs inside Ray's actors), and the pickler of what is sent.
+- No module takes another wing's private names, nor the worker side's private modules from
+  outside it; local mode has no ``is_local`` checks outside the seam; nothing above the seam maps
+  the cluster's errors.
+
+Sizes. The guide (STYLE.md) is a class under about 250 lines, a function under about 80 (a
+screen), a module under about 600: past those, look whether it holds several concepts, and split
+it by concept if it does; one concept may be longer, and says why. The guide is not a quota, so
+it is not what this test counts: the test is an alarm for the god class or module that nobody
+looked at, set well above the guide (:data:`CLASS_ALARM`, :data:`FUNCTION_ALARM`,
+:data:`MODULE_ALARM`: 400, 120, 800, about one and a half times it), where a class or module holds
+several concepts whatever its reasons. Hard limits at the guide made the guide a target: classes
+squeezed to 249 lines, a docstring shortened and a module left unformatted to stay under a number.
+Never trim a docstring, fold lines or skip the formatter to pass it: split by concept.
 """
 
 from __future__ import annotations
@@ -15,14 +32,45 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "asyncexec"
-CLASS_LINES, FUNCTION_LINES, MODULE_LINES = 250, 80, 600
+#: The alarms (see the module's docstring): well above the guide of 250, 80 and 600 lines.
+CLASS_ALARM, FUNCTION_ALARM, MODULE_ALARM = 400, 120, 800
+
+#: The modules at the package's root that are not wings: the public names, ``python -m``, and the
+#: two that every wing uses (the error tree, both sides; the logger, driver side).
+ROOT_MODULES = {"__main__", "_errors", "_logging"}
+
+#: The wings, lowest first: a module imports only its own wing and lower ones. ``""`` is the
+#: package's root (``asyncexec/__init__.py``, which makes the public names of every wing);
+#: the engines take those public names.
+WINGS = [
+    "_errors",
+    "_logging",
+    "_wire",
+    "_dispatch",
+    "_timeline",
+    "_worker",
+    "backends",
+    "_driver",
+    "_cli",
+    "",
+    "__main__",
+    "engines",
+]
+
+#: Where Ray may be known (imported, or named as a module path): the one seam to where the
+#: workers live, the worker side, which runs inside Ray's actors, and the pickler of what is sent
+#: to them (Ray's cloudpickle, which must agree with what Ray sends). Nowhere else: the command
+#: line, the configuration and the package's root ask the seam or the worker side.
+RAY_KNOWN = ("_driver.cluster", "_worker", "_wire._pickle")
 
 #: The driver's layers, lowest first: a module may import its own layer's and lower ones'.
 LAYERS = [
     (
         "base",
         [
-            "_driver._logging",
+            "_driver._config",
+            "_driver._devices",
+            "_driver._taskgroups",
             "_driver._interrupt",
             "_driver._metrics",
             "_driver._restart",
@@ -107,17 +155,19 @@ def _edges(name: str) -> set[str]:
 def _sizes() -> Iterator[str]:
     for name, path in MODULES.items():
         lines = path.read_text().count("\n")
-        if lines > MODULE_LINES:
+        if lines > MODULE_ALARM:
             yield f"module {name}: {lines} lines"
         for node in ast.walk(ast.parse(path.read_text())):
             size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
-            if isinstance(node, ast.ClassDef) and size > CLASS_LINES:
+            if isinstance(node, ast.ClassDef) and size > CLASS_ALARM:
                 yield f"class {name}.{node.name}: {size} lines"
-            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and size > FUNCTION_LINES:
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and size > FUNCTION_ALARM:
                 yield f"function {name}.{node.name} (line {node.lineno}): {size} lines"
 
 
-def test_no_class_function_or_module_over_the_guide() -> None:
+def test_no_god_class_function_or_module() -> None:
+    """Past an alarm, a class, function or module holds several concepts: split it by concept
+    (the guide below the alarm is for reading, not for counting: see the module's docstring)."""
     assert list(_sizes()) == []
 
 
@@ -176,15 +226,64 @@ def test_the_driver_wings_import_only_their_own_layer_and_lower_ones() -> None:
     assert wrong == []
 
 
-def test_only_the_cluster_seam_imports_ray_in_the_driver() -> None:
-    importers = sorted(
-        f"{name}:{line}"
+def _knows_ray(name: str) -> Iterator[str]:
+    """Where module ``name`` knows Ray: an import of it, or a module path of Ray named in a
+    string (``sys.modules.get("ray._private.worker")``, a patch by name)."""
+    for target, _, line in _imports(name):
+        if target == "ray" or target.startswith("ray."):
+            yield f"{name}:{line} imports {target}"
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        is_text = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if is_text and node.value.startswith("ray."):
+            yield f"{name}:{node.lineno} names {node.value}"
+
+
+def test_ray_is_known_only_where_it_must_be() -> None:
+    """The whole package, not the driver alone: the command line, the configuration and the
+    package's root knew Ray until they asked the seam (or the worker side) instead."""
+    known = sorted(
+        found
         for name in MODULES
-        if name.startswith("_driver") and not name.startswith("_driver.cluster")
-        for target, _, line in _imports(name)
-        if target == "ray" or target.startswith("ray.")
+        if not any(name == k or name.startswith(k + ".") for k in RAY_KNOWN)
+        for found in _knows_ray(name)
     )
-    assert importers == []
+    assert known == []
+
+
+def test_the_places_that_may_know_ray_do() -> None:
+    """Each entry of :data:`RAY_KNOWN` is needed: a module there that no longer knows Ray
+    leaves the list."""
+    for entry in RAY_KNOWN:
+        inside = [n for n in MODULES if n == entry or n.startswith(entry + ".")]
+        assert any(list(_knows_ray(n)) for n in inside), entry
+
+
+def _root_wing(name: str) -> str:
+    """The wing at the root a module belongs to (``_driver.group._slot`` -> ``_driver``); the
+    root's own modules are their own."""
+    return name.split(".")[0]
+
+
+def test_the_root_holds_wings_and_the_few_shared_modules_only() -> None:
+    """A concept is a wing at the root (``_timeline/``, ``_dispatch/``, ...), never flat modules
+    beside them: a newcomer finds "how a call is split" by its folder."""
+    flat = sorted(n for n in MODULES if "." not in n and not _is_package(n))
+    assert set(flat) <= ROOT_MODULES, sorted(set(flat) - ROOT_MODULES)
+    wings = sorted({_root_wing(n) for n in MODULES})
+    assert sorted(set(wings) - set(WINGS)) == [], "a new wing needs its place in WINGS"
+
+
+def test_the_wings_import_only_their_own_and_lower_ones() -> None:
+    """No arrow up (the torch backend's driver part took the driver's logger), and so no two
+    wings import each other."""
+    wrong = []
+    for name in MODULES:
+        mine = WINGS.index(_root_wing(name))
+        for target in _edges(name):
+            theirs = WINGS.index(_root_wing(target))
+            if theirs > mine:
+                wrong.append(f"{name} ({WINGS[mine] or 'root'}) imports {target}")
+    assert wrong == []
 
 
 def _wing(name: str) -> str:
@@ -243,7 +342,7 @@ def test_no_module_outside_the_worker_side_takes_its_private_modules() -> None:
 def test_local_mode_is_decided_in_the_seam_alone(word: str) -> None:
     """Outside the seam, nothing asks whether workers are threads or actors (the configuration
     checks what local mode refuses, before anything starts)."""
-    allowed = ("_driver.cluster", "_config", "_driver._lifecycle", "_driver.run._spec")
+    allowed = ("_driver.cluster", "_driver._config", "_driver._lifecycle", "_driver.run._spec")
     users = [
         name
         for name, path in MODULES.items()

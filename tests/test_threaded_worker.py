@@ -22,7 +22,7 @@ import pytest
 import tenacity
 
 import asyncexec
-from asyncexec._role import plain_only
+from asyncexec._dispatch._role import plain_only
 
 CPU = {"CPU": 0.25}
 

@@ -16,7 +16,7 @@ import pytest
 
 import asyncexec
 from asyncexec._driver.run._steps import StepBatch, StepTimes
-from asyncexec._timeline import DRIVER, Timeline
+from asyncexec._timeline._timeline import DRIVER, Timeline
 
 
 def count_to(config: dict[str, Any]) -> None:

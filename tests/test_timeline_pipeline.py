@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import asyncexec
-from asyncexec._timeline import PIPELINE
+from asyncexec._timeline._timeline import PIPELINE
 
 CPU = {"CPU": 0.25}
 
@@ -163,8 +163,8 @@ def test_counters_and_one_ranks_reports_export_draw_and_leave_the_ring_whole(
 ) -> None:
     from array import array
 
-    from asyncexec._protocol import ReportTimes
-    from asyncexec._timeline import Timeline
+    from asyncexec._timeline._timeline import Timeline
+    from asyncexec._wire._protocol import ReportTimes
 
     timeline = Timeline(capacity=8)
     now = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 import tenacity
 
 import asyncexec
-from asyncexec import _tracing
+from asyncexec._wire import _tracing
 
 trace = pytest.importorskip("opentelemetry.trace")
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")

@@ -10,9 +10,9 @@ import tenacity
 
 import asyncexec
 from asyncexec import _errors
-from asyncexec._config import ExecutorConfig, validate_resources
-from asyncexec._devices import shared_device_env
-from asyncexec._ranks import assign_ranks, order_workers
+from asyncexec._driver._config import ExecutorConfig, validate_resources
+from asyncexec._driver._devices import shared_device_env
+from asyncexec._driver.group._ranks import assign_ranks, order_workers
 
 
 def test_ranks_follow_the_seed_example() -> None:

@@ -1,5 +1,5 @@
-"""The worker's one typed interface (``asyncexec._interface``), which the Ray actor's code, the
-local worker and the simulated worker implement, method for method; the simulated cluster
+"""The worker's one typed interface (``asyncexec._wire._interface``), which the Ray actor's
+code, the local worker and the simulated worker implement, method for method; the simulated cluster
 running roles and dispatch on it; and the programs asyncexec ships, which freeze their heap once
 their groups have started (docs/operating.md's advice: a full collection of Ray's heap stalls
 the loop)."""
@@ -24,7 +24,7 @@ from asyncexec._cli._main import main
 from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
-from asyncexec._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
+from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from asyncexec._worker import ThreadedWorkerCode, WorkerCode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,10 +58,14 @@ def test_asyncexec_run_freezes_the_heap_once_the_group_has_started(
     its collector back)."""
     rc = main(
         [
-            "run", "test_worker_interface:reports_the_frozen_heap", "--workers", "1",
-            "--local", "--json",
+            "run",
+            "test_worker_interface:reports_the_frozen_heap",
+            "--workers",
+            "1",
+            "--local",
+            "--json",
         ]
-    )  # fmt: skip
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     steps = [json.loads(line) for line in out.splitlines() if line.strip()]

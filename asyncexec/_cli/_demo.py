@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._checkpoint import Checkpoint
+from .._wire._checkpoint import Checkpoint
 from .._worker import get_checkpoint, get_context, report
 
 __all__ = ["DEFAULT_CONFIG", "demo_train"]

@@ -1,6 +1,6 @@
 """``configure_logging()``: console or JSON log output for applications and the command line.
 
-The library itself only logs (see ``_driver._logging``); an application that wants asyncexec's
+The library itself only logs (see ``asyncexec._logging``); an application that wants asyncexec's
 events on its terminal or in a log pipeline calls this once at start-up, as the ``asyncexec``
 command and the examples do. It is structlog's standard-library integration: structlog's events
 (the library's, and any other structlog user's in the process) become ``logging`` records

@@ -3,23 +3,23 @@
 arguments, mesh axes, the least-loaded rank, merged results) and ``stream()`` (each rank's result
 as it is ready).
 
-A call is planned before anything is sent (``asyncexec._dispatch.plan_call``: bad arguments are
-refused there). Each distinct part of its arguments that is large (over 64 KiB by its ``nbytes``
+A call is planned before anything is sent (``asyncexec._dispatch._plan.plan_call``: bad arguments
+are refused there). Each distinct part of its arguments that is large (over 64 KiB by its ``nbytes``
 or length) is put where every worker reads it, once, and each rank is sent references to its own
 parts only; a small part travels inline with the call. A call on a rank that died raises
 ``WorkerCrashedError`` with its rank (with a note saying so when the executor replaced the group
-while the call was on its way: a restart); no call hangs on a dead worker. Outside a run, a
-crashed rank of a group without a backend gets a fresh process in its place (the others keep
-their calls); otherwise the dead group is dropped and the next call starts a fresh one (see
-``_recovery``). A caller that stops waiting for an ``async def`` cancels it on the workers it
-was sent to; a plain method runs to its end. A call chosen by load holds its rank's slot until
-the remote call ends (or its cancellation lands), also when its caller stops waiting, and a call
-that ends hands its slot to the longest waiter; an idempotent one follows the group when it is
-replaced (see ``_loads`` for the bookkeeping). A role's plain method that runs one call at a
-time is sent as ``call_method_sync`` (the worker runs it where its calls queue, without a hop to
-a thread), every other method as ``call_method``: the role and the method's name travel as one
-key, and a small value (a number, a string, bytes, None) comes back as it is, without an outcome
-around it (see ``asyncexec._interface``).
+while the call was on its way: a restart); no call hangs on a dead worker. Outside a run, a crashed
+rank of a group without a backend gets a fresh process in its place (the others keep their calls);
+otherwise the dead group is dropped and the next call starts a fresh one (see ``_recovery``). A
+caller that stops waiting for an ``async def`` cancels it on the workers it was sent to; a plain
+method runs to its end. A call chosen by load holds its rank's slot until the remote call ends (or
+its cancellation lands), also when its caller stops waiting, and a call that ends hands its slot to
+the longest waiter; an idempotent one follows the group when it is replaced (see ``_loads`` for the
+bookkeeping). A role's plain method that runs one call at a time is sent as ``call_method_sync``
+(the worker runs it where its calls queue, without a hop to a thread), every other method as
+``call_method``: the role and the method's name travel as one key, and a small value (a number, a
+string, bytes, None) comes back as it is, without an outcome around it (see
+``asyncexec._wire._interface``).
 """
 
 from __future__ import annotations
@@ -35,22 +35,22 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._config import ExecutorConfig
-from .._dispatch import ALL, CallPlan, Load, Target, plan_call
+from .._dispatch._plan import ALL, CallPlan, Load, Target, plan_call
 from .._errors import (
     AsyncExecError,
     NodeLostError,
     WorkerCrashedError,
     describe,
 )
-from .._interface import as_outcome
-from .._protocol import Outcome
-from .._taskgroups import task_group
-from .._timeline import chosen, traced, wait_freed
-from .._tracing import Carried, call_span
+from .._timeline._timeline import chosen, traced, wait_freed
+from .._wire._interface import as_outcome
+from .._wire._protocol import Outcome
+from .._wire._tracing import Carried, call_span
+from ._config import ExecutorConfig
 from ._lifecycle import Lifecycle
 from ._loads import Loads, Slot
 from ._recovery import Recovery
+from ._taskgroups import task_group
 from .cluster import Call, Cluster, submit_named
 from .group import GroupSlot, WorkerGroup, WorkerInfo
 
@@ -81,12 +81,14 @@ class WorkerCalls:
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on every worker; return the results in rank order.
 
-        Works while a run is in progress (an ``async def`` runs on the worker's event loop and
-        is cancelled there when the caller stops waiting; a plain function runs in a thread, to
-        its end), for example to push new weights to live workers. Arguments travel as Ray
-        passes them (an ``ObjectRef`` arrives resolved). ``fn`` is pickled by reference when
-        its module imports on the workers, else by value (one from ``__main__`` runs on a copy
-        of its globals: keep state it updates in an importable module, or in a role).
+        Works while a run is in progress (an ``async def`` runs on the worker's event loop, a
+        plain function in a thread), for example to push new weights to live workers. A caller
+        that stops waiting cancels an ``async def`` on the workers (a plain function runs to its
+        end). Arguments travel as Ray passes them: an ``ObjectRef`` argument arrives resolved.
+        ``fn`` is pickled by reference when its module can be imported on the workers, and by
+        value otherwise (a function defined in ``__main__``: it then runs on a copy of its
+        globals; keep state that ``execute()`` updates in an importable module, or in a role's
+        instances).
 
         Raises:
             ConfigurationError: an argument does not pickle (named).
@@ -401,7 +403,7 @@ def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequenc
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:
     """Each part of the call, or a reference to it where it is large (by
-    ``asyncexec._split.estimated_nbytes``): put once, copied and put off the loop (see
+    ``asyncexec._dispatch._split.estimated_nbytes``): put once, copied and put off the loop (see
     ``CallPlan.travelling``). A call whose parts all travel inline takes them from
     ``CallPlan.inline`` first, without this coroutine (a call without arguments comes here)."""
     return await plan.travelling(cluster.put, INLINE_PART_BYTES)

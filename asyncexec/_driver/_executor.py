@@ -9,7 +9,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .._config import (
+from .._dispatch._plan import Role, roles_of, roles_payload
+from .._errors import ConfigurationError
+from .._logging import get_logger
+from .._timeline._timeline import new_timeline
+from .._wire._protocol import WorkerContext
+from ..backends._base import Backend
+from ._config import (
     CheckpointConfig,
     ExecutorConfig,
     HealthChecks,
@@ -17,14 +23,8 @@ from .._config import (
     Timeouts,
     grouped_options,
 )
-from .._dispatch import Role, roles_of, roles_payload
-from .._errors import ConfigurationError
-from .._protocol import WorkerContext
-from .._timeline import new_timeline
-from ..backends._base import Backend
 from ._dispatcher import WorkerCalls
 from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
-from ._logging import get_logger
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
 from .group import GroupSlot, Reservation, WorkerPool

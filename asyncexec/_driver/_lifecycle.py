@@ -13,12 +13,12 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._config import ExecutorConfig
 from .._errors import ConfigurationError, ExecutorStateError
-from .._taskgroups import one_error
-from .._timeline import Timeline
+from .._timeline._timeline import Timeline
 from ..backends._base import Backend
+from ._config import ExecutorConfig
 from ._interrupt import defer_interrupts, restore_interrupts
+from ._taskgroups import one_error
 from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
 from .group import Claim, GroupSlot, Reservation, WorkerPool
 from .run import RunCore

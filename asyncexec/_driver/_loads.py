@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.abc
 
-from .._dispatch import Load
+from .._dispatch._plan import Load
 from ._metrics import metrics
 
 __all__ = ["DispatchStatistics", "Loads"]

@@ -38,8 +38,8 @@ from typing import Any
 
 import anyio
 
-from .._taskgroups import task_group
-from ._logging import get_logger
+from .._logging import get_logger
+from ._taskgroups import task_group
 
 __all__ = [
     "OVERFLOW",

@@ -25,7 +25,6 @@ from tenacity import RetryCallState
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
-from .._config import check_count
 from .._errors import (
     ConfigurationError,
     NodeLostError,
@@ -35,6 +34,7 @@ from .._errors import (
     WorkerRaisedError,
     WorkerUnreachableError,
 )
+from ._config import check_count
 
 __all__ = ["PreemptionsSpent", "RestartPolicy", "is_restartable"]
 

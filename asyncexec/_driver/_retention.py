@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import anyio
 
-from .._checkpoint import join_path, remove_directory
-from .._config import ExecutorConfig
 from .._errors import describe
-from ._logging import Logger
+from .._logging import Logger
+from .._wire._checkpoint import join_path, remove_directory
+from ._config import ExecutorConfig
 
 __all__ = ["Retention"]
 

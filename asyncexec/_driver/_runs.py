@@ -10,13 +10,13 @@ from typing import Any
 
 import anyio
 
-from .._checkpoint import Checkpoint
-from .._config import ExecutorConfig
 from .._errors import ExecutorStateError
+from .._logging import Logger
+from .._wire._checkpoint import Checkpoint
 from ..backends._base import Backend
+from ._config import ExecutorConfig
 from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
-from ._logging import Logger
 from ._metrics import metrics
 from ._restart import RestartPolicy
 from ._retention import Retention

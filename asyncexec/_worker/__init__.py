@@ -1,6 +1,6 @@
 """The worker side: what runs inside each worker process.
 
-It imports the standard library, ray and ``asyncexec._protocol`` (with the small modules both
+It imports the standard library, ray and ``asyncexec._wire._protocol`` (with the small modules both
 sides share: errors and checkpoints) only, never the driver's modules, anyio, structlog or
 tenacity: ``tests/test_boundary.py`` checks it in a fresh interpreter.
 
@@ -13,11 +13,11 @@ simulated workers make theirs so), and the run's functions for worker-side helpe
 
 from __future__ import annotations
 
-from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, role_group
+from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, in_ray_worker, role_group
 from ._channel import weights_version
 from ._outcomes import error_outcome, value_outcome
 from ._place import PLACE, Place
-from ._rollout import RolloutRequest, RolloutServer, Sample
+from ._rollout import RolloutServer
 from ._session import get_checkpoint, get_context, report
 from ._threaded import CONTROL_THREADS, ThreadedWorkerActor, ThreadedWorkerCode
 
@@ -27,15 +27,14 @@ __all__ = [
     "ROLE_GROUPS",
     "Place",
     "WorkerActor",
-    "RolloutRequest",
     "RolloutServer",
-    "Sample",
     "ThreadedWorkerActor",
     "ThreadedWorkerCode",
     "WorkerCode",
     "error_outcome",
     "get_checkpoint",
     "get_context",
+    "in_ray_worker",
     "report",
     "role_group",
     "value_outcome",

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from .._interface import WorkerInterface, as_outcome, method_key, unpacked
-from .._protocol import (
+from .._wire._interface import WorkerInterface, as_outcome, method_key, unpacked
+from .._wire._protocol import (
     Outcome,
     Poll,
     PreemptionNotice,
@@ -29,10 +29,21 @@ from .._protocol import (
     WorkerContext,
     WorkerMetadata,
 )
-from .._tracing import Carried, carried
+from .._wire._tracing import Carried, carried
 from . import _channel, _outcomes, _place, _roles, _session
 
-__all__ = ["ROLE_GROUPS", "WorkerActor", "WorkerCode", "role_group"]
+__all__ = ["ROLE_GROUPS", "WorkerActor", "WorkerCode", "in_ray_worker", "role_group"]
+
+
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (the package's root asks, to import the light worker
+    side alone there). Ray connects a worker, which sets its mode, before the worker runs any
+    code of the application (unpickling an actor class or a function is what imports asyncexec
+    there); a process that has not imported Ray is not a worker."""
+    ray_worker = sys.modules.get("ray._private.worker")
+    if ray_worker is None:
+        return False
+    return bool(ray_worker.global_worker.mode == ray_worker.WORKER_MODE)
 
 
 class _Worker:

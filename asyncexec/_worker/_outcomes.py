@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .._protocol import Outcome
+from .._wire._protocol import Outcome
 from . import _place
 
 __all__ = ["error_outcome", "takes_config", "value_outcome"]

@@ -8,7 +8,7 @@ import contextvars
 import threading
 from typing import Any, Protocol
 
-from .._protocol import PreemptionNotice, WorkerContext
+from .._wire._protocol import PreemptionNotice, WorkerContext
 
 __all__ = [
     "PLACE",

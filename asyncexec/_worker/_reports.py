@@ -19,9 +19,9 @@ from array import array
 from collections.abc import Mapping
 from typing import Any
 
-from .._checkpoint import Checkpoint, join_path, persist_directory
 from .._errors import describe
-from .._protocol import Outcome, Poll, ReportTimes, WorkerContext, checkpoint_name
+from .._wire._checkpoint import Checkpoint, join_path, persist_directory
+from .._wire._protocol import Outcome, Poll, ReportTimes, WorkerContext, checkpoint_name
 from ._place import Place
 
 __all__ = ["BATCH_LINGER_S", "Reports", "RunStopped"]

@@ -1,6 +1,6 @@
 """The instances of a worker's roles (its worker classes), and the calls of their methods.
 
-A group with roles sends every worker the roles pickled once (``asyncexec._dispatch.
+A group with roles sends every worker the roles pickled once (``asyncexec._dispatch._plan.
 roles_payload``); each worker makes one instance of each, in role order, after the group's
 backend has set up (``torch.distributed`` is ready in ``__init__``). A plain ``__init__`` runs in
 a thread, as ``execute()`` runs a plain function, inside the worker's context (``get_context()``
@@ -33,8 +33,8 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from .._errors import ExecutorStateError
-from .._interface import BARE_TYPES, parse_key
-from .._protocol import Outcome, RoleFailure, RoleSpec
+from .._wire._interface import BARE_TYPES, parse_key
+from .._wire._protocol import Outcome, RoleFailure, RoleSpec
 from . import _outcomes, _place
 
 __all__ = ["Roles", "call", "call_here", "call_inline", "drop", "make", "method"]

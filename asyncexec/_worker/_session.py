@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._checkpoint import Checkpoint
 from .._errors import ExecutorStateError
-from .._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext
-from .._tracing import attached
+from .._wire._checkpoint import Checkpoint
+from .._wire._protocol import Outcome, Poll, PreemptionNotice, RunStart, WorkerContext
+from .._wire._tracing import attached
 from . import _place
 from ._outcomes import error_outcome, takes_config, value_outcome
 from ._place import current_place

@@ -1,6 +1,6 @@
 """The threaded worker actor: a *sync* Ray actor for the groups whose roles have only plain
 methods. The driver's seam picks it (``_driver/cluster/_ray.py``: the rule is Ray's own, made
-per group, see ``asyncexec._role.plain_only``).
+per group, see ``asyncexec._dispatch._role.plain_only``).
 
 Ray makes an actor async when its class has an ``async def`` method, and then even a plain
 method in a concurrency group of its own pays Ray's async-actor path (about 1.3x a sync actor's
@@ -36,8 +36,8 @@ from typing import Any
 
 import ray
 
-from .._interface import WORKER_METHODS, unpacked
-from .._tracing import Carried, attached
+from .._wire._interface import WORKER_METHODS, unpacked
+from .._wire._tracing import Carried, attached
 from . import _channel, _roles
 from ._actor import ROLE_GROUPS, WorkerCode, role_group
 

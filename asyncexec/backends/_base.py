@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
-    from .._protocol import WorkerContext
+    from .._wire._protocol import WorkerContext
 
 __all__ = ["Backend", "GroupHandle"]
 

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.abc
 
-from ..._config import check_count
 from ..._errors import ConfigurationError, ExecutorStateError
-from ..._taskgroups import one_error, task_group
+from ..._logging import get_logger
+from .._config import check_count
 from .._executor import Executor, slot_of
-from .._logging import get_logger
+from .._taskgroups import one_error, task_group
 from ..group import WorkerInfo
 from ._object_store import ObjectStoreTransport
 from ._torch import TorchTransport

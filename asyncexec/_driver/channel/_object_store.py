@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import anyio
 
 from ..._errors import AsyncExecError
-from ..._taskgroups import task_group
+from .._taskgroups import task_group
 from ..cluster import Call, result_of, submit, submit_n
 from ..group import WorkerInfo
 from ._transport import Core, Pending, caller_of, died, gather

@@ -13,9 +13,9 @@ import anyio
 import anyio.abc
 
 from ..._errors import AsyncExecError, ChannelError, describe
-from ..._taskgroups import task_group
-from ..._timeline import DRIVER, installed, timed, timed_delivery
+from ..._timeline._timeline import DRIVER, installed, timed, timed_delivery
 from ..._worker import weights_version
+from .._taskgroups import task_group
 from ..cluster import submit
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._transport import Pending, Transport, caller_of, channel_error, died

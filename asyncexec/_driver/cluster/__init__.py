@@ -11,16 +11,13 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-from ray import cloudpickle
-
+from ..._wire._pickle import dumps as pickled
 from ._base import Cluster, Handle, Spawned, awaited, described, settle
 from ._calls import (
     Call,
     Caller,
     Member,
     Names,
-    Naming,
-    NodeTable,
     at_attempt,
     gathered,
     result_of,
@@ -37,15 +34,16 @@ from ._errors import (
     startup_error,
     worker_error,
 )
-from ._local import LOCAL_NODE, LocalCluster, LocalWorkerGone
+from ._join import WorkerProcess, join_cluster, live_workers
+from ._local import LocalCluster, LocalWorkerGone
 from ._placement import PRECISION, Placement, infeasible_reason
+from ._process import init_ray, quiet_planned_crash, ray_is_initialized, shutdown_ray
 from ._ray import RayCluster
-from ._sim import GcClock, SimCluster, SimLoad, SimStatistics
+from ._sim import GcClock, SimCluster, SimLoad
 from ._stacks import DUMP_TIMEOUT_S, NOT_TAKEN, dump_processes, take_stacks
 
 __all__ = [
     "DUMP_TIMEOUT_S",
-    "LOCAL_NODE",
     "NOT_TAKEN",
     "PRECISION",
     "RAY_ERROR_KINDS",
@@ -55,17 +53,13 @@ __all__ = [
     "DataConfig",
     "GcClock",
     "Handle",
-    "LocalCluster",
     "LocalWorkerGone",
     "Member",
     "Names",
-    "Naming",
-    "NodeTable",
     "Placement",
     "RayCluster",
     "SimCluster",
     "SimLoad",
-    "SimStatistics",
     "Spawned",
     "at_attempt",
     "awaited",
@@ -88,12 +82,19 @@ __all__ = [
     "submit_n",
     "submit_named",
     "take_stacks",
+    "WorkerProcess",
+    "init_ray",
+    "join_cluster",
+    "live_workers",
+    "quiet_planned_crash",
+    "ray_is_initialized",
+    "shutdown_ray",
     "validate_datasets",
     "worker_error",
 ]
 
 #: How what crosses to the workers is pickled (they unpickle with Ray's cloudpickle).
-dumps = cloudpickle.dumps
+dumps = pickled
 
 _RAY: Cluster = RayCluster()
 _LOCAL: Cluster = LocalCluster()

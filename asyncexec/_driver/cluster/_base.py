@@ -20,10 +20,10 @@ from typing import Any, NamedTuple, Protocol
 
 import anyio
 
-from ..._config import ExecutorConfig
-from ..._interface import WorkerMethod
-from ..._protocol import WorkerMetadata
-from ..._taskgroups import task_group
+from ..._wire._interface import WorkerMethod
+from ..._wire._protocol import WorkerMetadata
+from .._config import ExecutorConfig
+from .._taskgroups import task_group
 from ._placement import Placement
 
 __all__ = ["Cluster", "Handle", "Spawned", "awaited", "described", "settle"]

@@ -23,10 +23,10 @@ from typing import Any, NoReturn, Protocol
 from ray import cloudpickle
 
 from ..._errors import AsyncExecError, ConfigurationError, describe
-from ..._interface import WorkerMethod
-from ..._protocol import WorkerMetadata
-from ..._taskgroups import task_group
-from ..._tracing import plain
+from ..._wire._interface import WorkerMethod
+from ..._wire._protocol import WorkerMetadata
+from ..._wire._tracing import plain
+from .._taskgroups import task_group
 from ._base import Handle
 from ._errors import call_error
 

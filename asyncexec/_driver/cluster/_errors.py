@@ -33,7 +33,7 @@ from ..._errors import (
     first_line,
     short_node,
 )
-from ..._protocol import Outcome, WorkerMetadata
+from ..._wire._protocol import Outcome, WorkerMetadata
 from ._local import LocalCallCancelled, LocalWorkerGone
 from ._ray import node_alive
 

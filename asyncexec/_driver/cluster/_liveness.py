@@ -19,7 +19,7 @@ from collections.abc import Callable
 import anyio
 
 from ..._errors import describe, short_node
-from .._logging import get_logger
+from ..._logging import get_logger
 
 __all__ = ["ALIVE_TTL_S", "Liveness"]
 

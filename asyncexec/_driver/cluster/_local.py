@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..._config import ExecutorConfig
-from ..._interface import WorkerInterface, WorkerMethod
-from ..._protocol import WorkerMetadata
+from ..._wire._interface import WorkerInterface, WorkerMethod
+from ..._wire._protocol import WorkerMetadata
 from ..._worker import PLACE, Place, WorkerCode
+from .._config import ExecutorConfig
 from ._base import Handle, Spawned, described, settle
 from ._placement import Placement
 

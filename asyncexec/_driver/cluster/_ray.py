@@ -24,14 +24,14 @@ from ray.actor import ActorHandle
 from ray.core.generated.common_pb2 import NodeDeathInfo
 from ray.exceptions import RayError, RayTaskError
 
-from ..._config import ExecutorConfig
+from ..._dispatch._role import plain_only
 from ..._errors import ConfigurationError, describe
-from ..._interface import WorkerMethod, packed, parse_key
-from ..._protocol import WorkerMetadata
-from ..._role import plain_only
-from ..._tracing import plain
+from ..._logging import get_logger
+from ..._wire._interface import WorkerMethod, packed, parse_key
+from ..._wire._protocol import WorkerMetadata
+from ..._wire._tracing import plain
 from ..._worker import ROLE_GROUPS, ThreadedWorkerActor, WorkerActor, role_group
-from .._logging import get_logger
+from .._config import ExecutorConfig
 from ._base import Handle, Spawned, described, settle
 from ._liveness import Liveness
 from ._placement import (

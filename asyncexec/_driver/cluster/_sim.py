@@ -3,7 +3,7 @@ implementation (see ``_base``), beside Ray's and local mode's.
 
 A :class:`SimCluster`'s workers are small objects on the driver's own event loop: no process, no
 thread and no event loop per rank. They implement the worker's interface
-(``asyncexec._interface``: ``describe``, ``setup``, ``start_run``, ``poll``, ``make_roles``,
+(``asyncexec._wire._interface``: ``describe``, ``setup``, ``start_run``, ``poll``, ``make_roles``,
 ``call_role``, ...) with the worker protocol's records; they make the group's role instances and
 run their methods, and ``execute()``'s functions, on the driver's loop (``_sim_roles``: dispatch
 at thousands of ranks); weight channels they refuse. The function a run "runs" is not the run's:
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
-from ..._config import ExecutorConfig
-from ..._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
-from ..._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
+from ..._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
+from ..._wire._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
 from ..._worker import Place
+from .._config import ExecutorConfig
 from ._base import Handle, Spawned, described, settle
 from ._local import LocalWorkerGone
 from ._placement import Placement

@@ -22,9 +22,9 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from ..._errors import ExecutorStateError
-from ..._interface import parse_key, unpacked
-from ..._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
-from ..._tracing import Carried, plain
+from ..._wire._interface import parse_key, unpacked
+from ..._wire._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
+from ..._wire._tracing import Carried, plain
 from ..._worker import PLACE, Place, error_outcome, value_outcome
 from ._local import LocalCallCancelled
 from ._sim_answers import Pending, Ready, ready

@@ -28,7 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..._errors import describe, short_node
-from ..._taskgroups import task_group
+from .._taskgroups import task_group
 
 __all__ = [
     "DUMP_TIMEOUT_S",

@@ -32,8 +32,8 @@ from typing import Any
 
 import anyio
 
-from ..._config import ExecutorConfig
 from ..._errors import AsyncExecError, ConfigurationError, NodeLostError, describe
+from .._config import ExecutorConfig
 from ..cluster import Cluster, infeasible_reason
 from ._group import WorkerGroup
 from ._spares import shrink

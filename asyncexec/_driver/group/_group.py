@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import anyio
 
-from ..._config import ExecutorConfig
 from ..._errors import (
     AsyncExecError,
     ConfigurationError,
@@ -27,13 +26,14 @@ from ..._errors import (
     WorkerCrashedError,
     describe,
 )
-from ..._interface import WorkerMethod
-from ..._protocol import Outcome, WorkerContext, WorkerMetadata
-from ..._taskgroups import task_group
-from ..._timeline import Timeline, traced_fn
-from ..._tracing import Carried, call_span
+from ..._timeline._timeline import Timeline, traced_fn
+from ..._wire._interface import WorkerMethod
+from ..._wire._protocol import Outcome, WorkerContext, WorkerMetadata
+from ..._wire._tracing import Carried, call_span
 from ...backends._base import Backend
+from .._config import ExecutorConfig
 from .._interrupt import hurried_away
+from .._taskgroups import task_group
 from ..cluster import (
     Cluster,
     Handle,
@@ -58,7 +58,7 @@ STOP_MARGIN_S = 1.0
 
 def device_envs(metas: Sequence[WorkerMetadata], config: ExecutorConfig) -> list[dict[str, str]]:
     """Each worker's environment for seeing its node's devices, in the order of ``metas``."""
-    from ..._devices import shared_device_env
+    from .._devices import shared_device_env
 
     return shared_device_env(
         [m.node_id for m in metas],

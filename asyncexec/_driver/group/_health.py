@@ -24,7 +24,7 @@ from ..._errors import (
     WorkerError,
     WorkerHungError,
 )
-from ..._taskgroups import task_group
+from .._taskgroups import task_group
 from ..cluster import result_of, submit, worker_error
 from ._group import WorkerGroup
 from ._members import WorkerInfo

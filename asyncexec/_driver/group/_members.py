@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..._protocol import WorkerContext, WorkerMetadata
+from ..._wire._protocol import WorkerContext, WorkerMetadata
 from ..cluster import Handle
 
 __all__ = ["Standby", "WorkerInfo"]

@@ -27,7 +27,13 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ..._config import (
+from ..._errors import (
+    ConfigurationError,
+    ExecutorStateError,
+    StartupTimeoutError,
+)
+from ..._logging import get_logger
+from .._config import (
     POOL_LEGACY_OPTIONS,
     ExecutorConfig,
     PlacementStrategy,
@@ -35,13 +41,7 @@ from ..._config import (
     check_count,
     grouped_options,
 )
-from ..._errors import (
-    ConfigurationError,
-    ExecutorStateError,
-    StartupTimeoutError,
-)
-from ..._taskgroups import one_error
-from .._logging import get_logger
+from .._taskgroups import one_error
 from ..cluster import Handle, cluster_for
 from ._reservation import Claim, Reservation
 from ._stock import PoolWorker, Stock

@@ -19,11 +19,11 @@ from types import TracebackType
 
 import anyio
 
-from ..._config import PlacementStrategy, check_count, validate_resources
 from ..._errors import ConfigurationError, ExecutorStateError
-from ..._ranks import order_workers
-from .._logging import get_logger
+from ..._logging import get_logger
+from .._config import PlacementStrategy, check_count, validate_resources
 from ..cluster import PRECISION, Placement, cluster_for
+from ._ranks import order_workers
 
 __all__ = ["Claim", "Reservation", "ReservationStatistics"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import AsyncExecError, StartupError, describe
-from ..._protocol import Outcome, RoleFailure
+from ..._wire._protocol import Outcome, RoleFailure
 from ..cluster import submit
 from ._members import WorkerInfo
 

@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ..._config import ExecutorConfig
 from ..._errors import (
     AsyncExecError,
     ExecutorStateError,
@@ -22,8 +21,9 @@ from ..._errors import (
     WorkerHungError,
     describe,
 )
-from ..._timeline import STARTING, Timeline
+from ..._timeline._timeline import STARTING, Timeline
 from ...backends._base import Backend
+from .._config import ExecutorConfig
 from ..cluster import Cluster
 from ._elastic import Sizer
 from ._group import WorkerGroup

@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import anyio
 
-from ..._config import ExecutorConfig
 from ..._errors import describe
-from ..._protocol import WorkerContext
-from ..._taskgroups import task_group
+from ..._wire._protocol import WorkerContext
+from .._config import ExecutorConfig
+from .._taskgroups import task_group
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
 from ._roles import make_roles

@@ -15,16 +15,16 @@ from typing import Any, NoReturn
 
 import anyio
 
-from ..._config import ExecutorConfig
 from ..._errors import PlacementTimeoutError, short_node
-from ..._protocol import WorkerContext, WorkerMetadata
-from ..._ranks import assign_ranks, order_workers
-from ..._timeline import STARTING
+from ..._timeline._timeline import STARTING
+from ..._wire._protocol import WorkerContext, WorkerMetadata
 from ...backends._base import Backend
+from .._config import ExecutorConfig
 from .._metrics import metrics
 from ..cluster import Cluster, Handle, Placement, Spawned, awaited, startup_error
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
+from ._ranks import assign_ranks, order_workers
 from ._roles import make_roles
 
 __all__ = ["start_group", "worker_contexts"]

@@ -12,10 +12,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ..._config import ExecutorConfig
 from ..._errors import StartupTimeoutError, describe
-from ..._protocol import WorkerMetadata
-from ..._taskgroups import task_group
+from ..._wire._protocol import WorkerMetadata
+from .._config import ExecutorConfig
+from .._taskgroups import task_group
 from ..cluster import Cluster, Handle, Placement
 
 __all__ = ["PoolWorker", "Stock"]

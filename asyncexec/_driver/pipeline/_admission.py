@@ -18,9 +18,9 @@ import anyio.abc
 import anyio.lowlevel
 
 from ..._errors import ConfigurationError
-from ..._timeline_pipeline import PipelineTrack, batch_handed, counted
-from ..._worker import RolloutRequest, Sample
-from .._logging import Logger
+from ..._logging import Logger
+from ..._timeline._pipeline import PipelineTrack, batch_handed, counted
+from ..._wire._rollout import RolloutRequest, Sample
 from .._metrics import PipelineMeters
 from ._budget import Budget
 from ._consumed import Consumed

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from ..._dispatch import rank as on_rank
+from ..._dispatch._plan import rank as on_rank
 from ..._errors import (
     ChannelError,
     ExecutorStateError,
@@ -36,8 +36,8 @@ from ..._errors import (
     WorkerUnreachableError,
     describe,
 )
-from ..._taskgroups import task_group
 from .._executor import Executor, slot_of
+from .._taskgroups import task_group
 from ._router_state import ServerRecord
 
 __all__ = ["GONE", "HealthWatch", "worker_keys"]

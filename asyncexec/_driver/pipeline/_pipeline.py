@@ -12,13 +12,13 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ..._config import check_count
 from ..._errors import ConfigurationError, ExecutorStateError
-from ..._taskgroups import one_error
-from ..._timeline_pipeline import pipeline_track
+from ..._logging import get_logger
+from ..._timeline._pipeline import pipeline_track
+from .._config import check_count
 from .._executor import Executor
-from .._logging import get_logger
 from .._metrics import pipeline_meters
+from .._taskgroups import one_error
 from ..channel import WeightChannel
 from ._admission import Admission, Item
 from ._budget import Budget

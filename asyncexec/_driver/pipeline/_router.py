@@ -31,13 +31,14 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ..._config import check_count
+from ..._dispatch._role import method
 from ..._errors import ConfigurationError, ExecutorStateError, describe
-from ..._role import method
-from ..._taskgroups import one_error
-from ..._worker import RolloutRequest, RolloutServer, Sample
+from ..._logging import get_logger
+from ..._wire._rollout import RolloutRequest, Sample
+from ..._worker import RolloutServer
+from .._config import check_count
 from .._executor import Executor, slot_of
-from .._logging import get_logger
+from .._taskgroups import one_error
 from ..channel import WeightChannel
 from ._health import HealthWatch, worker_keys
 from ._router_metrics import RouterMeters

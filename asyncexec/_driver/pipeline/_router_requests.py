@@ -19,9 +19,9 @@ from typing import Any, Literal
 import anyio
 import anyio.lowlevel
 
-from ..._dispatch import rank as on_rank
+from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
-from ..._worker import RolloutRequest, Sample
+from ..._wire._rollout import RolloutRequest, Sample
 from ._health import GONE
 
 __all__ = ["Requests"]
@@ -45,8 +45,18 @@ class _Answer:
     cancellation waits out the shielded parts of the call's path, as a task group's would),
     cancelled through :meth:`cancel`, which says why."""
 
-    __slots__ = ("error", "handed", "held", "inbox", "rank", "sample", "scope", "task", "why",
-                 "worker")  # fmt: skip
+    __slots__ = (
+        "error",
+        "handed",
+        "held",
+        "inbox",
+        "rank",
+        "sample",
+        "scope",
+        "task",
+        "why",
+        "worker",
+    )
 
     def __init__(self, rank: int, worker: str | None, sample: Sample | None = None) -> None:
         self.rank = rank

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..._dispatch._role import method
 from ..._errors import ConfigurationError
-from ..._role import method
-from ..._worker import RolloutRequest, RolloutServer, Sample
+from ..._wire._rollout import RolloutRequest, Sample
+from ..._worker import RolloutServer
 from .._executor import Executor
 from ._router import Router
 

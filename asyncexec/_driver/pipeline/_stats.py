@@ -7,7 +7,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..._worker import Sample
+from ..._wire._rollout import Sample
 
 __all__ = ["Meter", "PauseFigures", "PipelineBatch", "PipelineStatistics", "batch_of"]
 

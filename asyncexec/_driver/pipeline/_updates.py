@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 
 from ..._errors import ExecutorStateError
-from ..._taskgroups import task_group
-from ..._timeline_pipeline import update_ended, update_paused
-from .._logging import Logger
+from ..._logging import Logger
+from ..._timeline._pipeline import update_ended, update_paused
 from .._metrics import PipelineMeters
+from .._taskgroups import task_group
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._servers import Servers

@@ -27,10 +27,10 @@ from ..._errors import (
     WorkerRaisedError,
     describe,
 )
-from ..._taskgroups import task_group
-from ..._timeline import DRIVER, failed, started_function, timed, waiting
-from ..._tracing import in_span
+from ..._timeline._timeline import DRIVER, failed, started_function, timed, waiting
+from ..._wire._tracing import in_span
 from .._restart import PreemptionsSpent
+from .._taskgroups import task_group
 from ..cluster import make_shards
 from ..group import Resize, WorkerGroup, find_dead, watch, watch_steps, with_others
 from ._context import RunContext

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..._checkpoint import Checkpoint, join_path
-from ..._config import ExecutorConfig
 from ..._errors import AsyncExecError, WorkerError, describe
-from ..._protocol import RunStart
-from ..._tracing import current_traceparent
+from ..._wire._checkpoint import Checkpoint, join_path
+from ..._wire._protocol import RunStart
+from ..._wire._tracing import current_traceparent
 from ...backends._base import Backend
+from .._config import ExecutorConfig
 from .._metrics import RunMeter
 from .._restart import RestartPolicy
 from ..group import GroupSlot, WorkerGroup, WorkerInfo

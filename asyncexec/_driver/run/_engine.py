@@ -16,13 +16,13 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ..._checkpoint import Checkpoint, CheckpointBook
 from ..._errors import AsyncExecError, describe
-from ..._taskgroups import task_group
-from ..._tracing import Opened, begin, finish
+from ..._wire._checkpoint import Checkpoint, CheckpointBook
+from ..._wire._tracing import Opened, begin, finish
 from .._interrupt import hurried_away
 from .._metrics import RunMeter, metrics
 from .._restart import RestartPolicy
+from .._taskgroups import task_group
 from ..cluster import release_shards
 from ..group import GroupSlot, PerRank, declare_hung, with_others
 from ._aligned import AlignedRun

@@ -34,7 +34,6 @@ from typing import Any
 import anyio
 import tenacity
 
-from ..._checkpoint import Checkpoint, CheckpointBook, join_path
 from ..._errors import (
     AsyncExecError,
     ExecutorStateError,
@@ -42,10 +41,11 @@ from ..._errors import (
     StartupError,
     describe,
 )
-from ..._protocol import Poll
-from ..._taskgroups import task_group
-from ..._timeline import rank_failed, rank_reports, timed
+from ..._timeline._timeline import rank_failed, rank_reports, timed
+from ..._wire._checkpoint import Checkpoint, CheckpointBook, join_path
+from ..._wire._protocol import Poll
 from .._restart import PreemptionsSpent
+from .._taskgroups import task_group
 from ..cluster import at_attempt, outcome_error, submit
 from ..group import WorkerGroup, refill_spare, renew_rank, watch
 from ._context import RunContext

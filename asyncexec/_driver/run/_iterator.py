@@ -25,9 +25,9 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from ..._checkpoint import Checkpoint
 from ..._errors import ExecutorStateError
-from ..._timeline import Timeline
+from ..._timeline._timeline import Timeline
+from ..._wire._checkpoint import Checkpoint
 from ._steps import RunResult, Step, StepBatch
 
 __all__ = ["Run", "RunCore", "RunEnd", "RunState", "new_run_id"]

@@ -44,7 +44,6 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ..._checkpoint import CheckpointBook
 from ..._errors import (
     AsyncExecError,
     NodeLostError,
@@ -54,10 +53,11 @@ from ..._errors import (
     describe,
     short_node,
 )
-from ..._protocol import PreemptionNotice
-from ..._taskgroups import task_group
+from ..._wire._checkpoint import CheckpointBook
+from ..._wire._protocol import PreemptionNotice
 from .._metrics import RunMeter
 from .._restart import PreemptionsSpent, RestartPolicy
+from .._taskgroups import task_group
 from ..cluster import Cluster, Handle
 from ..group import WorkerGroup, fitting_workers, measure_free
 from ._iterator import RunCore

@@ -8,8 +8,8 @@ from typing import Any
 
 import anyio
 
-from ..._checkpoint import Checkpoint
 from ..._errors import describe
+from ..._wire._checkpoint import Checkpoint
 from ._context import RunContext
 from ._prune import Pruner
 from ._resume import (

@@ -32,8 +32,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from ..._checkpoint import filesystem, is_uri, join_path
 from ..._errors import ConfigurationError, ExecutorStateError
+from ..._wire._checkpoint import filesystem, is_uri, join_path
 from ..cluster import dumps
 
 __all__ = [

@@ -9,10 +9,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..._checkpoint import Checkpoint, is_uri
-from ..._config import ExecutorConfig, validate_buffer_size
-from ..._dispatch import method_of
+from ..._dispatch._plan import method_of
 from ..._errors import ConfigurationError, describe
+from ..._wire._checkpoint import Checkpoint, is_uri
+from .._config import ExecutorConfig, validate_buffer_size
 from ..cluster import dumps, validate_datasets
 from ._resume import Resume, check_name, fingerprint, legacy_fingerprint
 

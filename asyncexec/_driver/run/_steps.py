@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..._checkpoint import Checkpoint
-from ..._protocol import PreemptionNotice
+from ..._wire._checkpoint import Checkpoint
+from ..._wire._protocol import PreemptionNotice
 
 __all__ = ["Report", "RunResult", "Step", "StepBatch", "StepTimes"]
 

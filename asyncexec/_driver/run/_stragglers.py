@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 import anyio
 
-from ..._config import ExecutorConfig
 from ..._errors import short_node
+from .._config import ExecutorConfig
 from .._metrics import RunMeter
 from ..cluster import NOT_TAKEN
 from ..group import WorkerGroup

@@ -24,9 +24,9 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ..._checkpoint import Checkpoint, CheckpointBook
 from ..._errors import AsyncExecError, ReportMismatchError, WorkerRaisedError
-from ..._protocol import Outcome, Poll, ReportTimes
+from ..._wire._checkpoint import Checkpoint, CheckpointBook
+from ..._wire._protocol import Outcome, Poll, ReportTimes
 from .._metrics import RunMeter
 from ..cluster import Caller, at_attempt, outcome_error, submit
 from ..group import WorkerGroup, WorkerInfo

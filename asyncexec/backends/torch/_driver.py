@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from ..._driver._logging import get_logger
 from ..._errors import ConfigurationError
+from ..._logging import get_logger
 from .._base import Backend, GroupHandle
 from . import _worker
 
 if TYPE_CHECKING:
-    from ..._protocol import WorkerContext
+    from ..._wire._protocol import WorkerContext
 
 __all__ = ["TorchBackend", "resolve_backend"]
 

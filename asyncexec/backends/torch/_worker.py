@@ -21,7 +21,7 @@ from ..._worker import get_context
 if TYPE_CHECKING:
     import torch as torch_
 
-    from ..._protocol import WorkerContext
+    from ..._wire._protocol import WorkerContext
 
 __all__ = [
     "cuda_device_index",

@@ -1,4 +1,4 @@
-"""What can be checked of ``merge=concat`` before a call is sent (``asyncexec._dispatch``): a
+"""What can be checked of ``merge=concat`` before a call is sent (``asyncexec._dispatch._plan``): a
 function annotated to return a scalar, or a mapping of scalars (metrics), returns what
 ``concat()`` cannot merge. Pure."""
 
@@ -10,7 +10,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 from ._role import qualname
 
 __all__ = ["check_concat"]

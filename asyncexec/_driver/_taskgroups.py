@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Iterator
 import anyio
 import anyio.abc
 
-from ._errors import AsyncExecError, describe
+from .._errors import AsyncExecError, describe
 
 __all__ = ["escaped", "one_error", "task_group"]
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .._errors import ConfigurationError
+from .._wire._pickle import dumps as pickled
 from ._devices import DEVICE_KINDS
-from ._errors import ConfigurationError
 
 __all__ = [
     "LEGACY_OPTIONS",
@@ -501,10 +502,8 @@ def _check_init_hook(hook: object) -> None:
         return
     if not callable(hook):
         raise ConfigurationError(f"init_hook must be callable, got {hook!r}")
-    from ray import cloudpickle
-
     try:
-        cloudpickle.dumps(hook)
+        pickled(hook)
     except Exception as exc:
         raise ConfigurationError(
             f"init_hook cannot be pickled to send to the workers: {exc}"

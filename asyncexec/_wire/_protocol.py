@@ -158,7 +158,7 @@ class RunStart:
     shards: Mapping[str, Any]
     function_context: Callable[[], AbstractContextManager[Any]] | None = None
     #: The W3C trace context of the driver's span that started it (the attempt's; see
-    #: ``asyncexec._tracing``), current while the function runs; None when not traced.
+    #: ``asyncexec._wire._tracing``), current while the function runs; None when not traced.
     trace_context: str | None = None
 
 

@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from ._errors import ConfigurationError
+from .._errors import ConfigurationError
 
 __all__ = [
     "ALL",

@@ -1,5 +1,6 @@
 """The RL pipeline on its servers' executor's timeline (``Executor(timeline=True)``): a track
-of its own (:data:`~asyncexec._timeline.PIPELINE`) with each weight update (the pause, with its
+of its own
+(:data:`~asyncexec._timeline._timeline.PIPELINE`) with each weight update (the pause, with its
 mode and the generations in flight when it began; the push; the resume) and each batch handed
 to the learner, and two counters (Chrome trace ``"C"`` events, drawn by Perfetto as counter
 tracks): the requests in flight and the samples buffered, at each admission and each return.

@@ -35,8 +35,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from . import _tracing
-from ._protocol import ReportTimes
+from .._wire import _tracing
+from .._wire._protocol import ReportTimes
 
 __all__ = [
     "DRIVER",
@@ -331,7 +331,7 @@ class Timeline:
     def render(self, path: str | os.PathLike[str], title: str | None = None) -> None:
         """Draw the timeline as a PNG: one row per rank and one for the driver, colours by
         kind, restarts marked (needs matplotlib: the ``timeline`` extra)."""
-        from ._timeline_render import render
+        from ._render import render
 
         render(self.events(), self.origin, path, title)
 
@@ -529,7 +529,7 @@ def new_timeline(timeline: bool | int) -> Timeline | None:
     Raises:
         ConfigurationError: not a bool or a non-negative int.
     """
-    from ._errors import ConfigurationError
+    from .._errors import ConfigurationError
 
     if timeline is False or timeline is None:
         return None

@@ -1,5 +1,5 @@
-"""Worker classes (roles) and the plan of a dispatched call. Pure: no Ray here (its cloudpickle
-is imported where a role is checked and sent).
+"""Worker classes (roles) and the plan of a dispatched call. Pure: no Ray here (a role is
+pickled with Ray's cloudpickle through ``asyncexec._wire._pickle``).
 
 A :class:`Role` is a worker class and its constructor's arguments; each rank of a group holds
 one instance of each of its roles. A call is planned before anything is sent (:func:`plan_call`):
@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any, ParamSpec, TypeVar, cast
 
+from .._errors import ConfigurationError, MergeError, describe
+from .._wire._interface import method_key
+from .._wire._pickle import dumps as pickled
+from .._wire._protocol import RoleMethod
 from ._concat_check import check_concat
-from ._errors import ConfigurationError, MergeError, describe
-from ._interface import method_key
-from ._protocol import RoleMethod
 from ._role import NamedMethod, Role, method_of, qualname, roles_of, roles_payload, takes_self
 from ._split import (
     Scatter,
@@ -191,11 +192,9 @@ class CallPlan:
         argument that does not pickle, a long text with colours): a
         :class:`ConfigurationError` that names the first argument that does not pickle, or
         ``exc`` itself when each does. Pickles the parts again: only on such a failure."""
-        from ray import cloudpickle
-
         for index, part in enumerate(self.parts):
             try:
-                cloudpickle.dumps(part)
+                pickled(part)
             except Exception as failure:
                 return ConfigurationError(
                     f"{self._argument_of(index)} ({type(part).__name__}) cannot be pickled to "
@@ -366,9 +365,21 @@ def _quick_plan(
             parts.append(value)
     row = tuple(shared[id(value)] for value in args)
     return CallPlan(
-        fn, method, tuple(parts), ranks, returned, single, choose, None, len(args), (), (row,),
-        names, plain, cancellable,
-    )  # fmt: skip
+        fn,
+        method,
+        tuple(parts),
+        ranks,
+        returned,
+        single,
+        choose,
+        None,
+        len(args),
+        (),
+        (row,),
+        names,
+        plain,
+        cancellable,
+    )
 
 
 def _one_at_a_time(fn: Callable[..., Any], method: RoleMethod, roles: Sequence[Role[Any]]) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ._devices import device_sort_key
+from .._devices import device_sort_key
 
 __all__ = ["RankInfo", "assign_ranks", "order_workers"]
 

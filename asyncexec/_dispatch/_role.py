@@ -1,6 +1,6 @@
-"""Worker classes (roles): a :class:`Role` is a worker class and its constructor's arguments;
-each rank of a group holds one instance of each of its roles. Pure: no Ray here (its cloudpickle
-is imported where a role is checked and sent). A method of a role is found by reference
+"""Worker classes (roles): a :class:`Role` is a worker class and its constructor's arguments; each
+rank of a group holds one instance of each of its roles. Pure: no Ray here (a role is pickled with
+Ray's cloudpickle through ``asyncexec._wire._pickle``). A method of a role is found by reference
 (:func:`method_of`), so that a call names it as ``Learner.update``.
 """
 
@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import FrozenInstanceError, dataclass
 from typing import Any, Generic, NoReturn, ParamSpec, TypeVar
 
-from ._errors import ConfigurationError, describe
-from ._protocol import RoleMethod, RoleSpec
+from .._errors import ConfigurationError, describe
+from .._wire._pickle import dumps as pickled
+from .._wire._protocol import RoleMethod, RoleSpec
 from ._split import short_repr
 
 __all__ = [
@@ -159,14 +160,12 @@ def _check_constructor(cls: type, args: tuple[Any, ...], kwargs: Mapping[str, An
 
 
 def _check_pickles(cls: type, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    from ray import cloudpickle
-
     values: list[tuple[str, Any]] = [("the class", cls)]
     values += [(f"argument {i}", v) for i, v in enumerate(args)]
     values += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
     for what, value in values:
         try:
-            cloudpickle.dumps(value)
+            pickled(value)
         except Exception as exc:
             raise ConfigurationError(
                 f"Role({cls.__qualname__}): {what} ({type(value).__name__}) cannot be pickled "
@@ -232,9 +231,7 @@ def roles_of(value: Role[Any] | type | Sequence[Role[Any] | type] | None) -> tup
 def roles_payload(roles: Sequence[Role[Any]]) -> bytes:
     """What a group sends every worker to make its roles (``make_roles``): pickled once for all
     ranks, each role apart, so that a worker names the role it could not unpickle."""
-    from ray import cloudpickle
-
-    return bytes(cloudpickle.dumps(tuple(cloudpickle.dumps(r.spec()) for r in roles)))
+    return bytes(pickled(tuple(pickled(r.spec()) for r in roles)))
 
 
 @dataclass(frozen=True)
