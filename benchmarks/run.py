@@ -69,7 +69,6 @@ from _figures import (  # noqa: E402
     LOCAL_KEYS,
     OUTLIVE_KEYS,
     QUICK,
-    WORKER_COUNTS,
     Sizes,
     make_figures,
 )
@@ -656,7 +655,7 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
         if await client.open(ray.get_runtime_context().gcs_address, RESOURCES):
             bench.rt = client
         try:
-            for n in (1, 4, 16):
+            for n in sorted(bench.sizes.worker_counts):
                 loops, ae = (
                     LoopGroup(n, RESOURCES, BUFFER),
                     AsyncexecGroup(n, RESOURCES, bench.storage),
@@ -705,7 +704,7 @@ async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
             await bench.outlive()
         with bench.timer.section("local mode"):
             await bench.local_mode()
-        for n in WORKER_COUNTS:
+        for n in bench.sizes.worker_counts:
             await bench.groups(n)
         with bench.timer.section("lifecycle lag"):
             await bench.lifecycle()
