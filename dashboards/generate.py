@@ -7,13 +7,29 @@ tests/test_dashboard.py fails while the checked-in file differs from what this w
 
 from __future__ import annotations
 
+import argparse
 import pathlib
-import sys
 
 from asyncexec._cli._dashboard import dashboard_json
 
-if __name__ == "__main__":
+
+def main(argv: list[str] | None = None) -> int:
     here = pathlib.Path(__file__).resolve().parent
-    path = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else here / "asyncexec.json"
+    parser = argparse.ArgumentParser(
+        description="Write the Grafana dashboard generated from asyncexec's metric definitions."
+    )
+    parser.add_argument(
+        "path",
+        nargs="?",
+        type=pathlib.Path,
+        default=here / "asyncexec.json",
+        help="where to write it (default: %(default)s)",
+    )
+    path = parser.parse_args(argv).path
     path.write_text(dashboard_json())
     print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -66,6 +67,25 @@ def test_checked_in_dashboard_is_what_the_generator_makes() -> None:
     assert CHECKED_IN.read_text() == _dashboard.dashboard_json(), (
         "dashboards/asyncexec.json is stale: run python dashboards/generate.py"
     )
+
+
+def test_the_generators_help_is_help_and_a_path_is_where_it_writes(tmp_path: pathlib.Path) -> None:
+    """``generate.py --help`` printed nothing and wrote the dashboard to a file named --help."""
+    script = str(CHECKED_IN.parent / "generate.py")
+    shown = subprocess.run(
+        [sys.executable, script, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0 and "usage:" in shown.stdout, shown
+    assert list(tmp_path.iterdir()) == []
+    made = subprocess.run(
+        [sys.executable, script, "out.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / "out.json").read_text() == _dashboard.dashboard_json()
 
 
 def test_a_metric_without_a_panel_or_a_panel_without_a_metric_is_found() -> None:
