@@ -195,7 +195,9 @@ def test_command_line_writes_the_runs_timeline(tmp_path: Any, capsys: Any) -> No
     assert _tracks(doc) == {0: "driver", 1: "rank 0", 2: "rank 1"}
     steps = [e["name"] for e in _spans(doc) if e["tid"] == 1 and e["cat"] == "step"]
     assert steps == ["step 0", "step 1", "step 2", "step 3"]
-    assert len(capsys.readouterr().out.splitlines()) == 4  # the steps, as JSON lines
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 4  # the steps, as JSON lines
+    assert f"timeline written to {path.resolve()}" in out.err  # it said nothing of where
 
 
 # A weight push ----------------------------------------------------------------------------------

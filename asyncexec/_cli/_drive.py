@@ -3,6 +3,7 @@ when the run ends (the summary, and the demo's story of its recovery)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -70,6 +71,9 @@ async def drive(
         tracker.state = run.state.value
         if executor.timeline is not None and options.timeline:  # also when the run failed
             executor.timeline.export(options.timeline, "asyncexec run")
+            # On stderr: with --json, stdout carries the steps only.
+            where = await anyio.Path(options.timeline).resolve()
+            print(f"timeline written to {where}", file=sys.stderr)
         if error is not None:
             raise error
         return run.result
