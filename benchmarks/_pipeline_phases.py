@@ -178,7 +178,7 @@ async def pipeline_pauses(
                 await wait_until(lambda: sum(router.in_flight.values()) == sizes.pause_in_flight)
                 await anyio.sleep(0.5)  # every generation past its first chunk
                 await pipe.update_weights(on_update=mode)
-                figures = pipe.statistics.pauses[mode]
+                figures = pipe.statistics().pauses[mode]
                 out[f"{mode}_ms"] = figures.max_s * 1e3
                 out[f"{mode}_push_ms"] = figures.push_s * 1e3
         await router.pause("abort")  # the requests the pipeline left end on their servers
@@ -239,7 +239,7 @@ async def kill_one(
         with anyio.move_on_after(60):
             await enough.wait()
         enough.set()
-        stats = router.statistics
+        stats = router.statistics()
     return {
         "not_once": float(sum(1 for i in sent if answers[i] != 1)),
         "requests": float(len(sent)),

@@ -134,7 +134,7 @@ async def throughput(
             if len(trained) >= sizes.batches * sizes.batch:
                 break
             await pipe.update_weights()
-        stats = pipe.statistics
+        stats = pipe.statistics()
     seconds = time.perf_counter() - t0
     return {
         "rate": len(trained) / seconds,

@@ -474,7 +474,7 @@ class Bench:
                             update_s.append(time.perf_counter() - u0)
                     finally:
                         watch.cancel()
-                    stats = pipe.statistics
+                    stats = pipe.statistics()
                 made = sum(await self.rollout.call(generated_tokens)) - made0
                 return {
                     "rate": tokens / took,
@@ -598,7 +598,7 @@ class Bench:
                         got = time.perf_counter()
                         push_s += got - t2
                     took = time.perf_counter() - t0
-                    stats = pipe.statistics
+                    stats = pipe.statistics()
                 cpu1 = psutil.cpu_times()
                 busy = _busy(cpu0, cpu1)
                 return {

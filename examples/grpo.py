@@ -491,7 +491,7 @@ async def main(
                 if kill_learner_at == s.updates:  # learner rank 0: the next update resumes
                     os.kill(learner.workers[0].pid, signal.SIGKILL)
                     s.killed["learner"] += 1
-            s.statistics, s.router = pipe.statistics, router.statistics
+            s.statistics, s.router = pipe.statistics(), router.statistics()
     s.seconds = time.perf_counter() - s.started
     return s
 

@@ -202,7 +202,7 @@ async def main(
                 if kill_learner_at == len(s.rewards):
                     os.kill(learner.workers[1].pid, signal.SIGKILL)
                     s.killed["learner"] += 1
-            s.statistics, s.router = pipe.statistics, router.statistics
+            s.statistics, s.router = pipe.statistics(), router.statistics()
     s.seconds = time.perf_counter() - started
     return s
 

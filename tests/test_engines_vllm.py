@@ -165,7 +165,7 @@ async def test_the_pipeline_on_real_engines_holds_the_bound_and_tags_the_engines
             if batches == 4:
                 break
             await pipe.update_weights()
-        assert pipe.statistics.beyond_bound == 0
+        assert pipe.statistics().beyond_bound == 0
 
 
 async def test_logprobs_agree_with_the_learners_when_versions_are_honest_and_not_otherwise(
@@ -220,9 +220,9 @@ async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: En
         os.kill(pids["VLLM::EngineCore"], signal.SIGKILL)
         samples = await asyncio.gather(*pending)
         assert sorted(s.id for s in samples) == list(range(16))
-        assert router.statistics.duplicates_dropped == 0
+        assert router.statistics().duplicates_dropped == 0
         with anyio.fail_after(400):  # the replacement's engine starts: 20-60 s here
-            while router.statistics.replaced < 1 or not all(router.statistics.serving):  # noqa: ASYNC110 (the router's state, no event to wait on)
+            while router.statistics().replaced < 1 or not all(router.statistics().serving):  # noqa: ASYNC110 (the router's state, no event to wait on)
                 await anyio.sleep(0.2)
         again = asyncexec.RolloutRequest("after", next(prompts()))
         sample = await rollout.call(VLLMServer.generate, again, on=asyncexec.rank(1))
@@ -233,7 +233,7 @@ async def _wait_serving(router: asyncexec.Router, replaced: int, timeout_s: floa
     """Seconds until ``replaced`` servers were replaced and every server serves again."""
     started = time.perf_counter()
     with anyio.fail_after(timeout_s):
-        while router.statistics.replaced < replaced or not all(router.statistics.serving):  # noqa: ASYNC110 (the router's state, no event to wait on)
+        while router.statistics().replaced < replaced or not all(router.statistics().serving):  # noqa: ASYNC110 (the router's state, no event to wait on)
             await anyio.sleep(0.2)
     return time.perf_counter() - started
 

@@ -79,7 +79,7 @@ async def test_each_update_mode_hands_every_prompt_once_within_the_bound(mode: s
     assert sorted(ids) == list(range(30))  # each once; the last batch holds the 2 left
     assert [len(b) for b in batches] == [4] * 7 + [2]
     assert [b.version for b in batches] == list(range(8))
-    stats = pipe.statistics
+    stats = pipe.statistics()
     assert stats.beyond_bound == 0 and stats.staleness_max <= 1
     assert max(b.staleness_max for b in batches) == stats.staleness_max
     assert set(stats.pauses) == {"keep", "wait", "abort"}
@@ -110,7 +110,7 @@ async def test_random_workload_strict_has_no_sample_beyond_s_aggregate_measures(
             await anyio.sleep(rng.uniform(0, 0.02))
             await pipe.update_weights({"w": pipe.version + 1})
     every = [s for b in batches for s in b.staleness]
-    stats = pipe.statistics
+    stats = pipe.statistics()
     assert sorted(i for b in batches for i in b.ids) == list(range(48))
     assert stats.staleness_max == max(every)
     assert stats.beyond_bound == sum(s > 2 for s in every)
@@ -130,11 +130,11 @@ async def test_staleness_zero_is_the_synchronous_loop(mode: str) -> None:
         asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=0, on_update="wait") as pipe,
     ):
         async for batch in pipe:
-            assert pipe.statistics.in_flight == 0
+            assert pipe.statistics().in_flight == 0
             for sample in batch.samples:
                 assert set(sample.versions) == {batch.version or None}
             await pipe.update_weights({"w": pipe.version + 1})
-    assert pipe.statistics.version == 4 and pipe.statistics.staleness_max == 0
+    assert pipe.statistics().version == 4 and pipe.statistics().staleness_max == 0
 
 
 @pytest.mark.timeout(60)
@@ -153,7 +153,7 @@ async def test_abort_requeues_the_prompts_in_flight_at_the_head(mode: str) -> No
             await pipe.update_weights({"w": pipe.version + 1})
         [records] = await servers.call(asyncexec.method(Toy, Toy.records))
     assert sorted(batches[0].ids) == [2, 3]
-    stats = pipe.statistics
+    stats = pipe.statistics()
     assert stats.aborted >= 2 and stats.requeued == stats.aborted
     at_one = [i for i, version in records if version == 1]
     # Admitted first at version 1 (with 4 and 5, in the same wave: on Ray concurrent calls
@@ -271,7 +271,7 @@ async def test_keep_over_a_weight_channel_gives_samples_a_version_per_chunk(mode
     [slow] = [s for b in batches for s in b.samples if s.id == 0]
     assert slow.versions[0] == 0 and slow.versions[-1] == 1  # parked, went on at version 1
     assert slow.version == 0
-    assert pipe.statistics.beyond_bound == 0
+    assert pipe.statistics().beyond_bound == 0
     _check_chunks(batches)
 
 
@@ -330,7 +330,7 @@ async def test_chunks_made_before_any_weights_count_as_version_zero_also_after_a
     assert batch.version == 3
     assert all(s.versions == (None,) for s in batch.samples)
     assert batch.staleness == (3, 3, 3, 3)
-    assert pipe.statistics.beyond_bound == 4
+    assert pipe.statistics().beyond_bound == 4
 
 
 # Exactly-once through a driver killed and resumed ---------------------------------------------
@@ -403,7 +403,7 @@ async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
                     await pipe.update_weights({"w": pipe.version + 1}, on_update=next(modes))
     finally:
         _metrics._metrics = None
-    stats = pipe.statistics
+    stats = pipe.statistics()
     assert stats.consumed == 12 and stats.in_flight == 0 and stats.buffer_depth == 0
     assert stats.aborted >= 1 and set(stats.pauses) == {"abort", "keep"}
     assert 0 <= stats.trainer_idle_ratio <= 1 and 0 <= stats.rollout_idle_ratio <= 1
@@ -518,7 +518,7 @@ async def test_a_failed_push_resumes_the_servers_and_keeps_the_version(
         # Generation goes on with the weights it had: the rest of the prompts come.
         async for batch in pipe:
             assert all(v in (None, 1) for s in batch.samples for v in s.versions)
-    assert pipe.statistics.consumed == 12
+    assert pipe.statistics().consumed == 12
 
 
 class SlowLoad(Toy):
@@ -555,6 +555,6 @@ async def test_a_prompt_the_source_gives_during_an_update_waits_for_its_end(
             await anyio.sleep(0.05)  # the update is installing
             more.set()
             await anyio.sleep(0.05)
-            assert pipe.statistics.admitted == 2  # not prompt 2 yet: the update goes on
+            assert pipe.statistics().admitted == 2  # not prompt 2 yet: the update goes on
         batch = await pipe.__anext__()
     assert sorted(batch.ids) == [2, 3] and batch.version == 1

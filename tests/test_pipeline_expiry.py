@@ -148,7 +148,7 @@ async def _run(
             batches.append(batch)
             await anyio.sleep(train_s)
             await pipe.update_weights({"w": pipe.version + 1})
-    return batches, pipe.statistics, servers
+    return batches, pipe.statistics(), servers
 
 
 @pytest.mark.timeout(10)
@@ -283,7 +283,7 @@ async def test_an_expired_request_stops_on_its_server_and_is_regenerated_once(mo
         records = await servers.call(asyncexec.method(Chunky, Chunky.records))
     assert sorted(i for b in batches for i in b.ids) == list(range(10))
     _check_bound(batches, 1)
-    stats = pipe.statistics
+    stats = pipe.statistics()
     assert stats.expired == 1 and stats.beyond_bound == 0
     slow = [made for rank in records for i, made in rank if i == 0]
     assert len(slow) == 2 and max(slow) == 150
@@ -313,4 +313,4 @@ async def test_a_stoppable_request_whose_caller_is_cancelled_stops_on_its_server
             asyncexec.RolloutRequest(1, {"id": 1, "length": 2})
         )
         assert sample.output == [0, 1]
-        assert router.statistics.late_dropped == 0
+        assert router.statistics().late_dropped == 0

@@ -221,7 +221,7 @@ async def test_the_callers_of_an_abort_are_answered_around_the_resume_not_during
             await router.resume()
             at_resume = answered
         assert (before, at_resume, answered) == (0, 0, 48)
-        stats = router.statistics
+        stats = router.statistics()
         assert (stats.answered, stats.duplicates_dropped, stats.late_dropped) == (48, 0, 0)
 
 
@@ -354,6 +354,6 @@ async def test_an_attempt_cancelled_as_it_starts_is_sent_again_and_gives_its_slo
             for attempt in list(first.scopes):
                 attempt.cancel()
         assert [s.rank for s in samples] == [1]
-        stats = router.statistics
+        stats = router.statistics()
         assert (stats.answered, stats.retries, stats.duplicates_dropped) == (1, 1, 0)
         assert router.in_flight == {0: 0, 1: 0}

@@ -108,7 +108,7 @@ async def test_router_abort_answers_each_request_from_the_pause_reply_once(mode:
         assert sum(router.in_flight.values()) == 0  # their slots free (replies after resume)
         await router.resume()
         await _wait_for(lambda: not router.requests.live, 20)  # the replies came, dropped
-        stats = router.statistics
+        stats = router.statistics()
         assert (stats.requests, stats.answered) == (12, 12)
         assert (stats.duplicates_dropped, stats.late_dropped, stats.retries) == (0, 0, 0)
         sample = await router.generate(asyncexec.RolloutRequest(99, (2, 0.0)))
@@ -158,9 +158,9 @@ async def test_pipeline_abort_requeues_each_prompt_once_at_the_head_in_order(
             async for batch in pipe:
                 consumed += [s.id for s in batch.samples]
                 await pipe.update_weights(f"w{pipe.version + 1}", on_update="keep")
-            stats = pipe.statistics
+            stats = pipe.statistics()
         assert sent[:8] == list(range(8))
         assert sent[8:16] == list(range(8))  # requeued at the head, in order, before 8..15
         assert sorted(consumed) == list(range(16))
         assert (stats.aborted, stats.requeued, stats.duplicates) == (8, 8, 0)
-        assert router.statistics.duplicates_dropped == 0
+        assert router.statistics().duplicates_dropped == 0

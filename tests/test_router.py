@@ -120,7 +120,7 @@ async def test_least_in_flight_balances_uniform_load_and_sessions_stick(mode: st
                     clients.start_soon(session, s)
         assert all(len(set(ranks)) == 1 for ranks in turns.values()), turns
         assert len({ranks[0] for ranks in turns.values()}) > 1  # the sessions spread out
-        stats = router.statistics
+        stats = router.statistics()
         assert stats.requests == stats.answered == 12 * 8 + 6 * 6 + 5 * 4
         assert max(stats.in_flight_max) <= 4
         assert stats.in_flight == (0, 0, 0, 0)
@@ -139,13 +139,13 @@ async def test_deadline_sends_again_and_the_late_answer_is_dropped(mode: str) ->
     ):
         sample = await router.generate(asyncexec.RolloutRequest("a", slow), deadline_s=0.3)
         assert sample.rank == 1 and sample.id == "a"  # rank 0 first (ties), then rank 1
-        assert router.statistics.retries == 1
-        await _wait_for(lambda: router.statistics.duplicates_dropped == 1, 10)
-        assert router.statistics.answered == 1
+        assert router.statistics().retries == 1
+        await _wait_for(lambda: router.statistics().duplicates_dropped == 1, 10)
+        assert router.statistics().answered == 1
         with pytest.raises(TimeoutError, match=r"no answer within 0\.3 s"):
             await router.generate(asyncexec.RolloutRequest("b", slow), deadline_s=0.3, retry=False)
-        await _wait_for(lambda: router.statistics.late_dropped == 1, 10)
-        stats = router.statistics
+        await _wait_for(lambda: router.statistics().late_dropped == 1, 10)
+        stats = router.statistics()
         assert (stats.requests, stats.answered, stats.timeouts, stats.retries) == (2, 1, 1, 1)
         assert stats.in_flight == (0, 0)
 
@@ -235,8 +235,8 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
             assert chat[:3] == [killed] * 3
             moved = chat[3:]
             assert killed not in moved and len(set(moved)) == 1  # re-pinned, and it stays
-            await _wait_for(lambda: all(router.statistics.serving), 20)
-            stats = router.statistics
+            await _wait_for(lambda: all(router.statistics().serving), 20)
+            stats = router.statistics()
             assert stats.replaced == 1 and stats.retries >= 1
             assert stats.duplicates_dropped == 0
             fresh = set(await servers.call(Toy.pid)) - {a.output[1] for a in answers}
@@ -254,7 +254,7 @@ async def test_sigkilled_server_mid_run_every_request_answered_once_at_the_curre
             for i in range(8):
                 sample = await router.generate(asyncexec.RolloutRequest(("new", i), (2, 0.0)))
                 assert sample.versions == (3, 3), sample
-            assert router.statistics.replaced == 1 + 4
+            assert router.statistics().replaced == 1 + 4
 
 
 @pytest.mark.timeout(45)
@@ -273,8 +273,8 @@ async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
             async with asyncexec.Router(servers, health_grace_s=60, **health) as router:
                 graced = lambda: [e for e in logs if e["event"] == "health_failed_in_grace"]  # noqa: E731
                 await _wait_for(lambda: len(graced()) >= 3, 15)
-                assert router.statistics.taken_out == 0
-                assert all(router.statistics.serving)
+                assert router.statistics().taken_out == 0
+                assert all(router.statistics().serving)
                 assert {e["rank"] for e in graced()} == {1}
         async with asyncexec.Router(servers, health_grace_s=0, **health) as router:
             slow = (40, 0.05)  # 2 s: server 1 is taken out while it runs
@@ -287,10 +287,10 @@ async def test_health_watch_spares_the_grace_period_then_takes_out_and_replaces(
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(ask, 0)  # rank 0
                     tg.start_soon(ask, 1)  # rank 1, the sick one
-                await _wait_for(lambda: router.statistics.replaced == 1, 20)
+                await _wait_for(lambda: router.statistics().replaced == 1, 20)
             assert sorted(s.id for s in samples) == [0, 1]
             assert [s.rank for s in samples] == [0, 0]  # both answered by server 0
-            stats = router.statistics
+            stats = router.statistics()
             assert stats.taken_out == 1 and stats.retries == 1 and stats.duplicates_dropped == 0
             assert all(stats.serving)
             assert await servers.call(Toy.is_sick) == [False, False]  # a fresh instance

@@ -114,12 +114,12 @@ async def test_a_server_whose_pause_hangs_is_taken_out_and_the_pause_returns(
         with anyio.fail_after(30):
             await router.pause("keep")
         assert time.perf_counter() - started < 2.0 + 10
-        assert router.statistics.taken_out == 1
+        assert router.statistics().taken_out == 1
         os.remove(marker)
         await router.resume()
         with anyio.fail_after(60):
-            while not all(router.statistics.serving):  # noqa: ASYNC110 (the router's state)
+            while not all(router.statistics().serving):  # noqa: ASYNC110 (the router's state)
                 await anyio.sleep(0.05)
-        assert router.statistics.replaced == 1
+        assert router.statistics().replaced == 1
         samples = [await router.generate(asyncexec.RolloutRequest(i, "after")) for i in (1, 2, 3)]
         assert [s.output for s in samples] == [[0, 1, 2]] * 3

@@ -127,7 +127,7 @@ def test_router_refuses_bad_arguments_before_anything_starts() -> None:
             asyncexec.Router(servers, channel=bad)  # type: ignore[arg-type]
     asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
     router = asyncexec.Router(servers)
-    assert router.statistics == asyncexec.RouterStatistics()
+    assert router.statistics() == asyncexec.RouterStatistics()
     assert "Router" in repr(router)
 
 
@@ -258,7 +258,7 @@ async def test_a_caller_that_stops_waiting_leaves_the_slot_held_until_the_server
         sample = await router.generate(asyncexec.RolloutRequest("next", 1))
         assert sample.rank == 1  # rank 0 still holds the cancelled one
         with anyio.fail_after(5):
-            while router.statistics.late_dropped == 0:  # noqa: ASYNC110
+            while router.statistics().late_dropped == 0:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         assert router.in_flight == {0: 0, 1: 0}
     errors: list[BaseException] = []

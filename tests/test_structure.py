@@ -73,6 +73,7 @@ LAYERS = [
             "_driver._taskgroups",
             "_driver._interrupt",
             "_driver._metrics",
+            "_driver._observe",
             "_driver._restart",
             "_driver._retention",
         ],

@@ -5,8 +5,8 @@ mode and the generations in flight when it began; the push; the resume) and each
 to the learner, and two counters (Chrome trace ``"C"`` events, drawn by Perfetto as counter
 tracks): the requests in flight and the samples buffered, at each admission and each return.
 
-The pipeline's modules hold a :class:`PipelineTrack` or None and call the functions here, one
-line each; with the timeline off they cost a check of None.
+The pipeline's timeline sink (``_driver/pipeline/_sinks.py``) calls the functions here, one per
+event; with the timeline off the pipeline has no such sink, and they are not called.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Hashable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -19,13 +19,13 @@ import anyio.lowlevel
 
 from ..._errors import ConfigurationError
 from ..._logging import Logger
-from ..._timeline._pipeline import PipelineTrack, batch_handed, counted
 from ..._wire._rollout import RolloutRequest, Sample
-from .._metrics import PipelineMeters
+from .._observe import Observer
 from ._budget import Budget
 from ._consumed import Consumed
+from ._events import Admitted, BatchHanded, GenerationEnded, RequestExpired, SampleReturned
 from ._servers import Servers
-from ._stats import Meter, PipelineBatch, batch_of
+from ._stats import PipelineBatch, batch_of
 
 __all__ = ["Admission", "Item"]
 
@@ -96,7 +96,7 @@ class Admission:
         servers: Servers,
         budget: Budget[Item],
         consumed: Consumed,
-        meter: Meter,
+        observer: Observer,
         log: Logger,
         max_requeues: int = 0,
     ) -> None:
@@ -107,7 +107,7 @@ class Admission:
         self.servers = servers
         self.budget = budget
         self.consumed = consumed
-        self.meter = meter
+        self.observer = observer  # where its events go (statistics, metrics, timeline, log)
         self.log = log
         #: Requeued prompts by when they were first admitted: sent before the source's.
         self.queue: list[tuple[int, RolloutRequest]] = []
@@ -119,7 +119,6 @@ class Admission:
         #: Maps a server's weights version to the learner's: learner = server - offset.
         self.offset = 0
         self.changed = anyio.Event()
-        self.track: PipelineTrack | None = None  # on the servers' timeline, when on
         #: How often a prompt may be expired; after that a batch waits for it (0: never).
         self.max_requeues = max_requeues
         self.running: dict[Hashable, _Running] = {}
@@ -174,9 +173,7 @@ class Admission:
                 await self.wait_changed()
             self.pending.add(request.id)
             admitted = self.budget.admit()
-            self.meter.admitted += 1
-            self.meter.in_flight_changed(self.budget.in_flight_count)
-            counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
+            self.observer.emit(Admitted(self.budget.in_flight_count, self.budget.finished_count))
             tg.start_soon(self._generate, request, admitted, order)
 
     async def _next(self) -> tuple[int, RolloutRequest] | None:
@@ -206,26 +203,24 @@ class Admission:
         finally:
             if self.running.get(request.id) is record:
                 del self.running[request.id]
-            self.meter.generated_s += time.monotonic() - record.started
+            self.observer.emit(GenerationEnded(time.monotonic() - record.started))
         if record.expired or self.closing:  # expire() requeued it, or the pipeline closes
             return
+        outcome: Literal["finished", "aborted", "duplicate"] = "finished"
         if sample.aborted:
             self.budget.drop(admitted)
             self.pending.discard(request.id)
             heapq.heappush(self.queue, (order, request))
-            self.meter.aborted += 1
-            self.meter.requeued += 1
+            outcome = "aborted"
         elif sample.id in self.consumed:  # answered twice: consumed already
             self.budget.drop(admitted)
-            self.meter.duplicates += 1
+            outcome = "duplicate"
         else:
             sample = self.on_learner_scale(sample)
             version = learner_version(sample, admitted)
             self.budget.finish(admitted, version, (sample, version))
-            depth = self.budget.finished_count
-            self.meter.buffer_depth_max = max(self.meter.buffer_depth_max, depth)
-        self.meter.in_flight_changed(self.budget.in_flight_count)
-        counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
+        budget = self.budget
+        self.observer.emit(SampleReturned(outcome, budget.in_flight_count, budget.finished_count))
         self.notify()
 
     async def stop(self) -> None:
@@ -257,15 +252,16 @@ class Admission:
             record.scope.cancel()
             del self.running[id]
             self.budget.drop(record.admitted)
-            counted(self.track, self.budget.in_flight_count, self.budget.finished_count)
             self.pending.discard(id)
             self.expiries[id] += 1
             heapq.heappush(self.held, (self.budget.version, record.order, record.request))
-            self.meter.expired(now - record.started)
+            b = self.budget
+            self.observer.emit(
+                RequestExpired(b.version, now - record.started, b.in_flight_count, b.finished_count)
+            )
             expired += 1
         if expired:
             self.log.debug("pipeline_expired", version=self.budget.version, expired=expired)
-            self.meter.in_flight_changed(self.budget.in_flight_count)
             self.notify()
         return expired
 
@@ -278,7 +274,7 @@ class Admission:
         versions = tuple(None if v is None else v - self.offset for v in sample.versions)
         return replace(sample, versions=versions)
 
-    def hand(self, waited_s: float, bound: int, meters: PipelineMeters) -> PipelineBatch:
+    def hand(self, waited_s: float, bound: int) -> PipelineBatch:
         """Take a batch from the buffer (when the budget says it is ready) for the learner,
         whose version is the budget's: its ids are consumed from now on."""
         budget = self.budget
@@ -290,17 +286,9 @@ class Admission:
             self.consumed.add(sample.id)
             self.pending.discard(sample.id)
             self.expiries.pop(sample.id, None)
-        self.meter.consumed_batch(staleness, bound, waited_s)
-        meters.batch(staleness, waited_s, budget.finished_count, self.meter.counts())
-        self.notify()
         batch = batch_of(samples, v, staleness, waited_s)
-        batch_handed(self.track, v, len(samples), waited_s)
-        self.log.debug(
-            "pipeline_batch",
-            version=v,
-            size=len(samples),
-            staleness_max=batch.staleness_max,
-            waited_s=batch.waited_s,
-            buffered=budget.finished_count,
+        self.observer.emit(
+            BatchHanded(v, staleness, batch.staleness_max, waited_s, budget.finished_count, bound)
         )
+        self.notify()
         return batch

@@ -38,6 +38,7 @@ from ..._errors import (
 )
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group
+from ._events import ServerReplaced, ServerTakenOut
 from ._router_state import ServerRecord
 
 __all__ = ["GONE", "HealthWatch", "worker_keys"]
@@ -109,8 +110,7 @@ class HealthWatch:
         elsewhere when idempotent); its process is killed, and a fresh one rejoins."""
         router = self.router
         server.serving = False
-        router.count("taken_out")
-        router.log.warning("server_taken_out", rank=server.rank, error=why)
+        router.observer.emit(ServerTakenOut(server.rank, why))
         for scope in list(server.scopes):
             scope.cancel()
         group = slot_of(router.servers).group
@@ -181,11 +181,7 @@ class HealthWatch:
         self.none_since, self.attempts = None, 0
         self.failures.pop(server.rank, None)
         version = None if router.channel is None else router.channel.version
-        if worker != old:
-            router.count("replaced")
-            router.log.info("server_replaced", rank=server.rank, version=version)
-        else:
-            router.log.info("server_back", rank=server.rank, version=version)
+        router.observer.emit(ServerReplaced(server.rank, version, fresh=worker != old))
         router.balance.wake()
 
     def _give_up(self, server: ServerRecord, exc: BaseException, bound: float) -> bool:

@@ -25,6 +25,7 @@ from ._budget import Budget
 from ._consumed import Consumed
 from ._router import Router
 from ._servers import servers_of
+from ._sinks import pipeline_observer
 from ._stats import Meter, PipelineBatch, PipelineStatistics
 from ._updates import Updates
 
@@ -119,20 +120,21 @@ class Pipeline:
         self._consumed = Consumed.from_state(consumed)
         name = self.servers.executor.config.name
         self.log = get_logger(pipeline=name)
-        self._meters = pipeline_meters(name)
         self._budget: Budget[Item] = Budget(
             batch_size, staleness, strict=mode == "strict", version=self._consumed.version
         )
         self._meter = Meter()
+        #: Every event of the pipeline goes through it: statistics, metrics, log, timeline.
+        track = pipeline_track(self.servers.executor.timeline)
+        self._observer = pipeline_observer(self._meter, pipeline_meters(name), self.log, track)
         requeues = max_requeues if on_expire == "requeue" else 0  # how often a prompt expires
         self._admission = Admission(
-            prompts, self.servers, self._budget, self._consumed, self._meter, self.log, requeues
+            prompts, self.servers, self._budget, self._consumed, self._observer, self.log, requeues
         )
-        self._admission.track = pipeline_track(self.servers.executor.timeline)
         self._tg: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closed"] = "new"
         self._updates = Updates(
-            self.servers, channel, self._budget, self._admission, self.log, self._meters
+            self.servers, channel, self._budget, self._admission, self._observer
         )
 
     def __repr__(self) -> str:
@@ -147,7 +149,6 @@ class Pipeline:
         """The learner's version: the updates done (from the checkpoint's, when resumed)."""
         return self._budget.version
 
-    @property
     def statistics(self) -> PipelineStatistics:
         """A snapshot of the counters (see :class:`~asyncexec.PipelineStatistics`)."""
         b = self._budget
@@ -177,7 +178,7 @@ class Pipeline:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._state = "open"
-        self._meter = self._admission.meter = self._updates.meter = Meter()
+        self._meter.restart()
         self._tg.start_soon(self._admission.run, self._tg)
         self.log.info(
             "pipeline_started",
@@ -210,7 +211,7 @@ class Pipeline:
                     await tg.__aexit__(None, None, None)
                 finally:
                     await self.servers.close()
-        stats = self.statistics
+        stats = self.statistics()
         self.log.info("pipeline_ended", **{k: getattr(stats, k) for k in _ENDED})
 
     def _check_open(self) -> None:
@@ -250,7 +251,7 @@ class Pipeline:
                 )
             await admission.wait_changed()
         waited_s = time.monotonic() - started
-        return admission.hand(waited_s, self.staleness, self._meters)
+        return admission.hand(waited_s, self.staleness)
 
     # Weight updates ---------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from ._health import HealthWatch, worker_keys
 from ._router_metrics import RouterMeters
 from ._router_requests import Requests
 from ._router_state import Balance, Pacer, RouterStatistics, Sessions
+from ._sinks import RouterCounts, router_observer
 
 __all__ = ["Router", "RouterStatistics"]
 
@@ -123,10 +124,9 @@ class Router:
         self.sessions = Sessions(max_sessions)
         self.balance = Balance([], max_in_flight)
         self.pacer = Pacer()
-        self.counts = dict.fromkeys(
-            ("requests", "answered", "retries", "duplicates_dropped", "late_dropped", "timeouts"),
-            0,
-        ) | {"taken_out": 0, "replaced": 0}
+        self.counts = RouterCounts()
+        #: Every event of the router goes through it: its counters, metrics and log.
+        self.observer = router_observer(self.counts, self.meters, self.log)
         self.paused: Literal["keep", "abort"] | None = None
         self.watch = HealthWatch(self)
         self.requests = Requests(self)
@@ -248,10 +248,6 @@ class Router:
             _check_seconds("deadline_s", deadline_s)
         return await self.requests.run(request, deadline_s, retry, stop=True)
 
-    def count(self, name: str) -> None:
-        self.counts[name] += 1
-        self.meters.count(name)
-
     # Pause, resume, state ---------------------------------------------------------------------
 
     async def pause(self, mode: Literal["keep", "abort"]) -> int:
@@ -292,12 +288,11 @@ class Router:
         """The router's requests in flight on each server, by rank."""
         return self.balance.in_flight
 
-    @property
     def statistics(self) -> RouterStatistics:
         """A snapshot of the router's counters (see :class:`RouterStatistics`)."""
         servers = self.balance.servers
         return RouterStatistics(
-            **self.counts,
+            **self.counts.counts,
             in_flight=tuple(s.in_flight for s in servers),
             in_flight_max=tuple(s.peak for s in servers),
             serving=tuple(s.serving for s in servers),

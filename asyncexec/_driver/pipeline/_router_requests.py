@@ -22,6 +22,14 @@ import anyio.lowlevel
 from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
+from ._events import (
+    AnswerDropped,
+    RequestAnswered,
+    RequestReceived,
+    RequestRetried,
+    RequestTimedOut,
+    ServerLoad,
+)
 from ._health import GONE
 
 __all__ = ["Requests"]
@@ -177,7 +185,7 @@ class Requests:
         router = self.router
         router.check_open()
         await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
-        router.count("requests")
+        router.observer.emit(RequestReceived())
         inbox = _Inbox()
         fate = _Fate()
         tried: list[int] = []
@@ -189,7 +197,7 @@ class Requests:
                     if tried:  # another attempt of this request
                         if not retry or len(tried) >= limit:
                             raise self._gave_up(request, tried, deadline_s)
-                        router.count("retries")
+                        router.observer.emit(RequestRetried())
                     r = await self._take(request, tried)
                     tried.append(r)
                     sent_at = time.monotonic()
@@ -208,7 +216,7 @@ class Requests:
                     continue  # the deadline passed: another attempt, or give up
                 if answer.sample is not None:
                     fate.answered = True
-                    router.count("answered")
+                    router.observer.emit(RequestAnswered(answer.rank))
                     if request.key is not None:
                         router.sessions.pin(request.key, answer.rank, answer.worker)
                     return answer.sample
@@ -265,7 +273,7 @@ class Requests:
                 balance.take(r)
                 if request.key is not None:  # the session's server from now on
                     router.sessions.pin(request.key, r, balance.servers[r].worker)
-                router.meters.in_flight(r, balance.servers[r].in_flight)
+                router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
                 return r
             await balance.wait_freed()
 
@@ -304,7 +312,7 @@ class Requests:
                 fate.attempts.remove(answer)
             if not answer.held:  # (a held one gave its slot back then)
                 router.balance.release(r)
-                router.meters.in_flight(r, server.in_flight)
+                router.observer.emit(ServerLoad(r, server.in_flight))
             else:
                 self.held -= 1
                 if not self.held:
@@ -344,7 +352,7 @@ class Requests:
         answer.held = True
         self.held += 1
         router.balance.release(r)
-        router.meters.in_flight(r, router.balance.servers[r].in_flight)
+        router.observer.emit(ServerLoad(r, router.balance.servers[r].in_flight))
         if not inbox.put(_Answer(r, answer.worker, sample=sample)):
             return False  # the request is over: the attempt's own reply counts as before
         answer.handed = True
@@ -359,18 +367,12 @@ class Requests:
     def _dropped(self, answer: _Answer, fate: _Fate) -> None:
         if answer.sample is None:
             return
-        if fate.answered:
-            self.router.count("duplicates_dropped")
-            self.router.log.info("duplicate_dropped", rank=answer.rank)
-        else:
-            self.router.count("late_dropped")
-            self.router.log.info("late_answer_dropped", rank=answer.rank)
+        self.router.observer.emit(AnswerDropped(answer.rank, duplicate=fate.answered))
 
     def _gave_up(
         self, request: RolloutRequest, tried: list[int], deadline_s: float | None
     ) -> TimeoutError:
-        self.router.count("timeouts")
-        self.router.log.warning("request_timed_out", ranks=tried, deadline_s=deadline_s)
+        self.router.observer.emit(RequestTimedOut(tuple(tried), deadline_s))
         return TimeoutError(
             f"request {request.id!r}: no answer within {deadline_s} s of its attempt "
             f"(sent {len(tried)} time(s), to ranks {tried})"

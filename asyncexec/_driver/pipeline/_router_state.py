@@ -29,7 +29,7 @@ SEND_BUDGET_S = 0.002
 
 @dataclass(frozen=True)
 class RouterStatistics:
-    """Counters of a :class:`~asyncexec.Router`, from ``router.statistics``."""
+    """Counters of a :class:`~asyncexec.Router`, from ``router.statistics()``."""
 
     #: Requests given to ``generate()``.
     requests: int = 0

@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..._wire._rollout import Sample
+from .._observe import Handler
+from ._events import (
+    Admitted,
+    BatchHanded,
+    GenerationEnded,
+    RequestExpired,
+    SampleReturned,
+    UpdateEnded,
+)
 
 __all__ = ["Meter", "PauseFigures", "PipelineBatch", "PipelineStatistics", "batch_of"]
 
@@ -67,7 +76,7 @@ class PauseFigures(NamedTuple):
 
 @dataclass(frozen=True)
 class PipelineStatistics:
-    """A snapshot of a pipeline's counters, from :attr:`Pipeline.statistics`.
+    """A snapshot of a pipeline's counters, from :meth:`Pipeline.statistics`.
 
     Attributes:
         version: the learner's version (updates done).
@@ -119,7 +128,8 @@ class PipelineStatistics:
 
 
 class Meter:
-    """The counters behind :class:`PipelineStatistics` (mutable; on the pipeline's loop)."""
+    """The counters behind :class:`PipelineStatistics` (mutable; on the pipeline's loop): the
+    statistics' sink of the pipeline's events."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -133,23 +143,46 @@ class Meter:
         self._idle_since: float | None = self.started
         self.pauses: dict[str, PauseFigures] = {}
 
-    def counts(self) -> dict[str, int]:
-        """The sample events so far, by kind (the metrics' ``event`` label)."""
+    def restart(self) -> None:
+        """The pipeline starts (it is entered): its times count from now."""
+        self.started = time.monotonic()
+        self.trainer_idle_s = self.rollout_idle_s = 0.0
+        self._idle_since = self.started
+
+    def handlers(self) -> Mapping[type, Handler]:
         return {
-            "admitted": self.admitted,
-            "consumed": self.consumed,
-            "aborted": self.aborted,
-            "requeued": self.requeued,
-            "duplicates": self.duplicates,
-            "expired": self.expirations,
+            Admitted: self._admitted,
+            GenerationEnded: self._generation_ended,
+            SampleReturned: self._returned,
+            RequestExpired: self._expired,
+            BatchHanded: self._batch,
+            UpdateEnded: self._update_ended,
         }
 
-    def expired(self, in_flight_s: float) -> None:
-        """A request expired after ``in_flight_s``: aborted, its prompt requeued."""
+    def _admitted(self, event: Admitted) -> None:
+        self.admitted += 1
+        self.in_flight_changed(event.in_flight)
+
+    def _generation_ended(self, event: GenerationEnded) -> None:
+        self.generated_s += event.seconds
+
+    def _returned(self, event: SampleReturned) -> None:
+        if event.outcome == "aborted":
+            self.aborted += 1
+            self.requeued += 1
+        elif event.outcome == "duplicate":
+            self.duplicates += 1
+        else:
+            self.buffer_depth_max = max(self.buffer_depth_max, event.buffered)
+        self.in_flight_changed(event.in_flight)
+
+    def _expired(self, event: RequestExpired) -> None:
+        """A request expired: aborted, its prompt requeued."""
         self.expirations += 1
         self.aborted += 1
         self.requeued += 1
-        self.expired_s += in_flight_s
+        self.expired_s += event.in_flight_s
+        self.in_flight_changed(event.in_flight)
 
     def in_flight_changed(self, in_flight: int) -> None:
         """Track the time with nothing in flight."""
@@ -160,17 +193,19 @@ class Meter:
             self.rollout_idle_s += now - self._idle_since
             self._idle_since = None
 
-    def consumed_batch(self, staleness: tuple[int, ...], bound: int, waited_s: float) -> None:
+    def _batch(self, event: BatchHanded) -> None:
+        staleness = event.staleness
         self.consumed += len(staleness)
         self.staleness_sum += sum(staleness)
         self.staleness_max = max([self.staleness_max, *staleness])
-        self.beyond += sum(s > bound for s in staleness)
-        self.trainer_idle_s += waited_s
+        self.beyond += sum(s > event.bound for s in staleness)
+        self.trainer_idle_s += event.waited_s
 
-    def paused(self, mode: str, pause_s: float, push_s: float) -> None:
+    def _update_ended(self, event: UpdateEnded) -> None:
+        mode, pause_s = event.mode, event.pause_s
         count, total, most, pushes = self.pauses.get(mode, PauseFigures(0, 0.0, 0.0, 0.0))
         self.pauses[mode] = PauseFigures(
-            count + 1, total + pause_s, max(most, pause_s), pushes + push_s
+            count + 1, total + pause_s, max(most, pause_s), pushes + event.push_s
         )
 
     def snapshot(self, version: int, in_flight: int, buffer_depth: int) -> PipelineStatistics:

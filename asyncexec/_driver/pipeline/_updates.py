@@ -1,5 +1,5 @@
 """A pipeline's weight updates: one at a time, each around the rollouts in flight (pause them
-as the mode says, push, resume), counted and logged."""
+as the mode says, push, resume), each emitted once as it pauses and as it ends (``_events``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 
 from ..._errors import ExecutorStateError
-from ..._logging import Logger
-from ..._timeline._pipeline import update_ended, update_paused
-from .._metrics import PipelineMeters
+from .._observe import Observer
 from .._taskgroups import task_group
 from ._admission import Admission, Item
 from ._budget import Budget
+from ._events import UpdateEnded, UpdatePaused
 from ._servers import Servers
-from ._stats import Meter
 
 if TYPE_CHECKING:
     from ..channel import WeightChannel
@@ -36,8 +34,7 @@ class Updates:
         channel: WeightChannel | None,
         budget: Budget[Item],
         admission: Admission,
-        log: Logger,
-        meters: PipelineMeters,
+        observer: Observer,
     ) -> None:
         self.servers, self.channel, self.budget, self.admission = (
             servers,
@@ -45,9 +42,7 @@ class Updates:
             budget,
             admission,
         )
-        self.log = log
-        self.meter = Meter()  # the pipeline's, once it is entered
-        self.meters = meters
+        self.observer = observer
         self.updating = False
 
     async def run(self, mode: Literal["keep", "wait", "abort"], state: Any) -> None:
@@ -69,17 +64,7 @@ class Updates:
         finally:
             self.updating = False
         version = self.budget.version
-        update_ended(self.admission.track, mode, push_s, version)
-        self.meter.paused(mode, pause_s, push_s)
-        self.meters.paused(mode, pause_s)
-        self.log.info(
-            "pipeline_update",
-            version=version,
-            mode=mode,
-            pause_s=round(pause_s, 6),
-            push_s=round(push_s, 6),
-            in_flight=in_flight,
-        )
+        self.observer.emit(UpdateEnded(mode, version, pause_s, push_s, in_flight))
 
 
 async def update(
@@ -111,7 +96,7 @@ async def update(
         if mode == "wait":
             await _drained(budget, admission)
         pushing = time.monotonic()
-        update_paused(admission.track, mode, started, in_flight)
+        admission.observer.emit(UpdatePaused(mode, started, pushing, in_flight))
         if mode == "abort":
             # The aborted samples come back while the push goes on (no chunk runs: the
             # servers are paused to abort); admission reopens only once they are requeued.
