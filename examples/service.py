@@ -43,7 +43,7 @@ service's log lines and its record.
 
 Ray: ``cli()`` starts Ray (or joins ``--address``) in the main thread before the server starts
 its event loop. An app served some other way (``uvicorn --factory``) leaves it to the pool and
-the executors, which start it in asyncexec's own thread (see ``asyncexec._driver._ray``).
+the executors, which start it in asyncexec's own thread (see ``asyncexec._driver.cluster._start``).
 """
 
 from __future__ import annotations

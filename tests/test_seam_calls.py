@@ -5,6 +5,7 @@ as for ``call()``."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Generator
 from typing import Any
@@ -13,7 +14,14 @@ import pytest
 import ray.exceptions as rex
 
 import asyncexec
-from asyncexec._driver.cluster import RAY_ERROR_KINDS, LocalWorkerGone, result_of, submit
+from asyncexec._driver.cluster import (
+    RAY_ERROR_KINDS,
+    Call,
+    LocalWorkerGone,
+    result_of,
+    settled,
+    submit,
+)
 from asyncexec._wire._protocol import WorkerMetadata
 
 CPU = {"CPU": 0.5}
@@ -97,6 +105,54 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     with pytest.raises(asyncexec.WorkerRaisedError) as failed:
         await submit(caller, raised, "execute")
     assert failed.value.rank == 3
+
+
+class _Settles:
+    """A call's reference that gives a loop future (as a Ray call's does), settled by hand."""
+
+    def __init__(self) -> None:
+        self.futures: list[asyncio.Future[Any]] = []
+
+    def loop_future(self) -> asyncio.Future[Any]:
+        self.futures.append(asyncio.get_running_loop().create_future())
+        return self.futures[-1]
+
+
+@pytest.mark.timeout(10)
+async def test_settled_tells_each_calls_outcome_as_it_ends_whatever_the_others_do() -> None:
+    """``settled`` waits for every call (a failure stops no wait, unlike ``gathered``) and
+    tells each one's value, or asyncexec's error for its failure, in the order they end; calls
+    without loop futures each in a task, with the same outcomes."""
+    caller, member = _Caller(alive=True), _Member(rex.ActorDiedError())
+    refs = [_Settles() for _ in range(3)]
+    calls = [Call(ref, member, caller) for ref in refs]
+    seen: list[tuple[int, Any, type[BaseException] | None]] = []
+    changed = asyncio.Event()
+
+    def on_settled(i: int, value: Any, error: BaseException | None) -> None:
+        seen.append((i, value, None if error is None else type(error)))
+        changed.set()
+
+    async def told(count: int) -> None:
+        while len(seen) < count:
+            changed.clear()
+            await changed.wait()
+
+    async def end_them() -> None:
+        await asyncio.sleep(0)
+        refs[2].futures[0].set_result("c")
+        await told(1)
+        refs[0].futures[0].set_exception(rex.ActorDiedError())
+        await told(2)
+        refs[1].futures[0].set_result("b")
+
+    ender = asyncio.get_running_loop().create_task(end_them())
+    await settled(calls, on_settled)
+    await ender
+    assert seen == [(2, "c", None), (0, None, asyncexec.WorkerCrashedError), (1, "b", None)]
+    seen.clear()
+    await settled([submit(caller, member, "ping"), submit(caller, member, "ping")], on_settled)
+    assert sorted(seen) == [(i, None, asyncexec.WorkerCrashedError) for i in range(2)]
 
 
 #: What each kind of :data:`RAY_ERROR_KINDS` raises through the seam (a live node).

@@ -19,6 +19,12 @@ that waits for a thread. The worker's life (``ping``, ``wait_closed``, ``close``
 has a group of its own, so that a flood of those calls never starves a health check (which
 still asks the loop) or the wait that tells the driver the process died.
 
+A weight push's install (``channel_receive``) has a group of one thread of its own
+(:data:`RECEIVE_GROUP`): a worker receives from one channel at a time, whose versions install
+in order anyway, and the state is unpickled by the same thread each time, in memory its
+allocator kept (see ``_memory``, which the actor applies when it starts); unpickled by whichever
+thread of the default group was free, a 6 MB state took fresh pages of another arena.
+
 Cancellation: Ray cannot interrupt a running task of a sync actor; it marks it cancelled. The
 bridge of ``execute`` (the one call the driver cancels here: an ``async def`` function's) looks
 at that mark while it waits and cancels the coroutine on the loop, which then ends as on the
@@ -38,10 +44,17 @@ import ray
 
 from .._wire._interface import WORKER_METHODS, unpacked
 from .._wire._tracing import Carried, attached
-from . import _channel, _roles
+from . import _channel, _memory, _roles
 from ._actor import ROLE_GROUPS, WorkerCode, role_group
 
-__all__ = ["CONTROL_THREADS", "LIFE", "LIFE_GROUP", "ThreadedWorkerActor", "ThreadedWorkerCode"]
+__all__ = [
+    "CONTROL_THREADS",
+    "LIFE",
+    "LIFE_GROUP",
+    "RECEIVE_GROUP",
+    "ThreadedWorkerActor",
+    "ThreadedWorkerCode",
+]
 
 #: The threads of the actor's default group: how many control calls (everything but a role's
 #: plain calls) may wait at once on one worker. Ray starts them with the actor; 64 costs about
@@ -51,6 +64,8 @@ CONTROL_THREADS = 64
 #: its threads for the worker's life; the driver sends one ping at a time).
 LIFE = frozenset({"close", "ping", "wait_closed"})
 LIFE_GROUP = "life"
+#: The concurrency group of ``channel_receive`` (one thread; see the module's docstring).
+RECEIVE_GROUP = "channel_receive"
 #: How often a cancellable call's bridge looks whether Ray marked its task cancelled.
 _CANCEL_POLL_S = 0.05
 
@@ -60,6 +75,7 @@ class _Threaded:
     interface's: ``call_method_sync`` here, the others made by :func:`_bridge`."""
 
     def __init__(self) -> None:
+        _memory.keep_freed_memory()
         self._worker = WorkerCode()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -91,7 +107,8 @@ class _Threaded:
         return type(state).__name__, state
 
     def channel_receive(self, name: str, version: int, *shards: Any) -> None:
-        """As the async worker's ``channel_receive``, on this call's thread."""
+        """As the async worker's ``channel_receive``, on this call's thread (of its group:
+        :data:`RECEIVE_GROUP`)."""
         _channel.install_state(name, version, _channel.merge([*shards]))
 
     def call_method_sync(self, key: str | Carried | list[Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -130,6 +147,10 @@ def _bridge(name: str) -> Callable[..., Any]:
 for _name in sorted(WORKER_METHODS - {"call_method_sync", "channel_read", "channel_receive"}):
     setattr(_Threaded, _name, _bridge(_name))
 del _name
+_receive: Callable[..., Any] = ray.method(concurrency_group=RECEIVE_GROUP)(
+    _Threaded.channel_receive
+)
+_Threaded.channel_receive = _receive  # type: ignore[method-assign]
 
 #: The threaded worker's code, undecorated (the interface's test looks at its methods).
 ThreadedWorkerCode = _Threaded
@@ -138,5 +159,9 @@ ThreadedWorkerActor = ray.remote(
     max_restarts=0,
     max_task_retries=0,
     max_concurrency=CONTROL_THREADS,
-    concurrency_groups={LIFE_GROUP: 4, **{role_group(i): 1 for i in range(ROLE_GROUPS)}},
+    concurrency_groups={
+        LIFE_GROUP: 4,
+        RECEIVE_GROUP: 1,
+        **{role_group(i): 1 for i in range(ROLE_GROUPS)},
+    },
 )(_Threaded)

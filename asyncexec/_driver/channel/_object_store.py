@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import anyio
 
 from ..._errors import AsyncExecError
-from .._taskgroups import task_group
-from ..cluster import Call, result_of, submit, submit_n
+from ..cluster import Call, result_of, settled, submit, submit_n
 from ..group import WorkerInfo
 from ._transport import Core, Pending, caller_of, died, gather
 
@@ -98,19 +97,15 @@ class ObjectStoreTransport:
         self._settle([c for c in early.values() if c is not None])  # to ranks that left
         errors: list[AsyncExecError] = []
 
-        async def one(i: int) -> None:
-            try:
-                await calls[i]
+        def one(i: int, _: object, error: AsyncExecError | None) -> None:
+            if error is None:
                 core.installed(targets[i], pending.version)
-            except AsyncExecError as error:
-                if died(error):
-                    core.log.info("push_skipped_dead_rank", rank=targets[i].rank)
-                else:
-                    errors.append(error)
+            elif died(error):
+                core.log.info("push_skipped_dead_rank", rank=targets[i].rank)
+            else:
+                errors.append(error)
 
-        async with task_group() as tg:
-            for i in range(len(calls)):
-                tg.start_soon(one, i)
+        await settled(calls, one)
         if errors:
             raise errors[0]
 

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, NoReturn, Protocol
 
 from ray import cloudpickle
+from ray._raylet import ObjectRef
 
 from ..._errors import AsyncExecError, ConfigurationError, describe
 from ..._wire._interface import WorkerMethod
@@ -29,6 +30,7 @@ from ..._wire._tracing import plain
 from .._taskgroups import task_group
 from ._base import Handle
 from ._errors import call_error
+from ._ray import Result
 
 __all__ = [
     "Call",
@@ -40,6 +42,7 @@ __all__ = [
     "at_attempt",
     "gathered",
     "result_of",
+    "settled",
     "submit",
     "submit_n",
     "submit_named",
@@ -162,6 +165,56 @@ async def gathered(calls: Sequence[Awaitable[Any]]) -> tuple[list[Any], list[Asy
     return results, list(await asyncio.gather(*failed)) if failed else []
 
 
+async def settled(
+    calls: Sequence[Awaitable[Any]], on_settled: Callable[[int, Any, AsyncExecError | None], None]
+) -> None:
+    """Await every one of ``calls`` (made with :func:`submit`), whatever the others do, and tell
+    ``on_settled(i, value, error)`` as call ``i`` ends (``error``: asyncexec's, None when it
+    returned). Calls whose references give loop futures (Ray's) are waited for together, as
+    :func:`gathered` waits, without a task each; others each in a task of one task group."""
+    futures: dict[asyncio.Future[Any], int] = {}
+    for i, call in enumerate(calls):
+        future = call.loop_future() if isinstance(call, Call) else None
+        if future is None:
+            for made in futures:
+                made.cancel()
+            return await _settled_in_tasks(calls, on_settled)
+        futures[future] = i
+    waiting = set(futures)
+    try:
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=futures.__getitem__):
+                i = futures[future]
+                if (exc := future.exception()) is None:
+                    on_settled(i, future.result(), None)
+                elif isinstance(exc, Exception):
+                    call = calls[i]
+                    assert isinstance(call, Call)
+                    on_settled(i, None, await call.mapped(exc))
+                else:
+                    raise exc
+    finally:
+        for future in waiting:  # the caller's cancellation: the calls go on
+            future.cancel()
+
+
+async def _settled_in_tasks(
+    calls: Sequence[Awaitable[Any]], on_settled: Callable[[int, Any, AsyncExecError | None], None]
+) -> None:
+    async def one(i: int) -> None:
+        try:
+            value = await calls[i]
+        except AsyncExecError as exc:
+            on_settled(i, None, exc)
+        else:
+            on_settled(i, value, None)
+
+    async with task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+
+
 async def _gathered_in_tasks(
     calls: Sequence[Awaitable[Any]],
 ) -> tuple[list[Any], list[AsyncExecError]]:
@@ -260,8 +313,9 @@ def submit_n(caller: Caller, who: Member, method: WorkerMethod, n: int, /, *args
 
 def result_of(caller: Caller, who: Member, ref: Any) -> Call:
     """A pending result of ``who`` (of :func:`submit_n`, or its death call), awaited as a
-    :class:`Call`."""
-    return Call(ref, who, caller)
+    :class:`Call`; a Ray reference through one loop future (see ``_ray.Result``), as a call's
+    result is, not through the ``concurrent.futures.Future`` that awaiting it makes."""
+    return Call(Result(ref) if type(ref) is ObjectRef else ref, who, caller)
 
 
 def _refuse(
