@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 import types
 from collections.abc import Iterator
@@ -34,6 +36,17 @@ _here = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (_here, os.path.dirname(_here), os.environ.get("PYTHONPATH")) if p
 )
+
+# Ray's temp folder, this session's own (and its subprocesses'): ``ray.init()`` without an
+# address joins the cluster that ``<temp>/ray_current_cluster`` names, which a cluster killed
+# before its shutdown (a run cut short in the multinode tier, another job's ``ray start``) leaves
+# behind. In the shared /tmp/ray every Ray of the suite would then try to join that dead cluster.
+# A short path: Ray's Unix sockets live under it.
+if "RAY_TMPDIR" not in os.environ:
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    _OWN_RAY_TMPDIR: str | None = os.environ["RAY_TMPDIR"]
+else:
+    _OWN_RAY_TMPDIR = None
 
 LOCAL_CPUS = 4
 _current: dict[str, Any] = {"mode": None, "cluster": None}
@@ -250,6 +263,8 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _shutdown()
+    if _OWN_RAY_TMPDIR is not None:
+        shutil.rmtree(_OWN_RAY_TMPDIR, ignore_errors=True)
 
 
 # Tiers ----------------------------------------------------------------------------------------

@@ -49,3 +49,19 @@ def test_tiers_follow_what_a_test_uses(request: pytest.FixtureRequest) -> None:
 def test_the_tiers_run_in_order(request: pytest.FixtureRequest) -> None:
     order = [TIERS.index(tier_of(item)) for item in request.session.items]
     assert order == sorted(order)
+
+
+def test_the_suites_ray_lives_in_a_temp_folder_of_its_own(ray_local: None) -> None:
+    """Defect: a cluster killed before its shutdown leaves its address in
+    ``/tmp/ray/ray_current_cluster``, and ``ray.init()`` without an address joins the cluster
+    that file names; a CI run whose /tmp held such a file failed 360 tests, every Ray of the
+    suite waiting on a dead GCS. The suite's Ray (and its subprocesses', which inherit
+    ``RAY_TMPDIR``) lives in a folder of this session's, where no other cluster leaves one."""
+    import os
+
+    import ray
+
+    own = os.environ.get("RAY_TMPDIR")
+    assert own and os.path.realpath(own) != os.path.realpath("/tmp"), own
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    assert os.path.realpath(session_dir).startswith(os.path.realpath(own) + os.sep), session_dir
