@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,76 @@ def test_ctrl_c_exits_promptly_with_keyboard_interrupt(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in err
     assert "Failed to connect to GCS" not in err
+
+
+@pytest.fixture
+def dead_cluster_on_record() -> Iterator[tuple[dict[str, str], str]]:
+    """An environment whose Ray temp folder holds the address file of a cluster that is gone
+    (a port nothing listens on), as a cluster killed before ``ray stop`` leaves it; and that
+    address."""
+    import shutil
+    import socket
+
+    with socket.socket() as sock:  # a free port, closed again: nothing answers there
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets live under it
+    try:
+        os.makedirs(os.path.join(temp, "ray"))
+        Path(temp, "ray", "ray_current_cluster").write_text(address)
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+        env.pop("RAY_ADDRESS", None)
+        env["RAY_TMPDIR"] = temp
+        yield env, address
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_cluster_on_record_is_named_at_once_not_waited_on(
+    tmp_path: Path, dead_cluster_on_record: tuple[dict[str, str], str]
+) -> None:
+    """Defect: with a dead cluster's address left in Ray's ``ray_current_cluster`` file (a CI
+    machine's /tmp held one), entering an executor waited on the dead GCS for about a minute
+    and failed saying only "Failed to connect to GCS"; a CI run lost 360 tests to it."""
+    env, address = dead_cluster_on_record
+    script = tmp_path / "enter.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, asyncexec
+
+            async def main():
+                try:
+                    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}):
+                        print("ENTERED")
+                except asyncexec.StartupError as exc:
+                    print("REFUSED", exc)
+
+            asyncio.run(main())
+            """
+        )
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED could not start Ray: Ray would join the cluster" in done.stdout, done.stdout
+    assert f"nothing answers at {address}" in done.stdout
+    assert "ray stop" in done.stdout and "address='local'" in done.stdout
+    assert time.monotonic() - t0 < 30  # told at once: Ray itself waits about a minute
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "asyncexec", "run", "json:dumps", "--workers", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert cli.returncode == 1, cli.stderr[-3000:]
+    assert "could not start Ray" in cli.stderr and f"nothing answers at {address}" in cli.stderr
 
 
 def test_the_executors_sigterm_handler_is_rays_own_and_only_set_when_free() -> None:

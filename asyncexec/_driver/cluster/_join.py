@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 from ..._errors import describe
 
-__all__ = ["WorkerProcess", "auth_refusal", "join_cluster", "live_workers", "unreachable"]
+__all__ = [
+    "WorkerProcess",
+    "auth_refusal",
+    "dead_cluster_on_record",
+    "join_cluster",
+    "live_workers",
+    "unreachable",
+]
 
 #: How long the cluster's address may take to accept a connection (``ray.init`` itself tries
 #: for minutes where nothing answers).
@@ -96,6 +103,34 @@ def unreachable(target: str) -> str | None:
             return None
     except OSError as exc:
         return f"nothing answers at {address} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
+
+
+def dead_cluster_on_record(address: str | None) -> str | None:
+    """Why ``ray.init(address=address)`` would wait minutes on a cluster that is gone, or None.
+
+    Without an address (or with ``"auto"``) and without ``RAY_ADDRESS``, Ray joins the cluster
+    its address file (``<temp>/ray_current_cluster``) names; ``ray start`` and Ray's test
+    clusters write it, and a cluster killed before ``ray stop`` leaves it behind. ``ray.init``
+    then waits about a minute on the dead GCS and says only that it could not connect. One TCP
+    connect (a local address: milliseconds) tells it at once."""
+    if address not in (None, "auto") or os.environ.get("RAY_ADDRESS"):
+        return None
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as f:
+            recorded = f.read().strip()
+    except OSError:
+        return None  # no file: Ray starts a local cluster
+    why = unreachable(recorded) if recorded else None
+    if why is None:
+        return None
+    return (
+        f"Ray would join the cluster that {path} names, but {why}: that cluster was stopped "
+        "without `ray stop`. Run `ray stop` (it removes the file) or delete the file to start "
+        "a fresh local Ray, or pass address='local'"
+    )
 
 
 def _token_source() -> str | None:

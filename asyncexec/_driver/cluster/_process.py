@@ -10,6 +10,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from ._join import dead_cluster_on_record
+
 __all__ = ["init_ray", "quiet_planned_crash", "ray_is_initialized", "shutdown_ray"]
 
 
@@ -28,6 +30,9 @@ def init_ray(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False
+    why = dead_cluster_on_record(address)
+    if why is not None:
+        raise ConnectionError(why)
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     return True
 

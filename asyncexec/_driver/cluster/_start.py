@@ -27,6 +27,9 @@ from typing import Any, TypeVar
 
 import ray
 
+from ..._errors import StartupError
+from ._join import dead_cluster_on_record
+
 __all__ = ["ensure_ray"]
 
 T = TypeVar("T")
@@ -76,6 +79,9 @@ def _init(address: str | None) -> None:
     quiet = _NotMainThread()
     ray_logger.addFilter(quiet)
     try:
+        why = dead_cluster_on_record(address)
+        if why is not None:
+            raise StartupError(f"could not start Ray: {why}")
         ray.init(address=address, ignore_reinit_error=True)
     finally:
         ray_logger.removeFilter(quiet)
