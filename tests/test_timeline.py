@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 import asyncexec
+from asyncexec import Timeline
 from asyncexec._driver.run._steps import StepBatch, StepTimes
-from asyncexec._timeline._timeline import DRIVER, Timeline
+from asyncexec._timeline._timeline import DRIVER
 
 
 def count_to(config: dict[str, Any]) -> None:

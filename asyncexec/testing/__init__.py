@@ -1,4 +1,5 @@
-"""Test your loops without Ray: simulated workers and a stand-in rollout server.
+"""Test your loops without Ray: simulated workers, a stand-in rollout server, and metrics for one
+test.
 
 As ``httpx.MockTransport`` stands in for the network and ``trio.testing`` for the clock, this
 module stands in for the cluster. Inside :func:`simulated`, every ``Executor`` (and pool and
@@ -19,6 +20,9 @@ no process, thread or Ray. What they run:
 under test; its prompts may be :class:`Script`\\ s that say how long a generation is, how slow,
 and where it fails. It runs on simulated workers, in local mode and on Ray alike.
 
+:func:`metrics_enabled` turns asyncexec's Prometheus metrics on for a block, in a registry of
+its own, and off again after it.
+
 To run a run's own function without Ray, use local mode instead (``Executor(local=True)``:
 the ranks are threads of your process).
 """
@@ -36,10 +40,19 @@ _LAZY: dict[str, str] = {
     "SimCluster": "asyncexec._driver.cluster._sim",
     "SimLoad": "asyncexec._driver.cluster._sim",
     "SimStatistics": "asyncexec._driver.cluster._sim",
+    "metrics_enabled": "asyncexec.testing._metrics",
     "simulated": "asyncexec.testing._simulated",
 }
 
-__all__ = ["Script", "ScriptedServer", "SimCluster", "SimLoad", "SimStatistics", "simulated"]
+__all__ = [
+    "Script",
+    "ScriptedServer",
+    "SimCluster",
+    "SimLoad",
+    "SimStatistics",
+    "metrics_enabled",
+    "simulated",
+]
 
 for _obj in (Script, ScriptedServer):
     _obj.__module__ = __name__
@@ -63,4 +76,5 @@ if TYPE_CHECKING:
     from .._driver.cluster._sim import SimCluster as SimCluster
     from .._driver.cluster._sim import SimLoad as SimLoad
     from .._driver.cluster._sim import SimStatistics as SimStatistics
+    from ._metrics import metrics_enabled as metrics_enabled
     from ._simulated import simulated as simulated
