@@ -1,7 +1,9 @@
 """``asyncexec.testing`` doing its job: a user's loops tested without Ray. An executor's run read
-step by step, a rank crashed mid-run and the run restarted, and a pipeline with a router over
-stand-in rollout servers (weights pushed as states, every prompt consumed once), all on simulated
-workers in the fast tier; the stand-in server alone; and the module's public names."""
+step by step, a rank crashed mid-run and the run restarted, a pipeline with a router over
+stand-in rollout servers (weights pushed as states, every prompt consumed once), and a run's
+metrics read in a registry of the test's own, all on simulated workers in the fast tier; the
+stand-in server alone, and behind a router on Ray and in local mode; and the module's public
+names."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ import ray
 
 import asyncexec
 import asyncexec.testing
-from asyncexec.testing import Script, ScriptedServer, SimCluster, SimLoad, simulated
+from asyncexec.testing import (
+    Script,
+    ScriptedServer,
+    SimCluster,
+    SimLoad,
+    metrics_enabled,
+    simulated,
+)
 
 # The user's code under test -------------------------------------------------------------------
 
@@ -130,6 +139,43 @@ async def test_a_scripted_server_made_in_the_test_tags_chunks_with_weights() -> 
     assert first.versions == (None, None) and second.versions == (1, 1, 1)
     assert server.weights() == {"w": 1} and server.served() == 2
     assert server.factor == 2.0
+
+
+@pytest.mark.timeout(30)
+async def test_metrics_enabled_counts_a_tests_run_and_turns_off_after() -> None:
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled() as registry, simulated(SimCluster(SimLoad(reports=2, rate=500.0))):
+        async with asyncexec.Executor(2, name="trainer") as executor:
+            async for _ in executor.run(train):
+                pass
+        labels = {"executor": "trainer", "outcome": "finished"}
+        assert registry.get_sample_value("asyncexec_runs_total", labels) == 1
+        with pytest.raises(asyncexec.ExecutorStateError, match="on already"), metrics_enabled():
+            pass
+    with metrics_enabled() as again:  # off after the block: a second one starts afresh
+        assert again is not registry
+        assert again.get_sample_value("asyncexec_runs_total", labels) is None
+
+
+@pytest.mark.timeout(60)
+async def test_the_scripted_server_serves_behind_a_router(mode: str) -> None:
+    """The same stand-in on Ray actors and on local mode's threads: samples by script, states
+    installed on every server."""
+    role = asyncexec.Role(ScriptedServer, 2, 0.001, slow={1: 3.0})
+    async with (
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=role) as servers,
+        asyncexec.Router(servers, max_in_flight=2) as router,
+    ):
+        with anyio.fail_after(40):
+            samples = [
+                await router.generate(asyncexec.RolloutRequest(i, Script(chunks=3)))
+                for i in range(4)
+            ]
+            await servers.call(ScriptedServer.install_weights, {"w": 1}, 1)
+            after = await router.generate(asyncexec.RolloutRequest("after", "plain"))
+            assert await servers.call(ScriptedServer.weights) == [{"w": 1}, {"w": 1}]
+    assert [s.output for s in samples] == [[0, 1, 2]] * 4
+    assert after.output == [0, 1] and after.versions == (1, 1)
 
 
 def test_the_public_names_are_asyncexec_testings_and_pickle_by_it() -> None:

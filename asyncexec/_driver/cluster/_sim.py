@@ -80,7 +80,16 @@ class SimLoad:
 class SimStatistics(NamedTuple):
     """What the simulated workers did, the time they took on the driver's thread (garbage
     collections left out), and the time the process spent in garbage collections while the
-    cluster was in force."""
+    cluster was in force.
+
+    Attributes:
+        spent_s: the simulated workers' time on the driver's thread, in seconds.
+        workers: how many workers the cluster made.
+        reports: how many reports they made.
+        polls: how many polls for reports they answered.
+        calls: how many calls they answered, of every kind.
+        gc_s: the process's time in garbage collections while the cluster was in force.
+    """
 
     spent_s: float
     workers: int
@@ -399,6 +408,10 @@ class SimCluster:
         load: what each rank does in a run (:class:`SimLoad`'s defaults when None).
         ranks_per_node: how many workers make a node (their ``node_id`` and ``local_rank``).
         gpus: each worker holds the GPU id of its place in its node (``accelerator_ids``).
+
+    Attributes:
+        load: what the ranks do in the runs started from now on (it may be changed between
+            runs).
     """
 
     def __init__(
