@@ -54,8 +54,7 @@ __all__ = [
     "simulated",
 ]
 
-for _obj in (Script, ScriptedServer):
-    _obj.__module__ = __name__
+Script.__module__ = ScriptedServer.__module__ = __name__  # tracebacks, pickles, the docs
 
 
 def __getattr__(name: str) -> Any:
