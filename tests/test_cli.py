@@ -23,7 +23,8 @@ import structlog
 
 import asyncexec
 from asyncexec import Report, Step, configure_logging
-from asyncexec._cli._main import main, total_steps
+from asyncexec.__main__ import main
+from asyncexec._cli._main import total_steps
 from asyncexec._cli._views import JsonView
 from asyncexec._driver.cluster import quiet_planned_crash
 

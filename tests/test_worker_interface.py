@@ -20,7 +20,7 @@ import pytest
 from conftest import import_example
 
 import asyncexec
-from asyncexec._cli._main import main
+from asyncexec.__main__ import main
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
