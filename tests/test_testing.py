@@ -8,7 +8,10 @@ names."""
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -177,6 +180,26 @@ async def test_the_scripted_server_serves_behind_a_router(mode: str) -> None:
             assert await servers.call(ScriptedServer.weights) == [{"w": 1}, {"w": 1}]
     assert [s.output for s in samples] == [[0, 1, 2]] * 4
     assert after.output == [0, 1] and after.versions == (1, 1)
+
+
+#: docs/testing.md, whose examples are tests.
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+
+
+@pytest.mark.timeout(30)
+async def test_the_examples_of_the_docs_page_pass() -> None:
+    """docs/testing.md's code blocks, run in order as one module (as the page reads), and each
+    ``async def test_*`` they define awaited."""
+    pytest.importorskip("prometheus_client")
+    namespace: dict[str, Any] = {}
+    ran = []
+    for block in re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S):
+        exec(compile(block, str(PAGE), "exec"), namespace)
+        tests = [name for name in namespace if name.startswith("test_") and name not in ran]
+        for name in tests:
+            await namespace[name]()
+            ran.append(name)
+    assert len(ran) == 3, ran
 
 
 def test_the_public_names_are_asyncexec_testings_and_pickle_by_it() -> None:
