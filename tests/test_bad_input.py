@@ -26,7 +26,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import asyncexec
-from asyncexec._driver._config import validate_resources
 
 CPU = {"CPU": 0.5}
 
@@ -90,7 +89,7 @@ def test_resources_per_worker_is_accepted_exactly_when_valid(resources: object) 
         assert asyncexec.Executor(2).config.resources_per_worker == {"CPU": 1.0}
     elif _resources_valid(resources):
         assert isinstance(resources, Mapping)
-        checked = validate_resources(resources)
+        checked = asyncexec.Executor(2, resources_per_worker=resources).config.resources_per_worker
         assert checked == {k: float(v) for k, v in resources.items()}
         assert all(type(v) is float for v in checked.values())
         asyncexec.Executor(2, resources_per_worker=resources)

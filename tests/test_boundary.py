@@ -67,6 +67,14 @@ def test_the_torch_backends_worker_part_imports_no_driver_module() -> None:
     assert "torch" not in modules  # imported only when a helper needs it
 
 
+def test_the_stand_in_rollout_server_imports_no_driver_module() -> None:
+    """A ``ScriptedServer`` unpickled in a worker stays light: ``asyncexec.testing`` loads the
+    simulated cluster (the driver's) on first use only."""
+    modules = _fresh_import("from asyncexec.testing import Script, ScriptedServer")
+    assert "asyncexec.testing._servers" in modules
+    assert _forbidden(modules) == []
+
+
 def test_the_demo_function_imports_no_driver_module() -> None:
     modules = _fresh_import("from asyncexec._cli._demo import demo_train")
     assert _forbidden(modules) == []

@@ -22,11 +22,11 @@ import pytest
 import structlog
 
 import asyncexec
-from asyncexec._cli._logconfig import configure_logging
-from asyncexec._cli._main import main, total_steps
+from asyncexec import Report, Step, configure_logging
+from asyncexec.__main__ import main
+from asyncexec._cli._main import total_steps
 from asyncexec._cli._views import JsonView
 from asyncexec._driver.cluster import quiet_planned_crash
-from asyncexec._driver.run import Report, Step
 
 
 def counting(config: dict[str, Any]) -> int:

@@ -10,9 +10,10 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncexec._driver.run import HandOver, Run, RunCore, StepBatch
+from asyncexec import Run, WorkerContext
+from asyncexec._driver.run import HandOver, RunCore, StepBatch
 from asyncexec._wire._checkpoint import CheckpointBook
-from asyncexec._wire._protocol import RunStart, WorkerContext
+from asyncexec._wire._protocol import RunStart
 from asyncexec._worker import _session
 
 

@@ -27,6 +27,7 @@ import pytest
 import asyncexec
 from asyncexec._cli import _dashboard
 from asyncexec._driver import _metrics
+from asyncexec.testing import metrics_enabled
 
 pytest.importorskip("prometheus_client")
 
@@ -142,16 +143,13 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def serving_metrics() -> Iterator[int]:
     """Metrics on (a registry of their own), served on a free loopback port; off afterwards."""
-    import prometheus_client as prom
-
-    asyncexec.enable_metrics(prom.CollectorRegistry(), backlog_refresh_s=0)
-    server, thread = asyncexec.start_metrics_server(0)
-    try:
-        yield int(server.server_port)
-    finally:
-        server.shutdown()
-        thread.join(5)
-        _metrics._metrics = None
+    with metrics_enabled(backlog_refresh_s=0):
+        server, thread = asyncexec.start_metrics_server(0)
+        try:
+            yield int(server.server_port)
+        finally:
+            server.shutdown()
+            thread.join(5)
 
 
 @contextlib.contextmanager

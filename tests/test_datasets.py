@@ -27,7 +27,8 @@ import tenacity
 from ray.data import DataContext, ExecutionOptions
 
 import asyncexec
-from asyncexec._driver.cluster import DataConfig, make_shards, release_shards, validate_datasets
+from asyncexec import DataConfig
+from asyncexec._driver.cluster import make_shards, release_shards, validate_datasets
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -190,7 +191,7 @@ async def test_dataset_not_split_is_seen_whole_by_every_worker() -> None:
             read_epochs,
             {"names": ["train", "valid"], "epochs": 1},
             datasets=datasets,
-            data_config=asyncexec_data_config(datasets_to_split=["train"]),
+            data_config=DataConfig(datasets_to_split=["train"]),
         )
         [_ async for _ in run]
     outs = run.result.return_values
@@ -199,13 +200,6 @@ async def test_dataset_not_split_is_seen_whole_by_every_worker() -> None:
     train = [o["seen"]["train"][0] for o in outs]
     assert [len(p) for p in train] == [100, 100]
     assert sorted(i for p in train for i in p) == list(range(200))
-
-
-def asyncexec_data_config(**kwargs: Any) -> DataConfig:
-    """``asyncexec.DataConfig`` once the package exports it; the module's class until then."""
-    cls = getattr(asyncexec, "DataConfig", DataConfig)
-    assert cls is DataConfig
-    return cls(**kwargs)
 
 
 async def test_restart_mid_epoch_gives_new_workers_fresh_shards(tmp_path: Path) -> None:

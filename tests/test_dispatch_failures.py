@@ -19,6 +19,7 @@ import pytest
 from structlog.testing import capture_logs
 
 import asyncexec
+from asyncexec.testing import metrics_enabled
 
 CPU = {"CPU": 0.25}
 
@@ -223,12 +224,8 @@ async def _unlink_after(path: Path, seconds: float) -> None:
 async def test_calls_resends_and_renewed_ranks_are_counted_in_statistics_and_metrics(
     mode: str,
 ) -> None:
-    prom = pytest.importorskip("prometheus_client")
-    from asyncexec._driver import _metrics
-
-    registry = prom.CollectorRegistry()
-    asyncexec.enable_metrics(registry)
-    try:
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled() as registry:
         async with asyncexec.Executor(
             2, resources_per_worker=CPU, roles=Server, name="dispatching"
         ) as ex:
@@ -250,8 +247,6 @@ async def test_calls_resends_and_renewed_ranks_are_counted_in_statistics_and_met
         names = ("asyncexec_calls_total", "asyncexec_call_resends_total")
         names += ("asyncexec_ranks_renewed_total",)
         assert tuple(registry.get_sample_value(n, label) for n in names) == counted
-    finally:
-        _metrics._metrics = None
 
 
 # Item 3: a stream raises the rank's error --------------------------------------------------

@@ -15,10 +15,11 @@ import ray
 from conftest import wait_no_local_threads
 
 import asyncexec
-from asyncexec._driver.cluster import SimCluster, SimLoad, _ray, simulated
+from asyncexec._driver.cluster import _ray
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import packed, unpacked
+from asyncexec.testing import SimCluster, SimLoad, simulated
 
 CPU = {"CPU": 0.25}
 

@@ -21,8 +21,8 @@ import pytest
 
 import asyncexec
 from asyncexec._dispatch._plan import ALL, plan_call
-from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 from asyncexec._worker import ROLE_GROUPS
+from asyncexec.testing import SimCluster, SimLoad, simulated
 
 CPU = {"CPU": 0.25}
 NO_HEALTH = asyncexec.HealthChecks(interval_s=None)

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 import asyncexec
+import asyncexec.testing
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"
+#: ``asyncexec.testing``'s reference is on its own page.
+TESTING = ROOT / "docs" / "testing.md"
 
 # `::: asyncexec.Executor`, and the lines of an indented options block under one (members lists).
 _DIRECTIVE = re.compile(r"^:::\s+(\S+)\s*$")
@@ -51,6 +54,12 @@ def test_every_public_name_is_in_the_reference() -> None:
     assert not private, private
 
 
+def test_every_name_of_asyncexec_testing_is_on_its_page() -> None:
+    page = TESTING.read_text()
+    missing = [n for n in asyncexec.testing.__all__ if f"::: asyncexec.testing.{n}\n" not in page]
+    assert not missing, f"docs/testing.md lacks a ::: directive for {missing}"
+
+
 @pytest.mark.timeout(300)
 def test_site_builds_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs")
@@ -72,6 +81,11 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     unresolved = [n for n in asyncexec.__all__ if f'id="asyncexec.{n}"' not in page]
     assert not unresolved, f"not rendered in the reference: {unresolved}"
     assert 'id="asyncexec.backends.TorchBackend"' in page
+    testing = (site / "testing" / "index.html").read_text()
+    unresolved = [
+        n for n in asyncexec.testing.__all__ if f'id="asyncexec.testing.{n}"' not in testing
+    ]
+    assert not unresolved, f"not rendered on the testing page: {unresolved}"
     # The docstrings' reStructuredText roles were rewritten (the griffe extension in docs/).
     assert ":class:" not in page and ":func:" not in page and ":meth:" not in page
     for name in (
@@ -82,6 +96,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         "services",
         "semantics",
         "benchmarks",
+        "testing",
     ):
         where = site / "index.html" if name == "index" else site / name / "index.html"
         assert where.is_file(), where

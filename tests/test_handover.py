@@ -7,7 +7,8 @@ from typing import Any
 
 import anyio
 
-from asyncexec._driver.run import HandOver, Run, RunCore, StepBatch
+from asyncexec import Run
+from asyncexec._driver.run import HandOver, RunCore, StepBatch
 from asyncexec._wire._checkpoint import CheckpointBook
 
 

@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 
 import asyncexec
 from asyncexec._driver import _metrics
+from asyncexec.testing import metrics_enabled
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(120)]
 
@@ -26,15 +27,14 @@ pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(120)]
 def serving_metrics(**options: Any) -> Iterator[str]:
     """Metrics on with ``options`` (a registry of their own), served on a free loopback port;
     yields the URL; off again afterwards, for the other tests of the process."""
-    prom = pytest.importorskip("prometheus_client")
-    asyncexec.enable_metrics(prom.CollectorRegistry(), **options)
-    server, thread = asyncexec.start_metrics_server(0)
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/metrics"
-    finally:
-        server.shutdown()
-        thread.join(5)
-        _metrics._metrics = None
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled(**options):
+        server, thread = asyncexec.start_metrics_server(0)
+        try:
+            yield f"http://127.0.0.1:{server.server_port}/metrics"
+        finally:
+            server.shutdown()
+            thread.join(5)
 
 
 @pytest.fixture
@@ -248,18 +248,17 @@ def test_overflowing_labels_are_bounded_whatever_the_values() -> None:
 
 def test_metrics_server_listens_on_loopback_unless_told_otherwise() -> None:
     """Defect: it listened on every interface by default, with no authentication."""
-    prom = pytest.importorskip("prometheus_client")
-    asyncexec.enable_metrics(prom.CollectorRegistry())
+    pytest.importorskip("prometheus_client")
     servers = []
-    try:
-        servers.append(asyncexec.start_metrics_server(0))
-        servers.append(asyncexec.start_metrics_server(0, addr="0.0.0.0"))
-        assert [server.server_address[0] for server, _ in servers] == ["127.0.0.1", "0.0.0.0"]
-    finally:
-        for server, thread in servers:
-            server.shutdown()
-            thread.join(5)
-        _metrics._metrics = None
+    with metrics_enabled():
+        try:
+            servers.append(asyncexec.start_metrics_server(0))
+            servers.append(asyncexec.start_metrics_server(0, addr="0.0.0.0"))
+            assert [s.server_address[0] for s, _ in servers] == ["127.0.0.1", "0.0.0.0"]
+        finally:
+            for server, thread in servers:
+                server.shutdown()
+                thread.join(5)
 
 
 async def test_scrapes_in_quick_succession_ask_the_workers_once() -> None:

@@ -22,6 +22,7 @@ import anyio
 import pytest
 
 import asyncexec
+from asyncexec.testing import metrics_enabled
 
 CPU = {"CPU": 0.25}
 
@@ -383,26 +384,19 @@ def test_a_resumed_driver_hands_no_consumed_prompt_again_and_skips_none(
 async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    prom = pytest.importorskip("prometheus_client")
+    pytest.importorskip("prometheus_client")
     from structlog.testing import capture_logs
 
-    from asyncexec._driver import _metrics
-
     monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
-    registry = prom.CollectorRegistry()
-    asyncexec.enable_metrics(registry)
     prompts = [{"id": i, "length": 2, "slow": i in (0, 5)} for i in range(12)]
-    try:
-        with capture_logs() as logs:
-            async with (
-                asyncexec.Executor(2, roles=asyncexec.Role(Toy), name="rollout") as servers,
-                asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
-            ):
-                modes = itertools.cycle(["abort", "keep"])
-                async for _ in pipe:
-                    await pipe.update_weights({"w": pipe.version + 1}, on_update=next(modes))
-    finally:
-        _metrics._metrics = None
+    with metrics_enabled() as registry, capture_logs() as logs:
+        async with (
+            asyncexec.Executor(2, roles=asyncexec.Role(Toy), name="rollout") as servers,
+            asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
+        ):
+            modes = itertools.cycle(["abort", "keep"])
+            async for _ in pipe:
+                await pipe.update_weights({"w": pipe.version + 1}, on_update=next(modes))
     stats = pipe.statistics()
     assert stats.consumed == 12 and stats.in_flight == 0 and stats.buffer_depth == 0
     assert stats.aborted >= 1 and set(stats.pauses) == {"abort", "keep"}

@@ -238,12 +238,11 @@ def test_aggregate_budget_measures_staleness_beyond_the_bound() -> None:
 
 def test_only_the_b_oldest_fit_a_strict_batch_and_updates_need_a_batch() -> None:
     from asyncexec._driver.pipeline._budget import Budget
-    from asyncexec._errors import ExecutorStateError
 
     budget: Budget[str] = Budget(2, 1, strict=True)
     assert budget.admissible() == 4  # (S + 1) * B
     admitted = [budget.admit() for _ in range(4)]
-    with pytest.raises(ExecutorStateError):
+    with pytest.raises(asyncexec.ExecutorStateError):
         budget.check_update()  # no batch at version 0 yet
     budget.finish(admitted[0], 0, "a")
     budget.finish(admitted[1], 0, "b")

@@ -22,9 +22,9 @@ from ray.core.generated import autoscaler_pb2
 from structlog.testing import capture_logs
 
 import asyncexec
-from asyncexec._driver import _metrics
 from asyncexec._driver._restart import PreemptionsSpent
 from asyncexec._driver.run._preemption import mark, notice_of
+from asyncexec.testing import metrics_enabled
 
 PREEMPTION = "DRAIN_NODE_REASON_PREEMPTION"
 IDLE = "DRAIN_NODE_REASON_IDLE_TERMINATION"
@@ -179,11 +179,9 @@ def _spread(policy: asyncexec.RestartPolicy, storage: Path) -> asyncexec.Executo
 @pytest.fixture
 def registry() -> Iterator[Any]:
     """Metrics on, in a registry of their own; off again afterwards, for the other tests."""
-    prom = pytest.importorskip("prometheus_client")
-    own = prom.CollectorRegistry()
-    asyncexec.enable_metrics(own)
-    yield own
-    _metrics._metrics = None
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled() as own:
+        yield own
 
 
 # On two nodes -------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 import asyncexec
-from asyncexec._driver.run._steps import Report, Step, StepBatch
+from asyncexec import Report, Step
+from asyncexec._driver.run._steps import StepBatch
 from asyncexec._driver.run._window import BATCH, Assembly
 from asyncexec._wire._protocol import Outcome, Poll, ReportTimes
 

@@ -20,7 +20,9 @@ from conftest import wait_no_leaks
 from resume_driver import train
 
 import asyncexec
-from asyncexec._driver.run import RECORD_FILE
+
+#: The run record's name under ``<storage_path>/<name>/``, as docs/semantics.md gives it.
+RECORD_FILE = "asyncexec_run.json"
 
 pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.timeout(240)]
 

@@ -18,10 +18,10 @@ import ray
 from conftest import wait_no_local_threads
 from ray import cloudpickle
 
-from asyncexec import Checkpoint, ExecutorStateError, get_context, report
-from asyncexec._dispatch._plan import Role, roles_payload
+from asyncexec import Checkpoint, ExecutorStateError, Role, WorkerContext, get_context, report
+from asyncexec._dispatch._plan import roles_payload
 from asyncexec._driver.cluster._local import LocalWorker
-from asyncexec._wire._protocol import Outcome, RoleFailure, RoleMethod, RunStart, WorkerContext
+from asyncexec._wire._protocol import Outcome, RoleFailure, RoleMethod, RunStart
 from asyncexec._worker._actor import WorkerActor
 
 #: Bounds every wait on a worker.

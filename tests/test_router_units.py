@@ -13,6 +13,7 @@ import pytest
 
 import asyncexec
 from asyncexec._driver.pipeline._router_state import Balance, Sessions
+from asyncexec.testing import metrics_enabled
 
 
 class Toy(asyncexec.RolloutServer):
@@ -160,12 +161,8 @@ async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -
     """Local mode (threads, no Ray): the router's counters by the executor's name, its requests
     in flight by executor and rank, and no label of a session key or a request id; the
     in-flight series go when the router closes."""
-    prom = pytest.importorskip("prometheus_client")
-    from asyncexec._driver import _metrics
-
-    registry = prom.CollectorRegistry()
-    asyncexec.enable_metrics(registry)
-    try:
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled() as registry:
         async with (
             asyncexec.Executor(2, roles=Toy, local=True, name="servers") as servers,
             asyncexec.Router(servers, max_in_flight=2) as router,
@@ -186,8 +183,6 @@ async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -
             }
             assert labels == {"executor", "rank"}
         assert registry.get_sample_value("asyncexec_router_in_flight", in_flight) is None
-    finally:
-        _metrics._metrics = None
 
 
 @pytest.mark.timeout(10)

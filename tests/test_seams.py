@@ -246,8 +246,9 @@ def test_every_ray_exception_class_is_mapped_on_purpose() -> None:
 
 
 def _worker_on(node_id: str) -> Any:
+    from asyncexec import WorkerContext
     from asyncexec._driver.group import WorkerInfo
-    from asyncexec._wire._protocol import WorkerContext, WorkerMetadata
+    from asyncexec._wire._protocol import WorkerMetadata
 
     meta = WorkerMetadata(node_id, "127.0.0.1", "host", 1234, {})
     return WorkerInfo(None, meta, WorkerContext(1, 1, 0, 2, 2, node_id, "127.0.0.1", 1234))

@@ -30,7 +30,7 @@ import ray
 import uvicorn
 from conftest import cluster_held, live_workers
 
-from asyncexec._driver import _metrics
+from asyncexec.testing import metrics_enabled
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -276,69 +276,58 @@ async def test_requests_lease_the_pools_warm_workers_and_the_pool_closes_with_th
         num_workers=2, cpus_per_worker=0.5, pool_size=2, storage_path=str(tmp_path)
     )
     prom = pytest.importorskip("prometheus_client")
-    registry = prom.CollectorRegistry()
-    metrics = _metrics.enable_metrics(registry)
-    async with (
-        serving(app) as (url, _),
-        httpx.AsyncClient(base_url=url, timeout=60) as http,
-        _metrics_off(),
-    ):
-        with anyio.fail_after(60):
-            health = (await http.get("/healthz")).json()  # answered once the lifespan is up
-            assert health["pool"] == {
-                "size": 2,
-                "idle": 2,
-                "leased": 0,
-                "starting": 0,
-                "leases": 0,
-                "returned": 0,
-                "replaced": 0,
-                "fresh_for_leases": 0,
-            }
-            warm = {actor["Pid"] for actor in live_workers()}
-            assert len(warm) == 2  # the pool's, and nothing else
+    with metrics_enabled() as registry:
+        async with (
+            serving(app) as (url, _),
+            httpx.AsyncClient(base_url=url, timeout=60) as http,
+        ):
+            with anyio.fail_after(60):
+                health = (await http.get("/healthz")).json()  # answered once the lifespan is up
+                assert health["pool"] == {
+                    "size": 2,
+                    "idle": 2,
+                    "leased": 0,
+                    "starting": 0,
+                    "leases": 0,
+                    "returned": 0,
+                    "replaced": 0,
+                    "fresh_for_leases": 0,
+                }
+                warm = {actor["Pid"] for actor in live_workers()}
+                assert len(warm) == 2  # the pool's, and nothing else
 
-            runs = []
-            for _ in range(2):
-                config = {"steps": 5, "step_s": 0.01}
-                async with http.stream("POST", "/runs", json=config) as response:
-                    stream = sse_events(response)
-                    assert (await anext(stream))[0] == "run"
-                    assert (await anext(stream))[0] == "step"
-                    # While the run streams, its workers are leased from the pool.
-                    during = (await http.get("/healthz")).json()["pool"]
-                    assert (during["idle"], during["leased"]) == (0, 2)
-                    running = (await http.get(f"/runs/{response.headers['x-run-id']}")).json()
-                    rest = [item async for item in stream]
-                assert rest[-1][0] == "end"
-                end = rest[-1][1]
-                assert end["state"] == "finished"
-                assert end["pids"] == running["pids"]
-                runs.append(set(end["pids"]))
-                # The end event comes once the executor has closed: its workers are back.
-                after = (await http.get("/healthz")).json()["pool"]
-                assert (after["idle"], after["leased"], after["replaced"]) == (2, 0, 0)
-            assert runs == [warm, warm]  # the pool's processes, the same ones for each run
-            assert {actor["Pid"] for actor in live_workers()} == warm  # none started
-            pool_stats = (await http.get("/healthz")).json()["pool"]
-            assert (pool_stats["leases"], pool_stats["fresh_for_leases"]) == (2, 0)
-            # The runs' executors share one name: runs add no label value to the metrics
-            # (the run id is in the logs and the run record).
-            scraped = prom.generate_latest(metrics.registry).decode()
-            assert set(re.findall(r'executor="([^"]*)"', scraped)) == {"service"}
-            assert 'asyncexec_runs_total{executor="service",outcome="finished"} 2.0' in scraped
+                runs = []
+                for _ in range(2):
+                    config = {"steps": 5, "step_s": 0.01}
+                    async with http.stream("POST", "/runs", json=config) as response:
+                        stream = sse_events(response)
+                        assert (await anext(stream))[0] == "run"
+                        assert (await anext(stream))[0] == "step"
+                        # While the run streams, its workers are leased from the pool.
+                        during = (await http.get("/healthz")).json()["pool"]
+                        assert (during["idle"], during["leased"]) == (0, 2)
+                        running = (await http.get(f"/runs/{response.headers['x-run-id']}")).json()
+                        rest = [item async for item in stream]
+                    assert rest[-1][0] == "end"
+                    end = rest[-1][1]
+                    assert end["state"] == "finished"
+                    assert end["pids"] == running["pids"]
+                    runs.append(set(end["pids"]))
+                    # The end event comes once the executor has closed: its workers are back.
+                    after = (await http.get("/healthz")).json()["pool"]
+                    assert (after["idle"], after["leased"], after["replaced"]) == (2, 0, 0)
+                assert runs == [warm, warm]  # the pool's processes, the same ones for each run
+                assert {actor["Pid"] for actor in live_workers()} == warm  # none started
+                pool_stats = (await http.get("/healthz")).json()["pool"]
+                assert (pool_stats["leases"], pool_stats["fresh_for_leases"]) == (2, 0)
+                # The runs' executors share one name: runs add no label value to the metrics
+                # (the run id is in the logs and the run record).
+                scraped = prom.generate_latest(registry).decode()
+                assert set(re.findall(r'executor="([^"]*)"', scraped)) == {"service"}
+                assert 'asyncexec_runs_total{executor="service",outcome="finished"} 2.0' in scraped
     # The lifespan closed the pool: its workers are gone (ray_local checks placement groups).
     assert live_workers() == []
     assert app.state.manager.pool.statistics().idle == 0
-
-
-@contextlib.asynccontextmanager
-async def _metrics_off() -> AsyncIterator[None]:
-    """Turn the process's metrics off again on the way out, for the other tests."""
-    try:
-        yield
-    finally:
-        _metrics._metrics = None
 
 
 #: What the test below holds of the shared Ray's 4 CPUs: 2 are left, as on a 2-core machine.

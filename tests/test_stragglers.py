@@ -16,11 +16,11 @@ import pytest
 from structlog.testing import capture_logs
 
 import asyncexec
-from asyncexec._driver import _metrics
 from asyncexec._driver._config import ExecutorConfig
-from asyncexec._driver.cluster import NOT_TAKEN, SimCluster, SimLoad, simulated
+from asyncexec._driver.cluster import NOT_TAKEN
 from asyncexec._driver.run._steps import StepTimes
 from asyncexec._driver.run._stragglers import MIN_LAG_S, StragglerWatch
+from asyncexec.testing import SimCluster, SimLoad, metrics_enabled, simulated
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,13 +125,9 @@ async def test_simulated_balanced_ranks_fire_nothing() -> None:
 
 @pytest.fixture
 def registry() -> Iterator[Any]:
-    prom = pytest.importorskip("prometheus_client")
-    registry = prom.CollectorRegistry()
-    asyncexec.enable_metrics(registry)
-    try:
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled() as registry:
         yield registry
-    finally:
-        _metrics._metrics = None
 
 
 async def test_straggler_counted_and_skew_sampled_by_executor(registry: Any) -> None:

@@ -41,7 +41,8 @@ ROOT_MODULES = {"__main__", "_errors", "_logging"}
 
 #: The wings, lowest first: a module imports only its own wing and lower ones. ``""`` is the
 #: package's root (``asyncexec/__init__.py``, which makes the public names of every wing);
-#: the engines take those public names.
+#: the engines take those public names; ``testing`` (the simulated cluster and a stand-in
+#: rollout server, public for users' tests) sits on top of them all.
 WINGS = [
     "_errors",
     "_logging",
@@ -55,6 +56,7 @@ WINGS = [
     "",
     "__main__",
     "engines",
+    "testing",
 ]
 
 #: Where Ray may be known (imported, or named as a module path): the one seam to where the

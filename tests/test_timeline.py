@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 import asyncexec
+from asyncexec import Timeline
 from asyncexec._driver.run._steps import StepBatch, StepTimes
-from asyncexec._timeline._timeline import DRIVER, Timeline
+from asyncexec._timeline._timeline import DRIVER
 
 
 def count_to(config: dict[str, Any]) -> None:
@@ -185,7 +186,7 @@ async def test_run_with_a_restart_exports_tracks_and_phases_in_order(tmp_path: A
 
 @pytest.mark.timeout(30)
 def test_command_line_writes_the_runs_timeline(tmp_path: Any, capsys: Any) -> None:
-    from asyncexec._cli._main import main
+    from asyncexec.__main__ import main
 
     path = tmp_path / "cli.json"
     config = json.dumps({"steps": 4, "pause": 0.001})

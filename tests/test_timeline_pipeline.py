@@ -164,10 +164,9 @@ def test_counters_and_one_ranks_reports_export_draw_and_leave_the_ring_whole(
 ) -> None:
     from array import array
 
-    from asyncexec._timeline._timeline import Timeline
     from asyncexec._wire._protocol import ReportTimes
 
-    timeline = Timeline(capacity=8)
+    timeline = asyncexec.Timeline(capacity=8)
     now = time.monotonic()
     # A worker's clock 100 s behind the driver's: 3 reports, each after 0.1 s of work.
     calls = array("d", [now - 100.3, now - 100.2, now - 100.1])

@@ -20,12 +20,12 @@ import pytest
 from conftest import import_example
 
 import asyncexec
-from asyncexec._cli._main import main
-from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
+from asyncexec.__main__ import main
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from asyncexec._worker import ThreadedWorkerCode, WorkerCode
+from asyncexec.testing import SimCluster, SimLoad, simulated
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
@@ -240,7 +240,7 @@ async def test_simulated_ranks_run_roles_and_every_dispatch_form() -> None:
 async def test_a_killed_simulated_rank_fails_the_calls_it_holds() -> None:
     """A call held by an ``async def`` method of a simulated rank that is killed fails, as a
     dead actor's calls do, instead of waiting for ever."""
-    with simulated(SimCluster(SimLoad(reports=1))):
+    with simulated(SimCluster(SimLoad(reports=1))) as cluster:
         async with asyncexec.Executor(2, roles=asyncexec.Role(Shard, 1), health=NO_HEALTH) as ex:
             EVENTS.update(never=asyncio.Event(), all_in=asyncio.Event())
             ARRIVED[:] = [0, 0, 0]  # the fourth arrival sets all_in
@@ -255,6 +255,6 @@ async def test_a_killed_simulated_rank_fails_the_calls_it_holds() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(held)
                 await EVENTS["all_in"].wait()
-                ex._slot.group.workers[1].handle.kill()  # type: ignore[union-attr]
+                cluster.crash(ex.workers[1].pid)
             assert [type(e).__name__ for e in failed] == ["WorkerCrashedError"]
             assert failed[0].rank == 1  # type: ignore[attr-defined]

@@ -47,6 +47,7 @@ __all__ = [
     "Metrics",
     "RunMeter",
     "PipelineMeters",
+    "disable_metrics",
     "enable_metrics",
     "metrics",
     "pipeline_meters",
@@ -404,6 +405,13 @@ def start_metrics_server(port: int, addr: str = "127.0.0.1") -> Any:
 def metrics() -> Metrics | None:
     """The process's metrics, or None when they are off."""
     return _metrics
+
+
+def disable_metrics() -> None:
+    """Turn the process's metrics off again (``asyncexec.testing.metrics_enabled`` on its way
+    out); their collectors stay in the registry they were added to."""
+    global _metrics
+    _metrics = None
 
 
 class RunMeter:

@@ -116,7 +116,7 @@ def cluster_for(local: bool) -> Cluster:
 def simulated(cluster: SimCluster) -> Iterator[SimCluster]:
     """Executors (and pools, reservations) made inside get ``cluster``'s simulated workers,
     whatever their ``local`` says: the benchmarks' and tests' thousands of cheap ranks (see
-    ``_sim``). Not for applications: nothing public reaches it."""
+    ``_sim``). Users reach it as ``asyncexec.testing.simulated``; no configuration does."""
     _SIMULATED.append(cluster)
     gc.callbacks.append(cluster.gc_clock)
     try:

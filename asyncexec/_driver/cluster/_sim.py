@@ -19,8 +19,9 @@ CPU time and keep the driver's own. A garbage collection that falls into their t
 theirs: it is the whole process's (their objects stand for the ones Ray's calls would make), and
 it is counted apart (``gc_s``) and left to the driver.
 
-Private: the benchmarks and tests select it with ``simulated()`` (this package's ``__init__``);
-nothing in the public API or in a configuration does.
+Users reach it through :mod:`asyncexec.testing` (``SimCluster``, ``SimLoad`` and
+``simulated()``), to test their loops without Ray; the benchmarks and this project's tests too.
+Nothing in a configuration selects it: only ``simulated()`` (this package's ``__init__``) does.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ _PID_BASE = 1_000_000
 
 @dataclass(frozen=True)
 class SimLoad:
-    """What every simulated rank's function does in a run.
+    """What every simulated rank does in a run, in place of the run's function: it reports
+    ``{"rank": r, "i": k}`` ``reports`` times at ``rate`` reports a second (waiting for credit
+    as ``report()`` does), then returns its rank.
 
     Args:
         reports: how many reports each rank makes in an attempt before it returns its rank.
@@ -77,7 +80,16 @@ class SimLoad:
 class SimStatistics(NamedTuple):
     """What the simulated workers did, the time they took on the driver's thread (garbage
     collections left out), and the time the process spent in garbage collections while the
-    cluster was in force."""
+    cluster was in force.
+
+    Attributes:
+        spent_s: the simulated workers' time on the driver's thread, in seconds.
+        workers: how many workers the cluster made.
+        reports: how many reports they made.
+        polls: how many polls for reports they answered.
+        calls: how many calls they answered, of every kind.
+        gc_s: the process's time in garbage collections while the cluster was in force.
+    """
 
     spent_s: float
     workers: int
@@ -363,6 +375,7 @@ class SimWorker(SimCalls):
         if self.gone:
             return
         self.gone = True
+        self.cluster._drop(self)
         error = LocalWorkerGone(f"the simulated worker {self.index} was killed")
         if self._run is not None:
             self._run.stop(error)
@@ -381,8 +394,25 @@ if TYPE_CHECKING:  # the simulated worker's methods are the interface's (mypy ch
 
 
 class SimCluster:
-    """The seam with simulated workers (see the module's docstring): ``ranks_per_node`` workers
-    a node, each holding one GPU id of its node (``gpus``), no resources, nothing to start."""
+    """Simulated workers, for tests and benchmarks without Ray: executors made inside
+    :func:`~asyncexec.testing.simulated` put their ranks here.
+
+    Each worker is a small object on the driver's own event loop (no process, thread or loop
+    of its own), ``ranks_per_node`` of them a node, each holding one GPU id of its node
+    (``gpus``; nothing is reserved). ``execute()``, ``call()`` and the roles' methods run your
+    code on them; a run's function does not run: each rank reports as :attr:`load` says.
+    Weight channels are refused (``WeightChannel``): give the pipeline's states to
+    ``Pipeline.update_weights(state)`` instead.
+
+    Args:
+        load: what each rank does in a run (:class:`SimLoad`'s defaults when None).
+        ranks_per_node: how many workers make a node (their ``node_id`` and ``local_rank``).
+        gpus: each worker holds the GPU id of its place in its node (``accelerator_ids``).
+
+    Attributes:
+        load: what the ranks do in the runs started from now on (it may be changed between
+            runs).
+    """
 
     def __init__(
         self, load: SimLoad | None = None, *, ranks_per_node: int = 8, gpus: bool = True
@@ -399,9 +429,28 @@ class SimCluster:
         self.calls = 0
         self._numbers = itertools.count()
         self._workers = 0
+        #: The live workers by their (fake) process id, for :meth:`crash`.
+        self._live: dict[int, SimWorker] = {}
 
     def __repr__(self) -> str:
         return f"<SimCluster workers={self._workers} {self.load!r}>"
+
+    def crash(self, pid: int) -> None:
+        """Kill the simulated worker whose process id is ``pid`` (``executor.workers[r].pid``),
+        as a SIGKILL ends a Ray actor's process: the calls it holds fail with
+        ``WorkerCrashedError``, and a run in progress restarts under the executor's policy.
+
+        Raises:
+            LookupError: no live simulated worker has that process id.
+        """
+        worker = self._live.get(pid)
+        if worker is None:
+            raise LookupError(f"no live simulated worker has the process id {pid}")
+        worker.kill()
+
+    def _drop(self, worker: SimWorker) -> None:
+        """``worker`` was killed (by the driver, or :meth:`crash`)."""
+        self._live.pop(worker.metadata.pid, None)
 
     def statistics(self) -> SimStatistics:
         """What the simulated workers did so far, and the time they took."""
@@ -436,7 +485,8 @@ class SimCluster:
             accelerator_ids={"GPU": (str(local),)} if self.gpus else {},
         )
         self._workers += 1
-        return SimWorker(self, index, metadata)
+        worker = self._live[metadata.pid] = SimWorker(self, index, metadata)
+        return worker
 
     # The seam ---------------------------------------------------------------------------------
 

@@ -1,0 +1,212 @@
+"""``asyncexec.testing`` doing its job: a user's loops tested without Ray. An executor's run read
+step by step, a rank crashed mid-run and the run restarted, a pipeline with a router over
+stand-in rollout servers (weights pushed as states, every prompt consumed once), and a run's
+metrics read in a registry of the test's own, all on simulated workers in the fast tier; the
+stand-in server alone, and behind a router on Ray and in local mode; and the module's public
+names."""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import ray
+
+import asyncexec
+import asyncexec.testing
+from asyncexec.testing import (
+    Script,
+    ScriptedServer,
+    SimCluster,
+    SimLoad,
+    metrics_enabled,
+    simulated,
+)
+
+# The user's code under test -------------------------------------------------------------------
+
+
+def train() -> None:
+    """The user's training function (on simulated workers, the cluster's load reports instead)."""
+
+
+async def mean_per_step(executor: asyncexec.Executor) -> list[float]:
+    """A user's loop over a run's steps: the mean of the ranks' ``i`` per step."""
+    means = []
+    async for step in executor.run(train):
+        means.append(sum(r.metrics["i"] for r in step.reports) / len(step.reports))
+    return means
+
+
+async def rl_loop(pipe: asyncexec.Pipeline) -> tuple[list[Hashable], list[int]]:
+    """A user's RL loop: train on each batch, push the new weights; the ids trained on and the
+    staleness of every sample."""
+    ids: list[Hashable] = []
+    staleness: list[int] = []
+    async for batch in pipe:
+        ids += [s.id for s in batch.samples]
+        staleness += list(batch.staleness)
+        await pipe.update_weights({"step": batch.version + 1})
+    return ids, staleness
+
+
+# Tests ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_a_users_loop_over_a_run_is_tested_on_simulated_workers() -> None:
+    with simulated(SimCluster(SimLoad(reports=6, rate=500.0), ranks_per_node=4)) as cluster:
+        async with asyncexec.Executor(8) as executor:
+            means = await mean_per_step(executor)
+            assert executor.result is not None
+            assert executor.result.return_values == list(range(8))  # each rank's rank
+            assert [w.node_id for w in executor.workers[::4]] == ["sim-node-0", "sim-node-1"]
+    assert means == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert cluster.statistics().reports == 6 * 8
+    assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(30)
+async def test_a_crashed_rank_restarts_the_run_under_the_policy() -> None:
+    """``SimCluster.crash`` kills a rank as a SIGKILL kills an actor: the run restarts (attempt
+    2) and ends; the crash is among the result's failures."""
+    policy = asyncexec.RestartPolicy(max_restarts=1, wait=lambda _: 0.0)
+    with simulated(SimCluster(SimLoad(reports=10, rate=500.0))) as cluster:
+        async with asyncexec.Executor(4, restart=policy) as executor:
+            crashed = executor.workers[2].pid
+            async for step in executor.run(train):
+                if step.index == 3:
+                    cluster.crash(crashed)
+            result = executor.result
+            assert result is not None and result.attempts == 2
+            assert [type(f) for f in result.failures] == [asyncexec.WorkerCrashedError]
+            assert result.failures[0].rank == 2  # type: ignore[attr-defined]
+            assert crashed not in [w.pid for w in executor.workers]  # a fresh worker
+            with pytest.raises(LookupError, match=str(crashed)):
+                cluster.crash(crashed)
+
+
+@pytest.mark.timeout(30)
+async def test_a_pipeline_with_a_router_over_scripted_servers() -> None:
+    """The user's RL loop over 3 stand-in servers behind a router: every prompt trained on once,
+    no sample staler than S, each server holding the last state pushed; the calls spread over
+    the servers under the router's cap."""
+    prompts = [Script(chunks=1 + i % 4) for i in range(24)]
+    with simulated():
+        async with (
+            asyncexec.Executor(3, roles=asyncexec.Role(ScriptedServer)) as servers,
+            asyncexec.Router(servers, max_in_flight=2) as router,
+            asyncexec.Pipeline(router, prompts, batch_size=4, staleness=1) as pipe,
+        ):
+            with anyio.fail_after(20):
+                ids, staleness = await rl_loop(pipe)
+            assert await servers.call(ScriptedServer.weights) == [{"step": 6}] * 3
+            served = await servers.call(ScriptedServer.served)
+            stats = router.statistics()
+    assert len(ids) == 24 and set(ids) == set(range(24))  # each prompt once
+    assert max(staleness) <= 1
+    assert sum(served) == 24 and min(served) > 0
+    assert max(stats.in_flight_max) <= 2
+
+
+@pytest.mark.timeout(30)
+async def test_scripted_prompts_say_how_a_generation_goes() -> None:
+    """A ``Script`` sets the chunks and the failure; other prompts get the server's defaults;
+    the failure reaches the caller as the rank's ``WorkerRaisedError``."""
+    with simulated():
+        async with (
+            asyncexec.Executor(2, roles=asyncexec.Role(ScriptedServer, 2)) as servers,
+            asyncexec.Router(servers, max_in_flight=1) as router,
+        ):
+            plain = await router.generate(asyncexec.RolloutRequest("plain", "any prompt"))
+            assert plain.output == [0, 1] and plain.versions == (None, None)
+            long = await router.generate(asyncexec.RolloutRequest("long", Script(chunks=5)))
+            assert long.output == [0, 1, 2, 3, 4]
+            with pytest.raises(asyncexec.WorkerRaisedError) as info:
+                await router.generate(asyncexec.RolloutRequest("bad", Script(3, fail_at=1)))
+            assert isinstance(info.value.__cause__, RuntimeError)
+            assert "before chunk 1" in str(info.value.__cause__)
+
+
+@pytest.mark.timeout(10)
+async def test_a_scripted_server_made_in_the_test_tags_chunks_with_weights() -> None:
+    """Outside any worker (rank 0), installed weights are kept and tag the chunks after them."""
+    server = ScriptedServer(chunks=2, slow={0: 2.0})
+    first = await server.generate(asyncexec.RolloutRequest(0, "p"))
+    await server.install_weights({"w": 1}, 1)
+    second = await server.generate(asyncexec.RolloutRequest(1, Script(chunks=3)))
+    assert first.versions == (None, None) and second.versions == (1, 1, 1)
+    assert server.weights() == {"w": 1} and server.served() == 2
+    assert server.factor == 2.0
+
+
+@pytest.mark.timeout(30)
+async def test_metrics_enabled_counts_a_tests_run_and_turns_off_after() -> None:
+    pytest.importorskip("prometheus_client")
+    with metrics_enabled() as registry, simulated(SimCluster(SimLoad(reports=2, rate=500.0))):
+        async with asyncexec.Executor(2, name="trainer") as executor:
+            async for _ in executor.run(train):
+                pass
+        labels = {"executor": "trainer", "outcome": "finished"}
+        assert registry.get_sample_value("asyncexec_runs_total", labels) == 1
+        with pytest.raises(asyncexec.ExecutorStateError, match="on already"), metrics_enabled():
+            pass
+    with metrics_enabled() as again:  # off after the block: a second one starts afresh
+        assert again is not registry
+        assert again.get_sample_value("asyncexec_runs_total", labels) is None
+
+
+@pytest.mark.timeout(60)
+async def test_the_scripted_server_serves_behind_a_router(mode: str) -> None:
+    """The same stand-in on Ray actors and on local mode's threads: samples by script, states
+    installed on every server."""
+    role = asyncexec.Role(ScriptedServer, 2, 0.001, slow={1: 3.0})
+    async with (
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=role) as servers,
+        asyncexec.Router(servers, max_in_flight=2) as router,
+    ):
+        with anyio.fail_after(40):
+            samples = [
+                await router.generate(asyncexec.RolloutRequest(i, Script(chunks=3)))
+                for i in range(4)
+            ]
+            await servers.call(ScriptedServer.install_weights, {"w": 1}, 1)
+            after = await router.generate(asyncexec.RolloutRequest("after", "plain"))
+            assert await servers.call(ScriptedServer.weights) == [{"w": 1}, {"w": 1}]
+    assert [s.output for s in samples] == [[0, 1, 2]] * 4
+    assert after.output == [0, 1] and after.versions == (1, 1)
+
+
+#: docs/testing.md, whose examples are tests.
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+
+
+@pytest.mark.timeout(30)
+async def test_the_examples_of_the_docs_page_pass() -> None:
+    """docs/testing.md's code blocks, run in order as one module (as the page reads), and each
+    ``async def test_*`` they define awaited."""
+    pytest.importorskip("prometheus_client")
+    namespace: dict[str, Any] = {}
+    ran = []
+    for block in re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S):
+        exec(compile(block, str(PAGE), "exec"), namespace)
+        tests = [name for name in namespace if name.startswith("test_") and name not in ran]
+        for name in tests:
+            await namespace[name]()
+            ran.append(name)
+    assert len(ran) == 3, ran
+
+
+def test_the_public_names_are_asyncexec_testings_and_pickle_by_it() -> None:
+    names = asyncexec.testing.__all__
+    assert names == sorted(names) and set(dir(asyncexec.testing)) == set(names)
+    for name in names:
+        assert getattr(asyncexec.testing, name).__module__ == "asyncexec.testing", name
+    load = SimLoad(reports=3, slow={1: 2.0})
+    assert pickle.loads(pickle.dumps(load)) == load
+    assert b"asyncexec.testing" in pickle.dumps(Script(2))
