@@ -32,9 +32,16 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Functions defined in test modules are pickled by reference: the workers (children of the Ray
 # started here) must be able to import the test modules.
+# The tests live in folders by wing (``tests/<wing>/test_*.py``, no ``__init__.py``): pytest
+# imports each by its base name, with its folder on ``sys.path``, and so must the workers.
 _here = os.path.dirname(os.path.abspath(__file__))
+_wings = sorted(
+    os.path.join(_here, d)
+    for d in os.listdir(_here)
+    if os.path.isdir(os.path.join(_here, d)) and not d.startswith(("_", "."))
+)
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (_here, os.path.dirname(_here), os.environ.get("PYTHONPATH")) if p
+    p for p in (_here, *_wings, os.path.dirname(_here), os.environ.get("PYTHONPATH")) if p
 )
 
 # Ray's temp folder, this session's own (and its subprocesses'): ``ray.init()`` without an
