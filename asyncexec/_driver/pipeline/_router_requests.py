@@ -22,6 +22,7 @@ import anyio.lowlevel
 from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
+from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
     RequestAnswered,
@@ -255,7 +256,9 @@ class Requests:
             answer.cancel("closed")
         tasks = [a.task for a in attempts if a.task is not None]
         if tasks:
-            with anyio.CancelScope(shield=True):
+            # Bounded: an attempt whose call never answers its cancellation (a server stuck
+            # in a blocking call) is left behind rather than hold the close for ever.
+            with teardown("router_attempts"):
                 await asyncio.wait(tasks)
 
     async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
