@@ -32,6 +32,7 @@ from ._events import (
     ServerLoad,
 )
 from ._health import GONE
+from ._router_state import Balance
 
 __all__ = ["Requests"]
 
@@ -264,21 +265,19 @@ class Requests:
     async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
         """A server for ``request`` under the cap (waiting for one), counted as holding it."""
         router = self.router
-        balance = router.balance
-        while True:
+        balance: Balance = router.balance
+        key = request.key
+
+        def check() -> None:
             router.check_open()
             router.watch.follow_group()
-            pinned = None
-            if request.key is not None and not tried:
-                pinned = router.sessions.get(request.key)
-            r: int | None = balance.choose(tried, pinned)
-            if r is not None:
-                balance.take(r)
-                if request.key is not None:  # the session's server from now on
-                    router.sessions.pin(request.key, r, balance.servers[r].worker)
-                router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
-                return r
-            await balance.wait_freed()
+
+        session = None if key is None or tried else (lambda: router.sessions.get(key))
+        r = await balance.acquire(tried, session, check)
+        if key is not None:  # the session's server from now on
+            router.sessions.pin(key, r, balance.servers[r].worker)
+        router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
+        return r
 
     async def _attempt(self, answer: _Answer, request: RolloutRequest, fate: _Fate) -> None:
         """An attempt of ``request`` on server ``answer.rank``: its answer (or error) to the

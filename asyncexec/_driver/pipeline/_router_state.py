@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,26 @@ class Balance:
                 best = server
         chosen = best or spare
         return None if chosen is None else chosen.rank
+
+    async def acquire(
+        self,
+        tried: Collection[int] = (),
+        session: Callable[[], tuple[int, str | None] | None] | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> int:
+        """A server for a request under the cap, counted as holding one more (give it back
+        with :meth:`release`), waiting for one when none has room: the server :meth:`choose`
+        picks, leaving ``tried`` out while another has room, the one ``session()`` names first
+        (its session's, while it serves in the same worker). ``check()`` runs before each look
+        (raising: the router closed or failed)."""
+        while True:
+            if check is not None:
+                check()
+            r = self.choose(tried, None if session is None else session())
+            if r is not None:
+                self.take(r)
+                return r
+            await self.wait_freed()
 
     def take(self, rank: int) -> None:
         server = self.servers[rank]
