@@ -109,7 +109,7 @@ class HealthWatch:
         """No new request for ``server``; its requests in flight are cancelled (and sent
         elsewhere when idempotent); its process is killed, and a fresh one rejoins."""
         router = self.router
-        server.serving = False
+        router.balance.out(server.rank)
         router.observer.emit(ServerTakenOut(server.rank, why))
         for scope in list(server.scopes):
             scope.cancel()
@@ -127,7 +127,7 @@ class HealthWatch:
         if not router.balance.live(r, worker):
             return  # seen already
         server = router.balance.servers[r]
-        server.serving = False
+        router.balance.out(r)
         router.log.warning("server_lost", rank=r)
         self._rejoin_soon(server)
 
@@ -144,7 +144,7 @@ class HealthWatch:
         if fresh:
             router.log.warning("servers_group_replaced", servers=len(fresh))
         for server in fresh:
-            server.serving = False
+            router.balance.out(server.rank)
             self._rejoin_soon(server)
 
     def _rejoin_soon(self, server: ServerRecord) -> None:
