@@ -39,6 +39,7 @@ from ..._errors import (
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group
 from ._events import ServerReplaced, ServerTakenOut
+from ._router_host import WatchHost
 from ._router_state import ServerRecord
 
 __all__ = ["GONE", "HealthWatch", "worker_keys"]
@@ -57,10 +58,10 @@ def worker_keys(servers: Executor) -> list[str | None]:
 class HealthWatch:
     """A router's health watch and its servers' rejoins (see the module's docstring).
 
-    ``router`` is the :class:`~asyncexec.Router` (typed loosely: the router imports this
-    module)."""
+    ``router`` is the :class:`~asyncexec.Router`, seen through
+    :class:`~._router_host.WatchHost`."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: WatchHost) -> None:
         self.router = router
         #: Since when no server has served, seen by a rejoin that failed (None: one serves).
         self.none_since: float | None = None

@@ -32,7 +32,6 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ..._dispatch._role import method
 from ..._errors import ConfigurationError, ExecutorStateError, describe
 from ..._logging import get_logger
 from ..._wire._rollout import RolloutRequest, Sample
@@ -42,6 +41,7 @@ from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
 from ..channel import WeightChannel
 from ._health import HealthWatch, worker_keys
+from ._router_host import ServerMethods
 from ._router_metrics import RouterMeters
 from ._router_requests import Requests
 from ._router_state import Balance, Pacer, RouterStatistics, Sessions
@@ -53,19 +53,6 @@ __all__ = ["Router", "RouterStatistics"]
 MAX_SESSIONS = 100_000
 #: How long a closing router waits for the replies a pause to abort answered already.
 HANDED_WAIT_S = 1.0
-
-
-class _Methods:
-    """The server role's methods, named through its class (see ``asyncexec.method``)."""
-
-    def __init__(self, cls: type[RolloutServer]) -> None:
-        self.cls = cls
-        self.generate = method(cls, "generate")
-        self.health = method(cls, "health")
-        self.pause = method(cls, "pause")
-        self.abort = method(cls, "abort")
-        self.resume = method(cls, "resume")
-        self.weights_version = method(cls, "weights_version")
 
 
 class Router:
@@ -103,7 +90,7 @@ class Router:
         max_sessions: int = MAX_SESSIONS,
     ) -> None:
         self.servers = servers
-        self.methods = _Methods(_server_class(servers))
+        self.methods = ServerMethods(_server_class(servers))
         _check_channel(channel, servers)
         check_count("max_in_flight", max_in_flight)
         check_count("unhealthy_after", unhealthy_after)

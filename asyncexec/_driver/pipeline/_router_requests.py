@@ -32,6 +32,7 @@ from ._events import (
     ServerLoad,
 )
 from ._health import GONE
+from ._router_host import RequestsHost
 from ._router_state import Balance
 
 __all__ = ["Requests"]
@@ -149,10 +150,10 @@ class _Fate:
 
 
 class Requests:
-    """The requests of one router (``router``: the :class:`~asyncexec.Router`, typed loosely:
-    it imports this module)."""
+    """The requests of one router (``router``: the :class:`~asyncexec.Router`, seen through
+    :class:`~._router_host.RequestsHost`)."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: RequestsHost) -> None:
         self.router = router
         #: The attempts in flight by server and request id (each knows its request's inbox: a
         #: pause to abort answers them from the servers' replies).
