@@ -66,6 +66,22 @@ async def test_the_bodys_error_reaches_the_held_task_group(
 
 
 @pytest.mark.timeout(20)
+async def test_the_bodys_error_reaches_the_pipelines_task_group() -> None:
+    """The same for a pipeline's group (and its own router's, left after it)."""
+    with pytest.raises(ValueError, match="the body's error") as info:
+        async with (
+            asyncexec.Executor(1, roles=Toy, local=True) as servers,
+            asyncexec.Pipeline(servers, ["p"] * 4, batch_size=2, staleness=1) as pipe,
+        ):
+            assert pipe._tg is not None
+            pipe._tg.start_soon(_fails_when_cancelled)
+            await anyio.lowlevel.checkpoint()
+            raise ValueError("the body's error")
+    notes = getattr(info.value, "__notes__", [])
+    assert any("the task's teardown failed" in note for note in notes), notes
+
+
+@pytest.mark.timeout(20)
 async def test_the_bodys_error_keeps_its_own_context() -> None:
     """An error raised while handling another keeps that other as its context through the
     held groups (its traceback says "during handling of ...")."""
