@@ -295,9 +295,8 @@ async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
     woken: list[int | None] = []
 
     async def waiter() -> None:
-        await loads.wait_freed()
-        taken = loads.take(group, max_in_flight=1)
-        woken.append(None if taken is None else taken[1])
+        handed = await loads.wait_slot()  # the freed slot, handed over (counted still)
+        woken.append(None if handed is None else handed[1])
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(waiter)

@@ -9,6 +9,7 @@ length), then through real rollout servers on Ray actors and in local mode."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -90,11 +91,8 @@ class _Servers:
         self.cancelled: Counter[Any] = Counter()
         self.completed: Counter[Any] = Counter()
 
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
 
     async def turn(self) -> None:
         await anyio.lowlevel.checkpoint()

@@ -101,11 +101,8 @@ class _Forever:
         self.started = 0
         self.cancelled_in: list[int] = []
 
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
 
     async def turn(self) -> None:
         await anyio.lowlevel.checkpoint()

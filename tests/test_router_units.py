@@ -93,20 +93,123 @@ def test_sessions_forget_the_least_recently_used_past_the_limit() -> None:
 async def test_a_waiting_request_is_woken_when_a_slot_is_freed() -> None:
     balance = _balance(1, 1)
     balance.take(0)
-    woken = anyio.Event()
+    got: list[int] = []
 
     async def wait() -> None:
-        await balance.wait_freed()
-        woken.set()
+        got.append(await balance.acquire())
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(wait)
-        await anyio.lowlevel.checkpoint()
-        assert not woken.is_set()
+        await anyio.wait_all_tasks_blocked()
+        assert not got
         balance.release(0)
-        with anyio.fail_after(2):
-            await woken.wait()
-    assert balance.choose() == 0
+        await anyio.wait_all_tasks_blocked()
+    assert got == [0] and balance.in_flight == {0: 1}  # the slot went on to the waiter
+
+
+@pytest.mark.timeout(10)
+async def test_the_request_that_waited_longest_gets_the_freed_slot() -> None:
+    """A freed slot is handed to the request waiting longest: one that comes in the same turn
+    of the loop (it did not wait) does not take it first and leave the other waiting (as a
+    stream of newcomers would for ever)."""
+    balance = _balance(1, 1)
+    balance.take(0)
+    order: list[str] = []
+
+    async def request(name: str) -> None:
+        r = await balance.acquire()
+        order.append(name)
+        balance.release(r)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request, "waited")
+        await anyio.wait_all_tasks_blocked()
+        balance.release(0)
+        await request("came later")  # in the turn of the release
+    assert order == ["waited", "came later"]
+    assert balance.in_flight == {0: 0}
+
+
+@pytest.mark.timeout(10)
+async def test_a_freed_slot_wakes_one_waiting_request_not_every_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waking every waiting request on each freed slot costs each a look at the servers, with
+    one of them served (a thundering herd): the slot is handed to one, who takes it without a
+    look."""
+    balance = _balance(2, 1)
+    balance.take(0)
+    balance.take(1)
+    looks = 0
+    choose = balance.choose
+
+    def counted(*args: Any, **kwargs: Any) -> int | None:
+        nonlocal looks
+        looks += 1
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(balance, "choose", counted)
+    served: list[int] = []
+
+    async def request() -> None:
+        served.append(await balance.acquire())
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(request)
+        await anyio.wait_all_tasks_blocked()
+        looks = 0
+        balance.release(1)
+        await anyio.wait_all_tasks_blocked()
+        assert served == [1] and looks <= 1
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(10)
+async def test_a_sessions_request_waits_for_its_server_and_holds_no_other_up() -> None:
+    """The request of a session waits for its own server's slot: a slot freed elsewhere goes
+    to the next request that may take it, and its server's next freed slot to it."""
+    balance = _balance(2, 1)
+    balance.take(0)
+    balance.take(1)
+    got: dict[str, int] = {}
+
+    async def request(name: str, pinned: tuple[int, str | None] | None) -> None:
+        got[name] = await balance.acquire(session=lambda: pinned)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request, "session of 1", (1, "w1"))
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(request, "any", None)
+        await anyio.wait_all_tasks_blocked()
+        balance.release(0)
+        await anyio.wait_all_tasks_blocked()
+        assert got == {"any": 0}
+        balance.release(1)
+        await anyio.wait_all_tasks_blocked()
+    assert got == {"any": 0, "session of 1": 1}
+    assert balance.in_flight == {0: 1, 1: 1}
+
+
+@pytest.mark.timeout(10)
+async def test_a_waiting_request_cancelled_passes_its_handed_slot_on() -> None:
+    balance = _balance(1, 1)
+    balance.take(0)
+    got: list[int] = []
+
+    async def request() -> None:
+        got.append(await balance.acquire())
+
+    async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as first:
+            first.start_soon(request)
+            await anyio.wait_all_tasks_blocked()
+            tg.start_soon(request)
+            await anyio.wait_all_tasks_blocked()
+            first.cancel_scope.cancel()
+            balance.release(0)  # handed to the first, cancelled: it passes the slot on
+        await anyio.wait_all_tasks_blocked()
+    assert got == [0] and balance.in_flight == {0: 1}
 
 
 @pytest.mark.timeout(10)
@@ -324,3 +427,24 @@ async def test_a_server_class_that_skips_super_init_fails_its_group_start_naming
         async with asyncexec.Executor(1, roles=ForgetsSuper, local=True):
             pass
     assert "super().__init__()" in str(raised.value) + str(raised.value.__cause__)
+
+
+@pytest.mark.timeout(10)
+async def test_a_sessions_request_waiting_for_a_server_taken_out_goes_elsewhere() -> None:
+    balance = _balance(2, 1)
+    balance.take(0)
+    balance.take(1)
+    got: list[int] = []
+
+    async def request() -> None:
+        got.append(await balance.acquire(session=lambda: (1, "w1")))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+        await anyio.wait_all_tasks_blocked()
+        balance.out(1)  # its server: the request waits for any other now
+        await anyio.wait_all_tasks_blocked()
+        balance.release(1)  # (out: freed, handed to no one)
+        balance.release(0)
+        await anyio.wait_all_tasks_blocked()
+    assert got == [0] and balance.in_flight == {0: 1, 1: 0}

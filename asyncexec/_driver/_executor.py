@@ -224,7 +224,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self._life.exit()
+            await self._life.exit(exc_type, exc, tb)
         finally:
             await self._retention.remove()
 

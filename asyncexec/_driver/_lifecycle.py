@@ -6,8 +6,10 @@ owns.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -18,7 +20,7 @@ from .._timeline._timeline import Timeline
 from ..backends._base import Backend
 from ._config import ExecutorConfig
 from ._interrupt import defer_interrupts, restore_interrupts
-from ._taskgroups import one_error
+from ._taskgroups import task_group
 from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
 from .group import Claim, GroupSlot, Reservation, WorkerPool
 from .run import RunCore
@@ -87,6 +89,7 @@ class Lifecycle:
         self.cluster: Cluster = cluster_for(config.local)
         self.state = ExecutorState.NEW
         self.tg: anyio.abc.TaskGroup | None = None
+        self._stack: contextlib.AsyncExitStack | None = None  # holds ``tg`` open
         #: The run in progress (or the last one).
         self.run: RunCore | None = None
         #: What runs before a run's functions start on a group (see WeightChannel).
@@ -117,9 +120,21 @@ class Lifecycle:
             raise ExecutorStateError(f"the executor is already {self.state.value}")
         self.state = ExecutorState.STARTING
         self._interrupts = defer_interrupts()
-        self.tg = anyio.create_task_group()
-        await self.tg.__aenter__()
-        self.slot.tg = self.tg
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                self.tg = await stack.enter_async_context(task_group())
+                self.slot.tg = self.tg
+                try:
+                    await self._start()
+                except BaseException:
+                    self.tg = None
+                    raise  # (the group, with no task yet, left by the stack)
+                self._stack = stack.pop_all()  # left in exit(), with the body's exception
+        except BaseException:
+            self._restore_interrupts()
+            raise
+
+    async def _start(self) -> None:
         try:
             await self.cluster.connect(self.config.address)
             if self.reservation is not None:
@@ -134,28 +149,27 @@ class Lifecycle:
             self._release_claim()
             self.state = ExecutorState.CLOSED
             self._closed.set()
-            try:
-                # Exit the task group in this task's own scope (no shield around it: anyio
-                # requires the group's scope to be the innermost one). It has no tasks yet.
-                with one_error():
-                    await self.tg.__aexit__(None, None, None)
-            finally:
-                self._restore_interrupts()
             raise
 
-    async def exit(self) -> None:
-        """Leave: close, then cancel what is left in the task group and leave it."""
+    async def exit(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
+        """Leave: close, then cancel what is left in the task group and leave it with the
+        body's exception (``exc``)."""
         try:
             await self.aclose()
         finally:
-            if self.tg is not None:
-                tg, self.tg = self.tg, None
+            stack, self._stack = self._stack, None
+            tg, self.tg = self.tg, None
+            if stack is not None and tg is not None:
                 # What is left (a spare still starting in the background, a run task that
                 # outlived aclose()'s bound) is cancelled: leaving never waits without a bound.
                 tg.cancel_scope.cancel()
                 try:
-                    with one_error():
-                        await tg.__aexit__(None, None, None)
+                    await stack.__aexit__(exc_type, exc, tb)
                 finally:
                     self._restore_interrupts()
 

@@ -8,7 +8,8 @@ A call that ends hands its slot to the caller that has waited longest (the slot 
 now for that caller), as a semaphore hands a permit over: one waiter wakes per ended call, and
 a caller that did not wait cannot take the slot first. Waking every waiter on each ended call,
 as a plain event does, cost each of them a look at the loads: with 32 callers waiting, most of
-the driver's time per call.
+the driver's time per call. That hand-over is :class:`Handoff`, the one of the package: the
+router's requests wait in one too (a session's request for its own server's slot).
 
 Pure bookkeeping on one event loop: nothing here talks to a worker.
 """
@@ -16,11 +17,12 @@ Pure bookkeeping on one event loop: nothing here talks to a worker.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.abc
@@ -28,7 +30,7 @@ import anyio.abc
 from .._dispatch._plan import Load
 from ._metrics import metrics
 
-__all__ = ["DispatchStatistics", "Loads"]
+__all__ = ["DispatchStatistics", "Handoff", "Loads"]
 
 
 class _Sized(Protocol):
@@ -56,14 +58,93 @@ class DispatchStatistics:
 Slot = tuple[Load, int]
 
 
-class _Waiter:
+T = TypeVar("T")
+
+
+class _Waiter(Generic[T]):
     """A caller waiting for a slot: woken with one handed to it, or with none (look again)."""
 
-    __slots__ = ("event", "slot")
+    __slots__ = ("event", "order", "slot", "target")
 
-    def __init__(self) -> None:
+    def __init__(self, order: int, target: int | None) -> None:
         self.event = anyio.Event()
-        self.slot: Slot | None = None
+        self.order = order  # when it came: the lower, the longer it has waited
+        self.target = target
+        self.slot: T | None = None
+
+
+class Handoff(Generic[T]):
+    """Callers waiting for a slot under a cap, each for a slot on any rank or on one rank of
+    its own (a session's server): a freed slot is handed to the caller that has waited longest
+    among those that may take it (counted still, now for that caller), and only that caller
+    wakes; with no such caller the slot is free. ``give_back`` frees a slot handed to a caller
+    that was cancelled before it took it (which hands it on in turn).
+
+    Pure bookkeeping on one event loop."""
+
+    __slots__ = ("_any", "_give_back", "_on", "_order")
+
+    def __init__(self, give_back: Callable[[T], None]) -> None:
+        self._give_back = give_back
+        self._any: deque[_Waiter[T]] = deque()  # waiting for any rank
+        self._on: dict[int, deque[_Waiter[T]]] = {}  # waiting for one rank
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._any) + sum(len(q) for q in self._on.values())
+
+    def hand(self, slot: T, rank: int) -> bool:
+        """Hand ``slot`` (on ``rank``) to the caller that has waited longest for any rank or
+        for ``rank``; False when none waits (the slot is the caller's to free)."""
+        first = _head(self._any)
+        mine = self._on.get(rank)
+        own = None if mine is None else _head(mine)
+        if own is not None and (first is None or own.order < first.order):
+            assert mine is not None
+            first, queue = own, mine
+        else:
+            queue = self._any
+        if first is None:
+            return False
+        queue.popleft()
+        first.slot = slot
+        first.event.set()
+        return True
+
+    async def wait(self, target: int | None = None) -> T | None:
+        """Wait until a slot is handed to this caller (on ``target``, or on any rank: None)
+        and return it, counted as this caller's; None when woken without one (look again)."""
+        waiter: _Waiter[T] = _Waiter(next(self._order), target)
+        queue = self._any if target is None else self._on.setdefault(target, deque())
+        queue.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:  # cancelled: a slot handed meanwhile goes to the next waiter
+            if waiter.slot is not None:
+                self._give_back(waiter.slot)
+            else:
+                with contextlib.suppress(ValueError):
+                    queue.remove(waiter)
+            raise
+        return waiter.slot
+
+    def wake_all(self) -> None:
+        """Wake every waiting caller without a slot: each looks again (a slot refused, a rank
+        that came back, the owner closing)."""
+        queues = [self._any, *self._on.values()]
+        self._any, self._on = deque(), {}
+        for queue in queues:
+            for waiter in queue:
+                waiter.event.set()
+
+
+def _head(queue: deque[_Waiter[T]]) -> _Waiter[T] | None:
+    """The first caller still waiting in ``queue`` (those woken already dropped)."""
+    while queue:
+        if not queue[0].event.is_set():
+            return queue[0]
+        queue.popleft()
+    return None
 
 
 class Loads:
@@ -74,9 +155,7 @@ class Loads:
         self.executor = executor  # its metrics' label
         # Keyed by the group itself, weakly: a dropped group's record goes with it.
         self._records: weakref.WeakKeyDictionary[Any, Load] = weakref.WeakKeyDictionary()
-        self._freed = anyio.Event()  # set (and replaced) when a call chosen by load ends
-        self._waiting = 0  # callers waiting on it for a rank under the cap
-        self._queue: deque[_Waiter] = deque()  # callers waiting to be handed a slot
+        self._waiting: Handoff[Slot] = Handoff(lambda slot: self.release(*slot))
         self._renewals: dict[Hashable, anyio.Event] = {}
         self._renewing = anyio.Lock()
         self.calls = 0
@@ -125,35 +204,15 @@ class Loads:
     def release(self, load: Load, r: int) -> None:
         """The call taken on rank ``r`` of ``load`` ended: its slot goes to the caller that has
         waited longest in :meth:`wait_slot` (still counted, now for that caller), else it is
-        free, and the callers of :meth:`wait_freed` wake."""
-        queue = self._queue
-        while queue:
-            waiter = queue.popleft()
-            if not waiter.event.is_set():
-                waiter.slot = (load, r)
-                waiter.event.set()
-                return
-        load.finished(r)
-        if self._waiting:  # a new event per ended call only when someone waits for one
-            freed, self._freed = self._freed, anyio.Event()
-            freed.set()
+        free."""
+        if not self._waiting.hand((load, r), r):
+            load.finished(r)
 
-    async def wait_slot(self) -> Slot | None:
+    def wait_slot(self) -> Awaitable[Slot | None]:
         """Wait until a call taken by load ends (on any group) and return its slot, handed to
         this caller (counted as its own: use it, or give it back with :meth:`refuse`); None
         when woken without one (a slot was refused: look again)."""
-        waiter = _Waiter()
-        self._queue.append(waiter)
-        try:
-            await waiter.event.wait()
-        except BaseException:  # cancelled: a slot handed meanwhile goes to the next waiter
-            if waiter.slot is not None:
-                self.release(*waiter.slot)
-            else:
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(waiter)
-            raise
-        return waiter.slot
+        return self._waiting.wait()
 
     def refuse(self, slot: Slot) -> None:
         """Give back a slot handed by :meth:`wait_slot` that the caller cannot use (another
@@ -161,12 +220,7 @@ class Loads:
         again (handing it on could pass it round the waiters for ever)."""
         load, r = slot
         load.finished(r)
-        queue, self._queue = self._queue, deque()
-        for waiter in queue:
-            waiter.event.set()
-        if self._waiting:
-            freed, self._freed = self._freed, anyio.Event()
-            freed.set()
+        self._waiting.wake_all()
 
     def release_when_done(
         self, call: Awaitable[Any], load: Load, r: int, tg: anyio.abc.TaskGroup | None
@@ -186,14 +240,6 @@ class Loads:
             pass  # how the call ended is for its caller, who stopped waiting for it
         finally:
             self.release(load, r)
-
-    async def wait_freed(self) -> None:
-        """Wait until a call taken by load ends (on any group)."""
-        self._waiting += 1
-        try:
-            await self._freed.wait()
-        finally:
-            self._waiting -= 1
 
     async def renew_once(
         self,
@@ -233,5 +279,4 @@ class Loads:
         return DispatchStatistics(self.calls, self.resends, self.renewed_ranks, counts)
 
     def __repr__(self) -> str:
-        waiting = self._waiting + len(self._queue)
-        return f"<Loads of {len(self._records)} group(s), {waiting} waiting>"
+        return f"<Loads of {len(self._records)} group(s), {len(self._waiting)} waiting>"

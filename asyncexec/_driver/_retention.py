@@ -11,6 +11,7 @@ from .._errors import describe
 from .._logging import Logger
 from .._wire._checkpoint import join_path, remove_directory
 from ._config import ExecutorConfig
+from ._taskgroups import teardown
 
 __all__ = ["Retention"]
 
@@ -39,7 +40,7 @@ class Retention:
             for path in paths:
                 remove_directory(path)
 
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.shutdown_timeout_s):
+        with teardown("runs_removed", self.config.shutdown_timeout_s):
             try:
                 await anyio.to_thread.run_sync(remove_all, abandon_on_cancel=True)
             except OSError as exc:  # the storage went away: nothing to keep tidy

@@ -11,8 +11,18 @@ which raises one error of what escaped instead:
 - else the first other ``Exception``.
 
 The others are attached to it as notes (``also failed at the same time: ...``) and the group
-stays its ``__context__`` (not shown in its traceback). A group of cancellations alone escapes as
-it is: cancellation belongs to anyio.
+becomes its ``__context__`` (not shown in its traceback) unless it had one. A group of
+cancellations alone escapes as it is: cancellation belongs to anyio.
+
+An object that holds a task group open between its own ``__aenter__`` and ``__aexit__`` (a
+router, a pipeline, an executor's life) enters it with ``async with`` on a
+``contextlib.AsyncExitStack`` whose ``pop_all()`` it keeps, and leaves that stack with the body's
+exception (``await stack.__aexit__(exc_type, exc, tb)``): the group sees what its body raised, as
+under a plain ``async with``, and never a made-up ``(None, None, None)``.
+
+A teardown step runs under :func:`teardown`: shielded from the cancellation that closes its
+object, and bounded by a deadline of its own, so that a step that hangs (a call that never
+answers its cancellation) cannot hang ``close()``.
 """
 
 from __future__ import annotations
@@ -24,8 +34,16 @@ import anyio
 import anyio.abc
 
 from .._errors import AsyncExecError, describe
+from .._logging import get_logger
 
-__all__ = ["escaped", "one_error", "task_group"]
+__all__ = ["TEARDOWN_S", "escaped", "one_error", "task_group", "teardown"]
+
+#: The longest one step of a teardown waits (cancelling a router's attempts and waiting for them
+#: to end, stopping a pipeline's requests) unless it is given a bound of its own: past it,
+#: ``close()`` goes on without that step (logged as ``teardown_timed_out``). Well above what a
+#: step takes when every worker answers (milliseconds to a few seconds); a step that waits for a
+#: worker that never answers is what it cuts short.
+TEARDOWN_S = 30.0
 
 
 def _leaves(exc: BaseException) -> Iterator[BaseException]:
@@ -71,8 +89,14 @@ def one_error() -> Iterator[None]:
         error = escaped(group)
         if error is group:
             raise
-        # Its own cause kept (None: none shown); the group stays its __context__, unshown.
-        raise error from error.__cause__
+        # Its own cause kept (None: none shown); the group becomes its __context__, unshown,
+        # unless it had one (a body's exception raised while handling another): that stays.
+        context, suppress = error.__context__, error.__suppress_context__
+        try:
+            raise error from error.__cause__
+        finally:
+            if context is not None:
+                error.__context__, error.__suppress_context__ = context, suppress
 
 
 @contextlib.asynccontextmanager
@@ -81,3 +105,20 @@ async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
     with one_error():
         async with anyio.create_task_group() as tg:
             yield tg
+
+
+@contextlib.contextmanager
+def teardown(what: str, bound_s: float | None = None) -> Iterator[anyio.CancelScope]:
+    """One step of a teardown: shielded from outer cancellation, bounded by its own deadline
+    (``bound_s``; None: :data:`TEARDOWN_S`). A step cut short by its deadline is logged
+    (``teardown_timed_out``, with ``what``) and the caller goes on::
+
+        with teardown("router_attempts"):
+            await wait_every_attempt()
+    """
+    if bound_s is None:
+        bound_s = TEARDOWN_S  # (read here: a test may lower it)
+    with anyio.move_on_after(bound_s, shield=True) as scope:
+        yield scope
+    if scope.cancelled_caught:
+        get_logger().warning("teardown_timed_out", step=what, bound_s=bound_s)

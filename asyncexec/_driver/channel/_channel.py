@@ -31,7 +31,7 @@ from ..._errors import ConfigurationError, ExecutorStateError
 from ..._logging import get_logger
 from .._config import check_count
 from .._executor import Executor, slot_of
-from .._taskgroups import one_error, task_group
+from .._taskgroups import task_group, teardown
 from ..group import WorkerInfo
 from ._object_store import ObjectStoreTransport
 from ._torch import TorchTransport
@@ -137,6 +137,7 @@ class WeightChannel:
             else TorchTransport(self._versions, self.id, torch_backend, reuse_buffers)
         )
         self._tg: anyio.abc.TaskGroup | None = None
+        self._stack: contextlib.AsyncExitStack | None = None  # holds ``_tg`` open
         self._open = False
         self._closed = False
 
@@ -180,10 +181,11 @@ class WeightChannel:
             )
         await self._versions.start_after_held()
         joiners.append(self._versions.join)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._versions.tg = self._tg
-        self._open = True
+        async with contextlib.AsyncExitStack() as stack:
+            self._tg = await stack.enter_async_context(task_group())
+            self._versions.tg = self._tg
+            self._open = True
+            self._stack = stack.pop_all()  # left in __aexit__, with the body's exception
         return self
 
     async def __aexit__(
@@ -198,13 +200,13 @@ class WeightChannel:
         if self._versions.join in joiners:
             joiners.remove(self._versions.join)
         tg, self._tg = self._tg, None
+        stack, self._stack = self._stack, None
         self._versions.tg = None
-        if tg is not None:
+        if tg is not None and stack is not None:
             tg.cancel_scope.cancel()  # deliveries still on their way
-            with one_error():
-                await tg.__aexit__(None, None, None)
+            await stack.__aexit__(exc_type, exc, tb)
         self._versions.forget()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
+        with teardown("channel_forget", _CLOSE_TIMEOUT_S):
             await self._forget()
 
     async def _forget(self) -> None:

@@ -17,6 +17,7 @@ until enough are given back (``when_short="wait"``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +42,7 @@ from .._config import (
     check_count,
     grouped_options,
 )
-from .._taskgroups import one_error
+from .._taskgroups import task_group
 from ..cluster import Handle, cluster_for
 from ._reservation import Claim, Reservation
 from ._stock import PoolWorker, Stock
@@ -156,6 +157,7 @@ class WorkerPool:
         self._counts = {"leases": 0, "returned": 0, "replaced": 0, "fresh_for_leases": 0}
         self._stock = Stock(self.cluster, self.config, self.log, self._counts)
         self._tg: anyio.abc.TaskGroup | None = None
+        self._stack: contextlib.AsyncExitStack | None = None  # holds ``_tg`` open
         self._closed = False
 
     def __repr__(self) -> str:
@@ -175,23 +177,24 @@ class WorkerPool:
             self._claim = self.reservation.claim(
                 f"pool {self.config.name!r}", self.size, self.config.resources_per_worker
             )
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
         stock = self._stock
-        stock.tg, stock.open = self._tg, True
         t0 = time.perf_counter()
         try:
-            await stock.fill_all(self.reservation, self.size)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self.aclose()
-            # Not inside the shield: anyio requires the group's scope to be the innermost one.
-            await self._exit_tg()
-            if isinstance(exc, TimeoutError):
-                raise StartupTimeoutError(
-                    "starting the pool's workers", self.config.start_timeout_s
-                ) from exc
-            raise
+            async with contextlib.AsyncExitStack() as stack:
+                self._tg = await stack.enter_async_context(task_group())
+                stock.tg, stock.open = self._tg, True
+                try:
+                    await stock.fill_all(self.reservation, self.size)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await self.aclose()
+                    self._tg = None
+                    raise  # (the group's scope left by the stack: the innermost one)
+                self._stack = stack.pop_all()  # left in __aexit__, with the body's exception
+        except TimeoutError as exc:
+            raise StartupTimeoutError(
+                "starting the pool's workers", self.config.start_timeout_s
+            ) from exc
         self.log.info("pool_ready", size=self.size, seconds=round(time.perf_counter() - t0, 3))
         return self
 
@@ -204,13 +207,10 @@ class WorkerPool:
         try:
             await self.aclose()
         finally:
-            await self._exit_tg()
-
-    async def _exit_tg(self) -> None:
-        tg, self._tg = self._tg, None
-        if tg is not None:
-            with one_error():
-                await tg.__aexit__(None, None, None)
+            stack, self._stack = self._stack, None
+            self._tg = None
+            if stack is not None:
+                await stack.__aexit__(exc_type, exc, tb)
 
     async def aclose(self) -> None:
         """Kill every worker of the pool, leased ones included (their executors' runs fail

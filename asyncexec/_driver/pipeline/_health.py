@@ -39,6 +39,7 @@ from ..._errors import (
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group
 from ._events import ServerReplaced, ServerTakenOut
+from ._router_host import WatchHost
 from ._router_state import ServerRecord
 
 __all__ = ["GONE", "HealthWatch", "worker_keys"]
@@ -57,10 +58,10 @@ def worker_keys(servers: Executor) -> list[str | None]:
 class HealthWatch:
     """A router's health watch and its servers' rejoins (see the module's docstring).
 
-    ``router`` is the :class:`~asyncexec.Router` (typed loosely: the router imports this
-    module)."""
+    ``router`` is the :class:`~asyncexec.Router`, seen through
+    :class:`~._router_host.WatchHost`."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: WatchHost) -> None:
         self.router = router
         #: Since when no server has served, seen by a rejoin that failed (None: one serves).
         self.none_since: float | None = None
@@ -109,7 +110,7 @@ class HealthWatch:
         """No new request for ``server``; its requests in flight are cancelled (and sent
         elsewhere when idempotent); its process is killed, and a fresh one rejoins."""
         router = self.router
-        server.serving = False
+        router.balance.out(server.rank)
         router.observer.emit(ServerTakenOut(server.rank, why))
         for scope in list(server.scopes):
             scope.cancel()
@@ -127,7 +128,7 @@ class HealthWatch:
         if not router.balance.live(r, worker):
             return  # seen already
         server = router.balance.servers[r]
-        server.serving = False
+        router.balance.out(r)
         router.log.warning("server_lost", rank=r)
         self._rejoin_soon(server)
 
@@ -144,7 +145,7 @@ class HealthWatch:
         if fresh:
             router.log.warning("servers_group_replaced", servers=len(fresh))
         for server in fresh:
-            server.serving = False
+            router.balance.out(server.rank)
             self._rejoin_soon(server)
 
     def _rejoin_soon(self, server: ServerRecord) -> None:

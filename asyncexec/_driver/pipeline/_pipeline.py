@@ -4,6 +4,7 @@ admission and the requests' tasks in ``_admission``; what it shows in ``_stats``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterable, Iterable, Mapping
 from types import TracebackType
@@ -18,7 +19,7 @@ from ..._timeline._pipeline import pipeline_track
 from .._config import check_count
 from .._executor import Executor
 from .._metrics import pipeline_meters
-from .._taskgroups import one_error
+from .._taskgroups import task_group, teardown
 from ..channel import WeightChannel
 from ._admission import Admission, Item
 from ._budget import Budget
@@ -132,6 +133,7 @@ class Pipeline:
             prompts, self.servers, self._budget, self._consumed, self._observer, self.log, requeues
         )
         self._tg: anyio.abc.TaskGroup | None = None
+        self._stack: contextlib.AsyncExitStack | None = None  # holds the router and ``_tg``
         self._state: Literal["new", "open", "closed"] = "new"
         self._updates = Updates(
             self.servers, channel, self._budget, self._admission, self._observer
@@ -174,12 +176,13 @@ class Pipeline:
                 self.log.info("pipeline_first_push", version=self.version)
             # The channel's version now stands for the learner's version now.
             self._admission.offset = self.channel.version - self._budget.version
-        await self.servers.start()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._state = "open"
-        self._meter.restart()
-        self._tg.start_soon(self._admission.run, self._tg)
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.servers.held())
+            self._tg = tg = await stack.enter_async_context(task_group())
+            self._state = "open"
+            self._meter.restart()
+            tg.start_soon(self._admission.run, tg)
+            self._stack = stack.pop_all()  # left in __aexit__, with the body's exception
         self.log.info(
             "pipeline_started",
             batch_size=self.batch_size,
@@ -200,17 +203,14 @@ class Pipeline:
     ) -> None:
         self._state = "closed"
         tg, self._tg = self._tg, None
-        if tg is not None:
+        stack, self._stack = self._stack, None
+        if tg is not None and stack is not None:
             # Requests in flight: their samples are not needed. Stopped over turns of the loop
-            # (``STOP_PER_TURN`` a turn), then the rest of the group.
-            with anyio.CancelScope(shield=True):
+            # (``STOP_PER_TURN`` a turn), then the rest of the group, then the servers' router.
+            with teardown("pipeline_requests"):
                 await self._admission.stop()
             tg.cancel_scope.cancel()
-            with one_error():
-                try:
-                    await tg.__aexit__(None, None, None)
-                finally:
-                    await self.servers.close()
+            await stack.__aexit__(exc_type, exc, tb)
         stats = self.statistics()
         self.log.info("pipeline_ended", **{k: getattr(stats, k) for k in _ENDED})
 

@@ -23,6 +23,7 @@ bookkeeping (records, the choice, sessions, the pacing of bursts, counters): ``_
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from types import TracebackType
@@ -31,16 +32,16 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ..._dispatch._role import method
 from ..._errors import ConfigurationError, ExecutorStateError, describe
 from ..._logging import get_logger
 from ..._wire._rollout import RolloutRequest, Sample
 from ..._worker import RolloutServer
 from .._config import check_count
 from .._executor import Executor, slot_of
-from .._taskgroups import one_error
+from .._taskgroups import task_group, teardown
 from ..channel import WeightChannel
 from ._health import HealthWatch, worker_keys
+from ._router_host import ServerMethods
 from ._router_metrics import RouterMeters
 from ._router_requests import Requests
 from ._router_state import Balance, Pacer, RouterStatistics, Sessions
@@ -52,19 +53,6 @@ __all__ = ["Router", "RouterStatistics"]
 MAX_SESSIONS = 100_000
 #: How long a closing router waits for the replies a pause to abort answered already.
 HANDED_WAIT_S = 1.0
-
-
-class _Methods:
-    """The server role's methods, named through its class (see ``asyncexec.method``)."""
-
-    def __init__(self, cls: type[RolloutServer]) -> None:
-        self.cls = cls
-        self.generate = method(cls, "generate")
-        self.health = method(cls, "health")
-        self.pause = method(cls, "pause")
-        self.abort = method(cls, "abort")
-        self.resume = method(cls, "resume")
-        self.weights_version = method(cls, "weights_version")
 
 
 class Router:
@@ -102,7 +90,7 @@ class Router:
         max_sessions: int = MAX_SESSIONS,
     ) -> None:
         self.servers = servers
-        self.methods = _Methods(_server_class(servers))
+        self.methods = ServerMethods(_server_class(servers))
         _check_channel(channel, servers)
         check_count("max_in_flight", max_in_flight)
         check_count("unhealthy_after", unhealthy_after)
@@ -131,6 +119,7 @@ class Router:
         self.watch = HealthWatch(self)
         self.requests = Requests(self)
         self.tg: anyio.abc.TaskGroup | None = None
+        self._stack: contextlib.AsyncExitStack | None = None  # holds ``tg`` open
         #: Set when the router gave its servers up (``fail``): what every call raises.
         self.failure: BaseException | None = None
         #: The servers' group the router's records are of (None: being replaced).
@@ -157,9 +146,10 @@ class Router:
             )
         self.balance = Balance(keys, self.max_in_flight, time.monotonic())
         self.group = slot_of(self.servers).group
-        self.tg = anyio.create_task_group()
-        await self.tg.__aenter__()
-        self.tg.start_soon(self.watch.run)
+        async with contextlib.AsyncExitStack() as stack:
+            self.tg = await stack.enter_async_context(task_group())
+            self.tg.start_soon(self.watch.run)
+            self._stack = stack.pop_all()  # left in __aexit__, with the body's exception
         self.log.info("router_started", servers=len(keys), max_in_flight=self.max_in_flight)
         return self
 
@@ -171,17 +161,17 @@ class Router:
     ) -> None:
         self._closed = True
         tg, self.tg = self.tg, None
+        stack, self._stack = self._stack, None
         self.balance.wake()  # requests waiting for a slot see the router closed
-        if tg is not None:
+        if tg is not None and stack is not None:
             # The replies held by a pause to abort come once the servers resumed: cancelling
             # them would cost a call each (and the driver their errors), so they come first.
             if self.paused is None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(HANDED_WAIT_S):
+                with teardown("router_held_replies", HANDED_WAIT_S):
                     await self.requests.wait_held()
             await self.requests.close()  # (plain tasks, not the task group's)
             tg.cancel_scope.cancel()
-            with one_error():
-                await tg.__aexit__(None, None, None)
+            await stack.__aexit__(exc_type, exc, tb)
         self.meters.forget(len(self.balance.servers))
 
     def check_open(self) -> anyio.abc.TaskGroup:

@@ -22,6 +22,7 @@ import anyio.lowlevel
 from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
+from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
     RequestAnswered,
@@ -31,6 +32,8 @@ from ._events import (
     ServerLoad,
 )
 from ._health import GONE
+from ._router_host import RequestsHost
+from ._router_state import Balance
 
 __all__ = ["Requests"]
 
@@ -147,10 +150,10 @@ class _Fate:
 
 
 class Requests:
-    """The requests of one router (``router``: the :class:`~asyncexec.Router`, typed loosely:
-    it imports this module)."""
+    """The requests of one router (``router``: the :class:`~asyncexec.Router`, seen through
+    :class:`~._router_host.RequestsHost`)."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: RequestsHost) -> None:
         self.router = router
         #: The attempts in flight by server and request id (each knows its request's inbox: a
         #: pause to abort answers them from the servers' replies).
@@ -255,27 +258,27 @@ class Requests:
             answer.cancel("closed")
         tasks = [a.task for a in attempts if a.task is not None]
         if tasks:
-            with anyio.CancelScope(shield=True):
+            # Bounded: an attempt whose call never answers its cancellation (a server stuck
+            # in a blocking call) is left behind rather than hold the close for ever.
+            with teardown("router_attempts"):
                 await asyncio.wait(tasks)
 
     async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
         """A server for ``request`` under the cap (waiting for one), counted as holding it."""
         router = self.router
-        balance = router.balance
-        while True:
+        balance: Balance = router.balance
+        key = request.key
+
+        def check() -> None:
             router.check_open()
             router.watch.follow_group()
-            pinned = None
-            if request.key is not None and not tried:
-                pinned = router.sessions.get(request.key)
-            r: int | None = balance.choose(tried, pinned)
-            if r is not None:
-                balance.take(r)
-                if request.key is not None:  # the session's server from now on
-                    router.sessions.pin(request.key, r, balance.servers[r].worker)
-                router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
-                return r
-            await balance.wait_freed()
+
+        session = None if key is None or tried else (lambda: router.sessions.get(key))
+        r = await balance.acquire(tried, session, check)
+        if key is not None:  # the session's server from now on
+            router.sessions.pin(key, r, balance.servers[r].worker)
+        router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
+        return r
 
     async def _attempt(self, answer: _Answer, request: RolloutRequest, fate: _Fate) -> None:
         """An attempt of ``request`` on server ``answer.rank``: its answer (or error) to the

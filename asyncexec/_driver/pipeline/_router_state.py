@@ -1,8 +1,9 @@
 """The router's own bookkeeping, apart from any executor: each server's record (its process,
 whether it takes requests, its requests in flight, its failed health checks), the choice of a
 server (the least in flight under the cap, the lowest rank on ties; a session's server first),
-the sessions' servers (a bounded LRU), the wake-up of requests waiting for a server under the
-cap, and the counters.
+the sessions' servers (a bounded LRU), the hand-over of a freed slot to the request waiting
+for it longest (the dispatcher's :class:`~asyncexec._driver._loads.Handoff`: a session's
+request waits for its own server's slot), and the counters.
 
 Pure bookkeeping on one event loop: nothing here talks to a worker (``tests/test_router_units.py``
 tests it without Ray).
@@ -13,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-import anyio.lowlevel
+from .._loads import Handoff
 
 __all__ = ["Balance", "Pacer", "RouterStatistics", "ServerRecord", "Sessions"]
 
@@ -105,7 +105,8 @@ class Balance:
     def __init__(self, workers: list[str | None], max_in_flight: int, now: float = 0.0) -> None:
         self.servers = [ServerRecord(r, w, since=now) for r, w in enumerate(workers)]
         self.max_in_flight = max_in_flight
-        self._freed = anyio.Event()
+        #: The requests waiting for a slot: a freed one is handed to one of them, still counted.
+        self._waiting: Handoff[int] = Handoff(self.release)
 
     def live(self, rank: int, worker: str | None) -> bool:
         """Whether ``rank`` serves, in the worker ``worker`` (not a replacement since)."""
@@ -135,22 +136,80 @@ class Balance:
         chosen = best or spare
         return None if chosen is None else chosen.rank
 
+    async def acquire(
+        self,
+        tried: Collection[int] = (),
+        session: Callable[[], tuple[int, str | None] | None] | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> int:
+        """A server for a request under the cap, counted as holding one more (give it back
+        with :meth:`release`), waiting for one when none has room: the server :meth:`choose`
+        picks, leaving ``tried`` out while another has room, the one ``session()`` names first
+        (its session's, while it serves in the same worker). A request that waits is handed a
+        freed slot in its turn (the longest waiting first: one that did not wait never takes
+        it first), on its session's server or on any. ``check()`` runs before each look
+        (raising: the router closed or failed)."""
+        handed: int | None = None
+        while True:
+            try:
+                if check is not None:
+                    check()
+            except BaseException:
+                if handed is not None:
+                    self.release(handed)
+                raise
+            pinned = None if session is None else session()
+            if handed is not None:
+                if self._usable(handed, pinned):
+                    return handed
+                self.refuse(handed)
+                handed = None
+            r = self.choose(tried, pinned)
+            if r is not None:
+                self.take(r)
+                return r
+            own = pinned is not None and self.live(*pinned)
+            handed = await self._waiting.wait(pinned[0] if own and pinned is not None else None)
+
+    def _usable(self, rank: int, pinned: tuple[int, str | None] | None) -> bool:
+        """Whether a request may use a slot on ``rank`` handed to it: the server serves, and
+        it is the session's server when that one serves."""
+        if not self.servers[rank].serving:
+            return False
+        return pinned is None or pinned[0] == rank or not self.live(*pinned)
+
     def take(self, rank: int) -> None:
         server = self.servers[rank]
         server.in_flight += 1
         server.peak = max(server.peak, server.in_flight)
 
     def release(self, rank: int) -> None:
+        """A request's slot on ``rank`` is given back: handed to the request that has waited
+        longest for any server or for this one (still counted, now for it), else free."""
+        server = self.servers[rank]
+        if server.serving:
+            if not self._waiting.hand(rank, rank):
+                server.in_flight -= 1
+        else:  # out: the requests waiting for it (its sessions') look elsewhere
+            server.in_flight -= 1
+            self.wake()
+
+    def refuse(self, rank: int) -> None:
+        """Give back a slot handed to a request that cannot use it (its server no longer
+        serves): it is free, and every waiting request looks again."""
         self.servers[rank].in_flight -= 1
         self.wake()
 
-    def wake(self) -> None:
-        """Wake the requests waiting for a server (a slot freed, a server came back)."""
-        freed, self._freed = self._freed, anyio.Event()
-        freed.set()
+    def out(self, rank: int) -> None:
+        """``rank`` takes no new request (taken out, lost, or being replaced): the requests
+        waiting for it (its sessions') look again, elsewhere."""
+        self.servers[rank].serving = False
+        self.wake()
 
-    async def wait_freed(self) -> None:
-        await self._freed.wait()
+    def wake(self) -> None:
+        """Wake every request waiting for a server, without a slot, to look again (a server
+        came back or was replaced, the router closed or failed)."""
+        self._waiting.wake_all()
 
     @property
     def in_flight(self) -> dict[int, int]:

@@ -4,6 +4,7 @@ enters and leaves. Everything the pipeline asks of the servers goes through :cla
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._dispatch._role import method
@@ -21,7 +22,7 @@ __all__ = ["Servers", "servers_of"]
 
 class Servers:
     """Requests, pauses and installs on the rollout servers of ``executor``, through
-    ``router`` (entered by :meth:`start` when ``owned``)."""
+    ``router`` (entered by the pipeline, through :meth:`held`, when ``owned``)."""
 
     def __init__(self, executor: Executor, router: Router, *, owned: bool) -> None:
         self.executor = executor
@@ -29,13 +30,10 @@ class Servers:
         self.owned = owned
         self.cls = _server_class(executor)
 
-    async def start(self) -> None:
-        if self.owned:
-            await self.router.__aenter__()
-
-    async def close(self) -> None:
-        if self.owned:
-            await self.router.__aexit__(None, None, None)
+    def held(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """What the pipeline enters for its servers: the router when it is the pipeline's own,
+        else nothing (the user's router is the user's to enter and leave)."""
+        return self.router if self.owned else contextlib.nullcontext()
 
     async def turn(self) -> None:
         """Until a request may start in this turn of the event loop (the router's pacing of

@@ -6,11 +6,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
-
 from ..._errors import ExecutorStateError
 from .._observe import Observer
-from .._taskgroups import task_group
+from .._taskgroups import task_group, teardown
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._events import UpdateEnded, UpdatePaused
@@ -113,7 +111,7 @@ async def update(
             await servers.resume()
     finally:
         if paused:  # the push failed: generation goes on with the weights it had
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_RESUME_TIMEOUT_S):
+            with teardown("servers_resume", _RESUME_TIMEOUT_S):
                 await servers.resume()
         admission.open = True
         admission.notify()
