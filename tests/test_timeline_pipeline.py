@@ -86,6 +86,10 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
     assert max(c[6]["in flight"] for c in counters) > 0
     assert counters[-1][6]["in flight"] == 0
     assert [c[4] for c in counters] == sorted(c[4] for c in counters)
+    # The servers' calls, named by what ran (not "call").
+    calls = {e[2] for e in events if e[0] == "X" and e[3] == "call"}
+    assert all(c.startswith("Toy.") for c in calls), calls
+    assert "Toy.generate" in calls
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert names[PIPELINE + 1] == "pipeline"

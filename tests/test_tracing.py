@@ -95,6 +95,48 @@ async def test_a_span_the_users_method_opens_is_a_child_of_the_drivers_call(
     assert calls[method["parent"]].attributes["asyncexec.function"] == "Worker.work"
 
 
+class Base:
+    def who(self, x: int) -> int:
+        return x
+
+
+class Named(Base):
+    """A role whose method is inherited: ``Named.who`` is ``Base.who``."""
+
+
+class Echo(asyncexec.RolloutServer):
+    async def chunks(self, prompt: Any) -> Any:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+async def test_every_call_is_named_by_its_roles_class_and_method(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    """A method named through ``asyncexec.method`` (as the router names its servers'), an
+    inherited one and a plain function: each span says what ran, never ``NamedMethod``."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, roles=Named) as ex:
+        await ex.call(asyncexec.method(Named, "who"), 1, on=asyncexec.rank(0))
+        await ex.call(Named.who, 2, on=asyncexec.rank(1))
+        await ex.execute(span_in_worker, 3)
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, roles=Echo) as servers,
+        asyncexec.Router(servers) as router,
+    ):
+        await router.generate(asyncexec.RolloutRequest(0, "p"))
+    names = [
+        s.attributes["asyncexec.function"]
+        for s in exported.get_finished_spans()
+        if s.name == "asyncexec.call"
+    ]
+    assert names.count("Named.who") == 2
+    assert names.count("span_in_worker") == 2
+    assert "Echo.generate" in names
+    assert not [n for n in names if "NamedMethod" in n or n == "Base.who"], names
+
+
 def span_in_run() -> None:
     asyncexec.report(span_in_worker(asyncexec.get_context().world_rank))
 

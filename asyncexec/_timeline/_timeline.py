@@ -35,6 +35,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from .._dispatch._role import qualname
 from .._wire import _tracing
 from .._wire._protocol import ReportTimes
 
@@ -462,16 +463,17 @@ class TimedCall:
     """A call on a rank, awaitable as often as the call is, whose first end is recorded as the
     rank's span from the send (see :func:`traced`), and ends its OpenTelemetry span."""
 
-    __slots__ = ("_call", "_done", "_fn", "_name", "_rank", "_span", "_start", "_timeline")
+    __slots__ = ("_call", "_done", "_name", "_rank", "_span", "_start", "_timeline")
 
-    def __init__(self, timeline: Timeline | None, rank: int, fn: Any, call: Any, span: Any) -> None:
+    def __init__(
+        self, timeline: Timeline | None, rank: int, name: str, call: Any, span: Any
+    ) -> None:
         self._call = call
         self._timeline = timeline
         self._span = span
         self._done = False
         self._rank = rank
-        self._fn = fn
-        self._name = getattr(fn, "__qualname__", None) or "call"
+        self._name = name
         self._start = time.monotonic()
 
     def cancel(self) -> None:
@@ -492,13 +494,17 @@ class TimedCall:
                     end = time.monotonic()
                     self._timeline.span(self._rank, self._name, "call", self._start, end)
                 if self._span is not None:
-                    _tracing.end_call(self._span, self._fn, self._rank, error)
+                    _tracing.end_call(self._span, self._name, self._rank, error)
 
 
 def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
     """``call`` (sent to ``rank`` for ``plan``), recorded on ``group``'s timeline when it has
-    one; ``span`` (its OpenTelemetry span, or None) ends with it."""
-    return traced_fn(group, rank, getattr(plan, "fn", None), call, span)
+    one, named by what it runs (``plan.label``: ``PolicyServer.generate``); ``span`` (its
+    OpenTelemetry span, or None) ends with it."""
+    timeline: Timeline | None = group.timeline
+    if timeline is None and span is None:
+        return call
+    return cast(T, TimedCall(timeline, rank, plan.label, call, span))  # awaited as the call is
 
 
 def traced_fn(group: Any, rank: int, fn: Any, call: T, span: Any = None) -> T:
@@ -506,7 +512,7 @@ def traced_fn(group: Any, rank: int, fn: Any, call: T, span: Any = None) -> T:
     timeline: Timeline | None = group.timeline
     if timeline is None and span is None:
         return call
-    return cast(T, TimedCall(timeline, rank, fn, call, span))  # awaited as the call is
+    return cast(T, TimedCall(timeline, rank, qualname(fn), call, span))
 
 
 def chosen(group: Any, rank: int) -> None:

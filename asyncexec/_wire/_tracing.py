@@ -227,22 +227,22 @@ def call_span(fn: Any, rank: int) -> tuple[Any, str | None]:
     return span, traceparent(span)
 
 
-def end_call(span: Any, fn: Any, rank: int, error: BaseException | None = None) -> None:
+def end_call(span: Any, name: str, rank: int, error: BaseException | None = None) -> None:
     """End a call's span now, failed with ``error``: its end time is taken now, and the rest
-    (its attributes ``asyncexec.function`` and ``asyncexec.rank``, the SDK's end and span
+    (its attributes ``asyncexec.function``, ``name``: what ran, as ``PolicyServer.generate``,
+    and ``asyncexec.rank``, the SDK's end and span
     processor, some 10 µs) is done on the event loop's next turn, after the caller has its
     result."""
     end_ns = time.time_ns()
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        _end_call(span, fn, rank, error, end_ns)
+        _end_call(span, name, rank, error, end_ns)
         return
-    loop.call_soon(_end_call, span, fn, rank, error, end_ns)
+    loop.call_soon(_end_call, span, name, rank, error, end_ns)
 
 
-def _end_call(span: Any, fn: Any, rank: int, error: BaseException | None, end_ns: int) -> None:
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+def _end_call(span: Any, name: str, rank: int, error: BaseException | None, end_ns: int) -> None:
     span.set_attributes({"asyncexec.function": name, "asyncexec.rank": rank})
     if error is not None:
         trace = _trace()

@@ -227,7 +227,12 @@ class Requests:
                 if len(tried) >= limit:
                     error.add_note(f"sent {len(tried)} times: every server it went to failed")
                     raise error
-                router.log.warning("request_sent_again", rank=answer.rank, error=describe(error))
+                router.log.warning(
+                    "request_sent_again",
+                    function=f"{router.methods.cls.__qualname__}.generate",
+                    rank=answer.rank,
+                    error=describe(error),
+                )
                 sent_at = 0.0
         except anyio.get_cancelled_exc_class():
             if stop:
