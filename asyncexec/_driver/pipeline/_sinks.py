@@ -87,6 +87,7 @@ class PipelineMetrics:
 
     def __init__(self, meters: PipelineMeters) -> None:
         self.meters = meters
+        meters.zero()
         self.counts = dict.fromkeys(
             ("admitted", "consumed", "aborted", "requeued", "duplicates", "expired"), 0
         )
@@ -207,6 +208,7 @@ class RouterMetrics:
 
     def __init__(self, meters: RouterMeters) -> None:
         self.meters = meters
+        meters.zero()
 
     def handlers(self) -> Mapping[type, Handler]:
         found: dict[type, Handler] = dict.fromkeys(
