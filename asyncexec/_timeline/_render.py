@@ -28,6 +28,9 @@ COLOURS = {
     "pause": "#c9a227",
     "update": "#64b5cd",
     "batch": "#2ca02c",
+    "wait": "#b0b0b0",
+    "expired": "#e6550d",
+    "aborted": "#000000",
     "long call": "#8b0000",
 }
 _OTHER = "#7f7f7f"
@@ -35,6 +38,8 @@ _OTHER = "#7f7f7f"
 _NAMES = {-1: "driver", -2: "pipeline"}
 #: A call is long when it took this many times its rank's median call, or more.
 LONG = 3.0
+#: About how many characters of a label (7 points) fit across the picture's time axis.
+_CHARS = 190
 
 
 def occupancy(spans: list[tuple[float, float]]) -> list[tuple[float, int]]:
@@ -98,10 +103,10 @@ def render(
             ax.set_title(name, loc="left", fontsize=10, fontweight="bold")
     axes[-1, 0].set_xlabel("seconds")
     handles = [Patch(color=COLOURS.get(kind, _OTHER), label=kind) for kind in sorted(kinds)]
-    axes[0, 0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.legend(handles=handles, loc="upper right", fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(os.fspath(path))
     plt.close(fig)
 
@@ -143,7 +148,7 @@ def _section(ax: Any, events: list[Any], origin: float) -> set[str]:
                 kinds.add("long call")
             continue
         # A driver's nested phases are drawn thinner, over the span that holds them.
-        height = 0.7 if kind in ("step", "call", "push", "attempt", "update") else 0.5
+        height = 0.7 if kind in ("step", "call", "push", "attempt", "update", "wait") else 0.5
         ax.broken_barh(
             spans,
             (y - height / 2, height),
@@ -151,10 +156,13 @@ def _section(ax: Any, events: list[Any], origin: float) -> set[str]:
             edgecolors="white",
             linewidth=0.3,
         )
-    _label_driver(ax, bars, labels, rows)
+    _label_spans(ax, bars, labels, rows)
     for at, track, kind in marks:
         y = rows[track]
-        ax.plot([at, at], [y - 0.45, y + 0.45], color=COLOURS.get(kind, _OTHER), lw=1.5)
+        if kind in ("expired", "aborted"):  # many: a dot each, under the row's spans
+            ax.plot([at], [y - 0.42], marker="v", ms=4, color=COLOURS[kind], ls="none")
+        else:
+            ax.plot([at, at], [y - 0.45, y + 0.45], color=COLOURS.get(kind, _OTHER), lw=1.5)
     ax.set_yticks([rows[t] for t in tracks])
     ax.set_yticklabels([_NAMES.get(t, f"rank {t}") for t in tracks])
     ax.set_ylim(-0.6, len(tracks) - 0.2)
@@ -186,19 +194,25 @@ def _occupancy(ax: Any, spans: list[tuple[float, float]], y: int) -> bool:
     return bool(long)
 
 
-def _label_driver(
+def _label_spans(
     ax: Any,
     bars: dict[tuple[int, str], list[tuple[float, float]]],
     labels: dict[tuple[int, str], list[str]],
     rows: dict[int, int],
 ) -> None:
-    """Name the driver's spans where they have room (6 % of the picture or more)."""
+    """Name the driver's and the pipeline's spans where their name fits inside them (a span
+    too short for its name keeps its colour, which the legend names): readable at any run
+    length. An update is not named: its pause, push and resume are, over it."""
     total = max((s + w for spans in bars.values() for s, w in spans), default=1.0) or 1.0
+    per_char = total / _CHARS
     for (track, kind), spans in bars.items():
-        if track != -1:  # (the pipeline's names are longer than its spans: its legend tells)
+        if track not in (-1, -2) or kind == "update":
             continue
-        for (begin, width), label in zip(spans, labels[(track, kind)], strict=True):
-            if width > 0.06 * total:  # the driver's phases named where they have room
+        for (begin, width), full in zip(spans, labels[(track, kind)], strict=True):
+            # The whole name, else its head ("pause" of "pause (wait, 4 in flight)"), else none.
+            fits = [n for n in (full, full.split(" (")[0]) if width >= (len(n) + 2) * per_char]
+            if fits:
+                label = fits[0]
                 ax.text(
                     begin + width / 2,
                     rows[track],
@@ -206,6 +220,6 @@ def _label_driver(
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="white",
+                    color="white" if kind != "wait" else "black",
                     clip_on=True,
                 )

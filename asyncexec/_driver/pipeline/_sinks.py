@@ -14,6 +14,7 @@ from ..._timeline._pipeline import (
     PipelineTrack,
     batch_handed,
     counted,
+    request_ended,
     update_ended,
     update_paused,
 )
@@ -57,12 +58,13 @@ class PipelineTimeline:
 
     def __init__(self, track: PipelineTrack) -> None:
         self.track = track
+        self.version = 0  # the learner's, at the latest batch
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
             Admitted: self._counted,
-            SampleReturned: self._counted,
-            RequestExpired: self._counted,
+            SampleReturned: self._returned,
+            RequestExpired: self._expired,
             BatchHanded: self._batch,
             UpdatePaused: self._paused,
             UpdateEnded: self._ended,
@@ -71,8 +73,20 @@ class PipelineTimeline:
     def _counted(self, event: Admitted | SampleReturned | RequestExpired) -> None:
         counted(self.track, event.in_flight, event.buffered)
 
+    def _returned(self, event: SampleReturned) -> None:
+        counted(self.track, event.in_flight, event.buffered)
+        if event.outcome == "aborted":
+            request_ended(self.track, "aborted", self.version, 0.0)
+
+    def _expired(self, event: RequestExpired) -> None:
+        counted(self.track, event.in_flight, event.buffered)
+        request_ended(self.track, "expired", event.version, event.in_flight_s)
+
     def _batch(self, event: BatchHanded) -> None:
-        batch_handed(self.track, event.version, len(event.staleness), event.waited_s)
+        self.version = event.version
+        size, staleness = len(event.staleness), event.staleness
+        mean = sum(staleness) / size if size else 0.0
+        batch_handed(self.track, event.version, size, event.waited_s, event.staleness_max, mean)
 
     def _paused(self, event: UpdatePaused) -> None:
         update_paused(self.track, event.mode, event.began, event.in_flight)
