@@ -105,7 +105,7 @@ async def test_no_pipeline_track_without_a_timeline(mode: str) -> None:
         asyncexec.Pipeline(servers, [{"id": 0, "length": 1}], batch_size=1) as pipe,
     ):
         sinks = [type(sink).__name__ for sink in pipe._observer.sinks]
-        assert sinks == ["Meter", "PipelineMetrics", "PipelineLog"]  # no timeline's
+        assert sinks == ["Meter", "PipelineMetrics", "PipelineLog", "PipelineSpans"]  # no timeline
         assert [len(b) async for b in pipe] == [1]
 
 

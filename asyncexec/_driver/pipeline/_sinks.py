@@ -18,6 +18,7 @@ from ..._timeline._pipeline import (
     update_ended,
     update_paused,
 )
+from ..._wire import _tracing
 from .._metrics import PipelineMeters
 from .._observe import Handler, Observer
 from ._events import (
@@ -42,6 +43,7 @@ from ._stats import Meter
 __all__ = [
     "PipelineLog",
     "PipelineMetrics",
+    "PipelineSpans",
     "PipelineTimeline",
     "RouterCounts",
     "RouterLog",
@@ -167,12 +169,32 @@ class PipelineLog:
         )
 
 
+class PipelineSpans:
+    """Each batch handed to the learner as an OpenTelemetry span (``asyncexec.pipeline.batch``:
+    from when the learner began to wait for it to when it had it; nothing while tracing is
+    off). The updates' spans are opened where the update runs (``_updates``), so that the
+    calls and pushes it makes are their children."""
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {BatchHanded: self._batch}
+
+    def _batch(self, event: BatchHanded) -> None:
+        _tracing.record(
+            "asyncexec.pipeline.batch",
+            event.waited_s,
+            version=event.version,
+            size=len(event.staleness),
+            staleness_max=event.staleness_max,
+            waited_s=event.waited_s,
+        )
+
+
 def pipeline_observer(
     meter: Meter, meters: PipelineMeters, log: Logger, track: PipelineTrack | None
 ) -> Observer:
-    """A pipeline's observer: its statistics (``meter``), metrics, log, and its timeline
-    track when its servers keep a timeline."""
-    observer = Observer(meter, PipelineMetrics(meters), PipelineLog(log))
+    """A pipeline's observer: its statistics (``meter``), metrics, log, spans, and its
+    timeline track when its servers keep a timeline."""
+    observer = Observer(meter, PipelineMetrics(meters), PipelineLog(log), PipelineSpans())
     if track is not None:
         observer.add(PipelineTimeline(track))
     return observer
