@@ -243,6 +243,7 @@ async def rl_loop(tmp_path: Any) -> None:
         async for _ in pipe:
             await learner.call(Learner.step)
             await pipe.update_weights(on_update=modes[pipe.version % 3])  # type: ignore[arg-type]
+        await anyio.sleep(1.5)  # the router's in-flight series (gone when it closes) scraped
 
 
 def _finite(result: list[dict[str, Any]]) -> bool:
@@ -282,7 +283,6 @@ async def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: A
                 assert executor.result.attempts == 2
                 await anyio.sleep(1.5)  # the backlog's series is scraped after the run too
             await rl_loop(tmp_path)
-            await anyio.sleep(1.5)  # the router's in-flight series scraped before they go
             await _wait_for(client, url, 'asyncexec_runs_total{outcome="finished"} == 1')
             end = time.time() + 1
             empty = []

@@ -163,7 +163,8 @@ async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_a
             asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1, channel=channel)
         )
         async for _ in pipe:
-            await pipe.update_weights(None if channel else {"w": 1}, on_update="abort")
+            state = () if channel else ({"w": 1},)
+            await pipe.update_weights(*state, on_update="abort")
     spans = exported.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
 
