@@ -5,6 +5,7 @@ timeline on, and tracing on, side by side in one run (and the same code before t
     python benchmarks/observe.py --baseline a1ad2d1   # about 4 minutes on 2 cores
     python benchmarks/observe.py --quick              # a smoke run
     python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG)
+    python benchmarks/observe.py --pipeline           # only the pipeline's figures
 
 The variants are measured in turn, round by round (each round in another order), on the same
 4 workers in one process with one Ray (the timeline handed to the executor's runs or taken
@@ -19,6 +20,11 @@ of its own, alternating with this tree's, with the same two executors.
   one every millisecond (about 1,000 calls/s), each timed from the call to its result.
 - **memory**: the driver's RSS after 10,000, 50,000 and 100,000 steps of 4 workers with the
   timeline on (its default ring of 100,000 events) and off, and the events it holds.
+- **samples/s through a pipeline** (issue 41's figures): a learner (1 worker) and 2 rollout
+  servers, both on one shared timeline (``Executor(timeline=shared)``), a ``Pipeline`` of
+  ``PIPELINE_SAMPLES`` prompts (one chunk each), batches of 32, a weight update (``keep``) after
+  each; ``off``, ``timeline`` (the shared one) and ``tracing`` in turn, round by round; and the
+  driver's RSS after 10,000, 50,000 and 100,000 requests with the shared timeline on and off.
 
 Variants: ``off`` (this tree, nothing on), ``timeline`` (``Executor(timeline=True)``),
 ``tracing`` (an OpenTelemetry SDK provider with a ``BatchSpanProcessor`` whose exporter drops
@@ -48,6 +54,7 @@ if ROOT not in sys.path:
 
 STEPS, CALLS, WORKERS = 20_000, 1_000, 4
 MEMORY_MARKS = (10_000, 50_000, 100_000)
+PIPELINE_SAMPLES, PIPELINE_BATCH = 4_000, 32
 
 
 def steps_fn(config: dict[str, Any]) -> None:
@@ -174,6 +181,107 @@ async def _memory(variant: str, marks: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
+def _rl_roles() -> tuple[type, type]:
+    """The pipeline's server and learner classes (made here: asyncexec is imported from the
+    tree measured)."""
+    import asyncexec
+
+    class Server(asyncexec.RolloutServer):
+        async def chunks(self, prompt: int) -> Any:
+            yield prompt
+
+        def load_weights(self, state: Any, version: int) -> None:
+            self.weights = state
+
+    class Learner:
+        def step(self, n: int) -> int:
+            return n
+
+    return Server, Learner
+
+
+async def _rl_round(learner: Any, servers: Any, learn: Any, samples: int) -> float:
+    """One pipeline of ``samples`` prompts: its samples/s, from its start to its last batch."""
+    import asyncexec
+
+    t0 = time.perf_counter()
+    async with asyncexec.Pipeline(
+        servers, list(range(samples)), batch_size=PIPELINE_BATCH, staleness=2
+    ) as pipe:
+        async for batch in pipe:
+            await learner.call(learn, len(batch), on=asyncexec.rank(0))
+            await pipe.update_weights({"v": pipe.version}, on_update="keep")
+        return samples / (time.perf_counter() - t0)
+
+
+async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[str, Any]:
+    """Samples/s through a pipeline, the variants in turn round by round, on one learner and
+    one servers' executor that share a timeline (taken away for ``off`` and ``tracing``)."""
+    import asyncexec
+
+    trace: Any = None
+    if "tracing" in variants:
+        from opentelemetry import trace
+
+        provider, default = _provider(), trace.get_tracer_provider
+    server, learner_cls = _rl_roles()
+    shared = asyncexec.Timeline()
+    out: dict[str, Any] = {v: {"samples_per_s": []} for v in variants}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=learner_cls, timeline=shared) as lx,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=server, timeline=shared) as sx,
+    ):
+        views = {ex: ex.timeline for ex in (lx, sx)}
+        learn = learner_cls.step
+        await _rl_round(lx, sx, learn, 256)  # warm-up
+        for r in range(rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                if trace is not None:
+                    trace.get_tracer_provider = (
+                        (lambda: provider) if variant == "tracing" else default
+                    )
+                for ex, view in views.items():
+                    _keep_timeline(ex, view if variant == "timeline" else None)
+                    ex.timeline = view if variant == "timeline" else None  # (the pipeline's)
+                out[variant]["samples_per_s"].append(await _rl_round(lx, sx, learn, samples))
+        if trace is not None:
+            trace.get_tracer_provider = default
+            provider.shutdown()
+    out["events"] = shared.statistics().events
+    return out
+
+
+async def _rl_memory(variant: str, marks: tuple[int, ...]) -> dict[str, Any]:
+    """The driver's RSS after each mark of requests through one pipeline, with the shared
+    timeline on (``timeline``) or off."""
+    import psutil
+
+    import asyncexec
+
+    server, learner_cls = _rl_roles()
+    shared = asyncexec.Timeline() if variant == "timeline" else False
+    rss: dict[int, float] = {}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=learner_cls, timeline=shared) as lx,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=server, timeline=shared) as sx,
+        asyncexec.Pipeline(sx, range(marks[-1]), batch_size=256, staleness=2) as pipe,
+    ):
+        done, due = 0, list(marks)
+        async for batch in pipe:
+            done += len(batch)
+            await lx.call(learner_cls.step, len(batch), on=asyncexec.rank(0))
+            await pipe.update_weights({"v": pipe.version}, on_update="keep")
+            while due and done >= due[0]:
+                rss[due.pop(0)] = psutil.Process().memory_info().rss / 2**20
+    stats = shared.statistics() if shared else None
+    return {
+        "variant": variant,
+        "rss_mib": rss,
+        "events": None if stats is None else stats.events,
+        "dropped": None if stats is None else stats.dropped,
+    }
+
+
 def paced(config: dict[str, Any]) -> None:
     """Steps of ``config["step_s"]`` seconds; rank ``config["slow"]`` takes twice as long."""
     import asyncexec
@@ -221,6 +329,10 @@ def _child(args: argparse.Namespace) -> None:
         out = anyio.run(_pictures, args.pictures)
     elif args.child == "memory":
         out = anyio.run(_memory, args.variant, tuple(args.marks))
+    elif args.child == "rl":
+        out = anyio.run(_rl_measure, args.variant.split(","), args.samples, args.rounds)
+    elif args.child == "rl-memory":
+        out = anyio.run(_rl_memory, args.variant, tuple(args.marks))
     else:
         variants = args.variant.split(",")
         out = anyio.run(_measure, variants, args.steps, args.calls, args.rounds)
@@ -232,6 +344,7 @@ def _run(variant: str, tree: str, what: str, args: argparse.Namespace) -> Any:
     command = [sys.executable, os.path.abspath(__file__), "--child", what, "--variant", variant]
     command += ["--steps", str(args.steps), "--calls", str(args.calls)]
     command += ["--rounds", str(args.rounds), "--marks", *map(str, args.marks)]
+    command += ["--samples", str(args.samples)]
     if args.pictures:
         command += ["--pictures", os.path.abspath(args.pictures)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=tree)
@@ -261,8 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--pictures", metavar="DIR", help="draw the docs' timelines into DIR")
     parser.add_argument(
-        "--child", choices=("measure", "memory", "pictures"), help=argparse.SUPPRESS
+        "--pipeline", action="store_true", help="only the pipeline's figures (issue 41's)"
     )
+    parser.add_argument(
+        "--child",
+        choices=("measure", "memory", "pictures", "rl", "rl-memory"),
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument("--samples", type=int, default=PIPELINE_SAMPLES, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="off", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=CALLS, help=argparse.SUPPRESS)
@@ -276,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.repeats, args.rounds, args.steps, args.calls = 1, 1, 2_000, 100
-        args.marks = [1_000, 5_000]
+        args.marks, args.samples = [1_000, 5_000], 512
+    if args.pipeline:
+        _rl_figures(args)
+        return 0
     trees = {"off,timeline,tracing": ROOT}
     if args.baseline:
         trees = {"baseline": _baseline_tree(args.baseline), **trees}
@@ -299,7 +421,36 @@ def main(argv: list[str] | None = None) -> int:
         if mem["events"] is not None:
             held = f"  (events held {mem['events']:,}, dropped {mem['dropped']:,})"
         print(f"{variant:<10} {marks}{held}")
+    _rl_figures(args)
     return 0
+
+
+def _rl_figures(args: argparse.Namespace) -> None:
+    """Issue 41's figures: samples/s through a pipeline with the shared timeline and tracing
+    on, beside off; the driver's memory after 100,000 requests."""
+    runs: dict[str, list[float]] = {}
+    for repeat in range(args.repeats):
+        print(f"repeat {repeat + 1}: pipeline", file=sys.stderr, flush=True)
+        measured = _run("off,timeline,tracing", ROOT, "rl", args)
+        for variant in ("off", "timeline", "tracing"):
+            runs.setdefault(variant, []).extend(measured[variant]["samples_per_s"])
+    off = _median(runs["off"])
+    print(
+        f"\npipeline: a learner and 2 servers on one shared timeline, {args.samples:,} samples a "
+        f"run, a keep update each batch of {PIPELINE_BATCH}; {args.repeats * args.rounds} rounds"
+    )
+    print(f"{'variant':<10} {'samples/s':>17}")
+    for variant, values in runs.items():
+        mine = _median(values)
+        print(f"{variant:<10} {mine:>9,.0f} {mine / off:>5.3f}x")
+    print("\nmemory: the driver's RSS (MiB) after each number of requests through a pipeline")
+    for variant in ("off", "timeline"):
+        mem = _run(variant, ROOT, "rl-memory", args)
+        marks = " ".join(f"{int(k):>7,}: {v:7.1f}" for k, v in mem["rss_mib"].items())
+        held = ""
+        if mem["events"] is not None:
+            held = f"  (events held {mem['events']:,}, dropped {mem['dropped']:,})"
+        print(f"{variant:<10} {marks}{held}")
 
 
 def _table(results: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:

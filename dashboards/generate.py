@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
+
+# The checkout this file is in: its metric definitions, whichever asyncexec is installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from asyncexec._cli._dashboard import dashboard_json
 

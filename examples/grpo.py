@@ -419,17 +419,21 @@ async def main(
     checkpoint_dir: str | None = None,
     grpo: GRPOConfig | None = None,
     on_batch: Any = None,
+    timeline: str | None = None,
 ) -> Summary:
     """Train with a rollout group, a router and a pipeline over it, and a learner group, until
     the mean reward of the last ``window`` batches reaches ``threshold`` or ``max_updates``;
     what happened. A checkpoint in ``checkpoint_dir`` resumes the learner and the pipeline
-    (no sample trained on twice); ``on_batch(update, reward)`` is called after each update."""
+    (no sample trained on twice); ``on_batch(update, reward)`` is called after each update;
+    ``timeline``: write one timeline of the learner, the servers and the pipeline there (a
+    ``.json`` for Perfetto, a ``.png``)."""
     cfg = grpo or GRPOConfig()
     s = Summary(threshold=threshold, window=window)
     path = os.path.join(checkpoint_dir or tempfile.mkdtemp(prefix="grpo_"), "learner.pt")
     resumed = load_checkpoint(path)
     consumed = resumed["pipeline"] if resumed else None
     s.started_from = int(resumed["updates"]) if resumed else 0
+    shared = asyncexec.Timeline() if timeline else False  # both groups on one clock
     async with (
         asyncexec.Executor(
             learners,
@@ -437,6 +441,7 @@ async def main(
             roles=asyncexec.Role(Learner, cfg, path),
             name="learner",
             resources_per_worker={"CPU": 0.5},
+            timeline=shared,
         ) as learner,
         asyncexec.Executor(
             servers,
@@ -444,6 +449,7 @@ async def main(
             name="servers",
             restart=asyncexec.RestartPolicy(max_restarts=max_restarts),
             resources_per_worker={"CPU": 0.5},
+            timeline=shared,
         ) as rollout,
         asyncexec.WeightChannel(learner, rollout) as channel,
     ):
@@ -493,6 +499,9 @@ async def main(
                     s.killed["learner"] += 1
             s.statistics, s.router = pipe.statistics(), router.statistics()
     s.seconds = time.perf_counter() - s.started
+    if shared:
+        shared.export(timeline, f"GRPO: {s.updates} updates, staleness {staleness}, {on_update}")
+        print(f"wrote the timeline to {timeline}")
     return s
 
 
@@ -526,6 +535,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--token-ms", type=float, default=GRPOConfig.token_s * 1e3, help="engine time per token")
     add("--seed", type=int, default=GRPOConfig.seed)
     add("--quiet", action="store_true", help="print the summary only")
+    add("--timeline", metavar="PATH", help="write the run's timeline (.json, or .png) there")
     args = vars(parser.parse_args(argv))
     quiet = args.pop("quiet")
     grpo = GRPOConfig(

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -205,15 +205,55 @@ def where() -> int:
     return os.getpid()
 
 
+class Server(asyncexec.RolloutServer):
+    async def chunks(self, prompt: int) -> AsyncIterator[int]:
+        for i in range(prompt):
+            await anyio.sleep(0.005)
+            yield i
+
+    def load_weights(self, state: Any, version: int) -> None:
+        self.weights = state
+
+
+class Learner:
+    def __init__(self) -> None:
+        self.w = 0
+        asyncexec.serve_weights(lambda: {"w": self.w})
+
+    def step(self) -> int:
+        self.w += 1
+        return self.w
+
+
+async def rl_loop(tmp_path: Any) -> None:
+    """A real pipeline (its router, a weight channel) over servers named ``board``, each
+    update mode once."""
+    cpu = {"CPU": 0.25}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=Learner, name="learner") as learner,
+        asyncexec.Executor(2, resources_per_worker=cpu, roles=Server, name="board") as servers,
+        asyncexec.WeightChannel(learner, servers) as channel,
+        asyncexec.Pipeline(
+            servers, [2 + i % 7 for i in range(48)], batch_size=4, staleness=1, channel=channel
+        ) as pipe,
+    ):
+        modes = ["keep", "wait", "abort"]
+        async for _ in pipe:
+            await learner.call(Learner.step)
+            await pipe.update_weights(on_update=modes[pipe.version % 3])  # type: ignore[arg-type]
+        await anyio.sleep(1.5)  # the router's in-flight series (gone when it closes) scraped
+
+
 def _finite(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(v)) for series in result for _, v in series["values"])
 
 
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 async def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: Any) -> None:
-    """Prometheus scrapes ``start_metrics_server`` during a run with a restart and calls; each
-    panel's query, as Grafana would send it, returns data (a finite value) over the run."""
+    """Prometheus scrapes ``start_metrics_server`` during a run with a restart and calls, then an
+    RL loop (a pipeline, its router, a weight channel); each panel's query, as Grafana would
+    send it, returns data (a finite value) over the runs."""
     binary = prometheus_binary()
     if binary is None:
         pytest.skip(
@@ -240,6 +280,7 @@ async def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: A
                         await executor.execute(where)
                 assert executor.result.attempts == 2
                 await anyio.sleep(1.5)  # the backlog's series is scraped after the run too
+            await rl_loop(tmp_path)
             await _wait_for(client, url, 'asyncexec_runs_total{outcome="finished"} == 1')
             end = time.time() + 1
             empty = []
@@ -274,3 +315,45 @@ def test_a_names_series_start_at_zero_so_rate_sees_the_first_event() -> None:
     assert samples[("asyncexec_runs_total", "failed")] == 0
     assert samples[("asyncexec_preemptions_total", "moved")] == 0
     assert samples[("asyncexec_restart_seconds_count", None)] == 0
+
+
+def test_the_rl_loops_counters_start_at_zero_and_the_channel_meters_its_lag() -> None:
+    """The router's retry, duplicate, late, timeout, taken-out and replaced counters, the
+    pipeline's sample events and update modes made no series before their first event (the
+    dashboard's panels showed "no data"); the channel had no metric at all."""
+    import prometheus_client as prom
+
+    from asyncexec._driver.channel._events import PushEnded, VersionInstalled, VersionRead
+    from asyncexec._driver.channel._metrics import ChannelMeters
+    from asyncexec._driver.channel._sinks import ChannelMetrics
+    from asyncexec._driver.pipeline._router_metrics import RouterMeters
+    from asyncexec._driver.pipeline._sinks import PipelineMetrics, RouterMetrics
+
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    try:
+        RouterMetrics(RouterMeters("rl"))
+        PipelineMetrics(_metrics.pipeline_meters("rl"))
+        channel = ChannelMetrics(ChannelMeters("rl"))
+        channel.handlers()[VersionRead](VersionRead(3, ((0, 2), (1, 0))))
+        channel.handlers()[VersionInstalled](VersionInstalled(1, 3, 3))
+        channel.handlers()[PushEnded](PushEnded(3, 0.25))
+        samples = {
+            (s.name, s.labels.get("event") or s.labels.get("mode") or s.labels.get("rank")): s.value
+            for family in registry.collect()
+            for s in family.samples
+            if s.labels.get("executor") == "rl"
+        }
+    finally:
+        _metrics._metrics = None
+    for name in ("retries", "duplicates_dropped", "late_dropped", "timeouts", "taken_out"):
+        assert samples[(f"asyncexec_router_{name}_total", None)] == 0
+    assert samples[("asyncexec_router_replaced_total", None)] == 0
+    for event in ("admitted", "consumed", "aborted", "requeued", "duplicates", "expired"):
+        assert samples[("asyncexec_pipeline_samples_total", event)] == 0
+    for mode in ("keep", "wait", "abort"):
+        assert samples[("asyncexec_pipeline_pause_seconds_count", mode)] == 0
+    assert samples[("asyncexec_channel_failed_pushes_total", None)] == 0
+    assert samples[("asyncexec_channel_push_seconds_count", None)] == 1
+    assert samples[("asyncexec_channel_version_lag", "0")] == 1  # holds 2 of 3
+    assert samples[("asyncexec_channel_version_lag", "1")] == 0  # installed 3

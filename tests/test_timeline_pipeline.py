@@ -74,7 +74,7 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
         assert [e[2] for e in inside if e[2] == "resume"] in ([], ["resume"])
     assert [u[4] for u in updates] == sorted(u[4] for u in updates)
     # A batch before each update (the learner's loop), all of them in order.
-    batches = _on(events, PIPELINE, "i")
+    batches = [e for e in _on(events, PIPELINE, "i") if e[3] == "batch"]
     assert [e[6]["version"] for e in batches] == list(range(len(batches)))
     assert sum(e[6]["size"] for e in batches) == 16
     for version, update in enumerate(updates):
@@ -86,6 +86,10 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
     assert max(c[6]["in flight"] for c in counters) > 0
     assert counters[-1][6]["in flight"] == 0
     assert [c[4] for c in counters] == sorted(c[4] for c in counters)
+    # The servers' calls, named by what ran (not "call").
+    calls = {e[2] for e in events if e[0] == "X" and e[3] == "call"}
+    assert all(c.startswith("Toy.") for c in calls), calls
+    assert "Toy.generate" in calls
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert names[PIPELINE + 1] == "pipeline"
@@ -101,7 +105,7 @@ async def test_no_pipeline_track_without_a_timeline(mode: str) -> None:
         asyncexec.Pipeline(servers, [{"id": 0, "length": 1}], batch_size=1) as pipe,
     ):
         sinks = [type(sink).__name__ for sink in pipe._observer.sinks]
-        assert sinks == ["Meter", "PipelineMetrics", "PipelineLog"]  # no timeline's
+        assert sinks == ["Meter", "PipelineMetrics", "PipelineLog", "PipelineSpans"]  # no timeline
         assert [len(b) async for b in pipe] == [1]
 
 
@@ -184,3 +188,34 @@ def test_counters_and_one_ranks_reports_export_draw_and_leave_the_ring_whole(
     for i in range(6):  # the oldest entry (3 reports) leaves whole
         timeline.instant(PIPELINE, f"batch v{i} (1)", "batch")
     assert timeline.statistics() == asyncexec.TimelineStatistics(8, 8, 3)
+
+
+def test_the_pipeline_draws_the_learners_wait_each_batchs_staleness_and_lost_requests(
+    tmp_path: Path,
+) -> None:
+    """A batch says its staleness and the learner's wait for it is a span; an expired and an
+    aborted request are marked (they were only counted)."""
+    from asyncexec._driver.pipeline._events import BatchHanded, RequestExpired, SampleReturned
+    from asyncexec._driver.pipeline._sinks import PipelineTimeline
+    from asyncexec._timeline._pipeline import PipelineTrack
+    from asyncexec._timeline._timeline import Timeline
+
+    timeline = Timeline()
+    sink = PipelineTimeline(PipelineTrack(timeline))
+    emit = sink.handlers()
+    emit[BatchHanded](BatchHanded(2, (0, 1, 1, 0), 1, 0.25, 3, 1))
+    emit[RequestExpired](RequestExpired(2, 0.5, 3, 0))
+    emit[SampleReturned](SampleReturned("aborted", 2, 0))
+    emit[SampleReturned](SampleReturned("finished", 1, 1))
+    events = timeline.events()
+    [wait] = [e for e in events if e[3] == "wait"]
+    assert wait[2] == "learner waits (v2)" and wait[5] - wait[4] == pytest.approx(0.25)
+    [batch] = [e for e in events if e[3] == "batch"]
+    assert batch[2] == "batch v2 (4, staleness ≤1)"
+    assert batch[6]["staleness_max"] == 1 and batch[6]["staleness_mean"] == 0.5
+    assert wait[5] <= batch[4]
+    marked = [(e[0], e[2], e[6]["version"]) for e in events if e[3] in ("expired", "aborted")]
+    assert marked == [("i", "expired", 2), ("i", "aborted", 2)]
+    assert [e[6]["in flight"] for e in events if e[0] == "C"] == [3, 2, 1]
+    pytest.importorskip("matplotlib")
+    timeline.render(tmp_path / "p.png")

@@ -5,6 +5,7 @@ returned)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,6 +94,113 @@ async def test_a_span_the_users_method_opens_is_a_child_of_the_drivers_call(
     ranks = sorted(calls[out["parent"]].attributes["asyncexec.rank"] for out in plain)
     assert ranks == [0, 1]
     assert calls[method["parent"]].attributes["asyncexec.function"] == "Worker.work"
+
+
+class Base:
+    def who(self, x: int) -> int:
+        return x
+
+
+class Named(Base):
+    """A role whose method is inherited: ``Named.who`` is ``Base.who``."""
+
+
+class Echo(asyncexec.RolloutServer):
+    async def chunks(self, prompt: Any) -> Any:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+async def test_every_call_is_named_by_its_roles_class_and_method(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    """A method named through ``asyncexec.method`` (as the router names its servers'), an
+    inherited one and a plain function: each span says what ran, never ``NamedMethod``."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, roles=Named) as ex:
+        await ex.call(asyncexec.method(Named, "who"), 1, on=asyncexec.rank(0))
+        await ex.call(Named.who, 2, on=asyncexec.rank(1))
+        await ex.execute(span_in_worker, 3)
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, roles=Echo) as servers,
+        asyncexec.Router(servers) as router,
+    ):
+        await router.generate(asyncexec.RolloutRequest(0, "p"))
+    names = [
+        s.attributes["asyncexec.function"]
+        for s in exported.get_finished_spans()
+        if s.name == "asyncexec.call"
+    ]
+    assert names.count("Named.who") == 2
+    assert names.count("span_in_worker") == 2
+    assert "Echo.generate" in names
+    assert not [n for n in names if "NamedMethod" in n or n == "Base.who"], names
+
+
+class WeightsLearner:
+    def __init__(self) -> None:
+        asyncexec.serve_weights(lambda: {"w": 1})
+
+
+async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_attempts(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    """A batch, an update holding its pause, push and resume (each holding the calls and the
+    channel's pushes it made), a router request holding its attempt, holding its call."""
+    prompts = [f"p{i}" for i in range(8)]
+    async with contextlib.AsyncExitStack() as stack:
+        servers = await stack.enter_async_context(
+            asyncexec.Executor(2, resources_per_worker={"CPU": 0.25}, roles=Echo)
+        )
+        channel = None
+        if mode == "ray":  # (a channel needs Ray's object store)
+            learner = await stack.enter_async_context(
+                asyncexec.Executor(1, resources_per_worker={"CPU": 0.25}, roles=WeightsLearner)
+            )
+            channel = await stack.enter_async_context(asyncexec.WeightChannel(learner, servers))
+        pipe = await stack.enter_async_context(
+            asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1, channel=channel)
+        )
+        async for _ in pipe:
+            state = () if channel else ({"w": 1},)
+            await pipe.update_weights(*state, on_update="abort")
+    spans = exported.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent(span: Any) -> Any:
+        return None if span.parent is None else by_id.get(span.parent.span_id)
+
+    batches = [s for s in spans if s.name == "asyncexec.pipeline.batch"]
+    assert [s.attributes["version"] for s in batches] == [0, 1]
+    assert all(s.attributes["size"] == 4 for s in batches)
+    updates = [s for s in spans if s.name == "asyncexec.pipeline.update"]
+    assert [(u.attributes["mode"], u.attributes["version"]) for u in updates] == [
+        ("abort", 1),
+        ("abort", 2),
+    ]
+    for phase in ("pause", "push", "resume"):
+        found = [s for s in spans if s.name == f"asyncexec.pipeline.{phase}"]
+        assert sorted(parent(s).context.span_id for s in found) == sorted(
+            u.context.span_id for u in updates
+        ), phase
+    pauses = {s.context.span_id for s in spans if s.name == "asyncexec.pipeline.pause"}
+    assert [s for s in spans if s.name == "asyncexec.call" and parent(s).context.span_id in pauses]
+    pushes = {s.context.span_id for s in spans if s.name == "asyncexec.pipeline.push"}
+    reads = [s for s in spans if s.name == "asyncexec.push.read"]  # the channel's
+    assert len(reads) == (3 if mode == "ray" else 0)  # (the pipeline's first push, then 2)
+    assert all(parent(s).context.span_id in pushes for s in reads[1:])
+    installs = [
+        s for s in spans if s.attributes.get("asyncexec.function") == "Echo.install_weights"
+    ]
+    if mode == "local":  # (without a channel: the servers' installs)
+        assert installs and all(parent(s).context.span_id in pushes for s in installs)
+    attempts = [s for s in spans if s.name == "asyncexec.router.attempt"]
+    assert len(attempts) >= len(prompts)
+    for attempt in attempts:
+        assert parent(attempt).name == "asyncexec.router.request"
+    generates = [s for s in spans if s.attributes.get("asyncexec.function") == "Echo.generate"]
+    assert {parent(s).name for s in generates} == {"asyncexec.router.attempt"}
 
 
 def span_in_run() -> None:

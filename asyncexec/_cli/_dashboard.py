@@ -32,6 +32,13 @@ EVENTS = frozenset(
         "asyncexec_stragglers",
         "asyncexec_call_resends",
         "asyncexec_ranks_renewed",
+        "asyncexec_router_retries",
+        "asyncexec_router_duplicates_dropped",
+        "asyncexec_router_late_dropped",
+        "asyncexec_router_timeouts",
+        "asyncexec_router_taken_out",
+        "asyncexec_router_replaced",
+        "asyncexec_channel_failed_pushes",
     }
 )
 #: The panels that come first, in this order (the rest follow by name).
@@ -60,18 +67,23 @@ class MetricDef:
 
 
 def metric_definitions() -> list[MetricDef]:
-    """asyncexec's metrics, read from collectors made in a registry of their own (the
-    process's metrics are not touched): those of :data:`FIRST`, then the rest by name.
+    """asyncexec's metrics (the executors', the RL pipeline's, the router's and the weight
+    channel's), read from collectors made in a registry of their own (the process's metrics are
+    not touched): those of :data:`FIRST`, then the rest by name.
 
     Raises:
         ImportError: prometheus_client is not installed (the ``metrics`` extra).
     """
     import prometheus_client as prom
 
-    from .._driver._metrics import Metrics
+    from .._driver._metrics import Metrics, pipeline_collectors
+    from .._driver.channel._metrics import channel_collectors
+    from .._driver.pipeline._router_metrics import router_collectors
 
     registry = prom.CollectorRegistry()
-    Metrics(registry)
+    made = Metrics(registry)
+    for collectors in (pipeline_collectors, router_collectors, channel_collectors):
+        collectors(made)  # made on first use by a pipeline, a router, a channel
     found = []
     for collector in _collectors(registry):
         [family] = collector.describe()

@@ -57,6 +57,7 @@ __all__ = [
     "Target",
     "compact",
     "concat",
+    "call_label",
     "estimated_nbytes",
     "least_loaded",
     "method_of",
@@ -119,6 +120,10 @@ class CallPlan:
     #: An ``async def`` (method or function): cancelled on the worker when its caller stops
     #: waiting. A plain one runs to its end.
     cancellable: bool = False
+    #: What ran, as the timeline, the spans and the logs name it: ``PolicyServer.generate`` for a
+    #: role's method (by the role's class, which an inherited method's ``__qualname__`` is not),
+    #: the function's qualified name for a plain function.
+    label: str = ""
     _returned_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     #: How the worker's ``call_method`` names ``method`` (``_interface.method_key``); "" for a
@@ -312,6 +317,7 @@ def plan_call(
         names=tuple(names),
         plain=method is not None and _one_at_a_time(fn, method, roles),
         cancellable=inspect.iscoroutinefunction(_code(fn)),
+        label=call_label(fn, method, roles),
     )
 
 
@@ -319,7 +325,7 @@ def plan_call(
 #: whether it takes ``self``, ``plain``, ``cancellable``, and the arguments' names by how many
 #: there are: they bind to the method), per group's roles (held, by identity: an executor's are
 #: fixed) and function; looked up again when the class's attribute changed.
-_Found = tuple[RoleMethod, bool, bool, bool, dict[int, tuple[str, ...]]]
+_Found = tuple[RoleMethod, bool, bool, bool, str, dict[int, tuple[str, ...]]]
 _FOUND: dict[int, tuple[Sequence[Role[Any]], dict[Any, _Found]]] = {}
 
 
@@ -348,8 +354,9 @@ def _quick_plan(
         with_self = takes_self(roles[method.role_index].cls, method.name)
         cancellable = inspect.iscoroutinefunction(fn)
         plain = not cancellable and roles[method.role_index].max_concurrency == 1
-        found = held[1][fn] = (method, with_self, plain, cancellable, {})
-    method, with_self, plain, cancellable, named = found
+        label = call_label(fn, method, roles)
+        found = held[1][fn] = (method, with_self, plain, cancellable, label, {})
+    method, with_self, plain, cancellable, label, named = found
     names = named.get(len(args))
     if names is None:  # binds, or raises: only a call that binds is kept
         names = _role_method_names(fn, with_self, len(args), ())
@@ -379,7 +386,17 @@ def _quick_plan(
         names,
         plain,
         cancellable,
+        label,
     )
+
+
+def call_label(
+    fn: Callable[..., Any], method: RoleMethod | None, roles: Sequence[Role[Any]]
+) -> str:
+    """What a call of ``fn`` runs, named for people (see ``CallPlan.label``)."""
+    if method is None:
+        return qualname(fn)
+    return f"{roles[method.role_index].name}.{method.name}"
 
 
 def _one_at_a_time(fn: Callable[..., Any], method: RoleMethod, roles: Sequence[Role[Any]]) -> bool:

@@ -313,7 +313,9 @@ class WorkerCalls:
                 last = exc
                 dead.add(worker.handle.key)
                 tried.add(taken[1])
-                self.log.warning("call_sent_again", rank=taken[1], error=describe(exc))
+                self.log.warning(
+                    "call_sent_again", function=plan.label, rank=taken[1], error=describe(exc)
+                )
 
 
 def _slot_freed(group: WorkerGroup, loads: Loads) -> Awaitable[Slot | None]:

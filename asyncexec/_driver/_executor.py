@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from .._dispatch._plan import Role, roles_of, roles_payload
 from .._errors import ConfigurationError
 from .._logging import get_logger
-from .._timeline._timeline import new_timeline
+from .._timeline._timeline import Timeline, new_timeline
 from .._wire._protocol import WorkerContext
 from ..backends._base import Backend
 from ._config import (
@@ -128,7 +128,9 @@ class Executor(WorkerCalls, ExecutorRuns):
             no Ray; for debugging and tests); ``None``: as ``ASYNCEXEC_LOCAL`` says.
         timeline: keep a :class:`Timeline` of the ranks' steps, calls, pushes and restarts
             (``executor.timeline``; export it for Perfetto or draw it as a PNG): ``True`` for
-            the last 100,000 events, or how many to keep; off (``False``) by default.
+            the last 100,000 events, or how many to keep, or a :class:`Timeline` that other
+            executors record into too (this one's part a process named ``name``, on one
+            clock); off (``False``) by default.
         **legacy: the options grouped into ``timeouts`` and ``health`` in 0.2, under their old
             names (``start_timeout_s=``, ``health_check_interval_s=``, ...): deprecated.
     """
@@ -157,7 +159,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         reservation: Reservation | None = None,
         elastic_check_interval_s: float = _D.elastic_check_interval_s,
         local: bool | None = None,
-        timeline: bool | int = False,
+        timeline: bool | int | Timeline = False,
         **legacy: Any,
     ) -> None:
         timeouts, health = grouped_options(timeouts, health, legacy)
@@ -203,7 +205,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         self.id = uuid.uuid4().hex[:8]
         self.log = get_logger(executor=f"{name}-{self.id}")
         #: What the ranks and the driver did, and when (a :class:`Timeline`), or None when off.
-        self.timeline = new_timeline(timeline)
+        self.timeline = new_timeline(timeline, name)
         self._life = Lifecycle(self.config, backend, self.log, pool, reservation, self.timeline)
         self._init_calls()
         self._init_runs()

@@ -51,6 +51,7 @@ __all__ = [
     "enable_metrics",
     "metrics",
     "pipeline_meters",
+    "pipeline_collectors",
     "start_metrics_server",
 ]
 
@@ -504,7 +505,7 @@ class RunMeter:
 _pipeline_made: weakref.WeakKeyDictionary[Metrics, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def _pipeline_collectors(m: Metrics) -> dict[str, Any]:
+def pipeline_collectors(m: Metrics) -> dict[str, Any]:
     """The RL pipeline's collectors in ``m``'s registry: by the servers' executor (bounded),
     the kind of sample event and the update mode (fixed sets); never a sample's id or a
     prompt."""
@@ -570,7 +571,7 @@ class PipelineMeters:
         m = _metrics
         if m is None:
             return
-        made = _pipeline_collectors(m)
+        made = pipeline_collectors(m)
         for value in staleness:
             made["staleness"].labels(self.executor).observe(value)
         made["wait"].labels(self.executor).observe(waited_s)
@@ -581,10 +582,26 @@ class PipelineMeters:
                 made["samples"].labels(self.executor, event).inc(delta)
             self._synced[event] = total
 
+    def zero(self) -> None:
+        """The pipeline's series at 0 (each sample event's, each update mode's, the
+        histograms'), so that ``rate()`` sees their first increment and a panel shows 0 for
+        what has not happened yet."""
+        m = _metrics
+        if m is None:
+            return
+        made = pipeline_collectors(m)
+        label = m.executors(self.executor)
+        for event in ("admitted", "consumed", "aborted", "requeued", "duplicates", "expired"):
+            made["samples"].collector.labels(label, event)
+        for mode in ("keep", "wait", "abort"):
+            made["pause"].collector.labels(label, mode)
+        made["staleness"].collector.labels(label)
+        made["wait"].collector.labels(label)
+
     def paused(self, mode: str, seconds: float) -> None:
         m = _metrics
         if m is not None:
-            _pipeline_collectors(m)["pause"].labels(self.executor, mode).observe(seconds)
+            pipeline_collectors(m)["pause"].labels(self.executor, mode).observe(seconds)
 
 
 def pipeline_meters(executor: str) -> PipelineMeters:

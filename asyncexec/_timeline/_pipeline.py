@@ -1,9 +1,10 @@
 """The RL pipeline on its servers' executor's timeline (``Executor(timeline=True)``): a track
-of its own
-(:data:`~asyncexec._timeline._timeline.PIPELINE`) with each weight update (the pause, with its
-mode and the generations in flight when it began; the push; the resume) and each batch handed
-to the learner, and two counters (Chrome trace ``"C"`` events, drawn by Perfetto as counter
-tracks): the requests in flight and the samples buffered, at each admission and each return.
+of its own (:data:`~asyncexec._timeline._timeline.PIPELINE`) with each weight update (the
+pause, with its mode and the generations in flight when it began; the push; the resume), each
+batch handed to the learner (with its staleness, and the learner's wait for it as a span), each
+request expired or aborted (marked), and two counters (Chrome trace ``"C"`` events, drawn by
+Perfetto as counter tracks): the requests in flight and the samples buffered, at each admission
+and each return.
 
 The pipeline's timeline sink (``_driver/pipeline/_sinks.py``) calls the functions here, one per
 event; with the timeline off the pipeline has no such sink, and they are not called.
@@ -20,6 +21,7 @@ __all__ = [
     "PipelineTrack",
     "batch_handed",
     "counted",
+    "request_ended",
     "pipeline_track",
     "update_ended",
     "update_paused",
@@ -85,9 +87,41 @@ def update_ended(track: PipelineTrack | None, mode: str, push_s: float, version:
     timeline.span(PIPELINE, f"update v{version} ({mode})", "update", began, now, args)
 
 
-def batch_handed(track: PipelineTrack | None, version: int, size: int, waited_s: float) -> None:
+def batch_handed(
+    track: PipelineTrack | None,
+    version: int,
+    size: int,
+    waited_s: float,
+    staleness_max: int = 0,
+    staleness_mean: float = 0.0,
+) -> None:
     """The learner took a batch of ``size`` samples at ``version`` after waiting ``waited_s``
-    (an instant)."""
+    (an instant, with the batch's staleness; and the learner's wait, a span ending now, when
+    it waited)."""
+    if track is None:
+        return
+    args = {
+        "version": version,
+        "size": size,
+        "waited_s": round(waited_s, 6),
+        "staleness_max": staleness_max,
+        "staleness_mean": round(staleness_mean, 3),
+    }
+    name = f"batch v{version} ({size}, staleness ≤{staleness_max})"
+    if waited_s > 0:
+        now = time.monotonic()
+        wait = {"version": version, "waited_s": round(waited_s, 6)}
+        track.timeline.span(
+            PIPELINE, f"learner waits (v{version})", "wait", now - waited_s, now, wait
+        )
+    track.timeline.instant(PIPELINE, name, "batch", args)
+
+
+def request_ended(
+    track: PipelineTrack | None, outcome: str, version: int, in_flight_s: float
+) -> None:
+    """A request was ``"expired"`` (cancelled after ``in_flight_s``, its prompt requeued) or
+    ``"aborted"`` (by an update's pause) at the learner's ``version``: an instant, marked."""
     if track is not None:
-        args = {"version": version, "size": size, "waited_s": round(waited_s, 6)}
-        track.timeline.instant(PIPELINE, f"batch v{version} ({size})", "batch", args)
+        args = {"version": version, "in_flight_s": round(in_flight_s, 6)}
+        track.timeline.instant(PIPELINE, outcome, outcome, args)

@@ -1,12 +1,19 @@
-"""A timeline drawn as a PNG with matplotlib (the ``timeline`` extra): one row per rank and one
-for the driver, spans coloured by kind, instants as ticks, restarts shaded and marked."""
+"""A timeline drawn as a PNG with matplotlib (the ``timeline`` extra): a section per executor
+that recorded into it (titled by its name when there are several), all on one time axis; in each,
+one row per rank and one for the driver (and the RL pipeline), spans coloured by kind, instants
+as ticks, restarts shaded and marked. A rank's calls are drawn as its occupancy: the calls in
+flight over time, up to the most it held (labelled on the row), so that a server's 4
+concurrent ``generate`` calls read as 4, not as one bar; the long ones (well past the
+median call of their rank) are marked above it."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import statistics
 from typing import Any
 
-__all__ = ["COLOURS", "render"]
+__all__ = ["COLOURS", "long_calls", "occupancy", "render"]
 
 #: The colour of each kind of span.
 COLOURS = {
@@ -21,17 +28,52 @@ COLOURS = {
     "pause": "#c9a227",
     "update": "#64b5cd",
     "batch": "#2ca02c",
+    "wait": "#b0b0b0",
+    "expired": "#e6550d",
+    "aborted": "#000000",
+    "long call": "#8b0000",
 }
 _OTHER = "#7f7f7f"
 #: The tracks that are not ranks (the driver's, the RL pipeline's).
 _NAMES = {-1: "driver", -2: "pipeline"}
+#: A call is long when it took this many times its rank's median call, or more.
+LONG = 3.0
+#: About how many characters of a label (7 points) fit across the picture's time axis.
+_CHARS = 190
+
+
+def occupancy(spans: list[tuple[float, float]]) -> list[tuple[float, int]]:
+    """The calls in flight over time: ``(time, count from then on)`` at each start and end of
+    ``spans`` (``(start, width)`` each), in time order."""
+    edges = sorted([(s, 1) for s, _ in spans] + [(s + w, -1) for s, w in spans])
+    steps: list[tuple[float, int]] = []
+    count = 0
+    for at, change in edges:
+        count += change
+        if steps and steps[-1][0] == at:
+            steps[-1] = (at, count)
+        else:
+            steps.append((at, count))
+    return steps
+
+
+def long_calls(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The calls of ``spans`` that took :data:`LONG` times their median or more (none when
+    there are fewer than 5 to judge by)."""
+    if len(spans) < 5:
+        return []
+    median = statistics.median(w for _, w in spans)
+    return [(s, w) for s, w in spans if w >= LONG * median and w > 0]
 
 
 def render(
-    events: list[Any], origin: float, path: str | os.PathLike[str], title: str | None = None
+    processes: list[tuple[str, list[Any]]],
+    origin: float,
+    path: str | os.PathLike[str],
+    title: str | None = None,
 ) -> None:
-    """Draw ``events`` (a timeline's, times on its clock) to ``path``, in seconds from the
-    first event (from ``origin`` when there is none)."""
+    """Draw ``processes`` (each a name and its timeline's events, on one clock) to ``path``, in
+    seconds from the first event (from ``origin`` when there is none)."""
     try:
         import matplotlib
 
@@ -42,10 +84,41 @@ def render(
         raise ImportError(
             "drawing a timeline needs matplotlib: pip install 'asyncexec[timeline]'"
         ) from exc
-    origin = min((e[4] for e in events), default=origin)
-    tracks = sorted({e[1] for e in events} | {-1})
+    origin = min((e[4] for _, events in processes for e in events), default=origin)
+    sections = [(name, _tracks(events)) for name, events in processes]
+    heights = [len(tracks) + 0.8 for _, tracks in sections]
+    fig, axes = plt.subplots(
+        len(sections),
+        1,
+        figsize=(12, 0.6 + 0.45 * sum(heights)),
+        dpi=110,
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
+    kinds: set[str] = set()
+    for ax, (name, _), (_, events) in zip(axes[:, 0], sections, processes, strict=True):
+        kinds |= _section(ax, events, origin)
+        if len(sections) > 1:
+            ax.set_title(name, loc="left", fontsize=10, fontweight="bold")
+    axes[-1, 0].set_xlabel("seconds")
+    handles = [Patch(color=COLOURS.get(kind, _OTHER), label=kind) for kind in sorted(kinds)]
+    fig.legend(handles=handles, loc="upper right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.savefig(os.fspath(path))
+    plt.close(fig)
+
+
+def _tracks(events: list[Any]) -> list[int]:
+    return sorted({e[1] for e in events} | {-1})
+
+
+def _section(ax: Any, events: list[Any], origin: float) -> set[str]:
+    """Draw one executor's ``events`` on ``ax``; return the kinds drawn (for the legend)."""
+    tracks = _tracks(events)
     rows = {track: i for i, track in enumerate(reversed(tracks))}  # the driver on top
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * len(tracks)), dpi=110)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     labels: dict[tuple[int, str], list[str]] = {}
     marks: list[tuple[float, int, str]] = []
@@ -64,11 +137,18 @@ def render(
         ax.axvspan(begin, begin + width, color=COLOURS["restart"], alpha=0.12, lw=0)
         ax.axvline(begin, color=COLOURS["failure"], lw=1.2, ls="--")
         ax.text(begin, len(tracks) - 0.35, " restart", color=COLOURS["failure"], fontsize=8)
+    kinds = {kind for _, kind in bars} | {kind for _, _, kind in marks}
+    if restarts:
+        kinds.add("restart")
     # A pipeline's update first: its pause, push and resume are drawn over it.
     for (track, kind), spans in sorted(bars.items(), key=lambda item: item[0][1] != "update"):
         y = rows[track]
+        if kind == "call" and track >= 0 and _concurrent(spans):
+            if _occupancy(ax, spans, y):
+                kinds.add("long call")
+            continue
         # A driver's nested phases are drawn thinner, over the span that holds them.
-        height = 0.7 if kind in ("step", "call", "push", "attempt", "update") else 0.5
+        height = 0.7 if kind in ("step", "call", "push", "attempt", "update", "wait") else 0.5
         ax.broken_barh(
             spans,
             (y - height / 2, height),
@@ -76,40 +156,63 @@ def render(
             edgecolors="white",
             linewidth=0.3,
         )
-    _label_driver(ax, bars, labels, rows)
+    _label_spans(ax, bars, labels, rows)
     for at, track, kind in marks:
         y = rows[track]
-        ax.plot([at, at], [y - 0.45, y + 0.45], color=COLOURS.get(kind, _OTHER), lw=1.5)
+        if kind in ("expired", "aborted"):  # many: a dot each, under the row's spans
+            ax.plot([at], [y - 0.42], marker="v", ms=4, color=COLOURS[kind], ls="none")
+        else:
+            ax.plot([at, at], [y - 0.45, y + 0.45], color=COLOURS.get(kind, _OTHER), lw=1.5)
     ax.set_yticks([rows[t] for t in tracks])
     ax.set_yticklabels([_NAMES.get(t, f"rank {t}") for t in tracks])
     ax.set_ylim(-0.6, len(tracks) - 0.2)
-    ax.set_xlabel("seconds")
     ax.grid(axis="x", alpha=0.3)
-    kinds = sorted({kind for _, kind in bars} | {kind for _, _, kind in marks})
-    if restarts:
-        kinds = sorted({*kinds, "restart"})
-    handles = [Patch(color=COLOURS.get(kind, _OTHER), label=kind) for kind in kinds]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    if title:
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(os.fspath(path))
-    plt.close(fig)
+    return kinds
 
 
-def _label_driver(
+def _concurrent(spans: list[tuple[float, float]]) -> bool:
+    ordered = sorted(spans)
+    return any(b[0] < a[0] + a[1] for a, b in itertools.pairwise(ordered))
+
+
+def _occupancy(ax: Any, spans: list[tuple[float, float]], y: int) -> bool:
+    """A rank's calls in flight over time, filled up to its row's height at the most it held
+    (written at the row's end), the long calls marked above; return whether any was long."""
+    steps = occupancy(spans)
+    most = max(count for _, count in steps) or 1
+    xs = [at for at, _ in steps]
+    levels = [y - 0.35 + 0.7 * count / most for _, count in steps]
+    ax.fill_between(
+        xs, y - 0.35, levels, step="post", color=COLOURS["call"], alpha=0.85, linewidth=0
+    )
+    ax.text(xs[-1], y, f" ≤{most} in flight", va="center", fontsize=7, color="#555555")
+    long = long_calls(spans)
+    if long:
+        ax.broken_barh(
+            long, (y + 0.37, 0.08), facecolors=COLOURS["long call"], edgecolors="white", lw=0.5
+        )
+    return bool(long)
+
+
+def _label_spans(
     ax: Any,
     bars: dict[tuple[int, str], list[tuple[float, float]]],
     labels: dict[tuple[int, str], list[str]],
     rows: dict[int, int],
 ) -> None:
-    """Name the driver's spans where they have room (6 % of the picture or more)."""
+    """Name the driver's and the pipeline's spans where their name fits inside them (a span
+    too short for its name keeps its colour, which the legend names): readable at any run
+    length. An update is not named: its pause, push and resume are, over it."""
     total = max((s + w for spans in bars.values() for s, w in spans), default=1.0) or 1.0
+    per_char = total / _CHARS
     for (track, kind), spans in bars.items():
-        if track != -1:  # (the pipeline's names are longer than its spans: its legend tells)
+        if track not in (-1, -2) or kind == "update":
             continue
-        for (begin, width), label in zip(spans, labels[(track, kind)], strict=True):
-            if width > 0.06 * total:  # the driver's phases named where they have room
+        for (begin, width), full in zip(spans, labels[(track, kind)], strict=True):
+            # The whole name, else its head ("pause" of "pause (wait, 4 in flight)"), else none.
+            fits = [n for n in (full, full.split(" (")[0]) if width >= (len(n) + 2) * per_char]
+            if fits:
+                label = fits[0]
                 ax.text(
                     begin + width / 2,
                     rows[track],
@@ -117,6 +220,6 @@ def _label_driver(
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="white",
+                    color="white" if kind != "wait" else "black",
                     clip_on=True,
                 )

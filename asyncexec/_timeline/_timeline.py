@@ -35,8 +35,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from .._dispatch._role import qualname
 from .._wire import _tracing
 from .._wire._protocol import ReportTimes
+from ._export import trace_events, track_name
 
 __all__ = [
     "DRIVER",
@@ -98,22 +100,55 @@ class TimelineStatistics:
     dropped: int
 
 
+class _Ring:
+    """The events of a timeline and of every timeline that joined it (:meth:`Timeline.joined`),
+    oldest first, with the process each was recorded for, on one clock."""
+
+    __slots__ = (
+        "capacity",
+        "entries",
+        "held",
+        "names",
+        "origin",
+        "pids",
+        "recorded",
+        "wall_origin",
+    )
+
+    def __init__(self, capacity: int, name: str) -> None:
+        self.capacity = capacity
+        #: The entries: an event, or a batch of steps (its spans made when they are read).
+        self.entries: collections.deque[Any] = collections.deque()
+        self.pids: collections.deque[int] = collections.deque()  # each entry's process
+        self.held = 0  # the events in the entries
+        self.recorded = 0
+        self.names = [name]  # each process's name, by its index
+        self.origin = time.monotonic()
+        self.wall_origin = time.time()
+
+
 class Timeline:
     """What an executor's ranks and driver did, and when (see the module's docstring).
 
+    One timeline may hold several executors' (and the pipeline's and router's over them), on
+    one clock: pass it to each (``Executor(timeline=shared, name="learner")``); each records into
+    a process of its own, named by the executor (:meth:`joined`), and ``shared.export(path)``
+    writes them all: one Perfetto process per executor, one PNG section per executor.
+
     Args:
-        capacity: the most events kept; older ones are dropped (counted in
-            :meth:`statistics`).
+        capacity: the most events kept, all processes together; older ones are dropped
+            (counted in :meth:`statistics`).
+        name: the name of its own process (what an export titles it by).
     """
 
-    def __init__(self, capacity: int = CAPACITY) -> None:
+    def __init__(self, capacity: int = CAPACITY, name: str = "asyncexec") -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-        self.capacity = capacity
-        #: The entries: an event, or a batch of steps (its spans made when they are read).
-        self._events: collections.deque[Any] = collections.deque()
-        self._held = 0  # the events in the entries
-        self._recorded = 0
+        self._ring = _Ring(capacity, name)
+        self._pid = 0  # this timeline's process in the ring
+        self._init_state()
+
+    def _init_state(self) -> None:
         #: The restart under way: when it began, and when the function started again.
         self._restart: float | None = None
         self._restarted_fn: float | None = None
@@ -122,26 +157,58 @@ class Timeline:
         self._phases: dict[float, float] = {}
         #: Deliveries under way: their start, by version.
         self._deliveries: dict[int, float] = {}
-        self.origin = time.monotonic()
-        self.wall_origin = time.time()
+
+    def joined(self, name: str) -> Timeline:
+        """A timeline that records into this one's ring as a process of its own, ``name`` (an
+        executor's): on this one's clock, exported with it; its own :meth:`events` are its
+        process's."""
+        view = object.__new__(Timeline)
+        view._ring = self._ring
+        view._pid = len(self._ring.names)
+        self._ring.names.append(name)
+        view._init_state()
+        return view
+
+    @property
+    def capacity(self) -> int:
+        return self._ring.capacity
+
+    @property
+    def name(self) -> str:
+        """The name of this timeline's process."""
+        return self._ring.names[self._pid]
+
+    @property
+    def origin(self) -> float:
+        """When the timeline (the first of those joined) began, on ``time.monotonic()``."""
+        return self._ring.origin
+
+    @property
+    def wall_origin(self) -> float:
+        return self._ring.wall_origin
 
     def __repr__(self) -> str:
-        return f"<Timeline events={self._held} capacity={self.capacity}>"
+        return f"<Timeline {self.name!r} events={self._ring.held} capacity={self.capacity}>"
 
     def statistics(self) -> TimelineStatistics:
-        """How many events it holds, its capacity, and how many were dropped."""
-        return TimelineStatistics(self._held, self.capacity, self._recorded - self._held)
+        """How many events it holds, its capacity, and how many were dropped (all processes
+        together)."""
+        ring = self._ring
+        return TimelineStatistics(ring.held, ring.capacity, ring.recorded - ring.held)
 
     def _add(self, entry: Any, events: int) -> None:
         """Keep ``entry`` (of ``events`` events), dropping the oldest entries past the
         capacity."""
-        queue = self._events
+        ring = self._ring
+        queue = ring.entries
         queue.append(entry)
-        self._recorded += events
-        self._held += events
-        while self._held > self.capacity:
+        ring.pids.append(self._pid)
+        ring.recorded += events
+        ring.held += events
+        while ring.held > ring.capacity:
             old = queue.popleft()
-            self._held -= old[1] if old[0] in "BR" else 1
+            ring.pids.popleft()
+            ring.held -= old[1] if old[0] in "BR" else 1
 
     # Recording --------------------------------------------------------------------------------
 
@@ -240,12 +307,26 @@ class Timeline:
     # Export -----------------------------------------------------------------------------------
 
     def events(self) -> list[Event]:
-        """The events held, oldest first: each rank's span of each step (``step N``), from the
-        end of its previous ``report()`` (when its worker did not say, from its previous
-        report)."""
+        """This process's events held, oldest first: each rank's span of each step (``step N``),
+        from the end of its previous ``report()`` (when its worker did not say, from its
+        previous report)."""
+        return self._process_events(self._pid)
+
+    def processes(self) -> list[tuple[str, list[Event]]]:
+        """Each process's name and :meth:`events` (this one's first, then those that joined
+        it, in the order they joined; a process with no event left out, unless none has
+        any)."""
+        names = self._ring.names
+        found = [(names[pid], self._process_events(pid)) for pid in range(len(names))]
+        return [(name, events) for name, events in found if events] or found[:1]
+
+    def _process_events(self, pid: int) -> list[Event]:
         out: list[Event] = []
         last: dict[int, float] = {}
-        for entry in self._events:
+        ring = self._ring
+        for entry, of in zip(ring.entries, ring.pids, strict=True):
+            if of != pid:
+                continue
             if entry[0] == "R":
                 _, count, first, rank, calls, busy, offset = entry
                 previous = _steps(out, rank, first, calls, busy, 0, count, offset, last.get(rank))
@@ -266,57 +347,23 @@ class Timeline:
                     last[rank] = previous
         return out
 
-    def trace_events(self, name: str = "asyncexec") -> list[dict[str, Any]]:
+    def trace_events(self, name: str | None = None) -> list[dict[str, Any]]:
         """The events as Chrome trace events (what ui.perfetto.dev and chrome://tracing read):
-        one process ``name``, one thread (track) for the driver and one per rank; times in
-        microseconds since the timeline began."""
-        events = self.events()
-        tracks = sorted({e[1] for e in events} | {DRIVER})
-        out: list[dict[str, Any]] = [
-            {"ph": "M", "pid": 1, "tid": 0, "name": "process_name", "args": {"name": name}}
-        ]
-        for track in tracks:
-            label = track_name(track)
-            out.append(
-                {
-                    "ph": "M",
-                    "pid": 1,
-                    "tid": track + 1,
-                    "name": "thread_name",
-                    "args": {"name": label},
-                }
-            )
-            out.append(
-                {
-                    "ph": "M",
-                    "pid": 1,
-                    "tid": track + 1,
-                    "name": "thread_sort_index",
-                    "args": {"sort_index": track + 1},
-                }
-            )
-        origin = self.origin
-        for ph, track, title, kind, start, end, args in events:
-            event: dict[str, Any] = {
-                "ph": ph,
-                "pid": 1,
-                "tid": track + 1,
-                "name": title,
-                "cat": kind,
-                "ts": round((start - origin) * 1e6, 3),
-            }
-            if ph == "X":
-                event["dur"] = round(max(0.0, end - start) * 1e6, 3)
-            elif ph == "i":
-                event["s"] = "t"
-            if args:
-                event["args"] = args
-            out.append(event)
-        return out
+        one process per executor that recorded into it (this one's named ``name`` when given),
+        one thread (track) for its driver and one per rank, concurrent calls on a rank each on
+        a lane of their own; times in microseconds since the timeline began."""
+        return trace_events(self._named(name), self.origin)
 
-    def export(self, path: str | os.PathLike[str], name: str = "asyncexec") -> None:
+    def _named(self, name: str | None) -> list[tuple[str, list[Event]]]:
+        processes = self.processes() if self._pid == 0 else [(self.name, self.events())]
+        if name is not None and len(processes) == 1:
+            processes[0] = (name, processes[0][1])
+        return processes
+
+    def export(self, path: str | os.PathLike[str], name: str | None = None) -> None:
         """Write the timeline as a Chrome trace-event JSON file (open it in ui.perfetto.dev), or
-        as a PNG when ``path`` ends with ``.png`` (see :meth:`render`)."""
+        as a PNG when ``path`` ends with ``.png`` (see :meth:`render`). The timeline that others
+        joined writes them all; a joined one, its own process."""
         if os.fspath(path).lower().endswith(".png"):
             self.render(path, name)
             return
@@ -329,11 +376,14 @@ class Timeline:
             json.dump(document, f)
 
     def render(self, path: str | os.PathLike[str], title: str | None = None) -> None:
-        """Draw the timeline as a PNG: one row per rank and one for the driver, colours by
-        kind, restarts marked (needs matplotlib: the ``timeline`` extra)."""
+        """Draw the timeline as a PNG: a section per executor (titled by its name when there
+        are several), in it one row per rank and one for the driver, colours by kind, each
+        rank's calls in flight, the long ones and restarts marked (needs matplotlib: the
+        ``timeline`` extra)."""
         from ._render import render
 
-        render(self.events(), self.origin, path, title)
+        processes = self._named(None)
+        render(processes, self.origin, path, title)
 
 
 def _steps(
@@ -365,11 +415,6 @@ def _steps(
         out.append(("X", rank, f"step {first + i}", "step", start, at, None))
         previous = at
     return previous
-
-
-def track_name(track: int) -> str:
-    """A track's name: ``driver``, ``pipeline`` or ``rank N``."""
-    return "driver" if track == DRIVER else "pipeline" if track == PIPELINE else f"rank {track}"
 
 
 def _counts(stats: TimelineStatistics) -> dict[str, int]:
@@ -462,16 +507,17 @@ class TimedCall:
     """A call on a rank, awaitable as often as the call is, whose first end is recorded as the
     rank's span from the send (see :func:`traced`), and ends its OpenTelemetry span."""
 
-    __slots__ = ("_call", "_done", "_fn", "_name", "_rank", "_span", "_start", "_timeline")
+    __slots__ = ("_call", "_done", "_name", "_rank", "_span", "_start", "_timeline")
 
-    def __init__(self, timeline: Timeline | None, rank: int, fn: Any, call: Any, span: Any) -> None:
+    def __init__(
+        self, timeline: Timeline | None, rank: int, name: str, call: Any, span: Any
+    ) -> None:
         self._call = call
         self._timeline = timeline
         self._span = span
         self._done = False
         self._rank = rank
-        self._fn = fn
-        self._name = getattr(fn, "__qualname__", None) or "call"
+        self._name = name
         self._start = time.monotonic()
 
     def cancel(self) -> None:
@@ -492,13 +538,17 @@ class TimedCall:
                     end = time.monotonic()
                     self._timeline.span(self._rank, self._name, "call", self._start, end)
                 if self._span is not None:
-                    _tracing.end_call(self._span, self._fn, self._rank, error)
+                    _tracing.end_call(self._span, self._name, self._rank, error)
 
 
 def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
     """``call`` (sent to ``rank`` for ``plan``), recorded on ``group``'s timeline when it has
-    one; ``span`` (its OpenTelemetry span, or None) ends with it."""
-    return traced_fn(group, rank, getattr(plan, "fn", None), call, span)
+    one, named by what it runs (``plan.label``: ``PolicyServer.generate``); ``span`` (its
+    OpenTelemetry span, or None) ends with it."""
+    timeline: Timeline | None = group.timeline
+    if timeline is None and span is None:
+        return call
+    return cast(T, TimedCall(timeline, rank, plan.label, call, span))  # awaited as the call is
 
 
 def traced_fn(group: Any, rank: int, fn: Any, call: T, span: Any = None) -> T:
@@ -506,7 +556,7 @@ def traced_fn(group: Any, rank: int, fn: Any, call: T, span: Any = None) -> T:
     timeline: Timeline | None = group.timeline
     if timeline is None and span is None:
         return call
-    return cast(T, TimedCall(timeline, rank, fn, call, span))  # awaited as the call is
+    return cast(T, TimedCall(timeline, rank, qualname(fn), call, span))
 
 
 def chosen(group: Any, rank: int) -> None:
@@ -522,9 +572,10 @@ async def wait_freed(group: Any, wait: Awaitable[T]) -> T:
     return await timed(group.timeline, DRIVER, "wait for a free rank", "call", wait)
 
 
-def new_timeline(timeline: bool | int) -> Timeline | None:
-    """The timeline an executor keeps: ``True`` for the default capacity, an int for that
-    capacity, ``False`` (or 0) for none.
+def new_timeline(timeline: bool | int | Timeline, name: str = "asyncexec") -> Timeline | None:
+    """The timeline an executor (``name``) keeps: ``True`` for the default capacity, an int for
+    that capacity, ``False`` (or 0) for none, a :class:`Timeline` to record into with others
+    (a process of its own, :meth:`Timeline.joined`).
 
     Raises:
         ConfigurationError: not a bool or a non-negative int.
@@ -533,8 +584,12 @@ def new_timeline(timeline: bool | int) -> Timeline | None:
 
     if timeline is False or timeline is None:
         return None
+    if isinstance(timeline, Timeline):
+        return timeline.joined(name)
     if timeline is True:
-        return Timeline()
+        return Timeline(name=name)
     if not isinstance(timeline, int) or timeline < 0:
-        raise ConfigurationError(f"timeline must be a bool or a number of events, got {timeline!r}")
-    return Timeline(timeline) if timeline else None
+        raise ConfigurationError(
+            f"timeline must be a bool, a number of events or a Timeline, got {timeline!r}"
+        )
+    return Timeline(timeline, name) if timeline else None

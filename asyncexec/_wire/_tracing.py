@@ -5,11 +5,15 @@ library until a span is made).
 With the ``tracing`` extra (``opentelemetry-api``) and a tracer provider set by the application
 (``opentelemetry.trace.set_tracer_provider``: the SDK with the exporter it chose), the driver
 opens spans named ``asyncexec.run``, ``asyncexec.attempt``, ``asyncexec.restart``,
-``asyncexec.call`` (one per rank a call goes to) and ``asyncexec.push.read`` /
-``asyncexec.push.deliver``. A call carries its span's context to the worker as a W3C
-``traceparent`` (inside the call's leading argument: see :class:`Carried`), where it is the
-current context while the method runs: a span the method opens is a child of the driver's call
-(a run's function, likewise, of its attempt's span: ``RunStart.trace_context``). asyncexec
+``asyncexec.call`` (one per rank a call goes to), ``asyncexec.push.read`` /
+``asyncexec.push.deliver``, and the RL loop's: ``asyncexec.pipeline.batch``,
+``asyncexec.pipeline.update`` (holding ``.pause``, ``.push`` and ``.resume``, each holding the
+calls and pushes it made) and ``asyncexec.router.request`` (holding an
+``asyncexec.router.attempt`` per server it went to, each holding its call). A call carries its
+span's context to the worker as a W3C ``traceparent`` (inside the call's leading argument: see
+:class:`Carried`), where it is the current context while the method runs: a span the method
+opens is a child of the driver's call (a run's function, likewise, of its attempt's span:
+``RunStart.trace_context``). asyncexec
 configures no exporter, as it configures no logging: with no provider set (the API's default),
 nothing is made and nothing is carried, and without the API installed each place pays one
 check.
@@ -38,9 +42,12 @@ __all__ = [
     "finish",
     "in_span",
     "plain",
+    "record",
+    "spanned",
     "start",
     "traceparent",
     "tracer",
+    "within",
 ]
 
 T = TypeVar("T")
@@ -108,6 +115,12 @@ async def in_span(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
     span = start(name, **attributes)
     if span is None:
         return await awaitable
+    return await within(span, awaitable)
+
+
+async def within(span: Any, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` with ``span`` (not None) current, then end it (failed with what
+    ``awaitable`` raised): a call made meanwhile is its child."""
     try:
         with current(span):
             value = await awaitable
@@ -116,6 +129,36 @@ async def in_span(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
         raise
     end(span)
     return value
+
+
+@contextlib.contextmanager
+def spanned(name: str, **attributes: Any) -> Iterator[Any]:
+    """A span ``name``, current while the block runs, ended (failed with what the block raised)
+    after it; yields the span (None when tracing is off)."""
+    span = start(name, **attributes)
+    if span is None:
+        yield None
+        return
+    try:
+        with current(span):
+            yield span
+    except BaseException as exc:
+        end(span, exc)
+        raise
+    end(span)
+
+
+def record(name: str, seconds: float, **attributes: Any) -> None:
+    """A span ``name`` that ended now after ``seconds`` (something already over, as an event
+    says: a batch the learner waited for), a child of the current context; nothing when
+    tracing is off."""
+    made = tracer()
+    if made is None:
+        return
+    now = time.time_ns()
+    attrs = {k: v for k, v in attributes.items() if v is not None}
+    span = made.start_span(name, start_time=now - int(seconds * 1e9), attributes=attrs)
+    span.end(now)
 
 
 class Carried(NamedTuple):
@@ -227,22 +270,22 @@ def call_span(fn: Any, rank: int) -> tuple[Any, str | None]:
     return span, traceparent(span)
 
 
-def end_call(span: Any, fn: Any, rank: int, error: BaseException | None = None) -> None:
+def end_call(span: Any, name: str, rank: int, error: BaseException | None = None) -> None:
     """End a call's span now, failed with ``error``: its end time is taken now, and the rest
-    (its attributes ``asyncexec.function`` and ``asyncexec.rank``, the SDK's end and span
+    (its attributes ``asyncexec.function``, ``name``: what ran, as ``PolicyServer.generate``,
+    and ``asyncexec.rank``, the SDK's end and span
     processor, some 10 µs) is done on the event loop's next turn, after the caller has its
     result."""
     end_ns = time.time_ns()
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        _end_call(span, fn, rank, error, end_ns)
+        _end_call(span, name, rank, error, end_ns)
         return
-    loop.call_soon(_end_call, span, fn, rank, error, end_ns)
+    loop.call_soon(_end_call, span, name, rank, error, end_ns)
 
 
-def _end_call(span: Any, fn: Any, rank: int, error: BaseException | None, end_ns: int) -> None:
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+def _end_call(span: Any, name: str, rank: int, error: BaseException | None, end_ns: int) -> None:
     span.set_attributes({"asyncexec.function": name, "asyncexec.rank": rank})
     if error is not None:
         trace = _trace()

@@ -34,6 +34,7 @@ from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
 from ..group import WorkerInfo
 from ._object_store import ObjectStoreTransport
+from ._sinks import channel_observer
 from ._torch import TorchTransport
 from ._versions import Versions, live
 
@@ -130,6 +131,7 @@ class WeightChannel:
             max_staleness,
             self.timeout_s,
             self.log,
+            channel_observer(target.config.name, self.log, lambda: slot_of(target).timeline),
         )
         self._versions.moves = (
             ObjectStoreTransport(self._versions)

@@ -13,11 +13,13 @@ import anyio
 import anyio.abc
 
 from ..._errors import AsyncExecError, ChannelError, describe
-from ..._timeline._timeline import DRIVER, installed, timed, timed_delivery
+from ..._timeline._timeline import DRIVER, timed, timed_delivery
 from ..._worker import weights_version
+from .._observe import Observer
 from .._taskgroups import task_group
 from ..cluster import submit
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
+from ._events import PushEnded, PushFailed, RanksJoined, VersionInstalled, VersionRead
 from ._transport import Pending, Transport, caller_of, channel_error, died
 
 __all__ = ["Versions", "live"]
@@ -41,6 +43,7 @@ class Versions:
         max_staleness: int,
         timeout_s: float,
         log: Any,
+        observer: Observer | None = None,
     ) -> None:
         self.name = name
         self._source, self._target = source, target
@@ -48,6 +51,8 @@ class Versions:
         self.max_staleness = max_staleness
         self.timeout_s = timeout_s
         self.log = log
+        #: Where the channel's events go (its metrics, log and the target's timeline).
+        self.observer = observer if observer is not None else Observer()
         self.counts = {"pushes": 0, "failed_pushes": 0, "joins": 0, "rebuilds": 0}
         self.moves: Transport | None = None  # set by the channel
         #: Where deliveries run: the channel's task group, while it is open.
@@ -76,7 +81,7 @@ class Versions:
     def installed(self, worker: WorkerInfo, version: int) -> None:
         key = worker.handle.key
         self._held[key] = max(version, self._held.get(key, 0))
-        installed(self.target_slot.timeline, worker.rank, version)
+        self.observer.emit(VersionInstalled(worker.rank, version, self.version))
 
     def latest(self) -> Pending | None:
         return self._last
@@ -161,6 +166,7 @@ class Versions:
                 raise  # the caller was cancelled: not the channel's failure
             except Exception as exc:
                 self.counts["failed_pushes"] += 1
+                self.observer.emit(PushFailed(version, describe(exc)))
                 raise channel_error(f"reading version {version}", exc, self.timeout_s) from exc
             # At once (no wait in between): the version is the latest, and its targets are the
             # target's workers now (unless the transport fixed them before the read). A group
@@ -173,6 +179,12 @@ class Versions:
             self._last = pending
             if pending.targets is None:
                 pending.targets = live(self.target_slot)
+            held = self._held
+            self.observer.emit(
+                VersionRead(
+                    version, tuple((w.rank, held.get(w.handle.key, 0)) for w in pending.targets)
+                )
+            )
             tg.start_soon(self._deliver, pending, previous)
         return pending
 
@@ -199,13 +211,14 @@ class Versions:
                 await timed_delivery(self.target_slot.timeline, pending.version, delivered)
             self.delivered = max(self.delivered, pending.version)
             self.last_push_s = time.perf_counter() - pending.started
+            self.observer.emit(PushEnded(pending.version, self.last_push_s))
         except BaseException as exc:
             if isinstance(exc, anyio.get_cancelled_exc_class()) and not self._is_open():
                 raise
             self.counts["failed_pushes"] += 1
             self._transport().broken()
             pending.error = channel_error(f"delivering version {pending.version}", exc, 0)
-            self.log.warning("push_failed", version=pending.version, error=describe(exc))
+            self.observer.emit(PushFailed(pending.version, describe(exc)))
         finally:
             pending.done.set()
             for v in [v for v in self.pending if v < pending.version - self.max_staleness]:
@@ -225,7 +238,7 @@ class Versions:
         if not joiners:
             return
         self.counts["joins"] += len(joiners)
-        self.log.info("ranks_join", ranks=[w.rank for w in joiners], version=self.version)
+        self.observer.emit(RanksJoined(tuple(w.rank for w in joiners), self.version))
         try:
             with anyio.fail_after(self.timeout_s):
                 await self._transport().join(joiners)

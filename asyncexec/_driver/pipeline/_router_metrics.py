@@ -15,7 +15,7 @@ from typing import Any
 
 from .._metrics import Metrics, metrics
 
-__all__ = ["RouterMeters"]
+__all__ = ["RouterMeters", "router_collectors"]
 
 #: Counter name (as ``RouterStatistics`` names it) -> the metric's help.
 _COUNTERS = {
@@ -33,7 +33,8 @@ _COUNTERS = {
 _made: weakref.WeakKeyDictionary[Metrics, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def _collectors(meters: Metrics) -> dict[str, Any]:
+def router_collectors(meters: Metrics) -> dict[str, Any]:
+    """The router's collectors in ``meters``' registry."""
     found = _made.get(meters)
     if found is None:
         import prometheus_client as prom
@@ -64,7 +65,16 @@ class RouterMeters:
         meters = metrics()
         if meters is None:
             return None
-        return _collectors(meters), meters.executors(self.executor)
+        return router_collectors(meters), meters.executors(self.executor)
+
+    def zero(self) -> None:
+        """The router's counters at 0 (a retry, a timeout, a server taken out that has not
+        happened yet shows as 0, and ``rate()`` sees the first one)."""
+        on = self._on()
+        if on is not None:
+            collectors, label = on
+            for name in _COUNTERS:
+                collectors[name].labels(label)
 
     def count(self, name: str) -> None:
         on = self._on()

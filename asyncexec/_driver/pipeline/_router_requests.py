@@ -22,6 +22,7 @@ import anyio.lowlevel
 from ..._dispatch._plan import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
+from ..._wire._tracing import start, within
 from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
@@ -230,7 +231,12 @@ class Requests:
                 if len(tried) >= limit:
                     error.add_note(f"sent {len(tried)} times: every server it went to failed")
                     raise error
-                router.log.warning("request_sent_again", rank=answer.rank, error=describe(error))
+                router.log.warning(
+                    "request_sent_again",
+                    function=f"{router.methods.cls.__qualname__}.generate",
+                    rank=answer.rank,
+                    error=describe(error),
+                )
                 sent_at = 0.0
         except anyio.get_cancelled_exc_class():
             if stop:
@@ -291,9 +297,9 @@ class Requests:
         try:
             with answer.scope:
                 await router.pacer.wait_turn()
-                answer.sample = await router.servers.call(
-                    router.methods.generate, request, on=on_rank(r)
-                )
+                call = router.servers.call(router.methods.generate, request, on=on_rank(r))
+                span = start("asyncexec.router.attempt", rank=r)  # None unless traced
+                answer.sample = await (call if span is None else within(span, call))
         except anyio.get_cancelled_exc_class():
             # Not through its scope: the task itself (the loop closing).
             answer.error = ExecutorStateError("the router closed while the request ran")

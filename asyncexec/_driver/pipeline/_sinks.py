@@ -14,9 +14,11 @@ from ..._timeline._pipeline import (
     PipelineTrack,
     batch_handed,
     counted,
+    request_ended,
     update_ended,
     update_paused,
 )
+from ..._wire import _tracing
 from .._metrics import PipelineMeters
 from .._observe import Handler, Observer
 from ._events import (
@@ -41,6 +43,7 @@ from ._stats import Meter
 __all__ = [
     "PipelineLog",
     "PipelineMetrics",
+    "PipelineSpans",
     "PipelineTimeline",
     "RouterCounts",
     "RouterLog",
@@ -57,12 +60,13 @@ class PipelineTimeline:
 
     def __init__(self, track: PipelineTrack) -> None:
         self.track = track
+        self.version = 0  # the learner's, at the latest batch
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
             Admitted: self._counted,
-            SampleReturned: self._counted,
-            RequestExpired: self._counted,
+            SampleReturned: self._returned,
+            RequestExpired: self._expired,
             BatchHanded: self._batch,
             UpdatePaused: self._paused,
             UpdateEnded: self._ended,
@@ -71,8 +75,20 @@ class PipelineTimeline:
     def _counted(self, event: Admitted | SampleReturned | RequestExpired) -> None:
         counted(self.track, event.in_flight, event.buffered)
 
+    def _returned(self, event: SampleReturned) -> None:
+        counted(self.track, event.in_flight, event.buffered)
+        if event.outcome == "aborted":
+            request_ended(self.track, "aborted", self.version, 0.0)
+
+    def _expired(self, event: RequestExpired) -> None:
+        counted(self.track, event.in_flight, event.buffered)
+        request_ended(self.track, "expired", event.version, event.in_flight_s)
+
     def _batch(self, event: BatchHanded) -> None:
-        batch_handed(self.track, event.version, len(event.staleness), event.waited_s)
+        self.version = event.version
+        size, staleness = len(event.staleness), event.staleness
+        mean = sum(staleness) / size if size else 0.0
+        batch_handed(self.track, event.version, size, event.waited_s, event.staleness_max, mean)
 
     def _paused(self, event: UpdatePaused) -> None:
         update_paused(self.track, event.mode, event.began, event.in_flight)
@@ -87,6 +103,7 @@ class PipelineMetrics:
 
     def __init__(self, meters: PipelineMeters) -> None:
         self.meters = meters
+        meters.zero()
         self.counts = dict.fromkeys(
             ("admitted", "consumed", "aborted", "requeued", "duplicates", "expired"), 0
         )
@@ -152,12 +169,32 @@ class PipelineLog:
         )
 
 
+class PipelineSpans:
+    """Each batch handed to the learner as an OpenTelemetry span (``asyncexec.pipeline.batch``:
+    from when the learner began to wait for it to when it had it; nothing while tracing is
+    off). The updates' spans are opened where the update runs (``_updates``), so that the
+    calls and pushes it makes are their children."""
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {BatchHanded: self._batch}
+
+    def _batch(self, event: BatchHanded) -> None:
+        _tracing.record(
+            "asyncexec.pipeline.batch",
+            event.waited_s,
+            version=event.version,
+            size=len(event.staleness),
+            staleness_max=event.staleness_max,
+            waited_s=event.waited_s,
+        )
+
+
 def pipeline_observer(
     meter: Meter, meters: PipelineMeters, log: Logger, track: PipelineTrack | None
 ) -> Observer:
-    """A pipeline's observer: its statistics (``meter``), metrics, log, and its timeline
-    track when its servers keep a timeline."""
-    observer = Observer(meter, PipelineMetrics(meters), PipelineLog(log))
+    """A pipeline's observer: its statistics (``meter``), metrics, log, spans, and its
+    timeline track when its servers keep a timeline."""
+    observer = Observer(meter, PipelineMetrics(meters), PipelineLog(log), PipelineSpans())
     if track is not None:
         observer.add(PipelineTimeline(track))
     return observer
@@ -207,6 +244,7 @@ class RouterMetrics:
 
     def __init__(self, meters: RouterMeters) -> None:
         self.meters = meters
+        meters.zero()
 
     def handlers(self) -> Mapping[type, Handler]:
         found: dict[type, Handler] = dict.fromkeys(

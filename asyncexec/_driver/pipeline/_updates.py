@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._errors import ExecutorStateError
+from ..._wire._tracing import in_span, spanned
 from .._observe import Observer
 from .._taskgroups import task_group, teardown
 from ._admission import Admission, Item
@@ -56,9 +57,12 @@ class Updates:
         self.budget.check_update()
         self.updating = True
         try:
-            pause_s, push_s, in_flight = await update(
-                self.servers, self.channel, self.budget, self.admission, mode, state
-            )
+            with spanned("asyncexec.pipeline.update", mode=mode) as span:
+                pause_s, push_s, in_flight = await update(
+                    self.servers, self.channel, self.budget, self.admission, mode, state
+                )
+                if span is not None:
+                    span.set_attribute("version", self.budget.version)
         finally:
             self.updating = False
         version = self.budget.version
@@ -86,13 +90,14 @@ async def update(
     admission.open = False
     paused = False
     try:
-        if mode == "wait":
-            in_flight = budget.in_flight_count
-        else:
-            paused = True
-            in_flight = await servers.pause(mode)
-        if mode == "wait":
-            await _drained(budget, admission)
+        with spanned("asyncexec.pipeline.pause", mode=mode):
+            if mode == "wait":
+                in_flight = budget.in_flight_count
+            else:
+                paused = True
+                in_flight = await servers.pause(mode)
+            if mode == "wait":
+                await _drained(budget, admission)
         pushing = time.monotonic()
         admission.observer.emit(UpdatePaused(mode, started, pushing, in_flight))
         if mode == "abort":
@@ -100,15 +105,17 @@ async def update(
             # servers are paused to abort); admission reopens only once they are requeued.
             async with task_group() as tg:
                 tg.start_soon(_drained, budget, admission)
-                await _push(servers, channel, budget, admission, state)
+                pushed = _push(servers, channel, budget, admission, state)
+                await in_span("asyncexec.pipeline.push", pushed)
                 push_s = time.monotonic() - pushing
         else:
-            await _push(servers, channel, budget, admission, state)
+            pushed = _push(servers, channel, budget, admission, state)
+            await in_span("asyncexec.pipeline.push", pushed)
             push_s = time.monotonic() - pushing
         budget.advance()
         if paused:
             paused = False
-            await servers.resume()
+            await in_span("asyncexec.pipeline.resume", servers.resume())
     finally:
         if paused:  # the push failed: generation goes on with the weights it had
             with teardown("servers_resume", _RESUME_TIMEOUT_S):

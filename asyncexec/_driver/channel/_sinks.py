@@ -1,0 +1,82 @@
+"""The sinks of a weight channel's events (``_events``): its metrics (``_metrics``), its log
+lines and its install spans on the target's timeline. An observer made by
+:func:`channel_observer` holds them in that order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..._timeline._timeline import Timeline, installed
+from .._observe import Handler, Observer
+from ._events import PushEnded, PushFailed, RanksJoined, VersionInstalled, VersionRead
+from ._metrics import ChannelMeters
+
+__all__ = ["ChannelLog", "ChannelMetrics", "ChannelTimeline", "channel_observer"]
+
+
+class ChannelMetrics:
+    """Push seconds, failed pushes, and each target rank's version lag."""
+
+    def __init__(self, meters: ChannelMeters) -> None:
+        self.meters = meters
+        meters.zero()
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {
+            VersionRead: self._read,
+            VersionInstalled: self._installed,
+            PushEnded: self._ended,
+            PushFailed: self._failed,
+        }
+
+    def _read(self, event: VersionRead) -> None:
+        for rank, held in event.held:
+            self.meters.lag(rank, event.version - held)
+
+    def _installed(self, event: VersionInstalled) -> None:
+        self.meters.lag(event.rank, event.latest - event.version)
+
+    def _ended(self, event: PushEnded) -> None:
+        self.meters.pushed(event.seconds)
+
+    def _failed(self, event: PushFailed) -> None:
+        self.meters.failed()
+
+
+class ChannelLog:
+    """The channel's log lines of failed pushes and joining ranks."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {PushFailed: self._failed, RanksJoined: self._joined}
+
+    def _failed(self, event: PushFailed) -> None:
+        self.log.warning("push_failed", version=event.version, error=event.error)
+
+    def _joined(self, event: RanksJoined) -> None:
+        self.log.info("ranks_join", ranks=list(event.ranks), version=event.version)
+
+
+class ChannelTimeline:
+    """Each target rank's install span on the target's timeline (when it keeps one: the
+    target's group may change, so its timeline is looked up at each event)."""
+
+    def __init__(self, timeline: Callable[[], Timeline | None]) -> None:
+        self.timeline = timeline
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {VersionInstalled: self._installed}
+
+    def _installed(self, event: VersionInstalled) -> None:
+        installed(self.timeline(), event.rank, event.version)
+
+
+def channel_observer(target: str, log: Any, timeline: Callable[[], Timeline | None]) -> Observer:
+    """A channel's observer: its metrics (by the target executor's name ``target``), log and
+    the target's timeline."""
+    return Observer(
+        ChannelMetrics(ChannelMeters(target)), ChannelLog(log), ChannelTimeline(timeline)
+    )

@@ -1,0 +1,105 @@
+"""A timeline as Chrome trace events (what ui.perfetto.dev and chrome://tracing read): a process
+per executor that recorded into it, a thread (track) per rank, one for the driver and one for
+the RL pipeline, and lanes: spans that overlap without one holding the other (a server's
+concurrent ``generate`` calls, an install during a call) are each put on a lane of their own, a
+thread beside their track's, since the importer can only nest the slices of one thread.
+
+A lane is found for each span when the timeline is read, never when it is recorded: the lowest
+lane whose open spans all end by the span's start or hold it whole (a driver's restart holds its
+phases: they stay on one lane).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["LANE_TIDS", "lanes", "trace_events", "track_name"]
+
+#: How far apart a track's lanes' thread ids are (lane k of track t: ``t + 1 + k * LANE_TIDS``).
+LANE_TIDS = 1_000_000
+
+
+def track_name(track: int) -> str:
+    """A track's name: ``driver``, ``pipeline`` or ``rank N``."""
+    return "driver" if track == -1 else "pipeline" if track == -2 else f"rank {track}"
+
+
+def lanes(events: list[Any]) -> list[int]:
+    """Each event's lane on its track (0 for an instant or a counter; a span's as the module's
+    docstring says), in the order of ``events``."""
+    found = [0] * len(events)
+    order = sorted(
+        (i for i, e in enumerate(events) if e[0] == "X"),
+        key=lambda i: (events[i][1], events[i][4], -events[i][5]),
+    )
+    open_ends: dict[int, list[list[float]]] = defaultdict(list)  # track -> each lane's stack
+    for i in order:
+        _, track, _, _, start, end, _ = events[i]
+        stacks = open_ends[track]
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                stack.append(end)
+                found[i] = lane
+                break
+        else:
+            found[i] = len(stacks)
+            stacks.append([end])
+    return found
+
+
+def trace_events(processes: list[tuple[str, list[Any]]], origin: float) -> list[dict[str, Any]]:
+    """``processes`` (each a name and its timeline's events, on one clock) as Chrome trace
+    events, in microseconds from ``origin``: process ``p + 1`` for the ``p``-th."""
+    out: list[dict[str, Any]] = []
+    for p, (name, events) in enumerate(processes):
+        pid = p + 1
+        out.append(
+            {"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}}
+        )
+        out.append(
+            {
+                "ph": "M",
+                "pid": pid,
+                "tid": 0,
+                "name": "process_sort_index",
+                "args": {"sort_index": p},
+            }
+        )
+        found = lanes(events)
+        threads = {(e[1], lane) for e, lane in zip(events, found, strict=True)} | {(-1, 0)}
+        for track, lane in sorted(threads):
+            tid = track + 1 + lane * LANE_TIDS
+            label = track_name(track) if not lane else f"{track_name(track)} · {lane + 1}"
+            out.append(
+                {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": label}}
+            )
+            sort = (track + 3) * 1000 + lane  # each track's lanes under it
+            out.append(
+                {
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": tid,
+                    "name": "thread_sort_index",
+                    "args": {"sort_index": sort},
+                }
+            )
+        for (ph, track, title, kind, start, end, args), lane in zip(events, found, strict=True):
+            event: dict[str, Any] = {
+                "ph": ph,
+                "pid": pid,
+                "tid": track + 1 + lane * LANE_TIDS,
+                "name": title,
+                "cat": kind,
+                "ts": round((start - origin) * 1e6, 3),
+            }
+            if ph == "X":
+                event["dur"] = round(max(0.0, end - start) * 1e6, 3)
+            elif ph == "i":
+                event["s"] = "t"
+            if args:
+                event["args"] = args
+            out.append(event)
+    return out

@@ -1,0 +1,158 @@
+"""One picture of an RL run: a timeline that several executors (and the pipeline over them)
+record into, on one clock, exported as one Perfetto trace with a process per executor and drawn
+as one PNG with a section per executor; concurrent calls on one rank each on a lane of their
+own (never sharing a slice), and the PNG's occupancy of each server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncexec
+from asyncexec._timeline._export import LANE_TIDS, lanes
+from asyncexec._timeline._render import long_calls, occupancy
+from asyncexec._timeline._timeline import DRIVER, Timeline
+
+CPU = {"CPU": 0.25}
+
+
+def _partly_overlapping(doc: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """Pairs of ``X`` slices of one thread that overlap without one holding the other (what
+    Perfetto's importer cannot nest)."""
+    threads: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            threads[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    bad = []
+    for spans in threads.values():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        for i, a in enumerate(spans):
+            for b in spans[i + 1 :]:
+                if b[0] >= a[1] - 0.01:  # (microseconds, rounded to 3 places)
+                    break
+                if b[1] > a[1] + 0.01:
+                    bad.append((a, b))
+    return bad
+
+
+# Without Ray ----------------------------------------------------------------------------------
+
+
+def test_concurrent_calls_take_lanes_and_nested_phases_stay_on_theirs(tmp_path: Path) -> None:
+    timeline = Timeline()
+    t = timeline.origin
+    for i in range(4):  # 4 calls in flight at once on rank 0, then one after them
+        timeline.span(0, "Server.generate", "call", t + i * 0.1, t + 1 + i * 0.1)
+    timeline.span(0, "Server.generate", "call", t + 2, t + 3)
+    timeline.span(DRIVER, "restart", "restart", t, t + 2)  # holds its phases
+    timeline.span(DRIVER, "place", "startup", t + 0.5, t + 1)
+    timeline.span(DRIVER, "start workers", "startup", t + 1, t + 1.5)
+    events = timeline.events()
+    assert lanes(events) == [0, 1, 2, 3, 0, 0, 0, 0]
+    timeline.export(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert _partly_overlapping(doc) == []
+    threads = {
+        e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"
+    }
+    assert threads[1] == "rank 0" and threads[1 + 3 * LANE_TIDS] == "rank 0 · 4"
+    assert {e["tid"] for e in doc["traceEvents"] if e.get("cat") == "startup"} == {0}
+
+
+def test_occupancy_counts_the_calls_in_flight_and_marks_the_long_ones() -> None:
+    spans = [(0.0, 1.0), (0.5, 1.0), (0.5, 0.2), (3.0, 1.0), (4.0, 1.0), (6.0, 9.0)]
+    assert occupancy(spans)[:4] == [(0.0, 1), (0.5, 3), (0.7, 2), (1.0, 1)]
+    assert max(n for _, n in occupancy(spans)) == 3 and occupancy(spans)[-1] == (15.0, 0)
+    assert long_calls(spans) == [(6.0, 9.0)]
+    assert long_calls(spans[:4]) == []  # too few to judge
+
+
+def test_joined_timelines_share_one_ring_and_clock_each_a_process(tmp_path: Path) -> None:
+    shared = Timeline(capacity=6, name="run")
+    learner, servers = shared.joined("learner"), shared.joined("servers")
+    assert learner.origin == servers.origin == shared.origin
+    now = shared.origin + 1
+    learner.span(0, "Learner.update", "call", now, now + 1)
+    servers.span(0, "Server.generate", "call", now + 0.5, now + 2)
+    servers.span(1, "Server.generate", "call", now + 0.5, now + 2)
+    assert [e[2] for e in learner.events()] == ["Learner.update"]
+    assert [name for name, _ in shared.processes()] == ["learner", "servers"]
+    shared.export(tmp_path / "run.json")
+    doc = json.loads((tmp_path / "run.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert names == {1: "learner", 2: "servers"}
+    starts = {(e["pid"], e["tid"]): e["ts"] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert starts[(1, 1)] == pytest.approx(1e6) and starts[(2, 2)] == pytest.approx(1.5e6)
+    servers.export(tmp_path / "servers.json")  # a joined one: its own process only
+    own = json.loads((tmp_path / "servers.json").read_text())
+    assert {e["pid"] for e in own["traceEvents"]} == {1}
+    for i in range(6):  # one ring: its capacity is all of theirs together
+        learner.instant(0, f"i{i}", "call")
+    assert servers.events() == [] and shared.statistics().dropped == 3
+    pytest.importorskip("matplotlib")
+    shared.export(tmp_path / "run.png")
+    assert (tmp_path / "run.png").stat().st_size > 0
+
+
+# An RL run: a learner and its servers on one timeline (each mode) ----------------------------
+
+
+class Server(asyncexec.RolloutServer):
+    async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
+        for _ in range(prompt["length"]):
+            await asyncio.sleep(0.003)
+            yield prompt["id"]
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+class Learner:
+    def update(self, batch: list[Any]) -> int:
+        return len(batch)
+
+
+@pytest.mark.timeout(60)
+async def test_an_rl_run_is_one_trace_a_process_per_executor(mode: str, tmp_path: Path) -> None:
+    shared = asyncexec.Timeline()
+    prompts = [{"id": i, "length": 3 + (i * 7) % 11} for i in range(24)]
+    async with (
+        asyncexec.Executor(
+            1, resources_per_worker=CPU, roles=Learner, timeline=shared, name="learner"
+        ) as learner,
+        asyncexec.Executor(
+            2, resources_per_worker=CPU, roles=Server, timeline=shared, name="servers"
+        ) as servers,
+        asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
+    ):
+        async for batch in pipe:
+            await learner.call(Learner.update, batch, on=asyncexec.rank(0))
+            await pipe.update_weights({"v": pipe.version + 1})
+    shared.export(tmp_path / "rl.json")
+    doc = json.loads((tmp_path / "rl.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(names.values()) == ["learner", "servers"]
+    pid = {name: p for p, name in names.items()}
+    calls = [e for e in doc["traceEvents"] if e["ph"] == "X" and e.get("cat") == "call"]
+    assert {e["name"] for e in calls if e["pid"] == pid["learner"]} == {"Learner.update"}
+    assert "Server.generate" in {e["name"] for e in calls if e["pid"] == pid["servers"]}
+    threads = {
+        e["args"]["name"]
+        for e in doc["traceEvents"]
+        if e["pid"] == pid["servers"] and e["name"] == "thread_name"
+    }
+    assert {"driver", "pipeline", "rank 0", "rank 1"} <= threads  # the pipeline: on its servers
+    assert _partly_overlapping(doc) == []
+    lanes_of_servers = {
+        e["tid"] for e in calls if e["pid"] == pid["servers"] and e["tid"] >= LANE_TIDS
+    }
+    assert lanes_of_servers, "concurrent generate calls would share a slice"
+    pytest.importorskip("matplotlib")
+    shared.export(tmp_path / "rl.png")
+    assert (tmp_path / "rl.png").stat().st_size > 0
