@@ -40,11 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _bootstrap
-
-HERE, ROOT = _bootstrap.setup()
-
-import ray  # noqa: E402
+import _harness  # noqa: F401 (the environment the workers inherit)
+import ray
 
 STEP_S = 0.01
 DEADLINE_S = 30.0

@@ -26,20 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import sys
 import time
 import tracemalloc
 from typing import Any
 
-import _bootstrap
+import _harness
+import psutil
+from _common import MiB, median, progress
 
-HERE, ROOT = _bootstrap.setup()
-
-import psutil  # noqa: E402
-from _common import MiB, median, progress  # noqa: E402
-
-import asyncexec  # noqa: E402
+import asyncexec
 
 WINDOWS = (1024, 2048)
 #: The characters of a ~1 KB report's string (made afresh per report, so none is shared).
@@ -144,17 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workers = 2 if args.quick else args.workers
     sizes = [0] if args.quick else [0, KB]
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    with _harness.ray_session(num_cpus=4, fresh_workers=False):
         rows = asyncio.run(main_async(workers, sizes))
-    finally:
-        ray.shutdown()
     print(
-        f"\nThe credit window's memory, {workers} workers, {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"{psutil.cpu_count(logical=True)} cores ({platform.machine()}), "
+        f"\nThe credit window's memory, {workers} workers, {_harness.machine()}, "
         f"{time.perf_counter() - t0:.0f} s\n"
     )
     print("\n".join(rows))

@@ -26,24 +26,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import random
 import sys
 import time
 from collections.abc import MutableMapping
 from typing import Any
 
-import _bootstrap
+import _harness
+import structlog
+from _common import median, progress
+from _scale_workload import turns_slow
 
-HERE, ROOT = _bootstrap.setup()
-
-import structlog  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _scale_workload import turns_slow  # noqa: E402
-
-import asyncexec  # noqa: E402
-from asyncexec._driver.cluster import SimCluster, SimLoad, simulated  # noqa: E402
+import asyncexec
+from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 
 STEP_S, SLOW_FACTOR, WINDOW = 0.01, 3.0, 10
 #: Simulated ranks' step (1,024 ranks at 10 steps/s: 10,240 reports/s on the driver's loop).
@@ -132,15 +127,12 @@ async def cost(executor: asyncexec.Executor) -> float:
 
 
 async def bench(trials: int) -> list[str]:
-    import ray
-
     seen = Straggled()
     structlog.configure(processors=[seen])
     rng = random.Random(7)
     starts = [WINDOW + rng.randrange(WINDOW) for _ in range(trials)]
     out = []
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
+    with _harness.ray_session(num_cpus=4, fresh_workers=False):
         resources = {"CPU": 0.5}
         on = asyncexec.Executor(RAY_RANKS, resources_per_worker=resources, name="watched")
         off = asyncexec.Executor(
@@ -165,8 +157,6 @@ async def bench(trials: int) -> list[str]:
         out.append(
             _row(f"Ray actors, {RAY_RANKS} ranks", STEP_S, delays, costs, false_events, trials)
         )
-    finally:
-        ray.shutdown()
     delays = []
     for i, slow_from in enumerate(starts):
         progress(f"simulated {SIM_RANKS}: trial {i + 1}/{trials}")
@@ -208,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = asyncio.run(bench(trials))
     print()
     print(
-        f"asyncexec: the straggler watch, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} "
-        f"cores ({platform.machine()}), Python {platform.python_version()}; steps of "
+        f"asyncexec: the straggler watch, {_harness.machine()}; steps of "
         f"{STEP_S * 1e3:.0f} ms (simulated: {SIM_STEP_S * 1e3:.0f} ms), one rank "
         f"{SLOW_FACTOR:.0f}x slower from a random step, windows "
         f"of {WINDOW} steps; medians of {trials} ({time.perf_counter() - t0:.0f} s)"
