@@ -243,20 +243,27 @@ class Bench:
     async def start(self) -> None:
         """Each system's start alone: the other's group is closed meanwhile (a group up beside
         a start, even idle, slowed it by about 10 s here: whichever system started second)."""
-        row = self.rows["start"]
-        for i in range(self.sizes.start_repeats):
-            progress(f"start {i + 1}: {'hand, asyncexec' if i % 2 == 0 else 'asyncexec, hand'}")
-            for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
-                if side == "hand":
-                    took, hand = await self.start_hand(self.folder)
-                    row.base.append(took)
-                    self.note("memory in use with 2 tiny engines up, GiB", _used_gib())
-                    await self.close_hand(hand)
-                else:
-                    took, ours = await self.start_ours(self.folder)
-                    row.ours.append(took)
-                    await ours.__aexit__(None, None, None)
-                progress(f"  {side}: {took:.1f} s")
+
+        async def base() -> float:
+            took, hand = await self.start_hand(self.folder)
+            self.note("memory in use with 2 tiny engines up, GiB", _used_gib())
+            await self.close_hand(hand)
+            progress(f"  hand: {took:.1f} s")
+            return took
+
+        async def ours() -> float:
+            took, executor = await self.start_ours(self.folder)
+            await executor.__aexit__(None, None, None)
+            progress(f"  asyncexec: {took:.1f} s")
+            return took
+
+        await _harness.repeat(
+            [self.rows["start"]],
+            {"base": base, "ours": ours},
+            self.sizes.start_repeats,
+            warm=0,
+            name="start",
+        )
 
     async def groups(self) -> None:
         """The two groups of tiny engines (when ``start`` did not leave them) and the learner."""

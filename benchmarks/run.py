@@ -240,18 +240,21 @@ class Bench:
         and the reports/s of tiny reports, interleaved repeats (the first round of each is not
         recorded: it pays imports and the actor class's export)."""
         n = 4
-        for i in range(self.sizes.repeats + 1):
-            progress(f"local mode, 4 ranks, {f'repeat {i}' if i else 'warm-up'}")
-            for column, local in (("floor", False), ("asyncexec", True)):
-                ae = AsyncexecGroup(n, RESOURCES, self.storage, local=local)
-                try:
-                    seconds = await ae.start()
-                    rate = (await ae.stream(self.sizes.steps[n]))["rate"]
-                finally:
-                    await ae.close()
-                if i:
-                    self.add("local_start", column, seconds)
-                    self.add("local_rate", column, rate)
+
+        async def one(local: bool) -> tuple[float, float]:
+            ae = AsyncexecGroup(n, RESOURCES, self.storage, local=local)
+            try:
+                seconds = await ae.start()
+                return seconds, (await ae.stream(self.sizes.steps[n]))["rate"]
+            finally:
+                await ae.close()
+
+        await _harness.repeat(
+            [self.figures["local_start"], self.figures["local_rate"]],
+            {"floor": lambda: one(False), "asyncexec": lambda: one(True)},
+            self.sizes.repeats,
+            name="local mode, 4 ranks",
+        )
 
     async def stream(
         self, n: int, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
