@@ -31,7 +31,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -175,12 +175,10 @@ async def repeat(
     *,
     warm: int = 1,
     name: str = "",
-    each: Callable[[int, str, float | Sequence[float]], None] | None = None,
 ) -> None:
     """``warm`` unrecorded rounds (imports, exporting the classes and functions), then
     ``repeats`` interleaved ones; each system's result goes to its column of ``rows``: a number
-    to ``rows[0]``, a sequence to the rows in order. ``each(i, system, result)``, when given,
-    sees every recorded result too."""
+    to ``rows[0]``, a sequence to the rows in order."""
     for i in range(warm):
         await interleave(i, systems)
     for i in range(repeats):
@@ -190,8 +188,6 @@ async def repeat(
             values = [result] if isinstance(result, int | float) else list(result)
             for row, value in zip(rows, values, strict=False):
                 row.add(system, float(value))
-            if each is not None:
-                each(i, system, result)
 
 
 # -- rows and the table ---------------------------------------------------------------------------
@@ -406,10 +402,10 @@ def main(
     title: str,
     full: Any,
     quick: Any,
-    run: Callable[[Any, argparse.Namespace], Awaitable[Result]],
+    run: Callable[[Any, argparse.Namespace], Coroutine[Any, Any, Result]],
     ray: Mapping[str, Any] | None = None,
     figures: Sequence[str] = (),
-    options: Callable[[argparse.ArgumentParser], None] | None = None,
+    options: Callable[[argparse.ArgumentParser], object] | None = None,
     about: Callable[[Any, argparse.Namespace], str] | None = None,
 ) -> int:
     """A figure script's ``main``. Arguments: ``--quick`` (the ``quick`` sizes, else ``full``),
@@ -439,11 +435,12 @@ def main(
         if not args.only <= set(figures):
             parser.error(f"--only takes {', '.join(figures)}")
     sizes = quick if args.quick else full
-    if dataclasses.is_dataclass(sizes):  # an argument named as a size sets it
+    if dataclasses.is_dataclass(sizes) and not isinstance(sizes, type):  # a size given
         given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(sizes)}
         sizes = dataclasses.replace(sizes, **{k: v for k, v in given.items() if v is not None})
     drop_library_logs()
     t0 = time.perf_counter()
+    result: Result
     if ray is None:
         result = asyncio.run(run(sizes, args))
     else:
