@@ -282,12 +282,21 @@ class Bench:
     async def run_end(
         self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
     ) -> None:
-        for _ in range(self.sizes.run_end_repeats):
-            if rt is not None:
-                self.add("run_end", "raytrain", await rt.call("run_end", steps=3) * 1e3)
-            floor = await loops.floor(3, timed=True)
-            self.add("run_end", "floor", floor["run_end"] * 1e3)
-            self.add("run_end", "asyncexec", await ae.run_end(3) * 1e3)
+        async def raytrain() -> float:
+            assert rt is not None
+            return float(await rt.call("run_end", steps=3)) * 1e3
+
+        async def floor() -> float:
+            return (await loops.floor(3, timed=True))["run_end"] * 1e3
+
+        async def ours() -> float:
+            return await ae.run_end(3) * 1e3
+
+        systems = {"floor": floor, "asyncexec": ours}
+        if rt is not None:
+            systems["raytrain"] = raytrain
+        figure = [self.figures["run_end"]]
+        await _harness.repeat(figure, systems, self.sizes.run_end_repeats, warm=0)
 
     async def lag(self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup) -> None:
         """Heartbeat lag over whole runs (from the run's start to its end) at full rate. Ray
