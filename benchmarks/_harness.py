@@ -40,6 +40,7 @@ __all__ = [
     "HERE",
     "ROOT",
     "Figure",
+    "Grid",
     "Pair",
     "Result",
     "Row",
@@ -387,11 +388,29 @@ def pairs(base: str, ours: str) -> Table:
 
 
 @dataclass
-class Result:
-    """What a figure's run gives back: its rows, how they are shown, and notes under them."""
+class Grid:
+    """A table of cases, a row each, and their figures, a column each (``head``): the cells come
+    formatted (a figure of several parts, such as "median (min..max)"); all but the first column
+    right-aligned."""
 
-    rows: Sequence[Row]
-    table: Table
+    head: Sequence[str]
+
+    def render(self, rows: Sequence[Sequence[str]]) -> str:
+        rule = "|---|" + "--:|" * (len(self.head) - 1)
+        return "\n".join([_line(self.head), rule, *map(_line, rows)])
+
+
+def _line(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+@dataclass
+class Result:
+    """What a figure's run gives back: its rows, how they are shown (a :class:`Table` of
+    :class:`Row`, or a :class:`Grid` of formatted cells), and notes under them."""
+
+    rows: Sequence[Any]
+    table: Table | Grid
     notes: Sequence[str] = ()
 
 

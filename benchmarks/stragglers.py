@@ -25,16 +25,17 @@ floor the watch adds to.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import sys
 import time
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import _harness
 import structlog
 from _common import median, progress
+from _harness import Grid, Result
 from _scale_workload import turns_slow
 
 import asyncexec
@@ -126,7 +127,7 @@ async def cost(executor: asyncexec.Executor) -> float:
     return (time.thread_time() - t0) / n * 1e6
 
 
-async def bench(trials: int) -> list[str]:
+async def bench(trials: int) -> list[list[str]]:
     seen = Straggled()
     structlog.configure(processors=[seen])
     rng = random.Random(7)
@@ -172,7 +173,7 @@ def _row(
     costs: dict[bool, list[float]] | None,
     false_events: int | None,
     trials: int,
-) -> str:
+) -> list[str]:
     slow_step = step_s * SLOW_FACTOR
     delay = median(delays)
     cells = [
@@ -185,33 +186,45 @@ def _row(
     else:
         on, off = median(costs[True]), median(costs[False])
         cells += [f"{on:.1f} / {off:.1f} ({on / off:.2f}x)", f"{false_events} in {trials}"]
-    return "| " + " | ".join(cells) + " |"
+    return cells
+
+
+@dataclass(frozen=True)
+class Sizes:
+    trials: int  # of each group
+
+
+FULL, QUICK = Sizes(5), Sizes(1)
+GRID = Grid(
+    [
+        "group",
+        "slow to the event, s (min..max)",
+        "in slow steps",
+        "driver CPU per rank-report, us: watched / not",
+        f"events in balanced runs of {BALANCED_STEPS} steps",
+    ]
+)
+
+
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
+    return Result(await bench(sizes.trials), GRID)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one trial a group")
-    parser.add_argument("--trials", type=int, default=None)
-    args = parser.parse_args(argv)
-    trials = args.trials or (1 if args.quick else 5)
-    t0 = time.perf_counter()
-    rows = asyncio.run(bench(trials))
-    print()
-    print(
-        f"asyncexec: the straggler watch, {_harness.machine()}; steps of "
-        f"{STEP_S * 1e3:.0f} ms (simulated: {SIM_STEP_S * 1e3:.0f} ms), one rank "
-        f"{SLOW_FACTOR:.0f}x slower from a random step, windows "
-        f"of {WINDOW} steps; medians of {trials} ({time.perf_counter() - t0:.0f} s)"
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec: the straggler watch",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        options=lambda parser: parser.add_argument("--trials", type=int, help="of each group (5)"),
+        about=lambda sizes, args: (
+            f"steps of {STEP_S * 1e3:.0f} ms (simulated: {SIM_STEP_S * 1e3:.0f} ms), one rank "
+            f"{SLOW_FACTOR:.0f}x slower from a random step, windows of {WINDOW} steps; medians "
+            f"of {sizes.trials}"
+        ),
     )
-    print()
-    print(
-        "| group | slow to the event, s (min..max) | in slow steps | driver CPU per "
-        f"rank-report, us: watched / not | events in balanced runs of {BALANCED_STEPS} steps |"
-    )
-    print("|---|--:|--:|--:|--:|")
-    for row in rows:
-        print(row)
-    return 0
 
 
 if __name__ == "__main__":
