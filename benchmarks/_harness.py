@@ -13,12 +13,12 @@ rest.
   column's ratio to a reference column (the floor), each repeat's paired ratio, the target and
   whether it is met.
 - **Output**: :func:`machine` is the line that says when, on what and with what; :class:`Table`
-  renders the rows as one markdown table; :func:`main` is a figure script's whole ``main``:
-  arguments (``--quick``, ``--only``, ``--repeats``), Ray, the run, the machine line, the table
-  and the notes.
+  renders the rows as one markdown table (:class:`Grid`: cases as rows, cells formatted by the
+  figure); :func:`main` is a figure script's whole ``main``: arguments (``--quick``, ``--only``,
+  ``--repeats``, a size by name), Ray, the run, the machine line, the table and the notes.
 
 A new figure is a file with its sizes, its workload (a coroutine per system) and a ``main`` that
-calls :func:`main`; ``worker_start.py`` is one.
+calls :func:`main`; ``execute.py`` is one.
 """
 
 from __future__ import annotations
