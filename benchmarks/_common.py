@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmarks: statistics, the event-loop heartbeat, process memory, the
-recorder of asyncexec's log events, and the table.
+"""Shared measuring tools of the benchmarks: statistics, the event-loop heartbeat, process memory,
+CPU time, garbage collections and the recorder of asyncexec's log events (the harness, the rows
+and the table are in ``_harness.py``).
 
 Nothing here starts Ray.
 """
@@ -12,7 +13,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,6 @@ import psutil
 
 __all__ = [
     "Events",
-    "Figure",
     "Timer",
     "cpu_seconds",
     "gc_pauses",
@@ -32,7 +32,6 @@ __all__ = [
     "process_memory",
     "progress",
     "rate",
-    "render_table",
 ]
 
 MiB = 1024 * 1024
@@ -180,121 +179,3 @@ class Timer:
             yield
         finally:
             self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
-
-
-@dataclass
-class Figure:
-    """One row of the table: a figure measured for each system, its unit, and its target.
-
-    ``values`` maps a column (``"raytrain"``, ``"lockstep"``, ``"floor"``, ``"asyncexec"``) to
-    the samples measured (the table shows their median). ``ratios`` names the pairs of columns
-    whose ratio (asyncexec over the other) is shown. ``check`` decides whether the target is met
-    from the medians; it returns None when it cannot (a column is missing).
-    """
-
-    key: str
-    label: str
-    unit: str
-    values: dict[str, list[float]] = field(default_factory=dict)
-    target: str = ""
-    check: Callable[[dict[str, float]], bool | None] | None = None
-    higher_is_better: bool = False
-    note: str = ""
-    #: Whether Ray Train has a figure in this row (the test expects one when it was not skipped).
-    raytrain: bool = True
-
-    def add(self, column: str, value: float) -> None:
-        self.values.setdefault(column, []).append(value)
-
-    def medians(self) -> dict[str, float]:
-        return {k: median(v) for k, v in self.values.items() if v}
-
-    def ratio(self, other: str) -> float:
-        m = self.medians()
-        a, b = m.get("asyncexec"), m.get(other)
-        if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
-            return math.nan
-        return a / b
-
-    def met(self) -> bool | None:
-        if self.check is None:
-            return None
-        try:
-            return self.check(self.medians())
-        except (KeyError, ZeroDivisionError):
-            return None
-
-
-COLUMNS = ("raytrain", "lockstep", "floor", "asyncexec")
-HEADERS = {
-    "raytrain": "Ray Train v1",
-    "lockstep": "lockstep loop",
-    "floor": "batched floor",
-    "asyncexec": "asyncexec",
-}
-
-
-def _fmt(value: float, unit: str) -> str:
-    if math.isnan(value):
-        return "-"
-    if unit == "reports/s":
-        return f"{value:,.0f}"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    return f"{value:.2f}"
-
-
-def _fmt_ratio(value: float) -> str:
-    if math.isnan(value):
-        return "-"
-    if value >= 10:
-        return f"{value:,.0f}x"
-    return f"{value:.2f}x"
-
-
-def render_table(figures: Sequence[Figure]) -> str:
-    """The figures as one markdown table: each column's median, asyncexec's ratio to Ray Train
-    and to the batched floor (or to plain actors), the target and whether it is met."""
-    head = [
-        "figure",
-        "unit",
-        *(HEADERS[c] for c in COLUMNS),
-        "asyncexec / Ray Train",
-        "asyncexec / floor",
-        "target",
-        "met",
-    ]
-    rows = [head]
-    for f in figures:
-        m = f.medians()
-        met = f.met()
-        rows.append(
-            [
-                f.label,
-                f.unit,
-                *(_fmt(m.get(c, math.nan), f.unit) for c in COLUMNS),
-                _fmt_ratio(f.ratio("raytrain")),
-                _fmt_ratio(f.ratio("floor")),
-                f.target or "-",
-                {True: "yes", False: "NO", None: "-"}[met],
-            ]
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    numeric = set(range(2, len(head) - 2))
-
-    def line(cells: list[str]) -> str:
-        out = []
-        for i, (cell, w) in enumerate(zip(cells, widths, strict=True)):
-            out.append(cell.rjust(w) if i in numeric else cell.ljust(w))
-        return "| " + " | ".join(out) + " |"
-
-    sep = (
-        "|"
-        + "|".join(
-            ("-" * (w + 1) + ":") if i in numeric else ("-" * (w + 2)) for i, w in enumerate(widths)
-        )
-        + "|"
-    )
-    return "\n".join([line(rows[0]), sep, *(line(r) for r in rows[1:])])

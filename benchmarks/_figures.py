@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from _common import Figure
+from _harness import Figure, Table
 
 __all__ = [
     "CHANNEL_KEYS",
@@ -17,8 +17,20 @@ __all__ = [
     "LOCAL_KEYS",
     "OUTLIVE_KEYS",
     "Sizes",
+    "TABLE",
     "make_figures",
 ]
+
+#: run.py's table: the four systems' medians, asyncexec's ratio to Ray Train and to the floor.
+TABLE = Table(
+    [
+        ("raytrain", "Ray Train v1"),
+        ("lockstep", "lockstep loop"),
+        ("floor", "batched floor"),
+        ("asyncexec", "asyncexec"),
+    ],
+    [("raytrain", "asyncexec / Ray Train"), ("floor", "asyncexec / floor")],
+)
 
 
 @dataclass(frozen=True)

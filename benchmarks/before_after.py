@@ -23,18 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from _common import progress  # noqa: E402
-from _pairs import Pair, render_pairs  # noqa: E402
+import _harness
+from _common import progress
+from _harness import HERE, Pair
 
 PROBE = "_before_after_probe.py"
 WHAT = ("reports", "startup", "restart", "lifecycle")
@@ -165,19 +162,18 @@ def main(argv: list[str] | None = None) -> int:
         if what not in chosen:
             continue
         row = Pair(label, unit, higher_is_better=higher, limit=limit)
-        row.base = samples["before"].get(key, {}).get(column, [])
-        row.ours = samples["after"].get(key, {}).get(column, [])
+        row.base.extend(samples["before"].get(key, {}).get(column, []))
+        row.ours.extend(samples["after"].get(key, {}).get(column, []))
         rows.append(row)
     commits = {side: _commit(tree) for side, tree in trees.items()}
     print()
     print(
         f"asyncexec before ({commits['before']}) and after ({commits['after']}), "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({platform.machine()}), "
-        f"Python {platform.python_version()}; {args.rounds} interleaved round(s) of a fresh "
+        f"{_harness.machine()}; {args.rounds} interleaved round(s) of a fresh "
         f"process per tree and measurement; medians of every sample"
     )
     print()
-    print(render_pairs(rows, "before", "after"))
+    print(_harness.pairs("before", "after").render(rows))
     print()
     if args.save is not None:
         print(f"- each process's figures, notes and where the time went: {args.save}")

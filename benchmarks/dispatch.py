@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import cProfile
 import io
-import platform
 import pstats
 import sys
 import time
@@ -45,16 +44,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import _bootstrap
-
-HERE, ROOT = _bootstrap.setup()
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import ray  # noqa: E402
-import structlog  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _dispatch_workload import (  # noqa: E402
+import _harness
+import numpy as np
+import ray
+from _common import median, progress
+from _dispatch_workload import (
     Echo,
     EchoPlain,
     RawEcho,
@@ -62,9 +56,9 @@ from _dispatch_workload import (  # noqa: E402
     RawEchoSync,
     RawEchoThreaded,
 )
-from _pairs import Pair, render_pairs  # noqa: E402
+from _harness import Pair, Result
 
-import asyncexec  # noqa: E402
+import asyncexec
 
 #: Every worker of both systems asks for this (8 ranks of each fit in the Ray started here).
 RESOURCES = {"CPU": 0.25}
@@ -155,15 +149,9 @@ async def alternate(
     ours: Callable[[], Awaitable[Any]],
     prof: Profiler,
 ) -> tuple[Any, Any]:
-    """Measure ``base`` and ``ours`` once each, in an order that alternates with repeat ``i``
-    (only asyncexec's side is profiled); their results."""
-    if i % 2 == 0:
-        b = await base()
-        o = await prof.timed(ours)
-    else:
-        o = await prof.timed(ours)
-        b = await base()
-    return b, o
+    """``base`` and ``ours`` once each, interleaved (only asyncexec's side is profiled)."""
+    got = await _harness.interleave(i, {"base": base, "ours": lambda: prof.timed(ours)})
+    return got["base"], got["ours"]
 
 
 # Small calls ------------------------------------------------------------------------------------
@@ -438,105 +426,64 @@ async def measure_load(sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[s
             def ours() -> Awaitable[tuple[float, ...]]:
                 return with_cpu(lambda: ae_load(ex, sizes.load_calls, callers, cap))
 
-            for fn in (base, ours):
-                await fn()
-            for i in range(sizes.repeats):
-                progress(f"least-loaded calls, repeat {i + 1}/{sizes.repeats}")
-                b, o = await alternate(i, base, ours, prof)
-                for row, base_value, our_value in zip((rate, loop, cpu), b, o, strict=True):
-                    row.base.append(base_value)
-                    row.ours.append(our_value)
+            await _harness.repeat(
+                (rate, loop, cpu),
+                {"base": base, "ours": lambda: prof.timed(ours)},
+                sizes.repeats,
+                name="least-loaded calls",
+            )
             served = await ex.call(Echo.served)
     finally:
         kill(raw)
     return [rate, loop, cpu], [f"- least-loaded: calls each rank served (asyncexec): {served}"]
 
 
-async def bench(sizes: Sizes, only: set[str], prof: Profiler) -> tuple[list[Pair], list[str]]:
+async def bench(sizes: Sizes, args: argparse.Namespace) -> Result:
+    prof = Profiler(args.profile)
     rows: list[Pair] = []
     notes: list[str] = []
-    if "small" in only:
+    if "small" in args.only:
         for n in (1, 4):
             more, said = await measure_small(n, sizes, prof)
             rows += more
             notes += said
-    if "scatter" in only:
+    if "scatter" in args.only:
         more, said = await measure_scatter(sizes, prof)
         rows += more
         notes += said
-    if "load" in only:
+    if "load" in args.only:
         more, said = await measure_load(sizes, prof)
         rows += more
         notes += said
-    return rows, notes
-
-
-def _dropped(logger: Any, name: str, event: Any) -> Any:
-    raise structlog.DropEvent
-
-
-def start_ray() -> None:
-    """A fresh local Ray for this run only; no pre-started workers (every process is fresh).
-    The object store is small and allocated up front, and the scatter's warm-up rounds touch its
-    pages: a put into pages never touched pays a page fault per 4 KiB (256 MB: 30 ms became up to
-    0.5 s here, in about a third of the rounds), which would fall on whichever system's turn it
-    was."""
-    ray.init(
-        address="local",
-        num_cpus=RAY_CPUS,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={
-            "prestart_worker_first_driver": False,
-            "enable_worker_prestart": False,
-            "preallocate_plasma_memory": True,
-        },
-    )
+    if args.profile:
+        notes.append(f"\n{prof.report()}")
+    return Result(rows, _harness.pairs("plain Ray", "asyncexec"), notes)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
-    parser.add_argument(
-        "--only",
-        default=",".join(FIGURES),
-        help=f"comma-separated figures to measure, of {', '.join(FIGURES)} (default: all)",
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec dispatch benchmarks",
+        full=FULL,
+        quick=QUICK,
+        run=bench,
+        # The object store small and allocated up front; the scatter's warm-up rounds touch
+        # its pages (a put into untouched pages pays their faults: 30 ms became up to 0.5 s).
+        ray={
+            "num_cpus": RAY_CPUS,
+            "object_store_bytes": OBJECT_STORE_BYTES,
+            "preallocate_store": True,
+        },
+        figures=FIGURES,
+        options=lambda parser: parser.add_argument(
+            "--profile", action="store_true", help="cProfile asyncexec's side; print the top"
+        ),
+        about=lambda sizes, args: (
+            f"medians of {sizes.repeats} interleaved repeat(s) (scatter "
+            f"{sizes.scatter_repeats}); every worker {RESOURCES}"
+        ),
     )
-    parser.add_argument(
-        "--profile", action="store_true", help="cProfile asyncexec's side; print the top"
-    )
-    args = parser.parse_args(argv)
-    only = set(args.only.split(","))
-    if not only <= set(FIGURES):
-        parser.error(f"--only takes {', '.join(FIGURES)}")
-    sizes = QUICK if args.quick else FULL
-    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
-    prof = Profiler(args.profile)
-    t0 = time.perf_counter()
-    start_ray()
-    try:
-        rows, notes = asyncio.run(bench(sizes, only, prof))
-    finally:
-        ray.shutdown()
-    print()
-    print(
-        f"asyncexec dispatch benchmarks ({'quick' if args.quick else 'full'}), "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {psutil.cpu_count(logical=True)} cores "
-        f"({platform.machine()}), Python {platform.python_version()}, Ray {ray.__version__}; "
-        f"medians of {sizes.repeats} interleaved repeat(s) (scatter {sizes.scatter_repeats}); "
-        f"every worker {RESOURCES}"
-    )
-    print()
-    print(render_pairs(rows, "plain Ray", "asyncexec"))
-    print()
-    for line in notes:
-        print(line)
-    print(f"- total {time.perf_counter() - t0:.0f} s")
-    if args.profile:
-        print()
-        print(prof.report())
-    return 0
 
 
 if __name__ == "__main__":

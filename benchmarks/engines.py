@@ -74,7 +74,6 @@ import functools
 import logging
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -82,26 +81,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import _bootstrap
+import _harness
 
-HERE, ROOT = _bootstrap.setup()
 # Before Ray starts: its workers (and the engines' processes) inherit these.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(_harness.ROOT, "examples"))
 
-import psutil  # noqa: E402
-import ray  # noqa: E402
-import structlog  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _engines_workload import HandEngine, HandHolder, StateHolder, generated_tokens  # noqa: E402
-from _pairs import Pair, render_pairs  # noqa: E402
-from _pipeline_phases import wait_until  # noqa: E402
-from _systems import kill_actors  # noqa: E402
+import psutil
+from _common import median, progress
+from _engines_workload import HandEngine, HandHolder, StateHolder, generated_tokens
+from _harness import Pair, Result
+from _pipeline_phases import wait_until
+from _systems import kill_actors
 
-import asyncexec  # noqa: E402
-from asyncexec.backends import TorchBackend  # noqa: E402
-from asyncexec.engines import (  # noqa: E402
+import asyncexec
+from asyncexec.backends import TorchBackend
+from asyncexec.engines import (
     CausalLMLearner,
     TinyLlama,
     VLLMServer,
@@ -247,20 +243,27 @@ class Bench:
     async def start(self) -> None:
         """Each system's start alone: the other's group is closed meanwhile (a group up beside
         a start, even idle, slowed it by about 10 s here: whichever system started second)."""
-        row = self.rows["start"]
-        for i in range(self.sizes.start_repeats):
-            progress(f"start {i + 1}: {'hand, asyncexec' if i % 2 == 0 else 'asyncexec, hand'}")
-            for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
-                if side == "hand":
-                    took, hand = await self.start_hand(self.folder)
-                    row.base.append(took)
-                    self.note("memory in use with 2 tiny engines up, GiB", _used_gib())
-                    await self.close_hand(hand)
-                else:
-                    took, ours = await self.start_ours(self.folder)
-                    row.ours.append(took)
-                    await ours.__aexit__(None, None, None)
-                progress(f"  {side}: {took:.1f} s")
+
+        async def base() -> float:
+            took, hand = await self.start_hand(self.folder)
+            self.note("memory in use with 2 tiny engines up, GiB", _used_gib())
+            await self.close_hand(hand)
+            progress(f"  hand: {took:.1f} s")
+            return took
+
+        async def ours() -> float:
+            took, executor = await self.start_ours(self.folder)
+            await executor.__aexit__(None, None, None)
+            progress(f"  asyncexec: {took:.1f} s")
+            return took
+
+        await _harness.repeat(
+            [self.rows["start"]],
+            {"base": base, "ours": ours},
+            self.sizes.start_repeats,
+            warm=0,
+            name="start",
+        )
 
     async def groups(self) -> None:
         """The two groups of tiny engines (when ``start`` did not leave them) and the learner."""
@@ -670,17 +673,13 @@ def _used_gib() -> float:
 async def _alternate(
     i: int, base: Callable[[], Awaitable[Any]], ours: Callable[[], Awaitable[Any]]
 ) -> tuple[Any, Any]:
-    """``base`` and ``ours`` once each, the order alternating with repeat ``i``."""
-    if i % 2 == 0:
-        b = await base()
-        o = await ours()
-    else:
-        o = await ours()
-        b = await base()
-    return b, o
+    """``base`` and ``ours`` once each, interleaved."""
+    got = await _harness.interleave(i, {"base": base, "ours": ours})
+    return got["base"], got["ours"]
 
 
-async def bench(sizes: Sizes, only: set[str]) -> tuple[list[Pair], list[str]]:
+async def bench(sizes: Sizes, args: argparse.Namespace) -> Result:
+    only: set[str] = args.only
     folder = build_tiny_llama(os.path.join(tempfile.gettempdir(), "asyncexec-bench-tiny"))
     b = Bench(sizes, folder, make_rows(sizes))
     try:
@@ -704,60 +703,36 @@ async def bench(sizes: Sizes, only: set[str]) -> tuple[list[Pair], list[str]]:
         f"- {k}: {median(v):.4g} (each repeat: {', '.join(f'{x:.4g}' for x in v)})"
         for k, v in b.notes.items()
     ]
-    return [r for r in b.rows.values() if r.base or r.ours], notes
+    rows = [r for r in b.rows.values() if r.base or r.ours]
+    return Result(rows, _harness.pairs("hand-written floor", "asyncexec"), notes)
 
 
-def _dropped(logger: object, name: str, event: object) -> object:
-    raise structlog.DropEvent
+def _about(sizes: Sizes, args: argparse.Namespace) -> str:
+    import vllm
+
+    return (
+        f"{psutil.virtual_memory().total / 1024**3:.0f} GiB, vLLM {vllm.__version__}; "
+        f"medians of {sizes.repeats} interleaved repeat(s) (start: {sizes.start_repeats}, "
+        f"trained: {sizes.trained_repeats}); every worker {RESOURCES}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="every row once, small sizes")
-    parser.add_argument(
-        "--only",
-        default=",".join(ROWS),
-        help=f"comma-separated rows to measure, of {', '.join(ROWS)} (default: all)",
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec engines benchmark",
+        full=FULL,
+        quick=QUICK,
+        run=bench,
+        ray={
+            "num_cpus": RAY_CPUS,
+            "object_store_bytes": 2 * 1024**3,
+            "logging_level": logging.WARNING,
+        },
+        figures=ROWS,
+        about=_about,
     )
-    args = parser.parse_args(argv)
-    only = set(args.only.split(","))
-    if not only <= set(ROWS):
-        parser.error(f"--only takes {', '.join(ROWS)}")
-    sizes = QUICK if args.quick else FULL
-    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
-    t0 = time.perf_counter()
-    ray.init(
-        address="local",
-        num_cpus=RAY_CPUS,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        object_store_memory=2 * 1024**3,
-        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
-    )
-    try:
-        rows, notes = asyncio.run(bench(sizes, only))
-    finally:
-        ray.shutdown()
-    import vllm
-
-    print()
-    print(
-        f"asyncexec engines benchmark ({'quick' if args.quick else 'full'}), "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {psutil.cpu_count(logical=True)} cores "
-        f"({platform.machine()}), {psutil.virtual_memory().total / 1024**3:.0f} GiB, "
-        f"Python {platform.python_version()}, Ray {ray.__version__}, vLLM {vllm.__version__}; "
-        f"medians of {sizes.repeats} interleaved repeat(s) (start: {sizes.start_repeats}, "
-        f"trained: {sizes.trained_repeats}); "
-        f"every worker {RESOURCES}"
-    )
-    print()
-    print(render_pairs(rows, "hand-written floor", "asyncexec"))
-    print()
-    for line in notes:
-        print(line)
-    print(f"- total {time.perf_counter() - t0:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard is needed

@@ -60,24 +60,18 @@ import dataclasses
 import gc
 import itertools
 import math
-import platform
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import _bootstrap
-
-HERE, ROOT = _bootstrap.setup()
-
-import _pipeline_phases  # noqa: E402
-import psutil  # noqa: E402
-import ray  # noqa: E402
-import structlog  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _pipeline_diagnose import Diagnosis  # noqa: E402
-from _pipeline_phases import (  # noqa: E402
+import _harness
+import _pipeline_phases
+from _common import median, progress
+from _harness import Result, Row, Table, fmt
+from _pipeline_diagnose import Diagnosis
+from _pipeline_phases import (
     Sizes,
     balance,
     kill_one,
@@ -85,10 +79,10 @@ from _pipeline_phases import (  # noqa: E402
     pipeline_pauses,
     sticky,
 )
-from _pipeline_workload import SleepServer, Trainer, tail_ratio, throughput  # noqa: E402
-from _systems import LoopGroup  # noqa: E402
+from _pipeline_workload import SleepServer, Trainer, tail_ratio, throughput
+from _systems import LoopGroup
 
-import asyncexec  # noqa: E402
+import asyncexec
 
 RESOURCES = {"CPU": 0.25}
 RAY_CPUS = 16
@@ -131,109 +125,97 @@ QUICK = Sizes(
 )  # (a smoke run: one pass of the floor)
 
 
-@dataclass
-class Row:
-    """One row: the baseline's and the pipeline's samples (medians shown), the target."""
+def _row(
+    label: str, target: str = "", check: Callable[[float, float, float], bool] | None = None
+) -> Row:
+    """A row of the baseline's and the pipeline's samples; ``check(baseline, pipeline, ratio)``
+    on the medians decides the target."""
 
-    label: str
-    baseline: list[float] = field(default_factory=list)
-    pipeline: list[float] = field(default_factory=list)
-    target: str = ""
-    check: Callable[[float, float, float], bool] | None = None  # (baseline, pipeline, ratio)
+    def met(m: dict[str, float]) -> bool:
+        assert check is not None
+        b, p = m.get("baseline", math.nan), m["pipeline"]
+        return check(b, p, p / b if b and not math.isnan(b) else math.nan)
 
-    def cells(self) -> list[str]:
-        b, p = median(self.baseline), median(self.pipeline)
-        ratio = p / b if b and not math.isnan(b) and not math.isnan(p) else math.nan
-        met = (
-            "-"
-            if self.check is None or math.isnan(p)
-            else ("yes" if self.check(b, p, ratio) else "NO")
-        )
-        return [self.label, _fmt(b), _fmt(p), _fmt(ratio, "x"), self.target, met]
-
-
-def _fmt(value: float, suffix: str = "") -> str:
-    if math.isnan(value):
-        return "-"
-    if abs(value) >= 100:
-        return f"{value:,.0f}{suffix}"
-    return f"{value:.2f}{suffix}" if abs(value) < 10 else f"{value:.1f}{suffix}"
+    return Row(
+        label,
+        target=target,
+        check=None if check is None else met,
+        measured="pipeline",
+        reference="baseline",
+    )
 
 
-def render(rows: list[Row]) -> str:
-    head = ["figure", "baseline", "pipeline", "pipeline / baseline", "target", "met"]
-    table = [head, *(r.cells() for r in rows)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    lines = [
-        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in table
-    ]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+#: The pipeline's table: no unit column (the tests read six cells a row).
+TABLE = Table(
+    [("baseline", "baseline"), ("pipeline", "pipeline")],
+    [("baseline", "pipeline / baseline")],
+    unit=False,
+)
 
 
 def make_rows() -> dict[str, Row]:
     return {
-        "rate": Row(
+        "rate": _row(
             "samples trained/s, long-tailed workload (baseline: S = 0; pipeline: S = 1, "
             "strict, the default: expired samples requeued)",
             target=">= 1.8x",
             check=lambda b, p, r: r >= 1.8,
         ),
-        "rate_k1": Row("the same, pipeline: S = 1, strict, max_requeues=1", target="-"),
-        "rate_wait": Row('the same, pipeline: S = 1, strict, on_expire="wait"', target="-"),
-        "rate_aggregate": Row("the same, pipeline: S = 1, aggregate mode", target="-"),
-        "rate_s2": Row("the same, pipeline: S = 2, strict", target="-"),
-        "beyond": Row(
+        "rate_k1": _row("the same, pipeline: S = 1, strict, max_requeues=1", target="-"),
+        "rate_wait": _row('the same, pipeline: S = 1, strict, on_expire="wait"', target="-"),
+        "rate_aggregate": _row("the same, pipeline: S = 1, aggregate mode", target="-"),
+        "rate_s2": _row("the same, pipeline: S = 2, strict", target="-"),
+        "beyond": _row(
             "samples beyond S, strict mode (baseline: S = 0; pipeline: S = 1)",
             target="0",
             check=lambda b, p, r: p == 0 and b == 0,
         ),
-        "keep": Row(
+        "keep": _row(
             'pause to resume, "keep", 256 in flight, ms',
             target="<= 50 ms",
             check=lambda b, p, r: p <= 50,
         ),
-        "abort": Row(
+        "abort": _row(
             'pause to resume, "abort", 256 in flight, ms',
             target="<= 50 ms",
             check=lambda b, p, r: p <= 50,
         ),
-        "pipe_keep": Row(
+        "pipe_keep": _row(
             'update_weights() with 256 in flight, "keep", the push apart, ms',
             target="<= 50 ms",
             check=lambda b, p, r: p <= 50,
         ),
-        "pipe_abort": Row(
+        "pipe_abort": _row(
             'update_weights() with 256 in flight, "abort", the push apart, ms',
             target="<= 50 ms",
             check=lambda b, p, r: p <= 50,
         ),
-        "once": Row(
+        "once": _row(
             "1 of 4 servers SIGKILLed: requests answered other than once",
             target="0",
             check=lambda b, p, r: p == 0,
         ),
-        "stale": Row(
+        "stale": _row(
             "1 of 4 servers SIGKILLed: replacement's answers on an older version",
             target="0",
             check=lambda b, p, r: p == 0,
         ),
-        "balance": Row(
+        "balance": _row(
             "balance: max / mean in flight per server, uniform load",
             target="<= 1.25",
             check=lambda b, p, r: p <= 1.25,
         ),
-        "sticky": Row(
+        "sticky": _row(
             "sticky sessions kept on their server (baseline: sessions)",
             target="all",
             check=lambda b, p, r: p == b,
         ),
-        "lag": Row(
+        "lag": _row(
             "event-loop max lag through all of it, ms (baseline: the streaming floor, as long)",
             target="<= 1.5x",
             check=lambda b, p, r: r <= 1.5,
         ),
-        "lag_p99": Row("event-loop lag, 99th percentile of the beats, ms (the same)", target="-"),
+        "lag_p99": _row("event-loop lag, 99th percentile of the beats, ms (the same)", target="-"),
     }
 
 
@@ -380,12 +362,12 @@ class Bench:
             )
             if staleness == 0:
                 for row in ("rate", "rate_k1", "rate_wait", "rate_aggregate", "rate_s2"):
-                    self.rows[row].baseline.append(got["rate"])
-                self.rows["beyond"].baseline.append(got["beyond"])
+                    self.rows[row].of("baseline").append(got["rate"])
+                self.rows["beyond"].of("baseline").append(got["beyond"])
             else:
-                self.rows[key].pipeline.append(got["rate"])
+                self.rows[key].of("pipeline").append(got["rate"])
             if key == "rate" and staleness == 1:
-                self.rows["beyond"].pipeline.append(got["beyond"])
+                self.rows["beyond"].of("pipeline").append(got["beyond"])
             self.note(f"trainer idle ratio, {name}", got["trainer_idle"])
             self.note(f"staleness max, {name}", got["staleness_max"])
             if mode == "aggregate":
@@ -404,8 +386,8 @@ class Bench:
     async def pause(self, i: int, lags: list[float]) -> None:
         progress(f"repeat {i + 1}: pause to resume")
         got = await pause_resume(self.servers, self.channel, self.sizes, lags)
-        self.rows["keep"].pipeline.append(got["keep_ms"])
-        self.rows["abort"].pipeline.append(got["abort_ms"])
+        self.rows["keep"].of("pipeline").append(got["keep_ms"])
+        self.rows["abort"].of("pipeline").append(got["abort_ms"])
         self.note('pause alone, "keep", ms', got["keep_pause_ms"])
         self.note('pause alone, "abort", ms', got["abort_pause_ms"])
         self.note("generations aborted", got["aborted"])
@@ -422,7 +404,7 @@ class Bench:
         )
         got_pipe = await pipeline_pauses(self.servers, self.channel, self.sizes)
         for mode in ("keep", "abort"):
-            self.rows[f"pipe_{mode}"].pipeline.append(got_pipe[f"{mode}_ms"])
+            self.rows[f"pipe_{mode}"].of("pipeline").append(got_pipe[f"{mode}_ms"])
             self.note(f'the push in update_weights(), "{mode}", ms', got_pipe[f"{mode}_push_ms"])
         self.note("event-loop max lag while the 256 are sent, ms", got["sending_lag_ms"])
         for mode in ("keep", "abort"):
@@ -431,8 +413,8 @@ class Bench:
     async def kill(self, i: int, lags: list[float]) -> None:
         progress(f"repeat {i + 1}: a server killed")
         got = await kill_one(self.servers, self.channel, self.sizes, seed=100 + i)
-        self.rows["once"].pipeline.append(got["not_once"])
-        self.rows["stale"].pipeline.append(got["stale_after"])
+        self.rows["once"].of("pipeline").append(got["not_once"])
+        self.rows["stale"].of("pipeline").append(got["stale_after"])
         self.note("the replacement's first answer after the kill, s", got["rejoined_s"])
         self.note("requests in the kill figure", got["requests"])
         self.note("the replacement's answers", got["replaced_answers"])
@@ -441,11 +423,11 @@ class Bench:
     async def balance(self, i: int, lags: list[float]) -> None:
         progress(f"repeat {i + 1}: balance, sticky sessions")
         got = await balance(self.servers, self.sizes)
-        self.rows["balance"].pipeline.append(got["ratio_p50"])
+        self.rows["balance"].of("pipeline").append(got["ratio_p50"])
         self.note("balance max / mean, p99 of the samples", got["ratio_p99"])
         got = await sticky(self.servers, self.sizes)
-        self.rows["sticky"].baseline.append(got["sessions"])
-        self.rows["sticky"].pipeline.append(got["kept"])
+        self.rows["sticky"].of("baseline").append(got["sessions"])
+        self.rows["sticky"].of("pipeline").append(got["kept"])
 
     def figure(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
         if self.diagnosis is None:
@@ -488,8 +470,8 @@ class Bench:
         self.note("the floor's passes", passes)
         self.note("the short floor's max lag (its first pass), ms", max(floor.lags[:first]) * 1e3)
         for label, got, side in (("", watch, "pipeline"), ("the floor: ", floor, "baseline")):
-            getattr(self.rows["lag"], side).append(max(got.lags, default=math.nan) * 1e3)
-            getattr(self.rows["lag_p99"], side).append(got.p99() * 1e3)
+            self.rows["lag"].of(side).append(max(got.lags, default=math.nan) * 1e3)
+            self.rows["lag_p99"].of(side).append(got.p99() * 1e3)
             self.note(
                 f"{label}event-loop max lag less the garbage collections in it, ms",
                 got.max_less_collections() * 1e3,
@@ -568,7 +550,7 @@ async def bench(
         f"run, {sizes.train_s * 1e3:.0f} ms a training step"
     ]
     said += [
-        f"- {k}: {_fmt(median(v))}"
+        f"- {k}: {fmt(median(v))}"
         + (
             f" (each repeat: {', '.join(f'{x:.1f}' for x in v)})"
             if "lag in" in k or "floor" in k or "beats" in k
@@ -577,26 +559,25 @@ async def bench(
         for k, v in b.notes.items()
     ]
     lag = b.rows["lag"]
-    if lag.pipeline:
+    if lag.of("pipeline"):
         each = ", ".join(
-            f"{p:.1f} / {f:.1f}" for p, f in zip(lag.pipeline, lag.baseline, strict=False)
+            f"{p:.1f} / {f:.1f}"
+            for p, f in zip(lag.of("pipeline"), lag.of("baseline"), strict=False)
         )
         said.append(f"- event-loop max lag each repeat, pipeline / floor, ms: {each}")
-    return [r for r in b.rows.values() if r.baseline or r.pipeline], said
+    return [r for r in b.rows.values() if any(r.values.values())], said
 
 
-def _dropped(logger: object, name: str, event: object) -> object:
-    raise structlog.DropEvent
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.train_ms is not None:
+        sizes = dataclasses.replace(sizes, train_s=args.train_ms / 1e3)
+    rows, notes = await bench(sizes, args.only, args.gc_freeze, args.diagnose)
+    return Result(rows, TABLE, notes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
-    parser.add_argument(
-        "--only",
-        default=",".join(FIGURES),
-        help=f"comma-separated figures to measure, of {', '.join(FIGURES)} (default: all)",
-    )
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-ms", type=float, help="the training step's time (50 ms)")
     parser.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() the driver's heap after start-up"
@@ -615,41 +596,25 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="sys.setswitchinterval() of the driver (Python's default: 5 ms)",
     )
-    parser.add_argument("--repeats", type=int, help="repeats of every figure (3; --quick: 1)")
-    args = parser.parse_args(argv)
-    only = set(args.only.split(","))
-    if not only <= set(FIGURES):
-        parser.error(f"--only takes {', '.join(FIGURES)}")
-    sizes = QUICK if args.quick else FULL
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    if args.repeats is not None:
-        sizes = dataclasses.replace(sizes, repeats=args.repeats)
-    if args.train_ms is not None:
-        sizes = dataclasses.replace(sizes, train_s=args.train_ms / 1e3)
-    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
-    t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
-    try:
-        rows, notes = asyncio.run(bench(sizes, only, args.gc_freeze, args.diagnose))
-    finally:
-        ray.shutdown()
-    print()
-    print(
-        f"asyncexec pipeline benchmark ({'quick' if args.quick else 'full'}), "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {psutil.cpu_count(logical=True)} cores "
-        f"({platform.machine()}), Python {platform.python_version()}, Ray {ray.__version__}; "
-        f"medians of {sizes.repeats} repeat(s); every worker {RESOURCES}"
-        f"{'; the heap frozen after start-up' if args.gc_freeze else ''}"
-        f"; switch interval {sys.getswitchinterval() * 1e3:g} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec pipeline benchmark",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        ray={"num_cpus": RAY_CPUS, "fresh_workers": False},
+        figures=FIGURES,
+        options=_options,
+        about=lambda sizes, args: (
+            f"medians of {sizes.repeats} repeat(s); every worker {RESOURCES}"
+            f"{'; the heap frozen after start-up' if args.gc_freeze else ''}"
+            f"; switch interval {sys.getswitchinterval() * 1e3:g} ms"
+        ),
     )
-    print()
-    print(render(rows))
-    print()
-    for line in notes:
-        print(line)
-    print(f"- total {time.perf_counter() - t0:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,11 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _bootstrap
-
-HERE, ROOT = _bootstrap.setup()
-
-import ray  # noqa: E402
+import _harness
+import ray
+from _harness import Row, Table
 
 STEP_S = 0.01
 DEADLINE_S = 30.0
@@ -206,8 +203,15 @@ def rt_trial(cluster: Any, poll_s: float | None, drain_after: float) -> dict[str
 # The table ------------------------------------------------------------------------------------
 
 
-def median(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1000:,.0f}" if values else "-"
+#: The systems: each one's column key, its header and its check interval or poll (s; None: the
+#: default). The ratio is asyncexec's default over Ray Train's.
+SYSTEMS = (
+    ("ae", "asyncexec, check every 1 s (default)", 1.0),
+    ("ae_fast", "asyncexec, check every 0.1 s", 0.1),
+    ("rt", "Ray Train V2, poll every 5 s (default)", None),
+    ("rt_fast", "Ray Train V2, poll every 1 s", 1.0),
+)
+TABLE = Table([(k, h) for k, h, _ in SYSTEMS], [("rt", "asyncexec / Ray Train (defaults)")])
 
 
 def main() -> None:
@@ -227,13 +231,19 @@ def main() -> None:
         head_node_args={"num_cpus": 2, "include_dashboard": False},
     )
     ray.init(address=cluster.address, log_to_driver=False)
-    rows: dict[str, dict[str, list[float]]] = {}
-    systems: list[tuple[str, Any]] = [
-        ("asyncexec, check every 1 s (default)", lambda after: asyncio.run(ae(1.0, after))),
-        ("asyncexec, check every 0.1 s", lambda after: asyncio.run(ae(0.1, after))),
-        ("Ray Train V2, poll every 5 s (default)", lambda after: rt_trial(cluster, None, after)),
-        ("Ray Train V2, poll every 1 s", lambda after: rt_trial(cluster, 1.0, after)),
-    ]
+    rows = {
+        "seen": Row("notice seen by the function", "ms", measured="ae", reference="rt"),
+        "saved": Row("report() with checkpoint returned", "ms", measured="ae", reference="rt"),
+        "moved": Row(
+            "the next attempt's first step, on another node", "ms", measured="ae", reference="rt"
+        ),
+    }
+
+    def measure(key: str, poll: float | None, after: float) -> dict[str, float]:
+        if key.startswith("ae"):
+            assert poll is not None
+            return asyncio.run(ae(poll, after))
+        return rt_trial(cluster, poll, after)
 
     async def ae(interval: float, after: float) -> dict[str, float]:
         return await ae_trial(cluster, interval, tempfile.mkdtemp(), after)
@@ -242,27 +252,19 @@ def main() -> None:
     try:
         for trial in range(trials):  # the systems interleaved: the machine's noise falls on all
             after = rng.uniform(0.5, 5.5)
-            for name, measure in systems:
-                figures = measure(after)
-                for key, value in figures.items():
-                    rows.setdefault(name, {}).setdefault(key, []).append(value)
+            for key, name, poll in SYSTEMS:
+                figures = measure(key, poll, after)
+                for figure, seconds in figures.items():
+                    rows[figure].add(key, seconds * 1e3)
                 print(f"trial {trial + 1}/{trials} {name}: {figures}", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print()
-    print(f"Drain notice to checkpoint taken, ms (median of {trials}; from rank 0's drain call)")
     print(
-        "| system | notice seen by the function | report() with checkpoint returned "
-        "| the next attempt's first step, on another node |"
+        f"\nDrain notice to checkpoint taken, ms (median of {trials}; from rank 0's drain call), "
+        f"{_harness.machine()}\n"
     )
-    print("|---|--:|--:|--:|")
-    for name, _ in systems:
-        got = rows.get(name, {})
-        print(
-            f"| {name} | {median(got.get('seen', []))} | {median(got.get('saved', []))} "
-            f"| {median(got.get('moved', []))} |"
-        )
+    print(TABLE.render(list(rows.values())))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from one learner rank to two rollout servers, for a small state and a real model
 
     python benchmarks/push_cost.py            # about a minute on 2 cores
     python benchmarks/push_cost.py --quick    # 10 pushes of each, the small state only
+    python benchmarks/push_cost.py --repeats 100   # pushes of each way
     python benchmarks/push_cost.py --profile  # the driver's cProfile of the channel's pushes
 
 - *by hand* (the floor): plain Ray actors, one of them holding the state and two receiving it:
@@ -16,7 +17,8 @@ from one learner rank to two rollout servers, for a small state and a real model
 Each state: a dict of 3 KB (``{"w": 750 float32 as a list}``, a toy policy's) and a real
 model's ``state_dict()`` (a 2-layer ``torch.nn.TransformerEncoder``, d_model 256, about 6 MB
 of float32 tensors). The two ways alternate push by push after a warm-up; the table shows the
-medians and the ratio. Workers of 0.5 CPU each, in one local Ray of 4 CPUs.
+medians and the ratio (target: at most 1.2x by hand). Workers of 0.5 CPU each, in one local Ray
+of 4 CPUs.
 """
 
 from __future__ import annotations
@@ -25,25 +27,17 @@ import argparse
 import asyncio
 import cProfile
 import io
-import os
 import pstats
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (ROOT, HERE, os.environ.get("PYTHONPATH")) if p
-)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import _harness
+import ray
+from _harness import Pair, Result
 
-import ray  # noqa: E402
-from _common import median  # noqa: E402
-
-import asyncexec  # noqa: E402
+import asyncexec
 
 CPU = {"CPU": 0.5}
 
@@ -110,10 +104,20 @@ async def by_channel(channel: asyncexec.WeightChannel) -> float:
     return time.perf_counter() - started
 
 
-async def measure(kind: str, pushes: int, profile: bool) -> tuple[list[float], list[float]]:
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int  # pushes of each way, interleaved
+    kinds: tuple[str, ...]
+
+
+FULL = Sizes(40, ("3 KB", "model"))
+QUICK = Sizes(10, ("3 KB",))
+
+
+async def measure(kind: str, sizes: Sizes, profiler: cProfile.Profile | None) -> Pair:
+    row = Pair(f"one push, {kind}: 1 learner rank -> 2 servers", "ms", limit=1.2)
     hand_source = HandSource.remote(kind)
     hand_sinks = [HandSink.remote() for _ in range(2)]
-    hand, channel_s = [], []
     async with (
         asyncexec.Executor(
             1, resources_per_worker=CPU, roles=asyncexec.Role(Source, kind), name="learner"
@@ -121,49 +125,52 @@ async def measure(kind: str, pushes: int, profile: bool) -> tuple[list[float], l
         asyncexec.Executor(2, resources_per_worker=CPU, roles=Sink, name="servers") as servers,
         asyncexec.WeightChannel(learner, servers) as channel,
     ):
-        for _ in range(3):  # warm-up: the actors' methods, the first transfers
-            await by_hand(hand_source, hand_sinks)
-            await by_channel(channel)
-        profiler = cProfile.Profile() if profile else None
-        for _ in range(pushes):
-            hand.append(await by_hand(hand_source, hand_sinks))
+
+        async def ours() -> float:
             if profiler is not None:
                 profiler.enable()
-            channel_s.append(await by_channel(channel))
-            if profiler is not None:
-                profiler.disable()
+            try:
+                return await by_channel(channel) * 1e3
+            finally:
+                if profiler is not None:
+                    profiler.disable()
+
+        async def base() -> float:
+            return await by_hand(hand_source, hand_sinks) * 1e3
+
+        # The warm-up: the actors' methods, the first transfers.
+        await _harness.repeat([row], {"base": base, "ours": ours}, sizes.repeats, warm=3)
     for actor in [hand_source, *hand_sinks]:
         ray.kill(actor)
+    return row
+
+
+async def bench(sizes: Sizes, args: argparse.Namespace) -> Result:
+    profiler = cProfile.Profile() if args.profile else None
+    rows = [await measure(kind, sizes, profiler) for kind in sizes.kinds]
+    notes = []
     if profiler is not None:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(30)
-        print(out.getvalue())
-    return hand, channel_s
+        notes.append(out.getvalue())
+    return Result(rows, _harness.pairs("by hand", "WeightChannel.push()"), notes)
 
 
-async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 pushes, the small state only")
-    parser.add_argument("--profile", action="store_true", help="cProfile the channel's pushes")
-    parser.add_argument("--pushes", type=int, default=40)
-    args = parser.parse_args()
-    pushes = 10 if args.quick else args.pushes
-    kinds = ["3 KB"] if args.quick else ["3 KB", "model"]
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    rows = []
-    try:
-        for kind in kinds:
-            hand, channel_s = await measure(kind, pushes, args.profile)
-            rows.append((kind, median(hand) * 1e3, median(channel_s) * 1e3))
-    finally:
-        ray.shutdown()
-    print(f"one push, 1 learner rank -> 2 servers, medians of {pushes} (Ray {ray.__version__})")
-    print("| state | by hand (ms) | WeightChannel.push() (ms) | asyncexec / by hand |")
-    print("|---|---:|---:|---:|")
-    for kind, hand_ms, channel_ms in rows:
-        print(f"| {kind} | {hand_ms:.2f} | {channel_ms:.2f} | {channel_ms / hand_ms:.2f}x |")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="one weight push's cost",
+        full=FULL,
+        quick=QUICK,
+        run=bench,
+        ray={"num_cpus": 4, "fresh_workers": False},
+        options=lambda parser: parser.add_argument(
+            "--profile", action="store_true", help="cProfile the channel's pushes"
+        ),
+        about=lambda sizes, args: f"medians of {sizes.repeats} interleaved pushes; workers {CPU}",
+    )
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(main())

@@ -3,36 +3,30 @@ run of tiny reports on 4 workers, interleaved rounds, the order alternating each
 
     python benchmarks/report_costs.py               # 10 rounds: about a minute on 2 cores
     python benchmarks/report_costs.py --quick       # 2 rounds of a few reports
+    python benchmarks/report_costs.py --repeats 20 --steps 50000
 
 Two executors of 4 workers: one with the straggler watch (the default), one without
 (``straggler_factor=None``). Each round runs, in an order that alternates: the watched executor
 plain, the unwatched one, and the watched one with Prometheus metrics on and scraped every 0.5 s,
 each scrape asking the workers for their backlog (``run.metrics_on``). Printed: each case's
-median reports/s, and the medians of the paired ratios (metrics on / off, watched / not) over the
-rounds, with their spread.
+median reports/s, the ratios (metrics on / off, watched / not) and the medians of the paired
+ratios over the rounds, with their range.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import platform
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+import _harness
+from _harness import Result, Row, Table
+from _workload import ae_steps
+from run import RAY_CPUS, RESOURCES, metrics_on
 
-import psutil  # noqa: E402
-import ray  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _workload import ae_steps  # noqa: E402
-from run import RESOURCES, metrics_on, start_ray  # noqa: E402 (sets the workers' environment)
-
-import asyncexec  # noqa: E402
+import asyncexec
 
 WORKERS = 4
 
@@ -47,7 +41,23 @@ async def rate(ex: asyncexec.Executor, steps: int) -> float:
     return steps * WORKERS / (time.perf_counter() - t0)
 
 
-async def main_async(rounds: int, steps: int) -> list[str]:
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int  # rounds
+    steps: int  # reports a rank a run
+
+
+FULL, QUICK = Sizes(10, 20_000), Sizes(2, 2000)
+#: The rows: the measured case over the reference case, each round's paired.
+TABLE = Table(
+    [("off", "watched, metrics off"), ("unwatched", "unwatched"), ("metrics", "metrics on")],
+    [(None, "measured / reference")],
+    paired=True,
+    spread=True,
+)
+
+
+async def bench(sizes: Sizes, args: argparse.Namespace) -> Result:
     watched = asyncexec.Executor(WORKERS, resources_per_worker=RESOURCES, name="watched")
     unwatched = asyncexec.Executor(
         WORKERS,
@@ -55,58 +65,45 @@ async def main_async(rounds: int, steps: int) -> list[str]:
         health=asyncexec.HealthChecks(straggler_factor=None),
         name="unwatched",
     )
-    samples: dict[str, list[float]] = {"off": [], "unwatched": [], "metrics": []}
+    rows = [
+        Row("Prometheus metrics on / off", "reports/s", measured="metrics", reference="off"),
+        Row("straggler watch on / off", "reports/s", measured="off", reference="unwatched"),
+    ]
 
     async def metered() -> float:
         with metrics_on():
-            return await rate(watched, steps)
+            return await rate(watched, sizes.steps)
 
-    cases: list[tuple[str, Callable[[], Awaitable[float]]]] = [
-        ("off", lambda: rate(watched, steps)),
-        ("unwatched", lambda: rate(unwatched, steps)),
-        ("metrics", metered),
-    ]
+    cases: dict[str, Callable[[], Awaitable[float]]] = {
+        "off": lambda: rate(watched, sizes.steps),
+        "unwatched": lambda: rate(unwatched, sizes.steps),
+        "metrics": metered,
+    }
     async with watched, unwatched:
-        await rate(watched, steps)  # warm-up: imports, the function's export
-        await rate(unwatched, steps)
-        for i in range(rounds):
-            progress(f"round {i + 1} of {rounds}")
-            for name, measure in cases if i % 2 == 0 else cases[::-1]:
-                samples[name].append(await measure())
-
-    def pairs(a: str, b: str) -> str:
-        ratios = [x / y for x, y in zip(samples[a], samples[b], strict=True)]
-        return (
-            f"{median(ratios):.2f}x (paired ratios {min(ratios):.2f}-{max(ratios):.2f}; "
-            f"medians {median(samples[a]):,.0f} and {median(samples[b]):,.0f} reports/s)"
-        )
-
-    return [
-        f"- watched (the default), metrics off: {median(samples['off']):,.0f} reports/s",
-        f"- Prometheus metrics on / off: {pairs('metrics', 'off')}",
-        f"- straggler watch on / off: {pairs('off', 'unwatched')}",
-    ]
+        # The warm-up: imports, the function's export.
+        await _harness.repeat(rows[:1], cases, sizes.repeats, name="rounds")
+    for column in cases:
+        rows[1].values[column] = rows[0].values[column]
+    return Result(rows, TABLE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 2,000 reports a rank")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20_000, help="reports a rank a run")
-    args = parser.parse_args(argv)
-    rounds, steps = (2, 2000) if args.quick else (args.rounds, args.steps)
-    start_ray()
-    try:
-        lines = asyncio.run(main_async(rounds, steps))
-    finally:
-        ray.shutdown()
-    print(
-        f"\nThe report stream's costs, {WORKERS} workers x {steps:,} tiny reports, {rounds} "
-        f"interleaved rounds, {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"{psutil.cpu_count(logical=True)} cores ({platform.machine()}); every worker {RESOURCES}"
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title=f"the report stream's costs, {WORKERS} workers x tiny reports",
+        full=FULL,
+        quick=QUICK,
+        run=bench,
+        ray={"num_cpus": RAY_CPUS},
+        options=lambda parser: parser.add_argument(
+            "--steps", type=int, help="reports a rank a run (20,000)"
+        ),
+        about=lambda sizes, args: (
+            f"{sizes.steps:,} reports a rank a run, {sizes.repeats} interleaved rounds; "
+            f"every worker {RESOURCES}"
+        ),
     )
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

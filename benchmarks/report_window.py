@@ -26,20 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import sys
-import time
 import tracemalloc
+from dataclasses import dataclass
 from typing import Any
 
-import _bootstrap
+import _harness
+import psutil
+from _common import MiB, median, progress
+from _harness import Grid, Result
 
-HERE, ROOT = _bootstrap.setup()
-
-import psutil  # noqa: E402
-from _common import MiB, median, progress  # noqa: E402
-
-import asyncexec  # noqa: E402
+import asyncexec
 
 WINDOWS = (1024, 2048)
 #: The characters of a ~1 KB report's string (made afresh per report, so none is shared).
@@ -118,47 +115,58 @@ async def case(workers: int, window: int, size: int) -> dict[str, float]:
     }
 
 
-async def main_async(workers: int, sizes: list[int]) -> list[str]:
-    rows = [
-        "| window | report | ahead (most over ranks) | worker RSS growth, median / most, MiB "
-        "| worker Python memory held, MiB (median) | driver Python memory held, MiB "
-        "| driver RSS growth, MiB |",
-        "|--:|---|--:|--:|--:|--:|--:|",
+@dataclass(frozen=True)
+class Sizes:
+    workers: int
+    reports: tuple[int, ...]  # each report's size: 0 (tiny) or about KB bytes
+
+
+FULL, QUICK = Sizes(16, (0, KB)), Sizes(2, (0,))
+GRID = Grid(
+    [
+        "window",
+        "report",
+        "ahead (most over ranks)",
+        "worker RSS growth, median / most, MiB",
+        "worker Python memory held, MiB (median)",
+        "driver Python memory held, MiB",
+        "driver RSS growth, MiB",
     ]
-    for size in sizes:
+)
+
+
+async def bench(sizes: Sizes, args: argparse.Namespace) -> Result:
+    rows = []
+    for size in sizes.reports:
         for window in WINDOWS:
             progress(f"window {window}, reports of {size or 'tiny'}")
-            f = await case(workers, window, size)
+            f = await case(sizes.workers, window, size)
             rows.append(
-                f"| {window:,} | {'~1 KB' if size else 'tiny'} | {f['ahead']:,.0f} "
-                f"| {f['worker_rss_med']:.2f} / {f['worker_rss_max']:.2f} "
-                f"| {f['worker_traced']:.2f} | {f['driver_traced']:.2f} | {f['driver_rss']:.1f} |"
+                [
+                    f"{window:,}",
+                    "~1 KB" if size else "tiny",
+                    f"{f['ahead']:,.0f}",
+                    f"{f['worker_rss_med']:.2f} / {f['worker_rss_max']:.2f}",
+                    f"{f['worker_traced']:.2f}",
+                    f"{f['driver_traced']:.2f}",
+                    f"{f['driver_rss']:.1f}",
+                ]
             )
-    return rows
+    return Result(rows, GRID)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 workers, tiny reports only")
-    parser.add_argument("--workers", type=int, default=16)
-    args = parser.parse_args(argv)
-    workers = 2 if args.quick else args.workers
-    sizes = [0] if args.quick else [0, KB]
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        t0 = time.perf_counter()
-        rows = asyncio.run(main_async(workers, sizes))
-    finally:
-        ray.shutdown()
-    print(
-        f"\nThe credit window's memory, {workers} workers, {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"{psutil.cpu_count(logical=True)} cores ({platform.machine()}), "
-        f"{time.perf_counter() - t0:.0f} s\n"
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="the credit window's memory",
+        full=FULL,
+        quick=QUICK,
+        run=bench,
+        ray={"num_cpus": 4, "fresh_workers": False},
+        options=lambda parser: parser.add_argument("--workers", type=int, help="(16)"),
+        about=lambda sizes, args: f"{sizes.workers} workers",
     )
-    print("\n".join(rows))
-    return 0
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import inspect
 import logging
 import math
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -41,17 +40,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import _bootstrap
+import _harness
 
-HERE, ROOT = _bootstrap.setup()
 # Ray Train's first executor is only reachable with V2 switched off (before Ray starts).
 os.environ["RAY_TRAIN_V2_ENABLED"] = "0"
 
-import psutil  # noqa: E402
-import ray  # noqa: E402
-import structlog  # noqa: E402
-from _channel import measure_channel, measure_version_lag  # noqa: E402
-from _common import (  # noqa: E402
+import ray
+import structlog
+from _channel import measure_channel, measure_version_lag
+from _common import (
     Events,
     Timer,
     gc_pauses,
@@ -60,26 +57,26 @@ from _common import (  # noqa: E402
     median,
     process_memory,
     progress,
-    render_table,
 )
-from _figures import (  # noqa: E402
+from _figures import (
     CHANNEL_KEYS,
     FULL,
     LIFECYCLE_KEYS,
     LOCAL_KEYS,
     OUTLIVE_KEYS,
     QUICK,
+    TABLE,
     Sizes,
     make_figures,
 )
-from _lifecycle import measure_lifecycle  # noqa: E402
-from _outlive import measure_independent, measure_resume  # noqa: E402
-from _raytrain import RayTrainClient  # noqa: E402
-from _service import measure_service_first_event  # noqa: E402
-from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready  # noqa: E402
-from _warm import measure_warm  # noqa: E402
+from _lifecycle import measure_lifecycle
+from _outlive import measure_independent, measure_resume
+from _raytrain import RayTrainClient
+from _service import measure_service_first_event
+from _systems import AsyncexecGroup, LoopGroup, kill_actors, plain_actors_ready
+from _warm import measure_warm
 
-from asyncexec._driver._config import DEFAULT_BUFFER_SIZE  # noqa: E402
+from asyncexec._driver._config import DEFAULT_BUFFER_SIZE
 
 #: Every worker of every system asks for this, so that 3 groups of 16 fit in the Ray started here.
 RESOURCES = {"CPU": 0.25}
@@ -243,18 +240,21 @@ class Bench:
         and the reports/s of tiny reports, interleaved repeats (the first round of each is not
         recorded: it pays imports and the actor class's export)."""
         n = 4
-        for i in range(self.sizes.repeats + 1):
-            progress(f"local mode, 4 ranks, {f'repeat {i}' if i else 'warm-up'}")
-            for column, local in (("floor", False), ("asyncexec", True)):
-                ae = AsyncexecGroup(n, RESOURCES, self.storage, local=local)
-                try:
-                    seconds = await ae.start()
-                    rate = (await ae.stream(self.sizes.steps[n]))["rate"]
-                finally:
-                    await ae.close()
-                if i:
-                    self.add("local_start", column, seconds)
-                    self.add("local_rate", column, rate)
+
+        async def one(local: bool) -> tuple[float, float]:
+            ae = AsyncexecGroup(n, RESOURCES, self.storage, local=local)
+            try:
+                seconds = await ae.start()
+                return seconds, (await ae.stream(self.sizes.steps[n]))["rate"]
+            finally:
+                await ae.close()
+
+        await _harness.repeat(
+            [self.figures["local_start"], self.figures["local_rate"]],
+            {"floor": lambda: one(False), "asyncexec": lambda: one(True)},
+            self.sizes.repeats,
+            name="local mode, 4 ranks",
+        )
 
     async def stream(
         self, n: int, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
@@ -282,12 +282,21 @@ class Bench:
     async def run_end(
         self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
     ) -> None:
-        for _ in range(self.sizes.run_end_repeats):
-            if rt is not None:
-                self.add("run_end", "raytrain", await rt.call("run_end", steps=3) * 1e3)
-            floor = await loops.floor(3, timed=True)
-            self.add("run_end", "floor", floor["run_end"] * 1e3)
-            self.add("run_end", "asyncexec", await ae.run_end(3) * 1e3)
+        async def raytrain() -> float:
+            assert rt is not None
+            return float(await rt.call("run_end", steps=3)) * 1e3
+
+        async def floor() -> float:
+            return (await loops.floor(3, timed=True))["run_end"] * 1e3
+
+        async def ours() -> float:
+            return await ae.run_end(3) * 1e3
+
+        systems = {"floor": floor, "asyncexec": ours}
+        if rt is not None:
+            systems["raytrain"] = raytrain
+        figure = [self.figures["run_end"]]
+        await _harness.repeat(figure, systems, self.sizes.run_end_repeats, warm=0)
 
     async def lag(self, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup) -> None:
         """Heartbeat lag over whole runs (from the run's start to its end) at full rate. Ray
@@ -763,18 +772,9 @@ def metrics_on() -> Iterator[None]:
 
 
 def start_ray() -> None:
-    """A fresh local Ray for this run only (never one that is already running)."""
-    ray.init(
-        address="local",
-        num_cpus=RAY_CPUS,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={
-            # Every worker process starts fresh, for every system alike.
-            "prestart_worker_first_driver": False,
-            "enable_worker_prestart": False,
-        },
-    )
+    """A fresh local Ray for this run only (never one that is already running), every worker
+    process fresh for every system alike."""
+    _harness.start_ray(RAY_CPUS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -867,9 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         mode += ", gc.freeze() after start-up"
     print()
     print(
-        f"asyncexec benchmarks ({mode}), {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"{psutil.cpu_count(logical=True)} cores ({platform.machine()}), Python "
-        f"{platform.python_version()}, Ray {ray.__version__}; medians of "
+        f"asyncexec benchmarks ({mode}), {_harness.machine()}; medians of "
         f"{sizes.repeats} repeat(s) (start-up {sizes.startup_repeats}, restart "
         f"{sizes.restart_repeats}, run end {sizes.run_end_repeats}); every worker {RESOURCES}"
     )
@@ -888,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = [f for f in figures if f.key in OUTLIVE_KEYS]
     if args.local_only:
         figures = [f for f in figures if f.key in LOCAL_KEYS]
-    print(render_table(figures))
+    print(TABLE.render(figures))
     print()
     for line in bench.where_time_goes():
         print(line)

@@ -48,7 +48,6 @@ import cProfile
 import functools
 import gc
 import os
-import platform
 import pstats
 import sys
 import time
@@ -58,23 +57,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import _bootstrap
+import _harness
+import anyio
+import psutil
+from _common import median, progress
+from _scale_workload import HELD, WAITING, Shard, flat_out, paced
 
-HERE, ROOT = _bootstrap.setup()
-
-import anyio  # noqa: E402
-import psutil  # noqa: E402
-import structlog  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _scale_workload import HELD, WAITING, Shard, flat_out, paced  # noqa: E402
-
-import asyncexec  # noqa: E402
-from asyncexec._driver._devices import DEVICE_KINDS, shared_device_env  # noqa: E402
-from asyncexec._driver.cluster import GcClock, SimCluster, SimLoad, simulated  # noqa: E402
-from asyncexec._driver.group._ranks import assign_ranks, order_workers  # noqa: E402
-from asyncexec._driver.run._stragglers import StragglerWatch  # noqa: E402
-from asyncexec._driver.run._window import BATCH, Assembly  # noqa: E402
-from asyncexec._wire._protocol import Poll, ReportTimes, WorkerMetadata  # noqa: E402
+import asyncexec
+from asyncexec._driver._devices import DEVICE_KINDS, shared_device_env
+from asyncexec._driver.cluster import GcClock, SimCluster, SimLoad, simulated
+from asyncexec._driver.group._ranks import assign_ranks, order_workers
+from asyncexec._driver.run._stragglers import StragglerWatch
+from asyncexec._driver.run._window import BATCH, Assembly
+from asyncexec._wire._protocol import Poll, ReportTimes, WorkerMetadata
 
 #: Paced runs: this many reports a second in total, each rank's share of it (Ray actors: at
 #: most RAY_RATE_PER_RANK each, as a sleeping function keeps a faster pace badly).
@@ -522,10 +517,6 @@ def profile(n: int) -> None:
     asyncio.run(run())
 
 
-def _dropped(logger: Any, name: str, event: Any) -> Any:
-    raise structlog.DropEvent
-
-
 async def bench(sizes: Sizes, sim_only: bool, dispatch: bool = False) -> list[Row]:
     rows = []
     if dispatch:
@@ -537,20 +528,10 @@ async def bench(sizes: Sizes, sim_only: bool, dispatch: bool = False) -> list[Ro
         progress(f"simulated {n}")
         rows.append(await measure("simulated", n, sizes))
     if not sim_only:
-        import ray
-
-        ray.init(
-            num_cpus=RAY_CPUS,
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config={"enable_worker_prestart": False},
-        )
-        try:
+        with _harness.ray_session(num_cpus=RAY_CPUS):
             for n in sizes.ray:
                 progress(f"Ray actors {n}")
                 rows.append(await measure("Ray actors", n, sizes))
-        finally:
-            ray.shutdown()
     return rows
 
 
@@ -563,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N simulated ranks")
     args = parser.parse_args(argv)
-    structlog.configure(processors=[_dropped])  # the library's log lines are not the output
+    _harness.drop_library_logs()
     if args.profile:
         profile(args.profile)
         return 0
@@ -573,8 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"asyncexec: the driver's cost as ranks grow ({'quick' if args.quick else 'full'}), "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores ({platform.machine()}), "
-        f"Python {platform.python_version()}; medians of {sizes.repeats} "
+        f"{_harness.machine()}; medians of {sizes.repeats} "
         f"({time.perf_counter() - t0:.0f} s)"
     )
     print()

@@ -25,25 +25,21 @@ floor the watch adds to.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import platform
 import random
 import sys
 import time
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
-import _bootstrap
+import _harness
+import structlog
+from _common import median, progress
+from _harness import Grid, Result
+from _scale_workload import turns_slow
 
-HERE, ROOT = _bootstrap.setup()
-
-import structlog  # noqa: E402
-from _common import median, progress  # noqa: E402
-from _scale_workload import turns_slow  # noqa: E402
-
-import asyncexec  # noqa: E402
-from asyncexec._driver.cluster import SimCluster, SimLoad, simulated  # noqa: E402
+import asyncexec
+from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
 
 STEP_S, SLOW_FACTOR, WINDOW = 0.01, 3.0, 10
 #: Simulated ranks' step (1,024 ranks at 10 steps/s: 10,240 reports/s on the driver's loop).
@@ -131,16 +127,13 @@ async def cost(executor: asyncexec.Executor) -> float:
     return (time.thread_time() - t0) / n * 1e6
 
 
-async def bench(trials: int) -> list[str]:
-    import ray
-
+async def bench(trials: int) -> list[list[str]]:
     seen = Straggled()
     structlog.configure(processors=[seen])
     rng = random.Random(7)
     starts = [WINDOW + rng.randrange(WINDOW) for _ in range(trials)]
     out = []
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
+    with _harness.ray_session(num_cpus=4, fresh_workers=False):
         resources = {"CPU": 0.5}
         on = asyncexec.Executor(RAY_RANKS, resources_per_worker=resources, name="watched")
         off = asyncexec.Executor(
@@ -165,8 +158,6 @@ async def bench(trials: int) -> list[str]:
         out.append(
             _row(f"Ray actors, {RAY_RANKS} ranks", STEP_S, delays, costs, false_events, trials)
         )
-    finally:
-        ray.shutdown()
     delays = []
     for i, slow_from in enumerate(starts):
         progress(f"simulated {SIM_RANKS}: trial {i + 1}/{trials}")
@@ -182,7 +173,7 @@ def _row(
     costs: dict[bool, list[float]] | None,
     false_events: int | None,
     trials: int,
-) -> str:
+) -> list[str]:
     slow_step = step_s * SLOW_FACTOR
     delay = median(delays)
     cells = [
@@ -195,34 +186,45 @@ def _row(
     else:
         on, off = median(costs[True]), median(costs[False])
         cells += [f"{on:.1f} / {off:.1f} ({on / off:.2f}x)", f"{false_events} in {trials}"]
-    return "| " + " | ".join(cells) + " |"
+    return cells
+
+
+@dataclass(frozen=True)
+class Sizes:
+    trials: int  # of each group
+
+
+FULL, QUICK = Sizes(5), Sizes(1)
+GRID = Grid(
+    [
+        "group",
+        "slow to the event, s (min..max)",
+        "in slow steps",
+        "driver CPU per rank-report, us: watched / not",
+        f"events in balanced runs of {BALANCED_STEPS} steps",
+    ]
+)
+
+
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
+    return Result(await bench(sizes.trials), GRID)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one trial a group")
-    parser.add_argument("--trials", type=int, default=None)
-    args = parser.parse_args(argv)
-    trials = args.trials or (1 if args.quick else 5)
-    t0 = time.perf_counter()
-    rows = asyncio.run(bench(trials))
-    print()
-    print(
-        f"asyncexec: the straggler watch, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} "
-        f"cores ({platform.machine()}), Python {platform.python_version()}; steps of "
-        f"{STEP_S * 1e3:.0f} ms (simulated: {SIM_STEP_S * 1e3:.0f} ms), one rank "
-        f"{SLOW_FACTOR:.0f}x slower from a random step, windows "
-        f"of {WINDOW} steps; medians of {trials} ({time.perf_counter() - t0:.0f} s)"
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec: the straggler watch",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        options=lambda parser: parser.add_argument("--trials", type=int, help="of each group (5)"),
+        about=lambda sizes, args: (
+            f"steps of {STEP_S * 1e3:.0f} ms (simulated: {SIM_STEP_S * 1e3:.0f} ms), one rank "
+            f"{SLOW_FACTOR:.0f}x slower from a random step, windows of {WINDOW} steps; medians "
+            f"of {sizes.trials}"
+        ),
     )
-    print()
-    print(
-        "| group | slow to the event, s (min..max) | in slow steps | driver CPU per "
-        f"rank-report, us: watched / not | events in balanced runs of {BALANCED_STEPS} steps |"
-    )
-    print("|---|--:|--:|--:|--:|")
-    for row in rows:
-        print(row)
-    return 0
 
 
 if __name__ == "__main__":

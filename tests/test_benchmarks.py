@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -66,9 +67,20 @@ def _run_alone(args: list[str], timeout_s: float) -> str:
     return proc.stdout
 
 
+def _benchmarks_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' folder on ``sys.path``; the environment that importing their harness sets
+    (for Ray's workers) is put back after the test."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for key in ("PYTHONPATH", "RAY_AUTH_MODE", "RAY_DEDUP_LOGS"):
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+
+
 def _expected_rows(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
     """Each row's label, and whether Ray Train has a figure in it."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    _benchmarks_importable(monkeypatch)
     from _figures import QUICK, make_figures
 
     return {figure.label: figure.raytrain for figure in make_figures(QUICK).values()}
@@ -145,6 +157,42 @@ def test_lifecycle_samples_count_toward_every_phase_active_in_them(
     notes = "\n".join(result.notes())
     assert "streaming alone" in notes
     assert "200.0 ms  repeat 1" in notes
+
+
+@pytest.mark.timeout(60)
+def test_harness_interleaves_the_systems_and_renders_their_ratios(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The benchmarks' harness (no Ray): each repeat runs every system once, the order
+    alternating, after an unrecorded warm-up; each result goes to its column of the rows; the
+    table shows the medians, the ratio to the reference and whether the target is met."""
+    _benchmarks_importable(monkeypatch)
+    import asyncio
+
+    import _harness
+
+    order: list[str] = []
+
+    def system(name: str, value: float) -> Any:
+        async def run() -> tuple[float, float]:
+            order.append(name)
+            return value, 2 * value
+
+        return run
+
+    rows = [_harness.Pair("latency", "us", limit=1.2), _harness.Pair("cpu", "us")]
+    systems = {"base": system("base", 10.0), "ours": system("ours", 11.0)}
+    asyncio.run(_harness.repeat(rows, systems, 3))
+    assert order == ["base", "ours", "base", "ours", "ours", "base", "base", "ours"]
+    assert rows[0].base == [10.0] * 3 and rows[1].ours == [22.0] * 3
+    assert rows[0].ratio() == pytest.approx(1.1) and rows[0].met() is True
+    assert rows[1].met() is None  # a contrast: no target
+    table = _harness.pairs("plain Ray", "asyncexec").render(rows).splitlines()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table]
+    assert cells[0][:5] == ["figure", "unit", "plain Ray", "asyncexec", "asyncexec / plain Ray"]
+    assert cells[2][:5] == ["latency", "us", "10.0", "11.0", "1.10x"]
+    assert cells[2][6:8] == ["<= 1.20x", "yes"]
+    assert cells[3][6:8] == ["(contrast)", "-"]
 
 
 @pytest.mark.slow
