@@ -17,11 +17,14 @@ import asyncexec
 from asyncexec._driver.cluster import (
     RAY_ERROR_KINDS,
     Call,
+    CallCancelledError,
     LocalWorkerGone,
+    cluster_for,
     result_of,
     settled,
     submit,
 )
+from asyncexec._driver.cluster._local import LocalCallCancelled
 from asyncexec._wire._protocol import WorkerMetadata
 
 CPU = {"CPU": 0.5}
@@ -54,6 +57,9 @@ class _Handle:
 
     def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
         return [_Failed(self.error) for _ in range(n)]
+
+    def cancel(self, ref: Any) -> None:
+        pass
 
 
 class _Member:
@@ -91,7 +97,7 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
         await call
     error = info.value
     assert (error.rank, error.pid, error.attempt, error.node_id) == (3, 4321, 4, "ab" * 28)
-    assert error.__context__ is None  # Ray's long text is not chained to it
+    assert error.__context__ is None and error.__cause__ is died  # Ray's error: its cause
     assert caller.asked == ["ab" * 28]  # the caller's cluster's node table was asked
     lost = _Caller(alive=False)
     with pytest.raises(asyncexec.NodeLostError):
@@ -177,6 +183,87 @@ async def test_every_ray_error_is_raised_as_asyncexecs_through_the_seam(
         expected = asyncexec.NodeLostError
     with pytest.raises(expected):
         await submit(_Caller(alive=True), _Member(cls.__new__(cls)), "ping")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "exc",
+    [
+        *(cls.__new__(cls) for cls in RAY_ERROR_KINDS),
+        LocalWorkerGone("the local worker was closed"),
+        LocalCallCancelled("the call was cancelled"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_every_mapped_error_keeps_the_clusters_error_as_its_cause(
+    exc: BaseException,
+) -> None:
+    """Issue 43: a crashed or unreachable worker's error (a lost node's, a hung one's) dropped
+    Ray's error; each mapped error now has it as its ``__cause__``, as ``raise ... from`` sets
+    (a raised one's cause is the user's error, here the bare Ray error itself), and no
+    context."""
+    with pytest.raises(asyncexec.AsyncExecError) as info:
+        await submit(_Caller(alive=True), _Member(exc), "ping")
+    assert info.value.__cause__ is exc and info.value.__suppress_context__
+    assert info.value.__context__ is None
+    with pytest.raises(asyncexec.NodeLostError) as lost:  # a node gone: the same cause
+        await submit(_Caller(alive=False), _Member(rex.ActorDiedError()), "ping")
+    assert isinstance(lost.value.__cause__, rex.ActorDiedError)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "exc",
+    [rex.TaskCancelledError(), LocalCallCancelled("cancelled")],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_call_the_driver_cancelled_is_not_an_unreachable_worker(exc: BaseException) -> None:
+    """Issue 43: Ray's ``TaskCancelledError`` (what a call that ``Call.cancel`` cancelled
+    before it started ends with) and the local stand-in were a ``WorkerUnreachableError``,
+    which the restart policy and the servers' health take for a worker gone; the driver asked
+    for it. One the driver did not ask for is still the cluster's failure."""
+    call = submit(_Caller(alive=True), _Member(exc), "ping")
+    call.cancel()
+    with pytest.raises(asyncexec.AsyncExecError) as info:
+        await call
+    assert type(info.value) is CallCancelledError and info.value.rank == 3
+    assert info.value.__cause__ is exc
+    assert not asyncexec.RestartPolicy().should_restart(info.value)
+    with pytest.raises(asyncexec.WorkerUnreachableError):
+        await submit(_Caller(alive=True), _Member(exc), "ping")
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancelled_call_on_a_real_worker_ends_as_cancelled_with_its_cause(
+    mode: str,
+) -> None:
+    """A pending ``wait_closed`` on a worker started through the seam (a Ray actor, or a local
+    worker), cancelled by the driver: awaiting it raises :class:`CallCancelledError` with the
+    cluster's error as its cause; it was a ``WorkerRaisedError`` on Ray (Ray's
+    ``TaskCancelledError`` arrives as the task's error) and a ``WorkerUnreachableError`` in
+    local mode."""
+    cluster = cluster_for(local=mode == "local")
+    await cluster.connect(None)
+    config = asyncexec.Executor(1, resources_per_worker=CPU).config
+    [(handle, metadata)] = await cluster.start_workers(config, None, [None], 30)
+    try:
+        member = _Started(handle, metadata)
+        call = submit(_Caller(alive=True), member, "wait_closed")
+        call.cancel()
+        with pytest.raises(asyncexec.AsyncExecError) as info:
+            await call
+        assert type(info.value) is CallCancelledError, info.value
+        assert info.value.__cause__ is not None
+        assert await submit(_Caller(alive=True), member, "ping") == metadata.pid  # unharmed
+    finally:
+        await cluster.kill([handle], deaths=[handle.call("wait_closed")], timeout_s=10)
+
+
+class _Started:
+    def __init__(self, handle: Any, metadata: WorkerMetadata) -> None:
+        self.handle = handle
+        self.rank = 0
+        self.metadata = metadata
 
 
 @pytest.mark.timeout(10)

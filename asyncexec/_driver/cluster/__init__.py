@@ -29,6 +29,7 @@ from ._calls import (
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
+    CallCancelledError,
     backend_error,
     outcome_error,
     ray_error_kind,
@@ -49,6 +50,7 @@ __all__ = [
     "PRECISION",
     "RAY_ERROR_KINDS",
     "Call",
+    "CallCancelledError",
     "Caller",
     "Cluster",
     "DataConfig",

@@ -94,12 +94,13 @@ class Call:
     mapped to asyncexec's error (never the cluster's); a cancelled wait leaves the call running
     on the worker, as a cancelled wait on its reference does."""
 
-    __slots__ = ("_caller", "_ref", "_who")
+    __slots__ = ("_caller", "_cancelled", "_ref", "_who")
 
     def __init__(self, ref: Any, who: Member, caller: Caller) -> None:
         self._ref = ref
         self._who = who
         self._caller = caller
+        self._cancelled = False  # the driver asked to cancel it
 
     def __repr__(self) -> str:
         return f"<Call on rank {self._who.rank}>"
@@ -107,15 +108,18 @@ class Call:
     def cancel(self) -> None:
         """Cancel the call on the worker: an ``async def`` is cancelled there, and awaiting
         this call then fails (once the worker has ended it) with asyncexec's error for a call
-        that did not complete. Only for ``async def`` calls (see ``Handle.cancel``)."""
+        that did not complete (:class:`~._errors.CallCancelledError`: the driver asked for
+        it, no failure of the worker's). Only for ``async def`` calls (see
+        ``Handle.cancel``)."""
+        self._cancelled = True
         self._who.handle.cancel(self._ref)
 
     def __await__(self) -> Generator[Any, None, Any]:
         try:
             return (yield from self._ref.__await__())
         except Exception as exc:
-            error = yield from _mapped(exc, self._who, self._caller).__await__()
-        raise error  # outside the handler: the cluster's error is not its context
+            error = yield from self.mapped(exc).__await__()
+        raise error  # outside the handler: the cluster's error is its cause, not its context
 
     def loop_future(self) -> asyncio.Future[Any] | None:
         """A future of the running loop settled with the call's unmapped result (see
@@ -126,7 +130,7 @@ class Call:
 
     def mapped(self, exc: Exception) -> Awaitable[AsyncExecError]:
         """asyncexec's error for the call's failure ``exc`` (the cluster's)."""
-        return _mapped(exc, self._who, self._caller)
+        return _mapped(exc, self._who, self._caller, self._cancelled)
 
 
 async def gathered(calls: Sequence[Awaitable[Any]]) -> tuple[list[Any], list[AsyncExecError]]:
@@ -260,8 +264,10 @@ def at_attempt(table: NodeTable, attempt: int) -> Caller:
     return _AtAttempt(table, attempt)
 
 
-async def _mapped(exc: Exception, who: Member, caller: Caller) -> AsyncExecError:
-    return await call_error(exc, who, caller.attempt, caller.node_alive)
+async def _mapped(
+    exc: Exception, who: Member, caller: Caller, cancelled: bool = False
+) -> AsyncExecError:
+    return await call_error(exc, who, caller.attempt, caller.node_alive, cancelled=cancelled)
 
 
 def submit(caller: Caller, who: Member, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Call:
