@@ -152,15 +152,15 @@ def _names_called() -> dict[str, str]:
 
 def test_the_names_a_handle_takes_are_the_interface_s_methods() -> None:
     """``WorkerMethod`` (what mypy checks every ``handle.call`` name against) is the interface's
-    methods, and Ray's graceful exit."""
-    assert set(get_args(WorkerMethod)) == {*WORKER_METHODS, "__ray_terminate__"}
+    methods (Ray's graceful exit is the cluster's kill's, never called by name)."""
+    assert set(get_args(WorkerMethod)) == WORKER_METHODS
 
 
 def test_every_method_the_driver_calls_by_name_is_in_the_interface() -> None:
     called = _names_called()
     assert {"call_method", "make_roles", "poll", "setup"} <= set(called)  # the scan finds them
     unknown = {n: where for n, where in called.items() if n not in WORKER_METHODS}
-    assert unknown == {"__ray_terminate__": unknown.get("__ray_terminate__")}
+    assert unknown == {}
 
 
 # The simulated cluster runs roles and dispatch --------------------------------------------------

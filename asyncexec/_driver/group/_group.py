@@ -185,7 +185,7 @@ class WorkerGroup:
 
     async def setup(self, envs: Sequence[dict[str, str]], workers: Sequence[WorkerInfo]) -> None:
         """Give ``workers`` their device environment, context, data context and init hook."""
-        data_context = self.cluster.data_context()
+        data_context = await self.cluster.data_context()
         calls = [
             submit(self, w, "setup", env, w.context, self.config.init_hook, data_context)
             for w, env in zip(workers, envs, strict=True)
@@ -253,15 +253,22 @@ class WorkerGroup:
                 return
             handles = [w.handle for w in self.workers] + [s.handle for s in self.spares]
             handles += self.starting
+            patience = [0.0]  # what is left of it for the workers' graceful exit
             try:
                 if not force:
                     with hurried_away():
-                        await self._close_gracefully(handles)
+                        patience[0] = await self._close_gracefully(handles)
             finally:
-                # Whatever happened above, nothing of the group may be left behind.
-                await self.cluster.kill(
-                    handles, self.placement, self.deaths, self.config.shutdown_timeout_s
-                )
+                # Whatever happened above, nothing of the group may be left behind: the
+                # cluster's kill lets them exit gracefully first (a second Ctrl-C cuts that).
+                with hurried_away():
+                    await self.cluster.kill(
+                        handles,
+                        self.placement,
+                        self.deaths,
+                        self.config.shutdown_timeout_s,
+                        patience_s=patience[0],
+                    )
             self.log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
 
     async def _give_back(self, force: bool) -> None:
@@ -288,15 +295,20 @@ class WorkerGroup:
         returned = [(w.handle, ok) for w, ok in zip(self.workers, clean, strict=True)]
         await self.pool.give_back(returned + [(s.handle, True) for s in self.spares])
 
-    async def _close_gracefully(self, handles: list[Handle]) -> None:
-        with anyio.move_on_after(self.config.shutdown_timeout_s):
+    async def _close_gracefully(self, handles: list[Handle]) -> float:
+        """The backend's ``on_shutdown``, then each worker's ``close`` within the patience
+        bound; the seconds of patience left for the workers' graceful exit (0 when the
+        shutdown bound has passed)."""
+        with anyio.move_on_after(self.config.shutdown_timeout_s) as bound:
             try:
                 await self.run_backend_hook("on_shutdown")
             except Exception as exc:
                 self.log.warning("backend_shutdown_failed", error=describe(exc))
-            with anyio.move_on_after(self.config.graceful_patience_s):
+            with anyio.move_on_after(self.config.graceful_patience_s) as patience:
                 await settle([h.call("close") for h in handles])
-                await settle([h.call("__ray_terminate__") for h in handles])
+            left = min(patience.deadline, bound.deadline) - anyio.current_time()
+            return max(0.0, left) if not patience.cancel_called else 0.0
+        return 0.0
 
 
 async def answers(refs: Sequence[Any], timeout_s: float, *, dead: Any = None) -> list[Any]:

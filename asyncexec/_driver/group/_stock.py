@@ -68,12 +68,8 @@ class Stock:
             self.placement = reservation.placement(config.bundles)
         else:
             with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
-                self.placement = await anyio.to_thread.run_sync(
-                    self.cluster.place,
-                    config.bundles,
-                    config.placement_strategy,
-                    None,
-                    self.log,
+                self.placement = await self.cluster.place(
+                    config.bundles, config.placement_strategy, None, self.log
                 )
         await self.cluster.wait_placed(self.placement, config.placement_timeout_s)
         with anyio.fail_after(config.start_timeout_s):
