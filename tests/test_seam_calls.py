@@ -20,9 +20,9 @@ from asyncexec._driver.cluster import (
     CallCancelledError,
     LocalWorkerGone,
     cluster_for,
+    proxy,
     result_of,
     settled,
-    submit,
 )
 from asyncexec._driver.cluster._local import LocalCallCancelled
 from asyncexec._wire._protocol import WorkerMetadata
@@ -39,6 +39,9 @@ class _Failed:
     def __await__(self) -> Generator[Any, None, Any]:
         raise self.error
         yield  # a generator: ``await`` accepts it
+
+    def loop_future(self) -> None:
+        return None
 
 
 class _Handle:
@@ -91,7 +94,7 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     attempt is the caller's when the call fails (a run may take the group meanwhile)."""
     died = rex.ActorDiedError()
     caller = _Caller(alive=True)
-    call = submit(caller, _Member(died), "ping")
+    call = proxy(caller, _Member(died)).ping()
     caller.attempt = 4  # read when the call fails
     with pytest.raises(asyncexec.WorkerCrashedError) as info:
         await call
@@ -101,7 +104,7 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     assert caller.asked == ["ab" * 28]  # the caller's cluster's node table was asked
     lost = _Caller(alive=False)
     with pytest.raises(asyncexec.NodeLostError):
-        await submit(lost, _Member(died), "ping")
+        await proxy(lost, _Member(died)).ping()
     # A pending result (a death call, a reference of call_n) awaited through the seam.
     member = _Member(LocalWorkerGone("the local worker was closed"))
     with pytest.raises(asyncexec.WorkerCrashedError):
@@ -109,7 +112,7 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     # The user's code raised on the worker: its own error, as the cause.
     raised = _Member(rex.RayTaskError("execute", "Traceback ...", KeyError("k")))
     with pytest.raises(asyncexec.WorkerRaisedError) as failed:
-        await submit(caller, raised, "execute")
+        await proxy(caller, raised).execute(len)
     assert failed.value.rank == 3
 
 
@@ -157,7 +160,7 @@ async def test_settled_tells_each_calls_outcome_as_it_ends_whatever_the_others_d
     await ender
     assert seen == [(2, "c", None), (0, None, asyncexec.WorkerCrashedError), (1, "b", None)]
     seen.clear()
-    await settled([submit(caller, member, "ping"), submit(caller, member, "ping")], on_settled)
+    await settled([proxy(caller, member).ping(), proxy(caller, member).ping()], on_settled)
     assert sorted(seen) == [(i, None, asyncexec.WorkerCrashedError) for i in range(2)]
 
 
@@ -182,7 +185,7 @@ async def test_every_ray_error_is_raised_as_asyncexecs_through_the_seam(
     if cls is rex.NodeDiedError:  # Ray says the node died: no look-up needed
         expected = asyncexec.NodeLostError
     with pytest.raises(expected):
-        await submit(_Caller(alive=True), _Member(cls.__new__(cls)), "ping")
+        await proxy(_Caller(alive=True), _Member(cls.__new__(cls))).ping()
 
 
 @pytest.mark.timeout(10)
@@ -203,11 +206,11 @@ async def test_every_mapped_error_keeps_the_clusters_error_as_its_cause(
     (a raised one's cause is the user's error, here the bare Ray error itself), and no
     context."""
     with pytest.raises(asyncexec.AsyncExecError) as info:
-        await submit(_Caller(alive=True), _Member(exc), "ping")
+        await proxy(_Caller(alive=True), _Member(exc)).ping()
     assert info.value.__cause__ is exc and info.value.__suppress_context__
     assert info.value.__context__ is None
     with pytest.raises(asyncexec.NodeLostError) as lost:  # a node gone: the same cause
-        await submit(_Caller(alive=False), _Member(rex.ActorDiedError()), "ping")
+        await proxy(_Caller(alive=False), _Member(rex.ActorDiedError())).ping()
     assert isinstance(lost.value.__cause__, rex.ActorDiedError)
 
 
@@ -222,7 +225,7 @@ async def test_a_call_the_driver_cancelled_is_not_an_unreachable_worker(exc: Bas
     before it started ends with) and the local stand-in were a ``WorkerUnreachableError``,
     which the restart policy and the servers' health take for a worker gone; the driver asked
     for it. One the driver did not ask for is still the cluster's failure."""
-    call = submit(_Caller(alive=True), _Member(exc), "ping")
+    call = proxy(_Caller(alive=True), _Member(exc)).ping()
     call.cancel()
     with pytest.raises(asyncexec.AsyncExecError) as info:
         await call
@@ -230,7 +233,7 @@ async def test_a_call_the_driver_cancelled_is_not_an_unreachable_worker(exc: Bas
     assert info.value.__cause__ is exc
     assert not asyncexec.RestartPolicy().should_restart(info.value)
     with pytest.raises(asyncexec.WorkerUnreachableError):
-        await submit(_Caller(alive=True), _Member(exc), "ping")
+        await proxy(_Caller(alive=True), _Member(exc)).ping()
 
 
 @pytest.mark.timeout(60)
@@ -248,13 +251,13 @@ async def test_a_cancelled_call_on_a_real_worker_ends_as_cancelled_with_its_caus
     [(handle, metadata)] = await cluster.start_workers(config, None, [None], 30)
     try:
         member = _Started(handle, metadata)
-        call = submit(_Caller(alive=True), member, "wait_closed")
+        call = proxy(_Caller(alive=True), member).wait_closed()
         call.cancel()
         with pytest.raises(asyncexec.AsyncExecError) as info:
             await call
         assert type(info.value) is CallCancelledError, info.value
         assert info.value.__cause__ is not None
-        assert await submit(_Caller(alive=True), member, "ping") == metadata.pid  # unharmed
+        assert await proxy(_Caller(alive=True), member).ping() == metadata.pid  # unharmed
     finally:
         await cluster.kill([handle], deaths=[handle.call("wait_closed")], timeout_s=10)
 
@@ -272,12 +275,12 @@ async def test_arguments_that_do_not_pickle_are_named_when_submitted() -> None:
 
     caller, member = _Caller(alive=True), _Member(rex.ActorDiedError())
     with pytest.raises(asyncexec.ConfigurationError) as info:
-        submit(caller, member, "execute", push, threading.Lock(), 1)
+        proxy(caller, member).execute(push, threading.Lock(), 1)
     message = str(info.value)
     assert "argument 'weights'" in message and "push" in message and "pickle" in message
     assert "\x1b[" not in message and isinstance(info.value.__cause__, TypeError)
     with pytest.raises(asyncexec.ConfigurationError, match=r"argument 'step' of .*push"):
-        submit(caller, member, "execute", push, 1, step=threading.Lock())
+        proxy(caller, member).execute(push, 1, step=threading.Lock())
 
 
 def _weights_version(weights: Any) -> int:

@@ -21,7 +21,7 @@ from conftest import import_example
 
 import asyncexec
 from asyncexec._cli._main import main
-from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
+from asyncexec._driver.cluster import SimCluster, SimLoad, WorkerCalls, simulated
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
@@ -93,6 +93,7 @@ IMPLEMENTATIONS = {
     "threaded actor": ThreadedWorkerCode,
     "local": _ThreadWorker,
     "simulated": SimWorker,
+    "the driver's proxy": WorkerCalls,
 }
 
 
@@ -126,13 +127,13 @@ def test_the_interface_holds_every_remote_method_of_the_actor() -> None:
 
 
 #: Where the method's name is among the arguments of each way of calling a worker by name.
-_NAME_AT = {"call": 0, "call_n": 0, "submit": 2, "submit_n": 2, "submit_named": 3}
+_NAME_AT = {"call": 0, "call_n": 0, "_call": 0, "submit": 2, "submit_n": 2, "submit_named": 3}
 
 
 def _names_called() -> dict[str, str]:
     """Every method name the driver calls on a worker by name (``handle.call("name", ...)``,
     ``call_n``, a ``call`` taken from a handle, the seam's ``submit(caller, worker, "name",
-    ...)``), with where."""
+    ...)`` and its proxy's ``_call("name", ...)``), with where."""
     called = {}
     for path in sorted((ROOT / "asyncexec" / "_driver").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

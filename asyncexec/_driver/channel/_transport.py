@@ -115,7 +115,7 @@ def caller_of(slot: GroupSlot) -> Caller:
     return group if group is not None else at_attempt(slot.cluster, 0)
 
 
-async def gather(calls: Sequence[Call], slot: GroupSlot) -> list[Any]:
+async def gather(calls: Sequence[Call[Any]], slot: GroupSlot) -> list[Any]:
     """Await calls on workers (made through the seam: their errors are asyncexec's); the first
     failure raised."""
     group = slot.group

@@ -14,8 +14,9 @@ package imports Ray or knows which one it talks to.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Awaitable, Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import anyio
@@ -26,7 +27,20 @@ from .._config import ExecutorConfig
 from .._taskgroups import task_group
 from ._placement import Placement
 
-__all__ = ["Cluster", "Handle", "Spawned", "awaited", "described", "settle"]
+__all__ = ["Cluster", "Handle", "PendingResult", "Spawned", "awaited", "described", "settle"]
+
+
+class PendingResult(Protocol):
+    """A call's result as a handle returns it, the cluster's own (a Ray call's ``Result``, a
+    local worker's, a simulated worker's answer): awaitable any number of times, failing with
+    the cluster's errors (``_calls.Call`` maps them); a cancelled wait leaves the call going."""
+
+    def __await__(self) -> Generator[Any, None, Any]: ...
+
+    def loop_future(self) -> asyncio.Future[Any] | None:
+        """A new future of the running loop settled as the call ends, where the cluster
+        settles one without a task (Ray's completion callbacks), else None."""
+        ...
 
 
 class Handle(Protocol):
@@ -37,7 +51,7 @@ class Handle(Protocol):
         """A stable id of the worker (of its process), the same for every handle to it."""
         ...
 
-    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> PendingResult:
         """Call the worker's ``method`` (see ``asyncexec._worker._actor``); the result is awaited
         (arguments that are references of :meth:`Cluster.put` or :meth:`call_n` arrive
         resolved). Its failures are the cluster's own: the driver calls through
@@ -153,8 +167,9 @@ class Cluster(Protocol):
         *,
         patience_s: float = 0.0,
     ) -> None:
-        """Let the workers exit gracefully for up to ``patience_s`` (the cluster's own way: a
-        Ray actor's ``__ray_terminate__``; none when 0, or in this process), then kill them and
+        """Let the workers exit gracefully for up to ``patience_s`` (none when 0): each is
+        closed (its pending ``wait_closed`` calls end), then left to exit the cluster's own way
+        (a Ray actor's ``__ray_terminate__``); then kill them and
         give ``placement`` back (shielded, off the loop, also when the graceful wait is
         cancelled), then wait, up to ``timeout_s``, until each pending death call of ``deaths``
         has failed (the processes are gone). A failure to kill is logged, never raised."""

@@ -92,10 +92,15 @@ class InProcessCluster:
         *,
         patience_s: float = 0.0,
     ) -> None:
-        self.end(handles)  # (no graceful exit: no process to end)
-        if deaths:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
-                await settle(deaths)
+        try:
+            if patience_s > 0 and handles:  # (no process to end: each is closed, then ended)
+                with anyio.move_on_after(patience_s):
+                    await settle([h.call("close") for h in handles])
+        finally:
+            self.end(handles)
+            if deaths:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+                    await settle(deaths)
 
     async def node_alive(self, node_id: str | None) -> bool:
         return True

@@ -96,6 +96,9 @@ class _Ref:
         call.add_done_callback(_retrieve)  # its error is not "never retrieved" when unawaited
         return asyncio.shield(call).__await__()
 
+    def loop_future(self) -> None:
+        return None  # (settled from the worker's thread: awaited as it is)
+
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():

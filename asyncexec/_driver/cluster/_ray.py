@@ -344,9 +344,11 @@ class RayCluster:
         *,
         patience_s: float = 0.0,
     ) -> None:
-        """See ``Cluster.kill``. The graceful exit is Ray's (``__ray_terminate__``: the actor's
-        process ends after the calls before it, its exit handlers run); a cancelled wait for it
-        goes on to the kill, and the cancellation is raised after."""
+        """See ``Cluster.kill``. The graceful exit: each worker's ``close`` (Ray's exit of an
+        async actor with a call pending stalls until it is killed), then Ray's own
+        (``__ray_terminate__``: the process ends after the calls before it, its exit handlers
+        run); a cancelled wait for it goes on to the kill, and the cancellation is raised
+        after."""
 
         def kill() -> None:
             for handle in handles:
@@ -363,6 +365,7 @@ class RayCluster:
         try:
             if patience_s > 0 and handles:
                 with anyio.move_on_after(patience_s):
+                    await settle([h.call("close") for h in handles])  # (ends wait_closed calls)
                     await settle([_terminate(h) for h in handles])
         finally:
             with anyio.CancelScope(shield=True):

@@ -31,13 +31,13 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ..._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from ..._wire._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
 from ..._worker import Place
 from .._config import ExecutorConfig
-from ._base import Handle, Spawned
+from ._base import Handle, PendingResult, Spawned
 from ._inprocess import InProcessCluster
 from ._local import LocalWorkerGone
 from ._placement import Placement
@@ -272,7 +272,7 @@ class SimWorker(SimCalls):
     def key(self) -> str:
         return f"sim-{self.index}"
 
-    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> PendingResult:
         """Answer the worker's ``method`` (timed as the simulated workers' cost)."""
         cluster = self.cluster
         t0, gc0 = time.perf_counter(), cluster.gc_clock.total
@@ -284,7 +284,7 @@ class SimWorker(SimCalls):
             if answer is None:
                 error = NotImplementedError(f"a simulated worker has no method {method!r}")
                 return Ready(None, error)
-            return answer(self, *args, **kwargs)
+            return cast(PendingResult, answer(self, *args, **kwargs))
         finally:
             cluster.spend(t0, gc0)
 
