@@ -109,7 +109,7 @@ def died(error: AsyncExecError) -> bool:
 
 
 def caller_of(slot: GroupSlot) -> Caller:
-    """For whom a channel calls ``slot``'s workers (see ``cluster.submit``): its live group,
+    """For whom a channel calls ``slot``'s workers (see ``cluster.proxy``): its live group,
     whose attempt their errors carry, else its cluster (attempt 0)."""
     group = slot.group
     return group if group is not None else at_attempt(slot.cluster, 0)

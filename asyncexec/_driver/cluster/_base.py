@@ -54,8 +54,8 @@ class Handle(Protocol):
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> PendingResult:
         """Call the worker's ``method`` (see ``asyncexec._worker._actor``); the result is awaited
         (arguments that are references of :meth:`Cluster.put` or :meth:`call_n` arrive
-        resolved). Its failures are the cluster's own: the driver calls through
-        ``_calls.submit``, which raises asyncexec's errors."""
+        resolved). Its failures are the cluster's own: called inside the seam only (above it,
+        through the typed proxy of ``_proxy``, whose calls raise asyncexec's errors)."""
         ...
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:

@@ -1,7 +1,7 @@
 """The live group of workers: calls on all of them, set-up, stopping functions, closing.
 
 Every call awaits its results (no ``ray.get``) in tasks of an anyio task group; each call is made
-through the seam (``cluster.submit``, with the group as its caller: its attempt and its cluster's
+through the seam (``cluster.proxy``, with the group as its caller: its attempt and its cluster's
 node table), so a failure arrives as asyncexec's error, mapped there; the first failure stops the
 wait, and every rank that had failed by then is kept (the first is raised, the others
 are attached to it as notes). Closing is shielded from cancellation, bounded in time and
@@ -133,7 +133,7 @@ class WorkerGroup:
     # Calls ------------------------------------------------------------------------------------
 
     async def gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
-        """Await calls made through the seam (``cluster.submit``), one per worker; results in
+        """Await calls made through the seam (``cluster.proxy``), one per worker; results in
         the order given.
 
         Raises:
@@ -250,11 +250,11 @@ class WorkerGroup:
                 return
             handles = [w.handle for w in self.workers] + [s.handle for s in self.spares]
             handles += self.starting
-            patience = [0.0]  # what is left of it for the workers' graceful exit
+            patience = 0.0  # what is left of it for the workers' graceful exit
             try:
                 if not force:
                     with hurried_away():
-                        patience[0] = await self._close_gracefully()
+                        patience = await self._close_gracefully()
             finally:
                 # Whatever happened above, nothing of the group may be left behind: the
                 # cluster's kill lets them exit gracefully first (a second Ctrl-C cuts that).
@@ -264,7 +264,7 @@ class WorkerGroup:
                         self.placement,
                         self.deaths,
                         self.config.shutdown_timeout_s,
-                        patience_s=patience[0],
+                        patience_s=patience,
                     )
             self.log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
 
