@@ -42,9 +42,10 @@ class WorkerCalls:
         return f"<WorkerCalls rank {self._who.rank}>"
 
     def _call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Call[Any]:
-        if self._naming is None:
+        naming = self._naming
+        if naming is None:
             return submit(self._caller, self._who, method, *args, **kwargs)
-        return submit_named(self._caller, self._who, self._naming, method, *args, **kwargs)
+        return submit_named(self._caller, self._who, naming, method, *args, **kwargs)
 
     # Start-up, calls and roles.
 
@@ -178,7 +179,7 @@ if TYPE_CHECKING:  # the proxy's methods are the interface's (mypy checks them)
     _IMPLEMENTS: type[WorkerInterface] = WorkerCalls
 
 
-def proxy(caller: Caller, who: Member, naming: Naming | None = None) -> WorkerCalls:
-    """``who``'s remote methods, called through the seam for ``caller`` (whose attempt and
-    node table its errors take); ``naming`` names the user's arguments in messages."""
-    return WorkerCalls(caller, who, naming)
+#: ``proxy(caller, who, naming=None)``: ``who``'s remote methods, called through the seam for
+#: ``caller`` (whose attempt and node table its errors take); ``naming`` names the user's
+#: arguments in messages. The class itself: a call's hot path makes one object, no more.
+proxy = WorkerCalls
