@@ -21,7 +21,7 @@ from conftest import import_example
 
 import asyncexec
 from asyncexec._cli._main import main
-from asyncexec._driver.cluster import SimCluster, SimLoad, WorkerCalls, simulated
+from asyncexec._driver.cluster import SimCluster, SimLoad, WorkerProxy, simulated
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
@@ -93,7 +93,7 @@ IMPLEMENTATIONS = {
     "threaded actor": ThreadedWorkerCode,
     "local": _ThreadWorker,
     "simulated": SimWorker,
-    "the driver's proxy": WorkerCalls,
+    "the driver's proxy": WorkerProxy,
 }
 
 

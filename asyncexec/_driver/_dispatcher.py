@@ -385,7 +385,7 @@ def _send(
     group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]
 ) -> Call[Any]:
     """Send rank ``worker``'s call (an argument that does not pickle is named as the plan names
-    it: see ``cluster.WorkerCalls``)."""
+    it: see ``cluster.WorkerProxy``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
     span, context = call_span(plan.fn, worker.rank)  # None unless traced
     if plan.method is None:

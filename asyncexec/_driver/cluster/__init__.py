@@ -40,7 +40,7 @@ from ._join import WorkerProcess, join_cluster, live_workers
 from ._local import LocalCluster, LocalWorkerGone
 from ._placement import PRECISION, Placement, infeasible_reason
 from ._process import init_ray, quiet_planned_crash, ray_is_initialized, shutdown_ray
-from ._proxy import WorkerCalls, proxy
+from ._proxy import WorkerProxy, proxy
 from ._ray import RayCluster
 from ._sim import GcClock, SimCluster, SimLoad
 from ._stacks import DUMP_TIMEOUT_S, NOT_TAKEN, dump_processes, take_stacks
@@ -62,7 +62,7 @@ __all__ = [
     "Names",
     "PendingResult",
     "Unranked",
-    "WorkerCalls",
+    "WorkerProxy",
     "Placement",
     "RayCluster",
     "SimCluster",

@@ -23,10 +23,10 @@ from ..._wire._protocol import (
 from ..._wire._tracing import Carried
 from ._calls import Call, Caller, Member, Naming, submit, submit_n, submit_named
 
-__all__ = ["WorkerCalls", "proxy"]
+__all__ = ["WorkerProxy", "proxy"]
 
 
-class WorkerCalls:
+class WorkerProxy:
     """One worker's remote methods, each call made through the seam (see the module's
     docstring); ``naming`` (a call's plan) names the user's arguments in the messages of a call
     whose arguments do not pickle."""
@@ -39,7 +39,7 @@ class WorkerCalls:
         self._naming = naming
 
     def __repr__(self) -> str:
-        return f"<WorkerCalls rank {self._who.rank}>"
+        return f"<WorkerProxy rank {self._who.rank}>"
 
     def _call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Call[Any]:
         naming = self._naming
@@ -176,10 +176,10 @@ class WorkerCalls:
 
 
 if TYPE_CHECKING:  # the proxy's methods are the interface's (mypy checks them)
-    _IMPLEMENTS: type[WorkerInterface] = WorkerCalls
+    _IMPLEMENTS: type[WorkerInterface] = WorkerProxy
 
 
 #: ``proxy(caller, who, naming=None)``: ``who``'s remote methods, called through the seam for
 #: ``caller`` (whose attempt and node table its errors take); ``naming`` names the user's
 #: arguments in messages. The class itself: a call's hot path makes one object, no more.
-proxy = WorkerCalls
+proxy = WorkerProxy

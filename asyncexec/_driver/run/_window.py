@@ -28,7 +28,7 @@ from ..._errors import AsyncExecError, ReportMismatchError, WorkerRaisedError
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._protocol import Outcome, Poll, ReportTimes
 from .._metrics import RunMeter
-from ..cluster import Caller, WorkerCalls, at_attempt, outcome_error, proxy
+from ..cluster import Caller, WorkerProxy, at_attempt, outcome_error, proxy
 from ..group import WorkerGroup, WorkerInfo
 from ._iterator import RunCore
 from ._steps import StepBatch, StepTimes
@@ -48,7 +48,7 @@ __all__ = [
 BATCH = 256
 #: A rank's poll, ``submit(worker_calls, ack, room)`` (a name of the module's: the report
 #: path's tests and benchmark stand in for it).
-submit = WorkerCalls.poll
+submit = WorkerProxy.poll
 #: A rank is polled once its credit is this share of its window, not as soon as it has any: a
 #: round trip costs the driver and the worker far more than the reports it carries (about 1 ms
 #: of CPU each on a 2-core machine), so a poll should carry a large batch; the quarter of the
