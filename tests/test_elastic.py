@@ -173,7 +173,11 @@ async def test_elastic_size_inside_a_parent_placement_group_is_refused(
     from asyncexec._driver.group import _elastic
 
     cluster = RayCluster()
-    monkeypatch.setattr(cluster, "parent", lambda: object())
+
+    async def parent() -> object:
+        return object()
+
+    monkeypatch.setattr(cluster, "parent", parent)
     config = ExecutorConfig.build((1, 2), resources_per_worker={"CPU": 1})
     sizer = _elastic.Sizer(config, cluster, None)
     with pytest.raises(asyncexec.ConfigurationError, match="parent placement group"):

@@ -256,7 +256,7 @@ async def _first_poll_room(
     sent: list[tuple[int, float]] = []
     least = _window.min_poll(window)
 
-    async def submit(caller: Any, worker: Any, method: str, ack: int, room: int) -> Poll:
+    async def submit(calls: Any, ack: int, room: int) -> Poll:
         sent.append((room, time.perf_counter()))
         return Poll([], None, Outcome("ok"))
 

@@ -17,11 +17,14 @@ import asyncexec
 from asyncexec._driver.cluster import (
     RAY_ERROR_KINDS,
     Call,
+    CallCancelledError,
     LocalWorkerGone,
+    cluster_for,
+    proxy,
     result_of,
     settled,
-    submit,
 )
+from asyncexec._driver.cluster._local import LocalCallCancelled
 from asyncexec._wire._protocol import WorkerMetadata
 
 CPU = {"CPU": 0.5}
@@ -36,6 +39,9 @@ class _Failed:
     def __await__(self) -> Generator[Any, None, Any]:
         raise self.error
         yield  # a generator: ``await`` accepts it
+
+    def loop_future(self) -> None:
+        return None
 
 
 class _Handle:
@@ -54,6 +60,9 @@ class _Handle:
 
     def call_n(self, method: str, n: int, /, *args: Any) -> list[Any]:
         return [_Failed(self.error) for _ in range(n)]
+
+    def cancel(self, ref: Any) -> None:
+        pass
 
 
 class _Member:
@@ -85,17 +94,17 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     attempt is the caller's when the call fails (a run may take the group meanwhile)."""
     died = rex.ActorDiedError()
     caller = _Caller(alive=True)
-    call = submit(caller, _Member(died), "ping")
+    call = proxy(caller, _Member(died)).ping()
     caller.attempt = 4  # read when the call fails
     with pytest.raises(asyncexec.WorkerCrashedError) as info:
         await call
     error = info.value
     assert (error.rank, error.pid, error.attempt, error.node_id) == (3, 4321, 4, "ab" * 28)
-    assert error.__context__ is None  # Ray's long text is not chained to it
+    assert error.__context__ is None and error.__cause__ is died  # Ray's error: its cause
     assert caller.asked == ["ab" * 28]  # the caller's cluster's node table was asked
     lost = _Caller(alive=False)
     with pytest.raises(asyncexec.NodeLostError):
-        await submit(lost, _Member(died), "ping")
+        await proxy(lost, _Member(died)).ping()
     # A pending result (a death call, a reference of call_n) awaited through the seam.
     member = _Member(LocalWorkerGone("the local worker was closed"))
     with pytest.raises(asyncexec.WorkerCrashedError):
@@ -103,7 +112,7 @@ async def test_a_call_through_the_seam_raises_asyncexecs_errors_with_rank_node_a
     # The user's code raised on the worker: its own error, as the cause.
     raised = _Member(rex.RayTaskError("execute", "Traceback ...", KeyError("k")))
     with pytest.raises(asyncexec.WorkerRaisedError) as failed:
-        await submit(caller, raised, "execute")
+        await proxy(caller, raised).execute(len)
     assert failed.value.rank == 3
 
 
@@ -151,7 +160,7 @@ async def test_settled_tells_each_calls_outcome_as_it_ends_whatever_the_others_d
     await ender
     assert seen == [(2, "c", None), (0, None, asyncexec.WorkerCrashedError), (1, "b", None)]
     seen.clear()
-    await settled([submit(caller, member, "ping"), submit(caller, member, "ping")], on_settled)
+    await settled([proxy(caller, member).ping(), proxy(caller, member).ping()], on_settled)
     assert sorted(seen) == [(i, None, asyncexec.WorkerCrashedError) for i in range(2)]
 
 
@@ -176,7 +185,88 @@ async def test_every_ray_error_is_raised_as_asyncexecs_through_the_seam(
     if cls is rex.NodeDiedError:  # Ray says the node died: no look-up needed
         expected = asyncexec.NodeLostError
     with pytest.raises(expected):
-        await submit(_Caller(alive=True), _Member(cls.__new__(cls)), "ping")
+        await proxy(_Caller(alive=True), _Member(cls.__new__(cls))).ping()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "exc",
+    [
+        *(cls.__new__(cls) for cls in RAY_ERROR_KINDS),
+        LocalWorkerGone("the local worker was closed"),
+        LocalCallCancelled("the call was cancelled"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_every_mapped_error_keeps_the_clusters_error_as_its_cause(
+    exc: BaseException,
+) -> None:
+    """Issue 43: a crashed or unreachable worker's error (a lost node's, a hung one's) dropped
+    Ray's error; each mapped error now has it as its ``__cause__``, as ``raise ... from`` sets
+    (a raised one's cause is the user's error, here the bare Ray error itself), and no
+    context."""
+    with pytest.raises(asyncexec.AsyncExecError) as info:
+        await proxy(_Caller(alive=True), _Member(exc)).ping()
+    assert info.value.__cause__ is exc and info.value.__suppress_context__
+    assert info.value.__context__ is None
+    with pytest.raises(asyncexec.NodeLostError) as lost:  # a node gone: the same cause
+        await proxy(_Caller(alive=False), _Member(rex.ActorDiedError())).ping()
+    assert isinstance(lost.value.__cause__, rex.ActorDiedError)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "exc",
+    [rex.TaskCancelledError(), LocalCallCancelled("cancelled")],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_call_the_driver_cancelled_is_not_an_unreachable_worker(exc: BaseException) -> None:
+    """Issue 43: Ray's ``TaskCancelledError`` (what a call that ``Call.cancel`` cancelled
+    before it started ends with) and the local stand-in were a ``WorkerUnreachableError``,
+    which the restart policy and the servers' health take for a worker gone; the driver asked
+    for it. One the driver did not ask for is still the cluster's failure."""
+    call = proxy(_Caller(alive=True), _Member(exc)).ping()
+    call.cancel()
+    with pytest.raises(asyncexec.AsyncExecError) as info:
+        await call
+    assert type(info.value) is CallCancelledError and info.value.rank == 3
+    assert info.value.__cause__ is exc
+    assert not asyncexec.RestartPolicy().should_restart(info.value)
+    with pytest.raises(asyncexec.WorkerUnreachableError):
+        await proxy(_Caller(alive=True), _Member(exc)).ping()
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancelled_call_on_a_real_worker_ends_as_cancelled_with_its_cause(
+    mode: str,
+) -> None:
+    """A pending ``wait_closed`` on a worker started through the seam (a Ray actor, or a local
+    worker), cancelled by the driver: awaiting it raises :class:`CallCancelledError` with the
+    cluster's error as its cause; it was a ``WorkerRaisedError`` on Ray (Ray's
+    ``TaskCancelledError`` arrives as the task's error) and a ``WorkerUnreachableError`` in
+    local mode."""
+    cluster = cluster_for(local=mode == "local")
+    await cluster.connect(None)
+    config = asyncexec.Executor(1, resources_per_worker=CPU).config
+    [(handle, metadata)] = await cluster.start_workers(config, None, [None], 30)
+    try:
+        member = _Started(handle, metadata)
+        call = proxy(_Caller(alive=True), member).wait_closed()
+        call.cancel()
+        with pytest.raises(asyncexec.AsyncExecError) as info:
+            await call
+        assert type(info.value) is CallCancelledError, info.value
+        assert info.value.__cause__ is not None
+        assert await proxy(_Caller(alive=True), member).ping() == metadata.pid  # unharmed
+    finally:
+        await cluster.kill([handle], deaths=[handle.call("wait_closed")], timeout_s=10)
+
+
+class _Started:
+    def __init__(self, handle: Any, metadata: WorkerMetadata) -> None:
+        self.handle = handle
+        self.rank = 0
+        self.metadata = metadata
 
 
 @pytest.mark.timeout(10)
@@ -185,12 +275,12 @@ async def test_arguments_that_do_not_pickle_are_named_when_submitted() -> None:
 
     caller, member = _Caller(alive=True), _Member(rex.ActorDiedError())
     with pytest.raises(asyncexec.ConfigurationError) as info:
-        submit(caller, member, "execute", push, threading.Lock(), 1)
+        proxy(caller, member).execute(push, threading.Lock(), 1)
     message = str(info.value)
     assert "argument 'weights'" in message and "push" in message and "pickle" in message
     assert "\x1b[" not in message and isinstance(info.value.__cause__, TypeError)
     with pytest.raises(asyncexec.ConfigurationError, match=r"argument 'step' of .*push"):
-        submit(caller, member, "execute", push, 1, step=threading.Lock())
+        proxy(caller, member).execute(push, 1, step=threading.Lock())
 
 
 def _weights_version(weights: Any) -> int:
@@ -211,3 +301,34 @@ async def test_execute_names_an_argument_that_does_not_pickle(mode: str) -> None
         with pytest.raises(asyncexec.ConfigurationError, match="argument 'weights'"):
             await ex.execute_single(0, _weights_version, weights=threading.Lock())
         assert await ex.execute(_weights_version, 1) == [1]  # the group is unharmed
+
+
+def _mark_at_exit(path: str) -> None:
+    import atexit
+
+    def mark() -> None:
+        with open(path, "w") as out:
+            out.write("exited")
+
+    atexit.register(mark)
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(60)
+async def test_a_closed_group_exits_gracefully_through_the_clusters_kill(
+    mode: str, tmp_path: Any
+) -> None:
+    """Ray's graceful exit of a worker moved from the group's close into ``RayCluster.kill``
+    (issue 43): a worker's exit handlers still run when its executor closes (``ray.kill``
+    alone ends the process without them), and the close returns once the process is gone;
+    without patience for it, they do not."""
+    mark = tmp_path / "exited"
+    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+        await ex.execute(_mark_at_exit, str(mark))
+        assert not mark.exists()
+    assert mark.read_text() == "exited"
+    killed = tmp_path / "killed"
+    impatient = asyncexec.Timeouts(graceful_patience_s=0)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, timeouts=impatient) as ex:
+        await ex.execute(_mark_at_exit, str(killed))
+    assert not killed.exists()

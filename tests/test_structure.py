@@ -385,3 +385,69 @@ def _names_used(path: Path) -> Iterator[tuple[str, int]]:
         elif isinstance(node, ast.Import | ast.ImportFrom):
             for alias in node.names:
                 yield alias.name.rpartition(".")[2], node.lineno
+
+
+#: A worker's handle's raw methods (the cluster's own failures, a method named by a string): the
+#: seam calls them; above it, workers are called through the typed proxy (``cluster.proxy``).
+HANDLE_METHODS = {"call", "call_n", "cancel"}
+#: The worker interface's method names (``_wire._interface.WorkerMethod``), read from its source.
+_INTERFACE = PACKAGE / "_wire" / "_interface.py"
+
+
+def _worker_method_names() -> set[str]:
+    tree = ast.parse(_INTERFACE.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "WorkerMethod" for t in node.targets
+        ):
+            assert isinstance(node.value, ast.Subscript)
+            elements = node.value.slice
+            assert isinstance(elements, ast.Tuple)
+            return {e.value for e in elements.elts if isinstance(e, ast.Constant)}
+    raise AssertionError("WorkerMethod is not in _wire/_interface.py")
+
+
+def _receiver(node: ast.expr) -> str:
+    """The last name of what a method is called on: ``handle`` for ``w.handle.call``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _raw_calls(path: Path, methods: set[str]) -> Iterator[str]:
+    """The raw handle calls in a module: a handle's method called on something named a handle
+    (``handle``, ``h``, ``.handle``), any ``call``/``call_n`` whose first argument names a
+    worker method, and Ray's graceful exit named anywhere."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and node.value == "__ray_terminate__":
+            yield f"{node.lineno}: names __ray_terminate__"
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        attr, on = node.func.attr, _receiver(node.func.value)
+        if attr in HANDLE_METHODS and on in ("handle", "h", "handles"):
+            yield f"{node.lineno}: {on}.{attr}(...)"
+        elif (
+            attr in ("call", "call_n")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value in methods
+        ):
+            yield f"{node.lineno}: .{attr}({node.args[0].value!r}, ...)"
+
+
+def test_no_raw_worker_call_above_the_seam() -> None:
+    """Issue 43: above ``_driver/cluster``, a worker's method is called through the typed proxy
+    (its call's errors mapped, the method and its arguments checked against the interface by
+    mypy), never by a raw ``handle.call("name", ...)`` under ``suppress(Exception)``; Ray's
+    graceful exit is the cluster's kill's (it was called by name in the group's close)."""
+    methods = _worker_method_names()
+    assert {"ping", "poll", "wait_closed"} <= methods  # the names are read
+    found = [
+        f"{name}:{where}"
+        for name, path in MODULES.items()
+        if not name.startswith("_driver.cluster")
+        for where in _raw_calls(path, methods)
+    ]
+    assert found == []
+    # The check sees what it looks for: the seam itself calls handles.
+    assert any(_raw_calls(MODULES["_driver.cluster._calls"], methods))

@@ -21,6 +21,7 @@ from conftest import import_example
 
 import asyncexec
 from asyncexec.__main__ import main
+from asyncexec._driver.cluster import WorkerProxy
 from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
@@ -93,6 +94,7 @@ IMPLEMENTATIONS = {
     "threaded actor": ThreadedWorkerCode,
     "local": _ThreadWorker,
     "simulated": SimWorker,
+    "the driver's proxy": WorkerProxy,
 }
 
 
@@ -126,13 +128,13 @@ def test_the_interface_holds_every_remote_method_of_the_actor() -> None:
 
 
 #: Where the method's name is among the arguments of each way of calling a worker by name.
-_NAME_AT = {"call": 0, "call_n": 0, "submit": 2, "submit_n": 2, "submit_named": 3}
+_NAME_AT = {"call": 0, "call_n": 0, "_call": 0, "submit": 2, "submit_n": 2, "submit_named": 3}
 
 
 def _names_called() -> dict[str, str]:
     """Every method name the driver calls on a worker by name (``handle.call("name", ...)``,
     ``call_n``, a ``call`` taken from a handle, the seam's ``submit(caller, worker, "name",
-    ...)``), with where."""
+    ...)`` and its proxy's ``_call("name", ...)``), with where."""
     called = {}
     for path in sorted((ROOT / "asyncexec" / "_driver").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -152,15 +154,15 @@ def _names_called() -> dict[str, str]:
 
 def test_the_names_a_handle_takes_are_the_interface_s_methods() -> None:
     """``WorkerMethod`` (what mypy checks every ``handle.call`` name against) is the interface's
-    methods, and Ray's graceful exit."""
-    assert set(get_args(WorkerMethod)) == {*WORKER_METHODS, "__ray_terminate__"}
+    methods (Ray's graceful exit is the cluster's kill's, never called by name)."""
+    assert set(get_args(WorkerMethod)) == WORKER_METHODS
 
 
 def test_every_method_the_driver_calls_by_name_is_in_the_interface() -> None:
     called = _names_called()
     assert {"call_method", "make_roles", "poll", "setup"} <= set(called)  # the scan finds them
     unknown = {n: where for n, where in called.items() if n not in WORKER_METHODS}
-    assert unknown == {"__ray_terminate__": unknown.get("__ray_terminate__")}
+    assert unknown == {}
 
 
 # The simulated cluster runs roles and dispatch --------------------------------------------------

@@ -51,7 +51,7 @@ from ._lifecycle import Lifecycle
 from ._loads import Loads, Slot
 from ._recovery import Recovery
 from ._taskgroups import task_group
-from .cluster import Call, Cluster, submit_named
+from .cluster import Call, Cluster, proxy
 from .group import GroupSlot, WorkerGroup, WorkerInfo
 
 __all__ = ["CallStream", "WorkerCalls"]
@@ -383,21 +383,23 @@ def _live(slot: GroupSlot) -> WorkerGroup | None:
     return group
 
 
-def _send(group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]) -> Call:
+def _send(
+    group: WorkerGroup, worker: WorkerInfo, plan: CallPlan, parts: Sequence[Any]
+) -> Call[Any]:
     """Send rank ``worker``'s call (an argument that does not pickle is named as the plan names
-    it: see ``cluster.submit_named``)."""
+    it: see ``cluster.WorkerProxy``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
     span, context = call_span(plan.fn, worker.rank)  # None unless traced
     if plan.method is None:
         fn = plan.fn if context is None else Carried(plan.fn, context)
-        call = submit_named(group, worker, plan, "execute", fn, *args, **kwargs)
+        call = proxy(group, worker, plan).execute(fn, *args, **kwargs)
     else:
         # The trace context rides with the method's key.
         key = plan.key if context is None else Carried(plan.key, context)
         if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
-            call = submit_named(group, worker, plan, "call_method_sync", key, *args, **kwargs)
+            call = proxy(group, worker, plan).call_method_sync(key, *args, **kwargs)
         else:
-            call = submit_named(group, worker, plan, "call_method", key, *args, **kwargs)
+            call = proxy(group, worker, plan).call_method(key, *args, **kwargs)
     if group.timeline is None and span is None:
         return call
     return traced(group, worker.rank, plan, call, span)

@@ -24,7 +24,7 @@ from ._config import (
     grouped_options,
 )
 from ._dispatcher import WorkerCalls
-from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
+from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, cluster_of, local_default
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
 from .group import GroupSlot, Reservation, WorkerPool
@@ -206,7 +206,10 @@ class Executor(WorkerCalls, ExecutorRuns):
         self.log = get_logger(executor=f"{name}-{self.id}")
         #: What the ranks and the driver did, and when (a :class:`Timeline`), or None when off.
         self.timeline = new_timeline(timeline, name)
-        self._life = Lifecycle(self.config, backend, self.log, pool, reservation, self.timeline)
+        cluster = cluster_of(self.config, pool, reservation)
+        self._life = Lifecycle(
+            self.config, backend, self.log, cluster, pool, reservation, self.timeline
+        )
         self._init_calls()
         self._init_runs()
 

@@ -12,8 +12,8 @@ by the tests that run them).
 
 A method returns an awaitable: the actor's are ``async def``; a simulated worker's answer at once
 or later without a task of their own (the threaded actor's return values: Ray makes either
-kind an ``ObjectRef`` for the driver). ``__ray_terminate__`` (a Ray actor's graceful exit) is
-Ray's, not the worker's: each handle answers it.
+kind an ``ObjectRef`` for the driver). A Ray actor's graceful exit is Ray's, not the worker's:
+the cluster's ``kill`` asks for it.
 
 The driver calls a role's method with ``call_method(key, *args)`` (``call_method_sync`` for a
 plain method of a role that runs one call at a time): the role and the method's name travel as
@@ -198,8 +198,7 @@ class WorkerInterface(Protocol):
 
 
 #: A worker method's name as a handle's ``call`` takes it (mypy checks the name at every call;
-#: ``tests/test_worker_interface.py`` that these are the interface's), and a Ray actor's
-#: graceful exit.
+#: ``tests/test_worker_interface.py`` that these are the interface's).
 WorkerMethod = Literal[
     "buffered",
     "call_method",
@@ -227,7 +226,6 @@ WorkerMethod = Literal[
     "start_run",
     "stop_run",
     "wait_closed",
-    "__ray_terminate__",
 ]
 
 

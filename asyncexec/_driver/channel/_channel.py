@@ -27,15 +27,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.abc
 
-from ..._errors import ConfigurationError, ExecutorStateError
+from ..._errors import AsyncExecError, ConfigurationError, ExecutorStateError
 from ..._logging import get_logger
 from .._config import check_count
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
+from ..cluster import Caller, proxy
 from ..group import WorkerInfo
 from ._object_store import ObjectStoreTransport
 from ._sinks import channel_observer
 from ._torch import TorchTransport
+from ._transport import caller_of
 from ._versions import Versions, live
 
 if TYPE_CHECKING:
@@ -214,15 +216,16 @@ class WeightChannel:
     async def _forget(self) -> None:
         """Tell the live workers of both sides to drop the channel's process groups and
         buffers (best effort: a worker that is gone has nothing to drop)."""
-        workers = live(slot_of(self.source)) + live(slot_of(self.target))
+        sides = [slot_of(self.source), slot_of(self.target)]
 
-        async def one(worker: WorkerInfo) -> None:
-            with contextlib.suppress(Exception):
-                await worker.handle.call("channel_close", self.name)
+        async def one(caller: Caller, worker: WorkerInfo) -> None:
+            with contextlib.suppress(AsyncExecError):
+                await proxy(caller, worker).channel_close(self.name)
 
         async with task_group() as tg:
-            for worker in workers:
-                tg.start_soon(one, worker)
+            for slot in sides:
+                for worker in live(slot):
+                    tg.start_soon(one, caller_of(slot), worker)
 
     def _check_open(self) -> anyio.abc.TaskGroup:
         if not self._open or self._tg is None:

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
 from ..._errors import AsyncExecError
-from ..cluster import Call, result_of, settled, submit, submit_n
+from ..cluster import Call, proxy, result_of, settled
 from ..group import WorkerInfo
 from ._transport import Core, Pending, caller_of, died, gather
 
 __all__ = ["ObjectStoreTransport"]
 
 
-async def _settle(calls: Sequence[Call], timeout_s: float) -> None:
+async def _settle(calls: Sequence[Call[Any]], timeout_s: float) -> None:
     """Await ``calls`` for their outcome alone (their errors were raised already)."""
     with anyio.move_on_after(timeout_s):
         for call in calls:
@@ -38,7 +39,7 @@ class ObjectStoreTransport:
         core, sources = self.core, pending.sources or []
         caller = caller_of(core.source_slot)
         calls = [
-            submit_n(caller, w, "channel_read", 2, core.name, core.timeout_s, core.sharded)
+            proxy(caller, w).channel_read_parts(core.name, core.timeout_s, core.sharded)
             for w in sources
         ]
         refs = [c[1] for c in calls]
@@ -47,12 +48,12 @@ class ObjectStoreTransport:
         # between (awaiting the read first put a round trip of the driver on every push's
         # path: 1.5-1.9x the hand-written push). Not while an earlier version is on its way:
         # versions arrive in order. A target that joins meanwhile gets its call at delivery.
-        early: dict[str, Call | None] = {}
+        early: dict[str, Call[Any] | None] = {}
         if core.delivered_before(pending.version):
             target = caller_of(core.target_slot)
             for w in core.targets_now():
-                early[w.handle.key] = submit(
-                    target, w, "channel_receive", core.name, pending.version, *refs
+                early[w.handle.key] = proxy(target, w).channel_receive(
+                    core.name, pending.version, *refs
                 )
         # The first results (the states' types) are awaited; the states stay where they are,
         # referenced.
@@ -70,7 +71,7 @@ class ObjectStoreTransport:
         pending.refs = refs
         pending.early = early
 
-    def _settle(self, calls: Sequence[Call]) -> None:
+    def _settle(self, calls: Sequence[Call[Any]]) -> None:
         tg = self.core.tg
         if calls and tg is not None:
             tg.start_soon(_settle, calls, self.core.timeout_s)
@@ -81,7 +82,7 @@ class ObjectStoreTransport:
         await self._install(pending, targets, early)
 
     async def _install(
-        self, pending: Pending, targets: Sequence[WorkerInfo], early: dict[str, Call | None]
+        self, pending: Pending, targets: Sequence[WorkerInfo], early: dict[str, Call[Any] | None]
     ) -> None:
         """Install ``pending`` on ``targets`` (with the calls sent ``early``, where there is
         one for a target)."""
@@ -89,9 +90,7 @@ class ObjectStoreTransport:
         caller = caller_of(core.target_slot)
         calls = [
             early.pop(w.handle.key, None)
-            or submit(
-                caller, w, "channel_receive", core.name, pending.version, *(pending.refs or [])
-            )
+            or proxy(caller, w).channel_receive(core.name, pending.version, *(pending.refs or []))
             for w in targets
         ]
         self._settle([c for c in early.values() if c is not None])  # to ranks that left

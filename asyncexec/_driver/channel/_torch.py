@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..cluster import submit
+from ..cluster import proxy
 from ..group import WorkerInfo
 from ._transport import Core, Pending, caller_of, gather
 
@@ -38,7 +38,7 @@ class TorchTransport:
         caller = caller_of(core.source_slot)
         metas = await gather(
             [
-                submit(caller, w, "channel_snapshot", core.name, pending.version, core.timeout_s)
+                proxy(caller, w).channel_snapshot(core.name, pending.version, core.timeout_s)
                 for w in sources
             ],
             core.source_slot,
@@ -51,14 +51,11 @@ class TorchTransport:
         device = "cuda" if self._groups is not None and self._groups[2] == "nccl" else "cpu"
         source, target = caller_of(core.source_slot), caller_of(core.target_slot)
         calls = [
-            submit(source, w, "channel_send", core.name, pending.version, gid)
+            proxy(source, w).channel_send(core.name, pending.version, gid)
             for w, (gid, _) in zip(sources, parts, strict=True)
         ]
         calls += [
-            submit(
-                target,
-                w,
-                "channel_receive_torch",
+            proxy(target, w).channel_receive_torch(
                 core.name,
                 pending.version,
                 parts,
@@ -95,7 +92,7 @@ class TorchTransport:
         backend = self.backend
         source, target = caller_of(core.source_slot), caller_of(core.target_slot)
         if backend is None:
-            calls = [submit(source, sources[0], "channel_cuda")]
+            calls = [proxy(source, sources[0]).channel_cuda()]
             cuda = await gather(calls, core.source_slot)
             backend = "nccl" if cuda[0] else "gloo"
         self._generation += 1
@@ -103,15 +100,12 @@ class TorchTransport:
         joins: list[Any] = []
         for k, src in enumerate(sources):
             gid = f"{self.channel_id}.{self._generation}/{k}"
-            port_call = submit(source, src, "channel_port", core.name, gid, core.timeout_s)
+            port_call = proxy(source, src).channel_port(core.name, gid, core.timeout_s)
             ((address, port),) = await gather([port_call], core.source_slot)
             size = 1 + len(targets)
             for rank, w in enumerate([src, *targets]):
                 joins.append(
-                    submit(
-                        source if rank == 0 else target,
-                        w,
-                        "channel_join",
+                    proxy(source if rank == 0 else target, w).channel_join(
                         core.name,
                         gid,
                         address,

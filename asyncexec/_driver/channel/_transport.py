@@ -109,13 +109,13 @@ def died(error: AsyncExecError) -> bool:
 
 
 def caller_of(slot: GroupSlot) -> Caller:
-    """For whom a channel calls ``slot``'s workers (see ``cluster.submit``): its live group,
+    """For whom a channel calls ``slot``'s workers (see ``cluster.proxy``): its live group,
     whose attempt their errors carry, else its cluster (attempt 0)."""
     group = slot.group
     return group if group is not None else at_attempt(slot.cluster, 0)
 
 
-async def gather(calls: Sequence[Call], slot: GroupSlot) -> list[Any]:
+async def gather(calls: Sequence[Call[Any]], slot: GroupSlot) -> list[Any]:
     """Await calls on workers (made through the seam: their errors are asyncexec's); the first
     failure raised."""
     group = slot.group

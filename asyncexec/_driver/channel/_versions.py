@@ -17,7 +17,7 @@ from ..._timeline._timeline import DRIVER, timed, timed_delivery
 from ..._worker import weights_version
 from .._observe import Observer
 from .._taskgroups import task_group
-from ..cluster import submit
+from ..cluster import proxy
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._events import PushEnded, PushFailed, RanksJoined, VersionInstalled, VersionRead
 from ._transport import Pending, Transport, caller_of, channel_error, died
@@ -116,13 +116,14 @@ class Versions:
 
         async def one(worker: WorkerInfo) -> None:
             try:
-                outcome = await submit(caller, worker, "execute", weights_version, self.name)
+                outcome = await proxy(caller, worker).execute(weights_version, self.name)
             except AsyncExecError as error:
                 if not died(error):
                     errors.append(error)
                 return
             if outcome.kind != "ok":
-                failed = ChannelError(f"rank {worker.rank}: {describe(outcome.error)}")
+                why = "stopped" if outcome.error is None else describe(outcome.error)
+                failed = ChannelError(f"rank {worker.rank}: {why}")
                 failed.__cause__ = outcome.error
                 errors.append(failed)
             else:

@@ -1,8 +1,9 @@
 """The one seam to where the workers live (see ``_base``): the only driver code that imports Ray.
 
-Upper layers get a :class:`Cluster` from :func:`cluster_for` and talk to workers through their
-:class:`Handle`\\ s, calling them through ``_calls`` (:func:`submit`), whose calls raise
-asyncexec's errors: Ray's become asyncexec's in ``_errors`` and nowhere else.
+Upper layers get a :class:`Cluster` from :func:`cluster_for` and call workers' methods through
+the typed proxy of ``_proxy`` (:func:`proxy`), whose calls (``_calls.Call``) raise asyncexec's
+errors: Ray's become asyncexec's in ``_errors`` and nowhere else. A :class:`Handle` is passed
+around above, never called there.
 """
 
 from __future__ import annotations
@@ -12,23 +13,23 @@ import gc
 from collections.abc import Iterator
 
 from ..._wire._pickle import dumps as pickled
-from ._base import Cluster, Handle, Spawned, awaited, described, settle
+from ._base import Cluster, Handle, PendingResult, Spawned, awaited, described, settle
 from ._calls import (
     Call,
     Caller,
     Member,
     Names,
+    Unranked,
     at_attempt,
+    death_of,
     gathered,
     result_of,
     settled,
-    submit,
-    submit_n,
-    submit_named,
 )
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
+    CallCancelledError,
     backend_error,
     outcome_error,
     ray_error_kind,
@@ -39,6 +40,7 @@ from ._join import WorkerProcess, join_cluster, live_workers
 from ._local import LocalCluster, LocalWorkerGone
 from ._placement import PRECISION, Placement, infeasible_reason
 from ._process import init_ray, quiet_planned_crash, ray_is_initialized, shutdown_ray
+from ._proxy import WorkerProxy, proxy
 from ._ray import RayCluster
 from ._sim import GcClock, SimCluster, SimLoad
 from ._stacks import DUMP_TIMEOUT_S, NOT_TAKEN, dump_processes, take_stacks
@@ -49,6 +51,7 @@ __all__ = [
     "PRECISION",
     "RAY_ERROR_KINDS",
     "Call",
+    "CallCancelledError",
     "Caller",
     "Cluster",
     "DataConfig",
@@ -57,6 +60,9 @@ __all__ = [
     "LocalWorkerGone",
     "Member",
     "Names",
+    "PendingResult",
+    "Unranked",
+    "WorkerProxy",
     "Placement",
     "RayCluster",
     "SimCluster",
@@ -64,6 +70,7 @@ __all__ = [
     "Spawned",
     "at_attempt",
     "awaited",
+    "death_of",
     "gathered",
     "backend_error",
     "cluster_for",
@@ -73,6 +80,7 @@ __all__ = [
     "infeasible_reason",
     "make_shards",
     "outcome_error",
+    "proxy",
     "ray_error_kind",
     "release_shards",
     "result_of",
@@ -80,9 +88,6 @@ __all__ = [
     "settle",
     "simulated",
     "startup_error",
-    "submit",
-    "submit_n",
-    "submit_named",
     "take_stacks",
     "WorkerProcess",
     "init_ray",

@@ -14,8 +14,9 @@ package imports Ray or knows which one it talks to.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Awaitable, Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import anyio
@@ -26,7 +27,20 @@ from .._config import ExecutorConfig
 from .._taskgroups import task_group
 from ._placement import Placement
 
-__all__ = ["Cluster", "Handle", "Spawned", "awaited", "described", "settle"]
+__all__ = ["Cluster", "Handle", "PendingResult", "Spawned", "awaited", "described", "settle"]
+
+
+class PendingResult(Protocol):
+    """A call's result as a handle returns it, the cluster's own (a Ray call's ``Result``, a
+    local worker's, a simulated worker's answer): awaitable any number of times, failing with
+    the cluster's errors (``_calls.Call`` maps them); a cancelled wait leaves the call going."""
+
+    def __await__(self) -> Generator[Any, None, Any]: ...
+
+    def loop_future(self) -> asyncio.Future[Any] | None:
+        """A new future of the running loop settled as the call ends, where the cluster
+        settles one without a task (Ray's completion callbacks), else None."""
+        ...
 
 
 class Handle(Protocol):
@@ -37,11 +51,11 @@ class Handle(Protocol):
         """A stable id of the worker (of its process), the same for every handle to it."""
         ...
 
-    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> PendingResult:
         """Call the worker's ``method`` (see ``asyncexec._worker._actor``); the result is awaited
         (arguments that are references of :meth:`Cluster.put` or :meth:`call_n` arrive
-        resolved). Its failures are the cluster's own: the driver calls through
-        ``_calls.submit``, which raises asyncexec's errors."""
+        resolved). Its failures are the cluster's own: called inside the seam only (above it,
+        through the typed proxy of ``_proxy``, whose calls raise asyncexec's errors)."""
         ...
 
     def call_n(self, method: WorkerMethod, n: int, /, *args: Any) -> list[Any]:
@@ -68,26 +82,28 @@ class Spawned(NamedTuple):
 
 
 class Cluster(Protocol):
-    """Where a driver's workers live."""
+    """Where a driver's workers live. Every member is a coroutine that never blocks the event
+    loop: what blocks (Ray's placement groups, actor creation, node table) runs in a thread
+    inside the implementation, as anyio's backends and httpcore's keep their threads."""
 
     async def connect(self, address: str | None) -> None:
-        """Start a cluster, or join the one at ``address``, unless this process already has one.
-        Never blocks the event loop."""
+        """Start a cluster, or join the one at ``address``, unless this process already has one."""
         ...
 
-    def driver_node(self) -> str | None:
+    async def driver_node(self) -> str | None:
         """The node of this process (its workers rank first), or None."""
         ...
 
-    def parent(self) -> Any:
+    async def parent(self) -> Any:
         """The placement group that captures this task's children (a Ray task running an
-        executor), else None. Reads a thread-local: call it on the executor's thread."""
+        executor), else None. Reads a thread-local: await it on the executor's loop."""
         ...
 
-    def place(
+    async def place(
         self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
     ) -> Placement | None:
-        """Reserve ``bundles`` (or use ``parent``). Blocking: call it in a thread.
+        """Reserve ``bundles`` (or use ``parent``). Once it returns, the reservation is made:
+        await it shielded, so that what is made is known to be released.
 
         Raises:
             PlacementInfeasibleError: they can never fit, and the cluster cannot grow.
@@ -102,19 +118,20 @@ class Cluster(Protocol):
         """
         ...
 
-    def release(self, placement: Placement | None) -> None:
-        """Give a reservation back (idempotent; not one this process did not make). Blocking."""
+    async def release(self, placement: Placement | None) -> None:
+        """Give a reservation back (idempotent; not one this process did not make)."""
         ...
 
-    def bundle_nodes(self, placement: Placement) -> list[str]:
-        """Each bundle's node, by bundle index. Blocking."""
+    async def bundle_nodes(self, placement: Placement) -> list[str]:
+        """Each bundle's node, by bundle index."""
         ...
 
-    def spawn(
+    async def spawn(
         self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
     ) -> list[Spawned]:
         """Create a worker in each of ``bundles`` and ask each to describe itself, without
-        waiting (see :func:`described`). Blocking: call it in a thread.
+        waiting (see :func:`described`). Await it shielded: the workers made must be known to
+        be killed.
 
         Raises:
             ConfigurationError: the cluster refused the worker options.
@@ -147,10 +164,15 @@ class Cluster(Protocol):
         placement: Placement | None = None,
         deaths: Sequence[Any] = (),
         timeout_s: float = 0.0,
+        *,
+        patience_s: float = 0.0,
     ) -> None:
-        """Kill the workers and give ``placement`` back (shielded, off the loop), then wait, up to
-        ``timeout_s``, until each pending death call of ``deaths`` has failed (the processes are
-        gone). A failure to kill is logged, never raised."""
+        """Let the workers exit gracefully for up to ``patience_s`` (none when 0): each is
+        closed (its pending ``wait_closed`` calls end), then left to exit the cluster's own way
+        (a Ray actor's ``__ray_terminate__``); then kill them and
+        give ``placement`` back (shielded, off the loop, also when the graceful wait is
+        cancelled), then wait, up to ``timeout_s``, until each pending death call of ``deaths``
+        has failed (the processes are gone). A failure to kill is logged, never raised."""
         ...
 
     async def node_alive(self, node_id: str | None) -> bool:
@@ -195,7 +217,7 @@ class Cluster(Protocol):
         """``value`` where every worker can read it (a reference), put once, off the loop."""
         ...
 
-    def data_context(self) -> Any:
+    async def data_context(self) -> Any:
         """The driver's data-processing context to give the workers (Ray Data's), or None."""
         ...
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, Generic, NamedTuple, NoReturn, Protocol, TypeVar
 
 from ray import cloudpickle
 from ray._raylet import ObjectRef
@@ -89,17 +89,25 @@ class Caller(Protocol):
     def node_alive(self, node_id: str | None) -> Awaitable[bool]: ...
 
 
-class Call:
+T = TypeVar("T")
+
+
+class Call(Generic[T]):
     """A call on a worker, awaitable (as often as its reference is): its value, or the failure
     mapped to asyncexec's error (never the cluster's); a cancelled wait leaves the call running
-    on the worker, as a cancelled wait on its reference does."""
+    on the worker, as a cancelled wait on its reference does.
 
-    __slots__ = ("_caller", "_ref", "_who")
+    The one protocol of a pending call: awaitable, :meth:`cancel`, :meth:`loop_future` (None
+    where the cluster gives none) and :meth:`mapped`. What wraps a call (a timeline's
+    ``TimedCall``) passes all four on."""
+
+    __slots__ = ("_caller", "_cancelled", "_ref", "_who")
 
     def __init__(self, ref: Any, who: Member, caller: Caller) -> None:
         self._ref = ref
         self._who = who
         self._caller = caller
+        self._cancelled = False  # the driver asked to cancel it
 
     def __repr__(self) -> str:
         return f"<Call on rank {self._who.rank}>"
@@ -107,26 +115,30 @@ class Call:
     def cancel(self) -> None:
         """Cancel the call on the worker: an ``async def`` is cancelled there, and awaiting
         this call then fails (once the worker has ended it) with asyncexec's error for a call
-        that did not complete. Only for ``async def`` calls (see ``Handle.cancel``)."""
+        that did not complete (:class:`~._errors.CallCancelledError`: the driver asked for
+        it, no failure of the worker's). Only for ``async def`` calls (see
+        ``Handle.cancel``)."""
+        self._cancelled = True
         self._who.handle.cancel(self._ref)
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[Any, None, T]:
         try:
-            return (yield from self._ref.__await__())
+            value: T = yield from self._ref.__await__()
+            return value
         except Exception as exc:
-            error = yield from _mapped(exc, self._who, self._caller).__await__()
-        raise error  # outside the handler: the cluster's error is not its context
+            error = yield from self.mapped(exc).__await__()
+        raise error  # outside the handler: the cluster's error is its cause, not its context
 
     def loop_future(self) -> asyncio.Future[Any] | None:
         """A future of the running loop settled with the call's unmapped result (see
         :meth:`mapped`), where the cluster's reference gives one (a Ray call's); None where it
         does not."""
-        make = getattr(self._ref, "loop_future", None)
-        return None if make is None else make()
+        future: asyncio.Future[Any] | None = self._ref.loop_future()
+        return future
 
     def mapped(self, exc: Exception) -> Awaitable[AsyncExecError]:
         """asyncexec's error for the call's failure ``exc`` (the cluster's)."""
-        return _mapped(exc, self._who, self._caller)
+        return _mapped(exc, self._who, self._caller, self._cancelled)
 
 
 async def gathered(calls: Sequence[Awaitable[Any]]) -> tuple[list[Any], list[AsyncExecError]]:
@@ -253,6 +265,22 @@ class _AtAttempt:
         return self._table.node_alive(node_id)
 
 
+class Unranked(NamedTuple):
+    """A worker outside any group's ranks (a pool's idle worker), as a call's member: its
+    errors name rank -1."""
+
+    handle: Handle
+    metadata: WorkerMetadata
+    rank: int = -1
+
+
+def death_of(handle: Handle) -> Any:
+    """The worker's death call: a pending result that fails the moment its process dies
+    (its ``wait_closed``), unmapped (a kill settles it), awaited as a call through
+    :func:`result_of`. One per worker: every group that holds the worker awaits the same."""
+    return handle.call("wait_closed")
+
+
 def at_attempt(table: NodeTable, attempt: int) -> Caller:
     """A caller for calls whose errors carry ``attempt`` (an independent run's rank has its own;
     a channel's calls, outside any run, 0), whose nodes ``table`` (a cluster, or a group)
@@ -260,11 +288,15 @@ def at_attempt(table: NodeTable, attempt: int) -> Caller:
     return _AtAttempt(table, attempt)
 
 
-async def _mapped(exc: Exception, who: Member, caller: Caller) -> AsyncExecError:
-    return await call_error(exc, who, caller.attempt, caller.node_alive)
+async def _mapped(
+    exc: Exception, who: Member, caller: Caller, cancelled: bool = False
+) -> AsyncExecError:
+    return await call_error(exc, who, caller.attempt, caller.node_alive, cancelled=cancelled)
 
 
-def submit(caller: Caller, who: Member, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Call:
+def submit(
+    caller: Caller, who: Member, method: WorkerMethod, /, *args: Any, **kwargs: Any
+) -> Call[Any]:
     """Call ``who``'s ``method``; awaiting the result raises asyncexec's errors (see the module's
     docstring).
 
@@ -280,7 +312,7 @@ def submit(caller: Caller, who: Member, method: WorkerMethod, /, *args: Any, **k
 
 def submit_named(
     caller: Caller, who: Member, naming: Naming, method: WorkerMethod, /, *args: Any, **kwargs: Any
-) -> Call:
+) -> Call[Any]:
     """:func:`submit`, where ``naming`` says how messages name the user's arguments (as the
     call's plan named them: ``argument 'batch'``)."""
     try:
@@ -311,7 +343,7 @@ def submit_n(caller: Caller, who: Member, method: WorkerMethod, n: int, /, *args
         _refuse(exc, method, args, {}, None)
 
 
-def result_of(caller: Caller, who: Member, ref: Any) -> Call:
+def result_of(caller: Caller, who: Member, ref: Any) -> Call[Any]:
     """A pending result of ``who`` (of :func:`submit_n`, or its death call), awaited as a
     :class:`Call`; a Ray reference through one loop future (see ``_ray.Result``), as a call's
     result is, not through the ``concurrent.futures.Future`` that awaiting it makes."""

@@ -39,6 +39,7 @@ from ._ray import node_alive
 
 __all__ = [
     "RAY_ERROR_KINDS",
+    "CallCancelledError",
     "backend_error",
     "call_error",
     "outcome_error",
@@ -66,6 +67,15 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: Lines of Ray's actor-death messages that say which actor, not what happened.
 _ACTOR_FIELDS = ("class_name", "actor_id", "pid:", "namespace", "ip:")
+
+
+class CallCancelledError(WorkerError):
+    """A call that the driver cancelled (``Call.cancel``: its caller gave up on it) and that
+    ended so on the worker. Not a failure of the worker, and not restarted after: the driver
+    asked for it. Private: its caller stopped waiting, so only the driver's own waits (a slot
+    given back when the call ends, a timeline's span) see it."""
+
+    what = "had its call cancelled by the driver"
 
 
 def worker_error(cls: type[E], worker: Who, attempt: int, detail: str, **extra: Any) -> E:
@@ -157,7 +167,7 @@ RAY_ERROR_KINDS: dict[type[BaseException], str] = {
     rex.ObjectStoreFullError: "unreachable",
     rex.OutOfDiskError: "unreachable",
     rex.PendingCallsLimitExceeded: "unreachable",
-    rex.TaskCancelledError: "unreachable",
+    rex.TaskCancelledError: "unreachable",  # (one the driver asked for: see ``call_error``)
     rex.AuthenticationError: "unreachable",
     rex.CrossLanguageError: "unreachable",
     rex.OufOfBandObjectRefSerializationException: "unreachable",
@@ -203,37 +213,52 @@ async def call_error(
     worker: Who,
     attempt: int,
     alive: Callable[[str | None], Awaitable[bool]] | None = None,
+    *,
+    cancelled: bool = False,
 ) -> AsyncExecError:
     """Map the error of a call on ``worker`` to asyncexec's tree (see :data:`RAY_ERROR_KINDS`).
 
     A dead actor or a lost result is a lost node when the node table (``alive``, the cluster's
     ``node_alive``; Ray's by default) no longer holds the worker's node (Ray marks a lost node's
     actors dead only after the node), else a crashed worker or an unreachable one. The failed
-    calls of one death share one look-up of the node (``_liveness``)."""
+    calls of one death share one look-up of the node (``_liveness``). A call the driver
+    cancelled (``cancelled``) that ended so is a :class:`CallCancelledError`. The error keeps
+    ``exc`` as its ``__cause__`` (a raised one, the user's own error)."""
     kind = ray_error_kind(exc)
+    if cancelled and isinstance(exc, rex.TaskCancelledError | LocalCallCancelled):
+        # Ray's TaskCancelledError: bare for a call not started yet, a RayTaskError that is
+        # one (``as_instanceof_cause``) for a coroutine cancelled on the actor's loop.
+        error: AsyncExecError = worker_error(
+            CallCancelledError, worker, attempt, _death_detail(exc)
+        )
+        error.__cause__ = exc
+        return error
     if kind == "raised":
         cause = _attribute(exc, "cause")
         cause = cause if isinstance(cause, BaseException) else exc
-        return _raised(worker, attempt, cause, _remote_traceback(exc))
+        return _raised(worker, attempt, cause, _remote_traceback(exc))  # the user's as cause
     if kind in ("died", "unreachable"):
         if isinstance(exc, rex.NodeDiedError) or await _gone(worker, alive):
             node = short_node(worker.metadata.node_id)
-            return worker_error(NodeLostError, worker, attempt, f"node {node} left the cluster")
-        cls = WorkerCrashedError if kind == "died" else WorkerUnreachableError
-        return worker_error(cls, worker, attempt, _death_detail(exc))
-    if kind == "hung":
-        return worker_error(WorkerHungError, worker, attempt, describe(exc))
-    if kind == "startup":
+            error = worker_error(NodeLostError, worker, attempt, f"node {node} left the cluster")
+        elif kind == "unreachable":
+            error = worker_error(WorkerUnreachableError, worker, attempt, _death_detail(exc))
+        else:
+            error = worker_error(WorkerCrashedError, worker, attempt, _death_detail(exc))
+    elif isinstance(exc, LocalWorkerGone):  # (in this process: no node to look up)
+        error = worker_error(WorkerCrashedError, worker, attempt, str(exc))
+    elif isinstance(exc, LocalCallCancelled):  # as Ray's TaskCancelledError, not asked for
+        error = worker_error(WorkerUnreachableError, worker, attempt, str(exc))
+    elif kind == "hung":
+        error = worker_error(WorkerHungError, worker, attempt, describe(exc))
+    elif kind == "startup":
         error = StartupError(f"rank {worker.rank} could not be started: {describe(exc)}")
-        error.__cause__ = exc
-        return error
-    if isinstance(exc, LocalWorkerGone):
-        return worker_error(WorkerCrashedError, worker, attempt, str(exc))
-    if isinstance(exc, LocalCallCancelled):  # as Ray's TaskCancelledError: not completed
-        return worker_error(WorkerUnreachableError, worker, attempt, str(exc))
-    if isinstance(exc, AsyncExecError):
+    elif isinstance(exc, AsyncExecError):
         return exc
-    return _raised(worker, attempt, exc, "")
+    else:
+        return _raised(worker, attempt, exc, "")
+    error.__cause__ = exc  # the cluster's error kept (as ``raise ... from exc``)
+    return error
 
 
 def outcome_error(outcome: Outcome, worker: Who, attempt: int) -> WorkerError:

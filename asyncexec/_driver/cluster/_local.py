@@ -33,16 +33,15 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Awaitable, Collection, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
-
-import anyio
 
 from ..._wire._interface import WorkerInterface, WorkerMethod
 from ..._wire._protocol import WorkerMetadata
 from ..._worker import PLACE, Place, WorkerCode
 from .._config import ExecutorConfig
-from ._base import Handle, Spawned, described, settle
+from ._base import Handle, Spawned
+from ._inprocess import InProcessCluster
 from ._placement import Placement
 
 __all__ = ["LOCAL_NODE", "LocalCallCancelled", "LocalCluster", "LocalWorker", "LocalWorkerGone"]
@@ -97,6 +96,9 @@ class _Ref:
         call.add_done_callback(_retrieve)  # its error is not "never retrieved" when unawaited
         return asyncio.shield(call).__await__()
 
+    def loop_future(self) -> None:
+        return None  # (settled from the worker's thread: awaited as it is)
+
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
@@ -142,11 +144,6 @@ class LocalWorker:
 
     def call(self, name: WorkerMethod, /, *args: Any, **kwargs: Any) -> _Ref:
         """Schedule the worker's method ``name`` on its loop; a closed worker's call fails."""
-        if name == "__ray_terminate__":  # the graceful exit of a Ray actor
-            self.kill()
-            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            done.set_result(None)
-            return _Ref(done)
         if name == "call_method_sync":  # one loop here: a plain method goes to a thread
             name = "call_method"
         method = getattr(self._worker, name)
@@ -227,83 +224,27 @@ class LocalWorker:
         raise NotImplementedError("a local worker's results are not references (no channels)")
 
 
-class LocalCluster:
+class LocalCluster(InProcessCluster):
     """The seam in local mode: every worker a :class:`LocalWorker` of this process, on one node
     (:data:`LOCAL_NODE`), no placement, no resources, nothing to start or join."""
 
-    async def connect(self, address: str | None) -> None:
-        return None
-
-    def driver_node(self) -> str | None:
+    async def driver_node(self) -> str | None:
         return LOCAL_NODE
 
-    def parent(self) -> Any:
-        return None
-
-    def place(
-        self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
-    ) -> Placement | None:
-        return None
-
-    async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
-        return None
-
-    def release(self, placement: Placement | None) -> None:
-        return None
-
-    def bundle_nodes(self, placement: Placement) -> list[str]:
+    async def bundle_nodes(self, placement: Placement) -> list[str]:
         return [LOCAL_NODE] * len(placement.bundles)
 
-    def spawn(
-        self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
-    ) -> list[Spawned]:
-        workers = [LocalWorker(config.name) for _ in bundles]
+    def make_workers(self, config: ExecutorConfig, count: int) -> list[Spawned]:
+        workers = [LocalWorker(config.name) for _ in range(count)]
         return [Spawned(w, w.call("describe")) for w in workers]
 
-    async def start_workers(
-        self,
-        config: ExecutorConfig,
-        placement: Placement | None,
-        bundles: Sequence[int | None],
-        timeout_s: float,
-        *,
-        track: list[Handle] | None = None,
-    ) -> list[tuple[Handle, WorkerMetadata]]:
-        return await described(self, self.spawn(config, placement, bundles), timeout_s, track)
-
-    async def kill(
-        self,
-        handles: Sequence[Handle],
-        placement: Placement | None = None,
-        deaths: Sequence[Any] = (),
-        timeout_s: float = 0.0,
-    ) -> None:
+    def end(self, handles: Sequence[Handle]) -> None:
         for handle in handles:
             assert isinstance(handle, LocalWorker)
             handle.kill()
-        if deaths:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
-                await settle(deaths)
-
-    async def node_alive(self, node_id: str | None) -> bool:
-        return True
-
-    async def available(self) -> dict[str, float]:
-        return {}
 
     async def live_nodes(self) -> set[str] | None:
         return {LOCAL_NODE}
-
-    async def draining(self) -> dict[str, float | None] | None:
-        return {}  # the driver's own process is never drained
-
-    async def preempted(self, node_ids: Collection[str]) -> set[str]:
-        return set()
-
-    async def free_nodes(
-        self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
-    ) -> list[dict[str, float]] | None:
-        return None  # no resources: an elastic size is refused in local mode
 
     async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
         # The workers are threads of this process: their stacks are read here.
@@ -312,9 +253,3 @@ class LocalCluster:
             for rank, handle, _ in sorted(workers, key=lambda w: w[0])
             if isinstance(handle, LocalWorker)
         }
-
-    async def put(self, value: Any) -> Any:
-        return value
-
-    def data_context(self) -> Any:
-        return None

@@ -245,6 +245,12 @@ class RayHandle:
             _log.debug("cancel_failed", actor=repr(self), error=describe(exc))
 
 
+def _terminate(handle: Handle) -> Result:
+    """Ray's graceful exit of ``handle``'s actor."""
+    assert isinstance(handle, RayHandle)
+    return Result(handle.actor.__ray_terminate__.remote())
+
+
 def actor_options(config: ExecutorConfig) -> dict[str, Any]:
     """Ray actor options for one worker of ``config``."""
     resources = dict(config.resources_per_worker)
@@ -274,60 +280,49 @@ class RayCluster:
     async def connect(self, address: str | None) -> None:
         await ensure_ray(address)
 
-    def driver_node(self) -> str | None:
+    async def driver_node(self) -> str | None:
         node: str = ray.get_runtime_context().get_node_id()
         return node
 
-    def parent(self) -> Any:
-        return current_parent()
+    async def parent(self) -> Any:
+        return current_parent()  # a thread-local: read on the loop's thread
 
-    def place(
+    async def place(
         self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
     ) -> Placement:
-        return create_placement(bundles, strategy, parent, log)
+        with anyio.CancelScope(shield=True):  # once made, it is returned (to be released)
+            made = await anyio.to_thread.run_sync(create_placement, bundles, strategy, parent, log)
+        return made
 
     async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
         if placement is not None:
             await wait_placement_ready(placement, timeout_s)
 
-    def release(self, placement: Placement | None) -> None:
+    async def release(self, placement: Placement | None) -> None:
         if placement is not None:
-            placement.remove()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(placement.remove)
 
-    def bundle_nodes(self, placement: Placement) -> list[str]:
-        table = ray.util.placement_group_table(placement.group)
-        by_index = table["bundles_to_node_id"]
-        return [by_index[i] for i in range(len(table["bundles"]))]
+    async def bundle_nodes(self, placement: Placement) -> list[str]:
+        return await anyio.to_thread.run_sync(_bundle_nodes, placement)
 
     # Workers ----------------------------------------------------------------------------------
 
-    def spawn(
+    async def spawn(
         self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
     ) -> list[Spawned]:
         """Create a worker in each of ``bundles`` and ask each to describe itself, without
-        waiting. Blocking: call it in a thread (the first actor of a class in a process exports
-        it synchronously, and the first call on an actor that is still being created waits for
-        its handle).
+        waiting, in a thread (the first actor of a class in a process exports it synchronously,
+        and the first call on an actor that is still being created waits for its handle).
+        Shielded: the workers made are returned, to be killed.
 
         Raises:
             ConfigurationError: Ray refused the options (a resource amount below its precision,
                 a fractional amount of a whole-unit accelerator, a runtime_env it cannot read).
         """
-        options = actor_options(config)
-        cls = worker_class(config)
-        actors: list[ActorHandle] = []
-        try:
-            with CREATING:
-                for bundle in bundles:
-                    strategy = {}
-                    if placement is not None:  # its bundle (any bundle of a parent's, or None)
-                        strategy = {"scheduling_strategy": placement.strategy(bundle)}
-                    actors.append(cls.options(**options, **strategy).remote())
-        except Exception as exc:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            raise ConfigurationError(f"Ray refused the worker options: {describe(exc)}") from exc
-        return [Spawned(RayHandle(a), a.describe.remote()) for a in actors]
+        with anyio.CancelScope(shield=True):
+            made = await anyio.to_thread.run_sync(_spawn, config, placement, bundles)
+        return made
 
     async def start_workers(
         self,
@@ -338,9 +333,7 @@ class RayCluster:
         *,
         track: list[Handle] | None = None,
     ) -> list[tuple[Handle, WorkerMetadata]]:
-        with anyio.CancelScope(shield=True):  # what is started must be known to be killed
-            spawned = await anyio.to_thread.run_sync(self.spawn, config, placement, bundles)
-        return await described(self, spawned, timeout_s, track)
+        return await described(self, await self.spawn(config, placement, bundles), timeout_s, track)
 
     async def kill(
         self,
@@ -348,7 +341,15 @@ class RayCluster:
         placement: Placement | None = None,
         deaths: Sequence[Any] = (),
         timeout_s: float = 0.0,
+        *,
+        patience_s: float = 0.0,
     ) -> None:
+        """See ``Cluster.kill``. The graceful exit: each worker's ``close`` (Ray's exit of an
+        async actor with a call pending stalls until it is killed), then Ray's own
+        (``__ray_terminate__``: the process ends after the calls before it, its exit handlers
+        run); a cancelled wait for it goes on to the kill, and the cancellation is raised
+        after."""
+
         def kill() -> None:
             for handle in handles:
                 try:  # a dead actor is killed without complaint: an error here is news
@@ -361,11 +362,17 @@ class RayCluster:
                 except Exception as exc:
                     _log.warning("placement_remove_failed", error=describe(exc))
 
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(kill)
-            if deaths:
-                with anyio.move_on_after(timeout_s):
-                    await settle(deaths)
+        try:
+            if patience_s > 0 and handles:
+                with anyio.move_on_after(patience_s):
+                    await settle([h.call("close") for h in handles])  # (ends wait_closed calls)
+                    await settle([_terminate(h) for h in handles])
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(kill)
+                if deaths:
+                    with anyio.move_on_after(timeout_s):
+                        await settle(deaths)
 
     # The node table ---------------------------------------------------------------------------
 
@@ -412,7 +419,7 @@ class RayCluster:
     async def put(self, value: Any) -> Any:
         return await anyio.to_thread.run_sync(ray.put, value)
 
-    def data_context(self) -> Any:
+    async def data_context(self) -> Any:
         """The driver's Ray Data context, when the driver uses Ray Data (never imported
         otherwise: it is heavy, and workers that do not need it must not pay for it)."""
         import sys
@@ -422,6 +429,33 @@ class RayCluster:
         from ray.data import DataContext
 
         return DataContext.get_current()
+
+
+def _spawn(
+    config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
+) -> list[Spawned]:
+    """:meth:`RayCluster.spawn`'s work (blocking)."""
+    options = actor_options(config)
+    cls = worker_class(config)
+    actors: list[ActorHandle] = []
+    try:
+        with CREATING:
+            for bundle in bundles:
+                strategy = {}
+                if placement is not None:  # its bundle (any bundle of a parent's, or None)
+                    strategy = {"scheduling_strategy": placement.strategy(bundle)}
+                actors.append(cls.options(**options, **strategy).remote())
+    except Exception as exc:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise ConfigurationError(f"Ray refused the worker options: {describe(exc)}") from exc
+    return [Spawned(RayHandle(a), a.describe.remote()) for a in actors]
+
+
+def _bundle_nodes(placement: Placement) -> list[str]:
+    table = ray.util.placement_group_table(placement.group)
+    by_index = table["bundles_to_node_id"]
+    return [by_index[i] for i in range(len(table["bundles"]))]
 
 
 def _check_alive(node_id: str, timeout_s: float) -> bool:

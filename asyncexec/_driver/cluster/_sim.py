@@ -30,17 +30,16 @@ import asyncio
 import itertools
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-import anyio
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ..._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from ..._wire._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
 from ..._worker import Place
 from .._config import ExecutorConfig
-from ._base import Handle, Spawned, described, settle
+from ._base import Handle, PendingResult, Spawned
+from ._inprocess import InProcessCluster
 from ._local import LocalWorkerGone
 from ._placement import Placement
 from ._sim_answers import Pending, Ready, ready
@@ -285,7 +284,7 @@ class SimWorker(SimCalls):
     def key(self) -> str:
         return f"sim-{self.index}"
 
-    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> PendingResult:
         """Answer the worker's ``method`` (timed as the simulated workers' cost)."""
         cluster = self.cluster
         t0, gc0 = time.thread_time(), cluster.gc_clock.total
@@ -297,7 +296,7 @@ class SimWorker(SimCalls):
             if answer is None:
                 error = NotImplementedError(f"a simulated worker has no method {method!r}")
                 return Ready(None, error)
-            return answer(self, *args, **kwargs)
+            return cast(PendingResult, answer(self, *args, **kwargs))
         finally:
             cluster.spend(t0, gc0)
 
@@ -366,10 +365,6 @@ class SimWorker(SimCalls):
             self._closed.answer(None)
         return ready(None)
 
-    def _terminate(self) -> Awaitable[None]:
-        self.kill()
-        return ready(None)
-
     def kill(self) -> None:
         """The worker is gone: its pending calls fail, as a dead actor's do."""
         if self.gone:
@@ -384,16 +379,15 @@ class SimWorker(SimCalls):
         self.fail_tasks(error)
 
 
-#: The worker interface's methods, and Ray's graceful exit of an actor.
+#: The worker interface's methods.
 _METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
-    **{name: getattr(SimWorker, name) for name in sorted(WORKER_METHODS)},
-    "__ray_terminate__": SimWorker._terminate,
+    name: getattr(SimWorker, name) for name in sorted(WORKER_METHODS)
 }
 if TYPE_CHECKING:  # the simulated worker's methods are the interface's (mypy checks them)
     _IMPLEMENTS: type[WorkerInterface] = SimWorker
 
 
-class SimCluster:
+class SimCluster(InProcessCluster):
     """Simulated workers, for tests and benchmarks without Ray: executors made inside
     :func:`~asyncexec.testing.simulated` put their ranks here.
 
@@ -488,90 +482,28 @@ class SimCluster:
         worker = self._live[metadata.pid] = SimWorker(self, index, metadata)
         return worker
 
-    # The seam ---------------------------------------------------------------------------------
+    # The seam (see ``InProcessCluster``) ------------------------------------------------------
 
-    async def connect(self, address: str | None) -> None:
-        return None
-
-    def driver_node(self) -> str | None:
+    async def driver_node(self) -> str | None:
         return self.node_of(0)
 
-    def parent(self) -> Any:
-        return None
-
-    def place(
-        self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
-    ) -> Placement | None:
-        return None
-
-    async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
-        return None
-
-    def release(self, placement: Placement | None) -> None:
-        return None
-
-    def bundle_nodes(self, placement: Placement) -> list[str]:
+    async def bundle_nodes(self, placement: Placement) -> list[str]:
         return [self.node_of(i) for i in range(len(placement.bundles))]
 
-    def spawn(
-        self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
-    ) -> list[Spawned]:
-        # Called in a thread: not counted (the driver's measures are its event loop's thread).
-        workers = [self._worker() for _ in bundles]
+    def make_workers(self, config: ExecutorConfig, count: int) -> list[Spawned]:
+        # In a thread: not counted (the driver's measures are its event loop's thread).
+        workers = [self._worker() for _ in range(count)]
         return [Spawned(w, w.call("describe")) for w in workers]
 
-    async def start_workers(
-        self,
-        config: ExecutorConfig,
-        placement: Placement | None,
-        bundles: Sequence[int | None],
-        timeout_s: float,
-        *,
-        track: list[Handle] | None = None,
-    ) -> list[tuple[Handle, WorkerMetadata]]:
-        return await described(self, self.spawn(config, placement, bundles), timeout_s, track)
-
-    async def kill(
-        self,
-        handles: Sequence[Handle],
-        placement: Placement | None = None,
-        deaths: Sequence[Any] = (),
-        timeout_s: float = 0.0,
-    ) -> None:
+    def end(self, handles: Sequence[Handle]) -> None:
         t0, gc0 = time.thread_time(), self.gc_clock.total
         for handle in handles:
             assert isinstance(handle, SimWorker)
             handle.kill()
         self.spend(t0, gc0)
-        if deaths:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
-                await settle(deaths)
-
-    async def node_alive(self, node_id: str | None) -> bool:
-        return True
-
-    async def available(self) -> dict[str, float]:
-        return {}
 
     async def live_nodes(self) -> set[str] | None:
         return {self.node_of(i) for i in range(0, self._workers, self.ranks_per_node)}
 
-    async def draining(self) -> dict[str, float | None] | None:
-        return {}
-
-    async def preempted(self, node_ids: Collection[str]) -> set[str]:
-        return set()
-
-    async def free_nodes(
-        self, bundle: Mapping[str, float], placement: Placement | None, held: Mapping[str, int]
-    ) -> list[dict[str, float]] | None:
-        return None
-
     async def stacks(self, workers: Sequence[tuple[int, Handle, WorkerMetadata]]) -> dict[int, str]:
         return {rank: f"simulated worker {handle.key}: no threads" for rank, handle, _ in workers}
-
-    async def put(self, value: Any) -> Any:
-        return value
-
-    def data_context(self) -> Any:
-        return None

@@ -30,6 +30,9 @@ class Ready:
         return pickle.loads(self._data)
         yield  # a generator: ``await`` accepts it
 
+    def loop_future(self) -> None:
+        return None  # (awaited at once: no future)
+
 
 class Pending:
     """A call's answer to come: awaitable any number of times and from several tasks; a
@@ -44,6 +47,9 @@ class Pending:
     def __await__(self) -> Generator[Any, None, Any]:
         data = yield from asyncio.shield(self.future).__await__()
         return pickle.loads(data)
+
+    def loop_future(self) -> None:
+        return None  # (awaited as it is: a future's waiter already)
 
     def answer(self, value: Any) -> None:
         if not self.future.done():

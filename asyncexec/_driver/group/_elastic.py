@@ -127,7 +127,7 @@ class Sizer:
             ConfigurationError: the executor runs inside a placement group that captures child
                 tasks (its workers would take the parent's bundles, which this does not measure).
         """
-        if self.cluster.parent() is not None:
+        if await self.cluster.parent() is not None:
             raise ConfigurationError(
                 "an elastic executor cannot place its workers in the parent placement group "
                 "that captures child tasks: give it a fixed num_workers"

@@ -1,7 +1,7 @@
 """The live group of workers: calls on all of them, set-up, stopping functions, closing.
 
 Every call awaits its results (no ``ray.get``) in tasks of an anyio task group; each call is made
-through the seam (``cluster.submit``, with the group as its caller: its attempt and its cluster's
+through the seam (``cluster.proxy``, with the group as its caller: its attempt and its cluster's
 node table), so a failure arrives as asyncexec's error, mapped there; the first failure stops the
 wait, and every rank that had failed by then is kept (the first is raised, the others
 are attached to it as notes). Closing is shielded from cancellation, bounded in time and
@@ -27,8 +27,7 @@ from ..._errors import (
     describe,
 )
 from ..._timeline._timeline import Timeline, traced_fn
-from ..._wire._interface import WorkerMethod
-from ..._wire._protocol import Outcome, WorkerContext, WorkerMetadata
+from ..._wire._protocol import Outcome, RunStart, WorkerContext, WorkerMetadata
 from ..._wire._tracing import Carried, call_span
 from ...backends._base import Backend
 from .._config import ExecutorConfig
@@ -39,10 +38,10 @@ from ..cluster import (
     Handle,
     Placement,
     backend_error,
+    death_of,
     gathered,
     outcome_error,
-    settle,
-    submit,
+    proxy,
 )
 from ._members import Standby, WorkerInfo
 
@@ -109,7 +108,7 @@ class WorkerGroup:
         self.log = log
         #: One pending ``wait_closed`` call per rank: it fails the moment the process dies.
         self.deaths: list[Any] = [
-            w.death if w.death is not None else w.handle.call("wait_closed") for w in workers
+            w.death if w.death is not None else death_of(w.handle) for w in workers
         ]
         self.closed = False
         self.starting: list[Handle] = []  # spares being started
@@ -134,7 +133,7 @@ class WorkerGroup:
     # Calls ------------------------------------------------------------------------------------
 
     async def gather(self, calls: Sequence[Awaitable[Any]]) -> list[Any]:
-        """Await calls made through the seam (``cluster.submit``), one per worker; results in
+        """Await calls made through the seam (``cluster.proxy``), one per worker; results in
         the order given.
 
         Raises:
@@ -173,21 +172,19 @@ class WorkerGroup:
         values: list[T] = self.values(await _given_up(self.gather(calls), fn, calls), [worker])
         return values[0]
 
-    async def call_each(
-        self, method: WorkerMethod, args_per_rank: Sequence[tuple[Any, ...]]
-    ) -> list[Any]:
-        """Call the workers' ``method``, each with its own arguments; results in rank order."""
+    async def start_runs(self, payload: bytes, starts: Sequence[RunStart]) -> None:
+        """Start the run's function on every worker, each with its own start."""
         calls = [
-            submit(self, w, method, *args)
-            for w, args in zip(self.workers, args_per_rank, strict=True)
+            proxy(self, w).start_run(payload, start)
+            for w, start in zip(self.workers, starts, strict=True)
         ]
-        return await self.gather(calls)
+        await self.gather(calls)
 
     async def setup(self, envs: Sequence[dict[str, str]], workers: Sequence[WorkerInfo]) -> None:
         """Give ``workers`` their device environment, context, data context and init hook."""
-        data_context = self.cluster.data_context()
+        data_context = await self.cluster.data_context()
         calls = [
-            submit(self, w, "setup", env, w.context, self.config.init_hook, data_context)
+            proxy(self, w).setup(env, w.context, self.config.init_hook, data_context)
             for w, env in zip(workers, envs, strict=True)
         ]
         self.values(await self.gather(calls), workers)
@@ -204,7 +201,7 @@ class WorkerGroup:
 
     async def stop_functions(self, workers: Sequence[WorkerInfo], timeout_s: float) -> bool:
         """Stop the run's function on ``workers``; whether all ended within ``timeout_s``."""
-        calls = [submit(self, w, "stop_run", timeout_s) for w in workers]
+        calls = [proxy(self, w).stop_run(timeout_s) for w in workers]
         with anyio.move_on_after(timeout_s + STOP_MARGIN_S):
             try:
                 return all(await self.gather(calls))
@@ -217,7 +214,7 @@ class WorkerGroup:
         ``timeout_s`` (or whose worker did not answer, or failed), waiting for every rank. A
         worker whose process is gone (its call says so) is not among them: no function of
         its runs, and it is no hang."""
-        calls = [submit(self, w, "stop_run", timeout_s) for w in workers]  # (errors mapped)
+        calls = [proxy(self, w).stop_run(timeout_s) for w in workers]  # (errors mapped)
         stopped = await answers(calls, timeout_s + STOP_MARGIN_S, dead=_GONE)
         return [
             w.rank for w, ok in zip(workers, stopped, strict=True) if ok is not True and ok != _GONE
@@ -253,15 +250,22 @@ class WorkerGroup:
                 return
             handles = [w.handle for w in self.workers] + [s.handle for s in self.spares]
             handles += self.starting
+            patience = 0.0  # what is left of it for the workers' graceful exit
             try:
                 if not force:
                     with hurried_away():
-                        await self._close_gracefully(handles)
+                        patience = await self._close_gracefully()
             finally:
-                # Whatever happened above, nothing of the group may be left behind.
-                await self.cluster.kill(
-                    handles, self.placement, self.deaths, self.config.shutdown_timeout_s
-                )
+                # Whatever happened above, nothing of the group may be left behind: the
+                # cluster's kill lets them exit gracefully first (a second Ctrl-C cuts that).
+                with hurried_away():
+                    await self.cluster.kill(
+                        handles,
+                        self.placement,
+                        self.deaths,
+                        self.config.shutdown_timeout_s,
+                        patience_s=patience,
+                    )
             self.log.info("group_closed", force=force, seconds=round(time.perf_counter() - t0, 3))
 
     async def _give_back(self, force: bool) -> None:
@@ -276,7 +280,7 @@ class WorkerGroup:
                 try:
                     await self.run_backend_hook("on_shutdown")
                     hook = self.pool.reset_hook
-                    resets = [w.handle.call("reset", timeout, hook) for w in self.workers]
+                    resets = [proxy(self, w).reset(timeout, hook) for w in self.workers]
                     bound = timeout + STOP_MARGIN_S + self.config.shutdown_timeout_s
                     outcomes = await answers(resets, bound)
                     clean = [isinstance(o, Outcome) and o.kind == "ok" for o in outcomes]
@@ -288,15 +292,16 @@ class WorkerGroup:
         returned = [(w.handle, ok) for w, ok in zip(self.workers, clean, strict=True)]
         await self.pool.give_back(returned + [(s.handle, True) for s in self.spares])
 
-    async def _close_gracefully(self, handles: list[Handle]) -> None:
-        with anyio.move_on_after(self.config.shutdown_timeout_s):
+    async def _close_gracefully(self) -> float:
+        """The backend's ``on_shutdown``; the patience for the workers' graceful exit (the
+        cluster's kill's), within what is left of the shutdown bound."""
+        with anyio.move_on_after(self.config.shutdown_timeout_s) as bound:
             try:
                 await self.run_backend_hook("on_shutdown")
             except Exception as exc:
                 self.log.warning("backend_shutdown_failed", error=describe(exc))
-            with anyio.move_on_after(self.config.graceful_patience_s):
-                await settle([h.call("close") for h in handles])
-                await settle([h.call("__ray_terminate__") for h in handles])
+        left = bound.deadline - anyio.current_time()
+        return max(0.0, min(self.config.graceful_patience_s, left))
 
 
 async def answers(refs: Sequence[Any], timeout_s: float, *, dead: Any = None) -> list[Any]:
@@ -340,5 +345,5 @@ def _execute_on(
     OpenTelemetry span (its context carried to the worker) when tracing is on."""
     span, context = call_span(fn, worker.rank)  # None unless traced
     sent = fn if context is None else Carried(fn, context)
-    call = submit(group, worker, "execute", sent, *args, **kwargs)
+    call = proxy(group, worker).execute(sent, *args, **kwargs)
     return traced_fn(group, worker.rank, fn, call, span)

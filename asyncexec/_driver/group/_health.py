@@ -25,7 +25,7 @@ from ..._errors import (
     WorkerHungError,
 )
 from .._taskgroups import task_group
-from ..cluster import result_of, submit, worker_error
+from ..cluster import proxy, result_of, worker_error
 from ._group import WorkerGroup
 from ._members import WorkerInfo
 
@@ -99,7 +99,7 @@ async def _answers(
     to ``fail`` and counts as an answer."""
     try:
         with anyio.move_on_after(timeout):
-            await submit(group, worker, "ping")
+            await proxy(group, worker).ping()
             return True
     except AsyncExecError as exc:
         fail(exc)
@@ -157,7 +157,7 @@ async def find_dead(group: WorkerGroup) -> WorkerError | None:
     async def probe(worker: WorkerInfo) -> None:
         try:
             with anyio.move_on_after(PROBE_TIMEOUT_S):
-                await submit(group, worker, "ping")
+                await proxy(group, worker).ping()
         except (WorkerCrashedError, NodeLostError) as exc:
             found.append(exc)
         except AsyncExecError:

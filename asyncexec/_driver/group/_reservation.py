@@ -122,21 +122,19 @@ class Reservation:
         t0 = time.perf_counter()
         bundles = [dict(self.resources) for _ in range(self.size)]
         with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
-            made = await anyio.to_thread.run_sync(
-                cluster.place, bundles, self.strategy, None, self.log
-            )
+            made = await cluster.place(bundles, self.strategy, None, self.log)
         assert made is not None  # a Ray cluster's placement
         placement: Placement = made
         self._placement = placement
         try:
             await cluster.wait_placed(placement, self.placement_timeout_s)
-            nodes = await anyio.to_thread.run_sync(cluster.bundle_nodes, placement)
+            nodes = await cluster.bundle_nodes(placement)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(cluster.release, placement)
+                await cluster.release(placement)
             self._closed = True
             raise
-        self._order = order_workers(nodes, [{} for _ in nodes], cluster.driver_node())
+        self._order = order_workers(nodes, [{} for _ in nodes], await cluster.driver_node())
         self._nodes = [nodes[b] for b in self._order]
         self._open = True
         self.log.info(
@@ -166,7 +164,7 @@ class Reservation:
         placement = self._placement
         if placement is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.cluster.release, placement)
+                await self.cluster.release(placement)
         self.log.info("reservation_closed")
 
     # Claims -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..._errors import AsyncExecError, StartupError, describe
 from ..._wire._protocol import Outcome, RoleFailure
-from ..cluster import submit
+from ..cluster import proxy
 from ._members import WorkerInfo
 
 __all__ = ["INLINE_ROLES_BYTES", "PerRank", "make_roles"]
@@ -57,7 +57,7 @@ async def make_roles(group: Any, workers: Sequence[WorkerInfo]) -> None:
         group.roles_ref = await group.cluster.put(payload) if big else payload
     context = group.backend.function_context() if group.backend is not None else None
     calls = [
-        submit(group, w, "make_roles", group.roles_ref, _restore_from(group, w.rank), context)
+        proxy(group, w).make_roles(group.roles_ref, _restore_from(group, w.rank), context)
         for w in workers
     ]
     outcomes: list[Outcome] = await group.gather(calls)

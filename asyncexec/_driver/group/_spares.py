@@ -19,6 +19,7 @@ from ..._errors import describe
 from ..._wire._protocol import WorkerContext
 from .._config import ExecutorConfig
 from .._taskgroups import task_group
+from ..cluster import death_of
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
 from ._roles import make_roles
@@ -46,7 +47,7 @@ def _seat(group: WorkerGroup, rank: int, fresh: WorkerInfo) -> None:
     """Put ``fresh`` in ``rank``'s place, with its death call."""
     group.workers[rank] = fresh
     handle = fresh.handle
-    group.deaths[rank] = fresh.death if fresh.death is not None else handle.call("wait_closed")
+    group.deaths[rank] = fresh.death if fresh.death is not None else death_of(handle)
 
 
 def _in_place_of(failed: WorkerInfo, spare: Standby) -> WorkerInfo:

@@ -33,22 +33,22 @@ __all__ = ["start_group", "worker_contexts"]
 Member = tuple[Handle, WorkerMetadata, int | None, Any]
 
 
-def _request(
+async def _request(
     cluster: Cluster, config: ExecutorConfig, parent: Any, reservation: Any, log: Any
 ) -> tuple[Placement | None, list[Spawned]]:
-    """Reserve the bundles and create the workers, each asked to describe itself. In a thread
-    (see ``Cluster.place`` and ``Cluster.spawn``); the workers are created while the placement
-    is still being placed."""
+    """Reserve the bundles and create the workers, each asked to describe itself (see
+    ``Cluster.place`` and ``Cluster.spawn``); the workers are created while the placement is
+    still being placed. Await it shielded: what it made is returned."""
     if reservation is not None:
         placement = reservation.placement(config.bundles)
     else:
-        placement = cluster.place(config.bundles, config.placement_strategy, parent, log)
+        placement = await cluster.place(config.bundles, config.placement_strategy, parent, log)
     bundles = list(range(config.num_workers + config.spares))
     try:
-        return placement, cluster.spawn(config, placement, bundles)
+        return placement, await cluster.spawn(config, placement, bundles)
     except BaseException:
         if reservation is None:
-            cluster.release(placement)
+            await cluster.release(placement)
         raise
 
 
@@ -112,11 +112,9 @@ async def start_group(
             cluster, config, backend, pool, attempt=attempt, log=log, restore_from=restore_from
         )
     t0 = time.perf_counter()
-    parent = cluster.parent()  # a thread-local of the cluster's: read on this thread
+    parent = await cluster.parent()  # a thread-local of the cluster's: read on this thread
     with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
-        placement, spawned = await anyio.to_thread.run_sync(
-            _request, cluster, config, parent, reservation, log
-        )
+        placement, spawned = await _request(cluster, config, parent, reservation, log)
     handles = [s.handle for s in spawned]
     described = [s.described for s in spawned]
     group: WorkerGroup | None = None
@@ -137,7 +135,7 @@ async def start_group(
             members: list[Member] = [
                 (h, m, i, None) for i, (h, m) in enumerate(zip(handles, metas, strict=True))
             ]
-            group = _form(cluster, config, backend, placement, members, attempt, log, None)
+            group = await _form(cluster, config, backend, placement, members, attempt, log, None)
             group.restore_from = restore_from
             await _set_up(group, phase, t0)
         log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt)
@@ -170,7 +168,7 @@ async def _lease_group(
             members: list[Member] = [(w.handle, w.metadata, w.bundle, w.death) for w in leased]
             if pool.reservation is not None:  # rank order is the reservation's bundle order
                 members.sort(key=lambda m: (m[2] is None, m[2] or 0))
-            group = _form(cluster, config, backend, None, members, attempt, log, pool)
+            group = await _form(cluster, config, backend, None, members, attempt, log, pool)
             group.restore_from = restore_from
             await _set_up(group, phase, t0)
         log.info("group_leased", seconds=_phase(config, "leased", t0), attempt=attempt)
@@ -209,7 +207,7 @@ def _raise_mapped(exc: BaseException, phase: str, timeout_s: float) -> NoReturn:
     raise mapped from mapped.__cause__
 
 
-def _form(
+async def _form(
     cluster: Cluster,
     config: ExecutorConfig,
     backend: Backend | None,
@@ -231,7 +229,9 @@ def _form(
         order = list(range(n))
     else:
         order = order_workers(
-            [m.node_id for m in metas], [m.accelerator_ids for m in metas], cluster.driver_node()
+            [m.node_id for m in metas],
+            [m.accelerator_ids for m in metas],
+            await cluster.driver_node(),
         )
     metas = [metas[i] for i in order]
     workers = [

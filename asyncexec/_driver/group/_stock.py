@@ -12,11 +12,11 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ..._errors import StartupTimeoutError, describe
+from ..._errors import AsyncExecError, StartupTimeoutError, describe
 from ..._wire._protocol import WorkerMetadata
 from .._config import ExecutorConfig
 from .._taskgroups import task_group
-from ..cluster import Cluster, Handle, Placement
+from ..cluster import Cluster, Handle, Placement, Unranked, at_attempt, death_of, proxy
 
 __all__ = ["PoolWorker", "Stock"]
 
@@ -68,12 +68,8 @@ class Stock:
             self.placement = reservation.placement(config.bundles)
         else:
             with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
-                self.placement = await anyio.to_thread.run_sync(
-                    self.cluster.place,
-                    config.bundles,
-                    config.placement_strategy,
-                    None,
-                    self.log,
+                self.placement = await self.cluster.place(
+                    config.bundles, config.placement_strategy, None, self.log
                 )
         await self.cluster.wait_placed(self.placement, config.placement_timeout_s)
         with anyio.fail_after(config.start_timeout_s):
@@ -189,7 +185,7 @@ class Stock:
             with anyio.CancelScope(shield=True):
                 await self.cluster.kill([handle])
             return
-        worker = PoolWorker(handle, meta, bundle, death=handle.call("wait_closed"))
+        worker = PoolWorker(handle, meta, bundle, death=death_of(handle))
         self.spawn(self._watch, worker)
         self.make_idle(worker)
 
@@ -198,8 +194,9 @@ class Stock:
         answered: list[PoolWorker] = []
 
         async def ping(w: PoolWorker) -> None:
-            with anyio.move_on_after(LEASE_PING_TIMEOUT_S), contextlib.suppress(Exception):
-                await w.handle.call("ping")
+            idle = Unranked(w.handle, w.metadata)
+            with anyio.move_on_after(LEASE_PING_TIMEOUT_S), contextlib.suppress(AsyncExecError):
+                await proxy(at_attempt(self.cluster, 0), idle).ping()
                 answered.append(w)
 
         async with task_group() as tg:
@@ -226,7 +223,7 @@ class Stock:
             ) from exc
         fresh: list[PoolWorker] = []
         for handle, meta in started:
-            worker = PoolWorker(handle, meta, None, death=handle.call("wait_closed"))
+            worker = PoolWorker(handle, meta, None, death=death_of(handle))
             self.leased[handle.key] = worker
             fresh.append(worker)
         self.counts["fresh_for_leases"] += n

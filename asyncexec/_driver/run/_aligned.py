@@ -270,7 +270,7 @@ class AlignedRun:
                 ctx.run_start(w, number, latest, steps, shards[w.rank], ctx.storage)
                 for w in group.workers
             ]
-            await group.call_each("start_run", [(payload, s) for s in starts])
+            await group.start_runs(payload, starts)
         ctx.slot.start_refills()
 
     async def _follow(self, tg: Any, group: WorkerGroup, window: Window, attempt: _Attempt) -> None:

@@ -23,8 +23,8 @@ from .._interrupt import hurried_away
 from .._metrics import RunMeter, metrics
 from .._restart import RestartPolicy
 from .._taskgroups import task_group
-from ..cluster import release_shards
-from ..group import GroupSlot, PerRank, declare_hung, with_others
+from ..cluster import proxy, release_shards
+from ..group import GroupSlot, PerRank, WorkerInfo, declare_hung, with_others
 from ._aligned import AlignedRun
 from ._context import RunContext
 from ._independent import IndependentRun
@@ -198,13 +198,13 @@ class RunDriver:
             return 0
         counts = [0] * len(group.workers)
 
-        async def count(i: int, handle: Any) -> None:
-            with contextlib.suppress(Exception):  # a dead worker holds nothing
-                counts[i] = await handle.call("buffered")
+        async def count(i: int, worker: WorkerInfo) -> None:
+            with contextlib.suppress(AsyncExecError):  # a dead worker holds nothing
+                counts[i] = await proxy(group, worker).buffered()
 
         async with task_group() as tg:
             for i, worker in enumerate(group.workers):
-                tg.start_soon(count, i, worker.handle)
+                tg.start_soon(count, i, worker)
         return sum(counts)
 
     # The end ----------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from ..._wire._checkpoint import Checkpoint, CheckpointBook, join_path
 from ..._wire._protocol import Poll
 from .._restart import PreemptionsSpent
 from .._taskgroups import task_group
-from ..cluster import at_attempt, outcome_error, submit
+from ..cluster import at_attempt, outcome_error, proxy
 from ..group import WorkerGroup, refill_spare, renew_rank, watch
 from ._context import RunContext
 from ._iterator import RunCore, RunState
@@ -231,7 +231,7 @@ class IndependentRun:
                 with anyio.fail_after(ctx.config.start_timeout_s):
                     for join in ctx.slot.joiners:  # a channel's latest version, first
                         await join(group)
-                    await submit(group, worker, "start_run", payload, start)
+                    await proxy(group, worker).start_run(payload, start)
                 ctx.session_live = True
                 value[0] = await self._pump(rank, key, number, group)
             except AsyncExecError as exc:

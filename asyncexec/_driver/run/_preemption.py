@@ -58,8 +58,8 @@ from ..._wire._protocol import PreemptionNotice
 from .._metrics import RunMeter
 from .._restart import PreemptionsSpent, RestartPolicy
 from .._taskgroups import task_group
-from ..cluster import Cluster, Handle
-from ..group import WorkerGroup, fitting_workers, measure_free
+from ..cluster import Cluster, proxy
+from ..group import WorkerGroup, WorkerInfo, fitting_workers, measure_free
 from ._iterator import RunCore
 from ._steps import StepBatch
 from ._window import HandOver
@@ -302,15 +302,17 @@ class PreemptionWatch:
                 key = worker.handle.key
                 if self._told.get(key) is not notice:
                     self._told[key] = notice
-                    tg.start_soon(self._tell_one, worker.handle, notice)
+                    tg.start_soon(self._tell_one, group, worker, notice)
 
-    async def _tell_one(self, handle: Handle, notice: PreemptionNotice | None) -> None:
+    async def _tell_one(
+        self, group: WorkerGroup, worker: WorkerInfo, notice: PreemptionNotice | None
+    ) -> None:
         try:
             with anyio.move_on_after(TELL_TIMEOUT_S):
-                await handle.call("notify_preemption", notice)
-        except Exception as exc:  # a dead worker: its death is the health watch's to report
+                await proxy(group, worker).notify_preemption(notice)
+        except AsyncExecError as exc:  # a dead worker: its death is the health watch's to report
             self.log.debug(
-                "preemption_notice_undelivered", worker=repr(handle), error=describe(exc)
+                "preemption_notice_undelivered", worker=repr(worker.handle), error=describe(exc)
             )
 
     # Before the deadline ----------------------------------------------------------------------

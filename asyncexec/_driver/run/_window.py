@@ -28,7 +28,7 @@ from ..._errors import AsyncExecError, ReportMismatchError, WorkerRaisedError
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._protocol import Outcome, Poll, ReportTimes
 from .._metrics import RunMeter
-from ..cluster import Caller, at_attempt, outcome_error, submit
+from ..cluster import Caller, WorkerProxy, at_attempt, outcome_error, proxy
 from ..group import WorkerGroup, WorkerInfo
 from ._iterator import RunCore
 from ._steps import StepBatch, StepTimes
@@ -46,6 +46,9 @@ __all__ = [
 
 #: The most steps assembled and handed over at once; bounds the time the event loop is held.
 BATCH = 256
+#: A rank's poll, ``submit(worker_calls, ack, room)`` (a name of the module's: the report
+#: path's tests and benchmark stand in for it).
+submit = WorkerProxy.poll
 #: A rank is polled once its credit is this share of its window, not as soon as it has any: a
 #: round trip costs the driver and the worker far more than the reports it carries (about 1 ms
 #: of CPU each on a 2-core machine), so a poll should carry a large batch; the quarter of the
@@ -250,7 +253,7 @@ async def salvage(caller: Caller, worker: WorkerInfo, exc: WorkerRaisedError) ->
     """
     salvaged: Poll | None = None
     with contextlib.suppress(AsyncExecError):  # a worker that cannot say: the poll's error
-        salvaged = await submit(caller, worker, "salvage")
+        salvaged = await proxy(caller, worker).salvage()
     if salvaged is None:
         raise exc
     return salvaged
@@ -283,6 +286,7 @@ async def pump(
             failed).
     """
     window = full if full is not None and full - least >= BATCH else None
+    calls = proxy(caller, worker)
     while True:
         while (room := credit()) < least:
             await changed()
@@ -294,7 +298,7 @@ async def pump(
         try:
             # Awaited here, not in a helper: a coroutine less per poll (each pending one is an
             # object that lives as long as its rank takes to report).
-            poll: Poll = await submit(caller, worker, "poll", acked(), room)
+            poll: Poll = await submit(calls, acked(), room)
         except WorkerRaisedError as exc:  # not a death: perhaps an answer that did not pickle
             poll = await salvage(caller, worker, exc)
         await take(poll)
