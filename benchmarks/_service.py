@@ -1,14 +1,14 @@
 """The service example's latency: from ``POST /runs`` to the first server-sent step event.
 
-The real app (``examples/service.py``'s ``create_app``) is served by uvicorn in this process, on
-the caller's event loop, from a socket bound to a free local port, as ``tests/test_service.py``
-serves it. Once its lifespan is up (Ray joined; with a pool, every warm worker started: the pool
-is entered before the first request is answered), a real httpx client over TCP sends ``repeats``
-requests one after another. Each request starts a run of one step that reports at once
-(``{"steps": 1, "step_s": 0}``); its sample is the seconds from sending ``POST /runs`` to
-receiving the stream's first ``step`` event. The stream is then read to its ``end`` event, which
-the app sends once the run's executor has closed (its workers given back to the pool, or
-stopped), so each request starts from the same state.
+The real app (``examples/service.py``'s ``create_app``) is served by uvicorn in this process, on the
+caller's event loop, from a socket bound to a free local port, as ``tests/examples/test_service.py``
+serves it. Once its lifespan is up (Ray joined; with a pool, every warm worker started: the pool is
+entered before the first request is answered), a real httpx client over TCP sends ``repeats``
+requests one after another. Each request starts a run of one step that reports at once (``{"steps":
+1, "step_s": 0}``); its sample is the seconds from sending ``POST /runs`` to receiving the stream's
+first ``step`` event. The stream is then read to its ``end`` event, which the app sends once the
+run's executor has closed (its workers given back to the pool, or stopped), so each request starts
+from the same state.
 
 With ``pool_size`` the app keeps that many warm workers and each run leases ``num_workers`` of
 them; with ``None`` every run starts its own worker processes (cold), as the app did before it had

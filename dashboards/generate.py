@@ -2,7 +2,7 @@
 
     python dashboards/generate.py [PATH]
 
-tests/test_dashboard.py fails while the checked-in file differs from what this writes.
+tests/observe/test_dashboard.py fails while the checked-in file differs from what this writes.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The collectors are made as :class:`asyncexec._driver._metrics.Metrics` makes them (in a
 registry of their own) and read back: every metric gets a panel, its query built from the
 metric's type and labels, its title and description from the metric's help text. A metric
-added to ``_metrics.py`` gets its panel at the next generation; ``tests/test_dashboard.py``
+added to ``_metrics.py`` gets its panel at the next generation; ``tests/observe/test_dashboard.py``
 fails while the checked-in ``dashboards/asyncexec.json`` differs from what this module makes,
 or while a panel names a series that no metric exposes.
 

@@ -1,14 +1,14 @@
 """The worker's remote methods, as one typed protocol: what the driver may call on a worker.
 
 Four classes implement :class:`WorkerInterface`: the Ray actor's code
-(``asyncexec._worker._actor``), the threaded Ray actor's, which runs that code on a loop of its
-own and answers with plain methods (``asyncexec._worker._threaded``), the local worker, which
-hosts that same code in a thread of the driver's process (``_driver/cluster/_local.py``), and
-the simulated worker (``_driver/cluster/_sim.py``), which answers every call on the driver's
-own loop. mypy checks each against it, and ``tests/test_worker_interface.py`` checks that every
-method is there with the same parameters. The driver names a method in a handle's ``call`` as
-a :data:`WorkerMethod`, so mypy checks the name at every call site (the arguments are checked
-by the tests that run them).
+(``asyncexec._worker._actor``), the threaded Ray actor's, which runs that code on a loop of its own
+and answers with plain methods (``asyncexec._worker._threaded``), the local worker, which hosts that
+same code in a thread of the driver's process (``_driver/cluster/_local.py``), and the simulated
+worker (``_driver/cluster/_sim.py``), which answers every call on the driver's own loop. mypy checks
+each against it, and ``tests/worker/test_worker_interface.py`` checks that every method is there
+with the same parameters. The driver names a method in a handle's ``call`` as a
+:data:`WorkerMethod`, so mypy checks the name at every call site (the arguments are checked by the
+tests that run them).
 
 A method returns an awaitable: the actor's are ``async def``; a simulated worker's answer at once
 or later without a task of their own (the threaded actor's return values: Ray makes either
@@ -198,7 +198,7 @@ class WorkerInterface(Protocol):
 
 
 #: A worker method's name as a handle's ``call`` takes it (mypy checks the name at every call;
-#: ``tests/test_worker_interface.py`` that these are the interface's).
+#: ``tests/worker/test_worker_interface.py`` that these are the interface's).
 WorkerMethod = Literal[
     "buffered",
     "call_method",

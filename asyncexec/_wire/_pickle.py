@@ -3,8 +3,8 @@ call's arguments and an actor's class with, so that a value checked here (a role
 call's argument that Ray refused) pickles here exactly as it will when Ray sends it.
 
 Outside the cluster seam and the worker side, the one module that names Ray
-(``tests/test_structure.py`` allows it by name): asyncexec depends on no cloudpickle of its own,
-and Ray's is the one that must agree. Ray is imported when a value is pickled, never when this
+(``tests/project/test_structure.py`` allows it by name): asyncexec depends on no cloudpickle of its
+own, and Ray's is the one that must agree. Ray is imported when a value is pickled, never when this
 module is.
 """
 

@@ -2,11 +2,11 @@
 
 It imports the standard library, ray and ``asyncexec._wire._protocol`` (with the small modules both
 sides share: errors and checkpoints) only, never the driver's modules, anyio, structlog or
-tenacity: ``tests/test_boundary.py`` checks it in a fresh interpreter.
+tenacity: ``tests/worker/test_boundary.py`` checks it in a fresh interpreter.
 
 Code outside this package takes what it needs of it from here, never from its private modules
-(``tests/test_structure.py`` checks it): the actor and its undecorated code (for local mode's
-threads), the threaded actor (the workers of a group whose roles have only plain methods), a
+(``tests/project/test_structure.py`` checks it): the actor and its undecorated code (for local
+mode's threads), the threaded actor (the workers of a group whose roles have only plain methods), a
 worker's place (its state, per thread in local mode), how a call's outcome is made (the
 simulated workers make theirs so), and the run's functions for worker-side helpers.
 """

@@ -14,7 +14,7 @@ install with :func:`asyncexec.receive_weights`, so ``load_weights`` runs (in a t
 worker) with every generation parked at a pause point. Without a channel (local mode), the
 driver calls :meth:`RolloutServer.install_weights` with the state itself.
 
-Light imports only: this module runs in Ray's worker processes (``tests/test_boundary.py``).
+Light imports only: this module runs in Ray's worker processes (``tests/worker/test_boundary.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 generations a test scripts (how many chunks, how long each takes, where one fails), for testing
 a ``Router`` or ``Pipeline`` loop on simulated workers, in local mode or on Ray.
 
-Light imports only: on Ray it runs in the workers' processes (``tests/test_boundary.py``).
+Light imports only: on Ray it runs in the workers' processes (``tests/worker/test_boundary.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ worker whose methods are the worker interface's (``_wire._interface``), each ret
 :class:`~._calls.Call` of what the interface says the method returns: its errors mapped to
 asyncexec's, cancellable. No method is named by a string above the seam: mypy checks every
 call's method, arguments and result against the interface (the proxy implements it, and
-``tests/test_worker_interface.py`` checks its signatures as it checks the workers')."""
+``tests/worker/test_worker_interface.py`` checks its signatures as it checks the workers')."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The RL pipeline: staleness-bounded rollouts from rollout servers (``RolloutServer`` roles)
 to a learner, weight updates while generating, a router for the servers.
 
-Above the executor, its dispatch and the weight channel (``tests/test_structure.py``). This
+Above the executor, its dispatch and the weight channel (``tests/project/test_structure.py``). This
 file is a plain list of re-exports.
 """
 

@@ -1,5 +1,5 @@
 """The staleness budget: how many prompts may be admitted, and which finished samples a batch
-takes. Pure: no tasks, no clock (the pipeline drives it; ``tests/test_pipeline_units.py``
+takes. Pure: no tasks, no clock (the pipeline drives it; ``tests/pipeline/test_pipeline_units.py``
 checks the strict bound under random workloads).
 
 Versions are the learner's: ``v`` counts the updates done. A sample admitted while the servers

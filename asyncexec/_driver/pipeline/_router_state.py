@@ -5,8 +5,8 @@ the sessions' servers (a bounded LRU), the hand-over of a freed slot to the requ
 for it longest (the dispatcher's :class:`~asyncexec._driver._loads.Handoff`: a session's
 request waits for its own server's slot), and the counters.
 
-Pure bookkeeping on one event loop: nothing here talks to a worker (``tests/test_router_units.py``
-tests it without Ray).
+Pure bookkeeping on one event loop: nothing here talks to a worker
+(``tests/pipeline/test_router_units.py`` tests it without Ray).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import asyncexec
 import asyncexec.testing
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference.md"
 #: ``asyncexec.testing``'s reference is on its own page.
 TESTING = ROOT / "docs" / "testing.md"

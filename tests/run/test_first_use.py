@@ -24,7 +24,7 @@ import ray
 import asyncexec
 
 CPU = {"CPU": 0.5}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Ray started by the executor, in a program of its own ---------------------------------------
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "asyncexec"
+PACKAGE = Path(__file__).resolve().parents[2] / "asyncexec"
 #: The alarms (see the module's docstring): well above the guide of 250, 80 and 600 lines.
 CLASS_ALARM, FUNCTION_ALARM, MODULE_ALARM = 400, 120, 800
 

@@ -19,7 +19,7 @@ from conftest import import_example
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_requests_are_long_tailed() -> None:

@@ -73,7 +73,7 @@ async def test_a_consumer_that_stops_holds_every_rank_back_at_the_default_window
 
 
 def test_the_docs_give_the_default_window() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     semantics = (root / "docs" / "semantics.md").read_text()
     default = asyncexec.Executor(1).config.buffer_size  # what an executor gets
     assert f"`buffer_size` is {default:,} by default" in semantics

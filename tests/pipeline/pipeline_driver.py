@@ -1,9 +1,9 @@
-"""A driver process for tests/test_pipeline.py: a pipeline of 40 prompts in batches of 4 (local
-mode), a learner that "trains" by recording the ids, a checkpoint after every second update (the
-ids trained on and ``pipe.state_dict()``), one JSON line per batch. The test SIGKILLs it and
+"""A driver process for tests/pipeline/test_pipeline.py: a pipeline of 40 prompts in batches of 4
+(local mode), a learner that "trains" by recording the ids, a checkpoint after every second update
+(the ids trained on and ``pipe.state_dict()``), one JSON line per batch. The test SIGKILLs it and
 starts it again from the checkpoint.
 
-    ASYNCEXEC_LOCAL=1 python tests/pipeline_driver.py CHECKPOINT
+    ASYNCEXEC_LOCAL=1 python tests/pipeline/pipeline_driver.py CHECKPOINT
 """
 
 from __future__ import annotations

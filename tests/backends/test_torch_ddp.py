@@ -16,7 +16,7 @@ import asyncexec
 from asyncexec.backends import TorchBackend
 
 # The examples are a namespace package at the repository root (on the workers' PYTHONPATH too).
-_root = str(Path(__file__).resolve().parent.parent)
+_root = str(Path(__file__).resolve().parents[2])
 if _root not in sys.path:
     sys.path.insert(0, _root)
 torch_ddp = importlib.import_module("examples.torch_ddp")

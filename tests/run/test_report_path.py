@@ -225,7 +225,7 @@ def test_the_stage_table_names_every_stage_for_both_systems() -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         import report_stages
     finally:

@@ -294,7 +294,7 @@ async def test_an_expired_request_stops_on_its_server_and_is_regenerated_once(mo
 async def test_a_stoppable_request_whose_caller_is_cancelled_stops_on_its_server() -> None:
     """Local mode: ``generate_stoppable``'s cancelled caller frees the server's slot within a
     chunk and the generation ends there (``generate`` keeps both until the server answers:
-    ``tests/test_router_units.py``)."""
+    ``tests/pipeline/test_router_units.py``)."""
     async with (
         asyncexec.Executor(2, roles=Chunky, local=True) as servers,
         asyncexec.Router(servers, max_in_flight=1) as router,

@@ -190,7 +190,7 @@ def test_command_line_writes_the_runs_timeline(tmp_path: Any, capsys: Any) -> No
 
     path = tmp_path / "cli.json"
     config = json.dumps({"steps": 4, "pause": 0.001})
-    argv = ["run", "tests.test_timeline:count_to", "-n", "2", "--local", "--json"]
+    argv = ["run", "tests.observe.test_timeline:count_to", "-n", "2", "--local", "--json"]
     assert main([*argv, "--config", config, "--timeline", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert _tracks(doc) == {0: "driver", 1: "rank 0", 2: "rank 1"}

@@ -31,7 +31,7 @@ from asyncexec.testing import metrics_enabled
 
 pytest.importorskip("prometheus_client")
 
-CHECKED_IN = pathlib.Path(__file__).resolve().parent.parent / "dashboards" / "asyncexec.json"
+CHECKED_IN = pathlib.Path(__file__).resolve().parents[2] / "dashboards" / "asyncexec.json"
 _SERIES = re.compile(r"\basyncexec_[a-z_]+")
 
 

@@ -183,7 +183,7 @@ async def test_the_scripted_server_serves_behind_a_router(mode: str) -> None:
 
 
 #: docs/testing.md, whose examples are tests.
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 
 
 @pytest.mark.timeout(30)

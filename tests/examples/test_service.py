@@ -34,7 +34,7 @@ from asyncexec.testing import metrics_enabled
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _example() -> ModuleType:

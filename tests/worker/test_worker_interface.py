@@ -28,7 +28,7 @@ from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMe
 from asyncexec._worker import ThreadedWorkerCode, WorkerCode
 from asyncexec.testing import SimCluster, SimLoad, simulated
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
 
 

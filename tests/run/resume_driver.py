@@ -1,7 +1,7 @@
-"""A driver process for tests/test_resume.py: runs a named run on an existing Ray and prints one
+"""A driver process for tests/run/test_resume.py: runs a named run on an existing Ray and prints one
 JSON line per step, then the result. The test SIGKILLs it mid-run and starts it again.
 
-    python tests/resume_driver.py ADDRESS STORAGE NAME STEPS DELAY_S [CONFIG_TAG]
+    python tests/run/resume_driver.py ADDRESS STORAGE NAME STEPS DELAY_S [CONFIG_TAG]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""A driver process for tests/test_token_auth.py: starts a local Ray of its own as ``ray.init()``
-starts one by default in Ray 2.60 (token authentication on; a token is made in ``~/.ray`` when
-none is found), enters an executor of one worker, prints ``READY <address>``, and holds the
-worker until its stdin closes; then it leaves the executor and shuts its Ray down.
+"""A driver process for tests/cluster/test_token_auth.py: starts a local Ray of its own as
+``ray.init()`` starts one by default in Ray 2.60 (token authentication on; a token is made in
+``~/.ray`` when none is found), enters an executor of one worker, prints ``READY <address>``, and
+holds the worker until its stdin closes; then it leaves the executor and shuts its Ray down.
 
-    HOME=<a folder of the test's> python tests/token_cluster_driver.py
+    HOME=<a folder of the test's> python tests/cluster/token_cluster_driver.py
 """
 
 from __future__ import annotations
