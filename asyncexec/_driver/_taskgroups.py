@@ -28,7 +28,8 @@ answers its cancellation) cannot hang ``close()``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
+from types import TracebackType
 
 import anyio
 import anyio.abc
@@ -99,12 +100,31 @@ def one_error() -> Iterator[None]:
                 error.__context__, error.__suppress_context__ = context, suppress
 
 
-@contextlib.asynccontextmanager
-async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
-    """``anyio.create_task_group()`` under :func:`one_error`: ``async with task_group() as tg``."""
-    with one_error():
-        async with anyio.create_task_group() as tg:
-            yield tg
+class task_group:  # a class used as a function: ``async with task_group() as tg``
+    """``anyio.create_task_group()`` under :func:`one_error`: ``async with task_group() as tg``.
+
+    A class, not an async generator: an object that holds its group open and is dropped
+    without being left (an executor entered by hand and closed with ``aclose()`` alone) leaves
+    a plain object to the garbage collector. An async generator would be closed by asyncio's
+    finalizer in a task of its own, whose exit of the group's cancel scope cancels whatever task
+    then runs (``RuntimeError: Attempted to exit cancel scope in a different task``)."""
+
+    __slots__ = ("_tg",)
+
+    def __init__(self) -> None:
+        self._tg = anyio.create_task_group()
+
+    async def __aenter__(self) -> anyio.abc.TaskGroup:
+        return await self._tg.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        with one_error():
+            return bool(await self._tg.__aexit__(exc_type, exc, tb))
 
 
 @contextlib.contextmanager

@@ -156,3 +156,34 @@ async def test_closing_the_router_returns_within_its_bound_when_an_attempt_hangs
         steps = [e.get("step") for e in logs if e["event"] == "teardown_timed_out"]
         assert steps == ["router_attempts"]
         await asyncio.wait([t for t in attempts if t is not None])  # left behind, released
+
+
+@pytest.mark.timeout(60)
+async def test_an_executor_closed_with_aclose_alone_and_dropped_leaves_the_loop_alone() -> None:
+    """Defect: an executor entered by hand and closed with ``aclose()`` (never left with
+    ``__aexit__``) held its task group through an async generator; when the executor was
+    collected, asyncio's finalizer closed that generator in a task of its own, whose exit of the
+    group's cancel scope cancelled the task then running (``benchmarks/scale.py`` failed so:
+    "Attempted to exit cancel scope in a different task than it was entered in")."""
+    import gc
+
+    from asyncexec.testing import SimCluster, SimLoad, simulated
+
+    failures: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: failures.append(context))
+    with simulated(SimCluster(SimLoad(reports=1))):
+        executor = asyncexec.Executor(2)
+        await executor.__aenter__()
+        await executor.aclose()
+        del executor
+        gc.collect()
+        # What runs next on the loop: a task group's work, which the stray exit cancelled.
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(anyio.sleep, 0.01)
+        again = asyncexec.Executor(2)
+        async with again:
+            steps = [step.index async for step in again.run(lambda: None)]
+    assert steps == [0]
+    assert failures == []
