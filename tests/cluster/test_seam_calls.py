@@ -301,34 +301,3 @@ async def test_execute_names_an_argument_that_does_not_pickle(mode: str) -> None
         with pytest.raises(asyncexec.ConfigurationError, match="argument 'weights'"):
             await ex.execute_single(0, _weights_version, weights=threading.Lock())
         assert await ex.execute(_weights_version, 1) == [1]  # the group is unharmed
-
-
-def _mark_at_exit(path: str) -> None:
-    import atexit
-
-    def mark() -> None:
-        with open(path, "w") as out:
-            out.write("exited")
-
-    atexit.register(mark)
-
-
-@pytest.mark.ray_only
-@pytest.mark.timeout(60)
-async def test_a_closed_group_exits_gracefully_through_the_clusters_kill(
-    mode: str, tmp_path: Any
-) -> None:
-    """Ray's graceful exit of a worker moved from the group's close into ``RayCluster.kill``
-    (issue 43): a worker's exit handlers still run when its executor closes (``ray.kill``
-    alone ends the process without them), and the close returns once the process is gone;
-    without patience for it, they do not."""
-    mark = tmp_path / "exited"
-    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
-        await ex.execute(_mark_at_exit, str(mark))
-        assert not mark.exists()
-    assert mark.read_text() == "exited"
-    killed = tmp_path / "killed"
-    impatient = asyncexec.Timeouts(graceful_patience_s=0)
-    async with asyncexec.Executor(1, resources_per_worker=CPU, timeouts=impatient) as ex:
-        await ex.execute(_mark_at_exit, str(killed))
-    assert not killed.exists()
