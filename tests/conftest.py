@@ -81,7 +81,7 @@ def live_placement_groups() -> list[dict[str, Any]]:
 
 def wait_no_leaks(timeout_s: float = 15.0) -> None:
     """Fail unless every worker actor and placement group is gone within ``timeout_s`` (in a
-    local-mode test: every local worker's thread)."""
+    local-mode test: every local worker's thread); Ray is shut down before such a failure."""
     if os.environ.get("ASYNCEXEC_LOCAL") == "1":
         wait_no_local_threads(timeout_s)
         return
@@ -91,6 +91,7 @@ def wait_no_leaks(timeout_s: float = 15.0) -> None:
         if not actors and not groups:
             return
         if time.monotonic() > deadline:
+            _shutdown()  # a leak fails its own test, not every one after it on this Ray
             pytest.fail(
                 f"left behind in the cluster: {len(actors)} worker actor(s) "
                 f"{[a['State'] for a in actors]}, {len(groups)} placement group(s) "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
 import time
 
 import ray
@@ -25,7 +27,16 @@ def forever(mode: str) -> None:
         i += 1
 
 
+def dump_tasks() -> None:
+    """Every task's stack on stderr (SIGUSR1: the test asks when the driver did not end)."""
+    for task in asyncio.all_tasks():
+        print(f"task {task!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
 async def main() -> None:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     mode = os.environ.get("MODE", "fast")
     ready = {"fast": 5000, "slow": 5, "stuck": 100}[mode]
     async with asyncexec.Executor(

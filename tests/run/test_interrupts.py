@@ -26,14 +26,26 @@ def _interrupt(presses: int, gap_s: float, mode: str = "fast") -> tuple[int, str
         [sys.executable, DRIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     assert driver.stdout is not None
-    for line in driver.stdout:
-        if "READY" in line:
-            break
-    for _ in range(presses):
-        driver.send_signal(signal.SIGINT)
-        time.sleep(gap_s)  # the fault's timing (how fast the user presses), not a synchronisation
-    _, err = driver.communicate(timeout=40)
-    return driver.returncode, err
+    try:
+        for line in driver.stdout:
+            if "READY" in line:
+                break
+        for _ in range(presses):
+            driver.send_signal(signal.SIGINT)
+            time.sleep(gap_s)  # the fault's timing (how fast the user presses), not a sync
+        try:
+            _, err = driver.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            driver.send_signal(signal.SIGUSR1)  # its tasks' stacks, for the failure
+            time.sleep(2)
+            driver.kill()
+            _, err = driver.communicate()
+            pytest.fail(f"the driver did not end within 40 s of the Ctrl-C; its tasks:\n{err}")
+        return driver.returncode, err
+    finally:
+        if driver.poll() is None:  # (a failed test leaves no driver streaming on the cluster)
+            driver.kill()
+            driver.communicate()
 
 
 def _ends_with_a_plain_interrupt(err: str) -> None:

@@ -177,6 +177,11 @@ class Requests:
                 self._resumed.set()
                 self._resumed = anyio.Event()
 
+    async def after_resume(self) -> None:
+        """Until no resume is in flight (at once when none is)."""
+        while self._resuming:
+            await self._resumed.wait()
+
     async def wait_held(self) -> None:
         """Until the attempts collected by a pause to abort have had their own replies."""
         while self.held:
@@ -300,6 +305,8 @@ class Requests:
                 call = router.servers.call(router.methods.generate, request, on=on_rank(r))
                 span = start("asyncexec.router.attempt", rank=r)  # None unless traced
                 answer.sample = await (call if span is None else within(span, call))
+                if answer.sample.aborted:  # a pause to abort's: the resume's end comes first
+                    await self.after_resume()
         except anyio.get_cancelled_exc_class():
             # Not through its scope: the task itself (the loop closing).
             answer.error = ExecutorStateError("the router closed while the request ran")
@@ -339,12 +346,12 @@ class Requests:
         a turn of the event loop (each wakes its caller). A sample whose request is over (it
         gave up, or its caller left) answers nothing: that attempt's own reply counts as
         before, as does one that comes before its sample is handed. While a resume is in
-        flight (:meth:`resuming`) none is handed: the resume's end comes first."""
+        flight (:meth:`resuming`) none is handed, nor does an aborted sample's own reply
+        answer its caller: the resume's end comes first."""
         woken = 0
         for r, (_, samples) in replies.items():
             for sample in samples:
-                while self._resuming:
-                    await self._resumed.wait()
+                await self.after_resume()
                 if self._hand(r, sample):
                     woken += 1
                     if woken % HAND_BACK == 0:
