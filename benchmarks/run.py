@@ -131,12 +131,15 @@ class Bench:
         """Start 4 workers of each system (fresh each repeat); time it, take each worker's memory
         before any function runs, and record how long the event loop froze meanwhile.
 
-        A first round is not recorded: it pays one-time costs (exporting each actor class to
-        the cluster, cold file caches) that a long-lived application pays once, not per start.
+        A first round is not recorded (none in the quick run, ``Sizes.warmups``): it pays
+        one-time costs (exporting each actor class to the cluster, cold file caches) that a
+        long-lived application pays once, not per start.
         """
-        for i in range(self.sizes.startup_repeats + 1):
-            record = i > 0
-            progress(f"start-up and worker memory, 4 workers, {f'repeat {i}' if i else 'warm-up'}")
+        warmups = self.sizes.warmups
+        for i in range(self.sizes.startup_repeats + warmups):
+            record = i >= warmups
+            which = f"repeat {i - warmups + 1}" if record else "warm-up"
+            progress(f"start-up and worker memory, 4 workers, {which}")
             figures: list[tuple[str, str, float]] = []
             memory: list[tuple[str, list[int]]] = []
 
@@ -238,7 +241,7 @@ class Bench:
     async def local_mode(self) -> None:
         """Local mode beside the same executor on Ray actors: entering an executor of 4 ranks
         and the reports/s of tiny reports, interleaved repeats (the first round of each is not
-        recorded: it pays imports and the actor class's export)."""
+        recorded: it pays imports and the actor class's export; none in the quick run)."""
         n = 4
 
         async def one(local: bool) -> tuple[float, float]:
@@ -253,6 +256,7 @@ class Bench:
             [self.figures["local_start"], self.figures["local_rate"]],
             {"floor": lambda: one(False), "asyncexec": lambda: one(True)},
             self.sizes.repeats,
+            warm=self.sizes.warmups,
             name="local mode, 4 ranks",
         )
 

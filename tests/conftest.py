@@ -200,6 +200,9 @@ def make_cluster() -> Iterator[Any]:
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
+                # No dashboard (no test reads it; its process costs each cluster's start
+                # about a second of the 2 cores), as for the shared local Ray.
+                "include_dashboard": False,
                 **nodes[0],
                 "_system_config": {
                     "health_check_initial_delay_ms": 0,
