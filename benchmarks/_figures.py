@@ -72,8 +72,8 @@ class Sizes:
     outlive_repeats: int
     resume_repeats: int
     worker_counts: tuple[int, ...] = (4, 1, 16)  # the groups of the reports/s rows, in order
-    # Unrecorded first rounds of the start-up and local mode figures (they pay the one-time
-    # costs: imports, exporting the actor classes); none in the quick run, a smoke run.
+    # Unrecorded first rounds of the start-up, local mode and service figures (they pay the
+    # one-time costs: imports, exporting the actor classes); none in the quick run, a smoke run.
     warmups: int = 1
 
 
