@@ -391,4 +391,3 @@ def test_the_pipelines_requests_in_flight_are_a_gauge_set_at_each_batch_and_upda
         assert in_flight() == 3
     finally:
         _metrics._metrics = None
-
