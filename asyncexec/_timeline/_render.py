@@ -176,8 +176,8 @@ def render(
 
 
 def _after(events: list[Any], began: float) -> list[Any]:
-    """``events`` from ``began`` on: an event wholly before it left out (an instant at it kept),
-    a span across it cut at it; each as it was recorded, its start-up phases apart."""
+    """``events`` from ``began`` on: one that ended before it is left out (a span that ends at
+    it too; an instant at it is kept), a span across it starts at it."""
     kept = []
     for event in events:
         if event[5] < began or (event[5] == began and event[0] == "X"):
