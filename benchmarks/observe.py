@@ -4,7 +4,8 @@ timeline on, and tracing on, side by side in one run (and the same code before t
 
     python benchmarks/observe.py --baseline a1ad2d1   # about 4 minutes on 2 cores
     python benchmarks/observe.py --quick              # a smoke run
-    python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG)
+    python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG; the GRPO
+                                                      # one: examples/grpo.py --timeline)
     python benchmarks/observe.py --pipeline           # only the pipeline's figures
 
 The variants are measured in turn, round by round (each round in another order), on the same
@@ -309,15 +310,19 @@ async def _pictures(folder: str) -> dict[str, Any]:
                 killed = True
                 os.kill(ex.workers[2].pid, signal.SIGKILL)
         assert ex.timeline is not None
-        ex.timeline.render(
-            os.path.join(folder, "timeline-restart.png"), "4 ranks; rank 2 killed at step 8"
+        ex.timeline.render(  # the start-up drawn: the restart's is set beside the first's
+            os.path.join(folder, "timeline-restart.png"),
+            "4 ranks; rank 2 killed at step 8",
+            startup=True,
         )
     async with asyncexec.Executor(4, resources_per_worker={"CPU": 0.25}, timeline=True) as ex:
         async for _ in ex.run(paced, {"steps": 16, "step_s": 0.05, "slow": 1}):
             pass
         assert ex.timeline is not None
         ex.timeline.render(
-            os.path.join(folder, "timeline-straggler.png"), "4 ranks; rank 1 twice as slow"
+            os.path.join(folder, "timeline-straggler.png"),
+            "4 ranks; rank 1 twice as slow",
+            startup=True,
         )
     return {"folder": folder}
 

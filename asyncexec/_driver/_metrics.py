@@ -551,6 +551,12 @@ def pipeline_collectors(m: Metrics) -> dict[str, Any]:
             ex,
             registry=registry,
         ),
+        "in_flight": prom.Gauge(
+            "asyncexec_pipeline_in_flight",
+            "Requests of a pipeline in flight on its servers (at the latest batch or update).",
+            ex,
+            registry=registry,
+        ),
     }
     found = {name: _Bounded(collector, m.executors) for name, collector in found.items()}
     _pipeline_made[m] = found
@@ -566,7 +572,12 @@ class PipelineMeters:
         self._synced: dict[str, int] = {}
 
     def batch(
-        self, staleness: tuple[int, ...], waited_s: float, depth: int, counts: dict[str, int]
+        self,
+        staleness: tuple[int, ...],
+        waited_s: float,
+        depth: int,
+        counts: dict[str, int],
+        in_flight: int = 0,
     ) -> None:
         m = _metrics
         if m is None:
@@ -576,6 +587,7 @@ class PipelineMeters:
             made["staleness"].labels(self.executor).observe(value)
         made["wait"].labels(self.executor).observe(waited_s)
         made["buffer"].labels(self.executor).set(depth)
+        made["in_flight"].labels(self.executor).set(in_flight)
         for event, total in counts.items():
             delta = total - self._synced.get(event, 0)
             if delta > 0:
@@ -597,11 +609,17 @@ class PipelineMeters:
             made["pause"].collector.labels(label, mode)
         made["staleness"].collector.labels(label)
         made["wait"].collector.labels(label)
+        made["in_flight"].collector.labels(label)
 
-    def paused(self, mode: str, seconds: float) -> None:
+    def paused(self, mode: str, seconds: float, in_flight: int | None = None) -> None:
+        """An update paused generation ``seconds`` as ``mode`` says; ``in_flight``: the requests
+        in flight after it."""
         m = _metrics
         if m is not None:
-            pipeline_collectors(m)["pause"].labels(self.executor, mode).observe(seconds)
+            made = pipeline_collectors(m)
+            made["pause"].labels(self.executor, mode).observe(seconds)
+            if in_flight is not None:
+                made["in_flight"].labels(self.executor).set(in_flight)
 
 
 def pipeline_meters(executor: str) -> PipelineMeters:

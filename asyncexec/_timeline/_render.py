@@ -4,16 +4,21 @@ one row per rank and one for the driver (and the RL pipeline), spans coloured by
 as ticks, restarts shaded and marked. A rank's calls are drawn as its occupancy: the calls in
 flight over time, up to the most it held (labelled on the row), so that a server's 4
 concurrent ``generate`` calls read as 4, not as one bar; the long ones (well past the
-median call of their rank) are marked above it."""
+median call of their rank) are marked above it.
+
+The clock starts at the run's first work (:func:`work_began`: its first step, call or pipeline
+event): what came before it (the groups' start-up, a first weight push), often most of a short
+run's seconds, is folded into one band left of 0, labelled with its length in each section
+(``startup=True`` draws it in full), so that the run itself fills the picture."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import statistics
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["COLOURS", "long_calls", "occupancy", "render"]
+__all__ = ["COLOURS", "Plan", "long_calls", "occupancy", "render", "render_plan", "work_began"]
 
 #: The colour of each kind of span.
 COLOURS = {
@@ -40,6 +45,20 @@ _NAMES = {-1: "driver", -2: "pipeline"}
 LONG = 3.0
 #: About how many characters of a label (7 points) fit across the picture's time axis.
 _CHARS = 190
+#: The kinds of event that are a run's work (the clock starts at the first: see the module's
+#: docstring); any event on the pipeline's track is too.
+_WORK = frozenset({"step", "call", "batch", "wait", "pause", "update", "expired", "aborted"})
+#: The folded start-up's band, as a share of the run's width.
+_FOLD = 0.06
+
+
+def work_began(processes: list[tuple[str, list[Any]]]) -> float | None:
+    """When the run's work began: the earliest start of a step, a call or a pipeline event of
+    any process (None when there is none)."""
+    return min(
+        (e[4] for _, events in processes for e in events if e[3] in _WORK or e[1] == -2),
+        default=None,
+    )
 
 
 def occupancy(spans: list[tuple[float, float]]) -> list[tuple[float, int]]:
@@ -66,14 +85,48 @@ def long_calls(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, w) for s, w in spans if w >= LONG * median and w > 0]
 
 
+class Plan(NamedTuple):
+    """What a picture draws: ``processes`` (the start-up left out when folded), its clock's
+    zero (``origin``), the folded band's left edge (``left``, below 0) and the run's end
+    (``right``), in seconds from ``origin``, and each executor's start-up seconds
+    (``startups``: empty when nothing is folded)."""
+
+    processes: list[tuple[str, list[Any]]]
+    origin: float
+    left: float
+    right: float
+    startups: dict[str, float]
+
+
+def render_plan(
+    processes: list[tuple[str, list[Any]]], origin: float, startup: bool = False
+) -> Plan:
+    """The :class:`Plan` of a picture of ``processes`` (see :func:`render`)."""
+    first = min((e[4] for _, events in processes for e in events), default=origin)
+    end = max((e[5] for _, events in processes for e in events), default=origin)
+    began = None if startup else work_began(processes)
+    if began is None or began <= first:
+        return Plan(processes, first, 0.0, end - first, {})
+    startups = {
+        name: began - min(e[4] for e in events)
+        for name, events in processes
+        if events and min(e[4] for e in events) < began
+    }
+    kept = [(name, _after(events, began)) for name, events in processes]
+    return Plan(kept, began, -_FOLD * max(end - began, 1e-3), end - began, startups)
+
+
 def render(
     processes: list[tuple[str, list[Any]]],
     origin: float,
     path: str | os.PathLike[str],
     title: str | None = None,
+    startup: bool = False,
 ) -> None:
     """Draw ``processes`` (each a name and its timeline's events, on one clock) to ``path``, in
-    seconds from the first event (from ``origin`` when there is none)."""
+    seconds from the run's first work, the start-up before it folded (see the module's
+    docstring); with ``startup``, or when nothing came before the work, in seconds from the
+    first event (from ``origin`` when there is none), all of it drawn."""
     try:
         import matplotlib
 
@@ -84,7 +137,8 @@ def render(
         raise ImportError(
             "drawing a timeline needs matplotlib: pip install 'asyncexec[timeline]'"
         ) from exc
-    origin = min((e[4] for _, events in processes for e in events), default=origin)
+    plan = render_plan(processes, origin, startup)
+    processes, origin = plan.processes, plan.origin
     sections = [(name, _tracks(events)) for name, events in processes]
     heights = [len(tracks) + 0.8 for _, tracks in sections]
     fig, axes = plt.subplots(
@@ -101,7 +155,17 @@ def render(
         kinds |= _section(ax, events, origin)
         if len(sections) > 1:
             ax.set_title(name, loc="left", fontsize=10, fontweight="bold")
-    axes[-1, 0].set_xlabel("seconds")
+        if plan.startups:
+            _fold(ax, plan.left, plan.startups.get(name))
+    if plan.startups:
+        axes[-1, 0].set_xlim(plan.left, plan.right * 1.01)
+        ticks = [t for t in axes[-1, 0].get_xticks() if 0 <= t <= plan.right * 1.01]
+        axes[-1, 0].set_xticks(ticks)
+        axes[-1, 0].set_xlabel(
+            "seconds from the first step or call (the start-up folded left of 0)"
+        )
+    else:
+        axes[-1, 0].set_xlabel("seconds")
     handles = [Patch(color=COLOURS.get(kind, _OTHER), label=kind) for kind in sorted(kinds)]
     fig.legend(handles=handles, loc="upper right", fontsize=8)
     if title:
@@ -109,6 +173,38 @@ def render(
     fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(os.fspath(path))
     plt.close(fig)
+
+
+def _after(events: list[Any], began: float) -> list[Any]:
+    """``events`` from ``began`` on: one that ended before it is left out (a span that ends at
+    it too; an instant at it is kept), a span across it starts at it."""
+    kept = []
+    for event in events:
+        if event[5] < began or (event[5] == began and event[0] == "X"):
+            continue
+        if event[4] < began:
+            event = (*event[:4], began, *event[5:])
+        kept.append(event)
+    return kept
+
+
+def _fold(ax: Any, left: float, seconds: float | None) -> None:
+    """The folded start-up's band, from ``left`` to 0, with its length (``seconds``)."""
+    ax.axvspan(left, 0, facecolor="#eeeeee", edgecolor="#bbbbbb", hatch="///", lw=0)
+    ax.axvline(0, color="#888888", lw=0.8)
+    if seconds is not None and seconds > 0:
+        ax.text(
+            left / 2,
+            0.5,
+            f"start-up {seconds:.1f} s",
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="#444444",
+            clip_on=True,
+        )
 
 
 def _tracks(events: list[Any]) -> list[int]:

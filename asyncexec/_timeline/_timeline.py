@@ -375,15 +375,19 @@ class Timeline:
         with open(path, "w") as f:
             json.dump(document, f)
 
-    def render(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+    def render(
+        self, path: str | os.PathLike[str], title: str | None = None, *, startup: bool = False
+    ) -> None:
         """Draw the timeline as a PNG: a section per executor (titled by its name when there
         are several), in it one row per rank and one for the driver, colours by kind, each
         rank's calls in flight, the long ones and restarts marked (needs matplotlib: the
-        ``timeline`` extra)."""
+        ``timeline`` extra). Its clock starts at the first step, call or pipeline event: what
+        came before (the start-up, a first weight push) is folded into a band left of 0,
+        labelled with each executor's start-up seconds; ``startup=True`` draws it in full."""
         from ._render import render
 
         processes = self._named(None)
-        render(processes, self.origin, path, title)
+        render(processes, self.origin, path, title, startup)
 
 
 def _steps(

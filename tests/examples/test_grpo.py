@@ -93,3 +93,19 @@ def test_a_driver_started_again_resumes_from_the_learners_checkpoint(tmp_path: P
     out = second.stdout
     assert second.returncode == 0, out + second.stderr[-4000:]
     assert "started from update 4" in out and "each exactly once" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_the_docs_picture_is_made_by_the_command_the_docs_give(tmp_path: Path) -> None:
+    """docs/pipeline.md's picture of a run comes from ``--max-updates 12 --timeline
+    grpo.png``: the command still writes it (a PNG, under the docs' ~200 KB), and says
+    where."""
+    picture = tmp_path / "grpo.png"
+    proc = _run_example("--max-updates", "12", "--timeline", str(picture))
+    # (12 updates fall short of the threshold: exit 1, the summary printed, no traceback)
+    assert "Traceback" not in proc.stderr and "12 updates in" in proc.stdout, proc.stderr[-4000:]
+    assert f"wrote the timeline to {picture}" in proc.stdout, proc.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size < 200_000
+    docs = (ROOT / "docs" / "pipeline.md").read_text()
+    assert "python examples/grpo.py --max-updates 12 --timeline grpo.png" in docs

@@ -357,3 +357,37 @@ def test_the_rl_loops_counters_start_at_zero_and_the_channel_meters_its_lag() ->
     assert samples[("asyncexec_channel_push_seconds_count", None)] == 1
     assert samples[("asyncexec_channel_version_lag", "0")] == 1  # holds 2 of 3
     assert samples[("asyncexec_channel_version_lag", "1")] == 0  # installed 3
+
+
+def test_the_pipelines_requests_in_flight_are_a_gauge_set_at_each_batch_and_update() -> None:
+    """The pipeline's requests in flight had no metric (issue 41 item 6): a gauge at 0 from the
+    start, then the count at the latest sample event, set at each batch and each update."""
+    import prometheus_client as prom
+
+    from asyncexec._driver.pipeline._events import (
+        Admitted,
+        BatchHanded,
+        SampleReturned,
+        UpdateEnded,
+    )
+    from asyncexec._driver.pipeline._sinks import PipelineMetrics
+
+    def in_flight() -> float | None:
+        return registry.get_sample_value("asyncexec_pipeline_in_flight", {"executor": "rl"})
+
+    registry = prom.CollectorRegistry()
+    asyncexec.enable_metrics(registry)
+    try:
+        sink = PipelineMetrics(_metrics.pipeline_meters("rl"))
+        handlers = sink.handlers()
+        assert in_flight() == 0
+        for n in (1, 2, 3):
+            handlers[Admitted](Admitted(n, 0))
+        handlers[SampleReturned](SampleReturned("finished", 2, 1))
+        handlers[BatchHanded](BatchHanded(0, (0,), 0, 0.0, 0, 1))
+        assert in_flight() == 2
+        handlers[Admitted](Admitted(3, 0))
+        handlers[UpdateEnded](UpdateEnded("keep", 1, 0.01, 0.01, 2))
+        assert in_flight() == 3
+    finally:
+        _metrics._metrics = None

@@ -16,7 +16,7 @@ import pytest
 
 import asyncexec
 from asyncexec._timeline._export import LANE_TIDS, lanes
-from asyncexec._timeline._render import long_calls, occupancy
+from asyncexec._timeline._render import long_calls, occupancy, render_plan, work_began
 from asyncexec._timeline._timeline import DRIVER, Timeline
 
 CPU = {"CPU": 0.25}
@@ -63,6 +63,42 @@ def test_concurrent_calls_take_lanes_and_nested_phases_stay_on_theirs(tmp_path: 
     }
     assert threads[1] == "rank 0" and threads[1 + 3 * LANE_TIDS] == "rank 0 · 4"
     assert {e["tid"] for e in doc["traceEvents"] if e.get("cat") == "startup"} == {0}
+
+
+def test_the_picture_starts_at_the_first_work_the_start_up_folded_with_its_seconds(
+    tmp_path: Path,
+) -> None:
+    """An RL run's picture was about 60% start-up (each group's phases, the first push): its
+    clock now starts at the first step, call or pipeline event; what came before is one band
+    left of 0, labelled with each executor's start-up; a span across the cut begins at 0."""
+    shared = Timeline()
+    learner, servers = shared.joined("learner"), shared.joined("servers")
+    t = shared.origin
+    learner.span(DRIVER, "place", "startup", t, t + 1)
+    learner.span(DRIVER, "start workers", "startup", t + 1, t + 3)
+    servers.span(DRIVER, "start workers", "startup", t + 0.5, t + 4)
+    servers.span(DRIVER, "push v0", "push", t + 4, t + 5.5)  # the first push: start-up too
+    servers.span(0, "install v0", "push", t + 5, t + 6.25)  # across the first call's start
+    for i in range(4):
+        servers.span(0, "PolicyServer.generate", "call", t + 6 + i, t + 6.5 + i)
+    learner.span(0, "Learner.update", "call", t + 7, t + 8)
+    processes = shared.processes()
+    assert work_began(processes) == t + 6
+    plan = render_plan(processes, shared.origin)
+    assert plan.origin == t + 6 and plan.startups == {"learner": 6.0, "servers": 5.5}
+    assert plan.left < 0 and plan.right == 3.5
+    kept = dict(plan.processes)
+    assert [e[2] for e in kept["learner"]] == ["Learner.update"]
+    assert next((e[2], e[4]) for e in kept["servers"]) == ("install v0", t + 6)  # cut at 0
+    full = render_plan(processes, shared.origin, startup=True)
+    assert full.origin == t and full.startups == {} and full.processes == processes
+    # Nothing before the work: nothing folded.
+    alone = Timeline()
+    alone.span(0, "f", "call", alone.origin + 1, alone.origin + 2)
+    assert render_plan(alone.processes(), alone.origin).startups == {}
+    shared.render(tmp_path / "folded.png")
+    shared.render(tmp_path / "full.png", startup=True)
+    assert (tmp_path / "folded.png").stat().st_size > 0 < (tmp_path / "full.png").stat().st_size
 
 
 def test_occupancy_counts_the_calls_in_flight_and_marks_the_long_ones() -> None:

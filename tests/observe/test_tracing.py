@@ -123,19 +123,32 @@ async def test_every_call_is_named_by_its_roles_class_and_method(
         await ex.call(Named.who, 2, on=asyncexec.rank(1))
         await ex.execute(span_in_worker, 3)
     async with (
-        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, roles=Echo) as servers,
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, roles=SpanEcho) as servers,
         asyncexec.Router(servers) as router,
     ):
-        await router.generate(asyncexec.RolloutRequest(0, "p"))
+        sample = await router.generate(asyncexec.RolloutRequest(0, "p"))
+    spans = exported.get_finished_spans()
     names = [
-        s.attributes["asyncexec.function"]
-        for s in exported.get_finished_spans()
-        if s.name == "asyncexec.call"
+        s.attributes["asyncexec.function"] for s in spans if "asyncexec.function" in s.attributes
     ]
     assert names.count("Named.who") == 2
     assert names.count("span_in_worker") == 2
-    assert "Echo.generate" in names
+    assert names.count("SpanEcho.generate") == 1  # the router's attempt stands for its call
     assert not [n for n in names if "NamedMethod" in n or n == "Base.who"], names
+    [attempt] = [s for s in spans if s.name == "asyncexec.router.attempt"]
+    assert attempt.attributes["asyncexec.function"] == "SpanEcho.generate"
+    [opened] = sample.output  # the server's span: a child of the attempt, carried to it
+    assert opened["parent"] == _ids(attempt)
+
+
+class SpanEcho(asyncexec.RolloutServer):
+    """A server whose generation opens a span (as an engine's would)."""
+
+    async def chunks(self, prompt: Any) -> Any:
+        yield span_in_worker(0)
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
 
 
 class WeightsLearner:
@@ -199,8 +212,11 @@ async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_a
     assert len(attempts) >= len(prompts)
     for attempt in attempts:
         assert parent(attempt).name == "asyncexec.router.request"
+    # An attempt stands for its call (one span fewer a request): what ran, on which rank.
     generates = [s for s in spans if s.attributes.get("asyncexec.function") == "Echo.generate"]
-    assert {parent(s).name for s in generates} == {"asyncexec.router.attempt"}
+    assert generates == attempts
+    assert all(s.attributes["asyncexec.rank"] == s.attributes["rank"] for s in attempts)
+    assert not [s for s in spans if s.name == "asyncexec.call" and parent(s) in attempts]
 
 
 def span_in_run() -> None:

@@ -20,9 +20,10 @@ import anyio
 import anyio.lowlevel
 
 from ..._dispatch._plan import rank as on_rank
+from ..._dispatch._role import qualname
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
-from ..._wire._tracing import start, within
+from ..._wire._tracing import as_call, start, tracer
 from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
@@ -291,6 +292,18 @@ class Requests:
         router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
         return r
 
+    def _attempt_span(self, rank: int) -> Any:
+        """An attempt's span on server ``rank`` (None unless traced): it stands for its call
+        (``_tracing.as_call``), named by what runs (``PolicyServer.generate``)."""
+        if tracer() is None:
+            return None
+        name = qualname(self.router.methods.generate)
+        return start(
+            "asyncexec.router.attempt",
+            rank=rank,
+            **{"asyncexec.function": name, "asyncexec.rank": rank},
+        )
+
     async def _attempt(self, answer: _Answer, request: RolloutRequest, fate: _Fate) -> None:
         """An attempt of ``request`` on server ``answer.rank``: its answer (or error) to the
         request. The server's slot is held until the remote call ends, or until the attempt is
@@ -303,8 +316,8 @@ class Requests:
             with answer.scope:
                 await router.pacer.wait_turn()
                 call = router.servers.call(router.methods.generate, request, on=on_rank(r))
-                span = start("asyncexec.router.attempt", rank=r)  # None unless traced
-                sample: Sample = await (call if span is None else within(span, call))
+                span = self._attempt_span(r)  # None unless traced
+                sample: Sample = await (call if span is None else as_call(span, call))
                 answer.sample = sample
                 if sample.aborted:  # a pause to abort's: the resume's end comes first
                     await self.after_resume()

@@ -107,6 +107,7 @@ class PipelineMetrics:
         self.counts = dict.fromkeys(
             ("admitted", "consumed", "aborted", "requeued", "duplicates", "expired"), 0
         )
+        self.in_flight = 0  # the requests in flight, at the latest sample event
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
@@ -119,8 +120,10 @@ class PipelineMetrics:
 
     def _admitted(self, event: Admitted) -> None:
         self.counts["admitted"] += 1
+        self.in_flight = event.in_flight
 
     def _returned(self, event: SampleReturned) -> None:
+        self.in_flight = event.in_flight
         if event.outcome == "aborted":
             self.counts["aborted"] += 1
             self.counts["requeued"] += 1
@@ -128,15 +131,18 @@ class PipelineMetrics:
             self.counts["duplicates"] += 1
 
     def _expired(self, event: RequestExpired) -> None:
+        self.in_flight = event.in_flight
         for name in ("expired", "aborted", "requeued"):
             self.counts[name] += 1
 
     def _batch(self, event: BatchHanded) -> None:
         self.counts["consumed"] += len(event.staleness)
-        self.meters.batch(event.staleness, event.waited_s, event.buffered, self.counts)
+        self.meters.batch(
+            event.staleness, event.waited_s, event.buffered, self.counts, self.in_flight
+        )
 
     def _ended(self, event: UpdateEnded) -> None:
-        self.meters.paused(event.mode, event.pause_s)
+        self.meters.paused(event.mode, event.pause_s, self.in_flight)
 
 
 class PipelineLog:
