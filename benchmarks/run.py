@@ -131,12 +131,15 @@ class Bench:
         """Start 4 workers of each system (fresh each repeat); time it, take each worker's memory
         before any function runs, and record how long the event loop froze meanwhile.
 
-        A first round is not recorded: it pays one-time costs (exporting each actor class to
-        the cluster, cold file caches) that a long-lived application pays once, not per start.
+        A first round is not recorded (none in the quick run, ``Sizes.warmups``): it pays
+        one-time costs (exporting each actor class to the cluster, cold file caches) that a
+        long-lived application pays once, not per start.
         """
-        for i in range(self.sizes.startup_repeats + 1):
-            record = i > 0
-            progress(f"start-up and worker memory, 4 workers, {f'repeat {i}' if i else 'warm-up'}")
+        warmups = self.sizes.warmups
+        for i in range(self.sizes.startup_repeats + warmups):
+            record = i >= warmups
+            which = f"repeat {i - warmups + 1}" if record else "warm-up"
+            progress(f"start-up and worker memory, 4 workers, {which}")
             figures: list[tuple[str, str, float]] = []
             memory: list[tuple[str, list[int]]] = []
 
@@ -238,7 +241,7 @@ class Bench:
     async def local_mode(self) -> None:
         """Local mode beside the same executor on Ray actors: entering an executor of 4 ranks
         and the reports/s of tiny reports, interleaved repeats (the first round of each is not
-        recorded: it pays imports and the actor class's export)."""
+        recorded: it pays imports and the actor class's export; none in the quick run)."""
         n = 4
 
         async def one(local: bool) -> tuple[float, float]:
@@ -253,6 +256,7 @@ class Bench:
             [self.figures["local_start"], self.figures["local_rate"]],
             {"floor": lambda: one(False), "asyncexec": lambda: one(True)},
             self.sizes.repeats,
+            warm=self.sizes.warmups,
             name="local mode, 4 ranks",
         )
 
@@ -380,15 +384,17 @@ class Bench:
                 self.add(key, "floor", b)
         self.note("warm_refills", warm.refills)
         progress("warm workers: the service's first event")
+        # The first request pays the app's one-time costs (not recorded; but in the quick run).
+        warmups = sizes.warmups
         pooled = await measure_service_first_event(
-            sizes.startup_repeats + 1, 4, resources_per_worker=RESOURCES
+            sizes.startup_repeats + warmups, 4, resources_per_worker=RESOURCES
         )
         cold = await measure_service_first_event(
-            max(2, sizes.startup_repeats // 2 + 1), None, resources_per_worker=RESOURCES
+            max(1, sizes.startup_repeats // 2) + warmups, None, resources_per_worker=RESOURCES
         )
-        for value in pooled[1:]:  # the first request pays the app's one-time costs
+        for value in pooled[warmups:]:
             self.add("service_first", "asyncexec", value * 1e3)
-        for value in cold[1:]:
+        for value in cold[warmups:]:
             self.note("service_first_cold_ms", value * 1e3)
 
     def _restart_phases(self, mark: int, t_kill: float) -> None:

@@ -200,6 +200,9 @@ def make_cluster() -> Iterator[Any]:
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
+                # No dashboard (no test reads it; its process costs each cluster's start
+                # about a second of the 2 cores), as for the shared local Ray.
+                "include_dashboard": False,
                 **nodes[0],
                 "_system_config": {
                     "health_check_initial_delay_ms": 0,
@@ -326,14 +329,41 @@ def tier_of(item: pytest.Item) -> str:
     return "bench" if module is not None and _uses_benchmarks(module) else tier
 
 
+#: What a test calls to stop the shared Ray and run a script in a Ray of its own.
+_STOPS_SHARED_RAY = frozenset({"_stop_ray_of_this_process"})
+
+
+def stops_shared_ray(item: pytest.Item) -> bool:
+    """Whether the test stops the shared Ray (a benchmark or example script with a Ray of its
+    own): the next test on the shared Ray starts it again (4-5 s on 2 cores)."""
+    module = getattr(item, "module", None)
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    if module is None or code is None:
+        return False
+    return not _STOPS_SHARED_RAY.isdisjoint(_names(code, module))
+
+
+def _run_order(tier: str, own_ray: bool) -> tuple[int, int]:
+    """Where a test runs: its tier's place, then, within the tier, the tests that stop the
+    shared Ray next to each other, so that it starts again once, not after each of them: last
+    in the ``subprocess`` tier and first in the ``bench`` tier, which follows it."""
+    within = 0
+    if tier == "subprocess":
+        within = 1 if own_ray else 0
+    elif tier == "bench":
+        within = 0 if own_ray else 1
+    return TIERS.index(tier), within
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: Any, items: list[Any]) -> None:
-    """Mark each test with its tier and run the tiers in order (stable within a tier)."""
-    tiers: dict[int, str] = {}
+    """Mark each test with its tier and run the tiers in order (stable within a tier, but for
+    the tests that stop the shared Ray: see ``_run_order``)."""
+    order: dict[int, tuple[int, int]] = {}
     for item in items:
         tier = tier_of(item)
-        tiers[id(item)] = tier
+        order[id(item)] = _run_order(tier, stops_shared_ray(item))
         item.add_marker(getattr(pytest.mark, tier))
-    items.sort(key=lambda item: TIERS.index(tiers[id(item)]))
+    items.sort(key=lambda item: order[id(item)])
 
 
 @pytest.fixture(autouse=True)

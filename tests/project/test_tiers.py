@@ -4,7 +4,7 @@ session, read from inside one of its tests."""
 from __future__ import annotations
 
 import pytest
-from conftest import TIERS, tier_of
+from conftest import TIERS, stops_shared_ray, tier_of
 
 
 def _tiers(items: list[pytest.Item]) -> dict[str, str]:
@@ -49,6 +49,23 @@ def test_tiers_follow_what_a_test_uses(request: pytest.FixtureRequest) -> None:
 def test_the_tiers_run_in_order(request: pytest.FixtureRequest) -> None:
     order = [TIERS.index(tier_of(item)) for item in request.session.items]
     assert order == sorted(order)
+
+
+def test_the_tests_that_stop_the_shared_ray_run_next_to_each_other(
+    request: pytest.FixtureRequest,
+) -> None:
+    """So that the shared Ray starts again once after them, not after each."""
+    items = request.session.items
+    stopping = [i for i, item in enumerate(items) if stops_shared_ray(item)]
+    assert stopping == list(range(stopping[0], stopping[0] + len(stopping))) if stopping else True
+    known = (
+        "test_benchmarks.py::test_quick_benchmark_prints_every_row_and_cleans_up",
+        "test_grpo.py::test_a_driver_started_again_resumes_from_the_learners_checkpoint",
+        "test_pipeline_bench.py::test_quick_pipeline_benchmark_prints_every_figure_and_cleans_up",
+    )
+    for item in items:  # a run of one file or tier holds only some of them
+        if item.nodeid.rpartition("/")[2].startswith(known):
+            assert stops_shared_ray(item), item.nodeid
 
 
 def test_the_suites_ray_lives_in_a_temp_folder_of_its_own(ray_local: None) -> None:
