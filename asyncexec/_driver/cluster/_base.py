@@ -33,7 +33,12 @@ __all__ = ["Cluster", "Handle", "PendingResult", "Spawned", "awaited", "describe
 class PendingResult(Protocol):
     """A call's result as a handle returns it, the cluster's own (a Ray call's ``Result``, a
     local worker's, a simulated worker's answer): awaitable any number of times, failing with
-    the cluster's errors (``_calls.Call`` maps them); a cancelled wait leaves the call going."""
+    the cluster's errors (``_calls.Call`` maps them); a cancelled wait leaves the call going.
+
+    It has no ``cancel()`` of its own: the handle that made it cancels it
+    (:meth:`Handle.cancel`), which knows how (a local or simulated worker's call is cancelled
+    on that worker's loop, through its table of tasks). Every pending call above the seam (the
+    mapped ``_calls.Call``, a timeline's ``TimedCall``) has ``cancel()``, which goes there."""
 
     def __await__(self) -> Generator[Any, None, Any]: ...
 
