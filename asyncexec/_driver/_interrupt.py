@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import signal
 import threading
 from collections.abc import Iterator
@@ -43,7 +44,8 @@ class _Deferral:
     def __init__(self) -> None:
         self.depth = 0
         self.previous: Any = None
-        self.presses = 0
+        #: Ctrl-C presses so far, counted by one C call (see :meth:`handle`).
+        self.presses = itertools.count(1)
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Graceful parts of teardowns in progress (see :func:`hurried_away`).
         self.scopes: set[anyio.CancelScope] = set()
@@ -61,7 +63,7 @@ class _Deferral:
             current = signal.getsignal(signal.SIGINT)
             if not callable(current):  # ignored, or set from outside Python: leave it
                 return False
-            self.previous, self.presses, self.loop = current, 0, loop
+            self.previous, self.presses, self.loop = current, itertools.count(1), loop
             self.hurried = False
             signal.signal(signal.SIGINT, self.handle)
         self.depth += 1
@@ -75,11 +77,15 @@ class _Deferral:
             self.previous = self.loop = None
 
     def handle(self, signum: int, frame: Any) -> None:
-        self.presses += 1
+        # A second Ctrl-C at once runs its handler inside this one, between two of its
+        # bytecodes: the press is taken in one C call, and only the local is read after it
+        # (with ``self.presses += 1`` and the attribute read back, both handlers saw 2: the
+        # run was hurried but never cancelled, and the program hung).
+        press = next(self.presses)
         loop = self.loop
-        if loop is None or loop.is_closed() or self.presses > 2:
+        if loop is None or loop.is_closed() or press > 2:
             raise KeyboardInterrupt
-        if self.presses == 2:
+        if press == 2:
             loop.call_soon_threadsafe(self.hurry)
         elif _cancels(self.previous):
             self.previous(signum, frame)  # asyncio.run's: cancel the main task

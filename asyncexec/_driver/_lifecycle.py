@@ -199,19 +199,21 @@ class Lifecycle:
             return
         self.state = ExecutorState.CLOSING
         self.slot.closing = True
-        # bounded: the run's end by the bound below, discard() by the group's close
-        with anyio.CancelScope(shield=True):
-            run = self.run
-            if run is not None:
-                run.cancel()
-                bound = self.config.stop_timeout_s + self.config.shutdown_timeout_s
-                bound += DUMP_TIMEOUT_S  # the stacks of functions that did not stop
-                with anyio.move_on_after(bound + _RUN_END_MARGIN_S):
-                    await run.finished.wait()
-            await self.slot.discard(force=force)
-        self._release_claim()
-        self.state = ExecutorState.CLOSED
-        self._closed.set()
+        try:
+            # bounded: the run's end by the bound below, discard() by the group's close
+            with anyio.CancelScope(shield=True):
+                run = self.run
+                if run is not None:
+                    run.cancel()
+                    bound = self.config.stop_timeout_s + self.config.shutdown_timeout_s
+                    bound += DUMP_TIMEOUT_S  # the stacks of functions that did not stop
+                    with anyio.move_on_after(bound + _RUN_END_MARGIN_S):
+                        await run.finished.wait()
+                await self.slot.discard(force=force)
+        finally:  # (also when the teardown raised: no other closer waits on it for ever)
+            self._release_claim()
+            self.state = ExecutorState.CLOSED
+            self._closed.set()
         self.log.info("executor_closed")
 
     def check_open(self) -> anyio.abc.TaskGroup:

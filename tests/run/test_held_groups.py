@@ -187,3 +187,28 @@ async def test_an_executor_closed_with_aclose_alone_and_dropped_leaves_the_loop_
             steps = [step.index async for step in again.run(lambda: None)]
     assert steps == [0]
     assert failures == []
+
+
+@pytest.mark.timeout(20)
+async def test_a_teardown_that_raised_leaves_no_closer_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: ``aclose()`` marked the executor closed only after a teardown that went well; one
+    that raised left it CLOSING, and every later closer (the ``async with``'s own exit after an
+    explicit ``aclose()``) waited for it, shielded, for ever."""
+    from asyncexec.testing import SimCluster, SimLoad, simulated
+
+    async def fails(*, force: bool) -> None:
+        raise RuntimeError("the group's teardown failed")
+
+    with simulated(SimCluster(SimLoad(reports=1))):
+        executor = asyncexec.Executor(2)
+        with pytest.raises(RuntimeError, match="teardown failed"):
+            async with executor:
+                real = executor._life.slot.discard
+                monkeypatch.setattr(executor._life.slot, "discard", fails)
+                try:
+                    await executor.aclose()
+                finally:
+                    monkeypatch.setattr(executor._life.slot, "discard", real)
+        assert executor.state is asyncexec.ExecutorState.CLOSED

@@ -344,8 +344,9 @@ class Requests:
                 await router.pacer.wait_turn()
                 call = router.servers.call(router.methods.generate, request, on=on_rank(r))
                 span = start("asyncexec.router.attempt", rank=r)  # None unless traced
-                answer.sample = await (call if span is None else within(span, call))
-                if answer.sample.aborted:  # a pause to abort's: the resume's end comes first
+                sample: Sample = await (call if span is None else within(span, call))
+                answer.sample = sample
+                if sample.aborted:  # a pause to abort's: the resume's end comes first
                     await self.after_resume()
         except anyio.get_cancelled_exc_class():
             # Not through its scope: the task itself (the loop closing).

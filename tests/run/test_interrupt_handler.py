@@ -1,0 +1,76 @@
+"""The SIGINT handler of open executors, called as Python calls it: a second Ctrl-C that comes
+at once runs its handler inside the first one's, between any two of its bytecodes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from asyncexec._driver import _interrupt
+
+
+class _Runner:
+    """Stands in for asyncio.Runner: its ``_on_sigint`` is what the handler hands a first
+    Ctrl-C to (recognised by name, as asyncio's is)."""
+
+    def __init__(self) -> None:
+        self.cancels = 0
+
+    def _on_sigint(self, signum: int, frame: Any, main_task: object) -> None:
+        self.cancels += 1
+
+
+async def _press_twice(at: int) -> tuple[int, int, bool]:
+    """Press once, and again inside the first press's handler at its line boundary ``at``:
+    the main task's cancellations, the hurries, and whether the second press came (False once
+    ``at`` is past the handler's last line)."""
+    deferral = _interrupt._Deferral()
+    runner = _Runner()
+    deferral.previous = functools.partial(runner._on_sigint, main_task=None)
+    deferral.loop = asyncio.get_running_loop()
+    hurries: list[bool] = []
+    deferral.hurry = lambda: hurries.append(True)  # type: ignore[method-assign]
+    code = _interrupt._Deferral.handle.__code__
+    seen = 0
+    nested = False
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal seen, nested
+        if frame.f_code is not code:
+            return None
+        if event == "line" and not nested:
+            if seen == at:
+                nested = True
+                deferral.handle(2, frame)  # the second Ctrl-C, at this boundary
+            seen += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        deferral.handle(2, None)
+    finally:
+        sys.settrace(None)
+    await asyncio.sleep(0)  # the hurry is called soon, on the loop
+    return runner.cancels, len(hurries), nested
+
+
+@pytest.mark.timeout(10)
+async def test_a_second_ctrl_c_inside_the_first_ones_handler_still_cancels_the_main_task() -> None:
+    """Defect: the handler counted presses in an attribute and read it back; a second Ctrl-C
+    whose handler ran between the count and the read made both handlers see press 2, so the
+    teardown was hurried but the main task was never cancelled, and the program hung (one run
+    in about 16 on a loaded machine, and in CI). Here the second press is let in at every line
+    boundary of the first handler in turn: each time, one press cancels and one hurries."""
+    at = 0
+    while True:
+        cancels, hurries, pressed = await _press_twice(at)
+        if not pressed:  # every boundary was tried
+            break
+        assert (cancels, hurries) == (1, 1), f"second press at line boundary {at}"
+        at += 1
+    assert at >= 3
