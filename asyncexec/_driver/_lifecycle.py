@@ -193,12 +193,14 @@ class Lifecycle:
     async def aclose(self, *, force: bool = False) -> None:
         """Stop any run and tear the group down (see ``Executor.aclose``)."""
         if self.state in (ExecutorState.CLOSING, ExecutorState.CLOSED):
+            # bounded by the first aclose(), whose every step is
             with anyio.CancelScope(shield=True):
                 await self._closed.wait()
             return
         self.state = ExecutorState.CLOSING
         self.slot.closing = True
         try:
+            # bounded: the run's end by the bound below, discard() by the group's close
             with anyio.CancelScope(shield=True):
                 run = self.run
                 if run is not None:

@@ -448,3 +448,31 @@ async def test_a_sessions_request_waiting_for_a_server_taken_out_goes_elsewhere(
         balance.release(0)
         await anyio.wait_all_tasks_blocked()
     assert got == [0] and balance.in_flight == {0: 1, 1: 0}
+
+
+@pytest.mark.timeout(20)
+async def test_an_attempt_that_fails_in_its_own_bookkeeping_fails_its_request_and_the_router(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Simulated servers: an attempt is a plain task that the router's request path owns. One
+    that raised other than through its call (here in its clean-up, a stand-in for a defect of
+    the path) was lost: its task's error never retrieved, its request waiting for an answer
+    that would not come. It now answers its request with that error and fails the router, as a
+    failed task fails its task group."""
+    from asyncexec._driver.pipeline import _router_requests
+    from asyncexec.testing import ScriptedServer, simulated
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a defect in the attempt's bookkeeping")
+
+    with simulated():
+        async with (
+            asyncexec.Executor(2, roles=asyncexec.Role(ScriptedServer)) as servers,
+            asyncexec.Router(servers, max_in_flight=2) as router,
+        ):
+            monkeypatch.setattr(_router_requests, "_forget", broken)  # (the attempt's alone)
+            with anyio.fail_after(5), pytest.raises(RuntimeError, match="bookkeeping"):
+                await router.generate(asyncexec.RolloutRequest(0, "prompt"))
+            with pytest.raises(RuntimeError, match="bookkeeping"):  # the router is failed
+                await router.generate(asyncexec.RolloutRequest(1, "prompt"))
+            assert router.requests.attempts == {}

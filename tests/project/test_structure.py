@@ -11,6 +11,9 @@
 - No module takes another wing's private names, nor the worker side's private modules from
   outside it; local mode has no ``is_local`` checks outside the seam; nothing above the seam maps
   the cluster's errors.
+- Every shielded cancel scope has a deadline of its own (a ``move_on_after`` or ``fail_after`` in
+  the same ``with``, or ``teardown()``), or says where it is bounded (``# bounded: ...``): a hang
+  in teardown is the worst defect the library can have.
 
 Sizes. The guide (STYLE.md) is a class under about 250 lines, a function under about 80 (a
 screen), a module under about 600: past those, look whether it holds several concepts, and split
@@ -26,6 +29,7 @@ Never trim a docstring, fold lines or skip the formatter to pass it: split by co
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -451,3 +455,102 @@ def test_no_raw_worker_call_above_the_seam() -> None:
     assert found == []
     # The check sees what it looks for: the seam itself calls handles.
     assert any(_raw_calls(MODULES["_driver.cluster._calls"], methods))
+
+
+#: Context managers that give a shielded scope a deadline of its own.
+_DEADLINES = {"move_on_after", "fail_after", "move_on_at", "fail_at", "teardown"}
+#: The comment that says where a shield without a deadline of its own is bounded.
+_BOUNDED = re.compile(r"#.*\bbounded(:|\s+by\b)", re.IGNORECASE)
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _shields(call: ast.Call) -> bool:
+    """Whether ``call`` makes a shielded scope with no deadline: ``CancelScope(shield=...)``."""
+    return (
+        _callee(call) == "CancelScope"
+        and any(k.arg == "shield" for k in call.keywords)
+        and not any(k.arg == "deadline" for k in call.keywords)
+    )
+
+
+def _unbounded_shields(path: Path) -> Iterator[str]:
+    """The shielded scopes of ``path`` with neither a deadline nor a ``# bounded`` comment (on
+    the ``with``'s lines or the line above)."""
+    lines = path.read_text().splitlines()
+
+    def says_bounded(first: int, last: int) -> bool:
+        """Whether lines ``first`` to ``last`` (1-based), or the comment block just above
+        them, say where the shield is bounded."""
+        first -= 1
+        while first > 0 and lines[first - 1].lstrip().startswith("#"):
+            first -= 1
+        return any(_BOUNDED.search(line) for line in lines[first:last])
+
+    seen: set[int] = set()
+    tree = ast.parse("\n".join(lines))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With | ast.AsyncWith):
+            calls = [i.context_expr for i in node.items if isinstance(i.context_expr, ast.Call)]
+            shielded = [c for c in calls if _shields(c)]
+            seen.update(id(c) for c in shielded)
+            if (
+                shielded
+                and not any(_callee(c) in _DEADLINES for c in calls)
+                and not says_bounded(node.lineno, node.body[0].lineno - 1)
+            ):
+                yield f"{node.lineno}: with CancelScope(shield=True)"
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            shield = any(isinstance(t, ast.Attribute) and t.attr == "shield" for t in targets)
+            if shield and not says_bounded(node.lineno, node.lineno):
+                yield f"{node.lineno}: .shield = ..."
+    for node in ast.walk(tree):  # a shielded scope made outside a ``with``
+        if (
+            isinstance(node, ast.Call)
+            and _shields(node)
+            and id(node) not in seen
+            and not says_bounded(node.lineno, node.lineno)
+        ):
+            yield f"{node.lineno}: CancelScope(shield=True) outside a with"
+
+
+def test_every_shield_is_bounded() -> None:
+    """Issue 43: a shielded scope keeps out the cancellation that closes its object, so one
+    without a deadline of its own waits as long as what it waits for (a death's node check that
+    never answered hung the mapping of the call, and every close that waited for it). Each has a
+    deadline in the same ``with`` (``move_on_after``, ``fail_after``, or ``teardown()``), or a
+    ``# bounded: ...`` / ``# bounded by ...`` comment that says where it is bounded (what it
+    awaits has its own deadline; a thread that a deadline would not cut)."""
+    found = [f"{name}:{w}" for name, path in MODULES.items() for w in _unbounded_shields(path)]
+    assert found == []
+
+
+def test_the_shield_check_sees_what_it_looks_for(tmp_path: Path) -> None:
+    source = tmp_path / "example.py"
+    source.write_text(
+        "async def f(scope, event):\n"
+        "    with anyio.CancelScope(shield=True):\n"  # 2: unbounded
+        "        await event.wait()\n"
+        "    with anyio.CancelScope(shield=True), anyio.move_on_after(1):\n"
+        "        await event.wait()\n"
+        "    with anyio.move_on_after(1, shield=True):\n"
+        "        await event.wait()\n"
+        "    with teardown('x'):\n"
+        "        await event.wait()\n"
+        "    # bounded: event is set within a second\n"
+        "    with anyio.CancelScope(shield=True):\n"
+        "        await event.wait()\n"
+        "    with anyio.CancelScope(shield=True):  # bounded by the event's setter\n"
+        "        await event.wait()\n"
+        "    # Shielded so that it ends; bounded by\n"
+        "    # the event's setter.\n"
+        "    with anyio.CancelScope(shield=True):\n"
+        "        await event.wait()\n"
+        "    scope.shield = True\n"  # 19: unbounded
+        "    held = anyio.CancelScope(shield=True)\n"  # 20: unbounded
+    )
+    assert [w.split(":")[0] for w in _unbounded_shields(source)] == ["2", "19", "20"]

@@ -33,7 +33,12 @@ __all__ = ["Cluster", "Handle", "PendingResult", "Spawned", "awaited", "describe
 class PendingResult(Protocol):
     """A call's result as a handle returns it, the cluster's own (a Ray call's ``Result``, a
     local worker's, a simulated worker's answer): awaitable any number of times, failing with
-    the cluster's errors (``_calls.Call`` maps them); a cancelled wait leaves the call going."""
+    the cluster's errors (``_calls.Call`` maps them); a cancelled wait leaves the call going.
+
+    It has no ``cancel()`` of its own: the handle that made it cancels it
+    (:meth:`Handle.cancel`), which knows how (a local or simulated worker's call is cancelled
+    on that worker's loop, through its table of tasks). Every pending call above the seam (the
+    mapped ``_calls.Call``, a timeline's ``TimedCall``) has ``cancel()``, which goes there."""
 
     def __await__(self) -> Generator[Any, None, Any]: ...
 
@@ -84,7 +89,17 @@ class Spawned(NamedTuple):
 class Cluster(Protocol):
     """Where a driver's workers live. Every member is a coroutine that never blocks the event
     loop: what blocks (Ray's placement groups, actor creation, node table) runs in a thread
-    inside the implementation, as anyio's backends and httpcore's keep their threads."""
+    inside the implementation, as anyio's backends and httpcore's keep their threads.
+
+    Bounds. The driver awaits some members shielded (what they make must be known to be
+    released; a teardown must finish), so each ends within a bound of its own, and a shield
+    around it is bounded by the seam (``# bounded by the seam``, which the structure test
+    reads): the look-ups (``node_alive``, ``free_nodes``, ``live_nodes``, ``available``,
+    ``draining``, ``preempted``) by their own timeout, their threads abandoned at it; ``kill``
+    by ``patience_s`` and ``timeout_s`` (a kill without them waits for nothing but its
+    requests); ``place``, ``spawn`` and ``release`` are requests to the cluster (Ray's GCS) in a
+    thread that a deadline would not cut, bounded by the cluster's own handling of them. A
+    worker's call is not bounded: whoever awaits it gives it a deadline."""
 
     async def connect(self, address: str | None) -> None:
         """Start a cluster, or join the one at ``address``, unless this process already has one."""
@@ -237,6 +252,7 @@ async def described(
         with anyio.fail_after(timeout_s):
             metas: list[WorkerMetadata] = await awaited([s.described for s in spawned])
     except BaseException:
+        # bounded by the seam: a kill without patience or deaths (see Cluster's bounds)
         with anyio.CancelScope(shield=True):
             await cluster.kill(handles)
         raise

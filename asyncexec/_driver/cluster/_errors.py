@@ -33,11 +33,13 @@ from ..._errors import (
     first_line,
     short_node,
 )
+from ..._logging import get_logger
 from ..._wire._protocol import Outcome, WorkerMetadata
 from ._local import LocalCallCancelled, LocalWorkerGone
-from ._ray import node_alive
+from ._ray import LOOKUP_TIMEOUT_S, node_alive
 
 __all__ = [
+    "NODE_CHECK_S",
     "RAY_ERROR_KINDS",
     "CallCancelledError",
     "backend_error",
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 E = TypeVar("E", bound=WorkerError)
+_log = get_logger(component="cluster")
 
 
 class Who(Protocol):
@@ -60,6 +63,15 @@ class Who(Protocol):
     @property
     def metadata(self) -> WorkerMetadata: ...
 
+
+#: The longest a death's mapping waits for the node table (``alive``) to say whether the worker's
+#: node is still there; past it the node is taken as alive (unknown, as a look-up that fails
+#: says), so the death is a crashed or unreachable worker. Ray's look-up is bounded by its own
+#: timeout (``LOOKUP_TIMEOUT_S``, through ``Liveness``); this bound holds for any cluster's
+#: ``node_alive`` (a simulated one, a test's), twice Ray's so that it never cuts a Ray look-up
+#: short. The check is shielded (see :func:`_gone`): without a deadline of its own, a table that
+#: never answers would hang whatever waits for the call (a task group's close, a teardown).
+NODE_CHECK_S = 2 * LOOKUP_TIMEOUT_S
 
 #: The most of a death message kept as the error's detail.
 _DETAIL_CHARS = 300
@@ -202,9 +214,13 @@ def ray_error_kind(exc: BaseException) -> str | None:
 async def _gone(worker: Who, alive: Callable[[str | None], Awaitable[bool]] | None) -> bool:
     """Whether the worker's node has left the cluster. Shielded: a failure seen just before its
     attempt is cancelled (the other ranks' failures are collected for a moment, then the attempt
-    goes) is still mapped, so that ranks that fail together are all recorded."""
-    with anyio.CancelScope(shield=True):
+    goes) is still mapped, so that ranks that fail together are all recorded. Bounded by
+    :data:`NODE_CHECK_S` (no answer in time: alive)."""
+    found = True
+    with anyio.move_on_after(NODE_CHECK_S, shield=True) as scope:
         found = await (alive or node_alive)(worker.metadata.node_id)
+    if scope.cancelled_caught:
+        _log.warning("node_check_timed_out", rank=worker.rank, bound_s=NODE_CHECK_S)
     return not found
 
 

@@ -68,6 +68,7 @@ class InProcessCluster:
         self, config: ExecutorConfig, placement: Placement | None, bundles: Sequence[int | None]
     ) -> list[Spawned]:
         # In a thread, as Ray's are made: what the driver's loop spends is the driver's own.
+        # bounded: the workers are made in this process; nothing is awaited
         with anyio.CancelScope(shield=True):
             made = await anyio.to_thread.run_sync(self.make_workers, config, len(bundles))
         return made

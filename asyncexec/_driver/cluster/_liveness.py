@@ -86,8 +86,9 @@ class Liveness:
             return asking.alive
         asking = self._asking[key] = _Asking()
         try:
-            # Bounded by the look-up's own timeout; shielded so that the askers who share it
-            # get an answer even when the one who started it goes.
+            # Shielded so that the askers who share it get an answer even when the one who
+            # started it goes; bounded by the look-up's own timeout (``_ask``, its thread
+            # abandoned at it).
             with anyio.CancelScope(shield=True):
                 asking.alive = await self._ask(node_id)
         finally:

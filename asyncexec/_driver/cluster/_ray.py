@@ -290,6 +290,7 @@ class RayCluster:
     async def place(
         self, bundles: list[dict[str, float]], strategy: str, parent: Any, log: Any
     ) -> Placement:
+        # bounded by Ray: requests to the GCS, in a thread that a deadline would not cut
         with anyio.CancelScope(shield=True):  # once made, it is returned (to be released)
             made = await anyio.to_thread.run_sync(create_placement, bundles, strategy, parent, log)
         return made
@@ -300,6 +301,7 @@ class RayCluster:
 
     async def release(self, placement: Placement | None) -> None:
         if placement is not None:
+            # bounded by Ray: one request to the GCS, in a thread that a deadline would not cut
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(placement.remove)
 
@@ -320,6 +322,7 @@ class RayCluster:
             ConfigurationError: Ray refused the options (a resource amount below its precision,
                 a fractional amount of a whole-unit accelerator, a runtime_env it cannot read).
         """
+        # bounded by Ray: requests to the GCS, in a thread that a deadline would not cut
         with anyio.CancelScope(shield=True):
             made = await anyio.to_thread.run_sync(_spawn, config, placement, bundles)
         return made
@@ -368,6 +371,7 @@ class RayCluster:
                     await settle([h.call("close") for h in handles])  # (ends wait_closed calls)
                     await settle([_terminate(h) for h in handles])
         finally:
+            # bounded: kill requests in a thread (as above), the deaths' wait by timeout_s
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(kill)
                 if deaths:

@@ -227,6 +227,7 @@ class WorkerGroup:
     async def drop(self, handles: Sequence[Handle], *, clean: bool = False) -> None:
         """Let go of workers outside a close: back to the pool (``clean``: reusable), or
         killed."""
+        # bounded by the seam: give_back() and kill() without patience
         with anyio.CancelScope(shield=True):
             if self.pool is not None:
                 await self.pool.give_back([(h, clean) for h in handles])
@@ -242,6 +243,7 @@ class WorkerGroup:
         if self.closed:
             return
         self.closed = True
+        # bounded: each step has its deadline (shutdown_timeout_s; the kill's patience, timeout_s)
         with anyio.CancelScope(shield=True):
             t0 = time.perf_counter()
             if self.pool is not None:

@@ -186,6 +186,7 @@ class WorkerPool:
                 try:
                     await stock.fill_all(self.reservation, self.size)
                 except BaseException:
+                    # bounded by the seam: aclose() is a kill without patience
                     with anyio.CancelScope(shield=True):
                         await self.aclose()
                     self._tg = None
@@ -221,6 +222,7 @@ class WorkerPool:
         self._closed = True
         stock = self._stock
         stock.open = False
+        # bounded by the seam: a kill without patience or deaths (see Cluster's bounds)
         with anyio.CancelScope(shield=True):
             # The refills and idle watches go (not the task group's own scope: the task that
             # entered the pool runs inside it), and every process.
@@ -297,6 +299,7 @@ class WorkerPool:
                 )
             self._check_open()  # closed meanwhile: what was taken is dead (no await from here)
         except BaseException:
+            # bounded by the seam: give_back() kills without patience (refills in the background)
             with anyio.CancelScope(shield=True):
                 await self.give_back([(w.handle, True) for w in taken])
             raise

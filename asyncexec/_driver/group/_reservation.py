@@ -121,6 +121,7 @@ class Reservation:
         await cluster.connect(self.address)
         t0 = time.perf_counter()
         bundles = [dict(self.resources) for _ in range(self.size)]
+        # bounded by the seam: placing is a request (see Cluster's bounds)
         with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
             made = await cluster.place(bundles, self.strategy, None, self.log)
         assert made is not None  # a Ray cluster's placement
@@ -130,6 +131,7 @@ class Reservation:
             await cluster.wait_placed(placement, self.placement_timeout_s)
             nodes = await cluster.bundle_nodes(placement)
         except BaseException:
+            # bounded by the seam: a release is a request (see Cluster's bounds)
             with anyio.CancelScope(shield=True):
                 await cluster.release(placement)
             self._closed = True
@@ -163,6 +165,7 @@ class Reservation:
             )
         placement = self._placement
         if placement is not None:
+            # bounded by the seam: a release is a request (see Cluster's bounds)
             with anyio.CancelScope(shield=True):
                 await self.cluster.release(placement)
         self.log.info("reservation_closed")

@@ -182,6 +182,7 @@ class GroupSlot:
         group, self.group = self.group, None
         if group is not None:
             if self.sizer is not None and not self.closing and not group.closed:
+                # bounded by the seam's look-up timeout (free_nodes)
                 with anyio.CancelScope(shield=True):
                     await self.sizer.remember(group)
             await group.close(force=force)
@@ -189,5 +190,6 @@ class GroupSlot:
     async def drop_if(self, group: WorkerGroup) -> None:
         """Discard ``group`` if it is still the live one (a worker of it was found dead)."""
         if self.group is group:
+            # bounded: remember() by the seam's look-up, close() by its own deadlines
             with anyio.CancelScope(shield=True):
                 await self.discard(force=True)

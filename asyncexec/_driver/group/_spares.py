@@ -103,6 +103,7 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
                 tg.start_soon(group.drop, [failed.handle])
                 await group.setup([env], [fresh])
     except BaseException:
+        # bounded by the seam: drop() is a kill without patience
         with anyio.CancelScope(shield=True):
             await group.drop([spare.handle])  # set up (or half): not a clean spare
         raise
@@ -155,6 +156,7 @@ async def replace_rank(group: WorkerGroup, rank: int) -> bool:
             await group.setup([device_envs(metas, config)[rank]], [fresh])
             await make_roles(group, [fresh])
     except BaseException:
+        # bounded by the seam: a kill without patience or deaths (see Cluster's bounds)
         with anyio.CancelScope(shield=True):
             await group.cluster.kill([handle])
         raise
@@ -223,10 +225,12 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
                 await group.setup([env], [fresh])
             await make_roles(group, [fresh])
     except BaseException:
+        # bounded by the seam: drop() is a kill without patience
         with anyio.CancelScope(shield=True):
             await group.drop([fresh.handle])
         raise
     if group.closed:  # it closed while the new process started: nothing may be left of it
+        # bounded by the seam: drop() is a kill without patience
         with anyio.CancelScope(shield=True):
             await group.drop([fresh.handle])
         return None
@@ -278,7 +282,10 @@ async def shrink(
     gone = [w.handle for w in group.workers if all(w is not k for k in keep)]
     await group.cluster.kill(gone)
     group.config = config
-    await group.setup(device_envs([w.metadata for w in fresh], config), fresh)
-    group.workers, group.deaths = fresh, deaths
-    await make_roles(group, fresh)  # for the new world size
+    # Bounded as a replaced rank's set-up is: shrink runs shielded (a recovery), and the init
+    # hook and the roles' instances are the user's code on workers that may not answer.
+    with anyio.fail_after(config.start_timeout_s):
+        await group.setup(device_envs([w.metadata for w in fresh], config), fresh)
+        group.workers, group.deaths = fresh, deaths
+        await make_roles(group, fresh)  # for the new world size
     group.log.info("group_shrunk", workers=len(fresh), ranks_lost=len(gone))

@@ -113,6 +113,7 @@ async def start_group(
         )
     t0 = time.perf_counter()
     parent = await cluster.parent()  # a thread-local of the cluster's: read on this thread
+    # bounded by the seam: placing and spawning are requests (see Cluster's bounds)
     with anyio.CancelScope(shield=True):  # what is requested must be known to be cleaned up
         placement, spawned = await _request(cluster, config, parent, reservation, log)
     handles = [s.handle for s in spawned]
@@ -192,6 +193,7 @@ def _phase(config: ExecutorConfig, phase: str, t0: float) -> float:
 async def _undo(group: WorkerGroup | None, release: Callable[[], Awaitable[Any]]) -> None:
     """After a failed or cancelled start-up: close the group when it was formed, else
     ``release`` what was requested (shielded: nothing may be left behind)."""
+    # bounded: close() has deadlines of its own; a release is the seam's request
     with anyio.CancelScope(shield=True):
         if group is not None:
             await group.close(force=True)

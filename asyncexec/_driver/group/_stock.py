@@ -67,6 +67,7 @@ class Stock:
         if reservation is not None:
             self.placement = reservation.placement(config.bundles)
         else:
+            # bounded by the seam: placing is a request (see Cluster's bounds)
             with anyio.CancelScope(shield=True):  # once made, it must be known to be removed
                 self.placement = await self.cluster.place(
                     config.bundles, config.placement_strategy, None, self.log
@@ -182,6 +183,7 @@ class Stock:
         finally:
             self.starting.pop(bundle, None)
         if not self.open:
+            # bounded by the seam: a kill without patience or deaths (see Cluster's bounds)
             with anyio.CancelScope(shield=True):
                 await self.cluster.kill([handle])
             return

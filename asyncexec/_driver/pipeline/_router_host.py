@@ -73,6 +73,9 @@ class RequestsHost(_Common, Protocol):
     def watch(self) -> Watched: ...
     def check_open(self) -> anyio.abc.TaskGroup: ...
 
+    def fail(self, error: BaseException) -> None:
+        """Fail the router (an attempt failed other than through its call: a defect)."""
+
 
 class WatchHost(_Common, Protocol):
     """The router as its health watch sees it."""

@@ -113,6 +113,7 @@ class AlignedRun:
                         failed(ctx.slot.timeline, exc)
                         # The roles' instances the restart makes are restored from it.
                         ctx.slot.restore_from = ctx.checkpoint
+                        # bounded: each way to recover has its deadlines (start, stop, shutdown)
                         with anyio.CancelScope(shield=True):
                             recovered = ctx.slot.recover(
                                 exc, reuse_survivors=ctx.policy.reuse_survivors
@@ -169,6 +170,7 @@ class AlignedRun:
                         attempt=number + 1,
                         checkpoint=path,
                     )
+                # bounded: the stop by stop_timeout_s, resize() by the group's close
                 with anyio.CancelScope(shield=True):
                     timeout = ctx.config.stop_timeout_s
                     stopped = await group.stop_functions(group.workers, timeout)
@@ -205,11 +207,13 @@ class AlignedRun:
         try:
             ctx.preemption.charge(error, attempt=attempt, checkpoint=path)
         except PreemptionsSpent:
+            # bounded by the group's close
             with anyio.CancelScope(shield=True):
                 await ctx.slot.discard(force=True)
             ctx.session_live = False
             await ctx.handover.drain()
             raise
+        # bounded by the group's close
         with anyio.CancelScope(shield=True):
             await ctx.slot.resize(force=True)
         ctx.session_live = False
@@ -293,6 +297,7 @@ class AlignedRun:
         first = failures[0]
         if isinstance(first, WorkerRaisedError):
             # A peer's death surfaces first as an error in the survivors' collectives.
+            # bounded by find_dead's probe timeout
             with anyio.CancelScope(shield=True):
                 dead = await find_dead(group)
             if dead is not None:

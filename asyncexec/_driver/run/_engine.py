@@ -102,6 +102,8 @@ class RunDriver:
         finally:
             finish(traced, run.error)
             ctx.meter.unwatch()
+            # bounded: the stop by stop_timeout_s, the datasets by shutdown_timeout_s (the
+            # record is a small file written in a thread)
             with anyio.CancelScope(shield=True):
                 if self.recorder is not None:
                     await self.recorder.write(run.state.value)

@@ -219,6 +219,7 @@ class Run:
         stop and shutdown deadlines)."""
         self._core.cancel()
         self._receive.close()
+        # bounded by the run's end: its task's teardown steps have deadlines (_engine)
         with anyio.CancelScope(shield=True):
             await self._core.finished.wait()
 
