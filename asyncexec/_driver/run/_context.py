@@ -55,6 +55,8 @@ class RunContext:
         self.spec = spec
         self.handover = handover
         self.meter = meter
+        #: The executor's observer: the run's events go to its statistics, metrics, timeline.
+        self.observer = slot.observer
         self.log = log
         #: What the run knows of its nodes' preemption (notices, and the budget's count).
         self.preemption = preemption

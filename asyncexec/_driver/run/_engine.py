@@ -20,7 +20,7 @@ from ..._errors import AsyncExecError, describe
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._tracing import Opened, begin, finish
 from .._interrupt import hurried_away
-from .._metrics import RunMeter, metrics
+from .._metrics import RunMeter
 from .._restart import RestartPolicy
 from .._taskgroups import task_group
 from ..cluster import proxy, release_shards
@@ -49,21 +49,18 @@ class RunDriver:
         send: MemoryObjectSendStream[Any],
         spec: RunSpec,
         on_end: Callable[[RunCore], None],
-        on_preempted: Callable[[], None] | None = None,
     ) -> None:
-        """``on_end`` is called with the run when it has ended, ``on_preempted`` at each restart
-        after a preemption (the executor's count)."""
+        """``on_end`` is called with the run when it has ended."""
         config = slot.config
         log = slot.log.bind(run_id=run.run_id)
         ckpt = config.checkpoint
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
         self.pruner = Pruner(log)
         meter = RunMeter(config.name, self._held, self._buffered)
-        run.timeline = meter.timeline = slot.timeline
-        watch = PreemptionWatch(slot.cluster, policy, meter, log, on_preempted)
+        run.observer = slot.observer
+        watch = PreemptionWatch(slot.cluster, policy, slot.observer, log)
         handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
-        if metrics() is not None:
-            handover.meter = meter
+        handover.observer = slot.observer
         self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch)
         self.recorder = Recorder(self.ctx, self.pruner) if spec.name is not None else None
         self._send = send

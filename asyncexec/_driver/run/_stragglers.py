@@ -34,7 +34,8 @@ import anyio
 
 from ..._errors import short_node
 from .._config import ExecutorConfig
-from .._metrics import RunMeter
+from .._events import StragglerFound
+from .._observe import Observer
 from ..cluster import NOT_TAKEN
 from ..group import WorkerGroup
 from ._steps import StepTimes
@@ -141,7 +142,7 @@ class StragglerWatch:
         if new:
             self._wake.set()
 
-    async def serve(self, group: WorkerGroup, log: Any, meter: RunMeter) -> None:
+    async def serve(self, group: WorkerGroup, log: Any, observer: Observer) -> None:
         """Report the stragglers as they are found (one read of their stacks for those found
         together); runs until cancelled."""
         while True:
@@ -155,7 +156,7 @@ class StragglerWatch:
                 )
             finally:  # each is logged, with or without its stack (the attempt may end now)
                 for straggler in found:
-                    meter.straggled()
+                    observer.emit(StragglerFound(straggler.rank))
                     _log(log, group, straggler, self.steps, stacks.get(straggler.rank))
 
 
