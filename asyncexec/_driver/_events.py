@@ -121,11 +121,14 @@ class AttemptFailed(NamedTuple):
 
 
 class Restarting(NamedTuple):
-    """The restart policy restarts an aligned run after ``wait_s``; ``error``: the failure it
-    restarts after (None: the attempt did not fail)."""
+    """The restart policy restarts an aligned run after ``wait_s``, as attempt ``attempt``,
+    from ``checkpoint`` (its path; None: from the start); ``error``: the failure it restarts
+    after (None: the attempt did not fail)."""
 
     error: BaseException | None
     wait_s: float
+    attempt: int
+    checkpoint: str | None
 
 
 class TornDown(NamedTuple):
@@ -153,11 +156,13 @@ class RankFailed(NamedTuple):
 
 
 class RankRestarting(NamedTuple):
-    """The restart policy restarts rank ``rank`` of a run of independent ranks after its
-    failure ``error`` (None: not a failure)."""
+    """The restart policy restarts rank ``rank`` of a run of independent ranks after ``wait_s``,
+    as its attempt ``attempt``, after its failure ``error`` (None: not a failure)."""
 
     rank: int
     error: BaseException | None
+    attempt: int
+    wait_s: float
 
 
 class RankReplaced(NamedTuple):
@@ -191,9 +196,21 @@ class StepsTaken(NamedTuple):
 
 
 class StragglerFound(NamedTuple):
-    """Rank ``rank`` was found slower than the others (a straggler)."""
+    """Rank ``rank`` (on node ``node_id``, short; process ``pid``) was found slower than the
+    others in attempt ``attempt``: its shortest step of the window that ended at step ``step``
+    (of ``steps`` steps a window) took ``step_s``, the typical rank's ``typical_s``;
+    ``stack``: what it was running (None: not taken)."""
 
     rank: int
+    node_id: str
+    pid: int
+    attempt: int
+    step: int
+    steps: int
+    step_s: float
+    typical_s: float
+    factor: float
+    stack: str | None
 
 
 class Preemption(NamedTuple):

@@ -1,7 +1,8 @@
 """The sinks of an executor's events (``_events``): its statistics (the counters
 ``Executor.statistics()`` reads), its Prometheus metrics and its timeline. An observer made by
-:func:`executor_observer` holds them in that order (statistics first); the executor's groups,
-runs and calls emit to it.
+:func:`executor_observer` holds them in that order (statistics first); the executor's groups and
+calls emit to it. A run emits to its own (:func:`run_observer`): the executor's sinks, and the
+run's log lines (its logger is bound to the run's id).
 
 Each handler does what the separate calls did before, in the same form: the timeline's spans
 and instants keep their names, tracks and kinds; the metrics their names and labels."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from .._timeline._timeline import DRIVER, Timeline
 from ._events import (
@@ -38,7 +40,14 @@ from ._events import (
 from ._metrics import metrics
 from ._observe import Handler, Observer
 
-__all__ = ["ExecutorCounts", "ExecutorMetrics", "ExecutorTimeline", "executor_observer"]
+__all__ = [
+    "ExecutorCounts",
+    "ExecutorMetrics",
+    "ExecutorTimeline",
+    "RunLog",
+    "executor_observer",
+    "run_observer",
+]
 
 
 class ExecutorCounts:
@@ -250,3 +259,51 @@ def executor_observer(counts: ExecutorCounts, executor: str, timeline: Timeline 
     if timeline is not None:
         observer.add(ExecutorTimeline(timeline))
     return observer
+
+
+class RunLog:
+    """A run's log lines of its restarts and stragglers (``log``: the run's logger)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {
+            Restarting: self._restarting,
+            RankRestarting: self._rank_restarting,
+            StragglerFound: self._straggler,
+        }
+
+    def _restarting(self, event: Restarting) -> None:
+        self.log.warning(
+            "restarting",
+            attempt=event.attempt,
+            wait_s=round(event.wait_s, 3),
+            checkpoint=event.checkpoint,
+        )
+
+    def _rank_restarting(self, event: RankRestarting) -> None:
+        self.log.warning(
+            "rank_restarting", rank=event.rank, attempt=event.attempt, wait_s=event.wait_s
+        )
+
+    def _straggler(self, event: StragglerFound) -> None:
+        self.log.warning(
+            "straggler",
+            rank=event.rank,
+            node_id=event.node_id,
+            pid=event.pid,
+            attempt=event.attempt,
+            step=event.step,
+            steps=event.steps,
+            step_s=round(event.step_s, 6),
+            typical_s=round(event.typical_s, 6),
+            factor=round(event.factor, 2),
+            stack=event.stack,
+        )
+
+
+def run_observer(executor: Observer, log: Any) -> Observer:
+    """A run's observer: its executor's sinks (``executor``'s, as they are when the run starts),
+    then the run's log (``log``: its logger)."""
+    return Observer(*executor.sinks, RunLog(log))

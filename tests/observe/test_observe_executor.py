@@ -37,7 +37,9 @@ from asyncexec._driver._sinks import (
     ExecutorCounts,
     ExecutorMetrics,
     ExecutorTimeline,
+    RunLog,
     executor_observer,
+    run_observer,
 )
 from asyncexec._driver.group import observed
 from asyncexec._timeline._timeline import DRIVER, Timeline
@@ -121,9 +123,9 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
         observer = executor_observer(ExecutorCounts(), "ex", timeline)
         error = asyncexec.WorkerCrashedError(1, attempt=1, detail="crashed")
         observer.emit(AttemptFailed(error))
-        observer.emit(Restarting(error, 0.5))
+        observer.emit(Restarting(error, 0.5, 2, None))
         observer.emit(StepsQueued(Batch()))
-        observer.emit(StragglerFound(0))
+        observer.emit(StragglerFound(0, "abc", 7, 1, 9, 10, 0.5, 0.1, 5.0, None))
         restarts = "asyncexec_restarts_total"
         assert _sample(registry, restarts, cause="WorkerCrashedError") == 1
         assert _sample(registry, "asyncexec_restart_seconds_count") == 1
@@ -220,3 +222,37 @@ def test_an_executors_statistics_are_its_statistics_sinks_counts() -> None:
         1,
     )
     assert after.in_flight == () and after.num_workers == 2
+
+
+def test_a_runs_event_reaches_the_executors_sinks_and_the_runs_log() -> None:
+    """A run's observer holds its executor's sinks (the same objects: what the run counts is in
+    the executor's statistics) and the run's log, last."""
+    import structlog
+
+    counts, timeline = ExecutorCounts(), Timeline()
+    executor = executor_observer(counts, "ex", timeline)
+    with structlog.testing.capture_logs() as logs, metrics_enabled() as registry:
+        observer = run_observer(executor, structlog.get_logger().bind(run_id="r"))
+        assert observer.sinks[:-1] == executor.sinks and isinstance(observer.sinks[-1], RunLog)
+        error = asyncexec.WorkerCrashedError(0, attempt=1, detail="crashed")
+        observer.emit(Restarting(error, 0.25, 2, "/ckpt/3"))
+        observer.emit(StragglerFound(1, "abc", 7, 2, 19, 10, 0.5, 0.1, 5.0, "stack"))
+        observer.emit(Preemption("moved"))
+        assert _sample(registry, "asyncexec_restarts_total", cause="WorkerCrashedError") == 1
+        assert _sample(registry, "asyncexec_stragglers_total") == 1
+    assert counts.counts["preemptions"] == 1
+    assert [(e[1], e[2]) for e in timeline.events()] == [
+        (DRIVER, "wait (policy)"),
+        (DRIVER, "preemption moved"),
+    ]
+    restarting, straggler = logs
+    assert restarting == {
+        "event": "restarting",
+        "log_level": "warning",
+        "run_id": "r",
+        "attempt": 2,
+        "wait_s": 0.25,
+        "checkpoint": "/ckpt/3",
+    }
+    assert straggler["event"] == "straggler" and straggler["factor"] == 5.0
+    assert (straggler["rank"], straggler["node_id"], straggler["stack"]) == (1, "abc", "stack")

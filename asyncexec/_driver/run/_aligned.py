@@ -136,14 +136,9 @@ class AlignedRun:
         outcome = state.outcome
         error = outcome.exception() if outcome is not None and outcome.failed else None
         wait = state.next_action.sleep if state.next_action else 0.0
-        ctx.observer.emit(Restarting(error, wait))
         latest = ctx.checkpoint
-        ctx.log.warning(
-            "restarting",
-            attempt=self.attempt_base + state.attempt_number + self.resizes + 1,
-            wait_s=round(wait, 3),
-            checkpoint=latest.path if latest else None,
-        )
+        attempt = self.attempt_base + state.attempt_number + self.resizes + 1
+        ctx.observer.emit(Restarting(error, wait, attempt, latest.path if latest else None))
 
     async def _resizing(self, number: int) -> list[Any]:
         """Attempt ``number``, and after each planned resize of an elastic group, or move off
@@ -285,7 +280,7 @@ class AlignedRun:
         if self.ctx.slot.sizer is not None:
             tg.start_soon(self.ctx.slot.sizer.watch_growth, group, attempt.grow)
         if window.stragglers is not None:
-            tg.start_soon(window.stragglers.serve, group, self.ctx.log, self.ctx.observer)
+            tg.start_soon(window.stragglers.serve, group, self.ctx.observer)
         await window.assemble(self.ctx.handover)
 
     async def _blame(self, group: WorkerGroup, failures: list[AsyncExecError]) -> AsyncExecError:

@@ -22,6 +22,7 @@ from ..._wire._tracing import Opened, begin, finish
 from .._interrupt import hurried_away
 from .._metrics import RunMeter
 from .._restart import RestartPolicy
+from .._sinks import run_observer
 from .._taskgroups import task_group
 from ..cluster import proxy, release_shards
 from ..group import GroupSlot, PerRank, WorkerInfo, declare_hung, with_others
@@ -57,11 +58,11 @@ class RunDriver:
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
         self.pruner = Pruner(log)
         meter = RunMeter(config.name, self._held, self._buffered)
-        run.observer = slot.observer
-        watch = PreemptionWatch(slot.cluster, policy, slot.observer, log)
+        observer = run.observer = run_observer(slot.observer, log)
+        watch = PreemptionWatch(slot.cluster, policy, observer, log)
         handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
-        handover.observer = slot.observer
-        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch)
+        handover.observer = observer
+        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch, observer)
         self.recorder = Recorder(self.ctx, self.pruner) if spec.name is not None else None
         self._send = send
         self._on_end = on_end

@@ -164,11 +164,8 @@ class IndependentRun:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             wait = state.next_action.sleep if state.next_action else 0.0
             outcome = state.outcome
-            if outcome is not None and outcome.failed:
-                ctx.observer.emit(RankRestarting(rank, outcome.exception()))
-            ctx.log.warning(
-                "rank_restarting", rank=rank, attempt=state.attempt_number + 1, wait_s=wait
-            )
+            error = outcome.exception() if outcome is not None and outcome.failed else None
+            ctx.observer.emit(RankRestarting(rank, error, state.attempt_number + 1, wait))
 
         retrying = ctx.policy.retrying(before_sleep, lambda: progressed[0])
         moves = 0  # renewals after a preemption: attempts the restart policy does not count
