@@ -302,7 +302,8 @@ class WorkerCalls:
                 handed = await _slot_freed(group, loads)
                 continue
             worker = group.workers[taken[1]]
-            group.observer.emit(RankChosen(taken[1]))
+            if group.observer.handles(RankChosen):  # the timeline's: not made when off
+                group.observer.emit(RankChosen(taken[1]))
             if dead:
                 self._observer.emit(CallResent())
             try:
