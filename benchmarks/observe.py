@@ -77,9 +77,14 @@ def _keep_timeline(ex: Any, timeline: Any) -> None:
     """Turn ``ex``'s timeline on (``timeline``) or off (None) between runs: where the executor
     hands it to its runs, group and calls (a benchmark's reach into private names, so that
     every variant runs on the same workers)."""
+    from asyncexec._driver._sinks import ExecutorTimeline
+
     ex._life.timeline = ex._slot.timeline = timeline
-    if ex._slot.group is not None:
-        ex._slot.group.timeline = timeline
+    observer = ex._life.observer  # the slot's, its group's and the calls' too
+    for sink in [s for s in observer.sinks if isinstance(s, ExecutorTimeline)]:
+        observer.remove(sink)
+    if timeline is not None:
+        observer.add(ExecutorTimeline(timeline))
 
 
 def _provider() -> Any:

@@ -42,17 +42,17 @@ from .._errors import (
     WorkerCrashedError,
     describe,
 )
-from .._timeline._timeline import chosen, traced, wait_freed
 from .._wire._interface import as_outcome
 from .._wire._protocol import Outcome
 from .._wire._tracing import Carried, call_span
 from ._config import ExecutorConfig
+from ._events import ONE_CALL_SENT, CallEnded, CallResent, CallsSent, RankChosen, SlotWaited
 from ._lifecycle import Lifecycle
 from ._loads import Loads, Slot
 from ._recovery import Recovery
 from ._taskgroups import task_group
 from .cluster import Call, Cluster, proxy
-from .group import GroupSlot, WorkerGroup, WorkerInfo
+from .group import GroupSlot, WorkerGroup, WorkerInfo, observed
 
 __all__ = ["CallStream", "WorkerCalls"]
 
@@ -70,8 +70,10 @@ class WorkerCalls:
     _life: Lifecycle
 
     def _init_calls(self) -> None:
-        #: The calls chosen by load in flight per group, renewals, counters.
-        self._loads = Loads(self.config.name)
+        #: The calls chosen by load in flight per group, and renewals.
+        self._loads = Loads()
+        #: Where the calls' events go (the executor's observer: statistics, metrics, timeline).
+        self._observer = self._life.observer
         self._recovery = Recovery(self._life, self._loads, self.log)
 
     async def _group(self) -> WorkerGroup:
@@ -97,7 +99,7 @@ class WorkerCalls:
         """
         group = await self._group()
         workers = list(group.workers)
-        self._loads.sent(len(workers))
+        self._observer.emit(CallsSent(len(workers)))
         try:
             return await group.execute(fn, *args, **kwargs)
         except _DIED as exc:
@@ -109,7 +111,7 @@ class WorkerCalls:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         group = await self._group()
         workers = list(group.workers)
-        self._loads.sent()
+        self._observer.emit(ONE_CALL_SENT)
         try:
             return await group.execute_single(rank, fn, *args, **kwargs)
         except _DIED as exc:
@@ -158,7 +160,7 @@ class WorkerCalls:
         workers = [group.workers[r] for r in plan.ranks]
         if len(workers) == 1:
             return plan.result([await self._one(group, workers[0], plan, parts)])
-        self._loads.sent(len(workers))
+        self._observer.emit(CallsSent(len(workers)))
         calls = [_send(group, w, plan, parts) for w in workers]
         try:
             outcomes = await group.gather(calls)
@@ -240,7 +242,7 @@ class WorkerCalls:
         executor's waits for that end). A caller that stops waiting for an ``async def``
         cancels it on the worker; a plain method runs to its end."""
         call = _send(group, worker, plan, parts)
-        self._loads.sent()
+        self._observer.emit(ONE_CALL_SENT)
         try:
             outcome = await call
         except BaseException as exc:
@@ -300,9 +302,10 @@ class WorkerCalls:
                 handed = await _slot_freed(group, loads)
                 continue
             worker = group.workers[taken[1]]
-            chosen(group, taken[1])
+            if group.observer.handles(RankChosen):  # the timeline's: not made when off
+                group.observer.emit(RankChosen(taken[1]))
             if dead:
-                loads.resent()
+                self._observer.emit(CallResent())
             try:
                 return taken[1], await self._one(group, worker, plan, parts, taken)
             except _DIED as exc:
@@ -319,10 +322,11 @@ class WorkerCalls:
 
 
 def _slot_freed(group: WorkerGroup, loads: Loads) -> Awaitable[Slot | None]:
-    """A slot an ended call hands over (see ``Loads.wait_slot``), on the group's timeline when
-    it keeps one (without a coroutine of its own when not)."""
+    """A slot an ended call hands over (see ``Loads.wait_slot``), observed as a ``SlotWaited``
+    when a sink handles it (without a coroutine of its own when none does)."""
     waiting = loads.wait_slot()
-    return waiting if group.timeline is None else wait_freed(group, waiting)
+    observer = group.observer
+    return observer.timed(waiting, SlotWaited) if observer.handles(SlotWaited) else waiting
 
 
 def _next_slot(
@@ -400,9 +404,9 @@ def _send(
             call = proxy(group, worker, plan).call_method_sync(key, *args, **kwargs)
         else:
             call = proxy(group, worker, plan).call_method(key, *args, **kwargs)
-    if group.timeline is None and span is None:
+    if span is None and not group.observer.handles(CallEnded):
         return call
-    return traced(group, worker.rank, plan, call, span)
+    return observed(group.observer, worker.rank, plan.label, call, span)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

@@ -27,6 +27,7 @@ from ._dispatcher import WorkerCalls
 from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, cluster_of, local_default
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
+from ._sinks import ExecutorCounts, executor_observer
 from .group import GroupSlot, Reservation, WorkerPool
 from .run import RunState
 
@@ -206,9 +207,13 @@ class Executor(WorkerCalls, ExecutorRuns):
         self.log = get_logger(executor=f"{name}-{self.id}")
         #: What the ranks and the driver did, and when (a :class:`Timeline`), or None when off.
         self.timeline = new_timeline(timeline, name)
+        #: The counters ``statistics()`` reports: the statistics sink of the executor's
+        #: observer, which its groups, runs and calls emit their events to.
+        self._counts = ExecutorCounts()
+        observer = executor_observer(self._counts, self.config.name, self.timeline)
         cluster = cluster_of(self.config, pool, reservation)
         self._life = Lifecycle(
-            self.config, backend, self.log, cluster, pool, reservation, self.timeline
+            self.config, backend, self.log, cluster, pool, reservation, self.timeline, observer
         )
         self._init_calls()
         self._init_runs()

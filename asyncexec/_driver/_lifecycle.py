@@ -20,6 +20,7 @@ from .._timeline._timeline import Timeline
 from ..backends._base import Backend
 from ._config import ExecutorConfig
 from ._interrupt import defer_interrupts, restore_interrupts
+from ._observe import Observer
 from ._taskgroups import task_group
 from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
 from .group import Claim, GroupSlot, Reservation, WorkerPool
@@ -95,6 +96,7 @@ class Lifecycle:
         pool: WorkerPool | None,
         reservation: Reservation | None,
         timeline: Timeline | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -113,6 +115,8 @@ class Lifecycle:
         self.joiners: list[Any] = []
         #: The executor's timeline, or None (given to each slot).
         self.timeline: Timeline | None = timeline
+        #: The executor's observer (given to each slot, and by it to each group).
+        self.observer = observer if observer is not None else Observer()
         self.slot = self._new_slot()
         self._claim: Claim | None = None
         self._closed = anyio.Event()
@@ -124,6 +128,7 @@ class Lifecycle:
         )
         slot.joiners = self.joiners
         slot.timeline = self.timeline
+        slot.observer = self.observer
         return slot
 
     async def enter(self) -> None:

@@ -1,8 +1,8 @@
 """The dispatcher's own bookkeeping, apart from any executor: the calls chosen by load that are in
 flight on each group (every group its own record, so that a caller of a replaced group never
 touches the live one's), the callers waiting for a rank under the cap, the renewals of dead
-workers (one per worker, however many calls saw it die; one at a time), and the counters that
-the executor's statistics report.
+workers (one per worker, however many calls saw it die; one at a time). What the executor's
+statistics count of its calls comes from its observer (``_sinks.ExecutorCounts``).
 
 A call that ends hands its slot to the caller that has waited longest (the slot stays counted,
 now for that caller), as a semaphore hands a permit over: one waiter wakes per ended call, and
@@ -21,16 +21,14 @@ import itertools
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.abc
 
 from .._dispatch._plan import Load
-from ._metrics import metrics
 
-__all__ = ["DispatchStatistics", "Handoff", "Loads"]
+__all__ = ["Handoff", "Loads"]
 
 
 class _Sized(Protocol):
@@ -38,20 +36,6 @@ class _Sized(Protocol):
 
     @property
     def workers(self) -> Sequence[Any]: ...
-
-
-@dataclass(frozen=True)
-class DispatchStatistics:
-    """Counters of the calls an executor dispatched (see ``Executor.statistics()``)."""
-
-    #: Calls sent to a rank, chosen by load or not (a call to N ranks counts N).
-    calls: int = 0
-    #: Idempotent calls sent again after the rank they went to died.
-    resends: int = 0
-    #: Dead ranks that got a fresh process in their place outside a run.
-    renewed_ranks: int = 0
-    #: Calls chosen by load in flight on each rank of the live group, in rank order.
-    in_flight: tuple[int, ...] = ()
 
 
 #: A slot taken by load: the group's load record, and the rank.
@@ -151,34 +135,12 @@ class Loads:
     """Calls in flight per group, the wake-up of waiters, and renewals (see the module's
     docstring)."""
 
-    def __init__(self, executor: str = "") -> None:
-        self.executor = executor  # its metrics' label
+    def __init__(self) -> None:
         # Keyed by the group itself, weakly: a dropped group's record goes with it.
         self._records: weakref.WeakKeyDictionary[Any, Load] = weakref.WeakKeyDictionary()
         self._waiting: Handoff[Slot] = Handoff(lambda slot: self.release(*slot))
         self._renewals: dict[Hashable, anyio.Event] = {}
         self._renewing = anyio.Lock()
-        self.calls = 0
-        self.resends = 0
-        self.renewed_ranks = 0
-
-    def sent(self, n: int = 1) -> None:
-        """``n`` calls were sent to ranks."""
-        self.calls += n
-        if (meters := metrics()) is not None:
-            meters.calls.labels(self.executor).inc(n)
-
-    def resent(self) -> None:
-        """An idempotent call is sent again after its rank died."""
-        self.resends += 1
-        if (meters := metrics()) is not None:
-            meters.call_resends.labels(self.executor).inc()
-
-    def renewed(self) -> None:
-        """A dead rank got a fresh process in its place."""
-        self.renewed_ranks += 1
-        if (meters := metrics()) is not None:
-            meters.ranks_renewed.labels(self.executor).inc()
 
     def of(self, group: _Sized) -> Load:
         """``group``'s load record (a new group, or one whose size changed, starts from no
@@ -269,14 +231,14 @@ class Loads:
             del self._renewals[key]
             done.set()
 
-    def statistics(self, group: _Sized | None = None) -> DispatchStatistics:
-        """The counters, and the calls chosen by load in flight on each rank of ``group`` (the
-        live one; none without)."""
+    def in_flight(self, group: _Sized | None = None) -> tuple[int, ...]:
+        """The calls chosen by load in flight on each rank of ``group`` (the live one), in rank
+        order; none without."""
         load = None if group is None else self._records.get(group)
         counts = () if group is None else (0,) * len(group.workers)
         if load is not None and len(load.counts) == len(counts):
             counts = load.counts
-        return DispatchStatistics(self.calls, self.resends, self.renewed_ranks, counts)
+        return tuple(counts)
 
     def __repr__(self) -> str:
         return f"<Loads of {len(self._records)} group(s), {len(self._waiting)} waiting>"

@@ -416,8 +416,9 @@ def disable_metrics() -> None:
 
 
 class RunMeter:
-    """One run's part: restarts, steps and reports, restart times and the backlog. Cheap when
-    metrics are off (one check per call)."""
+    """One run's part: its backlog, counted when a scrape asks. (What the run's events count,
+    restarts, steps and reports, restart times, is the executor's metrics sink's:
+    ``_sinks.ExecutorMetrics``.)"""
 
     def __init__(
         self, executor: str, held: Callable[[], int], buffered: Callable[[], Awaitable[int]]
@@ -425,7 +426,6 @@ class RunMeter:
         """``held()`` is what the driver holds for the run's consumer, ``buffered()`` asks the
         run's workers for what waits in them."""
         self.executor = executor
-        self.failed_at: float | None = None
         #: The reports waiting in the run's workers, as counted at the latest ask.
         self.buffered = 0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -435,8 +435,6 @@ class RunMeter:
         self.asked: float | None = None
         self._held = held
         self._count_buffered = buffered
-        #: The executor's timeline, when it keeps one (preemptions are marked on it).
-        self.timeline: Any = None
 
     def watch(self) -> None:
         """Count this run in the backlog while it is active (called on its event loop)."""
@@ -459,46 +457,6 @@ class RunMeter:
     async def refresh(self) -> None:
         with anyio.move_on_after(SCRAPE_WAIT_S), contextlib.suppress(Exception):
             self.buffered = await self._count_buffered()
-
-    def skewed(self, seconds: float) -> None:
-        """A step waited ``seconds`` for its slowest rank (one sample per batch of steps)."""
-        m = _metrics
-        if m is not None:
-            m.skew.labels(self.executor).observe(seconds)
-
-    def straggled(self) -> None:
-        """A straggler was found."""
-        m = _metrics
-        if m is not None:
-            m.stragglers.labels(self.executor).inc()
-
-    def failed(self, exc: BaseException | None) -> None:
-        m = _metrics
-        if m is not None:
-            m.restarts.labels(self.executor, type(exc).__name__ if exc else "unknown").inc()
-            self.failed_at = time.perf_counter()
-
-    def preempted(self, stage: str) -> None:
-        """A preemption notice (``"noticed"``), a move before its deadline (``"moved"``) or a
-        restart after the node went (``"restarted"``): the restart time is measured from a move
-        or a restart, as after a failure."""
-        if self.timeline is not None:
-            self.timeline.preempted(stage)
-        m = _metrics
-        if m is not None:
-            m.preemptions.labels(self.executor, stage).inc()
-            if stage != "noticed":
-                self.failed_at = time.perf_counter()
-
-    def stepped(self, steps: int, reports: int) -> None:
-        m = _metrics
-        if m is None:
-            return
-        m.steps.labels(self.executor).inc(steps)
-        m.reports.labels(self.executor).inc(reports)
-        if self.failed_at is not None:
-            m.restart_time.labels(self.executor).observe(time.perf_counter() - self.failed_at)
-            self.failed_at = None
 
 
 #: The pipeline's collectors, made once per registry (on first use).

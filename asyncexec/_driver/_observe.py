@@ -15,16 +15,31 @@ costs a dict look-up and the record it is: the hot paths (admission, a request's
 as fast as with the separate calls. A sink that raises makes ``emit`` raise: nothing is
 logged and dropped.
 
+An event that covers a stretch of time (a call, a wait, a teardown) is *span-shaped*: one
+record, emitted once when the stretch ends, whose last three fields are its ``start``, its
+``end`` (``time.monotonic()``) and the ``error`` it ended with (None: none); :meth:`Observer.timed`
+awaits an awaitable and emits it. One record rather than a start and an end event: every sink
+that turns it into something (a span on the timeline, a histogram, a log line, a counter) needs
+only the finished stretch, so no sink pairs events up or holds state across an await, and a
+span-shaped event no sink handles costs what an instant does (:meth:`Observer.timed` awaits the
+bare awaitable). What the event does not carry is the OpenTelemetry context a stretch runs in
+(the run's, an attempt's, a call's, whose context travels to its worker): that is context the
+work needs while it runs, not something observed of it, so it is opened where the work begins.
+
 The events and the sinks of one concept live with it (the pipeline's and the router's in
-``pipeline/_events.py`` and ``pipeline/_sinks.py``); this module holds only the fan-out.
+``pipeline/_events.py`` and ``pipeline/_sinks.py``, the executor's in ``_events.py`` and
+``_sinks.py``); this module holds only the fan-out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["Handler", "Observer", "Sink"]
+
+T = TypeVar("T")
 
 #: What a sink does with one event of a type it handles.
 Handler = Callable[[Any], None]
@@ -39,7 +54,8 @@ class Sink(Protocol):
 
 
 class Observer:
-    """The sinks of one object (a pipeline, a router), and :meth:`emit` to them all."""
+    """The sinks of one object (an executor, a pipeline, a router), and :meth:`emit` to them
+    all."""
 
     __slots__ = ("_routes", "sinks")
 
@@ -58,6 +74,34 @@ class Observer:
         self.sinks.append(sink)
         for kind, handler in sink.handlers().items():
             self._routes[kind] = (*self._routes.get(kind, ()), handler)
+
+    def remove(self, sink: Sink) -> None:
+        """Remove ``sink`` (added before): it gets no event from now on."""
+        sinks = [s for s in self.sinks if s is not sink]
+        self.sinks, self._routes = [], {}
+        for kept in sinks:
+            self.add(kept)
+
+    def handles(self, kind: type) -> bool:
+        """Whether a sink handles events of type ``kind`` (a call site that must do work to
+        make one asks first)."""
+        return kind in self._routes
+
+    async def timed(self, awaitable: Awaitable[T], kind: type, *fields: Any) -> T:
+        """Await ``awaitable``; when a sink handles ``kind`` (a span-shaped event: see the
+        module's docstring), emit ``kind(*fields, start, end, error)`` when it ends, also when it
+        raises (``error``: what it raised). When none does: the bare await."""
+        if kind not in self._routes:
+            return await awaitable
+        start = time.monotonic()
+        error: BaseException | None = None
+        try:
+            return await awaitable
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.emit(kind(*fields, start, time.monotonic(), error))
 
     def emit(self, event: object) -> None:
         """Hand ``event`` to every sink that handles its type (none: nothing happens)."""

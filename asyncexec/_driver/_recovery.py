@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 from .._errors import AsyncExecError, WorkerCrashedError, describe
+from ._events import RankRenewed
 from ._lifecycle import Lifecycle
 from ._loads import Loads
 from .group import WorkerGroup, WorkerInfo, renew_rank
@@ -68,7 +69,7 @@ class Recovery:
             self.log.warning("rank_renew_failed", rank=rank, error=describe(failure))
             renewed = False
         if renewed:
-            self.loads.renewed()
+            self.life.observer.emit(RankRenewed(rank))
             await self._join(group, rank)
         else:
             await slot.drop_if(group)

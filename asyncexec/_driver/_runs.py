@@ -15,11 +15,12 @@ from .._logging import Logger
 from .._wire._checkpoint import Checkpoint
 from ..backends._base import Backend
 from ._config import ExecutorConfig
+from ._events import RunEnded, RunStarted
 from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
-from ._metrics import metrics
 from ._restart import RestartPolicy
 from ._retention import Retention
+from ._sinks import ExecutorCounts
 from .run import Resume, Run, RunCore, RunDriver, RunResult, RunState, new_run_id, prepare
 
 __all__ = ["ExecutorRuns", "ExecutorStatistics"]
@@ -65,22 +66,12 @@ class ExecutorRuns:
     restart_policy: RestartPolicy
     _life: Lifecycle
     _loads: Loads
+    _counts: ExecutorCounts
     log: Logger
 
     def _init_runs(self) -> None:
         self._result: RunResult | None = None
         self._retention = Retention(self.config, self.log)
-        self._stats = dict.fromkeys(
-            (
-                "runs_started",
-                "runs_finished",
-                "runs_failed",
-                "runs_cancelled",
-                "steps_delivered",
-                "preemptions",
-            ),
-            0,
-        )
 
     @property
     def state(self) -> ExecutorState:
@@ -103,22 +94,18 @@ class ExecutorRuns:
     def statistics(self) -> ExecutorStatistics:
         """A snapshot of the executor's counters (``steps_delivered`` counts the steps taken
         from every run, the one in progress included)."""
-        stats = dict(self._stats)
+        counts = dict(self._counts.counts)  # the statistics sink's (see ``_sinks``)
         if self._life.run is not None:
-            stats["steps_delivered"] += self._life.run.delivered
+            counts["steps_delivered"] += self._life.run.delivered
         slot = self._life.slot
-        calls = self._loads.statistics(slot.group)
         return ExecutorStatistics(
             state=self.state,
             num_workers=self._size(),
             group_starts=slot.starts,
             restarts=slot.restarts,
             resizes=slot.resizes,
-            calls=calls.calls,
-            resends=calls.resends,
-            renewed_ranks=calls.renewed_ranks,
-            in_flight=calls.in_flight,
-            **stats,
+            in_flight=self._loads.in_flight(slot.group),
+            **counts,
         )
 
     # Runs -------------------------------------------------------------------------------------
@@ -194,27 +181,18 @@ class ExecutorRuns:
         send, receive = anyio.create_memory_object_stream[Any](0)
         core = RunCore(spec.name or new_run_id())
         self._retention.started(core.run_id, named=spec.name is not None)
-        driver = RunDriver(
-            life.slot, self.restart_policy, core, send, spec, self._run_ended, self._preempted
-        )
+        driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
         life.run = core
-        if previous is not None:
-            self._stats["steps_delivered"] += previous.delivered
-        self._count("runs_started")
+        life.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
         tg.start_soon(driver.main, previous)
         return Run(core, receive)
 
     def _run_ended(self, run: RunCore) -> None:
-        outcome = {RunState.FINISHED: "finished", RunState.FAILED: "failed"}
-        self._count(f"runs_{outcome.get(run.state, 'cancelled')}")
+        if run.state is RunState.FINISHED:
+            self._life.observer.emit(RunEnded("finished"))
+        else:
+            self._life.observer.emit(
+                RunEnded("failed" if run.state is RunState.FAILED else "cancelled")
+            )
         if run.result is not None:
             self._result = run.result
-
-    def _preempted(self) -> None:
-        self._stats["preemptions"] += 1
-
-    def _count(self, key: str) -> None:
-        self._stats[key] += 1
-        meters = metrics()
-        if meters is not None:
-            meters.runs.labels(self.config.name, key.removeprefix("runs_")).inc()

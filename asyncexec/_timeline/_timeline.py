@@ -1,8 +1,10 @@
 """A timeline of an executor's life: what each rank and the driver did, and when, in a ring of
 fixed size, exported as Chrome trace events (Perfetto) or drawn as a PNG.
 
-Off by default (``Executor(timeline=True)`` turns it on) and free when off: each place that
-records holds ``timeline: Timeline | None`` and checks it once. What is recorded:
+Off by default (``Executor(timeline=True)`` turns it on) and free when off: an executor's
+groups, runs and calls emit their events to its observer, whose timeline sink
+(``_driver._sinks.ExecutorTimeline``, there only when the timeline is on) records them; the
+weight channel's and the pipeline's sinks record theirs (the helpers below). What is recorded:
 
 - steps: each rank's span of each step, from the end of its previous ``report()`` to this one
   (the time its function ran for the step, on the driver's clock: the report times the workers
@@ -25,7 +27,6 @@ the last ``capacity`` events; older ones are dropped and counted.
 from __future__ import annotations
 
 import collections
-import contextvars
 import json
 import math
 import os
@@ -33,9 +34,8 @@ import time
 from array import array
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-from .._dispatch._role import qualname
 from .._wire import _tracing
 from .._wire._protocol import ReportTimes
 from ._export import trace_events, track_name
@@ -43,24 +43,13 @@ from ._export import trace_events, track_name
 __all__ = [
     "DRIVER",
     "PIPELINE",
-    "STARTING",
-    "TimedCall",
     "Timeline",
     "TimelineStatistics",
-    "chosen",
-    "failed",
     "installed",
     "new_timeline",
-    "rank_failed",
-    "rank_reports",
-    "started_function",
     "timed",
     "timed_delivery",
     "track_name",
-    "traced",
-    "traced_fn",
-    "wait_freed",
-    "waiting",
 ]
 
 T = TypeVar("T")
@@ -68,11 +57,6 @@ T = TypeVar("T")
 DRIVER = -1
 #: The RL pipeline's track (see ``_timeline_pipeline``).
 PIPELINE = -2
-#: The timeline of the group being started in this task (set by the group's slot; read where
-#: start-up phases end).
-STARTING: contextvars.ContextVar[Timeline | None] = contextvars.ContextVar(
-    "asyncexec_timeline_starting", default=None
-)
 #: The default number of events a timeline keeps.
 CAPACITY = 100_000
 #: The start-up phases as the timeline names them.
@@ -460,44 +444,6 @@ async def timed_delivery(timeline: Timeline | None, version: int, awaitable: Awa
         timeline.span(DRIVER, f"push v{version}", "push", start, time.monotonic())
 
 
-async def started_function(timeline: Timeline | None, attempt: int, awaitable: Awaitable[T]) -> T:
-    """Await the start of attempt ``attempt``'s function on every rank (after a restart, the
-    function restores from the checkpoint), recorded when ``timeline`` is on."""
-    if timeline is None:
-        return await awaitable
-    start = time.monotonic()
-    value = await awaitable
-    timeline.function_started(start, time.monotonic(), attempt)
-    return value
-
-
-def waiting(timeline: Timeline | None, seconds: float) -> None:
-    """The restart policy waits ``seconds`` before the next attempt (from now)."""
-    if timeline is not None and seconds > 0:
-        now = time.monotonic()
-        timeline.span(DRIVER, "wait (policy)", "restart", now, now + seconds)
-
-
-def failed(timeline: Timeline | None, error: BaseException) -> None:
-    """An attempt failed with ``error``."""
-    if timeline is not None:
-        timeline.failed(error)
-
-
-def rank_reports(timeline: Timeline | None, rank: int, first: int, packed: bytes | None) -> None:
-    """Rank ``rank`` of a run of independent ranks sent reports (their stream indices from
-    ``first``, their times ``packed``; None: its worker does not time them)."""
-    if timeline is not None and packed is not None:
-        timeline.reports(rank, first, packed)
-
-
-def rank_failed(timeline: Timeline | None, rank: int, error: BaseException) -> None:
-    """Rank ``rank`` of a run of independent ranks failed with ``error`` (the others go on)."""
-    if timeline is not None:
-        name = type(error).__name__
-        timeline.instant(rank, f"failed: {name}", "failure", {"error": name})
-
-
 def installed(timeline: Timeline | None, rank: int, version: int) -> None:
     """Rank ``rank`` installed ``version``: its span since the delivery began."""
     if timeline is None:
@@ -505,75 +451,6 @@ def installed(timeline: Timeline | None, rank: int, version: int) -> None:
     start = timeline._deliveries.get(version)
     now = time.monotonic()
     timeline.span(rank, f"install v{version}", "push", now if start is None else start, now)
-
-
-class TimedCall:
-    """A call on a rank, awaitable as often as the call is, whose first end is recorded as the
-    rank's span from the send (see :func:`traced`), and ends its OpenTelemetry span."""
-
-    __slots__ = ("_call", "_done", "_name", "_rank", "_span", "_start", "_timeline")
-
-    def __init__(
-        self, timeline: Timeline | None, rank: int, name: str, call: Any, span: Any
-    ) -> None:
-        self._call = call
-        self._timeline = timeline
-        self._span = span
-        self._done = False
-        self._rank = rank
-        self._name = name
-        self._start = time.monotonic()
-
-    def cancel(self) -> None:
-        """Cancel the call on the worker (see ``cluster.Call.cancel``)."""
-        self._call.cancel()
-
-    def __await__(self) -> Any:
-        error: BaseException | None = None
-        try:
-            return (yield from self._call.__await__())
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            if not self._done:
-                self._done = True
-                if self._timeline is not None:
-                    end = time.monotonic()
-                    self._timeline.span(self._rank, self._name, "call", self._start, end)
-                if self._span is not None:
-                    _tracing.end_call(self._span, self._name, self._rank, error)
-
-
-def traced(group: Any, rank: int, plan: Any, call: T, span: Any = None) -> T:
-    """``call`` (sent to ``rank`` for ``plan``), recorded on ``group``'s timeline when it has
-    one, named by what it runs (``plan.label``: ``PolicyServer.generate``); ``span`` (its
-    OpenTelemetry span, or None) ends with it."""
-    timeline: Timeline | None = group.timeline
-    if timeline is None and span is None:
-        return call
-    return cast(T, TimedCall(timeline, rank, plan.label, call, span))  # awaited as the call is
-
-
-def traced_fn(group: Any, rank: int, fn: Any, call: T, span: Any = None) -> T:
-    """``call`` of ``fn`` on ``rank`` (``execute()``'s), as :func:`traced` records one."""
-    timeline: Timeline | None = group.timeline
-    if timeline is None and span is None:
-        return call
-    return cast(T, TimedCall(timeline, rank, qualname(fn), call, span))
-
-
-def chosen(group: Any, rank: int) -> None:
-    """A call chosen by load went to ``rank``."""
-    timeline: Timeline | None = group.timeline
-    if timeline is not None:
-        timeline.instant(DRIVER, f"least loaded: rank {rank}", "call", {"rank": rank})
-        timeline.instant(rank, "chosen by load", "call")
-
-
-async def wait_freed(group: Any, wait: Awaitable[T]) -> T:
-    """A call chosen by load waits for a free slot (every rank at its cap)."""
-    return await timed(group.timeline, DRIVER, "wait for a free rank", "call", wait)
 
 
 def new_timeline(timeline: bool | int | Timeline, name: str = "asyncexec") -> Timeline | None:

@@ -183,11 +183,6 @@ class _Drains:
         return set()
 
 
-class _Meter:
-    def preempted(self, stage: str) -> None:
-        pass
-
-
 class _Handle:
     def __init__(self, key: str) -> None:
         self.key = key
@@ -219,10 +214,12 @@ async def test_a_drain_that_ends_on_a_live_node_leaves_no_mark_and_the_watch_sta
 
     import structlog
 
+    from asyncexec._driver._observe import Observer
     from asyncexec._driver.run._preemption import LAPSE_S, PreemptionWatch
 
     cluster = _Drains({"a", "b"})
-    watch = PreemptionWatch(cluster, asyncexec.RestartPolicy(), _Meter(), structlog.get_logger())  # type: ignore[arg-type]
+    policy = asyncexec.RestartPolicy()
+    watch = PreemptionWatch(cluster, policy, Observer(), structlog.get_logger())  # type: ignore[arg-type]
     group = _group(["a", "b"], "first")
     on_a = asyncexec.WorkerCrashedError(0, node_id="a", attempt=1, detail="crashed")
     on_b = asyncexec.WorkerCrashedError(1, node_id="b", attempt=1, detail="crashed")

@@ -304,8 +304,8 @@ async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
         loads.release(*second)
     assert woken == [1]
     assert loads.of(group).counts == (1, 1)
-    assert loads.statistics(group).in_flight == (1, 1)
-    assert loads.statistics(_Group(3)).in_flight == (0, 0, 0)
+    assert loads.in_flight(group) == (1, 1)
+    assert loads.in_flight(_Group(3)) == (0, 0, 0)
 
 
 async def test_a_renewal_is_made_once_per_dead_worker() -> None:

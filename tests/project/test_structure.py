@@ -80,6 +80,8 @@ LAYERS = [
             "_driver._interrupt",
             "_driver._metrics",
             "_driver._observe",
+            "_driver._events",
+            "_driver._sinks",
             "_driver._restart",
             "_driver._retention",
         ],
@@ -230,6 +232,44 @@ def test_the_driver_wings_import_only_their_own_layer_and_lower_ones() -> None:
             theirs = _layer(target)
             if theirs is not None and theirs > mine:
                 wrong.append(f"{name} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]})")
+    assert wrong == []
+
+
+#: The executor's wings whose events go through its observer (``_driver._events``,
+#: ``_driver._sinks``): its groups, runs and calls, and the executor that owns them.
+OBSERVED = (
+    "_driver.group",
+    "_driver.run",
+    "_driver._dispatcher",
+    "_driver._loads",
+    "_driver._recovery",
+    "_driver._runs",
+    "_driver._lifecycle",
+    "_driver._executor",
+)
+#: What those may still take from the timeline and the metrics: the timeline's type (the
+#: executor makes it, its slot hands it to a weight channel) and a run's backlog meter (read by
+#: a scrape, not an event).
+OBSERVED_MAY_TAKE = {
+    "_timeline._timeline": {"Timeline", "new_timeline"},
+    "_driver._metrics": {"RunMeter"},
+}
+
+
+def test_the_executors_wings_emit_events_rather_than_call_the_timeline_or_the_metrics() -> None:
+    """An instrumented event of a group, a run or a call is emitted once to the executor's
+    observer, whose sinks draw it on the timeline and count it in the metrics and statistics:
+    none of those wings calls the timeline's recording functions or the metrics itself."""
+    wrong = []
+    for name in MODULES:
+        if not any(name == p or name.startswith(p + ".") for p in OBSERVED):
+            continue
+        for target, names, line in _imports(name):
+            allowed = OBSERVED_MAY_TAKE.get(target)
+            if allowed is None and (target == "_timeline" or target.startswith("_timeline.")):
+                allowed = set()
+            if allowed is not None and not set(names) <= allowed:
+                wrong.append(f"{name}:{line} takes {sorted(set(names) - allowed)} from {target}")
     assert wrong == []
 
 

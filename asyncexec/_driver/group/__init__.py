@@ -7,6 +7,7 @@ from ._elastic import Resize, Sizer, decide_size, fitting_workers, measure_free
 from ._group import STOP_MARGIN_S, WorkerGroup, answers, device_envs, with_others
 from ._health import FailureSink, declare_hung, find_dead, watch, watch_steps
 from ._members import Standby, WorkerInfo
+from ._observed import ObservedCall, observed
 from ._pool import PoolStatistics, PoolWorker, WorkerPool
 from ._reservation import Claim, Reservation, ReservationStatistics
 from ._roles import PerRank
@@ -15,6 +16,8 @@ from ._spares import refill_spare, renew_rank, replace_rank, shrink, take_spare
 from ._startup import start_group, worker_contexts
 
 __all__ = [
+    "ObservedCall",
+    "observed",
     "STOP_MARGIN_S",
     "Claim",
     "FailureSink",

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from ..._dispatch._role import qualname
 from ..._errors import (
     AsyncExecError,
     ConfigurationError,
@@ -26,12 +27,13 @@ from ..._errors import (
     WorkerCrashedError,
     describe,
 )
-from ..._timeline._timeline import Timeline, traced_fn
 from ..._wire._protocol import Outcome, RunStart, WorkerContext, WorkerMetadata
 from ..._wire._tracing import Carried, call_span
 from ...backends._base import Backend
 from .._config import ExecutorConfig
+from .._events import CallEnded
 from .._interrupt import hurried_away
+from .._observe import Observer
 from .._taskgroups import task_group
 from ..cluster import (
     Cluster,
@@ -44,6 +46,7 @@ from ..cluster import (
     proxy,
 )
 from ._members import Standby, WorkerInfo
+from ._observed import observed
 
 __all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
 
@@ -78,8 +81,8 @@ def with_others(errors: Sequence[AsyncExecError]) -> AsyncExecError:
 class WorkerGroup:
     """N workers in rank order (one placement, or leased from a pool), and their spares."""
 
-    #: The executor's timeline, when it keeps one (set by its slot).
-    timeline: Timeline | None = None
+    #: The executor's observer (set by its slot; until then one without sinks).
+    observer: Observer = Observer()
 
     def __init__(
         self,
@@ -343,9 +346,12 @@ async def _given_up(wait: Awaitable[T], fn: Any, calls: Sequence[Any]) -> T:
 def _execute_on(
     group: WorkerGroup, worker: WorkerInfo, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Awaitable[Any]:
-    """Send ``execute`` of ``fn`` to ``worker``: on the group's timeline when it has one, in an
-    OpenTelemetry span (its context carried to the worker) when tracing is on."""
+    """Send ``execute`` of ``fn`` to ``worker``: observed when the group's observer handles its
+    end (``CallEnded``: the timeline draws it), in an OpenTelemetry span (its context carried to
+    the worker) when tracing is on."""
     span, context = call_span(fn, worker.rank)  # None unless traced
     sent = fn if context is None else Carried(fn, context)
     call = proxy(group, worker).execute(sent, *args, **kwargs)
-    return traced_fn(group, worker.rank, fn, call, span)
+    if span is None and not group.observer.handles(CallEnded):
+        return call
+    return observed(group.observer, worker.rank, qualname(fn), call, span)

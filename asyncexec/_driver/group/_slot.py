@@ -21,9 +21,10 @@ from ..._errors import (
     WorkerHungError,
     describe,
 )
-from ..._timeline._timeline import STARTING, Timeline
+from ..._timeline._timeline import Timeline
 from ...backends._base import Backend
 from .._config import ExecutorConfig
+from .._observe import Observer
 from ..cluster import Cluster
 from ._elastic import Sizer
 from ._group import WorkerGroup
@@ -39,8 +40,11 @@ class GroupSlot:
     ``starting`` is None, or ``"starting"`` / ``"restarting"`` while a group starts.
     """
 
-    #: The executor's timeline, when it keeps one (its groups record on it too).
+    #: The executor's timeline, when it keeps one (the weight channel records on it; the
+    #: groups' events reach it through the observer).
     timeline: Timeline | None = None
+    #: The executor's observer (its groups emit to it; until set, one without sinks).
+    observer: Observer = Observer()
 
     def __init__(
         self,
@@ -108,7 +112,6 @@ class GroupSlot:
                     config = self.config
                     if self.sizer is not None:
                         config = replace(config, num_workers=await self.sizer.size())
-                    STARTING.set(self.timeline)  # its start-up phases
                     self.group = await start_group(
                         self.cluster,
                         config,
@@ -118,11 +121,12 @@ class GroupSlot:
                         pool=self.pool,
                         reservation=self.reservation,
                         restore_from=self.restore_from,
+                        observer=self.observer,  # its start-up phases
                     )
                 finally:
                     self.starting = None
                 self.starts += 1
-                self.group.timeline = self.timeline
+                self.group.observer = self.observer
                 self._sized(len(self.group.workers), attempt, planned)
             if attempt is not None:
                 self.group.attempt = attempt

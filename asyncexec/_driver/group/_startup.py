@@ -16,11 +16,11 @@ from typing import Any, NoReturn
 import anyio
 
 from ..._errors import PlacementTimeoutError, short_node
-from ..._timeline._timeline import STARTING
 from ..._wire._protocol import WorkerContext, WorkerMetadata
 from ...backends._base import Backend
 from .._config import ExecutorConfig
-from .._metrics import metrics
+from .._events import PhaseEnded
+from .._observe import Observer
 from ..cluster import Cluster, Handle, Placement, Spawned, awaited, startup_error
 from ._group import WorkerGroup, device_envs
 from ._members import Standby, WorkerInfo
@@ -94,6 +94,7 @@ async def start_group(
     pool: Any = None,
     reservation: Any = None,
     restore_from: Any = None,
+    observer: Observer | None = None,
 ) -> WorkerGroup:
     """Start a group (in its own placement, or on ``reservation``, a
     :class:`~._reservation.Reservation`; or lease it from ``pool``, a
@@ -107,9 +108,17 @@ async def start_group(
         BackendError: the backend's ``on_start`` failed.
         ExecutorStateError: the pool is closed.
     """
+    seen = observer if observer is not None else Observer()
     if pool is not None:
         return await _lease_group(
-            cluster, config, backend, pool, attempt=attempt, log=log, restore_from=restore_from
+            cluster,
+            config,
+            backend,
+            pool,
+            attempt=attempt,
+            log=log,
+            restore_from=restore_from,
+            observer=seen,
         )
     t0 = time.perf_counter()
     parent = await cluster.parent()  # a thread-local of the cluster's: read on this thread
@@ -122,7 +131,7 @@ async def start_group(
     phase = ["waiting for the placement group"]
     try:
         await cluster.wait_placed(placement, config.placement_timeout_s)
-        log.debug("placement_ready", seconds=_phase(config, "placement", t0))
+        log.debug("placement_ready", seconds=_phase(seen, "placement", t0))
         own = placement is None or placement.owned
         if not own:  # placed only as the workers come up: the placement deadline
             metas = await _describe_in_parent(cluster, described, config)
@@ -132,14 +141,14 @@ async def start_group(
             phase[0] = "starting the worker processes"
             if own:
                 metas = await awaited(described)
-            log.debug("workers_ready", seconds=_phase(config, "workers", t0))
+            log.debug("workers_ready", seconds=_phase(seen, "workers", t0))
             members: list[Member] = [
                 (h, m, i, None) for i, (h, m) in enumerate(zip(handles, metas, strict=True))
             ]
             group = await _form(cluster, config, backend, placement, members, attempt, log, None)
             group.restore_from = restore_from
-            await _set_up(group, phase, t0)
-        log.info("group_started", seconds=_phase(config, "ready", t0), attempt=attempt)
+            await _set_up(group, phase, t0, seen)
+        log.info("group_started", seconds=_phase(seen, "ready", t0), attempt=attempt)
         return group
     except BaseException as exc:
         # The placement goes too, when it is the executor's own (see ``Placement.remove``).
@@ -156,6 +165,7 @@ async def _lease_group(
     attempt: int,
     log: Any,
     restore_from: Any,
+    observer: Observer,
 ) -> WorkerGroup:
     """A group of warm workers leased from ``pool``: no process starts (unless the pool is
     short); ranks, devices, init hook and backend are set up as for fresh workers."""
@@ -171,22 +181,19 @@ async def _lease_group(
                 members.sort(key=lambda m: (m[2] is None, m[2] or 0))
             group = await _form(cluster, config, backend, None, members, attempt, log, pool)
             group.restore_from = restore_from
-            await _set_up(group, phase, t0)
-        log.info("group_leased", seconds=_phase(config, "leased", t0), attempt=attempt)
+            await _set_up(group, phase, t0, observer)
+        log.info("group_leased", seconds=_phase(observer, "leased", t0), attempt=attempt)
         return group
     except BaseException as exc:
         await _undo(group, lambda: pool.give_back([(w.handle, True) for w in leased]))
         _raise_mapped(exc, phase[0], config.start_timeout_s)
 
 
-def _phase(config: ExecutorConfig, phase: str, t0: float) -> float:
-    """Seconds since ``t0``, observed as start-up ``phase`` when metrics are on."""
+def _phase(observer: Observer, phase: str, t0: float) -> float:
+    """Seconds since ``t0`` (rounded, for the log line), emitted as start-up ``phase``'s end
+    (the executor's metrics and timeline take it)."""
     seconds = time.perf_counter() - t0
-    meters = metrics()
-    if meters is not None:
-        meters.startup.labels(config.name, phase).observe(seconds)
-    if (timeline := STARTING.get()) is not None:
-        timeline.startup_phase(phase, t0, seconds)
+    observer.emit(PhaseEnded(phase, t0, seconds))
     return round(seconds, 3)
 
 
@@ -245,7 +252,7 @@ async def _form(
     )
 
 
-async def _set_up(group: WorkerGroup, phase: list[str], t0: float) -> None:
+async def _set_up(group: WorkerGroup, phase: list[str], t0: float, observer: Observer) -> None:
     """Devices, context, data context and init hook on every worker, then the backend (the
     ``set_up`` phase ends between the two)."""
     phase[0] = "setting the workers up (devices, data context, init hook)"
@@ -254,7 +261,7 @@ async def _set_up(group: WorkerGroup, phase: list[str], t0: float) -> None:
     group.log.info(
         "worker_table",
         workers=[_row(w) for w in group.workers],
-        seconds=_phase(group.config, "set_up", t0),
+        seconds=_phase(observer, "set_up", t0),
     )
     if group.backend is not None:
         phase[0] = f"running {group.backend.name}.on_start"

@@ -27,8 +27,8 @@ from ..._errors import (
     WorkerRaisedError,
     describe,
 )
-from ..._timeline._timeline import DRIVER, failed, started_function, timed, waiting
 from ..._wire._tracing import in_span
+from .._events import AttemptFailed, FunctionStarted, Restarting, TornDown
 from .._restart import PreemptionsSpent
 from .._taskgroups import task_group
 from ..cluster import make_shards
@@ -110,7 +110,7 @@ class AlignedRun:
                     except AsyncExecError as exc:
                         progressed = ctx.handover.steps > steps_before
                         run.failures.append(exc)
-                        failed(ctx.slot.timeline, exc)
+                        ctx.observer.emit(AttemptFailed(exc))
                         # The roles' instances the restart makes are restored from it.
                         ctx.slot.restore_from = ctx.checkpoint
                         # bounded: each way to recover has its deadlines (start, stop, shutdown)
@@ -118,8 +118,8 @@ class AlignedRun:
                             recovered = ctx.slot.recover(
                                 exc, reuse_survivors=ctx.policy.reuse_survivors
                             )
-                            tl = ctx.slot.timeline
-                            await timed(tl, DRIVER, "tear down", "restart", recovered, span=RESTART)
+                            spanned = in_span(RESTART, recovered)
+                            await ctx.observer.timed(spanned, TornDown)
                         ctx.session_live = False
                         # Steps every rank completed before the failure are still delivered.
                         await ctx.handover.drain()
@@ -134,17 +134,12 @@ class AlignedRun:
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         ctx = self.ctx
         ctx.run.state = RunState.RESTARTING
-        if state.outcome is not None and state.outcome.failed:
-            ctx.meter.failed(state.outcome.exception())
+        outcome = state.outcome
+        error = outcome.exception() if outcome is not None and outcome.failed else None
         wait = state.next_action.sleep if state.next_action else 0.0
-        waiting(ctx.slot.timeline, wait)
         latest = ctx.checkpoint
-        ctx.log.warning(
-            "restarting",
-            attempt=self.attempt_base + state.attempt_number + self.resizes + 1,
-            wait_s=round(wait, 3),
-            checkpoint=latest.path if latest else None,
-        )
+        attempt = self.attempt_base + state.attempt_number + self.resizes + 1
+        ctx.observer.emit(Restarting(error, wait, attempt, latest.path if latest else None))
 
     async def _resizing(self, number: int) -> list[Any]:
         """Attempt ``number``, and after each planned resize of an elastic group, or move off
@@ -239,7 +234,8 @@ class AlignedRun:
                 tg.start_soon(ctx.preemption.watch, group)
                 tg.start_soon(ctx.preemption.move_when_saved, group, attempt.move)
                 try:
-                    await started_function(ctx.slot.timeline, number, self._start(group, number))
+                    started = self._start(group, number)
+                    await ctx.observer.timed(started, FunctionStarted, number)
                     await self._follow(tg, group, window, attempt)
                     finished = True
                 except AsyncExecError as exc:
@@ -288,7 +284,7 @@ class AlignedRun:
         if self.ctx.slot.sizer is not None:
             tg.start_soon(self.ctx.slot.sizer.watch_growth, group, attempt.grow)
         if window.stragglers is not None:
-            tg.start_soon(window.stragglers.serve, group, self.ctx.log, self.ctx.meter)
+            tg.start_soon(window.stragglers.serve, group, self.ctx.observer)
         await window.assemble(self.ctx.handover)
 
     async def _blame(self, group: WorkerGroup, failures: list[AsyncExecError]) -> AsyncExecError:

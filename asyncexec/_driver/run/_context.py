@@ -19,6 +19,7 @@ from ..._wire._tracing import current_traceparent
 from ...backends._base import Backend
 from .._config import ExecutorConfig
 from .._metrics import RunMeter
+from .._observe import Observer
 from .._restart import RestartPolicy
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._iterator import RunCore
@@ -46,6 +47,7 @@ class RunContext:
         meter: RunMeter,
         log: Any,
         preemption: PreemptionWatch,
+        observer: Observer,
     ) -> None:
         self.slot = slot
         self.config: ExecutorConfig = slot.config
@@ -55,6 +57,9 @@ class RunContext:
         self.spec = spec
         self.handover = handover
         self.meter = meter
+        #: The run's observer: its events go to the executor's statistics, metrics and
+        #: timeline, and to the run's log (``_sinks.run_observer``).
+        self.observer = observer
         self.log = log
         #: What the run knows of its nodes' preemption (notices, and the budget's count).
         self.preemption = preemption

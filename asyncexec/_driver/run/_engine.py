@@ -20,8 +20,9 @@ from ..._errors import AsyncExecError, describe
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._tracing import Opened, begin, finish
 from .._interrupt import hurried_away
-from .._metrics import RunMeter, metrics
+from .._metrics import RunMeter
 from .._restart import RestartPolicy
+from .._sinks import run_observer
 from .._taskgroups import task_group
 from ..cluster import proxy, release_shards
 from ..group import GroupSlot, PerRank, WorkerInfo, declare_hung, with_others
@@ -49,22 +50,19 @@ class RunDriver:
         send: MemoryObjectSendStream[Any],
         spec: RunSpec,
         on_end: Callable[[RunCore], None],
-        on_preempted: Callable[[], None] | None = None,
     ) -> None:
-        """``on_end`` is called with the run when it has ended, ``on_preempted`` at each restart
-        after a preemption (the executor's count)."""
+        """``on_end`` is called with the run when it has ended."""
         config = slot.config
         log = slot.log.bind(run_id=run.run_id)
         ckpt = config.checkpoint
         book = CheckpointBook(ckpt.num_to_keep, ckpt.score_attribute, ckpt.score_order)
         self.pruner = Pruner(log)
         meter = RunMeter(config.name, self._held, self._buffered)
-        run.timeline = meter.timeline = slot.timeline
-        watch = PreemptionWatch(slot.cluster, policy, meter, log, on_preempted)
+        observer = run.observer = run_observer(slot.observer, log)
+        watch = PreemptionWatch(slot.cluster, policy, observer, log)
         handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
-        if metrics() is not None:
-            handover.meter = meter
-        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch)
+        handover.observer = observer
+        self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch, observer)
         self.recorder = Recorder(self.ctx, self.pruner) if spec.name is not None else None
         self._send = send
         self._on_end = on_end

@@ -41,9 +41,9 @@ from ..._errors import (
     StartupError,
     describe,
 )
-from ..._timeline._timeline import rank_failed, rank_reports, timed
 from ..._wire._checkpoint import Checkpoint, CheckpointBook, join_path
 from ..._wire._protocol import Poll
+from .._events import RankFailed, RankReplaced, RankReported, RankRestarting
 from .._restart import PreemptionsSpent
 from .._taskgroups import task_group
 from ..cluster import at_attempt, outcome_error, proxy
@@ -163,11 +163,9 @@ class IndependentRun:
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             wait = state.next_action.sleep if state.next_action else 0.0
-            if state.outcome is not None and state.outcome.failed:
-                ctx.meter.failed(state.outcome.exception())
-            ctx.log.warning(
-                "rank_restarting", rank=rank, attempt=state.attempt_number + 1, wait_s=wait
-            )
+            outcome = state.outcome
+            error = outcome.exception() if outcome is not None and outcome.failed else None
+            ctx.observer.emit(RankRestarting(rank, error, state.attempt_number + 1, wait))
 
         retrying = ctx.policy.retrying(before_sleep, lambda: progressed[0])
         moves = 0  # renewals after a preemption: attempts the restart policy does not count
@@ -188,7 +186,7 @@ class IndependentRun:
                                 progressed[0] = self.delivered[rank] > before
                                 failures.append(exc)
                                 self.run.failures.append(exc)
-                                rank_failed(ctx.slot.timeline, rank, exc)
+                                ctx.observer.emit(RankFailed(rank, exc))
                                 ctx.log_failure(exc)
                                 if not await ctx.preemption.is_preemption([exc]):
                                     raise
@@ -250,7 +248,7 @@ class IndependentRun:
         group.restore_from = self.latest[rank]  # the new worker's roles restore from it
         try:
             renewal = renew_rank(group, rank)
-            freed = await timed(self.ctx.slot.timeline, rank, "replace rank", "restart", renewal)
+            freed = await self.ctx.observer.timed(renewal, RankReplaced, rank)
         except Exception as exc:
             error = StartupError(f"replacing rank {rank}: {describe(exc)}")
             error.__cause__ = exc
@@ -297,7 +295,7 @@ class IndependentRun:
         the hand-over's count)."""
         first_seq = self.credit.received[key]
         count = len(poll.reports)
-        rank_reports(self.ctx.slot.timeline, rank, self.handover.steps, poll.times)
+        self.ctx.observer.emit(RankReported(rank, self.handover.steps, poll.times))
         self.delivered[rank] += count
         checkpoints: dict[int, tuple[Checkpoint, tuple[int, ...]]] = {}
         pruned: list[str] = []

@@ -26,8 +26,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..._errors import ExecutorStateError
-from ..._timeline._timeline import Timeline
 from ..._wire._checkpoint import Checkpoint
+from .._events import StepsTaken
+from .._observe import Observer
 from ._steps import RunResult, Step, StepBatch
 
 __all__ = ["Run", "RunCore", "RunEnd", "RunState", "new_run_id"]
@@ -83,8 +84,8 @@ class RunCore:
         self.delivered = 0
         #: The stream index after the last batch the iterator received (see HandOver.drain).
         self.received_upto = 0
-        #: The executor's timeline (the steps' spans are recorded as the iterator gets them).
-        self.timeline: Timeline | None = None
+        #: The executor's observer (the steps' spans are recorded as the iterator gets them).
+        self.observer = Observer()
         self._consumed_changed = anyio.Event()
 
     def mark_consumed(self) -> None:
@@ -207,8 +208,7 @@ class Run:
                 raise end.error from end.error.__cause__
             raise StopAsyncIteration from None
         batch: StepBatch = item
-        if core.timeline is not None:
-            core.timeline.steps(batch)
+        core.observer.emit(StepsTaken(batch))
         self._batch, self._pos, self._len = batch, 1, len(batch)
         core.received_upto = batch.first + len(batch)
         core.delivered += 1

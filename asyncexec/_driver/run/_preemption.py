@@ -55,7 +55,8 @@ from ..._errors import (
 )
 from ..._wire._checkpoint import CheckpointBook
 from ..._wire._protocol import PreemptionNotice
-from .._metrics import RunMeter
+from .._events import Preemption
+from .._observe import Observer
 from .._restart import PreemptionsSpent, RestartPolicy
 from .._taskgroups import task_group
 from ..cluster import Cluster, proxy
@@ -198,16 +199,15 @@ class PreemptionWatch:
         self,
         cluster: Cluster,
         policy: RestartPolicy,
-        meter: RunMeter,
+        observer: Observer,
         log: Any,
-        count: Callable[[], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.interval = policy.preemption_check_interval_s
         self.budget = policy.max_preemptions
-        self.meter = meter
+        #: The executor's observer (each notice, move and restart after a preemption).
+        self.observer = observer
         self.log = log
-        self._count = count
         #: Every notice of the run, in order.
         self.notices: list[PreemptionNotice] = []
         #: The notice in effect for the current group (stamped on the steps handed over).
@@ -281,7 +281,7 @@ class PreemptionWatch:
 
     def _announce(self, notice: PreemptionNotice) -> None:
         self.notices.append(notice)
-        self.meter.preempted("noticed")
+        self.observer.emit(Preemption("noticed"))
         left = notice.seconds_left()
         self.log.warning(
             "preemption_noticed",
@@ -356,9 +356,7 @@ class PreemptionWatch:
         """Count a move before the deadline against ``max_preemptions`` (the watch checked the
         budget), and log it with ``fields``."""
         self.preemptions += 1
-        if self._count is not None:
-            self._count()
-        self.meter.preempted("moved")
+        self.observer.emit(Preemption("moved"))
         notice = self.current
         left = notice.seconds_left() if notice is not None else None
         self.log.warning(
@@ -402,9 +400,7 @@ class PreemptionWatch:
         self.preemptions += 1
         if self.budget is not None and self.preemptions > self.budget:
             raise PreemptionsSpent(error, self.preemptions, self.budget)
-        if self._count is not None:
-            self._count()
-        self.meter.preempted("restarted")
+        self.observer.emit(Preemption("restarted"))
         self.log.warning(
             "restarting_after_preemption",
             preemptions=self.preemptions,

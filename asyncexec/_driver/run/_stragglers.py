@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import anyio
 
 from ..._errors import short_node
 from .._config import ExecutorConfig
-from .._metrics import RunMeter
+from .._events import StragglerFound
+from .._observe import Observer
 from ..cluster import NOT_TAKEN
 from ..group import WorkerGroup
 from ._steps import StepTimes
@@ -141,7 +142,7 @@ class StragglerWatch:
         if new:
             self._wake.set()
 
-    async def serve(self, group: WorkerGroup, log: Any, meter: RunMeter) -> None:
+    async def serve(self, group: WorkerGroup, observer: Observer) -> None:
         """Report the stragglers as they are found (one read of their stacks for those found
         together); runs until cancelled."""
         while True:
@@ -153,24 +154,24 @@ class StragglerWatch:
                 stacks = await group.cluster.stacks(
                     [(s.rank, w.handle, w.metadata) for s in found for w in [group.workers[s.rank]]]
                 )
-            finally:  # each is logged, with or without its stack (the attempt may end now)
+            finally:  # each is emitted, with or without its stack (the attempt may end now)
                 for straggler in found:
-                    meter.straggled()
-                    _log(log, group, straggler, self.steps, stacks.get(straggler.rank))
+                    observer.emit(_found(group, straggler, self.steps, stacks.get(straggler.rank)))
 
 
-def _log(log: Any, group: WorkerGroup, straggler: Straggler, steps: int, stack: str | None) -> None:
+def _found(
+    group: WorkerGroup, straggler: Straggler, steps: int, stack: str | None
+) -> StragglerFound:
     worker = group.workers[straggler.rank]
-    log.warning(
-        "straggler",
-        rank=straggler.rank,
-        node_id=short_node(worker.metadata.node_id),
-        pid=worker.metadata.pid,
-        attempt=group.attempt,
-        step=straggler.step,
-        steps=steps,
-        step_s=round(straggler.step_s, 6),
-        typical_s=round(straggler.typical_s, 6),
-        factor=round(straggler.factor, 2),
-        stack=None if stack is None or stack.startswith(NOT_TAKEN) else stack,
+    return StragglerFound(
+        straggler.rank,
+        short_node(worker.metadata.node_id),
+        worker.metadata.pid,
+        group.attempt,
+        straggler.step,
+        steps,
+        straggler.step_s,
+        straggler.typical_s,
+        straggler.factor,
+        None if stack is None or stack.startswith(NOT_TAKEN) else stack,
     )

@@ -27,7 +27,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from ..._errors import AsyncExecError, ReportMismatchError, WorkerRaisedError
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._protocol import Outcome, Poll, ReportTimes
-from .._metrics import RunMeter
+from .._events import StepsQueued
+from .._observe import Observer
 from ..cluster import Caller, WorkerProxy, at_attempt, outcome_error, proxy
 from ..group import WorkerGroup, WorkerInfo
 from ._iterator import RunCore
@@ -410,8 +411,8 @@ class HandOver:
         self._prune = prune
         #: Called when a checkpoint becomes the latest (a named run records it).
         self.on_checkpoint: Callable[[], None] | None = None
-        #: Counts steps and reports for the metrics, when they are on.
-        self.meter: RunMeter | None = None
+        #: The executor's observer (each batch of steps queued: the metrics count them).
+        self.observer = Observer()
 
     def prune_after(self, paths: list[str]) -> None:
         """Delete ``paths`` once the steps queued so far have been handed to the iterator."""
@@ -429,10 +430,7 @@ class HandOver:
                     self.on_checkpoint()
                 self.steps += len(part)
                 self._unsent.append(part)
-                if self.meter is not None:
-                    self.meter.stepped(len(part), len(part) * part.num_ranks)
-                    if part.times is not None:  # one sample a batch: its last step's
-                        self.meter.skewed(part.times.skew(len(part) - 1))
+                self.observer.emit(StepsQueued(part))
 
     async def drain(self) -> None:
         """Hand the queued steps to the iterator, waiting for the consumer."""

@@ -1,0 +1,66 @@
+"""A call on a rank as the executor's observer sees it: its first end is emitted once, as a
+:class:`~.._events.CallEnded` from its send (the timeline draws it as the rank's span), and ends
+its OpenTelemetry span (opened at the send: its context travels to the worker with the call).
+
+A call nobody observes is not wrapped at all: the call sites ask ``observer.handles(CallEnded)``
+and whether tracing made a span first (a dict look-up and a None check on a call's hot path)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar, cast
+
+from ..._wire import _tracing
+from .._events import CallEnded
+from .._observe import Observer
+
+__all__ = ["ObservedCall", "observed"]
+
+T = TypeVar("T")
+
+
+class ObservedCall:
+    """A call on a rank, awaitable as often as the call is, whose first end is emitted (see the
+    module's docstring); cancelled as the call is."""
+
+    __slots__ = ("_call", "_done", "_name", "_observer", "_rank", "_span", "_start")
+
+    def __init__(
+        self, observer: Observer | None, rank: int, name: str, call: Any, span: Any
+    ) -> None:
+        self._call = call
+        self._observer = observer  # None: nothing handles CallEnded
+        self._span = span
+        self._done = False
+        self._rank = rank
+        self._name = name
+        self._start = time.monotonic()
+
+    def cancel(self) -> None:
+        """Cancel the call on the worker (see ``cluster.Call.cancel``)."""
+        self._call.cancel()
+
+    def __await__(self) -> Any:
+        error: BaseException | None = None
+        try:
+            return (yield from self._call.__await__())
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if not self._done:
+                self._done = True
+                if self._observer is not None:
+                    end = time.monotonic()
+                    event = CallEnded(self._rank, self._name, self._start, end, error)
+                    self._observer.emit(event)
+                if self._span is not None:
+                    _tracing.end_call(self._span, self._name, self._rank, error)
+
+
+def observed(observer: Observer, rank: int, name: str, call: T, span: Any) -> T:
+    """``call`` (sent to ``rank``, running ``name``) as an :class:`ObservedCall`, awaited as the
+    call is; ``span``: its OpenTelemetry span, or None. For a call that is observed or traced
+    (the caller checks)."""
+    watching = observer if observer.handles(CallEnded) else None
+    return cast(T, ObservedCall(watching, rank, name, call, span))

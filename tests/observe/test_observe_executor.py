@@ -1,0 +1,258 @@
+"""The executor's observer (no Ray): each event of its groups, runs and calls, emitted once,
+reaches every sink that handles it (the statistics ``Executor.statistics()`` reads, the
+Prometheus metrics, the timeline); a span-shaped event is emitted when what it times ends, and
+costs nothing when no sink handles it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import asyncexec
+from asyncexec._driver._events import (
+    ONE_CALL_SENT,
+    AttemptFailed,
+    CallEnded,
+    CallResent,
+    CallsSent,
+    FunctionStarted,
+    PhaseEnded,
+    Preemption,
+    RankChosen,
+    RankRenewed,
+    Restarting,
+    RunEnded,
+    RunStarted,
+    SlotWaited,
+    StepsQueued,
+    StragglerFound,
+    TornDown,
+)
+from asyncexec._driver._observe import Observer
+from asyncexec._driver._sinks import (
+    ExecutorCounts,
+    ExecutorMetrics,
+    ExecutorTimeline,
+    RunLog,
+    executor_observer,
+    run_observer,
+)
+from asyncexec._driver.group import observed
+from asyncexec._timeline._timeline import DRIVER, Timeline
+from asyncexec.testing import metrics_enabled
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _sample(registry: Any, name: str, **labels: str) -> float | None:
+    value: float | None = registry.get_sample_value(name, {"executor": "ex", **labels})
+    return value
+
+
+def test_the_executors_observer_holds_statistics_metrics_then_the_timeline() -> None:
+    counts = ExecutorCounts()
+    kinds = [type(s) for s in executor_observer(counts, "ex", Timeline()).sinks]
+    assert kinds == [ExecutorCounts, ExecutorMetrics, ExecutorTimeline]
+    # Without a timeline, nothing handles the events only the timeline draws.
+    bare = executor_observer(counts, "ex", None)
+    assert not bare.handles(CallEnded) and not bare.handles(SlotWaited)
+    assert bare.handles(CallsSent) and bare.handles(RunStarted)
+
+
+def test_one_emit_reaches_the_statistics_the_metrics_and_the_timeline() -> None:
+    counts = ExecutorCounts()
+    timeline = Timeline()
+    with metrics_enabled() as registry:
+        observer = executor_observer(counts, "ex", timeline)
+        observer.emit(CallsSent(4))
+        observer.emit(ONE_CALL_SENT)
+        observer.emit(CallResent())
+        observer.emit(RankRenewed(1))
+        observer.emit(RunStarted(previous_steps=3))
+        observer.emit(Preemption("noticed"))  # not charged: no statistic
+        observer.emit(Preemption("restarted"))
+        observer.emit(RunEnded("failed"))
+        observer.emit(RankChosen(2))
+        observer.emit(PhaseEnded("placement", 1.0, 0.25))
+        assert _sample(registry, "asyncexec_calls_total") == 5
+        assert _sample(registry, "asyncexec_call_resends_total") == 1
+        assert _sample(registry, "asyncexec_ranks_renewed_total") == 1
+        assert _sample(registry, "asyncexec_runs_total", outcome="started") == 1
+        assert _sample(registry, "asyncexec_runs_total", outcome="failed") == 1
+        assert _sample(registry, "asyncexec_preemptions_total", stage="noticed") == 1
+        assert _sample(registry, "asyncexec_preemptions_total", stage="restarted") == 1
+        startup = "asyncexec_startup_seconds_count"
+        assert _sample(registry, startup, phase="placement") == 1
+    assert counts.counts == {
+        "runs_started": 1,
+        "runs_finished": 0,
+        "runs_failed": 1,
+        "runs_cancelled": 0,
+        "steps_delivered": 3,
+        "preemptions": 1,
+        "calls": 5,
+        "resends": 1,
+        "renewed_ranks": 1,
+    }
+    names = [(track, name, kind) for _, track, name, kind, *_ in timeline.events()]
+    assert names == [
+        (DRIVER, "preemption noticed", "preemption"),
+        (DRIVER, "preemption restarted", "preemption"),
+        (DRIVER, "least loaded: rank 2", "call"),
+        (2, "chosen by load", "call"),
+        (DRIVER, "place", "startup"),
+    ]
+
+
+def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the_next_steps() -> (
+    None
+):
+    timeline = Timeline()
+
+    class Batch:  # a StepBatch's length, ranks and report times (none)
+        num_ranks, times = 2, None
+
+        def __len__(self) -> int:
+            return 3
+
+    with metrics_enabled() as registry:
+        observer = executor_observer(ExecutorCounts(), "ex", timeline)
+        error = asyncexec.WorkerCrashedError(1, attempt=1, detail="crashed")
+        observer.emit(AttemptFailed(error))
+        observer.emit(Restarting(error, 0.5, 2, None))
+        observer.emit(StepsQueued(Batch()))
+        observer.emit(StragglerFound(0, "abc", 7, 1, 9, 10, 0.5, 0.1, 5.0, None))
+        restarts = "asyncexec_restarts_total"
+        assert _sample(registry, restarts, cause="WorkerCrashedError") == 1
+        assert _sample(registry, "asyncexec_restart_seconds_count") == 1
+        assert _sample(registry, "asyncexec_steps_total") == 3
+        assert _sample(registry, "asyncexec_reports_total") == 6
+        assert _sample(registry, "asyncexec_stragglers_total") == 1
+    spans = [(e[1], e[2]) for e in timeline.events()]
+    assert spans == [
+        (DRIVER, "failed: WorkerCrashedError"),
+        (1, "failed: WorkerCrashedError"),
+        (DRIVER, "wait (policy)"),
+    ]
+
+
+async def test_a_span_shaped_event_is_emitted_when_its_awaitable_ends_also_when_it_raises() -> None:
+    timeline = Timeline()
+    observer = executor_observer(ExecutorCounts(), "ex", timeline)
+
+    async def work() -> int:
+        await anyio.lowlevel.checkpoint()
+        return 7
+
+    async def broken() -> None:
+        raise ValueError("no")
+
+    before = time.monotonic()
+    assert await observer.timed(work(), TornDown) == 7
+    with pytest.raises(ValueError, match="no"):
+        await observer.timed(broken(), FunctionStarted, 2)  # drawn only when it started
+    [torn] = timeline.events()
+    assert torn[1:4] == (DRIVER, "tear down", "restart")
+    assert before <= torn[4] <= torn[5] <= time.monotonic()
+
+
+async def test_a_span_shaped_event_nobody_handles_is_not_made() -> None:
+    made: list[Any] = []
+
+    class Spy(tuple):  # a record whose making is seen
+        def __new__(cls, *fields: Any) -> Spy:
+            made.append(fields)
+            return super().__new__(cls, fields)
+
+    async def work() -> str:
+        return "done"
+
+    assert await Observer().timed(work(), Spy) == "done"
+    assert made == []
+
+
+async def test_an_observed_call_is_emitted_once_however_often_it_is_awaited() -> None:
+    timeline = Timeline()
+    observer = executor_observer(ExecutorCounts(), "ex", timeline)
+
+    class Call:  # a pending call: awaitable more than once, as ``cluster.Call`` is
+        def __init__(self) -> None:
+            self.done = anyio.Event()
+
+        def __await__(self) -> Any:
+            yield from self.done.wait().__await__()
+            return "answer"
+
+        def cancel(self) -> None:
+            pass
+
+    call = Call()
+    wrapped = observed(observer, 3, "Worker.work", call, None)
+    call.done.set()
+    assert await wrapped == "answer"
+    assert await wrapped == "answer"
+    events = timeline.events()
+    assert [(e[1], e[2], e[3]) for e in events] == [(3, "Worker.work", "call")]
+    # Without a sink for it, the wrapper emits nothing (a traced call is still wrapped).
+    quiet = executor_observer(ExecutorCounts(), "ex", None)
+    assert await observed(quiet, 0, "Worker.work", call, None) == "answer"
+
+
+def test_an_executors_statistics_are_its_statistics_sinks_counts() -> None:
+    """``Executor.statistics()`` reads its observer's statistics sink: an event emitted to the
+    executor's observer is in the next snapshot (no Ray: the executor is never entered)."""
+    ex = asyncexec.Executor(2, name="ex")
+    before = ex.statistics()
+    observer = ex._life.observer
+    assert observer is ex._slot.observer  # its groups emit to it too
+    observer.emit(CallsSent(2))
+    observer.emit(RunStarted(0))
+    observer.emit(RunEnded("cancelled"))
+    observer.emit(Preemption("moved"))
+    after = ex.statistics()
+    assert (before.calls, before.runs_started, before.preemptions) == (0, 0, 0)
+    assert (after.calls, after.runs_started, after.runs_cancelled, after.preemptions) == (
+        2,
+        1,
+        1,
+        1,
+    )
+    assert after.in_flight == () and after.num_workers == 2
+
+
+def test_a_runs_event_reaches_the_executors_sinks_and_the_runs_log() -> None:
+    """A run's observer holds its executor's sinks (the same objects: what the run counts is in
+    the executor's statistics) and the run's log, last."""
+    import structlog
+
+    counts, timeline = ExecutorCounts(), Timeline()
+    executor = executor_observer(counts, "ex", timeline)
+    with structlog.testing.capture_logs() as logs, metrics_enabled() as registry:
+        observer = run_observer(executor, structlog.get_logger().bind(run_id="r"))
+        assert observer.sinks[:-1] == executor.sinks and isinstance(observer.sinks[-1], RunLog)
+        error = asyncexec.WorkerCrashedError(0, attempt=1, detail="crashed")
+        observer.emit(Restarting(error, 0.25, 2, "/ckpt/3"))
+        observer.emit(StragglerFound(1, "abc", 7, 2, 19, 10, 0.5, 0.1, 5.0, "stack"))
+        observer.emit(Preemption("moved"))
+        assert _sample(registry, "asyncexec_restarts_total", cause="WorkerCrashedError") == 1
+        assert _sample(registry, "asyncexec_stragglers_total") == 1
+    assert counts.counts["preemptions"] == 1
+    assert [(e[1], e[2]) for e in timeline.events()] == [
+        (DRIVER, "wait (policy)"),
+        (DRIVER, "preemption moved"),
+    ]
+    restarting, straggler = logs
+    assert restarting == {
+        "event": "restarting",
+        "log_level": "warning",
+        "run_id": "r",
+        "attempt": 2,
+        "wait_s": 0.25,
+        "checkpoint": "/ckpt/3",
+    }
+    assert straggler["event"] == "straggler" and straggler["factor"] == 5.0
+    assert (straggler["rank"], straggler["node_id"], straggler["stack"]) == (1, "abc", "stack")
