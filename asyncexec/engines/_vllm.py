@@ -354,11 +354,15 @@ class VLLMServer(RolloutServer):
         fault test kills."""
         import psutil
 
-        return {
-            p.name(): p.pid
-            for p in psutil.Process().children(recursive=True)
-            if p.name().startswith("VLLM::")
-        }
+        found: dict[str, int] = {}
+        for p in psutil.Process().children(recursive=True):
+            try:  # the title vLLM sets is in the command line; the name may be cut at 15
+                title = (p.cmdline() or [p.name()])[0].split()[0]
+            except (psutil.Error, IndexError):
+                continue
+            if title.startswith("VLLM::"):
+                found[title] = p.pid
+        return found
 
 
 #: Run by the reaper: wait for this process (its parent) to end, then SIGKILL the engine's.

@@ -229,6 +229,17 @@ async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: En
         assert set(sample.versions) == {channel.version}
 
 
+async def _engine_core(rollout: asyncexec.Executor, rank: int) -> int:
+    """The pid of rank ``rank``'s engine core, once the server lists it (a server replaced by
+    the test before has one shortly after it serves: a CI run read none)."""
+    with anyio.fail_after(60):
+        while True:
+            pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(rank))
+            if "VLLM::EngineCore" in pids:
+                return pids["VLLM::EngineCore"]
+            await anyio.sleep(0.5)
+
+
 async def _wait_serving(router: asyncexec.Router, replaced: int, timeout_s: float) -> float:
     """Seconds until ``replaced`` servers were replaced and every server serves again."""
     started = time.perf_counter()
@@ -257,9 +268,7 @@ async def test_a_stopped_engine_is_taken_out_and_one_killed_mid_push_is_replaced
         unhealthy_after=1,
     )
     async with router:
-        stopped = (await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(0)))[
-            "VLLM::EngineCore"
-        ]
+        stopped = await _engine_core(rollout, 0)
         os.kill(stopped, signal.SIGSTOP)
         try:
             started = time.perf_counter()
