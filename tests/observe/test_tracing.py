@@ -133,12 +133,13 @@ async def test_every_call_is_named_by_its_roles_class_and_method(
     ]
     assert names.count("Named.who") == 2
     assert names.count("span_in_worker") == 2
-    assert names.count("SpanEcho.generate") == 1  # the router's attempt stands for its call
+    assert names.count("SpanEcho.generate") == 1  # the router's request stands for its call
     assert not [n for n in names if "NamedMethod" in n or n == "Base.who"], names
-    [attempt] = [s for s in spans if s.name == "asyncexec.router.attempt"]
-    assert attempt.attributes["asyncexec.function"] == "SpanEcho.generate"
-    [opened] = sample.output  # the server's span: a child of the attempt, carried to it
-    assert opened["parent"] == _ids(attempt)
+    [request] = [s for s in spans if s.name == "asyncexec.router.request"]
+    assert request.attributes["asyncexec.function"] == "SpanEcho.generate"
+    assert not [s for s in spans if s.name == "asyncexec.router.attempt"]  # one attempt
+    [opened] = sample.output  # the server's span: a child of the request, carried to it
+    assert opened["parent"] == _ids(request)
 
 
 class SpanEcho(asyncexec.RolloutServer):
@@ -160,7 +161,8 @@ async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_a
     mode: str, exported: InMemorySpanExporter
 ) -> None:
     """A batch, an update holding its pause, push and resume (each holding the calls and the
-    channel's pushes it made), a router request holding its attempt, holding its call."""
+    channel's pushes it made), a router request standing for its (first and only) attempt's
+    call."""
     prompts = [f"p{i}" for i in range(8)]
     async with contextlib.AsyncExitStack() as stack:
         servers = await stack.enter_async_context(
@@ -208,15 +210,68 @@ async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_a
     ]
     if mode == "local":  # (without a channel: the servers' installs)
         assert installs and all(parent(s).context.span_id in pushes for s in installs)
-    attempts = [s for s in spans if s.name == "asyncexec.router.attempt"]
-    assert len(attempts) >= len(prompts)
-    for attempt in attempts:
-        assert parent(attempt).name == "asyncexec.router.request"
-    # An attempt stands for its call (one span fewer a request): what ran, on which rank.
+    requests = [s for s in spans if s.name == "asyncexec.router.request"]
+    assert len(requests) >= len(prompts)
+    assert not [s for s in spans if s.name == "asyncexec.router.attempt"]  # none sent again
+    # A request stands for its one attempt's call (one span a request): what ran, and where.
     generates = [s for s in spans if s.attributes.get("asyncexec.function") == "Echo.generate"]
-    assert generates == attempts
-    assert all(s.attributes["asyncexec.rank"] == s.attributes["rank"] for s in attempts)
-    assert not [s for s in spans if s.name == "asyncexec.call" and parent(s) in attempts]
+    assert generates == requests
+    assert all(s.attributes["asyncexec.rank"] in (0, 1) for s in requests)
+    assert not [s for s in spans if s.name == "asyncexec.call" and parent(s) in requests]
+
+
+class Flaky(asyncexec.RolloutServer):
+    """Rank 0 raises on ``"bad"`` and holds ``"slow"`` for a minute; rank 1 answers at once."""
+
+    async def chunks(self, prompt: Any) -> Any:
+        import asyncio
+
+        rank = asyncexec.get_context().world_rank
+        if rank == 0 and prompt == "bad":
+            raise ValueError("bad prompt")
+        if rank == 0 and prompt == "slow":
+            await asyncio.sleep(60)
+        yield span_in_worker(rank)
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+async def test_a_request_sent_again_or_failed_shows_each_attempt(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    """A request whose one attempt raised: the request's span fails, and holds that attempt
+    recorded after the fact with its error. A request whose first attempt outlived its deadline:
+    its span stands for that first call (rank 0, the lowest of two free), the second is an
+    ``asyncexec.router.attempt`` span of its own (rank 1), holding what the server opened; the
+    first, cancelled when the router closed, is recorded then."""
+    async with (
+        asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, roles=Flaky) as servers,
+        asyncexec.Router(servers, max_in_flight=1) as router,
+    ):
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad prompt"):
+            await router.generate(asyncexec.RolloutRequest("bad", "bad"))
+        again = await router.generate(asyncexec.RolloutRequest("slow", "slow"), deadline_s=1.0)
+    spans = exported.get_finished_spans()
+    bad, slow = [s for s in spans if s.name == "asyncexec.router.request"]
+
+    def attempts(request: Any) -> list[Any]:
+        found = [s for s in spans if s.name == "asyncexec.router.attempt"]
+        return sorted(
+            (s for s in found if s.parent == request.context),
+            key=lambda s: s.attributes["asyncexec.rank"],
+        )
+
+    assert bad.attributes["asyncexec.rank"] == 0 and not bad.status.is_ok
+    [failed] = attempts(bad)
+    assert failed.attributes["asyncexec.rank"] == 0 and not failed.status.is_ok
+    assert "exception" in [e.name for e in failed.events]
+    assert slow.attributes["asyncexec.rank"] == 0 and slow.status.is_ok  # its first call
+    first, second = attempts(slow)
+    assert second.attributes["asyncexec.rank"] == 1 and second.status.is_ok
+    [opened] = again.output  # the server's span: a child of the second attempt's
+    assert opened["parent"] == _ids(second)
+    assert first.attributes["asyncexec.rank"] == 0 and not first.status.is_ok  # cancelled
 
 
 def span_in_run() -> None:

@@ -39,7 +39,7 @@ from ..._dispatch._plan import rank as on_rank
 from ..._dispatch._role import qualname
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
-from ..._wire._tracing import as_call, start, tracer
+from ..._wire._tracing import as_call, as_first_call, start, tracer
 from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
@@ -232,7 +232,7 @@ class Requests:
                     r = await self._take(request, tried)
                     tried.append(r)
                     sent_at = time.monotonic()
-                    self._start(r, request, inbox, fate)
+                    self._start(r, request, inbox, fate, first=len(tried) == 1)
                 answer: _Answer | None
                 if deadline_s is None:  # (the future awaited here: no coroutine of its own)
                     while not inbox.items:
@@ -272,7 +272,9 @@ class Requests:
         finally:
             self._drop_rest(inbox, fate)
 
-    def _start(self, r: int, request: RolloutRequest, inbox: _Inbox, fate: _Fate) -> None:
+    def _start(
+        self, r: int, request: RolloutRequest, inbox: _Inbox, fate: _Fate, first: bool
+    ) -> None:
         """Attempt ``request`` on server ``r`` (whose slot it holds): a plain task, in its
         server's record and the request's (to be cancelled) and in ``live`` until it ends."""
         server = self.router.balance.servers[r]
@@ -281,7 +283,7 @@ class Requests:
         server.scopes.add(answer)
         fate.attempts.append(answer)
         self.live.setdefault((r, request.id), []).append(answer)
-        task = asyncio.get_running_loop().create_task(self._attempt(answer, request, fate))
+        task = asyncio.get_running_loop().create_task(self._attempt(answer, request, fate, first))
         answer.task = task
         self.attempts[task] = answer
         task.add_done_callback(self._ended_cb, context=self._context)
@@ -332,19 +334,22 @@ class Requests:
         router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
         return r
 
-    def _attempt_span(self, rank: int) -> Any:
-        """An attempt's span on server ``rank`` (None unless traced): it stands for its call
-        (``_tracing.as_call``), named by what runs (``PolicyServer.generate``)."""
+    def _traced(self, call: Any, rank: int, first: bool) -> Any:
+        """``call`` (an attempt's, on server ``rank``) as it is awaited: as it is unless
+        traced; else standing for the call, named by what runs (``PolicyServer.generate``),
+        the request's span (the first attempt: ``_tracing.as_first_call``) or an
+        ``asyncexec.router.attempt`` span of its own (``_tracing.as_call``)."""
         if tracer() is None:
-            return None
-        name = qualname(self.router.methods.generate)
-        return start(
-            "asyncexec.router.attempt",
-            rank=rank,
-            **{"asyncexec.function": name, "asyncexec.rank": rank},
-        )
+            return call
+        attributes = {"asyncexec.function": qualname(self.router.methods.generate)}
+        attributes["asyncexec.rank"] = attributes["rank"] = rank
+        if first:
+            return as_first_call(call, "asyncexec.router.attempt", **attributes)
+        return as_call(start("asyncexec.router.attempt", **attributes), call)
 
-    async def _attempt(self, answer: _Answer, request: RolloutRequest, fate: _Fate) -> None:
+    async def _attempt(
+        self, answer: _Answer, request: RolloutRequest, fate: _Fate, first: bool
+    ) -> None:
         """An attempt of ``request`` on server ``answer.rank``: its answer (or error) to the
         request. The server's slot is held until the remote call ends, or until the attempt is
         cancelled (:meth:`_Answer.cancel`: the health watch took the server out, the stoppable
@@ -356,8 +361,7 @@ class Requests:
             with answer.scope:
                 await router.pacer.wait_turn()
                 call = router.servers.call(router.methods.generate, request, on=on_rank(r))
-                span = self._attempt_span(r)  # None unless traced
-                sample: Sample = await (call if span is None else as_call(span, call))
+                sample: Sample = await self._traced(call, r, first)
                 answer.sample = sample
                 if sample.aborted:  # a pause to abort's: the resume's end comes first
                     await self.after_resume()
