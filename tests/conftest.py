@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import time
 import types
@@ -54,6 +55,13 @@ if "RAY_TMPDIR" not in os.environ:
     _OWN_RAY_TMPDIR: str | None = os.environ["RAY_TMPDIR"]
 else:
     _OWN_RAY_TMPDIR = None
+
+# A test runner started in the background by a shell without job control (``pytest ... &``)
+# ignores SIGINT, and so would every program a test starts (an ignored signal stays ignored
+# across exec), whatever a test's Ctrl-C does to it: the programs get the disposition a
+# terminal gives them (Python then raises KeyboardInterrupt), as a user's program has it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 LOCAL_CPUS = 4
 _current: dict[str, Any] = {"mode": None, "cluster": None}
