@@ -341,7 +341,7 @@ class Requests:
         ``asyncexec.router.attempt`` span of its own (``_tracing.as_call``)."""
         if tracer() is None:
             return call
-        attributes = {"asyncexec.function": qualname(self.router.methods.generate)}
+        attributes: dict[str, Any] = {"asyncexec.function": qualname(self.router.methods.generate)}
         attributes["asyncexec.rank"] = attributes["rank"] = rank
         if first:
             return as_first_call(call, "asyncexec.router.attempt", **attributes)
