@@ -5,6 +5,7 @@ downloaded): ``pip install -e ".[vllm,torch]"`` (see docs/engines.md).
 
     python examples/grpo_vllm.py                                      # about 2-3 min on 2 cores
     python examples/grpo_vllm.py --kill-engine-at 3 --kill-learner-at 6   # with faults
+    python examples/grpo_vllm.py --max-updates 12 --timeline grpo.png --timeline grpo.json
 
 The task: a prompt is ``<s>`` and 4 random digits; the answer should repeat the prompt's first
 digit at every position. A completion's reward is the share of its tokens that do (a random
@@ -125,7 +126,11 @@ async def main(
     kill_learner_at: int | None = None,
     settings: Settings = Settings(),
     model_dir: str | None = None,
+    timeline: Sequence[str] = (),
 ) -> Summary:
+    """Train until the mean reward of the last 3 batches reaches ``threshold`` or
+    ``max_updates``; what happened. ``timeline``: write one timeline of the learner, the
+    engines and the pipeline to each of these paths (a ``.json`` for Perfetto, a ``.png``)."""
     folder = build_tiny_llama(model_dir or os.path.join(tempfile.gettempdir(), "asyncexec-tiny"))
     s = Summary(threshold)
     started = time.perf_counter()
@@ -145,6 +150,7 @@ async def main(
         "allowed_token_ids": list(DIGIT_IDS),
     }
     slow_start = asyncexec.Timeouts(start_s=300)  # an engine takes 20-60 s to start here
+    shared = asyncexec.Timeline() if timeline else False  # both groups on one clock
     async with (
         asyncexec.Executor(
             2,
@@ -158,6 +164,7 @@ async def main(
                 checkpoint=os.path.join(tempfile.mkdtemp(prefix="grpo_vllm_"), "learner.pt"),
             ),
             resources_per_worker={"CPU": 0.5},
+            timeline=shared,
         ) as learner,
         asyncexec.Executor(
             2,
@@ -166,6 +173,7 @@ async def main(
             resources_per_worker={"CPU": 0.5},
             timeouts=slow_start,
             restart=asyncexec.RestartPolicy(max_restarts=3),
+            timeline=shared,
         ) as rollout,
         asyncexec.WeightChannel(learner, rollout) as channel,
     ):
@@ -204,6 +212,11 @@ async def main(
                     s.killed["learner"] += 1
             s.statistics, s.router = pipe.statistics(), router.statistics()
     s.seconds = time.perf_counter() - started
+    if shared:
+        title = f"GRPO on vLLM: {len(s.rewards)} updates, staleness {staleness}, {on_update}"
+        for path in timeline:
+            shared.export(path, title)
+            print(f"wrote the timeline to {path}")
     return s
 
 
@@ -216,6 +229,13 @@ def cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=Settings.lr)
     parser.add_argument("--kill-engine-at", type=int, metavar="UPDATE")
     parser.add_argument("--kill-learner-at", type=int, metavar="UPDATE")
+    parser.add_argument(
+        "--timeline",
+        metavar="PATH",
+        action="append",
+        default=[],
+        help="write the run's timeline there (.json for Perfetto, .png); may be given again",
+    )
     args = parser.parse_args(argv)
     asyncexec.configure_logging("console", "warning")
     import ray
@@ -235,6 +255,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
             kill_engine_at=args.kill_engine_at,
             kill_learner_at=args.kill_learner_at,
             settings=Settings(lr=args.lr),
+            timeline=args.timeline,
         )
     )
     print(summary.report())
