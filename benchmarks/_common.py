@@ -1,6 +1,7 @@
 """Shared measuring tools of the benchmarks: statistics, the event-loop heartbeat, process memory,
-CPU time, garbage collections and the recorder of asyncexec's log events (the harness, the rows
-and the table are in ``_harness.py``).
+CPU time, garbage collections, the recorder of asyncexec's log events, and what is left in the
+cluster (for the chaos runner and the soak). The harness, the rows and the table are in
+``_harness.py``.
 
 Nothing here starts Ray.
 """
@@ -27,6 +28,8 @@ __all__ = [
     "gc_pauses",
     "heartbeat",
     "lag_ms",
+    "live_placement_groups",
+    "live_workers",
     "median",
     "percentile",
     "process_memory",
@@ -179,3 +182,22 @@ class Timer:
             yield
         finally:
             self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
+
+
+def live_workers() -> list[dict[str, Any]]:
+    """asyncexec worker actors that are not dead. Blocking (it asks the GCS): call it off the
+    event loop."""
+    import ray._private.state as ray_state
+
+    return [
+        a
+        for a in ray_state.actors().values()
+        if a["ActorClassName"] == "_Worker" and a["State"] != "DEAD"
+    ]
+
+
+def live_placement_groups() -> list[dict[str, Any]]:
+    """Placement groups that are not removed. Blocking, like :func:`live_workers`."""
+    import ray
+
+    return [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]

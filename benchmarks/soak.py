@@ -39,7 +39,7 @@ import psutil
 import ray
 
 import asyncexec
-from benchmarks._probes import Heartbeat, live_placement_groups, live_workers, percentile
+from benchmarks._common import MiB, live_placement_groups, live_workers, percentile
 
 __all__ = [
     "FD_TOLERANCE",
@@ -55,12 +55,26 @@ __all__ = [
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MiB = 1024 * 1024
 
 #: Growth tolerated in the driver's threads (anyio's idle worker threads come and go).
 THREAD_TOLERANCE = 2
 #: Growth tolerated in the driver's open file descriptors (Ray opens a few lazily).
 FD_TOLERANCE = 8
+
+
+class Heartbeat:
+    """Measures the longest event-loop stall while :meth:`run` runs."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+
+    async def run(self) -> None:
+        last = anyio.current_time()
+        while True:
+            await anyio.sleep(0.01)
+            now = anyio.current_time()
+            self.max_gap = max(self.max_gap, now - last - 0.01)
+            last = now
 
 
 def tiny(config: dict[str, Any]) -> int:

@@ -21,7 +21,7 @@ import anyio
 import tenacity
 
 import asyncexec
-from benchmarks._probes import live_placement_groups, live_workers
+from benchmarks._common import live_placement_groups, live_workers
 from benchmarks.chaos.invariants import (
     RECOVERY_BOUND_S,
     STOP_BOUND_S,
