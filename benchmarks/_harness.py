@@ -439,7 +439,10 @@ def main(
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
     repeats = hasattr(full, "repeats")
     if repeats:
-        parser.add_argument("--repeats", type=int, help=f"repeats ({full.repeats}; --quick: 1)")
+        default = f"{full.repeats}; --quick: {quick.repeats}"
+        if full.repeats is None:
+            default = "each measurement's own"
+        parser.add_argument("--repeats", type=int, help=f"repeats ({default})")
     if figures:
         parser.add_argument(
             "--only",
