@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "HERE",
@@ -404,13 +404,20 @@ def _line(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+class Shows(Protocol):
+    """How a figure's rows are shown: a :class:`Table`, a :class:`Grid`, or tables of its own."""
+
+    def render(self, rows: Any) -> str: ...
+
+
 @dataclass
 class Result:
     """What a figure's run gives back: its rows, how they are shown (a :class:`Table` of
-    :class:`Row`, or a :class:`Grid` of formatted cells), and notes under them."""
+    :class:`Row`, a :class:`Grid` of formatted cells, or tables of the figure's own), and notes
+    under them."""
 
     rows: Sequence[Any]
-    table: Table | Grid
+    table: Shows
     notes: Sequence[str] = ()
 
 
