@@ -1,7 +1,7 @@
 """Shared measuring tools of the benchmarks: statistics, the event-loop heartbeat, process memory,
-CPU time, garbage collections, the recorder of asyncexec's log events, and what is left in the
-cluster (for the chaos runner and the soak). The harness, the rows and the table are in
-``_harness.py``.
+CPU time, garbage collections, where a sampled stack had the event loop, the recorder of
+asyncexec's log events, and what is left in the cluster (for the chaos runner and the soak).
+The harness, the rows and the table are in ``_harness.py``.
 
 Nothing here starts Ray.
 """
@@ -11,30 +11,37 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import psutil
 
 __all__ = [
     "Events",
+    "Frame",
     "Timer",
     "cpu_seconds",
+    "fmt_frame",
     "gc_pauses",
     "heartbeat",
     "lag_ms",
     "live_placement_groups",
     "live_workers",
+    "loop_frames",
     "median",
     "percentile",
     "process_memory",
     "progress",
     "rate",
+    "stack_of",
+    "stack_site",
 ]
 
 MiB = 1024 * 1024
@@ -143,6 +150,64 @@ def gc_pauses() -> Iterator[list[tuple[int, float]]]:
 def lag_ms(lags: Sequence[float]) -> tuple[float, float]:
     """(p99, max) of heartbeat lags, in milliseconds."""
     return percentile(lags, 99) * 1e3, max(lags, default=math.nan) * 1e3
+
+
+#: A frame of a sampled stack: (file, line, function).
+Frame = tuple[str, int, str]
+
+
+def stack_of(frame: FrameType | None) -> tuple[Frame, ...]:
+    """The stack from ``frame`` out (from ``sys._current_frames()``), outermost first."""
+    frames: list[Frame] = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(reversed(frames))
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/lib/python3"):
+        i = path.rfind(marker)
+        if i >= 0:
+            rest = path[i + len(marker) :]
+            return rest if marker == "site-packages/" else "python3" + rest
+    for marker in ("/asyncexec/", "/benchmarks/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1 :]
+    return path
+
+
+def fmt_frame(frame: Frame) -> str:
+    return f"{_short(frame[0])}:{frame[1]} {frame[2]}"
+
+
+def loop_frames(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """The frames below the event loop's machinery: from the callback or task step it runs.
+    A stack that is in the loop's own code (waiting in select) is kept from ``run_forever``."""
+    cut = 0
+    for i, (path, _, name) in enumerate(stack):
+        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
+            cut = i + 1
+    if cut == 0:
+        cut = next((i for i, (_, _, name) in enumerate(stack) if name == "run_forever"), 0)
+    return stack[cut:]
+
+
+def stack_site(stack: tuple[Frame, ...]) -> str:
+    """Where a sample of the loop's thread was: an import under way ("import" and the module),
+    else the innermost asyncexec frame, else the outermost frame the loop ran (a benchmark task,
+    or the loop itself), and the innermost frame when it differs."""
+    frames = loop_frames(stack)
+    if not frames:
+        return "?"
+    modules = [f for f in frames if f[2] == "<module>"]
+    if modules:
+        return f"import {_short(modules[0][0])}"
+    own = [f for f in frames if f"{os.sep}asyncexec{os.sep}" in f[0]]
+    anchor = own[-1] if own else frames[0]
+    leaf = frames[-1]
+    return fmt_frame(anchor) if leaf == anchor else f"{fmt_frame(anchor)} > {fmt_frame(leaf)}"
 
 
 @dataclass

@@ -56,11 +56,19 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import tenacity
-from _common import median, percentile, progress
+from _common import (
+    Frame,
+    fmt_frame,
+    loop_frames,
+    median,
+    percentile,
+    progress,
+    stack_of,
+    stack_site,
+)
 from _systems import LoopGroup
 from _workload import ae_lifecycle
 
@@ -194,9 +202,6 @@ def gc_log() -> Iterator[list[Collection]]:
         gc.callbacks.remove(callback)
 
 
-Frame = tuple[str, int, str]  # (file, line, function)
-
-
 @dataclass(frozen=True)
 class StackSample:
     """The event-loop thread's stack while the heartbeat due at ``due`` was overdue, and the
@@ -257,7 +262,7 @@ class StallWatchdog(threading.Thread):
             for ident, other in frames.items():
                 if ident in (self.loop_thread, me):
                     continue
-                stack = _stack(other)
+                stack = stack_of(other)
                 if stack and stack[-1][2] not in _IDLE:
                     if ident not in names:
                         names = {t.ident: t.name for t in threading.enumerate()}
@@ -267,7 +272,7 @@ class StallWatchdog(threading.Thread):
                     due,
                     now,
                     max(0.0, now - asked - WATCH_PERIOD_S),
-                    _stack(frame),
+                    stack_of(frame),
                     tuple(others),
                 )
             )
@@ -275,14 +280,6 @@ class StallWatchdog(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join(5)
-
-
-def _stack(frame: FrameType | None) -> tuple[Frame, ...]:
-    frames: list[Frame] = []
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return tuple(reversed(frames))
 
 
 @dataclass
@@ -597,7 +594,7 @@ class LifecycleResult:
             )
         stacks = [x for x in r.stacks if x.due == s.due]
         if stacks:
-            site, _ = Counter(_site(x.stack) for x in stacks).most_common(1)[0]
+            site, _ = Counter(stack_site(x.stack) for x in stacks).most_common(1)[0]
             text += f"; stack: {site} ({len(stacks)} sample(s))"
         return text
 
@@ -663,7 +660,7 @@ class LifecycleResult:
         others: dict[str, Counter[str]] = {}
         cpu: dict[str, list[tuple[float, float, float]]] = {}
         for r, x in stacks:
-            site = _site(x.stack)
+            site = stack_site(x.stack)
             sites[site] += 1
             example.setdefault(site, x)
             active = {s.phase for s in r.spans if s.start <= x.taken and s.end >= x.due}
@@ -676,7 +673,7 @@ class LifecycleResult:
                     cpu.setdefault(site, []).append((x.taken - x.due, *used))
             for name, frames in x.others:
                 others.setdefault(site, Counter())[
-                    f"{name}: " + " > ".join(_fmt_frame(f) for f in frames[-2:])
+                    f"{name}: " + " > ".join(fmt_frame(f) for f in frames[-2:])
                 ] += 1
         for rank, (site, count) in enumerate(sites.most_common(TOP), 1):
             where = ", ".join(f"{p} {n}" for p, n in phases[site].most_common())
@@ -712,58 +709,12 @@ def _heap() -> str:
 # Stack sites ------------------------------------------------------------------------------------
 
 
-def _short(path: str) -> str:
-    for marker in ("site-packages/", "/lib/python3"):
-        i = path.rfind(marker)
-        if i >= 0:
-            rest = path[i + len(marker) :]
-            return rest if marker == "site-packages/" else "python3" + rest
-    for marker in ("/asyncexec/", "/benchmarks/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + 1 :]
-    return path
-
-
-def _fmt_frame(frame: Frame) -> str:
-    return f"{_short(frame[0])}:{frame[1]} {frame[2]}"
-
-
-def _trim(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
-    """The frames below the event loop's machinery: from the callback or task step it runs.
-    A stack that is in the loop's own code (waiting in select) is kept from ``run_forever``."""
-    cut = 0
-    for i, (path, _, name) in enumerate(stack):
-        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
-            cut = i + 1
-    if cut == 0:
-        for i, (_, _, name) in enumerate(stack):
-            if name == "run_forever":
-                cut = i
-                break
-    return stack[cut:]
-
-
 def _shown(stack: tuple[Frame, ...]) -> list[str]:
     """A stall stack as printed: the outermost 4 frames the loop ran and the innermost 14."""
-    frames = [_fmt_frame(f) for f in _trim(stack)]
+    frames = [fmt_frame(f) for f in loop_frames(stack)]
     if len(frames) > 18:
         frames = [*frames[:4], f"... {len(frames) - 18} more ...", *frames[-14:]]
     return frames
-
-
-def _site(stack: tuple[Frame, ...]) -> str:
-    """Where a stall sample was: the innermost asyncexec frame, else the outermost frame the loop
-    ran (a benchmark task, or the loop itself), and the innermost frame when it differs."""
-    frames = _trim(stack)
-    if not frames:
-        return "?"
-    own = [f for f in frames if f"{os.sep}asyncexec{os.sep}" in f[0]]
-    anchor = own[-1] if own else frames[0]
-    leaf = frames[-1]
-    if leaf == anchor:
-        return _fmt_frame(anchor)
-    return f"{_fmt_frame(anchor)} > {_fmt_frame(leaf)}"
 
 
 # Entry point ------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from types import FrameType
 from typing import Any
+
+from _common import Frame, stack_of, stack_site
 
 #: A heartbeat wake-up this late is a stall (s).
 STALL_S = 0.010
@@ -57,8 +58,6 @@ EXECUTORS = 4
 WORKERS = 2
 RESOURCES = {"CPU": 0.25}
 REPORTS = 5
-
-Frame = tuple[str, int, str]  # (file, line, function)
 
 
 def five_reports() -> None:
@@ -109,10 +108,10 @@ class Monitor:
             frames = sys._current_frames()
             others = []
             for ident, frame in frames.items():
-                stack = _stack(frame)
+                stack = stack_of(frame)
                 if ident not in (me, self._loop_thread) and stack and stack[-1][2] not in _IDLE:
-                    others.append(f"{_thread_name(ident)}: {_site(stack)}")
-            self.samples.append((due, now, _stack(frames.get(self._loop_thread)), others))
+                    others.append(f"{_thread_name(ident)}: {stack_site(stack)}")
+            self.samples.append((due, now, stack_of(frames.get(self._loop_thread)), others))
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -152,53 +151,6 @@ def _thread_name(ident: int) -> str:
     return str(ident)
 
 
-def _stack(frame: FrameType | None) -> tuple[Frame, ...]:
-    frames: list[Frame] = []
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return tuple(reversed(frames))
-
-
-def _short(path: str) -> str:
-    for marker in ("site-packages/", "/lib/python3.11/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + len(marker) :]
-    for marker in ("/asyncexec/", "/benchmarks/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + 1 :]
-    return path
-
-
-def _trim(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
-    """The frames below the event loop's machinery: from the callback or task step it runs, or
-    from ``_run_once`` when the loop is in its own code (waiting in ``select``)."""
-    cut = 0
-    for i, (path, _, name) in enumerate(stack):
-        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
-            cut = i + 1
-        elif name == "_run_once" and cut == 0:
-            cut = i
-    return stack[cut:]
-
-
-def _site(stack: tuple[Frame, ...]) -> str:
-    """What the loop was doing in one sample (see the module's causes)."""
-    stack = _trim(stack)
-    modules = [f for f in stack if f[2] == "<module>"]
-    if modules:
-        return f"import {_short(modules[0][0])}"
-    own = [f for f in stack if f"{os.sep}asyncexec{os.sep}" in f[0]]
-    leaf = stack[-1] if stack else ("?", 0, "?")
-    anchor = own[-1] if own else leaf
-    text = f"{_short(anchor[0])}:{anchor[1]} {anchor[2]}"
-    if leaf != anchor:
-        text += f" > {_short(leaf[0])}:{leaf[1]} {leaf[2]}"
-    return text
-
-
 @dataclass(frozen=True)
 class Stall:
     round: int  # 0: the idle baseline
@@ -219,7 +171,7 @@ def stalls_of(monitor: Monitor, rounds: list[tuple[int, float, float]]) -> list[
     for due, woke in monitor.beats:
         wall = woke - due
         number, t0 = next(((n, a) for n, a, b in rounds if a <= woke <= b), (-1, due))
-        sites = Counter(_site(x[2]) for x in monitor.samples if x[0] == due)
+        sites = Counter(stack_site(x[2]) for x in monitor.samples if x[0] == due)
         others = Counter(o for x in monitor.samples if x[0] == due for o in x[3])
         gcs = [c for c in monitor.gcs if c[0] < woke and c[1] > due]
         gc_s = sum(min(e, woke) - max(s, due) for s, e, _, _ in gcs)
@@ -350,10 +302,10 @@ def report(results: list[dict[str, Any]], rounds: int, show_sites: bool) -> None
                     f"{s['cause']}"
                 )
                 if show_sites:
-                    for site, n in s["sites"]:
-                        print(f"        {n:3d} x {site}")
-                    for site, n in s["others"]:
-                        print(f"        {n:3d} x meanwhile {site}")
+                    for where, n in s["sites"]:
+                        print(f"        {n:3d} x {where}")
+                    for where, n in s["others"]:
+                        print(f"        {n:3d} x meanwhile {where}")
     firsts = [_worst(r["stalls"], 1) for r in results]
     laters = [max(_worst(r["stalls"], n) for n in range(2, rounds + 1)) for r in results]
     idles = [_worst(r["stalls"], 0) for r in results]
