@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+import anyio
 import psutil
 
 __all__ = [
     "Events",
     "Frame",
+    "LoopBeat",
     "Timer",
     "cpu_seconds",
     "fmt_frame",
@@ -94,6 +96,37 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += t.user + t.system
     return total
+
+
+class LoopBeat:
+    """Measures the longest event-loop stall while :meth:`run` runs, leaving out the stalls a
+    scenario declares with :meth:`excused` (adding a node to the cluster must block the loop:
+    Ray's ``Node`` installs signal handlers, which only the main thread may do)."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+        self.excused_s = 0.0
+        self._skip = False
+
+    @contextmanager
+    def excused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excused_s += time.perf_counter() - t0
+            self._skip = True
+
+    async def run(self) -> None:
+        last = anyio.current_time()
+        while True:
+            await anyio.sleep(0.01)
+            now = anyio.current_time()
+            if self._skip:
+                self._skip = False
+            else:
+                self.max_gap = max(self.max_gap, now - last - 0.01)
+            last = now
 
 
 @asynccontextmanager

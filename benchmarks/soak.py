@@ -39,7 +39,7 @@ import psutil
 import ray
 
 import asyncexec
-from benchmarks._common import MiB, live_placement_groups, live_workers, percentile
+from benchmarks._common import LoopBeat, MiB, live_placement_groups, live_workers, percentile
 
 __all__ = [
     "FD_TOLERANCE",
@@ -60,21 +60,6 @@ ROOT = os.path.dirname(HERE)
 THREAD_TOLERANCE = 2
 #: Growth tolerated in the driver's open file descriptors (Ray opens a few lazily).
 FD_TOLERANCE = 8
-
-
-class Heartbeat:
-    """Measures the longest event-loop stall while :meth:`run` runs."""
-
-    def __init__(self) -> None:
-        self.max_gap = 0.0
-
-    async def run(self) -> None:
-        last = anyio.current_time()
-        while True:
-            await anyio.sleep(0.01)
-            now = anyio.current_time()
-            self.max_gap = max(self.max_gap, now - last - 0.01)
-            last = now
 
 
 def tiny(config: dict[str, Any]) -> int:
@@ -168,7 +153,7 @@ async def lifecycles(count: int, storage: Path, *, warmup: int = 3, steps: int =
     for _ in range(warmup):
         await _one(storage, 0.5, steps)
     phase.start = await settle()
-    beat = Heartbeat()
+    beat = LoopBeat()
     async with anyio.create_task_group() as tg:
         tg.start_soon(beat.run)
         for _ in range(count):
@@ -196,7 +181,7 @@ async def concurrent(
     for _ in range(warmup):
         await round_()
     phase.start = await settle()
-    beat = Heartbeat()
+    beat = LoopBeat()
     async with anyio.create_task_group() as tg:
         tg.start_soon(beat.run)
         for _ in range(rounds):
