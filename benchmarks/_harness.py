@@ -8,7 +8,8 @@ rest.
   figure's options (every worker process fresh by default) and shuts it down.
 - **Systems side by side**: :func:`interleave` runs one repeat of each system, the order
   alternating each repeat so that the machine's noise falls on all of them alike;
-  :func:`repeat` runs the warm-up and the repeats and files each result in its rows.
+  :func:`repeat` runs the warm-up and the repeats and files each result in its rows;
+  :func:`latency` times a block of sequential calls (a common system's result).
 - **Rows**: :class:`Row` holds each column's samples (the table shows medians), the measured
   column's ratio to a reference column (the floor), each repeat's paired ratio, the target and
   whether it is met.
@@ -48,6 +49,7 @@ __all__ = [
     "drop_library_logs",
     "fmt",
     "interleave",
+    "latency",
     "machine",
     "main",
     "median",
@@ -189,6 +191,19 @@ async def repeat(
             values = [result] if isinstance(result, int | float) else list(result)
             for row, value in zip(rows, values, strict=False):
                 row.add(system, float(value))
+
+
+async def latency(calls: int, one: Callable[[int], Awaitable[Any]]) -> tuple[float, float, float]:
+    """``calls`` sequential calls ``one(i)``: their median latency, and the CPU per call of the
+    event loop's thread and of the whole driver (Ray's own threads serialise and send); in us."""
+    seen = []
+    loop0, cpu0 = time.thread_time(), time.process_time()
+    for i in range(calls):
+        t0 = time.perf_counter()
+        await one(i)
+        seen.append(time.perf_counter() - t0)
+    loop, cpu = time.thread_time() - loop0, time.process_time() - cpu0
+    return median(seen) * 1e6, loop / calls * 1e6, cpu / calls * 1e6
 
 
 # -- rows and the table ---------------------------------------------------------------------------
