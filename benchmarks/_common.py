@@ -31,7 +31,9 @@ __all__ = [
     "Timer",
     "cpu_seconds",
     "fmt_frame",
-    "gc_pauses",
+    "Collection",
+    "Heartbeat",
+    "gc_log",
     "heartbeat",
     "lag_ms",
     "live_placement_groups",
@@ -129,49 +131,100 @@ class LoopBeat:
             last = now
 
 
+class Heartbeat:
+    """A task that sleeps ``interval_s`` at a time and records each wake-up: when it was due and
+    when it woke (``dues``, ``woke``) and its lag (``lags``: how much later than due, the time the
+    event loop was busy, or frozen by a blocking call, when the timer was due); for a wake-up
+    later than ``late_s``, the loop thread's CPU time over its sleep (``late``: (lag, CPU)).
+    ``due`` is the next wake-up's, for a watchdog thread to see how overdue it is.
+
+    It runs only inside ``async with``, so that it costs the systems nothing while they are not
+    watched; on leaving, it yields to the loop for two intervals, so that a wake-up that a
+    blocking call made overdue is still recorded."""
+
+    def __init__(self, interval_s: float = 0.001, late_s: float = math.inf) -> None:
+        self.interval_s, self.late_s = interval_s, late_s
+        self.dues: list[float] = []
+        self.woke: list[float] = []
+        self.lags: list[float] = []
+        self.late: list[tuple[float, float]] = []
+        self.due = math.inf
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _beat(self) -> None:
+        interval, late_s = self.interval_s, self.late_s
+        timed = late_s < math.inf
+        while not self._stop:
+            cpu0 = time.thread_time() if timed else 0.0
+            due = self.due = time.perf_counter() + interval
+            await asyncio.sleep(interval)
+            woke = time.perf_counter()
+            lag = max(0.0, woke - due)
+            self.dues.append(due)
+            self.woke.append(woke)
+            self.lags.append(lag)
+            if lag > late_s:
+                self.late.append((lag, time.thread_time() - cpu0))
+        self.due = math.inf
+
+    def beats(self) -> list[tuple[float, float]]:
+        """``(due, woke)`` of each wake-up."""
+        return list(zip(self.dues, self.woke, strict=True))
+
+    async def __aenter__(self) -> Heartbeat:
+        self._task = asyncio.create_task(self._beat())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.sleep(2 * self.interval_s)
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+
 @asynccontextmanager
 async def heartbeat(interval_s: float = 0.001) -> AsyncIterator[list[float]]:
-    """Run a heartbeat for the duration of the block; yield the list of its lags (seconds).
-
-    The heartbeat is a task that sleeps ``interval_s`` at a time; the lag of a wake-up is how much
-    longer than requested the sleep took: the time the event loop was busy (or frozen by a
-    blocking call) when the timer was due. It runs only inside the block, so that it costs the
-    systems nothing while they are not being watched. On leaving, the block yields to the loop
-    for two intervals, so that a wake-up that a blocking call made overdue is still recorded.
-    """
-    lags: list[float] = []
-    stop = False
-
-    async def beat() -> None:
-        while not stop:
-            t0 = time.perf_counter()
-            await asyncio.sleep(interval_s)
-            lags.append(max(0.0, time.perf_counter() - t0 - interval_s))
-
-    task = asyncio.create_task(beat())
-    await asyncio.sleep(0)
-    try:
-        yield lags
-        await asyncio.sleep(2 * interval_s)
-    finally:
-        stop = True
-        await task
+    """A :class:`Heartbeat` for the block; yields the list of its lags (seconds)."""
+    async with Heartbeat(interval_s) as beat:
+        yield beat.lags
 
 
-@contextmanager
-def gc_pauses() -> Iterator[list[tuple[int, float]]]:
-    """Record the driver's garbage collections inside the block: (generation, seconds) each.
+@dataclass(frozen=True)
+class Collection:
+    """One garbage collection of the driver: wall time, and the CPU time of the thread that ran
+    it (much less than the wall time: the process was not running meanwhile).
 
     A full (generation 2) collection walks every tracked object of the process and holds the
     event loop meanwhile, so it is where long event-loop stalls come from."""
-    found: list[tuple[int, float]] = []
-    started = [0.0]
+
+    start: float
+    end: float
+    generation: int
+    cpu_s: float
+    collected: int
+
+
+@contextmanager
+def gc_log() -> Iterator[list[Collection]]:
+    """The driver's garbage collections inside the block."""
+    found: list[Collection] = []
+    started = [0.0, 0.0]
 
     def callback(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            started[0], started[1] = time.perf_counter(), time.thread_time()
         else:
-            found.append((int(info["generation"]), time.perf_counter() - started[0]))
+            found.append(
+                Collection(
+                    started[0],
+                    time.perf_counter(),
+                    int(info["generation"]),
+                    time.thread_time() - started[1],
+                    int(info.get("collected", 0)),
+                )
+            )
 
     gc.callbacks.append(callback)
     try:

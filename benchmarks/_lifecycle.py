@@ -56,12 +56,14 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import tenacity
 from _common import (
+    Collection,
     Frame,
+    Heartbeat,
     fmt_frame,
+    gc_log,
     loop_frames,
     median,
     percentile,
@@ -91,40 +93,6 @@ TOP = 5
 
 
 # Recording ----------------------------------------------------------------------------------------
-
-
-class Heartbeat:
-    """A task that sleeps 1 ms at a time and records ``(due, woke)`` for every wake-up; its lag is
-    ``woke - due``. ``due`` is public so that a watchdog thread can see how overdue it is."""
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self.beats: list[tuple[float, float]] = []
-        self.due = math.inf
-        self._stop = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def _beat(self) -> None:
-        interval = self.interval_s
-        beats = self.beats
-        while not self._stop:
-            due = time.perf_counter() + interval
-            self.due = due
-            await asyncio.sleep(interval)
-            beats.append((due, time.perf_counter()))
-        self.due = math.inf
-
-    async def __aenter__(self) -> Heartbeat:
-        self._task = asyncio.create_task(self._beat())
-        await asyncio.sleep(0)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        # A wake-up that a blocking call made overdue is still recorded.
-        await asyncio.sleep(2 * self.interval_s)
-        self._stop = True
-        if self._task is not None:
-            await self._task
 
 
 @dataclass(frozen=True)
@@ -161,45 +129,6 @@ class PhaseLog:
         current = self._open.pop(who, None)
         if current is not None:
             self.spans.append(Span(who, current[0], current[1], now))
-
-
-@dataclass(frozen=True)
-class Collection:
-    """One garbage collection of the driver: wall time, and the CPU time of the thread that ran
-    it (much less than the wall time: the process was not running meanwhile)."""
-
-    start: float
-    end: float
-    generation: int
-    cpu_s: float
-    collected: int
-
-
-@contextmanager
-def gc_log() -> Iterator[list[Collection]]:
-    """The driver's garbage collections inside the block."""
-    found: list[Collection] = []
-    started = [0.0, 0.0]
-
-    def callback(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started[0], started[1] = time.perf_counter(), time.thread_time()
-        else:
-            found.append(
-                Collection(
-                    started[0],
-                    time.perf_counter(),
-                    int(info["generation"]),
-                    time.thread_time() - started[1],
-                    int(info.get("collected", 0)),
-                )
-            )
-
-    gc.callbacks.append(callback)
-    try:
-        yield found
-    finally:
-        gc.callbacks.remove(callback)
 
 
 @dataclass(frozen=True)
@@ -435,7 +364,7 @@ async def lifecycle_round(scenario: Scenario, repeat: int, stall_stacks: bool) -
                 finally:
                     phases.end_all()
                 t1 = time.perf_counter()
-    return Round("lifecycle", repeat, t0, t1, hb.beats, phases.spans, gcs, watchdog)
+    return Round("lifecycle", repeat, t0, t1, hb.beats(), phases.spans, gcs, watchdog)
 
 
 async def floor_round(
@@ -460,7 +389,7 @@ async def floor_round(
                     for i, group in enumerate(groups):
                         tg.create_task(streams(i, group))
                 t1 = time.perf_counter()
-    return Round("floor", repeat, t0, t1, hb.beats, phases.spans, gcs, watchdog)
+    return Round("floor", repeat, t0, t1, hb.beats(), phases.spans, gcs, watchdog)
 
 
 # Results ----------------------------------------------------------------------------------------

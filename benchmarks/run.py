@@ -49,7 +49,7 @@ from _channel import measure_channel, measure_version_lag
 from _common import (
     Events,
     Timer,
-    gc_pauses,
+    gc_log,
     heartbeat,
     lag_ms,
     median,
@@ -315,13 +315,13 @@ class Bench:
             ("asyncexec", lambda: ae.stream(sizes.lag_steps)),
         ]
         for column, run in runs:
-            with gc_pauses() as pauses:
+            with gc_log() as collections:
                 async with heartbeat() as lags:
                     await run()
-            full = [seconds for generation, seconds in pauses if generation == 2]
+            full = [c.end - c.start for c in collections if c.generation == 2]
             self.note(f"{column}_gc_full", len(full))
             self.note(f"{column}_gc_full_max_ms", max(full, default=0.0) * 1e3)
-            self.note(f"{column}_gc_all_ms", sum(seconds for _, seconds in pauses) * 1e3)
+            self.note(f"{column}_gc_all_ms", sum(c.end - c.start for c in collections) * 1e3)
             p99, worst = lag_ms(lags)
             self.add("lag_p99", column, p99)
             self.add("lag_max", column, worst)
