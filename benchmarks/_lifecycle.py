@@ -44,13 +44,10 @@ Only asyncexec's public API is used.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import gc
 import math
 import os
 import signal
-import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -62,13 +59,14 @@ from _common import (
     Collection,
     Frame,
     Heartbeat,
+    StackSample,
+    StallWatchdog,
     fmt_frame,
     gc_log,
     loop_frames,
     median,
     percentile,
     progress,
-    stack_of,
     stack_site,
 )
 from _systems import LoopGroup
@@ -131,86 +129,6 @@ class PhaseLog:
             self.spans.append(Span(who, current[0], current[1], now))
 
 
-@dataclass(frozen=True)
-class StackSample:
-    """The event-loop thread's stack while the heartbeat due at ``due`` was overdue, and the
-    innermost frames of the driver's other Python threads that were not idle."""
-
-    due: float
-    taken: float
-    late_s: float  # how much later than asked the watchdog itself woke (it waited for the GIL)
-    stack: tuple[Frame, ...]  # outermost first
-    others: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (thread name, innermost frames)
-
-
-#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
-_IDLE = {
-    "wait",
-    "_wait_for_tstate_lock",
-    "select",
-    "poll",
-    "get",
-    "sleep",
-    "accept",
-    "readinto",
-    "listen_error_messages",  # Ray's thread, blocked in C++
-}
-
-
-class StallWatchdog(threading.Thread):
-    """Samples the event-loop thread's stack while the heartbeat is overdue (see the module),
-    and on every tick the CPU time of the loop's thread and of the whole driver process: a stall
-    in which neither ran was the operating system not running the driver."""
-
-    def __init__(self, heartbeat: Heartbeat, loop_thread: int) -> None:
-        super().__init__(name="stall-watchdog", daemon=True)
-        self.heartbeat = heartbeat
-        self.loop_thread = loop_thread
-        self.samples: list[StackSample] = []
-        #: (perf_counter, loop thread CPU s, process CPU s) every tick.
-        self.ticks: list[tuple[float, float, float]] = []
-        self._clock = time.pthread_getcpuclockid(loop_thread)
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        names = {t.ident: t.name for t in threading.enumerate()}
-        me = threading.get_ident()
-        while not self._stop_event.is_set():
-            asked = time.perf_counter()
-            time.sleep(WATCH_PERIOD_S)
-            now = time.perf_counter()
-            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
-            due = self.heartbeat.due
-            if now - due < WATCH_THRESHOLD_S:
-                continue
-            frames = sys._current_frames()
-            frame = frames.get(self.loop_thread)
-            if frame is None:
-                continue
-            others = []
-            for ident, other in frames.items():
-                if ident in (self.loop_thread, me):
-                    continue
-                stack = stack_of(other)
-                if stack and stack[-1][2] not in _IDLE:
-                    if ident not in names:
-                        names = {t.ident: t.name for t in threading.enumerate()}
-                    others.append((names.get(ident, str(ident)), stack[-4:]))
-            self.samples.append(
-                StackSample(
-                    due,
-                    now,
-                    max(0.0, now - asked - WATCH_PERIOD_S),
-                    stack_of(frame),
-                    tuple(others),
-                )
-            )
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(5)
-
-
 @dataclass
 class Round:
     """One measured round: the heartbeat's samples, the phases, GCs and stall stacks."""
@@ -229,17 +147,9 @@ class Round:
         return [] if self.watchdog is None else self.watchdog.samples
 
     def cpu_during(self, start: float, end: float) -> tuple[float, float] | None:
-        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``,
-        from the watchdog's ticks around them (None without the watchdog)."""
-        ticks = [] if self.watchdog is None else self.watchdog.ticks
-        if not ticks:
-            return None
-        times = [t for t, _, _ in ticks]
-        i = max(0, bisect.bisect_right(times, start) - 1)
-        j = min(len(ticks) - 1, bisect.bisect_left(times, end))
-        if j <= i:
-            return None
-        return ticks[j][1] - ticks[i][1], ticks[j][2] - ticks[i][2]
+        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``
+        (None without the watchdog)."""
+        return None if self.watchdog is None else self.watchdog.cpu(start, end)
 
     def lags_ms(self) -> list[float]:
         return [max(0.0, woke - due) * 1e3 for due, woke in self.beats]
@@ -336,7 +246,7 @@ def _watching(heartbeat: Heartbeat, enabled: bool) -> Iterator[StallWatchdog | N
     if not enabled:
         yield None
         return
-    watchdog = StallWatchdog(heartbeat, threading.get_ident())
+    watchdog = StallWatchdog(heartbeat, WATCH_THRESHOLD_S, WATCH_PERIOD_S)
     watchdog.start()
     try:
         yield watchdog
