@@ -357,7 +357,7 @@ async def measure_channel(
     it holds of a name), pushes once untimed (the torch transport builds its process group
     then) and times the second push."""
     import ray
-    from _common import gc_pauses, heartbeat, lag_ms, progress
+    from _common import gc_log, heartbeat, lag_ms, progress
 
     figures = ChannelFigures(missing=channel_api())
     numel = nbytes // 4 // parts * parts
@@ -464,14 +464,14 @@ async def measure_channel(
                     async with open_channel(transport, "lag") as channel:
                         await push(channel)
                         await push(channel)
-                        with gc_pauses() as pauses:
+                        with gc_log() as collections:
                             async with heartbeat() as lags:
                                 for _ in range(lag_pushes):
                                     await push(channel)
                         figures.lag[transport] = lag_ms(lags)
                         figures.collections[transport] = (
-                            len(pauses),
-                            max((seconds for _, seconds in pauses), default=0.0) * 1e3,
+                            len(collections),
+                            max((c.end - c.start for c in collections), default=0.0) * 1e3,
                         )
                         stats = channel.statistics()
                     figures.notes.append(f"- weight channel {transport}: {stats}")

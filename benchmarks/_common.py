@@ -1,6 +1,7 @@
 """Shared measuring tools of the benchmarks: statistics, the event-loop heartbeat, process memory,
-CPU time, garbage collections and the recorder of asyncexec's log events (the harness, the rows
-and the table are in ``_harness.py``).
+CPU time, garbage collections, where a sampled stack had the event loop, the recorder of
+asyncexec's log events, and what is left in the cluster (for the chaos runner and the soak).
+The harness, the rows and the table are in ``_harness.py``.
 
 Nothing here starts Ray.
 """
@@ -8,30 +9,48 @@ Nothing here starts Ray.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import gc
 import math
+import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
+import anyio
 import psutil
 
 __all__ = [
     "Events",
+    "Frame",
+    "LoopBeat",
     "Timer",
     "cpu_seconds",
-    "gc_pauses",
+    "fmt_frame",
+    "Collection",
+    "Heartbeat",
+    "IDLE",
+    "StackSample",
+    "StallWatchdog",
+    "gc_log",
     "heartbeat",
     "lag_ms",
+    "live_placement_groups",
+    "live_workers",
+    "loop_frames",
     "median",
     "percentile",
     "process_memory",
     "progress",
     "rate",
+    "stack_of",
+    "stack_site",
 ]
 
 MiB = 1024 * 1024
@@ -86,49 +105,131 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
+class LoopBeat:
+    """Measures the longest event-loop stall while :meth:`run` runs, leaving out the stalls a
+    scenario declares with :meth:`excused` (adding a node to the cluster must block the loop:
+    Ray's ``Node`` installs signal handlers, which only the main thread may do)."""
+
+    def __init__(self) -> None:
+        self.max_gap = 0.0
+        self.excused_s = 0.0
+        self._skip = False
+
+    @contextmanager
+    def excused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excused_s += time.perf_counter() - t0
+            self._skip = True
+
+    async def run(self) -> None:
+        last = anyio.current_time()
+        while True:
+            await anyio.sleep(0.01)
+            now = anyio.current_time()
+            if self._skip:
+                self._skip = False
+            else:
+                self.max_gap = max(self.max_gap, now - last - 0.01)
+            last = now
+
+
+class Heartbeat:
+    """A task that sleeps ``interval_s`` at a time and records each wake-up: when it was due and
+    when it woke (``dues``, ``woke``) and its lag (``lags``: how much later than due, the time the
+    event loop was busy, or frozen by a blocking call, when the timer was due); for a wake-up
+    later than ``late_s``, the loop thread's CPU time over its sleep (``late``: (lag, CPU)).
+    ``due`` is the next wake-up's, for a watchdog thread to see how overdue it is.
+
+    It runs only inside ``async with``, so that it costs the systems nothing while they are not
+    watched; on leaving, it yields to the loop for two intervals, so that a wake-up that a
+    blocking call made overdue is still recorded."""
+
+    def __init__(self, interval_s: float = 0.001, late_s: float = math.inf) -> None:
+        self.interval_s, self.late_s = interval_s, late_s
+        self.dues: list[float] = []
+        self.woke: list[float] = []
+        self.lags: list[float] = []
+        self.late: list[tuple[float, float]] = []
+        self.due = math.inf
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _beat(self) -> None:
+        interval, late_s = self.interval_s, self.late_s
+        timed = late_s < math.inf
+        while not self._stop:
+            cpu0 = time.thread_time() if timed else 0.0
+            due = self.due = time.perf_counter() + interval
+            await asyncio.sleep(interval)
+            woke = time.perf_counter()
+            lag = max(0.0, woke - due)
+            self.dues.append(due)
+            self.woke.append(woke)
+            self.lags.append(lag)
+            if lag > late_s:
+                self.late.append((lag, time.thread_time() - cpu0))
+        self.due = math.inf
+
+    def beats(self) -> list[tuple[float, float]]:
+        """``(due, woke)`` of each wake-up."""
+        return list(zip(self.dues, self.woke, strict=True))
+
+    async def __aenter__(self) -> Heartbeat:
+        self._task = asyncio.create_task(self._beat())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.sleep(2 * self.interval_s)
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+
 @asynccontextmanager
 async def heartbeat(interval_s: float = 0.001) -> AsyncIterator[list[float]]:
-    """Run a heartbeat for the duration of the block; yield the list of its lags (seconds).
-
-    The heartbeat is a task that sleeps ``interval_s`` at a time; the lag of a wake-up is how much
-    longer than requested the sleep took: the time the event loop was busy (or frozen by a
-    blocking call) when the timer was due. It runs only inside the block, so that it costs the
-    systems nothing while they are not being watched. On leaving, the block yields to the loop
-    for two intervals, so that a wake-up that a blocking call made overdue is still recorded.
-    """
-    lags: list[float] = []
-    stop = False
-
-    async def beat() -> None:
-        while not stop:
-            t0 = time.perf_counter()
-            await asyncio.sleep(interval_s)
-            lags.append(max(0.0, time.perf_counter() - t0 - interval_s))
-
-    task = asyncio.create_task(beat())
-    await asyncio.sleep(0)
-    try:
-        yield lags
-        await asyncio.sleep(2 * interval_s)
-    finally:
-        stop = True
-        await task
+    """A :class:`Heartbeat` for the block; yields the list of its lags (seconds)."""
+    async with Heartbeat(interval_s) as beat:
+        yield beat.lags
 
 
-@contextmanager
-def gc_pauses() -> Iterator[list[tuple[int, float]]]:
-    """Record the driver's garbage collections inside the block: (generation, seconds) each.
+@dataclass(frozen=True)
+class Collection:
+    """One garbage collection of the driver: wall time, and the CPU time of the thread that ran
+    it (much less than the wall time: the process was not running meanwhile).
 
     A full (generation 2) collection walks every tracked object of the process and holds the
     event loop meanwhile, so it is where long event-loop stalls come from."""
-    found: list[tuple[int, float]] = []
-    started = [0.0]
+
+    start: float
+    end: float
+    generation: int
+    cpu_s: float
+    collected: int
+
+
+@contextmanager
+def gc_log() -> Iterator[list[Collection]]:
+    """The driver's garbage collections inside the block."""
+    found: list[Collection] = []
+    started = [0.0, 0.0]
 
     def callback(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            started[0], started[1] = time.perf_counter(), time.thread_time()
         else:
-            found.append((int(info["generation"]), time.perf_counter() - started[0]))
+            found.append(
+                Collection(
+                    started[0],
+                    time.perf_counter(),
+                    int(info["generation"]),
+                    time.thread_time() - started[1],
+                    int(info.get("collected", 0)),
+                )
+            )
 
     gc.callbacks.append(callback)
     try:
@@ -140,6 +241,160 @@ def gc_pauses() -> Iterator[list[tuple[int, float]]]:
 def lag_ms(lags: Sequence[float]) -> tuple[float, float]:
     """(p99, max) of heartbeat lags, in milliseconds."""
     return percentile(lags, 99) * 1e3, max(lags, default=math.nan) * 1e3
+
+
+#: A frame of a sampled stack: (file, line, function).
+Frame = tuple[str, int, str]
+
+
+def stack_of(frame: FrameType | None) -> tuple[Frame, ...]:
+    """The stack from ``frame`` out (from ``sys._current_frames()``), outermost first."""
+    frames: list[Frame] = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(reversed(frames))
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/lib/python3"):
+        i = path.rfind(marker)
+        if i >= 0:
+            rest = path[i + len(marker) :]
+            return rest if marker == "site-packages/" else "python3" + rest
+    for marker in ("/asyncexec/", "/benchmarks/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1 :]
+    return path
+
+
+def fmt_frame(frame: Frame) -> str:
+    return f"{_short(frame[0])}:{frame[1]} {frame[2]}"
+
+
+def loop_frames(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """The frames below the event loop's machinery: from the callback or task step it runs.
+    A stack that is in the loop's own code (waiting in select) is kept from ``run_forever``."""
+    cut = 0
+    for i, (path, _, name) in enumerate(stack):
+        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
+            cut = i + 1
+    if cut == 0:
+        cut = next((i for i, (_, _, name) in enumerate(stack) if name == "run_forever"), 0)
+    return stack[cut:]
+
+
+def stack_site(stack: tuple[Frame, ...]) -> str:
+    """Where a sample of the loop's thread was: an import under way ("import" and the module),
+    else the innermost asyncexec frame, else the outermost frame the loop ran (a benchmark task,
+    or the loop itself), and the innermost frame when it differs."""
+    frames = loop_frames(stack)
+    if not frames:
+        return "?"
+    modules = [f for f in frames if f[2] == "<module>"]
+    if modules:
+        return f"import {_short(modules[0][0])}"
+    own = [f for f in frames if f"{os.sep}asyncexec{os.sep}" in f[0]]
+    anchor = own[-1] if own else frames[0]
+    leaf = frames[-1]
+    return fmt_frame(anchor) if leaf == anchor else f"{fmt_frame(anchor)} > {fmt_frame(leaf)}"
+
+
+@dataclass(frozen=True)
+class StackSample:
+    """The event-loop thread's stack while the heartbeat due at ``due`` was overdue, and the
+    stacks of the driver's other Python threads that were not idle."""
+
+    due: float
+    taken: float
+    late_s: float  # how much later than asked the watchdog itself woke (it waited for the GIL)
+    stack: tuple[Frame, ...]  # outermost first
+    others: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (thread name, its stack)
+
+
+#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
+IDLE = {
+    "wait",
+    "_wait_for_tstate_lock",
+    "select",
+    "poll",
+    "get",
+    "sleep",
+    "accept",
+    "readinto",
+    "listen_error_messages",  # Ray's thread, blocked in C++
+}
+
+
+class StallWatchdog(threading.Thread):
+    """A thread that wakes every ``period_s`` and samples the event-loop thread's stack while
+    the heartbeat is more than ``threshold_s`` overdue, with the stacks of the driver's other
+    threads that are not idle; and on every tick the CPU time of the loop's thread and of the
+    whole driver process: a stall in which neither ran was the operating system not running the
+    driver. Made on the loop's thread."""
+
+    def __init__(self, heartbeat: Heartbeat, threshold_s: float, period_s: float) -> None:
+        super().__init__(name="stall-watchdog", daemon=True)
+        self.heartbeat = heartbeat
+        self.threshold_s, self.period_s = threshold_s, period_s
+        self.loop_thread = loop_thread = threading.get_ident()
+        self.samples: list[StackSample] = []
+        #: (perf_counter, loop thread CPU s, process CPU s) every tick.
+        self.ticks: list[tuple[float, float, float]] = []
+        self._clock = time.pthread_getcpuclockid(loop_thread)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        while not self._stop_event.is_set():
+            asked = time.perf_counter()
+            time.sleep(self.period_s)
+            now = time.perf_counter()
+            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
+            due = self.heartbeat.due
+            if now - due < self.threshold_s:
+                continue
+            frames = sys._current_frames()
+            frame = frames.get(self.loop_thread)
+            if frame is None:
+                continue
+            others = []
+            for ident, other in frames.items():
+                if ident in (self.loop_thread, me):
+                    continue
+                stack = stack_of(other)
+                if stack and stack[-1][2] not in IDLE:
+                    if ident not in names:
+                        names = {t.ident: t.name for t in threading.enumerate()}
+                    others.append((names.get(ident, str(ident)), stack))
+            self.samples.append(
+                StackSample(
+                    due,
+                    now,
+                    max(0.0, now - asked - self.period_s),
+                    stack_of(frame),
+                    tuple(others),
+                )
+            )
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+    def cpu(self, start: float, end: float) -> tuple[float, float] | None:
+        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``,
+        from the ticks around them (None without a tick on either side)."""
+        ticks = self.ticks
+        if not ticks:
+            return None
+        times = [t for t, _, _ in ticks]
+        i = max(0, bisect.bisect_right(times, start) - 1)
+        j = min(len(ticks) - 1, bisect.bisect_left(times, end))
+        if j <= i:
+            return None
+        return ticks[j][1] - ticks[i][1], ticks[j][2] - ticks[i][2]
 
 
 @dataclass
@@ -179,3 +434,22 @@ class Timer:
             yield
         finally:
             self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - t0
+
+
+def live_workers() -> list[dict[str, Any]]:
+    """asyncexec worker actors that are not dead. Blocking (it asks the GCS): call it off the
+    event loop."""
+    import ray._private.state as ray_state
+
+    return [
+        a
+        for a in ray_state.actors().values()
+        if a["ActorClassName"] == "_Worker" and a["State"] != "DEAD"
+    ]
+
+
+def live_placement_groups() -> list[dict[str, Any]]:
+    """Placement groups that are not removed. Blocking, like :func:`live_workers`."""
+    import ray
+
+    return [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]

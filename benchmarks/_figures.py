@@ -6,6 +6,7 @@ Free of side effects, so that the test can read the rows it expects without star
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from _harness import Figure, Table
 
@@ -141,6 +142,11 @@ QUICK = Sizes(
 )
 
 
+def _ours(key: str, label: str, unit: str, **options: Any) -> Figure:
+    """A row Ray Train has no figure in (its column not expected filled)."""
+    return Figure(key, label, unit, raytrain=False, **options)
+
+
 def _ratio(m: dict[str, float], a: str, b: str) -> float:
     return m[a] / m[b]
 
@@ -160,14 +166,13 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             )
         )
     figs += [
-        Figure(
+        _ours(
             "metrics_cost",
             "reports/s, 4 workers, with Prometheus metrics on (floor: the same run with them off)",
             "reports/s",
             target=">= 0.97x off",
             check=lambda m: _ratio(m, "asyncexec", "floor") >= 0.97,
             higher_is_better=True,
-            raytrain=False,
         ),
         Figure(
             "startup",
@@ -227,14 +232,13 @@ def make_figures(sizes: Sizes) -> dict[str, Figure]:
             target="<= 1.1x plain actor",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.1,
         ),
-        Figure(
+        _ours(
             "driver_mem",
             f"driver RSS growth over {sizes.memory_steps:,} steps (after "
             f"{sizes.memory_warmup:,}), 4 workers",
             "MiB",
             target="flat (< 2 MiB)",
             check=lambda m: m["asyncexec"] < 2.0,
-            raytrain=False,
         ),
         Figure(
             "lag_p99",
@@ -274,23 +278,21 @@ def local_figures() -> list[Figure]:
     Ray actors, the floor: what a debugging or test run costs. Ray Train's first executor has no
     local mode."""
     return [
-        Figure(
+        _ours(
             "local_start",
             "local mode: entering an executor of 4 ranks (floor: the same executor on 4 Ray "
             "actors)",
             "s",
             target="< 0.1x Ray actors",
             check=lambda m: m["asyncexec"] < 0.1 * m["floor"],
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "local_rate",
             "local mode: reports/s, 4 ranks, tiny reports (floor: the same executor on 4 Ray "
             "actors)",
             "reports/s",
             target="(contrast: one process, one GIL)",
             higher_is_better=True,
-            raytrain=False,
         ),
     ]
 
@@ -303,39 +305,35 @@ def outlive_figures(sizes: Sizes) -> list[Figure]:
     """Independent ranks and driver-death resumes (``_outlive.py``)."""
     n = sizes.outlive_workers
     return [
-        Figure(
+        _ours(
             "indep_restarted",
             f"{n} independent ranks, SIGKILL one: survivors whose function restarted",
             "count",
             target="0",
             check=lambda m: m["asyncexec"] == 0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "indep_gap",
             "the same: longest gap in a survivor's report stream around the kill (floor: the "
             "longest before it, the stream's own pace)",
             "ms",
             target="<= 3x the gap before",
             check=lambda m: m["asyncexec"] <= 3 * m["floor"],
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "indep_replaced",
             "the same: SIGKILL to the replaced rank's next report, warm spare",
             "ms",
             target="<= 300 ms",
             check=lambda m: m["asyncexec"] <= 300,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "resume",
             "driver SIGKILLed at step k, a new driver with the same run name: process start to "
             "step k+1 (Ray already up)",
             "s",
             target="<= 2.5 s",
             check=lambda m: m["asyncexec"] <= 2.5,
-            raytrain=False,
         ),
     ]
 
@@ -344,46 +342,41 @@ def warm_figures() -> list[Figure]:
     """Warm workers leased from a WorkerPool (``_warm.py``; the service row from
     ``_service.py``)."""
     return [
-        Figure(
+        _ours(
             "warm_enter",
             "entering an executor of 4 workers leased from a warm pool (floor: 4 plain actors, "
             "cold)",
             "ms",
             target="<= 100 ms",
             check=lambda m: m["asyncexec"] <= 100,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "warm_first",
             "run() to the first step, warm executor of 4 workers",
             "ms",
             target="<= 50 ms",
             check=lambda m: m["asyncexec"] <= 50,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "service_first",
             "service: POST /runs to the first SSE step, pool of warm workers (httpx, uvicorn)",
             "ms",
             target="<= 200 ms",
             check=lambda m: m["asyncexec"] <= 200,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "lease_p99",
             "event-loop lag p99 while leasing, returning and refilling (floor: streaming)",
             "ms",
             target="<= 1.0x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "lease_max",
             "event-loop lag max while leasing, returning and refilling (floor: streaming)",
             "ms",
             target="<= 1.0x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
-            raytrain=False,
         ),
     ]
 
@@ -409,7 +402,7 @@ def channel_figures(sizes: Sizes) -> list[Figure]:
     mb = f"{sizes.channel_bytes >> 20} MB"
     k = sizes.channel_staleness
     return [
-        Figure(
+        _ours(
             "channel_torch",
             f"{mb}, rank 0 of 2 to 4 ranks of another executor: WeightChannel torch (gloo) "
             "(floor: hand-written broadcast)",
@@ -417,64 +410,56 @@ def channel_figures(sizes: Sizes) -> list[Figure]:
             target=">= 0.8x the floor's speed, faster than through the driver",
             # Times: the floor's time over the channel's is the channel's speed relative to it.
             check=lambda m: _ratio(m, "floor", "asyncexec") >= 0.8 and m["asyncexec"] < m["driver"],
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_store",
             "the same through the object store (floor: through the driver, today's way)",
             "s",
             target="faster than through the driver",
             check=lambda m: m["asyncexec"] < m["floor"],
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_driver",
             "the same through the driver: execute_single(), then execute() with the state "
             "(floor: the broadcast)",
             "s",
             target="(contrast)",
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_version_lag",
             f"weight version lag of rollout reports (max), K={k}, through "
             f"{sizes.channel_kills} SIGKILLs of rollout and learner ranks",
             "versions",
             target=f"<= K ({k})",
             check=lambda m: m["asyncexec"] <= k,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_lag_p99_torch",
             f"event-loop lag p99 during {mb} pushes, torch transport (floor: during the broadcast)",
             "ms",
             target="<= 2 ms",
             check=lambda m: m["asyncexec"] <= 2.0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_lag_max_torch",
             f"event-loop lag max during {mb} pushes, torch transport",
             "ms",
             target="<= 15 ms",
             check=lambda m: m["asyncexec"] <= 15.0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_lag_p99_store",
             f"event-loop lag p99 during {mb} pushes, object store transport",
             "ms",
             target="<= 2 ms",
             check=lambda m: m["asyncexec"] <= 2.0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "channel_lag_max_store",
             f"event-loop lag max during {mb} pushes, object store transport",
             "ms",
             target="<= 15 ms",
             check=lambda m: m["asyncexec"] <= 15.0,
-            raytrain=False,
         ),
     ]
 
@@ -488,36 +473,32 @@ def lifecycle_figures(sizes: Sizes) -> list[Figure]:
     beside the batched floor streaming (floor column), as ratios measured in one run."""
     who = f"{sizes.lifecycle_executors} executors x {sizes.lifecycle_workers} workers in one loop"
     return [
-        Figure(
+        _ours(
             "life_p99",
             f"event-loop lag p99 over whole lifecycles, {who} (floor: streaming)",
             "ms",
             target="<= 1.0x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "life_max",
             "event-loop lag max over whole lifecycles (floor: streaming)",
             "ms",
             target="<= 1.5x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.5,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "life_alone_p99",
             "the same, p99 of the lifecycles while streaming alone",
             "ms",
             target="<= 1.0x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.0,
-            raytrain=False,
         ),
-        Figure(
+        _ours(
             "life_alone_max",
             "the same, max of the lifecycles while streaming alone",
             "ms",
             target="<= 1.5x floor streaming",
             check=lambda m: _ratio(m, "asyncexec", "floor") <= 1.5,
-            raytrain=False,
         ),
     ]

@@ -8,7 +8,8 @@ rest.
   figure's options (every worker process fresh by default) and shuts it down.
 - **Systems side by side**: :func:`interleave` runs one repeat of each system, the order
   alternating each repeat so that the machine's noise falls on all of them alike;
-  :func:`repeat` runs the warm-up and the repeats and files each result in its rows.
+  :func:`repeat` runs the warm-up and the repeats and files each result in its rows;
+  :func:`latency` times a block of sequential calls (a common system's result).
 - **Rows**: :class:`Row` holds each column's samples (the table shows medians), the measured
   column's ratio to a reference column (the floor), each repeat's paired ratio, the target and
   whether it is met.
@@ -34,7 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "HERE",
@@ -48,6 +49,7 @@ __all__ = [
     "drop_library_logs",
     "fmt",
     "interleave",
+    "latency",
     "machine",
     "main",
     "median",
@@ -189,6 +191,19 @@ async def repeat(
             values = [result] if isinstance(result, int | float) else list(result)
             for row, value in zip(rows, values, strict=False):
                 row.add(system, float(value))
+
+
+async def latency(calls: int, one: Callable[[int], Awaitable[Any]]) -> tuple[float, float, float]:
+    """``calls`` sequential calls ``one(i)``: their median latency, and the CPU per call of the
+    event loop's thread and of the whole driver (Ray's own threads serialise and send); in us."""
+    seen = []
+    loop0, cpu0 = time.thread_time(), time.process_time()
+    for i in range(calls):
+        t0 = time.perf_counter()
+        await one(i)
+        seen.append(time.perf_counter() - t0)
+    loop, cpu = time.thread_time() - loop0, time.process_time() - cpu0
+    return median(seen) * 1e6, loop / calls * 1e6, cpu / calls * 1e6
 
 
 # -- rows and the table ---------------------------------------------------------------------------
@@ -404,13 +419,20 @@ def _line(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+class Shows(Protocol):
+    """How a figure's rows are shown: a :class:`Table`, a :class:`Grid`, or tables of its own."""
+
+    def render(self, rows: Any) -> str: ...
+
+
 @dataclass
 class Result:
     """What a figure's run gives back: its rows, how they are shown (a :class:`Table` of
-    :class:`Row`, or a :class:`Grid` of formatted cells), and notes under them."""
+    :class:`Row`, a :class:`Grid` of formatted cells, or tables of the figure's own), and notes
+    under them."""
 
     rows: Sequence[Any]
-    table: Table | Grid
+    table: Shows
     notes: Sequence[str] = ()
 
 
@@ -439,7 +461,10 @@ def main(
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
     repeats = hasattr(full, "repeats")
     if repeats:
-        parser.add_argument("--repeats", type=int, help=f"repeats ({full.repeats}; --quick: 1)")
+        default = f"{full.repeats}; --quick: {quick.repeats}"
+        if full.repeats is None:
+            default = "each measurement's own"
+        parser.add_argument("--repeats", type=int, help=f"repeats ({default})")
     if figures:
         parser.add_argument(
             "--only",

@@ -44,23 +44,31 @@ Only asyncexec's public API is used.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import gc
 import math
 import os
 import signal
-import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import Any
 
 import tenacity
-from _common import median, percentile, progress
+from _common import (
+    Collection,
+    Frame,
+    Heartbeat,
+    StackSample,
+    StallWatchdog,
+    fmt_frame,
+    gc_log,
+    loop_frames,
+    median,
+    percentile,
+    progress,
+    stack_site,
+)
 from _systems import LoopGroup
 from _workload import ae_lifecycle
 
@@ -83,40 +91,6 @@ TOP = 5
 
 
 # Recording ----------------------------------------------------------------------------------------
-
-
-class Heartbeat:
-    """A task that sleeps 1 ms at a time and records ``(due, woke)`` for every wake-up; its lag is
-    ``woke - due``. ``due`` is public so that a watchdog thread can see how overdue it is."""
-
-    def __init__(self, interval_s: float = 0.001) -> None:
-        self.interval_s = interval_s
-        self.beats: list[tuple[float, float]] = []
-        self.due = math.inf
-        self._stop = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def _beat(self) -> None:
-        interval = self.interval_s
-        beats = self.beats
-        while not self._stop:
-            due = time.perf_counter() + interval
-            self.due = due
-            await asyncio.sleep(interval)
-            beats.append((due, time.perf_counter()))
-        self.due = math.inf
-
-    async def __aenter__(self) -> Heartbeat:
-        self._task = asyncio.create_task(self._beat())
-        await asyncio.sleep(0)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        # A wake-up that a blocking call made overdue is still recorded.
-        await asyncio.sleep(2 * self.interval_s)
-        self._stop = True
-        if self._task is not None:
-            await self._task
 
 
 @dataclass(frozen=True)
@@ -155,136 +129,6 @@ class PhaseLog:
             self.spans.append(Span(who, current[0], current[1], now))
 
 
-@dataclass(frozen=True)
-class Collection:
-    """One garbage collection of the driver: wall time, and the CPU time of the thread that ran
-    it (much less than the wall time: the process was not running meanwhile)."""
-
-    start: float
-    end: float
-    generation: int
-    cpu_s: float
-    collected: int
-
-
-@contextmanager
-def gc_log() -> Iterator[list[Collection]]:
-    """The driver's garbage collections inside the block."""
-    found: list[Collection] = []
-    started = [0.0, 0.0]
-
-    def callback(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started[0], started[1] = time.perf_counter(), time.thread_time()
-        else:
-            found.append(
-                Collection(
-                    started[0],
-                    time.perf_counter(),
-                    int(info["generation"]),
-                    time.thread_time() - started[1],
-                    int(info.get("collected", 0)),
-                )
-            )
-
-    gc.callbacks.append(callback)
-    try:
-        yield found
-    finally:
-        gc.callbacks.remove(callback)
-
-
-Frame = tuple[str, int, str]  # (file, line, function)
-
-
-@dataclass(frozen=True)
-class StackSample:
-    """The event-loop thread's stack while the heartbeat due at ``due`` was overdue, and the
-    innermost frames of the driver's other Python threads that were not idle."""
-
-    due: float
-    taken: float
-    late_s: float  # how much later than asked the watchdog itself woke (it waited for the GIL)
-    stack: tuple[Frame, ...]  # outermost first
-    others: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (thread name, innermost frames)
-
-
-#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
-_IDLE = {
-    "wait",
-    "_wait_for_tstate_lock",
-    "select",
-    "poll",
-    "get",
-    "sleep",
-    "accept",
-    "readinto",
-    "listen_error_messages",  # Ray's thread, blocked in C++
-}
-
-
-class StallWatchdog(threading.Thread):
-    """Samples the event-loop thread's stack while the heartbeat is overdue (see the module),
-    and on every tick the CPU time of the loop's thread and of the whole driver process: a stall
-    in which neither ran was the operating system not running the driver."""
-
-    def __init__(self, heartbeat: Heartbeat, loop_thread: int) -> None:
-        super().__init__(name="stall-watchdog", daemon=True)
-        self.heartbeat = heartbeat
-        self.loop_thread = loop_thread
-        self.samples: list[StackSample] = []
-        #: (perf_counter, loop thread CPU s, process CPU s) every tick.
-        self.ticks: list[tuple[float, float, float]] = []
-        self._clock = time.pthread_getcpuclockid(loop_thread)
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        names = {t.ident: t.name for t in threading.enumerate()}
-        me = threading.get_ident()
-        while not self._stop_event.is_set():
-            asked = time.perf_counter()
-            time.sleep(WATCH_PERIOD_S)
-            now = time.perf_counter()
-            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
-            due = self.heartbeat.due
-            if now - due < WATCH_THRESHOLD_S:
-                continue
-            frames = sys._current_frames()
-            frame = frames.get(self.loop_thread)
-            if frame is None:
-                continue
-            others = []
-            for ident, other in frames.items():
-                if ident in (self.loop_thread, me):
-                    continue
-                stack = _stack(other)
-                if stack and stack[-1][2] not in _IDLE:
-                    if ident not in names:
-                        names = {t.ident: t.name for t in threading.enumerate()}
-                    others.append((names.get(ident, str(ident)), stack[-4:]))
-            self.samples.append(
-                StackSample(
-                    due,
-                    now,
-                    max(0.0, now - asked - WATCH_PERIOD_S),
-                    _stack(frame),
-                    tuple(others),
-                )
-            )
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(5)
-
-
-def _stack(frame: FrameType | None) -> tuple[Frame, ...]:
-    frames: list[Frame] = []
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return tuple(reversed(frames))
-
-
 @dataclass
 class Round:
     """One measured round: the heartbeat's samples, the phases, GCs and stall stacks."""
@@ -303,17 +147,9 @@ class Round:
         return [] if self.watchdog is None else self.watchdog.samples
 
     def cpu_during(self, start: float, end: float) -> tuple[float, float] | None:
-        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``,
-        from the watchdog's ticks around them (None without the watchdog)."""
-        ticks = [] if self.watchdog is None else self.watchdog.ticks
-        if not ticks:
-            return None
-        times = [t for t, _, _ in ticks]
-        i = max(0, bisect.bisect_right(times, start) - 1)
-        j = min(len(ticks) - 1, bisect.bisect_left(times, end))
-        if j <= i:
-            return None
-        return ticks[j][1] - ticks[i][1], ticks[j][2] - ticks[i][2]
+        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``
+        (None without the watchdog)."""
+        return None if self.watchdog is None else self.watchdog.cpu(start, end)
 
     def lags_ms(self) -> list[float]:
         return [max(0.0, woke - due) * 1e3 for due, woke in self.beats]
@@ -410,7 +246,7 @@ def _watching(heartbeat: Heartbeat, enabled: bool) -> Iterator[StallWatchdog | N
     if not enabled:
         yield None
         return
-    watchdog = StallWatchdog(heartbeat, threading.get_ident())
+    watchdog = StallWatchdog(heartbeat, WATCH_THRESHOLD_S, WATCH_PERIOD_S)
     watchdog.start()
     try:
         yield watchdog
@@ -438,7 +274,7 @@ async def lifecycle_round(scenario: Scenario, repeat: int, stall_stacks: bool) -
                 finally:
                     phases.end_all()
                 t1 = time.perf_counter()
-    return Round("lifecycle", repeat, t0, t1, hb.beats, phases.spans, gcs, watchdog)
+    return Round("lifecycle", repeat, t0, t1, hb.beats(), phases.spans, gcs, watchdog)
 
 
 async def floor_round(
@@ -463,7 +299,7 @@ async def floor_round(
                     for i, group in enumerate(groups):
                         tg.create_task(streams(i, group))
                 t1 = time.perf_counter()
-    return Round("floor", repeat, t0, t1, hb.beats, phases.spans, gcs, watchdog)
+    return Round("floor", repeat, t0, t1, hb.beats(), phases.spans, gcs, watchdog)
 
 
 # Results ----------------------------------------------------------------------------------------
@@ -597,7 +433,7 @@ class LifecycleResult:
             )
         stacks = [x for x in r.stacks if x.due == s.due]
         if stacks:
-            site, _ = Counter(_site(x.stack) for x in stacks).most_common(1)[0]
+            site, _ = Counter(stack_site(x.stack) for x in stacks).most_common(1)[0]
             text += f"; stack: {site} ({len(stacks)} sample(s))"
         return text
 
@@ -663,7 +499,7 @@ class LifecycleResult:
         others: dict[str, Counter[str]] = {}
         cpu: dict[str, list[tuple[float, float, float]]] = {}
         for r, x in stacks:
-            site = _site(x.stack)
+            site = stack_site(x.stack)
             sites[site] += 1
             example.setdefault(site, x)
             active = {s.phase for s in r.spans if s.start <= x.taken and s.end >= x.due}
@@ -676,7 +512,7 @@ class LifecycleResult:
                     cpu.setdefault(site, []).append((x.taken - x.due, *used))
             for name, frames in x.others:
                 others.setdefault(site, Counter())[
-                    f"{name}: " + " > ".join(_fmt_frame(f) for f in frames[-2:])
+                    f"{name}: " + " > ".join(fmt_frame(f) for f in frames[-2:])
                 ] += 1
         for rank, (site, count) in enumerate(sites.most_common(TOP), 1):
             where = ", ".join(f"{p} {n}" for p, n in phases[site].most_common())
@@ -712,58 +548,12 @@ def _heap() -> str:
 # Stack sites ------------------------------------------------------------------------------------
 
 
-def _short(path: str) -> str:
-    for marker in ("site-packages/", "/lib/python3"):
-        i = path.rfind(marker)
-        if i >= 0:
-            rest = path[i + len(marker) :]
-            return rest if marker == "site-packages/" else "python3" + rest
-    for marker in ("/asyncexec/", "/benchmarks/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + 1 :]
-    return path
-
-
-def _fmt_frame(frame: Frame) -> str:
-    return f"{_short(frame[0])}:{frame[1]} {frame[2]}"
-
-
-def _trim(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
-    """The frames below the event loop's machinery: from the callback or task step it runs.
-    A stack that is in the loop's own code (waiting in select) is kept from ``run_forever``."""
-    cut = 0
-    for i, (path, _, name) in enumerate(stack):
-        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
-            cut = i + 1
-    if cut == 0:
-        for i, (_, _, name) in enumerate(stack):
-            if name == "run_forever":
-                cut = i
-                break
-    return stack[cut:]
-
-
 def _shown(stack: tuple[Frame, ...]) -> list[str]:
     """A stall stack as printed: the outermost 4 frames the loop ran and the innermost 14."""
-    frames = [_fmt_frame(f) for f in _trim(stack)]
+    frames = [fmt_frame(f) for f in loop_frames(stack)]
     if len(frames) > 18:
         frames = [*frames[:4], f"... {len(frames) - 18} more ...", *frames[-14:]]
     return frames
-
-
-def _site(stack: tuple[Frame, ...]) -> str:
-    """Where a stall sample was: the innermost asyncexec frame, else the outermost frame the loop
-    ran (a benchmark task, or the loop itself), and the innermost frame when it differs."""
-    frames = _trim(stack)
-    if not frames:
-        return "?"
-    own = [f for f in frames if f"{os.sep}asyncexec{os.sep}" in f[0]]
-    anchor = own[-1] if own else frames[0]
-    leaf = frames[-1]
-    if leaf == anchor:
-        return _fmt_frame(anchor)
-    return f"{_fmt_frame(anchor)} > {_fmt_frame(leaf)}"
 
 
 # Entry point ------------------------------------------------------------------------------------

@@ -130,15 +130,13 @@ class Diagnosis:
         self.monitor: Monitor | None = None
         self.marks: list[tuple[int, float, float]] = []
         self.names: list[str] = []
-        self._beat: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.monitor = Monitor()
-        self._beat = asyncio.create_task(self.monitor.beat())
+        self.monitor = Monitor(watch=self.turns is None)
+        await self.monitor.start()
         if self.turns is not None:
             self.turns.install(asyncio.get_running_loop())
             return
-        self.monitor.start()
         if self.debug:
             loop = asyncio.get_running_loop()
             loop.set_debug(True)
@@ -157,12 +155,8 @@ class Diagnosis:
             self.marks.append((len(self.names), t0, time.perf_counter()))
 
     async def stop(self) -> None:
-        assert self.monitor is not None and self._beat is not None
-        if self.turns is None:
-            self.monitor.stop()
-        else:
-            self.monitor._stop.set()  # (its watchdog never started)
-        await self._beat
+        assert self.monitor is not None
+        await self.monitor.stop()
         if self.turns is not None:
             names = [(n, a, b) for (_, a, b), n in zip(self.marks, self.names, strict=True)]
             self.turns.print(names)

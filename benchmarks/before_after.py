@@ -26,79 +26,50 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from typing import Any
 
 import _harness
 from _common import progress
-from _harness import HERE, Pair
+from _harness import HERE, Pair, Result
 
 PROBE = "_before_after_probe.py"
 WHAT = ("reports", "startup", "restart", "lifecycle")
 
-#: The rows: (measurement, figure key, column, label, unit, higher is better, limit on the ratio).
-#: A limit of 1.1 reads "no worse than before beyond 10 %", the noise of this machine.
-ROWS: tuple[tuple[str, str, str, str, str, bool, float | None], ...] = (
-    ("reports", "rate1", "asyncexec", "reports/s, 1 worker", "reports/s", True, 1.1),
-    ("reports", "rate4", "asyncexec", "reports/s, 4 workers", "reports/s", True, 1.1),
-    ("reports", "rate16", "asyncexec", "reports/s, 16 workers", "reports/s", True, 1.1),
-    (
-        "reports",
-        "rate4",
-        "floor",
-        "(the batched floor beside it, 4 workers)",
-        "reports/s",
-        True,
-        None,
-    ),
-    ("reports", "floor_ratio1", "asyncexec", "asyncexec / floor, 1 worker", "x", True, None),
-    ("reports", "floor_ratio4", "asyncexec", "asyncexec / floor, 4 workers", "x", True, None),
-    ("reports", "floor_ratio16", "asyncexec", "asyncexec / floor, 16 workers", "x", True, None),
-    ("startup", "startup", "asyncexec", "start-up, 4 workers", "s", False, 1.1),
-    ("startup", "startup", "floor", "(4 plain actors ready beside it)", "s", False, None),
-    (
-        "startup",
-        "freeze_start",
-        "asyncexec",
-        "event-loop freeze during start-up",
-        "ms",
-        False,
-        None,
-    ),
-    (
-        "restart",
-        "restart",
-        "asyncexec",
-        "SIGKILL of 1 of 4 to the next first step",
-        "s",
-        False,
-        1.1,
-    ),
-    ("restart", "restart_reuse", "asyncexec", "the same, reuse_survivors=True", "s", False, 1.1),
-    ("restart", "restart_spare", "asyncexec", "the same, a standby spare", "s", False, 1.1),
-    (
-        "restart",
-        "restart_default",
-        "asyncexec",
-        "the same, default RestartPolicy()",
-        "s",
-        False,
-        1.1,
-    ),
-    ("lifecycle", "life_p99", "asyncexec", "lifecycle lag p99, 4 executors x 2", "ms", False, 1.1),
-    ("lifecycle", "life_max", "asyncexec", "lifecycle lag max", "ms", False, None),
-    ("lifecycle", "life_alone_p99", "asyncexec", "lag p99 while streaming alone", "ms", False, 1.1),
-    (
-        "lifecycle",
-        "life_alone_max",
-        "asyncexec",
-        "lag max while streaming alone",
-        "ms",
-        False,
-        None,
-    ),
-    ("lifecycle", "life_p99", "floor", "(the floor's streaming p99 beside it)", "ms", False, None),
+#: The rows: (measurement, figure key, column, label, unit, limit on the ratio). A limit of 1.1
+#: reads "no worse than before beyond 10 %", the noise of this machine; higher is better for rates
+#: and ratios (units "reports/s" and "x").
+ROWS: tuple[tuple[str, str, str, str, str, float | None], ...] = (
+    ("reports", "rate1", "asyncexec", "reports/s, 1 worker", "reports/s", 1.1),
+    ("reports", "rate4", "asyncexec", "reports/s, 4 workers", "reports/s", 1.1),
+    ("reports", "rate16", "asyncexec", "reports/s, 16 workers", "reports/s", 1.1),
+    ("reports", "rate4", "floor", "(the batched floor beside it, 4 workers)", "reports/s", None),
+    ("reports", "floor_ratio1", "asyncexec", "asyncexec / floor, 1 worker", "x", None),
+    ("reports", "floor_ratio4", "asyncexec", "asyncexec / floor, 4 workers", "x", None),
+    ("reports", "floor_ratio16", "asyncexec", "asyncexec / floor, 16 workers", "x", None),
+    ("startup", "startup", "asyncexec", "start-up, 4 workers", "s", 1.1),
+    ("startup", "startup", "floor", "(4 plain actors ready beside it)", "s", None),
+    ("startup", "freeze_start", "asyncexec", "event-loop freeze during start-up", "ms", None),
+    ("restart", "restart", "asyncexec", "SIGKILL of 1 of 4 to the next first step", "s", 1.1),
+    ("restart", "restart_reuse", "asyncexec", "the same, reuse_survivors=True", "s", 1.1),
+    ("restart", "restart_spare", "asyncexec", "the same, a standby spare", "s", 1.1),
+    ("restart", "restart_default", "asyncexec", "the same, default RestartPolicy()", "s", 1.1),
+    ("lifecycle", "life_p99", "asyncexec", "lifecycle lag p99, 4 executors x 2", "ms", 1.1),
+    ("lifecycle", "life_max", "asyncexec", "lifecycle lag max", "ms", None),
+    ("lifecycle", "life_alone_p99", "asyncexec", "lag p99 while streaming alone", "ms", 1.1),
+    ("lifecycle", "life_alone_max", "asyncexec", "lag max while streaming alone", "ms", None),
+    ("lifecycle", "life_p99", "floor", "(the floor's streaming p99 beside it)", "ms", None),
 )
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rounds: int  # of a fresh process per tree and measurement
+    repeats: int | None  # within each process (None: the probe's own)
+    quick: bool  # the probes' tiny sizes
+
+
+FULL, QUICK = Sizes(3, None, False), Sizes(1, None, True)
 
 
 def probe(tree: str, what: str, repeats: int | None, quick: bool, lock: str | None) -> Any:
@@ -124,61 +95,66 @@ def probe(tree: str, what: str, repeats: int | None, quick: bool, lock: str | No
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the earlier tree (a git worktree)")
-    parser.add_argument("--after", default=os.path.dirname(HERE), help="default: this tree")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=None, help="repeats in each process")
-    parser.add_argument("--what", default=",".join(WHAT), help=f"of {', '.join(WHAT)}")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    parser.add_argument("--lock", default=None, help="run each process under flock LOCK")
-    parser.add_argument("--save", default=None, help="write each process's JSON result here")
-    args = parser.parse_args(argv)
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
     chosen = [w for w in args.what.split(",") if w]
     if not set(chosen) <= set(WHAT):
-        parser.error(f"--what takes {', '.join(WHAT)}")
+        raise SystemExit(f"--what takes {', '.join(WHAT)}")
     trees = {"before": args.before, "after": args.after}
     samples: dict[str, dict[str, dict[str, list[float]]]] = {"before": {}, "after": {}}
-    t0 = time.perf_counter()
-    for r in range(args.rounds):
+    for r in range(sizes.rounds):
         for what in chosen:
             order = ["before", "after"] if (r + WHAT.index(what)) % 2 == 0 else ["after", "before"]
             for side in order:
-                progress(f"round {r + 1}/{args.rounds}: {what}, {side}")
-                result = probe(trees[side], what, args.repeats, args.quick, args.lock)
+                progress(f"round {r + 1}/{sizes.rounds}: {what}, {side}")
+                result = probe(trees[side], what, sizes.repeats, sizes.quick, args.lock)
                 for key, columns in result["figures"].items():
                     for column, values in columns.items():
                         samples[side].setdefault(key, {}).setdefault(column, []).extend(values)
                 if args.save is not None:
-                    os.makedirs(args.save, exist_ok=True)
-                    name = f"{what}-{side}-{r + 1}.json"
-                    with open(os.path.join(args.save, name), "w") as f:
-                        json.dump(result, f)
+                    _save(os.path.join(args.save, f"{what}-{side}-{r + 1}.json"), result)
     for side in samples.values():
         floor_ratios(side)
     rows = []
-    for what, key, column, label, unit, higher, limit in ROWS:
-        if what not in chosen:
-            continue
-        row = Pair(label, unit, higher_is_better=higher, limit=limit)
-        row.base.extend(samples["before"].get(key, {}).get(column, []))
-        row.ours.extend(samples["after"].get(key, {}).get(column, []))
-        rows.append(row)
-    commits = {side: _commit(tree) for side, tree in trees.items()}
-    print()
-    print(
-        f"asyncexec before ({commits['before']}) and after ({commits['after']}), "
-        f"{_harness.machine()}; {args.rounds} interleaved round(s) of a fresh "
-        f"process per tree and measurement; medians of every sample"
+    for what, key, column, label, unit, limit in ROWS:
+        if what in chosen:
+            row = Pair(label, unit, higher_is_better=unit in ("reports/s", "x"), limit=limit)
+            row.base.extend(samples["before"].get(key, {}).get(column, []))
+            row.ours.extend(samples["after"].get(key, {}).get(column, []))
+            rows.append(row)
+    notes = [f"- each process's figures, notes and where the time went: {args.save}"]
+    return Result(rows, _harness.pairs("before", "after"), notes if args.save else [])
+
+
+def _save(path: str, result: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--before", required=True, help="the earlier tree (a git worktree)")
+    parser.add_argument("--after", default=os.path.dirname(HERE), help="default: this tree")
+    parser.add_argument("--rounds", type=int, help="rounds (3; --quick: 1)")
+    parser.add_argument("--what", default=",".join(WHAT), help=f"of {', '.join(WHAT)}")
+    parser.add_argument("--lock", default=None, help="run each process under flock LOCK")
+    parser.add_argument("--save", default=None, help="write each process's JSON result here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec before and after",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        options=_options,
+        about=lambda sizes, args: (
+            f"before {_commit(args.before)}, after {_commit(args.after)}; {sizes.rounds} "
+            "interleaved round(s) of a fresh process per tree and measurement; medians of every "
+            "sample"
+        ),
     )
-    print()
-    print(_harness.pairs("before", "after").render(rows))
-    print()
-    if args.save is not None:
-        print(f"- each process's figures, notes and where the time went: {args.save}")
-    print(f"- total {time.perf_counter() - t0:.0f} s")
-    return 0
 
 
 def floor_ratios(figures: dict[str, dict[str, list[float]]]) -> None:

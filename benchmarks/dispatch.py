@@ -157,19 +157,6 @@ async def alternate(
 # Small calls ------------------------------------------------------------------------------------
 
 
-async def latencies(calls: int, one: Callable[[int], Awaitable[Any]]) -> tuple[float, float, float]:
-    """The median latency (us) of ``calls`` sequential calls, the CPU per call of the event
-    loop's thread and of the whole driver (us; Ray's own threads serialise and send)."""
-    seen = []
-    loop0, cpu0 = time.thread_time(), time.process_time()
-    for i in range(calls):
-        t0 = time.perf_counter()
-        await one(i)
-        seen.append(time.perf_counter() - t0)
-    loop, cpu = time.thread_time() - loop0, time.process_time() - cpu0
-    return median(seen) * 1e6, loop / calls * 1e6, cpu / calls * 1e6
-
-
 async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair], list[str]]:
     """Small calls on ``n`` ranks: an async method and a plain one (of a role with plain
     methods only: a threaded worker), against plain actors; and, as notes, the plain method on
@@ -228,7 +215,7 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
             by_hand = (raw_async, raw_plain, raw_group_plain, threaded_plain, threaded_async)
             for one in (ae_async, ae_plain, *by_hand):
                 assert await one(1) == [2] * n
-                await latencies(sizes.warm_calls, one)
+                await _harness.latency(sizes.warm_calls, one)
             for i in range(sizes.repeats):
                 progress(f"small calls, {ranks}, repeat {i + 1}/{sizes.repeats}")
                 for kind, base, ours in (
@@ -237,16 +224,16 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
                 ):
                     b, o = await alternate(
                         i,
-                        lambda base=base: latencies(sizes.small_calls, base),
-                        lambda ours=ours: latencies(sizes.small_calls, ours),
+                        lambda base=base: _harness.latency(sizes.small_calls, base),
+                        lambda ours=ours: _harness.latency(sizes.small_calls, ours),
                         prof,
                     )
                     for row, base_value, our_value in zip(rows[kind], b, o, strict=True):
                         row.base.append(base_value)
                         row.ours.append(our_value)
-                floor.append((await latencies(sizes.small_calls, raw_group_plain))[0])
+                floor.append((await _harness.latency(sizes.small_calls, raw_group_plain))[0])
                 for kind, one in (("plain", threaded_plain), ("async", threaded_async)):
-                    threaded[kind].append((await latencies(sizes.small_calls, one))[0])
+                    threaded[kind].append((await _harness.latency(sizes.small_calls, one))[0])
     finally:
         kill(raw)
         kill(raw_sync)

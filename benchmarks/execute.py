@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import _harness
 import ray
-from _common import median
-from _harness import Pair, Result
+from _harness import Pair, Result, latency
 
 import asyncexec
 
@@ -49,16 +47,6 @@ class Runner:
         return fn(*args)
 
 
-async def block(calls: int, one: Callable[[], Awaitable[Any]]) -> tuple[float, float]:
-    """The median latency (us) of ``calls`` sequential calls and the loop's CPU per call (us)."""
-    seen, cpu0 = [], time.thread_time()
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        await one()
-        seen.append(time.perf_counter() - t0)
-    return median(seen) * 1e6, (time.thread_time() - cpu0) / calls * 1e6
-
-
 async def measure(n: int, sizes: Sizes) -> list[Pair]:
     ranks = f"{n} rank{'s' if n > 1 else ''}"
     rows = [
@@ -68,15 +56,18 @@ async def measure(n: int, sizes: Sizes) -> list[Pair]:
     actors = [Runner.options(num_cpus=RESOURCES["CPU"]).remote() for _ in range(n)]
     async with asyncexec.Executor(n, resources_per_worker=RESOURCES) as ex:
 
-        async def ours() -> None:
+        async def ours(_: int) -> None:
             assert await ex.execute(add_one, 1) == [2] * n
 
-        async def base() -> None:
+        async def base(_: int) -> None:
             assert await asyncio.gather(*(a.run.remote(add_one, 1) for a in actors)) == [2] * n
 
         await _harness.repeat(
-            rows,
-            {"base": lambda: block(sizes.calls, base), "ours": lambda: block(sizes.calls, ours)},
+            rows,  # the latency and the loop's CPU per call (not the whole driver's)
+            {
+                "base": lambda: latency(sizes.calls, base),
+                "ours": lambda: latency(sizes.calls, ours),
+            },
             sizes.repeats,
             name=f"execute, {ranks}",
         )

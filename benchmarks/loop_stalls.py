@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -40,12 +41,12 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from types import FrameType
 from typing import Any
+
+from _common import Collection, Heartbeat, StallWatchdog, gc_log, stack_site
 
 #: A heartbeat wake-up this late is a stall (s).
 STALL_S = 0.010
@@ -57,8 +58,6 @@ EXECUTORS = 4
 WORKERS = 2
 RESOURCES = {"CPU": 0.25}
 REPORTS = 5
-
-Frame = tuple[str, int, str]  # (file, line, function)
 
 
 def five_reports() -> None:
@@ -73,130 +72,30 @@ def five_reports() -> None:
 
 
 class Monitor:
-    """The heartbeat (a task of the loop), the watchdog (a thread) and the GC callback."""
+    """The heartbeat, the watchdog (the loop's stack while the heartbeat is more than ``WATCH_S``
+    overdue, every ``PERIOD_S``; not with ``watch=False``) and the driver's collections."""
 
-    def __init__(self) -> None:
-        self.due = math.inf
-        self.beats: list[tuple[float, float]] = []  # (due, woke) of wake-ups > STALL_S late
-        # (due, taken, the loop thread's stack, the other threads that were not idle)
-        self.samples: list[tuple[float, float, tuple[Frame, ...], list[str]]] = []
-        # (perf_counter, the loop thread's CPU s, the driver process's CPU s)
-        self.ticks: list[tuple[float, float, float]] = []
-        self.gcs: list[tuple[float, float, int, int]] = []  # (start, end, generation, collected)
-        self._gc_start = 0.0
-        self._stop = threading.Event()
-        self._loop_thread = threading.get_ident()
-        self._clock = time.pthread_getcpuclockid(self._loop_thread)
-        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+    def __init__(self, watch: bool = True) -> None:
+        self.heartbeat = Heartbeat()
+        self.watchdog = StallWatchdog(self.heartbeat, WATCH_S, PERIOD_S)
+        self.gcs: list[Collection] = []
+        self._watch = watch
+        self._open = contextlib.AsyncExitStack()
 
-    async def beat(self) -> None:
-        while not self._stop.is_set():
-            self.due = time.perf_counter() + 0.001
-            await asyncio.sleep(0.001)
-            woke = time.perf_counter()
-            if woke - self.due > STALL_S:
-                self.beats.append((self.due, woke))
+    @property
+    def beats(self) -> list[tuple[float, float]]:
+        """``(due, woke)`` of the wake-ups later than ``STALL_S``."""
+        return [(due, woke) for due, woke in self.heartbeat.beats() if woke - due > STALL_S]
 
-    def _watch(self) -> None:
-        me = threading.get_ident()
-        while not self._stop.is_set():
-            time.sleep(PERIOD_S)
-            now = time.perf_counter()
-            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
-            due = self.due
-            if now - due <= WATCH_S:
-                continue
-            frames = sys._current_frames()
-            others = []
-            for ident, frame in frames.items():
-                stack = _stack(frame)
-                if ident not in (me, self._loop_thread) and stack and stack[-1][2] not in _IDLE:
-                    others.append(f"{_thread_name(ident)}: {_site(stack)}")
-            self.samples.append((due, now, _stack(frames.get(self._loop_thread)), others))
+    async def start(self) -> None:
+        await self._open.enter_async_context(self.heartbeat)
+        if self._watch:
+            self.gcs = self._open.enter_context(gc_log())
+            self.watchdog.start()
+            self._open.callback(self.watchdog.stop)
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        else:
-            end = time.perf_counter()
-            self.gcs.append((self._gc_start, end, int(info["generation"]), int(info["collected"])))
-
-    def start(self) -> None:
-        gc.callbacks.append(self._on_gc)
-        self._watchdog.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._watchdog.join(5)
-        gc.callbacks.remove(self._on_gc)
-
-    def cpu(self, start: float, end: float) -> tuple[float, float]:
-        """The loop thread's and the driver process's CPU seconds from the tick before ``start``
-        to the tick after ``end``."""
-        before = [tick for tick in self.ticks if tick[0] <= start]
-        after = [tick for tick in self.ticks if tick[0] >= end]
-        if not before or not after:
-            return math.nan, math.nan
-        return after[0][1] - before[-1][1], after[0][2] - before[-1][2]
-
-
-#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
-_IDLE = {"wait", "_wait_for_tstate_lock", "select", "poll", "get", "sleep", "accept", "readinto"}
-_IDLE.add("listen_error_messages")  # Ray's thread, blocked in C++
-
-
-def _thread_name(ident: int) -> str:
-    for thread in threading.enumerate():
-        if thread.ident == ident:
-            return thread.name
-    return str(ident)
-
-
-def _stack(frame: FrameType | None) -> tuple[Frame, ...]:
-    frames: list[Frame] = []
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return tuple(reversed(frames))
-
-
-def _short(path: str) -> str:
-    for marker in ("site-packages/", "/lib/python3.11/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + len(marker) :]
-    for marker in ("/asyncexec/", "/benchmarks/"):
-        i = path.rfind(marker)
-        if i >= 0:
-            return path[i + 1 :]
-    return path
-
-
-def _trim(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
-    """The frames below the event loop's machinery: from the callback or task step it runs, or
-    from ``_run_once`` when the loop is in its own code (waiting in ``select``)."""
-    cut = 0
-    for i, (path, _, name) in enumerate(stack):
-        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
-            cut = i + 1
-        elif name == "_run_once" and cut == 0:
-            cut = i
-    return stack[cut:]
-
-
-def _site(stack: tuple[Frame, ...]) -> str:
-    """What the loop was doing in one sample (see the module's causes)."""
-    stack = _trim(stack)
-    modules = [f for f in stack if f[2] == "<module>"]
-    if modules:
-        return f"import {_short(modules[0][0])}"
-    own = [f for f in stack if f"{os.sep}asyncexec{os.sep}" in f[0]]
-    leaf = stack[-1] if stack else ("?", 0, "?")
-    anchor = own[-1] if own else leaf
-    text = f"{_short(anchor[0])}:{anchor[1]} {anchor[2]}"
-    if leaf != anchor:
-        text += f" > {_short(leaf[0])}:{leaf[1]} {leaf[2]}"
-    return text
+    async def stop(self) -> None:
+        await self._open.aclose()
 
 
 @dataclass(frozen=True)
@@ -219,14 +118,17 @@ def stalls_of(monitor: Monitor, rounds: list[tuple[int, float, float]]) -> list[
     for due, woke in monitor.beats:
         wall = woke - due
         number, t0 = next(((n, a) for n, a, b in rounds if a <= woke <= b), (-1, due))
-        sites = Counter(_site(x[2]) for x in monitor.samples if x[0] == due)
-        others = Counter(o for x in monitor.samples if x[0] == due for o in x[3])
-        gcs = [c for c in monitor.gcs if c[0] < woke and c[1] > due]
-        gc_s = sum(min(e, woke) - max(s, due) for s, e, _, _ in gcs)
-        loop_cpu, process_cpu = monitor.cpu(due, woke)
+        samples = [x for x in monitor.watchdog.samples if x.due == due]
+        sites = Counter(stack_site(x.stack) for x in samples)
+        others = Counter(
+            f"{name}: {stack_site(stack)}" for x in samples for name, stack in x.others
+        )
+        gcs = [c for c in monitor.gcs if c.start < woke and c.end > due]
+        gc_s = sum(min(c.end, woke) - max(c.start, due) for c in gcs)
+        loop_cpu, process_cpu = monitor.watchdog.cpu(due, woke) or (math.nan, math.nan)
         if gc_s >= wall / 2:
-            cause = f"gc gen{max(c[2] for c in gcs)} ({gc_s * 1e3:.0f} ms, "
-            cause += f"{sum(c[3] for c in gcs):,} objects collected)"
+            cause = f"gc gen{max(c.generation for c in gcs)} ({gc_s * 1e3:.0f} ms, "
+            cause += f"{sum(c.collected for c in gcs):,} objects collected)"
         elif loop_cpu >= wall / 2:
             cause = sites.most_common(1)[0][0] if sites else "the loop's code (no sample)"
         elif process_cpu - loop_cpu >= wall / 2:
@@ -262,8 +164,7 @@ async def serve(rounds: int) -> list[Stall]:
     import asyncexec
 
     monitor = Monitor()
-    monitor.start()
-    beat = asyncio.create_task(monitor.beat())
+    await monitor.start()
     marks: list[tuple[int, float, float]] = []
     try:
         t0 = time.perf_counter()
@@ -279,8 +180,7 @@ async def serve(rounds: int) -> list[Stall]:
             await asyncio.sleep(0.05)  # a stall at the round's very end is still noted
             marks.append((number, t0, time.perf_counter()))
     finally:
-        monitor.stop()
-        await beat
+        await monitor.stop()
     return stalls_of(monitor, marks)
 
 
@@ -350,10 +250,10 @@ def report(results: list[dict[str, Any]], rounds: int, show_sites: bool) -> None
                     f"{s['cause']}"
                 )
                 if show_sites:
-                    for site, n in s["sites"]:
-                        print(f"        {n:3d} x {site}")
-                    for site, n in s["others"]:
-                        print(f"        {n:3d} x meanwhile {site}")
+                    for where, n in s["sites"]:
+                        print(f"        {n:3d} x {where}")
+                    for where, n in s["others"]:
+                        print(f"        {n:3d} x meanwhile {where}")
     firsts = [_worst(r["stalls"], 1) for r in results]
     laters = [max(_worst(r["stalls"], n) for n in range(2, rounds + 1)) for r in results]
     idles = [_worst(r["stalls"], 0) for r in results]

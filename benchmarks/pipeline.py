@@ -53,7 +53,6 @@ and S = 1 alternate which goes first); the table shows the medians:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
 import contextlib
 import dataclasses
@@ -64,11 +63,11 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import _harness
 import _pipeline_phases
-from _common import median, progress
+from _common import Collection, Heartbeat, gc_log, median, progress
 from _harness import Result, Row, Table, fmt
 from _pipeline_diagnose import Diagnosis
 from _pipeline_phases import (
@@ -229,29 +228,30 @@ RAN_SHARE = 0.5
 
 @dataclass
 class Watch:
-    """A 1 ms heartbeat's lags (seconds) with when each was seen, and the driver's garbage
-    collections meanwhile: ``(generation, start, end)``; for each beat later than ``LATE_S``,
-    ``(lag, CPU)``: the loop thread's CPU time (``time.thread_time()``) over the beat's span."""
+    """A 1 ms heartbeat's lags (seconds) with when each woke and, for each beat later than
+    ``LATE_S``, ``(lag, CPU)``: the loop thread's CPU time (``time.thread_time()``) over the
+    beat's span; and the driver's garbage collections meanwhile."""
 
-    lags: list[float] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)
-    collections: list[tuple[int, float, float]] = field(default_factory=list)
-    late: list[tuple[float, float]] = field(default_factory=list)
+    beat: Heartbeat
+    collections: list[Collection]
+
+    @property
+    def lags(self) -> list[float]:
+        return self.beat.lags
 
     def split(self) -> dict[str, float]:
         """The late beats by whether the loop thread ran through them (CPU >= ``RAN_SHARE`` of
         the lag) or waited: how many, their max lag (ms), and the CPU share over all of them."""
-        ran = [lag for lag, cpu in self.late if cpu >= RAN_SHARE * lag]
-        waited = [lag for lag, cpu in self.late if cpu < RAN_SHARE * lag]
-        lag_sum = sum(lag for lag, _ in self.late)
+        late = self.beat.late
+        ran = [lag for lag, cpu in late if cpu >= RAN_SHARE * lag]
+        waited = [lag for lag, cpu in late if cpu < RAN_SHARE * lag]
+        lag_sum = sum(lag for lag, _ in late)
         return {
             "ran": float(len(ran)),
             "waited": float(len(waited)),
             "ran_max_ms": max(ran, default=0.0) * 1e3,
             "waited_max_ms": max(waited, default=0.0) * 1e3,
-            "cpu_share": sum(min(cpu, lag) for lag, cpu in self.late) / lag_sum
-            if lag_sum
-            else math.nan,
+            "cpu_share": sum(min(cpu, lag) for lag, cpu in late) / lag_sum if lag_sum else math.nan,
         }
 
     def p99(self) -> float:
@@ -259,7 +259,9 @@ class Watch:
         return ordered[int(len(ordered) * 0.99)] if ordered else math.nan
 
     def longest_collection(self, generation: int) -> float:
-        return max((e - s for g, s, e in self.collections if g == generation), default=0.0)
+        return max(
+            (c.end - c.start for c in self.collections if c.generation == generation), default=0.0
+        )
 
     def max_less_collections(self) -> float:
         """The max lag of the beats, each less the collections' time within its late span.
@@ -267,10 +269,10 @@ class Watch:
         The latest beats first, by lag, until a lag is below the best found (a beat's figure is
         at most its lag): a floor streaming for tens of seconds has tens of thousands of beats
         and of collections, which each against each took minutes."""
-        spans = sorted((s, e) for _, s, e in self.collections)
+        spans = sorted((c.start, c.end) for c in self.collections)
         ends = list(itertools.accumulate((e for _, e in spans), max))  # sorted: bisect them
         best = 0.0
-        for lag, end in sorted(zip(self.lags, self.ends, strict=True), reverse=True):
+        for lag, end in sorted(zip(self.lags, self.beat.woke, strict=True), reverse=True):
             if lag <= best:
                 break
             start = end - lag
@@ -285,39 +287,11 @@ class Watch:
 
 @contextlib.asynccontextmanager
 async def watched(interval_s: float = 0.001) -> AsyncIterator[Watch]:
-    """A heartbeat as ``_common.heartbeat``'s (the lag of each wake-up: how much longer than
-    ``interval_s`` its sleep took), with the time of each and the collections meanwhile."""
-    watch = Watch()
-    stop = False
-    started: list[float] = []
-
-    def collected(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            watch.collections.append((info["generation"], started.pop(), time.perf_counter()))
-
-    async def beat() -> None:
-        while not stop:
-            t0, cpu0 = time.perf_counter(), time.thread_time()
-            await asyncio.sleep(interval_s)
-            now = time.perf_counter()
-            lag = max(0.0, now - t0 - interval_s)
-            watch.lags.append(lag)
-            watch.ends.append(now)
-            if lag > LATE_S:  # the loop thread's CPU over the span (the sleep's ~0 apart)
-                watch.late.append((lag, time.thread_time() - cpu0))
-
-    gc.callbacks.append(collected)
-    task = asyncio.create_task(beat())
-    await asyncio.sleep(0)
-    try:
-        yield watch
-        await asyncio.sleep(2 * interval_s)
-    finally:
-        stop = True
-        await task
-        gc.callbacks.remove(collected)
+    """A heartbeat (``_common.Heartbeat``, the CPU of beats later than ``LATE_S`` recorded) with
+    the collections meanwhile."""
+    with gc_log() as collections:
+        async with Heartbeat(interval_s, late_s=LATE_S) as beat:
+            yield Watch(beat, collections)
 
 
 @dataclass

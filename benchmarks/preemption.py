@@ -27,7 +27,6 @@ second figure. Medians over the trials.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -36,12 +35,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import _harness
 import ray
-from _harness import Row, Table
+from _harness import Result, Row, Table
 
 STEP_S = 0.01
 DEADLINE_S = 30.0
@@ -214,21 +214,19 @@ SYSTEMS = (
 TABLE = Table([(k, h) for k, h, _ in SYSTEMS], [("rt", "asyncexec / Ray Train (defaults)")])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one drain a system")
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--raytrain", nargs=4, metavar=("ADDRESS", "NODE", "AFTER", "OUT"))
-    args = parser.parse_args()
-    if args.raytrain:
-        rt_main(*args.raytrain)
-        return
+@dataclass(frozen=True)
+class Sizes:
+    trials: int  # drains a system
+
+
+FULL, QUICK = Sizes(3), Sizes(1)
+
+
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
     from ray.cluster_utils import Cluster
 
-    trials = 1 if args.quick else args.trials
     cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False},
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
     )
     ray.init(address=cluster.address, log_to_driver=False)
     rows = {
@@ -238,34 +236,41 @@ def main() -> None:
             "the next attempt's first step, on another node", "ms", measured="ae", reference="rt"
         ),
     }
-
-    def measure(key: str, poll: float | None, after: float) -> dict[str, float]:
-        if key.startswith("ae"):
-            assert poll is not None
-            return asyncio.run(ae(poll, after))
-        return rt_trial(cluster, poll, after)
-
-    async def ae(interval: float, after: float) -> dict[str, float]:
-        return await ae_trial(cluster, interval, tempfile.mkdtemp(), after)
-
     rng = random.Random(26)
     try:
-        for trial in range(trials):  # the systems interleaved: the machine's noise falls on all
+        for trial in range(sizes.trials):  # the systems interleaved: the noise falls on all
             after = rng.uniform(0.5, 5.5)
             for key, name, poll in SYSTEMS:
-                figures = measure(key, poll, after)
+                if key.startswith("ae"):
+                    assert poll is not None
+                    figures = await ae_trial(cluster, poll, tempfile.mkdtemp(), after)
+                else:
+                    figures = rt_trial(cluster, poll, after)  # a driver process of its own
                 for figure, seconds in figures.items():
                     rows[figure].add(key, seconds * 1e3)
-                print(f"trial {trial + 1}/{trials} {name}: {figures}", flush=True)
+                _harness.progress(f"trial {trial + 1}/{sizes.trials} {name}: {figures}")
     finally:
         ray.shutdown()
         cluster.shutdown()
-    print(
-        f"\nDrain notice to checkpoint taken, ms (median of {trials}; from rank 0's drain call), "
-        f"{_harness.machine()}\n"
+    return Result(list(rows.values()), TABLE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--raytrain"]:  # one Ray Train trial, in a driver process of its own
+        rt_main(*argv[1:5])
+        return 0
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="Drain notice to checkpoint taken, ms",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        options=lambda parser: parser.add_argument("--trials", type=int, help="drains (3)"),
+        about=lambda sizes, args: f"medians of {sizes.trials}, from rank 0's drain call",
     )
-    print(TABLE.render(list(rows.values())))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

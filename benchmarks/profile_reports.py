@@ -1,13 +1,15 @@
 """Where the report path's time goes: asyncexec against the bare batched floor, side by side.
 
     python benchmarks/profile_reports.py                       # rates only, 1/4/16 workers
+    python benchmarks/profile_reports.py --quick               # 1 worker, 2,000 reports, once
     python benchmarks/profile_reports.py --workers 4 --driver  # and cProfile of the driver
     python benchmarks/profile_reports.py --workers 4 --spy     # and py-spy of every process
     python benchmarks/profile_reports.py --buffer-size 2048    # asyncexec's runs with that window
 
 It starts one local Ray as ``run.py`` does, starts the floor's plain actors and an asyncexec
-executor of the same size once, then interleaves the two systems' streams of tiny reports and
-prints each one's reports/s, CPU per report (driver and workers) and their ratio. ``--driver``
+executor of the same size once, then interleaves the two systems' streams of tiny reports
+(``--repeats``) and prints each one's reports/s, CPU per report (driver and workers) and their
+ratios in one table. ``--driver``
 profiles the driver's event loop through asyncexec's streams with cProfile; ``--spy`` samples
 the driver and the workers with py-spy (installed apart: ``pip install py-spy``) and prints the
 functions that hold the most samples, self and inclusive, per process kind. ``--buffer-size``
@@ -30,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run as bench_run  # sets the environment the workers inherit
-from _common import median
+import _harness  # sets the environment the workers inherit
+import run as bench_run
+from _harness import Pair, Result
 from _systems import AsyncexecGroup, LoopGroup
 
 
@@ -98,25 +102,47 @@ def _count_polls() -> None:
     _window.Assembly.add = counted  # type: ignore[method-assign]
 
 
-async def measure(
-    n: int, steps: int, repeats: int, driver: bool, spy: bool, buffer_size: int | None = None
-) -> None:
+@dataclass(frozen=True)
+class Sizes:
+    workers: str  # worker counts, comma-separated
+    steps: int  # reports per worker per run (16 workers: half)
+    repeats: int
+
+
+FULL = Sizes("1,4,16", 20_000, 3)
+QUICK = Sizes("1", 2_000, 1)
+
+
+async def measure(n: int, steps: int, sizes: Sizes, args: argparse.Namespace) -> list[Pair]:
+    """The floor's and asyncexec's streams of ``n`` workers, interleaved: reports/s and the CPU
+    per report of the driver and of the workers; cProfile and py-spy of them as asked."""
     loops = LoopGroup(n, bench_run.RESOURCES, bench_run.BUFFER)
     ae = AsyncexecGroup(n, bench_run.RESOURCES, tempfile.mkdtemp(prefix="asyncexec-prof-"))
-    if buffer_size is not None:
-        ae.executor.run = functools.partial(ae.executor.run, buffer_size=buffer_size)  # type: ignore[method-assign]
+    if args.buffer_size is not None:
+        ae.executor.run = functools.partial(ae.executor.run, buffer_size=args.buffer_size)  # type: ignore[method-assign]
+    rows = [
+        Pair(f"reports/s, {n} worker(s)", "reports/s", higher_is_better=True),
+        Pair(f"driver CPU per report, {n} worker(s)", "us"),
+        Pair(f"workers' CPU per report, {n} worker(s)", "us"),
+    ]
+
+    def figures(stream: Callable[[int], Awaitable[dict[str, float]]]) -> Any:
+        async def one() -> list[float]:
+            m = await stream(steps)
+            return [m["rate"], m["driver_cpu_us"], m["worker_cpu_us"]]
+
+        return one
+
     await loops.start()
     await ae.start()
-    rows: dict[str, list[dict[str, float]]] = {"floor": [], "asyncexec": []}
     try:
         await ae.stream(min(steps, 2000))  # warm-up: imports on the workers
         await loops.floor(min(steps, 2000))
         POLLS.clear()
-        for _ in range(repeats):
-            rows["floor"].append(await loops.floor(steps))
-            rows["asyncexec"].append(await ae.stream(steps))
-        per_poll = POLLS["reports"] / max(POLLS["polls"], 1)
-        if driver:
+        systems = {"base": figures(loops.floor), "ours": figures(ae.stream)}
+        await _harness.repeat(rows, systems, sizes.repeats, warm=0, name=f"{n} worker(s)")
+        rows[0].label += f" ({POLLS['reports'] / max(POLLS['polls'], 1):.0f} reports a poll)"
+        if args.driver:
             for name, stream in (("floor", loops.floor), ("asyncexec", ae.stream)):
                 profile = cProfile.Profile()
                 profile.enable()
@@ -127,7 +153,7 @@ async def measure(
                 stats.sort_stats("tottime").print_stats(30)
                 stats.sort_stats("cumulative").print_stats(40)
                 print(f"\n== cProfile of the driver, {name}, {n} worker(s)\n{text.getvalue()}")
-        if spy:
+        if args.spy:
             folder = tempfile.mkdtemp(prefix="asyncexec-spy-")
             seconds = 4
             workers = ae.pids()
@@ -145,46 +171,36 @@ async def measure(
     finally:
         await ae.close()
         await loops.close()
-    m: dict[str, dict[str, float]] = {
-        k: {f: median([r[f] for r in v]) for f in ("rate", "driver_cpu_us", "worker_cpu_us")}
-        for k, v in rows.items()
-    }
-    print(
-        f"{n:>2} worker(s): floor {m['floor']['rate']:>8.0f}/s "
-        f"(cpu/report {m['floor']['driver_cpu_us']:.1f} driver + "
-        f"{m['floor']['worker_cpu_us']:.1f} workers us); "
-        f"asyncexec {m['asyncexec']['rate']:>8.0f}/s "
-        f"({m['asyncexec']['driver_cpu_us']:.1f} + {m['asyncexec']['worker_cpu_us']:.1f} us); "
-        f"ratio {m['asyncexec']['rate'] / m['floor']['rate']:.2f}x; "
-        f"{per_poll:.0f} reports per poll; all asyncexec: "
-        f"{[round(r['rate']) for r in rows['asyncexec']]}, floor: "
-        f"{[round(r['rate']) for r in rows['floor']]}",
-        flush=True,
-    )
+    return rows
 
 
-async def _all(args: argparse.Namespace) -> None:
-    for n in (int(x) for x in args.workers.split(",")):
-        steps = args.steps if n < 16 else args.steps // 2
-        await measure(n, steps, args.repeats, args.driver, args.spy, args.buffer_size)
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
+    _count_polls()
+    rows = []
+    for n in (int(x) for x in sizes.workers.split(",")):
+        rows += await measure(n, sizes.steps if n < 16 else sizes.steps // 2, sizes, args)
+    return Result(rows, _harness.pairs("batched floor", "asyncexec"))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", default="1,4,16", help="worker counts, comma-separated")
-    parser.add_argument("--steps", type=int, default=20_000, help="reports per worker per run")
-    parser.add_argument("--repeats", type=int, default=3)
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", help="worker counts, comma-separated (1,4,16)")
+    parser.add_argument("--steps", type=int, help="reports per worker per run (20,000)")
     parser.add_argument("--driver", action="store_true", help="cProfile the driver")
     parser.add_argument("--spy", action="store_true", help="py-spy the driver and the workers")
     parser.add_argument("--buffer-size", type=int, default=None, help="asyncexec's window")
-    args = parser.parse_args()
-    _count_polls()
-    bench_run.start_ray()
-    try:
-        asyncio.run(_all(args))
-    finally:
-        bench_run.ray.shutdown()
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="the report path, asyncexec beside the batched floor",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        ray={"num_cpus": bench_run.RAY_CPUS},
+        options=_options,
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ process: no system gets one of the few warm processes that whoever comes first w
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import inspect
@@ -36,7 +35,6 @@ import os
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -51,7 +49,7 @@ from _channel import measure_channel, measure_version_lag
 from _common import (
     Events,
     Timer,
-    gc_pauses,
+    gc_log,
     heartbeat,
     lag_ms,
     median,
@@ -317,13 +315,13 @@ class Bench:
             ("asyncexec", lambda: ae.stream(sizes.lag_steps)),
         ]
         for column, run in runs:
-            with gc_pauses() as pauses:
+            with gc_log() as collections:
                 async with heartbeat() as lags:
                     await run()
-            full = [seconds for generation, seconds in pauses if generation == 2]
+            full = [c.end - c.start for c in collections if c.generation == 2]
             self.note(f"{column}_gc_full", len(full))
             self.note(f"{column}_gc_full_max_ms", max(full, default=0.0) * 1e3)
-            self.note(f"{column}_gc_all_ms", sum(seconds for _, seconds in pauses) * 1e3)
+            self.note(f"{column}_gc_all_ms", sum(c.end - c.start for c in collections) * 1e3)
             p99, worst = lag_ms(lags)
             self.add("lag_p99", column, p99)
             self.add("lag_max", column, worst)
@@ -783,15 +781,41 @@ def start_ray() -> None:
     _harness.start_ray(RAY_CPUS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke run)")
-    parser.add_argument(
-        "--lifecycle-only",
-        action="store_true",
-        help="only the event-loop lag through whole lifecycles (about a minute; with --quick: "
-        "its quick sizes)",
-    )
+#: The ``--...-only`` options, each measuring some rows alone (with ``--quick``, at their quick
+#: sizes): its help, its rows (by key) and its words in the title.
+ONLY: dict[str, tuple[str, Callable[[str], bool], str]] = {
+    "lifecycle_only": (
+        "only the event-loop lag through whole lifecycles (about a minute)",
+        lambda key: key in LIFECYCLE_KEYS,
+        "lifecycle only",
+    ),
+    "channel_only": (
+        "only the weight channel rows (a state moved between executors, version lag through "
+        "SIGKILLs, loop lag during pushes)",
+        lambda key: key in CHANNEL_KEYS,
+        "weight channel only",
+    ),
+    "outlive_only": (
+        "only the rows of runs that outlive failures (independent ranks, driver-death resume)",
+        lambda key: key in OUTLIVE_KEYS,
+        "runs that outlive failures only",
+    ),
+    "local_only": (
+        "only the local mode rows (start-up and reports/s beside Ray actors)",
+        lambda key: key in LOCAL_KEYS,
+        "local mode only",
+    ),
+    "reports_only": (
+        "only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
+        lambda key: key.startswith("rate") or key == "metrics_cost",
+        "reports/s only",
+    ),
+}
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    for name, (text, _, _) in ONLY.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
     parser.add_argument(
         "--stall-stacks",
         action="store_true",
@@ -805,37 +829,17 @@ def main(argv: list[str] | None = None) -> int:
         "(gc.collect(); gc.freeze()), as a latency-sensitive application may do: full "
         "collections then cost what the heap grew by, not Ray's whole heap",
     )
-    parser.add_argument(
-        "--channel-only",
-        action="store_true",
-        help="only the weight channel rows (a state moved between executors, version lag "
-        "through SIGKILLs, loop lag during pushes; with --quick: their quick sizes)",
-    )
-    parser.add_argument(
-        "--outlive-only",
-        action="store_true",
-        help="only the rows of runs that outlive failures (independent ranks, driver-death "
-        "resume; with --quick: their quick sizes)",
-    )
-    parser.add_argument(
-        "--local-only",
-        action="store_true",
-        help="only the local mode rows (start-up and reports/s beside Ray actors)",
-    )
-    parser.add_argument(
-        "--reports-only",
-        action="store_true",
-        help="only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
-    )
-    args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
 
-    # The library logs through structlog and never configures it; this application records its
+
+async def _run(sizes: Sizes, args: argparse.Namespace) -> _harness.Result:
+    # The library logs through structlog and never configures it; this benchmark records its
     # events (for the start-up and restart phases) instead of printing them.
     events = Events()
     structlog.configure(processors=[events])
     logging.getLogger("ray.train").setLevel(logging.ERROR)
-
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     bench = Bench(
         sizes,
         events,
@@ -845,59 +849,41 @@ def main(argv: list[str] | None = None) -> int:
         local_only=args.local_only,
         stall_stacks=args.stall_stacks,
     )
-    t0 = time.perf_counter()
-    with bench.timer.section("ray.init"):
-        start_ray()
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
-    try:
-        missing = asyncio.run(bench_main(bench, reports_only=args.reports_only))
-    finally:
-        with bench.timer.section("ray.shutdown"):
-            ray.shutdown()
-    total = time.perf_counter() - t0
-
-    mode = "quick" if args.quick else "full"
-    if args.lifecycle_only:
-        mode += ", lifecycle only"
-    if args.reports_only:
-        mode += ", reports/s only"
-    if args.channel_only:
-        mode += ", weight channel only"
-    if args.outlive_only:
-        mode += ", runs that outlive failures only"
-    if args.local_only:
-        mode += ", local mode only"
-    if args.gc_freeze:
-        mode += ", gc.freeze() after start-up"
-    print()
-    print(
-        f"asyncexec benchmarks ({mode}), {_harness.machine()}; medians of "
-        f"{sizes.repeats} repeat(s) (start-up {sizes.startup_repeats}, restart "
-        f"{sizes.restart_repeats}, run end {sizes.run_end_repeats}); every worker {RESOURCES}"
-    )
-    print(f"asyncexec {asyncexec_version()} from {asyncexec_path()}")
-    if missing is not None:
-        print(f"Ray Train column skipped: {missing}")
-    print()
+    missing = await bench_main(bench, reports_only=args.reports_only)
     figures = list(bench.figures.values())
-    if args.lifecycle_only:
-        figures = [f for f in figures if f.key in LIFECYCLE_KEYS]
-    if args.reports_only:
-        figures = [f for f in figures if f.key.startswith("rate") or f.key == "metrics_cost"]
-    if args.channel_only:
-        figures = [f for f in figures if f.key in CHANNEL_KEYS]
-    if args.outlive_only:
-        figures = [f for f in figures if f.key in OUTLIVE_KEYS]
-    if args.local_only:
-        figures = [f for f in figures if f.key in LOCAL_KEYS]
-    print(TABLE.render(figures))
-    print()
-    for line in bench.where_time_goes():
-        print(line)
-    print(f"- total {total:.0f} s")
-    return 0
+    for name, (_, chosen, _) in ONLY.items():
+        if getattr(args, name):
+            figures = [f for f in figures if chosen(f.key)]
+    notes = [f"asyncexec {asyncexec_version()} from {asyncexec_path()}"]
+    if missing is not None:
+        notes.append(f"Ray Train column skipped: {missing}")
+    return _harness.Result(figures, TABLE, [*notes, "", *bench.where_time_goes()])
+
+
+def _about(sizes: Sizes, args: argparse.Namespace) -> str:
+    modes = [words for name, (_, _, words) in ONLY.items() if getattr(args, name)]
+    modes += ["gc.freeze() after start-up"] if args.gc_freeze else []
+    return "; ".join(
+        [
+            *modes,
+            f"medians of {sizes.repeats} repeat(s) (start-up {sizes.startup_repeats}, restart "
+            f"{sizes.restart_repeats}, run end {sizes.run_end_repeats}); every worker {RESOURCES}",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec benchmarks",
+        full=FULL,
+        quick=QUICK,
+        run=_run,
+        ray={"num_cpus": RAY_CPUS},
+        options=_options,
+        about=_about,
+    )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ import _harness
 import anyio
 import psutil
 from _common import median, progress
+from _harness import Result
 from _scale_workload import HELD, WAITING, Shard, flat_out, paced
 
 import asyncexec
@@ -411,52 +412,58 @@ def _fmt(value: float, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
-def render(rows: list[Row]) -> str:
-    dispatched = [r for r in rows if "scatter_ms" in r.values]
-    rows = [r for r in rows if "planning_ms" in r.values]  # not the dispatch figures alone
-    head = (
-        "| ranks | driver CPU per report, us (of it GC) | per step, ms | last report to "
-        "consumer, ms | the same, GC tuned: us / ms / ms | control: simulated workers' own, "
-        "us a report | assembly: add N / take, ms | run start + end, us a rank |"
-    )
-    lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in rows:
-        lines.append(
-            f"| {r.kind} {r.ranks} | {_fmt(r.get('report_us'), 2)} ({_fmt(r.get('gc_us'), 2)}) "
-            f"| {_fmt(r.get('step_ms'), 3)} | {_fmt(r.get('latency_ms'), 2)} "
-            f"| {_fmt(r.get('report_us_tuned'), 2)} / {_fmt(r.get('step_ms_tuned'), 3)} / "
-            f"{_fmt(r.get('latency_ms_tuned'), 2)} | {_fmt(r.get('sim_us_tuned'), 2)} "
-            f"| {_fmt(r.get('add_ms'), 3)} / {_fmt(r.get('take_ms'), 3)} "
-            f"| {_fmt(r.get('run_rank_us'))} |"
-        )
-    head = (
-        "| ranks | heap per idle rank, KiB | planning, ms | group start, ms (driver CPU, us a "
-        "rank) | saturated: reports/s per driver core | whole driver process, us a report |"
-    )
-    lines += ["", head, "|---|--:|--:|--:|--:|--:|"]
-    for r in rows:
-        lines.append(
-            f"| {r.kind} {r.ranks} | {_fmt(r.get('heap_rank_kib'), 2)} "
-            f"| {_fmt(r.get('planning_ms'), 3)} "
-            f"| {_fmt(r.get('start_ms'))} ({_fmt(r.get('start_rank_us'))}) "
-            f"| {_fmt(r.get('saturated_per_s'))} | {_fmt(r.get('process_report_us'), 2)} |"
-        )
-    if not rows:  # the dispatch figures alone
-        lines = []
-    if dispatched:
+class Tables:
+    """The driver's cost by ranks, its start-up and memory, and dispatch where measured."""
+
+    def render(self, rows: list[Row]) -> str:
+        dispatched = [r for r in rows if "scatter_ms" in r.values]
+        rows = [r for r in rows if "planning_ms" in r.values]  # not the dispatch figures alone
         head = (
-            "| ranks | call, same arguments: ms (driver CPU) | scatter, 64 floats a rank: ms "
-            "(driver CPU) | least_loaded, idle ranks: ms (CPU) | least_loaded, all but one "
-            "busy, cap 1: ms (CPU) | rank(i): ms (CPU) |"
+            "| ranks | driver CPU per report, us (of it GC) | per step, ms | last report to "
+            "consumer, ms | the same, GC tuned: us / ms / ms | control: simulated workers' own, "
+            "us a report | assembly: add N / take, ms | run start + end, us a rank |"
+        )
+        lines = [head, "|---|--:|--:|--:|--:|--:|--:|--:|"]
+        for r in rows:
+            lines.append(
+                f"| {r.kind} {r.ranks} | {_fmt(r.get('report_us'), 2)} ({_fmt(r.get('gc_us'), 2)}) "
+                f"| {_fmt(r.get('step_ms'), 3)} | {_fmt(r.get('latency_ms'), 2)} "
+                f"| {_fmt(r.get('report_us_tuned'), 2)} / {_fmt(r.get('step_ms_tuned'), 3)} / "
+                f"{_fmt(r.get('latency_ms_tuned'), 2)} | {_fmt(r.get('sim_us_tuned'), 2)} "
+                f"| {_fmt(r.get('add_ms'), 3)} / {_fmt(r.get('take_ms'), 3)} "
+                f"| {_fmt(r.get('run_rank_us'))} |"
+            )
+        head = (
+            "| ranks | heap per idle rank, KiB | planning, ms | group start, ms (driver CPU, us a "
+            "rank) | saturated: reports/s per driver core | whole driver process, us a report |"
         )
         lines += ["", head, "|---|--:|--:|--:|--:|--:|"]
-        for r in dispatched:
-            cells = [
-                f"{_fmt(r.get(k + '_ms'), 3)} ({_fmt(r.get(k + '_cpu_ms'), 3)})"
-                for k in ("all", "scatter", "least", "least_busy", "rank")
-            ]
-            lines.append(f"| {r.kind} {r.ranks} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for r in rows:
+            lines.append(
+                f"| {r.kind} {r.ranks} | {_fmt(r.get('heap_rank_kib'), 2)} "
+                f"| {_fmt(r.get('planning_ms'), 3)} "
+                f"| {_fmt(r.get('start_ms'))} ({_fmt(r.get('start_rank_us'))}) "
+                f"| {_fmt(r.get('saturated_per_s'))} | {_fmt(r.get('process_report_us'), 2)} |"
+            )
+        if not rows:  # the dispatch figures alone
+            lines = []
+        if dispatched:
+            head = (
+                "| ranks | call, same arguments: ms (driver CPU) | scatter, 64 floats a rank: ms "
+                "(driver CPU) | least_loaded, idle ranks: ms (CPU) | least_loaded, all but one "
+                "busy, cap 1: ms (CPU) | rank(i): ms (CPU) |"
+            )
+            lines += ["", head, "|---|--:|--:|--:|--:|--:|"]
+            for r in dispatched:
+                cells = [
+                    f"{_fmt(r.get(k + '_ms'), 3)} ({_fmt(r.get(k + '_cpu_ms'), 3)})"
+                    for k in ("all", "scatter", "least", "least_busy", "rank")
+                ]
+                lines.append(f"| {r.kind} {r.ranks} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+
+TABLES = Tables()
 
 
 def verdicts(rows: list[Row]) -> list[str]:
@@ -498,23 +505,19 @@ def verdicts(rows: list[Row]) -> list[str]:
     return out
 
 
-def profile(n: int) -> None:
+async def profile(n: int) -> None:
     """cProfile the driver through one paced run of N simulated ranks."""
-
-    async def run() -> None:
-        with simulated(SimCluster()) as sim:
-            async with asyncexec.Executor(n, health=NO_HEALTH) as executor:
-                rate = paced_rate(n, ray=False)
-                reports = max(30, 30_000 // n)
-                sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
-                prof = cProfile.Profile()
-                prof.enable()
-                async for _ in executor.run(noop):
-                    pass
-                prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-
-    asyncio.run(run())
+    with simulated(SimCluster()) as sim:
+        async with asyncexec.Executor(n, health=NO_HEALTH) as executor:
+            rate = paced_rate(n, ray=False)
+            reports = max(30, 30_000 // n)
+            sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
+            prof = cProfile.Profile()
+            prof.enable()
+            async for _ in executor.run(noop):
+                pass
+            prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 async def bench(sizes: Sizes, sim_only: bool, dispatch: bool = False) -> list[Row]:
@@ -535,34 +538,33 @@ async def bench(sizes: Sizes, sim_only: bool, dispatch: bool = False) -> list[Ro
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
+async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
+    if args.profile:
+        await profile(args.profile)
+        return Result([], TABLES)
+    rows = await bench(sizes, args.sim_only, args.dispatch_only)
+    return Result(rows, TABLES, [f"- {line}" for line in verdicts(rows)])
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-only", action="store_true", help="only the simulated ranks")
     parser.add_argument(
         "--dispatch-only", action="store_true", help="only the dispatch figures (simulated)"
     )
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N simulated ranks")
-    args = parser.parse_args(argv)
-    _harness.drop_library_logs()
-    if args.profile:
-        profile(args.profile)
-        return 0
-    sizes = QUICK if args.quick else FULL
-    t0 = time.perf_counter()
-    rows = asyncio.run(bench(sizes, args.sim_only, args.dispatch_only))
-    print()
-    print(
-        f"asyncexec: the driver's cost as ranks grow ({'quick' if args.quick else 'full'}), "
-        f"{_harness.machine()}; medians of {sizes.repeats} "
-        f"({time.perf_counter() - t0:.0f} s)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="asyncexec: the driver's cost as ranks grow",
+        full=FULL,
+        quick=QUICK,
+        run=run,
+        options=_options,
+        about=lambda sizes, args: f"medians of {sizes.repeats}",
     )
-    print()
-    print(render(rows))
-    print()
-    for line in verdicts(rows):
-        print(f"- {line}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import psutil
 import ray
 
 import asyncexec
-from benchmarks._probes import Heartbeat, live_placement_groups, live_workers, percentile
+from benchmarks._common import LoopBeat, MiB, live_placement_groups, live_workers, percentile
 
 __all__ = [
     "FD_TOLERANCE",
@@ -55,7 +55,6 @@ __all__ = [
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MiB = 1024 * 1024
 
 #: Growth tolerated in the driver's threads (anyio's idle worker threads come and go).
 THREAD_TOLERANCE = 2
@@ -154,7 +153,7 @@ async def lifecycles(count: int, storage: Path, *, warmup: int = 3, steps: int =
     for _ in range(warmup):
         await _one(storage, 0.5, steps)
     phase.start = await settle()
-    beat = Heartbeat()
+    beat = LoopBeat()
     async with anyio.create_task_group() as tg:
         tg.start_soon(beat.run)
         for _ in range(count):
@@ -182,7 +181,7 @@ async def concurrent(
     for _ in range(warmup):
         await round_()
     phase.start = await settle()
-    beat = Heartbeat()
+    beat = LoopBeat()
     async with anyio.create_task_group() as tg:
         tg.start_soon(beat.run)
         for _ in range(rounds):

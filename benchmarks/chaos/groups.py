@@ -19,7 +19,7 @@ import tenacity
 
 import asyncexec
 import asyncexec.backends
-from benchmarks._probes import live_placement_groups
+from benchmarks._common import live_placement_groups
 from benchmarks.chaos.group_invariants import (
     check_independent,
     check_pool,

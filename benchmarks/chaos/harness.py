@@ -12,7 +12,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import anyio
 import tenacity
 
 import asyncexec
-from benchmarks._probes import live_placement_groups, live_workers
+from benchmarks._common import live_placement_groups, live_workers
 from benchmarks.chaos.invariants import (
     RECOVERY_BOUND_S,
     STOP_BOUND_S,
@@ -31,7 +31,7 @@ from benchmarks.chaos.invariants import (
 from benchmarks.chaos.scenarios import Env, Outcome, Scenario
 from benchmarks.chaos.worker import gate_hook
 
-__all__ = ["Gate", "LoopBeat", "leftovers", "wait_no_leftovers"]
+__all__ = ["Gate", "leftovers", "wait_no_leftovers"]
 
 #: The seconds each step of the counter sleeps.
 STEP_SLEEP_S = 0.02
@@ -61,37 +61,6 @@ async def wait_no_leftovers(timeout_s: float = 15.0) -> str:
         if not found or time.monotonic() > deadline:
             return found
         await anyio.sleep(0.1)
-
-
-class LoopBeat:
-    """Measures the longest event-loop stall while :meth:`run` runs, leaving out the stalls a
-    scenario declares with :meth:`excused` (adding a node to the cluster must block the loop:
-    Ray's ``Node`` installs signal handlers, which only the main thread may do)."""
-
-    def __init__(self) -> None:
-        self.max_gap = 0.0
-        self.excused_s = 0.0
-        self._skip = False
-
-    @contextlib.contextmanager
-    def excused(self) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.excused_s += time.perf_counter() - t0
-            self._skip = True
-
-    async def run(self) -> None:
-        last = anyio.current_time()
-        while True:
-            await anyio.sleep(0.01)
-            now = anyio.current_time()
-            if self._skip:
-                self._skip = False
-            else:
-                self.max_gap = max(self.max_gap, now - last - 0.01)
-            last = now
 
 
 class Gate:

@@ -22,9 +22,9 @@ from typing import Any
 import anyio
 import ray
 
-from benchmarks._probes import percentile
+from benchmarks._common import LoopBeat, percentile
 from benchmarks.chaos import channel, faults, groups, resume
-from benchmarks.chaos.harness import LoopBeat, wait_no_leftovers
+from benchmarks.chaos.harness import wait_no_leftovers
 from benchmarks.chaos.invariants import LOOP_LAG_BOUND_S, SCENARIO_TIMEOUT_S
 from benchmarks.chaos.scenarios import KINDS, NODE_KINDS, Env, Outcome, Scenario, draw_scenarios
 
