@@ -22,7 +22,7 @@ import anyio
 from ..._errors import ConfigurationError, ExecutorStateError
 from ..._logging import get_logger
 from .._config import PlacementStrategy, check_count, validate_resources
-from ..cluster import PRECISION, Placement, cluster_for
+from ..cluster import PRECISION, Cluster, Placement, checked_cluster, default_cluster
 from ._ranks import order_workers
 
 __all__ = ["Claim", "Reservation", "ReservationStatistics"]
@@ -72,6 +72,10 @@ class Reservation:
         placement_timeout_s: how long the placement group may take to be ready.
         address: the Ray cluster to join when Ray is not initialized.
         name: a name for logs and errors.
+        cluster: the cluster the bundles are placed in, such as an
+            :class:`asyncexec.testing.SimCluster`; ``None``: Ray's (or, inside
+            :func:`asyncexec.testing.simulated`, that block's). The executors and pools on the
+            reservation run on it.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Reservation:
         placement_timeout_s: float = _DEFAULT_PLACEMENT_TIMEOUT_S,
         address: str | None = None,
         name: str = "reservation",
+        cluster: Cluster | None = None,
     ) -> None:
         check_count("bundles", bundles)
         resources = validate_resources(
@@ -101,8 +106,8 @@ class Reservation:
         self.address = address
         self.name = name
         self.log = get_logger(reservation=f"{name}-{os.urandom(4).hex()}")
-        #: Reservations are Ray's placement groups (a local executor takes none).
-        self.cluster = cluster_for(local=False)
+        #: Where the bundles are placed (a local executor takes no reservation).
+        self.cluster = default_cluster() if cluster is None else checked_cluster(cluster)
         self._placement: Placement | None = None
         self._order: list[int] = []  # bundle index of each slot, in rank order
         self._nodes: list[str] = []  # node id of each slot
