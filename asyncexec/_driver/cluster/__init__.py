@@ -23,7 +23,7 @@ from ._calls import (
     result_of,
     settled,
 )
-from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, default_cluster
+from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, default_cluster, placing
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
@@ -81,6 +81,7 @@ __all__ = [
     "infeasible_reason",
     "make_shards",
     "outcome_error",
+    "placing",
     "proxy",
     "ray_error_kind",
     "release_shards",

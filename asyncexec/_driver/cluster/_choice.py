@@ -18,7 +18,7 @@ from ._inprocess import InProcessCluster
 from ._local import LocalCluster
 from ._ray import RayCluster
 
-__all__ = ["DEFAULT_CLUSTER", "agreed", "checked_cluster", "default_cluster"]
+__all__ = ["DEFAULT_CLUSTER", "agreed", "checked_cluster", "default_cluster", "placing"]
 
 #: The cluster that objects made without one run on in this context, or None (Ray's, or the
 #: threads of a local executor). Only ``asyncexec.testing.simulated`` sets it, for a block; an
@@ -56,6 +56,21 @@ def default_cluster(local: bool = False) -> Cluster:
     if in_context is not None:
         return in_context
     return _LOCAL if local else _RAY
+
+
+def placing(cluster: Cluster, what: str) -> Cluster:
+    """``cluster``, for ``what`` (a reservation), which needs bundles placed: Ray's.
+
+    Raises:
+        ConfigurationError: ``cluster`` is in this process (simulated, or local mode's
+            threads), which places no bundles (naming it).
+    """
+    if isinstance(cluster, InProcessCluster):
+        raise ConfigurationError(
+            f"{what} is a placement group of Ray's: {cluster!r} places no bundles (a pool "
+            "or an executor runs on it without one)"
+        )
+    return cluster
 
 
 def agreed(sides: Sequence[tuple[str, Cluster | None]], local: bool = False) -> Cluster:
