@@ -1,7 +1,7 @@
 """The one seam to where the workers live (see ``_base``): the only driver code that imports Ray.
 
 Upper layers are handed a :class:`Cluster` (``cluster=``), or get the default from ``_choice``
-(:func:`default_cluster`, :func:`agreed`), and call workers' methods through
+(:func:`agreed`: handed in, the parts', or the default), and call workers' methods through
 the typed proxy of ``_proxy`` (:func:`proxy`), whose calls (``_calls.Call``) raise asyncexec's
 errors: Ray's become asyncexec's in ``_errors`` and nowhere else. A :class:`Handle` is passed
 around above, never called there.
@@ -23,7 +23,7 @@ from ._calls import (
     result_of,
     settled,
 )
-from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, default_cluster, placing
+from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, placing
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
@@ -74,7 +74,6 @@ __all__ = [
     "gathered",
     "backend_error",
     "checked_cluster",
-    "default_cluster",
     "described",
     "dump_processes",
     "dumps",

@@ -26,8 +26,8 @@ from ..cluster import (
     PRECISION,
     Cluster,
     Placement,
+    agreed,
     checked_cluster,
-    default_cluster,
     placing,
 )
 from ._ranks import order_workers
@@ -114,9 +114,9 @@ class Reservation:
         self.name = name
         self.log = get_logger(reservation=f"{name}-{os.urandom(4).hex()}")
         #: Where the bundles are placed: Ray's (a local executor takes no reservation).
+        handed = None if cluster is None else checked_cluster(cluster)
         self.cluster = placing(
-            default_cluster() if cluster is None else checked_cluster(cluster),
-            f"the reservation {name!r}",
+            agreed([(f"the reservation {name!r} (cluster=)", handed)]), f"the reservation {name!r}"
         )
         self._placement: Placement | None = None
         self._order: list[int] = []  # bundle index of each slot, in rank order
