@@ -193,9 +193,9 @@ class Executor(WorkerCalls, ExecutorRuns):
         **legacy: Any,
     ) -> None:
         timeouts, health = grouped_options(timeouts, health, legacy)
-        if cluster is not None:
+        if cluster is not None:  # refused with local=True; ASYNCEXEC_LOCAL does not apply
             cluster = checked_cluster(cluster, local)
-            local = False
+            local = False if local is None else local
         local = local_default(local)
         _check_parts(local, backend, pool, reservation, isinstance(num_workers, tuple))
         if restart is not None and not isinstance(restart, RestartPolicy):

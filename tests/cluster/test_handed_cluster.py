@@ -77,6 +77,9 @@ def test_local_true_with_a_cluster_is_refused_naming_both() -> None:
     with pytest.raises(asyncexec.ConfigurationError, match=r"local=True or a cluster") as info:
         asyncexec.Executor(2, local=True, cluster=cluster)
     assert repr(cluster) in str(info.value)
+    with pytest.raises(asyncexec.ConfigurationError, match="local must be"):
+        asyncexec.Executor(2, local="yes", cluster=cluster)  # type: ignore[arg-type]
+    assert asyncexec.Executor(2, local=False, cluster=cluster).cluster is cluster
     with pytest.raises(asyncexec.ConfigurationError, match=r"cluster must be .*got 'ray'"):
         asyncexec.Executor(2, cluster="ray")  # type: ignore[arg-type]
 
