@@ -8,8 +8,8 @@ and simulated ranks at 4 to 4,096, in one table of medians.
     python benchmarks/scale.py --profile 4096   # cProfile of the driver through a paced run
 
 Simulated ranks are the cluster seam's third implementation (``asyncexec._driver.cluster``'s
-``SimCluster``, selected with ``simulated()``): objects on the driver's own event loop that
-answer the worker protocol and report at a fixed rate, each answer crossing a pickle round trip
+``SimCluster``, handed to the executors as ``cluster=``): objects on the driver's own event loop
+that answer the worker protocol and report at a fixed rate, each answer crossing a pickle round trip
 as an actor's does. What they cost is timed apart and subtracted: the figures are the driver's.
 
 What is measured, per size (health checks off: they cost one small call per rank and interval):
@@ -66,7 +66,7 @@ from _scale_workload import HELD, WAITING, Shard, flat_out, paced
 
 import asyncexec
 from asyncexec._driver._devices import DEVICE_KINDS, shared_device_env
-from asyncexec._driver.cluster import GcClock, SimCluster, SimLoad, simulated
+from asyncexec._driver.cluster import GcClock, SimCluster, SimLoad
 from asyncexec._driver.group._ranks import assign_ranks, order_workers
 from asyncexec._driver.run._stragglers import StragglerWatch
 from asyncexec._driver.run._window import BATCH, Assembly
@@ -322,7 +322,8 @@ async def dispatch_figures(clock: Clock, n: int, repeats: int, row: Row) -> None
 
     data = np.arange(n * SCATTER_FLOATS, dtype=np.float32)
     role = asyncexec.Role(Shard)
-    async with asyncexec.Executor(n, roles=role, health=NO_HEALTH, name="scale") as ex:
+    executor = asyncexec.Executor(n, roles=role, health=NO_HEALTH, name="scale", cluster=clock.sim)
+    async with executor as ex:
         least, last = asyncexec.least_loaded(), asyncexec.rank(n - 1)
         figures: dict[str, Callable[[], Any]] = {
             "all": lambda: ex.call(Shard.take, None),
@@ -362,13 +363,13 @@ async def measure(kind: str, n: int, sizes: Sizes) -> Row:
 
     def make() -> asyncexec.Executor:
         if sim is not None:
-            return asyncexec.Executor(n, health=NO_HEALTH, name="scale")
+            return asyncexec.Executor(n, health=NO_HEALTH, name="scale", cluster=sim)
         return asyncexec.Executor(
             n, resources_per_worker=RAY_RESOURCES, health=NO_HEALTH, name="scale"
         )
 
     gc.callbacks.append(clock.gc)
-    with simulated(sim) if sim is not None else contextlib.nullcontext():
+    try:
         executor = await entered(make, clock, n, row)
         try:
             for repeat in range(sizes.repeats):
@@ -379,12 +380,11 @@ async def measure(kind: str, n: int, sizes: Sizes) -> Row:
                 await saturated_run(executor, clock, n, sizes.saturated_reports, row)
         finally:
             await executor.aclose()
-        try:
-            if sim is not None and n in sizes.dispatch:
-                progress(f"{kind} {n}: dispatch")
-                await dispatch_figures(clock, n, sizes.repeats, row)
-        finally:
-            gc.callbacks.remove(clock.gc)
+        if sim is not None and n in sizes.dispatch:
+            progress(f"{kind} {n}: dispatch")
+            await dispatch_figures(clock, n, sizes.repeats, row)
+    finally:
+        gc.callbacks.remove(clock.gc)
     return row
 
 
@@ -394,8 +394,7 @@ async def dispatch_only(n: int, sizes: Sizes) -> Row:
     clock = Clock(sim)
     gc.callbacks.append(clock.gc)
     try:
-        with simulated(sim):
-            await dispatch_figures(clock, n, sizes.repeats, row)
+        await dispatch_figures(clock, n, sizes.repeats, row)
     finally:
         gc.callbacks.remove(clock.gc)
     return row
@@ -507,16 +506,16 @@ def verdicts(rows: list[Row]) -> list[str]:
 
 async def profile(n: int) -> None:
     """cProfile the driver through one paced run of N simulated ranks."""
-    with simulated(SimCluster()) as sim:
-        async with asyncexec.Executor(n, health=NO_HEALTH) as executor:
-            rate = paced_rate(n, ray=False)
-            reports = max(30, 30_000 // n)
-            sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
-            prof = cProfile.Profile()
-            prof.enable()
-            async for _ in executor.run(noop):
-                pass
-            prof.disable()
+    sim = SimCluster()
+    async with asyncexec.Executor(n, health=NO_HEALTH, cluster=sim) as executor:
+        rate = paced_rate(n, ray=False)
+        reports = max(30, 30_000 // n)
+        sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
+        prof = cProfile.Profile()
+        prof.enable()
+        async for _ in executor.run(noop):
+            pass
+        prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 

@@ -39,7 +39,7 @@ from _harness import Grid, Result
 from _scale_workload import turns_slow
 
 import asyncexec
-from asyncexec._driver.cluster import SimCluster, SimLoad, simulated
+from asyncexec._driver.cluster import SimCluster, SimLoad
 
 STEP_S, SLOW_FACTOR, WINDOW = 0.01, 3.0, 10
 #: Simulated ranks' step (1,024 ranks at 10 steps/s: 10,240 reports/s on the driver's loop).
@@ -103,17 +103,17 @@ async def sim_trial(n: int, seen: Straggled, slow_from: int) -> float:
         tagged=False,
     )
     started = None
-    with simulated(SimCluster(load)):
-        async with asyncexec.Executor(n, health=asyncexec.HealthChecks(interval_s=None)) as ex:
-            async for step in ex.run(turns_slow):
-                if step.index == slow_from:
-                    batch = step._batch  # the raw report times the step was built from
-                    assert batch is not None and batch.times is not None
-                    times, i = batch.times, step.index - batch.first
-                    made = times.calls[SLOW_RANK * times.steps + i]
-                    started = made - SIM_STEP_S * SLOW_FACTOR
-                if len(seen.events) > mark:
-                    break
+    health = asyncexec.HealthChecks(interval_s=None)
+    async with asyncexec.Executor(n, health=health, cluster=SimCluster(load)) as ex:
+        async for step in ex.run(turns_slow):
+            if step.index == slow_from:
+                batch = step._batch  # the raw report times the step was built from
+                assert batch is not None and batch.times is not None
+                times, i = batch.times, step.index - batch.first
+                made = times.calls[SLOW_RANK * times.steps + i]
+                started = made - SIM_STEP_S * SLOW_FACTOR
+            if len(seen.events) > mark:
+                break
     return seen.delay(mark, started)
 
 

@@ -24,10 +24,11 @@ from ._config import (
     grouped_options,
 )
 from ._dispatcher import WorkerCalls
-from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, cluster_of, local_default
+from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
 from ._sinks import ExecutorCounts, executor_observer
+from .cluster import Cluster, agreed, checked_cluster
 from .group import GroupSlot, Reservation, WorkerPool
 from .run import RunState
 
@@ -76,6 +77,27 @@ def _check_parts(
             f"an elastic executor takes no {'pool' if pool is not None else 'reservation'}: "
             "its groups are placed in placement groups of their own size"
         )
+
+
+def _cluster_of(
+    name: str,
+    cluster: Cluster | None,
+    pool: WorkerPool | None,
+    reservation: Reservation | None,
+    local: bool,
+) -> Cluster:
+    """Where an executor's workers live: the cluster handed in, else its pool's or its
+    reservation's, else the default (see ``cluster._choice``). Decided once, when it is made.
+
+    Raises:
+        ConfigurationError: the cluster handed in and the pool's or reservation's differ.
+    """
+    sides: list[tuple[str, Cluster | None]] = [(f"the executor {name!r} (cluster=)", cluster)]
+    if pool is not None:
+        sides.append((f"its pool {pool.config.name!r}", pool.cluster))
+    if reservation is not None:
+        sides.append((f"its reservation {reservation.name!r}", reservation.cluster))
+    return agreed(sides, local)
 
 
 class Executor(WorkerCalls, ExecutorRuns):
@@ -132,6 +154,12 @@ class Executor(WorkerCalls, ExecutorRuns):
             the last 100,000 events, or how many to keep, or a :class:`Timeline` that other
             executors record into too (this one's part a process named ``name``, on one
             clock); off (``False``) by default.
+        cluster: the cluster the workers run on, such as an
+            :class:`asyncexec.testing.SimCluster` (simulated workers, no Ray); ``None``: its
+            pool's or reservation's, else Ray's (or, inside
+            :func:`asyncexec.testing.simulated`, that block's). Not with ``local=True``
+            (``ASYNCEXEC_LOCAL`` does not apply to it); a pool or reservation must run on the
+            same one.
         **legacy: the options grouped into ``timeouts`` and ``health`` in 0.2, under their old
             names (``start_timeout_s=``, ``health_check_interval_s=``, ...): deprecated.
     """
@@ -161,9 +189,13 @@ class Executor(WorkerCalls, ExecutorRuns):
         elastic_check_interval_s: float = _D.elastic_check_interval_s,
         local: bool | None = None,
         timeline: bool | int | Timeline = False,
+        cluster: Cluster | None = None,
         **legacy: Any,
     ) -> None:
         timeouts, health = grouped_options(timeouts, health, legacy)
+        if cluster is not None:  # refused with local=True; ASYNCEXEC_LOCAL does not apply
+            cluster = checked_cluster(cluster, local)
+            local = False if local is None else local
         local = local_default(local)
         _check_parts(local, backend, pool, reservation, isinstance(num_workers, tuple))
         if restart is not None and not isinstance(restart, RestartPolicy):
@@ -211,7 +243,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         #: observer, which its groups, runs and calls emit their events to.
         self._counts = ExecutorCounts()
         observer = executor_observer(self._counts, self.config.name, self.timeline)
-        cluster = cluster_of(self.config, pool, reservation)
+        cluster = _cluster_of(name, cluster, pool, reservation, local)
         self._life = Lifecycle(
             self.config, backend, self.log, cluster, pool, reservation, self.timeline, observer
         )
@@ -264,6 +296,11 @@ class Executor(WorkerCalls, ExecutorRuns):
                 return ExecutorState.RESTARTING
             return ExecutorState.RUNNING
         return ExecutorState.READY
+
+    @property
+    def cluster(self) -> Cluster:
+        """The cluster the workers run on (handed in as ``cluster=``, or the default)."""
+        return self._life.cluster
 
     @property
     def workers(self) -> list[WorkerContext]:

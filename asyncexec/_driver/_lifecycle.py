@@ -22,11 +22,11 @@ from ._config import ExecutorConfig
 from ._interrupt import defer_interrupts, restore_interrupts
 from ._observe import Observer
 from ._taskgroups import task_group
-from .cluster import DUMP_TIMEOUT_S, Cluster, cluster_for
+from .cluster import DUMP_TIMEOUT_S, Cluster
 from .group import Claim, GroupSlot, Reservation, WorkerPool
 from .run import RunCore
 
-__all__ = ["LOCAL_ENV", "ExecutorState", "Lifecycle", "cluster_of", "local_default"]
+__all__ = ["LOCAL_ENV", "ExecutorState", "Lifecycle", "local_default"]
 
 #: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
 _RUN_END_MARGIN_S = 10.0
@@ -69,20 +69,6 @@ class ExecutorState(enum.Enum):
     CLOSED = "closed"
 
 
-def cluster_of(
-    config: ExecutorConfig, pool: WorkerPool | None, reservation: Reservation | None
-) -> Cluster:
-    """Where an executor's workers live: its pool's or its reservation's cluster (the one they
-    hold their workers and bundles in), else the one ``config.local`` says (this process's
-    threads, or Ray's; the simulated one inside ``cluster.simulated``). Decided once, by the
-    executor, and handed to its lifecycle."""
-    if pool is not None:
-        return pool.cluster
-    if reservation is not None:
-        return reservation.cluster
-    return cluster_for(config.local)
-
-
 class Lifecycle:
     """One executor's life (see the module's docstring); an executor may live more than once
     (entered again after it closed: a fresh group)."""
@@ -103,8 +89,8 @@ class Lifecycle:
         self.log = log
         self.pool = pool
         self.reservation = reservation
-        #: Where the workers live (handed in: the pool's, the reservation's, or as ``local``
-        #: says).
+        #: Where the workers live (decided by the executor: the one handed to it, its pool's
+        #: or reservation's, or the default).
         self.cluster = cluster
         self.state = ExecutorState.NEW
         self.tg: anyio.abc.TaskGroup | None = None

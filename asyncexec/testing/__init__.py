@@ -2,9 +2,10 @@
 test.
 
 As ``httpx.MockTransport`` stands in for the network and ``trio.testing`` for the clock, this
-module stands in for the cluster. Inside :func:`simulated`, every ``Executor`` (and pool and
-reservation) made puts its ranks on a :class:`SimCluster`: small objects on your own event loop,
-no process, thread or Ray. What they run:
+module stands in for the cluster. An ``Executor`` (or pool) handed a :class:`SimCluster`
+(``Executor(4, cluster=SimCluster())``), or made inside :func:`simulated` (which makes one the
+default of its block), puts its ranks on it: small objects on your own event loop, no process,
+thread or Ray. What they run:
 
 - ``execute()``, ``call()`` and your roles' methods run your code, on the driver's loop (an
   ``async def`` method as a task, so calls to one rank overlap as on an async actor); their

@@ -19,7 +19,6 @@ from asyncexec._driver.cluster import (
     Call,
     CallCancelledError,
     LocalWorkerGone,
-    cluster_for,
     proxy,
     result_of,
     settled,
@@ -245,7 +244,7 @@ async def test_a_cancelled_call_on_a_real_worker_ends_as_cancelled_with_its_caus
     cluster's error as its cause; it was a ``WorkerRaisedError`` on Ray (Ray's
     ``TaskCancelledError`` arrives as the task's error) and a ``WorkerUnreachableError`` in
     local mode."""
-    cluster = cluster_for(local=mode == "local")
+    cluster = asyncexec.Executor(1, local=mode == "local").cluster  # Ray's, or local mode's
     await cluster.connect(None)
     config = asyncexec.Executor(1, resources_per_worker=CPU).config
     [(handle, metadata)] = await cluster.start_workers(config, None, [None], 30)

@@ -22,7 +22,7 @@ import pytest
 import asyncexec
 from asyncexec._dispatch._plan import ALL, plan_call
 from asyncexec._worker import ROLE_GROUPS
-from asyncexec.testing import SimCluster, SimLoad, simulated
+from asyncexec.testing import SimCluster, SimLoad
 
 CPU = {"CPU": 0.25}
 NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
@@ -263,16 +263,16 @@ async def test_a_plain_call_given_up_runs_to_its_end_and_keeps_its_slot(mode: st
 @pytest.mark.timeout(30)
 async def test_simulated_ranks_cancel_an_async_call_given_up() -> None:
     cap = asyncexec.least_loaded(max_in_flight=1)
-    with simulated(SimCluster(SimLoad(reports=1))):
-        async with asyncexec.Executor(1, roles=Worker, health=NO_HEALTH) as ex:
-            with anyio.CancelScope() as scope:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(functools.partial(ex.call, Worker.hang, on=cap))
-                    assert await ex.call(Worker.wait_hanging, on=asyncexec.rank(0)) == 1
-                    scope.cancel()
-            with anyio.fail_after(5):
-                state = await ex.call(Worker.state, on=cap)
-            assert state["cancelled"] == 1 and state["hanging"] == 0
+    cluster = SimCluster(SimLoad(reports=1))
+    async with asyncexec.Executor(1, roles=Worker, health=NO_HEALTH, cluster=cluster) as ex:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(ex.call, Worker.hang, on=cap))
+                assert await ex.call(Worker.wait_hanging, on=asyncexec.rank(0)) == 1
+                scope.cancel()
+        with anyio.fail_after(5):
+            state = await ex.call(Worker.state, on=cap)
+        assert state["cancelled"] == 1 and state["hanging"] == 0
 
 
 # The least-loaded wait: an ended call hands its slot over ----------------------------------------
@@ -455,10 +455,10 @@ async def test_a_worker_answers_a_bad_key_with_an_error_and_call_role_with_an_ou
 
 
 async def test_simulated_ranks_answer_call_method() -> None:
-    with simulated(SimCluster(SimLoad(reports=1))):
-        async with asyncexec.Executor(2, roles=Values, health=NO_HEALTH) as ex:
-            assert await ex.call(Values.plain, b"b") == [b"b", b"b"]
-            assert await ex.call(Values.coro, {"k": 1}, on=asyncexec.least_loaded()) == {"k": 1}
+    cluster = SimCluster(SimLoad(reports=1))
+    async with asyncexec.Executor(2, roles=Values, health=NO_HEALTH, cluster=cluster) as ex:
+        assert await ex.call(Values.plain, b"b") == [b"b", b"b"]
+        assert await ex.call(Values.coro, {"k": 1}, on=asyncexec.least_loaded()) == {"k": 1}
 
 
 # Planning: the commonest call is planned from what was found of its method once ---------------

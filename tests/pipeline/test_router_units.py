@@ -460,19 +460,20 @@ async def test_an_attempt_that_fails_in_its_own_bookkeeping_fails_its_request_an
     that would not come. It now answers its request with that error and fails the router, as a
     failed task fails its task group."""
     from asyncexec._driver.pipeline import _router_requests
-    from asyncexec.testing import ScriptedServer, simulated
+    from asyncexec.testing import ScriptedServer, SimCluster
 
     def broken(*args: Any) -> None:
         raise RuntimeError("a defect in the attempt's bookkeeping")
 
-    with simulated():
-        async with (
-            asyncexec.Executor(2, roles=asyncexec.Role(ScriptedServer)) as servers,
-            asyncexec.Router(servers, max_in_flight=2) as router,
-        ):
-            monkeypatch.setattr(_router_requests, "_forget", broken)  # (the attempt's alone)
-            with anyio.fail_after(5), pytest.raises(RuntimeError, match="bookkeeping"):
-                await router.generate(asyncexec.RolloutRequest(0, "prompt"))
-            with pytest.raises(RuntimeError, match="bookkeeping"):  # the router is failed
-                await router.generate(asyncexec.RolloutRequest(1, "prompt"))
-            assert router.requests.attempts == {}
+    async with (
+        asyncexec.Executor(
+            2, roles=asyncexec.Role(ScriptedServer), cluster=SimCluster()
+        ) as servers,
+        asyncexec.Router(servers, max_in_flight=2) as router,
+    ):
+        monkeypatch.setattr(_router_requests, "_forget", broken)  # (the attempt's alone)
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match="bookkeeping"):
+            await router.generate(asyncexec.RolloutRequest(0, "prompt"))
+        with pytest.raises(RuntimeError, match="bookkeeping"):  # the router is failed
+            await router.generate(asyncexec.RolloutRequest(1, "prompt"))
+        assert router.requests.attempts == {}

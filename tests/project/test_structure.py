@@ -11,6 +11,8 @@
 - No module takes another wing's private names, nor the worker side's private modules from
   outside it; local mode has no ``is_local`` checks outside the seam; nothing above the seam maps
   the cluster's errors.
+- The cluster an object runs on is handed in (``cluster=``) or chosen in the seam's ``_choice``
+  alone (:data:`CLUSTER_CHOSEN`), never by a flag and a global stack elsewhere.
 - Every shielded cancel scope has a deadline of its own (a ``move_on_after`` or ``fail_after`` in
   the same ``with``, or ``teardown()``), or says where it is bounded (``# bounded: ...``): a hang
   in teardown is the worst defect the library can have.
@@ -303,6 +305,49 @@ def test_the_places_that_may_know_ray_do() -> None:
     for entry in RAY_KNOWN:
         inside = [n for n in MODULES if n == entry or n.startswith(entry + ".")]
         assert any(list(_knows_ray(n)) for n in inside), entry
+
+
+#: Where the cluster an object runs on is chosen: the seam's ``_choice`` (the one handed in, its
+#: parts', the context's default, else Ray's or local mode's threads). ``simulated()`` alone sets
+#: that default, for a block; the seam's package re-exports it for it.
+CLUSTER_CHOSEN = "_driver.cluster._choice"
+CLUSTER_DEFAULT_SET = ("_driver.cluster", "testing._simulated")
+#: The classes that hold workers or bundles, each handed the cluster they run on (``cluster=``).
+CLUSTER_TAKERS = {
+    "_driver._executor": "Executor",
+    "_driver.group._pool": "WorkerPool",
+    "_driver.group._reservation": "Reservation",
+}
+
+
+def test_the_cluster_is_handed_in_or_chosen_in_one_place() -> None:
+    """No boolean and global stack picks the cluster: Ray's and local mode's clusters are made,
+    and the context's default read, in ``_choice`` alone; ``simulated()`` alone sets that
+    default; and the classes that hold workers take the cluster they run on."""
+    made = [
+        name
+        for name, path in MODULES.items()
+        if name != CLUSTER_CHOSEN
+        and re.search(r"\b(RayCluster|LocalCluster|InProcessCluster)\(\)", path.read_text())
+    ]
+    assert made == []
+    defaults = [
+        name
+        for name, path in MODULES.items()
+        if name not in (CLUSTER_CHOSEN, *CLUSTER_DEFAULT_SET)
+        and re.search(r"\bDEFAULT_CLUSTER\b|\bdefault_cluster\(", path.read_text())
+    ]
+    assert defaults == []
+    for module, cls in CLUSTER_TAKERS.items():
+        tree = ast.parse(MODULES[module].read_text())
+        [init] = [
+            f
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name == cls
+            for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+        ]
+        assert "cluster" in [a.arg for a in init.args.kwonlyargs], cls
 
 
 def _root_wing(name: str) -> str:

@@ -60,12 +60,12 @@ async def rl_loop(pipe: asyncexec.Pipeline) -> tuple[list[Hashable], list[int]]:
 
 @pytest.mark.timeout(30)
 async def test_a_users_loop_over_a_run_is_tested_on_simulated_workers() -> None:
-    with simulated(SimCluster(SimLoad(reports=6, rate=500.0), ranks_per_node=4)) as cluster:
-        async with asyncexec.Executor(8) as executor:
-            means = await mean_per_step(executor)
-            assert executor.result is not None
-            assert executor.result.return_values == list(range(8))  # each rank's rank
-            assert [w.node_id for w in executor.workers[::4]] == ["sim-node-0", "sim-node-1"]
+    cluster = SimCluster(SimLoad(reports=6, rate=500.0), ranks_per_node=4)
+    async with asyncexec.Executor(8, cluster=cluster) as executor:
+        means = await mean_per_step(executor)
+        assert executor.result is not None
+        assert executor.result.return_values == list(range(8))  # each rank's rank
+        assert [w.node_id for w in executor.workers[::4]] == ["sim-node-0", "sim-node-1"]
     assert means == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert cluster.statistics().reports == 6 * 8
     assert not ray.is_initialized()

@@ -167,24 +167,24 @@ async def test_an_executor_closed_with_aclose_alone_and_dropped_leaves_the_loop_
     "Attempted to exit cancel scope in a different task than it was entered in")."""
     import gc
 
-    from asyncexec.testing import SimCluster, SimLoad, simulated
+    from asyncexec.testing import SimCluster, SimLoad
 
     failures: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _, context: failures.append(context))
-    with simulated(SimCluster(SimLoad(reports=1))):
-        executor = asyncexec.Executor(2)
-        await executor.__aenter__()
-        await executor.aclose()
-        del executor
-        gc.collect()
-        # What runs next on the loop: a task group's work, which the stray exit cancelled.
-        async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(anyio.sleep, 0.01)
-        again = asyncexec.Executor(2)
-        async with again:
-            steps = [step.index async for step in again.run(lambda: None)]
+    cluster = SimCluster(SimLoad(reports=1))
+    executor = asyncexec.Executor(2, cluster=cluster)
+    await executor.__aenter__()
+    await executor.aclose()
+    del executor
+    gc.collect()
+    # What runs next on the loop: a task group's work, which the stray exit cancelled.
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(anyio.sleep, 0.01)
+    again = asyncexec.Executor(2, cluster=cluster)
+    async with again:
+        steps = [step.index async for step in again.run(lambda: None)]
     assert steps == [0]
     assert failures == []
 
@@ -196,19 +196,19 @@ async def test_a_teardown_that_raised_leaves_no_closer_waiting(
     """Defect: ``aclose()`` marked the executor closed only after a teardown that went well; one
     that raised left it CLOSING, and every later closer (the ``async with``'s own exit after an
     explicit ``aclose()``) waited for it, shielded, for ever."""
-    from asyncexec.testing import SimCluster, SimLoad, simulated
+    from asyncexec.testing import SimCluster, SimLoad
 
     async def fails(*, force: bool) -> None:
         raise RuntimeError("the group's teardown failed")
 
-    with simulated(SimCluster(SimLoad(reports=1))):
-        executor = asyncexec.Executor(2)
-        with pytest.raises(RuntimeError, match="teardown failed"):
-            async with executor:
-                real = executor._life.slot.discard
-                monkeypatch.setattr(executor._life.slot, "discard", fails)
-                try:
-                    await executor.aclose()
-                finally:
-                    monkeypatch.setattr(executor._life.slot, "discard", real)
-        assert executor.state is asyncexec.ExecutorState.CLOSED
+    cluster = SimCluster(SimLoad(reports=1))
+    executor = asyncexec.Executor(2, cluster=cluster)
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        async with executor:
+            real = executor._life.slot.discard
+            monkeypatch.setattr(executor._life.slot, "discard", fails)
+            try:
+                await executor.aclose()
+            finally:
+                monkeypatch.setattr(executor._life.slot, "discard", real)
+    assert executor.state is asyncexec.ExecutorState.CLOSED

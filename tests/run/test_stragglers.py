@@ -20,7 +20,7 @@ from asyncexec._driver._config import ExecutorConfig
 from asyncexec._driver.cluster import NOT_TAKEN
 from asyncexec._driver.run._steps import StepTimes
 from asyncexec._driver.run._stragglers import MIN_LAG_S, StragglerWatch
-from asyncexec.testing import SimCluster, SimLoad, metrics_enabled, simulated
+from asyncexec.testing import SimCluster, SimLoad, metrics_enabled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,8 +107,8 @@ async def test_durations_leave_out_the_wait_for_credit(mode: str) -> None:
 
 async def test_simulated_stragglers_among_256_ranks_are_each_named() -> None:
     load = SimLoad(reports=40, rate=400.0, slow={17: 3.0, 200: 2.5})
-    with capture_logs() as logs, simulated(SimCluster(load)):
-        async with asyncexec.Executor(256) as executor:
+    with capture_logs() as logs:
+        async with asyncexec.Executor(256, cluster=SimCluster(load)) as executor:
             steps = [step async for step in executor.run(steps_with_a_slow_rank)]
     assert [e["rank"] for e in _stragglers(logs)] == [17, 200]
     assert len(steps) == 40
@@ -116,8 +116,9 @@ async def test_simulated_stragglers_among_256_ranks_are_each_named() -> None:
 
 
 async def test_simulated_balanced_ranks_fire_nothing() -> None:
-    with capture_logs() as logs, simulated(SimCluster(SimLoad(reports=40, rate=400.0))):
-        async with asyncexec.Executor(256) as executor:
+    cluster = SimCluster(SimLoad(reports=40, rate=400.0))
+    with capture_logs() as logs:
+        async with asyncexec.Executor(256, cluster=cluster) as executor:
             steps = [step async for step in executor.run(steps_with_a_slow_rank)]
     assert _stragglers(logs) == []
     assert len(steps) == 40
@@ -132,9 +133,8 @@ def registry() -> Iterator[Any]:
 
 async def test_straggler_counted_and_skew_sampled_by_executor(registry: Any) -> None:
     load = SimLoad(reports=30, rate=400.0, slow={3: 4.0})
-    with simulated(SimCluster(load)):
-        async with asyncexec.Executor(8, name="lagging") as executor:
-            steps = [step async for step in executor.run(steps_with_a_slow_rank)]
+    async with asyncexec.Executor(8, name="lagging", cluster=SimCluster(load)) as executor:
+        steps = [step async for step in executor.run(steps_with_a_slow_rank)]
     assert len(steps) == 30
     labels = {"executor": "lagging"}
     assert registry.get_sample_value("asyncexec_stragglers_total", labels) == 1

@@ -26,7 +26,7 @@ from asyncexec._driver.cluster._local import _ThreadWorker
 from asyncexec._driver.cluster._sim import SimWorker
 from asyncexec._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from asyncexec._worker import ThreadedWorkerCode, WorkerCode
-from asyncexec.testing import SimCluster, SimLoad, simulated
+from asyncexec.testing import SimCluster, SimLoad
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_HEALTH = asyncexec.HealthChecks(interval_s=None)
@@ -208,55 +208,56 @@ async def test_simulated_ranks_run_roles_and_every_dispatch_form() -> None:
     """Instances made on every simulated rank (``get_context()`` works in ``__init__``), a
     scatter, one rank, least-loaded under a cap with async methods in flight, a raised error,
     and an ``async def`` function through ``execute`` (awaited, not left a coroutine)."""
-    with simulated(SimCluster(SimLoad(reports=1))):
-        role = asyncexec.Role(Shard, 10)
-        async with asyncexec.Executor(4, roles=role, health=NO_HEALTH) as ex:
-            results = await ex.call(Shard.take, asyncexec.scatter(list(range(10))))
-            assert [r["rank"] for r in results] == [0, 1, 2, 3]
-            assert sum(r["sum"] for r in results) == 10 * sum(range(10))
-            counts = await ex.call(Shard.seen_count)
-            assert await ex.call(Shard.seen_count, on=asyncexec.rank(2)) == counts[2]
-            assert sum(counts) == 10 and all(c > 0 for c in counts)  # state kept per instance
-            EVENTS.update(held=asyncio.Event(), all_in=asyncio.Event())
-            ARRIVED.clear()
-            cap = asyncexec.least_loaded(max_in_flight=1)
-            async with anyio.create_task_group() as tg:
-                ranks: list[int] = []
+    cluster = SimCluster(SimLoad(reports=1))
+    role = asyncexec.Role(Shard, 10)
+    async with asyncexec.Executor(4, roles=role, health=NO_HEALTH, cluster=cluster) as ex:
+        results = await ex.call(Shard.take, asyncexec.scatter(list(range(10))))
+        assert [r["rank"] for r in results] == [0, 1, 2, 3]
+        assert sum(r["sum"] for r in results) == 10 * sum(range(10))
+        counts = await ex.call(Shard.seen_count)
+        assert await ex.call(Shard.seen_count, on=asyncexec.rank(2)) == counts[2]
+        assert sum(counts) == 10 and all(c > 0 for c in counts)  # state kept per instance
+        EVENTS.update(held=asyncio.Event(), all_in=asyncio.Event())
+        ARRIVED.clear()
+        cap = asyncexec.least_loaded(max_in_flight=1)
+        async with anyio.create_task_group() as tg:
+            ranks: list[int] = []
 
-                async def one() -> None:
-                    ranks.append(await ex.call(Shard.wait, "held", on=cap))
+            async def one() -> None:
+                ranks.append(await ex.call(Shard.wait, "held", on=cap))
 
-                for _ in range(4):
-                    tg.start_soon(one)
-                await EVENTS["all_in"].wait()
-                assert sorted(ARRIVED) == [0, 1, 2, 3]  # a cap of 1: each rank holds one
-                EVENTS["held"].set()
-            assert sorted(ranks) == [0, 1, 2, 3]
-            with pytest.raises(asyncexec.WorkerRaisedError) as info:
-                await ex.call(Shard.fail, on=asyncexec.rank(3))
-            assert info.value.rank == 3 and isinstance(info.value.__cause__, KeyError)
-            assert await ex.execute(async_rank) == [0, 1, 2, 3]
+            for _ in range(4):
+                tg.start_soon(one)
+            await EVENTS["all_in"].wait()
+            assert sorted(ARRIVED) == [0, 1, 2, 3]  # a cap of 1: each rank holds one
+            EVENTS["held"].set()
+        assert sorted(ranks) == [0, 1, 2, 3]
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.call(Shard.fail, on=asyncexec.rank(3))
+        assert info.value.rank == 3 and isinstance(info.value.__cause__, KeyError)
+        assert await ex.execute(async_rank) == [0, 1, 2, 3]
 
 
 @pytest.mark.timeout(30)
 async def test_a_killed_simulated_rank_fails_the_calls_it_holds() -> None:
     """A call held by an ``async def`` method of a simulated rank that is killed fails, as a
     dead actor's calls do, instead of waiting for ever."""
-    with simulated(SimCluster(SimLoad(reports=1))) as cluster:
-        async with asyncexec.Executor(2, roles=asyncexec.Role(Shard, 1), health=NO_HEALTH) as ex:
-            EVENTS.update(never=asyncio.Event(), all_in=asyncio.Event())
-            ARRIVED[:] = [0, 0, 0]  # the fourth arrival sets all_in
-            failed: list[BaseException] = []
+    cluster = SimCluster(SimLoad(reports=1))
+    role = asyncexec.Role(Shard, 1)
+    async with asyncexec.Executor(2, roles=role, health=NO_HEALTH, cluster=cluster) as ex:
+        EVENTS.update(never=asyncio.Event(), all_in=asyncio.Event())
+        ARRIVED[:] = [0, 0, 0]  # the fourth arrival sets all_in
+        failed: list[BaseException] = []
 
-            async def held() -> None:
-                try:
-                    await ex.call(Shard.wait, "never", on=asyncexec.rank(1))
-                except asyncexec.WorkerError as exc:
-                    failed.append(exc)
+        async def held() -> None:
+            try:
+                await ex.call(Shard.wait, "never", on=asyncexec.rank(1))
+            except asyncexec.WorkerError as exc:
+                failed.append(exc)
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(held)
-                await EVENTS["all_in"].wait()
-                cluster.crash(ex.workers[1].pid)
-            assert [type(e).__name__ for e in failed] == ["WorkerCrashedError"]
-            assert failed[0].rank == 1  # type: ignore[attr-defined]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(held)
+            await EVENTS["all_in"].wait()
+            cluster.crash(ex.workers[1].pid)
+        assert [type(e).__name__ for e in failed] == ["WorkerCrashedError"]
+        assert failed[0].rank == 1  # type: ignore[attr-defined]

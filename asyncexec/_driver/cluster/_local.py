@@ -228,6 +228,9 @@ class LocalCluster(InProcessCluster):
     """The seam in local mode: every worker a :class:`LocalWorker` of this process, on one node
     (:data:`LOCAL_NODE`), no placement, no resources, nothing to start or join."""
 
+    def __repr__(self) -> str:
+        return "<local cluster: threads of this process>"
+
     async def driver_node(self) -> str | None:
         return LOCAL_NODE
 

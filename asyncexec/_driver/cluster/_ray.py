@@ -275,7 +275,17 @@ def worker_class(config: ExecutorConfig) -> Any:
 
 
 class RayCluster:
-    """Workers as Ray actors (see the module's docstring)."""
+    """Workers as Ray actors (see the module's docstring). A process has one Ray: every
+    ``RayCluster`` is the same cluster (equal)."""
+
+    def __repr__(self) -> str:
+        return "<Ray's cluster>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RayCluster)
+
+    def __hash__(self) -> int:
+        return hash(RayCluster)
 
     async def connect(self, address: str | None) -> None:
         await ensure_ray(address)

@@ -21,14 +21,19 @@ it is counted apart (``gc_s``) and left to the driver.
 
 Users reach it through :mod:`asyncexec.testing` (``SimCluster``, ``SimLoad`` and
 ``simulated()``), to test their loops without Ray; the benchmarks and this project's tests too.
-Nothing in a configuration selects it: only ``simulated()`` (this package's ``__init__``) does.
+An object runs on it when it is handed in (``Executor(4, cluster=SimCluster())``, see
+``_choice``), or made inside ``simulated()`` (the context's default); no configuration selects
+it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import time
+import weakref
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,8 +83,8 @@ class SimLoad:
 
 class SimStatistics(NamedTuple):
     """What the simulated workers did, the time they took on the driver's thread (garbage
-    collections left out), and the time the process spent in garbage collections while the
-    cluster was in force.
+    collections left out), and the time the process spent in garbage collections since the
+    cluster was made.
 
     Attributes:
         spent_s: the simulated workers' time on the driver's thread, in seconds.
@@ -87,7 +92,7 @@ class SimStatistics(NamedTuple):
         reports: how many reports they made.
         polls: how many polls for reports they answered.
         calls: how many calls they answered, of every kind.
-        gc_s: the process's time in garbage collections while the cluster was in force.
+        gc_s: the process's time in garbage collections since the cluster was made.
     """
 
     spent_s: float
@@ -100,7 +105,7 @@ class SimStatistics(NamedTuple):
 
 class GcClock:
     """The time the process spends in garbage collections (a ``gc.callbacks`` entry, while a
-    simulated cluster is in force)."""
+    simulated cluster lives)."""
 
     def __init__(self) -> None:
         self.total = 0.0
@@ -111,6 +116,12 @@ class GcClock:
             self._started = time.perf_counter()
         else:
             self.total += time.perf_counter() - self._started
+
+
+def _unhook(clock: GcClock) -> None:
+    """Stop counting garbage collections on ``clock`` (its cluster is gone)."""
+    with contextlib.suppress(ValueError):
+        gc.callbacks.remove(clock)
 
 
 _EMPTY: dict[str, Any] = {}
@@ -388,8 +399,9 @@ if TYPE_CHECKING:  # the simulated worker's methods are the interface's (mypy ch
 
 
 class SimCluster(InProcessCluster):
-    """Simulated workers, for tests and benchmarks without Ray: executors made inside
-    :func:`~asyncexec.testing.simulated` put their ranks here.
+    """Simulated workers, for tests and benchmarks without Ray: executors handed it
+    (``Executor(4, cluster=cluster)``), and those made inside
+    :func:`~asyncexec.testing.simulated`, put their ranks here.
 
     Each worker is a small object on the driver's own event loop (no process, thread or loop
     of its own), ``ranks_per_node`` of them a node, each holding one GPU id of its node
@@ -416,8 +428,10 @@ class SimCluster(InProcessCluster):
         self.ranks_per_node = ranks_per_node
         self.gpus = gpus
         self.spent = 0.0
-        #: Counts the process's garbage collections while the cluster is in force.
+        #: Counts the process's garbage collections while the cluster lives.
         self.gc_clock = GcClock()
+        gc.callbacks.append(self.gc_clock)
+        weakref.finalize(self, _unhook, self.gc_clock)
         self.reports = 0
         self.polls = 0
         self.calls = 0

@@ -43,7 +43,7 @@ from .._config import (
     grouped_options,
 )
 from .._taskgroups import task_group
-from ..cluster import Handle, cluster_for
+from ..cluster import Cluster, Handle, agreed, checked_cluster
 from ._reservation import Claim, Reservation
 from ._stock import PoolWorker, Stock
 
@@ -104,6 +104,10 @@ class WorkerPool:
             claimed while the pool is open) instead of a placement group of the pool's own. An
             executor that leases from it gets ranks in the reservation's bundle order, its
             lowest idle bundles first, so its rank i is on bundle i when those are idle.
+        cluster: the cluster the workers run on, such as an
+            :class:`asyncexec.testing.SimCluster`; ``None``: the reservation's, else Ray's (or,
+            inside :func:`asyncexec.testing.simulated`, that block's). The executors that lease
+            from the pool run on it.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class WorkerPool:
         address: str | None = None,
         name: str = "pool",
         reservation: Reservation | None = None,
+        cluster: Cluster | None = None,
         **legacy: Any,
     ) -> None:
         timeouts, _ = grouped_options(
@@ -152,8 +157,12 @@ class WorkerPool:
         self.reset_hook = reset_hook
         self.when_short = when_short
         self.log = get_logger(pool=f"{name}-{os.urandom(4).hex()}")
-        #: Pools hold Ray actors (a local executor takes none).
-        self.cluster = cluster_for(local=False)
+        handed = None if cluster is None else checked_cluster(cluster)
+        sides: list[tuple[str, Cluster | None]] = [(f"the pool {name!r} (cluster=)", handed)]
+        if reservation is not None:
+            sides.append((f"its reservation {reservation.name!r}", reservation.cluster))
+        #: Where the workers run (a local executor takes no pool).
+        self.cluster = agreed(sides)
         self._counts = {"leases": 0, "returned": 0, "replaced": 0, "fresh_for_leases": 0}
         self._stock = Stock(self.cluster, self.config, self.log, self._counts)
         self._tg: anyio.abc.TaskGroup | None = None

@@ -22,7 +22,14 @@ import anyio
 from ..._errors import ConfigurationError, ExecutorStateError
 from ..._logging import get_logger
 from .._config import PlacementStrategy, check_count, validate_resources
-from ..cluster import PRECISION, Placement, cluster_for
+from ..cluster import (
+    PRECISION,
+    Cluster,
+    Placement,
+    agreed,
+    checked_cluster,
+    placing,
+)
 from ._ranks import order_workers
 
 __all__ = ["Claim", "Reservation", "ReservationStatistics"]
@@ -72,6 +79,10 @@ class Reservation:
         placement_timeout_s: how long the placement group may take to be ready.
         address: the Ray cluster to join when Ray is not initialized.
         name: a name for logs and errors.
+        cluster: the cluster the bundles are placed in: ``None`` for Ray's (the only one that
+            places bundles: a :class:`asyncexec.testing.SimCluster` is refused, also inside
+            :func:`asyncexec.testing.simulated`). The executors and pools on the reservation
+            run on it.
     """
 
     def __init__(
@@ -83,6 +94,7 @@ class Reservation:
         placement_timeout_s: float = _DEFAULT_PLACEMENT_TIMEOUT_S,
         address: str | None = None,
         name: str = "reservation",
+        cluster: Cluster | None = None,
     ) -> None:
         check_count("bundles", bundles)
         resources = validate_resources(
@@ -101,8 +113,11 @@ class Reservation:
         self.address = address
         self.name = name
         self.log = get_logger(reservation=f"{name}-{os.urandom(4).hex()}")
-        #: Reservations are Ray's placement groups (a local executor takes none).
-        self.cluster = cluster_for(local=False)
+        #: Where the bundles are placed: Ray's (a local executor takes no reservation).
+        handed = None if cluster is None else checked_cluster(cluster)
+        self.cluster = placing(
+            agreed([(f"the reservation {name!r} (cluster=)", handed)]), f"the reservation {name!r}"
+        )
         self._placement: Placement | None = None
         self._order: list[int] = []  # bundle index of each slot, in rank order
         self._nodes: list[str] = []  # node id of each slot

@@ -174,7 +174,6 @@ class Stock:
 
     async def fill(self, bundle: int) -> None:
         """Start a worker in ``bundle`` and make it idle."""
-        assert self.placement is not None
         starting = self.starting[bundle] = []
         try:
             [(handle, meta)] = await self.cluster.start_workers(
