@@ -256,7 +256,8 @@ async def test_a_cancelled_push_is_cancelled_not_a_channel_error(tmp_path: Any) 
         with anyio.move_on_after(1.0) as scope:
             await channel.push()
         assert scope.cancelled_caught
-        assert channel.version == 0 and channel.statistics().failed_pushes == 0
+        # Not a failed push; its number is used up (its installs went out with its read).
+        assert channel.statistics().failed_pushes == 0 and channel.version == 1
         await learn.aclose()
 
 
@@ -516,3 +517,80 @@ async def test_a_failed_read_raises_and_logs_no_unhandled_ray_error() -> None:
         ray_worker.removeHandler(handler)
     unhandled = [r.getMessage()[:200] for r in records if "Unhandled error" in r.getMessage()]
     assert unhandled == []
+
+
+# A push cancelled while it reads -----------------------------------------------------------------
+
+
+class HeldRead:
+    """A source whose read takes its state at once, then waits for a file (``hold``) before it
+    returns it; it says it is reading by making ``reading``."""
+
+    def __init__(self, hold: str, reading: str) -> None:
+        self.state = {"w": 1}
+        self.hold, self.reading = hold, reading
+        asyncexec.serve_weights(self.read)
+
+    def read(self) -> dict[str, int]:
+        state = dict(self.state)
+        open(self.reading, "w").close()
+        while os.path.exists(self.hold):
+            time.sleep(0.005)
+        return state
+
+    def set(self, w: int) -> None:
+        self.state = {"w": w}
+
+
+class Holds:
+    """A target that keeps what it installed last."""
+
+    def __init__(self) -> None:
+        self.held: tuple[Any, int] | None = None
+        asyncexec.receive_weights(self.install)
+
+    def install(self, state: Any, version: int) -> None:
+        self.held = (state, version)
+
+    def get(self) -> tuple[Any, int] | None:
+        return self.held
+
+
+async def test_a_push_cancelled_during_its_read_does_not_leave_its_state_under_the_next_version(
+    tmp_path: Any,
+) -> None:
+    """The installs go out with the read (by reference), so a push cancelled while its read
+    ran still installed that read's state once it ended, as version 1, while the channel stayed
+    at version 0: the next push was numbered 1 again, every target skipped it as a version it
+    held, and went on with the cancelled push's older state while the channel said it had the
+    new one."""
+    hold, reading = str(tmp_path / "hold"), str(tmp_path / "reading")
+    await anyio.Path(hold).touch()
+    cpu = {"CPU": 0.5}
+    async with (
+        asyncexec.Executor(
+            1, resources_per_worker=cpu, roles=asyncexec.Role(HeldRead, hold, reading)
+        ) as a,
+        asyncexec.Executor(2, resources_per_worker=cpu, roles=Holds) as b,
+        asyncexec.WeightChannel(a, b, timeout_s=60) as channel,
+    ):
+        with anyio.fail_after(30), anyio.CancelScope() as scope:
+
+            async def cancel_once_reading() -> None:
+                while not await anyio.Path(reading).exists():  # noqa: ASYNC110 - a worker's file
+                    await anyio.sleep(0.01)
+                scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_once_reading)
+                await channel.push()
+        assert scope.cancel_called
+        await a.call(asyncexec.method(HeldRead, HeldRead.set), 2)
+        await anyio.Path(hold).unlink()  # the cancelled push's read returns {"w": 1}
+        get = asyncexec.method(Holds, Holds.get)
+        with anyio.fail_after(30):
+            while None in await b.call(get):  # noqa: ASYNC110 - until its installs landed
+                await anyio.sleep(0.01)
+            version = await channel.push()  # reads {"w": 2}
+        held = await b.call(get)
+        assert held == [({"w": 2}, version)] * 2, (held, version)

@@ -55,6 +55,7 @@ class ObjectStoreTransport:
                 early[w.handle.key] = proxy(target, w).channel_receive(
                     core.name, pending.version, *refs
                 )
+        pending.early = early  # (a read given up now may still install its state: see Pending)
         # The first results (the states' types) are awaited; the states stay where they are,
         # referenced.
         types = [result_of(caller, w, c[0]) for w, c in zip(sources, calls, strict=True)]
@@ -69,7 +70,6 @@ class ObjectStoreTransport:
             self._settle([*states, *(c for c in early.values() if c is not None)])
             raise
         pending.refs = refs
-        pending.early = early
 
     def _settle(self, calls: Sequence[Call[Any]]) -> None:
         tg = self.core.tg

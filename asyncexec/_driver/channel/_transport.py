@@ -31,7 +31,8 @@ class Pending:
     version: int
     done: anyio.Event
     refs: list[Any] | None = None  # object store: the shards' references
-    #: object store: the installs sent with the read, by target worker (see its ``read``)
+    #: object store: the installs sent with the read, by target worker (see its ``read``).
+    #: Once sent, the version may be installed even if the push gives up its read.
     early: dict[str, Any] | None = None
     parts: list[tuple[str, Any]] | None = None  # torch: (group id, tensor list) per source
     targets: list[WorkerInfo] | None = None

@@ -164,8 +164,11 @@ class Versions:
                 with anyio.fail_after(self.timeout_s):
                     await self._read(pending)
             except anyio.get_cancelled_exc_class():
+                self._given_up(pending)
                 raise  # the caller was cancelled: not the channel's failure
             except Exception as exc:
+                if isinstance(exc, TimeoutError):
+                    self._given_up(pending)
                 self.counts["failed_pushes"] += 1
                 self.observer.emit(PushFailed(version, describe(exc)))
                 raise channel_error(f"reading version {version}", exc, self.timeout_s) from exc
@@ -188,6 +191,14 @@ class Versions:
             )
             tg.start_soon(self._deliver, pending, previous)
         return pending
+
+    def _given_up(self, pending: Pending) -> None:
+        """The push gave up ``pending``'s read (cancelled, or past its bound) while it may still
+        end: installs sent with it (the object store's) then install its state as its version,
+        so that number is used up. Numbered again, the next push would be skipped by every
+        target as a version it holds, which would keep the older state."""
+        if pending.early:
+            self.version = max(self.version, pending.version)
 
     async def _read(self, pending: Pending) -> None:
         sources = live(self.source_slot)
