@@ -3,7 +3,6 @@
     python benchmarks/run.py                   # the full run: a few minutes on 2 cores
     python benchmarks/run.py --quick           # tiny sizes, one repeat: a smoke run
     python benchmarks/run.py --lifecycle-only  # only the lifecycle lag rows: about a minute
-    python benchmarks/run.py --lifecycle-only --stall-stacks   # and where the loop stalled
     python benchmarks/run.py --reports-only    # only the reports/s rows, 1/4/16 workers
     python benchmarks/run.py --channel-only    # only the weight channel rows (issue 14)
 
@@ -100,14 +99,12 @@ class Bench:
         channel_only: bool = False,
         outlive_only: bool = False,
         local_only: bool = False,
-        stall_stacks: bool = False,
     ) -> None:
         self.sizes = sizes
         self.lifecycle_only = lifecycle_only
         self.channel_only = channel_only
         self.outlive_only = outlive_only
         self.local_only = local_only
-        self.stall_stacks = stall_stacks
         self.lifecycle_notes: list[str] = []
         self.channel_notes: list[str] = []
         self.rt: RayTrainClient | None = None
@@ -549,7 +546,6 @@ class Bench:
             resources=RESOURCES,
             bound=BUFFER,
             storage=self.storage,
-            stall_stacks=self.stall_stacks,
             # Alone, the first lifecycle would pay the driver's one-time costs.
             warm_up=self.lifecycle_only,
         )
@@ -817,12 +813,6 @@ def _options(parser: argparse.ArgumentParser) -> None:
     for name, (text, _, _) in ONLY.items():
         parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
     parser.add_argument(
-        "--stall-stacks",
-        action="store_true",
-        help="sample the event loop's stack while the heartbeat is > 20 ms overdue, and print "
-        "the sites (lifecycle rows)",
-    )
-    parser.add_argument(
         "--gc-freeze",
         action="store_true",
         help="after Ray has started, move the driver's heap to the permanent generation "
@@ -847,7 +837,6 @@ async def _run(sizes: Sizes, args: argparse.Namespace) -> _harness.Result:
         channel_only=args.channel_only,
         outlive_only=args.outlive_only,
         local_only=args.local_only,
-        stall_stacks=args.stall_stacks,
     )
     missing = await bench_main(bench, reports_only=args.reports_only)
     figures = list(bench.figures.values())
