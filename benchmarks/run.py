@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import logging
 import math
 import os
@@ -450,8 +449,6 @@ class Bench:
                 RESOURCES,
                 self.storage,
             )
-        if moved.missing is not None:
-            notes.append(f"- weight channel rows not measured: {moved.missing}")
         for value in moved.floor:
             self.add("channel_torch", "floor", value)
             self.add("channel_driver", "floor", value)
@@ -749,12 +746,8 @@ def metrics_on() -> Iterator[None]:
     from asyncexec._driver import _metrics
 
     registry = prometheus_client.CollectorRegistry()
-    # Every scrape asks the workers (the library's default asks at most every 5 s); a baseline
-    # tree's enable_metrics may not take the setting yet, and asked at every scrape then.
-    every_scrape = {"backlog_refresh_s": 0}
-    if "backlog_refresh_s" not in inspect.signature(asyncexec.enable_metrics).parameters:
-        every_scrape = {}
-    asyncexec.enable_metrics(registry, **every_scrape)
+    # Every scrape asks the workers (the library's default asks at most every 5 s).
+    asyncexec.enable_metrics(registry, backlog_refresh_s=0)
     done = threading.Event()
 
     def scrape() -> None:
