@@ -8,6 +8,7 @@ once, no sample beyond the bound in strict mode), and reports a failure of it as
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import os
@@ -16,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from _pipeline_workload import Job, long_tailed
@@ -30,6 +32,32 @@ __all__ = [
     "pipeline_pauses",
     "sticky",
 ]
+
+
+#: Count the objects the collector tracks with the 256 in flight, and after (``--diagnose``).
+COUNT_OBJECTS = False
+#: Their kinds: with the 256 in flight less after (the kinds a request in flight holds).
+KINDS: Counter[str] = Counter()
+TRACEBACKS: Counter[str] = Counter()  # where the tracebacks held in flight were raised
+CELLS: Counter[str] = Counter()  # the closures held in flight
+
+
+def _where(tb: Any) -> str:
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename.rsplit('/', 2)[-1]}:{tb.tb_lineno} {code.co_qualname}"
+
+
+def _cell(fn: Any) -> str:
+    return f"{fn.__qualname__} ({len(fn.__closure__ or ())} cells)"
+
+
+def _kind(o: object) -> str:
+    kind = type(o)
+    if kind.__name__ == "coroutine":
+        return f"coroutine {getattr(o, '__qualname__', '?')}"
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 @dataclass(frozen=True)
@@ -95,6 +123,13 @@ async def pause_resume(
         await wait_until(lambda: sum(router.in_flight.values()) == sizes.pause_in_flight)
         await anyio.sleep(0.5)  # every generation past its first chunk
         out["sending_lag_ms"] = max(lags[mark:], default=0.0) * 1e3
+        if COUNT_OBJECTS:  # (--diagnose) what a collection walks, with the 256 in flight
+            tracked = gc.get_objects()
+            out["tracked_in_flight"] = float(len(tracked))
+            KINDS.update(_kind(o) for o in tracked)
+            TRACEBACKS.update(_where(o) for o in tracked if type(o).__name__ == "traceback")
+            CELLS.update(_cell(o) for o in tracked if type(o).__name__ == "function")
+            del tracked
         for mode in ("keep", "abort"):
             mark = len(lags)
             t0 = time.perf_counter()
@@ -110,6 +145,11 @@ async def pause_resume(
             if mode == "abort":
                 out["abort_last_answer_ms"] = (last_answer - t0) * 1e3
     out["aborted"] = float(aborted)
+    if COUNT_OBJECTS:
+        tracked = gc.get_objects()
+        out["tracked_after"] = float(len(tracked))
+        KINDS.subtract(_kind(o) for o in tracked)
+        del tracked
     return out
 
 

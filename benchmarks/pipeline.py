@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import _harness
+import _pipeline_phases
 from _common import Collection, Heartbeat, gc_log, median, progress
 from _harness import Result, Row, Table, fmt
 from _pipeline_phases import (
@@ -459,9 +460,12 @@ class Bench:
             self.note(f"{label}the loop thread's CPU / lag over the late beats", split["cpu_share"])
 
 
-async def bench(sizes: Sizes, only: set[str], freeze: bool) -> tuple[list[Row], list[str]]:
+async def bench(
+    sizes: Sizes, only: set[str], freeze: bool, diagnose: bool = False
+) -> tuple[list[Row], list[str]]:
     floor = LoopGroup(4, RESOURCES, 1024)
     await floor.start()
+    _pipeline_phases.COUNT_OBJECTS = diagnose
     role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
     try:
         async with (
@@ -489,6 +493,16 @@ async def bench(sizes: Sizes, only: set[str], freeze: bool) -> tuple[list[Row], 
                 await b.repeat(i, only)
     finally:
         await floor.close()
+        if _pipeline_phases.KINDS:
+            top = _pipeline_phases.KINDS.most_common(25)
+            print("\nobjects a request in flight holds, by kind (256 in flight less after):")
+            print("\n".join(f"  {n / FULL.pause_in_flight:6.1f} {k}" for k, n in top))
+            for title, kinds in (
+                ("tracebacks", _pipeline_phases.TRACEBACKS),
+                ("closures", _pipeline_phases.CELLS),
+            ):
+                print(f"{title} with 256 in flight, the commonest:")
+                print("\n".join(f"  {n:6d} {k}" for k, n in kinds.most_common(10)))
     p50, p99 = tail_ratio(0)
     said = [
         f"- the workload's lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens "
@@ -520,7 +534,7 @@ async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.train_ms is not None:
         sizes = dataclasses.replace(sizes, train_s=args.train_ms / 1e3)
-    rows, notes = await bench(sizes, args.only, args.gc_freeze)
+    rows, notes = await bench(sizes, args.only, args.gc_freeze, args.diagnose)
     return Result(rows, TABLE, notes)
 
 
@@ -528,6 +542,12 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-ms", type=float, help="the training step's time (50 ms)")
     parser.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() the driver's heap after start-up"
+    )
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="count the objects the collector tracks with 256 requests in flight and after, "
+        "and print their commonest kinds (where the loop stalls: loop_stalls.py)",
     )
     parser.add_argument(
         "--switch-interval-ms",
