@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
+import _harness  # sets the environment the drivers and their workers inherit
 from _common import Collection, Heartbeat, gc_log
 
 # The watchdog: the loop thread's stack while the heartbeat is overdue ---------------------------
@@ -351,13 +352,7 @@ def driver(rounds: int, freeze: bool) -> None:
     import asyncexec
 
     preloaded = "asyncexec._driver._executor" in sys.modules
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
-    )
+    _harness.start_ray(4)
     if freeze:
         gc.collect()
         gc.freeze()  # what start-up made is never walked by a collection again
@@ -442,11 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         driver(args.rounds, args.freeze)
         return 0
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     results = []
     for d in range(args.drivers):
         print(f"driver {d + 1} of {args.drivers} ...", file=sys.stderr, flush=True)
