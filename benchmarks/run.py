@@ -503,8 +503,6 @@ class Bench:
         )
         notes += moved.notes
 
-        if moved.missing is not None:
-            return
         progress("weight channel: version lag through SIGKILLs")
         with self.timer.section("weight channel: version lag"):
             lag = await measure_version_lag(
