@@ -239,25 +239,6 @@ def rollout_fn(config: dict[str, Any]) -> None:
 # Driver side ------------------------------------------------------------------------------------
 
 
-def channel_api() -> str | None:
-    """Why the WeightChannel rows cannot be measured with the asyncexec imported here, or None."""
-    missing = [
-        name
-        for name in ("WeightChannel", "Reservation", "ChannelError")
-        if not hasattr(asyncexec, name)
-    ]
-    if missing:
-        return f"asyncexec has no {', '.join(missing)}"
-    return None
-
-
-def _versions(step: Any) -> list[int | None]:
-    versions = getattr(step, "versions", None)
-    if versions is None:
-        versions = [getattr(r, "version", None) for r in step.reports]
-    return list(versions)
-
-
 async def _enter_pair(
     stack: AsyncExitStack,
     resources: dict[str, float],
@@ -267,16 +248,14 @@ async def _enter_pair(
     rollouts: int,
     restart: Any = None,
 ) -> tuple[Any, Any]:
-    """A learner and a rollout executor on one Reservation (when asyncexec has it)."""
+    """A learner and a rollout executor on one Reservation."""
     kwargs: dict[str, Any] = {"resources_per_worker": resources, "storage_path": storage}
     if restart is not None:
         kwargs["restart"] = restart
-    if hasattr(asyncexec, "Reservation"):
-        bundle = {k: 2 * v for k, v in resources.items()}
-        reservation = await stack.enter_async_context(
-            asyncexec.Reservation(max(learners, rollouts), bundle, name="bench-rl")
-        )
-        kwargs["reservation"] = reservation
+    bundle = {k: 2 * v for k, v in resources.items()}
+    kwargs["reservation"] = await stack.enter_async_context(
+        asyncexec.Reservation(max(learners, rollouts), bundle, name="bench-rl")
+    )
     learner = await stack.enter_async_context(
         asyncexec.Executor(learners, name="bench-learner", **kwargs)
     )
@@ -330,7 +309,6 @@ class ChannelFigures:
     lag: dict[str, tuple[float, float]] = field(default_factory=dict)  # way -> (p99, max) ms
     #: The driver's garbage collections while pushing: transport -> (count, longest ms).
     collections: dict[str, tuple[int, float]] = field(default_factory=dict)
-    missing: str | None = None  # why the channel rows were not measured
     notes: list[str] = field(default_factory=list)
 
 
@@ -359,7 +337,7 @@ async def measure_channel(
     import ray
     from _common import gc_log, heartbeat, lag_ms, progress
 
-    figures = ChannelFigures(missing=channel_api())
+    figures = ChannelFigures()
     numel = nbytes // 4 // parts * parts
     labels: list[int | str] = [*range(repeats + 1), "lag"]
     async with AsyncExitStack() as stack:
@@ -376,16 +354,13 @@ async def measure_channel(
 
         consumers: list[_Consumer] = []
         try:
-            if figures.missing is None:
-                config = {
-                    "channels": [_channel_name(t, label) for t in TRANSPORTS for label in labels]
-                }
-                consumers = [
-                    _Consumer(learner.run(serve_fn, config)),
-                    _Consumer(rollout.run(receive_fn, config)),
-                ]
-                for consumer in consumers:
-                    await consumer.wait_ready(120)
+            config = {"channels": [_channel_name(t, label) for t in TRANSPORTS for label in labels]}
+            consumers = [
+                _Consumer(learner.run(serve_fn, config)),
+                _Consumer(rollout.run(receive_fn, config)),
+            ]
+            for consumer in consumers:
+                await consumer.wait_ready(120)
 
             def open_channel(transport: str, label: int | str) -> Any:
                 return asyncexec.WeightChannel(
@@ -410,8 +385,6 @@ async def measure_channel(
                 return time.perf_counter() - t0
 
             async def channel_move(transport: str, label: int) -> float:
-                if figures.missing is not None:
-                    return math.nan
                 async with open_channel(transport, label) as channel:
                     # A channel in its steady state, as a long-lived one is: the first push
                     # builds the torch transport's group, the first two fill its two receive
@@ -444,7 +417,7 @@ async def measure_channel(
                 t = await channel_move("torch", i)
                 o = await channel_move("object_store", i)
                 if i == 0:
-                    figures.notes += await _verify(rollout, source_sums, figures.missing is None)
+                    figures.notes += await _verify(rollout, source_sums)
                     continue
                 figures.floor.append(f)
                 figures.floor_driver_s.append(f_driver)
@@ -459,22 +432,21 @@ async def measure_channel(
                 for _ in range(lag_pushes):
                     await floor()
             figures.lag["floor"] = lag_ms(lags)
-            if figures.missing is None:
-                for transport in TRANSPORTS:
-                    async with open_channel(transport, "lag") as channel:
-                        await push(channel)
-                        await push(channel)
-                        with gc_log() as collections:
-                            async with heartbeat() as lags:
-                                for _ in range(lag_pushes):
-                                    await push(channel)
-                        figures.lag[transport] = lag_ms(lags)
-                        figures.collections[transport] = (
-                            len(collections),
-                            max((c.end - c.start for c in collections), default=0.0) * 1e3,
-                        )
-                        stats = channel.statistics()
-                    figures.notes.append(f"- weight channel {transport}: {stats}")
+            for transport in TRANSPORTS:
+                async with open_channel(transport, "lag") as channel:
+                    await push(channel)
+                    await push(channel)
+                    with gc_log() as collections:
+                        async with heartbeat() as lags:
+                            for _ in range(lag_pushes):
+                                await push(channel)
+                    figures.lag[transport] = lag_ms(lags)
+                    figures.collections[transport] = (
+                        len(collections),
+                        max((c.end - c.start for c in collections), default=0.0) * 1e3,
+                    )
+                    stats = channel.statistics()
+                figures.notes.append(f"- weight channel {transport}: {stats}")
             async with heartbeat() as lags:
                 await driver()
             figures.lag["driver"] = lag_ms(lags)
@@ -487,7 +459,7 @@ async def measure_channel(
     return figures
 
 
-async def _verify(rollout: Any, source_sums: list[float], channels: bool) -> list[str]:
+async def _verify(rollout: Any, source_sums: list[float]) -> list[str]:
     """Check every rollout rank's copy (each way) against the source's checksums."""
     notes = []
     total = sum(source_sums)
@@ -498,8 +470,7 @@ async def _verify(rollout: Any, source_sums: list[float], channels: bool) -> lis
     ]
     notes.append(f"floor {'ok' if not wrong else f'WRONG on ranks {wrong}'}")
     ways = [("driver", "driver"), ("driver_put", "driver_put")]
-    if channels:
-        ways += [(t, _channel_name(t, 0)) for t in TRANSPORTS]
+    ways += [(t, _channel_name(t, 0)) for t in TRANSPORTS]
     for way, name in ways:
         held = await rollout.execute(held_checksums, name)
         bad = [rank for rank, (_, sums) in enumerate(held) if sums != source_sums]
@@ -579,7 +550,7 @@ async def measure_version_lag(
                 figures.steps += 1
                 step_seen.set()
                 if channel.version > 0:
-                    versions = _versions(step)
+                    versions = list(step.versions)
                     if any(v is None for v in versions):
                         figures.steps_none += 1
                         if len(figures.none_at) < 3:

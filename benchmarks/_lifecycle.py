@@ -31,13 +31,6 @@ whose only phase is ``streaming``: every executor that was doing anything was st
 whole lifecycle is every sample, from the moment the executors start entering until the last one
 has closed.
 
-Stall stacks (opt-in, ``--stall-stacks``): a watchdog thread wakes every 5 ms and, while the
-heartbeat is more than 20 ms overdue, samples the event-loop thread's stack with
-``sys._current_frames()``. Each sample is about 5 ms of stall spent at that site. It needs the GIL
-to take a sample, so code that holds the GIL without a break is sampled late, right after it
-(the watchdog notes how late it woke). It costs the loop a little, so it runs in both the
-lifecycle and the floor rounds, and is off by default.
-
 Only asyncexec's public API is used.
 """
 
@@ -49,26 +42,11 @@ import math
 import os
 import signal
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import tenacity
-from _common import (
-    Collection,
-    Frame,
-    Heartbeat,
-    StackSample,
-    StallWatchdog,
-    fmt_frame,
-    gc_log,
-    loop_frames,
-    median,
-    percentile,
-    progress,
-    stack_site,
-)
+from _common import Collection, Heartbeat, gc_log, median, percentile, progress
 from _systems import LoopGroup
 from _workload import ae_lifecycle
 
@@ -82,11 +60,7 @@ PHASES = ("entering", "streaming", "restarting", "finishing", "closing")
 VICTIM = 1
 #: A lag counted as a stall in the breakdown (ms).
 STALL_MS = 10.0
-#: The watchdog samples the loop's stack while the heartbeat is more overdue than this.
-WATCH_THRESHOLD_S = 0.020
-#: And samples this often.
-WATCH_PERIOD_S = 0.005
-#: How many of the worst stalls, and of the stack sites, the notes show.
+#: How many of the worst stalls the notes show.
 TOP = 5
 
 
@@ -131,7 +105,7 @@ class PhaseLog:
 
 @dataclass
 class Round:
-    """One measured round: the heartbeat's samples, the phases, GCs and stall stacks."""
+    """One measured round: the heartbeat's samples, the phases and the GCs."""
 
     kind: str  # "lifecycle" or "floor"
     repeat: int
@@ -140,16 +114,6 @@ class Round:
     beats: list[tuple[float, float]]
     spans: list[Span]
     gcs: list[Collection]
-    watchdog: StallWatchdog | None
-
-    @property
-    def stacks(self) -> list[StackSample]:
-        return [] if self.watchdog is None else self.watchdog.samples
-
-    def cpu_during(self, start: float, end: float) -> tuple[float, float] | None:
-        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``
-        (None without the watchdog)."""
-        return None if self.watchdog is None else self.watchdog.cpu(start, end)
 
     def lags_ms(self) -> list[float]:
         return [max(0.0, woke - due) * 1e3 for due, woke in self.beats]
@@ -241,20 +205,7 @@ async def _one_lifecycle(scenario: Scenario, who: str, phases: PhaseLog) -> None
         phases.end(who)
 
 
-@contextmanager
-def _watching(heartbeat: Heartbeat, enabled: bool) -> Iterator[StallWatchdog | None]:
-    if not enabled:
-        yield None
-        return
-    watchdog = StallWatchdog(heartbeat, WATCH_THRESHOLD_S, WATCH_PERIOD_S)
-    watchdog.start()
-    try:
-        yield watchdog
-    finally:
-        watchdog.stop()
-
-
-async def lifecycle_round(scenario: Scenario, repeat: int, stall_stacks: bool) -> Round:
+async def lifecycle_round(scenario: Scenario, repeat: int) -> Round:
     """The executors' lifecycles, all at once in this loop, beside the heartbeat."""
     phases = PhaseLog()
 
@@ -265,21 +216,18 @@ async def lifecycle_round(scenario: Scenario, repeat: int, stall_stacks: bool) -
     gc.collect()  # every round starts with no collection pending from the rounds before
     with gc_log() as gcs:
         async with Heartbeat() as hb:
-            with _watching(hb, stall_stacks) as watchdog:
-                t0 = time.perf_counter()
-                try:
-                    async with asyncio.TaskGroup() as tg:
-                        for i in range(scenario.executors):
-                            tg.create_task(executor_cycles(f"ex{i}"))
-                finally:
-                    phases.end_all()
-                t1 = time.perf_counter()
-    return Round("lifecycle", repeat, t0, t1, hb.beats(), phases.spans, gcs, watchdog)
+            t0 = time.perf_counter()
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for i in range(scenario.executors):
+                        tg.create_task(executor_cycles(f"ex{i}"))
+            finally:
+                phases.end_all()
+            t1 = time.perf_counter()
+    return Round("lifecycle", repeat, t0, t1, hb.beats(), phases.spans, gcs)
 
 
-async def floor_round(
-    scenario: Scenario, groups: Sequence[LoopGroup], repeat: int, stall_stacks: bool
-) -> Round:
+async def floor_round(scenario: Scenario, groups: Sequence[LoopGroup], repeat: int) -> Round:
     """The reference: the batched floor's groups stream the same steps, all at once."""
     phases = PhaseLog()
 
@@ -293,13 +241,12 @@ async def floor_round(
     gc.collect()  # every round starts with no collection pending from the rounds before
     with gc_log() as gcs:
         async with Heartbeat() as hb:
-            with _watching(hb, stall_stacks) as watchdog:
-                t0 = time.perf_counter()
-                async with asyncio.TaskGroup() as tg:
-                    for i, group in enumerate(groups):
-                        tg.create_task(streams(i, group))
-                t1 = time.perf_counter()
-    return Round("floor", repeat, t0, t1, hb.beats(), phases.spans, gcs, watchdog)
+            t0 = time.perf_counter()
+            async with asyncio.TaskGroup() as tg:
+                for i, group in enumerate(groups):
+                    tg.create_task(streams(i, group))
+            t1 = time.perf_counter()
+    return Round("floor", repeat, t0, t1, hb.beats(), phases.spans, gcs)
 
 
 # Results ----------------------------------------------------------------------------------------
@@ -313,7 +260,6 @@ def _p99_max(lags: Sequence[float]) -> tuple[float, float]:
 class LifecycleResult:
     scenario: Scenario
     rounds: list[Round] = field(default_factory=list)
-    stall_stacks: bool = False
 
     def per_repeat(self) -> list[dict[str, float]]:
         """Per repeat: p99 and max (ms) of the floor's streaming, of the whole lifecycles, and of
@@ -338,7 +284,7 @@ class LifecycleResult:
         return out
 
     def notes(self) -> list[str]:
-        """The per-phase breakdown, the worst stalls and (opt-in) the stack sites."""
+        """The per-phase breakdown and the worst stalls."""
         sc = self.scenario
         life = [r for r in self.rounds if r.kind == "lifecycle"]
         floor = [r for r in self.rounds if r.kind == "floor"]
@@ -401,11 +347,6 @@ class LifecycleResult:
         )
         for s in stalls:
             lines.append(f"    {self._describe(s)}")
-        if self.stall_stacks:
-            lines += self._causes(samples)
-            lines += self._stack_notes(life, "lifecycles")
-            lines += self._stack_notes(floor, "floor")
-            lines.append(f"- {_heap()}")
         return lines
 
     def _describe(self, s: Sample) -> str:
@@ -425,135 +366,7 @@ class LifecycleResult:
                 f"{c.collected:,} collected)"
                 for c in gcs
             )
-        cpu = r.cpu_during(s.due, s.woke)
-        if cpu is not None:
-            text += (
-                f"; CPU meanwhile: loop thread {cpu[0] * 1e3:.0f} ms, driver process "
-                f"{cpu[1] * 1e3:.0f} ms"
-            )
-        stacks = [x for x in r.stacks if x.due == s.due]
-        if stacks:
-            site, _ = Counter(stack_site(x.stack) for x in stacks).most_common(1)[0]
-            text += f"; stack: {site} ({len(stacks)} sample(s))"
         return text
-
-    def _causes(self, samples: list[Sample]) -> list[str]:
-        """What each stall over the watchdog's threshold was, from the CPU the driver used in
-        it: a garbage collection (>= half of it), code on the loop (its thread ran >= half of
-        it), the driver's other threads (they ran >= half of it), else the driver not running
-        (the operating system ran other processes)."""
-        causes: dict[str, list[Sample]] = {}
-        for s in samples:
-            if s.lag_ms <= WATCH_THRESHOLD_S * 1e3:
-                continue
-            wall = s.woke - s.due
-            gc_s = sum(
-                min(c.end, s.woke) - max(c.start, s.due)
-                for c in s.round.gcs
-                if c.start <= s.woke and c.end >= s.due
-            )
-            cpu = s.round.cpu_during(s.due, s.woke)
-            if gc_s >= wall / 2:
-                cause = "garbage collection"
-            elif cpu is None:
-                cause = "unknown"
-            elif cpu[0] >= wall / 2:
-                cause = "code on the loop"
-            elif cpu[1] - cpu[0] >= wall / 2:
-                cause = "other driver threads"
-            else:
-                cause = "driver not running (OS)"
-            causes.setdefault(cause, []).append(s)
-        lines = [
-            f"- the lifecycles' stalls > {WATCH_THRESHOLD_S * 1e3:.0f} ms by cause (from the "
-            f"driver's CPU during each): "
-            + (
-                "; ".join(
-                    f"{cause} {len(found)} ({sum(x.lag_ms for x in found):.0f} ms; "
-                    + ", ".join(
-                        f"{p} {n}"
-                        for p, n in Counter(p for x in found for p in x.phases).most_common()
-                    )
-                    + ")"
-                    for cause, found in sorted(causes.items(), key=lambda kv: -len(kv[1]))
-                )
-                or "none"
-            )
-        ]
-        return lines
-
-    def _stack_notes(self, rounds: list[Round], what: str) -> list[str]:
-        stacks = [(r, x) for r in rounds for x in r.stacks]
-        lines = [
-            f"- stall stacks, {what}: {len(stacks)} sample(s) of the event-loop thread, one per "
-            f"{WATCH_PERIOD_S * 1e3:.0f} ms while the heartbeat was > "
-            f"{WATCH_THRESHOLD_S * 1e3:.0f} ms overdue; "
-            f"{sum(1 for _, x in stacks if x.late_s > 0.010)} taken > 10 ms late (GIL held)"
-        ]
-        if not stacks:
-            return lines
-        sites: Counter[str] = Counter()
-        example: dict[str, StackSample] = {}
-        phases: dict[str, Counter[str]] = {}
-        stalls: dict[str, set[tuple[int, float]]] = {}
-        others: dict[str, Counter[str]] = {}
-        cpu: dict[str, list[tuple[float, float, float]]] = {}
-        for r, x in stacks:
-            site = stack_site(x.stack)
-            sites[site] += 1
-            example.setdefault(site, x)
-            active = {s.phase for s in r.spans if s.start <= x.taken and s.end >= x.due}
-            phases.setdefault(site, Counter()).update(active)
-            if (r.repeat, x.due) not in stalls.setdefault(site, set()):
-                stalls[site].add((r.repeat, x.due))
-                # The stall's CPU, from its due time to this site's first sample of it.
-                used = r.cpu_during(x.due, x.taken)
-                if used is not None:
-                    cpu.setdefault(site, []).append((x.taken - x.due, *used))
-            for name, frames in x.others:
-                others.setdefault(site, Counter())[
-                    f"{name}: " + " > ".join(fmt_frame(f) for f in frames[-2:])
-                ] += 1
-        for rank, (site, count) in enumerate(sites.most_common(TOP), 1):
-            where = ", ".join(f"{p} {n}" for p, n in phases[site].most_common())
-            lines.append(
-                f"    {rank}. {site}: {count} sample(s) (~{count * WATCH_PERIOD_S * 1e3:.0f} ms) "
-                f"in {len(stalls[site])} stall(s); samples by phase: {where or '-'}"
-            )
-            if site in cpu:
-                wall = sum(c[0] for c in cpu[site])
-                lines.append(
-                    f"       CPU from the stalls' due times to their first sample here: "
-                    f"{wall * 1e3:.0f} ms wall, loop thread "
-                    f"{sum(c[1] for c in cpu[site]) * 1e3:.0f} ms, driver process "
-                    f"{sum(c[2] for c in cpu[site]) * 1e3:.0f} ms"
-                )
-            for frame in _shown(example[site].stack):
-                lines.append(f"         {frame}")
-            for text, n in others.get(site, Counter()).most_common(3):
-                lines.append(f"       meanwhile ({n} sample(s)) {text}")
-        return lines
-
-
-def _heap() -> str:
-    """How many objects the driver's garbage collector tracks (a full collection walks them
-    all), and the commonest types."""
-    objects = gc.get_objects()
-    types = Counter(type(o).__name__ for o in objects)
-    del objects
-    common = ", ".join(f"{name} {n:,}" for name, n in types.most_common(8))
-    return f"driver heap after the rounds: {sum(types.values()):,} tracked objects ({common})"
-
-
-# Stack sites ------------------------------------------------------------------------------------
-
-
-def _shown(stack: tuple[Frame, ...]) -> list[str]:
-    """A stall stack as printed: the outermost 4 frames the loop ran and the innermost 14."""
-    frames = [fmt_frame(f) for f in loop_frames(stack)]
-    if len(frames) > 18:
-        frames = [*frames[:4], f"... {len(frames) - 18} more ...", *frames[-14:]]
-    return frames
 
 
 # Entry point ------------------------------------------------------------------------------------
@@ -569,13 +382,12 @@ async def measure_lifecycle(
     resources: dict[str, float],
     bound: int,
     storage: str,
-    stall_stacks: bool = False,
     warm_up: bool = True,
 ) -> LifecycleResult:
     """Interleave ``repeats`` floor rounds and lifecycle rounds; return every round. ``warm_up``:
     first one unrecorded lifecycle (not needed when asyncexec has run in this process)."""
     scenario = Scenario(executors, workers, steps, cycles, resources, storage)
-    result = LifecycleResult(scenario, stall_stacks=stall_stacks)
+    result = LifecycleResult(scenario)
     groups = [LoopGroup(workers, resources, bound) for _ in range(executors)]
     try:
         await asyncio.gather(*(g.start() for g in groups))
@@ -585,14 +397,12 @@ async def measure_lifecycle(
             progress("lifecycle lag: warm-up (one executor, unrecorded)")
             warm = Scenario(1, workers, min(steps, 200), 1, resources, storage)
             await asyncio.wait_for(_one_lifecycle(warm, "warm-up", PhaseLog()), 300)
-            await floor_round(warm, groups[:1], -1, False)
+            await floor_round(warm, groups[:1], -1)
         for rep in range(repeats):
             progress(f"lifecycle lag, repeat {rep + 1}: the floor streaming")
-            result.rounds.append(await floor_round(scenario, groups, rep, stall_stacks))
+            result.rounds.append(await floor_round(scenario, groups, rep))
             progress(f"lifecycle lag, repeat {rep + 1}: {executors} executors' lifecycles")
-            result.rounds.append(
-                await asyncio.wait_for(lifecycle_round(scenario, rep, stall_stacks), 600)
-            )
+            result.rounds.append(await asyncio.wait_for(lifecycle_round(scenario, rep), 600))
     finally:
         await asyncio.gather(*(g.close() for g in groups if g.actors))
     return result

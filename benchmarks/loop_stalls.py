@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import gc
 import json
@@ -41,12 +42,172 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from types import FrameType
 from typing import Any
 
-from _common import Collection, Heartbeat, StallWatchdog, gc_log, stack_site
+import _harness  # sets the environment the drivers and their workers inherit
+from _common import Collection, Heartbeat, gc_log
+
+# The watchdog: the loop thread's stack while the heartbeat is overdue ---------------------------
+
+
+#: A frame of a sampled stack: (file, line, function).
+Frame = tuple[str, int, str]
+
+
+def stack_of(frame: FrameType | None) -> tuple[Frame, ...]:
+    """The stack from ``frame`` out (from ``sys._current_frames()``), outermost first."""
+    frames: list[Frame] = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(reversed(frames))
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "/lib/python3"):
+        i = path.rfind(marker)
+        if i >= 0:
+            rest = path[i + len(marker) :]
+            return rest if marker == "site-packages/" else "python3" + rest
+    for marker in ("/asyncexec/", "/benchmarks/"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1 :]
+    return path
+
+
+def fmt_frame(frame: Frame) -> str:
+    return f"{_short(frame[0])}:{frame[1]} {frame[2]}"
+
+
+def loop_frames(stack: tuple[Frame, ...]) -> tuple[Frame, ...]:
+    """The frames below the event loop's machinery: from the callback or task step it runs.
+    A stack that is in the loop's own code (waiting in select) is kept from ``run_forever``."""
+    cut = 0
+    for i, (path, _, name) in enumerate(stack):
+        if path.endswith(os.path.join("asyncio", "events.py")) and name == "_run":
+            cut = i + 1
+    if cut == 0:
+        cut = next((i for i, (_, _, name) in enumerate(stack) if name == "run_forever"), 0)
+    return stack[cut:]
+
+
+def stack_site(stack: tuple[Frame, ...]) -> str:
+    """Where a sample of the loop's thread was: an import under way ("import" and the module),
+    else the innermost asyncexec frame, else the outermost frame the loop ran (a benchmark task,
+    or the loop itself), and the innermost frame when it differs."""
+    frames = loop_frames(stack)
+    if not frames:
+        return "?"
+    modules = [f for f in frames if f[2] == "<module>"]
+    if modules:
+        return f"import {_short(modules[0][0])}"
+    own = [f for f in frames if f"{os.sep}asyncexec{os.sep}" in f[0]]
+    anchor = own[-1] if own else frames[0]
+    leaf = frames[-1]
+    return fmt_frame(anchor) if leaf == anchor else f"{fmt_frame(anchor)} > {fmt_frame(leaf)}"
+
+
+@dataclass(frozen=True)
+class StackSample:
+    """The event-loop thread's stack while the heartbeat due at ``due`` was overdue, and the
+    stacks of the driver's other Python threads that were not idle."""
+
+    due: float
+    taken: float
+    late_s: float  # how much later than asked the watchdog itself woke (it waited for the GIL)
+    stack: tuple[Frame, ...]  # outermost first
+    others: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # (thread name, its stack)
+
+
+#: Innermost functions of a thread that waits (not running Python, not holding the GIL).
+IDLE = {
+    "wait",
+    "_wait_for_tstate_lock",
+    "select",
+    "poll",
+    "get",
+    "sleep",
+    "accept",
+    "readinto",
+    "listen_error_messages",  # Ray's thread, blocked in C++
+}
+
+
+class StallWatchdog(threading.Thread):
+    """A thread that wakes every ``period_s`` and samples the event-loop thread's stack while
+    the heartbeat is more than ``threshold_s`` overdue, with the stacks of the driver's other
+    threads that are not idle; and on every tick the CPU time of the loop's thread and of the
+    whole driver process: a stall in which neither ran was the operating system not running the
+    driver. Made on the loop's thread."""
+
+    def __init__(self, heartbeat: Heartbeat, threshold_s: float, period_s: float) -> None:
+        super().__init__(name="stall-watchdog", daemon=True)
+        self.heartbeat = heartbeat
+        self.threshold_s, self.period_s = threshold_s, period_s
+        self.loop_thread = loop_thread = threading.get_ident()
+        self.samples: list[StackSample] = []
+        #: (perf_counter, loop thread CPU s, process CPU s) every tick.
+        self.ticks: list[tuple[float, float, float]] = []
+        self._clock = time.pthread_getcpuclockid(loop_thread)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        while not self._stop_event.is_set():
+            asked = time.perf_counter()
+            time.sleep(self.period_s)
+            now = time.perf_counter()
+            self.ticks.append((now, time.clock_gettime(self._clock), time.process_time()))
+            due = self.heartbeat.due
+            if now - due < self.threshold_s:
+                continue
+            frames = sys._current_frames()
+            frame = frames.get(self.loop_thread)
+            if frame is None:
+                continue
+            others = []
+            for ident, other in frames.items():
+                if ident in (self.loop_thread, me):
+                    continue
+                stack = stack_of(other)
+                if stack and stack[-1][2] not in IDLE:
+                    if ident not in names:
+                        names = {t.ident: t.name for t in threading.enumerate()}
+                    others.append((names.get(ident, str(ident)), stack))
+            self.samples.append(
+                StackSample(
+                    due,
+                    now,
+                    max(0.0, now - asked - self.period_s),
+                    stack_of(frame),
+                    tuple(others),
+                )
+            )
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+    def cpu(self, start: float, end: float) -> tuple[float, float] | None:
+        """CPU seconds of the loop's thread and of the driver process from ``start`` to ``end``,
+        from the ticks around them (None without a tick on either side)."""
+        ticks = self.ticks
+        if not ticks:
+            return None
+        times = [t for t, _, _ in ticks]
+        i = max(0, bisect.bisect_right(times, start) - 1)
+        j = min(len(ticks) - 1, bisect.bisect_left(times, end))
+        if j <= i:
+            return None
+        return ticks[j][1] - ticks[i][1], ticks[j][2] - ticks[i][2]
+
 
 #: A heartbeat wake-up this late is a stall (s).
 STALL_S = 0.010
@@ -191,13 +352,7 @@ def driver(rounds: int, freeze: bool) -> None:
     import asyncexec
 
     preloaded = "asyncexec._driver._executor" in sys.modules
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
-    )
+    _harness.start_ray(4)
     if freeze:
         gc.collect()
         gc.freeze()  # what start-up made is never walked by a collection again
@@ -282,11 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         driver(args.rounds, args.freeze)
         return 0
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     results = []
     for d in range(args.drivers):
         print(f"driver {d + 1} of {args.drivers} ...", file=sys.stderr, flush=True)

@@ -69,7 +69,6 @@ import _harness
 import _pipeline_phases
 from _common import Collection, Heartbeat, gc_log, median, progress
 from _harness import Result, Row, Table, fmt
-from _pipeline_diagnose import Diagnosis
 from _pipeline_phases import (
     Sizes,
     balance,
@@ -303,7 +302,6 @@ class Bench:
     trainer: asyncexec.Executor
     channel: asyncexec.WeightChannel
     floor: LoopGroup
-    diagnosis: Diagnosis | None = None
     rows: dict[str, Row] = field(default_factory=lambda: make_rows())
     notes: dict[str, list[float]] = field(default_factory=dict)
 
@@ -403,11 +401,6 @@ class Bench:
         self.rows["sticky"].of("baseline").append(got["sessions"])
         self.rows["sticky"].of("pipeline").append(got["kept"])
 
-    def figure(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
-        if self.diagnosis is None:
-            return contextlib.nullcontext()
-        return self.diagnosis.figure(name)
-
     async def repeat(self, i: int, only: set[str]) -> None:
         """One repeat of the figures in ``only``, the pipeline's under one heartbeat, then the
         streaming floor under the same heartbeat, for as long as the pipeline's took (the max
@@ -419,8 +412,7 @@ class Bench:
             for name in FIGURES:
                 if name in only and name != "lag":
                     mark = len(lags)
-                    async with self.figure(f"{name} {i + 1}"):
-                        await getattr(self, name)(i, lags)
+                    await getattr(self, name)(i, lags)
                     self.note(
                         f"event-loop max lag in {name}, ms", max(lags[mark:], default=0) * 1e3
                     )
@@ -429,7 +421,7 @@ class Bench:
             return
         progress(f"repeat {i + 1}: the streaming floor, {took:.0f} s")
         passes = 0
-        async with watched(0.001) as floor, self.figure(f"floor {i + 1}"):
+        async with watched(0.001) as floor:
             f0 = time.perf_counter()
             await self.floor.floor(self.sizes.floor_steps)
             first_s, first = time.perf_counter() - f0, len(floor.lags)
@@ -469,12 +461,11 @@ class Bench:
 
 
 async def bench(
-    sizes: Sizes, only: set[str], freeze: bool, diagnose: str | None = None
+    sizes: Sizes, only: set[str], freeze: bool, diagnose: bool = False
 ) -> tuple[list[Row], list[str]]:
     floor = LoopGroup(4, RESOURCES, 1024)
     await floor.start()
-    diagnosis = None if diagnose is None else Diagnosis(diagnose)
-    _pipeline_phases.COUNT_OBJECTS = diagnose is not None
+    _pipeline_phases.COUNT_OBJECTS = diagnose
     role = asyncexec.Role(SleepServer, sizes.token_s, sizes.chunk_tokens)
     try:
         async with (
@@ -497,15 +488,11 @@ async def bench(
             if freeze:  # what start-up made is never walked by a collection again
                 gc.collect()
                 gc.freeze()
-            b = Bench(sizes, servers, trainer, channel, floor, diagnosis)
-            if diagnosis is not None:
-                await diagnosis.start()
+            b = Bench(sizes, servers, trainer, channel, floor)
             for i in range(sizes.repeats):
                 await b.repeat(i, only)
     finally:
         await floor.close()
-        if diagnosis is not None and diagnosis.monitor is not None:
-            await diagnosis.stop()
         if _pipeline_phases.KINDS:
             top = _pipeline_phases.KINDS.most_common(25)
             print("\nobjects a request in flight holds, by kind (256 in flight less after):")
@@ -558,12 +545,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--diagnose",
-        nargs="?",
-        const="stacks",
-        choices=("stacks", "debug", "turns"),
-        help="print each stall of the loop with its figure and cause (benchmarks/"
-        "_pipeline_diagnose.py); 'debug' adds asyncio's debug mode (slow callbacks over 3 ms); "
-        "'turns': each long turn of the loop, its callbacks",
+        action="store_true",
+        help="count the objects the collector tracks with 256 requests in flight and after, "
+        "and print their commonest kinds (where the loop stalls: loop_stalls.py)",
     )
     parser.add_argument(
         "--switch-interval-ms",

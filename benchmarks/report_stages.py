@@ -5,7 +5,7 @@
 
 Each stage is run by itself on this process, with the sizes of a run of tiny reports
 (``{"step": i}``) at full speed: polls of :data:`PER_POLL` reports per rank (what ``run.py``'s
-rows carry, see ``profile_reports.py``), for 1 and 4 ranks. The stages:
+rows carry), for 1 and 4 ranks. The stages:
 
 - ``report()``: the worker's function calling it (the dict made by the caller included), from
   the public ``asyncexec.report`` down to the buffer; the floor's thread appending to its deque;

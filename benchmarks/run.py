@@ -3,7 +3,6 @@
     python benchmarks/run.py                   # the full run: a few minutes on 2 cores
     python benchmarks/run.py --quick           # tiny sizes, one repeat: a smoke run
     python benchmarks/run.py --lifecycle-only  # only the lifecycle lag rows: about a minute
-    python benchmarks/run.py --lifecycle-only --stall-stacks   # and where the loop stalled
     python benchmarks/run.py --reports-only    # only the reports/s rows, 1/4/16 workers
     python benchmarks/run.py --channel-only    # only the weight channel rows (issue 14)
 
@@ -28,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import logging
 import math
 import os
@@ -100,14 +98,12 @@ class Bench:
         channel_only: bool = False,
         outlive_only: bool = False,
         local_only: bool = False,
-        stall_stacks: bool = False,
     ) -> None:
         self.sizes = sizes
         self.lifecycle_only = lifecycle_only
         self.channel_only = channel_only
         self.outlive_only = outlive_only
         self.local_only = local_only
-        self.stall_stacks = stall_stacks
         self.lifecycle_notes: list[str] = []
         self.channel_notes: list[str] = []
         self.rt: RayTrainClient | None = None
@@ -453,8 +449,6 @@ class Bench:
                 RESOURCES,
                 self.storage,
             )
-        if moved.missing is not None:
-            notes.append(f"- weight channel rows not measured: {moved.missing}")
         for value in moved.floor:
             self.add("channel_torch", "floor", value)
             self.add("channel_driver", "floor", value)
@@ -509,8 +503,6 @@ class Bench:
         )
         notes += moved.notes
 
-        if moved.missing is not None:
-            return
         progress("weight channel: version lag through SIGKILLs")
         with self.timer.section("weight channel: version lag"):
             lag = await measure_version_lag(
@@ -549,7 +541,6 @@ class Bench:
             resources=RESOURCES,
             bound=BUFFER,
             storage=self.storage,
-            stall_stacks=self.stall_stacks,
             # Alone, the first lifecycle would pay the driver's one-time costs.
             warm_up=self.lifecycle_only,
         )
@@ -753,12 +744,8 @@ def metrics_on() -> Iterator[None]:
     from asyncexec._driver import _metrics
 
     registry = prometheus_client.CollectorRegistry()
-    # Every scrape asks the workers (the library's default asks at most every 5 s); a baseline
-    # tree's enable_metrics may not take the setting yet, and asked at every scrape then.
-    every_scrape = {"backlog_refresh_s": 0}
-    if "backlog_refresh_s" not in inspect.signature(asyncexec.enable_metrics).parameters:
-        every_scrape = {}
-    asyncexec.enable_metrics(registry, **every_scrape)
+    # Every scrape asks the workers (the library's default asks at most every 5 s).
+    asyncexec.enable_metrics(registry, backlog_refresh_s=0)
     done = threading.Event()
 
     def scrape() -> None:
@@ -817,12 +804,6 @@ def _options(parser: argparse.ArgumentParser) -> None:
     for name, (text, _, _) in ONLY.items():
         parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
     parser.add_argument(
-        "--stall-stacks",
-        action="store_true",
-        help="sample the event loop's stack while the heartbeat is > 20 ms overdue, and print "
-        "the sites (lifecycle rows)",
-    )
-    parser.add_argument(
         "--gc-freeze",
         action="store_true",
         help="after Ray has started, move the driver's heap to the permanent generation "
@@ -847,7 +828,6 @@ async def _run(sizes: Sizes, args: argparse.Namespace) -> _harness.Result:
         channel_only=args.channel_only,
         outlive_only=args.outlive_only,
         local_only=args.local_only,
-        stall_stacks=args.stall_stacks,
     )
     missing = await bench_main(bench, reports_only=args.reports_only)
     figures = list(bench.figures.values())

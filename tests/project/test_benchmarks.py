@@ -139,8 +139,8 @@ def test_lifecycle_samples_count_toward_every_phase_active_in_them(
         (1.5, 1.5015),  # both streaming: streaming alone
         (2.5, 2.5),  # nobody
     ]
-    life = Round("lifecycle", 0, 0.0, 3.0, beats, spans, [], None)
-    floor = Round("floor", 0, 0.0, 1.0, [(0.1, 0.102)], [], [], None)
+    life = Round("lifecycle", 0, 0.0, 3.0, beats, spans, [])
+    floor = Round("floor", 0, 0.0, 1.0, [(0.1, 0.102)], [], [])
     phases = [s.phases for s in life.attributed()]
     assert phases == [
         {"entering"},
