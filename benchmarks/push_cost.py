@@ -110,7 +110,7 @@ class Sizes:
     kinds: tuple[str, ...]
 
 
-FULL = Sizes(40, ("3 KB", "model"))
+FULL = Sizes(200, ("3 KB", "model"))
 QUICK = Sizes(10, ("3 KB",))
 
 

@@ -594,3 +594,28 @@ async def test_a_push_cancelled_during_its_read_does_not_leave_its_state_under_t
             version = await channel.push()  # reads {"w": 2}
         held = await b.call(get)
         assert held == [({"w": 2}, version)] * 2, (held, version)
+
+
+class DiesReading:
+    """A source whose process dies while its state is read."""
+
+    def __init__(self) -> None:
+        asyncexec.serve_weights(lambda: os._exit(1))
+
+
+async def test_a_source_that_dies_while_read_fails_the_push_naming_the_source() -> None:
+    """The installs go out with the read and fail with its error when it fails; a dead
+    source's error, taken as the installs' own, would read as every target dead, each
+    skipped, and the push would return as if delivered."""
+    cpu = {"CPU": 0.5}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=DiesReading, name="src") as a,
+        asyncexec.Executor(2, resources_per_worker=cpu, name="dst") as b,
+        asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
+    ):
+        with anyio.fail_after(30), pytest.raises(asyncexec.ChannelError) as failed:
+            await channel.push()
+        assert await b.execute(asyncexec.weights_version) == [None, None]
+    assert "reading version 1" in str(failed.value), failed.value
+    assert isinstance(failed.value.__cause__, asyncexec.WorkerCrashedError), failed.value
+    assert channel.statistics().delivered == 0

@@ -241,9 +241,9 @@ class WeightChannel:
     async def push(self) -> int:
         """Read the source's state and deliver it to every target rank as the next version;
         return that version. Returns once the version ``max_staleness - 1`` before it is
-        installed on every target rank. A push cancelled (or timed out) while the state is
-        read uses up its version number: its installs went out with the read and may still
-        land.
+        installed on every target rank. With the object store, the installs go out with the
+        read (as a push by hand sends them), which numbers the version: a push cancelled
+        after that, or whose read then fails, has used up its number.
 
         Raises:
             ChannelError: the state could not be read (the source has no live workers, a

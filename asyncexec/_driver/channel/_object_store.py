@@ -14,7 +14,7 @@ import anyio
 from ..._errors import AsyncExecError
 from ..cluster import Call, proxy, result_of, settled
 from ..group import WorkerInfo
-from ._transport import Core, Pending, caller_of, died, gather
+from ._transport import Core, Pending, caller_of, channel_error, died, gather
 
 __all__ = ["ObjectStoreTransport"]
 
@@ -43,33 +43,54 @@ class ObjectStoreTransport:
             for w in sources
         ]
         refs = [c[1] for c in calls]
+        types = [result_of(caller, w, c[0]) for w, c in zip(sources, calls, strict=True)]
         # The installs are sent now, with the states' references, as a hand-written push
         # sends them: Ray starts each once the read is done, with no turn of the driver in
         # between (awaiting the read first put a round trip of the driver on every push's
         # path: 1.5-1.9x the hand-written push). Not while an earlier version is on its way:
         # versions arrive in order. A target that joins meanwhile gets its call at delivery.
-        early: dict[str, Call[Any] | None] = {}
         if core.delivered_before(pending.version):
             target = caller_of(core.target_slot)
-            for w in core.targets_now():
-                early[w.handle.key] = proxy(target, w).channel_receive(
-                    core.name, pending.version, *refs
-                )
-        pending.early = early  # (a read given up now may still install its state: see Pending)
-        # The first results (the states' types) are awaited; the states stay where they are,
-        # referenced.
-        types = [result_of(caller, w, c[0]) for w, c in zip(sources, calls, strict=True)]
+            pending.early = {
+                w.handle.key: proxy(target, w).channel_receive(core.name, pending.version, *refs)
+                for w in core.targets_now()
+            }
+        pending.refs = refs
+        if pending.early:
+            # An install runs only once the read's state is there, and fails with the read's
+            # error when it failed: the installs tell the read's outcome, and its own result
+            # (the states' types) is looked at only when one of them fails (see ``_install``).
+            # Awaited here, it woke the driver as the installs started, beside them on the
+            # same cores (1.24x the hand-written push against 1.15x).
+            pending.read = types
+            return
         try:
             await gather(types, core.source_slot)
         except BaseException:
-            # A state's reference of a failed read holds the error too (and so do the installs
-            # sent with it): left unawaited, Ray logs it as an "Unhandled error" (with the
-            # worker's traceback, at ERROR) when the reference goes. Awaited (in the channel's
-            # group: the push fails now), it does not.
-            states = [result_of(caller, w, ref) for w, ref in zip(sources, refs, strict=True)]
-            self._settle([*states, *(c for c in early.values() if c is not None)])
+            self._settle_failed(pending, types)
             raise
-        pending.refs = refs
+
+    async def _read_failed(self, pending: Pending) -> BaseException | None:
+        """The error of ``pending``'s read, once it ended (None: it did not fail); its calls
+        settled."""
+        types = pending.read or []
+        try:
+            await gather(types, self.core.source_slot)
+        except Exception as exc:
+            self._settle_failed(pending, types)
+            return exc
+        return None
+
+    def _settle_failed(self, pending: Pending, types: Sequence[Call[Any]]) -> None:
+        """A read failed: a state's reference holds the error too (and so do the installs sent
+        with it); left unawaited, Ray logs it as an "Unhandled error" (with the worker's
+        traceback, at ERROR) when the reference goes. Awaited (in the channel's group), it
+        does not."""
+        caller = caller_of(self.core.source_slot)
+        sources = pending.sources or []
+        states = [result_of(caller, w, r) for w, r in zip(sources, pending.refs or [], strict=True)]
+        early, pending.early = pending.early or {}, None
+        self._settle([*states, *(c for c in early.values() if c is not None)])
 
     def _settle(self, calls: Sequence[Call[Any]]) -> None:
         tg = self.core.tg
@@ -79,7 +100,12 @@ class ObjectStoreTransport:
     async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:
         """Every live target rank fetches and installs the shards; one that died is skipped."""
         early, pending.early = pending.early or {}, None
+        unread = pending.read is not None
         await self._install(pending, targets, early)
+        if unread:  # ranks that joined while the state was read got the version before
+            behind = self.core.behind(pending.version, targets)
+            if behind:
+                await self._install(pending, behind, {})
 
     async def _install(
         self, pending: Pending, targets: Sequence[WorkerInfo], early: dict[str, Call[Any] | None]
@@ -94,17 +120,28 @@ class ObjectStoreTransport:
             for w in targets
         ]
         self._settle([c for c in early.values() if c is not None])  # to ranks that left
-        errors: list[AsyncExecError] = []
+        failed: list[tuple[int, AsyncExecError]] = []
 
         def one(i: int, _: object, error: AsyncExecError | None) -> None:
             if error is None:
                 core.installed(targets[i], pending.version)
-            elif died(error):
+            else:
+                failed.append((i, error))
+
+        await settled(calls, one)
+        if pending.read is not None:  # the installs tell the read's outcome
+            if failed:  # with the read's error when it failed (a dead source's too)
+                read_error = await self._read_failed(pending)
+                if read_error is not None:
+                    raise channel_error(f"reading version {pending.version}", read_error, 0)
+            pending.read = None
+            core.read_done(pending)
+        errors = []
+        for i, error in failed:
+            if died(error):
                 core.log.info("push_skipped_dead_rank", rank=targets[i].rank)
             else:
                 errors.append(error)
-
-        await settled(calls, one)
         if errors:
             raise errors[0]
 

@@ -31,9 +31,11 @@ class Pending:
     version: int
     done: anyio.Event
     refs: list[Any] | None = None  # object store: the shards' references
-    #: object store: the installs sent with the read, by target worker (see its ``read``).
-    #: Once sent, the version may be installed even if the push gives up its read.
+    #: object store: the installs sent with the read, by target worker (see its ``read``)
     early: dict[str, Any] | None = None
+    #: object store: the read's own results, while its installs tell its outcome (see
+    #: ``ObjectStoreTransport.read``); None once it is known to have ended well
+    read: list[Any] | None = None
     parts: list[tuple[str, Any]] | None = None  # torch: (group id, tensor list) per source
     targets: list[WorkerInfo] | None = None
     sources: list[WorkerInfo] | None = None
@@ -65,7 +67,16 @@ class Core(Protocol):
         ...
 
     def latest(self) -> Pending | None:
-        """The latest version read."""
+        """The latest version read (what a rank that joins gets)."""
+        ...
+
+    def read_done(self, pending: Pending) -> None:
+        """``pending``'s read, left to its installs to tell, ended well."""
+        ...
+
+    def behind(self, version: int, covered: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+        """The target's live workers, besides ``covered``, that hold a version before
+        ``version``."""
         ...
 
     def delivered_before(self, version: int) -> bool:

@@ -6,7 +6,7 @@ that joins the target gets the latest version. This is what the transports see o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -86,6 +86,19 @@ class Versions:
     def latest(self) -> Pending | None:
         return self._last
 
+    def read_done(self, pending: Pending) -> None:
+        if self._last is None or self._last.version < pending.version:
+            self._last = pending
+
+    def behind(self, version: int, covered: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+        keys = {w.handle.key for w in covered}
+        held = self._held
+        return [
+            w
+            for w in live(self.target_slot)
+            if w.handle.key not in keys and held.get(w.handle.key, 0) < version
+        ]
+
     def delivered_before(self, version: int) -> bool:
         return all(p.done.is_set() for v, p in self.pending.items() if v < version)
 
@@ -164,23 +177,23 @@ class Versions:
                 with anyio.fail_after(self.timeout_s):
                     await self._read(pending)
             except anyio.get_cancelled_exc_class():
-                self._given_up(pending)
                 raise  # the caller was cancelled: not the channel's failure
             except Exception as exc:
-                if isinstance(exc, TimeoutError):
-                    self._given_up(pending)
                 self.counts["failed_pushes"] += 1
                 self.observer.emit(PushFailed(version, describe(exc)))
                 raise channel_error(f"reading version {version}", exc, self.timeout_s) from exc
             # At once (no wait in between): the version is the latest, and its targets are the
             # target's workers now (unless the transport fixed them before the read). A group
             # that joined during the read got the previous version and is among them; one that
-            # joins from now on gets this one (see ``join``).
+            # joins from now on gets this one (see ``join``). A read left to its installs to
+            # tell (``pending.read``) is still going: ranks that join meanwhile get the version
+            # before, and its delivery then gives them this one (``behind``).
             self.version = version
             self.counts["pushes"] += 1
             previous = self.pending.get(version - 1)
             self.pending[version] = pending
-            self._last = pending
+            if pending.read is None:  # else once its installs say it ended well
+                self._last = pending
             if pending.targets is None:
                 pending.targets = live(self.target_slot)
             held = self._held
@@ -191,14 +204,6 @@ class Versions:
             )
             tg.start_soon(self._deliver, pending, previous)
         return pending
-
-    def _given_up(self, pending: Pending) -> None:
-        """The push gave up ``pending``'s read (cancelled, or past its bound) while it may still
-        end: installs sent with it (the object store's) then install its state as its version,
-        so that number is used up. Numbered again, the next push would be skipped by every
-        target as a version it holds, which would keep the older state."""
-        if pending.early:
-            self.version = max(self.version, pending.version)
 
     async def _read(self, pending: Pending) -> None:
         sources = live(self.source_slot)
@@ -229,7 +234,8 @@ class Versions:
                 raise
             self.counts["failed_pushes"] += 1
             self._transport().broken()
-            pending.error = channel_error(f"delivering version {pending.version}", exc, 0)
+            bound = self.timeout_s if isinstance(exc, TimeoutError) else 0
+            pending.error = channel_error(f"delivering version {pending.version}", exc, bound)
             self.observer.emit(PushFailed(pending.version, describe(exc)))
         finally:
             pending.done.set()
