@@ -1,8 +1,9 @@
 """What seeing a run costs: reports/s and call latency with the timeline and traces off, the
-timeline on, and tracing on, side by side in one run (and the same code before them, with
-``--baseline REF``); and the timeline's memory over 100,000 steps.
+timeline on, and tracing on, side by side in one run; and the timeline's memory over 100,000
+steps. The tree before a change, nothing on, against this one: ``before_after.py --before TREE
+--what observe`` (this file's measurement, run on each tree's asyncexec).
 
-    python benchmarks/observe.py --baseline a1ad2d1   # about 4 minutes on 2 cores
+    python benchmarks/observe.py                      # about 4 minutes on 2 cores
     python benchmarks/observe.py --quick              # a smoke run
     python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG; the GRPO
                                                       # one: examples/grpo.py --timeline)
@@ -11,9 +12,7 @@ timeline on, and tracing on, side by side in one run (and the same code before t
 The variants are measured in turn, round by round (each round in another order), on the same
 4 workers in one process with one Ray (the timeline handed to the executor's runs or taken
 away between runs; a second executor of 4 workers open beside it), so that the machine's drift
-falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) each. The
-baseline (the tree at ``REF``, extracted with ``git archive``, nothing on) runs in processes
-of its own, alternating with this tree's, with the same two executors.
+falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) each.
 
 - **reports/s**: 4 workers report tiny metrics as fast as they can for ``STEPS`` steps (an
   aligned run, default ``buffer_size``), counted from the run's start to its last step.
@@ -29,7 +28,7 @@ of its own, alternating with this tree's, with the same two executors.
 
 Variants: ``off`` (this tree, nothing on), ``timeline`` (``Executor(timeline=True)``),
 ``tracing`` (an OpenTelemetry SDK provider with a ``BatchSpanProcessor`` whose exporter drops
-the spans: every span is made, carried to the worker, attached there and ended), ``baseline``.
+the spans: every span is made, carried to the worker, attached there and ended).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -49,8 +47,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 if ROOT not in sys.path:
-    # After PYTHONPATH: a child measuring the baseline imports the baseline's tree (its
-    # PYTHONPATH), as its workers do, not this one.
+    # After PYTHONPATH: a child measuring another tree (``before_after.py --what observe``)
+    # imports that tree's asyncexec (its PYTHONPATH), as its workers do, not this one.
     sys.path.append(ROOT)
 
 STEPS, CALLS, WORKERS = 20_000, 1_000, 4
@@ -139,7 +137,7 @@ async def _measure(variants: list[str], steps: int, calls: int, rounds: int) -> 
 
         provider, default = _provider(), trace.get_tracer_provider
     out: dict[str, Any] = {v: {"reports_per_s": [], "calls_s": []} for v in variants}
-    on = {"timeline": True} if "timeline" in variants else {}  # (the baseline has none)
+    on = {"timeline": True} if "timeline" in variants else {}  # (an older tree has none)
     async with (
         asyncexec.Executor(WORKERS, resources_per_worker=CPU, **on) as ex,
         asyncexec.Executor(WORKERS, resources_per_worker=CPU),  # the same load in every tree
@@ -335,6 +333,8 @@ async def _pictures(folder: str) -> dict[str, Any]:
 def _child(args: argparse.Namespace) -> None:
     import anyio
 
+    import asyncexec
+
     if args.child == "pictures":
         out = anyio.run(_pictures, args.pictures)
     elif args.child == "memory":
@@ -346,7 +346,8 @@ def _child(args: argparse.Namespace) -> None:
     else:
         variants = args.variant.split(",")
         out = anyio.run(_measure, variants, args.steps, args.calls, args.rounds)
-    print("RESULT " + json.dumps(out), flush=True)
+    where = os.path.dirname(os.path.abspath(asyncexec.__file__))
+    print("RESULT " + json.dumps({"asyncexec": where, "out": out}), flush=True)
 
 
 def _run(variant: str, tree: str, what: str, args: argparse.Namespace) -> Any:
@@ -360,15 +361,8 @@ def _run(variant: str, tree: str, what: str, args: argparse.Namespace) -> Any:
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=tree)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+            return json.loads(line[len("RESULT ") :])["out"]
     raise RuntimeError(f"{variant} ({what}) printed no result:\n{done.stderr[-3000:]}")
-
-
-def _baseline_tree(ref: str) -> str:
-    where = tempfile.mkdtemp(prefix="asyncexec-baseline-")
-    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", where], input=archive.stdout, check=True)
-    return where
 
 
 def _median(values: list[float]) -> float:
@@ -378,7 +372,6 @@ def _median(values: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", metavar="REF", help="also measure the tree at REF")
     parser.add_argument("--repeats", type=int, default=2, help="processes of each tree")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the variants in each")
     parser.add_argument("--quick", action="store_true", help="a smoke run")
@@ -397,31 +390,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=CALLS, help=argparse.SUPPRESS)
     parser.add_argument("--marks", type=int, nargs="+", default=list(MEMORY_MARKS))
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.rounds, args.steps, args.calls = 1, 1, 2_000, 100
+        args.marks, args.samples = [1_000, 5_000], 512
     if args.child:
         _child(args)
         return 0
     if args.pictures:
         _run("pictures", ROOT, "pictures", args)
         return 0
-    if args.quick:
-        args.repeats, args.rounds, args.steps, args.calls = 1, 1, 2_000, 100
-        args.marks, args.samples = [1_000, 5_000], 512
     if args.pipeline:
         _rl_figures(args)
         return 0
-    trees = {"off,timeline,tracing": ROOT}
-    if args.baseline:
-        trees = {"baseline": _baseline_tree(args.baseline), **trees}
     results: dict[str, dict[str, list[float]]] = {}
     for repeat in range(args.repeats):
-        for variants, tree in trees.items():
-            print(f"repeat {repeat + 1}: {variants}", file=sys.stderr, flush=True)
-            measured = _run("off" if variants == "baseline" else variants, tree, "measure", args)
-            for variant, values in measured.items():
-                name = "baseline" if variants == "baseline" else variant
-                mine = results.setdefault(name, {"reports_per_s": [], "calls_s": []})
-                for key, found in values.items():
-                    mine[key].extend(found)
+        print(f"repeat {repeat + 1}: off, timeline, tracing", file=sys.stderr, flush=True)
+        for variant, values in _run("off,timeline,tracing", ROOT, "measure", args).items():
+            mine = results.setdefault(variant, {"reports_per_s": [], "calls_s": []})
+            for key, found in values.items():
+                mine[key].extend(found)
     _table(results, args)
     print(f"\nmemory: the driver's RSS (MiB) after each number of steps of {WORKERS} workers")
     for variant in ("off", "timeline"):
