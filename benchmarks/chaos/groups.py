@@ -39,6 +39,7 @@ from benchmarks.chaos.harness import (
     _consume,
     _executor,
     _fault_at,
+    _first_of_attempt_after,
     _idle_pids,
     _kill,
     _prefix,
@@ -318,8 +319,7 @@ def _went_on(out: Outcome, victim: _Seen, other: _Seen, fault_time: list[float])
     had delivered every step before the kill."""
     if not fault_time or not other.times or other.times[-1] <= fault_time[0]:
         return
-    back = next((t for s, t in zip(victim.steps, victim.times, strict=True) if s.attempt > 1), None)
-    end = back if back is not None else victim.ended
+    end = _first_of_attempt_after(victim, 1) or victim.ended
     if not any(fault_time[0] < t <= end for t in other.times):
         out.fail("other_went_on", "the other run delivered no step while this one recovered")
 
@@ -370,13 +370,7 @@ async def _independent(sc: Scenario, env: Env, out: Outcome, directory: Path) ->
         return
     if seen.error is not None:
         out.fail("finished", f"the run ended with {type(seen.error).__name__}: {seen.error}")
-    back = next((t for s, t in zip(seen.steps, seen.times, strict=True) if s.attempt > 1), None)
-    if fault_time and back is not None:
-        out.recovery_s.append(back - fault_time[0])
-        if back - fault_time[0] > RECOVERY_BOUND_S:
-            out.fail("recovery_time", f"{back - fault_time[0]:.1f} s to the rank's next report")
-    elif not fault_time:
-        out.fail("fault_injected", "the rank's step was never delivered")
+    _recovery(out, fault_time[0] if fault_time else None, seen, 1, 1)
 
 
 def _started_once(
