@@ -82,28 +82,17 @@ FULL, QUICK = Sizes(3, None, False), Sizes(1, None, True)
 
 def probe(tree: str, what: str, repeats: int | None, quick: bool, lock: str | None) -> Any:
     """Run one measurement with ``tree``'s asyncexec; its JSON result."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     if what == "observe":
-        command = [sys.executable, os.path.join(HERE, "observe.py"), "--child", "measure"]
-        within = "--rounds"
-        env["PYTHONPATH"] = os.pathsep.join([tree, HERE])
+        script, args, within = os.path.join(HERE, "observe.py"), ["--child", "measure"], "--rounds"
     else:
-        here = os.path.join(tree, "benchmarks", PROBE)
+        script, args, within = os.path.join(tree, "benchmarks", PROBE), [what], "--repeats"
         if os.path.abspath(tree) != os.path.dirname(HERE):
-            shutil.copyfile(os.path.join(HERE, PROBE), here)
-        command, within = [sys.executable, here, what], "--repeats"
-    if repeats is not None:
-        command += [within, str(repeats)]
-    if quick:
-        command.append("--quick")
-    if lock is not None:
-        command = ["flock", lock, *command]
-    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} in {tree} failed:\n{proc.stderr[-4000:]}")
-    lines = proc.stdout.strip().splitlines()
-    last = next(x for x in reversed(lines) if x.startswith(("{", "RESULT ")))
-    result = json.loads(last.removeprefix("RESULT "))
+            shutil.copyfile(os.path.join(HERE, PROBE), script)
+    args += [within, str(repeats)] if repeats is not None else []
+    args += ["--quick"] if quick else []
+    # The probe puts its own tree first on the path; observe.py is given the tree's.
+    where = tree if what == "observe" else None
+    result = _harness.child(script, *args, tree=where, lock=lock)
     if what == "observe":
         result = _observed(result)
     want = os.path.join(os.path.abspath(tree), "asyncexec")
