@@ -248,15 +248,17 @@ class Row:
     ratio to the reference column, and the target.
 
     ``limit`` is a target on that ratio (at most ``limit`` where lower is better, at least
-    ``1 / limit`` where higher is better, a rate); ``check`` is any other target, decided from
-    the medians (None when it cannot be: a column is missing). Neither: a row shown as a
-    contrast.
+    ``1 / limit`` where higher is better, a rate); ``most`` a bound on the measured column's
+    median, in the row's unit (the target's text says it); ``check`` is any other target,
+    decided from the medians (None when it cannot be: a column is missing). None of them: a row
+    shown as a contrast.
     """
 
     label: str
     unit: str = ""
     target: str = ""
     limit: float | None = None
+    most: float | None = None
     check: Callable[[dict[str, float]], bool | None] | None = None
     higher_is_better: bool = False
     key: str = ""
@@ -291,6 +293,8 @@ class Row:
     def target_text(self) -> str:
         if self.target:
             return self.target
+        if self.most is not None:
+            return f"<= {self.most:g} {self.unit}"
         if self.limit is None:
             return "(contrast)" if self.check is None else "-"
         if self.higher_is_better:
@@ -304,6 +308,9 @@ class Row:
                 return self.check(self.medians())
             except (KeyError, ZeroDivisionError):
                 return None
+        if self.most is not None:
+            measured = self.medians().get(self.measured)
+            return None if measured is None else measured <= self.most
         ratio = self.ratio()
         if self.limit is None or math.isnan(ratio):
             return None
