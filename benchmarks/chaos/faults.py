@@ -257,7 +257,7 @@ async def _cancel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None
     with anyio.move_on_after(sc.delay_s) as scope:
         async with _executor(sc, env) as ex:
             holder.append(ex)
-            at = sc.at if sc.flag else -1
+            at = sc.at if sc.flag else -1  # -1: no step has it, nothing killed
             on_step = _fault_at(at, [], lambda: _kill(ex.workers[sc.rank].pid))
             await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
     took = time.time() - (t0 + sc.delay_s)
