@@ -54,11 +54,14 @@ from collections.abc import Mapping
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncexec
 
-__all__ = ["ChannelFigures", "LagFigures", "measure_channel", "measure_version_lag"]
+if TYPE_CHECKING:
+    from _common import Rows
+
+__all__ = ["measure_channel", "measure_version_lag"]
 
 # Worker side ------------------------------------------------------------------------------------
 
@@ -295,23 +298,6 @@ class _Consumer:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-@dataclass
-class ChannelFigures:
-    """Samples per repeat: seconds for the moves, milliseconds for the lags."""
-
-    floor: list[float] = field(default_factory=list)
-    floor_driver_s: list[float] = field(default_factory=list)  # the floor, timed in the driver
-    floor_fresh: list[float] = field(default_factory=list)  # the floor into fresh buffers
-    torch: list[float] = field(default_factory=list)
-    object_store: list[float] = field(default_factory=list)
-    driver: list[float] = field(default_factory=list)
-    driver_put: list[float] = field(default_factory=list)  # the same, ray.put once for 4 ranks
-    lag: dict[str, tuple[float, float]] = field(default_factory=dict)  # way -> (p99, max) ms
-    #: The driver's garbage collections while pushing: transport -> (count, longest ms).
-    collections: dict[str, tuple[int, float]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-
 TRANSPORTS = ("torch", "object_store")
 
 
@@ -320,15 +306,18 @@ def _channel_name(transport: str, label: int | str) -> str:
 
 
 async def measure_channel(
+    rows: Rows,
+    notes: list[str],
     nbytes: int,
     parts: int,
     repeats: int,
     lag_pushes: int,
     resources: dict[str, float],
     storage: str,
-) -> ChannelFigures:
+) -> None:
     """The move of an ``nbytes`` state from the learner's rank 0 to the 4 rollout ranks, every
-    way in turn ``repeats`` times after a warm-up; then the loop's lag during pushes.
+    way in turn ``repeats`` times after a warm-up (seconds); then the loop's lag during pushes
+    (ms); each filed in ``rows``, with what the table cannot show in ``notes``.
 
     An executor receives from one open channel at a time, so each repeat opens a channel per
     transport in turn (a fresh name each: a worker never installs a version older than the one
@@ -337,7 +326,13 @@ async def measure_channel(
     import ray
     from _common import gc_log, heartbeat, lag_ms, progress
 
-    figures = ChannelFigures()
+    #: Each way's seconds per repeat: floor (timed in the workers, in the driver, into receive
+    #: buffers allocated afresh), torch, object_store, driver, driver_put (one ray.put for 4).
+    moved: dict[str, list[float]] = {}
+    #: Each way's event-loop lag (p99, max ms); each transport's garbage collections (count,
+    #: longest ms).
+    lag: dict[str, tuple[float, float]] = {}
+    gcs: dict[str, tuple[int, float]] = {}
     numel = nbytes // 4 // parts * parts
     labels: list[int | str] = [*range(repeats + 1), "lag"]
     async with AsyncExitStack() as stack:
@@ -411,27 +406,22 @@ async def measure_channel(
                 which = f"repeat {i}" if i else "warm-up"
                 progress(f"weight channel: {nbytes >> 20} MB move, {which}")
                 f, f_driver = await floor()
-                fresh, _ = await floor(parts)
-                d = await driver()
-                dp = await driver_put()
-                t = await channel_move("torch", i)
-                o = await channel_move("object_store", i)
+                samples = {"floor": f, "floor_driver": f_driver}
+                samples["floor_fresh"] = (await floor(parts))[0]
+                samples |= {"driver": await driver(), "driver_put": await driver_put()}
+                for transport in TRANSPORTS:
+                    samples[transport] = await channel_move(transport, i)
                 if i == 0:
-                    figures.notes += await _verify(rollout, source_sums)
+                    notes += await _verify(rollout, source_sums)
                     continue
-                figures.floor.append(f)
-                figures.floor_driver_s.append(f_driver)
-                figures.floor_fresh.append(fresh)
-                figures.driver.append(d)
-                figures.driver_put.append(dp)
-                figures.torch.append(t)
-                figures.object_store.append(o)
+                for way, value in samples.items():
+                    moved.setdefault(way, []).append(value)
 
             progress(f"weight channel: event-loop lag during {nbytes >> 20} MB pushes")
             async with heartbeat() as lags:
                 for _ in range(lag_pushes):
                     await floor()
-            figures.lag["floor"] = lag_ms(lags)
+            lag["floor"] = lag_ms(lags)
             for transport in TRANSPORTS:
                 async with open_channel(transport, "lag") as channel:
                     await push(channel)
@@ -440,23 +430,84 @@ async def measure_channel(
                         async with heartbeat() as lags:
                             for _ in range(lag_pushes):
                                 await push(channel)
-                    figures.lag[transport] = lag_ms(lags)
-                    figures.collections[transport] = (
+                    lag[transport] = lag_ms(lags)
+                    gcs[transport] = (
                         len(collections),
                         max((c.end - c.start for c in collections), default=0.0) * 1e3,
                     )
                     stats = channel.statistics()
-                figures.notes.append(f"- weight channel {transport}: {stats}")
+                notes.append(f"- weight channel {transport}: {stats}")
             async with heartbeat() as lags:
                 await driver()
-            figures.lag["driver"] = lag_ms(lags)
+            lag["driver"] = lag_ms(lags)
         finally:
             for consumer in consumers:
                 await consumer.close()
             await asyncio.gather(
                 learner.execute(forget_held), rollout.execute(forget_held), return_exceptions=True
             )
-    return figures
+    _file_moves(rows, notes, moved, lag, gcs, nbytes >> 20, parts)
+
+
+def _file_moves(
+    rows: Rows,
+    notes: list[str],
+    moved: dict[str, list[float]],
+    lag: dict[str, tuple[float, float]],
+    collections: dict[str, tuple[int, float]],
+    mb: int,
+    parts: int,
+) -> None:
+    """The moves' rows (each channel against the floor's broadcast; the store channel and the
+    driver against the driver's way) and the notes of every way and ratio."""
+    from _common import median
+
+    for figure, column, way in (
+        ("channel_torch", "floor", "floor"),
+        ("channel_driver", "floor", "floor"),
+        ("channel_torch", "asyncexec", "torch"),
+        ("channel_torch", "driver", "driver"),  # for the check; not a column
+        ("channel_store", "floor", "driver"),
+        ("channel_driver", "asyncexec", "driver"),
+        ("channel_store", "asyncexec", "object_store"),
+    ):
+        for value in moved[way]:
+            rows.add(figure, column, value)
+    for way, key in (("torch", "torch"), ("object_store", "store")):
+        for column, found in (("asyncexec", way), ("floor", "floor")):
+            if found in lag:
+                rows.add(f"channel_lag_p99_{key}", column, lag[found][0])
+                rows.add(f"channel_lag_max_{key}", column, lag[found][1])
+
+    def speed(way: str) -> str:
+        value = median(moved[way])
+        return f"{value:.3f} s ({mb / value:,.0f} MB/s to each rank)"
+
+    torch, store, driver = (median(moved[w]) for w in ("torch", "object_store", "driver"))
+    repeats = len(moved["floor"])
+    notes.append(
+        f"- weight channel, {mb} MB in {parts} tensors to 4 ranks (medians of {repeats}): floor "
+        f"broadcast {speed('floor')}, the same timed in the driver around execute() "
+        f"{median(moved['floor_driver']):.3f} s, the same as {parts} tensors into receive "
+        f"buffers allocated afresh each move (what reuse_buffers=False costs) "
+        f"{speed('floor_fresh')}; torch channel in its steady state (third push) "
+        f"{speed('torch')}; object store channel {speed('object_store')}; through the driver "
+        f"{speed('driver')}; through the driver with one ray.put for the 4 ranks "
+        f"{speed('driver_put')}"
+    )
+    notes.append(
+        f"- weight channel ratios: floor / torch channel {median(moved['floor']) / torch:.2f}x "
+        f"(target >= 0.8x), through the driver / torch channel {driver / torch:.2f}x, through "
+        f"the driver / object store channel {driver / store:.2f}x"
+    )
+    lags = ", ".join(f"{way} {p99:.2f} / {worst:.1f}" for way, (p99, worst) in lag.items())
+    gcs = ", ".join(
+        f"{way} {count}, longest {longest:.1f} ms" for way, (count, longest) in collections.items()
+    )
+    notes.append(
+        f"- event-loop lag during {mb} MB moves (p99 / max, ms): {lags}; the driver's "
+        f"garbage collections meanwhile: {gcs or '-'}"
+    )
 
 
 async def _verify(rollout: Any, source_sums: list[float]) -> list[str]:
@@ -503,6 +554,8 @@ class LagFigures:
 
 
 async def measure_version_lag(
+    rows: Rows,
+    notes: list[str],
     kills: int,
     staleness: int,
     resources: dict[str, float],
@@ -512,10 +565,11 @@ async def measure_version_lag(
     period_s: float = 0.01,
     settle_steps: int = 20,
     kill_timeout_s: float = 90.0,
-) -> LagFigures:
-    """The RL loop with a staleness bound through ``kills`` SIGKILLs (rollout, learner, ...)."""
+) -> None:
+    """The RL loop with a staleness bound through ``kills`` SIGKILLs (rollout, learner, ...):
+    the largest version lag filed in ``rows``, what the loop saw in ``notes``."""
     import tenacity
-    from _common import progress
+    from _common import median, progress
 
     figures = LagFigures(staleness, transport)
     restart = asyncexec.RestartPolicy(max_restarts=None, wait=tenacity.wait_none())
@@ -663,4 +717,19 @@ async def measure_version_lag(
             await asyncio.gather(
                 learner.execute(forget_held), rollout.execute(forget_held), return_exceptions=True
             )
-    return figures
+    if figures.max_lag >= 0:
+        rows.add("channel_version_lag", "asyncexec", figures.max_lag)
+    histogram = ", ".join(f"{k}: {v}" for k, v in sorted(figures.lag_histogram.items()))
+    notes.append(
+        f"- version lag ({transport} transport, K={staleness}): {figures.steps} rollout steps, "
+        f"lags {{{histogram}}}, {figures.over} over K, {figures.steps_none} with a rank holding "
+        f"no version ({'; '.join(figures.none_at) or '-'}); {figures.pushes} pushes, failed "
+        f"pushes {figures.push_errors or 0}"
+    )
+    notes.append(
+        f"- version lag: {len(figures.recovery_s)} of {kills} SIGKILLs restarted, median "
+        f"{median(figures.recovery_s):.2f} s from the kill (rollout: a step of the new attempt; "
+        f"learner: a push after the restart); " + "; ".join(figures.kills)
+    )
+    notes += [f"- version lag FAILURE: {failure}" for failure in figures.failures]
+    notes.append(f"- version lag channel statistics: {figures.statistics}")

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, MutableMapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import psutil
@@ -29,6 +29,7 @@ __all__ = [
     "cpu_seconds",
     "Collection",
     "Heartbeat",
+    "Rows",
     "gc_log",
     "heartbeat",
     "lag_ms",
@@ -42,6 +43,15 @@ __all__ = [
 ]
 
 MiB = 1024 * 1024
+
+
+class Rows(Protocol):
+    """Where a measurement files what it measured (``run.py``'s ``Bench``): a sample in a
+    figure's column, or a note on where the time goes."""
+
+    def add(self, figure: str, column: str, value: float) -> None: ...
+
+    def note(self, key: str, value: float) -> None: ...
 
 
 def median(values: Sequence[float]) -> float:

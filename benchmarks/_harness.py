@@ -5,7 +5,9 @@ rest.
   authentication, every worker's log line, this folder and its tree first on ``PYTHONPATH`` and
   ``sys.path``, so that workers import the benchmark's functions by module name and the driver
   imports the asyncexec its workers import); :func:`ray_session` starts a fresh local Ray with the
-  figure's options (every worker process fresh by default) and shuts it down.
+  figure's options (every worker process fresh by default) and shuts it down; :func:`child` runs a
+  measurement in a fresh driver process (of another tree's asyncexec, if given) and returns the
+  JSON it printed.
 - **Systems side by side**: :func:`interleave` runs one repeat of each system, the order
   alternating each repeat so that the machine's noise falls on all of them alike;
   :func:`repeat` runs the warm-up and the repeats and files each result in its rows;
@@ -27,9 +29,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
@@ -46,6 +50,7 @@ __all__ = [
     "Result",
     "Row",
     "Table",
+    "child",
     "drop_library_logs",
     "fmt",
     "interleave",
@@ -132,6 +137,34 @@ def ray_session(**options: Any) -> Iterator[None]:
         ray.shutdown()
 
 
+def child(
+    script: str,
+    *args: str,
+    tree: str | None = None,
+    lock: str | None = None,
+    timeout_s: float = 900.0,
+) -> Any:
+    """Run ``script`` with ``args`` in a fresh Python process (under ``flock lock``, if given),
+    joined to no running Ray, and return the JSON object its last line printed (``RESULT `` may
+    come first). With ``tree``, it runs in that tree with its asyncexec first on ``PYTHONPATH``
+    (for the driver and its workers), this folder's tools after it. A process that fails raises
+    RuntimeError with the end of what it wrote to stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([tree, HERE])
+    command = [sys.executable, script, *args]
+    if lock is not None:
+        command = ["flock", lock, *command]
+    done = subprocess.run(
+        command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith(("{", "RESULT "))]
+    if done.returncode != 0 or not lines:
+        name = " ".join([os.path.basename(script), *args])
+        raise RuntimeError(f"{name} (in {tree or HERE}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 def drop_library_logs() -> None:
     """The library logs through structlog and never configures it; a benchmark's output is its
     table, so its log lines are dropped (no terminal I/O in the figures either)."""
@@ -215,15 +248,17 @@ class Row:
     ratio to the reference column, and the target.
 
     ``limit`` is a target on that ratio (at most ``limit`` where lower is better, at least
-    ``1 / limit`` where higher is better, a rate); ``check`` is any other target, decided from
-    the medians (None when it cannot be: a column is missing). Neither: a row shown as a
-    contrast.
+    ``1 / limit`` where higher is better, a rate); ``most`` a bound on the measured column's
+    median, in the row's unit (the target's text says it); ``check`` is any other target,
+    decided from the medians (None when it cannot be: a column is missing). None of them: a row
+    shown as a contrast.
     """
 
     label: str
     unit: str = ""
     target: str = ""
     limit: float | None = None
+    most: float | None = None
     check: Callable[[dict[str, float]], bool | None] | None = None
     higher_is_better: bool = False
     key: str = ""
@@ -258,6 +293,8 @@ class Row:
     def target_text(self) -> str:
         if self.target:
             return self.target
+        if self.most is not None:
+            return f"<= {self.most:g} {self.unit}"
         if self.limit is None:
             return "(contrast)" if self.check is None else "-"
         if self.higher_is_better:
@@ -271,6 +308,9 @@ class Row:
                 return self.check(self.medians())
             except (KeyError, ZeroDivisionError):
                 return None
+        if self.most is not None:
+            measured = self.medians().get(self.measured)
+            return None if measured is None else measured <= self.most
         ratio = self.ratio()
         if self.limit is None or math.isnan(ratio):
             return None

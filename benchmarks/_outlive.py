@@ -20,32 +20,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import ray
+from _common import Rows
 
 import asyncexec
 
-__all__ = ["OutliveFigures", "measure_independent", "measure_resume"]
+__all__ = ["measure_independent", "measure_resume"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _starts = 0
-
-
-@dataclass
-class OutliveFigures:
-    """Samples per repeat (seconds, counts)."""
-
-    survivors_restarted: list[float] = field(default_factory=list)
-    gap_ratio: list[float] = field(default_factory=list)  # max gap around the kill / before
-    gap_around_s: list[float] = field(default_factory=list)
-    replaced_s: list[float] = field(default_factory=list)
-    resume_s: list[float] = field(default_factory=list)  # new driver start to its first step
-    resume_ready_s: list[float] = field(default_factory=list)  # executor ready to first step
-    #: 1 when the resumed stream's first index is the work's (the step after the checkpoint)
-    resume_index_ok: list[float] = field(default_factory=list)
 
 
 def rollout(config: dict[str, Any]) -> None:
@@ -64,9 +50,7 @@ def starts() -> int:
     return _starts
 
 
-async def _independent_once(
-    n: int, resources: dict[str, float], storage: str, figures: OutliveFigures
-) -> None:
+async def _independent_once(n: int, resources: dict[str, float], storage: str, rows: Rows) -> None:
     victim = n // 2
     async with asyncexec.Executor(
         n, resources_per_worker=resources, spares=1, storage_path=storage, name="bench-indep"
@@ -105,19 +89,18 @@ async def _independent_once(
         counts = await executor.execute(starts)
         restarted = sum(1 for r, c in enumerate(counts) if r != victim and c != 1)
     assert replaced is not None
-    figures.survivors_restarted.append(float(restarted))
-    figures.gap_around_s.append(gap_around)
-    figures.gap_ratio.append(gap_around / gap_before)
-    figures.replaced_s.append(replaced)
+    rows.add("indep_restarted", "asyncexec", restarted)
+    # The floor: the longest gap before the kill (the consumer's own pace).
+    rows.add("indep_gap", "asyncexec", gap_around * 1e3)
+    rows.add("indep_gap", "floor", gap_before * 1e3)
+    rows.add("indep_replaced", "asyncexec", replaced * 1e3)
 
 
 async def measure_independent(
-    n: int, repeats: int, resources: dict[str, float], storage: str
-) -> OutliveFigures:
-    figures = OutliveFigures()
+    rows: Rows, n: int, repeats: int, resources: dict[str, float], storage: str
+) -> None:
     for _ in range(repeats):
-        await _independent_once(n, resources, storage, figures)
-    return figures
+        await _independent_once(n, resources, storage, rows)
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
@@ -125,11 +108,10 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
 
 
 async def measure_resume(
-    repeats: int, storage: str, kill_at: int = 20, steps: int = 60
-) -> OutliveFigures:
+    rows: Rows, repeats: int, storage: str, kill_at: int = 20, steps: int = 60
+) -> None:
     """Each repeat: a driver process runs a named run and is SIGKILLed at step ``kill_at``; a
     new one resumes it. Both join the caller's Ray."""
-    figures = OutliveFigures()
     address = ray.get_runtime_context().gcs_address
     driver = os.path.join(HERE, "_resume_driver.py")
     for i in range(repeats):
@@ -158,11 +140,11 @@ async def measure_resume(
                 ready = time.perf_counter()
             if "index" in record:
                 now = time.perf_counter()
-                figures.resume_s.append(now - t0)
-                figures.resume_ready_s.append(now - (ready or t0))
+                rows.add("resume", "asyncexec", now - t0)
+                rows.note("resume_ready_to_step_s", now - (ready or t0))
                 # The index goes on from the step after the checkpoint: it matches the work.
-                figures.resume_index_ok.append(1.0 if record["index"] == record["i"] else 0.0)
+                if record["index"] != record["i"]:
+                    rows.note("resume_index_not_the_work", 1.0)
                 break
         second.send_signal(signal.SIGKILL)
         await anyio.to_thread.run_sync(second.wait)
-    return figures

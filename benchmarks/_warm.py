@@ -15,30 +15,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import anyio
-from _common import heartbeat, lag_ms
+from _common import Rows, heartbeat, lag_ms
 from _systems import LoopGroup, kill_actors, plain_actors_ready
 from _workload import ae_steps
 
 import asyncexec
 
-__all__ = ["WarmFigures", "measure_warm"]
-
-
-@dataclass
-class WarmFigures:
-    """Samples per repeat (seconds for times, milliseconds for lags)."""
-
-    enter: list[float] = field(default_factory=list)
-    cold_actors: list[float] = field(default_factory=list)
-    first_step: list[float] = field(default_factory=list)
-    lease_p99: list[float] = field(default_factory=list)
-    lease_max: list[float] = field(default_factory=list)
-    floor_p99: list[float] = field(default_factory=list)
-    floor_max: list[float] = field(default_factory=list)
-    refills: int = 0
+__all__ = ["measure_warm"]
 
 
 async def _lease_once(pool: asyncexec.WorkerPool, n: int, storage: str) -> tuple[float, float]:
@@ -60,6 +45,7 @@ async def _lease_once(pool: asyncexec.WorkerPool, n: int, storage: str) -> tuple
 
 
 async def measure_warm(
+    rows: Rows,
     n: int,
     repeats: int,
     cycles: int,
@@ -67,11 +53,10 @@ async def measure_warm(
     resources: dict[str, float],
     bound: int,
     storage: str,
-) -> WarmFigures:
-    """Each repeat: one leased enter and first step (recorded), ``n`` plain actors cold, then
-    the lag through ``cycles`` lease cycles and one refill, then the floor streaming's lag. A
-    first round is a warm-up and is not recorded."""
-    figures = WarmFigures()
+) -> None:
+    """Each repeat: one leased enter and first step (recorded, ms), ``n`` plain actors cold, then
+    the lag through ``cycles`` lease cycles and one refill, then the floor streaming's lag, each
+    filed in ``rows``. A first round is a warm-up and is not recorded."""
     loops = LoopGroup(n, resources, bound)
     await loops.start()
     try:
@@ -96,16 +81,13 @@ async def measure_warm(
                 async with heartbeat() as floor_lags:
                     await loops.floor(floor_steps)
                 if record:
-                    figures.enter.append(enter)
-                    figures.first_step.append(first)
-                    figures.cold_actors.append(seconds)
-                    p99, worst = lag_ms(lags)
-                    figures.lease_p99.append(p99)
-                    figures.lease_max.append(worst)
-                    p99, worst = lag_ms(floor_lags)
-                    figures.floor_p99.append(p99)
-                    figures.floor_max.append(worst)
-            figures.refills = pool.statistics().replaced
+                    rows.add("warm_enter", "asyncexec", enter * 1e3)
+                    rows.add("warm_enter", "floor", seconds * 1e3)
+                    rows.add("warm_first", "asyncexec", first * 1e3)
+                    for column, lag in (("asyncexec", lags), ("floor", floor_lags)):
+                        p99, worst = lag_ms(lag)
+                        rows.add("lease_p99", column, p99)
+                        rows.add("lease_max", column, worst)
+            rows.note("warm_refills", pool.statistics().replaced)
     finally:
         await loops.close()
-    return figures

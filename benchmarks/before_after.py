@@ -3,12 +3,15 @@
     python benchmarks/before_after.py --before /tmp/before            # this tree is "after"
     python benchmarks/before_after.py --before /tmp/before --rounds 4 --what reports,restart
     python benchmarks/before_after.py --before /tmp/before --lock /tmp/asyncexec-ray.lock
+    python benchmarks/before_after.py --before /tmp/a1ad2d1 --what observe   # "off costs nothing"
 
 ``--before`` is a tree of the earlier commit: a git worktree (``git worktree add /tmp/before
 e9dad94``) or an export with a ``COMMIT`` file naming it (``git archive e9dad94 | tar -x -C
 /tmp/before-e9dad94``).
 Each measurement runs in a fresh process with that tree's asyncexec (driver and workers):
-``_before_after_probe.py`` is copied into the tree's ``benchmarks/`` and run from there. The
+``_before_after_probe.py`` is copied into the tree's ``benchmarks/`` and run from there (for
+``observe``, this tree's ``observe.py`` measures nothing observed, with the tree's asyncexec
+first on the path: the cost of the timeline and the traces when both are off). The
 rounds interleave the two trees, the order alternating each round, so that the machine's noise
 falls on both alike; the table shows each figure's median over every sample of every round and
 after / before. The batched floor, measured in the same processes (reports/s) and beside the
@@ -34,7 +37,9 @@ from _common import progress
 from _harness import HERE, Pair, Result
 
 PROBE = "_before_after_probe.py"
-WHAT = ("reports", "startup", "restart", "lifecycle")
+WHAT = ("reports", "startup", "restart", "lifecycle", "observe")
+#: What runs without ``--what``: ``run.py``'s rows.
+RUN_PY = WHAT[:4]
 
 #: The rows: (measurement, figure key, column, label, unit, limit on the ratio). A limit of 1.1
 #: reads "no worse than before beyond 10 %", the noise of this machine; higher is better for rates
@@ -59,6 +64,9 @@ ROWS: tuple[tuple[str, str, str, str, str, float | None], ...] = (
     ("lifecycle", "life_alone_p99", "asyncexec", "lag p99 while streaming alone", "ms", 1.1),
     ("lifecycle", "life_alone_max", "asyncexec", "lag max while streaming alone", "ms", None),
     ("lifecycle", "life_p99", "floor", "(the floor's streaming p99 beside it)", "ms", None),
+    ("observe", "observe_rate", "asyncexec", "observe.py: reports/s, all off", "reports/s", 1.1),
+    ("observe", "observe_p50", "asyncexec", "observe.py: call p50, all off", "ms", 1.1),
+    ("observe", "observe_p90", "asyncexec", "observe.py: call p90, all off", "ms", None),
 )
 
 
@@ -74,21 +82,19 @@ FULL, QUICK = Sizes(3, None, False), Sizes(1, None, True)
 
 def probe(tree: str, what: str, repeats: int | None, quick: bool, lock: str | None) -> Any:
     """Run one measurement with ``tree``'s asyncexec; its JSON result."""
-    here = os.path.join(tree, "benchmarks", PROBE)
-    if os.path.abspath(tree) != os.path.dirname(HERE):
-        shutil.copyfile(os.path.join(HERE, PROBE), here)
-    command = [sys.executable, here, what]
-    if repeats is not None:
-        command += ["--repeats", str(repeats)]
-    if quick:
-        command.append("--quick")
-    if lock is not None:
-        command = ["flock", lock, *command]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
-    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} in {tree} failed:\n{proc.stderr[-4000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if what == "observe":
+        script, args, within = os.path.join(HERE, "observe.py"), ["--child", "measure"], "--rounds"
+    else:
+        script, args, within = os.path.join(tree, "benchmarks", PROBE), [what], "--repeats"
+        if os.path.abspath(tree) != os.path.dirname(HERE):
+            shutil.copyfile(os.path.join(HERE, PROBE), script)
+    args += [within, str(repeats)] if repeats is not None else []
+    args += ["--quick"] if quick else []
+    # The probe puts its own tree first on the path; observe.py is given the tree's.
+    where = tree if what == "observe" else None
+    result = _harness.child(script, *args, tree=where, lock=lock)
+    if what == "observe":
+        result = _observed(result)
     want = os.path.join(os.path.abspath(tree), "asyncexec")
     if result["asyncexec"] != want:
         raise RuntimeError(f"{tree}'s probe imported asyncexec from {result['asyncexec']}")
@@ -125,6 +131,19 @@ async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
     return Result(rows, _harness.pairs("before", "after"), notes if args.save else [])
 
 
+def _observed(result: Any) -> Any:
+    """``observe.py``'s samples as figures: reports/s a round, each process's call p50 and p90
+    (ms)."""
+    off = result["out"]["off"]
+    calls = sorted(off["calls_s"])
+    figures = {
+        "observe_rate": off["reports_per_s"],
+        "observe_p50": [calls[len(calls) // 2] * 1e3],
+        "observe_p90": [calls[int(len(calls) * 0.9)] * 1e3],
+    }
+    return {**result, "figures": {key: {"asyncexec": v} for key, v in figures.items()}}
+
+
 def _save(path: str, result: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -135,7 +154,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--before", required=True, help="the earlier tree (a git worktree)")
     parser.add_argument("--after", default=os.path.dirname(HERE), help="default: this tree")
     parser.add_argument("--rounds", type=int, help="rounds (3; --quick: 1)")
-    parser.add_argument("--what", default=",".join(WHAT), help=f"of {', '.join(WHAT)}")
+    parser.add_argument("--what", default=",".join(RUN_PY), help=f"of {', '.join(WHAT)}")
     parser.add_argument("--lock", default=None, help="run each process under flock LOCK")
     parser.add_argument("--save", default=None, help="write each process's JSON result here")
 

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -437,28 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         driver(args.rounds, args.freeze)
         return 0
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     results = []
     for d in range(args.drivers):
         print(f"driver {d + 1} of {args.drivers} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                "--rounds",
-                str(args.rounds),
-                *(["--freeze"] if args.freeze else []),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if done.returncode != 0:
-            print(done.stderr[-4000:], file=sys.stderr)
-            return 1
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rounds = ["--rounds", str(args.rounds), *(["--freeze"] if args.freeze else [])]
+        results.append(_harness.child(os.path.abspath(__file__), "--child", *rounds, timeout_s=600))
     report(results, args.rounds, args.stacks)
     return 0
 

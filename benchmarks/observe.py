@@ -1,8 +1,9 @@
 """What seeing a run costs: reports/s and call latency with the timeline and traces off, the
-timeline on, and tracing on, side by side in one run (and the same code before them, with
-``--baseline REF``); and the timeline's memory over 100,000 steps.
+timeline on, and tracing on, side by side in one run; and the timeline's memory over 100,000
+steps. The tree before a change, nothing on, against this one: ``before_after.py --before TREE
+--what observe`` (this file's measurement, run on each tree's asyncexec).
 
-    python benchmarks/observe.py --baseline a1ad2d1   # about 4 minutes on 2 cores
+    python benchmarks/observe.py                      # about 4 minutes on 2 cores
     python benchmarks/observe.py --quick              # a smoke run
     python benchmarks/observe.py --pictures docs/img  # the docs' timelines (PNG; the GRPO
                                                       # one: examples/grpo.py --timeline)
@@ -11,9 +12,7 @@ timeline on, and tracing on, side by side in one run (and the same code before t
 The variants are measured in turn, round by round (each round in another order), on the same
 4 workers in one process with one Ray (the timeline handed to the executor's runs or taken
 away between runs; a second executor of 4 workers open beside it), so that the machine's drift
-falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) each. The
-baseline (the tree at ``REF``, extracted with ``git archive``, nothing on) runs in processes
-of its own, alternating with this tree's, with the same two executors.
+falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) each.
 
 - **reports/s**: 4 workers report tiny metrics as fast as they can for ``STEPS`` steps (an
   aligned run, default ``buffer_size``), counted from the run's start to its last step.
@@ -29,7 +28,7 @@ of its own, alternating with this tree's, with the same two executors.
 
 Variants: ``off`` (this tree, nothing on), ``timeline`` (``Executor(timeline=True)``),
 ``tracing`` (an OpenTelemetry SDK provider with a ``BatchSpanProcessor`` whose exporter drops
-the spans: every span is made, carried to the worker, attached there and ended), ``baseline``.
+the spans: every span is made, carried to the worker, attached there and ended).
 """
 
 from __future__ import annotations
@@ -37,10 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,9 +47,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 if ROOT not in sys.path:
-    # After PYTHONPATH: a child measuring the baseline imports the baseline's tree (its
-    # PYTHONPATH), as its workers do, not this one.
+    # After PYTHONPATH: a child measuring another tree (``before_after.py --what observe``)
+    # imports that tree's asyncexec (its PYTHONPATH), as its workers do, not this one.
     sys.path.append(ROOT)
+
+from _common import median, progress  # noqa: E402 (this folder is on sys.path now)
 
 STEPS, CALLS, WORKERS = 20_000, 1_000, 4
 MEMORY_MARKS = (10_000, 50_000, 100_000)
@@ -139,7 +139,7 @@ async def _measure(variants: list[str], steps: int, calls: int, rounds: int) -> 
 
         provider, default = _provider(), trace.get_tracer_provider
     out: dict[str, Any] = {v: {"reports_per_s": [], "calls_s": []} for v in variants}
-    on = {"timeline": True} if "timeline" in variants else {}  # (the baseline has none)
+    on = {"timeline": True} if "timeline" in variants else {}  # (an older tree has none)
     async with (
         asyncexec.Executor(WORKERS, resources_per_worker=CPU, **on) as ex,
         asyncexec.Executor(WORKERS, resources_per_worker=CPU),  # the same load in every tree
@@ -335,6 +335,8 @@ async def _pictures(folder: str) -> dict[str, Any]:
 def _child(args: argparse.Namespace) -> None:
     import anyio
 
+    import asyncexec
+
     if args.child == "pictures":
         out = anyio.run(_pictures, args.pictures)
     elif args.child == "memory":
@@ -346,143 +348,140 @@ def _child(args: argparse.Namespace) -> None:
     else:
         variants = args.variant.split(",")
         out = anyio.run(_measure, variants, args.steps, args.calls, args.rounds)
-    print("RESULT " + json.dumps(out), flush=True)
+    where = os.path.dirname(os.path.abspath(asyncexec.__file__))
+    print("RESULT " + json.dumps({"asyncexec": where, "out": out}), flush=True)
 
 
-def _run(variant: str, tree: str, what: str, args: argparse.Namespace) -> Any:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, HERE])}
-    command = [sys.executable, os.path.abspath(__file__), "--child", what, "--variant", variant]
-    command += ["--steps", str(args.steps), "--calls", str(args.calls)]
-    command += ["--rounds", str(args.rounds), "--marks", *map(str, args.marks)]
-    command += ["--samples", str(args.samples)]
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int  # processes of each measurement
+    rounds: int  # rounds of the variants in each
+    steps: int = STEPS
+    calls: int = CALLS
+    marks: tuple[int, ...] = MEMORY_MARKS
+    samples: int = PIPELINE_SAMPLES
+
+
+FULL, QUICK = Sizes(2, 5), Sizes(1, 1, 2_000, 100, (1_000, 5_000), 512)
+
+
+def _run(variant: str, tree: str, what: str, sizes: Sizes, pictures: str | None = None) -> Any:
+    """One child process of this file measuring ``what`` with ``tree``'s asyncexec."""
+    import _harness
+
+    command = ["--child", what, "--variant", variant]
+    command += ["--steps", str(sizes.steps), "--calls", str(sizes.calls)]
+    command += ["--rounds", str(sizes.rounds), "--marks", *map(str, sizes.marks)]
+    command += ["--samples", str(sizes.samples)]
+    if pictures:
+        command += ["--pictures", os.path.abspath(pictures)]
+    return _harness.child(os.path.abspath(__file__), *command, tree=tree)["out"]
+
+
+async def _observe(sizes: Sizes, args: argparse.Namespace) -> Any:
+    """The variants' reports/s and call latency, the driver's memory with the timeline on and
+    off, and the same through a pipeline (only those with ``--pipeline``)."""
+    import _harness
+
     if args.pictures:
-        command += ["--pictures", os.path.abspath(args.pictures)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=tree)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{variant} ({what}) printed no result:\n{done.stderr[-3000:]}")
+        _run("pictures", ROOT, "pictures", sizes, args.pictures)
+        return _harness.Result([], _harness.Grid([]), [f"- pictures in {args.pictures}"])
+    notes: list[str] = []
+    rows: list[list[str]] = []
+    if not args.pipeline:
+        results: dict[str, dict[str, list[float]]] = {}
+        for repeat in range(sizes.repeats):
+            progress(f"repeat {repeat + 1}: off, timeline, tracing")
+            for variant, values in _run("off,timeline,tracing", ROOT, "measure", sizes).items():
+                mine = results.setdefault(variant, {"reports_per_s": [], "calls_s": []})
+                for key, found in values.items():
+                    mine[key].extend(found)
+        off = _figures(results["off"])
+        for variant, runs in results.items():
+            cells = [f"{m:,.0f}" if i == 0 else f"{m:.3f}" for i, m in enumerate(_figures(runs))]
+            ratios = [f"{m / o:.3f}" for m, o in zip(_figures(runs), off, strict=True)]
+            rows.append([variant, *(c for pair in zip(cells, ratios, strict=True) for c in pair)])
+        notes += _memory_notes("steps", "memory", sizes)
+    notes += _pipeline_notes(sizes)
+    head = ["variant", "reports/s", "ratio", "call p50, ms", "ratio", "call p90, ms", "ratio"]
+    return _harness.Result(rows, _harness.Grid(head), notes)
 
 
-def _baseline_tree(ref: str) -> str:
-    where = tempfile.mkdtemp(prefix="asyncexec-baseline-")
-    archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", where], input=archive.stdout, check=True)
-    return where
+def _figures(runs: dict[str, list[float]]) -> tuple[float, float, float]:
+    """Median reports/s, call p50 and p90 (ms)."""
+    calls = sorted(runs["calls_s"])
+    return median(runs["reports_per_s"]), median(calls) * 1e3, calls[int(len(calls) * 0.9)] * 1e3
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+def _memory_notes(what: str, child: str, sizes: Sizes) -> list[str]:
+    """The driver's RSS after each mark of ``what`` with the timeline off and on."""
+    notes = [f"- memory: the driver's RSS (MiB) after each number of {what}, off / timeline:"]
+    for variant in ("off", "timeline"):
+        mem = _run(variant, ROOT, child, sizes)
+        marks = ", ".join(f"{int(k):,}: {v:.1f}" for k, v in mem["rss_mib"].items())
+        held = ""
+        if mem["events"] is not None:
+            held = f" (events held {mem['events']:,}, dropped {mem['dropped']:,})"
+        notes.append(f"  - {variant}: {marks}{held}")
+    return notes
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", metavar="REF", help="also measure the tree at REF")
-    parser.add_argument("--repeats", type=int, default=2, help="processes of each tree")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the variants in each")
-    parser.add_argument("--quick", action="store_true", help="a smoke run")
+def _pipeline_notes(sizes: Sizes) -> list[str]:
+    """Issue 41's figures: samples/s through a pipeline with the shared timeline and tracing
+    on, beside off; the driver's memory after 100,000 requests."""
+    runs: dict[str, list[float]] = {}
+    for repeat in range(sizes.repeats):
+        progress(f"repeat {repeat + 1}: pipeline")
+        measured = _run("off,timeline,tracing", ROOT, "rl", sizes)
+        for variant in ("off", "timeline", "tracing"):
+            runs.setdefault(variant, []).extend(measured[variant]["samples_per_s"])
+    off = median(runs["off"])
+    rates = ", ".join(f"{v} {median(r):,.0f} ({median(r) / off:.3f}x)" for v, r in runs.items())
+    notes = [
+        f"- pipeline: a learner and 2 servers on one shared timeline, {sizes.samples:,} samples "
+        f"a run, a keep update each batch of {PIPELINE_BATCH}; {sizes.repeats * sizes.rounds} "
+        f"rounds; samples/s: {rates}"
+    ]
+    return notes + _memory_notes("requests through a pipeline", "rl-memory", sizes)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, help="rounds of the variants in each process (5)")
     parser.add_argument("--pictures", metavar="DIR", help="draw the docs' timelines into DIR")
     parser.add_argument(
         "--pipeline", action="store_true", help="only the pipeline's figures (issue 41's)"
     )
-    parser.add_argument(
-        "--child",
-        choices=("measure", "memory", "pictures", "rl", "rl-memory"),
-        help=argparse.SUPPRESS,
-    )
-    parser.add_argument("--samples", type=int, default=PIPELINE_SAMPLES, help=argparse.SUPPRESS)
-    parser.add_argument("--variant", default="off", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
-    parser.add_argument("--calls", type=int, default=CALLS, help=argparse.SUPPRESS)
-    parser.add_argument("--marks", type=int, nargs="+", default=list(MEMORY_MARKS))
-    args = parser.parse_args(argv)
-    if args.child:
-        _child(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--child" in argv:  # one measurement, with the asyncexec first on PYTHONPATH
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--child", choices=("measure", "memory", "pictures", "rl", "rl-memory"))
+        parser.add_argument("--variant", default="off")
+        parser.add_argument("--pictures")
+        for name, default in asdict(QUICK if "--quick" in argv else FULL).items():
+            parser.add_argument(f"--{name}", type=int, nargs="+" if name == "marks" else None)
+            parser.set_defaults(**{name: default})
+        parser.add_argument("--quick", action="store_true")
+        _child(parser.parse_args(argv))
         return 0
-    if args.pictures:
-        _run("pictures", ROOT, "pictures", args)
-        return 0
-    if args.quick:
-        args.repeats, args.rounds, args.steps, args.calls = 1, 1, 2_000, 100
-        args.marks, args.samples = [1_000, 5_000], 512
-    if args.pipeline:
-        _rl_figures(args)
-        return 0
-    trees = {"off,timeline,tracing": ROOT}
-    if args.baseline:
-        trees = {"baseline": _baseline_tree(args.baseline), **trees}
-    results: dict[str, dict[str, list[float]]] = {}
-    for repeat in range(args.repeats):
-        for variants, tree in trees.items():
-            print(f"repeat {repeat + 1}: {variants}", file=sys.stderr, flush=True)
-            measured = _run("off" if variants == "baseline" else variants, tree, "measure", args)
-            for variant, values in measured.items():
-                name = "baseline" if variants == "baseline" else variant
-                mine = results.setdefault(name, {"reports_per_s": [], "calls_s": []})
-                for key, found in values.items():
-                    mine[key].extend(found)
-    _table(results, args)
-    print(f"\nmemory: the driver's RSS (MiB) after each number of steps of {WORKERS} workers")
-    for variant in ("off", "timeline"):
-        mem = _run(variant, ROOT, "memory", args)
-        marks = " ".join(f"{int(k):>7,}: {v:7.1f}" for k, v in mem["rss_mib"].items())
-        held = ""
-        if mem["events"] is not None:
-            held = f"  (events held {mem['events']:,}, dropped {mem['dropped']:,})"
-        print(f"{variant:<10} {marks}{held}")
-    _rl_figures(args)
-    return 0
+    import _harness
 
-
-def _rl_figures(args: argparse.Namespace) -> None:
-    """Issue 41's figures: samples/s through a pipeline with the shared timeline and tracing
-    on, beside off; the driver's memory after 100,000 requests."""
-    runs: dict[str, list[float]] = {}
-    for repeat in range(args.repeats):
-        print(f"repeat {repeat + 1}: pipeline", file=sys.stderr, flush=True)
-        measured = _run("off,timeline,tracing", ROOT, "rl", args)
-        for variant in ("off", "timeline", "tracing"):
-            runs.setdefault(variant, []).extend(measured[variant]["samples_per_s"])
-    off = _median(runs["off"])
-    print(
-        f"\npipeline: a learner and 2 servers on one shared timeline, {args.samples:,} samples a "
-        f"run, a keep update each batch of {PIPELINE_BATCH}; {args.repeats * args.rounds} rounds"
+    return _harness.main(
+        argv,
+        doc=__doc__,
+        title="what seeing a run costs",
+        full=FULL,
+        quick=QUICK,
+        run=_observe,
+        options=_options,
+        about=lambda sizes, args: (
+            f"{WORKERS} workers, {sizes.steps:,} steps a run; {sizes.calls:,} calls a round at "
+            f"~1,000/s; {sizes.repeats} process(es) of {sizes.rounds} round(s); median "
+            "reports/s and calls, each variant's ratio to off"
+        ),
     )
-    print(f"{'variant':<10} {'samples/s':>17}")
-    for variant, values in runs.items():
-        mine = _median(values)
-        print(f"{variant:<10} {mine:>9,.0f} {mine / off:>5.3f}x")
-    print("\nmemory: the driver's RSS (MiB) after each number of requests through a pipeline")
-    for variant in ("off", "timeline"):
-        mem = _run(variant, ROOT, "rl-memory", args)
-        marks = " ".join(f"{int(k):>7,}: {v:7.1f}" for k, v in mem["rss_mib"].items())
-        held = ""
-        if mem["events"] is not None:
-            held = f"  (events held {mem['events']:,}, dropped {mem['dropped']:,})"
-        print(f"{variant:<10} {marks}{held}")
-
-
-def _table(results: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
-    def figures(runs: dict[str, list[float]]) -> tuple[float, float, float]:
-        calls = sorted(runs["calls_s"])
-        p90 = calls[int(len(calls) * 0.9)]
-        return _median(runs["reports_per_s"]), _median(calls) * 1e3, p90 * 1e3
-
-    off = figures(results["off"])
-    rounds = args.repeats * args.rounds
-    print(
-        f"\n{WORKERS} workers, {args.steps:,} steps a run; {args.calls:,} calls a round at "
-        f"~1,000/s; {rounds} rounds (median reports/s; ratio to off)"
-    )
-    print(f"{'variant':<10} {'reports/s':>17} {'call p50 ms':>15} {'call p90 ms':>15}")
-    for variant, runs in results.items():
-        mine = figures(runs)
-        cells = [
-            f"{m:>9,.0f} {m / o:>5.3f}x" if i == 0 else f"{m:>6.3f} {m / o:>5.3f}x"
-            for i, (m, o) in enumerate(zip(mine, off, strict=True))
-        ]
-        print(f"{variant:<10} {cells[0]:>17} {cells[1]:>15} {cells[2]:>15}")
 
 
 if __name__ == "__main__":

@@ -354,7 +354,8 @@ class Bench:
         cycles and a refill (``_warm.py``), and the service's first event (``_service.py``)."""
         sizes = self.sizes
         progress("warm workers: leases from a pool")
-        warm = await measure_warm(
+        await measure_warm(
+            self,
             4,
             sizes.startup_repeats,
             sizes.warm_cycles,
@@ -363,20 +364,6 @@ class Bench:
             BUFFER,
             self.storage,
         )
-        for value in warm.enter:
-            self.add("warm_enter", "asyncexec", value * 1e3)
-        for value in warm.cold_actors:
-            self.add("warm_enter", "floor", value * 1e3)
-        for value in warm.first_step:
-            self.add("warm_first", "asyncexec", value * 1e3)
-        for key, ours, floor in (
-            ("lease_p99", warm.lease_p99, warm.floor_p99),
-            ("lease_max", warm.lease_max, warm.floor_max),
-        ):
-            for a, b in zip(ours, floor, strict=True):
-                self.add(key, "asyncexec", a)
-                self.add(key, "floor", b)
-        self.note("warm_refills", warm.refills)
         progress("warm workers: the service's first event")
         # The first request pays the app's one-time costs (not recorded; but in the quick run).
         warmups = sizes.warmups
@@ -410,25 +397,9 @@ class Bench:
         sizes = self.sizes
         n = sizes.outlive_workers
         progress(f"independent ranks, {n} workers, one SIGKILLed")
-        indep = await measure_independent(n, sizes.outlive_repeats, RESOURCES, self.storage)
-        for restarted, gap, ratio, replaced in zip(
-            indep.survivors_restarted,
-            indep.gap_around_s,
-            indep.gap_ratio,
-            indep.replaced_s,
-            strict=True,
-        ):
-            self.add("indep_restarted", "asyncexec", restarted)
-            self.add("indep_gap", "asyncexec", gap * 1e3)
-            self.add("indep_gap", "floor", gap / ratio * 1e3)
-            self.add("indep_replaced", "asyncexec", replaced * 1e3)
+        await measure_independent(self, n, sizes.outlive_repeats, RESOURCES, self.storage)
         progress("a named run resumed by a new driver")
-        resumed = await measure_resume(sizes.resume_repeats, self.storage)
-        for seconds, ready in zip(resumed.resume_s, resumed.resume_ready_s, strict=True):
-            self.add("resume", "asyncexec", seconds)
-            self.note("resume_ready_to_step_s", ready)
-        if not all(resumed.resume_index_ok):
-            self.note("resume_index_not_the_work", 1.0)
+        await measure_resume(self, sizes.resume_repeats, self.storage)
 
     # Weights from one executor to another ------------------------------------------------------
 
@@ -438,10 +409,10 @@ class Bench:
         and the driver; the loop's lag during pushes; the version lag through SIGKILLs (see
         ``_channel.py``)."""
         sizes = self.sizes
-        mb = sizes.channel_bytes >> 20
-        notes = self.channel_notes
         with self.timer.section("weight channel: the move"):
-            moved = await measure_channel(
+            await measure_channel(
+                self,
+                self.channel_notes,
                 sizes.channel_bytes,
                 sizes.channel_parts,
                 sizes.channel_repeats,
@@ -449,82 +420,16 @@ class Bench:
                 RESOURCES,
                 self.storage,
             )
-        for value in moved.floor:
-            self.add("channel_torch", "floor", value)
-            self.add("channel_driver", "floor", value)
-        for value in moved.torch:
-            self.add("channel_torch", "asyncexec", value)
-        for value in moved.driver:
-            self.add("channel_torch", "driver", value)  # for the check; not a column
-            self.add("channel_store", "floor", value)
-            self.add("channel_driver", "asyncexec", value)
-        for value in moved.object_store:
-            self.add("channel_store", "asyncexec", value)
-        for way, key in (("torch", "torch"), ("object_store", "store")):
-            if way in moved.lag:
-                self.add(f"channel_lag_p99_{key}", "asyncexec", moved.lag[way][0])
-                self.add(f"channel_lag_max_{key}", "asyncexec", moved.lag[way][1])
-            if "floor" in moved.lag:
-                self.add(f"channel_lag_p99_{key}", "floor", moved.lag["floor"][0])
-                self.add(f"channel_lag_max_{key}", "floor", moved.lag["floor"][1])
-
-        def speed(seconds: list[float]) -> str:
-            value = median(seconds)
-            return f"{value:.3f} s ({mb / value:,.0f} MB/s to each rank)"
-
-        floor = median(moved.floor)
-        notes.append(
-            f"- weight channel, {mb} MB in {sizes.channel_parts} tensors to 4 ranks (medians of "
-            f"{sizes.channel_repeats}): floor broadcast {speed(moved.floor)}, the same timed in "
-            f"the driver around execute() {median(moved.floor_driver_s):.3f} s, the same as "
-            f"{sizes.channel_parts} tensors into receive buffers allocated afresh each move (what "
-            f"reuse_buffers=False costs) {speed(moved.floor_fresh)}; torch channel in its steady "
-            f"state (third push) "
-            f"{speed(moved.torch)}; object store channel {speed(moved.object_store)}; through "
-            f"the driver {speed(moved.driver)}; through the driver with one ray.put for the 4 "
-            f"ranks {speed(moved.driver_put)}"
-        )
-        notes.append(
-            f"- weight channel ratios: floor / torch channel {floor / median(moved.torch):.2f}x "
-            f"(target >= 0.8x), through the driver / torch channel "
-            f"{median(moved.driver) / median(moved.torch):.2f}x, through the driver / object "
-            f"store channel {median(moved.driver) / median(moved.object_store):.2f}x"
-        )
-        lags = ", ".join(
-            f"{way} {p99:.2f} / {worst:.1f}" for way, (p99, worst) in moved.lag.items()
-        )
-        collections = ", ".join(
-            f"{way} {count}, longest {longest:.1f} ms"
-            for way, (count, longest) in moved.collections.items()
-        )
-        notes.append(
-            f"- event-loop lag during {mb} MB moves (p99 / max, ms): {lags}; the driver's "
-            f"garbage collections meanwhile: {collections or '-'}"
-        )
-        notes += moved.notes
-
         progress("weight channel: version lag through SIGKILLs")
         with self.timer.section("weight channel: version lag"):
-            lag = await measure_version_lag(
-                sizes.channel_kills, sizes.channel_staleness, RESOURCES, self.storage
+            await measure_version_lag(
+                self,
+                self.channel_notes,
+                sizes.channel_kills,
+                sizes.channel_staleness,
+                RESOURCES,
+                self.storage,
             )
-        if lag.max_lag >= 0:
-            self.add("channel_version_lag", "asyncexec", lag.max_lag)
-        histogram = ", ".join(f"{k}: {v}" for k, v in sorted(lag.lag_histogram.items()))
-        notes.append(
-            f"- version lag ({lag.transport} transport, K={lag.staleness}): {lag.steps} rollout "
-            f"steps, lags {{{histogram}}}, {lag.over} over K, {lag.steps_none} with a rank "
-            f"holding no version ({'; '.join(lag.none_at) or '-'}); {lag.pushes} pushes, failed "
-            f"pushes {lag.push_errors or 0}"
-        )
-        notes.append(
-            f"- version lag: {len(lag.recovery_s)} of {sizes.channel_kills} SIGKILLs restarted, "
-            f"median {median(lag.recovery_s):.2f} s from the kill (rollout: a step of the new "
-            f"attempt; learner: a push after the restart); " + "; ".join(lag.kills)
-        )
-        for failure in lag.failures:
-            notes.append(f"- version lag FAILURE: {failure}")
-        notes.append(f"- version lag channel statistics: {lag.statistics}")
 
     # Event-loop lag through whole lifecycles ---------------------------------------------------
 

@@ -124,12 +124,10 @@ async def _channel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
     cancelled = _cancelled(out, sc, scope, t0)
     for side, workers in (("source", 1), ("target", sc.workers)):
         unaligned = side == "target" and sc.flag
-        for problem in check_ticks(seen[side].steps, workers=workers, unaligned=unaligned):
-            out.fail(*problem)
+        out.record(check_ticks(seen[side].steps, workers=workers, unaligned=unaligned))
         if seen[side].error is not None:
             out.fail("finished", f"the {side}'s run ended with {seen[side].error!r}")
-    for problem in check_channel(seen["target"].steps, pushes, installed):
-        out.fail(*problem)
+    out.record(check_channel(seen["target"].steps, pushes, installed))
     if cancelled:
         return
     _check_attempts(out, sc, runs, victim)

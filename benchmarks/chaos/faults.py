@@ -20,10 +20,13 @@ from benchmarks.chaos.harness import (
     Gate,
     _check_failures,
     _check_result,
+    _close_under_kill,
     _config,
     _consume,
     _executor,
+    _fault_at,
     _kill,
+    _prefix,
     _recovery,
     _Seen,
     _worker_faults,
@@ -44,14 +47,11 @@ async def _kill_from_driver(sc: Scenario, env: Env, out: Outcome, directory: Pat
     seen = _Seen()
     async with _executor(sc, env) as ex:
 
-        async def on_step(step: asyncexec.Step) -> bool:
-            if step.attempt == 1 and step.index == at and not fault_time:
-                pids = [ex.workers[r].pid for r in targets]
-                fault_time.append(time.time())
-                for pid in pids:
-                    _kill(pid)
-            return False
+        def kill() -> None:
+            for pid in [ex.workers[r].pid for r in targets]:
+                _kill(pid)
 
+        on_step = _fault_at(at, fault_time, kill)
         await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
         if not fault_time and seen.error is None:
             # The step was never seen (the run is shorter than the draw): nothing to check.
@@ -77,14 +77,25 @@ async def _kill_complete(sc: Scenario, env: Env, out: Outcome, directory: Path) 
     async with _executor(sc, env) as ex:
         await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         _check_result(out, sc, ex, seen, [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))])
+    _complete_steps(out, sc, seen)
+    await _worker_recovery(out, seen, directory)
+
+
+def _complete_steps(out: Outcome, sc: Scenario, seen: _Seen) -> None:
+    """A fault a rank injects once every rank reported step ``at - 1``: attempt 1 delivered
+    exactly steps 0..at-1 (every complete step, no partial one)."""
     first = [s.reports[0].metrics["step"] for s in seen.steps if s.attempt == 1]
     if first != list(range(sc.at)):
         out.fail(
             "complete_steps_delivered",
             f"attempt 1 delivered steps {_ranges(first)}, "
-            f"expected 0-{sc.at - 1} (every rank reported them before the kill)",
+            f"expected 0-{sc.at - 1} (every rank reported them before the fault)",
         )
     out.steps = len(seen.steps)
+
+
+async def _worker_recovery(out: Outcome, seen: _Seen, directory: Path) -> None:
+    """The recovery from a fault a worker injected (the time it wrote) to attempt 2."""
     faults = await anyio.to_thread.run_sync(_worker_faults, directory)
     _recovery(out, faults[0] if faults else None, seen, 1, 1)
 
@@ -148,14 +159,7 @@ async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -
     async with anyio.create_task_group() as tg:
         tg.start_soon(gate.serve)
         async with _executor(sc, env, init_hook=gate.hook(), restart=policy, **options) as ex:
-
-            async def on_step(step: asyncexec.Step) -> bool:
-                if step.attempt == 1 and step.index == sc.at and not fault_time:
-                    pid = ex.workers[sc.rank].pid
-                    fault_time.append(time.time())
-                    _kill(pid)
-                return False
-
+            on_step = _fault_at(sc.at, fault_time, lambda: _kill(ex.workers[sc.rank].pid))
             await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
             _check_result(
                 out,
@@ -177,50 +181,13 @@ async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -
 async def _kill_shutdown(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
     """Break out of the run at step ``at`` and leave the executor; SIGKILL a rank ``delay_s``
     later, while the shutdown is under way. The exit must be clean and bounded."""
-    broke = anyio.Event()
     seen = _Seen()
-    pids: list[int] = []
-    holder: list[asyncexec.Executor] = []
-    timing: dict[str, float] = {}
-
-    async def killer() -> None:
-        await broke.wait()
-        await anyio.sleep(sc.delay_s)
-        timing["kill"] = time.time()
-        if not _kill(pids[sc.rank]):
-            out.note = "the kill came after the worker had exited"
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(killer)
-        try:
-            async with _executor(sc, env) as ex:
-                holder.append(ex)
-                pids.extend(w.pid for w in ex.workers)
-
-                async def on_step(step: asyncexec.Step) -> bool:
-                    return step.index >= sc.at
-
-                await _consume(
-                    ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow
-                )
-                timing["break"] = time.time()
-                broke.set()
-        except Exception as exc:
-            out.fail("clean_exit", f"leaving the executor raised {type(exc).__name__}: {exc}")
-        timing["closed"] = time.time()
-        tg.cancel_scope.cancel()
-    if not holder:
+    ex, _, _ = await _close_under_kill(out, sc, seen, _executor(sc, env), directory)
+    if ex is None:
         return
-    ex = holder[0]
-    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
-    if seen.error is not None:
-        out.fail("finished", f"the run failed before the break: {type(seen.error).__name__}")
+    _prefix(out, sc, seen)
     if ex.state is not asyncexec.ExecutorState.CLOSED:
         out.fail("clean_exit", f"the executor is {ex.state.value} after leaving it")
-    took = timing["closed"] - timing.get("break", timing["closed"])
-    if took > STOP_BOUND_S:
-        out.fail("stop_time", f"shutdown took {took:.1f} s")
     out.steps = len(seen.steps)
 
 
@@ -233,8 +200,7 @@ async def _exhaust(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
     async with _executor(sc, env, restart=policy) as ex:
         await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         restarts = ex.statistics().restarts
-    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
+    out.record(check_stream(seen.steps, workers=sc.workers, every=sc.every))
     attempts = sc.max_restarts + 1
     error = seen.error
     if not isinstance(error, asyncexec.RestartsExhaustedError):
@@ -278,8 +244,7 @@ async def _hang(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
     if failures and needle not in str(failures[0]):
         out.fail("clear_error", f"the hang is reported as {str(failures[0])!r}, without {needle!r}")
     out.steps = len(seen.steps)
-    faults = await anyio.to_thread.run_sync(_worker_faults, directory)
-    _recovery(out, faults[0] if faults else None, seen, 1, 1)
+    await _worker_recovery(out, seen, directory)
 
 
 async def _cancel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
@@ -292,18 +257,11 @@ async def _cancel(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None
     with anyio.move_on_after(sc.delay_s) as scope:
         async with _executor(sc, env) as ex:
             holder.append(ex)
-
-            async def on_step(step: asyncexec.Step) -> bool:
-                if sc.flag and step.attempt == 1 and step.index == sc.at:
-                    _kill(ex.workers[sc.rank].pid)
-                return False
-
+            at = sc.at if sc.flag else -1  # -1: no step has it, nothing killed
+            on_step = _fault_at(at, [], lambda: _kill(ex.workers[sc.rank].pid))
             await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
     took = time.time() - (t0 + sc.delay_s)
-    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
-    if seen.error is not None:
-        out.fail("finished", f"the stream ended with {type(seen.error).__name__}: {seen.error}")
+    _prefix(out, sc, seen)
     if scope.cancelled_caught:
         out.note = f"cancelled after {len(seen.steps)} step(s)"
         if took > STOP_BOUND_S:
@@ -330,19 +288,11 @@ async def _user_error(sc: Scenario, env: Env, out: Outcome, directory: Path) -> 
         await _consume(ex.run(counter, _config(sc, directory, fault)), seen, None, sc.slow)
         if sc.flag:
             _check_result(out, sc, ex, seen, [(asyncexec.WorkerRaisedError, frozenset({sc.rank}))])
-    first = [s.reports[0].metrics["step"] for s in seen.steps if s.attempt == 1]
-    if first != list(range(sc.at)):
-        out.fail(
-            "complete_steps_delivered",
-            f"attempt 1 delivered steps {_ranges(first)}, expected 0-{sc.at - 1}",
-        )
-    out.steps = len(seen.steps)
+    _complete_steps(out, sc, seen)
     if sc.flag:
-        faults = await anyio.to_thread.run_sync(_worker_faults, directory)
-        _recovery(out, faults[0] if faults else None, seen, 1, 1)
+        await _worker_recovery(out, seen, directory)
         return
-    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
+    out.record(check_stream(seen.steps, workers=sc.workers, every=sc.every))
     error = seen.error
     if not isinstance(error, asyncexec.WorkerRaisedError):
         out.fail(
@@ -374,14 +324,8 @@ async def _node_lost(sc: Scenario, env: Env, out: Outcome, directory: Path) -> N
                 out.fail("setup", "SPREAD placed no worker on the added node")
                 return
 
-            async def on_step(step: asyncexec.Step) -> bool:
-                if step.attempt == 1 and step.index == sc.at and not fault_time:
-                    fault_time.append(time.time())
-                    await anyio.to_thread.run_sync(
-                        functools.partial(cluster.remove_node, node, allow_graceful=False)
-                    )
-                return False
-
+            remove = functools.partial(cluster.remove_node, node, allow_graceful=False)
+            on_step = _fault_at(sc.at, fault_time, lambda: anyio.to_thread.run_sync(remove))
             await _consume(ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow)
             _check_result(out, sc, ex, seen, [(asyncexec.NodeLostError, frozenset(victims))])
     finally:
@@ -427,44 +371,6 @@ async def _kill_idle(sc: Scenario, env: Env, out: Outcome, directory: Path) -> N
         out.recovery_s.append(seen.times[0] - fault_time)
 
 
-async def _kill_neighbour(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
-    """Two executors in one event loop; SIGKILL a rank of the first at step ``at``: it restarts
-    once and finishes whole, the second finishes whole on its first attempt with its workers."""
-    fault_time: list[float] = []
-    seen_a, seen_b = _Seen(), _Seen()
-    await anyio.Path(directory / "a").mkdir()
-    await anyio.Path(directory / "b").mkdir()
-    async with (
-        _executor(sc, env, name=f"chaos{sc.number}a") as a,
-        _executor(sc, env, name=f"chaos{sc.number}b") as b,
-    ):
-        pids_b = [w.pid for w in b.workers]
-
-        async def on_step(step: asyncexec.Step) -> bool:
-            if step.attempt == 1 and step.index == sc.at and not fault_time:
-                fault_time.append(time.time())
-                _kill(a.workers[sc.rank].pid)
-            return False
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                _consume,
-                a.run(counter, _config(sc, directory / "a", None)),
-                seen_a,
-                on_step,
-                sc.slow,
-            )
-            tg.start_soon(
-                _consume, b.run(counter, _config(sc, directory / "b", None)), seen_b, None, sc.slow
-            )
-        _check_result(out, sc, a, seen_a, [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))])
-        _check_result(out, sc, b, seen_b, [])
-        if [w.pid for w in b.workers] != pids_b:
-            out.fail("isolation", "the other executor's workers changed")
-    out.steps = len(seen_a.steps) + len(seen_b.steps)
-    _recovery(out, fault_time[0] if fault_time else None, seen_a, 1, 1)
-
-
 _RUNNERS: dict[str, Callable[[Scenario, Env, Outcome, Path], Awaitable[None]]] = {
     "kill_step": _kill_from_driver,
     "kill_two": _kill_from_driver,
@@ -474,7 +380,6 @@ _RUNNERS: dict[str, Callable[[Scenario, Env, Outcome, Path], Awaitable[None]]] =
     "kill_shutdown": _kill_shutdown,
     "kill_end": _kill_from_driver,
     "kill_idle": _kill_idle,
-    "kill_neighbour": _kill_neighbour,
     "hang_startup": _kill_restart,
     "exhaust": _exhaust,
     "hang_step": _hang,

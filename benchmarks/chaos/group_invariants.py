@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncexec
-from benchmarks.chaos.invariants import Problem, _ranges, check_attempts, expected_total
+from benchmarks.chaos.invariants import (
+    Problem,
+    _ranges,
+    check_attempts,
+    check_checkpoint,
+    check_index,
+    check_state,
+    expected_total,
+)
 
 __all__ = [
     "Install",
@@ -39,13 +47,6 @@ class Push:
     version: int | None  # None: it raised
     returned: float  # time.time() when it returned or raised
     error: str | None = None  # the name of the exception's type
-
-
-def _index(steps: Sequence[asyncexec.Step]) -> list[Problem]:
-    indices = [s.index for s in steps]
-    if indices != list(range(len(steps))):
-        return [("step_index", f"indices {_ranges(indices)}, expected 0-{len(steps) - 1}")]
-    return []
 
 
 # Pools ------------------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def check_independent(
     one rank's report, with that rank's attempt, a state an undisturbed run has, a checkpoint
     exactly at multiples of ``every``; per rank, attempts increase, the steps of an attempt are
     consecutive, and a later attempt starts right after that rank's latest checkpoint."""
-    problems = _index(steps)
+    problems = check_index(steps)
     rows: dict[int, list[tuple[int, int, bool]]] = {r: [] for r in range(workers)}
     for s in steps:
         if len(s.reports) != 1 or s.rank is None or s.reports[0].rank != s.rank:
@@ -93,26 +94,10 @@ def check_independent(
             continue
         if m["attempt"] != s.attempt:
             problems.append(
-                (
-                    "attempt_number",
-                    f"step {s.index} of attempt {s.attempt} came from {m['attempt']}",
-                )
+                ("attempt_number", f"step {s.index} of {s.attempt} from {m['attempt']}")
             )
-        if m["total"] != expected_total(s.rank, value):
-            problems.append(
-                (
-                    "state",
-                    f"rank {s.rank} at step {value}: total {m['total']}, "
-                    f"expected {expected_total(s.rank, value)}",
-                )
-            )
-        if (s.checkpoint is not None) != (value % every == 0):
-            problems.append(
-                (
-                    "checkpoint",
-                    f"rank {s.rank} step {value} {'has' if s.checkpoint else 'lacks'} a checkpoint",
-                )
-            )
+        problems += check_state(s.reports[0], value)
+        problems += check_checkpoint(s, value, every, f"rank {s.rank} step {value}")
         rows[s.rank].append((s.attempt, value, s.checkpoint is not None))
     if problems:
         return problems
@@ -168,7 +153,7 @@ def check_sized(
     size (the step's width, within ``least``..``most``, the same through an attempt) and the
     state an undisturbed run has; a checkpoint exactly at multiples of ``every``; attempts resume
     right after the latest delivered checkpoint."""
-    problems = _index(steps)
+    problems = check_index(steps)
     widths: dict[int, set[int]] = {}
     for s in steps:
         ranks = [r.rank for r in s.reports]
@@ -193,14 +178,7 @@ def check_sized(
         widths.setdefault(s.attempt, set()).add(len(ranks))
         if {r.metrics["total"] for r in s.reports} != {value * (value + 1) // 2}:
             problems.append(("state", f"step {s.index} (function step {value}): wrong totals"))
-        if (s.checkpoint is not None) != (value % every == 0):
-            problems.append(
-                (
-                    "checkpoint",
-                    f"step {s.index} (function step {value}) "
-                    f"{'has' if s.checkpoint else 'lacks'} a checkpoint",
-                )
-            )
+        problems += check_checkpoint(s, value, every, f"step {s.index} (function step {value})")
     for attempt, sizes in widths.items():
         if len(sizes) > 1:
             problems.append(("world_size", f"attempt {attempt} ran at sizes {sorted(sizes)}"))
@@ -257,7 +235,7 @@ def check_ticks(
     """A stream of ``learner`` or ``rollout`` (no checkpoints): indices 0, 1, 2, ...; one report
     per rank (``unaligned``: one report per step, of the step's rank), all of the same step and
     of the step's attempt; every attempt (of each rank, when unaligned) counts from 0."""
-    problems = _index(steps)
+    problems = check_index(steps)
     rows: dict[int | None, list[tuple[int, int, bool]]] = {}
     for s in steps:
         ranks = [r.rank for r in s.reports]

@@ -34,18 +34,22 @@ from benchmarks.chaos.harness import (
     _cancelled,
     _check_failures,
     _check_result,
+    _close_under_kill,
     _config,
     _consume,
     _executor,
+    _fault_at,
+    _first_of_attempt_after,
     _idle_pids,
     _kill,
+    _prefix,
     _recovery,
     _Seen,
     _spare_pids,
     _wait_dead,
     _wait_until,
 )
-from benchmarks.chaos.invariants import RECOVERY_BOUND_S, STOP_BOUND_S, check_stream
+from benchmarks.chaos.invariants import RECOVERY_BOUND_S
 from benchmarks.chaos.scenarios import Env, Outcome, Scenario
 from benchmarks.chaos.worker import counter, sized_counter, starts
 
@@ -59,14 +63,6 @@ REFILL_BOUND_S = 30.0
 SLOT = "chaos_slot"
 
 Runner = Callable[[Scenario, Env, Outcome, Path], Awaitable[None]]
-
-
-def _prefix(out: Outcome, sc: Scenario, seen: _Seen) -> None:
-    """What a cancelled scenario's consumer saw: a valid prefix of the stream, and no error."""
-    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
-    if seen.error is not None:
-        out.fail("finished", f"the stream ended with {type(seen.error).__name__}: {seen.error}")
 
 
 async def _refilled(
@@ -89,8 +85,7 @@ async def _refilled(
         out.recovery_s.append(time.time() - since)
     stats, pids = pool.statistics(), _idle_pids(pool)
     gone = [p for p in pids if not _alive(p)]
-    for problem in check_pool(pool.size, stats.idle, stats.leased, pids, [*dead, *gone]):
-        out.fail(*problem)
+    out.record(check_pool(pool.size, stats.idle, stats.leased, pids, [*dead, *gone]))
 
 
 async def _lease_all(
@@ -124,16 +119,12 @@ async def _pool_leased(sc: Scenario, env: Env, out: Outcome, directory: Path) ->
         async with asyncexec.WorkerPool(size, resources_per_worker=POOL_CPU) as pool:
             async with _executor(sc, env, pool=pool, resources_per_worker=None) as ex:
 
-                async def on_step(step: asyncexec.Step) -> bool:
-                    if step.attempt == 1 and step.index == sc.at and not killed:
-                        killed.append(ex.workers[sc.rank].pid)
-                        fault_time.append(time.time())
-                        _kill(killed[0])
-                    return False
+                def kill() -> None:
+                    killed.append(ex.workers[sc.rank].pid)
+                    _kill(killed[0])
 
-                await _consume(
-                    ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow
-                )
+                run = ex.run(counter, _config(sc, directory, None))
+                await _consume(run, seen, _fault_at(sc.at, fault_time, kill), sc.slow)
                 crashed = [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))]
                 _check_result(out, sc, ex, seen, crashed)
                 bad = [w.pid for w in ex.workers if w.pid in killed or not _alive(w.pid)]
@@ -184,49 +175,16 @@ async def _pool_closing(sc: Scenario, env: Env, out: Outcome, directory: Path) -
     the pool refills with live workers, and a lease of every worker then runs whole."""
     size = sc.workers + int(sc.flag)
     seen = _Seen()
-    killed: list[int] = []
-    timing: dict[str, float] = {}
     t0 = time.time()
     with _cancel_scope(sc) as scope:
         async with asyncexec.WorkerPool(size, resources_per_worker=POOL_CPU) as pool:
-            broke = anyio.Event()
-
-            async def killer() -> None:
-                await broke.wait()
-                if not killed or "break" not in timing:
-                    return  # the executor never ran: nothing to kill
-                await anyio.sleep(sc.delay_s)
-                timing["kill"] = time.time()
-                if not _kill(killed[0]):
-                    out.note = "the kill came after the worker had exited"
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(killer)
-                try:
-                    async with _executor(sc, env, pool=pool, resources_per_worker=None) as ex:
-                        killed.append(ex.workers[sc.rank].pid)
-                        run = ex.run(counter, _config(sc, directory, None))
-
-                        async def on_step(step: asyncexec.Step) -> bool:
-                            return step.index >= sc.at
-
-                        await _consume(run, seen, on_step, sc.slow)
-                        timing["break"] = time.time()
-                        broke.set()
-                except Exception as exc:
-                    out.fail(
-                        "clean_exit", f"leaving the executor raised {type(exc).__name__}: {exc}"
-                    )
-                finally:
-                    broke.set()
-                timing["closed"] = time.time()
-                took = timing["closed"] - timing.get("break", timing["closed"])
-                if took > STOP_BOUND_S:
-                    out.fail("stop_time", f"closing the executor took {took:.1f} s")
+            executor = _executor(sc, env, pool=pool, resources_per_worker=None)
+            _, pid, kill_time = await _close_under_kill(out, sc, seen, executor, directory)
             _prefix(out, sc, seen)
-            if killed:
-                await _wait_dead(killed[0])
-            await _refilled(out, pool, killed, timing.get("kill"))
+            killed = [] if pid is None else [pid]
+            if pid is not None:
+                await _wait_dead(pid)
+            await _refilled(out, pool, killed, kill_time)
             await _lease_all(out, sc, env, pool, killed, directory)
     out.steps = len(seen.steps)
     _cancelled(out, sc, scope, t0)
@@ -294,36 +252,37 @@ async def _spares(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None
         _recovery(out, when, seen, number, 1)
 
 
-async def _reservation(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
-    """Two executors on one Reservation (rank i of each on bundle i, half a CPU each); SIGKILL a
-    rank of one (``b`` with ``flag``) at its step ``at``: it restarts in its bundles and
-    finishes whole; the other's run goes on meanwhile on its first attempt, on the same
-    processes; the reservation's placement group stays; closing gives every claim back."""
+async def _side_by_side(sc: Scenario, env: Env, out: Outcome, directory: Path) -> None:
+    """Two executors in one event loop (kill_neighbour), or on one Reservation (reservation: rank
+    i of each on bundle i, half a CPU each); SIGKILL a rank of one (``a``; ``b`` when a
+    reservation draws ``flag``) at its step ``at``: it restarts once (in its bundles) and
+    finishes whole; the other finishes whole on its first attempt, on the same processes. On a
+    reservation the other's run goes on while the victim recovers, the reservation's placement
+    group stays, and closing gives every claim back."""
+    shared = sc.kind == "reservation"
     seen = {"a": _Seen(), "b": _Seen()}
-    victim, other = ("b", "a") if sc.flag else ("a", "b")
+    victim, other = ("b", "a") if shared and sc.flag else ("a", "b")
     fault_time: list[float] = []
     t0 = time.time()
     with _cancel_scope(sc) as scope:
-        async with asyncexec.Reservation(sc.workers, {"CPU": 1}) as reservation:
-            groups = await anyio.to_thread.run_sync(live_placement_groups)
-            ids = sorted(g["placement_group_id"] for g in groups)
-            half: dict[str, Any] = {
-                "reservation": reservation,
-                "resources_per_worker": {"CPU": 0.5},
-            }
+        async with contextlib.AsyncExitStack() as stack:
+            options: dict[str, Any] = {}
+            if shared:
+                reservation = asyncexec.Reservation(sc.workers, {"CPU": 1})
+                options["reservation"] = await stack.enter_async_context(reservation)
+                options["resources_per_worker"] = {"CPU": 0.5}
+                ids = await _placement_groups()
             async with (
-                _executor(sc, env, name=f"chaos{sc.number}a", **half) as a,
-                _executor(sc, env, name=f"chaos{sc.number}b", **half) as b,
+                _executor(sc, env, name=f"chaos{sc.number}a", **options) as a,
+                _executor(sc, env, name=f"chaos{sc.number}b", **options) as b,
             ):
                 executors = {"a": a, "b": b}
                 pids_other = [w.pid for w in executors[other].workers]
 
-                async def on_step(step: asyncexec.Step) -> bool:
-                    if step.attempt == 1 and step.index == sc.at and not fault_time:
-                        fault_time.append(time.time())
-                        _kill(executors[victim].workers[sc.rank].pid)
-                    return False
+                def kill() -> None:
+                    _kill(executors[victim].workers[sc.rank].pid)
 
+                on_step = _fault_at(sc.at, fault_time, kill)
                 async with anyio.create_task_group() as tg:
                     for key, ex in executors.items():
                         config = _config(sc, directory / key, None)
@@ -335,11 +294,11 @@ async def _reservation(sc: Scenario, env: Env, out: Outcome, directory: Path) ->
                 _check_result(out, sc, executors[other], seen[other], [])
                 if [w.pid for w in executors[other].workers] != pids_other:
                     out.fail("isolation", "the other executor's workers changed")
-                _went_on(out, seen[victim], seen[other], fault_time)
-                groups = await anyio.to_thread.run_sync(live_placement_groups)
-                if sorted(g["placement_group_id"] for g in groups) != ids:
-                    out.fail("reservation_kept", f"placement groups {ids} became {groups}")
-            if reservation.statistics().claims:
+                if shared:
+                    _went_on(out, seen[victim], seen[other], fault_time)
+                    if (now := await _placement_groups()) != ids:
+                        out.fail("reservation_kept", f"placement groups {ids} became {now}")
+            if shared and reservation.statistics().claims:
                 out.fail("claims_returned", f"claims left: {reservation.statistics().claims}")
     out.steps = len(seen["a"].steps) + len(seen["b"].steps)
     if _cancelled(out, sc, scope, t0):
@@ -349,13 +308,18 @@ async def _reservation(sc: Scenario, env: Env, out: Outcome, directory: Path) ->
     _recovery(out, fault_time[0] if fault_time else None, seen[victim], 1, 1)
 
 
+async def _placement_groups() -> list[str]:
+    """The ids of the cluster's live placement groups, sorted."""
+    groups = await anyio.to_thread.run_sync(live_placement_groups)
+    return sorted(g["placement_group_id"] for g in groups)
+
+
 def _went_on(out: Outcome, victim: _Seen, other: _Seen, fault_time: list[float]) -> None:
     """The other run delivered a step between the kill and the victim's next attempt, unless it
     had delivered every step before the kill."""
     if not fault_time or not other.times or other.times[-1] <= fault_time[0]:
         return
-    back = next((t for s, t in zip(victim.steps, victim.times, strict=True) if s.attempt > 1), None)
-    end = back if back is not None else victim.ended
+    end = _first_of_attempt_after(victim, 1) or victim.ended
     if not any(fault_time[0] < t <= end for t in other.times):
         out.fail("other_went_on", "the other run delivered no step while this one recovered")
 
@@ -385,34 +349,28 @@ async def _independent(sc: Scenario, env: Env, out: Outcome, directory: Path) ->
             await _consume(run, seen, on_step, sc.slow)
             if seen.error is None:
                 result = ex.result
-                for problem in independent_complete(
-                    seen.steps,
-                    result.return_values,
-                    workers=sc.workers,
-                    total=sc.steps,
-                    replaced=frozenset({sc.rank}),
-                ):
-                    out.fail(*problem)
+                out.record(
+                    independent_complete(
+                        seen.steps,
+                        result.return_values,
+                        workers=sc.workers,
+                        total=sc.steps,
+                        replaced=frozenset({sc.rank}),
+                    )
+                )
                 out.attempts = result.attempts
                 expected = [(asyncexec.WorkerCrashedError, frozenset({sc.rank}))]
                 _check_failures(out, result.failures, expected)
                 if ex.statistics().restarts != 1:
                     out.fail("restarts", f"statistics().restarts is {ex.statistics().restarts}")
                 _started_once(out, sc, pids, await ex.execute(starts))
-    for problem in check_independent(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
+    out.record(check_independent(seen.steps, workers=sc.workers, every=sc.every))
     out.steps = len(seen.steps)
     if _cancelled(out, sc, scope, t0):
         return
     if seen.error is not None:
         out.fail("finished", f"the run ended with {type(seen.error).__name__}: {seen.error}")
-    back = next((t for s, t in zip(seen.steps, seen.times, strict=True) if s.attempt > 1), None)
-    if fault_time and back is not None:
-        out.recovery_s.append(back - fault_time[0])
-        if back - fault_time[0] > RECOVERY_BOUND_S:
-            out.fail("recovery_time", f"{back - fault_time[0]:.1f} s to the rank's next report")
-    elif not fault_time:
-        out.fail("fault_injected", "the rank's step was never delivered")
+    _recovery(out, fault_time[0] if fault_time else None, seen, 1, 1)
 
 
 def _started_once(
@@ -476,8 +434,7 @@ async def _elastic(sc: Scenario, env: Env, out: Outcome, directory: Path) -> Non
             await anyio.to_thread.run_sync(cluster.remove_node, env.node)
             env.node = None
     out.steps = len(seen.steps)
-    for problem in check_sized(seen.steps, every=sc.every, least=2, most=4):
-        out.fail(*problem)
+    out.record(check_sized(seen.steps, every=sc.every, least=2, most=4))
     if _cancelled(out, sc, scope, t0):
         return
     _recovery(out, timing.get("removed"), seen, 1, 1)
@@ -493,10 +450,8 @@ def _check_elastic(
         out.fail("setup", f"ranks {sorted(lost)} were on the added node, expected 2")
     result, stats = ex.result, ex.statistics()
     out.attempts = result.attempts
-    for problem in sized_complete(seen.steps, result.return_values, total=sc.steps):
-        out.fail(*problem)
-    for problem in check_resizes(seen.steps, most=4):
-        out.fail(*problem)
+    out.record(sized_complete(seen.steps, result.return_values, total=sc.steps))
+    out.record(check_resizes(seen.steps, most=4))
     _check_failures(out, result.failures, [(asyncexec.NodeLostError, lost)])
     if (stats.restarts, stats.resizes) != (1, 2):
         out.fail("restarts", f"restarts {stats.restarts}, resizes {stats.resizes}; expected 1, 2")
@@ -507,7 +462,8 @@ RUNNERS: dict[str, Runner] = {
     "pool_idle": _pool_idle,
     "pool_closing": _pool_closing,
     "spares": _spares,
-    "reservation": _reservation,
+    "reservation": _side_by_side,
+    "kill_neighbour": _side_by_side,
     "independent": _independent,
     "elastic": _elastic,
 }

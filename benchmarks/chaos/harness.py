@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from benchmarks.chaos.invariants import (
     check_stream,
 )
 from benchmarks.chaos.scenarios import Env, Outcome, Scenario
-from benchmarks.chaos.worker import gate_hook
+from benchmarks.chaos.worker import counter, gate_hook
 
 __all__ = ["Gate", "leftovers", "wait_no_leftovers"]
 
@@ -135,6 +136,78 @@ async def _consume(
         seen.ended = time.time()
 
 
+def _fault_at(
+    at: int, fault_time: list[float], act: Callable[[], object]
+) -> Callable[[asyncexec.Step], Awaitable[bool]]:
+    """An ``on_step`` that injects the fault once, when the consumer sees step ``at`` of attempt
+    1: it records the time in ``fault_time`` and calls ``act`` (awaiting what it returns, if
+    anything awaitable). It never breaks out of the loop."""
+
+    async def on_step(step: asyncexec.Step) -> bool:
+        if step.attempt == 1 and step.index == at and not fault_time:
+            fault_time.append(time.time())
+            done = act()
+            if inspect.isawaitable(done):
+                await done
+        return False
+
+    return on_step
+
+
+def _prefix(out: Outcome, sc: Scenario, seen: _Seen) -> None:
+    """What a consumer that stopped early (cancelled, or broke out) saw: a valid prefix of the
+    stream, and no error."""
+    out.record(check_stream(seen.steps, workers=sc.workers, every=sc.every))
+    if seen.error is not None:
+        out.fail("finished", f"the stream ended with {type(seen.error).__name__}: {seen.error}")
+
+
+async def _close_under_kill(
+    out: Outcome, sc: Scenario, seen: _Seen, executor: asyncexec.Executor, directory: Path
+) -> tuple[asyncexec.Executor | None, int | None, float | None]:
+    """Enter ``executor``, break out of its run at step ``at`` and leave it; SIGKILL rank
+    ``rank`` ``delay_s`` after the break, while the executor closes. Leaving must be clean and
+    bounded. Returns the executor (None when entering it failed), the killed pid and when the
+    kill landed."""
+    broke = anyio.Event()
+    entered: list[asyncexec.Executor] = []
+    pids: list[int] = []
+    timing: dict[str, float] = {}
+
+    async def killer() -> None:
+        await broke.wait()
+        if not pids or "break" not in timing:
+            return  # the executor never ran: nothing to kill
+        await anyio.sleep(sc.delay_s)
+        timing["kill"] = time.time()
+        if not _kill(pids[0]):
+            out.note = "the kill came after the worker had exited"
+
+    async def on_step(step: asyncexec.Step) -> bool:
+        return step.index >= sc.at
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(killer)
+        try:
+            async with executor as ex:
+                entered.append(ex)
+                pids.append(ex.workers[sc.rank].pid)
+                await _consume(
+                    ex.run(counter, _config(sc, directory, None)), seen, on_step, sc.slow
+                )
+                timing["break"] = time.time()
+                broke.set()
+        except Exception as exc:
+            out.fail("clean_exit", f"leaving the executor raised {type(exc).__name__}: {exc}")
+        finally:
+            broke.set()
+        timing["closed"] = time.time()
+    took = timing["closed"] - timing.get("break", timing["closed"])
+    if took > STOP_BOUND_S:
+        out.fail("stop_time", f"closing the executor took {took:.1f} s")
+    return (entered[0] if entered else None), (pids[0] if pids else None), timing.get("kill")
+
+
 def _config(sc: Scenario, directory: Path, fault: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "steps": sc.steps,
@@ -225,8 +298,7 @@ def _check_result(
 ) -> None:
     """A run that must finish: no error, the stream and result whole, the failures expected
     (or, with ``optional``, none at all: the fault may have come too late to matter)."""
-    for problem in check_stream(seen.steps, workers=sc.workers, every=sc.every):
-        out.fail(*problem)
+    out.record(check_stream(seen.steps, workers=sc.workers, every=sc.every))
     if seen.error is not None:
         out.fail(
             "finished",
@@ -238,10 +310,7 @@ def _check_result(
     out.attempts = result.attempts
     if optional and result.attempts == 1:
         expected = []
-    for problem in check_complete(
-        seen.steps, result.return_values, workers=sc.workers, total=sc.steps
-    ):
-        out.fail(*problem)
+    out.record(check_complete(seen.steps, result.return_values, workers=sc.workers, total=sc.steps))
     if result.attempts != len(expected) + 1:
         out.fail("restarts", f"{result.attempts} attempts, expected {len(expected) + 1}")
     _check_failures(out, result.failures, expected)

@@ -16,7 +16,10 @@ __all__ = [
     "STOP_BOUND_S",
     "Problem",
     "check_attempts",
+    "check_checkpoint",
     "check_complete",
+    "check_index",
+    "check_state",
     "check_stream",
     "expected_total",
 ]
@@ -64,10 +67,7 @@ def check_stream(
     first attempt starts at ``first``, each later one right after the latest checkpoint that any
     delivered step carried.
     """
-    problems: list[Problem] = []
-    indices = [s.index for s in steps]
-    if indices != list(range(len(steps))):
-        problems.append(("step_index", f"indices {_ranges(indices)}, expected 0-{len(steps) - 1}"))
+    problems = check_index(steps)
     for s in steps:
         ranks = [r.rank for r in s.reports]
         if ranks != list(range(workers)):
@@ -78,35 +78,40 @@ def check_stream(
             problems.append(("same_step", f"step {s.index} mixes function steps {sorted(made)}"))
             continue
         value = made.pop()
-        if {r.metrics["attempt"] for r in s.reports} != {s.attempt}:
-            problems.append(
-                (
-                    "attempt_number",
-                    f"step {s.index} of attempt {s.attempt} came "
-                    f"from attempt(s) {sorted({r.metrics['attempt'] for r in s.reports})}",
-                )
-            )
+        said = sorted({r.metrics["attempt"] for r in s.reports})
+        if said != [s.attempt]:
+            problems.append(("attempt_number", f"step {s.index} of {s.attempt} from {said}"))
         for r in s.reports:
-            if r.metrics["total"] != expected_total(r.rank, value):
-                problems.append(
-                    (
-                        "state",
-                        f"rank {r.rank} at step {value}: total "
-                        f"{r.metrics['total']}, expected {expected_total(r.rank, value)}",
-                    )
-                )
-        if (s.checkpoint is not None) != (value % every == 0):
-            problems.append(
-                (
-                    "checkpoint",
-                    f"step {s.index} (function step {value}) "
-                    f"{'has' if s.checkpoint else 'lacks'} a checkpoint",
-                )
-            )
+            problems += check_state(r, value)
+        problems += check_checkpoint(s, value, every, f"step {s.index} (function step {value})")
     if problems:
         return problems
     rows = [(s.attempt, s.reports[0].metrics["step"], s.checkpoint is not None) for s in steps]
     return check_attempts(rows, first=first)
+
+
+def check_index(steps: Sequence[asyncexec.Step]) -> list[Problem]:
+    """``Step.index`` counts 0, 1, 2, ... across the stream."""
+    indices = [s.index for s in steps]
+    if indices != list(range(len(steps))):
+        return [("step_index", f"indices {_ranges(indices)}, expected 0-{len(steps) - 1}")]
+    return []
+
+
+def check_state(report: asyncexec.Report, value: int) -> list[Problem]:
+    """The counter's state a report carries at function step ``value``: an undisturbed run's."""
+    want = expected_total(report.rank, value)
+    if report.metrics["total"] == want:
+        return []
+    got = report.metrics["total"]
+    return [("state", f"rank {report.rank} at step {value}: total {got}, expected {want}")]
+
+
+def check_checkpoint(s: asyncexec.Step, value: int, every: int, where: str) -> list[Problem]:
+    """A step carries a checkpoint exactly when its function step is a multiple of ``every``."""
+    if (s.checkpoint is not None) == (value % every == 0):
+        return []
+    return [("checkpoint", f"{where} {'has' if s.checkpoint else 'lacks'} a checkpoint")]
 
 
 def check_attempts(

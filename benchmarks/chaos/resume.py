@@ -133,14 +133,15 @@ async def _driver_killed(sc: Scenario, env: Env, out: Outcome, directory: Path) 
     if code != 0 or "result" not in second.end:
         out.fail("resumed", f"the second driver exited {code}: {second.tail()}")
         return
-    for problem in check_resumed(
-        first.steps,
-        second.steps,
-        checkpoint_index=_checkpoint_index(record),
-        recorded_attempt=0 if record is None else record["attempt"],
-        total=sc.steps,
-    ):
-        out.fail(*problem)
+    out.record(
+        check_resumed(
+            first.steps,
+            second.steps,
+            checkpoint_index=_checkpoint_index(record),
+            recorded_attempt=0 if record is None else record["attempt"],
+            total=sc.steps,
+        )
+    )
     expected = [expected_total(r, sc.steps - 1) for r in range(2)]
     if second.end["result"] != expected:
         out.fail("final_state", f"return values {second.end['result']}, expected {expected}")

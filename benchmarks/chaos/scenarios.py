@@ -223,3 +223,7 @@ class Outcome:
 
     def fail(self, invariant: str, detail: str) -> None:
         self.problems.append((invariant, detail))
+
+    def record(self, problems: Sequence[tuple[str, str]]) -> None:
+        """Record each problem a check found."""
+        self.problems += problems
