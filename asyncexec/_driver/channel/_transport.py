@@ -41,6 +41,7 @@ class Pending:
     sources: list[WorkerInfo] | None = None
     error: BaseException | None = None
     started: float = 0.0
+    here: bool = False  # delivered by the push that read it (see ``Versions._push``)
 
 
 class Core(Protocol):

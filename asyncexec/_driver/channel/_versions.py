@@ -159,7 +159,9 @@ class Versions:
 
     async def push(self) -> int:
         """See ``WeightChannel.push``."""
-        pending = await self._push()
+        pending = await self._push(here=self.max_staleness == 1)
+        if pending.here:
+            await self._deliver(pending, None, here=True)
         wait_for = self.pending.get(pending.version - (self.max_staleness - 1))
         if wait_for is not None:
             if not wait_for.done.is_set():
@@ -168,7 +170,11 @@ class Versions:
                 raise wait_for.error
         return pending.version
 
-    async def _push(self) -> Pending:
+    async def _push(self, here: bool = False) -> Pending:
+        """Read the next version and start its delivery: in the channel's task group, or, when
+        ``here`` allows it and no earlier version is on its way, by the caller at once
+        (``pending.here``: a push that waits for its delivery anyway spares a task and the
+        turn of the loop its end takes; see ``_deliver``)."""
         tg = self._open_tg()
         async with self._read_lock:
             version = self.version + 1
@@ -202,7 +208,10 @@ class Versions:
                     version, tuple((w.rank, held.get(w.handle.key, 0)) for w in pending.targets)
                 )
             )
-            tg.start_soon(self._deliver, pending, previous)
+            if here and (previous is None or previous.done.is_set()):
+                pending.here = True
+            else:
+                tg.start_soon(self._deliver, pending, previous)
         return pending
 
     async def _read(self, pending: Pending) -> None:
@@ -219,7 +228,14 @@ class Versions:
         tl, name = self.source_slot.timeline, f"read v{pending.version}"
         await timed(tl, DRIVER, name, "push", read, span="asyncexec.push.read")
 
-    async def _deliver(self, pending: Pending, previous: Pending | None) -> None:
+    async def _deliver(
+        self, pending: Pending, previous: Pending | None, here: bool = False
+    ) -> None:
+        """Deliver ``pending`` after ``previous``; its outcome in ``pending`` (``done``,
+        ``error``). ``here``: by the push that read it, whose cancellation does not cancel the
+        delivery: the channel's task group takes it over (installs sent again to a rank that
+        holds the version already are skipped there)."""
+        handed_over = False
         try:
             if previous is not None and not previous.done.is_set():
                 await previous.done.wait()  # versions arrive in order
@@ -230,7 +246,12 @@ class Versions:
             self.last_push_s = time.perf_counter() - pending.started
             self.observer.emit(PushEnded(pending.version, self.last_push_s))
         except BaseException as exc:
-            if isinstance(exc, anyio.get_cancelled_exc_class()) and not self._is_open():
+            cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+            if cancelled and here and self.tg is not None:
+                handed_over = True
+                self.tg.start_soon(self._deliver, pending, None)
+                raise
+            if cancelled and not self._is_open():
                 raise
             self.counts["failed_pushes"] += 1
             self._transport().broken()
@@ -238,9 +259,14 @@ class Versions:
             pending.error = channel_error(f"delivering version {pending.version}", exc, bound)
             self.observer.emit(PushFailed(pending.version, describe(exc)))
         finally:
-            pending.done.set()
-            for v in [v for v in self.pending if v < pending.version - self.max_staleness]:
-                del self.pending[v]
+            if not handed_over:
+                self._delivered(pending)
+
+    def _delivered(self, pending: Pending) -> None:
+        """``pending``'s delivery ended (its outcome set): the versions after it go on."""
+        pending.done.set()
+        for v in [v for v in self.pending if v < pending.version - self.max_staleness]:
+            del self.pending[v]
 
     # Joins ------------------------------------------------------------------------------------
 
