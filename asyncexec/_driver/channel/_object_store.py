@@ -46,9 +46,9 @@ class ObjectStoreTransport:
         types = [result_of(caller, w, c[0]) for w, c in zip(sources, calls, strict=True)]
         # The installs are sent now, with the states' references, as a hand-written push
         # sends them: Ray starts each once the read is done, with no turn of the driver in
-        # between (awaiting the read first put a round trip of the driver on every push's
-        # path: 1.5-1.9x the hand-written push). Not while an earlier version is on its way:
-        # versions arrive in order. A target that joins meanwhile gets its call at delivery.
+        # between (awaiting the read first puts a round trip of the driver on the push's
+        # path). Not while an earlier version is on its way: versions arrive in order. A
+        # target that joins meanwhile gets its call at delivery.
         if core.delivered_before(pending.version):
             target = caller_of(core.target_slot)
             pending.early = {
@@ -60,8 +60,8 @@ class ObjectStoreTransport:
             # An install runs only once the read's state is there, and fails with the read's
             # error when it failed: the installs tell the read's outcome, and its own result
             # (the states' types) is looked at only when one of them fails (see ``_install``).
-            # Awaited here, it woke the driver as the installs started, beside them on the
-            # same cores (1.24x the hand-written push against 1.15x).
+            # Awaited here, it would wake the driver just as the installs start, on the cores
+            # they run on (docs/benchmarks.md, the small push).
             pending.read = types
             return
         try:
