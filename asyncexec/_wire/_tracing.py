@@ -47,10 +47,12 @@ __all__ = [
     "in_span",
     "plain",
     "record",
+    "request",
     "spanned",
     "start",
     "traceparent",
     "tracer",
+    "under_request",
     "within",
 ]
 
@@ -117,16 +119,12 @@ def current(span: Any) -> Iterator[None]:
 
 def _attach(span: Any) -> Any:
     """Make ``span`` the current span (what ``trace.use_span`` does, without its two context
-    managers: a fifth of its cost, on every request and attempt); the token to detach."""
-    from opentelemetry import context
-
-    return context.attach(_trace().set_span_in_context(span))
+    managers: a fifth of its cost); the token to detach."""
+    return sys.modules["opentelemetry.context"].attach(_trace().set_span_in_context(span))
 
 
 def _detach(token: Any) -> None:
-    from opentelemetry import context
-
-    context.detach(token)
+    sys.modules["opentelemetry.context"].detach(token)
 
 
 async def in_span(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
@@ -317,15 +315,57 @@ async def as_call(span: Any, awaitable: Awaitable[T]) -> T:
         _FOR_CALL.reset(token)
 
 
-async def as_first_call(awaitable: Awaitable[T], failed: str, **attributes: Any) -> T:
-    """The current span (a router request's, not None: tracing is on) stands for the call
-    ``awaitable`` makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what
-    ran, on which rank): a request answered by its first attempt is one SDK span, not two (a
-    span costs the SDK 20-70 us on these machines, against about 1.3 ms of a toy server's
-    sample). When the call fails, a span ``failed`` is recorded for it after the fact, a child
-    of the current one with its error, so that a request sent again still shows each attempt
-    (the later ones as spans of their own)."""
-    span = _trace().get_current_span()
+#: The span of the router request this context serves (see :func:`request`), or None: its
+#: attempts (tasks started inside it) find it here.
+_REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "asyncexec_request_span", default=None
+)
+
+
+async def request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` (a router request) inside a span ``name`` of ``made`` (the tracer:
+    tracing is on), a child of the current context, ended (failed with what it raised) after
+    it. The span is not made the current span (the OpenTelemetry context's attach, detach and
+    look-ups, about 3 us a request, for nothing: what the request makes under it is its
+    attempts, which find it in a variable of their own, :func:`as_first_call` and
+    :func:`under_request`)."""
+    span = made.start_span(name)
+    token = _REQUEST.set(span)
+    try:
+        value = await awaitable
+    except BaseException as exc:
+        _REQUEST.reset(token)
+        end(span, exc)
+        raise
+    _REQUEST.reset(token)
+    span.end()
+    return value
+
+
+def under_request(name: str, attributes: dict[str, Any]) -> Any:
+    """A span ``name`` with ``attributes``, a child of the router request's span (of the
+    current context outside one: see :func:`request`), started now; None when tracing is
+    off."""
+    made = tracer()
+    if made is None:
+        return None
+    parent = _REQUEST.get()
+    context = None if parent is None else _trace().set_span_in_context(parent)
+    return made.start_span(name, context=context, attributes=attributes)
+
+
+async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: dict[str, Any]) -> T:
+    """The router request's span (see :func:`request`) stands for the call ``awaitable``
+    makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what ran, on which
+    rank): a request answered by its first attempt is one SDK span, not two (a span costs the
+    SDK 15-70 us on these machines, against about 1.3 ms of a toy server's sample). When the
+    call fails, a span ``failed`` is recorded for it after the fact, a child of the request's
+    with its error, so that a request sent again still shows each attempt (the later ones as
+    spans of their own: :func:`under_request`). Outside a request's span (tracing turned on
+    while the request was on its way), the call is awaited as it is."""
+    span = _REQUEST.get()
+    if span is None:
+        return await awaitable
     span.set_attributes(attributes)
     started = time.time_ns()
     token = _FOR_CALL.set(span)
@@ -334,7 +374,10 @@ async def as_first_call(awaitable: Awaitable[T], failed: str, **attributes: Any)
     except BaseException as exc:
         made = tracer()
         if made is not None:
-            failed_span = made.start_span(failed, start_time=started, attributes=attributes)
+            parent = _trace().set_span_in_context(span)
+            failed_span = made.start_span(
+                failed, context=parent, start_time=started, attributes=attributes
+            )
             end(failed_span, exc)
         raise
     finally:
