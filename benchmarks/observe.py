@@ -232,7 +232,7 @@ async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[st
         provider, default = _provider(), trace.get_tracer_provider
     server, learner_cls = _rl_roles()
     shared = asyncexec.Timeline()
-    out: dict[str, Any] = {v: {"samples_per_s": []} for v in variants}
+    out: dict[str, Any] = {v: {"samples_per_s": [], "cpu_us": []} for v in variants}
     async with (
         asyncexec.Executor(1, resources_per_worker=CPU, roles=learner_cls, timeline=shared) as lx,
         asyncexec.Executor(2, resources_per_worker=CPU, roles=server, timeline=shared) as sx,
@@ -249,7 +249,9 @@ async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[st
                 for ex, view in views.items():
                     _keep_timeline(ex, view if variant == "timeline" else None)
                     ex.timeline = view if variant == "timeline" else None  # (the pipeline's)
+                cpu = time.process_time()
                 out[variant]["samples_per_s"].append(await _rl_round(lx, sx, learn, samples))
+                out[variant]["cpu_us"].append((time.process_time() - cpu) / samples * 1e6)
         if trace is not None:
             trace.get_tracer_provider = default
             provider.shutdown()
@@ -439,20 +441,24 @@ def _rl_figures(args: argparse.Namespace) -> None:
     """Issue 41's figures: samples/s through a pipeline with the shared timeline and tracing
     on, beside off; the driver's memory after 100,000 requests."""
     runs: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for repeat in range(args.repeats):
         print(f"repeat {repeat + 1}: pipeline", file=sys.stderr, flush=True)
         measured = _run("off,timeline,tracing", ROOT, "rl", args)
         for variant in ("off", "timeline", "tracing"):
             runs.setdefault(variant, []).extend(measured[variant]["samples_per_s"])
-    off = _median(runs["off"])
+            cpu.setdefault(variant, []).extend(measured[variant].get("cpu_us", []))
+    off, off_cpu = _median(runs["off"]), _median(cpu["off"]) if cpu["off"] else 0.0
     print(
         f"\npipeline: a learner and 2 servers on one shared timeline, {args.samples:,} samples a "
         f"run, a keep update each batch of {PIPELINE_BATCH}; {args.repeats * args.rounds} rounds"
+        " (median samples/s; the driver process's CPU a sample, all its threads)"
     )
-    print(f"{'variant':<10} {'samples/s':>17}")
+    print(f"{'variant':<10} {'samples/s':>17} {'driver CPU us':>19}")
     for variant, values in runs.items():
         mine = _median(values)
-        print(f"{variant:<10} {mine:>9,.0f} {mine / off:>5.3f}x")
+        spent = f"{_median(cpu[variant]):>7.1f} {_median(cpu[variant]) - off_cpu:>+7.1f}"
+        print(f"{variant:<10} {mine:>9,.0f} {mine / off:>5.3f}x {spent if cpu[variant] else ''}")
     print("\nmemory: the driver's RSS (MiB) after each number of requests through a pipeline")
     for variant in ("off", "timeline"):
         mem = _run(variant, ROOT, "rl-memory", args)

@@ -207,14 +207,33 @@ def traceparent(span: Any) -> str:
     return f"{line}\n{state.to_header()}" if state else line
 
 
+#: The API's ``context`` and ``trace`` modules on a worker (imported at its first carried
+#: context), None where it is not installed; ``()`` until then.
+_API: tuple[Any, Any] | tuple[()] | None = ()
+
+
+def _api() -> tuple[Any, Any] | None:
+    """The API's ``context`` and ``trace`` modules, imported once (None without the API: one
+    failed import a process, not one a call)."""
+    global _API
+    if _API == ():
+        try:
+            from opentelemetry import context, trace
+        except ImportError:
+            _API = None
+        else:
+            _API = (context, trace)
+    return _API  # type: ignore[return-value]
+
+
 def _remote_parent(trace: Any, carrier: str) -> Any:
     """The remote span of a carried context, or None when it is not a valid W3C one."""
     line, _, state = carrier.partition("\n")
-    fields = line.split("-")
-    if len(fields) != 4 or len(fields[1]) != 32 or len(fields[2]) != 16:
+    # Version 00's layout (what :func:`traceparent` writes): 2, 32, 16 and 2 hex digits.
+    if len(line) != 55 or line[2] != "-" or line[35] != "-" or line[52] != "-":
         return None
     try:
-        trace_id, span_id, flags = (int(f, 16) for f in fields[1:])
+        trace_id, span_id, flags = int(line[3:35], 16), int(line[36:52], 16), int(line[53:], 16)
     except ValueError:
         return None
     if not trace_id or not span_id:
@@ -232,13 +251,11 @@ def _remote_parent(trace: Any, carrier: str) -> Any:
 async def carried(carrier: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """On a worker: ``await fn(*args)`` with the trace context a call carried (the
     ``context`` of its :class:`Carried` argument) as the current context."""
-    try:
-        from opentelemetry import context, trace
-    except ImportError:  # the worker lacks the API: the method runs, untraced
+    api = _api()
+    parent = None if api is None else _remote_parent(api[1], carrier)
+    if parent is None:  # (the worker lacks the API: the method runs, untraced)
         return await fn(*args)
-    parent = _remote_parent(trace, carrier)
-    if parent is None:
-        return await fn(*args)
+    context, trace = api
     token = context.attach(trace.set_span_in_context(parent))
     try:
         return await fn(*args)
@@ -262,15 +279,12 @@ def attached(carrier: str | None) -> Iterator[None]:
     if carrier is None:
         yield
         return
-    try:
-        from opentelemetry import context, trace
-    except ImportError:  # the worker lacks the API: the function runs, untraced
+    api = _api()
+    parent = None if api is None else _remote_parent(api[1], carrier)
+    if parent is None:  # (the worker lacks the API: the function runs, untraced)
         yield
         return
-    parent = _remote_parent(trace, carrier)
-    if parent is None:
-        yield
-        return
+    context, trace = api
     token = context.attach(trace.set_span_in_context(parent))
     try:
         yield
