@@ -232,7 +232,7 @@ async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[st
         provider, default = _provider(), trace.get_tracer_provider
     server, learner_cls = _rl_roles()
     shared = asyncexec.Timeline()
-    out: dict[str, Any] = {v: {"samples_per_s": [], "cpu_us": []} for v in variants}
+    out: dict[str, Any] = {v: {"samples_per_s": [], "cpu_us": [], "loop_us": []} for v in variants}
     async with (
         asyncexec.Executor(1, resources_per_worker=CPU, roles=learner_cls, timeline=shared) as lx,
         asyncexec.Executor(2, resources_per_worker=CPU, roles=server, timeline=shared) as sx,
@@ -249,9 +249,10 @@ async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[st
                 for ex, view in views.items():
                     _keep_timeline(ex, view if variant == "timeline" else None)
                     ex.timeline = view if variant == "timeline" else None  # (the pipeline's)
-                cpu = time.process_time()
+                cpu, loop = time.process_time(), time.thread_time()
                 out[variant]["samples_per_s"].append(await _rl_round(lx, sx, learn, samples))
                 out[variant]["cpu_us"].append((time.process_time() - cpu) / samples * 1e6)
+                out[variant]["loop_us"].append((time.thread_time() - loop) / samples * 1e6)
         if trace is not None:
             trace.get_tracer_provider = default
             provider.shutdown()

@@ -357,5 +357,14 @@ def test_the_carried_context_is_w3cs_traceparent_and_reads_back_as_the_remote_pa
         assert parent.trace_state == sent.trace_state
     for bad in ("", "x", "00-zz-yy-01", f"00-{0:032x}-{1:016x}-01", f"00-{1:032x}-{1:08x}-01"):
         assert _tracing._remote_parent(trace, bad) is None, bad
-    assert _tracing.plain(_tracing.Carried("method", "00-...")) == "method"
+    assert _tracing.plain(_tracing.Carried(len, "00-...")) is len
     assert _tracing.plain("method") == "method"
+    # A method's key carries the context as one string (MessagePack on Ray, not a pickle);
+    # anything else as a Carried record. Each reads back as it was sent.
+    context = _tracing.traceparent(stated)
+    assert _tracing.carry("0:generate", context) == f"0:generate\n{context}"
+    assert type(_tracing.carry(len, context)) is _tracing.Carried
+    for lead in ("0:generate", len):
+        assert _tracing.split(_tracing.carry(lead, context)) == (lead, context)
+        assert _tracing.plain(_tracing.carry(lead, context)) == lead
+        assert _tracing.split(lead) == (lead, None)
