@@ -45,10 +45,10 @@ __all__ = [
     "end",
     "end_call",
     "finish",
+    "in_request",
     "in_span",
     "plain",
     "record",
-    "request",
     "split",
     "spanned",
     "start",
@@ -277,10 +277,12 @@ async def carried(carrier: str, fn: Callable[..., Awaitable[T]], *args: Any) -> 
     """On a worker: ``await fn(*args)`` with the trace context a call carried (the
     ``context`` of its :class:`Carried` argument) as the current context."""
     api = _api()
-    parent = None if api is None else _remote_parent(api[1], carrier)
-    if parent is None:  # (the worker lacks the API: the method runs, untraced)
+    if api is None:  # the worker lacks the API: the method runs, untraced
         return await fn(*args)
     context, trace = api
+    parent = _remote_parent(trace, carrier)
+    if parent is None:
+        return await fn(*args)
     token = context.attach(trace.set_span_in_context(parent))
     try:
         return await fn(*args)
@@ -305,11 +307,14 @@ def attached(carrier: str | None) -> Iterator[None]:
         yield
         return
     api = _api()
-    parent = None if api is None else _remote_parent(api[1], carrier)
-    if parent is None:  # (the worker lacks the API: the function runs, untraced)
+    if api is None:  # the worker lacks the API: the function runs, untraced
         yield
         return
     context, trace = api
+    parent = _remote_parent(trace, carrier)
+    if parent is None:
+        yield
+        return
     token = context.attach(trace.set_span_in_context(parent))
     try:
         yield
@@ -354,14 +359,14 @@ async def as_call(span: Any, awaitable: Awaitable[T]) -> T:
         _FOR_CALL.reset(token)
 
 
-#: The span of the router request this context serves (see :func:`request`), or None: its
+#: The span of the router request this context serves (see :func:`in_request`), or None: its
 #: attempts (tasks started inside it) find it here.
 _REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "asyncexec_request_span", default=None
 )
 
 
-async def request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
+async def in_request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` (a router request) inside a span ``name`` of ``made`` (the tracer:
     tracing is on), a child of the current context, ended (failed with what it raised) after
     it. The span is not made the current span (the OpenTelemetry context's attach, detach and
@@ -383,7 +388,7 @@ async def request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
 
 def under_request(name: str, attributes: dict[str, Any]) -> Any:
     """A span ``name`` with ``attributes``, a child of the router request's span (of the
-    current context outside one: see :func:`request`), started now; None when tracing is
+    current context outside one: see :func:`in_request`), started now; None when tracing is
     off."""
     made = tracer()
     if made is None:
@@ -394,7 +399,7 @@ def under_request(name: str, attributes: dict[str, Any]) -> Any:
 
 
 async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: dict[str, Any]) -> T:
-    """The router request's span (see :func:`request`) stands for the call ``awaitable``
+    """The router request's span (see :func:`in_request`) stands for the call ``awaitable``
     makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what ran, on which
     rank): a request answered by its first attempt is one SDK span, not two (a span costs the
     SDK 15-70 us on these machines, against about 1.3 ms of a toy server's sample). When the

@@ -35,7 +35,7 @@ import anyio.abc
 from ..._errors import ConfigurationError, ExecutorStateError, describe
 from ..._logging import get_logger
 from ..._wire._rollout import RolloutRequest, Sample
-from ..._wire._tracing import request as traced, tracer
+from ..._wire._tracing import in_request, tracer
 from ..._worker import RolloutServer
 from .._config import check_count
 from .._executor import Executor, slot_of
@@ -226,7 +226,7 @@ class Router:
             raise ConfigurationError(f"retry must be a bool, got {retry!r}")
         run = self.requests.run(request, deadline_s, retry)
         made = tracer()
-        return await (run if made is None else traced(made, "asyncexec.router.request", run))
+        return await (run if made is None else in_request(made, "asyncexec.router.request", run))
 
     async def generate_stoppable(
         self, request: RolloutRequest, *, deadline_s: float | None = None, retry: bool = True
@@ -241,7 +241,7 @@ class Router:
             _check_seconds("deadline_s", deadline_s)
         run = self.requests.run(request, deadline_s, retry, stop=True)
         made = tracer()
-        return await (run if made is None else traced(made, "asyncexec.router.request", run))
+        return await (run if made is None else in_request(made, "asyncexec.router.request", run))
 
     # Pause, resume, state ---------------------------------------------------------------------
 
