@@ -24,8 +24,11 @@ of its own, alternating with this tree's, with the same two executors.
 - **samples/s through a pipeline** (issue 41's figures): a learner (1 worker) and 2 rollout
   servers, both on one shared timeline (``Executor(timeline=shared)``), a ``Pipeline`` of
   ``PIPELINE_SAMPLES`` prompts (one chunk each), batches of 32, a weight update (``keep``) after
-  each; ``off``, ``timeline`` (the shared one) and ``tracing`` in turn, round by round; and the
-  driver's RSS after 10,000, 50,000 and 100,000 requests with the shared timeline on and off.
+  each; ``off``, ``timeline`` (the shared one) and ``tracing`` in turn, round by round, with
+  the driver's CPU a sample beside (its process, all threads; its event loop's thread alone in
+  the child's output, ``loop_us``: what a variant adds there is robust to a loaded machine,
+  where samples/s are not); and the driver's RSS after 10,000, 50,000 and 100,000 requests
+  with the shared timeline on and off.
 
 Variants: ``off`` (this tree, nothing on), ``timeline`` (``Executor(timeline=True)``),
 ``tracing`` (an OpenTelemetry SDK provider with a ``BatchSpanProcessor`` whose exporter drops
@@ -56,6 +59,7 @@ if ROOT not in sys.path:
 STEPS, CALLS, WORKERS = 20_000, 1_000, 4
 MEMORY_MARKS = (10_000, 50_000, 100_000)
 PIPELINE_SAMPLES, PIPELINE_BATCH = 4_000, 32
+CPUS = ("cpu_us", "loop_us")  # the driver's CPU a sample through a pipeline: process, loop
 
 
 def steps_fn(config: dict[str, Any]) -> None:
@@ -441,25 +445,26 @@ def main(argv: list[str] | None = None) -> int:
 def _rl_figures(args: argparse.Namespace) -> None:
     """Issue 41's figures: samples/s through a pipeline with the shared timeline and tracing
     on, beside off; the driver's memory after 100,000 requests."""
-    runs: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {}
     for repeat in range(args.repeats):
         print(f"repeat {repeat + 1}: pipeline", file=sys.stderr, flush=True)
         measured = _run("off,timeline,tracing", ROOT, "rl", args)
         for variant in ("off", "timeline", "tracing"):
-            runs.setdefault(variant, []).extend(measured[variant]["samples_per_s"])
-            cpu.setdefault(variant, []).extend(measured[variant].get("cpu_us", []))
-    off, off_cpu = _median(runs["off"]), _median(cpu["off"]) if cpu["off"] else 0.0
+            mine = runs.setdefault(variant, {})
+            for key, values in measured[variant].items():
+                mine.setdefault(key, []).extend(values)
+    off = {key: _median(values) for key, values in runs["off"].items()}
     print(
         f"\npipeline: a learner and 2 servers on one shared timeline, {args.samples:,} samples a "
         f"run, a keep update each batch of {PIPELINE_BATCH}; {args.repeats * args.rounds} rounds"
-        " (median samples/s; the driver process's CPU a sample, all its threads)"
+        " (medians; the driver's CPU a sample: its process, and its event loop's thread alone,"
+        " and what the variant adds to off's)"
     )
-    print(f"{'variant':<10} {'samples/s':>17} {'driver CPU us':>19}")
-    for variant, values in runs.items():
-        mine = _median(values)
-        spent = f"{_median(cpu[variant]):>7.1f} {_median(cpu[variant]) - off_cpu:>+7.1f}"
-        print(f"{variant:<10} {mine:>9,.0f} {mine / off:>5.3f}x {spent if cpu[variant] else ''}")
+    print(f"{'variant':<10} {'samples/s':>17} {'driver CPU us':>17} {'loop CPU us':>17}")
+    for variant, found in runs.items():
+        rate = _median(found["samples_per_s"])
+        cpus = [f"{_median(found[k]):>7.1f} {_median(found[k]) - off[k]:>+7.1f}" for k in CPUS]
+        print(f"{variant:<10} {rate:>9,.0f} {rate / off['samples_per_s']:>5.3f}x", *cpus)
     print("\nmemory: the driver's RSS (MiB) after each number of requests through a pipeline")
     for variant in ("off", "timeline"):
         mem = _run(variant, ROOT, "rl-memory", args)
