@@ -252,8 +252,14 @@ async def test_a_request_sent_again_or_failed_shows_each_attempt(
         with pytest.raises(asyncexec.WorkerRaisedError, match="bad prompt"):
             await router.generate(asyncexec.RolloutRequest("bad", "bad"))
         again = await router.generate(asyncexec.RolloutRequest("slow", "slow"), deadline_s=1.0)
+        at_once = await router.generate(asyncexec.RolloutRequest("ok", "ok"))
     spans = exported.get_finished_spans()
-    bad, slow = [s for s in spans if s.name == "asyncexec.router.request"]
+    bad, slow, ok = [s for s in spans if s.name == "asyncexec.router.request"]
+    # A request answered by its first attempt: what the server opened is the request's child
+    # (its span is carried, though it is not the driver's current span while it runs).
+    [opened_at_once] = at_once.output
+    assert opened_at_once["parent"] == _ids(ok) and ok.status.is_ok
+    assert not [s for s in spans if s.parent == ok.context]  # no attempt or call span under it
 
     def attempts(request: Any) -> list[Any]:
         found = [s for s in spans if s.name == "asyncexec.router.attempt"]
