@@ -23,8 +23,11 @@ falls on all of them; ``--repeats`` processes (2) of ``--rounds`` rounds (5) eac
 - **samples/s through a pipeline** (issue 41's figures): a learner (1 worker) and 2 rollout
   servers, both on one shared timeline (``Executor(timeline=shared)``), a ``Pipeline`` of
   ``PIPELINE_SAMPLES`` prompts (one chunk each), batches of 32, a weight update (``keep``) after
-  each; ``off``, ``timeline`` (the shared one) and ``tracing`` in turn, round by round; and the
-  driver's RSS after 10,000, 50,000 and 100,000 requests with the shared timeline on and off.
+  each; ``off``, ``timeline`` (the shared one) and ``tracing`` in turn, round by round, with
+  the driver's CPU a sample beside (its process, all threads; its event loop's thread alone,
+  ``loop_us``: what a variant adds there is robust to a loaded machine, where samples/s are
+  not); and the driver's RSS after 10,000, 50,000 and 100,000 requests with the shared
+  timeline on and off.
 
 Variants: ``off`` (this tree, nothing on), ``timeline`` (``Executor(timeline=True)``),
 ``tracing`` (an OpenTelemetry SDK provider with a ``BatchSpanProcessor`` whose exporter drops
@@ -56,6 +59,7 @@ from _common import median, progress  # noqa: E402 (this folder is on sys.path n
 STEPS, CALLS, WORKERS = 20_000, 1_000, 4
 MEMORY_MARKS = (10_000, 50_000, 100_000)
 PIPELINE_SAMPLES, PIPELINE_BATCH = 4_000, 32
+CPUS = ("cpu_us", "loop_us")  # the driver's CPU a sample through a pipeline: process, loop
 
 
 def steps_fn(config: dict[str, Any]) -> None:
@@ -232,7 +236,7 @@ async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[st
         provider, default = _provider(), trace.get_tracer_provider
     server, learner_cls = _rl_roles()
     shared = asyncexec.Timeline()
-    out: dict[str, Any] = {v: {"samples_per_s": []} for v in variants}
+    out: dict[str, Any] = {v: {"samples_per_s": [], "cpu_us": [], "loop_us": []} for v in variants}
     async with (
         asyncexec.Executor(1, resources_per_worker=CPU, roles=learner_cls, timeline=shared) as lx,
         asyncexec.Executor(2, resources_per_worker=CPU, roles=server, timeline=shared) as sx,
@@ -249,7 +253,10 @@ async def _rl_measure(variants: list[str], samples: int, rounds: int) -> dict[st
                 for ex, view in views.items():
                     _keep_timeline(ex, view if variant == "timeline" else None)
                     ex.timeline = view if variant == "timeline" else None  # (the pipeline's)
+                cpu, loop = time.process_time(), time.thread_time()
                 out[variant]["samples_per_s"].append(await _rl_round(lx, sx, learn, samples))
+                out[variant]["cpu_us"].append((time.process_time() - cpu) / samples * 1e6)
+                out[variant]["loop_us"].append((time.thread_time() - loop) / samples * 1e6)
         if trace is not None:
             trace.get_tracer_provider = default
             provider.shutdown()
@@ -429,19 +436,29 @@ def _memory_notes(what: str, child: str, sizes: Sizes) -> list[str]:
 def _pipeline_notes(sizes: Sizes) -> list[str]:
     """Issue 41's figures: samples/s through a pipeline with the shared timeline and tracing
     on, beside off; the driver's memory after 100,000 requests."""
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {}
     for repeat in range(sizes.repeats):
         progress(f"repeat {repeat + 1}: pipeline")
         measured = _run("off,timeline,tracing", ROOT, "rl", sizes)
         for variant in ("off", "timeline", "tracing"):
-            runs.setdefault(variant, []).extend(measured[variant]["samples_per_s"])
-    off = median(runs["off"])
-    rates = ", ".join(f"{v} {median(r):,.0f} ({median(r) / off:.3f}x)" for v, r in runs.items())
+            mine = runs.setdefault(variant, {})
+            for key, values in measured[variant].items():
+                mine.setdefault(key, []).extend(values)
+    off = {key: median(values) for key, values in runs["off"].items()}
     notes = [
         f"- pipeline: a learner and 2 servers on one shared timeline, {sizes.samples:,} samples "
         f"a run, a keep update each batch of {PIPELINE_BATCH}; {sizes.repeats * sizes.rounds} "
-        f"rounds; samples/s: {rates}"
+        "rounds (medians; the driver's CPU a sample, µs: its process, and its event loop's "
+        "thread alone, with what the variant adds to off's):"
     ]
+    for variant, found in runs.items():
+        rate = median(found["samples_per_s"])
+        cpus = ", ".join(
+            f"{k} {median(found[k]):.1f} ({median(found[k]) - off[k]:+.1f})" for k in CPUS
+        )
+        notes.append(
+            f"  - {variant}: {rate:,.0f} samples/s ({rate / off['samples_per_s']:.3f}x), {cpus}"
+        )
     return notes + _memory_notes("requests through a pipeline", "rl-memory", sizes)
 
 

@@ -44,7 +44,7 @@ from .._errors import (
 )
 from .._wire._interface import as_outcome
 from .._wire._protocol import Outcome
-from .._wire._tracing import Carried, call_span
+from .._wire._tracing import call_span, carry
 from ._config import ExecutorConfig
 from ._events import ONE_CALL_SENT, CallEnded, CallResent, CallsSent, RankChosen, SlotWaited
 from ._lifecycle import Lifecycle
@@ -395,11 +395,11 @@ def _send(
     args, kwargs = plan.arguments(worker.rank, parts)
     span, context = call_span(plan.fn, worker.rank)  # None unless traced
     if plan.method is None:
-        fn = plan.fn if context is None else Carried(plan.fn, context)
+        fn = plan.fn if context is None else carry(plan.fn, context)
         call = proxy(group, worker, plan).execute(fn, *args, **kwargs)
     else:
         # The trace context rides with the method's key.
-        key = plan.key if context is None else Carried(plan.key, context)
+        key = plan.key if context is None else carry(plan.key, context)
         if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
             call = proxy(group, worker, plan).call_method_sync(key, *args, **kwargs)
         else:

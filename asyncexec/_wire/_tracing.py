@@ -39,18 +39,22 @@ __all__ = [
     "begin",
     "call_span",
     "carried",
+    "carry",
     "current",
     "current_traceparent",
     "end",
     "end_call",
     "finish",
+    "in_request",
     "in_span",
     "plain",
     "record",
+    "split",
     "spanned",
     "start",
     "traceparent",
     "tracer",
+    "under_request",
     "within",
 ]
 
@@ -117,16 +121,12 @@ def current(span: Any) -> Iterator[None]:
 
 def _attach(span: Any) -> Any:
     """Make ``span`` the current span (what ``trace.use_span`` does, without its two context
-    managers: a fifth of its cost, on every request and attempt); the token to detach."""
-    from opentelemetry import context
-
-    return context.attach(_trace().set_span_in_context(span))
+    managers: a fifth of its cost); the token to detach."""
+    return sys.modules["opentelemetry.context"].attach(_trace().set_span_in_context(span))
 
 
 def _detach(token: Any) -> None:
-    from opentelemetry import context
-
-    context.detach(token)
+    sys.modules["opentelemetry.context"].detach(token)
 
 
 async def in_span(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
@@ -183,19 +183,42 @@ def record(name: str, seconds: float, **attributes: Any) -> None:
 
 
 class Carried(NamedTuple):
-    """A call's leading argument (the function of ``execute``, the method's name of
-    ``call_role``) with the W3C trace context of the call's span (``traceparent``, then the
-    ``tracestate``'s line when there is one, as one string): the context rides inside an
-    argument the call sends anyway (one more argument costs Ray a serialisation and an entry of
-    the task's specification on each side; a record inside one costs a few bytes of its
-    pickle)."""
+    """A call's leading argument (the function of ``execute``) with the W3C trace context of
+    the call's span (``traceparent``, then the ``tracestate``'s line when there is one, as one
+    string): the context rides inside an argument the call sends anyway (one more argument
+    costs Ray a serialisation and an entry of the task's specification on each side; a record
+    inside one costs a few bytes of its pickle). A method's key (a string) carries it as a
+    string instead: see :func:`carry`."""
 
     value: Any
     context: str
 
 
+def carry(value: Any, context: str) -> Any:
+    """A call's leading argument ``value`` with the trace context ``context``: a method's key
+    (``call_method``'s, a string, which never holds a newline) as one string, the key, a
+    newline and the context (a string is written by Ray's serialiser as MessagePack, where a
+    :class:`Carried` record is pickled: about 3 us more on the driver, 1 us on the worker, a
+    call); anything else (``execute``'s function, pickled anyway) as a :class:`Carried`.
+    :func:`split` reads it back."""
+    return f"{value}\n{context}" if type(value) is str else Carried(value, context)
+
+
+def split(value: Any) -> tuple[Any, str | None]:
+    """A call's leading argument without the trace context it may carry (see :func:`carry`),
+    and that context (None: none)."""
+    if type(value) is str:
+        key, newline, context = value.partition("\n")
+        return (key, context) if newline else (value, None)
+    if type(value) is Carried:
+        return value.value, value.context
+    return value, None
+
+
 def plain(value: Any) -> Any:
-    """``value`` without the trace context it may carry (see :class:`Carried`)."""
+    """``value`` without the trace context it may carry (see :func:`carry`)."""
+    if type(value) is str:
+        return value.partition("\n")[0]
     return value.value if type(value) is Carried else value
 
 
@@ -209,14 +232,33 @@ def traceparent(span: Any) -> str:
     return f"{line}\n{state.to_header()}" if state else line
 
 
+#: The API's ``context`` and ``trace`` modules on a worker (imported at its first carried
+#: context), None where it is not installed; ``()`` until then.
+_API: tuple[Any, Any] | tuple[()] | None = ()
+
+
+def _api() -> tuple[Any, Any] | None:
+    """The API's ``context`` and ``trace`` modules, imported once (None without the API: one
+    failed import a process, not one a call)."""
+    global _API
+    if _API == ():
+        try:
+            from opentelemetry import context, trace
+        except ImportError:
+            _API = None
+        else:
+            _API = (context, trace)
+    return _API  # type: ignore[return-value]
+
+
 def _remote_parent(trace: Any, carrier: str) -> Any:
     """The remote span of a carried context, or None when it is not a valid W3C one."""
     line, _, state = carrier.partition("\n")
-    fields = line.split("-")
-    if len(fields) != 4 or len(fields[1]) != 32 or len(fields[2]) != 16:
+    # Version 00's layout (what :func:`traceparent` writes): 2, 32, 16 and 2 hex digits.
+    if len(line) != 55 or line[2] != "-" or line[35] != "-" or line[52] != "-":
         return None
     try:
-        trace_id, span_id, flags = (int(f, 16) for f in fields[1:])
+        trace_id, span_id, flags = int(line[3:35], 16), int(line[36:52], 16), int(line[53:], 16)
     except ValueError:
         return None
     if not trace_id or not span_id:
@@ -234,10 +276,10 @@ def _remote_parent(trace: Any, carrier: str) -> Any:
 async def carried(carrier: str, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """On a worker: ``await fn(*args)`` with the trace context a call carried (the
     ``context`` of its :class:`Carried` argument) as the current context."""
-    try:
-        from opentelemetry import context, trace
-    except ImportError:  # the worker lacks the API: the method runs, untraced
+    api = _api()
+    if api is None:  # the worker lacks the API: the method runs, untraced
         return await fn(*args)
+    context, trace = api
     parent = _remote_parent(trace, carrier)
     if parent is None:
         return await fn(*args)
@@ -264,11 +306,11 @@ def attached(carrier: str | None) -> Iterator[None]:
     if carrier is None:
         yield
         return
-    try:
-        from opentelemetry import context, trace
-    except ImportError:  # the worker lacks the API: the function runs, untraced
+    api = _api()
+    if api is None:  # the worker lacks the API: the function runs, untraced
         yield
         return
+    context, trace = api
     parent = _remote_parent(trace, carrier)
     if parent is None:
         yield
@@ -317,15 +359,57 @@ async def as_call(span: Any, awaitable: Awaitable[T]) -> T:
         _FOR_CALL.reset(token)
 
 
-async def as_first_call(awaitable: Awaitable[T], failed: str, **attributes: Any) -> T:
-    """The current span (a router request's, not None: tracing is on) stands for the call
-    ``awaitable`` makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what
-    ran, on which rank): a request answered by its first attempt is one SDK span, not two (a
-    span costs the SDK 20-70 us on these machines, against about 1.3 ms of a toy server's
-    sample). When the call fails, a span ``failed`` is recorded for it after the fact, a child
-    of the current one with its error, so that a request sent again still shows each attempt
-    (the later ones as spans of their own)."""
-    span = _trace().get_current_span()
+#: The span of the router request this context serves (see :func:`in_request`), or None: its
+#: attempts (tasks started inside it) find it here.
+_REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "asyncexec_request_span", default=None
+)
+
+
+async def in_request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` (a router request) inside a span ``name`` of ``made`` (the tracer:
+    tracing is on), a child of the current context, ended (failed with what it raised) after
+    it. The span is not made the current span (the OpenTelemetry context's attach, detach and
+    look-ups, about 3 us a request, for nothing: what the request makes under it is its
+    attempts, which find it in a variable of their own, :func:`as_first_call` and
+    :func:`under_request`)."""
+    span = made.start_span(name)
+    token = _REQUEST.set(span)
+    try:
+        value = await awaitable
+    except BaseException as exc:
+        _REQUEST.reset(token)
+        end(span, exc)
+        raise
+    _REQUEST.reset(token)
+    span.end()
+    return value
+
+
+def under_request(name: str, attributes: dict[str, Any]) -> Any:
+    """A span ``name`` with ``attributes``, a child of the router request's span (of the
+    current context outside one: see :func:`in_request`), started now; None when tracing is
+    off."""
+    made = tracer()
+    if made is None:
+        return None
+    parent = _REQUEST.get()
+    context = None if parent is None else _trace().set_span_in_context(parent)
+    return made.start_span(name, context=context, attributes=attributes)
+
+
+async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: dict[str, Any]) -> T:
+    """The router request's span (see :func:`in_request`) stands for the call ``awaitable``
+    makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what ran, on which
+    rank): a request answered by its first attempt is one SDK span, not two (a span costs the
+    SDK 15-70 us on these machines, against about 1.3 ms of a toy server's sample). When the
+    call fails, a span ``failed`` is recorded for it after the fact, a child of the request's
+    with its error, so that a request sent again still shows each attempt (the later ones as
+    spans of their own: :func:`under_request`). Outside a request's span (tracing turned on
+    while the request was on its way), the call is awaited as it is."""
+    span = _REQUEST.get()
+    if span is None:
+        return await awaitable
     span.set_attributes(attributes)
     started = time.time_ns()
     token = _FOR_CALL.set(span)
@@ -334,7 +418,10 @@ async def as_first_call(awaitable: Awaitable[T], failed: str, **attributes: Any)
     except BaseException as exc:
         made = tracer()
         if made is not None:
-            failed_span = made.start_span(failed, start_time=started, attributes=attributes)
+            parent = _trace().set_span_in_context(span)
+            failed_span = made.start_span(
+                failed, context=parent, start_time=started, attributes=attributes
+            )
             end(failed_span, exc)
         raise
     finally:

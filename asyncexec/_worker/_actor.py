@@ -29,7 +29,7 @@ from .._wire._protocol import (
     WorkerContext,
     WorkerMetadata,
 )
-from .._wire._tracing import Carried, carried
+from .._wire._tracing import Carried, carried, split
 from . import _channel, _outcomes, _place, _roles, _session
 
 __all__ = ["ROLE_GROUPS", "WorkerActor", "WorkerCode", "in_ray_worker", "role_group"]
@@ -127,10 +127,11 @@ class _Worker:
         else how it ended, as an outcome. Arguments are passed as Ray passes them, so
         ``ObjectRef`` arguments (the parts of a scattered argument) arrive resolved; the key
         and the arguments may come as one list (``_interface.packed``), and the key with the
-        call's trace context (``Carried``)."""
+        call's trace context (``_tracing.carry``)."""
         lead, args = unpacked(key, args)
-        if type(lead) is Carried:
-            return await carried(lead.context, _roles.call, lead.value, args, kwargs)
+        lead, context = split(lead)
+        if context is not None:
+            return await carried(context, _roles.call, lead, args, kwargs)
         return await _roles.call(lead, args, kwargs)
 
     async def call_method_sync(
@@ -143,8 +144,9 @@ class _Worker:
         as ``call_method`` runs them under a limit of one. An ``async def`` found under that
         name runs on the group's loop. Answers as ``call_method`` does (its arguments too)."""
         lead, args = unpacked(key, args)
-        if type(lead) is Carried:
-            return await carried(lead.context, _roles.call_here, lead.value, args, kwargs)
+        lead, context = split(lead)
+        if context is not None:
+            return await carried(context, _roles.call_here, lead, args, kwargs)
         return await _roles.call_here(lead, args, kwargs)
 
     async def call_role(self, role_index: int, name: str, /, *args: Any, **kwargs: Any) -> Outcome:

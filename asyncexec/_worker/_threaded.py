@@ -43,7 +43,7 @@ from typing import Any
 import ray
 
 from .._wire._interface import WORKER_METHODS, unpacked
-from .._wire._tracing import Carried, attached
+from .._wire._tracing import Carried, attached, split
 from . import _channel, _memory, _roles
 from ._actor import ROLE_GROUPS, WorkerCode, role_group
 
@@ -117,9 +117,10 @@ class _Threaded:
         ``async def`` found under that name, or an awaitable that the method returns, is
         awaited on the actor's loop. Answers as the async worker's ``call_method_sync``."""
         lead, args = unpacked(key, args)
-        if type(lead) is Carried:
-            with attached(lead.context):
-                return _roles.call_inline(lead.value, args, kwargs, self._loop)
+        lead, context = split(lead)
+        if context is not None:
+            with attached(context):
+                return _roles.call_inline(lead, args, kwargs, self._loop)
         return _roles.call_inline(lead, args, kwargs, self._loop)
 
 

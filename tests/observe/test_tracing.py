@@ -252,8 +252,14 @@ async def test_a_request_sent_again_or_failed_shows_each_attempt(
         with pytest.raises(asyncexec.WorkerRaisedError, match="bad prompt"):
             await router.generate(asyncexec.RolloutRequest("bad", "bad"))
         again = await router.generate(asyncexec.RolloutRequest("slow", "slow"), deadline_s=1.0)
+        at_once = await router.generate(asyncexec.RolloutRequest("ok", "ok"))
     spans = exported.get_finished_spans()
-    bad, slow = [s for s in spans if s.name == "asyncexec.router.request"]
+    bad, slow, ok = [s for s in spans if s.name == "asyncexec.router.request"]
+    # A request answered by its first attempt: what the server opened is the request's child
+    # (its span is carried, though it is not the driver's current span while it runs).
+    [opened_at_once] = at_once.output
+    assert opened_at_once["parent"] == _ids(ok) and ok.status.is_ok
+    assert not [s for s in spans if s.parent == ok.context]  # no attempt or call span under it
 
     def attempts(request: Any) -> list[Any]:
         found = [s for s in spans if s.name == "asyncexec.router.attempt"]
@@ -357,5 +363,14 @@ def test_the_carried_context_is_w3cs_traceparent_and_reads_back_as_the_remote_pa
         assert parent.trace_state == sent.trace_state
     for bad in ("", "x", "00-zz-yy-01", f"00-{0:032x}-{1:016x}-01", f"00-{1:032x}-{1:08x}-01"):
         assert _tracing._remote_parent(trace, bad) is None, bad
-    assert _tracing.plain(_tracing.Carried("method", "00-...")) == "method"
+    assert _tracing.plain(_tracing.Carried(len, "00-...")) is len
     assert _tracing.plain("method") == "method"
+    # A method's key carries the context as one string (MessagePack on Ray, not a pickle);
+    # anything else as a Carried record. Each reads back as it was sent.
+    context = _tracing.traceparent(stated)
+    assert _tracing.carry("0:generate", context) == f"0:generate\n{context}"
+    assert type(_tracing.carry(len, context)) is _tracing.Carried
+    for lead in ("0:generate", len):
+        assert _tracing.split(_tracing.carry(lead, context)) == (lead, context)
+        assert _tracing.plain(_tracing.carry(lead, context)) == lead
+        assert _tracing.split(lead) == (lead, None)

@@ -28,7 +28,7 @@ from ..._errors import (
     describe,
 )
 from ..._wire._protocol import Outcome, RunStart, WorkerContext, WorkerMetadata
-from ..._wire._tracing import Carried, call_span
+from ..._wire._tracing import call_span, carry
 from ...backends._base import Backend
 from .._config import ExecutorConfig
 from .._events import CallEnded
@@ -350,7 +350,7 @@ def _execute_on(
     end (``CallEnded``: the timeline draws it), in an OpenTelemetry span (its context carried to
     the worker) when tracing is on."""
     span, context = call_span(fn, worker.rank)  # None unless traced
-    sent = fn if context is None else Carried(fn, context)
+    sent = fn if context is None else carry(fn, context)
     call = proxy(group, worker).execute(sent, *args, **kwargs)
     if span is None and not group.observer.handles(CallEnded):
         return call

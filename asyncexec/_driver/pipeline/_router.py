@@ -35,7 +35,7 @@ import anyio.abc
 from ..._errors import ConfigurationError, ExecutorStateError, describe
 from ..._logging import get_logger
 from ..._wire._rollout import RolloutRequest, Sample
-from ..._wire._tracing import in_span, tracer
+from ..._wire._tracing import in_request, tracer
 from ..._worker import RolloutServer
 from .._config import check_count
 from .._executor import Executor, slot_of
@@ -225,7 +225,8 @@ class Router:
         if not isinstance(retry, bool):
             raise ConfigurationError(f"retry must be a bool, got {retry!r}")
         run = self.requests.run(request, deadline_s, retry)
-        return await (run if tracer() is None else in_span("asyncexec.router.request", run))
+        made = tracer()
+        return await (run if made is None else in_request(made, "asyncexec.router.request", run))
 
     async def generate_stoppable(
         self, request: RolloutRequest, *, deadline_s: float | None = None, retry: bool = True
@@ -239,7 +240,8 @@ class Router:
         if deadline_s is not None:
             _check_seconds("deadline_s", deadline_s)
         run = self.requests.run(request, deadline_s, retry, stop=True)
-        return await (run if tracer() is None else in_span("asyncexec.router.request", run))
+        made = tracer()
+        return await (run if made is None else in_request(made, "asyncexec.router.request", run))
 
     # Pause, resume, state ---------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from ..._dispatch._plan import rank as on_rank
 from ..._dispatch._role import qualname
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
-from ..._wire._tracing import as_call, as_first_call, start, tracer
+from ..._wire._tracing import as_call, as_first_call, tracer, under_request
 from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
@@ -344,8 +344,8 @@ class Requests:
         attributes: dict[str, Any] = {"asyncexec.function": qualname(self.router.methods.generate)}
         attributes["asyncexec.rank"] = attributes["rank"] = rank
         if first:
-            return as_first_call(call, "asyncexec.router.attempt", **attributes)
-        return as_call(start("asyncexec.router.attempt", **attributes), call)
+            return as_first_call(call, "asyncexec.router.attempt", attributes)
+        return as_call(under_request("asyncexec.router.attempt", attributes), call)
 
     async def _attempt(
         self, answer: _Answer, request: RolloutRequest, fate: _Fate, first: bool
