@@ -197,7 +197,8 @@ async def kill_one(
     until its replacement has answered 10 requests sent after the kill (or 60 s). How many
     requests were answered other than once (0), the router's dropped duplicates, how long until
     the replacement answered, and how many of its answers ran on a version older than the one
-    current when they were sent (0)."""
+    delivered to every server when they were sent (0). Not the channel's latest version: a
+    request sent while a push is on its way may run, on any server, on the version before."""
     router = asyncexec.Router(servers, max_in_flight=8, channel=channel)
     jobs = long_tailed(seed)
     sent: list[int] = []
@@ -211,7 +212,7 @@ async def kill_one(
     async def caller() -> None:
         nonlocal rejoined_at, stale_after, replaced
         while not enough.is_set():
-            i, at, version = len(sent), time.perf_counter(), channel.version
+            i, at, version = len(sent), time.perf_counter(), channel.statistics().delivered
             sent.append(i)
             sample = await router.generate(asyncexec.RolloutRequest(i, next(jobs)))
             answers[sample.id] += 1

@@ -27,7 +27,8 @@ and S = 1 alternate which goes first); the table shows the medians:
   apart).
 - **one of 4 servers SIGKILLed**: long-tailed requests through the router, a push every tenth of
   them, the last server killed after a quarter: requests answered other than once (0); answers
-  of the replacement that ran on a version older than the one current when they were sent (0);
+  of the replacement that ran on a version older than the one every server held when they were
+  sent (0);
   the replacement's first answer after the kill (a note).
 - **balance**: uniform requests, half the capacity in flight: max / mean in flight per server,
   sampled every 5 ms (median of the samples; the note has the 99th percentile); **sticky
@@ -194,7 +195,7 @@ def make_rows() -> dict[str, Row]:
             check=lambda b, p, r: p == 0,
         ),
         "stale": _row(
-            "1 of 4 servers SIGKILLed: replacement's answers on an older version",
+            "1 of 4 servers SIGKILLed: replacement's answers on an older version than delivered",
             target="0",
             check=lambda b, p, r: p == 0,
         ),

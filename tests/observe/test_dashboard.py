@@ -6,6 +6,7 @@ data."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -225,9 +226,11 @@ class Learner:
         return self.w
 
 
-async def rl_loop(tmp_path: Any) -> None:
+async def rl_loop(scraped: Callable[[str], Awaitable[None]]) -> None:
     """A real pipeline (its router, a weight channel) over servers named ``board``, each
-    update mode once."""
+    update mode once. It starts once Prometheus has scraped its histograms (at 0, the push
+    at the pipeline's first push): the loop takes less than a scrape interval, and a histogram
+    whose first scrape already holds every observation has no rate."""
     cpu = {"CPU": 0.25}
     async with (
         asyncexec.Executor(1, resources_per_worker=cpu, roles=Learner, name="learner") as learner,
@@ -237,6 +240,8 @@ async def rl_loop(tmp_path: Any) -> None:
             servers, [2 + i % 7 for i in range(48)], batch_size=4, staleness=1, channel=channel
         ) as pipe,
     ):
+        for histogram in ("channel_push_seconds", "pipeline_pause_seconds"):
+            await scraped(f'asyncexec_{histogram}_count{{executor="board"}}')
         modes = ["keep", "wait", "abort"]
         async for _ in pipe:
             await learner.call(Learner.step)
@@ -280,7 +285,7 @@ async def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: A
                         await executor.execute(where)
                 assert executor.result.attempts == 2
                 await anyio.sleep(1.5)  # the backlog's series is scraped after the run too
-            await rl_loop(tmp_path)
+            await rl_loop(functools.partial(_wait_for, client, url))
             await _wait_for(client, url, 'asyncexec_runs_total{outcome="finished"} == 1')
             end = time.time() + 1
             empty = []
