@@ -58,9 +58,13 @@ systems alternates every repeat):
 - ``trained``: samples trained per second, the example's loop (a learner of 2 ranks, DDP over
   gloo, GRPO on every batch, a push after it) for a fixed number of updates, ``staleness=1``
   (the asyncexec column) against ``staleness=0`` (the floor column): asyncexec both; the
-  example's prompts and B = 8. Per update, the time waiting for a batch, the learner's update
-  (alone at S = 0, beside generation at S = 1) and ``update_weights()``, and the cores' busy
-  share over the run.
+  example's prompts, B = 24 and 2 GRPO steps a batch (so that a batch takes the learner about
+  as long as the engines: what S = 1 overlaps). The engines (every thread of the servers and
+  of their engines' processes) run on core 0 and the learner's ranks on core 1, as on devices
+  of their own: sharing both cores, generation and training cannot overlap, whatever the
+  pipeline does. Per update, the time waiting for a batch, the learner's update (alone at
+  S = 0, beside generation at S = 1) and ``update_weights()``, and the cores' busy share over
+  the run.
 
 Run alone on the machine: with 2 cores, anything else running shows in every figure.
 """
@@ -69,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -128,12 +133,13 @@ class Sizes:
     big: TinyLlama  # the model of the large state
     pause_requests: int = 64
     pause_tokens: int = 480
-    batch: int = 8  # prompts per batch in the samples-trained runs, n = 8 each
+    batch: int = 24  # prompts per batch in the samples-trained runs, n = 8 each
     batches: int = 10  # per tokens/s run
     tokens_batch: int = 16  # prompts per batch in the tokens/s runs (B)
     tokens_median: float = 48.0  # the tokens/s prompts' requested lengths: lognormal,
     tokens_cap: int = 256  # the example's sigma (0.8), capped
     updates: int = 8  # per samples-trained run
+    epochs: int = 2  # GRPO steps on each batch in the samples-trained runs
     trained_repeats: int = 3
 
 
@@ -564,7 +570,11 @@ class Bench:
         assert self.rollout is not None
         learner = await self.open_learner()
         s = self.sizes
+        every = set(range(psutil.cpu_count() or 1))
         async with asyncexec.WeightChannel(learner, self.rollout) as channel:
+            if len(every) >= 2:
+                await self.rollout.execute(_pin, {0})
+                await learner.execute(_pin, {1})
             await channel.push()
 
             async def run(staleness: int, seed: int) -> dict[str, float]:
@@ -590,7 +600,8 @@ class Bench:
                         t1 = time.perf_counter()
                         wait_s += t1 - got
                         groups = [grpo_vllm.group_of(x) for x in batch.samples]
-                        await learner.call(CausalLMLearner.update, asyncexec.scatter(groups))
+                        for _ in range(s.epochs):
+                            await learner.call(CausalLMLearner.update, asyncexec.scatter(groups))
                         t2 = time.perf_counter()
                         train_s += t2 - t1
                         samples += len(batch.samples)
@@ -628,6 +639,7 @@ class Bench:
                     self.note(f"{name}: update_weights(), s", got["push"])
                     self.note(f"{name}: the machine's CPUs busy (share of 2 cores)", got["busy"])
                     self.note(f"{name}: requests expired", got["expired"])
+            await self.rollout.execute(_pin, every)
 
     async def close(self) -> None:
         if self.learner is not None:
@@ -657,6 +669,17 @@ def _in_flight(trace: list[tuple[int, bool]], cap: int) -> dict[str, float]:
     if not live:
         return {"mean": math.nan, "at_cap": math.nan}
     return {"mean": sum(live) / len(live), "at_cap": sum(n >= cap for n in live) / len(live)}
+
+
+def _pin(cores: set[int]) -> None:
+    """This worker's process, its children (an engine's) and every thread of each, on
+    ``cores`` (a thread's affinity is its own: each is set)."""
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cores)
 
 
 def _busy(a: Any, b: Any) -> float:
