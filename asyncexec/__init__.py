@@ -10,7 +10,7 @@ never the driver's modules (anyio task groups, tenacity, structlog), so it costs
 Ray actor costs; the driver-side names stay loadable there on first use (PEP 562). Any other
 process is a driver and imports the driver side with asyncexec itself: otherwise the first touch
 of ``asyncexec.Executor`` would import it, on whatever thread touched it; in a service, on the
-event loop at the first request, which then stalls for the whole import (about 100 ms).
+event loop at the first request, which then stalls for the whole import.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _load_driver_side() -> None:
     for home in sorted(set(_EXPORTS.values())):
         _load(home)
     # anyio imports its asyncio backend at its first call in a running event loop, which would
-    # be asyncexec's first entry: import it now too (about 6 ms).
+    # be asyncexec's first entry: import it now too.
     if importlib.util.find_spec("anyio._backends._asyncio") is not None:
         importlib.import_module("anyio._backends._asyncio")
 

@@ -2,9 +2,8 @@
 
 What exists when the executor has started its group (Ray's objects, the imported modules, the
 group's records) lives as long as the program; Python's full collections would still walk all of
-it, and with Ray's heap behind it one takes over 100 ms of the event loop (166 ms, the worst stall
-measured through a lifecycle; 13 ms with the heap frozen). docs/operating.md gives the advice;
-the programs asyncexec ships follow it.
+it, and with Ray's heap behind it one is the event loop's longest stall through a lifecycle.
+docs/operating.md has the figures and the advice; the programs asyncexec ships follow it.
 """
 
 from __future__ import annotations

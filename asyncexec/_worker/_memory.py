@@ -3,10 +3,10 @@ its dynamic thresholds have grown, for every thread from the start.
 
 glibc serves a thread other than the main one from an arena of its own, whose heap it shrinks
 as soon as more than the trim threshold is free at its top. A threaded worker pickles and
-unpickles a pushed state in Ray's threads, so each push of a 6 MB state gave 6 MB back to the
-kernel and took it again, page by page (about 1,500 page faults per end; 1.9x a plain actor's
-push of it, measured on Ray 2.60). The main thread of a plain actor does not pay that: glibc
-raises its thresholds when the first large block is freed.
+unpickles a pushed state in Ray's threads, so each push of a state of some megabytes would
+give them back to the kernel and take them again, page by page, at both ends. The main thread
+of a plain actor does not pay that: glibc raises its thresholds when the first large block is
+freed.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ holds its place until its thread ends, even when the driver stopped waiting for 
 cannot be cancelled): the next one starts after it. The driver sends the plain calls of a role
 that runs them one at a time to ``call_here`` instead, through the role's own Ray concurrency
 group (see ``_actor.ROLE_GROUPS``): Ray runs them one at a time on that group's thread, so they
-skip the hop from the actor's loop to a thread and back (about 100 us a call on 2 cores). On
+skip the hop from the actor's loop to a thread and back. On
 the threaded worker (``_threaded``: a group whose roles have only plain methods), that group's
 thread runs no loop, and ``call_inline`` runs the method there.
 """

@@ -3,8 +3,8 @@ methods. The driver's seam picks it (``_driver/cluster/_ray.py``: the rule is Ra
 per group, see ``asyncexec._dispatch._role.plain_only``).
 
 Ray makes an actor async when its class has an ``async def`` method, and then even a plain
-method in a concurrency group of its own pays Ray's async-actor path (about 1.3x a sync actor's
-call, measured on Ray 2.60). This actor has no ``async def`` method, so Ray runs it as a
+method in a concurrency group of its own pays Ray's async-actor path, dearer than a sync
+actor's call. This actor has no ``async def`` method, so Ray runs it as a
 threaded sync actor: a role's plain method (``call_method_sync``) runs inline on its role's
 concurrency-group thread (``role{i}``, one call at a time), as on a plain sync Ray actor.
 

@@ -1,7 +1,7 @@
 """Joining a running cluster from outside it, for ``asyncexec stack``: whether its address
-answers and whether it wants a token (told at once, where ``ray.init`` would try for about 20 s
-and then say only that it failed to connect), joining it, and its live asyncexec workers as Ray's
-actor table knows them.
+answers and whether it wants a token (told at once, where ``ray.init`` would try for a long
+while and then say only that it failed to connect), joining it, and its live asyncexec workers
+as Ray's actor table knows them.
 
 Token authentication (on by default for a cluster that Ray 2.60's ``ray.init()`` starts): the
 command presents a token as Ray's own CLI (``ray status``, ``ray list``) does, when

@@ -56,7 +56,7 @@ __all__ = [
 
 #: Held while worker actors are created, by every thread of the process: Ray checks whether the
 #: actor class is exported without a lock, so executors starting at once each exported it again
-#: (about 15 ms of the GIL each, stalling the event loop in the first round of a service).
+#: (each holding the GIL, stalling the event loop in the first round of a service).
 CREATING = threading.Lock()
 #: How long a look-up in Ray's node table may take before it counts as unknown.
 LOOKUP_TIMEOUT_S = 5.0
@@ -69,10 +69,9 @@ _PREEMPTED = NodeDeathInfo.Reason.Value("AUTOSCALER_DRAIN_PREEMPTED")
 class Result:
     """A call's ``ObjectRef``, awaitable (as often as the reference is) through one asyncio
     future that Ray's completion callback settles on the loop. Awaiting the ``ObjectRef``
-    itself goes through a ``concurrent.futures.Future`` chained to an asyncio one: about 40 us
-    more of the event loop a call (measured on Ray 2.60: 247 against 204 us a call of four
-    actors), and one wake-up of the loop per call (see :class:`_Settler`). It raises what
-    awaiting the reference raises."""
+    itself goes through a ``concurrent.futures.Future`` chained to an asyncio one: more of the
+    event loop a call, and one wake-up of the loop per call (see :class:`_Settler`). It raises
+    what awaiting the reference raises."""
 
     __slots__ = ("ref",)
 
@@ -180,7 +179,7 @@ class RayHandle:
         #: ``call_method`` (Ray makes a method's handle again on each look-up).
         self._method: Any = actor.call_method
         #: A method with ``num_returns`` set, by (method, n) (``options()`` checks and copies
-        #: the method's options on each call: about 0.1 ms of a weight push's read).
+        #: the method's options on each call, on a weight push's path).
         self._returning: dict[tuple[str, int], Any] = {}
 
     def __repr__(self) -> str:
@@ -237,8 +236,7 @@ class RayHandle:
     def cancel(self, ref: Any) -> None:
         """``ray.cancel(ref)``: Ray cancels an async actor's task on the actor's loop (its
         coroutine sees ``CancelledError``) and fails ``ref`` with ``TaskCancelledError`` once
-        it has ended. It sends the request and returns (about 0.3 ms measured on Ray 2.60),
-        like submitting a call."""
+        it has ended. It sends the request and returns, like submitting a call."""
         try:
             ray.cancel(ref.ref if isinstance(ref, Result) else ref)
         except Exception as exc:  # an ended call, a dead actor: nothing to cancel
@@ -473,8 +471,8 @@ def _bundle_nodes(placement: Placement) -> list[str]:
 
 
 def _check_alive(node_id: str, timeout_s: float) -> bool:
-    """Whether the node table holds ``node_id`` as alive: one GCS call about that node alone
-    (under 1 ms measured on Ray 2.60), with its own timeout. Blocking. An id that is not a
+    """Whether the node table holds ``node_id`` as alive: one GCS call about that node alone,
+    with its own timeout. Blocking. An id that is not a
     node's can be in no table: not alive."""
     try:
         node = NodeID(bytes.fromhex(node_id))
@@ -503,8 +501,8 @@ def _alive() -> set[str]:
 def _draining() -> dict[str, float | None]:
     """Ray's draining nodes (``DrainNode``, which an autoscaler or a cloud's preemption notice
     sends the GCS), read with the driver's own GCS client (its address and its auth): each
-    deadline in seconds since the epoch, None for Ray's 0 (no deadline). Blocking: about 0.3 ms
-    (measured on Ray 2.60). A node leaves the list once it is dead."""
+    deadline in seconds since the epoch, None for Ray's 0 (no deadline). Blocking: one GCS call.
+    A node leaves the list once it is dead."""
     gcs = ray._private.worker.global_worker.gcs_client
     found: dict[str, int] = gcs.get_draining_nodes(timeout=LOOKUP_TIMEOUT_S)
     return {node: (ms / 1000 if ms > 0 else None) for node, ms in found.items()}

@@ -9,7 +9,7 @@ one daemon thread that lives as long as the process. When the event loop runs in
 Ray's SIGTERM handler (exit, so that ``atexit`` shuts Ray down) is installed as ``ray.init``
 would have installed it there.
 
-``ray.init`` holds the GIL for about 1.5 s of its 5 s, which no thread can hide from the event
+``ray.init`` holds the GIL for a good part of its start, which no thread can hide from the event
 loop: a program that cannot afford that stall calls ``ray.init()`` before its loop starts.
 """
 

@@ -14,7 +14,7 @@ a failure).
 
 The cluster's resource view is read off the loop, bounded (see ``Cluster.free_nodes``): a slow
 answer counts as unknown.
-Ray shows resources freed by a removed placement group some 50-100 ms after the removal, so the
+Ray shows resources freed by a removed placement group a moment after the removal, so the
 free resources are measured before a group is discarded, counting its own bundles as free, and
 the next start uses that measure when it is recent; a start that measures anew and finds fewer
 than ``max`` looks once more :data:`SETTLE_S` later (another executor may just have closed).
@@ -44,7 +44,7 @@ __all__ = ["Resize", "Sizer", "decide_size", "fitting_workers", "holding", "meas
 #: How long a measure taken as a group was discarded stays good for the next start.
 MEASURE_FRESH_S = 5.0
 #: A start that measures anew and finds fewer than the maximum free looks once more after this
-#: (resources that another group just gave back show some 50-100 ms late).
+#: (resources that another group just gave back show a moment late).
 SETTLE_S = 0.2
 
 Nodes = list[dict[str, float]]

@@ -30,8 +30,8 @@ from ._stats import PipelineBatch, batch_of
 __all__ = ["Admission", "Item"]
 
 #: Requests a closing pipeline stops in one turn of the event loop: each costs the loop its
-#: caller's cancellation and its remote call's (``ray.cancel``), 0.3-0.6 ms on Ray on 2 busy
-#: cores; 256 stopped in one turn held the loop 30-90 ms.
+#: caller's cancellation and its remote call's (``ray.cancel``), so that hundreds stopped in
+#: one turn would stall it.
 STOP_PER_TURN = 4
 
 #: What the buffer keeps of a sample: the sample and the learner's version it counts as.

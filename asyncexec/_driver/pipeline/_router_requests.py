@@ -10,14 +10,12 @@ close cancels every one and waits for them all, bounded by ``teardown()`` (an at
 never answers its cancellation is left rather than hold the close); and an attempt that fails
 other than through its call (a defect in its own bookkeeping) fails the router and answers its
 request with that error, as a task group's failed task cancels its group and is raised, instead
-of being lost with its caller waiting. It is not one of the router's anyio task group, measured
-(issue 43): a task group's task holds about 15 more objects a request in flight (a task handle,
-its finished event, a wrapper coroutine, a done callback and its cells, the task's state and a
-weak reference: 49.6 against 64.4 objects a request on Ray, 120 against 135 in local mode, 32
-requests in flight over 2 servers), which every collection of the older generations walks (256
-in flight: 1-10 ms a collection); the driver's CPU time a request did not differ within the
-noise (250-300 us either way, 20,000 requests through 4 simulated servers). The registry and the
-callback add no object a request (the callback is bound once, and run in one context).
+of being lost with its caller waiting. It is not one of the router's anyio task group: a task
+group's task holds more objects a request in flight (a task handle, its finished event, a
+wrapper coroutine, a done callback and its cells, the task's state and a weak reference), which
+every collection of the older generations walks, for no saving in the driver's time a request.
+The registry and the callback add no object a request (the callback is bound once, and run in
+one context).
 
 See ``_router`` for the rules of where a request goes and when it is sent again.
 """

@@ -220,16 +220,15 @@ class Pacer:
     """Spreads a burst of sends over turns of the event loop.
 
     Requests that start together (a pipeline admitting 256 prompts) would each submit its call
-    in the same turn of the loop, and the loop would answer nothing else meanwhile (about 0.4 ms
-    a call on Ray: 100 ms for 256). A send waits here until its turn's budget allows it: the
+    in the same turn of the loop, and the loop would answer nothing else meanwhile. A send
+    waits here until its turn's budget allows it: the
     sends of one turn take at most ``budget_s`` (and one more send), the others go on in the
     next turns, with the timers and callbacks due in between served first.
 
     The sends left waiting queue (first come, first sent) and sleep: each turn wakes as many of
     them as went in the turn before (at least one), and a woken one that finds the budget spent
     goes back to the head of the queue. A busy wait instead (each waiting send stepped again
-    every turn) cost the loop about 10 us a waiting send a turn: 2.5 ms a turn with 256 waiting,
-    more than the budget itself.
+    every turn) would cost the loop, with hundreds waiting, more a turn than the budget itself.
     """
 
     def __init__(self, budget_s: float = SEND_BUDGET_S) -> None:

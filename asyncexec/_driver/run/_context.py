@@ -83,9 +83,9 @@ class RunContext:
 
     async def payload(self) -> Any:
         """The function and config as each rank gets them: a small payload travels inline with
-        the call (a reference would cost every rank a fetch from the driver: measured 15-20 ms
-        of a warm executor's 35-50 ms from run() to the first step); a large one is put where
-        every rank reads it, once per run."""
+        the call (a reference would cost every rank a fetch from the driver, a large share of a
+        warm executor's time from run() to the first step); a large one is put where every rank
+        reads it, once per run."""
         if self._payload is None:
             payload = self.spec.payload
             if len(payload) > INLINE_PAYLOAD_BYTES:

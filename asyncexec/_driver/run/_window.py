@@ -51,15 +51,15 @@ BATCH = 256
 #: path's tests and benchmark stand in for it).
 submit = WorkerProxy.poll
 #: A rank is polled once its credit is this share of its window, not as soon as it has any: a
-#: round trip costs the driver and the worker far more than the reports it carries (about 1 ms
-#: of CPU each on a 2-core machine), so a poll should carry a large batch; the quarter of the
+#: round trip costs the driver and the worker far more than the reports it carries, so a poll
+#: should carry a large batch; the quarter of the
 #: window not yet taken is what the consumer takes while the poll travels.
 POLL_CREDIT_SHARE = 0.75
 #: Once a rank has that share of its window, it is polled after the consumer has taken the rest
 #: too, or after this many seconds, whichever comes first, when the rest is at least a batch of
 #: steps (a large window, where throughput counts more than a poll's latency). A consumer that
-#: keeps up takes its last batch in well under this (256 steps of one rank: about 0.1 ms), and
-#: the poll then carries the whole window: a round trip moves 2,048 reports instead of 1,536. A
+#: keeps up takes its last batch in well under this, and the poll then carries the whole
+#: window rather than three quarters of it. A
 #: slower consumer's poll goes this much later, while it still has a quarter of the window to
 #: take.
 CONSUMER_LINGER_S = 0.0005
