@@ -4,6 +4,7 @@ context variable that each local worker's calls, and the threads they start, car
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 from typing import Any, Protocol
@@ -12,6 +13,7 @@ from .._wire._protocol import PreemptionNotice, WorkerContext
 
 __all__ = [
     "PLACE",
+    "ROLE_LOOP",
     "Place",
     "Session",
     "current_place",
@@ -61,6 +63,11 @@ class Place:
 #: ``asyncexec._driver.cluster._local``); else the process's own.
 PLACE: contextvars.ContextVar[Place] = contextvars.ContextVar("asyncexec_place")
 _PROCESS = Place()
+#: The worker's event loop (the actor's), while the worker makes its roles' instances: where
+#: their ``async def`` methods will be called. None outside (an instance made by hand).
+ROLE_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "asyncexec_role_loop", default=None
+)
 
 
 def current_place() -> Place:

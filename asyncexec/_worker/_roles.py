@@ -19,6 +19,9 @@ group (see ``_actor.ROLE_GROUPS``): Ray runs them one at a time on that group's 
 skip the hop from the actor's loop to a thread and back. On
 the threaded worker (``_threaded``: a group whose roles have only plain methods), that group's
 thread runs no loop, and ``call_inline`` runs the method there.
+
+While the instances are made, ``_place.ROLE_LOOP`` holds the actor's loop (their ``__init__`` sees
+it: ``RolloutServer._asyncexec_loop``), so that an engine with an event loop can live there.
 """
 
 from __future__ import annotations
@@ -121,24 +124,30 @@ async def make(
     blobs: tuple[bytes, ...] = cloudpickle.loads(payload)
     instances: list[object] = []
     limits: list[int] = []
-    for index, blob in enumerate(blobs):
-        stage: Literal["load", "init", "restore"] = "load"
-        try:
-            spec: RoleSpec = await asyncio.to_thread(cloudpickle.loads, blob)
-            stage = "init"
-            instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
-            made = getattr(instance, "_asyncexec_check_made", None)
-            if callable(made):  # the class's check of a made instance (RolloutServer's)
-                made()
-            restore = getattr(instance, "restore", None)
-            if checkpoint is not None and callable(restore):
-                stage = "restore"
-                await _invoke(restore, (checkpoint,), {}, context)
-        except Exception as exc:
-            failed = _outcomes.error_outcome(exc)
-            return failed._replace(value=RoleFailure(index, stage))
-        instances.append(instance)
-        limits.append(spec.max_concurrency)
+    # The loop the instances' async methods are called on, seen by their ``__init__`` (in a
+    # thread, in a copy of this context): an engine with an event loop can live there.
+    loop_set = _place.ROLE_LOOP.set(asyncio.get_running_loop())
+    try:
+        for index, blob in enumerate(blobs):
+            stage: Literal["load", "init", "restore"] = "load"
+            try:
+                spec: RoleSpec = await asyncio.to_thread(cloudpickle.loads, blob)
+                stage = "init"
+                instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
+                made = getattr(instance, "_asyncexec_check_made", None)
+                if callable(made):  # the class's check of a made instance (RolloutServer's)
+                    made()
+                restore = getattr(instance, "restore", None)
+                if checkpoint is not None and callable(restore):
+                    stage = "restore"
+                    await _invoke(restore, (checkpoint,), {}, context)
+            except Exception as exc:
+                failed = _outcomes.error_outcome(exc)
+                return failed._replace(value=RoleFailure(index, stage))
+            instances.append(instance)
+            limits.append(spec.max_concurrency)
+    finally:
+        _place.ROLE_LOOP.reset(loop_set)
     place.roles = Roles(instances, context, limits)
     return Outcome("ok")
 

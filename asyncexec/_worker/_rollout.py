@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Literal
 
 from .._wire._rollout import RolloutRequest, Sample
-from . import _channel
+from . import _channel, _place
 from ._session import get_context
 
 __all__ = ["RolloutRequest", "RolloutServer", "Sample"]
@@ -272,6 +272,14 @@ class RolloutServer:
             self._rollout_rank = 0
         # A version that arrived before this instance existed is installed now, by this call.
         _channel.receive_weights(self._install_from_channel, channel=channel)
+
+    @staticmethod
+    def _asyncexec_loop() -> asyncio.AbstractEventLoop | None:
+        """In ``__init__``: the worker's event loop, on which this instance's ``async def``
+        methods will be called (None when the instance is not made by a worker). An engine
+        that needs an event loop of its own can run on it, and skip a hop between threads on
+        every call."""
+        return _place.ROLE_LOOP.get()
 
     # The class checked when a role is made of it, the instance when its group starts ----------
 

@@ -18,7 +18,15 @@ import ray
 from conftest import wait_no_local_threads
 from ray import cloudpickle
 
-from asyncexec import Checkpoint, ExecutorStateError, Role, WorkerContext, get_context, report
+from asyncexec import (
+    Checkpoint,
+    ExecutorStateError,
+    Role,
+    RolloutServer,
+    WorkerContext,
+    get_context,
+    report,
+)
 from asyncexec._dispatch._plan import roles_payload
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._wire._protocol import Outcome, RoleFailure, RoleMethod, RunStart
@@ -96,6 +104,21 @@ class Doubler:
 
     def double(self, x: int) -> int:
         return 2 * x
+
+
+class LoopSeer:
+    """Sees, in ``__init__``, the loop its async methods are called on (as an engine that lives
+    on the worker's loop does)."""
+
+    def __init__(self) -> None:
+        self.seen = RolloutServer._asyncexec_loop()
+
+    async def seen_is_running(self) -> bool:
+        return self.seen is asyncio.get_running_loop()
+
+    def seen_later(self) -> bool:
+        """Whether a method called after ``__init__`` sees a loop (it is for ``__init__``)."""
+        return RolloutServer._asyncexec_loop() is not None
 
 
 class Broken:
@@ -199,6 +222,17 @@ async def test_plain_methods_run_in_threads_and_async_ones_on_the_loop(worker: H
     loop_thread = (await worker("call_role", 0, "loop_thread")).value
     assert loop_thread not in (init_thread, call_thread)
     assert await worker("call_role", 0, "add_async", 4) == Outcome("ok", 4)
+
+
+async def test_init_sees_the_loop_its_async_methods_run_on(worker: Handle) -> None:
+    await worker("make_roles", _payload(Role(LoopSeer)))
+    assert await worker("call_role", 0, "seen_is_running") == Outcome("ok", True)
+    assert await worker("call_role", 0, "seen_later") == Outcome("ok", False)
+
+
+async def test_an_instance_made_outside_a_worker_sees_no_loop() -> None:
+    assert LoopSeer().seen is None  # even with a loop running here
+    assert await asyncio.to_thread(lambda: LoopSeer().seen) is None
 
 
 async def test_plain_calls_on_one_instance_run_at_once_up_to_max_concurrency(
