@@ -9,8 +9,8 @@ serve the model kit's tiny Llama (``build_tiny_llama``) with the settings and sa
 ``examples/grpo_vllm.py`` (``max_model_len`` 512 here, for the long requests of the pause
 figure). Two systems, each with 2 engines, every worker ``{"CPU": 0.5}``, in one Ray:
 
-- **asyncexec**: ``Executor(2, roles=Role(VLLMServer, ...))`` (the engine on an event loop of its
-  own in each worker), a ``Router``, a ``WeightChannel`` from a learner executor, a ``Pipeline``;
+- **asyncexec**: ``Executor(2, roles=Role(VLLMServer, ...))`` (the engine on each worker's own
+  event loop), a ``Router``, a ``WeightChannel`` from a learner executor, a ``Pipeline``;
 - **the hand-written floor**: ``AsyncLLM.from_engine_args(...)`` in plain Ray async actors
   (``_engines_workload.HandEngine``: the same engine arguments, worker extension included),
   called directly: ``generate``, ``pause_generation`` / ``resume_generation``, and the weights

@@ -277,8 +277,8 @@ class RolloutServer:
     def _asyncexec_loop() -> asyncio.AbstractEventLoop | None:
         """In ``__init__``: the worker's event loop, on which this instance's ``async def``
         methods will be called (None when the instance is not made by a worker). An engine
-        that needs an event loop of its own can run on it, and skip a hop between threads on
-        every call."""
+        that runs on an event loop can run on this one rather than on one of its own in a
+        thread, and skip a hop between threads on every call."""
         return _place.ROLE_LOOP.get()
 
     # The class checked when a role is made of it, the instance when its group starts ----------
