@@ -202,9 +202,9 @@ class VLLMServer(RolloutServer):
         # A version the channel holds already is loaded now, into the running engine.
         super().__init__(channel=channel)
         if self._thread is None:
-            # In the worker's process, the engine's objects (the model's modules, vLLM's
-            # state: a large heap that lives as long as the process) leave the garbage
-            # collector's view: a full collection would walk all of them again each time,
+            # In the worker's process, what the engine's start left (vLLM's client and the
+            # libraries it imported: a large heap that lives as long as the process) leaves
+            # the garbage collector's view: a full collection would walk all of it each time,
             # holding the loop that serves requests, pauses and resumes meanwhile.
             gc.collect()
             gc.freeze()
