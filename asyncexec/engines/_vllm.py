@@ -169,26 +169,21 @@ class VLLMServer(RolloutServer):
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
         settings = dict(engine or {})
-        worker_loop = self._asyncexec_loop()
-        self._thread: threading.Thread | None = None
-        if worker_loop is not None and _running_loop() is None:
-            # Made in this thread, where no loop runs (vLLM binds its loop-bound parts at their
-            # first use, on the worker's loop): made on that loop, the engine's start would
-            # hold the actor's loop for as long as it takes.
-            self._loop = worker_loop
-            self.engine: Any = self._made(settings)
-            self._on_engine_loop(self._watched(self.engine)).result()
-        else:
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(
-                target=self._loop.run_forever, name="asyncexec-vllm-engine", daemon=True
-            )
-            self._thread.start()
-            try:
-                self.engine = self._on_engine_loop(self._start(settings)).result()
-            except BaseException:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                raise
+        self._engine_loop = _EngineLoop(self._asyncexec_loop())
+        try:
+            if self._engine_loop.own:
+                # Made on that loop: what vLLM binds to the loop running at its start (its
+                # output handler) is bound there, not to a loop of the caller's.
+                self.engine: Any = self._engine_loop.send(self._start(settings)).result()
+            else:
+                # Made in this thread, where no loop runs (vLLM binds its loop-bound parts at
+                # their first use, on the worker's loop): made on that loop, the engine's start
+                # would hold the actor's loop for as long as it takes.
+                self.engine = self._made(settings)
+                self._engine_loop.send(self._watched(self.engine)).result()
+        except BaseException:
+            self._engine_loop.stop()
+            raise
         self._dtype = self.engine.model_config.dtype
         # The worker's exit (the group's teardown) shuts the engine down first: its processes
         # then end without the errors of an engine whose client vanished.
@@ -201,7 +196,7 @@ class VLLMServer(RolloutServer):
         self._reaper = _reaper([p.pid for p in psutil.Process().children(recursive=True)])
         # A version the channel holds already is loaded now, into the running engine.
         super().__init__(channel=channel)
-        if self._thread is None:
+        if not self._engine_loop.own:
             # In the worker's process, what the engine's start left (vLLM's client and the
             # libraries it imported: a large heap that lives as long as the process) leaves
             # the garbage collector's view: a full collection would walk all of it each time,
@@ -218,14 +213,10 @@ class VLLMServer(RolloutServer):
         watching = getattr(self, "_watching", None)
         if watching is not None:  # an engine shut down is not an engine that died
             with contextlib.suppress(RuntimeError):  # the loop is closed: it runs no more
-                self._loop.call_soon_threadsafe(watching.cancel)
+                self._engine_loop.loop.call_soon_threadsafe(watching.cancel)
         with contextlib.suppress(Exception):
             self.engine.shutdown(timeout=5.0)
-        if self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
-            if not self._loop.is_running():
-                self._loop.close()
+        self._engine_loop.stop()
 
     def __repr__(self) -> str:
         return f"<VLLMServer {self.model} version={self._version}>"
@@ -257,31 +248,10 @@ class VLLMServer(RolloutServer):
         if not self._closed:
             self._died_if_dead(engine.dead_error)
 
-    # The engine loop ---------------------------------------------------------------------------
-
-    def _on_engine_loop(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Send ``coroutine`` to the engine loop from another thread."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T] | Future[T]:
-        """Start ``coroutine`` on the engine loop: a task when this is that loop, else sent
-        there; either way cancelled by ``.cancel()``."""
-        if _running_loop() is self._loop:
-            return self._loop.create_task(coroutine)
-        return self._on_engine_loop(coroutine)
-
     async def _engine_call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the engine loop: awaited here when this is that loop, else sent
-        there and awaited here (a caller that stops waiting cancels it there)."""
+        """``coroutine``'s result, run on the engine loop; an engine that died takes the server."""
         try:
-            if _running_loop() is self._loop:
-                return await coroutine
-            future = self._on_engine_loop(coroutine)
-            try:
-                return await asyncio.wrap_future(future)
-            except BaseException:
-                future.cancel()
-                raise
+            return await self._engine_loop.call(coroutine)
         except BaseException as exc:
             self._died_if_dead(exc)
             raise
@@ -315,7 +285,7 @@ class VLLMServer(RolloutServer):
         queue: asyncio.Queue[tuple[Any, int | None] | BaseException | None] = asyncio.Queue()
 
         def put(item: tuple[Any, int | None] | BaseException | None) -> None:
-            if here is self._loop:
+            if here is self._engine_loop.loop:
                 queue.put_nowait(item)
             else:
                 here.call_soon_threadsafe(queue.put_nowait, item)
@@ -332,7 +302,7 @@ class VLLMServer(RolloutServer):
                 del self._pumps[request_id]
             put(None)
 
-        pumping = self._spawn(pump())
+        pumping = self._engine_loop.spawn(pump())
         first = True
         try:
             while True:
@@ -370,11 +340,11 @@ class VLLMServer(RolloutServer):
         """Load ``state`` into the running engine in place (every worker of the engine), reset
         its prefix cache, and tell it the version. Runs in a thread, with the engine paused or
         no request in it."""
-        if _running_loop() is self._loop:
+        if self._engine_loop.is_current():
             raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
         packed = pack(state, self._dtype)  # the cast and the copy here, off the engine loop
         try:
-            self._on_engine_loop(self._load(packed, version)).result()
+            self._engine_loop.send(self._load(packed, version)).result()
         except BaseException as exc:
             self._died_if_dead(exc)
             raise
@@ -420,6 +390,8 @@ class VLLMServer(RolloutServer):
         ending = [pump for request_id, pump in self._pumps.items() if request_id in held]
         await pause_scheduler(mode="abort", clear_cache=True)
         if ending:
+            # Plain asyncio: the pumps are tasks of this loop that their requests own; this
+            # only watches them end (at the bound, they go on and the pause returns).
             await asyncio.wait(ending, timeout=ABORTED_OUTPUTS_S)
 
     async def resume_engine(self) -> None:
@@ -456,6 +428,68 @@ class VLLMServer(RolloutServer):
             if title.startswith("VLLM::"):
                 found[title] = p.pid
         return found
+
+
+class _EngineLoop:
+    """The event loop the engine lives on, and the ways to reach it from any thread.
+
+    In a worker, the worker's own loop (the one the server's ``async def`` methods are called
+    on), when the server is made in a thread where no loop runs: a request, a pause or a resume
+    then reaches the engine with no hop between threads. Otherwise (made by hand, or inside a
+    running loop) a loop of its own, run by a daemon thread, which :meth:`stop` ends.
+    """
+
+    def __init__(self, worker_loop: asyncio.AbstractEventLoop | None) -> None:
+        self.thread: threading.Thread | None = None
+        if worker_loop is not None and _running_loop() is None:
+            self.loop = worker_loop
+            return
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="asyncexec-vllm-engine", daemon=True
+        )
+        self.thread.start()
+
+    @property
+    def own(self) -> bool:
+        """Whether the loop is the server's own (not the worker's)."""
+        return self.thread is not None
+
+    def is_current(self) -> bool:
+        """Whether the calling code runs on the engine loop."""
+        return _running_loop() is self.loop
+
+    def send(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Send ``coroutine`` to the engine loop from another thread."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T] | Future[T]:
+        """Start ``coroutine`` on the engine loop: a task when this is that loop, else sent
+        there; either way cancelled by ``.cancel()``."""
+        if self.is_current():
+            return self.loop.create_task(coroutine)
+        return self.send(coroutine)
+
+    async def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the engine loop: awaited here when this is that loop, else sent
+        there and awaited here (a caller that stops waiting cancels it there)."""
+        if self.is_current():
+            return await coroutine
+        future = self.send(coroutine)
+        try:
+            return await asyncio.wrap_future(future)
+        except BaseException:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        """End the loop and its thread when the loop is the server's own."""
+        if self.thread is None:
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5.0)
+        if not self.loop.is_running():
+            self.loop.close()
 
 
 #: Run by the reaper: wait for this process (its parent) to end, then SIGKILL the engine's.

@@ -212,7 +212,9 @@ async def test_a_pause_to_abort_returns_with_the_aborted_requests_ended(engines:
     """``pause("abort")`` returns once the engine's last output of each request it held reached
     its generation: every sample comes back aborted, however soon ``resume()`` follows."""
     rollout, on = engines.rollout, asyncexec.rank(0)
-    one = [{**p, "sampling": {"n": 1, "max_tokens": 240}} for p in prompts(4)]
+    # 4 x 8 completions of 240 tokens: seconds of work, so that none ends before the pause
+    # lands (the wait below sees the requests in the engine, then one call pauses it).
+    one = [{**p, "sampling": {"n": 8, "max_tokens": 240}} for p in prompts(4)]
     requests = [asyncexec.RolloutRequest(f"a{i}", p) for i, p in enumerate(one)]
     pending = [asyncio.ensure_future(rollout.call(VLLMServer.generate, r, on=on)) for r in requests]
     with anyio.fail_after(60):
