@@ -215,6 +215,8 @@ def test_every_argument_of_the_rl_loop_is_checked_when_it_is_made() -> None:
         ({"timeout_s": float("nan")}, "timeout_s must be"),
         ({"timeout_s": float("inf")}, "timeout_s must be"),
         ({"timeout_s": True}, "timeout_s must be"),
+        ({"torch_backend": "nccl"}, r'torch_backend=.nccl. applies to transport="torch" only'),
+        ({"reuse_buffers": False}, r'reuse_buffers=False applies to transport="torch" only'),
     ]
     for kwargs, needle in bad_channels:
         with pytest.raises(asyncexec.ConfigurationError, match=needle):
@@ -228,6 +230,12 @@ def test_every_argument_of_the_rl_loop_is_checked_when_it_is_made() -> None:
         asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=other_channel)
     with pytest.raises(asyncexec.ConfigurationError, match=r"prompts must be .*not a str"):
         asyncexec.Pipeline(servers, "prompts")
+    with pytest.raises(asyncexec.ConfigurationError, match=r"not a mapping .*prompts\.items"):
+        asyncexec.Pipeline(servers, {7: "a prompt"})
+    resumed = {"format": 1, "version": 0, "watermark": 2.5, "above": []}
+    with pytest.raises(asyncexec.ConfigurationError, match=r"consumed=.*watermark must be an int"):
+        asyncexec.Pipeline(servers, [], consumed=resumed)
+    asyncexec.WeightChannel(learner, servers, transport="torch", torch_backend="gloo")
     with pytest.raises(asyncexec.ConfigurationError, match="max_requeues"):
         asyncexec.Pipeline(servers, [], max_requeues=True)
     asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=channel)

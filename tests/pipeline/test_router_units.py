@@ -255,6 +255,10 @@ async def test_generate_refuses_what_is_not_a_rollout_request_naming_it() -> Non
         for call in (router.generate, router.generate_stoppable):
             with pytest.raises(asyncexec.ConfigurationError, match=r"RolloutRequest.*'hello'"):
                 await call("hello")  # type: ignore[arg-type]
+            with pytest.raises(asyncexec.ConfigurationError, match="retry must be a bool"):
+                await call(asyncexec.RolloutRequest(1, "p"), retry="yes")  # type: ignore[arg-type]
+            with pytest.raises(asyncexec.ConfigurationError, match="deadline_s"):
+                await call(asyncexec.RolloutRequest(1, "p"), deadline_s=0)
         sample = await router.generate(asyncexec.RolloutRequest(0, "p"))
     assert sample.output == ["p"]
 

@@ -64,8 +64,9 @@ class Pipeline:
         router: a :class:`~asyncexec.Router`, or an :class:`~asyncexec.Executor` whose role
             subclasses :class:`~asyncexec.RolloutServer` (requests then go to the least loaded
             server, up to 4 in flight each, sent again when a server dies).
-        prompts: an iterable or async iterable of prompts; a prompt's id is its position in
-            it, unless the prompt is a :class:`~asyncexec.RolloutRequest` (its own id).
+        prompts: an iterable or async iterable of prompts (not a str, nor a mapping); a
+            prompt's id is its position in it, unless the prompt is a
+            :class:`~asyncexec.RolloutRequest` (its own id).
         batch_size: B, the samples per batch (the last batch may be smaller, when the source
             ends).
         staleness: S, the bound (0: the synchronous loop).
@@ -298,6 +299,12 @@ def _check_arguments(
         raise ConfigurationError(
             f"prompts must be an iterable of prompts, not a str (one prompt per character): "
             f"got {prompts!r:.100}; give [prompt] for one"
+        )
+    if isinstance(prompts, Mapping):
+        raise ConfigurationError(
+            f"prompts must be an iterable of prompts, not a mapping (its keys would be the "
+            f"prompts): got {prompts!r:.100}; give [RolloutRequest(id, prompt) for id, prompt "
+            "in prompts.items()] to keep its keys as ids, or prompts.values()"
         )
     if channel is not None and not isinstance(channel, WeightChannel):
         raise ConfigurationError(f"channel must be a WeightChannel, got {channel!r}")
