@@ -252,7 +252,10 @@ class Pipeline:
                 )
             await admission.wait_changed()
         waited_s = time.monotonic() - started
-        return admission.hand(waited_s, self.staleness)
+        batch = admission.hand(waited_s, self.staleness)
+        if self.mode == "strict" and batch.staleness_max > self.staleness:
+            _warn_unversioned(self.log, batch, self.staleness)
+        return batch
 
     # Weight updates ---------------------------------------------------------------------------
 
@@ -284,6 +287,28 @@ class Pipeline:
             )
         await self._updates.run(mode, state)
         return self.version
+
+
+def _warn_unversioned(log: Any, batch: PipelineBatch, bound: int) -> None:
+    """Say why a strict batch holds samples beyond its bound when chunks made before any
+    weights were installed (no channel) put them there: they count as version 0, so a
+    pipeline resumed at version v > S counts them v behind."""
+    pairs = zip(batch.samples, batch.staleness, strict=True)
+    beyond = [s.id for s, st in pairs if st > bound and None in s.versions]
+    if not beyond:
+        return
+    log.warning(
+        "pipeline_unversioned_samples",
+        version=batch.version,
+        beyond_bound=len(beyond),
+        ids=beyond[:5],
+        hint=(
+            "chunks made before the servers were given any weights count as version 0; "
+            "install the learner's weights at the pipeline's version first "
+            "(servers.call(RolloutServer.install_weights, state, version)), or give the "
+            "pipeline a WeightChannel"
+        ),
+    )
 
 
 def _check_arguments(
