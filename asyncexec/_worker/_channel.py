@@ -15,6 +15,7 @@ torch is imported only by the torch transport's methods.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +33,12 @@ DEFAULT_CHANNEL = "weights"
 _READER_POLL_S = 0.01
 #: The share of a read's bound that a source rank waits for its function's ``serve_weights``.
 _WAIT_SHARE = 0.8
+#: How long a read waits for a running function's ``serve_weights`` before it says so in a
+#: warning (a function that registers at its start does so well within it).
+_NAMED_AFTER_S = 2.0
+#: The standard library's logging (structlog is not imported on workers); Ray forwards a
+#: worker's warnings to the driver's console.
+_log = logging.getLogger("asyncexec.worker")
 
 
 def _rank() -> int | str:
@@ -151,20 +158,25 @@ def read_state(name: str, timeout_s: float, *, mapping: bool = True) -> Any:
 
     With none registered: while a run's function runs here (it may register one yet), waits
     for it up to ``_WAIT_SHARE`` of ``timeout_s`` (the driver's bound on the whole read: this
-    error, naming what is missing, comes back before it); with no function running, nothing
+    error, naming what is missing, comes back before it), and says so in a warning once it has
+    waited ``_NAMED_AFTER_S`` (a function that forgot the call is named then, not at the
+    bound; one still loading its model may call it yet); with no function running, nothing
     can register one, and the rank says so at once.
 
     Raises:
         NoReaderError: naming ``serve_weights`` and the channel.
     """
     end = _end(name)
-    deadline = time.monotonic() + timeout_s * _WAIT_SHARE
+    started = time.monotonic()
+    wait_s = timeout_s * _WAIT_SHARE
+    named = False
     while end.read is None:
         session = _place.current_session()
         running = session is not None and not session.finished
-        if not running or time.monotonic() > deadline:
+        waited_s = time.monotonic() - started
+        if not running or waited_s > wait_s:
             why = (
-                f"its run's function registered none within {timeout_s * _WAIT_SHARE:.3g} s"
+                f"its run's function registered none within {wait_s:.3g} s"
                 if running
                 else "no run's function is running here to register one"
             )
@@ -172,6 +184,18 @@ def read_state(name: str, timeout_s: float, *, mapping: bool = True) -> Any:
                 f"rank {_rank()} of the source has no serve_weights(read, channel={name!r}) "
                 f"({why}): call asyncexec.serve_weights(read) in the source's run function "
                 "or in its role's __init__"
+            )
+        if not named and waited_s >= min(_NAMED_AFTER_S, wait_s / 2):
+            named = True
+            _log.warning(
+                "serve_weights_missing rank=%s channel=%r waited_s=%.3g waits_up_to_s=%.3g: "
+                "a push waits for this rank's run function to call "
+                "asyncexec.serve_weights(read, channel=%r), which it has not called",
+                _rank(),
+                name,
+                waited_s,
+                wait_s,
+                name,
             )
         time.sleep(_READER_POLL_S)
     state = end.read()

@@ -298,7 +298,12 @@ class RolloutServer:
                 "(`async def chunks(self, prompt): ... yield chunk`)"
             )
         if not inspect.isasyncgenfunction(chunks):
-            kind = "a coroutine function" if inspect.iscoroutinefunction(chunks) else "a function"
+            if inspect.isgeneratorfunction(chunks):
+                kind = "a plain generator function (make it `async def`)"
+            elif inspect.iscoroutinefunction(chunks):
+                kind = "a coroutine function (yield each chunk, return nothing)"
+            else:
+                kind = "a function"
             raise TypeError(
                 f"{cls.__qualname__}.chunks(prompt) must be an async generator function "
                 f"(`async def` with `yield`: one chunk per yield), not {kind}"

@@ -461,6 +461,16 @@ class InstallFails:
         asyncexec.receive_weights(lambda state, version: _parse_fails(state))
 
 
+class LoadFails(asyncexec.RolloutServer):
+    """A rollout server whose ``load_weights`` raises, a call below it."""
+
+    async def chunks(self, prompt: Any) -> Any:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        _parse_fails(state)
+
+
 class ReadFails:
     """A source whose read raises."""
 
@@ -476,13 +486,17 @@ class ServesOne:
         asyncexec.serve_weights(lambda: {"w": 1})
 
 
-async def test_a_failed_install_keeps_the_workers_traceback_also_through_pickle() -> None:
+@pytest.mark.parametrize("target", [InstallFails, LoadFails])
+async def test_a_failed_install_keeps_the_workers_traceback_also_through_pickle(
+    target: type,
+) -> None:
     """The ChannelError kept the message and dropped the worker's traceback: a copy that
-    crossed a process (pickled), or a log of its text, had no word of where it failed."""
+    crossed a process (pickled), or a log of its text, had no word of where it failed. The same
+    for an install function and a rollout server's ``load_weights``."""
     cpu = {"CPU": 0.5}
     async with (
         asyncexec.Executor(1, resources_per_worker=cpu, roles=ServesOne) as a,
-        asyncexec.Executor(1, resources_per_worker=cpu, roles=InstallFails) as b,
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=target) as b,
         asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
     ):
         with pytest.raises(asyncexec.ChannelError) as failed:
@@ -492,6 +506,8 @@ async def test_a_failed_install_keeps_the_workers_traceback_also_through_pickle(
     for copy in (error, pickle.loads(pickle.dumps(error))):
         assert "_parse_fails" in copy.remote_traceback, copy.remote_traceback
         assert "_parse_fails" in str(copy)
+    if target is LoadFails:
+        assert "in load_weights" in error.remote_traceback, error.remote_traceback
 
 
 async def test_a_failed_read_raises_and_logs_no_unhandled_ray_error() -> None:

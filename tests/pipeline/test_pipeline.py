@@ -215,6 +215,8 @@ def test_every_argument_of_the_rl_loop_is_checked_when_it_is_made() -> None:
         ({"timeout_s": float("nan")}, "timeout_s must be"),
         ({"timeout_s": float("inf")}, "timeout_s must be"),
         ({"timeout_s": True}, "timeout_s must be"),
+        ({"torch_backend": "nccl"}, r'torch_backend=.nccl. applies to transport="torch" only'),
+        ({"reuse_buffers": False}, r'reuse_buffers=False applies to transport="torch" only'),
     ]
     for kwargs, needle in bad_channels:
         with pytest.raises(asyncexec.ConfigurationError, match=needle):
@@ -228,6 +230,12 @@ def test_every_argument_of_the_rl_loop_is_checked_when_it_is_made() -> None:
         asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=other_channel)
     with pytest.raises(asyncexec.ConfigurationError, match=r"prompts must be .*not a str"):
         asyncexec.Pipeline(servers, "prompts")
+    with pytest.raises(asyncexec.ConfigurationError, match=r"not a mapping .*prompts\.items"):
+        asyncexec.Pipeline(servers, {7: "a prompt"})
+    resumed = {"format": 1, "version": 0, "watermark": 2.5, "above": []}
+    with pytest.raises(asyncexec.ConfigurationError, match=r"consumed=.*watermark must be an int"):
+        asyncexec.Pipeline(servers, [], consumed=resumed)
+    asyncexec.WeightChannel(learner, servers, transport="torch", torch_backend="gloo")
     with pytest.raises(asyncexec.ConfigurationError, match="max_requeues"):
         asyncexec.Pipeline(servers, [], max_requeues=True)
     asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=channel)
@@ -332,6 +340,38 @@ async def test_chunks_made_before_any_weights_count_as_version_zero_also_after_a
     assert all(s.versions == (None,) for s in batch.samples)
     assert batch.staleness == (3, 3, 3, 3)
     assert pipe.statistics().beyond_bound == 4
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("installed_first", [False, True])
+async def test_a_strict_pipeline_resumed_without_weights_says_why_its_samples_are_beyond(
+    monkeypatch: pytest.MonkeyPatch, installed_first: bool
+) -> None:
+    """A strict pipeline resumed at version 3 with no channel handed samples made on the
+    servers' own weights 3 behind, beyond its bound of 1, and said nothing (only
+    ``beyond_bound`` counted them). It now says why in a warning that names the way out; with
+    the learner's weights installed at the resumed version first, every sample is within."""
+    from structlog.testing import capture_logs
+
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    resumed = {"format": 1, "version": 3, "watermark": 0, "above": []}
+    prompts = [{"id": i, "length": 1} for i in range(4)]
+    with capture_logs() as logs:
+        async with _servers() as servers:
+            if installed_first:
+                await servers.call(asyncexec.RolloutServer.install_weights, {"w": 3}, 3)
+            async with asyncexec.Pipeline(
+                servers, prompts, batch_size=4, staleness=1, consumed=resumed
+            ) as pipe:
+                [batch] = [b async for b in pipe]
+    warned = [e for e in logs if e["event"] == "pipeline_unversioned_samples"]
+    if installed_first:
+        assert batch.staleness == (0, 0, 0, 0) and not warned
+    else:
+        assert batch.staleness == (3, 3, 3, 3)
+        [warning] = warned
+        assert warning["log_level"] == "warning" and warning["beyond_bound"] == 4
+        assert "RolloutServer.install_weights" in warning["hint"]
 
 
 # Exactly-once through a driver killed and resumed ---------------------------------------------

@@ -277,6 +277,29 @@ def test_consumed_ids_are_kept_as_a_watermark_and_the_ids_above_it() -> None:
         Consumed.from_state({"watermark": 3})
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"watermark": 2.7}, "watermark"),
+        ({"watermark": -1}, "watermark"),
+        ({"version": -2}, "version"),
+        ({"version": True}, "version"),
+        ({"version": "3"}, "version"),
+        ({"above": "123"}, "above"),
+    ],
+)
+def test_a_consumed_record_that_no_pipeline_wrote_is_refused_naming_its_field(
+    change: dict[str, Any], named: str
+) -> None:
+    """A float watermark was truncated, a negative version or a bool taken as they were: the
+    pipeline resumed at a version (or a watermark) that no pipeline had written."""
+    from asyncexec._driver.pipeline._consumed import Consumed
+
+    state = {**Consumed(3, {5}, version=2).state(), **change}
+    with pytest.raises(asyncexec.ConfigurationError, match=rf"consumed=.*{named}"):
+        Consumed.from_state(state)
+
+
 # A server whose engine runs its own loop and pauses itself -------------------------------------
 
 

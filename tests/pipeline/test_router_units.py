@@ -255,6 +255,10 @@ async def test_generate_refuses_what_is_not_a_rollout_request_naming_it() -> Non
         for call in (router.generate, router.generate_stoppable):
             with pytest.raises(asyncexec.ConfigurationError, match=r"RolloutRequest.*'hello'"):
                 await call("hello")  # type: ignore[arg-type]
+            with pytest.raises(asyncexec.ConfigurationError, match="retry must be a bool"):
+                await call(asyncexec.RolloutRequest(1, "p"), retry="yes")  # type: ignore[arg-type]
+            with pytest.raises(asyncexec.ConfigurationError, match="deadline_s"):
+                await call(asyncexec.RolloutRequest(1, "p"), deadline_s=0)
         sample = await router.generate(asyncexec.RolloutRequest(0, "p"))
     assert sample.output == ["p"]
 
@@ -389,6 +393,14 @@ class ChunksAList(asyncexec.RolloutServer):
         pass
 
 
+class ChunksSync(asyncexec.RolloutServer):
+    def chunks(self, prompt: Any) -> Any:  # a generator, not an async one
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
 class ChunksAwaited(asyncexec.RolloutServer):
     async def chunks(self, prompt: Any) -> Any:  # a coroutine, not an async generator
         return [prompt]
@@ -408,14 +420,25 @@ class ForgetsSuper(Toy):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("cls", [ChunksAList, ChunksAwaited, NoChunks])
+@pytest.mark.parametrize(
+    ("cls", "kind"),
+    [
+        (ChunksAList, "a function"),
+        (ChunksSync, "a plain generator function (make it `async def`)"),
+        (ChunksAwaited, "a coroutine function"),
+        (NoChunks, "must implement"),
+    ],
+)
 def test_a_server_class_whose_chunks_is_no_async_generator_is_refused_when_made(
-    cls: type[asyncexec.RolloutServer],
+    cls: type[asyncexec.RolloutServer], kind: str
 ) -> None:
     """It failed only at the first request, with ``'list' object is not an async iterator``,
-    naming neither ``chunks()`` nor the class."""
-    with pytest.raises(asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"):
+    naming neither ``chunks()`` nor the class; the error says what ``chunks`` is instead."""
+    with pytest.raises(
+        asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"
+    ) as e:
         asyncexec.Executor(1, roles=cls, local=True)
+    assert kind in str(e.value), e.value
     with pytest.raises(asyncexec.ConfigurationError, match=rf"{cls.__name__}.*chunks\(prompt\)"):
         asyncexec.Executor(1, roles=asyncexec.Role(cls), local=True)
 

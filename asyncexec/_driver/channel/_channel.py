@@ -88,12 +88,13 @@ class WeightChannel:
             their union.
         max_staleness: K: a push returns once the version K - 1 before it is installed
             everywhere (1: once it is).
-        torch_backend: ``"gloo"`` or ``"nccl"`` for the torch transport; by default nccl when
-            the source's workers have CUDA, else gloo.
+        torch_backend: ``"gloo"`` or ``"nccl"`` for the torch transport (refused with the
+            object store); by default nccl when the source's workers have CUDA, else gloo.
         reuse_buffers: torch transport: receive into two buffers per tensor, used in turn,
             so the tensors given to ``install`` are written again two versions later (copy what
             you keep: ``load_state_dict`` does). Fresh memory for every version costs more than
-            the broadcast itself (its page faults). False: new tensors for every version.
+            the broadcast itself (its page faults). False: new tensors for every version
+            (refused with the object store, which receives into no buffers).
         timeout_s: bound on reading a state (waiting for ``serve_weights`` included), on
             building a process group and on one delivery.
     """
@@ -115,6 +116,7 @@ class WeightChannel:
         for flag, value in (("sharded", sharded), ("reuse_buffers", reuse_buffers)):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{flag} must be a bool, got {value!r:.100}")
+        _check_torch_only(transport, torch_backend, reuse_buffers)
         self.source = source
         self.target = target
         self.name = name
@@ -297,3 +299,19 @@ def _check(
         )
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"name must be a non-empty string, got {name!r}")
+
+
+def _check_torch_only(transport: str, torch_backend: Any, reuse_buffers: bool) -> None:
+    """Refuse the torch transport's options given to another: the channel would move the
+    state otherwise than the caller thinks (through the object store, not over nccl)."""
+    if transport == "torch":
+        return
+    for given, option in (
+        (torch_backend is not None, f"torch_backend={torch_backend!r}"),
+        (not reuse_buffers, "reuse_buffers=False"),
+    ):
+        if given:
+            raise ConfigurationError(
+                f'{option} applies to transport="torch" only; this channel\'s transport is '
+                f"{transport!r}"
+            )

@@ -73,7 +73,15 @@ class Consumed:
         try:
             if state["format"] != _FORMAT:
                 raise ValueError(f"format {state['format']!r}")
-            return cls(int(state["watermark"]), set(state["above"]), int(state["version"]))
+            # A float, a bool or a negative number is no record's: taken as it is, it would
+            # resume at a version or watermark that no pipeline wrote.
+            for key in ("watermark", "version"):
+                if not _is_int(state[key]) or state[key] < 0:
+                    raise ValueError(f"{key} must be an int of at least 0, got {state[key]!r}")
+            above = state["above"]
+            if not isinstance(above, list | tuple | set | frozenset):
+                raise TypeError(f"above must be a list of ids, got {above!r:.100}")
+            return cls(state["watermark"], set(above), state["version"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigurationError(
                 f"consumed= takes a Pipeline.state_dict() record, got {state!r:.200}: {exc}"

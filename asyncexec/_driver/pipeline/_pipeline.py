@@ -64,8 +64,9 @@ class Pipeline:
         router: a :class:`~asyncexec.Router`, or an :class:`~asyncexec.Executor` whose role
             subclasses :class:`~asyncexec.RolloutServer` (requests then go to the least loaded
             server, up to 4 in flight each, sent again when a server dies).
-        prompts: an iterable or async iterable of prompts; a prompt's id is its position in
-            it, unless the prompt is a :class:`~asyncexec.RolloutRequest` (its own id).
+        prompts: an iterable or async iterable of prompts (not a str, nor a mapping); a
+            prompt's id is its position in it, unless the prompt is a
+            :class:`~asyncexec.RolloutRequest` (its own id).
         batch_size: B, the samples per batch (the last batch may be smaller, when the source
             ends).
         staleness: S, the bound (0: the synchronous loop).
@@ -251,7 +252,10 @@ class Pipeline:
                 )
             await admission.wait_changed()
         waited_s = time.monotonic() - started
-        return admission.hand(waited_s, self.staleness)
+        batch = admission.hand(waited_s, self.staleness)
+        if self.mode == "strict" and batch.staleness_max > self.staleness:
+            _warn_unversioned(self.log, batch, self.staleness)
+        return batch
 
     # Weight updates ---------------------------------------------------------------------------
 
@@ -285,6 +289,28 @@ class Pipeline:
         return self.version
 
 
+def _warn_unversioned(log: Any, batch: PipelineBatch, bound: int) -> None:
+    """Say why a strict batch holds samples beyond its bound when chunks made before any
+    weights were installed (no channel) put them there: they count as version 0, so a
+    pipeline resumed at version v > S counts them v behind."""
+    pairs = zip(batch.samples, batch.staleness, strict=True)
+    beyond = [s.id for s, st in pairs if st > bound and None in s.versions]
+    if not beyond:
+        return
+    log.warning(
+        "pipeline_unversioned_samples",
+        version=batch.version,
+        beyond_bound=len(beyond),
+        ids=beyond[:5],
+        hint=(
+            "chunks made before the servers were given any weights count as version 0; "
+            "install the learner's weights at the pipeline's version first "
+            "(servers.call(RolloutServer.install_weights, state, version)), or give the "
+            "pipeline a WeightChannel"
+        ),
+    )
+
+
 def _check_arguments(
     prompts: Any, batch_size: Any, staleness: Any, mode: Any, on_update: Any, channel: Any
 ) -> None:
@@ -298,6 +324,12 @@ def _check_arguments(
         raise ConfigurationError(
             f"prompts must be an iterable of prompts, not a str (one prompt per character): "
             f"got {prompts!r:.100}; give [prompt] for one"
+        )
+    if isinstance(prompts, Mapping):
+        raise ConfigurationError(
+            f"prompts must be an iterable of prompts, not a mapping (its keys would be the "
+            f"prompts): got {prompts!r:.100}; give [RolloutRequest(id, prompt) for id, prompt "
+            "in prompts.items()] to keep its keys as ids, or prompts.values()"
         )
     if channel is not None and not isinstance(channel, WeightChannel):
         raise ConfigurationError(f"channel must be a WeightChannel, got {channel!r}")

@@ -219,11 +219,7 @@ class Router:
                 ``deadline_s`` or ``retry`` is invalid.
         """
         self.check_open()
-        _check_request(request)
-        if deadline_s is not None:
-            _check_seconds("deadline_s", deadline_s)
-        if not isinstance(retry, bool):
-            raise ConfigurationError(f"retry must be a bool, got {retry!r}")
+        _check_request(request, deadline_s, retry)
         run = self.requests.run(request, deadline_s, retry)
         made = tracer()
         return await (run if made is None else in_request(made, "asyncexec.router.request", run))
@@ -236,9 +232,7 @@ class Router:
         def``) and frees its slot, rather than run to its end and be dropped. The pipeline's
         way (a strict batch expiring a request, the pipeline closing)."""
         self.check_open()
-        _check_request(request)
-        if deadline_s is not None:
-            _check_seconds("deadline_s", deadline_s)
+        _check_request(request, deadline_s, retry)
         run = self.requests.run(request, deadline_s, retry, stop=True)
         made = tracer()
         return await (run if made is None else in_request(made, "asyncexec.router.request", run))
@@ -321,11 +315,17 @@ def _check_channel(channel: Any, servers: Executor) -> None:
         )
 
 
-def _check_request(request: Any) -> None:
+def _check_request(request: Any, deadline_s: Any, retry: Any) -> None:
+    """Refuse a call's arguments before the request is sent (a prompt where the request goes
+    would fail deep in the router, naming none of them)."""
     if not isinstance(request, RolloutRequest):
         raise ConfigurationError(
             f"request must be an asyncexec.RolloutRequest(id, prompt), got {request!r:.100}"
         )
+    if deadline_s is not None:
+        _check_seconds("deadline_s", deadline_s)
+    if not isinstance(retry, bool):
+        raise ConfigurationError(f"retry must be a bool, got {retry!r:.100}")
 
 
 def _check_seconds(name: str, value: Any, *, zero: bool = False) -> None:

@@ -1,0 +1,72 @@
+"""The worker end of a weight channel, in this process (no Ray): how a source rank's read waits
+for the ``serve_weights`` of a function that is running."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from asyncexec._worker import _channel, _place
+
+
+class _Running:
+    """The session of a run whose function is running (it may register a reader yet)."""
+
+    finished = False
+
+
+class _Named(logging.Handler):
+    """Sets ``event`` on the first warning that names ``serve_weights``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "serve_weights" in message:
+            self.messages.append(message)
+            self.event.set()
+
+
+@pytest.mark.timeout(30)
+def test_a_read_that_waits_for_a_running_functions_serve_weights_names_it_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A learner whose function runs and never calls ``serve_weights``: the push waited in
+    silence until its bound (96 s of the default 120) before anything named the missing call.
+    Now the rank says so in a warning once it has waited a little, and a function that calls
+    it after all (one still loading its model) is read as before: no false failure."""
+    monkeypatch.setattr(_channel, "_NAMED_AFTER_S", 0.05)
+    place = _place.Place()
+    place.session = _Running()  # type: ignore[assignment]
+    token = _place.PLACE.set(place)
+    named = _Named()
+    logger = logging.getLogger("asyncexec.worker")
+    logger.addHandler(named)
+    result: list[Any] = []
+    try:
+        reader = threading.Thread(
+            target=_place_run, args=(place, result), daemon=True, name="channel-read"
+        )
+        reader.start()
+        assert named.event.wait(10), "no warning named serve_weights"
+        assert reader.is_alive() and not result  # still waiting: not a failure
+        _channel.serve_weights(lambda: {"w": 1}, channel="door")
+        reader.join(10)
+    finally:
+        logger.removeHandler(named)
+        _place.PLACE.reset(token)
+        _channel.reset()
+    assert result == [{"w": 1}]
+    (message,) = named.messages
+    assert "serve_weights(read, channel='door')" in message and "rank=" in message, message
+
+
+def _place_run(place: _place.Place, result: list[Any]) -> None:
+    _place.PLACE.set(place)
+    result.append(_channel.read_state("door", 20.0, mapping=False))
