@@ -346,20 +346,16 @@ async def serve(rounds: int) -> list[Stall]:
 
 def driver(rounds: int, freeze: bool) -> None:
     """One fresh driver (a child process): prints its stalls as one JSON line."""
-    import ray
 
     import asyncexec
 
     preloaded = "asyncexec._driver._executor" in sys.modules
-    _harness.start_ray(4)
-    if freeze:
-        gc.collect()
-        gc.freeze()  # what start-up made is never walked by a collection again
-    tracked = len(gc.get_objects())
-    try:
+    with _harness.ray_session(num_cpus=4):
+        if freeze:
+            gc.collect()
+            gc.freeze()  # what start-up made is never walked by a collection again
+        tracked = len(gc.get_objects())
         found = asyncio.run(serve(rounds))
-    finally:
-        ray.shutdown()
     print(
         json.dumps(
             {

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness
 from _common import median
 
 import asyncexec
@@ -281,10 +282,7 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
             keep(ranks, worker)
             keep(ranks, driver_stages(reports, ranks))
     if with_transfer:
-        import ray
-
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        try:
+        with _harness.ray_session(num_cpus=4, fresh_workers=False):
             for _ in range(repeats):
                 trip = transfer(reports)
                 worker = worker_stages(reports)
@@ -292,8 +290,6 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
                     net = trip[system] - worker[system]["pickle"] - worker[system]["unpickle"]
                     for ranks in (1, 4):
                         rows.setdefault((system, "transfer", ranks), []).append(net)
-        finally:
-            ray.shutdown()
     lines = [
         "| stage (us per report) | asyncexec, 1 rank | floor, 1 rank | asyncexec, 4 ranks "
         "| floor, 4 ranks |",
