@@ -417,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         quick=QUICK,
         run=bench,
         # The object store small and allocated up front; the scatter's warm-up rounds touch
-        # its pages (a put into untouched pages pays their faults: 30 ms became up to 0.5 s).
+        # its pages (a put into untouched pages pays their faults, on whichever system's turn
+        # it is).
         ray={
             "num_cpus": RAY_CPUS,
             "object_store_bytes": OBJECT_STORE_BYTES,

@@ -38,7 +38,6 @@ import anyio
 import psutil
 
 import asyncexec
-from benchmarks import _harness  # its workers import ``benchmarks.soak`` from the project root
 from benchmarks._common import LoopBeat, MiB, live_placement_groups, live_workers, percentile
 
 __all__ = [
@@ -238,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    # Imported here: importing it sets the environment Ray's workers inherit (the project root
+    # on their path, from which they import ``benchmarks.soak``).
+    from benchmarks import _harness
+
     t0 = time.perf_counter()
     with (
         _harness.ray_session(num_cpus=4, fresh_workers=False),

@@ -20,7 +20,6 @@ from typing import Any
 
 import anyio
 
-from benchmarks import _harness
 from benchmarks._common import LoopBeat, percentile
 from benchmarks.chaos import channel, faults, groups, resume
 from benchmarks.chaos.harness import wait_no_leftovers
@@ -137,7 +136,11 @@ def render_table(outcomes: Sequence[Outcome], seed: int, seconds: float) -> str:
 
 
 def _ray(nodes: bool) -> contextlib.AbstractContextManager[Any]:
-    """A Ray for the run: a Cluster whose nodes can be added and removed, or a plain local one."""
+    """A Ray for the run: a Cluster whose nodes can be added and removed, or a plain local one.
+    The harness is imported here: importing it sets the environment Ray's workers inherit,
+    which a test that imports this module leaves as it is."""
+    from benchmarks import _harness
+
     if not nodes:
         return _harness.ray_session(num_cpus=4, fresh_workers=False)
     head = {
