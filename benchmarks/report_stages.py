@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness
 from _common import median
 
 import asyncexec
@@ -282,6 +281,8 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
             keep(ranks, worker)
             keep(ranks, driver_stages(reports, ranks))
     if with_transfer:
+        import _harness  # imported here: it sets the environment Ray's workers inherit
+
         with _harness.ray_session(num_cpus=4, fresh_workers=False):
             for _ in range(repeats):
                 trip = transfer(reports)
