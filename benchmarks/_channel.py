@@ -1,5 +1,5 @@
-"""Weights from one executor to another (issue 14): ``WeightChannel`` against a hand-written
-broadcast in the same processes and against today's way through the driver; the weight version
+"""Weights from one executor to another: ``WeightChannel`` against a hand-written broadcast in
+the same processes and against the way without a channel, through the driver; the weight version
 lag seen by rollout reports through SIGKILLs; the driver's event-loop lag during pushes.
 
 Measured in the caller's Ray (``run.py`` starts it), on the caller's event loop, with a learner

@@ -137,8 +137,8 @@ QUICK = Sizes(
     outlive_workers=4,
     outlive_repeats=1,
     resume_repeats=1,
-    worker_counts=(4, 1),  # 16 workers (about 40 s of starting here) in the full run only
-    warmups=0,  # about 10 s of starting 12 workers and 8 ranks, measured for nothing
+    worker_counts=(4, 1),  # 16 workers (the longest start of the run) in the full run only
+    warmups=0,  # a warm-up starts 12 workers and 8 ranks, measured for nothing
 )
 
 

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import dataclasses
+import io
 import json
 import math
 import os
 import platform
+import pstats
 import subprocess
 import sys
 import time
@@ -47,9 +50,11 @@ __all__ = [
     "Figure",
     "Grid",
     "Pair",
+    "Profiler",
     "Result",
     "Row",
     "Table",
+    "alternate",
     "child",
     "drop_library_logs",
     "fmt",
@@ -126,15 +131,31 @@ def start_ray(
 
 
 @contextmanager
-def ray_session(**options: Any) -> Iterator[None]:
-    """:func:`start_ray` with ``options`` for the block; Ray is shut down on leaving it."""
+def ray_session(*, cluster: Mapping[str, Any] | None = None, **options: Any) -> Iterator[Any]:
+    """:func:`start_ray` with ``options`` for the block, or, with ``cluster`` (its head node's
+    options), a ``ray.cluster_utils.Cluster`` that the figure adds nodes to and removes them
+    from, this driver joined to it; yields the cluster (None without). Ray, and the cluster, are
+    shut down on leaving the block."""
     import ray
 
-    start_ray(**options)
+    if cluster is None:
+        start_ray(**options)
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args=dict(cluster))
     try:
-        yield
+        ray.init(address=nodes.address, log_to_driver=False, **options)
+        try:
+            yield nodes
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        nodes.shutdown()
 
 
 def child(
@@ -202,6 +223,54 @@ async def interleave(index: int, systems: Mapping[str, Callable[[], Awaitable[T]
     if index % 2:
         names.reverse()
     return {name: await systems[name]() for name in names}
+
+
+async def alternate(
+    index: int,
+    base: Callable[[], Awaitable[Any]],
+    ours: Callable[[], Awaitable[Any]],
+    profiler: Profiler | None = None,
+) -> tuple[Any, Any]:
+    """Repeat ``index`` of ``base`` and ``ours`` (:func:`interleave`): their results, in that
+    order; only ``ours`` is profiled."""
+    timed = ours if profiler is None else lambda: profiler.timed(ours)
+    got = await interleave(index, {"base": base, "ours": timed})
+    return got["base"], got["ours"]
+
+
+class Profiler:
+    """cProfile over one side of the measurements (asyncexec's, on the driver), when asked for:
+    disabled, it only runs what it is given."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.profile = cProfile.Profile() if enabled else None
+
+    @contextmanager
+    def on(self) -> Iterator[None]:
+        """Profile the block."""
+        if self.profile is None:
+            yield
+            return
+        self.profile.enable()
+        try:
+            yield
+        finally:
+            self.profile.disable()
+
+    async def timed(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()``, profiled."""
+        with self.on():
+            return await call()
+
+    def report(self, top: int = 30) -> str:
+        """The top functions by their own time and by cumulative time ("" when disabled)."""
+        if self.profile is None:
+            return ""
+        out = io.StringIO()
+        stats = pstats.Stats(self.profile, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        return out.getvalue()
 
 
 async def repeat(
@@ -485,15 +554,17 @@ def main(
     quick: Any,
     run: Callable[[Any, argparse.Namespace], Coroutine[Any, Any, Result]],
     ray: Mapping[str, Any] | None = None,
-    figures: Sequence[str] = (),
+    figures: Sequence[str] | Mapping[str, str] = (),
     options: Callable[[argparse.ArgumentParser], object] | None = None,
     about: Callable[[Any, argparse.Namespace], str] | None = None,
 ) -> int:
     """A figure script's ``main``. Arguments: ``--quick`` (the ``quick`` sizes, else ``full``),
-    ``--repeats`` (when the sizes have ``repeats``), ``--only`` (when there are ``figures``; the
-    chosen ones are ``args.only``) and whatever ``options`` adds; one named as a field of the
-    sizes (a dataclass) sets that field. Then the library's log lines
-    dropped, a fresh Ray started with ``ray`` (:func:`start_ray`'s options; None: no Ray),
+    ``--repeats`` (when the sizes have ``repeats``), ``--only`` (when there are ``figures``, by
+    name or as a mapping of each name to its help; the chosen ones are ``args.only``, a name
+    that is none of them an error before anything starts) and whatever ``options`` adds; one
+    named as a field of the sizes (a dataclass) sets that field. Then the library's log lines
+    dropped, a fresh Ray started with ``ray`` (:func:`ray_session`'s options, its cluster
+    ``args.cluster``; None: no Ray),
     ``run(sizes, args)`` on an event loop, Ray shut down, and printed: the title with the
     machine line (and ``about(sizes, args)``: repeats, resources), the table, the notes and the
     total time."""
@@ -506,10 +577,13 @@ def main(
             default = "each measurement's own"
         parser.add_argument("--repeats", type=int, help=f"repeats ({default})")
     if figures:
+        names = ", ".join(figures)
+        if isinstance(figures, Mapping):
+            names = "; ".join(f"{name}: {text}" for name, text in figures.items())
         parser.add_argument(
             "--only",
             default=",".join(figures),
-            help=f"comma-separated figures to measure, of {', '.join(figures)} (default: all)",
+            help=f"comma-separated figures to measure (default: all), of {names}",
         )
     if options is not None:
         options(parser)
@@ -528,7 +602,7 @@ def main(
     if ray is None:
         result = asyncio.run(run(sizes, args))
     else:
-        with ray_session(**ray):
+        with ray_session(**ray) as args.cluster:
             result = asyncio.run(run(sizes, args))
     head = f"{title} ({'quick' if args.quick else 'full'}), {machine()}"
     if about is not None:

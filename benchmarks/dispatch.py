@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
-import io
-import pstats
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -56,7 +53,7 @@ from _dispatch_workload import (
     RawEchoSync,
     RawEchoThreaded,
 )
-from _harness import Pair, Result
+from _harness import Pair, Profiler, Result, alternate
 
 import asyncexec
 
@@ -107,31 +104,6 @@ QUICK = Sizes(
 )
 
 
-class Profiler:
-    """cProfile over asyncexec's side of the measurements, when asked for."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.profile = cProfile.Profile() if enabled else None
-
-    async def timed(self, call: Callable[[], Awaitable[Any]]) -> Any:
-        if self.profile is None:
-            return await call()
-        self.profile.enable()
-        try:
-            return await call()
-        finally:
-            self.profile.disable()
-
-    def report(self, top: int = 30) -> str:
-        if self.profile is None:
-            return ""
-        out = io.StringIO()
-        stats = pstats.Stats(self.profile, stream=out)
-        stats.sort_stats("tottime").print_stats(top)
-        stats.sort_stats("cumulative").print_stats(top)
-        return out.getvalue()
-
-
 async def raw_actors(cls: Any, n: int) -> list[Any]:
     actors = [cls.options(num_cpus=RESOURCES["CPU"]).remote() for _ in range(n)]
     await asyncio.gather(*(a.ping.remote() for a in actors))
@@ -141,17 +113,6 @@ async def raw_actors(cls: Any, n: int) -> list[Any]:
 def kill(actors: list[Any]) -> None:
     for actor in actors:
         ray.kill(actor, no_restart=True)
-
-
-async def alternate(
-    i: int,
-    base: Callable[[], Awaitable[Any]],
-    ours: Callable[[], Awaitable[Any]],
-    prof: Profiler,
-) -> tuple[Any, Any]:
-    """``base`` and ``ours`` once each, interleaved (only asyncexec's side is profiled)."""
-    got = await _harness.interleave(i, {"base": base, "ours": lambda: prof.timed(ours)})
-    return got["base"], got["ours"]
 
 
 # Small calls ------------------------------------------------------------------------------------
@@ -456,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         quick=QUICK,
         run=bench,
         # The object store small and allocated up front; the scatter's warm-up rounds touch
-        # its pages (a put into untouched pages pays their faults: 30 ms became up to 0.5 s).
+        # its pages (a put into untouched pages pays their faults, on whichever system's turn
+        # it is).
         ray={
             "num_cpus": RAY_CPUS,
             "object_store_bytes": OBJECT_STORE_BYTES,

@@ -346,20 +346,16 @@ async def serve(rounds: int) -> list[Stall]:
 
 def driver(rounds: int, freeze: bool) -> None:
     """One fresh driver (a child process): prints its stalls as one JSON line."""
-    import ray
 
     import asyncexec
 
     preloaded = "asyncexec._driver._executor" in sys.modules
-    _harness.start_ray(4)
-    if freeze:
-        gc.collect()
-        gc.freeze()  # what start-up made is never walked by a collection again
-    tracked = len(gc.get_objects())
-    try:
+    with _harness.ray_session(num_cpus=4):
+        if freeze:
+            gc.collect()
+            gc.freeze()  # what start-up made is never walked by a collection again
+        tracked = len(gc.get_objects())
         found = asyncio.run(serve(rounds))
-    finally:
-        ray.shutdown()
     print(
         json.dumps(
             {
@@ -409,12 +405,14 @@ def report(results: list[dict[str, Any]], rounds: int, show_sites: bool) -> None
                     for where, n in s["others"]:
                         print(f"        {n:3d} x meanwhile {where}")
     firsts = [_worst(r["stalls"], 1) for r in results]
-    laters = [max(_worst(r["stalls"], n) for n in range(2, rounds + 1)) for r in results]
     idles = [_worst(r["stalls"], 0) for r in results]
+    later = "no later round"
+    if rounds > 1:
+        laters = [max(_worst(r["stalls"], n) for n in range(2, rounds + 1)) for r in results]
+        later = f"rounds 2-{rounds} {statistics.median(laters):.0f} ms ({_each(laters)})"
     print(
         f"\nworst stall, median over {len(results)} driver(s) (each driver's): round 1 "
-        f"{statistics.median(firsts):.0f} ms ({_each(firsts)}); rounds 2-{rounds} "
-        f"{statistics.median(laters):.0f} ms ({_each(laters)}); idle 1 s "
+        f"{statistics.median(firsts):.0f} ms ({_each(firsts)}); {later}; idle 1 s "
         f"{statistics.median(idles):.0f} ms ({_each(idles)})"
     )
 
@@ -433,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.drivers < 1 or args.rounds < 1:
+        parser.error("--drivers and --rounds take 1 or more")
     if args.child:
         driver(args.rounds, args.freeze)
         return 0

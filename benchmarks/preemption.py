@@ -223,12 +223,7 @@ FULL, QUICK = Sizes(3), Sizes(1)
 
 
 async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-    )
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = args.cluster  # each trial adds a node and drains it
     rows = {
         "seen": Row("notice seen by the function", "ms", measured="ae", reference="rt"),
         "saved": Row("report() with checkpoint returned", "ms", measured="ae", reference="rt"),
@@ -237,21 +232,17 @@ async def run(sizes: Sizes, args: argparse.Namespace) -> Result:
         ),
     }
     rng = random.Random(26)
-    try:
-        for trial in range(sizes.trials):  # the systems interleaved: the noise falls on all
-            after = rng.uniform(0.5, 5.5)
-            for key, name, poll in SYSTEMS:
-                if key.startswith("ae"):
-                    assert poll is not None
-                    figures = await ae_trial(cluster, poll, tempfile.mkdtemp(), after)
-                else:
-                    figures = rt_trial(cluster, poll, after)  # a driver process of its own
-                for figure, seconds in figures.items():
-                    rows[figure].add(key, seconds * 1e3)
-                _harness.progress(f"trial {trial + 1}/{sizes.trials} {name}: {figures}")
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    for trial in range(sizes.trials):  # the systems interleaved: the noise falls on all
+        after = rng.uniform(0.5, 5.5)
+        for key, name, poll in SYSTEMS:
+            if key.startswith("ae"):
+                assert poll is not None
+                figures = await ae_trial(cluster, poll, tempfile.mkdtemp(), after)
+            else:
+                figures = rt_trial(cluster, poll, after)  # a driver process of its own
+            for figure, seconds in figures.items():
+                rows[figure].add(key, seconds * 1e3)
+            _harness.progress(f"trial {trial + 1}/{sizes.trials} {name}: {figures}")
     return Result(list(rows.values()), TABLE)
 
 
@@ -267,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         full=FULL,
         quick=QUICK,
         run=run,
+        ray={"cluster": {"num_cpus": 2, "include_dashboard": False}},
         options=lambda parser: parser.add_argument("--trials", type=int, help="drains (3)"),
         about=lambda sizes, args: f"medians of {sizes.trials}, from rank 0's drain call",
     )

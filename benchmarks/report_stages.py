@@ -281,10 +281,9 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
             keep(ranks, worker)
             keep(ranks, driver_stages(reports, ranks))
     if with_transfer:
-        import ray
+        import _harness  # imported here: it sets the environment Ray's workers inherit
 
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        try:
+        with _harness.ray_session(num_cpus=4, fresh_workers=False):
             for _ in range(repeats):
                 trip = transfer(reports)
                 worker = worker_stages(reports)
@@ -292,8 +291,6 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
                     net = trip[system] - worker[system]["pickle"] - worker[system]["unpickle"]
                     for ranks in (1, 4):
                         rows.setdefault((system, "transfer", ranks), []).append(net)
-        finally:
-            ray.shutdown()
     lines = [
         "| stage (us per report) | asyncexec, 1 rank | floor, 1 rank | asyncexec, 4 ranks "
         "| floor, 4 ranks |",
@@ -323,12 +320,17 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reports", type=int, default=PER_POLL * 40, help="reports per rank")
+    parser.add_argument(
+        "--reports", type=int, default=PER_POLL * 40, help=f"reports per rank (>= {PER_POLL})"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transfer", action="store_true", help="the Ray round trip (starts Ray)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.reports < PER_POLL or args.repeats < 1:
+        # The round trip moves whole polls: fewer reports than a poll holds would time none.
+        parser.error(f"--reports takes {PER_POLL} or more (a poll's reports), --repeats 1 or more")
     threading.current_thread().name = "report-stages"
     print("\n".join(measure(args.reports, args.repeats, args.transfer)), flush=True)
     return 0

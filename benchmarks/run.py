@@ -2,9 +2,9 @@
 
     python benchmarks/run.py                   # the full run: a few minutes on 2 cores
     python benchmarks/run.py --quick           # tiny sizes, one repeat: a smoke run
-    python benchmarks/run.py --lifecycle-only  # only the lifecycle lag rows: about a minute
-    python benchmarks/run.py --reports-only    # only the reports/s rows, 1/4/16 workers
-    python benchmarks/run.py --channel-only    # only the weight channel rows (issue 14)
+    python benchmarks/run.py --only lifecycle  # only the lifecycle lag rows: about a minute
+    python benchmarks/run.py --only reports    # only the reports/s rows, 1/4/16 workers
+    python benchmarks/run.py --only channel,outlive  # the parts named (PARTS below)
 
 It starts one local Ray (and shuts it down at the end) and measures, for each figure, Ray Train
 v1's ``BackendExecutor`` (``RAY_TRAIN_V2_ENABLED=0``), two hand-written asyncio loops over plain
@@ -33,7 +33,7 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import Any
 
 import _harness
@@ -64,6 +64,7 @@ from _figures import (
     TABLE,
     Sizes,
     make_figures,
+    warm_figures,
 )
 from _lifecycle import measure_lifecycle
 from _outlive import measure_independent, measure_resume
@@ -85,25 +86,56 @@ RAY_CPUS = 16
 #: taken, wherever it is: the two systems run with as many reports in flight.
 BUFFER = 1024
 
+#: The parts of a run, in the order they run: what each measures (``--only`` takes their names;
+#: every part by default) and its rows, by key.
+PARTS: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "startup": (
+        "start-up, worker memory and the loop's freeze while starting, 4 workers",
+        lambda key: key in ("startup", "uss", "rss", "freeze_start"),
+    ),
+    "warm": (
+        "executors leased from a WorkerPool and the service's first event",
+        lambda key: key in {f.key for f in warm_figures()},
+    ),
+    "channel": (
+        "the weight channel (a state moved between executors, version lag through SIGKILLs, "
+        "loop lag during pushes)",
+        lambda key: key in CHANNEL_KEYS,
+    ),
+    "outlive": (
+        "runs that outlive failures (independent ranks, driver-death resume)",
+        lambda key: key in OUTLIVE_KEYS,
+    ),
+    "local": (
+        "local mode (start-up and reports/s beside Ray actors)",
+        lambda key: key in LOCAL_KEYS,
+    ),
+    "reports": (
+        "reports/s (1, 4 and 16 workers) and its cost with metrics on",
+        lambda key: key.startswith("rate") or key == "metrics_cost",
+    ),
+    "runs": (
+        "on the groups of 4 workers: run end, the loop's lag over whole runs, driver memory, "
+        "restart after SIGKILL",
+        lambda key: (
+            key in ("run_end", "lag_p99", "lag_max", "driver_mem") or key.startswith("restart")
+        ),
+    ),
+    "lifecycle": (
+        "the event-loop lag through whole lifecycles (about a minute alone)",
+        lambda key: key in LIFECYCLE_KEYS,
+    ),
+}
+#: The parts with a Ray Train column.
+RAY_TRAIN_PARTS = {"startup", "reports", "runs"}
+
 
 class Bench:
     """One benchmark run: its sizes, figures, notes on where the time goes, and its own timer."""
 
-    def __init__(
-        self,
-        sizes: Sizes,
-        events: Events,
-        *,
-        lifecycle_only: bool = False,
-        channel_only: bool = False,
-        outlive_only: bool = False,
-        local_only: bool = False,
-    ) -> None:
+    def __init__(self, sizes: Sizes, events: Events, *, parts: Collection[str] = PARTS) -> None:
         self.sizes = sizes
-        self.lifecycle_only = lifecycle_only
-        self.channel_only = channel_only
-        self.outlive_only = outlive_only
-        self.local_only = local_only
+        self.parts = set(parts)
         self.lifecycle_notes: list[str] = []
         self.channel_notes: list[str] = []
         self.rt: RayTrainClient | None = None
@@ -191,7 +223,8 @@ class Bench:
     # Streaming and the rest, per worker count ---------------------------------------------------
 
     async def groups(self, n: int) -> None:
-        """Start each system's group of ``n`` workers once and measure on it."""
+        """Start each system's group of ``n`` workers once and measure on it: the reports/s
+        and, on 4 workers, the ``runs`` part."""
         sizes = self.sizes
         rt = self.rt
         loops = LoopGroup(n, RESOURCES, BUFFER)
@@ -203,10 +236,11 @@ class Bench:
                     await rt.call("start", n=n)
                 await loops.start()
                 await ae.start()
-            progress(f"reports/s, {n} worker(s)")
-            with self.timer.section(f"reports/s, {n} workers"):
-                await self.stream(n, rt, loops, ae)
-            if n == 4:
+            if "reports" in self.parts:
+                progress(f"reports/s, {n} worker(s)")
+                with self.timer.section(f"reports/s, {n} workers"):
+                    await self.stream(n, rt, loops, ae)
+            if n == 4 and "runs" in self.parts:
                 progress("run end")
                 with self.timer.section("run end"):
                     await self.run_end(rt, loops, ae)
@@ -447,7 +481,7 @@ class Bench:
             bound=BUFFER,
             storage=self.storage,
             # Alone, the first lifecycle would pay the driver's one-time costs.
-            warm_up=self.lifecycle_only,
+            warm_up=self.parts == {"lifecycle"},
         )
         for row in result.per_repeat():
             for key, ours, floor in (
@@ -474,55 +508,54 @@ class Bench:
     # Output -------------------------------------------------------------------------------------
 
     def where_time_goes(self) -> list[str]:
+        """The notes under the table, each where its part ran."""
         w = {k: median(v) for k, v in self.where.items()}
 
         def g(key: str) -> float:
             return w.get(key, math.nan)
 
         lines = ["Where the time goes (medians):"]
-        own = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.sections.items())
-        if self.lifecycle_only:
-            return [*lines, *self.lifecycle_notes, f"- this benchmark's own time (s): {own}"]
-        if self.channel_only:
-            return [*lines, *self.channel_notes, f"- this benchmark's own time (s): {own}"]
-        outlive = (
-            f"- a resumed named run: its new driver's executor ready to its first step "
-            f"{g('resume_ready_to_step_s') * 1e3:.0f} ms (the rest of 'resume' is the process "
-            "starting, importing and joining Ray)"
-        )
-        if self.outlive_only:
-            return [*lines, outlive, f"- this benchmark's own time (s): {own}"]
-        cpu = []
-        for column, name in (
-            ("raytrain", "Ray Train"),
-            ("lockstep", "lockstep"),
-            ("floor", "floor"),
-            ("asyncexec", "asyncexec"),
-        ):
-            if f"{column}_driver_cpu_us" in w:
-                cpu.append(
-                    f"{name} {g(f'{column}_driver_cpu_us'):.1f} driver + "
-                    f"{g(f'{column}_worker_cpu_us'):.1f} workers"
-                )
-        lines.append("- CPU per report, 4 workers streaming (us): " + "; ".join(cpu))
-        lines.append(
-            f"- reports in flight per worker, at most: floor {2 * BUFFER:,} (a deque of {BUFFER:,} "
-            f"in the worker, as many on their way), asyncexec {DEFAULT_BUFFER_SIZE:,} "
-            "(its default buffer_size: the worker, the wire and the driver together)"
-        )
-        lines.append(outlive)
-        lines.append(
-            f"- asyncexec start-up, 4 workers (s from entering): placement group ready "
-            f"{g('ae_placement_ready'):.3f}, worker processes ready {g('ae_workers_ready'):.3f}, "
-            f"set up and ready {g('ae_group_started'):.3f}"
-        )
-        lines.append(
-            f"- asyncexec restart (s from os.kill): failure noticed {g('ae_restart_noticed'):.3f}, "
-            f"old group gone {g('ae_restart_old_group_gone'):.3f}, new group ready "
-            f"{g('ae_restart_new_group_ready'):.3f}, first step "
-            f"{self.figures['restart'].medians().get('asyncexec', math.nan):.3f}"
-        )
-        if self.rt is not None:
+        cpu = [
+            f"{name} {g(f'{column}_driver_cpu_us'):.1f} driver + "
+            f"{g(f'{column}_worker_cpu_us'):.1f} workers"
+            for column, name in (
+                ("raytrain", "Ray Train"),
+                ("lockstep", "lockstep"),
+                ("floor", "floor"),
+                ("asyncexec", "asyncexec"),
+            )
+            if f"{column}_driver_cpu_us" in w
+        ]
+        if cpu:
+            lines.append("- CPU per report, 4 workers streaming (us): " + "; ".join(cpu))
+        if "reports" in self.parts:
+            lines.append(
+                f"- reports in flight per worker, at most: floor {2 * BUFFER:,} (a deque of "
+                f"{BUFFER:,} in the worker, as many on their way), asyncexec "
+                f"{DEFAULT_BUFFER_SIZE:,} (its default buffer_size: the worker, the wire and the "
+                "driver together)"
+            )
+        if "resume_ready_to_step_s" in w:
+            lines.append(
+                f"- a resumed named run: its new driver's executor ready to its first step "
+                f"{g('resume_ready_to_step_s') * 1e3:.0f} ms (the rest of 'resume' is the process "
+                "starting, importing and joining Ray)"
+            )
+        if "ae_placement_ready" in w:
+            lines.append(
+                f"- asyncexec start-up, 4 workers (s from entering): placement group ready "
+                f"{g('ae_placement_ready'):.3f}, worker processes ready "
+                f"{g('ae_workers_ready'):.3f}, set up and ready {g('ae_group_started'):.3f}"
+            )
+        if "ae_restart_noticed" in w:
+            lines.append(
+                f"- asyncexec restart (s from os.kill): failure noticed "
+                f"{g('ae_restart_noticed'):.3f}, old group gone "
+                f"{g('ae_restart_old_group_gone'):.3f}, new group ready "
+                f"{g('ae_restart_new_group_ready'):.3f}, first step "
+                f"{self.figures['restart'].medians().get('asyncexec', math.nan):.3f}"
+            )
+        if "rt_restart_group_restarted" in w:
             lines.append(
                 f"- Ray Train restart (s from os.kill): group restarted inside get_next_results "
                 f"{g('rt_restart_group_restarted'):.3f}, first result "
@@ -534,92 +567,68 @@ class Bench:
                 f"(fresh workers per request) {g('service_first_cold_ms'):.0f} ms; pool workers "
                 f"replaced during the lease-lag rounds {g('warm_refills'):.0f}"
             )
-        lines.append(
-            f"- driver RSS {g('driver_rss_first'):.0f} MiB after warm-up; peak above it "
-            f"{g('driver_rss_peak_minus_first'):.2f} MiB"
-        )
+        if "driver_rss_first" in w:
+            lines.append(
+                f"- driver RSS {g('driver_rss_first'):.0f} MiB after warm-up; peak above it "
+                f"{g('driver_rss_peak_minus_first'):.2f} MiB"
+            )
         samples = ", ".join(
             f"{c} {int(g(f'{c}_lag_samples'))}"
             for c in ("raytrain", "lockstep", "floor", "asyncexec")
             if f"{c}_lag_samples" in w
         )
-        lines.append(f"- heartbeat wake-ups per lag run: {samples}")
+        if samples:
+            lines.append(f"- heartbeat wake-ups per lag run: {samples}")
         collections = "; ".join(
             f"{c} {int(g(f'{c}_gc_full'))} full, longest {g(f'{c}_gc_full_max_ms'):.1f} ms, "
             f"all collections {g(f'{c}_gc_all_ms'):.0f} ms"
             for c in ("lockstep", "floor", "asyncexec")
             if f"{c}_gc_full" in w
         )
-        lines.append(f"- driver garbage collections during each lag run: {collections}")
+        if collections:
+            lines.append(f"- driver garbage collections during each lag run: {collections}")
         lines += self.channel_notes
         lines += self.lifecycle_notes
+        own = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.sections.items())
         lines.append(f"- this benchmark's own time (s): {own}")
         return lines
 
 
-async def bench_main(bench: Bench, *, reports_only: bool = False) -> str | None:
-    """Measure everything; return why Ray Train was skipped, or None."""
-    if reports_only:  # the reports/s rows only, each worker count's groups started for them
-        client = RayTrainClient()
-        if await client.open(ray.get_runtime_context().gcs_address, RESOURCES):
-            bench.rt = client
-        try:
-            for n in sorted(bench.sizes.worker_counts):
-                loops, ae = (
-                    LoopGroup(n, RESOURCES, BUFFER),
-                    AsyncexecGroup(n, RESOURCES, bench.storage),
-                )
-                try:
-                    if bench.rt is not None:
-                        await bench.rt.call("start", n=n)
-                    await loops.start()
-                    await ae.start()
-                    progress(f"reports/s, {n} worker(s)")
-                    await bench.stream(n, bench.rt, loops, ae)
-                finally:
-                    await ae.close()
-                    await loops.close()
-                    if bench.rt is not None:
-                        await bench.rt.call("shutdown")
-        finally:
-            await client.close()
-        return client.unavailable
-    if bench.lifecycle_only:
-        with bench.timer.section("lifecycle lag"):
-            await bench.lifecycle()
-        return None
-    if bench.channel_only:
-        await bench.channel()
-        return None
-    if bench.outlive_only:
-        await bench.outlive()
-        return None
-    if bench.local_only:
-        await bench.local_mode()
-        return None
+async def bench_main(bench: Bench) -> str | None:
+    """Measure the run's parts; return why Ray Train was skipped, or None."""
+    parts = bench.parts
     client = RayTrainClient()
-    progress("starting the Ray Train driver")
-    with bench.timer.section("Ray Train driver start"):
-        address = ray.get_runtime_context().gcs_address
-        if await client.open(address, RESOURCES):
-            bench.rt = client
+    if parts & RAY_TRAIN_PARTS:
+        progress("starting the Ray Train driver")
+        with bench.timer.section("Ray Train driver start"):
+            if await client.open(ray.get_runtime_context().gcs_address, RESOURCES):
+                bench.rt = client
     try:
-        with bench.timer.section("start-up and memory"):
-            await bench.startup()
-        with bench.timer.section("warm workers"):
-            await bench.warm()
-        await bench.channel()
-        with bench.timer.section("runs that outlive failures"):
-            await bench.outlive()
-        with bench.timer.section("local mode"):
-            await bench.local_mode()
-        for n in bench.sizes.worker_counts:
+        if "startup" in parts:
+            with bench.timer.section("start-up and memory"):
+                await bench.startup()
+        if "warm" in parts:
+            with bench.timer.section("warm workers"):
+                await bench.warm()
+        if "channel" in parts:
+            await bench.channel()
+        if "outlive" in parts:
+            with bench.timer.section("runs that outlive failures"):
+                await bench.outlive()
+        if "local" in parts:
+            with bench.timer.section("local mode"):
+                await bench.local_mode()
+        counts = bench.sizes.worker_counts if "reports" in parts else []
+        if "runs" in parts and 4 not in counts:
+            counts = [*counts, 4]
+        for n in counts:
             await bench.groups(n)
-        with bench.timer.section("lifecycle lag"):
-            await bench.lifecycle()
+        if "lifecycle" in parts:
+            with bench.timer.section("lifecycle lag"):
+                await bench.lifecycle()
     finally:
         await client.close()
-    return client.unavailable
+    return client.unavailable if parts & RAY_TRAIN_PARTS else None
 
 
 def asyncexec_version() -> str:
@@ -673,41 +682,7 @@ def start_ray() -> None:
     _harness.start_ray(RAY_CPUS)
 
 
-#: The ``--...-only`` options, each measuring some rows alone (with ``--quick``, at their quick
-#: sizes): its help, its rows (by key) and its words in the title.
-ONLY: dict[str, tuple[str, Callable[[str], bool], str]] = {
-    "lifecycle_only": (
-        "only the event-loop lag through whole lifecycles (about a minute)",
-        lambda key: key in LIFECYCLE_KEYS,
-        "lifecycle only",
-    ),
-    "channel_only": (
-        "only the weight channel rows (a state moved between executors, version lag through "
-        "SIGKILLs, loop lag during pushes)",
-        lambda key: key in CHANNEL_KEYS,
-        "weight channel only",
-    ),
-    "outlive_only": (
-        "only the rows of runs that outlive failures (independent ranks, driver-death resume)",
-        lambda key: key in OUTLIVE_KEYS,
-        "runs that outlive failures only",
-    ),
-    "local_only": (
-        "only the local mode rows (start-up and reports/s beside Ray actors)",
-        lambda key: key in LOCAL_KEYS,
-        "local mode only",
-    ),
-    "reports_only": (
-        "only the reports/s rows (1, 4 and 16 workers), with Ray Train beside them",
-        lambda key: key.startswith("rate") or key == "metrics_cost",
-        "reports/s only",
-    ),
-}
-
-
 def _options(parser: argparse.ArgumentParser) -> None:
-    for name, (text, _, _) in ONLY.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
     parser.add_argument(
         "--gc-freeze",
         action="store_true",
@@ -726,19 +701,10 @@ async def _run(sizes: Sizes, args: argparse.Namespace) -> _harness.Result:
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
-    bench = Bench(
-        sizes,
-        events,
-        lifecycle_only=args.lifecycle_only,
-        channel_only=args.channel_only,
-        outlive_only=args.outlive_only,
-        local_only=args.local_only,
-    )
-    missing = await bench_main(bench, reports_only=args.reports_only)
-    figures = list(bench.figures.values())
-    for name, (_, chosen, _) in ONLY.items():
-        if getattr(args, name):
-            figures = [f for f in figures if chosen(f.key)]
+    parts = [name for name in PARTS if name in args.only]
+    bench = Bench(sizes, events, parts=parts)
+    missing = await bench_main(bench)
+    figures = [f for f in bench.figures.values() if any(PARTS[p][1](f.key) for p in parts)]
     notes = [f"asyncexec {asyncexec_version()} from {asyncexec_path()}"]
     if missing is not None:
         notes.append(f"Ray Train column skipped: {missing}")
@@ -746,7 +712,8 @@ async def _run(sizes: Sizes, args: argparse.Namespace) -> _harness.Result:
 
 
 def _about(sizes: Sizes, args: argparse.Namespace) -> str:
-    modes = [words for name, (_, _, words) in ONLY.items() if getattr(args, name)]
+    parts = [name for name in PARTS if name in args.only]
+    modes = [f"only {', '.join(parts)}"] if len(parts) < len(PARTS) else []
     modes += ["gc.freeze() after start-up"] if args.gc_freeze else []
     return "; ".join(
         [
@@ -766,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=QUICK,
         run=_run,
         ray={"num_cpus": RAY_CPUS},
+        figures={name: text for name, (text, _) in PARTS.items()},
         options=_options,
         about=_about,
     )

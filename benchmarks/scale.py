@@ -44,11 +44,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import cProfile
 import functools
 import gc
 import os
-import pstats
 import sys
 import time
 import tracemalloc
@@ -511,12 +509,11 @@ async def profile(n: int) -> None:
         rate = paced_rate(n, ray=False)
         reports = max(30, 30_000 // n)
         sim.load = SimLoad(reports=reports, rate=rate, tagged=False)
-        prof = cProfile.Profile()
-        prof.enable()
-        async for _ in executor.run(noop):
-            pass
-        prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        profiler = _harness.Profiler()
+        with profiler.on():
+            async for _ in executor.run(noop):
+                pass
+    print(profiler.report())
 
 
 async def bench(sizes: Sizes, sim_only: bool, dispatch: bool = False) -> list[Row]:

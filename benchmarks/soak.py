@@ -36,7 +36,6 @@ if __name__ == "__main__" and not __package__:
 
 import anyio
 import psutil
-import ray
 
 import asyncexec
 from benchmarks._common import LoopBeat, MiB, live_placement_groups, live_workers, percentile
@@ -53,8 +52,6 @@ __all__ = [
     "tiny",
 ]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 #: Growth tolerated in the driver's threads (anyio's idle worker threads come and go).
 THREAD_TOLERANCE = 2
@@ -240,15 +237,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Imported here: importing it sets the environment Ray's workers inherit (the project root
+    # on their path, from which they import ``benchmarks.soak``).
+    from benchmarks import _harness
+
     t0 = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory(prefix="asyncexec-soak-") as storage:
-            phases = anyio.run(_main, args, Path(storage))
-    finally:
-        ray.shutdown()
+    with (
+        _harness.ray_session(num_cpus=4, fresh_workers=False),
+        tempfile.TemporaryDirectory(prefix="asyncexec-soak-") as storage,
+    ):
+        phases = anyio.run(_main, args, Path(storage))
     print(f"asyncexec soak: {time.perf_counter() - t0:.0f} s\n")
     print(render(phases))
     problems = [p for phase in phases for p in phase.problems()]
@@ -259,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run as the module ``benchmarks.soak``, not ``__main__``, so that the workers import ``tiny``
-    # by that name (ROOT is on their PYTHONPATH).
+    # by that name (the project root is on their PYTHONPATH).
     import importlib
 
     raise SystemExit(importlib.import_module("benchmarks.soak").main())

@@ -141,9 +141,9 @@ async def _kill_restart(sc: Scenario, env: Env, out: Outcome, directory: Path) -
     past the start-up deadline): three attempts in all."""
     hold = sc.kind == "hang_startup"
     second: type[BaseException] = asyncexec.StartupTimeoutError if hold else asyncexec.StartupError
-    # The deadline covers the worker processes' start too: on a slow 2-core machine two of them
-    # with an init hook took over 5 s to come up, so every start-up (the held restart's too) is
-    # bounded at 15 s.
+    # The deadline covers the worker processes' start too, which on a loaded machine takes
+    # seconds; every start-up (the held restart's too) is bounded at 15 s, well past that and
+    # still short of the scenario's timeout.
     options: dict[str, Any] = {"start_s": 15.0} if hold else {}
     gate = Gate(directory)
     fault_time: list[float] = []

@@ -9,18 +9,16 @@ import argparse
 import contextlib
 import functools
 import math
-import os
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
-import ray
 
 from benchmarks._common import LoopBeat, percentile
 from benchmarks.chaos import channel, faults, groups, resume
@@ -30,8 +28,6 @@ from benchmarks.chaos.scenarios import KINDS, NODE_KINDS, Env, Outcome, Scenario
 
 __all__ = ["main", "render_table", "run_scenario"]
 
-#: The project root: the workers import ``benchmarks.chaos.worker`` from it.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Every kind's coroutine.
 _RUNNERS = {**faults._RUNNERS, **groups.RUNNERS, **channel.RUNNERS, **resume.RUNNERS}
 #: The nodes that node-loss kinds add before they start (and remove during).
@@ -139,37 +135,24 @@ def render_table(outcomes: Sequence[Outcome], seed: int, seconds: float) -> str:
 # Main -----------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _ray(nodes: bool) -> Iterator[Any]:
-    """A Ray for the run: a Cluster whose nodes can be added and removed, or a plain local one."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    cluster = None
-    if nodes:
-        from ray.cluster_utils import Cluster
+def _ray(nodes: bool) -> contextlib.AbstractContextManager[Any]:
+    """A Ray for the run: a Cluster whose nodes can be added and removed, or a plain local one.
+    The harness is imported here: importing it sets the environment Ray's workers inherit,
+    which a test that imports this module leaves as it is."""
+    from benchmarks import _harness
 
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 4,
-                "resources": {groups.SLOT: 2},
-                "_system_config": {
-                    "health_check_initial_delay_ms": 0,
-                    "health_check_period_ms": 200,
-                    "health_check_failure_threshold": 3,
-                },
-            },
-        )
-        ray.init(address=cluster.address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
+    if not nodes:
+        return _harness.ray_session(num_cpus=4, fresh_workers=False)
+    head = {
+        "num_cpus": 4,
+        "resources": {groups.SLOT: 2},
+        "_system_config": {
+            "health_check_initial_delay_ms": 0,
+            "health_check_period_ms": 200,
+            "health_check_failure_threshold": 3,
+        },
+    }
+    return _harness.ray_session(cluster=head)
 
 
 async def _run_all(scenarios: Sequence[Scenario], env: Env) -> list[Outcome]:

@@ -248,3 +248,24 @@ def test_quick_straggler_benchmark_names_the_slow_rank() -> None:
     assert rows[1].startswith("| Ray actors, 4 ranks"), out
     assert rows[1].endswith("| 0 in 1 |"), rows[1]  # no event in the balanced run
     assert rows[2].startswith("| simulated, 1024 ranks"), out
+
+
+@pytest.mark.timeout(60)
+def test_loop_stalls_reports_a_single_round(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``loop_stalls.py --rounds 1`` (no Ray: its report, on made-up drivers): with no later
+    round, the summary says so in place of failing on an empty range; ``--rounds 0`` is refused
+    before any driver starts."""
+    _benchmarks_importable(monkeypatch)
+    import loop_stalls
+
+    stall = {"round": 1, "ms": 52.0, "at_s": 0.1, "loop_cpu_ms": 0.5}
+    stall |= {"process_cpu_ms": 53.0, "cause": "gc gen2", "sites": [], "others": []}
+    driver = {"driver_preloaded": True, "tracked": 1, "frozen": 0, "stalls": [stall]}
+    loop_stalls.report([driver, driver], 1, show_sites=False)
+    out = capsys.readouterr().out
+    assert "round 1 52 ms (52, 52); no later round;" in out, out
+    with pytest.raises(SystemExit):
+        loop_stalls.main(["--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err

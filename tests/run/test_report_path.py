@@ -323,3 +323,21 @@ async def test_a_small_window_is_polled_at_once(monkeypatch: pytest.MonkeyPatch)
     polled as soon as three quarters of it is free."""
     room, after = await _first_poll_room(monkeypatch, 16, None)
     assert room == 12 and after < 0.05
+
+
+def test_the_stage_table_refuses_fewer_reports_than_a_poll(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``report_stages.py --reports N`` below one poll's reports is refused before anything is
+    measured (the round trip moves whole polls: it would time none)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import report_stages
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        report_stages.main(["--reports", str(report_stages.PER_POLL - 1), "--transfer"])
+    assert "--reports takes" in capsys.readouterr().err
