@@ -96,6 +96,49 @@ async def test_a_span_the_users_method_opens_is_a_child_of_the_drivers_call(
     assert calls[method["parent"]].attributes["asyncexec.function"] == "Worker.work"
 
 
+class Raising:
+    def fail(self, x: int) -> int:
+        raise ValueError(f"bad {x}")
+
+    async def fail_async(self, x: int) -> int:
+        raise ValueError(f"bad {x}")
+
+    def ok(self, x: int) -> int:
+        return x
+
+
+def raise_in_worker(x: int) -> None:
+    raise ValueError(f"bad {x}")
+
+
+async def test_a_call_whose_method_raised_is_a_failed_span_holding_its_exception(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    """A method or function that raised on the worker (answered as an outcome, not raised by
+    the call itself): its call's span has status ERROR and records the worker's exception; a
+    call that answered stays OK."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, roles=Raising) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 1"):
+            await ex.call(Raising.fail, 1, on=asyncexec.rank(0))
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 2"):
+            await ex.call(Raising.fail_async, 2, on=asyncexec.rank(1))
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 3"):
+            await ex.call(raise_in_worker, 3, on=asyncexec.rank(0))
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 4"):
+            await ex.execute(raise_in_worker, 4)
+        assert await ex.call(Raising.ok, 5, on=asyncexec.rank(0)) == 5
+    calls = [s for s in exported.get_finished_spans() if s.name == "asyncexec.call"]
+    failed = [s for s in calls if s.attributes["asyncexec.function"] != "Raising.ok"]
+    assert len(failed) == 1 + 1 + 1 + 2
+    for span in failed:
+        assert span.status.status_code == trace.StatusCode.ERROR, span.attributes
+        [event] = [e for e in span.events if e.name == "exception"]
+        assert event.attributes["exception.type"] == "ValueError"
+        assert str(event.attributes["exception.message"]).startswith("bad ")
+    [ok] = [s for s in calls if s.attributes["asyncexec.function"] == "Raising.ok"]
+    assert ok.status.is_ok and not ok.events
+
+
 class Base:
     def who(self, x: int) -> int:
         return x
