@@ -7,8 +7,9 @@ With the ``tracing`` extra (``opentelemetry-api``) and a tracer provider set by 
 opens spans named ``asyncexec.run``, ``asyncexec.attempt``, ``asyncexec.restart``,
 ``asyncexec.call`` (one per rank a call goes to), ``asyncexec.push.read`` /
 ``asyncexec.push.deliver``, and the RL loop's: ``asyncexec.pipeline.batch``,
-``asyncexec.pipeline.update`` (holding ``.pause``, ``.push`` and ``.resume``, each holding the
-calls and pushes it made) and ``asyncexec.router.request``, which stands for its first
+``asyncexec.pipeline.update`` (holding ``.pause``, ``.push`` and ``.resume``, each standing
+for the servers' calls it made, see :func:`as_calls`, and holding the channel's pushes) and
+``asyncexec.router.request``, which stands for its first
 attempt's call (its ``asyncexec.function`` and ``asyncexec.rank``, its context carried: see
 :func:`as_first_call`) and holds an ``asyncexec.router.attempt`` for each attempt after the
 first (standing for its call: :func:`as_call`) and for a first attempt that failed.
@@ -27,13 +28,14 @@ import contextlib
 import contextvars
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
     "Carried",
     "Opened",
     "as_call",
+    "as_calls",
     "as_first_call",
     "attached",
     "begin",
@@ -333,7 +335,8 @@ def call_span(fn: Any, rank: int) -> tuple[Any, str | None]:
     """A call's span on ``rank`` (a child of the caller's current context), and the context
     it carries to the worker (see :class:`Carried`); ``(None, None)`` when tracing is off. End
     it with :func:`end_call` (which sets its attributes). Inside :func:`as_call`, the first
-    call makes no span: ``(None, its context)``, the span given there standing for it."""
+    call makes no span: ``(None, its context)``, the span given there standing for it; inside
+    :func:`as_calls`, likewise each call made while its span is the current one."""
     made = tracer()
     if made is None:
         return None, None
@@ -341,6 +344,9 @@ def call_span(fn: Any, rank: int) -> tuple[Any, str | None]:
     if standing is not None:
         _FOR_CALL.set(None)  # a second call of the block is a span of its own
         return None, traceparent(standing)
+    phase = _FOR_CALLS.get()
+    if phase is not None and _trace().get_current_span() is phase:
+        return None, traceparent(phase)
     span = made.start_span("asyncexec.call")
     return span, traceparent(span)
 
@@ -357,6 +363,29 @@ async def as_call(span: Any, awaitable: Awaitable[T]) -> T:
         return await within(span, awaitable)
     finally:
         _FOR_CALL.reset(token)
+
+
+#: The span that stands for each call made while it is the current span (an update's phase:
+#: see :func:`as_calls`), or None.
+_FOR_CALLS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "asyncexec_span_for_calls", default=None
+)
+
+
+async def as_calls(name: str, awaitable: Awaitable[T], **attributes: Any) -> T:
+    """Await ``awaitable`` inside a span ``name`` (as :func:`in_span`) that stands for the
+    calls made while it is the current span (an update's pause, push or resume: one call on
+    each server): they make no ``asyncexec.call`` span of their own and carry this span's
+    context to the worker, where what the method opens is its child. A call made under a span
+    of its own (the channel's ``asyncexec.push.read``) is that span's child, as anywhere."""
+    span = start(name, **attributes)
+    if span is None:
+        return await awaitable
+    token = _FOR_CALLS.set(span)
+    try:
+        return await within(span, awaitable)
+    finally:
+        _FOR_CALLS.reset(token)
 
 
 #: The span of the router request this context serves (see :func:`in_request`), or None: its
@@ -386,7 +415,7 @@ async def in_request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
     return value
 
 
-def under_request(name: str, attributes: dict[str, Any]) -> Any:
+def under_request(name: str, attributes: Mapping[str, Any]) -> Any:
     """A span ``name`` with ``attributes``, a child of the router request's span (of the
     current context outside one: see :func:`in_request`), started now; None when tracing is
     off."""
@@ -398,7 +427,7 @@ def under_request(name: str, attributes: dict[str, Any]) -> Any:
     return made.start_span(name, context=context, attributes=attributes)
 
 
-async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: dict[str, Any]) -> T:
+async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: Mapping[str, Any]) -> T:
     """The router request's span (see :func:`in_request`) stands for the call ``awaitable``
     makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what ran, on which
     rank): a request answered by its first attempt is one SDK span, not two (a span costs the

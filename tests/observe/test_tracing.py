@@ -96,6 +96,49 @@ async def test_a_span_the_users_method_opens_is_a_child_of_the_drivers_call(
     assert calls[method["parent"]].attributes["asyncexec.function"] == "Worker.work"
 
 
+class Raising:
+    def fail(self, x: int) -> int:
+        raise ValueError(f"bad {x}")
+
+    async def fail_async(self, x: int) -> int:
+        raise ValueError(f"bad {x}")
+
+    def ok(self, x: int) -> int:
+        return x
+
+
+def raise_in_worker(x: int) -> None:
+    raise ValueError(f"bad {x}")
+
+
+async def test_a_call_whose_method_raised_is_a_failed_span_holding_its_exception(
+    mode: str, exported: InMemorySpanExporter
+) -> None:
+    """A method or function that raised on the worker (answered as an outcome, not raised by
+    the call itself): its call's span has status ERROR and records the worker's exception; a
+    call that answered stays OK."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, roles=Raising) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 1"):
+            await ex.call(Raising.fail, 1, on=asyncexec.rank(0))
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 2"):
+            await ex.call(Raising.fail_async, 2, on=asyncexec.rank(1))
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 3"):
+            await ex.call(raise_in_worker, 3, on=asyncexec.rank(0))
+        with pytest.raises(asyncexec.WorkerRaisedError, match="bad 4"):
+            await ex.execute(raise_in_worker, 4)
+        assert await ex.call(Raising.ok, 5, on=asyncexec.rank(0)) == 5
+    calls = [s for s in exported.get_finished_spans() if s.name == "asyncexec.call"]
+    failed = [s for s in calls if s.attributes["asyncexec.function"] != "Raising.ok"]
+    assert len(failed) == 1 + 1 + 1 + 2
+    for span in failed:
+        assert span.status.status_code == trace.StatusCode.ERROR, span.attributes
+        [event] = [e for e in span.events if e.name == "exception"]
+        assert event.attributes["exception.type"] == "ValueError"
+        assert str(event.attributes["exception.message"]).startswith("bad ")
+    [ok] = [s for s in calls if s.attributes["asyncexec.function"] == "Raising.ok"]
+    assert ok.status.is_ok and not ok.events
+
+
 class Base:
     def who(self, x: int) -> int:
         return x
@@ -110,7 +153,10 @@ class Echo(asyncexec.RolloutServer):
         yield prompt
 
     def load_weights(self, state: Any, version: int) -> None:
-        pass
+        self.opened = span_in_worker(version)  # (in the install call's trace context)
+
+    def last_opened(self) -> dict[str, Any]:
+        return self.opened
 
 
 async def test_every_call_is_named_by_its_roles_class_and_method(
@@ -160,9 +206,9 @@ class WeightsLearner:
 async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_attempts(
     mode: str, exported: InMemorySpanExporter
 ) -> None:
-    """A batch, an update holding its pause, push and resume (each holding the calls and the
-    channel's pushes it made), a router request standing for its (first and only) attempt's
-    call."""
+    """A batch, an update holding its pause, push and resume (each standing for the servers'
+    calls it made, and holding the channel's pushes), a router request standing for its (first
+    and only) attempt's call."""
     prompts = [f"p{i}" for i in range(8)]
     async with contextlib.AsyncExitStack() as stack:
         servers = await stack.enter_async_context(
@@ -180,6 +226,7 @@ async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_a
         async for _ in pipe:
             state = () if channel else ({"w": 1},)
             await pipe.update_weights(*state, on_update="abort")
+        opened = await servers.call(Echo.last_opened)  # (the last install's, on each server)
     spans = exported.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
 
@@ -194,22 +241,23 @@ async def test_the_rl_loop_is_spans_a_batch_an_update_its_phases_a_request_its_a
         ("abort", 1),
         ("abort", 2),
     ]
+    phases = {}
     for phase in ("pause", "push", "resume"):
         found = [s for s in spans if s.name == f"asyncexec.pipeline.{phase}"]
         assert sorted(parent(s).context.span_id for s in found) == sorted(
             u.context.span_id for u in updates
         ), phase
-    pauses = {s.context.span_id for s in spans if s.name == "asyncexec.pipeline.pause"}
-    assert [s for s in spans if s.name == "asyncexec.call" and parent(s).context.span_id in pauses]
-    pushes = {s.context.span_id for s in spans if s.name == "asyncexec.pipeline.push"}
+        phases[phase] = {s.context.span_id for s in found}
+    # A phase stands for the servers' calls it made (their pause, install, resume): no
+    # ``asyncexec.call`` of their own; what a call opens on its server is the phase's child.
+    under_updates = set().union(*phases.values(), (u.context.span_id for u in updates))
+    calls = [s for s in spans if s.name == "asyncexec.call"]
+    assert not [s for s in calls if parent(s) and parent(s).context.span_id in under_updates]
     reads = [s for s in spans if s.name == "asyncexec.push.read"]  # the channel's
     assert len(reads) == (3 if mode == "ray" else 0)  # (the pipeline's first push, then 2)
-    assert all(parent(s).context.span_id in pushes for s in reads[1:])
-    installs = [
-        s for s in spans if s.attributes.get("asyncexec.function") == "Echo.install_weights"
-    ]
-    if mode == "local":  # (without a channel: the servers' installs)
-        assert installs and all(parent(s).context.span_id in pushes for s in installs)
+    assert all(parent(s).context.span_id in phases["push"] for s in reads[1:])
+    if mode == "local":  # (without a channel: the push is the servers' installs)
+        assert all(o["parent"][1] in phases["push"] for o in opened), opened
     requests = [s for s in spans if s.name == "asyncexec.router.request"]
     assert len(requests) >= len(prompts)
     assert not [s for s in spans if s.name == "asyncexec.router.attempt"]  # none sent again

@@ -1,6 +1,8 @@
 """A call on a rank as the executor's observer sees it: its first end is emitted once, as a
 :class:`~.._events.CallEnded` from its send (the timeline draws it as the rank's span), and ends
 its OpenTelemetry span (opened at the send: its context travels to the worker with the call).
+A method or function that raised on the worker ended the call with that error, though the call
+itself answers it as an outcome (the caller raises it later, with the rank's context).
 
 A call nobody observes is not wrapped at all: the call sites ask ``observer.handles(CallEnded)``
 and whether tracing made a span first (a dict look-up and a None check on a call's hot path)."""
@@ -11,6 +13,7 @@ import time
 from typing import Any, TypeVar, cast
 
 from ..._wire import _tracing
+from ..._wire._protocol import Outcome
 from .._events import CallEnded
 from .._observe import Observer
 
@@ -43,7 +46,9 @@ class ObservedCall:
     def __await__(self) -> Any:
         error: BaseException | None = None
         try:
-            return (yield from self._call.__await__())
+            answer = yield from self._call.__await__()
+            error = _failure(answer)
+            return answer
         except BaseException as exc:
             error = exc
             raise
@@ -56,6 +61,14 @@ class ObservedCall:
                     self._observer.emit(event)
                 if self._span is not None:
                     _tracing.end_call(self._span, self._name, self._rank, error)
+
+
+def _failure(answer: Any) -> BaseException | None:
+    """The worker's error when ``answer`` is the outcome of a method or function that failed
+    there (the call answers that failure, it does not raise it), else None."""
+    if type(answer) is not Outcome or answer.kind == "ok":
+        return None
+    return answer.error or RuntimeError("the function was stopped")
 
 
 def observed(observer: Observer, rank: int, name: str, call: T, span: Any) -> T:

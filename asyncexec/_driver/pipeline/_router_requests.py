@@ -25,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 import anyio
@@ -339,8 +341,7 @@ class Requests:
         ``asyncexec.router.attempt`` span of its own (``_tracing.as_call``)."""
         if tracer() is None:
             return call
-        attributes: dict[str, Any] = {"asyncexec.function": qualname(self.router.methods.generate)}
-        attributes["asyncexec.rank"] = attributes["rank"] = rank
+        attributes = _attempt_attributes(self.router.methods.generate, rank)
         if first:
             return as_first_call(call, "asyncexec.router.attempt", attributes)
         return as_call(under_request("asyncexec.router.attempt", attributes), call)
@@ -449,6 +450,13 @@ class Requests:
             f"request {request.id!r}: no answer within {deadline_s} s of its attempt "
             f"(sent {len(tried)} time(s), to ranks {tried})"
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _attempt_attributes(generate: Any, rank: int) -> Mapping[str, Any]:
+    """An attempt's span attributes: what it runs (``PolicyServer.generate``) and on which
+    server; the same few for every request, so made once (the SDK copies them)."""
+    return MappingProxyType({"asyncexec.function": qualname(generate), "asyncexec.rank": rank})
 
 
 def _due(sent_at: float, deadline_s: float | None) -> bool:

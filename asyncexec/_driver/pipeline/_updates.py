@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._errors import ExecutorStateError
-from ..._wire._tracing import in_span, spanned
+from ..._wire._tracing import as_calls, spanned
 from .._observe import Observer
 from .._taskgroups import task_group, teardown
 from ._admission import Admission, Item
@@ -90,14 +90,12 @@ async def update(
     admission.open = False
     paused = False
     try:
-        with spanned("asyncexec.pipeline.pause", mode=mode):
-            if mode == "wait":
-                in_flight = budget.in_flight_count
-            else:
-                paused = True
-                in_flight = await servers.pause(mode)
-            if mode == "wait":
-                await _drained(budget, admission)
+        if mode == "wait":
+            in_flight = budget.in_flight_count
+            await as_calls("asyncexec.pipeline.pause", _drained(budget, admission), mode=mode)
+        else:
+            paused = True
+            in_flight = await as_calls("asyncexec.pipeline.pause", servers.pause(mode), mode=mode)
         pushing = time.monotonic()
         admission.observer.emit(UpdatePaused(mode, started, pushing, in_flight))
         if mode == "abort":
@@ -106,16 +104,16 @@ async def update(
             async with task_group() as tg:
                 tg.start_soon(_drained, budget, admission)
                 pushed = _push(servers, channel, budget, admission, state)
-                await in_span("asyncexec.pipeline.push", pushed)
+                await as_calls("asyncexec.pipeline.push", pushed)
                 push_s = time.monotonic() - pushing
         else:
             pushed = _push(servers, channel, budget, admission, state)
-            await in_span("asyncexec.pipeline.push", pushed)
+            await as_calls("asyncexec.pipeline.push", pushed)
             push_s = time.monotonic() - pushing
         budget.advance()
         if paused:
             paused = False
-            await in_span("asyncexec.pipeline.resume", servers.resume())
+            await as_calls("asyncexec.pipeline.resume", servers.resume())
     finally:
         if paused:  # the push failed: generation goes on with the weights it had
             with teardown("servers_resume", _RESUME_TIMEOUT_S):
