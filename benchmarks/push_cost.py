@@ -1,7 +1,7 @@
 """One weight push's cost: ``WeightChannel.push()`` (object store) against the same move by hand,
 from one learner rank to two rollout servers, for a small state and a real model's.
 
-    python benchmarks/push_cost.py            # about a minute on 2 cores
+    python benchmarks/push_cost.py            # about two minutes on 2 cores
     python benchmarks/push_cost.py --quick    # 10 pushes of each, the small state only
     python benchmarks/push_cost.py --repeats 100   # pushes of each way
     python benchmarks/push_cost.py --profile  # the driver's cProfile of the channel's pushes
@@ -14,11 +14,11 @@ from one learner rank to two rollout servers, for a small state and a real model
   role serves the state (``asyncexec.serve_weights``) and whose servers install it
   (``asyncexec.receive_weights``), with ``max_staleness=1``: it returns once both hold it.
 
-Each state: a dict of 3 KB (``{"w": 750 float32 as a list}``, a toy policy's) and a real
-model's ``state_dict()`` (a 2-layer ``torch.nn.TransformerEncoder``, d_model 256, about 6 MB
-of float32 tensors). The two ways alternate push by push after a warm-up; the table shows the
-medians and the ratio (target: at most 1.2x by hand). Workers of 0.5 CPU each, in one local Ray
-of 4 CPUs.
+Each state: a dict of 3 KB (``{"w": 750 float32 as a list}``, a toy policy's) and two real
+models' ``state_dict()`` (a 2-layer ``torch.nn.TransformerEncoder`` of float32 tensors:
+d_model 256, about 6 MB, and d_model 512, about 25 MB). The two ways alternate push by push
+after a warm-up; the table shows the medians and the ratio (target: at most 1.2x by hand).
+Workers of 0.5 CPU each, in one local Ray of 4 CPUs.
 """
 
 from __future__ import annotations
@@ -42,14 +42,22 @@ import asyncexec
 CPU = {"CPU": 0.5}
 
 
+#: The models' states, by kind: (d_model, dim_feedforward) of a 2-layer encoder.
+MODELS = {"model, 6 MB": (256, 1024), "model, 25 MB": (512, 2048)}
+
+
 def make_state(kind: str) -> Any:
-    """The state of ``kind``: ``"3 KB"`` (a list of floats) or ``"model"`` (a torch state)."""
+    """The state of ``kind``: ``"3 KB"`` (a list of floats) or one of :data:`MODELS` (a torch
+    state)."""
     if kind == "3 KB":
         return {"w": [float(i) for i in range(750)]}
     import torch
 
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, batch_first=True)
+    width, feedforward = MODELS[kind]
+    layer = torch.nn.TransformerEncoderLayer(
+        width, 4, dim_feedforward=feedforward, batch_first=True
+    )
     model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -110,7 +118,7 @@ class Sizes:
     kinds: tuple[str, ...]
 
 
-FULL = Sizes(200, ("3 KB", "model"))
+FULL = Sizes(200, ("3 KB", *MODELS))
 QUICK = Sizes(10, ("3 KB",))
 
 
