@@ -177,6 +177,7 @@ async def test_function_that_does_not_stop_is_recorded_with_the_stacks() -> None
     [event] = [e for e in logs if e["event"] == "run_stop_timed_out"]
     assert event["ranks"] == [0]
     assert "stacks" not in event and len(str(event)) < 1000  # one short line
+    assert event["stacks_event"] == "run_stop_stack"  # it says where the stacks are
     stacks = {e["rank"]: e["stack"] for e in logs if e["event"] == "run_stop_stack"}
     assert all(e["log_level"] == "debug" for e in logs if e["event"] == "run_stop_stack")
     assert _names_function(stacks[0], "ignores_the_stop"), stacks[0]

@@ -236,11 +236,15 @@ class RunDriver:
             await declare_hung(group, [group.workers[r] for r in late], detail, hung.append)
             error = with_others(hung)
             ctx.run.failures.append(error)
+            # The stacks (kilobytes each) go one rank an event, at debug, never in this line (a
+            # log line is read by people and by log pipelines with line limits); it names them.
             ctx.log.warning(
-                "run_stop_timed_out", seconds=timeout, ranks=late, error=describe(error)
+                "run_stop_timed_out",
+                seconds=timeout,
+                ranks=late,
+                error=describe(error),
+                stacks_event="run_stop_stack",
             )
-            # The stacks (kilobytes each) go one rank an event, at debug, never in the line
-            # above: a log line is read by people and by log pipelines with line limits.
             for rank, stack in getattr(error, "stacks", {}).items():
                 ctx.log.debug("run_stop_stack", rank=rank, stack=stack)
             await ctx.slot.discard(force=True)
