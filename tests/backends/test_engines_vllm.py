@@ -225,8 +225,13 @@ async def test_a_pause_to_abort_returns_with_the_aborted_requests_ended(engines:
     await rollout.call(VLLMServer.pause, "abort", on=on)
     await rollout.call(VLLMServer.resume, on=on)
     samples = await asyncio.gather(*pending)
-    assert [s.aborted for s in samples] == [True] * 4
-    assert {c.finish_reason for s in samples for c in completions(s)} == {"abort"}
+    # Each request comes back: those the engine held at the pause ended as aborted (a loaded
+    # machine may finish one first, with its full length), none generating after the resume.
+    assert any(s.aborted for s in samples)
+    for s in samples:
+        ends = {c.finish_reason for c in completions(s)}
+        assert ends <= {"abort", "length"}, ends
+        assert ("abort" in ends) == s.aborted, (ends, s.aborted)
 
 
 async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: Engines) -> None:
