@@ -91,7 +91,11 @@ class Completion:
 
 def completions(sample: Sample) -> list[Completion]:
     """The completions of a :class:`VLLMServer`'s sample (aborted or not), in index order, each
-    token with its log-probability and the weights version that made it."""
+    token with its log-probability and the weights version that made it.
+
+    A completion of an aborted sample that has no end of its own ends ``"abort"``: the pause
+    ended its generation at a chunk the engine made before its final output (the engine's
+    abort of it then never reaches the sample)."""
     prompt: tuple[int, ...] = ()
     parts: dict[int, dict[str, Any]] = {}
     for chunk, version in zip(sample.output, sample.versions, strict=True):
@@ -106,8 +110,16 @@ def completions(sample: Sample) -> list[Completion]:
             part["vs"].extend([version] * len(delta.token_ids))
             part["end"] = delta.finish_reason or part["end"]
             part["spans"] = delta.engine_versions or part["spans"]
+    unfinished = "abort" if sample.aborted else None
     return [
-        Completion(prompt, tuple(p["ids"]), tuple(p["lps"]), tuple(p["vs"]), p["end"], p["spans"])
+        Completion(
+            prompt,
+            tuple(p["ids"]),
+            tuple(p["lps"]),
+            tuple(p["vs"]),
+            p["end"] or unfinished,
+            p["spans"],
+        )
         for _, p in sorted(parts.items())
     ]
 

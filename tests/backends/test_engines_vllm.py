@@ -226,7 +226,9 @@ async def test_a_pause_to_abort_returns_with_the_aborted_requests_ended(engines:
     await rollout.call(VLLMServer.resume, on=on)
     samples = await asyncio.gather(*pending)
     # Each request comes back: those the engine held at the pause ended as aborted (a loaded
-    # machine may finish one first, with its full length), none generating after the resume.
+    # machine may finish one first, with its full length), none generating after the resume;
+    # an aborted one may have stopped before the engine's final output, and its open
+    # completions end "abort" all the same (it failed in CI as {None}).
     assert any(s.aborted for s in samples)
     for s in samples:
         ends = {c.finish_reason for c in completions(s)}

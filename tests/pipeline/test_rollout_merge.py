@@ -101,3 +101,16 @@ def test_the_vllm_servers_merge_keeps_every_token_and_end() -> None:
     (first, second) = completions(joined)
     assert second.token_ids == (6, 8, 9) and second.logprobs == (-0.25, -2.0, -3.0)
     assert (first.finish_reason, second.engine_versions) == ("length", (("4", 0, 3),))
+
+
+def test_an_aborted_vllm_sample_ends_every_unfinished_completion_as_aborted() -> None:
+    """A pause to abort can end a generation at a chunk made before the engine's final output:
+    the completions it left open end ``"abort"``, one that finished keeps its own end."""
+    pytest.importorskip("vllm")
+    from asyncexec.engines import Delta, EngineChunk, completions
+
+    chunks = [EngineChunk((Delta(0, (5,), (), "length"), Delta(1, (6,), ())), 2, (1,))]
+    ends = [c.finish_reason for c in completions(asyncexec.Sample(0, None, chunks, (2,), 0))]
+    assert ends == ["length", None]  # not aborted: still going when its chunks were taken
+    aborted = asyncexec.Sample(0, None, chunks, (2,), 0, aborted=True)
+    assert [c.finish_reason for c in completions(aborted)] == ["length", "abort"]
