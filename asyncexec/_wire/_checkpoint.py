@@ -89,7 +89,7 @@ class Checkpoint:
                 yield self.to_directory(local)
             return
         if not os.path.isdir(self._path):
-            raise FileNotFoundError(f"checkpoint directory does not exist: {self._path!r}")
+            raise _missing(self._path)
         yield self._path
 
     def to_directory(self, destination: str | os.PathLike[str]) -> str:
@@ -97,12 +97,14 @@ class Checkpoint:
         if is_uri(self._path):
             fs, root = filesystem(self._path)
             if not fs.isdir(root):
-                raise FileNotFoundError(f"checkpoint directory does not exist: {self._path!r}")
+                raise _missing(self._path)
             for remote in fs.find(root):
                 target = Path(destination) / os.path.relpath(remote, root)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 fs.get_file(remote, os.fspath(target))
             return os.fspath(destination)
+        if not os.path.isdir(self._path):
+            raise _missing(self._path)
         return persist_directory(self._path, destination)
 
     def __fspath__(self) -> str:
@@ -119,6 +121,17 @@ class Checkpoint:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Checkpoint, (self._path,))
+
+
+def _missing(path: str) -> FileNotFoundError:
+    """A checkpoint whose files are gone, most likely those of an unnamed run whose executor
+    closed: the error says so, and how to keep them."""
+    return FileNotFoundError(
+        f"checkpoint directory does not exist: {path!r} (the checkpoints of an unnamed run "
+        "are removed when its executor closes: name the run, run(..., name=...), or keep "
+        "them with CheckpointConfig(keep_runs=True), or copy one with to_directory() while "
+        "the executor is open)"
+    )
 
 
 def persist_directory(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> str:

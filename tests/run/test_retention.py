@@ -35,6 +35,10 @@ async def test_unnamed_runs_are_removed_when_the_executor_closes_named_ones_kept
         assert await anyio.Path(first.path).is_dir()  # usable while the executor is open
         assert len(_runs(tmp_path)) == 3
     assert _runs(tmp_path) == {"kept-by-name"}
+    # Read after the close, the removed checkpoint says why it is gone and how to keep one.
+    for use in (first.as_directory().__enter__, lambda: first.to_directory(tmp_path / "copy")):
+        with pytest.raises(FileNotFoundError, match=r"unnamed run.*keep_runs=True"):
+            use()
 
 
 async def test_an_executor_that_keeps_its_runs_removes_nothing(tmp_path: Path) -> None:
