@@ -184,6 +184,7 @@ class ExecutorRuns:
         driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
         life.run = core
         life.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
+        tg.start_soon(self._retention.mark, core.run_id)
         tg.start_soon(driver.main, previous)
         return Run(core, receive)
 

@@ -4,6 +4,11 @@ unless the run is named (it can be resumed by name) or the executor keeps its ru
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import sys
 from pathlib import Path
 
 import anyio
@@ -15,10 +20,12 @@ import asyncexec
 pytestmark = pytest.mark.timeout(60)
 
 STEPS = {"steps": 4, "every": 2}
+#: The folder of the markers that name each unnamed run's driver (``<run_id>.json``).
+MARKERS = ".asyncexec-runs"
 
 
 def _runs(storage: Path) -> set[str]:
-    return {p.name for p in storage.iterdir() if p.is_dir()}
+    return {p.name for p in storage.iterdir() if p.is_dir() and p.name != MARKERS}
 
 
 async def test_unnamed_runs_are_removed_when_the_executor_closes_named_ones_kept(
@@ -68,3 +75,42 @@ async def test_runs_are_removed_also_when_the_executor_is_closed_by_aclose_or_an
 def test_keep_runs_must_be_a_bool() -> None:
     with pytest.raises(asyncexec.ConfigurationError, match="keep_runs must be a bool"):
         asyncexec.CheckpointConfig(keep_runs="yes")  # type: ignore[arg-type]
+
+
+#: A driver that SIGKILLs itself once its unnamed run has persisted a checkpoint: no close runs.
+KILLED_DRIVER = """
+import asyncio, os, signal, sys
+sys.path.insert(0, sys.argv[2])
+import asyncexec
+from test_faults import counter
+
+async def main():
+    async with asyncexec.Executor(1, local=True, storage_path=sys.argv[1]) as ex:
+        async for step in ex.run(counter, {"steps": 100, "every": 1, "sleep": 0.05}):
+            if step.checkpoint is not None:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_unnamed_runs_of_a_killed_driver_are_removed_by_the_next_close(
+    tmp_path: Path,
+) -> None:
+    """A driver that is killed runs no close: its unnamed runs' folders piled up. The next
+    executor on this host to close removes them; a live driver's and an unmarked folder stay."""
+    killed = await anyio.run_process(
+        [sys.executable, "-c", KILLED_DRIVER, str(tmp_path), str(Path(__file__).parent)],
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    (orphan,) = _runs(tmp_path)
+    assert (tmp_path / MARKERS / f"{orphan}.json").is_file()
+    (tmp_path / "unmarked").mkdir()  # a folder of another tool, or a run made before markers
+    (tmp_path / "live").mkdir()  # a run of a driver that is alive (this process)
+    marker = {"host": socket.gethostname(), "pid": os.getpid()}
+    (tmp_path / MARKERS / "live.json").write_text(json.dumps(marker))
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path) as ex:
+        [_ async for _ in ex.run(counter, STEPS, name="named")]
+    assert _runs(tmp_path) == {"unmarked", "live", "named"}
+    assert {p.stem for p in (tmp_path / MARKERS).iterdir()} == {"live"}  # the orphan's went
