@@ -10,6 +10,7 @@ the dispatch path (one a call); the one that every call sends is made once
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 __all__ = [
@@ -109,9 +110,14 @@ class RunStarted(NamedTuple):
 
 
 class RunEnded(NamedTuple):
-    """A run ended: ``finished``, ``failed`` or ``cancelled``."""
+    """A run ended: ``finished`` (its ``attempts`` and ``seconds``), ``failed`` (with
+    ``error``) or ``cancelled``, after ``steps`` steps."""
 
     outcome: Literal["finished", "failed", "cancelled"]
+    steps: int = 0
+    attempts: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = None
 
 
 class AttemptFailed(NamedTuple):
@@ -218,3 +224,5 @@ class Preemption(NamedTuple):
     (``moved``) or a restart after workers were lost with a drained node (``restarted``)."""
 
     stage: Literal["noticed", "moved", "restarted"]
+    #: What the run's log line says of it (nodes, ranks, deadline, the budget, the error).
+    details: Mapping[str, Any] | None = None

@@ -15,13 +15,12 @@ from .._logging import Logger
 from .._wire._checkpoint import Checkpoint
 from ..backends._base import Backend
 from ._config import ExecutorConfig
-from ._events import RunEnded, RunStarted
 from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
 from ._restart import RestartPolicy
 from ._retention import Retention
 from ._sinks import ExecutorCounts
-from .run import Resume, Run, RunCore, RunDriver, RunResult, RunState, new_run_id, prepare
+from .run import Resume, Run, RunCore, RunDriver, RunResult, new_run_id, prepare
 
 __all__ = ["ExecutorRuns", "ExecutorStatistics"]
 
@@ -183,17 +182,10 @@ class ExecutorRuns:
         self._retention.started(core.run_id, named=spec.name is not None)
         driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
         life.run = core
-        life.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
         tg.start_soon(self._retention.mark, core.run_id)
         tg.start_soon(driver.main, previous)
         return Run(core, receive)
 
     def _run_ended(self, run: RunCore) -> None:
-        if run.state is RunState.FINISHED:
-            self._life.observer.emit(RunEnded("finished"))
-        else:
-            self._life.observer.emit(
-                RunEnded("failed" if run.state is RunState.FAILED else "cancelled")
-            )
         if run.result is not None:
             self._result = run.result

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .._errors import describe
 from .._timeline._timeline import DRIVER, Timeline
 from ._events import (
     AttemptFailed,
@@ -261,18 +262,47 @@ def executor_observer(counts: ExecutorCounts, executor: str, timeline: Timeline 
     return observer
 
 
+#: The run's log line of each stage of a preemption.
+_PREEMPTION_LINES = {
+    "noticed": "preemption_noticed",
+    "moved": "moving_before_preemption",
+    "restarted": "restarting_after_preemption",
+}
+
+
 class RunLog:
-    """A run's log lines of its restarts and stragglers (``log``: the run's logger)."""
+    """A run's log lines of its start, end, restarts and stragglers (``log``: the run's
+    logger)."""
 
     def __init__(self, log: Any) -> None:
         self.log = log
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
+            RunStarted: self._started,
+            RunEnded: self._ended,
             Restarting: self._restarting,
             RankRestarting: self._rank_restarting,
             StragglerFound: self._straggler,
+            Preemption: self._preempted,
         }
+
+    def _started(self, event: RunStarted) -> None:
+        self.log.info("run_started")
+
+    def _preempted(self, event: Preemption) -> None:
+        self.log.warning(_PREEMPTION_LINES[event.stage], **(event.details or {}))
+
+    def _ended(self, event: RunEnded) -> None:
+        if event.outcome == "finished":
+            self.log.info(
+                "run_finished", steps=event.steps, attempts=event.attempts, seconds=event.seconds
+            )
+        elif event.outcome == "cancelled":
+            self.log.info("run_cancelled", steps=event.steps)
+        else:
+            error = event.error
+            self.log.warning("run_failed", error=None if error is None else describe(error))
 
     def _restarting(self, event: Restarting) -> None:
         self.log.warning(

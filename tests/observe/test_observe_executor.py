@@ -245,7 +245,8 @@ def test_a_runs_event_reaches_the_executors_sinks_and_the_runs_log() -> None:
         (DRIVER, "wait (policy)"),
         (DRIVER, "preemption moved"),
     ]
-    restarting, straggler = logs
+    restarting, straggler, moved = logs
+    assert moved["event"] == "moving_before_preemption"
     assert restarting == {
         "event": "restarting",
         "log_level": "warning",
@@ -256,3 +257,56 @@ def test_a_runs_event_reaches_the_executors_sinks_and_the_runs_log() -> None:
     }
     assert straggler["event"] == "straggler" and straggler["factor"] == 5.0
     assert (straggler["rank"], straggler["node_id"], straggler["stack"]) == (1, "abc", "stack")
+
+
+def _steps_then_fail(config: dict[str, Any]) -> None:
+    for i in range(config["steps"]):
+        asyncexec.report({"i": i})
+    if config.get("fail"):
+        raise ValueError("the last batch is bad")
+
+
+async def test_a_runs_start_and_end_are_one_event_each_logged_once_and_counted_once() -> None:
+    """A run's start and end are one event each, which reaches its log line and the
+    statistics once, whichever way the run ends."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        async with asyncexec.Executor(2, local=True) as ex:  # a user's error: not retried
+            [_ async for _ in ex.run(_steps_then_fail, {"steps": 3})]
+            async for _ in ex.run(_steps_then_fail, {"steps": 3}):
+                break
+            with pytest.raises(asyncexec.WorkerRaisedError):
+                [_ async for _ in ex.run(_steps_then_fail, {"steps": 1, "fail": True})]
+            stats = ex.statistics()
+    ends = [(e["event"], e.get("steps")) for e in logs if e["event"].startswith("run_")]
+    assert [e for e, _ in ends if e == "run_started"] == ["run_started"] * 3
+    (finished, cancelled, failed) = [e for e in ends if e[0] != "run_started"]
+    assert finished == ("run_finished", 3) and failed == ("run_failed", None)
+    assert cancelled[0] == "run_cancelled" and cancelled[1] >= 1  # the steps handed over
+    counts = (stats.runs_started, stats.runs_finished, stats.runs_cancelled, stats.runs_failed)
+    assert counts == (3, 1, 1, 1)
+
+
+def test_a_runs_events_are_logged_by_its_observer_with_what_it_counts() -> None:
+    """The run's log lines of its start, end and preemptions are a sink of the run's observer,
+    beside the executor's counts: one emit writes both (the run logged them and emitted the
+    events apart)."""
+    from structlog.testing import capture_logs
+
+    from asyncexec._logging import get_logger
+
+    counts = ExecutorCounts()
+    with capture_logs() as logs:
+        observer = run_observer(executor_observer(counts, "ex", None), get_logger(run_id="r"))
+        observer.emit(RunStarted(previous_steps=0))
+        observer.emit(Preemption("moved", {"preemptions": 1, "node_ids": ["ab12"]}))
+        observer.emit(RunEnded("finished", steps=3, attempts=2, seconds=0.5))
+    assert [(e["event"], e.get("steps"), e.get("attempts")) for e in logs] == [
+        ("run_started", None, None),
+        ("moving_before_preemption", None, None),
+        ("run_finished", 3, 2),
+    ]
+    assert logs[1]["node_ids"] == ["ab12"] and logs[1]["log_level"] == "warning"
+    counts = counts.counts
+    assert (counts["runs_started"], counts["runs_finished"], counts["preemptions"]) == (1, 1, 1)

@@ -19,6 +19,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from ..._errors import AsyncExecError, describe
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._tracing import Opened, begin, finish
+from .._events import RunEnded, RunStarted
 from .._interrupt import hurried_away
 from .._metrics import RunMeter
 from .._restart import RestartPolicy
@@ -71,11 +72,13 @@ class RunDriver:
     async def main(self, previous: RunCore | None) -> None:
         """The driver task: never raises; the outcome goes to the iterator."""
         ctx = self.ctx
-        run, log = ctx.run, ctx.log
+        run = ctx.run
         end: RunEnd | None = None
+        ended: RunEnded | None = None
         traced: Opened | None = None
         try:
             with run.scope:
+                ctx.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
                 if previous is not None:
                     await previous.finished.wait()
                 t0 = time.perf_counter()
@@ -83,21 +86,22 @@ class RunDriver:
                     await self.recorder.resume()
                 ctx.meter.watch()
                 traced = begin("asyncexec.run", run_id=run.run_id, executor=ctx.config.name)
-                log.info("run_started")
                 result = self._result(await self._work())
                 run.result, run.state = result, RunState.FINISHED
                 seconds = round(time.perf_counter() - t0, 3)
-                log.info("run_finished", steps=result.steps, attempts=run.attempt, seconds=seconds)
+                ended = RunEnded("finished", result.steps, run.attempt, seconds)
                 end = RunEnd(result, None)
             if end is None:
                 run.state = RunState.CANCELLED
-                log.info("run_cancelled", steps=ctx.handover.steps)
         except Exception as exc:
             error = exc if isinstance(exc, AsyncExecError) else _internal(exc)
             run.state, run.error = RunState.FAILED, error
-            log.warning("run_failed", error=describe(error))
+            ended = RunEnded("failed", ctx.handover.steps, run.attempt, error=error)
             end = RunEnd(None, error)
         finally:
+            if ended is None:  # cancelled, from the run's scope or from outside
+                ended = RunEnded("cancelled", ctx.handover.steps, run.attempt)
+            ctx.observer.emit(ended)
             finish(traced, run.error)
             ctx.meter.unwatch()
             # bounded: the stop by stop_timeout_s, the datasets by shutdown_timeout_s (the

@@ -281,15 +281,14 @@ class PreemptionWatch:
 
     def _announce(self, notice: PreemptionNotice) -> None:
         self.notices.append(notice)
-        self.observer.emit(Preemption("noticed"))
         left = notice.seconds_left()
-        self.log.warning(
-            "preemption_noticed",
-            node_ids=[short_node(n) for n in notice.node_ids],
-            ranks=list(notice.ranks),
-            deadline=notice.deadline,
-            seconds_left=None if left is None else round(left, 3),
-        )
+        details = {
+            "node_ids": [short_node(n) for n in notice.node_ids],
+            "ranks": list(notice.ranks),
+            "deadline": notice.deadline,
+            "seconds_left": None if left is None else round(left, 3),
+        }
+        self.observer.emit(Preemption("noticed", details))
 
     async def _tell(self, group: WorkerGroup, notice: PreemptionNotice | None) -> None:
         """Give ``notice`` to each worker of ``group`` that holds another word (None only to
@@ -356,17 +355,16 @@ class PreemptionWatch:
         """Count a move before the deadline against ``max_preemptions`` (the watch checked the
         budget), and log it with ``fields``."""
         self.preemptions += 1
-        self.observer.emit(Preemption("moved"))
         notice = self.current
         left = notice.seconds_left() if notice is not None else None
-        self.log.warning(
-            "moving_before_preemption",
-            preemptions=self.preemptions,
-            max_preemptions=self.budget,
-            node_ids=[short_node(n) for n in notice.node_ids] if notice is not None else [],
-            seconds_left=None if left is None else round(left, 3),
+        details = {
+            "preemptions": self.preemptions,
+            "max_preemptions": self.budget,
+            "node_ids": [short_node(n) for n in notice.node_ids] if notice is not None else [],
+            "seconds_left": None if left is None else round(left, 3),
             **fields,
-        )
+        }
+        self.observer.emit(Preemption("moved", details))
 
     # After a failure ---------------------------------------------------------------------------
 
@@ -400,14 +398,13 @@ class PreemptionWatch:
         self.preemptions += 1
         if self.budget is not None and self.preemptions > self.budget:
             raise PreemptionsSpent(error, self.preemptions, self.budget)
-        self.observer.emit(Preemption("restarted"))
-        self.log.warning(
-            "restarting_after_preemption",
-            preemptions=self.preemptions,
-            max_preemptions=self.budget,
-            error=describe(error),
+        details = {
+            "preemptions": self.preemptions,
+            "max_preemptions": self.budget,
+            "error": describe(error),
             **fields,
-        )
+        }
+        self.observer.emit(Preemption("restarted", details))
 
 
 def _bound(remembered: dict[Any, Any]) -> None:
