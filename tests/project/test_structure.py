@@ -639,3 +639,61 @@ def test_the_shield_check_sees_what_it_looks_for(tmp_path: Path) -> None:
         "    held = anyio.CancelScope(shield=True)\n"  # 20: unbounded
     )
     assert [w.split(":")[0] for w in _unbounded_shields(source)] == ["2", "19", "20"]
+
+
+# The tests -------------------------------------------------------------------------------------
+
+TESTS = PACKAGE.parent / "tests"
+#: The test modules that import the library's private modules: unit tests of an internal (the
+#: budget, the report window, the dispatch plan, the seam, the sinks...) that pin what the public
+#: names cannot reach precisely or without Ray. Every other test goes through the public names
+#: (``asyncexec``, ``asyncexec.testing``, ``engines``, ``backends``); this list only shrinks.
+INTERNAL_UNIT_TESTS = {
+    *("backends/test_engines_vllm.py", "backends/test_torch_backend.py"),
+    *("channel/test_channel_units.py", "cli/test_cli.py"),
+    *("cluster/test_preemption.py", "cluster/test_seam_calls.py", "cluster/test_seam_errors.py"),
+    *("cluster/test_seams.py", "cluster/test_stacks.py", "cluster/test_teardown_bounds.py"),
+    *("dispatch/test_dispatch.py", "dispatch/test_dispatch_failures.py"),
+    *("dispatch/test_dispatch_packed.py", "dispatch/test_dispatch_speed_paths.py"),
+    *("dispatch/test_payloads.py", "dispatch/test_roles_state.py"),
+    *("observe/test_dashboard.py", "observe/test_metrics.py", "observe/test_observe.py"),
+    *("observe/test_observe_executor.py", "observe/test_timeline.py"),
+    *("observe/test_timeline_pipeline.py", "observe/test_timeline_shared.py"),
+    *("observe/test_tracing.py", "pipeline/test_pipeline_expiry.py"),
+    *("pipeline/test_pipeline_lag.py", "pipeline/test_pipeline_units.py"),
+    *("pipeline/test_router_units.py", "project/test_units.py"),
+    *("run/test_credit.py", "run/test_datasets.py", "run/test_elastic.py", "run/test_faults.py"),
+    *("run/test_first_use.py", "run/test_handover.py", "run/test_held_groups.py"),
+    *("run/test_interrupt_handler.py", "run/test_lifecycle.py", "run/test_report_path.py"),
+    *("run/test_report_window.py", "run/test_stragglers.py", "run/test_stream.py"),
+    *("worker/test_roles_worker.py", "worker/test_threaded_worker.py"),
+    "worker/test_worker_interface.py",
+}
+
+
+def _takes_private_modules(path: Path) -> bool:
+    """Whether a test module imports a private module of the library (a dotted part ``_x``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "asyncexec" and any(
+                p.startswith("_") and not p.startswith("__") for p in parts[1:]
+            ):
+                return True
+    return False
+
+
+def test_the_tests_take_the_public_names_but_the_listed_unit_tests_of_internals() -> None:
+    found = {
+        path.relative_to(TESTS).as_posix()
+        for path in TESTS.rglob("test_*.py")
+        if _takes_private_modules(path)
+    }
+    assert found - INTERNAL_UNIT_TESTS == set(), "a test takes private modules: use public names"
+    assert INTERNAL_UNIT_TESTS - found == set(), "no longer takes private modules: unlist it"
