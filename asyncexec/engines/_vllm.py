@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import gc
 import itertools
 import os
-import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from .. import RolloutServer, Sample, get_context
 from ._extension import pack
+from ._loop import EngineLoop, reaper
 
 __all__ = ["Completion", "Delta", "EngineChunk", "VLLMServer", "completions"]
 
@@ -181,7 +178,7 @@ class VLLMServer(RolloutServer):
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
         settings = dict(engine or {})
-        self._engine_loop = _EngineLoop(self._asyncexec_loop())
+        self._engine_loop = EngineLoop(self._asyncexec_loop())
         try:
             if self._engine_loop.own:
                 # Made on that loop: what vLLM binds to the loop running at its start (its
@@ -205,7 +202,7 @@ class VLLMServer(RolloutServer):
         # which would never read the pipe that tells vLLM's processes their parent is gone.
         import psutil
 
-        self._reaper = _reaper([p.pid for p in psutil.Process().children(recursive=True)])
+        self._reaper = reaper([p.pid for p in psutil.Process().children(recursive=True)])
         # A version the channel holds already is loaded now, into the running engine.
         super().__init__(channel=channel)
         if not self._engine_loop.own:
@@ -440,99 +437,6 @@ class VLLMServer(RolloutServer):
             if title.startswith("VLLM::"):
                 found[title] = p.pid
         return found
-
-
-class _EngineLoop:
-    """The event loop the engine lives on, and the ways to reach it from any thread.
-
-    In a worker, the worker's own loop (the one the server's ``async def`` methods are called
-    on), when the server is made in a thread where no loop runs: a request, a pause or a resume
-    then reaches the engine with no hop between threads. Otherwise (made by hand, or inside a
-    running loop) a loop of its own, run by a daemon thread, which :meth:`stop` ends.
-    """
-
-    def __init__(self, worker_loop: asyncio.AbstractEventLoop | None) -> None:
-        self.thread: threading.Thread | None = None
-        if worker_loop is not None and _running_loop() is None:
-            self.loop = worker_loop
-            return
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="asyncexec-vllm-engine", daemon=True
-        )
-        self.thread.start()
-
-    @property
-    def own(self) -> bool:
-        """Whether the loop is the server's own (not the worker's)."""
-        return self.thread is not None
-
-    def is_current(self) -> bool:
-        """Whether the calling code runs on the engine loop."""
-        return _running_loop() is self.loop
-
-    def send(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Send ``coroutine`` to the engine loop from another thread."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T] | Future[T]:
-        """Start ``coroutine`` on the engine loop: a task when this is that loop, else sent
-        there; either way cancelled by ``.cancel()``."""
-        if self.is_current():
-            return self.loop.create_task(coroutine)
-        return self.send(coroutine)
-
-    async def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the engine loop: awaited here when this is that loop, else sent
-        there and awaited here (a caller that stops waiting cancels it there)."""
-        if self.is_current():
-            return await coroutine
-        future = self.send(coroutine)
-        try:
-            return await asyncio.wrap_future(future)
-        except BaseException:
-            future.cancel()
-            raise
-
-    def stop(self) -> None:
-        """End the loop and its thread when the loop is the server's own."""
-        if self.thread is None:
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5.0)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
-#: Run by the reaper: wait for this process (its parent) to end, then SIGKILL the engine's.
-_REAPER = """
-import os, signal, sys, time
-parent, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
-while os.getppid() == parent:
-    time.sleep(0.5)
-for pid in pids:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-"""
-
-
-def _reaper(pids: list[int]) -> subprocess.Popen[bytes]:
-    """A small process that kills ``pids`` once this process has ended, however it ended."""
-    return subprocess.Popen(
-        [sys.executable, "-c", _REAPER, str(os.getpid()), *map(str, pids)],
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,  # not in the worker's process group: it outlives a group kill
-    )
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    """The event loop running in this thread, or None."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _rank() -> int:
