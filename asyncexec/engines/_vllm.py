@@ -425,7 +425,11 @@ class VLLMServer(RolloutServer):
 
     def engine_pids(self) -> dict[str, int]:
         """The engine's processes by name (``VLLM::EngineCore``, ``VLLM::Worker``, ...): what a
-        fault test kills."""
+        fault test kills.
+
+        The engine core is read from the engine's own process manager, by the name vLLM gives the
+        process; the others by the title vLLM sets, which only shows where ``setproctitle`` can
+        rewrite the command line (CI machines read no title at all)."""
         import psutil
 
         found: dict[str, int] = {}
@@ -436,6 +440,10 @@ class VLLMServer(RolloutServer):
                 continue
             if title.startswith("VLLM::"):
                 found[title] = p.pid
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        for process in getattr(getattr(resources, "engine_manager", None), "processes", ()):
+            if process.pid is not None and process.is_alive():
+                found[f"VLLM::{process.name}"] = process.pid
         return found
 
 

@@ -258,8 +258,7 @@ async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: En
 
 async def _engine_core(rollout: asyncexec.Executor, rank: int) -> int:
     """The pid of rank ``rank``'s engine core, once the server lists it (a server the health
-    watch replaced lists one shortly after it serves: CI runs read none, on rank 0 and on
-    rank 1)."""
+    watch replaced lists one once its engine is up)."""
     with anyio.fail_after(300):  # a replacement's engine starts in 20-60 s here, twice that in CI
         while True:
             pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(rank))
