@@ -269,3 +269,23 @@ def test_loop_stalls_reports_a_single_round(
     with pytest.raises(SystemExit):
         loop_stalls.main(["--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_quick_tracing_cost_benchmark_splits_the_cost_and_counts_the_spans() -> None:
+    """``benchmarks/tracing_cost.py --quick`` (simulated servers, no Ray): the row has a figure
+    in each of its four columns, and the SDK really made the spans it is charged for, one a
+    request and a few a batch (none if tracing never turned on)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "tracing_cost.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| the event loop"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert all(float(cell) > 0 for cell in cells[2:6]), row  # off, free, SDK, SDK without gc
+    spans = float(proc.stdout.split("the SDK made ")[1].split(" spans a sample")[0])
+    assert 1.0 < spans < 1.5, proc.stdout
