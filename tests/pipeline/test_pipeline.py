@@ -319,6 +319,111 @@ async def test_samples_and_batches_count_versions_on_one_scale(mode: str, first_
     _check_chunks(batches)  # each chunk ran on the learner's weights of its version
 
 
+class Gated(Toy):
+    """Installs a version from 2 on only once the file ``gate`` exists (the first push, version
+    1, at once); version ``refuse`` raises."""
+
+    def __init__(self, gate: str, refuse: int = 0) -> None:
+        super().__init__()
+        self.gate, self.refuse = Path(gate), refuse
+
+    def load_weights(self, state: Any, version: int) -> None:
+        import time
+
+        if version == self.refuse:
+            raise RuntimeError(f"refusing version {version}")
+        while version >= 2 and not self.gate.exists():
+            time.sleep(0.01)
+        super().load_weights(state, version)
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(90)
+async def test_an_update_that_does_not_wait_returns_at_the_read_and_keeps_the_bound(
+    mode: str, tmp_path: Path
+) -> None:
+    """``update_weights(wait=False)`` returns once the learner's state is read: here while
+    every server's install of it is held at a gate the test opens only after the call returned
+    (had it waited for the delivery, the test would hang). The version is counted at the read;
+    the next update waits for the delivery; every prompt is trained once, within the bound,
+    each chunk on the weights of the version it is tagged with, and the pipeline's exit waits
+    for the last delivery."""
+    gate = tmp_path / "open"
+    prompts = [{"id": i, "length": 2} for i in range(16)]
+    role = asyncexec.Role(Gated, str(gate))
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Learner)) as learner,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=role) as servers,
+        asyncexec.WeightChannel(learner, servers) as channel,
+    ):
+        async with asyncexec.Pipeline(
+            servers, prompts, batch_size=4, staleness=1, channel=channel
+        ) as pipe:
+            batches = [await pipe.__anext__()]
+            await learner.call(Learner.step)
+            assert await pipe.update_weights(wait=False) == 1 == pipe.version
+            assert channel.version == 2 and not gate.exists()  # read; held at the gate
+            gate.touch()
+            async for batch in pipe:
+                batches.append(batch)
+                await learner.call(Learner.step)
+                await pipe.update_weights(wait=False)
+        held = await servers.call(asyncexec.method(Gated, Gated.weights_version))
+        assert held == [channel.version] * 2  # the exit waited for the last delivery
+    assert sorted(i for b in batches for i in b.ids) == list(range(16))
+    assert [b.version for b in batches] == list(range(len(batches)))
+    assert max(b.staleness_max for b in batches) <= 1
+    assert pipe.statistics().beyond_bound == 0
+    _check_chunks(batches)
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(90)
+async def test_a_delivery_that_failed_after_the_update_returned_is_raised_by_the_next_batch(
+    mode: str, tmp_path: Path
+) -> None:
+    """A server whose install of version 2 raises after ``update_weights(wait=False)``
+    returned: the next batch (or update) raises the ChannelError, naming the version, with the
+    server's error kept; the servers were resumed and the pipeline closes."""
+    gate = tmp_path / "open"
+    gate.touch()
+    prompts = [{"id": i, "length": 2} for i in range(40)]
+    role = asyncexec.Role(Gated, str(gate), refuse=2)
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Learner)) as learner,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=role) as servers,
+        asyncexec.WeightChannel(learner, servers) as channel,
+    ):
+        with pytest.raises(asyncexec.ChannelError, match="version 2") as raised:
+            async with asyncexec.Pipeline(
+                servers, prompts, batch_size=4, staleness=1, channel=channel
+            ) as pipe:
+                async for _ in pipe:
+                    await learner.call(Learner.step)
+                    await pipe.update_weights(wait=False)
+        assert "refusing version 2" in str(raised.value) + repr(raised.value.__cause__)
+        assert pipe.version == 1
+
+
+def test_an_update_that_does_not_wait_needs_a_channel() -> None:
+    """``wait=False`` without a channel (the state handed in would be installed as the learner
+    changes it) and a ``wait`` that is no bool are refused, naming the argument."""
+
+    async def main() -> None:
+        async with (
+            asyncexec.Executor(1, local=True, roles=asyncexec.Role(Toy)) as servers,
+            asyncexec.Pipeline(servers, [{"id": 0, "length": 1}], batch_size=1) as pipe,
+        ):
+            await pipe.__anext__()
+            with pytest.raises(asyncexec.ConfigurationError, match="channel"):
+                await pipe.update_weights({"w": 1}, wait=False)
+            with pytest.raises(asyncexec.ConfigurationError, match="wait="):
+                await pipe.update_weights({"w": 1}, wait="no")  # type: ignore[arg-type]
+            assert await pipe.update_weights({"w": 1}) == 1
+
+    anyio.run(main)
+
+
 @pytest.mark.timeout(30)
 async def test_chunks_made_before_any_weights_count_as_version_zero_also_after_a_resume(
     monkeypatch: pytest.MonkeyPatch,

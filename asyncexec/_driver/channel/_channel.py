@@ -18,8 +18,10 @@ latest version before its function starts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -38,7 +40,7 @@ from ._object_store import ObjectStoreTransport
 from ._sinks import channel_observer
 from ._torch import TorchTransport
 from ._transport import caller_of
-from ._versions import Versions, live
+from ._versions import Versions, delivered, live
 
 if TYPE_CHECKING:
     from ..run import Step
@@ -256,6 +258,13 @@ class WeightChannel:
         """
         self._check_open()
         return await self._versions.push()
+
+    async def _push_read(self) -> tuple[int, Callable[[], Awaitable[None]]]:
+        """:meth:`push` up to the read (for ``Pipeline.update_weights(wait=False)``): the
+        version read, and a wait for its delivery that raises what failed."""
+        self._check_open()
+        pending = await self._versions.push_read()
+        return pending.version, functools.partial(delivered, pending)
 
 
 def _check(

@@ -5,6 +5,7 @@ that joins the target gets the latest version. This is what the transports see o
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,18 @@ from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._events import PushEnded, PushFailed, RanksJoined, VersionInstalled, VersionRead
 from ._transport import Pending, Transport, caller_of, channel_error, died
 
-__all__ = ["Versions", "live"]
+__all__ = ["Versions", "delivered", "live"]
+
+
+async def delivered(pending: Pending) -> None:
+    """Until ``pending`` is delivered (see :meth:`Versions.push_read`).
+
+    Raises:
+        ChannelError: its read or its delivery failed.
+    """
+    await pending.done.wait()
+    if pending.error is not None:
+        raise pending.error
 
 
 def live(slot: GroupSlot) -> list[WorkerInfo]:
@@ -169,6 +181,20 @@ class Versions:
             if wait_for.error is not None:
                 raise wait_for.error
         return pending.version
+
+    async def push_read(self) -> Pending:
+        """``push``'s first half: read the next version and start its delivery (in the
+        channel's task group, after the versions before it); returns once the source's state
+        is read, so that the source may change its weights from then on. :func:`delivered`
+        waits for the rest and raises what failed."""
+        pending = await self._push()
+        reading = pending.read
+        if reading:  # the installs went out with the read: wait for the read's own end
+            with anyio.move_on_after(self.timeout_s):  # (its outcome is the delivery's)
+                for call in reading:
+                    with contextlib.suppress(AsyncExecError):
+                        await call
+        return pending
 
     async def _push(self, here: bool = False) -> Pending:
         """Read the next version and start its delivery: in the channel's task group, or, when

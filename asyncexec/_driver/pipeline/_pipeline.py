@@ -208,6 +208,8 @@ class Pipeline:
         if tg is not None and stack is not None:
             # Requests in flight: their samples are not needed. Stopped over turns of the loop
             # (``STOP_PER_TURN`` a turn), then the rest of the group, then the servers' router.
+            with teardown("pipeline_update"):  # one going on in the background: its resume
+                await self._updates.ended()
             with teardown("pipeline_requests"):
                 await self._admission.stop()
             tg.cancel_scope.cancel()
@@ -237,9 +239,11 @@ class Pipeline:
                 this version was taken).
         """
         self._check_open()
+        self._updates.check()
         started = time.monotonic()
         admission, budget = self._admission, self._budget
         while not budget.ready(final=admission.final):
+            self._updates.check()
             if admission.expire():
                 continue
             if admission.final and not budget.in_flight_count and not budget.finished_count:
@@ -260,7 +264,7 @@ class Pipeline:
     # Weight updates ---------------------------------------------------------------------------
 
     async def update_weights(
-        self, state: Any = _NO_STATE, *, on_update: OnUpdate | None = None
+        self, state: Any = _NO_STATE, *, on_update: OnUpdate | None = None, wait: bool = True
     ) -> int:
         """Push the learner's weights to the servers as the next version, around the rollouts
         in flight as ``on_update`` says (the pipeline's, unless given); the learner's version
@@ -270,12 +274,20 @@ class Pipeline:
             state: without a channel, the state to install on every server
                 (``RolloutServer.install_weights``); with one, nothing (the channel reads it).
             on_update: ``"keep"``, ``"wait"`` or ``"abort"`` for this update.
+            wait: False (with a channel): return once the servers are paused as ``on_update``
+                says and the learner's state is read, so that the learner trains on while the
+                state is delivered and the servers resume. The version is counted at the read
+                (the next batch may be handed meanwhile: its samples' versions are the ones
+                the servers held); the next ``update_weights()`` waits for the delivery, and a
+                delivery that failed is raised by the next batch or update.
 
         Raises:
             ExecutorStateError: strict mode and no batch was taken at this version; or
                 another update is going on.
-            ConfigurationError: no channel and no state, or a state and a channel.
-            ChannelError: the push failed (the servers are resumed first).
+            ConfigurationError: no channel and no state, or a state and a channel;
+                ``wait=False`` without a channel.
+            ChannelError: the push failed (the servers are resumed first); or the delivery of
+                the update before, which went on in the background, failed.
         """
         self._check_open()
         mode: OnUpdate = self.on_update if on_update is None else on_update
@@ -285,7 +297,15 @@ class Pipeline:
                 "update_weights() takes a state when the pipeline has no channel, and none "
                 "when it has one"
             )
-        await self._updates.run(mode, state)
+        if not isinstance(wait, bool):
+            raise ConfigurationError(f"update_weights(wait=) takes a bool, got {wait!r}")
+        if not wait and self.channel is None:
+            raise ConfigurationError(
+                "update_weights(wait=False) needs the pipeline's channel: a state handed in is "
+                "installed as it is, and returning before that would let the learner change it "
+                "meanwhile"
+            )
+        await self._updates.run(mode, state, None if wait else self._tg)
         return self.version
 
 

@@ -4,7 +4,11 @@ as the mode says, push, resume), each emitted once as it pauses and as it ends (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.abc
 
 from ..._errors import ExecutorStateError
 from ..._wire._tracing import as_calls, spanned
@@ -43,30 +47,84 @@ class Updates:
         )
         self.observer = observer
         self.updating = False
+        #: Set when the update going on in the background ends (None: none was started).
+        self._ended: anyio.Event | None = None
+        self.error: Exception | None = None  # what it failed with, until raised
 
-    async def run(self, mode: Literal["keep", "wait", "abort"], state: Any) -> None:
-        """One update (the arguments checked).
+    async def run(
+        self,
+        mode: Literal["keep", "wait", "abort"],
+        state: Any,
+        going_on: anyio.abc.TaskGroup | None = None,
+    ) -> None:
+        """One update (the arguments checked); with ``going_on``, the group where it goes on
+        once the learner's state is read (see ``Pipeline.update_weights(wait=False)``).
 
         Raises:
             ExecutorStateError: strict mode and no batch was taken at this version; or
                 another update is going on.
-            ChannelError: the push failed (the servers are resumed first).
+            ChannelError: the push failed (the servers are resumed first); or, first, the
+                update that went on in the background failed.
         """
+        await self.settled()
         if self.updating:
             raise ExecutorStateError("update_weights() is already going on")
         self.budget.check_update()
         self.updating = True
-        try:
-            with spanned("asyncexec.pipeline.update", mode=mode) as span:
-                pause_s, push_s, in_flight = await update(
-                    self.servers, self.channel, self.budget, self.admission, mode, state
-                )
-                if span is not None:
-                    span.set_attribute("version", self.budget.version)
-        finally:
-            self.updating = False
+        if going_on is None:
+            try:
+                await self._one(mode, state, None)
+            finally:
+                self.updating = False
+            return
+        read, self._ended = anyio.Event(), anyio.Event()
+        going_on.start_soon(self._going_on, mode, state, read)
+        await read.wait()
+        self.check()  # the pause or the read failed
+
+    async def _one(
+        self, mode: Literal["keep", "wait", "abort"], state: Any, on_read: Callable[[], Any] | None
+    ) -> None:
+        with spanned("asyncexec.pipeline.update", mode=mode) as span:
+            pause_s, push_s, in_flight = await update(
+                self.servers, self.channel, self.budget, self.admission, mode, state, on_read
+            )
+            if span is not None:
+                span.set_attribute("version", self.budget.version)
         version = self.budget.version
         self.observer.emit(UpdateEnded(mode, version, pause_s, push_s, in_flight))
+
+    async def _going_on(
+        self, mode: Literal["keep", "wait", "abort"], state: Any, read: anyio.Event
+    ) -> None:
+        """An update whose caller went on once the state was read: its error is kept for the
+        pipeline's next batch or update (:meth:`check`)."""
+        try:
+            await self._one(mode, state, read.set)
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.updating = False
+            read.set()
+            if self._ended is not None:
+                self._ended.set()
+
+    def check(self) -> None:
+        """Raise what an update that went on in the background failed with (once)."""
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    async def ended(self) -> None:
+        """Until an update going on in the background has ended."""
+        if self._ended is not None:
+            await self._ended.wait()
+
+    async def settled(self) -> None:
+        """Until an update going on in the background has ended; then :meth:`check`."""
+        if self._ended is not None:
+            await self._ended.wait()
+        self.check()
 
 
 async def update(
@@ -76,12 +134,15 @@ async def update(
     admission: Admission,
     mode: Literal["keep", "wait", "abort"],
     state: Any,
+    on_read: Callable[[], Any] | None = None,
 ) -> tuple[float, float, int]:
     """Stop admitting; ``"wait"``: let what is in flight finish, then push; ``"abort"``: the
     servers end their generations at the next pause point, and the push goes on while they
     come back (their prompts requeued at the head before anything new is admitted);
     ``"keep"``: the servers park them at the next pause point, then the push. Count the
-    version, resume the servers and admission.
+    version, resume the servers and admission. With ``on_read`` (a channel's push), the
+    version is counted once the learner's state is read, and ``on_read()`` called then; the
+    delivery and the resume go on after it.
 
     Returns:
         (the pause without the push, the push, the generations in flight at the pause).
@@ -103,14 +164,15 @@ async def update(
             # servers are paused to abort); admission reopens only once they are requeued.
             async with task_group() as tg:
                 tg.start_soon(_drained, budget, admission)
-                pushed = _push(servers, channel, budget, admission, state)
+                pushed = _push(servers, channel, budget, admission, state, on_read)
                 await as_calls("asyncexec.pipeline.push", pushed)
                 push_s = time.monotonic() - pushing
         else:
-            pushed = _push(servers, channel, budget, admission, state)
+            pushed = _push(servers, channel, budget, admission, state, on_read)
             await as_calls("asyncexec.pipeline.push", pushed)
             push_s = time.monotonic() - pushing
-        budget.advance()
+        if on_read is None:
+            budget.advance()
         if paused:
             paused = False
             await as_calls("asyncexec.pipeline.resume", servers.resume())
@@ -135,11 +197,19 @@ async def _push(
     budget: Budget[Item],
     admission: Admission,
     state: Any,
+    on_read: Callable[[], Any] | None = None,
 ) -> None:
     target = budget.version + 1
     if channel is None:
         await servers.install(state, target)
         return
-    pushed = await channel.push()
+    if on_read is None:
+        pushed = await channel.push()
+    else:
+        pushed, delivered = await channel._push_read()
     # Versions pushed by others meanwhile shift the numbering: the latest push is ``target``.
     admission.offset = pushed - target
+    if on_read is not None:
+        budget.advance()  # the next batch may be handed: its samples' versions are the servers'
+        on_read()
+        await delivered()
