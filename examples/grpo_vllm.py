@@ -202,9 +202,7 @@ async def main(
                     break
                 if len(s.rewards) >= max_updates:
                     break
-                # The learner goes on once its weights are read (the engines get them and
-                # resume meanwhile): the next batch is trained while they are delivered.
-                await pipe.update_weights(wait=False)
+                await pipe.update_weights()
                 if kill_engine_at == len(s.rewards):  # server 1's engine core, mid-generation
                     pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(1))
                     os.kill(pids["VLLM::EngineCore"], signal.SIGKILL)
