@@ -523,12 +523,16 @@ async def test_a_failed_read_raises_and_logs_no_unhandled_ray_error() -> None:
         async with (
             asyncexec.Executor(1, resources_per_worker=cpu, roles=ReadFails) as a,
             asyncexec.Executor(1, resources_per_worker=cpu) as b,
-            asyncexec.WeightChannel(a, b, timeout_s=30) as channel,
         ):
-            with pytest.raises(asyncexec.ChannelError, match="the state is torn"):
-                await channel.push()
+            async with asyncexec.WeightChannel(a, b, timeout_s=30) as channel:
+                with pytest.raises(asyncexec.ChannelError, match="the state is torn"):
+                    await channel.push()
+            # Closed, the channel holds no reference: Ray reports an error object that was
+            # never read when its last reference goes.
             gc.collect()
             await a.execute(os.getpid)  # a round trip to the source once the refs are freed
+            gc.collect()
+            await b.execute(os.getpid)
     finally:
         ray_worker.removeHandler(handler)
     unhandled = [r.getMessage()[:200] for r in records if "Unhandled error" in r.getMessage()]
