@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import _harness
+import observe
 from _harness import Result, Row, Table
 
 import asyncexec
 from asyncexec.testing import SimCluster
 
-BATCH = 32
+BATCH = observe.PIPELINE_BATCH
 
 
 @dataclass(frozen=True)
@@ -42,28 +43,13 @@ class Sizes:
 FULL, QUICK = Sizes(repeats=7, prompts=4000), Sizes(repeats=1, prompts=256)
 
 
-class Server(asyncexec.RolloutServer):
-    async def chunks(self, prompt: int) -> Any:
-        yield prompt
-
-    def load_weights(self, state: Any, version: int) -> None:
-        self.weights = state
-
-
-class Learner:
-    def step(self, n: int) -> int:
-        return n
+Server, Learner = observe._rl_roles()  # observe.py's pipeline round: its classes and round
 
 
 async def _round(learner: asyncexec.Executor, servers: asyncexec.Executor, prompts: int) -> float:
     """One pipeline of ``prompts`` prompts: the event loop's CPU a sample, in us."""
     loop = time.thread_time()
-    async with asyncexec.Pipeline(
-        servers, list(range(prompts)), batch_size=BATCH, staleness=2
-    ) as pipe:
-        async for batch in pipe:
-            await learner.call(Learner.step, len(batch), on=asyncexec.rank(0))
-            await pipe.update_weights({"v": pipe.version}, on_update="keep")
+    await observe._rl_round(learner, servers, Learner.step, prompts)
     return (time.thread_time() - loop) / prompts * 1e6
 
 
