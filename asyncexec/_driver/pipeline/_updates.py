@@ -122,8 +122,7 @@ class Updates:
 
     async def settled(self) -> None:
         """Until an update going on in the background has ended; then :meth:`check`."""
-        if self._ended is not None:
-            await self._ended.wait()
+        await self.ended()
         self.check()
 
 
