@@ -5,26 +5,15 @@ version's reference, so a rank that joins later gets it even after the source di
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
-
-import anyio
 
 from ..._errors import AsyncExecError
 from ..cluster import Call, proxy, result_of, settled
 from ..group import WorkerInfo
-from ._transport import Core, Pending, caller_of, channel_error, died, gather
+from ._transport import Core, Pending, caller_of, channel_error, died, gather, settle
 
 __all__ = ["ObjectStoreTransport"]
-
-
-async def _settle(calls: Sequence[Call[Any]], timeout_s: float) -> None:
-    """Await ``calls`` for their outcome alone (their errors were raised already)."""
-    with anyio.move_on_after(timeout_s):
-        for call in calls:
-            with contextlib.suppress(AsyncExecError):
-                await call
 
 
 class ObjectStoreTransport:
@@ -95,7 +84,7 @@ class ObjectStoreTransport:
     def _settle(self, calls: Sequence[Call[Any]]) -> None:
         tg = self.core.tg
         if calls and tg is not None:
-            tg.start_soon(_settle, calls, self.core.timeout_s)
+            tg.start_soon(settle, calls, self.core.timeout_s)
 
     async def deliver(self, pending: Pending, targets: Sequence[WorkerInfo]) -> None:
         """Every live target rank fetches and installs the shards; one that died is skipped."""

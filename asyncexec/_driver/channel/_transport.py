@@ -3,6 +3,7 @@ workers, and the protocol a transport implements."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +22,16 @@ from ..._errors import (
 from ..cluster import Call, Caller, at_attempt
 from ..group import GroupSlot, WorkerInfo
 
-__all__ = ["Core", "Pending", "Transport", "caller_of", "channel_error", "died", "gather"]
+__all__ = [
+    "Core",
+    "Pending",
+    "Transport",
+    "caller_of",
+    "channel_error",
+    "died",
+    "gather",
+    "settle",
+]
 
 
 @dataclass
@@ -148,3 +158,12 @@ def channel_error(what: str, exc: BaseException, timeout_s: float) -> ChannelErr
         error = ChannelError(f"{what}: {describe(exc)}", remote_traceback=remote)
     error.__cause__ = exc
     return error
+
+
+async def settle(calls: Sequence[Call[Any]], timeout_s: float) -> None:
+    """Await ``calls`` (within ``timeout_s``) for their end alone: their errors are told
+    elsewhere."""
+    with anyio.move_on_after(timeout_s):
+        for call in calls:
+            with contextlib.suppress(AsyncExecError):
+                await call

@@ -5,7 +5,6 @@ that joins the target gets the latest version. This is what the transports see o
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from .._taskgroups import task_group
 from ..cluster import proxy
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._events import PushEnded, PushFailed, RanksJoined, VersionInstalled, VersionRead
-from ._transport import Pending, Transport, caller_of, channel_error, died
+from ._transport import Pending, Transport, caller_of, channel_error, died, settle
 
 __all__ = ["Versions", "delivered", "live"]
 
@@ -188,12 +187,8 @@ class Versions:
         is read, so that the source may change its weights from then on. :func:`delivered`
         waits for the rest and raises what failed."""
         pending = await self._push()
-        reading = pending.read
-        if reading:  # the installs went out with the read: wait for the read's own end
-            with anyio.move_on_after(self.timeout_s):  # (its outcome is the delivery's)
-                for call in reading:
-                    with contextlib.suppress(AsyncExecError):
-                        await call
+        if pending.read:  # the installs went out with the read: wait for the read's own end
+            await settle(pending.read, self.timeout_s)  # (its outcome is the delivery's)
         return pending
 
     async def _push(self, here: bool = False) -> Pending:
