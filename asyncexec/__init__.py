@@ -66,14 +66,14 @@ _EXPORTS: dict[str, str] = {
     "TimelineStatistics": "_timeline._timeline",
     "Timeouts": "_driver._config",
     "WorkerContext": "_wire._protocol",
-    "Mesh": "_dispatch._plan",
-    "Role": "_dispatch._plan",
-    "Splittable": "_dispatch._plan",
-    "concat": "_dispatch._plan",
-    "least_loaded": "_dispatch._plan",
+    "Mesh": "_dispatch._targets",
+    "Role": "_dispatch._role",
+    "Splittable": "_dispatch._split",
+    "concat": "_dispatch._split",
+    "least_loaded": "_dispatch._targets",
     "method": "_dispatch._role",
-    "rank": "_dispatch._plan",
-    "scatter": "_dispatch._plan",
+    "rank": "_dispatch._targets",
+    "scatter": "_dispatch._split",
     "WorkerCrashedError": "_errors",
     "WorkerError": "_errors",
     "WorkerHungError": "_errors",
@@ -134,14 +134,14 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from ._cli._logconfig import configure_logging as configure_logging
-    from ._dispatch._plan import Mesh as Mesh
-    from ._dispatch._plan import Role as Role
-    from ._dispatch._plan import Splittable as Splittable
-    from ._dispatch._plan import concat as concat
-    from ._dispatch._plan import least_loaded as least_loaded
-    from ._dispatch._plan import rank as rank
-    from ._dispatch._plan import scatter as scatter
+    from ._dispatch._role import Role as Role
     from ._dispatch._role import method as method
+    from ._dispatch._split import Splittable as Splittable
+    from ._dispatch._split import concat as concat
+    from ._dispatch._split import scatter as scatter
+    from ._dispatch._targets import Mesh as Mesh
+    from ._dispatch._targets import least_loaded as least_loaded
+    from ._dispatch._targets import rank as rank
     from ._driver._config import CheckpointConfig as CheckpointConfig
     from ._driver._config import HealthChecks as HealthChecks
     from ._driver._config import Timeouts as Timeouts

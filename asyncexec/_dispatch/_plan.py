@@ -1,17 +1,13 @@
-"""Worker classes (roles) and the plan of a dispatched call. Pure: no Ray here (a role is
-pickled with Ray's cloudpickle through ``asyncexec._wire._pickle``).
+"""The plan of a dispatched call, made before anything is sent (:func:`plan_call`). Pure: no
+Ray here.
 
-A :class:`Role` is a worker class and its constructor's arguments; each rank of a group holds
-one instance of each of its roles. A call is planned before anything is sent (:func:`plan_call`):
-the function is found among the roles' methods (:func:`method_of`), the arguments are bound to
+The function is found among the roles' methods (``_role.method_of``; a role is a worker class and
+its constructor's arguments, each rank holding one instance of each), the arguments are bound to
 its signature, the target (``_targets``) is resolved against the world size, and every argument
-becomes a *part*: an argument marked with :func:`scatter` gives one part per piece it splits into
+becomes a *part*: an argument marked with ``scatter()`` gives one part per piece it splits into
 (``_split``), any other argument one part that every rank shares. The driver puts each distinct
 part in the object store once (replicas along a mesh axis share theirs) and sends each rank
 references to its own parts only.
-
-This module is where the driver finds every name of dispatch: it re-exports those of ``_split``
-and ``_targets``.
 """
 
 from __future__ import annotations
@@ -28,47 +24,11 @@ from .._wire._interface import method_key
 from .._wire._pickle import dumps as pickled
 from .._wire._protocol import RoleMethod
 from ._concat_check import check_concat
-from ._role import NamedMethod, Role, method_of, qualname, roles_of, roles_payload, takes_self
-from ._split import (
-    Scatter,
-    Splittable,
-    compact,
-    concat,
-    estimated_nbytes,
-    scatter,
-    split,
-    split_length,
-    split_sizes,
-)
-from ._targets import ALL, AllRanks, LeastLoaded, Load, Mesh, OneRank, Target, least_loaded, rank
+from ._role import NamedMethod, Role, method_of, qualname, takes_self
+from ._split import Scatter, compact, concat, estimated_nbytes, split, split_length
+from ._targets import ALL, AllRanks, LeastLoaded, Mesh, OneRank, Target
 
-__all__ = [
-    "ALL",
-    "AllRanks",
-    "CallPlan",
-    "LeastLoaded",
-    "Load",
-    "Mesh",
-    "OneRank",
-    "Role",
-    "RoleMethod",
-    "Scatter",
-    "Splittable",
-    "Target",
-    "compact",
-    "concat",
-    "call_label",
-    "estimated_nbytes",
-    "least_loaded",
-    "method_of",
-    "plan_call",
-    "rank",
-    "roles_of",
-    "roles_payload",
-    "scatter",
-    "split",
-    "split_sizes",
-]
+__all__ = ["CallPlan", "call_label", "plan_call"]
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -35,7 +35,8 @@ import anyio
 import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._dispatch._plan import ALL, CallPlan, Load, Target, plan_call
+from .._dispatch._plan import CallPlan, plan_call
+from .._dispatch._targets import ALL, Load, Target
 from .._errors import (
     AsyncExecError,
     NodeLostError,

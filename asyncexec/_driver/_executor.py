@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .._dispatch._plan import Role, roles_of, roles_payload
+from .._dispatch._role import Role, roles_of, roles_payload
 from .._errors import ConfigurationError
 from .._logging import get_logger
 from .._timeline._timeline import Timeline, new_timeline

@@ -26,7 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 import anyio.abc
 
-from .._dispatch._plan import Load
+from .._dispatch._targets import Load
 
 __all__ = ["Handoff", "Loads"]
 

@@ -1,6 +1,6 @@
 """The instances of a worker's roles (its worker classes), and the calls of their methods.
 
-A group with roles sends every worker the roles pickled once (``asyncexec._dispatch._plan.
+A group with roles sends every worker the roles pickled once (``asyncexec._dispatch._role.
 roles_payload``); each worker makes one instance of each, in role order, after the group's
 backend has set up (``torch.distributed`` is ready in ``__init__``). A plain ``__init__`` runs in
 a thread, as ``execute()`` runs a plain function, inside the worker's context (``get_context()``

@@ -19,23 +19,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncexec import ConfigurationError
-from asyncexec._dispatch._plan import (
-    ALL,
-    Load,
-    Mesh,
-    Role,
-    RoleMethod,
-    concat,
-    least_loaded,
-    method_of,
-    plan_call,
-    rank,
-    roles_of,
-    scatter,
-    split,
-    split_sizes,
-)
+from asyncexec import ConfigurationError, Mesh, Role, concat, least_loaded, rank, scatter
+from asyncexec._dispatch._plan import plan_call
+from asyncexec._dispatch._role import method_of, roles_of
+from asyncexec._dispatch._split import split, split_sizes
+from asyncexec._dispatch._targets import ALL, Load
+from asyncexec._wire._protocol import RoleMethod
 
 # Classes at module level, as users write them (a role's method is found by its class).
 

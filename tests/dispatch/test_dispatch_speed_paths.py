@@ -20,7 +20,8 @@ import anyio
 import pytest
 
 import asyncexec
-from asyncexec._dispatch._plan import ALL, plan_call
+from asyncexec._dispatch._plan import plan_call
+from asyncexec._dispatch._targets import ALL
 from asyncexec._worker import ROLE_GROUPS
 from asyncexec.testing import SimCluster, SimLoad
 

@@ -216,7 +216,8 @@ async def test_an_inherited_method_named_through_its_class_reaches_that_roles_in
 def test_a_method_named_through_a_class_that_is_no_role_is_refused() -> None:
     """``SubCritic.values`` is ``Critic.values`` in Python, and ran on the Critic instance;
     named through its class, it is refused."""
-    from asyncexec._dispatch._plan import plan_call, roles_of
+    from asyncexec._dispatch._plan import plan_call
+    from asyncexec._dispatch._role import roles_of
 
     roles = roles_of([Critic])
     with pytest.raises(asyncexec.ConfigurationError, match=r"SubCritic is not a role"):

@@ -27,7 +27,7 @@ from asyncexec import (
     get_context,
     report,
 )
-from asyncexec._dispatch._plan import roles_payload
+from asyncexec._dispatch._role import roles_payload
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._wire._protocol import Outcome, RoleFailure, RoleMethod, RunStart
 from asyncexec._worker._actor import WorkerActor

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from ..._dispatch._plan import rank as on_rank
+from ..._dispatch._targets import rank as on_rank
 from ..._errors import (
     ChannelError,
     ExecutorStateError,

@@ -35,8 +35,8 @@ from typing import Any, Literal
 import anyio
 import anyio.lowlevel
 
-from ..._dispatch._plan import rank as on_rank
 from ..._dispatch._role import qualname
+from ..._dispatch._targets import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
 from ..._wire._tracing import as_call, as_first_call, tracer, under_request

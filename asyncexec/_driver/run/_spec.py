@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..._dispatch._plan import method_of
+from ..._dispatch._role import method_of
 from ..._errors import ConfigurationError, describe
 from ..._wire._checkpoint import Checkpoint, is_uri
 from .._config import ExecutorConfig, validate_buffer_size
