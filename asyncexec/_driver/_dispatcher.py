@@ -8,9 +8,10 @@ are refused there). Each distinct part of its arguments that is large (over 64 K
 or length) is put where every worker reads it, once, and each rank is sent references to its own
 parts only; a small part travels inline with the call. A call on a rank that died raises
 ``WorkerCrashedError`` with its rank (with a note saying so when the executor replaced the group
-while the call was on its way: a restart); no call hangs on a dead worker. Outside a run, a crashed
-rank of a group without a backend gets a fresh process in its place (the others keep their calls);
-otherwise the dead group is dropped and the next call starts a fresh one (see ``_recovery``). A
+while the call was on its way: a restart) as soon as the death is seen; no call hangs on a dead
+worker. Outside a run, a crashed rank of a group without a backend gets a fresh process in its
+place (the others keep their calls), and a call sent to that rank meanwhile waits for it; otherwise
+the dead group is dropped and the next call starts a fresh one (see ``_recovery``). A
 caller that stops waiting for an ``async def`` cancels it on the workers it was sent to; a plain
 method runs to its end. A call chosen by load holds its rank's slot until the remote call ends (or
 its cancellation lands), also when its caller stops waiting, and a call that ends hands its slot to
@@ -99,6 +100,8 @@ class WorkerCalls:
             WorkerCrashedError: a worker died.
         """
         group = await self._group()
+        if self._loads.renewing(group.workers, range(len(group.workers))) is not None:
+            group = await self._renewed(group, range(len(group.workers)))
         workers = list(group.workers)
         self._observer.emit(CallsSent(len(workers)))
         try:
@@ -111,6 +114,8 @@ class WorkerCalls:
     ) -> T:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         group = await self._group()
+        if self._loads.renewing(group.workers, (rank,)) is not None:
+            group = await self._renewed(group, (rank,))
         workers = list(group.workers)
         self._observer.emit(ONE_CALL_SENT)
         try:
@@ -155,6 +160,11 @@ class WorkerCalls:
         plan = plan_call(
             fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
         )
+        if self._loads.renewing(group.workers, plan.ranks) is not None:
+            group = await self._renewed(group, plan.ranks)
+            plan = plan_call(
+                fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
+            )
         parts = plan.inline(INLINE_PART_BYTES) or await _put_parts(group.cluster, plan)
         if plan.choose is not None:
             return (await self._call_one(group, plan, parts))[1]
@@ -207,6 +217,9 @@ class WorkerCalls:
                     group = await self._group()
                     roles = self.config.roles
                     plan = plan_call(fn, args, kwargs, len(group.workers), on, roles=roles)
+                    if self._loads.renewing(group.workers, plan.ranks) is not None:
+                        group = await self._renewed(group, plan.ranks)
+                        plan = plan_call(fn, args, kwargs, len(group.workers), on, roles=roles)
                     parts = await _put_parts(group.cluster, plan)
                     if plan.choose is not None:
                         await send.send(await self._call_one(group, plan, parts))
@@ -228,6 +241,15 @@ class WorkerCalls:
         value = await self._one(group, group.workers[r], plan, parts)
         if plan.returns(r):
             await send.send((r, value))
+
+    async def _renewed(self, group: WorkerGroup, ranks: Sequence[int]) -> WorkerGroup:
+        """``group``, or the live group that took its place, once no worker of ``ranks`` is
+        being renewed: a call to a rank whose worker died waits for the fresh process put in
+        its place (see ``_recovery``), where the calls that saw it die did not."""
+        while (done := self._loads.renewing(group.workers, ranks)) is not None:
+            await done.wait()
+            group = await self._group()
+        return group
 
     async def _one(
         self,
@@ -293,9 +315,18 @@ class WorkerCalls:
             exclude: Collection[int] = tried
             if len(tried) >= len(group.workers):  # a rank renewed meanwhile may take it
                 exclude = {w.rank for w in group.workers if w.handle.key in dead}
+            renewing = loads.renewing_ranks(group.workers)  # none to a dead worker
+            if renewing:
+                exclude = {*exclude, *renewing}
             taken = _next_slot(loads, group, handed, choose.max_in_flight, exclude)
             handed = None
             if taken is None:
+                if renewing and len(exclude) == len(group.workers):
+                    # Only ranks being renewed are left: the first fresh process takes it.
+                    done = loads.renewing(group.workers, renewing)
+                    if done is not None:
+                        await done.wait()
+                    continue
                 if last is not None and len(exclude) == len(group.workers):
                     # Every rank this call could go to died under it, and none was replaced.
                     last.add_note(f"sent {len(dead)} times: every rank it went to died")

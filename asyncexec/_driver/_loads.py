@@ -1,7 +1,8 @@
 """The dispatcher's own bookkeeping, apart from any executor: the calls chosen by load that are in
 flight on each group (every group its own record, so that a caller of a replaced group never
 touches the live one's), the callers waiting for a rank under the cap, the renewals of dead
-workers (one per worker, however many calls saw it die; one at a time). What the executor's
+workers (one per worker, however many calls saw it die; one at a time; a call to a worker under
+renewal waits for its end). What the executor's
 statistics count of its calls comes from its observer (``_sinks.ExecutorCounts``).
 
 A call that ends hands its slot to the caller that has waited longest (the slot stays counted,
@@ -20,7 +21,7 @@ import contextlib
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -209,17 +210,34 @@ class Loads:
         renew: Callable[[], Awaitable[None]],
         tg: anyio.abc.TaskGroup | None = None,
     ) -> None:
-        """Run ``renew()`` once for the dead worker ``key`` while it is under way, one renewal
-        at a time; every caller waits for it to end. With ``tg`` it runs there (the executor's
-        task group): a caller that stops waiting leaves it going on."""
-        done = self._renewals.get(key)
-        if done is None:
-            done = self._renewals[key] = anyio.Event()
-            if tg is None:
-                await self._renew(key, renew, done)
-            else:
-                tg.start_soon(self._renew, key, renew, done)
-        await done.wait()
+        """Start ``renew()`` for the dead worker ``key`` unless it is under way already, one
+        renewal at a time. With ``tg`` (the executor's task group) it runs there and this
+        returns at once: the calls that saw the worker die raise without waiting for a fresh
+        process (an engine's start is tens of seconds), and a call sent to it meanwhile waits
+        in :meth:`renewed`. Without ``tg``, it is awaited here."""
+        if key in self._renewals:
+            return
+        done = self._renewals[key] = anyio.Event()
+        if tg is None:
+            await self._renew(key, renew, done)
+        else:
+            tg.start_soon(self._renew, key, renew, done)
+
+    def renewing(self, workers: Sequence[Any], ranks: Iterable[int]) -> anyio.Event | None:
+        """The end of a renewal under way for the worker of one of ``ranks`` (of ``workers``,
+        a group's), or None; without a look when none is under way (a call's hot path)."""
+        if self._renewals:
+            for r in ranks:
+                done = self._renewals.get(workers[r].handle.key) if r < len(workers) else None
+                if done is not None:
+                    return done
+        return None
+
+    def renewing_ranks(self, workers: Sequence[Any]) -> list[int]:
+        """The ranks of ``workers`` (a group's) whose worker is being renewed."""
+        if not self._renewals:
+            return []
+        return [r for r, worker in enumerate(workers) if worker.handle.key in self._renewals]
 
     async def _renew(
         self, key: Hashable, renew: Callable[[], Awaitable[None]], done: anyio.Event

@@ -1,10 +1,12 @@
 """What the dispatcher does when a call's worker died: say so when the executor replaced the group
 meanwhile (a restart); outside a run, put a fresh process in a crashed rank's place, once however
-many calls saw it die, in the executor's task group (a caller that stops waiting leaves it going
-on), or drop the group so that the next call starts a fresh one. A renewed rank joins what the
-group receives (a weight channel's latest version, as ranks joining a run get it: the
-executor's joiners) before the callers waiting for the renewal go on; a rollout server's router
-does the same for its own servers.
+many calls saw it die, in the executor's task group, or drop the group so that the next call
+starts a fresh one. The calls that saw the death raise at once, without waiting for the fresh
+process (a rollout server's engine takes tens of seconds to start: its router sends their
+requests elsewhere meanwhile); a call sent to the rank meanwhile waits for it. A renewed rank
+joins what the group receives (a weight channel's latest version, as ranks joining a run get it:
+the executor's joiners) before those calls go on; a rollout server's router does the same for its
+own servers.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class Recovery:
         meanwhile (a restart). Outside a run, a dead group is discarded, so that the next call
         starts a fresh one; or, when it can be, only the dead rank gets a fresh process (see
         ``_renew``), once however many calls saw it die. The renewal runs in the executor's
-        task group: a caller that stops waiting (a deadline) leaves it going on."""
+        task group: the error is returned at once (calls to the rank wait for the renewal:
+        ``Loads.renewing``)."""
         slot = self.life.slot
         if group.closed and slot.group is not group:
             exc.add_note(

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -175,12 +176,12 @@ async def test_a_dead_rank_is_renewed_once_however_many_calls_saw_it_die(mode: s
             async with anyio.create_task_group() as tg:
                 for _ in range(3):
                     tg.start_soon(call_dead_rank)
-        assert len(failures) == 3
+            assert len(failures) == 3  # at once, each: none waits for the fresh process
+            assert (ex.statistics().calls, ex.statistics().resends) == (3, 0)
+            assert await ex.call(Server.slow, 0.0) == [0, 1]  # rank 0's call waits for it
         assert [e["event"] for e in logs].count("rank_renewed") == 1
         stats = ex.statistics()
-        assert (stats.renewed_ranks, stats.resends, stats.in_flight) == (1, 0, (0, 0))
-        assert stats.calls == 3
-        assert await ex.call(Server.slow, 0.0) == [0, 1]
+        assert (stats.renewed_ranks, stats.in_flight) == (1, (0, 0))
 
 
 # Item 4: a renewal neither holds the caller nor outlives the executor ----------------------
@@ -240,9 +241,11 @@ async def test_calls_resends_and_renewed_ranks_are_counted_in_statistics_and_met
             retry = asyncexec.least_loaded(retry=True)
             with anyio.fail_after(40):  # rank 0 (the lowest) is dead: sent again to rank 1
                 assert await ex.call(Server.slow, 0.0, on=retry) == 1
+                # A call to rank 0 waits for the fresh process put in its place.
+                assert await ex.call(Server.slow, 0.0, on=asyncexec.rank(0)) == 0
             stats = ex.statistics()
         counted = (stats.calls, stats.resends, stats.renewed_ranks)
-        assert counted == (4, 1, 1)
+        assert counted == (5, 1, 1)
         label = {"executor": "dispatching"}
         names = ("asyncexec_calls_total", "asyncexec_call_resends_total")
         names += ("asyncexec_ranks_renewed_total",)
@@ -309,6 +312,9 @@ async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
 
 
 async def test_a_renewal_is_made_once_per_dead_worker() -> None:
+    """However many calls saw a worker die, one renewal is made, in the task group handed in:
+    the calls go on at once, and the renewal is under way for calls to that worker until it
+    ends."""
     from asyncexec._driver._loads import Loads
 
     loads = Loads()
@@ -319,17 +325,16 @@ async def test_a_renewal_is_made_once_per_dead_worker() -> None:
         made.append(1)
         await gate.wait()
 
-    dead = object()
-    ended: list[int] = []
-
-    async def ask() -> None:
-        await loads.renew_once(dead, renew)
-        ended.append(1)
-
+    workers = [SimpleNamespace(handle=SimpleNamespace(key=k)) for k in ("alive", "dead")]
     async with anyio.create_task_group() as tg:
         for _ in range(3):
-            tg.start_soon(ask)
+            with anyio.fail_after(1):  # none waits for the renewal
+                await loads.renew_once("dead", renew, tg)
         await anyio.wait_all_tasks_blocked()
-        assert ended == []  # every caller waits for the one renewal
+        assert made == [1]
+        assert loads.renewing(workers, [0]) is None
+        done = loads.renewing(workers, [0, 1])
+        assert done is not None and loads.renewing_ranks(workers) == [1]
         gate.set()
-    assert made == [1] and ended == [1, 1, 1]
+        await done.wait()
+    assert loads.renewing(workers, [0, 1]) is None and loads.renewing_ranks(workers) == []

@@ -398,6 +398,48 @@ async def _expect_rank(ex: asyncexec.Executor, rank: int) -> None:
     assert await ex.call(Counter.slow, 1.0, on=asyncexec.rank(rank)) == rank
 
 
+class SlowToStart:
+    """A role whose constructor takes ``seconds`` once ``marker`` exists: a fresh process that
+    starts as slowly as an engine does."""
+
+    def __init__(self, marker: str, seconds: float) -> None:
+        if os.path.exists(marker):
+            time.sleep(seconds)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def wait(self, seconds: float) -> int:
+        await asyncio.sleep(seconds)
+        return os.getpid()
+
+
+@pytest.mark.usefixtures("ray_local")
+async def test_a_call_whose_rank_dies_fails_at_once_and_the_next_waits_for_the_fresh_process(
+    tmp_path: Path,
+) -> None:
+    """The error of a call whose worker died does not wait for the fresh process put in its
+    place (an engine's start: tens of seconds); meanwhile a call to another rank is answered,
+    and one to the dying rank waits for its fresh process."""
+    marker = tmp_path / "started"
+    role = asyncexec.Role(SlowToStart, str(marker), 10.0)
+    never = asyncexec.RestartPolicy.never()
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=role, restart=never) as ex:
+        pids = await ex.call(SlowToStart.pid)
+        marker.touch()
+        waiting = asyncio.ensure_future(ex.call(SlowToStart.wait, 60.0, on=asyncexec.rank(1)))
+        await asyncio.sleep(0)  # sent
+        os.kill(pids[1], signal.SIGKILL)
+        with anyio.fail_after(5), pytest.raises(asyncexec.WorkerCrashedError) as info:
+            await waiting
+        assert info.value.rank == 1
+        with anyio.fail_after(5):
+            assert await ex.call(SlowToStart.pid, on=asyncexec.rank(0)) == pids[0]
+        with anyio.fail_after(60):
+            assert await ex.call(SlowToStart.pid, on=asyncexec.rank(1)) not in pids
+            assert (await ex.call(SlowToStart.pid))[0] == pids[0]
+
+
 @pytest.mark.usefixtures("ray_local")
 async def test_a_call_in_flight_when_the_executor_restarts_fails_and_never_hangs(
     tmp_path: Path,

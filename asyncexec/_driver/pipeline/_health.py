@@ -8,8 +8,9 @@ server out: it gets no new request, its requests in flight are cancelled (an ide
 sent to another server), and its process is killed.
 
 A server taken out, or seen dead by a request or a check, comes back in a fresh process: the
-next call on its rank fails, and the executor's dispatcher puts a fresh process in the rank's
-place (``_driver/_recovery.py``; it runs the role's constructor). Before that server takes a
+first call that meets the dead one fails at once (its request goes elsewhere), and the
+executor's dispatcher puts a fresh process in the rank's place (``_driver/_recovery.py``; it runs
+the role's constructor), which the next call on the rank waits for. Before that server takes a
 request, its rejoin (one task per server) makes sure that it holds the weight channel's current
 version: a rank renewed outside a run does not get the channel's latest version by itself (the
 channel gives it to ranks that join a run), so the rejoin asks the channel to bring every rank
@@ -213,12 +214,15 @@ class HealthWatch:
 
     async def _ready(self, r: int) -> str | None:
         """Rank ``r``'s worker once it holds the channel's current version (and is paused when
-        the router is): its key. A call on a dead rank raises (after the dispatcher put a fresh
-        process in its place)."""
+        the router is): its key. The first call on a dead rank raises, and the dispatcher puts
+        a fresh process in its place, which the next call waits for."""
         router = self.router
         servers, methods = router.servers, router.methods
+        try:
+            held = await servers.call(methods.weights_version, on=on_rank(r))
+        except GONE:  # the process taken out or seen dead: its fresh one answers
+            held = await servers.call(methods.weights_version, on=on_rank(r))
         before = _key(servers, r)
-        held = await servers.call(methods.weights_version, on=on_rank(r))
         channel = router.channel
         if channel is not None and (held or 0) < channel.version:
             group = slot_of(servers).group
