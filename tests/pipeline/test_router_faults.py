@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -123,3 +124,61 @@ async def test_a_server_whose_pause_hangs_is_taken_out_and_the_pause_returns(
         assert router.statistics().replaced == 1
         samples = [await router.generate(asyncexec.RolloutRequest(i, "after")) for i in (1, 2, 3)]
         assert [s.output for s in samples] == [[0, 1, 2]] * 3
+
+
+class SlowToReplace(asyncexec.RolloutServer):
+    """A server whose process starts again as slowly as an engine does: its constructor takes
+    ``seconds`` once the marker file exists. A prompt is a number of chunks, 50 ms each."""
+
+    def __init__(self, marker: str, seconds: float) -> None:
+        if os.path.exists(marker):
+            time.sleep(seconds)
+        super().__init__()
+
+    async def chunks(self, prompt: int) -> AsyncIterator[int]:
+        for i in range(prompt):
+            await asyncio.sleep(0.05)
+            yield i
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.timeout(120)
+async def test_a_server_that_dies_holds_nothing_up_while_its_replacement_starts(
+    ray_local: None, tmp_path: Any
+) -> None:
+    """Defect: a call whose worker died raised only once the fresh process put in its place had
+    started (a vLLM engine's start: 35 s in examples/grpo_vllm.py), so the dead server's
+    requests waited for it, and a pause waited until it timed out and took the server out.
+    SIGKILL of a server with 4 requests inside, whose fresh process takes 20 s to start: the
+    other server answers every request, and a pause and a resume return, long before."""
+    marker = tmp_path / "started"
+    servers = asyncexec.Executor(
+        2,
+        resources_per_worker={"CPU": 0.25},
+        roles=asyncexec.Role(SlowToReplace, str(marker), 20.0),
+    )
+    async with servers, asyncexec.Router(servers, max_in_flight=4) as router:
+        pids = await servers.call(SlowToReplace.pid)
+        marker.touch()
+        answers: list[asyncexec.Sample] = []
+
+        async def ask(i: int) -> None:
+            answers.append(await router.generate(asyncexec.RolloutRequest(i, 20)))  # 1 s
+
+        with anyio.fail_after(10):  # half the replacement's start
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(ask, i)
+                while router.statistics().in_flight != (4, 4):  # noqa: ASYNC110 (the router's state)
+                    await anyio.sleep(0.01)
+                os.kill(pids[1], signal.SIGKILL)
+                await router.pause("keep")
+                await router.resume()
+        assert sorted(s.id for s in answers) == list(range(8))
+        stats = router.statistics()
+        assert stats.serving == (True, False) and stats.taken_out == 0  # seen dead, not hung

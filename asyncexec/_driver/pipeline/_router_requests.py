@@ -258,7 +258,9 @@ class Requests:
                 if len(tried) >= limit:
                     error.add_note(f"sent {len(tried)} times: every server it went to failed")
                     raise error
-                router.log.warning(
+                # At info: the server's loss is the warning (``server_lost``, ``server_taken_out``),
+                # once, not once for each of its requests (hundreds in an engine's batch).
+                router.log.info(
                     "request_sent_again",
                     function=f"{router.methods.cls.__qualname__}.generate",
                     rank=answer.rank,
