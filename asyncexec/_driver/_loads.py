@@ -2,8 +2,8 @@
 flight on each group (every group its own record, so that a caller of a replaced group never
 touches the live one's), the callers waiting for a rank under the cap, the renewals of dead
 workers (one per worker, however many calls saw it die; one at a time; a call to a worker under
-renewal waits for its end). What the executor's
-statistics count of its calls comes from its observer (``_sinks.ExecutorCounts``).
+renewal waits for its end). What the executor's statistics count of its calls comes from its
+observer (``_sinks.ExecutorCounts``).
 
 A call that ends hands its slot to the caller that has waited longest (the slot stays counted,
 now for that caller), as a semaphore hands a permit over: one waiter wakes per ended call, and
@@ -214,7 +214,7 @@ class Loads:
         renewal at a time. With ``tg`` (the executor's task group) it runs there and this
         returns at once: the calls that saw the worker die raise without waiting for a fresh
         process (an engine's start is tens of seconds), and a call sent to it meanwhile waits
-        in :meth:`renewed`. Without ``tg``, it is awaited here."""
+        for its end (:meth:`renewing`). Without ``tg``, it is awaited here."""
         if key in self._renewals:
             return
         done = self._renewals[key] = anyio.Event()
