@@ -142,7 +142,9 @@ class VLLMServer(RolloutServer):
     requests in the scheduler with their KV cache, ``"abort"`` ends them); weights arrive over
     the weight channel as a mapping of parameter name (as in the model's checkpoint) to tensor,
     and are loaded into the running engine in place through a worker extension, after which
-    the prefix cache is reset and the engine told the version.
+    the prefix cache is reset (the blocks of requests parked by a ``"keep"`` pause too: they
+    are computed again under the new weights when the requests go on) and the engine told the
+    version.
 
     Args:
         model: the model's folder (or name, where a hub can be reached).
@@ -360,13 +362,19 @@ class VLLMServer(RolloutServer):
 
     async def _load(self, packed: list[Any], version: int) -> None:
         await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
-        await self.engine.reset_prefix_cache()
+        # With the running requests' blocks: a "keep" pause parks requests in the engine, and
+        # vLLM resets nothing while blocks are held (it returns False), so the old weights'
+        # blocks of a prompt would serve the requests after the resume. The parked requests'
+        # caches are computed again, under the new weights, when they go on (what vLLM's own
+        # pause_generation(mode="keep", clear_cache=True) does).
+        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after loading the weights")
         await self.engine.update_weight_version(str(version))
         self._version = version
 
     async def pause_engine(self, mode: Literal["keep", "abort"]) -> None:
-        # keep: the requests stay in the scheduler with their KV cache (clear_cache=False);
-        # abort: the engine ends them and may drop its caches.
+        # keep: the requests stay in the scheduler with their KV cache (clear_cache=False; a
+        # weight load drops it: see _load); abort: the engine ends them and may drop its caches.
         await self._engine_call(self._pause(mode))
 
     async def _pause(self, mode: Literal["keep", "abort"]) -> None:

@@ -208,6 +208,50 @@ async def test_logprobs_agree_with_the_learners_when_versions_are_honest_and_not
     await channel.push()  # the engines back on the learner's weights, as a new version
 
 
+async def test_a_push_with_requests_parked_resets_the_prefix_cache(engines: Engines) -> None:
+    """Defect: a "keep" pause parks requests in the engine, and vLLM resets no prefix cache
+    while blocks are held: the reset after a push failed (vLLM only logged it), and a request
+    after the resume reused the blocks of its prompt that the old weights had computed. The
+    push now resets the cache with the parked requests' blocks too (they are computed again,
+    under the new weights, when they go on)."""
+    rollout, learner, channel = engines.rollout, engines.learner, engines.channel
+    on = asyncexec.rank(0)
+    long = [1, *(DIGITS[k % 10] for k in range(140))]  # a full block (128 tokens on CPUs)
+
+    async def logprobs() -> list[float]:
+        sample = await rollout.call(VLLMServer.generate, greedy(long, 8), on=on)
+        return list(completions(sample)[0].logprobs)
+
+    await logprobs()  # the prompt's first block cached, under the weights held now
+    state = (await learner.call(CausalLMLearner.weights))[0]
+    await learner.call(
+        CausalLMLearner.load, {k: v * 1.5 if v.dim() == 2 else v for k, v in state.items()}
+    )
+    one = [{**p, "sampling": {"n": 8, "max_tokens": 240}} for p in prompts(4)]
+    parked = [
+        asyncio.ensure_future(
+            rollout.call(VLLMServer.generate, asyncexec.RolloutRequest(f"k{i}", p), on=on)
+        )
+        for i, p in enumerate(one)
+    ]
+    with anyio.fail_after(60):
+        while (  # noqa: ASYNC110 (the engine's count, no event to wait on)
+            await rollout.call(VLLMServer.engine_call, "get_num_unfinished_requests", on=on) < 4
+        ):
+            await anyio.sleep(0.02)
+    await rollout.call(VLLMServer.pause, "keep", on=on)
+    await channel.push()  # the other weights, into an engine holding 4 parked requests
+    await rollout.call(VLLMServer.resume, on=on)
+    for sample in await asyncio.gather(*parked):
+        assert not sample.aborted
+    after = await logprobs()  # the engine idle again, its cache as the push left it
+    await rollout.call(VLLMServer.engine_call, "reset_prefix_cache", on=on)  # idle: it works
+    fresh = await logprobs()  # the prompt computed by the new weights alone
+    assert max(abs(a - b) for a, b in zip(after, fresh, strict=True)) < 0.01, (after, fresh)
+    await learner.call(CausalLMLearner.load, state)
+    await channel.push()
+
+
 async def test_a_pause_to_abort_returns_with_the_aborted_requests_ended(engines: Engines) -> None:
     """``pause("abort")`` returns once the engine's last output of each request it held reached
     its generation: every sample comes back aborted, however soon ``resume()`` follows."""
