@@ -189,7 +189,7 @@ async def test_a_dead_rank_is_renewed_once_however_many_calls_saw_it_die(mode: s
 
 @pytest.mark.ray_only
 @pytest.mark.timeout(90)
-async def test_a_renewal_lets_the_caller_go_at_its_deadline_and_dies_with_the_executor(
+async def test_a_renewal_holds_no_caller_and_dies_with_the_executor(
     mode: str, tmp_path: Path
 ) -> None:
     block, entered = tmp_path / "block", tmp_path / "entered"
@@ -201,9 +201,9 @@ async def test_a_renewal_lets_the_caller_go_at_its_deadline_and_dies_with_the_ex
             block.touch()  # the renewed worker's start-up waits until the test lets it go
             outer.start_soon(_unlink_after, block, 15.0)  # or until a caller held gets out
             os.kill(ex.workers[0].pid, signal.SIGKILL)
-            with anyio.move_on_after(1.0), pytest.raises(asyncexec.WorkerCrashedError):
+            with anyio.fail_after(10), pytest.raises(asyncexec.WorkerCrashedError):
                 await ex.call(Server.slow, 0.0, on=asyncexec.rank(0))
-            assert block.exists(), "the caller waited for the renewal past its deadline"
+            assert block.exists(), "the caller waited for the renewal"
             with anyio.fail_after(30):
                 while not entered.exists():  # noqa: ASYNC110 - a worker's file
                     await anyio.sleep(0.05)
