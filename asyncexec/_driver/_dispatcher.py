@@ -101,7 +101,7 @@ class WorkerCalls:
         """
         group = await self._group()
         if self._loads.renewing(group.workers, range(len(group.workers))) is not None:
-            group = await self._renewed(group, range(len(group.workers)))
+            group = await self._recovery.renewed(group, range(len(group.workers)))
         workers = list(group.workers)
         self._observer.emit(CallsSent(len(workers)))
         try:
@@ -115,7 +115,7 @@ class WorkerCalls:
         """Run ``fn(*args, **kwargs)`` on one rank and return its result."""
         group = await self._group()
         if self._loads.renewing(group.workers, (rank,)) is not None:
-            group = await self._renewed(group, (rank,))
+            group = await self._recovery.renewed(group, (rank,))
         workers = list(group.workers)
         self._observer.emit(ONE_CALL_SENT)
         try:
@@ -161,7 +161,7 @@ class WorkerCalls:
             fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
         )
         if self._loads.renewing(group.workers, plan.ranks) is not None:
-            group = await self._renewed(group, plan.ranks)
+            group = await self._recovery.renewed(group, plan.ranks)
             plan = plan_call(
                 fn, args, kwargs, len(group.workers), on, roles=self.config.roles, merge=merge
             )
@@ -218,7 +218,7 @@ class WorkerCalls:
                     roles = self.config.roles
                     plan = plan_call(fn, args, kwargs, len(group.workers), on, roles=roles)
                     if self._loads.renewing(group.workers, plan.ranks) is not None:
-                        group = await self._renewed(group, plan.ranks)
+                        group = await self._recovery.renewed(group, plan.ranks)
                         plan = plan_call(fn, args, kwargs, len(group.workers), on, roles=roles)
                     parts = await _put_parts(group.cluster, plan)
                     if plan.choose is not None:
@@ -241,15 +241,6 @@ class WorkerCalls:
         value = await self._one(group, group.workers[r], plan, parts)
         if plan.returns(r):
             await send.send((r, value))
-
-    async def _renewed(self, group: WorkerGroup, ranks: Sequence[int]) -> WorkerGroup:
-        """``group``, or the live group that took its place, once no worker of ``ranks`` is
-        being renewed: a call to a rank whose worker died waits for the fresh process put in
-        its place (see ``_recovery``), where the calls that saw it die did not."""
-        while (done := self._loads.renewing(group.workers, ranks)) is not None:
-            await done.wait()
-            group = await self._group()
-        return group
 
     async def _one(
         self,

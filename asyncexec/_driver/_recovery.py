@@ -12,6 +12,7 @@ own servers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from .._errors import AsyncExecError, WorkerCrashedError, describe
@@ -56,6 +57,16 @@ class Recovery:
         renew = functools.partial(self._renew, group, worker, exc.rank)
         await self.loads.renew_once(worker.handle.key, renew, self.life.tg)
         return exc
+
+    async def renewed(self, group: WorkerGroup, ranks: Sequence[int]) -> WorkerGroup:
+        """``group``, or the live group that took its place, once no worker of ``ranks`` is
+        being renewed: a call to a rank whose worker died waits for the fresh process put in
+        its place, where the calls that saw it die did not."""
+        while (done := self.loads.renewing(group.workers, ranks)) is not None:
+            await done.wait()
+            self.life.check_open()
+            group = await self.life.slot.acquire()
+        return group
 
     async def _renew(self, group: WorkerGroup, worker: WorkerInfo, rank: int) -> None:
         """Outside a run, put a fresh process in a crashed rank's place and keep the others
