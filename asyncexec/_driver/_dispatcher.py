@@ -313,10 +313,9 @@ class WorkerCalls:
             handed = None
             if taken is None:
                 if renewing and len(exclude) == len(group.workers):
-                    # Only ranks being renewed are left: the first fresh process takes it.
-                    done = loads.renewing(group.workers, renewing)
-                    if done is not None:
-                        await done.wait()
+                    # Only ranks being renewed are left: the first fresh process takes it (a group
+                    # replaced meanwhile is seen at the top of the loop).
+                    await self._recovery.renewed(group, renewing[:1])
                     continue
                 if last is not None and len(exclude) == len(group.workers):
                     # Every rank this call could go to died under it, and none was replaced.
