@@ -14,6 +14,7 @@ import functools
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import anyio
@@ -22,6 +23,7 @@ import pytest
 import asyncexec
 from asyncexec._dispatch._plan import plan_call
 from asyncexec._dispatch._targets import ALL
+from asyncexec._driver.cluster import _ray
 from asyncexec._worker import ROLE_GROUPS
 from asyncexec.testing import SimCluster, SimLoad
 
@@ -607,6 +609,12 @@ async def test_calls_that_end_together_wake_the_loop_once(ray_local: None) -> No
             # The loop is held (as by other work) until every call has ended.
             ready, _ = ray.wait([r.ref for r in results], num_returns=16, timeout=30)
             assert len(ready) == 16
+            # A reference is ready before Ray's thread has run its completion callback (on a
+            # loaded machine, long before): hold the loop until every callback has reached the
+            # settler (10 s at most; one settled in the turn above never does).
+            settler, deadline = _ray._settler(loop), time.monotonic() + 10
+            while len(settler._pending) < 16 and time.monotonic() < deadline:
+                time.sleep(0.001)  # noqa: ASYNC251 (the loop is held on purpose)
             answers = await asyncio.gather(*waits)
         finally:
             del loop.call_soon_threadsafe
