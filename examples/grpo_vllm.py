@@ -49,8 +49,16 @@ class Settings:
 
 
 def prompts(s: Settings) -> Iterator[dict[str, Any]]:
-    """An endless source of prompts: token ids, and how many tokens each asks for."""
+    """An endless source of prompts: token ids, and how each is sampled (the task's settings
+    travel with the prompt, so that any server of the model can answer it: ``group_size``
+    completions of digits only, and a number of tokens from the long tail)."""
     rng = np.random.default_rng(s.seed)
+    task = {
+        "n": s.group_size,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "allowed_token_ids": list(DIGIT_IDS),
+    }
     while True:
         digits = rng.choice(DIGIT_IDS, 4).tolist()
         length = int(
@@ -58,7 +66,7 @@ def prompts(s: Settings) -> Iterator[dict[str, Any]]:
                 round(s.median_tokens * np.exp(s.sigma * rng.standard_normal())), 2, s.max_tokens
             )
         )
-        yield {"prompt_token_ids": [1, *digits], "sampling": {"max_tokens": length}}
+        yield {"prompt_token_ids": [1, *digits], "sampling": {**task, "max_tokens": length}}
 
 
 def group_of(sample: asyncexec.Sample) -> Group:
@@ -78,6 +86,7 @@ def group_of(sample: asyncexec.Sample) -> Group:
 @dataclass
 class Summary:
     threshold: float
+    started: float = field(default_factory=time.perf_counter)
     rewards: list[float] = field(default_factory=list)
     staleness_max: int = 0
     reached_after_s: float | None = None
@@ -128,26 +137,20 @@ async def main(
     model_dir: str | None = None,
     timeline: Sequence[str] = (),
 ) -> Summary:
-    """Train until the mean reward of the last 3 batches reaches ``threshold`` or
-    ``max_updates``; what happened. ``timeline``: write one timeline of the learner, the
-    engines and the pipeline to each of these paths (a ``.json`` for Perfetto, a ``.png``)."""
+    """Start the learner and the engines, and :func:`train` until the mean reward of the last
+    3 batches reaches ``threshold`` or ``max_updates``; what happened. ``timeline``: write one
+    timeline of the learner, the engines and the pipeline to each of these paths (a ``.json``
+    for Perfetto, a ``.png``)."""
     folder = build_tiny_llama(model_dir or os.path.join(tempfile.gettempdir(), "asyncexec-tiny"))
     s = Summary(threshold)
-    started = time.perf_counter()
-    # The engines sample digits only, and report log-probabilities over them (after the mask),
-    # as the learner computes them.
+    # The engines report log-probabilities over the digits (after the mask), as the learner
+    # computes them.
     engine = {
         "dtype": "bfloat16",
         "max_model_len": 256,
         "enforce_eager": True,
         "seed": settings.seed,
         "logprobs_mode": "processed_logprobs",
-    }
-    sampling = {
-        "n": settings.group_size,
-        "temperature": 1.0,
-        "ignore_eos": True,
-        "allowed_token_ids": list(DIGIT_IDS),
     }
     slow_start = asyncexec.Timeouts(start_s=300)  # an engine takes 20-60 s to start here
     shared = asyncexec.Timeline() if timeline else False  # both groups on one clock
@@ -168,7 +171,7 @@ async def main(
         ) as learner,
         asyncexec.Executor(
             2,
-            roles=asyncexec.Role(VLLMServer, folder, engine=engine, sampling=sampling),
+            roles=asyncexec.Role(VLLMServer, folder, engine=engine),
             name="vllm",
             resources_per_worker={"CPU": 0.5},
             timeouts=slow_start,
@@ -178,46 +181,78 @@ async def main(
         asyncexec.WeightChannel(learner, rollout) as channel,
     ):
         await channel.push()  # the learner's weights into the engines: version 1
-        router = asyncexec.Router(rollout, max_in_flight=8, channel=channel)
-        async with (
-            router,
-            asyncexec.Pipeline(
-                router,
-                prompts(settings),
-                batch_size=settings.batch_size,
-                staleness=staleness,
-                on_update=on_update,
-                channel=channel,
-            ) as pipe,
-        ):
-            async for batch in pipe:
-                groups = [group_of(x) for x in batch.samples]
-                s.tokens += sum(len(t) for g in groups for t in g.token_ids)
-                s.staleness_max = max(s.staleness_max, batch.staleness_max)
-                s.rewards.append(float(np.mean([np.mean(g.rewards) for g in groups])))
-                await learn(learner, groups, s)
-                print(f"update {len(s.rewards)}: mean reward {s.rewards[-1]:.2f}", flush=True)
-                if np.mean(s.rewards[-3:]) >= threshold and len(s.rewards) >= 3:
-                    s.reached_after_s = time.perf_counter() - started
-                    break
-                if len(s.rewards) >= max_updates:
-                    break
-                await pipe.update_weights()
-                if kill_engine_at == len(s.rewards):  # server 1's engine core, mid-generation
-                    pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(1))
-                    os.kill(pids["VLLM::EngineCore"], signal.SIGKILL)
-                    s.killed["engine"] += 1
-                if kill_learner_at == len(s.rewards):
-                    os.kill(learner.workers[1].pid, signal.SIGKILL)
-                    s.killed["learner"] += 1
-            s.statistics, s.router = pipe.statistics(), router.statistics()
-    s.seconds = time.perf_counter() - started
+        await train(
+            learner,
+            rollout,
+            channel,
+            s,
+            settings=settings,
+            max_updates=max_updates,
+            staleness=staleness,
+            on_update=on_update,
+            kill_engine_at=kill_engine_at,
+            kill_learner_at=kill_learner_at,
+        )
+    s.seconds = time.perf_counter() - s.started
     if shared:
         title = f"GRPO on vLLM: {len(s.rewards)} updates, staleness {staleness}, {on_update}"
         for path in timeline:
             shared.export(path, title)
             print(f"wrote the timeline to {path}")
     return s
+
+
+async def train(
+    learner: asyncexec.Executor,
+    rollout: asyncexec.Executor,
+    channel: asyncexec.WeightChannel,
+    s: Summary,
+    *,
+    settings: Settings = Settings(),
+    max_updates: int = 150,
+    staleness: int = 1,
+    on_update: str = "keep",
+    kill_engine_at: int | None = None,
+    kill_learner_at: int | None = None,
+) -> None:
+    """The loop itself, on a learner of :class:`CausalLMLearner` and servers of
+    :class:`VLLMServer` that hold the same model: batches from the pipeline, an update on the
+    learner, the new weights into the running engines; into ``s``, until ``s.threshold`` or
+    ``max_updates``. ``kill_*_at``: SIGKILL server 1's engine core (mid-generation) or learner
+    rank 1 after that update."""
+    router = asyncexec.Router(rollout, max_in_flight=8, channel=channel)
+    async with (
+        router,
+        asyncexec.Pipeline(
+            router,
+            prompts(settings),
+            batch_size=settings.batch_size,
+            staleness=staleness,
+            on_update=on_update,
+            channel=channel,
+        ) as pipe,
+    ):
+        async for batch in pipe:
+            groups = [group_of(x) for x in batch.samples]
+            s.tokens += sum(len(t) for g in groups for t in g.token_ids)
+            s.staleness_max = max(s.staleness_max, batch.staleness_max)
+            s.rewards.append(float(np.mean([np.mean(g.rewards) for g in groups])))
+            await learn(learner, groups, s)
+            print(f"update {len(s.rewards)}: mean reward {s.rewards[-1]:.2f}", flush=True)
+            if np.mean(s.rewards[-3:]) >= s.threshold and len(s.rewards) >= 3:
+                s.reached_after_s = time.perf_counter() - s.started
+                break
+            if len(s.rewards) >= max_updates:
+                break
+            await pipe.update_weights()
+            if kill_engine_at == len(s.rewards):  # server 1's engine core, mid-generation
+                pids = await rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(1))
+                os.kill(pids["VLLM::EngineCore"], signal.SIGKILL)
+                s.killed["engine"] += 1
+            if kill_learner_at == len(s.rewards):
+                os.kill(learner.workers[1].pid, signal.SIGKILL)
+                s.killed["learner"] += 1
+        s.statistics, s.router = pipe.statistics(), router.statistics()
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

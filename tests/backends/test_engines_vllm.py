@@ -21,6 +21,7 @@ import anyio
 import psutil
 import pytest
 import pytest_asyncio
+from conftest import import_example
 
 import asyncexec
 
@@ -166,6 +167,30 @@ async def test_the_pipeline_on_real_engines_holds_the_bound_and_tags_the_engines
                 break
             await pipe.update_weights()
         assert pipe.statistics().beyond_bound == 0
+
+
+async def test_the_grpo_examples_loop_trains_on_the_engines(engines: Engines) -> None:
+    """examples/grpo_vllm.py's own loop (its prompts, rewards, learner update and pushes), run
+    for 3 updates on this module's engines and learner (one rank, where the example starts two
+    under DDP and its own engines: about 35 s more): every batch within the bound, every
+    completion as long as its prompt asked, each update a new version in the engines."""
+    grpo = import_example("grpo_vllm")
+    learner, channel = engines.learner, engines.channel
+    state = (await learner.call(CausalLMLearner.weights))[0]
+    before = channel.version
+    summary = grpo.Summary(threshold=2.0)  # beyond any reward: 3 updates, then stop
+    await grpo.train(learner, engines.rollout, channel, summary, max_updates=3)
+    try:
+        assert len(summary.rewards) == 3 and summary.staleness_max <= 1, summary.report()
+        assert all(0.0 <= r <= 1.0 for r in summary.rewards), summary.rewards
+        assert summary.statistics.beyond_bound == 0 and summary.tokens > 0, summary.report()
+        assert summary.router.answered >= 3 * grpo.Settings().batch_size, summary.report()
+        assert channel.version == before + 2  # pushed after updates 1 and 2, not after the last
+        trained = (await learner.call(CausalLMLearner.weights))[0]
+        assert any(not (trained[k] == state[k]).all() for k in state)
+    finally:
+        await learner.call(CausalLMLearner.load, state)
+        await channel.push()
 
 
 async def test_logprobs_agree_with_the_learners_when_versions_are_honest_and_not_otherwise(
