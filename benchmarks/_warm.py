@@ -53,16 +53,17 @@ async def measure_warm(
     resources: dict[str, float],
     bound: int,
     storage: str,
+    warmups: int = 1,
 ) -> None:
     """Each repeat: one leased enter and first step (recorded, ms), ``n`` plain actors cold, then
     the lag through ``cycles`` lease cycles and one refill, then the floor streaming's lag, each
-    filed in ``rows``. A first round is a warm-up and is not recorded."""
+    filed in ``rows``. The first ``warmups`` rounds are not recorded."""
     loops = LoopGroup(n, resources, bound)
     await loops.start()
     try:
         async with asyncexec.WorkerPool(n + 1, resources_per_worker=resources) as pool:
-            for i in range(repeats + 1):
-                record = i > 0
+            for i in range(warmups + repeats):
+                record = i >= warmups
                 enter, first = await _lease_once(pool, n, storage)
                 seconds, _, actors = await plain_actors_ready(n, resources)
                 await kill_actors(actors)

@@ -397,6 +397,7 @@ class Bench:
             RESOURCES,
             BUFFER,
             self.storage,
+            sizes.warmups,
         )
         progress("warm workers: the service's first event")
         # The first request pays the app's one-time costs (not recorded; but in the quick run).
