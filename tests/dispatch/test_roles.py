@@ -399,12 +399,15 @@ async def _expect_rank(ex: asyncexec.Executor, rank: int) -> None:
 
 
 class SlowToStart:
-    """A role whose constructor takes ``seconds`` once ``marker`` exists: a fresh process that
-    starts as slowly as an engine does."""
+    """A role whose constructor, once ``marker`` exists, waits until ``release`` exists (60 s at
+    most): a fresh process that starts as slowly as an engine does, for as long as a test holds
+    it."""
 
-    def __init__(self, marker: str, seconds: float) -> None:
+    def __init__(self, marker: str, release: str) -> None:
         if os.path.exists(marker):
-            time.sleep(seconds)
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def pid(self) -> int:
         return os.getpid()
@@ -419,10 +422,11 @@ async def test_a_call_whose_rank_dies_fails_at_once_and_the_next_waits_for_the_f
     tmp_path: Path,
 ) -> None:
     """The error of a call whose worker died does not wait for the fresh process put in its
-    place (an engine's start: tens of seconds); meanwhile a call to another rank is answered,
-    and one to the dying rank waits for its fresh process."""
-    marker = tmp_path / "started"
-    role = asyncexec.Role(SlowToStart, str(marker), 10.0)
+    place (an engine's start: tens of seconds; here, held until the test lets it go);
+    meanwhile a call to another rank is answered, and one to the dying rank waits for its
+    fresh process."""
+    marker, release = tmp_path / "started", tmp_path / "released"
+    role = asyncexec.Role(SlowToStart, str(marker), str(release))
     never = asyncexec.RestartPolicy.never()
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=role, restart=never) as ex:
         pids = await ex.call(SlowToStart.pid)
@@ -433,10 +437,13 @@ async def test_a_call_whose_rank_dies_fails_at_once_and_the_next_waits_for_the_f
         with anyio.fail_after(5), pytest.raises(asyncexec.WorkerCrashedError) as info:
             await waiting
         assert info.value.rank == 1
+        fresh = asyncio.ensure_future(ex.call(SlowToStart.pid, on=asyncexec.rank(1)))
         with anyio.fail_after(5):
             assert await ex.call(SlowToStart.pid, on=asyncexec.rank(0)) == pids[0]
+        assert not fresh.done()  # its process is still held in its constructor
+        release.touch()
         with anyio.fail_after(60):
-            assert await ex.call(SlowToStart.pid, on=asyncexec.rank(1)) not in pids
+            assert await fresh not in pids
             assert (await ex.call(SlowToStart.pid))[0] == pids[0]
 
 
