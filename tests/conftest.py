@@ -3,11 +3,12 @@ leak check after every test that touches Ray: no live asyncexec worker and no li
 group may remain.
 
 Every test is put in one tier by what it uses, not by hand (``pytest_collection_modifyitems``):
-``fast`` (no Ray: pure, local-mode and simulated-cluster tests), ``ray`` (the shared local Ray),
-``subprocess`` (starts a Python process of its own), ``bench`` (runs a benchmark or the chaos
-harness) and ``multinode`` (a ``ray.cluster_utils.Cluster``); the tiers run in that order, so the
-shared Ray starts once and the clusters come last. ``smoke`` marks a few Ray tests by hand: the
-inner loop is ``pytest -m "fast or smoke"``."""
+``fast`` (no Ray: pure, local-mode and simulated-cluster tests), ``subprocess`` (starts a Python
+process of its own), ``bench`` (runs a benchmark or the chaos harness), ``ray`` (the shared local
+Ray), ``engine`` (real vLLM engines on it) and ``multinode`` (a ``ray.cluster_utils.Cluster``);
+the tiers run in that order (``TIERS``), so the shared Ray starts again once after the scripts
+that run a Ray of their own, and the clusters come last. ``smoke`` marks a few Ray tests by
+hand: the inner loop is ``pytest -m "fast or smoke"``."""
 
 from __future__ import annotations
 
@@ -289,7 +290,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # Tiers ----------------------------------------------------------------------------------------
 
 #: The tiers in the order they run.
-TIERS = ("fast", "ray", "subprocess", "bench", "engine", "multinode")
+#: ``subprocess`` comes first after ``fast``: its tests wait on processes of their own and leave
+#: about half of the 2 cores idle, where ``.ci/run`` runs mypy, the docs and the ``fast`` tier
+#: beside it (they slowed it by 7 s of their 81; beside the ``ray`` tier, which leaves a quarter
+#: idle, by about 60 s). ``bench`` follows it, for the tests that stop the shared Ray.
+TIERS = ("fast", "subprocess", "bench", "ray", "engine", "multinode")
 _SPAWNS = frozenset(
     {"subprocess", "executable", "create_subprocess_exec", "create_subprocess_shell", "Popen"}
 )
