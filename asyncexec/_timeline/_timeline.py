@@ -398,8 +398,9 @@ def _steps(
         if previous is not None and start < previous:
             # Two batches place the worker's clock apart (each with its own offset, a
             # millisecond or so off on a loaded machine): a span never starts before the
-            # rank's previous one ended.
-            start = min(previous, at)
+            # rank's previous one ended, nor ends before it (a report placed before the
+            # previous one's end is an empty span there), so a rank's steps never overlap.
+            start, at = previous, max(at, previous)
         out.append(("X", rank, f"step {first + i}", "step", start, at, None))
         previous = at
     return previous

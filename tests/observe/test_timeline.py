@@ -65,6 +65,28 @@ def test_ring_keeps_the_last_events_and_counts_the_dropped() -> None:
         Timeline(0)
 
 
+def test_a_ranks_steps_never_overlap_when_two_batches_place_its_clock_apart() -> None:
+    """Defect: each batch places a worker's report times on the driver's clock with an offset
+    of its own, a millisecond or so apart on a loaded machine. A report placed before the end
+    of the rank's previous step became an empty span there, and the rank's clock went back to
+    it: the next step's span then overlapped the previous one partly, and the export gave the
+    rank a second lane ("rank 0 · 2", seen in a command-line run beside other tests)."""
+    timeline = Timeline()
+    ms = 0.001
+    first = StepTimes(array("d", [10.0, 11.0]), array("d", [0.5, 0.5]), [0.0], 2)
+    timeline.steps(StepBatch(0, 1, [({"i": 0},), ({"i": 1},)], {}, times=first))
+    # The second batch's offset places step 2's report 1 ms before step 1's, and step 3
+    # started (by its own clock) before step 1 ended.
+    second = StepTimes(array("d", [11.0, 11.3 + 2 * ms]), array("d", [ms / 2, 0.4]), [-2 * ms], 2)
+    timeline.steps(StepBatch(2, 1, [({"i": 2},), ({"i": 3},)], {}, times=second))
+    steps = [e for e in timeline.events() if e[3] == "step"]
+    assert [e[2] for e in steps] == ["step 0", "step 1", "step 2", "step 3"]
+    for before, after in itertools.pairwise(steps):
+        assert before[5] <= after[4] <= after[5], (before, after)
+    doc = timeline.trace_events()
+    assert {e["tid"] for e in doc if e.get("ph") == "X"} == {1}  # rank 0, one lane
+
+
 def test_memory_stays_bounded_over_a_hundred_thousand_steps() -> None:
     """The ring's size is fixed: 100,000 steps of 4 ranks keep ``capacity`` events."""
     timeline = Timeline(capacity=5_000)
