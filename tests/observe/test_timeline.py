@@ -75,7 +75,7 @@ def test_a_ranks_steps_never_overlap_when_two_batches_place_its_clock_apart() ->
     ms = 0.001
     first = StepTimes(array("d", [10.0, 11.0]), array("d", [0.5, 0.5]), [0.0], 2)
     timeline.steps(StepBatch(0, 1, [({"i": 0},), ({"i": 1},)], {}, times=first))
-    # The second batch's offset places step 2's report 1 ms before step 1's, and step 3
+    # The second batch's offset places step 2's report 2 ms before step 1's, and step 3
     # started (by its own clock) before step 1 ended.
     second = StepTimes(array("d", [11.0, 11.3 + 2 * ms]), array("d", [ms / 2, 0.4]), [-2 * ms], 2)
     timeline.steps(StepBatch(2, 1, [({"i": 2},), ({"i": 3},)], {}, times=second))
