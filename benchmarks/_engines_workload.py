@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from asyncexec.engines._extension import pack
-from asyncexec.engines._vllm import EXTENSION, SAMPLING
+from asyncexec.engines._vllm import EXTENSION, SAMPLING, sampling_settings
 
 __all__ = ["HandEngine", "HandHolder", "StateHolder", "generated_tokens", "read_state"]
 
@@ -111,7 +111,7 @@ class HandEngine:
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            **{**self.sampling, **(prompt.get("sampling") or {})},
+            **sampling_settings(self.sampling, prompt.get("sampling") or {}),
             output_kind=RequestOutputKind.DELTA,
         )
         self.ids += 1

@@ -136,6 +136,18 @@ async def test_a_push_changes_greedy_outputs_and_the_same_weights_do_not(
     await channel.push()
 
 
+async def test_stop_strings_are_honoured_though_the_server_does_not_detokenize(
+    engines: Engines,
+) -> None:
+    """The server asks vLLM for no text (a sample holds token ids), except for a request whose
+    ``stop`` strings need it: every digit a stop string, each completion ends at its first."""
+    stop = {"n": 1, "temperature": 0.0, "stop": [str(d) for d in range(10)]}
+    request = asyncexec.RolloutRequest("stop", {"prompt_token_ids": [1, 5, 6], "sampling": stop})
+    sample = await engines.rollout.call(VLLMServer.generate, request, on=asyncexec.rank(0))
+    (completion,) = completions(sample)
+    assert completion.finish_reason == "stop" and len(completion.token_ids) == 1
+
+
 @pytest.mark.parametrize("on_update", ["keep", "wait", "abort"])
 async def test_the_pipeline_on_real_engines_holds_the_bound_and_tags_the_engines_version(
     engines: Engines, on_update: str
