@@ -246,7 +246,7 @@ async def rl_loop(scraped: Callable[[str], Awaitable[None]]) -> None:
         async for _ in pipe:
             await learner.call(Learner.step)
             await pipe.update_weights(on_update=modes[pipe.version % 3])  # type: ignore[arg-type]
-        await anyio.sleep(1.5)  # the router's in-flight series (gone when it closes) scraped
+        await scraped('asyncexec_router_in_flight{executor="board"}')  # gone when it closes
 
 
 def _finite(result: list[dict[str, Any]]) -> bool:
@@ -284,7 +284,8 @@ async def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path: A
                     if step.index % 10 == 0:
                         await executor.execute(where)
                 assert executor.result.attempts == 2
-                await anyio.sleep(1.5)  # the backlog's series is scraped after the run too
+                # The backlog's series exists only while a run of the name is active.
+                await _wait_for(client, url, 'asyncexec_backlog_reports{executor="board"}')
             await rl_loop(functools.partial(_wait_for, client, url))
             await _wait_for(client, url, 'asyncexec_runs_total{outcome="finished"} == 1')
             end = time.time() + 1
