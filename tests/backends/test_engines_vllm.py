@@ -136,6 +136,16 @@ async def test_a_push_changes_greedy_outputs_and_the_same_weights_do_not(
     await channel.push()
 
 
+async def test_a_request_is_not_detokenized_unless_it_asks_or_has_stop_strings() -> None:
+    """The settings a request is sampled with (no engine needed)."""
+    from asyncexec.engines._vllm import SAMPLING, sampling_settings
+
+    assert sampling_settings(SAMPLING, {"n": 2}) == {**SAMPLING, "n": 2, "detokenize": False}
+    assert sampling_settings(SAMPLING, {"stop": ["\\n"]})["detokenize"] is True
+    assert sampling_settings({**SAMPLING, "detokenize": True}, {})["detokenize"] is True
+    assert sampling_settings(SAMPLING, {"stop": ["x"], "detokenize": False})["detokenize"] is False
+
+
 async def test_stop_strings_are_honoured_though_the_server_does_not_detokenize(
     engines: Engines,
 ) -> None:

@@ -1,8 +1,7 @@
 """A sample's chunks merged per weights version (``RolloutServer.merge``): runs of chunks made
 under one version become one chunk, paired with that version, in finished and aborted samples
 alike; a server that does not merge keeps every chunk; the vLLM server's merge keeps every
-token, log-probability and end (no engine needed: its chunks are plain records), and its
-requests' sampling settings."""
+token, log-probability and end (no engine needed: its chunks are plain records)."""
 
 from __future__ import annotations
 
@@ -115,13 +114,3 @@ def test_an_aborted_vllm_sample_ends_every_unfinished_completion_as_aborted() ->
     assert ends == ["length", None]  # not aborted: still going when its chunks were taken
     aborted = asyncexec.Sample(0, None, chunks, (2,), 0, aborted=True)
     assert [c.finish_reason for c in completions(aborted)] == ["length", "abort"]
-
-
-def test_a_vllm_request_is_not_detokenized_unless_it_asks_or_has_stop_strings() -> None:
-    pytest.importorskip("vllm")
-    from asyncexec.engines._vllm import SAMPLING, sampling_settings
-
-    assert sampling_settings(SAMPLING, {"n": 2}) == {**SAMPLING, "n": 2, "detokenize": False}
-    assert sampling_settings(SAMPLING, {"stop": ["\n"]})["detokenize"] is True
-    assert sampling_settings({**SAMPLING, "detokenize": True}, {})["detokenize"] is True
-    assert sampling_settings(SAMPLING, {"stop": ["x"], "detokenize": False})["detokenize"] is False
