@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import signal
 import time
 from typing import Any
 
@@ -226,6 +227,18 @@ async def test_two_ranks_failing_at_once_are_both_recorded() -> None:
 # Ray's errors, mapped at the one boundary --------------------------------------------------------
 
 
+@pytest.mark.usefixtures("ray_local")
+async def test_a_kill_that_fails_is_logged() -> None:
+    from types import SimpleNamespace
+
+    from asyncexec._driver.cluster import RayCluster
+
+    with capture_logs() as logs:
+        await RayCluster().kill([SimpleNamespace(actor=object())])  # type: ignore[list-item]
+    [event] = [e for e in logs if e["event"] == "kill_failed"]
+    assert "ValueError" in event["error"]
+
+
 def _ray_exception_classes() -> list[type[BaseException]]:
     import inspect
 
@@ -297,7 +310,6 @@ async def test_a_second_rank_dying_while_the_first_is_mapped_is_recorded(
     the settle window cancelled the attempt. The look-up is slowed here to 0.5 s (our own
     function, wrapped) so that the second death lands inside it."""
     import os
-    import signal
 
     from asyncexec._driver.cluster import _ray as _boundary
 
@@ -324,3 +336,19 @@ async def test_a_second_rank_dying_while_the_first_is_mapped_is_recorded(
         assert isinstance(failure, asyncexec.WorkerCrashedError) and failure.rank == 0
         notes = "\n".join(getattr(failure, "__notes__", []))
         assert "rank 1" in notes, notes
+
+
+def test_the_executors_sigterm_handler_is_rays_own_and_only_set_when_free() -> None:
+    from asyncexec._driver.cluster import _start as _ray
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _ray._install_sigterm_handler()
+        assert signal.getsignal(signal.SIGTERM) is _ray._exit_on_sigterm
+        mine = lambda signum, frame: None  # noqa: E731
+        signal.signal(signal.SIGTERM, mine)
+        _ray._install_sigterm_handler()
+        assert signal.getsignal(signal.SIGTERM) is mine  # an application's handler is kept
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -11,8 +11,10 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import FrozenInstanceError
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,7 @@ from asyncexec._dispatch._plan import plan_call
 from asyncexec._dispatch._role import method_of, roles_of
 from asyncexec._dispatch._split import split, split_sizes
 from asyncexec._dispatch._targets import ALL, Load
+from asyncexec._driver._loads import Loads
 from asyncexec._wire._protocol import RoleMethod
 
 # Classes at module level, as users write them (a role's method is found by its class).
@@ -588,3 +591,72 @@ def test_dispatch_imports_neither_numpy_nor_torch_nor_the_driver() -> None:
     modules = json.loads(done.stdout.strip().splitlines()[-1])
     assert "asyncexec._dispatch._plan" in modules
     assert not {"numpy", "torch", "anyio", "asyncexec._driver"} & set(modules)
+
+
+# The load record, without an executor ----------------------------------------------------
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self.workers = [object()] * size
+
+
+async def test_each_group_keeps_its_own_load_record() -> None:
+    """A waiter of a replaced group does not reset the live group's record (the cap holds)."""
+    loads = Loads()
+    old, live = _Group(1), _Group(1)
+    loads.of(live).started(0)
+    loads.of(old)  # a caller of the replaced group, woken
+    assert loads.of(live).in_flight(0) == 1
+    assert loads.of(live).choose(1) is None
+
+
+async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
+    loads = Loads()
+    group = _Group(2)
+    first = loads.take(group, max_in_flight=1)
+    second = loads.take(group, max_in_flight=1)
+    assert first is not None and second is not None
+    assert (first[1], second[1]) == (0, 1)
+    assert loads.take(group, max_in_flight=1) is None
+    woken: list[int | None] = []
+
+    async def waiter() -> None:
+        handed = await loads.wait_slot()  # the freed slot, handed over (counted still)
+        woken.append(None if handed is None else handed[1])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        loads.release(*second)
+    assert woken == [1]
+    assert loads.of(group).counts == (1, 1)
+    assert loads.in_flight(group) == (1, 1)
+    assert loads.in_flight(_Group(3)) == (0, 0, 0)
+
+
+async def test_a_renewal_is_made_once_per_dead_worker() -> None:
+    """However many calls saw a worker die, one renewal is made, in the task group handed in:
+    the calls go on at once, and the renewal is under way for calls to that worker until it
+    ends."""
+    loads = Loads()
+    made: list[int] = []
+    gate = anyio.Event()
+
+    async def renew() -> None:
+        made.append(1)
+        await gate.wait()
+
+    workers = [SimpleNamespace(handle=SimpleNamespace(key=k)) for k in ("alive", "dead")]
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            with anyio.fail_after(1):  # none waits for the renewal
+                await loads.renew_once("dead", renew, tg)
+        await anyio.wait_all_tasks_blocked()
+        assert made == [1]
+        assert loads.renewing(workers, [0]) is None
+        done = loads.renewing(workers, [0, 1])
+        assert done is not None and loads.renewing_ranks(workers) == [1]
+        gate.set()
+        await done.wait()
+    assert loads.renewing(workers, [0, 1]) is None and loads.renewing_ranks(workers) == []

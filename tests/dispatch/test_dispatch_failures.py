@@ -12,7 +12,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -263,78 +262,3 @@ async def test_a_stream_raises_the_ranks_error_not_a_group_of_them(mode: str) ->
                 pass
         assert info.value.rank == 1
         assert isinstance(info.value.__cause__, KeyError)
-
-
-# Items 5 and 7: the load record, without an executor ---------------------------------------
-
-
-class _Group:
-    def __init__(self, size: int) -> None:
-        self.workers = [object()] * size
-
-
-async def test_each_group_keeps_its_own_load_record() -> None:
-    """A waiter of a replaced group does not reset the live group's record (the cap holds)."""
-    from asyncexec._driver._loads import Loads
-
-    loads = Loads()
-    old, live = _Group(1), _Group(1)
-    loads.of(live).started(0)
-    loads.of(old)  # a caller of the replaced group, woken
-    assert loads.of(live).in_flight(0) == 1
-    assert loads.of(live).choose(1) is None
-
-
-async def test_a_freed_slot_wakes_a_waiter_and_counts_stay_exact() -> None:
-    from asyncexec._driver._loads import Loads
-
-    loads = Loads()
-    group = _Group(2)
-    first = loads.take(group, max_in_flight=1)
-    second = loads.take(group, max_in_flight=1)
-    assert first is not None and second is not None
-    assert (first[1], second[1]) == (0, 1)
-    assert loads.take(group, max_in_flight=1) is None
-    woken: list[int | None] = []
-
-    async def waiter() -> None:
-        handed = await loads.wait_slot()  # the freed slot, handed over (counted still)
-        woken.append(None if handed is None else handed[1])
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(waiter)
-        await anyio.wait_all_tasks_blocked()
-        loads.release(*second)
-    assert woken == [1]
-    assert loads.of(group).counts == (1, 1)
-    assert loads.in_flight(group) == (1, 1)
-    assert loads.in_flight(_Group(3)) == (0, 0, 0)
-
-
-async def test_a_renewal_is_made_once_per_dead_worker() -> None:
-    """However many calls saw a worker die, one renewal is made, in the task group handed in:
-    the calls go on at once, and the renewal is under way for calls to that worker until it
-    ends."""
-    from asyncexec._driver._loads import Loads
-
-    loads = Loads()
-    made: list[int] = []
-    gate = anyio.Event()
-
-    async def renew() -> None:
-        made.append(1)
-        await gate.wait()
-
-    workers = [SimpleNamespace(handle=SimpleNamespace(key=k)) for k in ("alive", "dead")]
-    async with anyio.create_task_group() as tg:
-        for _ in range(3):
-            with anyio.fail_after(1):  # none waits for the renewal
-                await loads.renew_once("dead", renew, tg)
-        await anyio.wait_all_tasks_blocked()
-        assert made == [1]
-        assert loads.renewing(workers, [0]) is None
-        done = loads.renewing(workers, [0, 1])
-        assert done is not None and loads.renewing_ranks(workers) == [1]
-        gate.set()
-        await done.wait()
-    assert loads.renewing(workers, [0, 1]) is None and loads.renewing_ranks(workers) == []

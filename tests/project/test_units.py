@@ -319,3 +319,23 @@ def test_grouped_options_and_their_old_spelling() -> None:
     assert {w.filename for w in seen} == {__file__}
     with pytest.raises(TypeError, match=r"WorkerPool.*stop_timeout_s"):
         asyncexec.WorkerPool(1, stop_timeout_s=1)  # a pool has no runs to stop
+
+
+def test_the_stdlib_route_renders_events_with_their_fields(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import structlog
+
+    from asyncexec._logging import get_logger
+
+    previous = structlog.get_config()
+    structlog.reset_defaults()  # as in a program that configured nothing
+    try:
+        with caplog.at_level("INFO", logger="asyncexec"):
+            get_logger(executor="x-1").bind(run_id="r").info("run_started", attempt=1)
+            get_logger().debug("hidden")
+    finally:
+        structlog.configure(**previous)
+    assert [r.getMessage() for r in caplog.records] == [
+        "run_started executor=x-1 run_id=r attempt=1"
+    ]

@@ -190,22 +190,6 @@ def test_a_dead_cluster_on_record_is_named_at_once_not_waited_on(
     assert "could not start Ray" in cli.stderr and f"nothing answers at {address}" in cli.stderr
 
 
-def test_the_executors_sigterm_handler_is_rays_own_and_only_set_when_free() -> None:
-    from asyncexec._driver.cluster import _start as _ray
-
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _ray._install_sigterm_handler()
-        assert signal.getsignal(signal.SIGTERM) is _ray._exit_on_sigterm
-        mine = lambda signum, frame: None  # noqa: E731
-        signal.signal(signal.SIGTERM, mine)
-        _ray._install_sigterm_handler()
-        assert signal.getsignal(signal.SIGTERM) is mine  # an application's handler is kept
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # Cancelling the consumer stops the run --------------------------------------------------------
 
 
@@ -323,26 +307,6 @@ def test_with_nothing_configured_logs_are_warnings_on_stderr_and_stdout_is_the_p
     assert done.stdout.strip().splitlines() == ["RESULT [0]"]
     assert "worker_failed" in done.stderr and "restarting" in done.stderr  # warnings
     assert "group_started" not in done.stderr and "run_started" not in done.stderr  # info
-
-
-def test_the_stdlib_route_renders_events_with_their_fields(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    import structlog
-
-    from asyncexec._logging import get_logger
-
-    previous = structlog.get_config()
-    structlog.reset_defaults()  # as in a program that configured nothing
-    try:
-        with caplog.at_level("INFO", logger="asyncexec"):
-            get_logger(executor="x-1").bind(run_id="r").info("run_started", attempt=1)
-            get_logger().debug("hidden")
-    finally:
-        structlog.configure(**previous)
-    assert [r.getMessage() for r in caplog.records] == [
-        "run_started executor=x-1 run_id=r attempt=1"
-    ]
 
 
 # Smaller things ----------------------------------------------------------------------------

@@ -4,7 +4,6 @@ its spec, and the record a named run resumes from."""
 
 from __future__ import annotations
 
-from ._context import INLINE_PAYLOAD_BYTES
 from ._engine import RunDriver
 from ._iterator import Run, RunCore, RunEnd, RunState, new_run_id
 from ._resume import RECORD_FILE, Resume, fingerprint, legacy_fingerprint
@@ -13,7 +12,6 @@ from ._steps import Report, RunResult, Step, StepBatch
 from ._window import HandOver
 
 __all__ = [
-    "INLINE_PAYLOAD_BYTES",
     "RECORD_FILE",
     "HandOver",
     "Report",
