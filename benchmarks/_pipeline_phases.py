@@ -8,6 +8,7 @@ once, no sample beyond the bound in strict mode), and reports a failure of it as
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import math
@@ -25,8 +26,10 @@ from _pipeline_workload import Job, long_tailed
 import asyncexec
 
 __all__ = [
+    "Held",
     "Sizes",
     "balance",
+    "held_in_flight",
     "kill_one",
     "pause_resume",
     "pipeline_pauses",
@@ -151,6 +154,91 @@ async def pause_resume(
         KINDS.subtract(_kind(o) for o in tracked)
         del tracked
     return out
+
+
+# What a request in flight holds ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the collector tracks in the driver: every object, and three kinds of them."""
+
+    objects: int
+    task_handles: int  # anyio task-group tasks
+    cancel_scopes: int  # anyio cancel scopes
+    tracebacks: int  # exceptions kept alive (their tracebacks)
+
+    @classmethod
+    def now(cls) -> Held:
+        import anyio._backends._asyncio as anyio_asyncio
+        from anyio._core._tasks import TaskHandle
+
+        gc.collect()
+        tracked = gc.get_objects()
+        kinds = Counter(type(o) for o in tracked)
+        traceback = type(_a_traceback())
+        return cls(
+            len(tracked),
+            kinds[TaskHandle],
+            kinds[anyio_asyncio.CancelScope],
+            kinds[traceback],
+        )
+
+    def per(self, before: Held, n: int) -> dict[str, float]:
+        """What each of ``n`` things in flight now held, against ``before`` they were."""
+        return {
+            f: (getattr(self, f) - getattr(before, f)) / n
+            for f in ("objects", "task_handles", "cancel_scopes", "tracebacks")
+        }
+
+
+def _a_traceback() -> Any:
+    try:
+        raise ValueError
+    except ValueError as exc:
+        return exc.__traceback__
+
+
+async def held_in_flight(
+    servers: asyncexec.Executor, floor_actors: list[Any], sizes: Sizes
+) -> dict[str, dict[str, float]]:
+    """What a request in flight holds in the driver, counted by the collector (what each
+    collection of the older generations walks), with ``sizes.pause_in_flight`` in flight:
+    through a Router over the servers (long generations, each awaited by a plain asyncio task,
+    so that the callers add no anyio task or scope), and, the floor, a bare call of a plain
+    async actor awaited the same way. Counted against the same with nothing in flight, after a
+    full collection; run outside the heartbeat (the collections stall the loop)."""
+    n = sizes.pause_in_flight
+    cap = math.ceil(n / sizes.servers)
+    job = Job(int(60.0 / sizes.token_s), max(1, round(sizes.pause_chunk_s / sizes.token_s)))
+    out: dict[str, dict[str, float]] = {}
+    async with asyncexec.Router(servers, max_in_flight=cap) as router:
+        before = Held.now()
+        callers = [
+            asyncio.ensure_future(
+                router.generate(asyncexec.RolloutRequest(("held", i), job), retry=False)
+            )
+            for i in range(n)
+        ]
+        await wait_until(lambda: sum(router.in_flight.values()) == n)
+        await anyio.sleep(0.5)  # every generation past its first chunk
+        out["router"] = Held.now().per(before, n)
+        await router.pause("abort")
+        await router.resume()
+        await asyncio.gather(*callers)
+    before = Held.now()
+    calls = [
+        asyncio.ensure_future(_awaited(floor_actors[i % len(floor_actors)].sleep.remote(1.0)))
+        for i in range(n)
+    ]
+    await anyio.sleep(0.5)
+    out["floor"] = Held.now().per(before, n)
+    await asyncio.gather(*calls)
+    return out
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
 
 
 async def pipeline_pauses(

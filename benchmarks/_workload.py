@@ -155,6 +155,10 @@ class _LoopWorker:
     async def step(self, i: int) -> dict[str, Any]:
         return {"step": i}
 
+    async def sleep(self, seconds: float) -> None:
+        """A call that stays in flight for ``seconds`` (the pipeline's objects-held figure)."""
+        await asyncio.sleep(seconds)
+
     async def start(self, steps: int, bound: int, timed: bool) -> None:
         with self._cond:
             self._buf.clear()

@@ -33,6 +33,13 @@ and S = 1 alternate which goes first); the table shows the medians:
 - **balance**: uniform requests, half the capacity in flight: max / mean in flight per server,
   sampled every 5 ms (median of the samples; the note has the 99th percentile); **sticky
   sessions**: sessions of a few turns each, how many stayed on one server.
+- **what a request in flight holds**: 256 long generations in flight through a Router, each
+  awaited by a plain asyncio task: the objects the driver's collector tracks per request (what
+  each collection of the older generations walks), the anyio task-group tasks (0: an attempt
+  is a plain task in a cancel scope of its own) and the exceptions kept alive per request (0:
+  none waits inside an ``except``); the baseline, a bare call of a plain async actor awaited
+  the same way. Counted after a full collection, against the same with nothing in flight, once
+  a repeat outside the heartbeat (the collections stall the loop).
 - **event-loop max lag**: a 1 ms heartbeat through all of the above, against the same heartbeat
   while 4 plain actors stream reports (the batched floor of ``benchmarks/run.py``) for as long
   as the repeat's figures took; the max of each repeat (the table: their median) and the 99th
@@ -73,6 +80,7 @@ from _harness import Result, Row, Table, fmt
 from _pipeline_phases import (
     Sizes,
     balance,
+    held_in_flight,
     kill_one,
     pause_resume,
     pipeline_pauses,
@@ -86,7 +94,7 @@ import asyncexec
 RESOURCES = {"CPU": 0.25}
 RAY_CPUS = 16
 Mode = Literal["strict", "aggregate"]
-FIGURES = ("throughput", "pause", "kill", "balance", "lag")
+FIGURES = ("throughput", "pause", "kill", "balance", "held", "lag")
 FULL = Sizes(
     repeats=3,
     servers=4,
@@ -208,6 +216,22 @@ def make_rows() -> dict[str, Row]:
             "sticky sessions kept on their server (baseline: sessions)",
             target="all",
             check=lambda b, p, r: p == b,
+        ),
+        "held": _row(
+            "objects the collector tracks per request in flight, 256 in flight (baseline: a "
+            "bare actor call awaited by a task)",
+            target="<= 60",
+            check=lambda b, p, r: p <= 60,
+        ),
+        "held_tasks": _row(
+            "anyio task-group tasks per request in flight (the same; its attempts are plain tasks)",
+            target="0",
+            check=lambda b, p, r: p == 0,
+        ),
+        "held_tracebacks": _row(
+            "exceptions kept alive per request in flight (the same)",
+            target="< 0.1",
+            check=lambda b, p, r: p < 0.1,
         ),
         "lag": _row(
             "event-loop max lag through all of it, ms (baseline: the streaming floor, as long)",
@@ -402,6 +426,15 @@ class Bench:
         self.rows["sticky"].of("baseline").append(got["sessions"])
         self.rows["sticky"].of("pipeline").append(got["kept"])
 
+    async def held(self, i: int) -> None:
+        progress(f"repeat {i + 1}: what a request in flight holds")
+        got = await held_in_flight(self.servers, self.floor.actors, self.sizes)
+        for side, name in (("baseline", "floor"), ("pipeline", "router")):
+            self.rows["held"].of(side).append(got[name]["objects"])
+            self.rows["held_tasks"].of(side).append(got[name]["task_handles"])
+            self.rows["held_tracebacks"].of(side).append(got[name]["tracebacks"])
+        self.note("anyio cancel scopes per request in flight", got["router"]["cancel_scopes"])
+
     async def repeat(self, i: int, only: set[str]) -> None:
         """One repeat of the figures in ``only``, the pipeline's under one heartbeat, then the
         streaming floor under the same heartbeat, for as long as the pipeline's took (the max
@@ -411,13 +444,15 @@ class Bench:
         async with watched(0.001) as watch:
             lags = watch.lags
             for name in FIGURES:
-                if name in only and name != "lag":
+                if name in only and name not in ("held", "lag"):
                     mark = len(lags)
                     await getattr(self, name)(i, lags)
                     self.note(
                         f"event-loop max lag in {name}, ms", max(lags[mark:], default=0) * 1e3
                     )
         took = time.perf_counter() - t0
+        if "held" in only:  # outside the heartbeat: its full collections stall the loop
+            await self.held(i)
         if "lag" not in only:
             return
         progress(f"repeat {i + 1}: the streaming floor, {took:.0f} s")

@@ -22,6 +22,9 @@ rows carry), for 1 and 4 ranks. The stages:
   :class:`Step` per step (the floor's consumer takes its step in the assembly loop).
 
 Every figure is the median of ``--repeats`` runs, each of ``--reports`` reports per rank.
+Below the table: the bytes per report on the wire, and the objects the collector tracks that
+the step assembly makes a step and keeps until the steps are consumed (asyncexec: one list a
+rank a batch of steps; the floor: a list a step).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import pickle
 import sys
@@ -267,6 +271,46 @@ def transfer(n: int) -> dict[str, float]:
     return out
 
 
+def objects_per_step(n: int) -> dict[str, float]:
+    """Objects the collector tracks that the step assembly makes a step and keeps until the
+    steps are consumed: one rank's polls of ``n`` reports taken as complete steps in batches
+    (asyncexec: one list a rank a batch, not a tuple a step), against the floor's deque popped
+    a step at a time (a list a step)."""
+    polls = _ae_polls(n)
+    answers = [[{"step": i} for i in range(s, min(n, s + PER_POLL))] for s in range(0, n, PER_POLL)]
+
+    def assemble() -> list[StepBatch]:
+        asm = _window.Assembly(1, 1, 0)
+        batches = []
+        for poll in polls:
+            asm.add(0, poll)
+            while asm.ready:
+                batches.append(asm.take(_window.BATCH))
+        return batches
+
+    def floor() -> list[list[dict[str, Any]]]:
+        queue: deque[dict[str, Any]] = deque()
+        steps = []
+        for items in answers:
+            queue.extend(items)
+            while queue:
+                steps.append([queue.popleft()])
+        return steps
+
+    made = {}
+    for system, fn in (("asyncexec", assemble), ("floor", floor)):
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects())
+            kept = fn()
+            made[system] = (len(gc.get_objects()) - before) / n
+        finally:
+            gc.enable()
+        del kept
+    return made
+
+
 def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
     rows: dict[tuple[str, str, int], list[float]] = {}
 
@@ -316,6 +360,12 @@ def measure(reports: int, repeats: int, with_transfer: bool) -> list[str]:
     lines.append(
         f"Bytes per report on the wire: asyncexec {sizes[0]:.1f}, floor {sizes[1]:.1f}; "
         f"{PER_POLL} reports a poll; medians of {repeats} runs of {reports} reports a rank."
+    )
+    made = objects_per_step(reports)
+    lines.append(
+        "Objects the collector tracks, made a step by the step assembly and kept until the "
+        f"steps are consumed (1 rank): asyncexec {made['asyncexec']:.3f}, floor "
+        f"{made['floor']:.3f}."
     )
     return lines
 

@@ -77,6 +77,9 @@ def test_quick_pipeline_benchmark_prints_every_figure_and_cleans_up() -> None:
         "1 of 4 servers SIGKILLed: replacement",
         "balance",
         "sticky sessions",
+        "objects the collector tracks per request in flight",
+        "anyio task-group tasks per request in flight",
+        "exceptions kept alive per request in flight",
         "event-loop max lag",
     ):
         assert any(label.startswith(figure) for label in labels), (figure, proc.stdout)
