@@ -16,6 +16,9 @@ falls on both alike; the table shows the medians over repeats and asyncexec's ra
   group) against a plain sync actor; and, as notes, the same method on a bare async actor's
   concurrency group by hand (what the row costs on an async worker: Ray's own floor there)
   and on a threaded sync actor by hand.
+- **tasks a call makes**: the asyncio tasks one small call of 1 and of 4 ranks makes on the
+  driver's loop (a task factory counts them): asyncexec waits for the ranks' futures together
+  (0), where ``asyncio.gather`` wraps each rank's ``ObjectRef`` in a task.
 - **scatter**: a numpy array (256 MB) over 4 ranks, ``ex.call(Echo.take,
   asyncexec.scatter(arr))`` against ``np.array_split``, one ``ray.put`` per part in a thread
   (off the loop, as a careful user does) and one actor call per part with its reference. Each
@@ -135,6 +138,7 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
             ("plain", "plain def method (a sync actor by hand)", 1.2),
         )
     }
+    tasks = Pair(f"the same: asyncio tasks a call makes, {ranks}", "tasks", most=0)
     progress(f"small calls, {ranks}: two executors and {n} plain actors of each kind")
     raw = await raw_actors(RawEcho, n)
     raw_sync = await raw_actors(RawEchoSync, n)
@@ -192,6 +196,8 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
                     for row, base_value, our_value in zip(rows[kind], b, o, strict=True):
                         row.base.append(base_value)
                         row.ours.append(our_value)
+                tasks.base.append(await tasks_made(raw_async))
+                tasks.ours.append(await tasks_made(ae_async))
                 floor.append((await _harness.latency(sizes.small_calls, raw_group_plain))[0])
                 for kind, one in (("plain", threaded_plain), ("async", threaded_async)):
                     threaded[kind].append((await _harness.latency(sizes.small_calls, one))[0])
@@ -215,7 +221,30 @@ async def measure_small(n: int, sizes: Sizes, prof: Profiler) -> tuple[list[Pair
         f"{median(threaded['async']):,.0f} us, {median(threaded['async']) / coro:.2f}x the "
         f"async actor (asyncexec's async row: {ours_async / coro:.2f}x)",
     ]
-    return [*rows["async"], *rows["plain"]], notes
+    return [*rows["async"], tasks, *rows["plain"]], notes
+
+
+async def tasks_made(call: Callable[[int], Awaitable[Any]]) -> float:
+    """The asyncio tasks one ``call`` makes on this loop (counted by a task factory): by hand,
+    ``asyncio.gather`` wraps each rank's ``ObjectRef`` in a task; asyncexec waits for the
+    calls' futures together."""
+    loop = asyncio.get_running_loop()
+    made = 0
+    factory = loop.get_task_factory()
+
+    def counted(loop: asyncio.AbstractEventLoop, coro: Any, **options: Any) -> Any:
+        nonlocal made
+        made += 1
+        if factory is not None:
+            return factory(loop, coro, **options)
+        return asyncio.Task(coro, loop=loop, **options)
+
+    loop.set_task_factory(counted)
+    try:
+        await call(1)
+    finally:
+        loop.set_task_factory(factory)
+    return float(made)
 
 
 # Scatter ----------------------------------------------------------------------------------------

@@ -644,28 +644,6 @@ class HoldOrDie:
 
 
 @pytest.mark.timeout(60)
-async def test_a_call_of_several_ranks_waits_without_a_task_each(ray_local: None) -> None:
-    """A call of 4 ranks on Ray actors is awaited without a task per rank (the calls' futures
-    are waited for together), and gives each rank's result in rank order."""
-    async with asyncexec.Executor(4, resources_per_worker=CPU, roles=HoldOrDie) as ex:
-        assert await ex.call(HoldOrDie.small) == [0, 1, 2, 3]
-        loop = asyncio.get_running_loop()
-        made: list[Any] = []
-        factory = loop.get_task_factory()
-
-        def counted(loop: Any, coro: Any, **kwargs: Any) -> Any:
-            made.append(coro)
-            return asyncio.Task(coro, loop=loop, **kwargs)
-
-        loop.set_task_factory(counted)
-        try:
-            assert await ex.call(HoldOrDie.small) == [0, 1, 2, 3]
-        finally:
-            loop.set_task_factory(factory)
-        assert made == [], f"{len(made)} tasks for one call of 4 ranks"
-
-
-@pytest.mark.timeout(60)
 async def test_a_rank_that_dies_ends_the_wait_while_another_holds(ray_local: None) -> None:
     """Rank 1 dies in a call that rank 0 holds: the call raises rank 1's crash at once, without
     waiting for rank 0."""
