@@ -3,7 +3,7 @@ rank; and the load that chooses it. Pure: no Ray here."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -17,6 +17,7 @@ __all__ = [
     "Mesh",
     "OneRank",
     "Target",
+    "fewest",
     "least_loaded",
     "rank",
 ]
@@ -203,6 +204,21 @@ class Mesh:
 Target = AllRanks | Mesh | LeastLoaded | OneRank
 
 
+def fewest(
+    counts: Sequence[int], cap: int | None = None, exclude: Collection[int] = ()
+) -> int | None:
+    """Least-loaded with a cap, the one choice of the dispatcher's :class:`Load` and the
+    router's servers: the index with the fewest in flight (the lowest on ties), leaving out
+    ``exclude`` and those at ``cap``; None when none is left."""
+    best: int | None = None
+    for r, count in enumerate(counts):
+        if r in exclude or (cap is not None and count >= cap):
+            continue
+        if best is None or count < counts[best]:
+            best = r
+    return best
+
+
 class Load:
     """This executor's calls in flight on each rank of one live group: what
     :func:`least_loaded` chooses by. Pure bookkeeping, from one event loop.
@@ -221,14 +237,7 @@ class Load:
     ) -> int | None:
         """The rank with the fewest calls in flight (the lowest on ties), leaving out
         ``exclude`` (dead ranks) and ranks at ``max_in_flight``; None when no rank is left."""
-        best: int | None = None
-        counts = self._counts
-        for r, count in enumerate(counts):
-            if r in exclude or (max_in_flight is not None and count >= max_in_flight):
-                continue
-            if best is None or count < counts[best]:
-                best = r
-        return best
+        return fewest(self._counts, max_in_flight, exclude)
 
     def started(self, r: int) -> None:
         """A call was sent to rank ``r``."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..._dispatch._targets import fewest
 from .._loads import Handoff
 
 __all__ = ["Balance", "Pacer", "RouterStatistics", "ServerRecord", "Sessions"]
@@ -123,18 +124,10 @@ class Balance:
         if pinned is not None and self.live(*pinned):
             rank = pinned[0]
             return rank if self.servers[rank].in_flight < self.max_in_flight else None
-        best: ServerRecord | None = None
-        spare: ServerRecord | None = None  # the best among the excluded
-        for server in self.servers:
-            if not server.serving or server.in_flight >= self.max_in_flight:
-                continue
-            if server.rank in exclude:
-                if spare is None or server.in_flight < spare.in_flight:
-                    spare = server
-            elif best is None or server.in_flight < best.in_flight:
-                best = server
-        chosen = best or spare
-        return None if chosen is None else chosen.rank
+        counts = [s.in_flight for s in self.servers]
+        out = {s.rank for s in self.servers if not s.serving}
+        chosen = fewest(counts, self.max_in_flight, out.union(exclude)) if exclude else None
+        return chosen if chosen is not None else fewest(counts, self.max_in_flight, out)
 
     async def acquire(
         self,
