@@ -200,9 +200,9 @@ def carry(value: Any, context: str) -> Any:
     """A call's leading argument ``value`` with the trace context ``context``: a method's key
     (``call_method``'s, a string, which never holds a newline) as one string, the key, a
     newline and the context (a string is written by Ray's serialiser as MessagePack, where a
-    :class:`Carried` record is pickled: about 3 us more on the driver, 1 us on the worker, a
-    call); anything else (``execute``'s function, pickled anyway) as a :class:`Carried`.
-    :func:`split` reads it back."""
+    :class:`Carried` record would be pickled, on both sides of every call); anything else
+    (``execute``'s function, pickled anyway) as a :class:`Carried`. :func:`split` reads it
+    back."""
     return f"{value}\n{context}" if type(value) is str else Carried(value, context)
 
 
@@ -399,7 +399,7 @@ async def in_request(made: Any, name: str, awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` (a router request) inside a span ``name`` of ``made`` (the tracer:
     tracing is on), a child of the current context, ended (failed with what it raised) after
     it. The span is not made the current span (the OpenTelemetry context's attach, detach and
-    look-ups, about 3 us a request, for nothing: what the request makes under it is its
+    look-ups would be paid by every request for nothing: what the request makes under it is its
     attempts, which find it in a variable of their own, :func:`as_first_call` and
     :func:`under_request`)."""
     span = made.start_span(name)
@@ -430,8 +430,8 @@ def under_request(name: str, attributes: Mapping[str, Any]) -> Any:
 async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: Mapping[str, Any]) -> T:
     """The router request's span (see :func:`in_request`) stands for the call ``awaitable``
     makes, as :func:`as_call`'s span does, and takes its ``attributes`` (what ran, on which
-    rank): a request answered by its first attempt is one SDK span, not two (a span costs the
-    SDK 15-70 us on these machines, against about 1.3 ms of a toy server's sample). When the
+    rank): a request answered by its first attempt is one SDK span, not two (the SDK's span is
+    most of what tracing costs a request: ``benchmarks/tracing_cost.py``). When the
     call fails, a span ``failed`` is recorded for it after the fact, a child of the request's
     with its error, so that a request sent again still shows each attempt (the later ones as
     spans of their own: :func:`under_request`). Outside a request's span (tracing turned on
@@ -460,9 +460,8 @@ async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: Mappin
 def end_call(span: Any, name: str, rank: int, error: BaseException | None = None) -> None:
     """End a call's span now, failed with ``error``: its end time is taken now, and the rest
     (its attributes ``asyncexec.function``, ``name``: what ran, as ``PolicyServer.generate``,
-    and ``asyncexec.rank``, the SDK's end and span
-    processor, some 10 µs) is done on the event loop's next turn, after the caller has its
-    result."""
+    and ``asyncexec.rank``, the SDK's end and span processor) is done on the event loop's next
+    turn, after the caller has its result."""
     end_ns = time.time_ns()
     try:
         loop = asyncio.get_running_loop()
