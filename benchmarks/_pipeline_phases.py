@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FunctionType, TracebackType
 from typing import Any
 
 import anyio
@@ -37,9 +38,10 @@ __all__ = [
 ]
 
 
-#: Count the objects the collector tracks with the 256 in flight, and after (``--diagnose``).
+#: List what a request in flight holds by kind (``--diagnose``): the objects tracked with the
+#: 256 in flight of :func:`held_in_flight`, less those before.
 COUNT_OBJECTS = False
-#: Their kinds: with the 256 in flight less after (the kinds a request in flight holds).
+#: Their kinds, over the repeats.
 KINDS: Counter[str] = Counter()
 TRACEBACKS: Counter[str] = Counter()  # where the tracebacks held in flight were raised
 CELLS: Counter[str] = Counter()  # the closures held in flight
@@ -126,13 +128,6 @@ async def pause_resume(
         await wait_until(lambda: sum(router.in_flight.values()) == sizes.pause_in_flight)
         await anyio.sleep(0.5)  # every generation past its first chunk
         out["sending_lag_ms"] = max(lags[mark:], default=0.0) * 1e3
-        if COUNT_OBJECTS:  # (--diagnose) what a collection walks, with the 256 in flight
-            tracked = gc.get_objects()
-            out["tracked_in_flight"] = float(len(tracked))
-            KINDS.update(_kind(o) for o in tracked)
-            TRACEBACKS.update(_where(o) for o in tracked if type(o).__name__ == "traceback")
-            CELLS.update(_cell(o) for o in tracked if type(o).__name__ == "function")
-            del tracked
         for mode in ("keep", "abort"):
             mark = len(lags)
             t0 = time.perf_counter()
@@ -148,11 +143,6 @@ async def pause_resume(
             if mode == "abort":
                 out["abort_last_answer_ms"] = (last_answer - t0) * 1e3
     out["aborted"] = float(aborted)
-    if COUNT_OBJECTS:
-        tracked = gc.get_objects()
-        out["tracked_after"] = float(len(tracked))
-        KINDS.subtract(_kind(o) for o in tracked)
-        del tracked
     return out
 
 
@@ -169,19 +159,28 @@ class Held:
     tracebacks: int  # exceptions kept alive (their tracebacks)
 
     @classmethod
-    def now(cls) -> Held:
+    def now(cls, diagnose: int = 0) -> Held:
+        """Counted after a full collection; with ``diagnose`` (+1 or -1, ``--diagnose``), the
+        kinds, the tracebacks' and the closures' also added to (taken from) :data:`KINDS`,
+        :data:`TRACEBACKS` and :data:`CELLS`."""
         import anyio._backends._asyncio as anyio_asyncio
         from anyio._core._tasks import TaskHandle
 
         gc.collect()
         tracked = gc.get_objects()
         kinds = Counter(type(o) for o in tracked)
-        traceback = type(_a_traceback())
+        if diagnose:
+            for counter, found in (
+                (KINDS, Counter(_kind(o) for o in tracked)),
+                (TRACEBACKS, Counter(_where(o) for o in tracked if type(o) is TracebackType)),
+                (CELLS, Counter(_cell(o) for o in tracked if type(o) is FunctionType)),
+            ):
+                counter.update({k: diagnose * v for k, v in found.items()})
         return cls(
             len(tracked),
             kinds[TaskHandle],
             kinds[anyio_asyncio.CancelScope],
-            kinds[traceback],
+            kinds[TracebackType],
         )
 
     def per(self, before: Held, n: int) -> dict[str, float]:
@@ -190,13 +189,6 @@ class Held:
             f: (getattr(self, f) - getattr(before, f)) / n
             for f in ("objects", "task_handles", "cancel_scopes", "tracebacks")
         }
-
-
-def _a_traceback() -> Any:
-    try:
-        raise ValueError
-    except ValueError as exc:
-        return exc.__traceback__
 
 
 async def held_in_flight(
@@ -213,7 +205,7 @@ async def held_in_flight(
     job = Job(int(60.0 / sizes.token_s), max(1, round(sizes.pause_chunk_s / sizes.token_s)))
     out: dict[str, dict[str, float]] = {}
     async with asyncexec.Router(servers, max_in_flight=cap) as router:
-        before = Held.now()
+        before = Held.now(-COUNT_OBJECTS)
         callers = [
             asyncio.ensure_future(
                 router.generate(asyncexec.RolloutRequest(("held", i), job), retry=False)
@@ -222,7 +214,7 @@ async def held_in_flight(
         ]
         await wait_until(lambda: sum(router.in_flight.values()) == n)
         await anyio.sleep(0.5)  # every generation past its first chunk
-        out["router"] = Held.now().per(before, n)
+        out["router"] = Held.now(+COUNT_OBJECTS).per(before, n)
         await router.pause("abort")
         await router.resume()
         await asyncio.gather(*callers)

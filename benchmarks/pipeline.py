@@ -388,11 +388,6 @@ class Bench:
         self.note('pause alone, "keep", ms', got["keep_pause_ms"])
         self.note('pause alone, "abort", ms', got["abort_pause_ms"])
         self.note("generations aborted", got["aborted"])
-        if "tracked_in_flight" in got:
-            each = (got["tracked_in_flight"] - got["tracked_after"]) / self.sizes.pause_in_flight
-            self.note("objects the collector tracks, 256 in flight", got["tracked_in_flight"])
-            self.note("the same, once they ended", got["tracked_after"])
-            self.note("objects tracked per request in flight", each)
         self.note(
             '"abort": callers answered when the resume returned', got["abort_answered_at_resume"]
         )
@@ -530,15 +525,16 @@ async def bench(
     finally:
         await floor.close()
         if _pipeline_phases.KINDS:
-            top = _pipeline_phases.KINDS.most_common(25)
-            print("\nobjects a request in flight holds, by kind (256 in flight less after):")
-            print("\n".join(f"  {n / FULL.pause_in_flight:6.1f} {k}" for k, n in top))
+            top = (+_pipeline_phases.KINDS).most_common(25)  # (+: the kinds that grew)
+            each = sizes.pause_in_flight * sizes.repeats
+            print("\nobjects a request in flight holds, by kind (256 in flight less before):")
+            print("\n".join(f"  {n / each:6.1f} {k}" for k, n in top))
             for title, kinds in (
                 ("tracebacks", _pipeline_phases.TRACEBACKS),
                 ("closures", _pipeline_phases.CELLS),
             ):
-                print(f"{title} with 256 in flight, the commonest:")
-                print("\n".join(f"  {n:6d} {k}" for k, n in kinds.most_common(10)))
+                print(f"{title} held by the 256 in flight, the commonest (over the repeats):")
+                print("\n".join(f"  {n:6d} {k}" for k, n in (+kinds).most_common(10)))
     p50, p99 = tail_ratio(0)
     said = [
         f"- the workload's lengths: p50 {p50:.0f}, p99 {p99:.0f} tokens "
@@ -582,8 +578,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--diagnose",
         action="store_true",
-        help="count the objects the collector tracks with 256 requests in flight and after, "
-        "and print their commonest kinds (where the loop stalls: loop_stalls.py)",
+        help="with the 'held' figure, print the commonest kinds of the objects a request in "
+        "flight holds (where the loop stalls: loop_stalls.py)",
     )
     parser.add_argument(
         "--switch-interval-ms",
