@@ -3,8 +3,9 @@ of its own (:data:`~asyncexec._timeline._timeline.PIPELINE`) with each weight up
 pause, with its mode and the generations in flight when it began; the push; the resume), each
 batch handed to the learner (with its staleness, and the learner's wait for it as a span), each
 request expired or aborted (marked), and two counters (Chrome trace ``"C"`` events, drawn by
-Perfetto as counter tracks): the requests in flight and the samples buffered, at each admission
-and each return.
+Perfetto as counter tracks): the requests in flight and the samples buffered, as admissions and
+returns change them, at most one value a :data:`COUNTER_S` (the last of each window kept, at its
+own time).
 
 The pipeline's timeline sink (``_driver/pipeline/_sinks.py``) calls the functions here, one per
 event; with the timeline off the pipeline has no such sink, and they are not called.
@@ -12,15 +13,18 @@ event; with the timeline off the pipeline has no such sink, and they are not cal
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from ._timeline import PIPELINE, Timeline
 
 __all__ = [
+    "COUNTER_S",
     "PipelineTrack",
     "batch_handed",
     "counted",
+    "counts_flushed",
     "request_ended",
     "pipeline_track",
     "update_ended",
@@ -28,15 +32,27 @@ __all__ = [
 ]
 
 
+#: The counters' resolution, in seconds: within a window, only the last value is recorded (at
+#: its own time). A pipeline of fast servers changes them at every admission and return:
+#: recorded each time, thousands of events a second filled the ring in place of the spans, and
+#: cost the event loop about 13 µs a sample (``benchmarks/observe.py --pipeline``). A real
+#: engine's changes are far apart: each is recorded.
+COUNTER_S = 0.005
+
+
 class PipelineTrack:
     """What the pipeline records on ``timeline``: see the module's docstring."""
 
-    __slots__ = ("_began", "_pushing", "timeline")
+    __slots__ = ("_began", "_due", "_pending", "_pushing", "_timer", "resolution_s", "timeline")
 
-    def __init__(self, timeline: Timeline) -> None:
+    def __init__(self, timeline: Timeline, resolution_s: float = COUNTER_S) -> None:
         self.timeline = timeline
+        self.resolution_s = resolution_s  # the counters': see COUNTER_S
         self._began: float | None = None  # the update under way: when it began
         self._pushing: float | None = None  # and when its push began
+        self._due = 0.0  # when the window of the last counter recorded ends
+        self._pending: tuple[float, int, int] | None = None  # the window's latest, not recorded
+        self._timer: asyncio.TimerHandle | None = None  # records it at the window's end
 
     def __repr__(self) -> str:
         return f"<PipelineTrack {self.timeline!r}>"
@@ -48,11 +64,40 @@ def pipeline_track(timeline: Timeline | None) -> PipelineTrack | None:
 
 
 def counted(track: PipelineTrack | None, in_flight: int, buffered: int) -> None:
-    """The requests in flight and the samples buffered now (one counter event)."""
-    if track is not None:
-        now = time.monotonic()
-        counts = {"in flight": in_flight, "buffered": buffered}
-        track.timeline.counter(PIPELINE, "rollouts", "pipeline", now, counts)
+    """The requests in flight and the samples buffered now: recorded now when the window of the
+    last one recorded is over, else kept until it is (a later value replaces it)."""
+    if track is None:
+        return
+    now = time.monotonic()
+    if now >= track._due:
+        counts_flushed(track)
+        _record(track, now, in_flight, buffered)
+        track._due = now + track.resolution_s
+        return
+    track._pending = (now, in_flight, buffered)
+    if track._timer is None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to end the window: recorded now
+            counts_flushed(track)
+            return
+        track._timer = loop.call_later(track._due - now, counts_flushed, track)
+
+
+def counts_flushed(track: PipelineTrack) -> None:
+    """Record the counters' value kept in the window (at its own time), if any: at the window's
+    end, and when the pipeline closes."""
+    if track._timer is not None:
+        track._timer.cancel()
+        track._timer = None
+    pending, track._pending = track._pending, None
+    if pending is not None:
+        _record(track, *pending)
+
+
+def _record(track: PipelineTrack, at: float, in_flight: int, buffered: int) -> None:
+    counts = {"in flight": in_flight, "buffered": buffered}
+    track.timeline.counter(PIPELINE, "rollouts", "pipeline", at, counts)
 
 
 def update_paused(track: PipelineTrack | None, mode: str, began: float, in_flight: int) -> None:

@@ -46,16 +46,15 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
 ) -> None:
     prompts = [{"id": i, "length": 4 + (i * 5) % 9} for i in range(16)]
     modes = ["keep", "wait", "abort"]
-    async with (
-        asyncexec.Executor(
-            2, resources_per_worker=CPU, roles=asyncexec.Role(Toy), timeline=True
-        ) as servers,
-        asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe,
-    ):
-        async for _ in pipe:
-            if pipe.version < len(modes):
-                await pipe.update_weights({"w": pipe.version + 1}, on_update=modes[pipe.version])
-        timeline = servers.timeline
+    async with asyncexec.Executor(
+        2, resources_per_worker=CPU, roles=asyncexec.Role(Toy), timeline=True
+    ) as servers:
+        async with asyncexec.Pipeline(servers, prompts, batch_size=4, staleness=1) as pipe:
+            async for _ in pipe:
+                if pipe.version < len(modes):
+                    mode_now = modes[pipe.version]
+                    await pipe.update_weights({"w": pipe.version + 1}, on_update=mode_now)
+        timeline = servers.timeline  # read once the pipeline closed: its last count is in
         assert timeline is not None
         events = timeline.events()
         timeline.export(tmp_path / "pipeline.json")
@@ -79,9 +78,10 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
     assert sum(e[6]["size"] for e in batches) == 16
     for version, update in enumerate(updates):
         assert batches[version][4] <= update[4]
-    # Counters: one at each admission and at each return or expiry; never above the budget.
+    # Counters: at most one at each admission and at each return or expiry (one a window of
+    # COUNTER_S, the window's last kept); never above the budget; the last at the close.
     counters = _on(events, PIPELINE, "C")
-    assert len(counters) == 2 * stats.admitted
+    assert 1 <= len(counters) <= 2 * stats.admitted
     assert all(0 <= c[6]["in flight"] <= 2 * 4 and c[6]["buffered"] >= 0 for c in counters)
     assert max(c[6]["in flight"] for c in counters) > 0
     assert counters[-1][6]["in flight"] == 0
@@ -219,3 +219,45 @@ def test_the_pipeline_draws_the_learners_wait_each_batchs_staleness_and_lost_req
     assert [e[6]["in flight"] for e in events if e[0] == "C"] == [3, 2, 1]
     pytest.importorskip("matplotlib")
     timeline.render(tmp_path / "p.png")
+
+
+async def test_the_counters_keep_one_value_a_window_the_last_at_its_own_time() -> None:
+    """A fast pipeline's counters change at every admission and return: within a window only
+    the first value is recorded at once, and the window's last at its own time when the window
+    ends (or the pipeline closes), so that the ring holds spans, not thousands of counts."""
+    from asyncexec._timeline._pipeline import PipelineTrack, counted, counts_flushed
+
+    def counts(timeline: asyncexec.Timeline) -> list[tuple[float, int]]:
+        return [(e[4], e[6]["in flight"]) for e in timeline.events() if e[0] == "C"]
+
+    timeline = asyncexec.Timeline()
+    track = PipelineTrack(timeline, resolution_s=60.0)
+    counted(track, 1, 0)  # recorded: a window of 60 s begins
+    counted(track, 2, 0)
+    kept = time.monotonic()
+    counted(track, 3, 1)  # replaces the 2
+    assert [n for _, n in counts(timeline)] == [1]
+    counts_flushed(track)  # the pipeline closed
+    [(first, _), (last, n)] = counts(timeline)
+    assert n == 3 and first <= last and last >= kept
+    counts_flushed(track)  # nothing kept: nothing more
+    assert len(counts(timeline)) == 2
+
+    timeline = asyncexec.Timeline()
+    recorded = asyncio.Event()
+    record = timeline.counter
+
+    def counter(*args: Any) -> None:
+        record(*args)
+        recorded.set()
+
+    timeline.counter = counter  # type: ignore[method-assign]
+    track = PipelineTrack(timeline, resolution_s=0.05)
+    counted(track, 1, 0)
+    recorded.clear()
+    counted(track, 0, 1)  # kept until the window ends: no other count comes
+    assert [n for _, n in counts(timeline)] == [1]
+    await asyncio.wait_for(recorded.wait(), 10)
+    assert [n for _, n in counts(timeline)] == [1, 0]
+    counted(track, 5, 0)  # after the window: recorded at once
+    assert [n for _, n in counts(timeline)] == [1, 0, 5]

@@ -16,6 +16,7 @@ __all__ = [
     "AnswerDropped",
     "BatchHanded",
     "GenerationEnded",
+    "PipelineClosed",
     "RequestAnswered",
     "RequestExpired",
     "RequestReceived",
@@ -37,6 +38,10 @@ class Admitted(NamedTuple):
 
     in_flight: int
     buffered: int
+
+
+class PipelineClosed(NamedTuple):
+    """The pipeline closed: nothing more is admitted or returned."""
 
 
 class GenerationEnded(NamedTuple):

@@ -24,6 +24,7 @@ from ..channel import WeightChannel
 from ._admission import Admission, Item
 from ._budget import Budget
 from ._consumed import Consumed
+from ._events import PipelineClosed
 from ._router import Router
 from ._servers import servers_of
 from ._sinks import pipeline_observer
@@ -205,15 +206,19 @@ class Pipeline:
         self._state = "closed"
         tg, self._tg = self._tg, None
         stack, self._stack = self._stack, None
-        if tg is not None and stack is not None:
-            # Requests in flight: their samples are not needed. Stopped over turns of the loop
-            # (``STOP_PER_TURN`` a turn), then the rest of the group, then the servers' router.
-            with teardown("pipeline_update"):  # one going on in the background: its resume
-                await self._updates.ended()
-            with teardown("pipeline_requests"):
-                await self._admission.stop()
-            tg.cancel_scope.cancel()
-            await stack.__aexit__(exc_type, exc, tb)
+        try:
+            if tg is not None and stack is not None:
+                # Requests in flight: their samples are not needed. Stopped over turns of the
+                # loop (``STOP_PER_TURN`` a turn), then the rest of the group, then the
+                # servers' router.
+                with teardown("pipeline_update"):  # one going on in the background: its resume
+                    await self._updates.ended()
+                with teardown("pipeline_requests"):
+                    await self._admission.stop()
+                tg.cancel_scope.cancel()
+                await stack.__aexit__(exc_type, exc, tb)
+        finally:
+            self._observer.emit(PipelineClosed())
         stats = self.statistics()
         self.log.info("pipeline_ended", **{k: getattr(stats, k) for k in _ENDED})
 

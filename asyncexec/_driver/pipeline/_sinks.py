@@ -14,6 +14,7 @@ from ..._timeline._pipeline import (
     PipelineTrack,
     batch_handed,
     counted,
+    counts_flushed,
     request_ended,
     update_ended,
     update_paused,
@@ -25,6 +26,7 @@ from ._events import (
     Admitted,
     AnswerDropped,
     BatchHanded,
+    PipelineClosed,
     RequestAnswered,
     RequestExpired,
     RequestReceived,
@@ -70,6 +72,7 @@ class PipelineTimeline:
             BatchHanded: self._batch,
             UpdatePaused: self._paused,
             UpdateEnded: self._ended,
+            PipelineClosed: self._closed,
         }
 
     def _counted(self, event: Admitted | SampleReturned | RequestExpired) -> None:
@@ -95,6 +98,9 @@ class PipelineTimeline:
 
     def _ended(self, event: UpdateEnded) -> None:
         update_ended(self.track, event.mode, event.push_s, event.version)
+
+    def _closed(self, event: PipelineClosed) -> None:
+        counts_flushed(self.track)
 
 
 class PipelineMetrics:
