@@ -13,10 +13,12 @@ hand: the inner loop is ``pytest -m "fast or smoke"``."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import types
@@ -285,6 +287,28 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _shutdown()
     if _OWN_RAY_TMPDIR is not None:
         shutil.rmtree(_OWN_RAY_TMPDIR, ignore_errors=True)
+
+
+#: The terminal's stderr, for the stacks a hung test's faulthandler dumps (pytest's plugin, which
+#: arms it with ``faulthandler_timeout`` for every test, writes to its own copy of it).
+_DUMP_TO: list[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _DUMP_TO.append(os.dup(sys.stderr.fileno()))  # (capture is suspended while configuring)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test given a timeout above ``faulthandler_timeout`` (its own pytest-timeout marker)
+    has its threads' stacks dumped 10 s before that timeout, not at ``faulthandler_timeout``
+    while it still runs as it should (the stacks of a test that passed were noise in the log)."""
+    marker = item.get_closest_marker("timeout")
+    dump_at = float(item.config.getini("faulthandler_timeout") or 0)
+    if marker is None or not marker.args or not dump_at or not _DUMP_TO:
+        return
+    timeout = float(marker.args[0])
+    if timeout - 10 > dump_at:
+        faulthandler.dump_traceback_later(timeout - 10, file=_DUMP_TO[0])
 
 
 # Tiers ----------------------------------------------------------------------------------------
