@@ -27,6 +27,7 @@ import gc
 import itertools
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
@@ -46,7 +47,8 @@ SAMPLING: Mapping[str, Any] = {"logprobs": 0, "max_tokens": 64}
 #: How often the engine loop looks whether the engine died (vLLM's client notices a core
 #: process that exits at once, and says so in ``AsyncLLM.errored``).
 WATCH_S = 0.2
-#: The longest a pause to abort waits for the final outputs of the requests the engine aborted.
+#: The longest a pause to abort waits for the final outputs of the requests the engine aborted,
+#: and a pause to keep for the outputs the engine sent before it paused.
 ABORTED_OUTPUTS_S = 5.0
 
 
@@ -381,27 +383,36 @@ class VLLMServer(RolloutServer):
 
     async def _pause(self, mode: Literal["keep", "abort"]) -> None:
         """On the engine loop: ``pause_generation(mode=mode, clear_cache=mode == "abort")``,
-        but, to abort, the requests' final outputs waited for in place of its fixed sleep.
+        but what its fixed sleep hopes for waited for in its place.
 
-        ``AsyncLLM.pause_generation`` (vLLM 0.32) clears the multi-modal cache, pauses the
-        scheduler (``engine_core.pause_scheduler_async``: to abort, the core ends every request
-        it holds and sends their final outputs before it answers), then sleeps 20 ms so that
-        those outputs are likely through vLLM's output handling when it returns. Here the same
-        two steps run, and the pause returns once the final output of every request the core
-        held reached its ``generate`` loop (at once when it did already): what the sleep
-        hopes for, made sure, and no later. A vLLM without these internals gets its public
-        ``pause_generation``."""
+        ``AsyncLLM.pause_generation`` (vLLM 0.32) clears the multi-modal cache (to abort),
+        pauses the scheduler (``engine_core.pause_scheduler_async``: the core finishes its step,
+        to abort also ends every request it holds, sends those outputs, then answers), then
+        sleeps 20 ms so that the outputs sent before the answer are likely through vLLM's
+        output handling when it returns (the answer does not wait for them: the client's
+        socket task takes it, and queues the outputs for the output handler). Here the same
+        steps run, and the pause returns once they are through: to abort, once the final
+        output of every request the core held reached its ``generate`` loop; to keep, once
+        the output handler has taken every output queued and the requests' pumps have tagged
+        theirs with the version that made them (a load that came first would tag the old
+        weights' tokens with the new version). At once when they are, and no later. A vLLM
+        without these internals gets its public ``pause_generation``."""
         engine = self.engine
+        core = getattr(engine, "engine_core", None)
         internals: tuple[Any, Any, Any] = (
             getattr(getattr(engine, "renderer", None), "clear_mm_cache_async", None),
-            getattr(getattr(engine, "engine_core", None), "pause_scheduler_async", None),
+            getattr(core, "pause_scheduler_async", None),
             # The requests sent to the core, by the ids they were given.
             getattr(getattr(engine, "output_processor", None), "external_req_ids", None),
         )
-        if mode != "abort" or any(x is None for x in internals):
+        if any(x is None for x in internals) or not hasattr(engine, "output_handler"):
             await engine.pause_generation(mode=mode, clear_cache=mode == "abort")
             return
         clear_mm_cache, pause_scheduler, held = internals
+        if mode == "keep":
+            await pause_scheduler(mode="keep", clear_cache=False)
+            await self._outputs_through(core)
+            return
         await clear_mm_cache()
         # No wait between this and the pause's message (one loop): vLLM records a request and
         # sends it to the core in one step, and the core, which takes its input in order, ends
@@ -412,6 +423,24 @@ class VLLMServer(RolloutServer):
             # Plain asyncio: the pumps are tasks of this loop that their requests own; this
             # only watches them end (at the bound, they go on and the pause returns).
             await asyncio.wait(ending, timeout=ABORTED_OUTPUTS_S)
+
+    async def _outputs_through(self, core: Any) -> None:
+        """Until the engine's output handler waits for outputs with none queued (every output
+        the core sent is in its request's collector), then one turn of the loop: the pumps it
+        woke meanwhile (queued before this task) have run. Bounded by ``ABORTED_OUTPUTS_S``;
+        vLLM's 20 ms sleep where its client lacks the queue looked at."""
+        queue = getattr(core, "outputs_queue", None)
+        waiting = getattr(queue, "_getters", None)  # the handler's get(), while it waits
+        if queue is None or waiting is None:
+            await asyncio.sleep(0.02)
+            return
+        handler = self.engine.output_handler
+        deadline = time.monotonic() + ABORTED_OUTPUTS_S
+        while not (queue.empty() and (waiting or handler is None or handler.done())):
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
     async def resume_engine(self) -> None:
         await self._engine_call(self.engine.resume_generation())

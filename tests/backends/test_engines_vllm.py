@@ -427,3 +427,57 @@ async def test_a_stopped_engine_is_taken_out_and_one_killed_mid_push_is_replaced
         )
         assert set(sample.versions) == {channel.version}
         print(f"engine killed mid-push: serving again {time.perf_counter() - started:.1f} s")
+
+
+async def test_a_keep_pause_returns_once_the_outputs_sent_before_it_are_tagged() -> None:
+    """vLLM's core answers a pause after the outputs of its last step, but its client's socket
+    task takes the answer itself while those outputs wait in a queue for the output handler:
+    a pause to keep returns only once they are through and tagged by their requests' pumps with
+    the version that made them (a load that came first would give them the new one). vLLM's own
+    pause sleeps 20 ms for that; here the server's pause runs on stand-ins for the engine's
+    internals it reads (no engine: the ordering is what is tested)."""
+    from types import SimpleNamespace
+
+    server = object.__new__(VLLMServer)
+    server._version, server._pumps = 1, {}
+    queued: asyncio.Queue[int] = asyncio.Queue()  # the client's outputs_queue
+    collector: asyncio.Queue[int] = asyncio.Queue()  # one request's outputs
+    tagged: list[tuple[int, int | None]] = []
+
+    async def output_handler() -> None:
+        while True:
+            output = await queued.get()
+            for _ in range(3):  # processed in slices, the loop let go between them
+                await asyncio.sleep(0)
+            collector.put_nowait(output)
+
+    async def pump() -> None:
+        while True:
+            output = await collector.get()
+            tagged.append((output, server._version))
+
+    async def pause_scheduler_async(mode: str, clear_cache: bool) -> None:
+        assert (mode, clear_cache) == ("keep", False)
+        for output in range(4):  # the last step's outputs, queued before the answer
+            queued.put_nowait(output)
+
+    async def nothing() -> None: ...
+
+    tasks = [asyncio.create_task(output_handler()), asyncio.create_task(pump())]
+    server.engine = SimpleNamespace(
+        engine_core=SimpleNamespace(
+            outputs_queue=queued, pause_scheduler_async=pause_scheduler_async
+        ),
+        renderer=SimpleNamespace(clear_mm_cache_async=nothing),
+        output_processor=SimpleNamespace(external_req_ids={}),
+        output_handler=tasks[0],
+    )
+    try:
+        await asyncio.sleep(0)  # the handler and the pump wait
+        await server._pause("keep")
+        server._version = 2  # what a load right after the pause does
+        assert tagged == [(output, 1) for output in range(4)]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
