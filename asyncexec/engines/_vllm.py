@@ -47,9 +47,9 @@ SAMPLING: Mapping[str, Any] = {"logprobs": 0, "max_tokens": 64}
 #: How often the engine loop looks whether the engine died (vLLM's client notices a core
 #: process that exits at once, and says so in ``AsyncLLM.errored``).
 WATCH_S = 0.2
-#: The longest a pause to abort waits for the final outputs of the requests the engine aborted,
-#: and a pause to keep for the outputs the engine sent before it paused.
-ABORTED_OUTPUTS_S = 5.0
+#: The longest a pause waits for the outputs the engine sent before it paused (to abort, the
+#: final outputs of the requests it ended; to keep, those of its last step).
+PAUSE_OUTPUTS_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -422,12 +422,12 @@ class VLLMServer(RolloutServer):
         if ending:
             # Plain asyncio: the pumps are tasks of this loop that their requests own; this
             # only watches them end (at the bound, they go on and the pause returns).
-            await asyncio.wait(ending, timeout=ABORTED_OUTPUTS_S)
+            await asyncio.wait(ending, timeout=PAUSE_OUTPUTS_S)
 
     async def _outputs_through(self, core: Any) -> None:
         """Until the engine's output handler waits for outputs with none queued (every output
         the core sent is in its request's collector), then one turn of the loop: the pumps it
-        woke meanwhile (queued before this task) have run. Bounded by ``ABORTED_OUTPUTS_S``;
+        woke meanwhile (queued before this task) have run. Bounded by ``PAUSE_OUTPUTS_S``;
         vLLM's 20 ms sleep where its client lacks the queue looked at."""
         queue = getattr(core, "outputs_queue", None)
         waiting = getattr(queue, "_getters", None)  # the handler's get(), while it waits
@@ -435,7 +435,7 @@ class VLLMServer(RolloutServer):
             await asyncio.sleep(0.02)
             return
         handler = self.engine.output_handler
-        deadline = time.monotonic() + ABORTED_OUTPUTS_S
+        deadline = time.monotonic() + PAUSE_OUTPUTS_S
         while not (queue.empty() and (waiting or handler is None or handler.done())):
             if time.monotonic() > deadline:
                 return
