@@ -18,6 +18,7 @@ import anyio
 import pytest
 
 import asyncexec
+import asyncexec.testing
 
 CPU = {"CPU": 0.25}
 
@@ -165,6 +166,50 @@ async def test_a_second_channel_to_a_target_delivers_after_the_versions_it_holds
         assert installs == [(1, {"w": 1}), (2, {"w": 2}), (3, {"w": 3})]
         await learn.aclose()
         await roll.aclose()
+
+
+def _receive_held_back(config: dict[str, Any]) -> None:
+    """Installs each version once the file ``config["hold"]`` is gone."""
+
+    def install(state: Any, version: int) -> None:
+        while os.path.exists(config["hold"]):
+            threading.Event().wait(0.01)
+        _installs.append((version, state))
+
+    asyncexec.receive_weights(install)
+    while True:
+        asyncexec.report({"alive": 1})
+        threading.Event().wait(0.01)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_a_second_channels_version_lag_counts_from_the_version_a_rank_holds(
+    tmp_path: Any,
+) -> None:
+    """The second channel knew the latest version the target's ranks held, but not which rank
+    held what: while its first version was on its way, a rank holding 2 showed a lag of 3."""
+    hold = tmp_path / "hold"
+    with asyncexec.testing.metrics_enabled() as registry:
+        async with (
+            asyncexec.Executor(1, resources_per_worker=CPU, name="learner") as a,
+            asyncexec.Executor(1, resources_per_worker=CPU, name="servers") as b,
+        ):
+            learn, roll = a.run(_serve_counter), b.run(_receive_held_back, {"hold": str(hold)})
+            with anyio.fail_after(30):
+                await learn.__anext__()
+                await roll.__anext__()
+            async with asyncexec.WeightChannel(a, b) as first:
+                assert [await first.push(), await first.push()] == [1, 2]
+            hold.touch()
+            async with asyncexec.WeightChannel(a, b, max_staleness=2) as second:
+                assert await second.push() == 3  # read: its install waits for the file
+                lag = {"executor": "servers", "rank": "0"}
+                assert registry.get_sample_value("asyncexec_channel_version_lag", lag) == 1
+                hold.unlink()
+                assert await second.push() == 4  # once 3 is delivered
+            await learn.aclose()
+            await roll.aclose()
 
 
 # Colocated roles that share a base class -------------------------------------------------------

@@ -89,6 +89,15 @@ class Versions:
     def target_slot(self) -> GroupSlot:
         return self._target()
 
+    def _held_by(self, group: WorkerGroup | None) -> dict[str, int]:
+        """The versions held by ``group``'s workers (those of the target's group before it, when
+        ``group`` is None): a new group (a restart, a lease of pooled workers whose channel
+        state was reset) starts from nothing held."""
+        if group is not None and group is not self._held_group:
+            self._held_group = group
+            self._held = {}
+        return self._held
+
     def installed(self, worker: WorkerInfo, version: int) -> None:
         key = worker.handle.key
         self._held[key] = max(version, self._held.get(key, 0))
@@ -133,9 +142,10 @@ class Versions:
         Raises:
             ChannelError: a target rank could not say which version it holds.
         """
+        group = self.target_slot.group
         workers = live(self.target_slot)
         caller = caller_of(self.target_slot)
-        held: list[int] = []
+        held: dict[str, int] = {}
         errors: list[BaseException] = []
 
         async def one(worker: WorkerInfo) -> None:
@@ -151,7 +161,7 @@ class Versions:
                 failed.__cause__ = outcome.error
                 errors.append(failed)
             else:
-                held.append(outcome.value or 0)
+                held[worker.handle.key] = outcome.value or 0
 
         what = "reading the versions the target's ranks hold"
         try:
@@ -164,7 +174,10 @@ class Versions:
         if errors:
             raise channel_error(what, errors[0], 0) from errors[0]
         if held:
-            self.version, self.delivered = max(held), min(held)
+            # What each rank holds, as if this channel had delivered it: the version lag, the
+            # ranks behind a push and those that join are counted from it.
+            self._held_by(group).update(held)
+            self.version, self.delivered = max(held.values()), min(held.values())
             if self.version:
                 self.log.info("versions_continue", after=self.version)
 
@@ -223,7 +236,8 @@ class Versions:
                 self._last = pending
             if pending.targets is None:
                 pending.targets = live(self.target_slot)
-            held = self._held
+            # Of the group the push goes to: a run that starts on it later is no join.
+            held = self._held_by(self.target_slot.group)
             self.observer.emit(
                 VersionRead(
                     version, tuple((w.rank, held.get(w.handle.key, 0)) for w in pending.targets)
@@ -296,10 +310,8 @@ class Versions:
         that does not hold the latest version gets it first."""
         if self.version == 0 or not self._is_open():
             return
-        if group is not self._held_group:
-            self._held_group = group
-            self._held = {}
-        joiners = [w for w in group.workers if self._held.get(w.handle.key, 0) < self.version]
+        held = self._held_by(group)
+        joiners = [w for w in group.workers if held.get(w.handle.key, 0) < self.version]
         if not joiners:
             return
         self.counts["joins"] += len(joiners)
