@@ -93,10 +93,14 @@ def trace_events(processes: list[tuple[str, list[Any]]], origin: float) -> list[
                 "tid": track + 1 + lane * LANE_TIDS,
                 "name": title,
                 "cat": kind,
-                "ts": round((start - origin) * 1e6, 3),
+                "ts": (ts := round((start - origin) * 1e6, 3)),
             }
             if ph == "X":
-                event["dur"] = round(max(0.0, end - start) * 1e6, 3)
+                # The end rounded as the start is, the duration the difference: slices that
+                # meet, or a child that ends with its parent, still do to the nanosecond
+                # (rounded apart, one could overlap the next by 1 ns, which Perfetto drops).
+                end_us = round((max(start, end) - origin) * 1e6, 3)
+                event["dur"] = round(end_us - ts, 3)
             elif ph == "i":
                 event["s"] = "t"
             if args:

@@ -65,6 +65,32 @@ def test_concurrent_calls_take_lanes_and_nested_phases_stay_on_theirs(tmp_path: 
     assert {e["tid"] for e in doc["traceEvents"] if e.get("cat") == "startup"} == {0}
 
 
+def test_slices_that_meet_or_end_together_do_so_to_the_nanosecond() -> None:
+    """Defect: the start and the duration were each rounded to the nanosecond, so a slice could
+    end 1 ns after the next one on its thread began, or a child 1 ns after its parent (122 of
+    1,000 steps with no busy time), and Perfetto drops a slice that overlaps another."""
+    import random
+
+    rng = random.Random(3)
+    timeline = Timeline()
+    t = timeline.origin + 0.5
+    for i in range(1000):  # back to back on rank 0, each holding a child that ends with it
+        end = t + rng.uniform(0.001, 0.05)
+        timeline.span(0, f"s{i}", "call", t, end)
+        timeline.span(0, f"c{i}", "phase", t + (end - t) * rng.random(), end)
+        t = end
+
+    def ns(microseconds: float) -> int:  # as an exact reader of the JSON's decimals takes it
+        return round(microseconds * 1000)
+
+    slices = [e for e in timeline.trace_events() if e["ph"] == "X"]
+    assert {e["tid"] for e in slices} == {1}  # one lane: none overlaps another partly
+    parents, children = slices[0::2], slices[1::2]
+    ends = [ns(e["ts"]) + ns(e["dur"]) for e in parents]
+    assert all(end <= ns(after["ts"]) for end, after in zip(ends, parents[1:], strict=False))
+    assert [ns(c["ts"]) + ns(c["dur"]) for c in children] == ends
+
+
 def test_the_picture_starts_at_the_first_work_the_start_up_folded_with_its_seconds(
     tmp_path: Path,
 ) -> None:
