@@ -127,7 +127,9 @@ def _targets(metric: MetricDef) -> tuple[list[dict[str, Any]], str]:
         for i, q in enumerate(QUANTILES):
             expr = f"histogram_quantile({q}, sum by ({by}, le) ({rate}))"
             targets.append(_target(expr, f"p{round(q * 100)} {legend}", chr(ord("A") + i)))
-        return targets, "s"
+        # Seconds by the name's convention; a histogram of a count (the pipeline's staleness,
+        # in versions) has no unit.
+        return targets, "s" if metric.name.endswith("_seconds") else "none"
     expr = f"sum by ({by}) ({_selector(metric)})"
     return [_target(expr, legend, "A")], "none"
 

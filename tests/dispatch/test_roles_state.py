@@ -188,7 +188,8 @@ async def test_a_second_channels_version_lag_counts_from_the_version_a_rank_hold
     tmp_path: Any,
 ) -> None:
     """The second channel knew the latest version the target's ranks held, but not which rank
-    held what: while its first version was on its way, a rank holding 2 showed a lag of 3."""
+    held what: while its first version was on its way, a rank holding 2 showed a lag of 3. Its
+    lag series go when it closes."""
     hold = tmp_path / "hold"
     with asyncexec.testing.metrics_enabled() as registry:
         async with (
@@ -208,6 +209,8 @@ async def test_a_second_channels_version_lag_counts_from_the_version_a_rank_hold
                 assert registry.get_sample_value("asyncexec_channel_version_lag", lag) == 1
                 hold.unlink()
                 assert await second.push() == 4  # once 3 is delivered
+            # A closed channel's lag is no longer shown (it was, for ever).
+            assert registry.get_sample_value("asyncexec_channel_version_lag", lag) is None
             await learn.aclose()
             await roll.aclose()
 

@@ -64,6 +64,15 @@ def test_every_metric_has_a_panel_and_every_panel_names_real_series() -> None:
     assert problems(json.loads(CHECKED_IN.read_text()), metrics) == []
 
 
+def test_a_panels_unit_is_seconds_only_for_a_metric_in_seconds() -> None:
+    """Defect: every histogram's panel was in seconds, so the pipeline's staleness (versions)
+    read "2 s"."""
+    panels = json.loads(_dashboard.dashboard_json())["panels"]
+    units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in panels}
+    assert units["pipeline staleness"] == "none"
+    assert units["pipeline pause seconds"] == units["channel push seconds"] == "s"
+
+
 def test_checked_in_dashboard_is_what_the_generator_makes() -> None:
     """Regenerate with ``python dashboards/generate.py``."""
     assert CHECKED_IN.read_text() == _dashboard.dashboard_json(), (
@@ -329,7 +338,12 @@ def test_the_rl_loops_counters_start_at_zero_and_the_channel_meters_its_lag() ->
     dashboard's panels showed "no data"); the channel had no metric at all."""
     import prometheus_client as prom
 
-    from asyncexec._driver.channel._events import PushEnded, VersionInstalled, VersionRead
+    from asyncexec._driver.channel._events import (
+        ChannelClosed,
+        PushEnded,
+        VersionInstalled,
+        VersionRead,
+    )
     from asyncexec._driver.channel._metrics import ChannelMeters
     from asyncexec._driver.channel._sinks import ChannelMetrics
     from asyncexec._driver.pipeline._router_metrics import RouterMeters
@@ -344,12 +358,20 @@ def test_the_rl_loops_counters_start_at_zero_and_the_channel_meters_its_lag() ->
         channel.handlers()[VersionRead](VersionRead(3, ((0, 2), (1, 0))))
         channel.handlers()[VersionInstalled](VersionInstalled(1, 3, 3))
         channel.handlers()[PushEnded](PushEnded(3, 0.25))
-        samples = {
-            (s.name, s.labels.get("event") or s.labels.get("mode") or s.labels.get("rank")): s.value
-            for family in registry.collect()
-            for s in family.samples
-            if s.labels.get("executor") == "rl"
-        }
+
+        def sampled() -> dict[tuple[str, Any], float]:
+            return {
+                (s.name, s.labels.get("event") or s.labels.get("mode") or s.labels.get("rank")): (
+                    s.value
+                )
+                for family in registry.collect()
+                for s in family.samples
+                if s.labels.get("executor") == "rl"
+            }
+
+        samples = sampled()
+        channel.handlers()[ChannelClosed](ChannelClosed(3))  # its lag series go
+        lags = [key for key in sampled() if key[0] == "asyncexec_channel_version_lag"]
     finally:
         _metrics._metrics = None
     for name in ("retries", "duplicates_dropped", "late_dropped", "timeouts", "taken_out"):
@@ -363,6 +385,7 @@ def test_the_rl_loops_counters_start_at_zero_and_the_channel_meters_its_lag() ->
     assert samples[("asyncexec_channel_push_seconds_count", None)] == 1
     assert samples[("asyncexec_channel_version_lag", "0")] == 1  # holds 2 of 3
     assert samples[("asyncexec_channel_version_lag", "1")] == 0  # installed 3
+    assert lags == []
 
 
 def test_the_pipelines_requests_in_flight_are_a_gauge_set_at_each_batch_and_update() -> None:

@@ -36,6 +36,7 @@ from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
 from ..cluster import Caller, agreed, proxy
 from ..group import WorkerInfo
+from ._events import ChannelClosed
 from ._object_store import ObjectStoreTransport
 from ._sinks import channel_observer
 from ._torch import TorchTransport
@@ -209,10 +210,13 @@ class WeightChannel:
         tg, self._tg = self._tg, None
         stack, self._stack = self._stack, None
         self._versions.tg = None
-        if tg is not None and stack is not None:
-            tg.cancel_scope.cancel()  # deliveries still on their way
-            await stack.__aexit__(exc_type, exc, tb)
-        self._versions.forget()
+        try:
+            if tg is not None and stack is not None:
+                tg.cancel_scope.cancel()  # deliveries still on their way
+                await stack.__aexit__(exc_type, exc, tb)
+        finally:
+            self._versions.forget()
+            self._versions.observer.emit(ChannelClosed(self._versions.version))
         with teardown("channel_forget", _CLOSE_TIMEOUT_S):
             await self._forget()
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PushEnded", "PushFailed", "RanksJoined", "VersionInstalled", "VersionRead"]
+__all__ = [
+    "ChannelClosed",
+    "PushEnded",
+    "PushFailed",
+    "RanksJoined",
+    "VersionInstalled",
+    "VersionRead",
+]
 
 
 class VersionRead(NamedTuple):
@@ -43,4 +50,10 @@ class RanksJoined(NamedTuple):
     """Target ranks ``ranks`` joined after a restart and get ``version``."""
 
     ranks: tuple[int, ...]
+    version: int
+
+
+class ChannelClosed(NamedTuple):
+    """The channel closed at version ``version``: nothing more comes from it."""
+
     version: int

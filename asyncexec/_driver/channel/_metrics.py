@@ -8,7 +8,9 @@ on first use, and by the dashboard's generator (:func:`channel_collectors`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from .._metrics import Metrics, metrics
@@ -89,3 +91,13 @@ class ChannelMeters:
         if on is not None:
             collectors, label = on
             collectors["lag"].labels(label, str(rank)).set(versions)
+
+    def forget(self, ranks: Iterable[int]) -> None:
+        """The channel closed: the version lag series of ``ranks`` go (a closed channel's lag
+        would be shown for ever)."""
+        on = self._on()
+        if on is not None:
+            collectors, label = on
+            for rank in ranks:
+                with contextlib.suppress(KeyError):
+                    collectors["lag"].remove(label, str(rank))

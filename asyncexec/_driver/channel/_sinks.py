@@ -9,7 +9,14 @@ from typing import Any
 
 from ..._timeline._timeline import Timeline, installed
 from .._observe import Handler, Observer
-from ._events import PushEnded, PushFailed, RanksJoined, VersionInstalled, VersionRead
+from ._events import (
+    ChannelClosed,
+    PushEnded,
+    PushFailed,
+    RanksJoined,
+    VersionInstalled,
+    VersionRead,
+)
 from ._metrics import ChannelMeters
 
 __all__ = ["ChannelLog", "ChannelMetrics", "ChannelTimeline", "channel_observer"]
@@ -20,6 +27,7 @@ class ChannelMetrics:
 
     def __init__(self, meters: ChannelMeters) -> None:
         self.meters = meters
+        self.ranks: set[int] = set()  # the target ranks with a lag series
         meters.zero()
 
     def handlers(self) -> Mapping[type, Handler]:
@@ -28,14 +36,23 @@ class ChannelMetrics:
             VersionInstalled: self._installed,
             PushEnded: self._ended,
             PushFailed: self._failed,
+            ChannelClosed: self._closed,
         }
 
     def _read(self, event: VersionRead) -> None:
         for rank, held in event.held:
-            self.meters.lag(rank, event.version - held)
+            self._lag(rank, event.version - held)
 
     def _installed(self, event: VersionInstalled) -> None:
-        self.meters.lag(event.rank, event.latest - event.version)
+        self._lag(event.rank, event.latest - event.version)
+
+    def _lag(self, rank: int, versions: int) -> None:
+        self.ranks.add(rank)
+        self.meters.lag(rank, versions)
+
+    def _closed(self, event: ChannelClosed) -> None:
+        self.meters.forget(self.ranks)
+        self.ranks.clear()
 
     def _ended(self, event: PushEnded) -> None:
         self.meters.pushed(event.seconds)
