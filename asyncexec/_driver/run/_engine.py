@@ -135,9 +135,13 @@ class RunDriver:
                     else:
                         base = self.recorder.attempt_base if self.recorder else 0
                         values = await AlignedRun(self.ctx, base).main()
+                    if self.recorder is not None:
+                        await self.recorder.taken()  # (its record kept meanwhile)
                 except Exception as exc:  # raised below, not wrapped in the task group's group
                     error = exc
                 tg.cancel_scope.cancel()
+            if error is None and self.recorder is not None:
+                await self.recorder.finish()  # (what it held back goes before the pruner ends)
             self.pruner.close()
             deadline = anyio.current_time() + self.ctx.config.shutdown_timeout_s
             helpers.cancel_scope.deadline = deadline

@@ -1,8 +1,9 @@
 """Deleting the checkpoints a run no longer keeps, apart from the run.
 
 Which checkpoints a run keeps is the :class:`~asyncexec._wire._checkpoint.CheckpointBook`'s
-decision; this deletes the others, one rule for every kind of run: a checkpoint is deleted once the
-step that superseded it has been handed to the run's iterator. Deleting is I/O on storage that may
+decision; this deletes the others: a checkpoint is deleted once the step that superseded it has
+been handed to the run's iterator, and, in a named run, once the run's record has moved past it
+(see ``_recorder``). Deleting is I/O on storage that may
 be remote and slow (an object store's ``rm`` can fail or time out), so it never holds the stream and
 never fails the run: paths are queued, a task of the run's own deletes them in a thread, one by one,
 and a failure is logged (``checkpoint_prune_failed``) and left. When the run ends, what is queued

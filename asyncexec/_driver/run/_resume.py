@@ -42,6 +42,7 @@ __all__ = [
     "Resume",
     "RunRecord",
     "check_name",
+    "checkpoint_folders",
     "decide",
     "fingerprint",
     "legacy_fingerprint",
@@ -188,7 +189,13 @@ def stray_checkpoints(storage: str, record: RunRecord) -> list[str]:
     keep = {path.rstrip("/") for path, _ in record.kept}
     if record.checkpoint is not None:
         keep.add(record.checkpoint.rstrip("/"))
-    folder = join_path(storage, record.name)
+    return [p for p in checkpoint_folders(storage, record.name) if p.rstrip("/") not in keep]
+
+
+def checkpoint_folders(storage: str, name: str) -> list[str]:
+    """The checkpoint folders of the run ``name`` under ``storage``, sorted. Blocking: call it
+    in a thread."""
+    folder = join_path(storage, name)
     if is_uri(folder):
         fs, root = filesystem(folder)
         scheme = folder.split("://", 1)[0]
@@ -198,11 +205,7 @@ def stray_checkpoints(storage: str, record: RunRecord) -> list[str]:
         paths = [os.path.join(folder, n) for n in os.listdir(folder)]
     else:
         paths = []
-    return sorted(
-        p
-        for p in paths
-        if _CHECKPOINT_DIR.match(p.rstrip("/").rsplit("/", 1)[-1]) and p.rstrip("/") not in keep
-    )
+    return sorted(p for p in paths if _CHECKPOINT_DIR.match(p.rstrip("/").rsplit("/", 1)[-1]))
 
 
 def decide(

@@ -155,4 +155,9 @@ def prepare(
         raise ConfigurationError("a run of independent ranks does not take datasets")
     if config.elastic:
         raise ConfigurationError("an elastic executor does not run independent ranks")
+    if spec.name is not None:
+        raise ConfigurationError(
+            f"a run of independent ranks cannot be named ({spec.name!r}): each rank resumes "
+            "from its own checkpoint, and a named run's record holds one for the run"
+        )
     return replace(spec, independent=True)

@@ -408,7 +408,12 @@ class HandOver:
         #: Checkpoints no longer kept, deleted (by ``prune``) once the steps queued with them
         #: have been handed to the iterator.
         self._pruned: list[str] = []
-        self._prune = prune
+        #: Where those go: the run's pruner, or a named run's recorder, which holds each back
+        #: while its record may still resume from it (see ``Recorder.hold``).
+        self.prune = prune
+        #: The checkpoints queued, with the stream index of the step that carried each, while
+        #: a named run's record has not moved past them (None: not kept, an unnamed run).
+        self.carried: list[tuple[int, Checkpoint]] | None = None
         #: Called when a checkpoint becomes the latest (a named run records it).
         self.on_checkpoint: Callable[[], None] | None = None
         #: The executor's observer (each batch of steps queued: the metrics count them).
@@ -425,6 +430,8 @@ class HandOver:
                     checkpoint = part.checkpoints[i][0]
                     self.run.latest_checkpoint = checkpoint
                     self.run.latest_index = part.first + i
+                    if self.carried is not None:
+                        self.carried.append((part.first + i, checkpoint))
                     self._pruned.extend(self.book.add(checkpoint, part.first_metrics(i)))
                 if part.checkpoints and self.on_checkpoint is not None:
                     self.on_checkpoint()
@@ -444,4 +451,4 @@ class HandOver:
             self.run.handed += len(self._unsent.pop(0))
             if self._pruned:
                 pruned, self._pruned = self._pruned, []
-                self._prune(pruned)
+                self.prune(pruned)
