@@ -241,6 +241,19 @@ def test_every_argument_of_the_rl_loop_is_checked_when_it_is_made() -> None:
     asyncexec.Pipeline(asyncexec.Router(servers, channel=channel), [], channel=channel)
 
 
+class NotAServer:
+    def work(self) -> int:
+        return 1
+
+
+def test_an_executor_of_no_rollout_server_is_refused_in_the_pipelines_words() -> None:
+    """It was refused in the words of the Router the pipeline makes ("a Router needs an
+    executor..."), which the user did not make."""
+    servers = asyncexec.Executor(1, local=True, roles=asyncexec.Role(NotAServer))
+    with pytest.raises(asyncexec.ConfigurationError, match=r"^a Pipeline's servers .* has 0$"):
+        asyncexec.Pipeline(servers, range(4), batch_size=2)
+
+
 # Over a weight channel ------------------------------------------------------------------------
 
 
@@ -402,6 +415,41 @@ async def test_a_delivery_that_failed_after_the_update_returned_is_raised_by_the
                     await learner.call(Learner.step)
                     await pipe.update_weights(wait=False)
         assert "refusing version 2" in str(raised.value) + repr(raised.value.__cause__)
+        assert pipe.version == 1
+
+
+@pytest.mark.ray_only
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("body_raises", [False, True])
+async def test_a_delivery_that_failed_as_the_pipeline_ends_is_raised_by_its_exit(
+    mode: str, tmp_path: Path, body_raises: bool
+) -> None:
+    """``update_weights(wait=False)`` as the body's last call, whose delivery fails: the exit
+    waited for it and dropped the error (the program ended normally, the servers without the
+    version the learner counted). The exit raises it; when the body raised, the body's error
+    has it as a note."""
+    gate = tmp_path / "open"
+    gate.touch()
+    role = asyncexec.Role(Gated, str(gate), refuse=2)
+    expected = RuntimeError if body_raises else asyncexec.ChannelError
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Learner)) as learner,
+        asyncexec.Executor(2, resources_per_worker=CPU, roles=role) as servers,
+        asyncexec.WeightChannel(learner, servers) as channel,
+    ):
+        with pytest.raises(expected) as raised:
+            async with asyncexec.Pipeline(
+                servers, [{"id": i, "length": 2} for i in range(8)], batch_size=4, channel=channel
+            ) as pipe:
+                await pipe.__anext__()
+                await pipe.update_weights(wait=False)
+                if body_raises:
+                    raise RuntimeError("the learner's step failed")
+        if body_raises:
+            assert "update_weights(wait=False)" in "".join(raised.value.__notes__)
+            assert "ChannelError" in "".join(raised.value.__notes__)
+        else:
+            assert "version 2" in str(raised.value)
         assert pipe.version == 1
 
 
@@ -626,6 +674,30 @@ async def test_a_request_id_that_repeats_in_the_source_is_an_error_naming_it(
                 consumed.set()
                 await pipe.update_weights({"w": pipe.version + 1})
     assert batches in ([], [[7, 8]])
+
+
+@pytest.mark.timeout(20)
+async def test_a_request_id_that_repeats_cancels_the_bodys_await_and_leaves_by_the_exit() -> None:
+    """What the docs say (``__anext__``'s said it raised the error): the admission fails the
+    pipeline's task group, so the body's current await, a training step here, is cancelled,
+    and the error comes out of the ``async with``."""
+    from asyncexec.testing import ScriptedServer, SimCluster
+
+    prompts = [asyncexec.RolloutRequest(i % 2, "prompt") for i in range(4)]
+    interrupted = False
+    with pytest.raises(asyncexec.ConfigurationError, match="id 0 repeats"):
+        async with (
+            asyncexec.Executor(
+                2, roles=asyncexec.Role(ScriptedServer), cluster=SimCluster()
+            ) as servers,
+            asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1),
+        ):
+            try:
+                await anyio.Event().wait()  # the learner's step
+            except anyio.get_cancelled_exc_class():
+                interrupted = True
+                raise
+    assert interrupted
 
 
 class RefusesTwo(Toy):

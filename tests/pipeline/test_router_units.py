@@ -1,9 +1,11 @@
 """The router's parts without Ray: the choice of a server (least in flight under the cap, the
 lowest rank on ties, a session's server first, the servers already tried last), the sessions'
-bounded memory, the counters, and the arguments refused before anything is made."""
+bounded memory, the counters, the arguments refused before anything is made, and an answer
+that comes in the turn of the loop its deadline passes."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +14,7 @@ import anyio.lowlevel
 import pytest
 
 import asyncexec
+from asyncexec._driver.pipeline._router_requests import _Answer, _Inbox, _next
 from asyncexec._driver.pipeline._router_state import Balance, Sessions
 from asyncexec.testing import metrics_enabled
 
@@ -500,3 +503,24 @@ async def test_an_attempt_that_fails_in_its_own_bookkeeping_fails_its_request_an
         with pytest.raises(RuntimeError, match="bookkeeping"):  # the router is failed
             await router.generate(asyncexec.RolloutRequest(1, "prompt"))
         assert router.requests.attempts == {}
+
+
+@pytest.mark.timeout(10)
+async def test_an_answer_that_comes_in_the_turn_its_deadline_passes_is_the_answer() -> None:
+    """The deadline's cancellation reached a request waiting for its answer, and the answer
+    came before the request ran again (one turn of the loop): the request saw no answer
+    (``TimeoutError``, or a needless attempt more) though one was there. It takes it."""
+    inbox = _Inbox()
+    answer = _Answer(0, None, sample=asyncexec.Sample(0, "prompt", [0], (None,), 0))
+    got: list[Any] = []
+
+    async def wait() -> None:  # the deadline passed as it begins to wait
+        got.append(await _next(inbox, time.monotonic() - 1.0, 0.5))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        with anyio.fail_after(5):
+            while not (inbox.waiter is not None and inbox.waiter.cancelled()):
+                await anyio.lowlevel.checkpoint()
+        inbox.put(answer)  # before the request runs again (it would have disarmed)
+    assert got == [answer]

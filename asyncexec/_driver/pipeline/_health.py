@@ -15,8 +15,9 @@ request, its rejoin (one task per server) makes sure that it holds the weight ch
 version: a rank renewed outside a run does not get the channel's latest version by itself (the
 channel gives it to ranks that join a run), so the rejoin asks the channel to bring every rank
 of the group up to its latest (``GroupSlot.joiners``, as a run's start does) and checks the
-server's ``weights_version``; a paused router pauses it too. Each step is bounded; a failed one
-is tried again while the router is open.
+server's ``weights_version``; it is paused as the router is, or resumed (the same process back
+may have been paused before it was seen lost). Each step is bounded; a failed one is tried
+again while the router is open.
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ class HealthWatch:
                     await anyio.sleep(min(1.0, router.health_interval_s))
         finally:
             server.rejoining = False
+        # No await from ``_ready``'s last look at the router's pause or resume to here: one
+        # that begins from now on reaches this server.
         server.worker = worker
         server.failures = 0
         server.since = time.monotonic()
@@ -213,9 +216,9 @@ class HealthWatch:
         return True
 
     async def _ready(self, r: int) -> str | None:
-        """Rank ``r``'s worker once it holds the channel's current version (and is paused when
-        the router is): its key. The first call on a dead rank raises, and the dispatcher puts
-        a fresh process in its place, which the next call waits for."""
+        """Rank ``r``'s worker once it holds the channel's current version (and is paused as
+        the router is, or resumed): its key. The first call on a dead rank raises, and the
+        dispatcher puts a fresh process in its place, which the next call waits for."""
         router = self.router
         servers, methods = router.servers, router.methods
         try:
@@ -235,13 +238,29 @@ class HealthWatch:
                 raise ChannelError(
                     f"rank {r} holds version {held} after joining, not {channel.version}"
                 )
-        if router.paused is not None:
-            await servers.call(methods.pause, router.paused, on=on_rank(r))
+        await self._as_ordered(r)
         group = slot_of(servers).group
         if _key(servers, r) != before or group is None:
             raise ExecutorStateError(f"rank {r} was replaced again while it rejoined")
         router.group = group
         return before
+
+    async def _as_ordered(self, r: int) -> None:
+        """Pause rank ``r`` as the router's latest pause or resume says, or resume it (a
+        process that comes back may have been paused before it was seen lost; a resume of one
+        that is not paused does nothing); again while another begins during the call, which
+        skipped the rank (it does not serve yet). The caller marks it serving with no await
+        after this returns: any pause or resume that begins later reaches it."""
+        router = self.router
+        servers, methods = router.servers, router.methods
+        while True:
+            order = router.order
+            if order.mode is None:
+                await servers.call(methods.resume, on=on_rank(r))
+            else:
+                await servers.call(methods.pause, order.mode, on=on_rank(r))
+            if router.order is order:
+                return
 
     async def on_serving(self, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
         """Call ``fn`` on every serving server at once, each bounded by ``health_timeout_s``;

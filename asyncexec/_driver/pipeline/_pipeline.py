@@ -67,7 +67,8 @@ class Pipeline:
             server, up to 4 in flight each, sent again when a server dies).
         prompts: an iterable or async iterable of prompts (not a str, nor a mapping); a
             prompt's id is its position in it, unless the prompt is a
-            :class:`~asyncexec.RolloutRequest` (its own id).
+            :class:`~asyncexec.RolloutRequest` (its own id). An id that comes again fails
+            the pipeline (see :meth:`__anext__`).
         batch_size: B, the samples per batch (the last batch may be smaller, when the source
             ends).
         staleness: S, the bound (0: the synchronous loop).
@@ -217,10 +218,16 @@ class Pipeline:
                     await self._admission.stop()
                 tg.cancel_scope.cancel()
                 await stack.__aexit__(exc_type, exc, tb)
+        except BaseException as raised:
+            self._updates.close(raised)  # a delivery that failed too: a note of it
+            raise
         finally:
             self._observer.emit(PipelineClosed())
         stats = self.statistics()
         self.log.info("pipeline_ended", **{k: getattr(stats, k) for k in _ENDED})
+        # A delivery that failed in the background and that no batch or update raised: the
+        # servers do not hold the version the learner counted.
+        self._updates.close(exc)
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -238,10 +245,15 @@ class Pipeline:
 
         Raises:
             StopAsyncIteration: the source is exhausted and every sample was handed.
-            ConfigurationError: a prompt's id came again from the source (its first pending,
-                or consumed in this pipeline).
             ExecutorStateError: no batch can come before an update (S = 0 and the batch of
                 this version was taken).
+            ChannelError: the delivery of an update that went on in the background failed.
+
+        What fails the pipeline's own tasks is not raised here: a prompt's id that comes again
+        from the source (``ConfigurationError`` naming it; its first pending, or consumed in
+        this pipeline), or a server's error. Whatever the body awaits then (this call, a
+        training step, an update) is cancelled, and the error comes out of the pipeline's
+        ``async with``.
         """
         self._check_open()
         self._updates.check()
@@ -284,7 +296,8 @@ class Pipeline:
                 state is delivered and the servers resume. The version is counted at the read
                 (the next batch may be handed meanwhile: its samples' versions are the ones
                 the servers held); the next ``update_weights()`` waits for the delivery, and a
-                delivery that failed is raised by the next batch or update.
+                delivery that failed is raised by the next batch or update, else by the
+                pipeline's exit (a note of the body's error when the body raised).
 
         Raises:
             ExecutorStateError: strict mode and no batch was taken at this version; or

@@ -45,7 +45,7 @@ from ._health import HealthWatch, worker_keys
 from ._router_host import ServerMethods
 from ._router_metrics import RouterMeters
 from ._router_requests import Requests
-from ._router_state import Balance, Pacer, RouterStatistics, Sessions
+from ._router_state import Balance, Pacer, PauseOrder, RouterStatistics, Sessions
 from ._sinks import RouterCounts, router_observer
 
 __all__ = ["Router", "RouterStatistics"]
@@ -116,7 +116,11 @@ class Router:
         self.counts = RouterCounts()
         #: Every event of the router goes through it: its counters, metrics and log.
         self.observer = router_observer(self.counts, self.meters, self.log)
+        #: The mode the servers are paused in, from when a pause begins until a resume has
+        #: returned (a resume cut short leaves it: resume again).
         self.paused: Literal["keep", "abort"] | None = None
+        #: The latest pause or resume begun: what a server that rejoins is brought to.
+        self.order = PauseOrder(0, None)
         self.watch = HealthWatch(self)
         self.requests = Requests(self)
         self.tg: anyio.abc.TaskGroup | None = None
@@ -254,6 +258,7 @@ class Router:
             raise ConfigurationError(f'pause() takes "keep" or "abort", got {mode!r}')
         self.check_open()
         self.paused = mode
+        self.order = PauseOrder(self.order.number + 1, mode)
         if mode == "keep":
             counts = list((await self.watch.on_serving(self.methods.pause, mode)).values())
         else:
@@ -265,11 +270,16 @@ class Router:
         return sum(counts)
 
     async def resume(self) -> None:
-        """Let every serving server's parked generations go on (``RolloutServer.resume``)."""
+        """Let every serving server's parked generations go on (``RolloutServer.resume``); a
+        server that joins meanwhile is resumed before it takes a request. ``paused`` is
+        cleared once every call returned: a resume cut short (cancelled) leaves it set, and
+        some servers paused, until the next resume."""
         self.check_open()
-        self.paused = None
+        order = self.order = PauseOrder(self.order.number + 1, None)
         with self.requests.resuming():  # the callers a pause to abort answers wait for it
             await self.watch.on_serving(self.methods.resume)
+        if self.order is order:  # (no pause began meanwhile)
+            self.paused = None
         self.log.info("servers_resumed")
 
     @property

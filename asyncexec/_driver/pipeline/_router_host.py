@@ -7,7 +7,7 @@ server role's methods, named once through its class, are here too (both use them
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.abc
 
@@ -15,7 +15,7 @@ from ..._dispatch._role import method
 from ..._logging import Logger
 from ..._worker import RolloutServer
 from .._observe import Observer
-from ._router_state import Balance, Pacer, Sessions
+from ._router_state import Balance, Pacer, PauseOrder, Sessions
 
 if TYPE_CHECKING:
     from .._executor import Executor
@@ -83,7 +83,7 @@ class WatchHost(_Common, Protocol):
     @property
     def channel(self) -> WeightChannel | None: ...
     @property
-    def paused(self) -> Literal["keep", "abort"] | None: ...
+    def order(self) -> PauseOrder: ...
     @property
     def tg(self) -> anyio.abc.TaskGroup | None: ...
     @property

@@ -470,7 +470,7 @@ def _due(sent_at: float, deadline_s: float | None) -> bool:
 
 
 async def _next(inbox: _Inbox, sent_at: float, deadline_s: float) -> _Answer | None:
-    """The next answer, or None once the latest attempt's deadline passes."""
+    """The next answer, or None once the latest attempt's deadline passes with none come."""
     with anyio.move_on_after(max(0.0, sent_at + deadline_s - time.monotonic())):
         while not inbox.items:
             try:
@@ -478,7 +478,9 @@ async def _next(inbox: _Inbox, sent_at: float, deadline_s: float) -> _Answer | N
             finally:
                 inbox.disarm()
         return inbox.items.popleft()
-    return None
+    # An answer may have come in the turn of the loop the deadline's cancellation did (the
+    # wait was cancelled first): it is the answer, not a reason to send the request again.
+    return inbox.items.popleft() if inbox.items else None
 
 
 def _stop_attempts(fate: _Fate) -> None:

@@ -16,12 +16,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from ..._dispatch._targets import fewest
 from .._loads import Handoff
 
-__all__ = ["Balance", "Pacer", "RouterStatistics", "ServerRecord", "Sessions"]
+__all__ = ["Balance", "Pacer", "PauseOrder", "RouterStatistics", "ServerRecord", "Sessions"]
 
 #: How long the requests sent in one turn of the event loop may keep it, before the rest wait
 #: for the next turn.
@@ -73,6 +73,15 @@ class ServerRecord:
     #: The attempts of requests it holds (each with a ``cancel()``: called when it is taken
     #: out).
     scopes: set[Any] = field(default_factory=set)
+
+
+class PauseOrder(NamedTuple):
+    """The latest pause or resume a router began: what a server that joins is brought to. A
+    rejoin that sees another begin while it brings its server so applies that one too (a pause
+    or a resume began meanwhile skipped the server: it did not serve yet)."""
+
+    number: int  # pauses and resumes begun so far
+    mode: Literal["keep", "abort"] | None  # the pause's mode; None: a resume
 
 
 class Sessions:

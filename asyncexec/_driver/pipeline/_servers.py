@@ -21,14 +21,14 @@ __all__ = ["Servers", "servers_of"]
 
 
 class Servers:
-    """Requests, pauses and installs on the rollout servers of ``executor``, through
-    ``router`` (entered by the pipeline, through :meth:`held`, when ``owned``)."""
+    """Requests, pauses and installs on the rollout servers of ``router`` (entered by the
+    pipeline, through :meth:`held`, when ``owned``)."""
 
-    def __init__(self, executor: Executor, router: Router, *, owned: bool) -> None:
-        self.executor = executor
+    def __init__(self, router: Router, *, owned: bool) -> None:
+        self.executor = router.servers
         self.router = router
         self.owned = owned
-        self.cls = _server_class(executor)
+        self.cls = router.methods.cls
 
     def held(self) -> contextlib.AbstractAsyncContextManager[Any]:
         """What the pipeline enters for its servers: the router when it is the pipeline's own,
@@ -62,24 +62,23 @@ def servers_of(target: Any, channel: WeightChannel | None) -> Servers:
     version).
 
     Raises:
-        ConfigurationError: ``target`` is neither.
+        ConfigurationError: ``target`` is neither (or an executor without exactly one role
+            that subclasses RolloutServer).
     """
     if isinstance(target, Executor):
-        return Servers(target, Router(target, channel=channel), owned=True)
+        _check_servers(target)  # (before the Router's check, which speaks of a Router)
+        return Servers(Router(target, channel=channel), owned=True)
     if isinstance(target, Router):
-        return Servers(target.servers, target, owned=False)
+        return Servers(target, owned=False)
     raise ConfigurationError(
         f"a Pipeline takes an asyncexec.Router or an Executor of rollout servers, got {target!r}"
     )
 
 
-def _server_class(executor: Executor) -> type[RolloutServer]:
-    found: list[type[RolloutServer]] = [
-        r.cls for r in executor.config.roles if issubclass(r.cls, RolloutServer)
-    ]
+def _check_servers(executor: Executor) -> None:
+    found = [r.cls for r in executor.config.roles if issubclass(r.cls, RolloutServer)]
     if len(found) != 1:
         raise ConfigurationError(
             "a Pipeline's servers are an executor with one role that subclasses "
             f"asyncexec.RolloutServer; {executor.config.name!r} has {len(found)}"
         )
-    return found[0]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.abc
 
-from ..._errors import ExecutorStateError
+from ..._errors import ExecutorStateError, describe
 from ..._wire._tracing import as_calls, spanned
 from .._observe import Observer
 from .._taskgroups import task_group, teardown
@@ -120,6 +120,20 @@ class Updates:
         if self._ended is not None:
             await self._ended.wait()
 
+    def close(self, exc: BaseException | None) -> None:
+        """The pipeline closes with ``exc`` raised (None: nothing is): raise what an update
+        that went on in the background failed with, not raised yet; with ``exc``, add it to
+        ``exc`` as a note instead."""
+        error, self.error = self.error, None
+        if error is None:
+            return
+        if exc is None:
+            raise error
+        exc.add_note(
+            "a weight update that went on in the background (update_weights(wait=False)) "
+            f"failed too: {describe(error)}"
+        )
+
     async def settled(self) -> None:
         """Until an update going on in the background has ended; then :meth:`check`."""
         await self.ended()
@@ -173,10 +187,11 @@ async def update(
         if on_read is None:
             budget.advance()
         if paused:
-            paused = False
             await as_calls("asyncexec.pipeline.resume", servers.resume())
+            paused = False  # (only now: a resume cut short is done again below)
     finally:
-        if paused:  # the push failed: generation goes on with the weights it had
+        if paused:  # the push failed, or the update was cancelled (its resume too): the
+            # servers go on with the weights they hold
             with teardown("servers_resume", _RESUME_TIMEOUT_S):
                 await servers.resume()
         admission.open = True
