@@ -121,9 +121,9 @@ class Lifecycle:
         """Start: the cluster (off the loop), a claim on the reservation, the group."""
         if self.state is ExecutorState.CLOSED:
             # A closed executor may be entered again: it starts a fresh group.
+            # (The last run stays: the next one counts its steps, as after any run.)
             self._closed = anyio.Event()
             self.slot = self._new_slot()
-            self.run = None
         elif self.state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self.state.value}")
         self.state = ExecutorState.STARTING

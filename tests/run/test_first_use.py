@@ -350,7 +350,10 @@ def _steps(n: int) -> None:
 
 @pytest.mark.usefixtures("mode")
 async def test_statistics_count_steps_delivered_while_the_run_is_live() -> None:
-    async with asyncexec.Executor(1, resources_per_worker=CPU) as ex:
+    """Also: the executor entered again counts the steps of the runs before (the last run's were
+    dropped)."""
+    ex = asyncexec.Executor(1, resources_per_worker=CPU)
+    async with ex:
         run = ex.run(_steps, 10)
         taken = 0
         async for _ in run:
@@ -358,6 +361,10 @@ async def test_statistics_count_steps_delivered_while_the_run_is_live() -> None:
             assert ex.statistics().steps_delivered == taken
         again = [s async for s in ex.run(_steps, 3)]
         assert ex.statistics().steps_delivered == taken + len(again) == 13
+    async with ex:
+        assert ex.statistics().steps_delivered == 13
+        assert len([s async for s in ex.run(_steps, 2)]) == 2
+        assert ex.statistics().steps_delivered == 15
 
 
 def _same_name_checkpoint(content: str) -> None:
