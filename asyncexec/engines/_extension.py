@@ -4,7 +4,9 @@ one GPU; one per rank under tensor parallelism, each loading its shard from the 
 
 A state crosses into the engine as packed tensors (:func:`pack`): the engine's RPC encodes a
 tensor nested in a mapping as a list of numbers, so each tensor goes as its raw bytes, its dtype
-and its shape, and becomes a tensor again here without a copy.
+and its shape, and becomes a tensor again here over one copy of those bytes (a writable
+buffer: torch makes a tensor over read-only ``bytes`` only with a warning, since nothing would
+stop a write to it).
 
 Imported by vLLM's worker process, by name; imports torch only (which that process has).
 """
@@ -41,7 +43,9 @@ def pack(state: Mapping[str, Any], dtype: Any = None) -> list[Packed]:
 
 
 def unpack(packed: list[Any]) -> Iterator[tuple[str, Any]]:
-    """The tensors of :func:`pack`, as (name, tensor), without copying their bytes."""
+    """The tensors of :func:`pack`, as (name, tensor): each over a writable copy of its bytes
+    when they arrive as ``bytes`` (read-only), over the buffer itself otherwise; no other copy
+    (the view as the dtype and the shape shares the memory)."""
     import torch
 
     for name, dtype, shape, data in packed:

@@ -45,31 +45,46 @@ def token_logprobs(
 ) -> list[torch.Tensor]:
     """The log-probability of each completion token given the prompt and the tokens before it,
     one tensor per completion; under ``state`` (a state dict) instead of the model's own weights
-    when given; over the ``allowed`` token ids only when given (as the engine samples with
+    when given (swapped into ``model`` for the forward: hold whatever lock guards its weights);
+    over the ``allowed`` token ids only when given (as the engine samples with
     ``allowed_token_ids`` and reports ``logprobs_mode="processed_logprobs"``)."""
-    if not completions:
+    return _logprobs(model, [(prompt, c) for c in completions], state, allowed)
+
+
+def _logprobs(
+    model: Any,
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    state: Any = None,
+    allowed: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`token_logprobs` of (prompt, completion) rows, their prompts of any length: one
+    forward of the model over the rows, right-padded to one length (a forward of a model under
+    DDP is a collective: every rank makes one per update)."""
+    if not rows:
         return []
-    longest = max(len(c) for c in completions)
-    rows = [list(prompt) + list(c) + [0] * (longest - len(c)) for c in completions]
-    ids = torch.tensor(rows)
-    mask = torch.tensor(
-        [[1] * (len(prompt) + len(c)) + [0] * (longest - len(c)) for c in completions]
-    )
+    lengths = [len(p) + len(c) for p, c in rows]
+    width = max(lengths)
+    padded = [[*p, *c] + [0] * (width - n) for (p, c), n in zip(rows, lengths, strict=True)]
+    ids = torch.tensor(padded)
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
     inputs = {"input_ids": ids, "attention_mask": mask}
     if state is None:
         logits = model(**inputs).logits
     else:
         logits = torch.func.functional_call(model, dict(state), args=(), kwargs=inputs).logits
-    # The logits at position i predict token i + 1: those of the completion's tokens.
-    start = len(prompt) - 1
-    logits = logits[:, start : start + longest].float()
+    # The logits at position i predict token i + 1: those of each row's completion tokens, from
+    # its prompt's last position on (past a row's end, positions that no completion reads).
+    longest = max(len(c) for _, c in rows)
+    starts = torch.tensor([len(p) - 1 for p, _ in rows])
+    at = (starts[:, None] + torch.arange(longest)).clamp(max=width - 2)
+    logits = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])).float()
     if allowed is not None:
-        mask = torch.full((logits.shape[-1],), float("-inf"))
-        mask[list(allowed)] = 0.0
-        logits = logits + mask
+        allowed_only = torch.full((logits.shape[-1],), float("-inf"))
+        allowed_only[list(allowed)] = 0.0
+        logits = logits + allowed_only
     lp = torch.log_softmax(logits, dim=-1)
-    picked = lp.gather(-1, ids[:, start + 1 : start + 1 + longest, None])[..., 0]
-    return [picked[i, : len(c)] for i, c in enumerate(completions)]
+    picked = lp.gather(-1, ids.gather(1, at + 1)[..., None])[..., 0]
+    return [picked[i, : len(c)] for i, (_, c) in enumerate(rows)]
 
 
 def grpo_loss(
@@ -77,17 +92,23 @@ def grpo_loss(
 ) -> torch.Tensor:
     """GRPO's loss: per completion, the mean over its tokens of the clipped objective with the
     group-normalised advantage (reward minus the group's mean, over its std); the mean over a
-    group's completions, then over the groups. A group whose rewards are equal teaches nothing."""
+    group's completions, then over the groups. A group whose rewards are equal teaches nothing,
+    nor does a completion with no tokens (its objective is 0: an engine that ended it at once).
+    One forward of ``model`` over every completion of every group."""
+    rows = [(g.prompt_token_ids, c) for g in groups for c in g.token_ids]
+    new = iter(_logprobs(model, rows, allowed=allowed))
     total = torch.zeros(())
     for g in groups:
         rewards = torch.tensor(g.rewards, dtype=torch.float32)
         advantage = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
-        new = token_logprobs(model, g.prompt_token_ids, g.token_ids, allowed=allowed)
         objectives = []
-        for lp, old, a in zip(new, g.logprobs, advantage, strict=True):
+        lps = [next(new) for _ in g.token_ids]
+        for lp, old, a in zip(lps, g.logprobs, advantage, strict=True):
             ratio = (lp - torch.tensor(old, dtype=torch.float32)).exp()
             clipped = ratio.clamp(1 - clip, 1 + clip)
-            objectives.append(torch.min(ratio * a, clipped * a).mean())
+            objective = torch.min(ratio * a, clipped * a)
+            # The mean of no tokens is NaN; their sum is a 0 that the backward still reaches.
+            objectives.append(objective.mean() if objective.numel() else objective.sum())
         total = total - torch.stack(objectives).mean()
     return total / max(1, len(groups))
 
@@ -126,9 +147,14 @@ class CausalLMLearner:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         self.clip = clip
         self.allowed = None if allowed_token_ids is None else list(allowed_token_ids)
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # No buffer broadcast before each forward (the model's buffers, rotary frequencies, are
+        # the same on every rank and never change): the gradients' all-reduce is the only
+        # collective of an update's forward and backward.
         self.trained = (
-            torch.nn.parallel.DistributedDataParallel(self.model) if distributed else self.model
+            torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+            if self.distributed
+            else self.model
         )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.updates = 0
@@ -154,12 +180,17 @@ class CausalLMLearner:
 
     def update(self, groups: Sequence[Group]) -> dict[str, Any]:
         """One GRPO step on this rank's groups (DDP averages the gradients over the ranks; a
-        rank with none still takes part). Returns the loss and the number of updates made."""
+        rank with none still takes part, with one forward whose loss is 0). No step when no
+        rank has a group: Adam's momentum would move the weights with no data. Returns the
+        loss and the number of updates made."""
         with self.lock:
+            if self._everywhere(len(groups)) == 0:
+                return {"loss": 0.0, "updates": self.updates}
             if groups:
                 loss = grpo_loss(self.trained, groups, self.clip, self.allowed)
-            else:  # a zero loss that still reaches every parameter: DDP's all-reduce needs all
-                loss = torch.stack([p.sum() for p in self.trained.parameters()]).sum() * 0.0
+            else:  # DDP's gradient all-reduce runs in the backward of a forward: one on a token
+                dummy = torch.zeros((1, 1), dtype=torch.long)
+                loss = self.trained(input_ids=dummy).logits.sum() * 0.0
             self.optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
@@ -173,6 +204,14 @@ class CausalLMLearner:
             torch.save(saved, self.checkpoint + ".tmp")
             os.replace(self.checkpoint + ".tmp", self.checkpoint)  # whole, or the last one
         return {"loss": float(loss.detach()), "updates": self.updates}
+
+    def _everywhere(self, count: int) -> int:
+        """The sum of ``count`` over the learner's ranks (``count`` itself without DDP)."""
+        if not self.distributed:
+            return count
+        total = torch.tensor([count])
+        torch.distributed.all_reduce(total)
+        return int(total)
 
     def remember(self, version: int) -> None:
         """Remember the weights held now as ``version`` (call it right after the push that
@@ -188,9 +227,12 @@ class CausalLMLearner:
         versions: Sequence[Sequence[int | None]],
     ) -> list[list[float | None]]:
         """The log-probability of each token under the weights of the version that made it
-        (``versions``, per token; None where that version is not remembered)."""
+        (``versions``, per token; None where that version is not remembered).
+
+        Each version's weights are swapped into the model for its forward: under the lock, so
+        that the channel's :meth:`weights` never reads them as the weights held now."""
         out: list[list[float | None]] = [[None] * len(c) for c in completions]
-        with torch.no_grad():
+        with self.lock, torch.no_grad():
             for version in {v for vs in versions for v in vs if v is not None}:
                 state = self.versions.get(version)
                 if state is None:

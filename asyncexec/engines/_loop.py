@@ -97,7 +97,8 @@ for pid in pids:
 
 
 def reaper(pids: list[int]) -> subprocess.Popen[bytes]:
-    """A small process that kills ``pids`` once this process has ended, however it ended."""
+    """A small process that kills ``pids`` once this process has ended, however it ended; kill
+    it (and wait for it) when they end otherwise: their pids may be another's by then."""
     return subprocess.Popen(
         [sys.executable, "-c", _REAPER, str(os.getpid()), *map(str, pids)],
         stdin=subprocess.DEVNULL,

@@ -184,6 +184,8 @@ class VLLMServer(RolloutServer):
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
         settings = dict(engine or {})
+        # What the engine's start adds to this process's children is the engine's.
+        before = _children()
         self._engine_loop = EngineLoop(self._asyncexec_loop())
         try:
             if self._engine_loop.own:
@@ -206,9 +208,8 @@ class VLLMServer(RolloutServer):
         # A worker that is killed (taken out by the router's health watch, a SIGKILL) cannot:
         # the reaper kills the engine's processes then, also one that is stopped (SIGSTOP),
         # which would never read the pipe that tells vLLM's processes their parent is gone.
-        import psutil
-
-        self._reaper = reaper([p.pid for p in psutil.Process().children(recursive=True)])
+        # Only the engine's: the reaper kills what it was given, however much later.
+        self._reaper = reaper(sorted(_children() - before))
         # A version the channel holds already is loaded now, into the running engine.
         super().__init__(channel=channel)
         if not self._engine_loop.own:
@@ -220,8 +221,10 @@ class VLLMServer(RolloutServer):
             gc.freeze()
 
     def shutdown(self) -> None:
-        """Shut the engine down (its processes end) and stop the engine loop when it is the
-        server's own; idempotent."""
+        """Shut the engine down (its processes end), stop the reaper (it would kill their
+        pids, perhaps another's by then, when this process ends) and the engine loop when it is
+        the server's own; idempotent. A request in flight that the engine aborts then raises
+        RuntimeError."""
         if self._closed:
             return
         self._closed = True
@@ -231,6 +234,10 @@ class VLLMServer(RolloutServer):
                 self._engine_loop.loop.call_soon_threadsafe(watching.cancel)
         with contextlib.suppress(Exception):
             self.engine.shutdown(timeout=5.0)
+        reaping = getattr(self, "_reaper", None)
+        if reaping is not None:
+            reaping.kill()
+            reaping.wait()
         self._engine_loop.stop()
 
     def __repr__(self) -> str:
@@ -335,7 +342,15 @@ class VLLMServer(RolloutServer):
                     outputs.append(queue.get_nowait()[0])  # type: ignore[index]
                 prompt_ids = tuple(outputs[0].prompt_token_ids or ()) if first else None
                 first = False
-                yield EngineChunk(_deltas(outputs), version, prompt_ids)
+                deltas = _deltas(outputs)
+                if self._closed and any(d.finish_reason == "abort" for d in deltas):
+                    # Not a pause's abort, which the sample says: the engine ends every request
+                    # as it shuts down, and what it made so far is no sample to learn from.
+                    raise RuntimeError(
+                        f"the vLLM server of {self.model} is shut down: "
+                        f"its engine aborted request {request_id}"
+                    )
+                yield EngineChunk(deltas, version, prompt_ids)
         finally:
             pumping.cancel()  # ends the request in the engine (generate's own clean-up)
 
@@ -484,6 +499,13 @@ class VLLMServer(RolloutServer):
             if process.pid is not None and process.is_alive():
                 found[f"VLLM::{process.name}"] = process.pid
         return found
+
+
+def _children() -> set[int]:
+    """The pids of this process's children and theirs."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def _rank() -> int:

@@ -11,10 +11,14 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -436,8 +440,6 @@ async def test_a_keep_pause_returns_once_the_outputs_sent_before_it_are_tagged()
     the version that made them (a load that came first would give them the new one). vLLM's own
     pause sleeps 20 ms for that; here the server's pause runs on stand-ins for the engine's
     internals it reads (no engine: the ordering is what is tested)."""
-    from types import SimpleNamespace
-
     server = object.__new__(VLLMServer)
     server._version, server._pumps = 1, {}
     queued: asyncio.Queue[int] = asyncio.Queue()  # the client's outputs_queue
@@ -481,3 +483,98 @@ async def test_a_keep_pause_returns_once_the_outputs_sent_before_it_are_tagged()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    """A child process that sleeps for 10 minutes."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+class _StandIn:
+    """An engine's stand-in for a server's start, a request and its shutdown (no vLLM): its
+    core a process of this one's (``process``: a child, as vLLM's is), and a request that it
+    aborts with no token as it shuts down, as vLLM does."""
+
+    def __init__(self, process: bool) -> None:
+        self.model_config = SimpleNamespace(dtype="bfloat16")
+        self.errored = False
+        self.with_process = process
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started, self.ended = threading.Event(), threading.Event()
+        self.aborting = asyncio.Event()
+
+    def made(self) -> _StandIn:
+        """What ``VLLMServer._made`` does: the engine started (its process, then)."""
+        if self.with_process:
+            self.process = _sleeper()
+        return self
+
+    async def generate(self, inputs: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        self.loop = asyncio.get_running_loop()
+        self.started.set()
+        await self.aborting.wait()
+        end = SimpleNamespace(
+            index=0, token_ids=[], logprobs=None, finish_reason="abort", weight_versions=None
+        )
+        yield SimpleNamespace(prompt_token_ids=inputs["prompt_token_ids"], outputs=[end])
+        self.ended.set()
+
+    def shutdown(self, timeout: float) -> None:
+        if self.started.is_set():
+            self.loop.call_soon_threadsafe(self.aborting.set)
+            self.ended.wait(timeout)
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+
+async def _stand_in_server(monkeypatch: pytest.MonkeyPatch, engine: _StandIn) -> VLLMServer:
+    """A server made by hand (its own engine loop) on ``engine``."""
+    monkeypatch.setattr(VLLMServer, "_made", lambda server, settings: engine.made())
+    return await asyncio.to_thread(VLLMServer, "stand-in", channel="stand-in")
+
+
+@pytest.mark.timeout(60)
+async def test_a_server_shut_down_stops_its_reaper_which_knows_its_engines_processes_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reaper kills what it was given once the server's process ends, however much later:
+    it ends with the server's shutdown (it lived on, and killed pids that another process may
+    have been given meanwhile), and it was given the processes of the engine's start only (it
+    took every child of the process, another engine's or the user's)."""
+    other = _sleeper()
+    engine = _StandIn(process=True)
+    server = await _stand_in_server(monkeypatch, engine)
+    reaper = server._reaper
+    try:
+        assert engine.process is not None
+        assert reaper.args[4:] == [str(engine.process.pid)]  # (python -c SCRIPT PARENT PIDS...)
+        await asyncio.to_thread(server.shutdown)
+        assert reaper.poll() is not None
+        assert other.poll() is None
+    finally:
+        await asyncio.to_thread(server.shutdown)
+        for process in (reaper, other):
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_the_engine_aborts_as_the_server_shuts_down_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM ends every request in flight with ``"abort"`` as it shuts down: outside a pause to
+    abort, which the sample says, that is an error naming the shutdown, not a sample (it came
+    back as one, not aborted, with completions of no token that made GRPO's loss NaN)."""
+    engine = _StandIn(process=False)
+    server = await _stand_in_server(monkeypatch, engine)
+    request = asyncexec.RolloutRequest("r", {"prompt_token_ids": [1, 5]})
+    pending = asyncio.ensure_future(server.generate(request))
+    try:
+        assert await asyncio.to_thread(engine.started.wait, 30)
+        await asyncio.to_thread(server.shutdown)
+        with pytest.raises(RuntimeError, match="shut down: its engine aborted request"):
+            await pending
+    finally:
+        pending.cancel()
+        await asyncio.to_thread(server.shutdown)
