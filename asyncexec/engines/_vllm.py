@@ -283,6 +283,8 @@ class VLLMServer(RolloutServer):
         a worker that died, and the router retries its requests on the others)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self._closed:  # shut down: its engine is meant to be gone
+            return
         engine = getattr(self, "engine", None)
         if isinstance(exc, EngineDeadError) or getattr(engine, "errored", False):
             print(
@@ -368,8 +370,9 @@ class VLLMServer(RolloutServer):
 
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         """Load ``state`` into the running engine in place (every worker of the engine), reset
-        its prefix cache, and tell it the version. Runs in a thread, with the engine paused or
-        no request in it."""
+        its prefix cache, and tell it the version. Runs in a thread; an engine that is not
+        paused is paused to keep for the load (its outputs so far tagged with the version
+        before) and resumed after it."""
         if self._engine_loop.is_current():
             raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
         packed = pack(state, self._dtype)  # the cast and the copy here, off the engine loop
@@ -380,6 +383,19 @@ class VLLMServer(RolloutServer):
             raise
 
     async def _load(self, packed: list[Any], version: int) -> None:
+        # Into a paused engine: a push outside a pipeline's pause (a channel's push while
+        # requests run) would load weights between two of its steps, and the tokens sampled
+        # before the server learns the new version would be tagged with the old one.
+        running = not await self.engine.is_paused()
+        if running:
+            await self._pause("keep")
+        try:
+            await self._loaded(packed, version)
+        finally:
+            if running:
+                await self.engine.resume_generation()
+
+    async def _loaded(self, packed: list[Any], version: int) -> None:
         await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
         # With the running requests' blocks: a "keep" pause parks requests in the engine, and
         # vLLM resets nothing while blocks are held (it returns False), so the old weights'

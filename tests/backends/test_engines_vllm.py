@@ -578,3 +578,76 @@ async def test_a_request_the_engine_aborts_as_the_server_shuts_down_raises(
     finally:
         pending.cancel()
         await asyncio.to_thread(server.shutdown)
+
+
+class _Loading:
+    """Stand-ins for what a server's load touches in the engine (no vLLM): whether it is paused
+    when the weights go in, and what its pauses and resumes were."""
+
+    def __init__(self, paused: bool) -> None:
+        self.paused = paused
+        self.calls: list[str] = []
+        self.paused_at_load: bool | None = None
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(f"pause {mode}")
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
+        self.paused_at_load = self.paused
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        return True
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"version {version}")
+
+
+@pytest.mark.parametrize("paused", [False, True])
+async def test_weights_go_into_a_paused_engine_and_a_running_one_goes_on_after(
+    paused: bool,
+) -> None:
+    """Defect: a push outside a pipeline's pause (a channel's push while requests ran) loaded
+    the weights into a running engine between two of its steps: the tokens sampled before the
+    server learnt the new version were tagged with the old one. A running engine is now paused
+    to keep for the load and resumed after it; one paused already is left as it is."""
+    server = object.__new__(VLLMServer)
+    server._version, server._pumps = 1, {}
+    server.engine = engine = _Loading(paused)
+    await server._load([], 2)
+    assert engine.paused_at_load is True
+    assert server._version == 2
+    if paused:
+        assert engine.calls == ["version 2"] and engine.paused
+    else:
+        assert engine.calls == ["pause keep", "version 2", "resume"] and not engine.paused
+
+
+async def test_a_server_shut_down_does_not_end_its_process_for_its_engines_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine that is dead takes its server's process with it (the router then retries its
+    requests elsewhere), but not once the server was shut down: a request that then sees the
+    engine gone ended the process that shut it down (a server made by hand, outside a
+    worker)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from asyncexec.engines import _vllm
+
+    ended: list[int] = []
+    monkeypatch.setattr(_vllm.os, "_exit", ended.append)
+    server = object.__new__(VLLMServer)
+    server.engine = SimpleNamespace(errored=True)
+    server._closed = True
+    server._died_if_dead(EngineDeadError())
+    assert ended == []
+    server._closed = False
+    server._died_if_dead(EngineDeadError())
+    assert ended == [70]
