@@ -179,18 +179,23 @@ class CausalLMLearner:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def update(self, groups: Sequence[Group]) -> dict[str, Any]:
-        """One GRPO step on this rank's groups (DDP averages the gradients over the ranks; a
-        rank with none still takes part, with one forward whose loss is 0). No step when no
+        """One GRPO step on this rank's groups: under DDP, on the mean over every rank's groups
+        (a rank with none still takes part, with one forward whose loss is 0). No step when no
         rank has a group: Adam's momentum would move the weights with no data. Returns the
         loss and the number of updates made."""
         with self.lock:
-            if self._everywhere(len(groups)) == 0:
+            total = self._everywhere(len(groups))
+            if total == 0:
                 return {"loss": 0.0, "updates": self.updates}
             if groups:
-                loss = grpo_loss(self.trained, groups, self.clip, self.allowed)
+                loss = mean = grpo_loss(self.trained, groups, self.clip, self.allowed)
+                if self.distributed:  # DDP averages the ranks' gradients: weigh this rank's
+                    # mean by its share of the groups, for the mean over every rank's groups
+                    world = torch.distributed.get_world_size()
+                    loss = mean * (len(groups) * world / total)
             else:  # DDP's gradient all-reduce runs in the backward of a forward: one on a token
                 dummy = torch.zeros((1, 1), dtype=torch.long)
-                loss = self.trained(input_ids=dummy).logits.sum() * 0.0
+                loss = mean = self.trained(input_ids=dummy).logits.sum() * 0.0
             self.optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             self.optimizer.step()
@@ -203,7 +208,7 @@ class CausalLMLearner:
             }
             torch.save(saved, self.checkpoint + ".tmp")
             os.replace(self.checkpoint + ".tmp", self.checkpoint)  # whole, or the last one
-        return {"loss": float(loss.detach()), "updates": self.updates}
+        return {"loss": float(mean.detach()), "updates": self.updates}  # this rank's mean
 
     def _everywhere(self, count: int) -> int:
         """The sum of ``count`` over the learner's ranks (``count`` itself without DDP)."""

@@ -1,8 +1,8 @@
 """A learner rank for tests/backends/test_engines_learner.py: a ``CausalLMLearner`` under DDP
 (gloo, a short timeout: a rank left waiting fails in seconds, not in gloo's 30 minutes) that
 makes one update per entry of ``COUNTS`` (``count`` groups on each rank, comma-separated: the
-rank's own by its place), and writes one JSON line per update: what it returned, and the sum of
-its weights.
+rank's own by its place; rank r's groups are ``GROUPS[r]``), and writes one JSON line per update:
+what it returned, the sum of its weights, and of its gradients and their squares.
 
     python tests/backends/learner_ranks_driver.py MODEL INIT_FILE RANK COUNTS...
 """
@@ -18,8 +18,18 @@ import torch
 from asyncexec.engines import CausalLMLearner, Group
 
 DIGITS = list(range(4, 14))
-#: Two completions of a prompt, their rewards apart: a group that teaches something.
-GROUP = Group((1, 5, 6, 7, 8), ((5, 5, 6), (7, 8, 9)), ((-2.3,) * 3, (-2.3,) * 3), (1.0, 0.0))
+#: Each rank's group: two completions of a prompt, their rewards apart (a group that teaches
+#: something).
+GROUPS = (
+    Group((1, 5, 6, 7, 8), ((5, 5, 6), (7, 8, 9)), ((-2.3,) * 3, (-2.3,) * 3), (1.0, 0.0)),
+    Group((1, 9, 4), ((4, 12, 13, 6), (11,)), ((-2.1,) * 4, (-2.5,)), (0.0, 1.0)),
+)
+
+
+def gradient_sums(model: torch.nn.Module) -> list[float]:
+    """The sum of the gradients of ``model``'s parameters, and of their squares."""
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    return [float(sum(g.sum() for g in grads)), float(sum((g * g).sum() for g in grads))]
 
 
 def main(model: str, init: str, rank: int, counts: list[list[int]]) -> None:
@@ -32,9 +42,10 @@ def main(model: str, init: str, rank: int, counts: list[list[int]]) -> None:
     )
     learner = CausalLMLearner(model, allowed_token_ids=DIGITS)
     for count in counts:
-        done = learner.update([GROUP] * count[rank])
+        done = learner.update([GROUPS[rank]] * count[rank])
         weights = sum(float(v.double().sum()) for v in learner.weights().values())
-        print(json.dumps({**done, "weights": weights}), flush=True)
+        grads = gradient_sums(learner.model)
+        print(json.dumps({**done, "weights": weights, "grads": grads}), flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -136,6 +136,25 @@ def test_ddp_ranks_with_different_numbers_of_groups_update_together(
     assert weights[1] == weights[2] != weights[3]
 
 
+@pytest.mark.timeout(200)
+def test_an_update_under_ddp_is_the_mean_over_every_ranks_groups(
+    folder: str, tmp_path: Path
+) -> None:
+    """GRPO's loss is the mean over the groups: with 2 groups on one rank and 1 on the other,
+    each rank's mean was averaged over the ranks, so the lone group weighed as much as the two
+    others together."""
+    from learner_ranks_driver import GROUPS, gradient_sums
+    from transformers import AutoModelForCausalLM
+
+    zero, one = _ranks(folder, [(2, 1)], tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    groups = [GROUPS[0], GROUPS[0], GROUPS[1]]
+    grpo_loss(model, groups, allowed=DIGITS).backward()  # type: ignore[no-untyped-call]
+    expected = gradient_sums(model)
+    for answer in (zero[0], one[0]):
+        assert answer["grads"] == pytest.approx(expected, rel=1e-4), (answer, expected)
+
+
 @pytest.mark.timeout(120)
 def test_an_update_with_no_groups_leaves_the_weights_as_they_are(folder: str) -> None:
     learner = CausalLMLearner(folder, allowed_token_ids=DIGITS)
