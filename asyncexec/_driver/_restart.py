@@ -173,6 +173,18 @@ class RestartPolicy:
             return self.restart_on_user_error
         return is_restartable(exc)
 
+    def ends_after(self, exc: BaseException, attempts: int) -> bool:
+        """Whether the run ends after ``attempts`` attempts, the last failed with ``exc``,
+        as far as it is known before tenacity decides: a failure it does not restart after, or
+        ``max_restarts`` spent (a ``stop`` of the caller's is for tenacity to ask: False)."""
+        if isinstance(exc, PreemptionsSpent) or not self.should_restart(exc):
+            return True
+        return (
+            self.stop is None
+            and self.max_restarts is not None
+            and (attempts >= self.max_restarts + 1)
+        )
+
     def retrying(
         self,
         before_sleep: Callable[[RetryCallState], None],

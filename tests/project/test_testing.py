@@ -92,6 +92,32 @@ async def test_a_crashed_rank_restarts_the_run_under_the_policy() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        asyncexec.RestartPolicy(max_restarts=0),
+        asyncexec.RestartPolicy(max_restarts=2, retry_if=lambda exc: False),
+    ],
+    ids=["no-restart-left", "not-restarted-after"],
+)
+async def test_a_failure_that_ends_the_run_swaps_in_no_spare_and_counts_no_restart(
+    policy: asyncexec.RestartPolicy,
+) -> None:
+    """Defect: a crash with no restart left (``max_restarts=0``), or one the policy does not
+    restart after, still swapped the standby spare into the rank's place (stopping the
+    survivors and setting the spare up, for nothing) and counted a restart."""
+    cluster = SimCluster(SimLoad(reports=200, rate=200.0), gpus=False)
+    async with asyncexec.Executor(2, cluster=cluster, spares=1, restart=policy) as executor:
+        made = cluster.statistics().workers  # the 2 ranks and the spare
+        with pytest.raises(asyncexec.AsyncExecError):
+            async for step in executor.run(train):
+                if step.index == 5:
+                    cluster.crash(executor.workers[1].pid)
+        assert executor.statistics().restarts == 0
+        assert cluster.statistics().workers == made  # no spare owed, none made
+
+
+@pytest.mark.timeout(30)
 async def test_a_pipeline_with_a_router_over_scripted_servers() -> None:
     """The user's RL loop over 3 stand-in servers behind a router: every prompt trained on once,
     no sample staler than S, each server holding the last state pushed; the calls spread over

@@ -115,9 +115,13 @@ class AlignedRun:
                         ctx.slot.restore_from = ctx.checkpoint
                         # bounded: each way to recover has its deadlines (start, stop, shutdown)
                         with anyio.CancelScope(shield=True):
-                            recovered = ctx.slot.recover(
-                                exc, reuse_survivors=ctx.policy.reuse_survivors
-                            )
+                            if ctx.policy.ends_after(exc, attempt.retry_state.attempt_number):
+                                # No restart comes: no spare swapped in, no restart counted.
+                                recovered = ctx.slot.discard(force=True)
+                            else:
+                                recovered = ctx.slot.recover(
+                                    exc, reuse_survivors=ctx.policy.reuse_survivors
+                                )
                             spanned = in_span(RESTART, recovered)
                             await ctx.observer.timed(spanned, TornDown)
                         ctx.session_live = False
