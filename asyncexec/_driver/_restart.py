@@ -173,7 +173,7 @@ class RestartPolicy:
             return self.restart_on_user_error
         return is_restartable(exc)
 
-    def ends_after(self, exc: BaseException, attempts: int) -> bool:
+    def _ends_after(self, exc: BaseException, attempts: int) -> bool:
         """Whether the run ends after ``attempts`` attempts, the last failed with ``exc``,
         as far as it is known before tenacity decides: a failure it does not restart after, or
         ``max_restarts`` spent (a ``stop`` of the caller's is for tenacity to ask: False)."""
