@@ -172,7 +172,15 @@ class WorkerCalls:
         if len(workers) == 1:
             return plan.result([await self._one(group, workers[0], plan, parts)])
         self._observer.emit(CallsSent(len(workers)))
-        calls = [_send(group, w, plan, parts) for w in workers]
+        calls: list[Any] = []
+        try:
+            for w in workers:
+                calls.append(_send(group, w, plan, parts))
+        except BaseException:  # a rank's arguments that do not pickle: the others' go no further
+            if plan.cancellable:
+                for sent in calls:
+                    sent.cancel()
+            raise
         try:
             outcomes = await group.gather(calls)
         except _DIED as exc:
@@ -255,7 +263,12 @@ class WorkerCalls:
         back when the remote call ends (when the caller stops waiting first, a task of the
         executor's waits for that end). A caller that stops waiting for an ``async def``
         cancels it on the worker; a plain method runs to its end."""
-        call = _send(group, worker, plan, parts)
+        try:
+            call = _send(group, worker, plan, parts)
+        except BaseException:  # not sent (an argument that does not pickle): its slot is free
+            if held is not None:
+                self._loads.release(*held)
+            raise
         self._observer.emit(ONE_CALL_SENT)
         try:
             outcome = await call

@@ -167,6 +167,23 @@ async def test_node_liveness_is_asked_once_for_concurrent_askers_and_bounded() -
     release.set()
 
 
+@pytest.mark.timeout(10)
+async def test_a_node_listing_that_fails_is_no_answer_not_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without Ray: ``ray.nodes()`` raising (the GCS failing) escaped the seam's ``live_nodes``,
+    whose None says the cluster did not answer: the preemption watch, which never fails a
+    run, and an elastic group's sizing failed with it."""
+    from asyncexec._driver.cluster import _ray
+
+    def failing() -> set[str]:
+        raise RuntimeError("the GCS did not answer")
+
+    monkeypatch.setattr(_ray, "_alive", failing)
+    cluster = object.__new__(_ray.RayCluster)
+    assert await cluster.live_nodes() is None
+
+
 # Item 7: a drain's mark ends with the drain ------------------------------------------------------
 
 

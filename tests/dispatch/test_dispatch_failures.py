@@ -7,6 +7,7 @@ tested without an executor."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -147,6 +148,52 @@ async def test_a_call_the_caller_stopped_waiting_for_keeps_its_slot_until_it_end
         # Once rank 0's call has ended, its slot is free again (the lowest rank wins ties).
         with anyio.fail_after(10):
             while await ex.call(Server.slow, 0.0, on=one) != 0:  # noqa: ASYNC110 - remote
+                await anyio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+async def test_a_call_whose_argument_does_not_pickle_gives_its_slot_back(ray_local: None) -> None:
+    """Defect: the slot a least-loaded call took was kept when its argument failed to pickle
+    (before anything was sent): after ``max_in_flight`` such calls on each rank, every later
+    call waited for ever."""
+    import threading
+
+    one = asyncexec.least_loaded(max_in_flight=1)
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
+        for _ in range(2):
+            with pytest.raises(asyncexec.ConfigurationError, match="cannot be pickled"):
+                await ex.call(Server.answer, threading.Lock(), on=one)
+        assert ex.statistics().in_flight == (0, 0)
+        with anyio.fail_after(10):
+            assert (await ex.call(Server.answer, 7, on=one))[0] == 7
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("reserved", [False, True], ids=["own-placement", "reservation"])
+async def test_a_spare_that_takes_a_rank_outside_a_run_is_replaced(
+    ray_local: None, reserved: bool
+) -> None:
+    """Defect: a rank found dead by a call outside a run took the standby spare's place, and no
+    new spare was started (none was left for the next death), where a restart inside a run
+    starts one; on a reservation's bundles no spare was ever started again."""
+    async with contextlib.AsyncExitStack() as stack:
+        reservation = None
+        if reserved:
+            reservation = await stack.enter_async_context(asyncexec.Reservation(3, CPU))
+        ex = await stack.enter_async_context(
+            asyncexec.Executor(
+                2, resources_per_worker=CPU, roles=Server, spares=1, reservation=reservation
+            )
+        )
+        dead = ex.workers[0].pid
+        os.kill(dead, signal.SIGKILL)
+        with pytest.raises(asyncexec.WorkerCrashedError), anyio.fail_after(30):
+            while True:  # until a call sees the death (it raises at once)
+                await ex.call(Server.pid, on=asyncexec.rank(0))
+        with anyio.fail_after(30):
+            pids = await ex.call(Server.pid)  # waits for the spare in rank 0's place
+            assert dead not in pids and ex.statistics().renewed_ranks == 1
+            while not ex._slot.group.spares:  # type: ignore[union-attr]  # noqa: ASYNC110
                 await anyio.sleep(0.05)
 
 

@@ -208,7 +208,8 @@ class Cluster(Protocol):
         ...
 
     async def live_nodes(self) -> set[str] | None:
-        """The ids of the live nodes; None when the cluster did not answer in time."""
+        """The ids of the live nodes; None when the cluster did not answer in time, or failed
+        to (never raises)."""
         ...
 
     async def draining(self) -> dict[str, float | None] | None:

@@ -401,7 +401,10 @@ class RayCluster:
 
     async def live_nodes(self) -> set[str] | None:
         with anyio.move_on_after(LOOKUP_TIMEOUT_S):
-            return await anyio.to_thread.run_sync(_alive, abandon_on_cancel=True)
+            try:
+                return await anyio.to_thread.run_sync(_alive, abandon_on_cancel=True)
+            except Exception:  # the GCS did not answer (its callers go on without an answer)
+                return None
         return None
 
     async def free_nodes(

@@ -281,6 +281,7 @@ class WorkerPool:
                 its bound.
         """
         taken: list[PoolWorker] = []
+        checking: list[PoolWorker] = []  # pinged now: this lease's, given back if it is cancelled
         stock = self._stock
         try:
             deadline = anyio.current_time() + self.config.placement_timeout_s
@@ -292,9 +293,13 @@ class WorkerPool:
                 del stock.idle[: len(candidates)]
                 for w in candidates:
                     stock.leased[w.handle.key] = w
-                taken += await stock.alive(candidates)
-                if len(taken) == n or candidates:
+                if candidates:
+                    checking = candidates
+                    taken += await stock.alive(candidates)
+                    checking = []
                     continue
+                # None idle, and no await since the look: a worker given back from now on
+                # sets this event (one read after an await could be the next one, never set).
                 if self.when_short == "start":
                     taken += await stock.fresh(n - len(taken))
                     break
@@ -308,9 +313,12 @@ class WorkerPool:
                 )
             self._check_open()  # closed meanwhile: what was taken is dead (no await from here)
         except BaseException:
+            # What it took, and those it was pinging (they stay leased until they answer; the
+            # dead among them are out already).
+            back = taken + [w for w in checking if w.handle.key in stock.leased]
             # bounded by the seam: give_back() kills without patience (refills in the background)
             with anyio.CancelScope(shield=True):
-                await self.give_back([(w.handle, True) for w in taken])
+                await self.give_back([(w.handle, True) for w in back])
             raise
         self._counts["leases"] += 1
         return taken

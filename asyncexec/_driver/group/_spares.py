@@ -165,6 +165,13 @@ async def replace_rank(group: WorkerGroup, rank: int) -> bool:
     return True
 
 
+def _own_bundle_of(group: WorkerGroup) -> bool:
+    """Whether the group's bundles are its own to start workers in: its placement's, or its
+    reservation's slots (not a parent placement group's)."""
+    placement = group.placement
+    return placement is not None and (placement.owned or placement.slots is not None)
+
+
 def _own_bundle(group: WorkerGroup, failed: WorkerInfo) -> tuple[bool, int | None]:
     """Whether a fresh worker can be started in ``failed``'s place, and the bundle: its own
     bundle of the group's placement (or of its reservation); anywhere when the group has no
@@ -174,7 +181,7 @@ def _own_bundle(group: WorkerGroup, failed: WorkerInfo) -> tuple[bool, int | Non
         return False, None
     if placement is None:
         return True, None
-    if (placement.owned or placement.slots is not None) and failed.bundle is not None:
+    if _own_bundle_of(group) and failed.bundle is not None:
         return True, failed.bundle
     return False, None
 
@@ -246,7 +253,7 @@ async def refill_spare(group: WorkerGroup, bundle: int | None) -> None:
         if group.pool is not None:
             [leased] = await group.pool.lease(1)
             spare = Standby(leased.handle, leased.metadata, leased.bundle, leased.death)
-        elif group.placement is not None and group.placement.owned and bundle is not None:
+        elif bundle is not None and _own_bundle_of(group):
             [(handle, meta)] = await group.cluster.start_workers(
                 group.config,
                 group.placement,
@@ -255,7 +262,8 @@ async def refill_spare(group: WorkerGroup, bundle: int | None) -> None:
                 track=group.starting,
             )
             spare = Standby(handle, meta, bundle)
-        else:
+        else:  # no bundle of the group's to start it in (a parent placement group)
+            group.log.info("spare_not_refilled", bundle=bundle)
             return
     except Exception as exc:
         group.log.warning("spare_refill_failed", error=describe(exc))

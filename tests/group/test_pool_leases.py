@@ -1,0 +1,49 @@
+"""A worker pool's leases on simulated workers (no Ray): a lease cancelled while it checks its
+workers gives them back, and a lease that waits for a worker given back gets it."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import asyncexec
+from asyncexec.testing import SimCluster
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_a_lease_cancelled_while_it_pings_its_workers_gives_them_back() -> None:
+    """Defect: the workers a lease was pinging (each answers before it is leased) were leased
+    to nobody once the lease was cancelled (a timeout around an executor's start, Ctrl-C): the
+    pool was smaller for good, and a lease of all its workers waited in vain."""
+    async with asyncexec.WorkerPool(2, cluster=SimCluster(), when_short="wait") as pool:
+        with anyio.move_on_after(0) as scope:
+            await pool.lease(1)
+        assert scope.cancelled_caught
+        stats = pool.statistics()
+        assert (stats.idle, stats.leased) == (2, 0)
+        with anyio.fail_after(5):
+            assert len(await pool.lease(2)) == 2
+
+
+async def test_a_lease_that_waits_gets_a_worker_given_back_meanwhile() -> None:
+    """Defect: a lease with no worker idle yielded once before it took the event that a
+    give-back sets: a worker given back then set the event before, and the lease waited for
+    the next one until its bound, with the worker idle."""
+    timeouts = asyncexec.Timeouts(placement_s=60)
+    async with asyncexec.WorkerPool(
+        1, cluster=SimCluster(), when_short="wait", timeouts=timeouts
+    ) as pool:
+        [worker] = await pool.lease(1)
+        got: list[int] = []
+
+        async def waiter() -> None:
+            got.append(len(await pool.lease(1)))
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await anyio.lowlevel.checkpoint()  # the waiter runs up to its first wait
+                await pool.give_back([(worker.handle, True)])
+        assert got == [1]
