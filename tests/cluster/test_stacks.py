@@ -215,6 +215,33 @@ async def test_stack_command_prints_a_live_runs_stacks() -> None:
     assert out.count("waits_for_the_cli (") == 2, out
 
 
+class _PlainRole:
+    def who(self) -> int:
+        return os.getpid()
+
+
+class _AsyncRole:
+    async def who(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(90)
+async def test_the_stack_command_finds_the_workers_of_plain_and_async_roles() -> None:
+    """Defect: a group whose roles have only plain methods runs the threaded worker actor, which
+    the command's look-up of live workers did not know: "no live asyncexec worker"."""
+    from asyncexec._driver.cluster import live_workers
+
+    cpu = {"CPU": 0.25}
+    async with (
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=_PlainRole) as plain,
+        asyncexec.Executor(1, resources_per_worker=cpu, roles=_AsyncRole) as coroutines,
+    ):
+        pids = {w.pid for w in [*plain.workers, *coroutines.workers]}
+        found = {w.pid for w in await anyio.to_thread.run_sync(live_workers)}
+    assert pids <= found, (pids, found)
+
+
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.timeout(90)
 def test_stack_command_on_a_cluster_without_workers_says_so() -> None:

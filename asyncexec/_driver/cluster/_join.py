@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 
 from ..._errors import describe
+from ..._worker import ThreadedWorkerCode, WorkerCode
 
 __all__ = [
     "WorkerProcess",
@@ -32,8 +33,9 @@ __all__ = [
 #: How long the cluster's address may take to accept a connection (``ray.init`` itself tries
 #: for minutes where nothing answers).
 CONNECT_TIMEOUT_S = 3.0
-#: The worker actor's class, as Ray's actor table names it.
-_WORKER_CLASS = "_Worker"
+#: The worker actors' classes, as Ray's actor table names them: a group whose roles have
+#: ``async def`` methods runs the async actor, one whose roles have only plain ones the threaded.
+_WORKER_CLASSES = frozenset({WorkerCode.__name__, ThreadedWorkerCode.__name__})
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def live_workers() -> list[WorkerProcess]:
 
     found = []
     for actor in ray_state.actors().values():
-        if actor.get("ActorClassName") != _WORKER_CLASS or actor.get("State") != "ALIVE":
+        if actor.get("ActorClassName") not in _WORKER_CLASSES or actor.get("State") != "ALIVE":
             continue
         address = actor.get("Address") or {}
         found.append(
