@@ -6,9 +6,12 @@ sends (a learner), ``receive_weights(install)`` on the ranks of the executor tha
 workers). The driver's :class:`~asyncexec._driver._channel.WeightChannel` then moves a state with
 the actor methods below, in threads of the worker, while the run's function keeps running.
 
-A state that arrives before ``install`` is registered (a worker that joins after a restart gets
-the latest version before its function starts) is held until ``receive_weights`` installs it,
-before that call returns. Reports carry the version this worker holds (see ``_session``).
+A rank keeps the latest state it received, and every ``install`` registered later gets it,
+before ``receive_weights`` returns: a state that arrived before any was registered (a worker that
+joins after a restart gets the latest version before its function starts), and the state a
+previous run's function installed (the next run's function registers an install of its own, and
+the driver, which knows that the rank holds the version, sends nothing). Reports carry the
+version this worker holds (see ``_session``).
 
 torch is imported only by the torch transport's methods.
 """
@@ -54,8 +57,10 @@ class _End:
         self.read: Callable[[], Any] | None = None
         self.install: Callable[[Any, int], object] | None = None
         self.version: int | None = None  # the version held (received, installed or held back)
-        self.held: Any = None  # received before install was registered
-        self.holding = False  # whether ``held`` holds a state (which may itself be None)
+        #: The state of ``version``, kept for an install registered later (by the next run's
+        #: function, or before any was): see ``receive_weights``.
+        self.state: Any = None
+        self.has_state = False  # whether ``state`` holds one (which may itself be None)
         self.snapshots: dict[int, Mapping[str, Any]] = {}  # torch: read, not yet broadcast
         self.groups: dict[str, Any] = {}  # torch: process group by id
         #: torch, on a source rank: the store server of each group being built, listening from
@@ -108,26 +113,37 @@ def receive_weights(
     """Say how a state pushed over ``channel`` is installed on this rank; return the version this
     worker holds.
 
-    Called in the function given to ``run()`` on the ranks of the receiving executor.
-    ``install(state, version)`` is called in a thread of this worker, while the function keeps
-    running, each time a version arrives: guard what it changes with a lock. When this worker
-    already holds a version (it joined after a restart, and received the latest before its
-    function started), that version is installed now, before this call returns.
+    Called in the function given to ``run()`` on the ranks of the receiving executor (or in a
+    role's ``__init__``); it replaces the install registered before it. ``install(state,
+    version)`` is called in a thread of this worker, while the function keeps running, each
+    time a version arrives: guard what it changes with a lock. When this worker already holds a
+    version (it joined after a restart and received the latest before its function started, or
+    an earlier run's function installed it), that version is installed now, before this call
+    returns: the worker keeps the latest state it received for this (with the object store,
+    the state it fetched; with the torch transport, the receive buffers it keeps anyway; a role
+    made again in the same process, after a spare took a rank of a group with a backend or an
+    elastic resize, needs it as the next run's function does).
     """
     if not callable(install):
         raise TypeError(f"receive_weights() takes a function, got {install!r}")
     end = _end(channel)
     with end.lock:
         end.install = install
-        held, holding, version = end.held, end.holding, end.version
-        end.held, end.holding = None, False
-        if holding and version is not None:
-            install(held, version)
+        version = end.version
+        if end.has_state and version is not None:
+            install(_fresh(end.state), version)
     return version
 
 
+def _fresh(state: Any) -> Any:
+    """A mapping of the state's own (the same values), so that an install that takes keys out
+    of what it was given (``state.pop("step")``) leaves the kept state whole."""
+    return dict(state) if type(state) is dict else state
+
+
 def close(name: str) -> None:
-    """Forget channel ``name`` in this process (its process groups, buffers and snapshots)."""
+    """Forget channel ``name`` in this process (its process groups, buffers and snapshots; the
+    latest state stays, for the installs registered later: see ``receive_weights``)."""
     with _ends_lock:
         end = _ends.get(name)
     if end is not None:
@@ -209,16 +225,17 @@ def read_state(name: str, timeout_s: float, *, mapping: bool = True) -> Any:
 
 
 def install_state(name: str, version: int, state: Any) -> None:
-    """Install ``version`` (or hold it until ``receive_weights``); a late, older version never
-    replaces a newer one. Reports made from then on hold it. Blocking: runs in a thread."""
+    """Install ``version`` (with no install registered, hold it until ``receive_weights``) and
+    keep its state for the installs registered later; a late, older version never replaces a
+    newer one. Reports made from then on hold it. Blocking: runs in a thread."""
     end = _end(name)
     with end.lock:
         if end.version is not None and version <= end.version:
             return
+        kept = _fresh(state)
         if end.install is not None:
             end.install(state, version)
-        else:
-            end.held, end.holding = state, True
+        end.state, end.has_state = kept, True
         end.version = version
         _place.set_report_version(version)
 

@@ -81,7 +81,8 @@ class _Gate:
     def __init__(self) -> None:
         self.lock = threading.Condition()
         self.mode: PauseMode | None = None
-        self.installing = 0
+        self.installing = 0  # installs waiting or loading
+        self.loading = False  # an install's ``load`` runs (one at a time)
         self.running = 0  # chunks running now
         self.generations = 0  # generations started and not ended
         self.version: int | None = None
@@ -209,22 +210,39 @@ class _Gate:
                 self._wake_all(self.parked)
 
     def install(self, load: Any, state: Any, version: int) -> None:
-        """Run ``load(state, version)`` once no chunk runs, with none starting meanwhile.
-        Blocking: runs in a thread (never on the loop the chunks run on)."""
+        """Run ``load(state, version)`` once no chunk runs, with none starting meanwhile, and
+        no other install loading: installs load one at a time, and a version not newer than
+        the one held (also one installed while this one waited) is skipped. Blocking: runs in
+        a thread (never on the loop the chunks run on)."""
         with self.lock:
-            if self.version is not None and version <= self.version:
+            if self._stale(version):
                 return
             self.installing += 1
-            self.lock.wait_for(lambda: self.running == 0 or self.engine_at_rest)
         try:
-            load(state, version)
             with self.lock:
-                self.version = version
+                self.lock.wait_for(
+                    lambda: not self.loading and (self.running == 0 or self.engine_at_rest)
+                )
+                if self._stale(version):
+                    return
+                self.loading = True
+            try:
+                load(state, version)
+                with self.lock:
+                    self.version = version
+            finally:
+                with self.lock:
+                    self.loading = False
         finally:
             with self.lock:
                 self.installing -= 1
+                self.lock.notify_all()  # an install waiting for this one's load
                 if not self.installing and self.mode is None:
                     self._wake_all(self.parked)
+
+    def _stale(self, version: int) -> bool:
+        """Whether ``version`` is not newer than the one held (under the lock)."""
+        return self.version is not None and version <= self.version
 
 
 class RolloutServer:

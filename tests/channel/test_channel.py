@@ -347,6 +347,44 @@ async def test_a_run_started_after_a_push_is_not_a_join(transport: str, tmp_path
         await learn.aclose()
 
 
+def _reports_its_installs(config: dict[str, Any]) -> None:
+    """Reports the versions its own install received (``config["steps"]`` reports)."""
+    got: list[int] = []
+    asyncexec.receive_weights(lambda state, version: got.append(version))
+    for _ in range(config["steps"]):
+        asyncexec.report({"installed": list(got)})
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "torch"])
+async def test_a_later_run_on_the_target_installs_the_version_its_ranks_hold(
+    transport: str, tmp_path: Any
+) -> None:
+    """A run's function registers an install of its own: the second run on the target never
+    got the weights (the rank held the version an earlier run's install had taken, so the
+    driver sent nothing at its start), yet its reports said it had them."""
+    async with (
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
+        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
+        asyncexec.WeightChannel(a, b, transport=transport) as channel,  # type: ignore[arg-type]
+    ):
+        learn = a.run(learner, {})
+        await _next(learn)
+        assert await channel.push() == 1  # held until the first run registers its install
+        first = b.run(_reports_its_installs, {"steps": 100_000})
+        assert (await _next(first)).reports[0].metrics["installed"] == [1]
+        assert await channel.push() == 2  # into the first run's install
+        while (await _next(first)).versions != (2,):
+            pass
+        await first.aclose()
+        async for step in b.run(_reports_its_installs, {"steps": 3}):
+            [report] = step.reports
+            assert (report.metrics["installed"], report.version) == ([2], 2)
+        stats = channel.statistics()
+        assert (stats.version, stats.pushes, stats.joins) == (2, 2, 0)
+        await learn.aclose()
+
+
 def _serve_any(config: dict[str, Any]) -> None:
     state = config["state"]
     asyncexec.serve_weights(lambda: state)

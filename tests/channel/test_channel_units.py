@@ -70,3 +70,32 @@ def test_a_read_that_waits_for_a_running_functions_serve_weights_names_it_soon(
 def _place_run(place: _place.Place, result: list[Any]) -> None:
     _place.PLACE.set(place)
     result.append(_channel.read_state("door", 20.0, mapping=False))
+
+
+def test_every_install_registered_later_gets_the_latest_state_the_rank_holds() -> None:
+    """The next run's function registers an install of its own: it got nothing (the rank held
+    the version its previous run's install took), while ``weights_version()`` said it had it.
+    An install that takes keys out of its state leaves the kept state whole."""
+    place = _place.Place()
+    token = _place.PLACE.set(place)
+    first: list[tuple[dict[str, int], int]] = []
+    second: list[tuple[dict[str, int], int]] = []
+
+    def takes_out(into: list[tuple[dict[str, int], int]]) -> Any:
+        def install(state: dict[str, int], version: int) -> None:
+            into.append((dict(state), version))
+            state.pop("w")
+
+        return install
+
+    try:
+        _channel.install_state("door", 1, {"w": 1})  # before any install: held
+        assert _channel.receive_weights(takes_out(first), channel="door") == 1
+        _channel.install_state("door", 2, {"w": 2})  # into the first run's install
+        assert _channel.receive_weights(takes_out(second), channel="door") == 2
+        assert _channel.weights_version("door") == 2 and place.version == 2
+    finally:
+        _place.PLACE.reset(token)
+        _channel.reset()
+    assert first == [({"w": 1}, 1), ({"w": 2}, 2)]
+    assert second == [({"w": 2}, 2)]

@@ -1,13 +1,15 @@
 """The worker side of worker classes (roles), against a real worker: a Ray actor, and a local
 worker (threads of this process). Instances are made from one payload in role order, inside the
 worker's context; their methods are called (plain in a thread, ``async def`` on the loop, errors
-as outcomes); a run's function can be a method; a reset drops the instances."""
+as outcomes); a run's function can be a method; a reset drops the instances. A rollout server's
+gate loads weights that arrive at once one at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +33,7 @@ from asyncexec._dispatch._role import roles_payload
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._wire._protocol import Outcome, RoleFailure, RoleMethod, RunStart
 from asyncexec._worker._actor import WorkerActor
+from asyncexec._worker._rollout import _Gate
 
 #: Bounds every wait on a worker.
 WAIT_S = 30.0
@@ -381,3 +384,67 @@ async def test_local_workers_in_one_process_hold_instances_of_their_own() -> Non
         for target in targets:
             target.kill()
     wait_no_local_threads()
+
+
+# A rollout server's gate: installs of weights that arrive at once ------------------------------
+
+_WAIT_S = 10.0  # (a bound for each wait of the gate's test)
+
+
+class _Loads:
+    """A ``load_weights`` that records each load and how many ran at once; the load of
+    ``blocked`` waits for ``release``."""
+
+    def __init__(self, blocked: int) -> None:
+        self.blocked = blocked
+        self.lock = threading.Lock()
+        self.started = threading.Event()  # the blocked load began
+        self.release = threading.Event()
+        self.loaded: list[int] = []
+        self.running = 0
+        self.most = 0
+
+    def __call__(self, state: Any, version: int) -> None:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        if version == self.blocked:
+            self.started.set()
+            assert self.release.wait(_WAIT_S)
+        with self.lock:
+            self.running -= 1
+            self.loaded.append(version)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("first", "second", "loaded"),
+    [(1, 2, [1, 2]), (2, 1, [2])],
+    ids=["older_first", "newer_first"],
+)
+def test_concurrent_installs_load_one_at_a_time_and_leave_the_newest(
+    first: int, second: int, loaded: list[int]
+) -> None:
+    """Two installs at once (each in its own thread, as ``install_weights`` calls run) both
+    passed the version check and loaded at the same time; the one that finished last set the
+    gate's version, so the older weights could stay while the newer version was said held."""
+    gate = _Gate()
+    load = _Loads(blocked=first)
+    threads = [
+        threading.Thread(target=gate.install, args=(load, {"w": v}, v), daemon=True)
+        for v in (first, second)
+    ]
+    threads[0].start()
+    assert load.started.wait(_WAIT_S)
+    threads[1].start()
+    deadline = time.monotonic() + _WAIT_S
+    # Until the second install waits at the gate (or, loading at once, has loaded).
+    while not (gate.installing == 2 or second in load.loaded):
+        assert time.monotonic() < deadline, "the second install never reached the gate"
+        time.sleep(0.001)
+    load.release.set()
+    for thread in threads:
+        thread.join(_WAIT_S)
+    assert load.most == 1
+    assert load.loaded == loaded
+    assert gate.version == 2 and gate.installing == 0 and not gate.loading
