@@ -176,14 +176,14 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
         # Unique to this writer: ranks of a local executor share a process.
         writer = f"{os.getpid()}.{threading.get_ident()}"
         partial = target.with_name(f".{target.name}.{writer}.partial")
-        shutil.copy2(item, partial)
         try:
+            shutil.copy2(item, partial)  # removed below also when it fails (a full disk)
             os.link(partial, target)  # atomic, and fails if another rank got there first
         except FileExistsError:
             if not filecmp.cmp(partial, target, shallow=False):
                 raise _collision(target) from None
         finally:
-            os.unlink(partial)
+            partial.unlink(missing_ok=True)
     return os.fspath(dst)
 
 

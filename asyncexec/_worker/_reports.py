@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import describe
+from .._errors import ExecutorStateError, describe
 from .._wire._checkpoint import Checkpoint, join_path, persist_directory
 from .._wire._protocol import Outcome, Poll, ReportTimes, WorkerContext, checkpoint_name
 from ._place import Place
@@ -66,6 +66,7 @@ class Reports:
         self.reported = 0
         self._sent = 0
         self._ack = 0
+        #: ``report()`` queues no more: the driver stopped the run, or the function ended.
         self.stopped = False
         self._outcome: Outcome | None = None
         self._poll_waiting = False
@@ -84,21 +85,29 @@ class Reports:
         self._free = time.monotonic()
 
     def finish(self, outcome: Outcome) -> None:
-        """The function has ended: the poll that takes the last report carries ``outcome``."""
+        """The function has ended: the poll that takes the last report carries ``outcome``, and
+        ``report()`` raises :class:`~asyncexec.ExecutorStateError` from now on (from a thread
+        the function left behind: what it queued now would come after the outcome, and
+        nothing would poll it or give it credit)."""
         with self._lock:
             self._outcome = outcome
+            self.stopped = True
+            self._cond.notify_all()
             self._wake_poll()
 
     def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None) -> None:
-        # The hot path of a run: one lock, no allocation but the buffer's slot, and no wake-up
-        # of the actor's loop unless a poll waits for this very report (once per batch).
+        # The hot path of a run: one lock, no allocation but the metrics' copy and the buffer's
+        # slot, and no wake-up of the actor's loop unless a poll waits for this very report
+        # (once per batch).
         called = time.monotonic()
-        if type(metrics) is not dict:
-            if not isinstance(metrics, Mapping):
-                raise TypeError(
-                    f"report() takes a mapping of metrics, got {type(metrics).__name__}"
-                )
+        # A shallow copy: the report waits in the buffer (and is pickled, on Ray, only when a
+        # poll takes it), and the caller may fill the same dict again for its next step.
+        if type(metrics) is dict:
+            metrics = metrics.copy()
+        elif isinstance(metrics, Mapping):
             metrics = dict(metrics)
+        else:
+            raise TypeError(f"report() takes a mapping of metrics, got {type(metrics).__name__}")
         # The weight version this report was made with: the one held when report() is called,
         # not when it has waited for credit (a version installed meanwhile came after it).
         version = self._place.version
@@ -138,6 +147,8 @@ class Reports:
         name = checkpoint_name(self._offset + seq, self.context.attempt)
         path = persist_directory(checkpoint.path, join_path(storage, name))
         with self._lock:
+            if self._outcome is not None:
+                raise _ended()
             if version != self._version:
                 self._mark_version(version)
             self._buffer.append(metrics)
@@ -160,14 +171,17 @@ class Reports:
             marks.append((self.reported, version))
 
     def _wait_credit(self) -> None:
-        # Called with the lock held: wait while the window is full; raise once the run stops.
-        # A poll that waits for a batch gets what there is: nothing more comes until it returns.
+        # Called with the lock held: wait while the window is full; raise once the run stops or
+        # the function has ended. A poll that waits for a batch gets what there is: nothing more
+        # comes until it returns.
         while self.reported - self._ack >= self._bound and not self.stopped:
             self._credit_waiting = True
             if self._buffer:
                 self._wake_poll()
             self._cond.wait()
         if self.stopped:
+            if self._outcome is not None:
+                raise _ended()
             raise RunStopped
 
     def _wake_poll(self) -> None:
@@ -285,6 +299,12 @@ class Reports:
         with self._lock:
             self.stopped = True
             self._cond.notify_all()
+
+
+def _ended() -> ExecutorStateError:
+    return ExecutorStateError(
+        "report() must be called inside the function given to run(): this run's function has ended"
+    )
 
 
 def _unpicklable(reports: list[dict[str, Any]]) -> tuple[int, str] | None:

@@ -46,6 +46,10 @@ _log = logging.getLogger("asyncexec.worker")
 def get_context() -> WorkerContext:
     """Return this worker's context: ranks, sizes, node, devices, and the run and attempt.
 
+    While a run's function is running on this worker, the context of the run's attempt;
+    otherwise (before a run, or once its function has ended, as in an ``execute()`` call after
+    the run) the group's, whose ``run_id``, ``attempt`` and ``storage_path`` are None.
+
     Raises:
         ExecutorStateError: called outside an asyncexec worker.
     """
@@ -72,9 +76,16 @@ def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) 
     consumer has not taken (backpressure). A checkpoint is persisted under the run's storage path
     before the report is queued.
 
+    ``metrics`` is copied when ``report()`` is called, so the same dict may be filled again for
+    the next step; the copy is shallow: a value changed in place afterwards (an array, a tensor,
+    a list) may reach the consumer changed, since the report waits in this rank's buffer until
+    the driver's poll takes it (and local mode never pickles it). Report a copy of such a value.
+
     Raises:
         TypeError: ``metrics`` is not a mapping, or ``checkpoint`` is not a Checkpoint.
-        ExecutorStateError: called outside a run.
+        ExecutorStateError: called outside a run: no run's function is running on this worker
+            (before a run, or once its function has ended: in an ``execute()`` call after the
+            run, or in a thread the function left running).
     """
     session = current_place().session
     if session is None:
@@ -192,6 +203,9 @@ class Session:
             outcome = Outcome("stopped")
         except BaseException as exc:  # the user's error, shipped to the driver
             outcome = error_outcome(exc)
+        # Before the driver can see the outcome: from now on report() raises and get_context()
+        # is the group's, in an execute() call or a thread the function left behind.
+        end_session(self)
         self.reports.finish(outcome)
         seconds = round(time.perf_counter() - t0, 3)
         reported = self.reports.reported

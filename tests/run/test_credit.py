@@ -4,17 +4,18 @@ worker's session answers a poll."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from typing import Any
 
 import anyio
 import pytest
 
-from asyncexec import Run, WorkerContext
+from asyncexec import ExecutorStateError, Run, WorkerContext
 from asyncexec._driver.run import HandOver, RunCore, StepBatch
 from asyncexec._wire._checkpoint import CheckpointBook
 from asyncexec._wire._protocol import RunStart
-from asyncexec._worker import _session
+from asyncexec._worker import _place, _session
 
 
 def _batch(first: int, size: int) -> StepBatch:
@@ -107,3 +108,56 @@ async def test_a_slow_functions_report_is_sent_at_once() -> None:
         _session.end_session(session)  # this process's session: later tests must see none
     assert [r["i"] for r in first.reports] == [0]
     assert [r["i"] for r in second.reports] == [1]
+
+
+@pytest.mark.timeout(30)
+async def test_once_the_function_has_ended_report_raises_and_the_context_is_the_groups() -> None:
+    """Also from a thread the function left running, and for a report that held the session
+    from before: it was queued after the outcome, where no poll took it and no credit came."""
+    group = WorkerContext(0, 0, 0, 1, 1, "node", "127.0.0.1")
+    place = _place.Place()
+    place.context = group
+    token = _place.PLACE.set(place)  # this test's worker: the process's own stays untouched
+    ended = threading.Event()
+    threads: list[threading.Thread] = []
+    late: list[BaseException | None] = []
+
+    def left_running() -> None:
+        ended.wait(10)
+        try:
+            _session.report({"late": 0})
+        except BaseException as exc:
+            late.append(exc)
+        else:
+            late.append(None)
+
+    def fn() -> None:
+        # A thread that carries the function's context, as asyncio.to_thread's do.
+        threads.append(
+            threading.Thread(target=contextvars.copy_context().run, args=(left_running,))
+        )
+        threads[0].start()
+        _session.report({"i": 0})
+        _session.report({"i": 1})
+        assert _session.get_context().run_id == "run-test"
+
+    try:
+        session = _start(fn, 2)
+        with anyio.fail_after(10):
+            received: list[dict[str, Any]] = []
+            while (poll := await session.poll(len(received), 2)).outcome is None:
+                received += poll.reports
+            received += poll.reports
+        assert poll.outcome.kind == "ok"
+        assert [r["i"] for r in received] == [0, 1]
+        assert _session.get_context() is group
+        with pytest.raises(ExecutorStateError, match="inside the function given to run"):
+            _session.report({"late": 0})
+        with pytest.raises(ExecutorStateError, match="has ended"):
+            session.reports.report({"late": 0}, None)
+        ended.set()
+        await anyio.to_thread.run_sync(threads[0].join, 10)
+        assert len(late) == 1 and isinstance(late[0], ExecutorStateError), late
+    finally:
+        ended.set()
+        _place.PLACE.reset(token)

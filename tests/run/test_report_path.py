@@ -6,10 +6,13 @@ object per step (their metrics travel as one list per rank)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import shutil
 import time
 from array import array
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ import asyncexec
 from asyncexec import Report, Step
 from asyncexec._driver.run._steps import StepBatch
 from asyncexec._driver.run._window import BATCH, Assembly
+from asyncexec._wire import _checkpoint
 from asyncexec._wire._protocol import Outcome, Poll, ReportTimes
 
 STEPS = 12
@@ -325,3 +329,23 @@ def test_the_stage_table_refuses_fewer_reports_than_a_poll(
     with pytest.raises(SystemExit):
         report_stages.main(["--reports", str(report_stages.PER_POLL - 1), "--transfer"])
     assert "--reports takes" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_a_checkpoint_copy_that_fails_leaves_no_part_of_a_file_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The half-written ``.partial`` file of a copy that failed (a full disk) stayed in the
+    persisted checkpoint's folder."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "model.bin").write_bytes(b"x" * 4096)
+
+    def full_disk(src: Path, dst: Path) -> None:
+        Path(dst).write_bytes(Path(src).read_bytes()[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copy2", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _checkpoint.persist_directory(source, tmp_path / "persisted")
+    assert list((tmp_path / "persisted").iterdir()) == []

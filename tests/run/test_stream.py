@@ -8,6 +8,7 @@ import gc
 import time
 from typing import Any
 
+import anyio
 import pytest
 
 import asyncexec
@@ -179,3 +180,54 @@ async def test_a_report_that_cannot_be_pickled_is_named_and_the_good_steps_arriv
             assert info.value.rank in ranks  # its good reports arrived before its error
         else:
             assert [s.metrics["i"] for s in steps] == [0, 1]
+
+
+def _three_steps() -> None:
+    for i in range(3):
+        asyncexec.report({"i": i})
+
+
+def _late_context_and_report() -> tuple[str | None, int | None, str]:
+    ctx = asyncexec.get_context()
+    try:
+        asyncexec.report({"late": 0})
+    except asyncexec.ExecutorStateError as exc:
+        return ctx.run_id, ctx.attempt, str(exc)
+    return ctx.run_id, ctx.attempt, "accepted"
+
+
+def _late_reports_past_the_window() -> None:
+    for i in range(5):
+        asyncexec.report({"late": i})
+
+
+@pytest.mark.timeout(60)
+async def test_report_once_the_run_has_ended_raises_and_the_context_is_the_groups() -> None:
+    """``report()`` from ``execute()`` after a run was accepted and lost, and blocked the call for
+    good past ``buffer_size``; ``get_context()`` still gave the ended run's id and attempt."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, buffer_size=2) as ex:
+        assert [s.metrics["i"] async for s in ex.run(_three_steps)] == [0, 1, 2]
+        late = await ex.execute(_late_context_and_report)
+        assert [(run_id, attempt) for run_id, attempt, _ in late] == [(None, None)] * 2
+        assert all("inside the function given to run()" in why for _, _, why in late), late
+        with anyio.fail_after(20), pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.execute(_late_reports_past_the_window)
+        assert isinstance(info.value.__cause__, asyncexec.ExecutorStateError)
+        # The next run reports as before.
+        assert [s.metrics["i"] async for s in ex.run(_three_steps)] == [0, 1, 2]
+
+
+def _one_dict_filled_again(config: dict[str, Any]) -> None:
+    metrics: dict[str, Any] = {}
+    for i in range(config["steps"]):
+        metrics["i"] = i
+        asyncexec.report(metrics)
+
+
+@pytest.mark.timeout(60)
+async def test_a_metrics_dict_filled_again_for_each_step_arrives_as_each_step_had_it() -> None:
+    """The dict was queued by reference: every step buffered before a poll (every step, in
+    local mode) arrived with the values of the last ``report()``."""
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, buffer_size=8) as ex:
+        steps = [s async for s in ex.run(_one_dict_filled_again, {"steps": 6})]
+        assert [s.metrics["i"] for s in steps] == list(range(6))
