@@ -327,26 +327,6 @@ async def test_a_report_holds_the_version_held_when_report_was_called(tmp_path: 
         await learn.aclose()
 
 
-@pytest.mark.parametrize("transport", ["object_store", "torch"])
-async def test_a_run_started_after_a_push_is_not_a_join(transport: str, tmp_path: Any) -> None:
-    """docs/rl-loops.md's order, the first weights pushed and then the rollout's run started:
-    every rank of the group the push had reached was taken for one that joins and sent the
-    version again (with torch, a second push under a new version number)."""
-    async with (
-        asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
-        asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
-        asyncexec.WeightChannel(a, b, transport=transport) as channel,  # type: ignore[arg-type]
-    ):
-        learn = a.run(learner, {})
-        await _next(learn)
-        assert await channel.push() == 1
-        async for step in b.run(_versioned_reports, {"steps": 3}):
-            assert [r.metrics["seen"] for r in step.reports] == [1, 1]
-        stats = channel.statistics()
-        assert (stats.version, stats.pushes, stats.joins) == (1, 1, 0)
-        await learn.aclose()
-
-
 def _reports_its_installs(config: dict[str, Any]) -> None:
     """Reports the versions its own install received (``config["steps"]`` reports)."""
     got: list[int] = []
@@ -357,12 +337,15 @@ def _reports_its_installs(config: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("transport", ["object_store", "torch"])
-async def test_a_later_run_on_the_target_installs_the_version_its_ranks_hold(
+async def test_runs_started_after_pushes_install_the_version_their_ranks_hold(
     transport: str, tmp_path: Any
 ) -> None:
-    """A run's function registers an install of its own: the second run on the target never
-    got the weights (the rank held the version an earlier run's install had taken, so the
-    driver sent nothing at its start), yet its reports said it had them."""
+    """docs/rl-loops.md's order, the first weights pushed and then the rollout's run started:
+    every rank of the group the push had reached was taken for one that joins and sent the
+    version again (with torch, a second push under a new version number). A run's function
+    registers an install of its own: the second run on the target never got the weights (the
+    rank held the version an earlier run's install had taken, so the driver sent nothing at
+    its start), yet its reports said it had them."""
     async with (
         asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
         asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
