@@ -17,20 +17,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._chunks import Completion, Delta, EngineChunk, completions
     from ._kit import TinyLlama, build_tiny_llama
     from ._learner import CausalLMLearner, Group, grpo_loss, token_logprobs
-    from ._vllm import Completion, Delta, EngineChunk, VLLMServer, completions
+    from ._vllm import VLLMServer
 
 _EXPORTS = {
     "CausalLMLearner": "_learner",
-    "Completion": "_vllm",
-    "Delta": "_vllm",
-    "EngineChunk": "_vllm",
+    "Completion": "_chunks",
+    "Delta": "_chunks",
+    "EngineChunk": "_chunks",
     "Group": "_learner",
     "TinyLlama": "_kit",
     "VLLMServer": "_vllm",
     "build_tiny_llama": "_kit",
-    "completions": "_vllm",
+    "completions": "_chunks",
     "grpo_loss": "_learner",
     "token_logprobs": "_learner",
 }

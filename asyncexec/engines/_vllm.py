@@ -27,16 +27,16 @@ import gc
 import itertools
 import os
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from .. import RolloutServer, Sample, get_context
+from .. import RolloutServer, get_context
+from ._chunks import EngineChunk, deltas_of, joined
 from ._extension import pack
 from ._loop import EngineLoop, reaper
+from ._pause import pause
 
-__all__ = ["Completion", "Delta", "EngineChunk", "VLLMServer", "completions"]
+__all__ = ["VLLMServer"]
 
 T = TypeVar("T")
 #: The worker extension that loads weights inside vLLM's workers (by name: vLLM imports it).
@@ -47,80 +47,6 @@ SAMPLING: Mapping[str, Any] = {"logprobs": 0, "max_tokens": 64}
 #: How often the engine loop looks whether the engine died (vLLM's client notices a core
 #: process that exits at once, and says so in ``AsyncLLM.errored``).
 WATCH_S = 0.2
-#: The longest a pause waits for the outputs the engine sent before it paused (to abort, the
-#: final outputs of the requests it ended; to keep, those of its last step).
-PAUSE_OUTPUTS_S = 5.0
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What one completion of a request gained in one chunk."""
-
-    index: int  # the completion's index among the request's ``n``
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]  # the sampler's, of each token (empty without ``logprobs``)
-    finish_reason: str | None = None  # "length", "stop", "abort" in the completion's last
-    #: vLLM's own record, in the completion's last delta: (version, start, end) spans of token
-    #: indexes sampled under each weights version the engine was told (``"default"``: none).
-    engine_versions: tuple[tuple[str, int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class EngineChunk:
-    """One chunk of a vLLM request: the deltas of its completions, the version of the weights
-    that made them, and (in the first chunk) the prompt's token ids."""
-
-    deltas: tuple[Delta, ...]
-    version: int | None
-    prompt_token_ids: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One completion of a sample, put together from its chunks by :func:`completions`."""
-
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    #: The weights version that made each token (its chunk's; None before the first version).
-    versions: tuple[int | None, ...]
-    finish_reason: str | None
-    engine_versions: tuple[tuple[str, int, int], ...] = ()
-
-
-def completions(sample: Sample) -> list[Completion]:
-    """The completions of a :class:`VLLMServer`'s sample (aborted or not), in index order, each
-    token with its log-probability and the weights version that made it.
-
-    A completion of an aborted sample that has no end of its own ends ``"abort"``: the pause
-    ended its generation at a chunk the engine made before its final output (the engine's
-    abort of it then never reaches the sample)."""
-    prompt: tuple[int, ...] = ()
-    parts: dict[int, dict[str, Any]] = {}
-    for chunk, version in zip(sample.output, sample.versions, strict=True):
-        if chunk.prompt_token_ids is not None:
-            prompt = chunk.prompt_token_ids
-        for delta in chunk.deltas:
-            part = parts.setdefault(
-                delta.index, {"ids": [], "lps": [], "vs": [], "end": None, "spans": ()}
-            )
-            part["ids"].extend(delta.token_ids)
-            part["lps"].extend(delta.logprobs)
-            part["vs"].extend([version] * len(delta.token_ids))
-            part["end"] = delta.finish_reason or part["end"]
-            part["spans"] = delta.engine_versions or part["spans"]
-    unfinished = "abort" if sample.aborted else None
-    return [
-        Completion(
-            prompt,
-            tuple(p["ids"]),
-            tuple(p["lps"]),
-            tuple(p["vs"]),
-            p["end"] or unfinished,
-            p["spans"],
-        )
-        for _, p in sorted(parts.items())
-    ]
 
 
 class _EngineDied(Exception):
@@ -344,7 +270,7 @@ class VLLMServer(RolloutServer):
                     outputs.append(queue.get_nowait()[0])  # type: ignore[index]
                 prompt_ids = tuple(outputs[0].prompt_token_ids or ()) if first else None
                 first = False
-                deltas = _deltas(outputs)
+                deltas = deltas_of(outputs)
                 if self._closed and any(d.finish_reason == "abort" for d in deltas):
                     # Not a pause's abort, which the sample says: the engine ends every request
                     # as it shuts down, and what it made so far is no sample to learn from.
@@ -365,7 +291,7 @@ class VLLMServer(RolloutServer):
         sample of a few hundred tokens is a few objects to send, not a few thousand."""
         first = chunks[0]
         return EngineChunk(
-            _joined([c.deltas for c in chunks]), first.version, first.prompt_token_ids
+            joined([c.deltas for c in chunks]), first.version, first.prompt_token_ids
         )
 
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
@@ -413,65 +339,8 @@ class VLLMServer(RolloutServer):
         await self._engine_call(self._pause(mode))
 
     async def _pause(self, mode: Literal["keep", "abort"]) -> None:
-        """On the engine loop: ``pause_generation(mode=mode, clear_cache=mode == "abort")``,
-        but what its fixed sleep hopes for waited for in its place.
-
-        ``AsyncLLM.pause_generation`` (vLLM 0.32) clears the multi-modal cache (to abort),
-        pauses the scheduler (``engine_core.pause_scheduler_async``: the core finishes its step,
-        to abort also ends every request it holds, sends those outputs, then answers), then
-        sleeps 20 ms so that the outputs sent before the answer are likely through vLLM's
-        output handling when it returns (the answer does not wait for them: the client's
-        socket task takes it, and queues the outputs for the output handler). Here the same
-        steps run, and the pause returns once they are through: to abort, once the final
-        output of every request the core held reached its ``generate`` loop; to keep, once
-        the output handler has taken every output queued and the requests' pumps have tagged
-        theirs with the version that made them (a load that came first would tag the old
-        weights' tokens with the new version). At once when they are, and no later. A vLLM
-        without these internals gets its public ``pause_generation``."""
-        engine = self.engine
-        core = getattr(engine, "engine_core", None)
-        internals: tuple[Any, Any, Any] = (
-            getattr(getattr(engine, "renderer", None), "clear_mm_cache_async", None),
-            getattr(core, "pause_scheduler_async", None),
-            # The requests sent to the core, by the ids they were given.
-            getattr(getattr(engine, "output_processor", None), "external_req_ids", None),
-        )
-        if any(x is None for x in internals) or not hasattr(engine, "output_handler"):
-            await engine.pause_generation(mode=mode, clear_cache=mode == "abort")
-            return
-        clear_mm_cache, pause_scheduler, held = internals
-        if mode == "keep":
-            await pause_scheduler(mode="keep", clear_cache=False)
-            await self._outputs_through(core)
-            return
-        await clear_mm_cache()
-        # No wait between this and the pause's message (one loop): vLLM records a request and
-        # sends it to the core in one step, and the core, which takes its input in order, ends
-        # each of these.
-        ending = [pump for request_id, pump in self._pumps.items() if request_id in held]
-        await pause_scheduler(mode="abort", clear_cache=True)
-        if ending:
-            # Plain asyncio: the pumps are tasks of this loop that their requests own; this
-            # only watches them end (at the bound, they go on and the pause returns).
-            await asyncio.wait(ending, timeout=PAUSE_OUTPUTS_S)
-
-    async def _outputs_through(self, core: Any) -> None:
-        """Until the engine's output handler waits for outputs with none queued (every output
-        the core sent is in its request's collector), then one turn of the loop: the pumps it
-        woke meanwhile (queued before this task) have run. Bounded by ``PAUSE_OUTPUTS_S``;
-        vLLM's 20 ms sleep where its client lacks the queue looked at."""
-        queue = getattr(core, "outputs_queue", None)
-        waiting = getattr(queue, "_getters", None)  # the handler's get(), while it waits
-        if queue is None or waiting is None:
-            await asyncio.sleep(0.02)
-            return
-        handler = self.engine.output_handler
-        deadline = time.monotonic() + PAUSE_OUTPUTS_S
-        while not (queue.empty() and (waiting or handler is None or handler.done())):
-            if time.monotonic() > deadline:
-                return
-            await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        """On the engine loop: the engine paused (see :func:`._pause.pause`)."""
+        await pause(self.engine, self._pumps, mode)
 
     async def resume_engine(self) -> None:
         await self._engine_call(self.engine.resume_generation())
@@ -565,40 +434,3 @@ def _inputs(prompt: Any) -> tuple[Any, Mapping[str, Any]]:
         "a VLLMServer prompt is a string, a list of token ids or a mapping with "
         f'"prompt" / "prompt_token_ids", got {type(prompt).__qualname__}'
     )
-
-
-def _deltas(outputs: list[Any]) -> tuple[Delta, ...]:
-    """The engine's delta outputs of one request, joined per completion."""
-    parts = [tuple(_delta(c) for c in output.outputs) for output in outputs]
-    return parts[0] if len(parts) == 1 else _joined(parts)
-
-
-def _delta(c: Any) -> Delta:
-    """One completion's delta output (vLLM's ``CompletionOutput``)."""
-    ids = tuple(c.token_ids)
-    lps = (
-        tuple(_logprob(lp, t) for lp, t in zip(c.logprobs, ids, strict=True)) if c.logprobs else ()
-    )
-    spans = tuple((s.version, s.start, s.end) for s in c.weight_versions or ())
-    return Delta(c.index, ids, lps, c.finish_reason, spans)
-
-
-def _joined(parts: list[tuple[Delta, ...]]) -> tuple[Delta, ...]:
-    """Consecutive deltas of one request's completions, joined per completion."""
-    merged: dict[int, dict[str, Any]] = {}
-    for deltas in parts:
-        for d in deltas:
-            part = merged.setdefault(d.index, {"ids": [], "lps": [], "end": None, "spans": ()})
-            part["ids"].extend(d.token_ids)
-            part["lps"].extend(d.logprobs)
-            part["end"] = d.finish_reason or part["end"]
-            part["spans"] = d.engine_versions or part["spans"]
-    return tuple(
-        Delta(i, tuple(p["ids"]), tuple(p["lps"]), p["end"], p["spans"])
-        for i, p in sorted(merged.items())
-    )
-
-
-def _logprob(position: Any, token: int) -> float:
-    """The sampled token's log-probability at one position of the engine's logprobs."""
-    return float(position[token].logprob)

@@ -1,0 +1,79 @@
+"""A vLLM engine paused as ``AsyncLLM.pause_generation`` pauses it, without its fixed sleep: what
+the sleep hopes for is waited for in its place (see :func:`pause`). On the engine's own loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+__all__ = ["PAUSE_OUTPUTS_S", "pause"]
+
+#: The longest a pause waits for the outputs the engine sent before it paused (to abort, the
+#: final outputs of the requests it ended; to keep, those of its last step).
+PAUSE_OUTPUTS_S = 5.0
+
+
+async def pause(
+    engine: Any, pumps: Mapping[str, asyncio.Task[None]], mode: Literal["keep", "abort"]
+) -> None:
+    """On the engine loop: ``engine.pause_generation(mode=mode, clear_cache=mode == "abort")``,
+    but what its fixed sleep hopes for waited for in its place.
+
+    ``AsyncLLM.pause_generation`` (vLLM 0.32) clears the multi-modal cache (to abort),
+    pauses the scheduler (``engine_core.pause_scheduler_async``: the core finishes its step,
+    to abort also ends every request it holds, sends those outputs, then answers), then
+    sleeps 20 ms so that the outputs sent before the answer are likely through vLLM's
+    output handling when it returns (the answer does not wait for them: the client's
+    socket task takes it, and queues the outputs for the output handler). Here the same
+    steps run, and the pause returns once they are through: to abort, once the final
+    output of every request the core held reached its ``generate`` loop; to keep, once
+    the output handler has taken every output queued and the requests' pumps have tagged
+    theirs with the version that made them (a load that came first would tag the old
+    weights' tokens with the new version). At once when they are, and no later. A vLLM
+    without these internals gets its public ``pause_generation``."""
+    core = getattr(engine, "engine_core", None)
+    internals: tuple[Any, Any, Any] = (
+        getattr(getattr(engine, "renderer", None), "clear_mm_cache_async", None),
+        getattr(core, "pause_scheduler_async", None),
+        # The requests sent to the core, by the ids they were given.
+        getattr(getattr(engine, "output_processor", None), "external_req_ids", None),
+    )
+    if any(x is None for x in internals) or not hasattr(engine, "output_handler"):
+        await engine.pause_generation(mode=mode, clear_cache=mode == "abort")
+        return
+    clear_mm_cache, pause_scheduler, held = internals
+    if mode == "keep":
+        await pause_scheduler(mode="keep", clear_cache=False)
+        await _outputs_through(engine, core)
+        return
+    await clear_mm_cache()
+    # No wait between this and the pause's message (one loop): vLLM records a request and
+    # sends it to the core in one step, and the core, which takes its input in order, ends
+    # each of these.
+    ending = [pump for request_id, pump in pumps.items() if request_id in held]
+    await pause_scheduler(mode="abort", clear_cache=True)
+    if ending:
+        # Plain asyncio: the pumps are tasks of this loop that their requests own; this
+        # only watches them end (at the bound, they go on and the pause returns).
+        await asyncio.wait(ending, timeout=PAUSE_OUTPUTS_S)
+
+
+async def _outputs_through(engine: Any, core: Any) -> None:
+    """Until the engine's output handler waits for outputs with none queued (every output
+    the core sent is in its request's collector), then one turn of the loop: the pumps it
+    woke meanwhile (queued before this task) have run. Bounded by ``PAUSE_OUTPUTS_S``;
+    vLLM's 20 ms sleep where its client lacks the queue looked at."""
+    queue = getattr(core, "outputs_queue", None)
+    waiting = getattr(queue, "_getters", None)  # the handler's get(), while it waits
+    if queue is None or waiting is None:
+        await asyncio.sleep(0.02)
+        return
+    handler = engine.output_handler
+    deadline = time.monotonic() + PAUSE_OUTPUTS_S
+    while not (queue.empty() and (waiting or handler is None or handler.done())):
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
