@@ -114,3 +114,24 @@ async def test_the_unnamed_runs_of_a_killed_driver_are_removed_by_the_next_close
         [_ async for _ in ex.run(counter, STEPS, name="named")]
     assert _runs(tmp_path) == {"unmarked", "live", "named"}
     assert {p.stem for p in (tmp_path / MARKERS).iterdir()} == {"live"}  # the orphan's went
+
+
+def test_to_directory_overwrites_the_destinations_files_as_a_remote_checkpoint_does(
+    tmp_path: Path,
+) -> None:
+    """Copying a local checkpoint over an older copy failed with an error about "another
+    rank" writing "this step" (a remote checkpoint's copy overwrote); it copies, as Ray's."""
+    source, destination = tmp_path / "source", tmp_path / "copy"
+    (source / "sub").mkdir(parents=True)
+    (source / "model.txt").write_text("new")
+    (source / "sub" / "state.txt").write_text("new state")
+    (destination / "sub").mkdir(parents=True)
+    (destination / "model.txt").write_text("old")
+    (destination / "other.txt").write_text("kept")
+    checkpoint = asyncexec.Checkpoint.from_directory(source)
+    assert checkpoint.to_directory(destination) == os.fspath(destination)
+    assert (destination / "model.txt").read_text() == "new"
+    assert (destination / "sub" / "state.txt").read_text() == "new state"
+    assert (destination / "other.txt").read_text() == "kept"
+    assert checkpoint.to_directory(source) == os.fspath(source)  # onto itself: nothing to do
+    assert (source / "model.txt").read_text() == "new"
