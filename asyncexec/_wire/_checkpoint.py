@@ -108,8 +108,14 @@ class Checkpoint:
             raise _missing(self._path)
         # A plain copy, as the remote branch's: persist_directory's refusal of a file that
         # differs guards the ranks of one step, not a user's copy over an older one.
-        if Path(self._path).resolve() != Path(destination).resolve():
-            shutil.copytree(self._path, destination, dirs_exist_ok=True)
+        src, dst = Path(self._path), Path(destination)
+        if src.resolve() != dst.resolve():
+            dst.mkdir(parents=True, exist_ok=True)
+            for relative, is_dir in _walk(src):
+                if is_dir:
+                    (dst / relative).mkdir(exist_ok=True)
+                else:
+                    shutil.copy2(src / relative, dst / relative)
         return os.fspath(destination)
 
     def __fspath__(self) -> str:
@@ -148,7 +154,8 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
     same (every rank saving the same replicated weights); when they differ the report is refused,
     never silently overwritten: name each rank's files apart (``rank_{rank}.pt``) or let one rank
     write them. Each file is written next to the destination and linked into place, so a reader
-    never sees a half-written file.
+    never sees a half-written file. A symbolic link is copied as what it points to (see
+    :func:`_walk`).
 
     Raises:
         FileExistsError: a file of the same name and different content is already there.
@@ -158,9 +165,10 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
         raise FileNotFoundError(f"checkpoint directory does not exist: {os.fspath(source)!r}")
     if is_uri(os.fspath(destination)):
         fs, root = filesystem(os.fspath(destination))
-        for item in src.rglob("*"):
-            if item.is_file():
-                remote = f"{root.rstrip('/')}/{item.relative_to(src).as_posix()}"
+        for relative, is_dir in _walk(src):
+            if not is_dir:
+                item = src / relative
+                remote = f"{root.rstrip('/')}/{relative.as_posix()}"
                 if fs.exists(remote):
                     if fs.cat_file(remote) != item.read_bytes():
                         raise _collision(remote)
@@ -172,9 +180,9 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
     if src.resolve() == dst.resolve():
         return os.fspath(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    for item in src.rglob("*"):
-        target = dst / item.relative_to(src)
-        if item.is_dir():
+    for relative, is_dir in _walk(src):
+        item, target = src / relative, dst / relative
+        if is_dir:
             target.mkdir(parents=True, exist_ok=True)
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -190,6 +198,33 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
         finally:
             partial.unlink(missing_ok=True)
     return os.fspath(dst)
+
+
+def _walk(root: Path) -> Iterator[tuple[Path, bool]]:
+    """The folders and files under ``root``, each as its path relative to ``root`` and whether
+    it is a folder, a folder before what it holds.
+
+    A symbolic link is taken for what it points to, as ``shutil.copytree`` takes it: a linked
+    folder's files are part of the checkpoint (``Path.rglob`` does not enter linked folders, and
+    copies made with it dropped those files without a word). A link to a folder that holds it
+    (a cycle) is left out.
+    """
+
+    def walk(directory: Path, relative: Path, above: frozenset[str]) -> Iterator[tuple[Path, bool]]:
+        with os.scandir(directory) as scan:
+            entries = sorted(scan, key=lambda e: e.name)
+        for entry in entries:
+            path = relative / entry.name
+            if not entry.is_dir():  # a file, or a link to one (or a broken link: copying fails)
+                yield path, False
+                continue
+            real = os.path.realpath(entry.path)
+            if real in above:
+                continue
+            yield path, True
+            yield from walk(Path(entry.path), path, above | {real})
+
+    yield from walk(root, Path(), frozenset({os.path.realpath(root)}))
 
 
 def _collision(target: Path | str) -> FileExistsError:

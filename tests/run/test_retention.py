@@ -135,3 +135,42 @@ def test_to_directory_overwrites_the_destinations_files_as_a_remote_checkpoint_d
     assert (destination / "other.txt").read_text() == "kept"
     assert checkpoint.to_directory(source) == os.fspath(source)  # onto itself: nothing to do
     assert (source / "model.txt").read_text() == "new"
+
+
+def _files(directory: str) -> set[str]:
+    """The files under ``directory`` (not links), relative to it."""
+    found = Path(directory).rglob("*")
+    return {
+        p.relative_to(directory).as_posix() for p in found if p.is_file() and not p.is_symlink()
+    }
+
+
+def report_a_linked_folder(directory: str) -> None:
+    """Rank 0 reports a checkpoint whose ``model`` folder is a symbolic link."""
+    if asyncexec.get_context().world_rank == 0:
+        asyncexec.report({}, checkpoint=asyncexec.Checkpoint.from_directory(directory))
+    else:
+        asyncexec.report({})
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+async def test_a_checkpoint_keeps_the_files_of_a_linked_folder(
+    tmp_path: Path, remote: bool
+) -> None:
+    """A folder of the checkpoint that was a symbolic link was persisted empty (locally) or
+    not at all (remotely): its files were dropped without a word."""
+    real, reported = tmp_path / "real", tmp_path / "reported"
+    (real / "sub").mkdir(parents=True)
+    (real / "weights.bin").write_text("w")
+    (real / "sub" / "config.json").write_text("{}")
+    reported.mkdir()
+    (reported / "step.txt").write_text("1")
+    (reported / "model").symlink_to(real, target_is_directory=True)
+    (reported / "loop").symlink_to(reported, target_is_directory=True)  # a cycle: not followed
+    storage = f"memory://linked-{os.getpid()}" if remote else tmp_path / "runs"
+    async with asyncexec.Executor(2, local=True, storage_path=storage) as ex:
+        (step,) = [s async for s in ex.run(report_a_linked_folder, str(reported))]
+        assert step.checkpoint is not None
+        with step.checkpoint.as_directory() as directory:
+            files = _files(directory)
+    assert files == {"step.txt", "model/weights.bin", "model/sub/config.json"}
