@@ -9,6 +9,8 @@ a step is never yielded ahead of its checkpoint), the driver keeps the latest an
 from __future__ import annotations
 
 import filecmp
+import math
+import numbers
 import os
 import shutil
 import tempfile
@@ -281,8 +283,12 @@ class CheckpointBook:
         return dropped
 
     def _score(self, metrics: Any) -> float:
-        """Higher is better; a missing or non-numeric score is the worst."""
+        """Higher is better; a missing, non-numeric or NaN score is the worst (a NaN, a loss that
+        diverged, compares false with everything: sorting by it dropped the best checkpoints).
+        Any real number counts, numpy's scalars (``np.float32``) included."""
         value = metrics.get(self.score_attribute) if isinstance(metrics, dict) else None
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return self.sign * float(value)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            score = float(value)
+            if not math.isnan(score):
+                return self.sign * score
         return float("-inf")

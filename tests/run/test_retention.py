@@ -5,13 +5,17 @@ unless the run is named (it can be resumed by name) or the executor keeps its ru
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
+import numpy
 import pytest
 from test_faults import counter
 
@@ -174,3 +178,30 @@ async def test_a_checkpoint_keeps_the_files_of_a_linked_folder(
         with step.checkpoint.as_directory() as directory:
             files = _files(directory)
     assert files == {"step.txt", "model/weights.bin", "model/sub/config.json"}
+
+
+def report_losses(losses: list[Any]) -> None:
+    """One checkpoint a step, each reported with its loss."""
+    for loss in losses:
+        directory = tempfile.mkdtemp()
+        Path(directory, "loss.txt").write_text(str(loss))
+        asyncexec.report({"loss": loss}, checkpoint=asyncexec.Checkpoint.from_directory(directory))
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [[0.5, math.nan, 0.1, 0.2, 0.3], [numpy.float32(x) for x in (0.5, 0.4, 0.1, 0.2, 0.3)]],
+    ids=["nan", "numpy"],
+)
+async def test_checkpoints_are_ranked_by_the_scores_value(
+    tmp_path: Path, losses: list[Any]
+) -> None:
+    """A loss that went NaN (a diverged step) made the ranking arbitrary, and a numpy scalar
+    counted as no score at all (so the first were kept): either way the best checkpoint was
+    deleted. A NaN ranks last, as a missing score; a numpy number by its value."""
+    keep = asyncexec.CheckpointConfig(num_to_keep=2, score_attribute="loss", score_order="min")
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, checkpoint=keep) as ex:
+        paths = [s.checkpoint.path async for s in ex.run(report_losses, losses) if s.checkpoint]
+        kept = {p.name for p in (tmp_path / ex.result.run_id).iterdir()}
+    # The two best (0.1, 0.2) and the latest (0.3), which a restart would need.
+    assert kept == {Path(paths[i]).name for i in (2, 3, 4)}
