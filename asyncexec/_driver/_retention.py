@@ -76,7 +76,10 @@ class Retention:
         with teardown("runs_removed", self.config.shutdown_timeout_s):
             try:
                 orphans = await anyio.to_thread.run_sync(remove_all, abandon_on_cancel=True)
-            except OSError as exc:  # the storage went away: nothing to keep tidy
+            except Exception as exc:
+                # The storage went away or refused (a remote one's errors need not be OSErrors:
+                # gcsfs raises its HttpError): tidying up never fails the close, nor hides the
+                # error that is leaving the executor's block.
                 self.log.warning("runs_not_removed", runs=run_ids, error=describe(exc))
                 return
             if run_ids:

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import numpy
 import pytest
+import structlog
 from test_faults import counter
 
 import asyncexec
@@ -205,3 +206,29 @@ async def test_checkpoints_are_ranked_by_the_scores_value(
         kept = {p.name for p in (tmp_path / ex.result.run_id).iterdir()}
     # The two best (0.1, 0.2) and the latest (0.3), which a restart would need.
     assert kept == {Path(paths[i]).name for i in (2, 3, 4)}
+
+
+def report_one_checkpoint() -> None:
+    directory = tempfile.mkdtemp()
+    Path(directory, "state.txt").write_text("1")
+    asyncexec.report({}, checkpoint=asyncexec.Checkpoint.from_directory(directory))
+
+
+async def test_a_storage_that_fails_to_remove_a_run_never_hides_the_users_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only an OSError of the storage was caught: any other (gcsfs raises its HttpError) came
+    out of the close in place of the error that left the block."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    def rm(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("503 backend error")
+
+    monkeypatch.setattr(MemoryFileSystem, "rm", rm)
+    storage = f"memory://failing-rm-{os.getpid()}"
+    with structlog.testing.capture_logs() as logs, pytest.raises(ValueError, match="the user's"):
+        async with asyncexec.Executor(1, local=True, storage_path=storage) as ex:
+            [_ async for _ in ex.run(report_one_checkpoint)]
+            raise ValueError("the user's error")
+    (event,) = [e for e in logs if e["event"] == "runs_not_removed"]
+    assert "503 backend error" in event["error"]
