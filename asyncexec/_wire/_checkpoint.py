@@ -157,7 +157,9 @@ def persist_directory(source: str | os.PathLike[str], destination: str | os.Path
     never silently overwritten: name each rank's files apart (``rank_{rank}.pt``) or let one rank
     write them. Each file is written next to the destination and linked into place, so a reader
     never sees a half-written file. A symbolic link is copied as what it points to (see
-    :func:`_walk`).
+    :func:`_walk`). On a remote ``destination`` none of this is atomic (an object store cannot
+    create a file only if it is absent): ranks that write different files of one name at the
+    same moment may both pass the check, and the last one written stays.
 
     Raises:
         FileExistsError: a file of the same name and different content is already there.
