@@ -164,6 +164,22 @@ class BrokenConfig(DataConfig):
         return []
 
 
+class ShortConfig(DataConfig):
+    """The default split, then one rank's parts too few (a broken override)."""
+
+    def configure(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return super().configure(*args, **kwargs)[:-1]
+
+
+def wait_no_coordinator(timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while live_coordinators():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 # Splitting ------------------------------------------------------------------------------------
 
 
@@ -363,6 +379,17 @@ async def test_configure_override_assigns_the_parts() -> None:
         bad = ex.run(echo_shard, datasets={"train": ray.data.range(4)}, data_config=BrokenConfig())
         with pytest.raises(asyncexec.ConfigurationError, match=r"one mapping of dataset parts"):
             [_ async for _ in bad]
+
+
+async def test_a_configure_that_returns_too_few_parts_leaves_no_coordinator() -> None:
+    """The split it made was never recorded, so the end of the run did not stop its
+    coordinator: it lived as long as the error (whose traceback holds the parts)."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU) as ex:
+        run = ex.run(echo_shard, datasets={"train": ray.data.range(4)}, data_config=ShortConfig())
+        with pytest.raises(asyncexec.ConfigurationError, match="one mapping of dataset") as info:
+            [_ async for _ in run]
+    assert info.value.__traceback__ is not None  # still held, as an application may hold it
+    assert await anyio.to_thread.run_sync(wait_no_coordinator), "the coordinator was left"
 
 
 # The driver's DataContext ---------------------------------------------------------------------

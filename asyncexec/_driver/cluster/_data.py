@@ -27,7 +27,6 @@ import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -248,11 +247,13 @@ def _prepare(name: str, ds: Any, config: DataConfig) -> Any:
     return prepared
 
 
-def _coordinators(shards: Sequence[Mapping[str, Any]]) -> list[Any]:
+def _coordinators(shards: Any) -> list[Any]:
     """The split coordinator actors behind the parts (Ray Data's streaming split keeps its
-    handle in ``_coord_actor``)."""
+    handle in ``_coord_actor``), of whatever shape ``configure()`` returned."""
+    ranks = shards if isinstance(shards, Sequence) else ()
+    parts = (p for rank in ranks if isinstance(rank, Mapping) for p in rank.values())
     found: dict[Any, Any] = {}
-    for part in (p for rank in shards for p in rank.values()):
+    for part in parts:
         actor = getattr(part, "_coord_actor", None)
         if actor is not None:
             found[actor._actor_id] = actor
@@ -290,9 +291,16 @@ async def make_shards(
     if stale:
         await anyio.to_thread.run_sync(_kill, stale)
         datasets.coordinators.clear()  # type: ignore[attr-defined]
-    shards = await anyio.to_thread.run_sync(
-        partial(data_config.configure, datasets, n, actors, list(node_ids))
-    )
+
+    def split() -> Any:
+        shards = data_config.configure(datasets, n, actors, list(node_ids))
+        if isinstance(datasets, _Datasets):
+            # Recorded at once, so that the next attempt or the end of the run stops them: also
+            # when the parts are refused below, or the wait for this thread was cancelled.
+            datasets.coordinators.extend(_coordinators(shards))
+        return shards
+
+    shards = await anyio.to_thread.run_sync(split)
     if (
         not isinstance(shards, Sequence)
         or len(shards) != n
@@ -302,8 +310,6 @@ async def make_shards(
             f"{type(data_config).__name__}.configure() must return one mapping of dataset "
             f"parts per rank ({n}), got {shards!r:.200}"
         )
-    if isinstance(datasets, _Datasets):
-        datasets.coordinators.extend(_coordinators(shards))
     return [dict(s) for s in shards]
 
 
