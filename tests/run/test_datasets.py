@@ -183,9 +183,10 @@ def wait_no_coordinator(timeout_s: float = 15.0) -> bool:
 # Splitting ------------------------------------------------------------------------------------
 
 
-async def test_split_dataset_rows_are_read_once_per_epoch_in_equal_parts() -> None:
-    """Three ranks, two epochs: each epoch's parts are disjoint, equal, and cover the range."""
-    ds = ray.data.range(300)
+async def test_split_dataset_rows_are_read_at_most_once_per_epoch_in_equal_parts() -> None:
+    """Three ranks, two epochs, 301 rows: each epoch's parts are disjoint and equal, and only
+    the remainder of the uneven split (one row) is left out, as the docs say."""
+    ds = ray.data.range(301)
     async with asyncexec.Executor(3, resources_per_worker=CPU) as ex:
         run = ex.run(read_epochs, {"names": ["train"], "epochs": 2}, datasets={"train": ds})
         steps = [s async for s in run]
@@ -197,7 +198,7 @@ async def test_split_dataset_rows_are_read_once_per_epoch_in_equal_parts() -> No
         assert [len(p) for p in parts] == [100, 100, 100]
         every = [i for p in parts for i in p]
         assert len(every) == len(set(every)), f"epoch {epoch}: a row was read twice"
-        assert set(every) == set(range(300)), f"epoch {epoch}: rows missing"
+        assert set(every) <= set(range(301)), f"epoch {epoch}: a row that is not in the data"
 
 
 async def test_dataset_not_split_is_seen_whole_by_every_worker() -> None:

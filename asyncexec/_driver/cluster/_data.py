@@ -4,8 +4,9 @@
 each dataset, read inside ``fn`` with :func:`asyncexec.get_dataset_shard`. A dataset that is
 split goes through ``Dataset.streaming_split(n, equal=True, locality_hints=<node of each
 rank>)``: one coordinator actor runs the dataset and deals its blocks out to the ranks, so every
-row is read by exactly one rank per epoch and every rank reads the same number of rows. A
-dataset that is not split is given whole to every rank.
+rank reads the same number of rows and no row is read by two ranks in an epoch (the remainder
+of an uneven split, fewer than ``n`` rows, is left out: ``equal=True`` drops it). A dataset
+that is not split is given whole to every rank.
 
 What differs from Ray Train's first executor:
 
