@@ -215,6 +215,8 @@ class Executor(WorkerCalls, ExecutorRuns):
             health_check_interval_s=health.interval_s,
             health_check_timeout_s=health.timeout_s,
             step_timeout_s=health.step_timeout_s,
+            straggler_factor=health.straggler_factor,
+            straggler_steps=health.straggler_steps,
             share_devices=share_devices,
             buffer_size=buffer_size,
             storage_path=storage_path,

@@ -124,6 +124,23 @@ async def test_simulated_balanced_ranks_fire_nothing() -> None:
     assert len(steps) == 40
 
 
+async def test_the_health_checks_straggler_settings_reach_the_executor() -> None:
+    """``health=HealthChecks(straggler_factor=None)`` turns the watch off, and its
+    ``straggler_steps`` sets the window (the step at which a slow rank is named)."""
+    load = SimLoad(reports=30, rate=400.0, slow={3: 4.0})
+    off = asyncexec.HealthChecks(straggler_factor=None)
+    window = asyncexec.HealthChecks(straggler_factor=3.0, straggler_steps=4)
+    with capture_logs() as logs:
+        async with asyncexec.Executor(8, cluster=SimCluster(load), health=off) as executor:
+            steps = [step async for step in executor.run(steps_with_a_slow_rank)]
+    assert len(steps) == 30
+    assert _stragglers(logs) == []
+    with capture_logs() as logs:
+        async with asyncexec.Executor(8, cluster=SimCluster(load), health=window) as executor:
+            steps = [step async for step in executor.run(steps_with_a_slow_rank)]
+    assert [(e["rank"], e["step"]) for e in _stragglers(logs)] == [(3, 3)]
+
+
 @pytest.fixture
 def registry() -> Iterator[Any]:
     pytest.importorskip("prometheus_client")
