@@ -1,11 +1,12 @@
 """What can be checked of ``merge=concat`` before a call is sent (``asyncexec._dispatch._plan``): a
-function annotated to return a scalar, or a mapping of scalars (metrics), returns what
-``concat()`` cannot merge. Pure."""
+function annotated to return a scalar (``None`` too), a union of them (``float | None``) or a
+mapping of scalars (metrics) returns what ``concat()`` cannot merge. Pure."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,7 +22,8 @@ _SCALARS = (int, float, complex, bool, str, bytes, type(None))
 
 def check_concat(fn: Callable[..., Any]) -> None:
     """What can be checked of ``merge=concat`` before the call is sent: a function annotated to
-    return a scalar, or a mapping of scalars (metrics), returns what concat() cannot merge."""
+    return a scalar (``None`` too), a union of them or a mapping of scalars (metrics) returns
+    what concat() cannot merge."""
     try:
         refused = _concat_refuses(fn)
     except TypeError:  # an unhashable callable: nothing to remember it by
@@ -45,9 +47,12 @@ def _concat_refuses(fn: Callable[..., Any]) -> str | None:
 
 
 def _scalar_results(hint: Any) -> bool:
-    if hint in _SCALARS:
+    if hint is None or hint in _SCALARS:  # ``-> None`` is annotated with None, not NoneType
         return True
     args = typing.get_args(hint)
-    if typing.get_origin(hint) in (dict, Mapping) and len(args) == 2:
+    origin = typing.get_origin(hint)
+    if origin in (dict, Mapping) and len(args) == 2:
         return _scalar_results(args[1])
+    if origin in (typing.Union, types.UnionType):  # ``float | None``: each member a scalar
+        return all(_scalar_results(arg) for arg in args)
     return False

@@ -42,6 +42,12 @@ class Learner:
     def taken(self) -> int:
         return self.steps
 
+    def apply(self, batch: Any) -> None:
+        self.steps += 1
+
+    def maybe_loss(self, batch: Any) -> float | None:
+        return None
+
 
 # Merges and metadata (item 16) -----------------------------------------------------------------
 
@@ -80,6 +86,19 @@ def test_a_merge_that_cannot_fit_the_annotated_results_is_refused_before_sending
     # Results that concatenate, or no annotation, are left to the merge.
     plan_call(Learner.meta, [asyncexec.scatter(batch)], {}, 2, roles=roles, merge=asyncexec.concat)
     plan_call(Learner.step, [asyncexec.scatter(batch)], {}, 2, roles=roles, merge=asyncexec.concat)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("method", "annotated"),
+    [(Learner.apply, "None"), (Learner.maybe_loss, r"float \| None")],
+)
+def test_a_merge_of_results_annotated_none_or_optional_scalars_is_refused_before_sending(
+    method: Any, annotated: str
+) -> None:
+    roles = [asyncexec.Role(Learner)]
+    with pytest.raises(asyncexec.ConfigurationError, match=rf"concat.*\(annotated {annotated}\)"):
+        plan_call(method, [asyncexec.scatter([1, 2])], {}, 2, roles=roles, merge=asyncexec.concat)
 
 
 @pytest.mark.timeout(10)
