@@ -28,6 +28,7 @@ __all__ = [
     "Timeouts",
     "grouped_options",
     "check_count",
+    "check_positive",
     "check_stragglers",
     "validate_buffer_size",
     "validate_resources",
@@ -72,7 +73,12 @@ def check_count(name: str, value: object, *, minimum: int = 1, allow_none: bool 
         )
 
 
-def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
+def check_positive(name: str, value: object, *, allow_none: bool = False) -> None:
+    """Refuse anything but a positive finite number (not a bool), or None when allowed.
+
+    Raises:
+        ConfigurationError: naming ``name`` and the value.
+    """
     if value is None and allow_none:
         return
     if not _is_number(value) or float(value) <= 0:  # type: ignore[arg-type]
@@ -169,7 +175,7 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for name in ("placement_s", "start_s", "stop_s", "shutdown_s"):
-            _positive(f"Timeouts.{name}", getattr(self, name))
+            check_positive(f"Timeouts.{name}", getattr(self, name))
         patience = self.graceful_patience_s
         if not _is_number(patience) or patience < 0:
             raise ConfigurationError(
@@ -203,9 +209,9 @@ class HealthChecks:
     straggler_steps: int = 10
 
     def __post_init__(self) -> None:
-        _positive("HealthChecks.interval_s", self.interval_s, allow_none=True)
-        _positive("HealthChecks.timeout_s", self.timeout_s)
-        _positive("HealthChecks.step_timeout_s", self.step_timeout_s, allow_none=True)
+        check_positive("HealthChecks.interval_s", self.interval_s, allow_none=True)
+        check_positive("HealthChecks.timeout_s", self.timeout_s)
+        check_positive("HealthChecks.step_timeout_s", self.step_timeout_s, allow_none=True)
         check_stragglers("HealthChecks.", self.straggler_factor, self.straggler_steps)
         if self.interval_s is not None and self.interval_s < 0.05:
             raise ConfigurationError(
@@ -364,10 +370,10 @@ class ExecutorConfig:
             "stop_timeout_s",
         ):
             if name in options:
-                _positive(name, options[name])
+                check_positive(name, options[name])
         for name in ("health_check_interval_s", "step_timeout_s"):
             if name in options:
-                _positive(name, options[name], allow_none=True)
+                check_positive(name, options[name], allow_none=True)
         interval = options.get("health_check_interval_s")
         if interval is not None and interval < 0.05:
             raise ConfigurationError(
@@ -387,7 +393,7 @@ class ExecutorConfig:
             options["buffer_size"] = validate_buffer_size(options["buffer_size"])
         check_count("spares", options.get("spares", 0), minimum=0)
         if "elastic_check_interval_s" in options:
-            _positive("elastic_check_interval_s", options["elastic_check_interval_s"])
+            check_positive("elastic_check_interval_s", options["elastic_check_interval_s"])
         if bounds is not None and options.get("spares", 0):
             raise ConfigurationError(
                 f"an elastic executor (num_workers={bounds!r}) takes no spares: a group that "

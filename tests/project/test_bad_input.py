@@ -228,6 +228,20 @@ def test_nan_graceful_patience_is_refused() -> None:
         asyncexec.Timeouts(graceful_patience_s=float("nan"))
 
 
+@pytest.mark.parametrize(
+    "value",
+    [math.nan, math.inf, True, 10**400, "60", 0, -1.0],
+    ids=["nan", "inf", "bool", "huge", "str", "zero", "negative"],
+)
+def test_a_reservations_placement_timeout_is_refused_unless_a_positive_finite_number(
+    value: object,
+) -> None:
+    """As the executor's and the pool's timeouts are (a NaN or infinite wait never ends)."""
+    with pytest.raises(asyncexec.ConfigurationError, match="placement_timeout_s"):
+        asyncexec.Reservation(2, placement_timeout_s=value)  # type: ignore[arg-type]
+    assert asyncexec.Reservation(2, placement_timeout_s=2).placement_timeout_s == 2.0
+
+
 # Amounts that pass asyncexec's checks but not Ray's ------------------------------------------
 
 

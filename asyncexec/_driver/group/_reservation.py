@@ -21,7 +21,7 @@ import anyio
 
 from ..._errors import ConfigurationError, ExecutorStateError
 from ..._logging import get_logger
-from .._config import PlacementStrategy, check_count, validate_resources
+from .._config import PlacementStrategy, check_count, check_positive, validate_resources
 from ..cluster import (
     PRECISION,
     Cluster,
@@ -102,10 +102,7 @@ class Reservation:
         )
         if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ConfigurationError(f"unknown placement strategy {strategy!r}")
-        if not isinstance(placement_timeout_s, int | float) or placement_timeout_s <= 0:
-            raise ConfigurationError(
-                f"placement_timeout_s must be a positive number, got {placement_timeout_s!r}"
-            )
+        check_positive("placement_timeout_s", placement_timeout_s)
         self.size = bundles
         self.resources = {k: v for k, v in resources.items() if v > 0}
         self.strategy = strategy
