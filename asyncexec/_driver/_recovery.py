@@ -19,7 +19,7 @@ from .._errors import AsyncExecError, WorkerCrashedError, describe
 from ._events import RankRenewed
 from ._lifecycle import Lifecycle
 from ._loads import Loads
-from .group import WorkerGroup, WorkerInfo, refill_spare, renew_rank
+from .group import WorkerGroup, WorkerInfo
 
 __all__ = ["Recovery"]
 
@@ -77,16 +77,13 @@ class Recovery:
             return
         if rank >= len(group.workers) or group.workers[rank].handle.key != worker.handle.key:
             return  # renewed already (a worker's key is its own, in local mode too)
-        spares = len(group.spares)
         try:
-            freed = await renew_rank(group, rank)
+            freed = await slot.renew(group, rank)
         except Exception as failure:
             self.log.warning("rank_renew_failed", rank=rank, error=describe(failure))
             freed = None
         if freed is not None:
             self.life.observer.emit(RankRenewed(rank))
-            if len(group.spares) < spares and slot.tg is not None:  # a spare took the place
-                slot.tg.start_soon(refill_spare, group, freed.bundle)
             await self._join(group, rank)
         else:
             await slot.drop_if(group)

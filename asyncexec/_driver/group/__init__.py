@@ -12,7 +12,6 @@ from ._pool import PoolStatistics, PoolWorker, WorkerPool
 from ._reservation import Claim, Reservation, ReservationStatistics
 from ._roles import PerRank
 from ._slot import GroupSlot
-from ._spares import refill_spare, renew_rank, replace_rank, shrink, take_spare
 from ._startup import start_group, worker_contexts
 
 __all__ = [
@@ -40,12 +39,7 @@ __all__ = [
     "find_dead",
     "fitting_workers",
     "measure_free",
-    "refill_spare",
-    "renew_rank",
-    "replace_rank",
-    "shrink",
     "start_group",
-    "take_spare",
     "watch",
     "watch_steps",
     "with_others",

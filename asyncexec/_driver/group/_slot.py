@@ -28,7 +28,8 @@ from .._observe import Observer
 from ..cluster import Cluster
 from ._elastic import Sizer
 from ._group import WorkerGroup
-from ._spares import refill_spare, replace_rank, take_spare
+from ._members import Standby
+from ._spares import refill_spare, renew_rank, replace_rank, take_spare
 from ._startup import start_group
 
 __all__ = ["GroupSlot"]
@@ -88,8 +89,22 @@ class GroupSlot:
         group is used for anything else."""
         refills, self._refills = self._refills, []
         for group, bundle in refills:
-            if self.tg is not None and group is self.group and not group.closed:
-                self.tg.start_soon(refill_spare, group, bundle)
+            if group is self.group and not group.closed:
+                self.refill(group, bundle)
+
+    def refill(self, group: WorkerGroup, bundle: int | None) -> None:
+        """Start a spare in ``bundle`` again, in the background (one took a rank's place)."""
+        if self.tg is not None:
+            self.tg.start_soon(refill_spare, group, bundle)
+
+    async def renew(self, group: WorkerGroup, rank: int) -> Standby | None:
+        """:func:`renew_rank`, and a spare that took the rank's place is started again at once:
+        the other ranks run on, so nothing waits for the CPU it takes."""
+        spares = len(group.spares)
+        freed = await renew_rank(group, rank)
+        if freed is not None and len(group.spares) < spares:
+            self.refill(group, freed.bundle)
+        return freed
 
     async def acquire(self, attempt: int | None = None) -> WorkerGroup:
         """The live group, started first when there is none. ``attempt`` (a run's attempt

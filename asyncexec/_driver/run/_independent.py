@@ -47,7 +47,7 @@ from .._events import RankFailed, RankReplaced, RankReported, RankRestarting
 from .._restart import PreemptionsSpent
 from .._taskgroups import task_group
 from ..cluster import at_attempt, outcome_error, proxy
-from ..group import WorkerGroup, refill_spare, renew_rank, watch
+from ..group import WorkerGroup, watch
 from ._context import RunContext
 from ._iterator import RunCore, RunState
 from ._preemption import exhausted
@@ -244,10 +244,10 @@ class IndependentRun:
     async def _renew(self, rank: int, group: WorkerGroup, preempted: bool) -> None:
         """Put a spare or a fresh process in ``rank``'s place; the others keep running. A
         renewal after a preemption is counted as one, not as a restart."""
-        spares = len(group.spares)
+        slot = self.ctx.slot
         group.restore_from = self.latest[rank]  # the new worker's roles restore from it
         try:
-            renewal = renew_rank(group, rank)
+            renewal = slot.renew(group, rank)
             freed = await self.ctx.observer.timed(renewal, RankReplaced, rank)
         except Exception as exc:
             error = StartupError(f"replacing rank {rank}: {describe(exc)}")
@@ -259,11 +259,8 @@ class IndependentRun:
                 "bundle of its own (leased from a pool, or in a parent placement group)"
             )
         self.generation[rank] += 1
-        slot = self.ctx.slot
         if not preempted:
             slot.restarts += 1
-        if len(group.spares) < spares and slot.tg is not None:
-            slot.tg.start_soon(refill_spare, group, freed.bundle)
 
     # Reports -----------------------------------------------------------------------------------
 
