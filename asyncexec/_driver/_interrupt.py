@@ -17,9 +17,11 @@ While an executor is open in the main thread, SIGINT is handled here:
   workers are killed at once, so the program ends as after one Ctrl-C, only sooner;
 - a third raises ``KeyboardInterrupt`` at once, as Python's own handler does.
 
-Without ``asyncio.run``'s handler (a loop run by hand), a Ctrl-C is raised from the event loop
-itself, between callbacks, where no task is half-way through anything. The previous handler is
-put back when the last executor closes.
+Without ``asyncio.run``'s handler (a loop run by hand, Python's own handler in place), a Ctrl-C
+is raised from the event loop itself, between callbacks, where no task is half-way through
+anything. The previous handler is put back when the last executor closes. A handler of the
+program's own (a service's graceful shutdown, installed with ``signal.signal`` or
+``loop.add_signal_handler``) is left in place: the program decides what a Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ class _Deferral:
             return False
         if self.depth == 0:
             current = signal.getsignal(signal.SIGINT)
-            if not callable(current):  # ignored, or set from outside Python: leave it
+            if current is not signal.default_int_handler and not _cancels(current):
+                # Ignored, set from outside Python, or the program's own (``signal.signal``,
+                # or ``loop.add_signal_handler``, whose Python-level handler is asyncio's
+                # no-op): the program decides what a Ctrl-C does, so it is left in place.
                 return False
             self.previous, self.presses, self.loop = current, itertools.count(1), loop
             self.hurried = False

@@ -74,3 +74,47 @@ async def test_a_second_ctrl_c_inside_the_first_ones_handler_still_cancels_the_m
         assert (cancels, hurries) == (1, 1), f"second press at line boundary {at}"
         at += 1
     assert at >= 3
+
+
+def _one_step() -> None:
+    import asyncexec
+
+    asyncexec.report({"i": 0})
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["signal.signal", "loop.add_signal_handler"])
+async def test_a_programs_own_sigint_handler_is_left_in_place_while_an_executor_is_open(
+    how: str,
+) -> None:
+    """Defect: any Python-level handler was replaced while an executor was open, and a first
+    Ctrl-C was raised as KeyboardInterrupt from the event loop instead of reaching it: a
+    service's own graceful shutdown (uvicorn's ``signal.signal`` handler, aiohttp's
+    ``loop.add_signal_handler``) never ran, and the program ended with a traceback."""
+    import signal
+
+    import asyncexec
+
+    loop = asyncio.get_running_loop()
+    pressed: list[int] = []
+    before = signal.getsignal(signal.SIGINT)
+    if how == "signal.signal":
+        signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    else:
+        loop.add_signal_handler(signal.SIGINT, pressed.append, signal.SIGINT)
+    programs = signal.getsignal(signal.SIGINT)
+    try:
+        async with asyncexec.Executor(2, local=True) as executor:
+            async for _ in executor.run(_one_step):
+                pass
+            assert signal.getsignal(signal.SIGINT) is programs
+        assert signal.getsignal(signal.SIGINT) is programs
+        if how == "signal.signal":  # (the loop's handler is asyncio's to call)
+            assert callable(programs)
+            programs(signal.SIGINT, None)
+            assert pressed == [signal.SIGINT]
+    finally:
+        if how == "loop.add_signal_handler":
+            loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, before)
+    assert signal.getsignal(signal.SIGINT) is before
