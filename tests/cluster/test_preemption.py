@@ -104,6 +104,82 @@ def test_get_preemption_info_outside_a_worker_refuses() -> None:
         asyncexec.get_preemption_info()
 
 
+class _Free:
+    """The part of a cluster that a move before the deadline asks: what is free off the
+    draining nodes (``free``, with the group's own bundles counted as free), and what is alive."""
+
+    def __init__(self, free: list[dict[str, float]]) -> None:
+        self.free = free
+        self.measured = anyio.Event()
+
+    async def free_nodes(self, bundle: Any, placement: Any, held: Any) -> list[dict[str, float]]:
+        self.measured.set()
+        return self.free
+
+    async def live_nodes(self) -> set[str]:
+        return {"a", "b"}
+
+
+async def _moves(free: list[dict[str, float]], **options: Any) -> bool:
+    """Whether a group of ``options`` on nodes "a" (drained) and "b" moves once a checkpoint
+    becomes the latest under the notice, when ``free`` is what is free off "a"."""
+    from types import SimpleNamespace
+
+    import structlog
+
+    from asyncexec._driver._config import ExecutorConfig
+    from asyncexec._driver._observe import Observer
+    from asyncexec._driver.run._preemption import PreemptionWatch
+
+    config = ExecutorConfig.build(2, resources_per_worker={"CPU": 1}, **options)
+    cluster = _Free(free)
+
+    async def told(method: str, notice: Any) -> None:
+        return None
+
+    workers = [
+        SimpleNamespace(
+            rank=rank,
+            metadata=SimpleNamespace(node_id=node),
+            handle=SimpleNamespace(key=f"w{rank}", call=told),
+        )
+        for rank, node in enumerate(["a", "b"])
+    ]
+    group = SimpleNamespace(
+        workers=workers, config=config, pool=None, placement=SimpleNamespace(owned=True)
+    )
+    watch = PreemptionWatch(
+        cluster,  # type: ignore[arg-type]
+        asyncexec.RestartPolicy(),
+        Observer(),
+        structlog.get_logger(),
+    )
+    await watch._update(group, {}, {"a": time.time() + 60})  # type: ignore[arg-type]
+    assert watch.current is not None
+    moved = anyio.Event()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch.move_when_saved, group, moved.set)
+            await anyio.wait_all_tasks_blocked()
+            watch.saved()  # a checkpoint became the latest under the notice
+            await cluster.measured.wait()
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+    return moved.is_set()
+
+
+@pytest.mark.timeout(10)
+async def test_a_group_with_spares_moves_only_where_its_spares_fit_too() -> None:
+    """Defect: the room for a move before the deadline was counted for the workers alone, but
+    the new group's placement holds its standby spares too: a group of 2 workers and a spare
+    left its nodes for a placement that the nodes left could not hold (2 bundles free, 3
+    asked), giving up the time left before the deadline to wait at the placement."""
+    two, three = [{"CPU": 2.0}], [{"CPU": 3.0}]
+    assert await _moves(two)  # no spare: 2 workers fit
+    assert not await _moves(two, spares=1)
+    assert await _moves(three, spares=1)
+
+
 # The function and the drains ----------------------------------------------------------------
 
 

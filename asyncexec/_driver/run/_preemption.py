@@ -15,12 +15,13 @@ the loop). When one of the group's nodes is marked, or its deadline changes:
   a checkpoint before the deadline.
 
 Ray does nothing at the deadline: the node goes when the cloud (or whoever drained it) takes it.
-The group moves first where it can (:meth:`PreemptionWatch.move_when_saved`): once a checkpoint
-has become the latest while the notice is in effect, and the group would fit on the nodes that
-are not draining (its own bundles there counted as free), the attempt ends at that safe point and
-the next starts from that checkpoint on a new group, before the deadline: a planned move, charged
-to ``max_preemptions``, with no failure. A group that cannot be placed anew (leased from a pool,
-on a reservation's bundles) or finds no room stays until its workers die with the node.
+The group moves first where it can (:meth:`PreemptionWatch.move_when_saved`): once a checkpoint has
+become the latest while the notice is in effect, and the group would fit on the nodes that are not
+draining (its standby spares included; its own bundles there counted as free), the attempt ends at
+that safe point and the next starts from that checkpoint on a new group, before the deadline: a
+planned move, charged to ``max_preemptions``, with no failure. A group that cannot be placed anew
+(leased from a pool, on a reservation's bundles) or finds no room stays until its workers die with
+the node.
 When the workers die with it, the attempt's failure is a preemption (:meth:`charge`): a death on
 a node seen draining, or on one whose cause of death in the node table is a preemption drain
 (when the drain came and went between two looks). It restarts from the latest checkpoint (the
@@ -342,11 +343,12 @@ class PreemptionWatch:
                 return
 
     async def _room(self, group: WorkerGroup) -> bool:
-        """Whether the nodes that are not draining hold ``group`` (an elastic one at its
-        minimum), its own bundles on them counted as free."""
+        """Whether the nodes that are not draining hold the group that would replace ``group``
+        (an elastic one at its minimum; its standby spares included, as its placement holds
+        them), its own bundles on them counted as free."""
         config = group.config
         nodes = await measure_free(config, self.cluster, group, self.log)
-        need = config.min_workers or len(group.workers)
+        need = (config.min_workers or config.num_workers) + config.spares
         if nodes is None:
             return False
         return fitting_workers(config.bundle, config.placement_strategy, nodes, need) >= need
