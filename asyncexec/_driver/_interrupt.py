@@ -49,8 +49,9 @@ class _Deferral:
         #: Ctrl-C presses so far, counted by one C call (see :meth:`handle`).
         self.presses = itertools.count(1)
         self.loop: asyncio.AbstractEventLoop | None = None
-        #: Graceful parts of teardowns in progress (see :func:`hurried_away`).
-        self.scopes: set[anyio.CancelScope] = set()
+        #: Graceful parts of teardowns in progress (see :func:`hurried_away`), each with the
+        #: loop it runs on (an executor may run in a thread of its own, on a loop of its own).
+        self.scopes: set[tuple[anyio.CancelScope, asyncio.AbstractEventLoop | None]] = set()
         self.hurried = False
 
     def enter(self) -> bool:
@@ -98,10 +99,16 @@ class _Deferral:
             loop.call_soon_threadsafe(_interrupt)
 
     def hurry(self) -> None:
-        """Cancel the graceful parts of the teardowns in progress, and of those to come."""
+        """Cancel the graceful parts of the teardowns in progress, and of those to come. Runs
+        on :attr:`loop`; a scope on another thread's loop is cancelled from that loop (asyncio
+        allows no other thread to cancel its tasks)."""
         self.hurried = True
-        for scope in list(self.scopes):
-            scope.cancel()
+        for scope, loop in list(self.scopes):
+            if loop is None or loop is self.loop:
+                scope.cancel()
+            else:
+                with contextlib.suppress(RuntimeError):  # that loop has closed: nothing runs
+                    loop.call_soon_threadsafe(scope.cancel)
 
 
 def _cancels(handler: Any) -> bool:
@@ -126,12 +133,17 @@ def hurried_away() -> Iterator[anyio.CancelScope]:
     scope = anyio.CancelScope()
     if _deferral.hurried:
         scope.cancel()
-    _deferral.scopes.add(scope)
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # (not on asyncio)
+        loop = None
+    entry = (scope, loop)
+    _deferral.scopes.add(entry)
     try:
         with scope:
             yield scope
     finally:
-        _deferral.scopes.discard(scope)
+        _deferral.scopes.discard(entry)
 
 
 def defer_interrupts() -> bool:

@@ -118,3 +118,43 @@ async def test_a_programs_own_sigint_handler_is_left_in_place_while_an_executor_
             loop.remove_signal_handler(signal.SIGINT)
         signal.signal(signal.SIGINT, before)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.timeout(20)
+async def test_a_second_ctrl_c_hurries_another_threads_teardown_on_that_threads_loop() -> None:
+    """Defect: the hurry (run on the main thread's loop) cancelled the teardown scopes of
+    executors in other threads from the main thread, which asyncio does not allow (a task of
+    another loop cancelled from a foreign thread: its loop is not woken, and in debug mode
+    ``call_soon`` raises). A teardown of another thread is hurried from its own loop."""
+    import threading
+
+    import anyio
+
+    entered = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def other_thread() -> None:
+        async def teardown() -> None:
+            with _interrupt.hurried_away() as scope:
+                entered.set()
+                await asyncio.sleep(10)  # a graceful part: waiting for functions to stop
+            outcome["hurried"] = scope.cancelled_caught
+
+        loop = asyncio.new_event_loop()
+        loop.set_debug(True)  # asyncio checks that each call comes from the loop's thread
+        try:
+            loop.run_until_complete(teardown())
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=other_thread, daemon=True)
+    thread.start()
+    await anyio.to_thread.run_sync(entered.wait, 5)
+    try:
+        _interrupt._deferral.hurry()  # what a second Ctrl-C calls, on the main thread's loop
+    finally:
+        _interrupt._deferral.hurried = False
+    await anyio.to_thread.run_sync(thread.join, 10)
+    assert outcome == {"hurried": True}
