@@ -10,8 +10,9 @@ A rank keeps the latest state it received, and every ``install`` registered late
 before ``receive_weights`` returns: a state that arrived before any was registered (a worker that
 joins after a restart gets the latest version before its function starts), and the state a
 previous run's function installed (the next run's function registers an install of its own, and
-the driver, which knows that the rank holds the version, sends nothing). Reports carry the
-version this worker holds (see ``_session``).
+the driver, which knows that the rank holds the version, sends nothing). An install a run's
+function registered ends with the function, so a version that arrives between two runs is
+kept for the next. Reports carry the version this worker holds (see ``_session``).
 
 torch is imported only by the torch transport's methods.
 """
@@ -56,6 +57,9 @@ class _End:
         self.lock = threading.Lock()
         self.read: Callable[[], Any] | None = None
         self.install: Callable[[Any, int], object] | None = None
+        #: The run's session whose function registered ``install`` (None: a role's, or one
+        #: registered outside a run's function): it ends with that function (see ``_live``).
+        self.install_run: _place.Session | None = None
         self.version: int | None = None  # the version held (received, installed or held back)
         #: The state of ``version``, kept for an install registered later (by the next run's
         #: function, or before any was): see ``receive_weights``.
@@ -116,7 +120,10 @@ def receive_weights(
     Called in the function given to ``run()`` on the ranks of the receiving executor (or in a
     role's ``__init__``); it replaces the install registered before it. ``install(state,
     version)`` is called in a thread of this worker, while the function keeps running, each
-    time a version arrives: guard what it changes with a lock. When this worker already holds a
+    time a version arrives: guard what it changes with a lock. An install registered by a run's
+    function ends with it: a version that arrives between two runs is kept for the next run's
+    install (one registered in a role's ``__init__``, or in a thread of the function's own,
+    stays). When this worker already holds a
     version (it joined after a restart and received the latest before its function started, or
     an earlier run's function installed it), that version is installed now, before this call
     returns: the worker keeps the latest state it received for this (with the object store,
@@ -126,13 +133,29 @@ def receive_weights(
     """
     if not callable(install):
         raise TypeError(f"receive_weights() takes a function, got {install!r}")
+    session = _place.current_session()
     end = _end(channel)
     with end.lock:
         end.install = install
+        end.install_run = session if session is not None and _in_function(session) else None
         version = end.version
         if end.has_state and version is not None:
             install(_fresh(end.state), version)
     return version
+
+
+def _in_function(session: _place.Session) -> bool:
+    """Whether this thread is the one running ``session``'s function (an ``async def`` too:
+    its loop runs there), not an ``execute()`` call or a thread of the function's own."""
+    return session.thread is threading.current_thread()
+
+
+def _live(end: _End) -> Callable[[Any, int], object] | None:
+    """``end``'s install, unless its run's function has ended: what it installs into went with
+    the function (the next run registers its own, and gets the kept state then)."""
+    if end.install_run is not None and end.install_run is not _place.current_session():
+        end.install, end.install_run = None, None
+    return end.install
 
 
 def _fresh(state: Any) -> Any:
@@ -233,8 +256,9 @@ def install_state(name: str, version: int, state: Any) -> None:
         if end.version is not None and version <= end.version:
             return
         kept = _fresh(state)
-        if end.install is not None:
-            end.install(state, version)
+        install = _live(end)
+        if install is not None:
+            install(state, version)
         end.state, end.has_state = kept, True
         end.version = version
         _place.set_report_version(version)

@@ -328,12 +328,23 @@ async def test_a_report_holds_the_version_held_when_report_was_called(tmp_path: 
 
 
 def _reports_its_installs(config: dict[str, Any]) -> None:
-    """Reports the versions its own install received (``config["steps"]`` reports)."""
+    """Reports the versions its own install received (``config["steps"]`` reports); the install
+    fails once the function has ended (what it installed into is gone)."""
     got: list[int] = []
-    asyncexec.receive_weights(lambda state, version: got.append(version))
-    for _ in range(config["steps"]):
-        asyncexec.report({"installed": list(got)})
-        time.sleep(0.01)
+    ended = False
+
+    def install(state: Any, version: int) -> None:
+        if ended:
+            raise RuntimeError("installed into a run whose function has ended")
+        got.append(version)
+
+    asyncexec.receive_weights(install)
+    try:
+        for _ in range(config["steps"]):
+            asyncexec.report({"installed": list(got)})
+            time.sleep(0.01)
+    finally:
+        ended = True
 
 
 @pytest.mark.parametrize("transport", ["object_store", "torch"])
@@ -345,7 +356,8 @@ async def test_runs_started_after_pushes_install_the_version_their_ranks_hold(
     version again (with torch, a second push under a new version number). A run's function
     registers an install of its own: the second run on the target never got the weights (the
     rank held the version an earlier run's install had taken, so the driver sent nothing at
-    its start), yet its reports said it had them."""
+    its start), yet its reports said it had them. A push between the two runs called the
+    ended run's install."""
     async with (
         asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as a,
         asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, storage_path=str(tmp_path)) as b,
@@ -360,11 +372,14 @@ async def test_runs_started_after_pushes_install_the_version_their_ranks_hold(
         while (await _next(first)).versions != (2,):
             pass
         await first.aclose()
+        # Between two runs: the first run's install has ended with its function (it was
+        # called, and failed the push); the version is held for the next run's.
+        assert await channel.push() == 3
         async for step in b.run(_reports_its_installs, {"steps": 3}):
             [report] = step.reports
-            assert (report.metrics["installed"], report.version) == ([2], 2)
+            assert (report.metrics["installed"], report.version) == ([3], 3)
         stats = channel.statistics()
-        assert (stats.version, stats.pushes, stats.joins) == (2, 2, 0)
+        assert (stats.version, stats.pushes, stats.joins) == (3, 3, 0)
         await learn.aclose()
 
 
