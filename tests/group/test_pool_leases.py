@@ -47,3 +47,35 @@ async def test_a_lease_that_waits_gets_a_worker_given_back_meanwhile() -> None:
                 await anyio.lowlevel.checkpoint()  # the waiter runs up to its first wait
                 await pool.give_back([(worker.handle, True)])
         assert got == [1]
+
+
+async def test_leases_that_wait_for_workers_given_back_one_at_a_time_do_not_starve_each_other() -> (
+    None
+):
+    """Defect: leases that waited took whatever was idle: with workers given back one at a
+    time (executors that end, workers started again after their last lease), two leases of 3
+    of a pool of 4 each took 2 and waited for the third until both failed at their bound. Now a
+    waiting lease takes its workers when they are all idle, in the order the leases came."""
+    timeouts = asyncexec.Timeouts(placement_s=20)
+    async with asyncexec.WorkerPool(
+        4, cluster=SimCluster(), when_short="wait", timeouts=timeouts
+    ) as pool:
+        held = await pool.lease(4)
+        order: list[str] = []
+
+        async def lease(name: str) -> None:
+            workers = await pool.lease(3)
+            order.append(name)
+            await pool.give_back([(w.handle, True) for w in workers])
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lease, "first")
+                await anyio.lowlevel.checkpoint()  # the first waits before the second comes
+                tg.start_soon(lease, "second")
+                await anyio.lowlevel.checkpoint()
+                for worker in held:  # one at a time, each lease waking in between
+                    await pool.give_back([(worker.handle, True)])
+                    for _ in range(10):
+                        await anyio.lowlevel.checkpoint()
+        assert order == ["first", "second"]

@@ -17,6 +17,7 @@ until enough are given back (``when_short="wait"``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import time
@@ -94,7 +95,8 @@ class WorkerPool:
             replaced.
         when_short: what a lease for more workers than are idle does: ``"start"`` fresh workers
             for the rest (killed when given back), or ``"wait"`` for workers to be given back
-            (up to ``timeouts.placement_s``).
+            (up to ``timeouts.placement_s``; the leases that wait are served in the order they
+            came, each taking all its workers at once).
         timeouts: the :class:`Timeouts` the pool uses: ``placement_s`` for its placement
             group, ``start_s`` for starting its workers (and each refill), ``shutdown_s`` for
             closing it.
@@ -164,6 +166,9 @@ class WorkerPool:
         #: Where the workers run (a local executor takes no pool).
         self.cluster = agreed(sides)
         self._counts = {"leases": 0, "returned": 0, "replaced": 0, "fresh_for_leases": 0}
+        #: Leases waiting for workers to be given back (``when_short="wait"``), in the order
+        #: they came: the first takes its workers when they are all idle (see ``lease``).
+        self._queue: collections.deque[object] = collections.deque()
         self._stock = Stock(self.cluster, self.config, self.log, self._counts)
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack: contextlib.AsyncExitStack | None = None  # holds ``_tg`` open
@@ -283,10 +288,19 @@ class WorkerPool:
         taken: list[PoolWorker] = []
         checking: list[PoolWorker] = []  # pinged now: this lease's, given back if it is cancelled
         stock = self._stock
+        turn = object()  # this lease's place in the queue, once it waits
         try:
             deadline = anyio.current_time() + self.config.placement_timeout_s
             while len(taken) < n:
                 self._check_open()
+                if self.when_short == "wait" and not self._may_take(turn, n - len(taken)):
+                    # Workers given back one at a time would go to each lease that waits in
+                    # turn, and leases holding some while each waits for the rest could all
+                    # wait until their bound: the first in the queue takes all it needs at once.
+                    if turn not in self._queue:
+                        self._queue.append(turn)
+                    await self._wait_for_workers(deadline, n - len(taken))
+                    continue
                 if self.reservation is not None:  # the lowest bundles first: rank i on bundle i
                     stock.idle.sort(key=lambda w: self.size if w.bundle is None else w.bundle)
                 candidates = stock.idle[: n - len(taken)]
@@ -298,19 +312,8 @@ class WorkerPool:
                     taken += await stock.alive(candidates)
                     checking = []
                     continue
-                # None idle, and no await since the look: a worker given back from now on
-                # sets this event (one read after an await could be the next one, never set).
-                if self.when_short == "start":
-                    taken += await stock.fresh(n - len(taken))
-                    break
-                changed = stock.changed
-                with anyio.move_on_after(deadline - anyio.current_time()):
-                    await changed.wait()
-                    continue
-                raise StartupTimeoutError(
-                    f"waiting for {n - len(taken)} workers of the pool to be given back",
-                    self.config.placement_timeout_s,
-                )
+                taken += await stock.fresh(n - len(taken))  # none idle: "start" (see above)
+                break
             self._check_open()  # closed meanwhile: what was taken is dead (no await from here)
         except BaseException:
             # What it took, and those it was pinging (they stay leased until they answer; the
@@ -320,8 +323,34 @@ class WorkerPool:
             with anyio.CancelScope(shield=True):
                 await self.give_back([(w.handle, True) for w in back])
             raise
+        finally:
+            if turn in self._queue:
+                self._queue.remove(turn)
+                stock.wake()  # the next in the queue may take its workers now
         self._counts["leases"] += 1
         return taken
+
+    def _may_take(self, turn: object, need: int) -> bool:
+        """Whether a lease that waits (``when_short="wait"``) takes idle workers now: ``need``
+        of them are idle, and no lease that came before it waits."""
+        return len(self._stock.idle) >= need and (not self._queue or self._queue[0] is turn)
+
+    async def _wait_for_workers(self, deadline: float, need: int) -> None:
+        """Wait until a worker is given back (or the queue moves), up to ``deadline``. No await
+        since the caller looked: a worker given back from now on sets this event (one read
+        after an await could be the next one, never set).
+
+        Raises:
+            StartupTimeoutError: the deadline passed.
+        """
+        changed = self._stock.changed
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            await changed.wait()
+            return
+        raise StartupTimeoutError(
+            f"waiting for {need} workers of the pool to be given back",
+            self.config.placement_timeout_s,
+        )
 
     async def give_back(self, returned: Sequence[tuple[Handle, bool]]) -> None:
         """Take back leased workers; ``True`` with a worker says it was reset and may be
