@@ -479,7 +479,10 @@ def create_app(
         raw = await request.body()
         try:
             body = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
+            # Not only JSONDecodeError: a body that is not UTF-8 (UnicodeDecodeError), an int
+            # of more digits than Python converts (ValueError) or arrays nested past the
+            # recursion limit (RecursionError) are bad input too, not a server error.
             return _error(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object (the run's config)")

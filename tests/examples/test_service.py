@@ -32,8 +32,6 @@ from conftest import cluster_held, live_workers
 
 from asyncexec.testing import metrics_enabled
 
-pytestmark = pytest.mark.usefixtures("ray_local")
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -92,6 +90,7 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, Any]]
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("ray_local")
 async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other_finishes(
     tmp_path: Path,
 ) -> None:
@@ -165,6 +164,7 @@ async def test_concurrent_runs_interleave_a_disconnect_cancels_its_run_the_other
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("ray_local")
 async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path) -> None:
     service = _example()
     app = service.create_app(
@@ -208,6 +208,7 @@ async def test_delete_cancels_a_streaming_run_and_its_stream_ends(tmp_path: Path
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("pool_size", [2, None], ids=["pool", "fresh-workers"])
 async def test_failing_run_ends_its_stream_with_the_error(
     tmp_path: Path, pool_size: int | None
@@ -240,6 +241,7 @@ async def test_failing_run_ends_its_stream_with_the_error(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("ray_local")
 async def test_server_shutdown_cancels_the_runs_in_progress(tmp_path: Path) -> None:
     """Stopping the server ends the open event streams and cancels their runs; the lifespan waits
     for their teardown (ray_local then finds nothing left)."""
@@ -265,6 +267,7 @@ async def test_server_shutdown_cancels_the_runs_in_progress(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("ray_local")
 async def test_requests_lease_the_pools_warm_workers_and_the_pool_closes_with_the_app(
     tmp_path: Path,
 ) -> None:
@@ -330,6 +333,24 @@ async def test_requests_lease_the_pools_warm_workers_and_the_pool_closes_with_th
     assert app.state.manager.pool.statistics().idle == 0
 
 
+@pytest.mark.timeout(60)
+async def test_a_body_that_is_not_json_is_answered_400_not_500() -> None:
+    """Defect: a body that json.loads refuses with another error than JSONDecodeError (not
+    UTF-8, an int of more digits than Python converts, arrays nested past the recursion limit)
+    was answered 500 Internal Server Error instead of 400. No Ray: the app has no pool, and no
+    run starts."""
+    service = _example()
+    app = service.create_app(pool_size=None, executor_options={"local": True})
+    bodies = [b"\x80", b'{"steps": ' + b"1" * 5000 + b"}", b"[" * 100_000]
+    async with serving(app) as (url, _), httpx.AsyncClient(base_url=url, timeout=30) as http:
+        with anyio.fail_after(30):
+            for body in bodies:
+                response = await http.post("/runs", content=body)
+                assert response.status_code == 400, (body[:20], response.text)
+                assert response.json()["error"].startswith("the body is not JSON")
+            assert (await http.get("/healthz")).json()["active_runs"] == 0
+
+
 #: What the test below holds of the shared Ray's 4 CPUs: 2 are left, as on a 2-core machine.
 LOCAL_CPUS_HELD = 2
 
@@ -361,6 +382,7 @@ _RAY_STARTED_IN = {"main": "MainThread", "factory": "asyncexec-ray"}
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("how", ["main", "factory"])
 async def test_the_service_serves_with_its_defaults_on_two_free_cpus(how: str) -> None:
     """Defect: ``python examples/service.py --port 8000`` (docs/services.md) asked for a pool of
