@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -365,6 +366,32 @@ async def test_statistics_count_steps_delivered_while_the_run_is_live() -> None:
         assert ex.statistics().steps_delivered == 13
         assert len([s async for s in ex.run(_steps, 2)]) == 2
         assert ex.statistics().steps_delivered == 15
+
+
+_REPORTED = threading.Event()
+
+
+def _reports_then_returns(n: int) -> None:
+    for i in range(n):
+        asyncexec.report({"i": i})
+    _REPORTED.set()
+
+
+async def test_no_step_is_yielded_after_aclose() -> None:
+    """Defect: ``await run.aclose()`` inside the loop stopped the run, but the loop went on
+    yielding the rest of the batch of steps at hand (as many as the consumer lagged behind)."""
+    _REPORTED.clear()
+    async with asyncexec.Executor(1, local=True) as ex:
+        run = ex.run(_reports_then_returns, 200, buffer_size=256)
+        assert (await run.__anext__()).index == 0
+        # Every step reported meanwhile: those the consumer takes next come in one batch.
+        assert await anyio.to_thread.run_sync(_REPORTED.wait, 30)
+        assert (await run.__anext__()).index == 1
+        assert (await run.__anext__()).index == 2
+        await run.aclose()  # (the run may have finished meanwhile: its steps were all handed)
+        with pytest.raises(StopAsyncIteration):
+            await run.__anext__()
+        assert [s.index async for s in run] == []
 
 
 def _same_name_checkpoint(content: str) -> None:

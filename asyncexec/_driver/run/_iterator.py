@@ -219,6 +219,10 @@ class Run:
         stop and shutdown deadlines)."""
         self._core.cancel()
         self._receive.close()
+        # The rest of the batch at hand is not yielded either: after aclose() the iterator
+        # ends, as an async generator's does (the hot path of __anext__ does not look at
+        # ``closed``).
+        self._pos = self._len
         # bounded by the run's end: its task's teardown steps have deadlines (_engine)
         with anyio.CancelScope(shield=True):
             await self._core.finished.wait()
