@@ -15,6 +15,7 @@ from .._logging import Logger
 from .._wire._checkpoint import Checkpoint
 from ..backends._base import Backend
 from ._config import ExecutorConfig
+from ._events import RunStarted
 from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
 from ._restart import RestartPolicy
@@ -182,6 +183,9 @@ class ExecutorRuns:
         self._retention.started(core.run_id, named=spec.name is not None)
         driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
         life.run = core
+        # Here, not in the run's task: from now on statistics() adds this run's steps instead
+        # of the previous run's, which must be counted by then (with no await between).
+        core.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
         tg.start_soon(self._retention.mark, core.run_id)
         tg.start_soon(driver.main, previous)
         return Run(core, receive)

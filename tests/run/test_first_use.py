@@ -368,6 +368,22 @@ async def test_statistics_count_steps_delivered_while_the_run_is_live() -> None:
         assert ex.statistics().steps_delivered == 15
 
 
+async def test_statistics_never_go_back_when_the_next_run_starts() -> None:
+    """Defect: ``run()`` made the new run the one whose steps ``statistics()`` adds, while the
+    previous run's steps were counted only once the new run's task had started: right after
+    ``run()``, ``steps_delivered`` fell back by the previous run's steps (and ``runs_started``
+    lagged)."""
+    async with asyncexec.Executor(1, local=True) as ex:
+        assert len([s async for s in ex.run(_steps, 5)]) == 5
+        before = ex.statistics()
+        assert (before.steps_delivered, before.runs_started) == (5, 1)
+        again = ex.run(_steps, 2)
+        now = ex.statistics()  # no await since run(): its task has not started
+        assert (now.steps_delivered, now.runs_started) == (5, 2)
+        assert len([s async for s in again]) == 2
+        assert ex.statistics().steps_delivered == 7
+
+
 _REPORTED = threading.Event()
 
 

@@ -19,7 +19,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from ..._errors import AsyncExecError, describe
 from ..._wire._checkpoint import Checkpoint, CheckpointBook
 from ..._wire._tracing import Opened, begin, finish
-from .._events import RunEnded, RunStarted
+from .._events import RunEnded
 from .._interrupt import hurried_away
 from .._metrics import RunMeter
 from .._restart import RestartPolicy
@@ -78,7 +78,6 @@ class RunDriver:
         traced: Opened | None = None
         try:
             with run.scope:
-                ctx.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
                 if previous is not None:
                     await previous.finished.wait()
                 t0 = time.perf_counter()
