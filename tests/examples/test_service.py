@@ -362,8 +362,9 @@ def recorded_init(*args, **kwargs):
     return init(*args, **kwargs)
 ray.init = recorded_init
 """
-#: How the service is started: as docs/services.md gives it (its main()), and as an app factory
-#: served by uvicorn, where nothing but asyncexec starts Ray. ``sys.argv[1]`` is the port.
+#: How the service is started: as docs/services.md gives it (``python examples/service.py``: its
+#: cli()), and as an app factory served by uvicorn, where nothing but asyncexec starts Ray.
+#: ``sys.argv[1]`` is the port.
 _SERVE = {
     "main": """
 import runpy
