@@ -385,12 +385,19 @@ async def test_statistics_never_go_back_when_the_next_run_starts() -> None:
 
 
 _REPORTED = threading.Event()
+_RELEASED = threading.Event()
 
 
 def _reports_then_returns(n: int) -> None:
     for i in range(n):
         asyncexec.report({"i": i})
     _REPORTED.set()
+
+
+def _reports_then_holds(n: int) -> None:
+    """As above, and the run does not finish before the test says so."""
+    _reports_then_returns(n)
+    _RELEASED.wait(30)
 
 
 async def test_no_step_is_yielded_after_aclose() -> None:
@@ -408,6 +415,24 @@ async def test_no_step_is_yielded_after_aclose() -> None:
         with pytest.raises(StopAsyncIteration):
             await run.__anext__()
         assert [s.index async for s in run] == []
+
+
+async def test_a_loop_over_a_run_stopped_by_break_yields_nothing() -> None:
+    """Defect: after ``break`` had stopped the run, a new ``async for`` over the same Run was
+    yielded the rest of the batch of steps at hand, of the stopped run."""
+    _REPORTED.clear()
+    _RELEASED.clear()
+    async with asyncexec.Executor(1, local=True) as ex:
+        run = ex.run(_reports_then_holds, 200, buffer_size=256)
+        async for step in run:
+            if step.index == 0:  # every step reported meanwhile: the next come in one batch
+                assert await anyio.to_thread.run_sync(_REPORTED.wait, 30)
+            if step.index == 2:
+                break  # the function has not returned: this stops the run
+        _RELEASED.set()
+        assert [s.index async for s in run] == []
+        await run.aclose()
+        assert run.state is asyncexec.RunState.CANCELLED
 
 
 def _same_name_checkpoint(content: str) -> None:

@@ -179,6 +179,10 @@ class Run:
     def __aiter__(self) -> _Loop:
         # Each ``async for`` gets an iterator of its own: when the loop is left early (break, an
         # exception), it is dropped and the run stops, also while the Run is held in a variable.
+        if self._core.closed:
+            # Stopped (a loop left early, aclose()): the rest of the batch at hand belongs to
+            # no one, and a new loop over the stopped run must not be yielded it.
+            self._pos = self._len
         return _Loop(self, self._loop)
 
     async def __anext__(self) -> Step:
