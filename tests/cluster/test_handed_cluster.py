@@ -130,6 +130,19 @@ def test_a_weight_channel_between_two_clusters_is_refused_naming_both() -> None:
     assert not ray.is_initialized()
 
 
+def test_a_weight_channel_on_a_simulated_cluster_is_refused_when_made() -> None:
+    """Simulated workers have no object store or process group to move weights through: a
+    channel between two executors on one simulated cluster is refused when made, naming the
+    cluster, not at its first push."""
+    cluster = SimCluster()
+    learner = asyncexec.Executor(2, cluster=cluster, name="learner")
+    servers = asyncexec.Executor(2, cluster=cluster, name="servers")
+    with pytest.raises(asyncexec.ConfigurationError, match="update_weights") as info:
+        asyncexec.WeightChannel(learner, servers)
+    assert repr(cluster) in str(info.value)
+    assert not ray.is_initialized()
+
+
 @pytest.mark.timeout(10)
 async def test_simulated_is_the_default_of_its_own_context_only() -> None:
     """A task that was already running when another entered ``simulated()`` makes its executors

@@ -34,7 +34,7 @@ from ..._logging import get_logger
 from .._config import check_count
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
-from ..cluster import Caller, agreed, proxy
+from ..cluster import Caller, agreed, channelling, proxy
 from ..group import WorkerInfo
 from ._events import ChannelClosed
 from ._object_store import ObjectStoreTransport
@@ -294,12 +294,13 @@ def _check(
             "a WeightChannel does not connect local executors: its transports need Ray's "
             "object store or a process group per worker process"
         )
-    agreed(  # before anything starts: the channel's two ends run on one cluster
+    cluster = agreed(  # before anything starts: the channel's two ends run on one cluster
         [
             (f"the channel's source {source.config.name!r}", source.cluster),
             (f"its target {target.config.name!r}", target.cluster),
         ]
     )
+    channelling(cluster, "a WeightChannel")
     if transport not in ("object_store", "torch"):
         raise ConfigurationError(f'transport must be "object_store" or "torch", got {transport!r}')
     if torch_backend not in (None, "gloo", "nccl"):

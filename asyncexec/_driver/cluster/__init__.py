@@ -23,7 +23,7 @@ from ._calls import (
     result_of,
     settled,
 )
-from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, placing
+from ._choice import DEFAULT_CLUSTER, agreed, channelling, checked_cluster, placing
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
@@ -73,6 +73,7 @@ __all__ = [
     "death_of",
     "gathered",
     "backend_error",
+    "channelling",
     "checked_cluster",
     "described",
     "dump_processes",

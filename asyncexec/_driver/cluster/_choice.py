@@ -73,6 +73,22 @@ def placing(cluster: Cluster, what: str) -> Cluster:
     return cluster
 
 
+def channelling(cluster: Cluster, what: str) -> Cluster:
+    """``cluster``, for ``what`` (a weight channel), which moves states through Ray's object
+    store or a process group between worker processes: Ray's.
+
+    Raises:
+        ConfigurationError: ``cluster`` is in this process (simulated, or local mode's
+            threads), whose workers have neither (naming it).
+    """
+    if isinstance(cluster, InProcessCluster):
+        raise ConfigurationError(
+            f"{what} moves states through Ray's object store or a process group: {cluster!r} "
+            "has neither (hand a Pipeline's states to Pipeline.update_weights(state) instead)"
+        )
+    return cluster
+
+
 def agreed(sides: Sequence[tuple[str, Cluster | None]], local: bool = False) -> Cluster:
     """The one cluster that objects working together run on: ``sides`` are each one's
     description and cluster (None: not given, or none handed in), the first given one wins;
