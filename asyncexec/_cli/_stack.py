@@ -1,9 +1,9 @@
 """``asyncexec stack``: the threads' stacks of a running cluster's asyncexec workers.
 
 It joins the cluster as a driver of its own, finds the live worker actors in Ray's actor table
-(class ``_Worker``, alive) and reads each process's stacks from outside it, with py-spy on its
-node (see ``_driver.cluster._stacks``): a hung worker, which answers no call, is read like any
-other.
+(class ``_Worker``, or ``_Threaded`` for a group whose roles have only plain methods; alive)
+and reads each process's stacks from outside it, with py-spy on its node (see
+``_driver.cluster._stacks``): a hung worker, which answers no call, is read like any other.
 The output is grouped by the driver (Ray job) that owns the workers, then by node and pid; the
 thread that runs a run's function is named ``asyncexec-fn <executor name> rank <rank>``, and
 the header of each process repeats what that name says.
