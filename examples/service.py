@@ -339,7 +339,8 @@ class RunManager:
             pass  # the client stopped reading: a cancellation
         except asyncexec.AsyncExecError as exc:
             record.final = "failed"
-            record.error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            first_line = str(exc).partition("\n")[0]  # (an empty message has one too)
+            record.error = f"{type(exc).__name__}: {first_line}"
         except Exception as exc:
             # One run's bug must not take the service down: it is recorded, logged with its
             # traceback, and told to the client in the run's end event.
