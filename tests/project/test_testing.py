@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,28 @@ async def test_a_failure_that_ends_the_run_swaps_in_no_spare_and_counts_no_resta
                     cluster.crash(executor.workers[1].pid)
         assert executor.statistics().restarts == 0
         assert cluster.statistics().workers == made  # no spare owed, none made
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: SimLoad(reports=-1), "reports"),
+        (lambda: SimLoad(rate=float("nan")), "rate"),
+        (lambda: SimLoad(rate=0), "rate"),
+        (lambda: SimLoad(slow={1: float("nan")}), "slow"),
+        (lambda: SimLoad(slow_from=-1), "slow_from"),
+        (lambda: SimCluster(ranks_per_node=0), "ranks_per_node"),
+    ],
+    ids=["negative-reports", "nan-rate", "zero-rate", "nan-factor", "negative-from", "no-ranks"],
+)
+def test_a_load_or_cluster_that_cannot_run_is_refused_when_made(
+    make: Callable[[], object], named: str
+) -> None:
+    """Defect: ``SimLoad(reports=-1)`` or a NaN rate made ranks that never finished (the run
+    hung), a zero rate failed the run with a ZeroDivisionError, and ``ranks_per_node=0`` the
+    executor's start with one."""
+    with pytest.raises(asyncexec.ConfigurationError, match=f"{named}="):
+        make()
 
 
 @pytest.mark.timeout(30)

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import numbers
 import time
 import weakref
 from array import array
@@ -39,10 +40,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+from ..._errors import ConfigurationError
 from ..._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from ..._wire._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
 from ..._worker import Place
-from .._config import ExecutorConfig
+from .._config import ExecutorConfig, check_count
 from ._base import Handle, PendingResult, Spawned
 from ._inprocess import InProcessCluster
 from ._local import LocalWorkerGone
@@ -71,6 +73,10 @@ class SimLoad:
         spread: the ranks' reports fall at different moments, spread evenly over a period (as
             real ranks' do); else every rank reports at once.
         slow_from: the ranks in ``slow`` are slow from this step on (each attempt's count).
+
+    Raises:
+        ConfigurationError: ``reports`` or ``slow_from`` is not an int of at least 0, ``rate``
+            or a factor in ``slow`` is not a number above zero (NaN is not).
     """
 
     reports: int = 100
@@ -79,6 +85,30 @@ class SimLoad:
     tagged: bool = True
     spread: bool = True
     slow_from: int = 0
+
+    def __post_init__(self) -> None:
+        # Refused here, not when a run starts: a negative count or a NaN rate made ranks that
+        # never finished (the run hung), a zero rate a ZeroDivisionError from the run.
+        check_count("SimLoad(reports=...)", self.reports, minimum=0)
+        _check_above_zero("SimLoad(rate=...)", self.rate)
+        check_count("SimLoad(slow_from=...)", self.slow_from, minimum=0)
+        if not isinstance(self.slow, Mapping):
+            raise ConfigurationError(
+                f"SimLoad(slow=...) must map ranks to factors, got {self.slow!r}"
+            )
+        for rank, factor in self.slow.items():
+            _check_above_zero(f"SimLoad(slow={{{rank!r}: ...}})", factor)
+
+
+def _check_above_zero(name: str, value: object) -> None:
+    """Refuse anything but a number above zero (not a bool, not NaN; infinity is one: a rate
+    of reports at once, a rank slowed to never report).
+
+    Raises:
+        ConfigurationError: naming ``name`` and the value.
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not float(value) > 0:
+        raise ConfigurationError(f"{name} must be a number above zero, got {value!r}")
 
 
 class SimStatistics(NamedTuple):
@@ -415,6 +445,9 @@ class SimCluster(InProcessCluster):
         ranks_per_node: how many workers make a node (their ``node_id`` and ``local_rank``).
         gpus: each worker holds the GPU id of its place in its node (``accelerator_ids``).
 
+    Raises:
+        ConfigurationError: ``ranks_per_node`` is not a positive int.
+
     Attributes:
         load: what the ranks do in the runs started from now on (it may be changed between
             runs).
@@ -423,6 +456,7 @@ class SimCluster(InProcessCluster):
     def __init__(
         self, load: SimLoad | None = None, *, ranks_per_node: int = 8, gpus: bool = True
     ) -> None:
+        check_count("SimCluster(ranks_per_node=...)", ranks_per_node)
         #: What the ranks' functions do in the runs started from now on.
         self.load = load if load is not None else SimLoad()
         self.ranks_per_node = ranks_per_node
