@@ -139,6 +139,28 @@ def test_a_load_or_cluster_that_cannot_run_is_refused_when_made(
         make()
 
 
+class Forgetful(asyncexec.RolloutServer):
+    """A server whose ``__init__`` forgets ``super().__init__()``."""
+
+    def __init__(self) -> None:
+        self.ready = True
+
+    async def chunks(self, prompt: Any) -> Any:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+async def test_a_server_that_skips_super_init_fails_the_groups_start_as_on_ray() -> None:
+    """Defect: simulated workers did not check a ``RolloutServer``'s made instance, as Ray's and
+    local mode's workers do: the group started, and only its first ``generate`` failed."""
+    with pytest.raises(asyncexec.StartupError, match=r"super\(\)\.__init__\(\)"):
+        async with asyncexec.Executor(2, roles=Forgetful, cluster=SimCluster()):
+            pass
+
+
 @pytest.mark.timeout(30)
 async def test_a_pipeline_with_a_router_over_scripted_servers() -> None:
     """The user's RL loop over 3 stand-in servers behind a router: every prompt trained on once,

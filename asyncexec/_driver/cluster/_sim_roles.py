@@ -219,7 +219,9 @@ class SimCalls:
         self, payload: bytes, checkpoint: Any, context: ContextFactory | None
     ) -> Outcome:
         """The instances of the roles in ``payload``, in role order (as the actor's
-        ``_roles.make``): ``restore(checkpoint)`` after each ``__init__`` when given."""
+        ``_roles.make``): each checked as its class checks a made instance (a
+        ``RolloutServer``'s called ``super().__init__()``), then ``restore(checkpoint)`` when
+        given."""
         blobs: tuple[bytes, ...] = pickle.loads(payload)
         instances: list[object] = []
         for index, blob in enumerate(blobs):
@@ -228,6 +230,9 @@ class SimCalls:
                 spec: RoleSpec = pickle.loads(blob)
                 stage = "init"
                 instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
+                made = getattr(instance, "_asyncexec_check_made", None)
+                if callable(made):  # the class's check of a made instance (RolloutServer's)
+                    made()
                 restore = getattr(instance, "restore", None)
                 if checkpoint is not None and callable(restore):
                     stage = "restore"
