@@ -162,6 +162,25 @@ async def test_a_server_that_skips_super_init_fails_the_groups_start_as_on_ray()
 
 
 @pytest.mark.timeout(30)
+async def test_a_role_class_made_on_simulated_workers_keeps_its_own_methods() -> None:
+    """Defect: making a role's instances on simulated workers unpickled its class, which
+    cloudpickle sends by value when it is defined in a function or in ``__main__``; cloudpickle
+    gave the driver's own class back with its attributes set again from the pickle, so its
+    methods were copies after, and a call with a method taken before (``fn = Counter.rank``, or
+    ``Counter.rank`` in a call that waited for a crashed rank's replacement) was refused with a
+    ConfigurationError as no role's method. On Ray the class is unpickled in the workers."""
+
+    class Counter:
+        def rank(self) -> int:
+            return asyncexec.get_context().world_rank
+
+    rank = Counter.rank
+    async with asyncexec.Executor(2, roles=Counter, cluster=SimCluster()) as executor:
+        assert Counter.rank is rank
+        assert await executor.call(rank) == [0, 1]
+
+
+@pytest.mark.timeout(30)
 async def test_a_pipeline_with_a_router_over_scripted_servers() -> None:
     """The user's RL loop over 3 stand-in servers behind a router: every prompt trained on once,
     no sample staler than S, each server holding the last state pushed; the calls spread over

@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 
 from ..._errors import ExecutorStateError
 from ..._wire._interface import parse_key, unpacked
+from ..._wire._pickle import loads_here
 from ..._wire._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
 from ..._wire._tracing import Carried, plain
 from ..._worker import PLACE, Place, error_outcome, value_outcome
@@ -227,7 +228,7 @@ class SimCalls:
         for index, blob in enumerate(blobs):
             stage: Literal["load", "init", "restore"] = "load"
             try:
-                spec: RoleSpec = pickle.loads(blob)
+                spec: RoleSpec = loads_here(blob)  # the driver's classes left as they are
                 stage = "init"
                 instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
                 made = getattr(instance, "_asyncexec_check_made", None)
