@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any
 
 import anyio
@@ -276,6 +278,51 @@ async def test_simulated_ranks_cancel_an_async_call_given_up() -> None:
         with anyio.fail_after(5):
             state = await ex.call(Worker.state, on=cap)
         assert state["cancelled"] == 1 and state["hanging"] == 0
+
+
+class Stubborn:
+    """A role whose ``async def`` method, cancelled, returns anyway; it keeps a weak reference
+    to the task that ran it."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.task: weakref.ref[asyncio.Task[Any]] | None = None
+
+    async def stubborn(self) -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = weakref.ref(task)
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "returned anyway"
+        return "never"
+
+    async def wait_entered(self) -> bool:
+        await self.entered.wait()
+        return True
+
+    def task_kept(self) -> bool:
+        gc.collect()
+        return self.task is not None and self.task() is not None
+
+
+@pytest.mark.timeout(30)
+async def test_simulated_ranks_keep_no_task_of_a_cancelled_call_that_returned() -> None:
+    """Defect: a simulated worker kept the task of a call that the driver cancelled and whose
+    coroutine returned anyway (it swallowed the cancellation), for the worker's life: a task
+    (and its result) leaked per such call."""
+    cap = asyncexec.least_loaded(max_in_flight=1)
+    cluster = SimCluster(SimLoad(reports=1))
+    async with asyncexec.Executor(1, roles=Stubborn, health=NO_HEALTH, cluster=cluster) as ex:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(ex.call, Stubborn.stubborn, on=cap))
+                assert await ex.call(Stubborn.wait_entered, on=asyncexec.rank(0))
+                scope.cancel()
+        with anyio.fail_after(5):  # the slot is free once the call has ended on the worker
+            assert await ex.call(Stubborn.task_kept, on=cap) is False
 
 
 # The least-loaded wait: an ended call hands its slot over ----------------------------------------

@@ -208,6 +208,7 @@ class SimCalls:
             else:
                 answer = value if outcome else value_outcome(value)
             self.tasks.pop(task, None)
+            self.cancelled.discard(task)  # cancelled, and it ended anyway: not kept
             self.cluster.timed(lambda: pending.answer(answer))
 
         inside = contextvars.copy_context()
