@@ -181,6 +181,44 @@ async def test_a_role_class_made_on_simulated_workers_keeps_its_own_methods() ->
 
 
 @pytest.mark.timeout(30)
+async def test_simulated_ranks_send_back_what_ray_sends_back() -> None:
+    """Defect: a simulated worker pickled its answers with plain pickle, which cannot pickle a
+    class or function defined in a function (Ray's cloudpickle can): an ``async def`` method
+    that returned such a value, or raised such an exception, never answered (the call hung,
+    "Task exception was never retrieved"), and a plain method that raised one failed the call
+    with an AttributeError instead of the rank's WorkerRaisedError."""
+
+    class Point:
+        def __init__(self, x: int) -> None:
+            self.x = x
+
+    class Refused(Exception):
+        pass
+
+    class Shapes:
+        async def point(self) -> Point:
+            return Point(1)
+
+        async def maker(self) -> Callable[[], int]:
+            return lambda: 2
+
+        async def refuse(self) -> None:
+            raise Refused("async")
+
+        def refuse_plainly(self) -> None:
+            raise Refused("plain")
+
+    async with asyncexec.Executor(1, roles=Shapes, cluster=SimCluster()) as executor:
+        with anyio.fail_after(10):
+            assert (await executor.call(Shapes.point, on=asyncexec.rank(0))).x == 1
+            assert (await executor.call(Shapes.maker, on=asyncexec.rank(0)))() == 2
+            for method in (Shapes.refuse, Shapes.refuse_plainly):
+                with pytest.raises(asyncexec.WorkerRaisedError) as info:
+                    await executor.call(method, on=asyncexec.rank(0))
+                assert type(info.value.__cause__).__name__ == "Refused"
+
+
+@pytest.mark.timeout(30)
 async def test_a_pipeline_with_a_router_over_scripted_servers() -> None:
     """The user's RL loop over 3 stand-in servers behind a router: every prompt trained on once,
     no sample staler than S, each server holding the last state pushed; the calls spread over

@@ -1,6 +1,10 @@
 """How a simulated worker answers a call (see ``_sim``): at once (:class:`Ready`) or later
 (:class:`Pending`), each answer crossing a pickle round trip as an actor's result does: dumped by
-the worker, loaded by the driver when it awaits it. No task, thread or loop of its own."""
+the worker, loaded by the driver when it awaits it. No task, thread or loop of its own.
+
+An answer is dumped by plain pickle, or, where plain pickle cannot (a class or function defined
+in a function, a lambda, in a value or an error), by Ray's cloudpickle, as Ray dumps an actor's
+result. One that neither can dump fails its call: it never leaves the call unanswered."""
 
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ import pickle
 from collections.abc import Generator
 from typing import Any
 
-__all__ = ["PROTOCOL", "Pending", "Ready", "ready"]
+from ..._wire._pickle import dumps as cloud_dumps
+
+__all__ = ["PROTOCOL", "Pending", "Ready", "dumped", "ready"]
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -52,8 +58,14 @@ class Pending:
         return None  # (awaited as it is: a future's waiter already)
 
     def answer(self, value: Any) -> None:
-        if not self.future.done():
-            self.future.set_result(pickle.dumps(value, PROTOCOL))
+        if self.future.done():
+            return
+        try:
+            data = dumped(value)
+        except Exception as exc:  # no pickler could: the call fails rather than hangs
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(data)
 
     def fail(self, error: BaseException) -> None:
         if not self.future.done():
@@ -67,4 +79,19 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 def ready(value: Any) -> Ready:
     """The answer ``value``, there at once."""
-    return Ready(pickle.dumps(value, PROTOCOL))
+    try:
+        return Ready(dumped(value))
+    except Exception as exc:  # no pickler could: the call fails
+        return Ready(None, exc)
+
+
+def dumped(value: Any) -> bytes:
+    """``value`` dumped as an answer: by plain pickle (the cheaper), else by Ray's cloudpickle.
+
+    Raises:
+        Exception: neither could dump it (cloudpickle's error).
+    """
+    try:
+        return pickle.dumps(value, PROTOCOL)
+    except Exception:
+        return cloud_dumps(value)
