@@ -13,9 +13,10 @@ __all__ = ["simulated"]
 
 @contextlib.contextmanager
 def simulated(cluster: SimCluster | None = None) -> Iterator[SimCluster]:
-    """Executors, pools and reservations made inside without a cluster of their own put their
-    workers on ``cluster`` (a fresh :class:`SimCluster` when None), whatever their ``local``
-    says. Ray is never started. Yields the cluster.
+    """Executors and pools made inside without a cluster of their own put their workers on
+    ``cluster`` (a fresh :class:`SimCluster` when None), whatever their ``local`` says. Ray is
+    never started. Yields the cluster. A ``Reservation`` made inside is refused (it is Ray's
+    placement group: a simulated cluster places no bundles).
 
     A thin convenience over handing the cluster in, which says the same thing where the object
     is made and needs no block::
