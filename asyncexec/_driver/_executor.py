@@ -28,7 +28,7 @@ from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
 from ._sinks import ExecutorCounts, executor_observer
-from .cluster import Cluster, agreed, checked_cluster
+from .cluster import Cluster, agreed, backing, checked_cluster
 from .group import GroupSlot, Reservation, WorkerPool
 from .run import RunState
 
@@ -159,7 +159,7 @@ class Executor(WorkerCalls, ExecutorRuns):
             pool's or reservation's, else Ray's (or, inside
             :func:`asyncexec.testing.simulated`, that block's). Not with ``local=True``
             (``ASYNCEXEC_LOCAL`` does not apply to it); a pool or reservation must run on the
-            same one.
+            same one. A simulated cluster takes no ``backend``.
         **legacy: the options grouped into ``timeouts`` and ``health`` in 0.2, under their old
             names (``start_timeout_s=``, ``health_check_interval_s=``, ...): deprecated.
     """
@@ -245,7 +245,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         #: observer, which its groups, runs and calls emit their events to.
         self._counts = ExecutorCounts()
         observer = executor_observer(self._counts, self.config.name, self.timeline)
-        cluster = _cluster_of(name, cluster, pool, reservation, local)
+        cluster = backing(_cluster_of(name, cluster, pool, reservation, local), backend)
         self._life = Lifecycle(
             self.config, backend, self.log, cluster, pool, reservation, self.timeline, observer
         )

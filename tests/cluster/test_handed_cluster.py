@@ -84,6 +84,25 @@ def test_local_true_with_a_cluster_is_refused_naming_both() -> None:
         asyncexec.Executor(2, cluster="ray")  # type: ignore[arg-type]
 
 
+def test_a_backend_on_a_simulated_cluster_is_refused_when_made() -> None:
+    """Defect: an executor on a simulated cluster took a backend, whose worker functions ran
+    inline on the driver's loop: a TorchBackend's start bound a store to the rank's made-up
+    address and waited for the other ranks there, blocking the loop for good (no deadline or
+    cancellation could end it). Refused as local mode refuses one: one process, one group."""
+    from asyncexec.backends import Backend, TorchBackend
+
+    for backend in (TorchBackend(), Backend()):
+        with pytest.raises(asyncexec.ConfigurationError, match="backend") as info:
+            asyncexec.Executor(2, cluster=SimCluster(), backend=backend)
+        assert "SimCluster" in str(info.value)
+        with simulated(), pytest.raises(asyncexec.ConfigurationError, match="backend"):
+            asyncexec.Executor(2, backend=backend)
+        with pytest.raises(asyncexec.ConfigurationError, match="backend"):
+            pool = asyncexec.WorkerPool(2, cluster=SimCluster())
+            asyncexec.Executor(2, pool=pool, backend=backend)
+    assert not ray.is_initialized()
+
+
 def test_an_executor_on_another_cluster_than_its_pool_is_refused_naming_both() -> None:
     """Refused when made: nothing is started (no worker made on either cluster)."""
     ours, theirs = SimCluster(), SimCluster(SimLoad(reports=7))

@@ -23,7 +23,7 @@ from ._calls import (
     result_of,
     settled,
 )
-from ._choice import DEFAULT_CLUSTER, agreed, channelling, checked_cluster, placing
+from ._choice import DEFAULT_CLUSTER, agreed, backing, channelling, checked_cluster, placing
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
@@ -69,6 +69,7 @@ __all__ = [
     "Spawned",
     "agreed",
     "at_attempt",
+    "backing",
     "awaited",
     "death_of",
     "gathered",

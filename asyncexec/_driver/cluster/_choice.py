@@ -18,7 +18,14 @@ from ._inprocess import InProcessCluster
 from ._local import LocalCluster
 from ._ray import RayCluster
 
-__all__ = ["DEFAULT_CLUSTER", "agreed", "checked_cluster", "default_cluster", "placing"]
+__all__ = [
+    "DEFAULT_CLUSTER",
+    "agreed",
+    "backing",
+    "checked_cluster",
+    "default_cluster",
+    "placing",
+]
 
 #: The cluster that objects made without one run on in this context, or None (Ray's, or the
 #: threads of a local executor). Only ``asyncexec.testing.simulated`` sets it, for a block; an
@@ -85,6 +92,24 @@ def channelling(cluster: Cluster, what: str) -> Cluster:
         raise ConfigurationError(
             f"{what} moves states through Ray's object store or a process group: {cluster!r} "
             "has neither (hand a Pipeline's states to Pipeline.update_weights(state) instead)"
+        )
+    return cluster
+
+
+def backing(cluster: Cluster, backend: object) -> Cluster:
+    """``cluster``, for an executor with ``backend`` (None: none), which sets a framework's
+    process group up across the ranks: Ray's.
+
+    Raises:
+        ConfigurationError: ``cluster`` is in this process (simulated workers, objects of this
+            one), where a framework's process group cannot span the ranks and the backend's
+            functions would run on the driver's loop (naming both).
+    """
+    if backend is not None and isinstance(cluster, InProcessCluster):
+        raise ConfigurationError(
+            f"an executor on {cluster!r} takes no backend ({type(backend).__name__}): its "
+            "workers are objects of this process, and a framework's process group is one per "
+            "process (its set-up would wait on the driver's loop for ranks that cannot run)"
         )
     return cluster
 
