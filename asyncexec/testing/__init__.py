@@ -9,7 +9,8 @@ thread or Ray. What they run:
 
 - ``execute()``, ``call()`` and your roles' methods run your code, on the driver's loop (an
   ``async def`` method as a task, so calls to one rank overlap as on an async actor); their
-  answers cross a pickle round trip, as an actor's do.
+  answers cross a pickle round trip, as an actor's do; an argument that Ray could not send
+  is refused, as on Ray (the others are handed over as they are, not copied).
 - A run does not run its function: each rank reports as the cluster's :class:`SimLoad` says
   (how many reports, how fast, which ranks are slow), so the driver's side of a run (your loop
   over the steps, the restart policy, the straggler watch) is what the test exercises.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,35 @@ async def test_simulated_ranks_send_back_what_ray_sends_back() -> None:
                 with pytest.raises(asyncexec.WorkerRaisedError) as info:
                     await executor.call(method, on=asyncexec.rank(0))
                 assert type(info.value.__cause__).__name__ == "Refused"
+
+
+def take(value: object) -> int:
+    """A function that ``execute()`` sends with its argument."""
+    return 1
+
+
+class Taker:
+    def take(self, value: object) -> int:
+        return 1
+
+
+@pytest.mark.timeout(30)
+async def test_an_argument_that_does_not_pickle_is_refused_on_simulated_workers_as_on_ray() -> None:
+    """Defect: simulated workers took any argument as it was: ``call()``, ``execute()`` and
+    ``execute_single()`` with an argument that Ray cannot send (a lock) ran on them, where Ray
+    refuses it with a ConfigurationError that names it (the docs: local mode alone pickles
+    nothing)."""
+    lock = threading.Lock()
+    async with asyncexec.Executor(2, roles=Taker, cluster=SimCluster()) as executor:
+        calls = [
+            lambda: executor.call(Taker.take, lock),
+            lambda: executor.execute(take, lock),
+            lambda: executor.execute_single(0, take, value=lock),
+        ]
+        for call in calls:
+            with pytest.raises(asyncexec.ConfigurationError, match="argument 'value'"):
+                await call()
+        assert await executor.call(Taker.take, [lock.locked()]) == [1, 1]
 
 
 @pytest.mark.timeout(30)

@@ -12,6 +12,9 @@ own work, waits for credit as ``report()`` does, and returns its rank after ``re
 Reports are made lazily: a poll takes what its rank has reported by now, and a poll that finds
 nothing waits on one timer, set for the rank's next report. Every answer crosses a pickle round
 trip, as an actor's result does: dumped by the worker, loaded by the driver when it awaits it.
+The user's arguments (``execute()``'s, a role method's) are dumped to check that Ray could send
+them (one that does not pickle is refused as Ray's handle refuses it), and handed over as they
+are.
 
 What the simulated workers cost (making reports, answering calls, dumping answers, their timers)
 is timed (:meth:`SimCluster.statistics`), so that a benchmark can subtract it from the process's
@@ -49,7 +52,7 @@ from ._base import Handle, PendingResult, Spawned
 from ._inprocess import InProcessCluster
 from ._local import LocalWorkerGone
 from ._placement import Placement
-from ._sim_answers import Pending, Ready, ready
+from ._sim_answers import Pending, Ready, dumped, ready
 from ._sim_roles import SimCalls
 
 __all__ = ["GcClock", "SimCluster", "SimLoad", "SimStatistics", "SimWorker"]
@@ -337,6 +340,8 @@ class SimWorker(SimCalls):
             if answer is None:
                 error = NotImplementedError(f"a simulated worker has no method {method!r}")
                 return Ready(None, error)
+            if method in _USERS_ARGUMENTS:
+                _check_sent(args, kwargs)
             return cast(PendingResult, answer(self, *args, **kwargs))
         finally:
             cluster.spend(t0, gc0)
@@ -418,6 +423,23 @@ class SimWorker(SimCalls):
         if self._closed is not None:
             self._closed.fail(error)
         self.fail_tasks(error)
+
+
+#: The methods whose arguments are the user's (``execute()``'s function, a role method's).
+_USERS_ARGUMENTS = frozenset({"execute", "call_method", "call_method_sync", "call_role"})
+
+
+def _check_sent(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse arguments that Ray could not send, as Ray's handle refuses them (the seam
+    names the first that does not pickle); they are handed over as they are.
+
+    Raises:
+        TypeError: an argument does not pickle.
+    """
+    try:
+        dumped((args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"an argument of the call cannot be pickled: {exc}") from exc
 
 
 #: The worker interface's methods.
