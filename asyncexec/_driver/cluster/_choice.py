@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_CLUSTER",
     "agreed",
     "backing",
+    "channelling",
     "checked_cluster",
     "default_cluster",
     "placing",
