@@ -28,7 +28,7 @@ from ._lifecycle import LOCAL_ENV, ExecutorState, Lifecycle, local_default
 from ._restart import RestartPolicy
 from ._runs import ExecutorRuns, ExecutorStatistics
 from ._sinks import ExecutorCounts, executor_observer
-from .cluster import Cluster, agreed, backing, checked_cluster
+from .cluster import Cluster, agreed, checked_cluster, rays_only
 from .group import GroupSlot, Reservation, WorkerPool
 from .run import RunState
 
@@ -245,7 +245,15 @@ class Executor(WorkerCalls, ExecutorRuns):
         #: observer, which its groups, runs and calls emit their events to.
         self._counts = ExecutorCounts()
         observer = executor_observer(self._counts, self.config.name, self.timeline)
-        cluster = backing(_cluster_of(name, cluster, pool, reservation, local), backend)
+        cluster = _cluster_of(name, cluster, pool, reservation, local)
+        if backend is not None:
+            rays_only(
+                cluster,
+                f"a backend ({type(backend).__name__})",
+                "runs its workers in this process, where a framework's process group cannot "
+                "span the ranks (its set-up would wait on the driver's loop for ranks that "
+                "cannot run)",
+            )
         self._life = Lifecycle(
             self.config, backend, self.log, cluster, pool, reservation, self.timeline, observer
         )

@@ -34,7 +34,7 @@ from ..._logging import get_logger
 from .._config import check_count
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
-from ..cluster import Caller, agreed, channelling, proxy
+from ..cluster import Caller, agreed, proxy, rays_only
 from ..group import WorkerInfo
 from ._events import ChannelClosed
 from ._object_store import ObjectStoreTransport
@@ -300,7 +300,12 @@ def _check(
             (f"its target {target.config.name!r}", target.cluster),
         ]
     )
-    channelling(cluster, "a WeightChannel")
+    rays_only(
+        cluster,
+        "a WeightChannel",
+        "has no object store or process group to move states through (hand a Pipeline's "
+        "states to Pipeline.update_weights(state) instead)",
+    )
     if transport not in ("object_store", "torch"):
         raise ConfigurationError(f'transport must be "object_store" or "torch", got {transport!r}')
     if torch_backend not in (None, "gloo", "nccl"):

@@ -23,7 +23,7 @@ from ._calls import (
     result_of,
     settled,
 )
-from ._choice import DEFAULT_CLUSTER, agreed, backing, channelling, checked_cluster, placing
+from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, rays_only
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
@@ -69,12 +69,10 @@ __all__ = [
     "Spawned",
     "agreed",
     "at_attempt",
-    "backing",
     "awaited",
     "death_of",
     "gathered",
     "backend_error",
-    "channelling",
     "checked_cluster",
     "described",
     "dump_processes",
@@ -82,7 +80,7 @@ __all__ = [
     "infeasible_reason",
     "make_shards",
     "outcome_error",
-    "placing",
+    "rays_only",
     "proxy",
     "ray_error_kind",
     "release_shards",

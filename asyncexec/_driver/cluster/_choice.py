@@ -21,11 +21,9 @@ from ._ray import RayCluster
 __all__ = [
     "DEFAULT_CLUSTER",
     "agreed",
-    "backing",
-    "channelling",
     "checked_cluster",
     "default_cluster",
-    "placing",
+    "rays_only",
 ]
 
 #: The cluster that objects made without one run on in this context, or None (Ray's, or the
@@ -66,52 +64,15 @@ def default_cluster(local: bool = False) -> Cluster:
     return _LOCAL if local else _RAY
 
 
-def placing(cluster: Cluster, what: str) -> Cluster:
-    """``cluster``, for ``what`` (a reservation), which needs bundles placed: Ray's.
+def rays_only(cluster: Cluster, what: str, lacks: str) -> Cluster:
+    """``cluster``, for ``what``, which only Ray's workers can serve: a cluster in this process
+    (simulated workers, local mode's threads) ``lacks`` what it needs.
 
     Raises:
-        ConfigurationError: ``cluster`` is in this process (simulated, or local mode's
-            threads), which places no bundles (naming it).
+        ConfigurationError: ``cluster`` is in this process (naming it, ``what`` and why).
     """
     if isinstance(cluster, InProcessCluster):
-        raise ConfigurationError(
-            f"{what} is a placement group of Ray's: {cluster!r} places no bundles (a pool "
-            "or an executor runs on it without one)"
-        )
-    return cluster
-
-
-def channelling(cluster: Cluster, what: str) -> Cluster:
-    """``cluster``, for ``what`` (a weight channel), which moves states through Ray's object
-    store or a process group between worker processes: Ray's.
-
-    Raises:
-        ConfigurationError: ``cluster`` is in this process (simulated, or local mode's
-            threads), whose workers have neither (naming it).
-    """
-    if isinstance(cluster, InProcessCluster):
-        raise ConfigurationError(
-            f"{what} moves states through Ray's object store or a process group: {cluster!r} "
-            "has neither (hand a Pipeline's states to Pipeline.update_weights(state) instead)"
-        )
-    return cluster
-
-
-def backing(cluster: Cluster, backend: object) -> Cluster:
-    """``cluster``, for an executor with ``backend`` (None: none), which sets a framework's
-    process group up across the ranks: Ray's.
-
-    Raises:
-        ConfigurationError: ``cluster`` is in this process (simulated workers, objects of this
-            one), where a framework's process group cannot span the ranks and the backend's
-            functions would run on the driver's loop (naming both).
-    """
-    if backend is not None and isinstance(cluster, InProcessCluster):
-        raise ConfigurationError(
-            f"an executor on {cluster!r} takes no backend ({type(backend).__name__}): its "
-            "workers are objects of this process, and a framework's process group is one per "
-            "process (its set-up would wait on the driver's loop for ranks that cannot run)"
-        )
+        raise ConfigurationError(f"{what} needs Ray's workers: {cluster!r} {lacks}")
     return cluster
 
 

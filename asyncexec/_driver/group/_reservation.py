@@ -28,7 +28,7 @@ from ..cluster import (
     Placement,
     agreed,
     checked_cluster,
-    placing,
+    rays_only,
 )
 from ._ranks import order_workers
 
@@ -112,8 +112,10 @@ class Reservation:
         self.log = get_logger(reservation=f"{name}-{os.urandom(4).hex()}")
         #: Where the bundles are placed: Ray's (a local executor takes no reservation).
         handed = None if cluster is None else checked_cluster(cluster)
-        self.cluster = placing(
-            agreed([(f"the reservation {name!r} (cluster=)", handed)]), f"the reservation {name!r}"
+        self.cluster = rays_only(
+            agreed([(f"the reservation {name!r} (cluster=)", handed)]),
+            f"the reservation {name!r}, a placement group,",
+            "places no bundles (a pool or an executor runs on it without one)",
         )
         self._placement: Placement | None = None
         self._order: list[int] = []  # bundle index of each slot, in rank order
