@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
@@ -48,13 +49,13 @@ from .._wire._interface import as_outcome
 from .._wire._protocol import Outcome
 from .._wire._tracing import call_span, carry
 from ._config import ExecutorConfig
-from ._events import ONE_CALL_SENT, CallEnded, CallResent, CallsSent, RankChosen, SlotWaited
+from ._events import ONE_CALL_SENT, CallResent, CallsSent, RankChosen, SlotWaited
 from ._lifecycle import Lifecycle
 from ._loads import Loads, Slot
 from ._recovery import Recovery
 from ._taskgroups import task_group
 from .cluster import Call, Cluster, proxy
-from .group import GroupSlot, WorkerGroup, WorkerInfo, observed
+from .group import GroupSlot, WorkerGroup, WorkerInfo, observed, watched
 
 __all__ = ["CallStream", "WorkerCalls"]
 
@@ -429,6 +430,7 @@ def _send(
     it: see ``cluster.WorkerProxy``)."""
     args, kwargs = plan.arguments(worker.rank, parts)
     span, context = call_span(plan.fn, worker.rank)  # None unless traced
+    start = time.monotonic() if watched(group.observer, span) else None
     if plan.method is None:
         fn = plan.fn if context is None else carry(plan.fn, context)
         call = proxy(group, worker, plan).execute(fn, *args, **kwargs)
@@ -439,9 +441,9 @@ def _send(
             call = proxy(group, worker, plan).call_method_sync(key, *args, **kwargs)
         else:
             call = proxy(group, worker, plan).call_method(key, *args, **kwargs)
-    if span is None and not group.observer.handles(CallEnded):
+    if start is None:
         return call
-    return observed(group.observer, worker.rank, plan.label, call, span)
+    return observed(group.observer, worker.rank, plan.label, call, span, start)
 
 
 async def _put_parts(cluster: Cluster, plan: CallPlan) -> list[Any]:

@@ -191,7 +191,7 @@ async def test_an_observed_call_is_emitted_once_however_often_it_is_awaited() ->
             pass
 
     call = Call()
-    wrapped = observed(observer, 3, "Worker.work", call, None)
+    wrapped = observed(observer, 3, "Worker.work", call, None, time.monotonic())
     call.done.set()
     assert await wrapped == "answer"
     assert await wrapped == "answer"
@@ -199,7 +199,7 @@ async def test_an_observed_call_is_emitted_once_however_often_it_is_awaited() ->
     assert [(e[1], e[2], e[3]) for e in events] == [(3, "Worker.work", "call")]
     # Without a sink for it, the wrapper emits nothing (a traced call is still wrapped).
     quiet = executor_observer(ExecutorCounts(), "ex", None)
-    assert await observed(quiet, 0, "Worker.work", call, None) == "answer"
+    assert await observed(quiet, 0, "Worker.work", call, None, time.monotonic()) == "answer"
 
 
 def test_an_executors_statistics_are_its_statistics_sinks_counts() -> None:

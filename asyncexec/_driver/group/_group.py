@@ -31,7 +31,6 @@ from ..._wire._protocol import Outcome, RunStart, WorkerContext, WorkerMetadata
 from ..._wire._tracing import call_span, carry
 from ...backends._base import Backend
 from .._config import ExecutorConfig
-from .._events import CallEnded
 from .._interrupt import hurried_away
 from .._observe import Observer
 from .._taskgroups import task_group
@@ -46,7 +45,7 @@ from ..cluster import (
     proxy,
 )
 from ._members import Standby, WorkerInfo
-from ._observed import observed
+from ._observed import observed, watched
 
 __all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
 
@@ -351,7 +350,8 @@ def _execute_on(
     the worker) when tracing is on."""
     span, context = call_span(fn, worker.rank)  # None unless traced
     sent = fn if context is None else carry(fn, context)
+    if not watched(group.observer, span):
+        return proxy(group, worker).execute(sent, *args, **kwargs)
+    start = time.monotonic()
     call = proxy(group, worker).execute(sent, *args, **kwargs)
-    if span is None and not group.observer.handles(CallEnded):
-        return call
-    return observed(group.observer, worker.rank, qualname(fn), call, span)
+    return observed(group.observer, worker.rank, qualname(fn), call, span, start)

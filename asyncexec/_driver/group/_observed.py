@@ -17,7 +17,7 @@ from ..._wire._protocol import Outcome
 from .._events import CallEnded
 from .._observe import Observer
 
-__all__ = ["ObservedCall", "observed"]
+__all__ = ["ObservedCall", "observed", "watched"]
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ class ObservedCall:
     __slots__ = ("_call", "_done", "_name", "_observer", "_rank", "_span", "_start")
 
     def __init__(
-        self, observer: Observer | None, rank: int, name: str, call: Any, span: Any
+        self, observer: Observer | None, rank: int, name: str, call: Any, span: Any, start: float
     ) -> None:
         self._call = call
         self._observer = observer  # None: nothing handles CallEnded
@@ -37,7 +37,7 @@ class ObservedCall:
         self._done = False
         self._rank = rank
         self._name = name
-        self._start = time.monotonic()
+        self._start = start
 
     def cancel(self) -> None:
         """Cancel the call on the worker (see ``cluster.Call.cancel``)."""
@@ -71,9 +71,18 @@ def _failure(answer: Any) -> BaseException | None:
     return answer.error or RuntimeError("the function was stopped")
 
 
-def observed(observer: Observer, rank: int, name: str, call: T, span: Any) -> T:
-    """``call`` (sent to ``rank``, running ``name``) as an :class:`ObservedCall`, awaited as the
-    call is; ``span``: its OpenTelemetry span, or None. For a call that is observed or traced
-    (the caller checks)."""
+def watched(observer: Observer, span: Any) -> bool:
+    """Whether a call is observed or traced (``span``: its OpenTelemetry span, or None): the
+    call sites ask before they send it, and take the time of the send (see :func:`observed`)."""
+    return span is not None or observer.handles(CallEnded)
+
+
+def observed(observer: Observer, rank: int, name: str, call: T, span: Any, start: float) -> T:
+    """``call`` (sent to ``rank`` at ``start``, by ``time.monotonic()``, running ``name``) as an
+    :class:`ObservedCall`, awaited as the call is; ``span``: its OpenTelemetry span, or None.
+    For a call that is observed or traced (the caller checks). ``start`` is taken before the
+    send: a worker in this process (local mode) may run the call before the send returns, and
+    a start taken after it made the span shorter than the call (by the time the driver's
+    thread waited for the GIL)."""
     watching = observer if observer.handles(CallEnded) else None
-    return cast(T, ObservedCall(watching, rank, name, call, span))
+    return cast(T, ObservedCall(watching, rank, name, call, span, start))
