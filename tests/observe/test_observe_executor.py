@@ -24,6 +24,7 @@ from asyncexec._driver._events import (
     Preemption,
     RankChosen,
     RankRenewed,
+    RankRestarting,
     Restarting,
     RunEnded,
     RunStarted,
@@ -42,6 +43,7 @@ from asyncexec._driver._sinks import (
     run_observer,
 )
 from asyncexec._driver.group import observed
+from asyncexec._driver.run._steps import StepBatch
 from asyncexec._timeline._timeline import DRIVER, Timeline
 from asyncexec.testing import metrics_enabled
 
@@ -113,8 +115,8 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
 ):
     timeline = Timeline()
 
-    class Batch:  # a StepBatch's length, ranks and report times (none)
-        num_ranks, times = 2, None
+    class Batch:  # a StepBatch's length, ranks and report times (none), aligned
+        num_ranks, times, ranks = 2, None, None
 
         def __len__(self) -> int:
             return 3
@@ -138,6 +140,30 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
         (1, "failed: WorkerCrashedError"),
         (DRIVER, "wait (policy)"),
     ]
+
+
+def test_an_independent_ranks_restart_time_ends_at_its_own_next_report_not_another_ranks() -> None:
+    """The other ranks of a run of independent ranks go on while one restarts: their reports
+    end no restart time; each restarted rank's first report ends its own."""
+
+    def batch(rank: int, first: int) -> StepBatch:  # one report of one rank, unaligned
+        return StepBatch(first, 1, [({"i": first},)], {}, ranks=[rank])
+
+    count = "asyncexec_restart_seconds_count"
+    with metrics_enabled() as registry:
+        observer = executor_observer(ExecutorCounts(), "ex", None)
+        observer.emit(RunStarted(0))
+        error = asyncexec.WorkerCrashedError(1, attempt=1, detail="crashed")
+        observer.emit(RankRestarting(1, error, 2, 0.0))
+        observer.emit(StepsQueued(batch(0, 0)))
+        assert _sample(registry, count) == 0  # rank 0 went on: rank 1 has not restarted yet
+        observer.emit(StepsQueued(batch(1, 1)))
+        assert _sample(registry, count) == 1
+        observer.emit(RankRestarting(0, error, 2, 0.0))  # two ranks restart: two times
+        observer.emit(RankRestarting(1, error, 3, 0.0))
+        observer.emit(StepsQueued(batch(0, 2)))
+        observer.emit(StepsQueued(batch(1, 3)))
+        assert _sample(registry, count) == 3
 
 
 async def test_a_span_shaped_event_is_emitted_when_its_awaitable_ends_also_when_it_raises() -> None:
