@@ -21,9 +21,10 @@ The backlog is computed when scraped: the reports the driver holds for the consu
 still waiting in the workers' buffers for a poll (under backpressure most of them wait there:
 the driver polls a rank only once three quarters of its window is free). A scrape asks each
 live worker of each active run for its count, on the run's event loop, at most once per
-``backlog_refresh_s`` a run, and waits for at most ``SCRAPE_WAIT_S``; a scrape in between, or
-one made on that loop itself (an in-process ASGI metrics route, which cannot wait for it), uses
-the last counts.
+``backlog_refresh_s`` a run, every run at once, and waits for at most ``SCRAPE_WAIT_S`` in all
+(however many executor names and event loops it reads); a scrape in between, or one made on
+that loop itself (an in-process ASGI metrics route, which cannot wait for it), uses the last
+counts.
 """
 
 from __future__ import annotations
@@ -228,14 +229,16 @@ class Metrics:
             ),
             by_name,
         )
-        # Its series are made and removed here, by label value (already bounded).
+        # Its series are made and removed here, by label value (already bounded). Registered
+        # through _Backlog, which asks the workers for their counts once a scrape.
         self.backlog = prom.Gauge(
             "asyncexec_backlog_reports",
             "Reports made by the workers that the consumer has not taken: held by the driver, "
             "or waiting in a worker's buffer for a poll.",
             ex,
-            registry=registry,
+            registry=None,
         )
+        registry.register(_Backlog(self.backlog, self._ask_workers))
 
     def _dispatch_collectors(self, prom: Any, registry: Any) -> None:
         """What ``call()``, ``stream()`` and ``execute()`` sent: by executor only (the calls
@@ -319,14 +322,21 @@ class Metrics:
                     self.backlog.remove(label)
 
     def _backlog_of(self, label: str) -> float:
-        """The backlog of ``label``'s active runs (called by a scrape, in its thread). The
-        runs' workers are asked for their counts when the last ask is ``backlog_refresh_s``
-        old; the asks are marked here, so that concurrent scrapes make one."""
-        now, here = time.monotonic(), _running_loop()
+        """The backlog of ``label``'s active runs (called by a scrape, in its thread, after
+        :meth:`_ask_workers`)."""
         with self._lock:
             meters = list(self._watched.get(label, ()))
+        return float(sum(meter.held() + meter.buffered for meter in meters))
+
+    def _ask_workers(self) -> None:
+        """Ask the workers of every active run whose last ask is ``backlog_refresh_s`` old for
+        their counts, all at once, and wait for them (``SCRAPE_WAIT_S`` at most, in all):
+        called once a scrape, before the backlog's series are read. The asks are marked here,
+        so that concurrent scrapes make one."""
+        now, here = time.monotonic(), _running_loop()
+        with self._lock:
             by_loop: dict[asyncio.AbstractEventLoop, list[RunMeter]] = {}
-            for meter in meters:
+            for meter in [m for meters in self._watched.values() for m in meters]:
                 loop = meter.loop
                 if loop is None or loop.is_closed() or loop is here:
                     continue  # a scrape on that loop cannot wait for it: the last counts
@@ -334,15 +344,34 @@ class Metrics:
                     continue  # asked recently: the last counts
                 meter.asked = now
                 by_loop.setdefault(loop, []).append(meter)
-        for loop, part in by_loop.items():
-            # A coroutine handed to the run's loop from the scrape's thread (no task group
-            # reaches across threads); it ends within SCRAPE_WAIT_S on its own.
-            future = asyncio.run_coroutine_threadsafe(_refresh(part), loop)
+        # A coroutine handed to each run's loop from the scrape's thread (no task group
+        # reaches across threads); each ends within SCRAPE_WAIT_S on its own.
+        futures = [
+            asyncio.run_coroutine_threadsafe(_refresh(p), loop) for loop, p in by_loop.items()
+        ]
+        deadline = now + SCRAPE_WAIT_S + 0.5
+        for future in futures:
             try:
-                future.result(SCRAPE_WAIT_S + 0.5)
+                future.result(max(0.0, deadline - time.monotonic()))
             except Exception:
                 future.cancel()
-        return float(sum(meter.held() + meter.buffered for meter in meters))
+
+
+class _Backlog:
+    """The backlog gauge as the registry collects it: the workers asked for their counts once
+    a scrape (``ask``), not once an executor name, then the gauge's series read."""
+
+    def __init__(self, gauge: Any, ask: Callable[[], None]) -> None:
+        self.gauge = gauge
+        self._labelnames = gauge._labelnames  # (read by the dashboard's generator)
+        self._ask = ask
+
+    def describe(self) -> Any:
+        return self.gauge.describe()
+
+    def collect(self) -> Any:
+        self._ask()
+        return self.gauge.collect()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -105,12 +105,14 @@ class ExecutorCounts:
 class ExecutorMetrics:
     """The executor's Prometheus metrics (``_metrics``: nothing while metrics are off), by its
     name. The restart time runs from a failure (or a move, or a restart after a preemption) to
-    the next steps queued for the run's iterator."""
+    the next steps queued for the run's iterator: of the group's next step, or for one rank of
+    a run of independent ranks, of that rank's next report (the others go on meanwhile)."""
 
     def __init__(self, executor: str) -> None:
         self.executor = executor
-        #: When the run in progress last failed (``time.perf_counter()``), until its next steps.
-        self.failed_at: float | None = None
+        #: When the run in progress last failed (``time.perf_counter()``), until its next steps:
+        #: the group's failure under None, an independent rank's under its rank.
+        self.failed_at: dict[int | None, float] = {}
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
@@ -132,7 +134,7 @@ class ExecutorMetrics:
             m.startup.labels(self.executor, event.phase).observe(event.seconds)
 
     def _started(self, event: RunStarted) -> None:
-        self.failed_at = None  # a new run: the last one's failure is no restart of this one
+        self.failed_at.clear()  # a new run: the last one's failures are no restarts of this one
         if (m := metrics()) is not None:
             m.runs.labels(self.executor, "started").inc()
 
@@ -144,7 +146,8 @@ class ExecutorMetrics:
         m = metrics()
         if m is not None and event.error is not None:
             m.restarts.labels(self.executor, type(event.error).__name__).inc()
-            self.failed_at = time.perf_counter()
+            rank = event.rank if isinstance(event, RankRestarting) else None
+            self.failed_at[rank] = time.perf_counter()
 
     def _steps(self, event: StepsQueued) -> None:
         m = metrics()
@@ -153,9 +156,13 @@ class ExecutorMetrics:
         batch = event.batch
         m.steps.labels(self.executor).inc(len(batch))
         m.reports.labels(self.executor).inc(len(batch) * batch.num_ranks)
-        if self.failed_at is not None:
-            m.restart_time.labels(self.executor).observe(time.perf_counter() - self.failed_at)
-            self.failed_at = None
+        if self.failed_at:
+            now = time.perf_counter()
+            # An aligned step is every rank's; an unaligned batch holds one rank's reports.
+            for rank in (None,) if batch.ranks is None else (None, *set(batch.ranks)):
+                failed_at = self.failed_at.pop(rank, None)
+                if failed_at is not None:
+                    m.restart_time.labels(self.executor).observe(now - failed_at)
         if batch.times is not None:  # one sample a batch: its last step's
             m.skew.labels(self.executor).observe(batch.times.skew(len(batch) - 1))
 
@@ -167,7 +174,9 @@ class ExecutorMetrics:
         if (m := metrics()) is not None:
             m.preemptions.labels(self.executor, event.stage).inc()
             if event.stage != "noticed":
-                self.failed_at = time.perf_counter()
+                # an independent rank's restart says its rank (the log line's ``rank``)
+                rank = (event.details or {}).get("rank")
+                self.failed_at[rank if isinstance(rank, int) else None] = time.perf_counter()
 
     def _sent(self, event: CallsSent) -> None:
         if (m := metrics()) is not None:

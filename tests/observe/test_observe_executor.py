@@ -5,7 +5,10 @@ costs nothing when no sink handles it."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -24,6 +27,7 @@ from asyncexec._driver._events import (
     Preemption,
     RankChosen,
     RankRenewed,
+    RankRestarting,
     Restarting,
     RunEnded,
     RunStarted,
@@ -32,6 +36,7 @@ from asyncexec._driver._events import (
     StragglerFound,
     TornDown,
 )
+from asyncexec._driver._metrics import RunMeter
 from asyncexec._driver._observe import Observer
 from asyncexec._driver._sinks import (
     ExecutorCounts,
@@ -42,6 +47,7 @@ from asyncexec._driver._sinks import (
     run_observer,
 )
 from asyncexec._driver.group import observed
+from asyncexec._driver.run._steps import StepBatch
 from asyncexec._timeline._timeline import DRIVER, Timeline
 from asyncexec.testing import metrics_enabled
 
@@ -113,8 +119,8 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
 ):
     timeline = Timeline()
 
-    class Batch:  # a StepBatch's length, ranks and report times (none)
-        num_ranks, times = 2, None
+    class Batch:  # a StepBatch's length, ranks and report times (none), aligned
+        num_ranks, times, ranks = 2, None, None
 
         def __len__(self) -> int:
             return 3
@@ -138,6 +144,75 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
         (1, "failed: WorkerCrashedError"),
         (DRIVER, "wait (policy)"),
     ]
+
+
+def test_an_independent_ranks_restart_time_ends_at_its_own_next_report_not_another_ranks() -> None:
+    """The other ranks of a run of independent ranks go on while one restarts: their reports
+    end no restart time; each restarted rank's first report ends its own."""
+
+    def batch(rank: int, first: int) -> StepBatch:  # one report of one rank, unaligned
+        return StepBatch(first, 1, [({"i": first},)], {}, ranks=[rank])
+
+    count = "asyncexec_restart_seconds_count"
+    with metrics_enabled() as registry:
+        observer = executor_observer(ExecutorCounts(), "ex", None)
+        observer.emit(RunStarted(0))
+        error = asyncexec.WorkerCrashedError(1, attempt=1, detail="crashed")
+        observer.emit(RankRestarting(1, error, 2, 0.0))
+        observer.emit(StepsQueued(batch(0, 0)))
+        assert _sample(registry, count) == 0  # rank 0 went on: rank 1 has not restarted yet
+        observer.emit(StepsQueued(batch(1, 1)))
+        assert _sample(registry, count) == 1
+        observer.emit(RankRestarting(0, error, 2, 0.0))  # two ranks restart: two times
+        observer.emit(RankRestarting(1, error, 3, 0.0))
+        observer.emit(StepsQueued(batch(0, 2)))
+        observer.emit(StepsQueued(batch(1, 3)))
+        assert _sample(registry, count) == 3
+
+
+def test_a_scrape_asks_the_workers_of_every_name_and_loop_at_once() -> None:
+    """Defect: a scrape asked the workers of one executor name, and of one event loop, after
+    another, waiting up to ``SCRAPE_WAIT_S`` for each: a scrape of ten names whose workers do
+    not answer took 15 s, past Prometheus' scrape timeout. Here each run's workers answer only
+    once every run's have been asked: asked in turn, none answers (their last counts, 0)."""
+    asked: list[str] = []
+    everyone_asked: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}  # one a loop
+
+    def counts(name: str) -> Callable[[], Awaitable[int]]:
+        async def buffered() -> int:
+            asked.append(name)
+            if len(asked) == 4:
+                for loop, event in everyone_asked.items():
+                    loop.call_soon_threadsafe(event.set)
+            await everyone_asked[asyncio.get_running_loop()].wait()
+            return 5
+
+        return buffered
+
+    async def watch(meter: RunMeter) -> None:
+        everyone_asked.setdefault(asyncio.get_running_loop(), asyncio.Event())
+        meter.watch()
+
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever) for loop in loops]
+    for thread in threads:
+        thread.start()
+    placed = [("a", 0), ("b", 0), ("c", 0), ("a", 1)]  # two loops, three names
+    meters = [RunMeter(name, lambda: 1, counts(f"{name}{i}")) for name, i in placed]
+    try:
+        with metrics_enabled(backlog_refresh_s=0) as registry:
+            for meter, (_, i) in zip(meters, placed, strict=True):
+                asyncio.run_coroutine_threadsafe(watch(meter), loops[i]).result(5)
+            backlog = registry.get_sample_value("asyncexec_backlog_reports", {"executor": "a"})
+            assert sorted(asked) == ["a0", "a1", "b0", "c0"]
+            assert backlog == 2 * (1 + 5)
+            for meter in meters:
+                meter.unwatch()
+    finally:
+        for loop, thread in zip(loops, threads, strict=True):
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+            loop.close()
 
 
 async def test_a_span_shaped_event_is_emitted_when_its_awaitable_ends_also_when_it_raises() -> None:
