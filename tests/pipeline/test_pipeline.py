@@ -618,6 +618,27 @@ async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
     assert labels <= {"executor", "event", "mode", "le"}  # no id, no prompt
 
 
+@pytest.mark.timeout(30)
+async def test_a_closed_pipelines_statistics_are_those_at_its_close() -> None:
+    """Simulated servers: read after the pipeline closed (a ``break`` with requests in flight),
+    its statistics went on as if it ran: the requests it stopped counted in flight, and the
+    time since the close counted in ``elapsed_s`` and in no idle time, so the ratios fell the
+    longer one waited to read them (0.32 to 0.04 for the learner's). They stop at the close."""
+    from asyncexec.testing import ScriptedServer, SimCluster
+
+    role = asyncexec.Role(ScriptedServer, chunks=3, delay_s=0.01)
+    async with asyncexec.Executor(2, roles=role, cluster=SimCluster()) as servers:
+        async with asyncexec.Pipeline(servers, range(100), batch_size=4) as pipe:
+            async for _ in pipe:
+                if pipe.version == 2:
+                    break
+                await pipe.update_weights({"w": pipe.version + 1})
+        closed = pipe.statistics()
+        await anyio.sleep(0.2)
+        assert pipe.statistics() == closed
+    assert closed.in_flight == 0 and closed.consumed == 12 and closed.elapsed_s < 5
+
+
 class Failing(Toy):
     async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
         if prompt["id"] == 3:

@@ -171,3 +171,29 @@ async def test_an_update_cancelled_during_its_resume_leaves_no_server_paused(
         with anyio.fail_after(5):
             batch = await pipe.__anext__()
         assert len(batch.ids) == 4
+
+
+@pytest.mark.timeout(20)
+async def test_a_whole_group_replaced_is_seen_by_the_first_rejoin_and_every_server_rejoins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The executor replaced its whole group while the router was paused, and the first to see
+    it was one server's loss (a check, a pause or a request that is not sent again), not the
+    router's look at the group: that server's rejoin took the new group for the router's own,
+    and the other server kept serving in a fresh process it never rejoined, unpaused. The
+    rejoin now sees the group changed, and every server rejoins, paused as the router is."""
+    _hold(monkeypatch, None)
+    async with (
+        _servers() as servers,
+        asyncexec.Router(servers, max_in_flight=1, health_interval_s=60) as router,
+    ):
+        await router.pause("keep")
+        zero, one = router.balance.servers
+        await servers._slot.drop_if(servers._slot.group)  # (a death in a group with a backend)
+        router.watch.lost(0, zero.worker)
+        await _serving(zero)
+        await _serving(one)
+        assert await _paused_as(servers) == ["keep", "keep"]
+        assert router.statistics().replaced == 2
+        await router.resume()
+        assert await _one_on_each(router) == [0, 1]

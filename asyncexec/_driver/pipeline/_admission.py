@@ -204,7 +204,11 @@ class Admission:
             if self.running.get(request.id) is record:
                 del self.running[request.id]
             self.observer.emit(GenerationEnded(time.monotonic() - record.started))
-        if record.expired or self.closing:  # expire() requeued it, or the pipeline closes
+        if record.expired:  # expire() requeued it
+            return
+        if self.closing:  # stopped, or its sample is not needed: nothing is in flight after
+            self.budget.drop(admitted)
+            self.pending.discard(request.id)
             return
         outcome: Literal["finished", "aborted", "duplicate"] = "finished"
         if sample.aborted:

@@ -137,7 +137,9 @@ class HealthWatch:
     def follow_group(self) -> None:
         """When the executor replaced its whole group (a group with a backend after a death,
         or a renewal that failed: the next call starts a fresh one), every server is a fresh
-        process: each rejoins, at the channel's version, before it takes a request."""
+        process: each rejoins, at the channel's version, before it takes a request. Looked at
+        before each request is placed, at each round of checks, and by each rejoin before it
+        takes the group for the router's (one server's loss may be the first to see it)."""
         router = self.router
         current = slot_of(router.servers).group
         if current is router.group and current is not None and not current.closed:
@@ -242,6 +244,9 @@ class HealthWatch:
         group = slot_of(servers).group
         if _key(servers, r) != before or group is None:
             raise ExecutorStateError(f"rank {r} was replaced again while it rejoined")
+        # A whole group replaced that this rejoin saw first (the server's loss, not the
+        # router's look at the group): the others serve in fresh processes too, and rejoin.
+        self.follow_group()
         router.group = group
         return before
 

@@ -13,6 +13,7 @@ from ._events import (
     Admitted,
     BatchHanded,
     GenerationEnded,
+    PipelineClosed,
     RequestExpired,
     SampleReturned,
     UpdateEnded,
@@ -76,7 +77,8 @@ class PauseFigures(NamedTuple):
 
 @dataclass(frozen=True)
 class PipelineStatistics:
-    """A snapshot of a pipeline's counters, from :meth:`Pipeline.statistics`.
+    """A snapshot of a pipeline's counters, from :meth:`Pipeline.statistics` (once it has
+    closed, those at its close: nothing in flight, its times stopped there).
 
     Attributes:
         version: the learner's version (updates done).
@@ -96,7 +98,7 @@ class PipelineStatistics:
         rollout_idle_ratio: the share of that time with no prompt in flight.
         pauses: per update mode (``"wait"``, ``"abort"``, ``"keep"``), the updates made and how
             long generation was paused for them (:class:`PauseFigures`).
-        elapsed_s: the time since the pipeline started.
+        elapsed_s: the time since the pipeline started (until it closed).
         expired: requests a strict batch would have waited for, cancelled and requeued
             instead (``on_expire="requeue"``; counted in ``aborted`` and ``requeued`` too).
         expired_s: the time those requests had been in flight when expired: generation
@@ -142,6 +144,8 @@ class Meter:
         self.rollout_idle_s = 0.0
         self._idle_since: float | None = self.started
         self.pauses: dict[str, PauseFigures] = {}
+        #: When the pipeline closed: its times stop there (None: open).
+        self.closed: float | None = None
 
     def restart(self) -> None:
         """The pipeline starts (it is entered): its times count from now."""
@@ -157,6 +161,7 @@ class Meter:
             RequestExpired: self._expired,
             BatchHanded: self._batch,
             UpdateEnded: self._update_ended,
+            PipelineClosed: self._closed,
         }
 
     def _admitted(self, event: Admitted) -> None:
@@ -208,8 +213,11 @@ class Meter:
             count + 1, total + pause_s, max(most, pause_s), pushes + event.push_s
         )
 
+    def _closed(self, event: PipelineClosed) -> None:
+        self.closed = time.monotonic()
+
     def snapshot(self, version: int, in_flight: int, buffer_depth: int) -> PipelineStatistics:
-        now = time.monotonic()
+        now = time.monotonic() if self.closed is None else self.closed
         elapsed = max(now - self.started, 1e-9)
         idle = self.rollout_idle_s
         if self._idle_since is not None:
