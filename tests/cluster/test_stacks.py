@@ -10,6 +10,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -363,3 +364,26 @@ def test_stack_report_orders_workers_by_driver_executor_and_rank() -> None:
     assert report.startswith("4 live asyncexec worker(s) on 1 node(s), 2 driver(s)")
     assert [h.split(", pid ")[1].split(",")[0] for h in heads] == ["8", "7", "9", "5"]
     assert heads[0].endswith(": executor a, rank 0") and heads[2].endswith("actor aaaaaaaaaaaa")
+
+
+@pytest.mark.timeout(30)
+async def test_a_dump_is_bounded_when_sending_the_task_to_another_node_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sending the task to a worker's node (the first send exports it: a blocking call to
+    Ray's GCS, in a thread) that does not return in time is a note at the dump's bound: its
+    thread is abandoned, not waited for."""
+    release = threading.Event()
+
+    def blocked(node: str, pids: list[int], timeout_s: float, where: str) -> Any:
+        release.wait(10)  # a GCS that does not answer
+        raise RuntimeError("sent too late")
+
+    monkeypatch.setattr(_stacks, "_submit", blocked)
+    t0 = time.monotonic()
+    try:
+        texts = await dump_processes([("ab" * 28, 4321)], timeout_s=0.5, local=False)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5
+    assert texts == [f"{NOT_TAKEN}no answer from node {'ab' * 6} within 0.5 s"]

@@ -151,8 +151,11 @@ async def dump_processes(
                         take_stacks, pids, budget, where, abandon_on_cancel=True
                     )
                 else:
-                    # Submitting may export the task (a blocking call to Ray): off the loop.
-                    ref = await anyio.to_thread.run_sync(_submit, node, pids, budget, where)
+                    # Submitting may export the task (a blocking call to Ray): off the loop,
+                    # in a thread abandoned at the bound (a GCS that does not answer).
+                    ref = await anyio.to_thread.run_sync(
+                        _submit, node, pids, budget, where, abandon_on_cancel=True
+                    )
                     got = await ref
         except TimeoutError:
             got = [f"{NOT_TAKEN}no answer from {where} within {timeout_s:g} s"] * len(pids)
