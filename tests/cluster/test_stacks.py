@@ -329,6 +329,28 @@ def test_pyspy_that_does_not_answer_or_fails_is_a_note(
     assert "CAP_SYS_PTRACE" in text
 
 
+def test_a_pyspy_that_does_not_answer_loses_no_other_processs_stack(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The dumps of one node are read at once: one that does not answer in time is a note, and
+    the others' stacks (taken in time, one of them longer than a pipe holds) are still there."""
+    program = tmp_path / "one-hangs-py-spy"
+    program.write_text(
+        "#!/bin/sh\n"  # py-spy dump --pid PID
+        'if [ "$3" = 111 ]; then exec sleep 30; fi\n'
+        'echo "Process $3"\n'
+        'if [ "$3" = 333 ]; then head -c 200000 /dev/zero | tr "\\0" x; echo; fi\n'
+    )
+    program.chmod(0o755)
+    monkeypatch.setattr(_stacks, "find_pyspy", lambda: str(program))
+    t0 = time.monotonic()
+    texts = take_stacks([111, 222, 333], 1.0, "node abc")
+    assert time.monotonic() - t0 < 10
+    assert texts[0] == f"{NOT_TAKEN}py-spy did not finish in time on node abc (pid 111)"
+    assert texts[1] == "Process 222"
+    assert texts[2].startswith("Process 333\nxxx") and len(texts[2]) > 200_000
+
+
 def test_this_process_stack_names_the_calling_function() -> None:
     """py-spy reads a process from outside it (here: this test's own process, from a child)."""
     [text] = take_stacks([os.getpid()], 10.0, "node here")
