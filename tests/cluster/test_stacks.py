@@ -10,6 +10,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -328,6 +329,28 @@ def test_pyspy_that_does_not_answer_or_fails_is_a_note(
     assert "CAP_SYS_PTRACE" in text
 
 
+def test_a_pyspy_that_does_not_answer_loses_no_other_processs_stack(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The dumps of one node are read at once: one that does not answer in time is a note, and
+    the others' stacks (taken in time, one of them longer than a pipe holds) are still there."""
+    program = tmp_path / "one-hangs-py-spy"
+    program.write_text(
+        "#!/bin/sh\n"  # py-spy dump --pid PID
+        'if [ "$3" = 111 ]; then exec sleep 30; fi\n'
+        'echo "Process $3"\n'
+        'if [ "$3" = 333 ]; then head -c 200000 /dev/zero | tr "\\0" x; echo; fi\n'
+    )
+    program.chmod(0o755)
+    monkeypatch.setattr(_stacks, "find_pyspy", lambda: str(program))
+    t0 = time.monotonic()
+    texts = take_stacks([111, 222, 333], 1.0, "node abc")
+    assert time.monotonic() - t0 < 10
+    assert texts[0] == f"{NOT_TAKEN}py-spy did not finish in time on node abc (pid 111)"
+    assert texts[1] == "Process 222"
+    assert texts[2].startswith("Process 333\nxxx") and len(texts[2]) > 200_000
+
+
 def test_this_process_stack_names_the_calling_function() -> None:
     """py-spy reads a process from outside it (here: this test's own process, from a child)."""
     [text] = take_stacks([os.getpid()], 10.0, "node here")
@@ -363,3 +386,26 @@ def test_stack_report_orders_workers_by_driver_executor_and_rank() -> None:
     assert report.startswith("4 live asyncexec worker(s) on 1 node(s), 2 driver(s)")
     assert [h.split(", pid ")[1].split(",")[0] for h in heads] == ["8", "7", "9", "5"]
     assert heads[0].endswith(": executor a, rank 0") and heads[2].endswith("actor aaaaaaaaaaaa")
+
+
+@pytest.mark.timeout(30)
+async def test_a_dump_is_bounded_when_sending_the_task_to_another_node_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sending the task to a worker's node (the first send exports it: a blocking call to
+    Ray's GCS, in a thread) that does not return in time is a note at the dump's bound: its
+    thread is abandoned, not waited for."""
+    release = threading.Event()
+
+    def blocked(node: str, pids: list[int], timeout_s: float, where: str) -> Any:
+        release.wait(10)  # a GCS that does not answer
+        raise RuntimeError("sent too late")
+
+    monkeypatch.setattr(_stacks, "_submit", blocked)
+    t0 = time.monotonic()
+    try:
+        texts = await dump_processes([("ab" * 28, 4321)], timeout_s=0.5, local=False)
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5
+    assert texts == [f"{NOT_TAKEN}no answer from node {'ab' * 6} within 0.5 s"]

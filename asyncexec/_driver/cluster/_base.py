@@ -38,7 +38,7 @@ class PendingResult(Protocol):
     It has no ``cancel()`` of its own: the handle that made it cancels it
     (:meth:`Handle.cancel`), which knows how (a local or simulated worker's call is cancelled
     on that worker's loop, through its table of tasks). Every pending call above the seam (the
-    mapped ``_calls.Call``, a timeline's ``TimedCall``) has ``cancel()``, which goes there."""
+    mapped ``_calls.Call``, a group's ``ObservedCall``) has ``cancel()``, which goes there."""
 
     def __await__(self) -> Generator[Any, None, Any]: ...
 

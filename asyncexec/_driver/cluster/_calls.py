@@ -98,8 +98,9 @@ class Call(Generic[T]):
     on the worker, as a cancelled wait on its reference does.
 
     The one protocol of a pending call: awaitable, :meth:`cancel`, :meth:`loop_future` (None
-    where the cluster gives none) and :meth:`mapped`. What wraps a call (a timeline's
-    ``TimedCall``) passes all four on."""
+    where the cluster gives none) and :meth:`mapped`. What wraps a call (a group's
+    ``ObservedCall``, for the timeline and tracing) passes its wait and :meth:`cancel` on, not
+    the other two: :func:`gathered` and :func:`settled` wait for it in a task of its own."""
 
     __slots__ = ("_caller", "_cancelled", "_ref", "_who")
 

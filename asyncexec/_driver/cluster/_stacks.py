@@ -15,6 +15,7 @@ run's functions do not end in time, and on request.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -85,10 +86,15 @@ def take_stacks(pids: Sequence[int], timeout_s: float, where: str) -> list[str]:
         except Exception as exc:  # a note, whatever went wrong
             started.append(f"{NOT_TAKEN}py-spy could not be started on {where}: {describe(exc)}")
     deadline = time.monotonic() + timeout_s
-    return [
-        one if isinstance(one, str) else _finish(one, pid, deadline, where)
-        for pid, one in zip(pids, started, strict=True)
-    ]
+    # Each py-spy read in a thread of its own: read one after another, one that did not answer
+    # held the others past the deadline (their pipes full, or read with no time left), and
+    # each of them became a note.
+    with concurrent.futures.ThreadPoolExecutor(len(pids) or 1) as pool:
+        reading = [
+            one if isinstance(one, str) else pool.submit(_finish, one, pid, deadline, where)
+            for pid, one in zip(pids, started, strict=True)
+        ]
+        return [one if isinstance(one, str) else one.result() for one in reading]
 
 
 def _finish(process: subprocess.Popen[str], pid: int, deadline: float, where: str) -> str:
@@ -151,8 +157,11 @@ async def dump_processes(
                         take_stacks, pids, budget, where, abandon_on_cancel=True
                     )
                 else:
-                    # Submitting may export the task (a blocking call to Ray): off the loop.
-                    ref = await anyio.to_thread.run_sync(_submit, node, pids, budget, where)
+                    # Submitting may export the task (a blocking call to Ray): off the loop,
+                    # in a thread abandoned at the bound (a GCS that does not answer).
+                    ref = await anyio.to_thread.run_sync(
+                        _submit, node, pids, budget, where, abandon_on_cancel=True
+                    )
                     got = await ref
         except TimeoutError:
             got = [f"{NOT_TAKEN}no answer from {where} within {timeout_s:g} s"] * len(pids)
