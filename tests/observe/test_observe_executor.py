@@ -363,6 +363,32 @@ async def test_a_runs_start_and_end_are_one_event_each_logged_once_and_counted_o
     assert counts == (3, 1, 1, 1)
 
 
+async def test_a_log_processor_that_raises_at_a_runs_end_leaves_no_worker_behind() -> None:
+    """A sink that raises at the run's end (here the application's structlog processor, under
+    the run's log line) raises out of the executor, after the run's teardown: its workers'
+    session was left running (their threads, in local mode), its iterator open."""
+    import structlog
+
+    def refuse_run_finished(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("event") == "run_finished":
+            raise RuntimeError("the application's processor failed")
+        return event
+
+    structlog.configure(processors=[refuse_run_finished, structlog.testing.LogCapture()])
+    steps = []
+    with pytest.raises(RuntimeError, match="the application's processor failed"):
+        async with asyncexec.Executor(2, local=True) as ex:
+            async for step in ex.run(_steps_then_fail, {"steps": 2}):
+                steps.append(step)
+            with anyio.fail_after(10):  # the run task's error ends the executor's block
+                await anyio.sleep_forever()
+    assert len(steps) == 2
+    deadline = time.monotonic() + 5
+    while left := [t.name for t in threading.enumerate() if t.name.startswith("asyncexec-")]:
+        assert time.monotonic() < deadline, f"threads left running: {left}"
+        await anyio.sleep(0.05)
+
+
 def test_a_runs_events_are_logged_by_its_observer_with_what_it_counts() -> None:
     """The run's log lines of its start, end and preemptions are a sink of the run's observer,
     beside the executor's counts: one emit writes both (the run logged them and emitted the

@@ -100,21 +100,29 @@ class RunDriver:
         finally:
             if ended is None:  # cancelled, from the run's scope or from outside
                 ended = RunEnded("cancelled", ctx.handover.steps, run.attempt)
-            ctx.observer.emit(ended)
-            finish(traced, run.error)
-            ctx.meter.unwatch()
-            # bounded: the stop by stop_timeout_s, the datasets by shutdown_timeout_s (the
-            # record is a small file written in a thread)
-            with anyio.CancelScope(shield=True):
-                if self.recorder is not None:
-                    await self.recorder.write(run.state.value)
-                await self._stop_session()
-                await self._release_datasets()
-                run.end = end
-                self._keep_restore_point()
-                self._on_end(run)
-                run.finished.set()
-            self._send.close()
+            try:
+                # A sink that raises (a processor of the application's logging) raises here,
+                # after the teardown below: the workers' session is stopped all the same.
+                ctx.observer.emit(ended)
+                finish(traced, run.error)
+            finally:
+                await self._end(end)
+
+    async def _end(self, end: RunEnd | None) -> None:
+        """The run's teardown, shielded and bounded: the stop by ``stop_timeout_s``, the
+        datasets by ``shutdown_timeout_s`` (the record is a small file written in a thread)."""
+        ctx, run = self.ctx, self.ctx.run
+        ctx.meter.unwatch()
+        with anyio.CancelScope(shield=True):
+            if self.recorder is not None:
+                await self.recorder.write(run.state.value)
+            await self._stop_session()
+            await self._release_datasets()
+            run.end = end
+            self._keep_restore_point()
+            self._on_end(run)
+            run.finished.set()
+        self._send.close()
 
     async def _work(self) -> list[Any]:
         """The run's work, with its helpers beside it: the deletion of the checkpoints it no
