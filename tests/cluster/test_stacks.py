@@ -351,6 +351,32 @@ def test_a_pyspy_that_does_not_answer_loses_no_other_processs_stack(
     assert texts[2].startswith("Process 333\nxxx") and len(texts[2]) > 200_000
 
 
+def test_a_node_answers_within_its_budget_when_a_killed_pyspy_leaves_a_child_holding_its_pipes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``take_stacks`` ends within its budget, the kill of a py-spy that did not answer
+    included: here its child keeps its pipes open after the kill, which took a second more,
+    and a dump's bound of 2.5 s (``asyncexec stack --timeout 2.5``: 1.75 s for py-spy) then
+    passed before the node's answer came, and every stack of the node, those taken in time
+    too, became 'no answer'."""
+    program = tmp_path / "child-holds-pipes-py-spy"
+    program.write_text(
+        "#!/bin/sh\n"  # py-spy dump --pid PID; sleep is a child of the shell, not exec'd
+        'if [ "$3" = 111 ]; then sleep 30; fi\n'
+        'echo "Process $3"\n'
+    )
+    program.chmod(0o755)
+    monkeypatch.setattr(_stacks, "find_pyspy", lambda: str(program))
+    t0 = time.monotonic()
+    texts = take_stacks([111, 222], 1.75, "node abc")
+    took = time.monotonic() - t0
+    assert texts == [
+        f"{NOT_TAKEN}py-spy did not finish in time on node abc (pid 111)",
+        "Process 222",
+    ]
+    assert took < 1.75 + 0.5, took  # was 1.75 + 1 (the reap)
+
+
 def test_this_process_stack_names_the_calling_function() -> None:
     """py-spy reads a process from outside it (here: this test's own process, from a child)."""
     [text] = take_stacks([os.getpid()], 10.0, "node here")

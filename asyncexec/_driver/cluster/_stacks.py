@@ -43,7 +43,8 @@ __all__ = [
 DUMP_TIMEOUT_S = 10.0
 #: The share of the bound py-spy itself gets on a node (the rest is the task's trip there).
 _PYSPY_SHARE = 0.7
-#: How long a killed py-spy gets to go.
+#: How long a killed py-spy gets to go, at most: never more than a fifth of its node's budget
+#: (``take_stacks`` ends within its ``timeout_s``, kill included).
 _REAP_S = 1.0
 #: How a stack that could not be taken begins.
 NOT_TAKEN = "stack not taken: "
@@ -67,7 +68,9 @@ def find_pyspy() -> str | None:
 def take_stacks(pids: Sequence[int], timeout_s: float, where: str) -> list[str]:
     """``py-spy dump`` of each process of this node, all at once; for each, its threads' stacks
     or a note saying why they were not taken. Blocking (runs in a thread, or as a Ray task on
-    the processes' node); never raises. ``where`` names the node in the notes."""
+    the processes' node); never raises, and returns within about ``timeout_s``: a py-spy that
+    has not answered by four fifths of it is killed, and given the rest to go. ``where`` names
+    the node in the notes."""
     program = find_pyspy()
     if program is None:
         return [f"{NOT_TAKEN}py-spy is not installed on {where} ({_INSTALL})"] * len(pids)
@@ -85,25 +88,28 @@ def take_stacks(pids: Sequence[int], timeout_s: float, where: str) -> list[str]:
             )
         except Exception as exc:  # a note, whatever went wrong
             started.append(f"{NOT_TAKEN}py-spy could not be started on {where}: {describe(exc)}")
-    deadline = time.monotonic() + timeout_s
+    reap_s = min(_REAP_S, timeout_s / 5)
+    deadline = time.monotonic() + timeout_s - reap_s
     # Each py-spy read in a thread of its own: read one after another, one that did not answer
     # held the others past the deadline (their pipes full, or read with no time left), and
     # each of them became a note.
     with concurrent.futures.ThreadPoolExecutor(len(pids) or 1) as pool:
         reading = [
-            one if isinstance(one, str) else pool.submit(_finish, one, pid, deadline, where)
+            one if isinstance(one, str) else pool.submit(_finish, one, pid, deadline, reap_s, where)
             for pid, one in zip(pids, started, strict=True)
         ]
         return [one if isinstance(one, str) else one.result() for one in reading]
 
 
-def _finish(process: subprocess.Popen[str], pid: int, deadline: float, where: str) -> str:
+def _finish(
+    process: subprocess.Popen[str], pid: int, deadline: float, reap_s: float, where: str
+) -> str:
     try:
         out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         process.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):  # a child may hold its pipes
-            process.communicate(timeout=_REAP_S)
+            process.communicate(timeout=reap_s)
         return f"{NOT_TAKEN}py-spy did not finish in time on {where} (pid {pid})"
     except Exception as exc:  # a note, whatever went wrong
         process.kill()
