@@ -261,6 +261,54 @@ async def test_a_cancelled_call_on_a_real_worker_ends_as_cancelled_with_its_caus
         await cluster.kill([handle], deaths=[handle.call("wait_closed")], timeout_s=10)
 
 
+class _PendingRef:
+    """An ``ObjectRef`` as ``Result`` uses one: completion callbacks that Ray keeps until the
+    call ends."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def _on_completed(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+
+async def test_a_workers_death_call_keeps_one_callback_however_many_waits_were_cancelled() -> None:
+    """A worker's death call is awaited by every group and lease that holds it, each wait
+    cancelled when that group ends; Ray kept a completion callback (and the wait's future) for
+    each until the worker died: a pool's worker gathered one a lease. Its waits now share one,
+    and every wait still gets the death, also one made after it."""
+    from types import SimpleNamespace
+
+    from asyncexec._driver.cluster._ray import RayHandle
+
+    ref = _PendingRef()
+    actor = SimpleNamespace(
+        _actor_id=SimpleNamespace(hex=lambda: "ab" * 14),
+        call_method=None,
+        wait_closed=SimpleNamespace(remote=lambda: ref),
+    )
+    death = RayHandle(actor).call("wait_closed")  # type: ignore[arg-type]
+    member = _Member(rex.ActorDiedError())
+
+    async def lease() -> None:
+        await result_of(_Caller(alive=True), member, death)
+
+    for _ in range(50):  # fifty leases, each ended before the worker died
+        task = asyncio.ensure_future(lease())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    waiting = asyncio.ensure_future(lease())
+    await asyncio.sleep(0)
+    assert len(ref.callbacks) == 1
+    died = rex.ActorDiedError()
+    threading.Thread(target=ref.callbacks[0], args=(died,)).start()  # Ray's thread
+    for wait in (waiting, asyncio.ensure_future(lease())):
+        with pytest.raises(asyncexec.WorkerCrashedError):
+            await asyncio.wait_for(wait, 5)
+
+
 class _Started:
     def __init__(self, handle: Any, metadata: WorkerMetadata) -> None:
         self.handle = handle

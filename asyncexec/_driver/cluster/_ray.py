@@ -49,6 +49,7 @@ __all__ = [
     "RayCluster",
     "RayHandle",
     "Result",
+    "SharedResult",
     "actor_options",
     "node_alive",
     "worker_class",
@@ -94,6 +95,44 @@ class Result:
 
         ref._on_completed(completed)
         return future
+
+
+class SharedResult(Result):
+    """A :class:`Result` awaited many times over a long life: a worker's death call, which every
+    group and every lease that holds the worker awaits (a pool's worker: one wait a lease). Its
+    waits on one loop share one completion callback of Ray's, and a wait that is cancelled
+    leaves nothing behind. (Each wait of a plain ``Result`` registers a callback that Ray keeps,
+    with the wait's future, until the call ends: for a death call, until the worker dies, so a
+    pool's worker gathered one a lease.)"""
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, ref: ObjectRef) -> None:
+        super().__init__(ref)
+        #: The one future a loop's waits share, settled by Ray's callback.
+        self._shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future[Any]]
+        self._shared = weakref.WeakKeyDictionary()
+
+    def loop_future(self) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        shared = self._shared.get(loop)
+        if shared is None:
+            shared = self._shared[loop] = super().loop_future()
+        mine = loop.create_future()
+
+        def relay(done: asyncio.Future[Any]) -> None:
+            if mine.done():
+                return
+            if done.cancelled():
+                mine.cancel()
+            elif (error := done.exception()) is not None:
+                mine.set_exception(error)
+            else:
+                mine.set_result(done.result())
+
+        shared.add_done_callback(relay)
+        mine.add_done_callback(lambda _: shared.remove_done_callback(relay))
+        return mine
 
 
 class _Settler:
@@ -186,8 +225,10 @@ class RayHandle:
         return f"<RayHandle {self.key[:12]}>"
 
     def call(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> Result:
-        """Call the actor's ``method``; its result, awaitable (a :class:`Result`)."""
-        return Result(self._submit(method, *args, **kwargs))
+        """Call the actor's ``method``; its result, awaitable (a :class:`Result`; the death
+        call's, awaited once a group or a lease over the worker's life, a :class:`SharedResult`)."""
+        ref = self._submit(method, *args, **kwargs)
+        return SharedResult(ref) if method == "wait_closed" else Result(ref)
 
     def _submit(self, method: WorkerMethod, /, *args: Any, **kwargs: Any) -> ObjectRef:
         """The call's ``ObjectRef``. A role method's key and positional arguments go as one
