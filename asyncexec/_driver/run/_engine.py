@@ -109,10 +109,11 @@ class RunDriver:
                 await self._end(end)
 
     async def _end(self, end: RunEnd | None) -> None:
-        """The run's teardown, shielded and bounded: the stop by ``stop_timeout_s``, the
-        datasets by ``shutdown_timeout_s`` (the record is a small file written in a thread)."""
+        """The run's teardown, shielded and bounded."""
         ctx, run = self.ctx, self.ctx.run
         ctx.meter.unwatch()
+        # bounded: the stop by stop_timeout_s, the datasets by shutdown_timeout_s (the record
+        # is a small file written in a thread)
         with anyio.CancelScope(shield=True):
             if self.recorder is not None:
                 await self.recorder.write(run.state.value)
