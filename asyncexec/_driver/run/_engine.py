@@ -102,10 +102,10 @@ class RunDriver:
                 ended = RunEnded("cancelled", ctx.handover.steps, run.attempt)
             try:
                 # A sink that raises (a processor of the application's logging) raises here,
-                # after the teardown below: the workers' session is stopped all the same.
+                # after the run's span has ended and the teardown below has run.
                 ctx.observer.emit(ended)
-                finish(traced, run.error)
             finally:
+                finish(traced, run.error)
                 await self._end(end)
 
     async def _end(self, end: RunEnd | None) -> None:
