@@ -412,12 +412,17 @@ async def test_the_service_serves_with_its_defaults_on_two_free_cpus(how: str) -
                     assert process.stdout is not None
                     async for chunk in process.stdout:
                         output.append(chunk.decode(errors="replace"))
-                        if "Application startup complete" in "".join(output[-3:]):
+                        # uvicorn says so once its socket listens; "Application startup
+                        # complete" comes before it binds, and a client that went then could
+                        # find nothing there (CI, stop 60).
+                        if "Uvicorn running on" in "".join(output[-3:]):
                             up.set()
+                    up.set()  # the server ended before it listened: the assert below says so
 
                 tg.start_soon(read_output)
                 with anyio.fail_after(45):  # before the fix: the pool waited to be placed
                     await up.wait()
+                assert "Uvicorn running on" in "".join(output), "".join(output)[-3000:]
                 async with httpx.AsyncClient(base_url=url, timeout=30) as http:
                     config = {"steps": 3, "step_s": 0.01}
                     async with http.stream("POST", "/runs", json=config) as response:
