@@ -9,6 +9,7 @@ loss per step (``step.reports``; ``step.metrics`` is rank 0's).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import time
@@ -40,4 +41,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    raw = argparse.RawDescriptionHelpFormatter  # --help prints the docstring above as it is
+    argparse.ArgumentParser(description=__doc__, formatter_class=raw).parse_args()
     asyncio.run(main())

@@ -10,6 +10,7 @@ runs a method as a run's function while the instances keep what they hold.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import asyncexec
@@ -63,4 +64,6 @@ async def main() -> dict[str, object]:
 
 
 if __name__ == "__main__":
+    raw = argparse.RawDescriptionHelpFormatter  # --help prints the docstring above as it is
+    argparse.ArgumentParser(description=__doc__, formatter_class=raw).parse_args()
     asyncio.run(main())
