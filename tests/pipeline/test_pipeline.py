@@ -790,3 +790,51 @@ async def test_a_prompt_the_source_gives_during_an_update_waits_for_its_end(
             assert pipe.statistics().admitted == 2  # not prompt 2 yet: the update goes on
         batch = await pipe.__anext__()
     assert sorted(batch.ids) == [2, 3] and batch.version == 1
+
+
+class Stalls(Toy):
+    """A :class:`Toy` whose prompts marked ``stall`` run until aborted before any weights."""
+
+    async def chunks(self, prompt: dict[str, Any]) -> AsyncIterator[Any]:
+        if prompt.get("stall") and self.weights_version() is None:
+            for _ in range(10_000):  # about 50 s: until the update aborts it (between chunks)
+                await asyncio.sleep(0.005)
+                yield self.weights
+        async for chunk in super().chunks(prompt):
+            yield chunk
+
+
+@pytest.mark.timeout(60)
+async def test_a_requeued_prompt_does_not_wait_behind_a_slow_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a prompt requeued by an abort waited until the source yielded its next prompt,
+    since the admission loop sat in the source's ``anext``: a live source with nothing to give
+    (prompts from users) held the batch that needed the requeued prompts. Prompts 0 and 1 run
+    until aborted, and then the source has nothing: the abort update requeues 0 and 1, and
+    the second batch is theirs while the source still waits."""
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    asked, more = anyio.Event(), anyio.Event()
+
+    async def live() -> AsyncIterator[dict[str, Any]]:
+        for i in range(4):
+            yield {"id": i, "length": 1, "stall": i < 2}
+        asked.set()  # the pipeline asks for a fifth prompt
+        await more.wait()  # a source with nothing to give until the test says
+
+    batches: list[list[int]] = []
+    servers = asyncexec.Executor(1, resources_per_worker=CPU, roles=asyncexec.Role(Stalls))
+    async with (
+        servers,
+        asyncexec.Pipeline(servers, live(), batch_size=2, staleness=2, on_update="abort") as pipe,
+    ):
+        with anyio.fail_after(30):
+            async for batch in pipe:
+                batches.append(sorted(batch.ids))
+                if len(batches) == 1:
+                    await asked.wait()
+                    await pipe.update_weights({"w": 1})
+                else:
+                    more.set()  # the source ends
+    assert batches == [[2, 3], [0, 1]]
+    assert pipe.statistics().requeued == 2

@@ -112,6 +112,8 @@ class Admission:
         #: Requeued prompts by when they were first admitted: sent before the source's.
         self.queue: list[tuple[int, RolloutRequest]] = []
         self.sent = 0  # prompts taken from the source so far
+        #: The source's next prompt, pulled by :meth:`_pull` (with its place), not yet admitted.
+        self.ahead: tuple[int, RolloutRequest] | None = None
         self.pending: set[Hashable] = set()  # admitted, not consumed (in flight or buffered)
         self.open = True  # False while a weight update holds admission
         self.closing = False  # the pipeline closes: nothing more is admitted or used
@@ -155,6 +157,7 @@ class Admission:
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         """Admit prompts for as long as the pipeline lives (a task of its group)."""
+        tg.start_soon(self._pull)
         while True:
             await self.servers.turn()  # a burst of admissions spreads over turns of the loop
             while not self.may_admit():
@@ -177,18 +180,37 @@ class Admission:
             tg.start_soon(self._generate, request, admitted, order)
 
     async def _next(self) -> tuple[int, RolloutRequest] | None:
+        """A requeued prompt, else the source's next one; None when neither is there yet (the
+        caller looks again)."""
         self._release()
         if self.queue:
             return heapq.heappop(self.queue)
-        try:
-            request = await anext(self.source)
+        if self.ahead is not None:
+            taken, self.ahead = self.ahead, None
+            self.notify()  # the puller may take the next one
+            return taken
+        await self.wait_changed()
+        return None
+
+    async def _pull(self) -> None:
+        """Pull the source's prompts, one at a time when one could be admitted and none is
+        requeued (a task of the pipeline's group). The admission loop waits for it, not in the
+        source's ``anext``: a prompt requeued while a slow source has nothing to give is sent
+        at once. A pull in progress is never cancelled (but with the pipeline): its prompt is
+        the next one admitted."""
+        while True:
+            while self.ahead is not None or self.queue or not self.may_admit():
+                await self.wait_changed()
+            try:
+                request = await anext(self.source)
+            except StopAsyncIteration:
+                self.exhausted = True
+                self.log.debug("pipeline_source_exhausted")
+                self.notify()
+                return
             self.sent += 1
-            return self.sent, request
-        except StopAsyncIteration:
-            self.exhausted = True
-            self.log.debug("pipeline_source_exhausted")
+            self.ahead = (self.sent, request)
             self.notify()
-            return None
 
     async def _generate(self, request: RolloutRequest, admitted: int, order: int) -> None:
         record = self.running[request.id] = _Running(request, order, admitted)
