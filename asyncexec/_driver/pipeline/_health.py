@@ -1,7 +1,8 @@
 """The router's health watch, and how a server comes back.
 
 The watch is a task of the router's task group: every ``health_interval_s`` it calls
-``RolloutServer.health`` on each serving server, each call bounded by ``health_timeout_s``. A
+``RolloutServer.health`` on each serving server (each server on its own clock), each call
+bounded by ``health_timeout_s``. A
 check that raises or times out counts as failed, unless the server (re)joined less than
 ``health_grace_s`` ago (its first compile); ``unhealthy_after`` failed checks in a row take the
 server out: it gets no new request, its requests in flight are cancelled (an idempotent one is
@@ -71,15 +72,19 @@ class HealthWatch:
         self.failures: dict[int, BaseException] = {}  # the last failure of each server
 
     async def run(self) -> None:
-        """Check every serving server each ``health_interval_s``, until cancelled."""
-        router = self.router
+        """Check every serving server each ``health_interval_s``, until cancelled: each server
+        on its own clock, so that a check that hangs (to ``health_timeout_s``) delays no other
+        server's."""
+        async with task_group() as tg:
+            for server in self.router.balance.servers:
+                tg.start_soon(self._watch, server)
+
+    async def _watch(self, server: ServerRecord) -> None:
         while True:
-            await anyio.sleep(router.health_interval_s)
+            await anyio.sleep(self.router.health_interval_s)
             self.follow_group()
-            async with task_group() as tg:
-                for server in router.balance.servers:
-                    if server.serving:
-                        tg.start_soon(self._check, server)
+            if server.serving:
+                await self._check(server)
 
     async def _check(self, server: ServerRecord) -> None:
         router = self.router
