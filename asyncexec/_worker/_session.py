@@ -199,8 +199,12 @@ class Session:
         t0 = time.perf_counter()
         try:
             outcome = value_outcome(self._call())
-        except (RunStopped, asyncio.CancelledError):
+        except RunStopped:
             outcome = Outcome("stopped")
+        except asyncio.CancelledError as exc:
+            # The driver's stop cancels an ``async def``; a CancelledError the function raised
+            # of its own (it awaited a task that was cancelled) is its error, with its traceback.
+            outcome = Outcome("stopped") if self.reports.stopped else error_outcome(exc)
         except BaseException as exc:  # the user's error, shipped to the driver
             outcome = error_outcome(exc)
         # Before the driver can see the outcome: from now on report() raises and get_context()

@@ -3,6 +3,7 @@ unbounded policies, hung workers, user errors, the give-up error, cancelling a r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -263,6 +264,31 @@ async def test_user_error_is_not_retried_by_default_and_names_rank_and_node() ->
         assert "bad batch on attempt 1" in str(error)
         assert "raises_value_error" in error.remote_traceback
         assert ex.statistics().restarts == 0
+
+
+async def awaits_a_cancelled_task(config: dict[str, Any]) -> None:
+    asyncexec.report({"ok": True})
+    if asyncexec.get_context().world_rank == 1:
+        task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        await asyncio.sleep(0)
+        task.cancel()
+        await task  # raises CancelledError: the function's own, not a stop
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancelled_error_of_the_function_is_its_error_with_its_traceback() -> None:
+    """Defect: a CancelledError the run's function raised of its own (it awaited a cancelled
+    task) was taken for the driver's stop: the run failed with 'the function was stopped',
+    without the error or its traceback."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.run(awaits_a_cancelled_task):
+                pass
+    error = info.value
+    assert error.rank == 1
+    assert isinstance(error.__cause__, asyncio.CancelledError)
+    assert "awaits_a_cancelled_task" in error.remote_traceback
+    assert "stopped" not in str(error)
 
 
 async def test_user_error_is_retried_when_asked() -> None:
