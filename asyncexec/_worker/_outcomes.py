@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import first_line
 from .._wire._protocol import Outcome
 from . import _place
 
@@ -43,7 +44,11 @@ def error_outcome(exc: BaseException) -> Outcome:
         cloudpickle.loads(cloudpickle.dumps(exc))
         portable = exc
     except Exception:
-        portable = RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+        try:
+            message = str(exc)
+        except Exception:  # a __str__ that raises: this handler must not (see ``first_line``)
+            message = first_line(exc)
+        portable = RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {message}")
     return Outcome("error", error=portable, traceback=text)
 
 

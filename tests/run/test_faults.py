@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,37 @@ async def test_a_cancelled_error_of_the_function_is_its_error_with_its_traceback
     assert isinstance(error.__cause__, asyncio.CancelledError)
     assert "awaits_a_cancelled_task" in error.remote_traceback
     assert "stopped" not in str(error)
+
+
+class Unprintable(Exception):
+    """An error that does not pickle (it holds a lock) and whose ``__str__`` raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def raises_unprintable(config: dict[str, Any]) -> None:
+    asyncexec.report({"ok": True})
+    raise Unprintable()
+
+
+@pytest.mark.timeout(120)
+async def test_an_error_that_neither_pickles_nor_prints_fails_the_run_with_its_type() -> None:
+    """Defect: the error's stand-in (an error that does not pickle travels as a RuntimeError
+    with its type and text) read its text with ``str()``, which raised: the function's thread
+    died without an outcome, and the run waited for one for ever."""
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as ex:
+        with anyio.fail_after(30), pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.run(raises_unprintable):
+                pass
+    assert info.value.rank == 0
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "Unprintable" in str(info.value)
+    assert "raises_unprintable" in info.value.remote_traceback
 
 
 async def test_user_error_is_retried_when_asked() -> None:
