@@ -330,6 +330,16 @@ class Holder:
             return False
         return True
 
+    async def awaits_a_cancelled_task(self) -> int:
+        return await awaits_a_cancelled_task()
+
+
+async def awaits_a_cancelled_task() -> int:
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    await asyncio.sleep(0)
+    task.cancel()
+    return await task  # raises CancelledError: the code's own, the call was not cancelled
+
 
 @pytest.mark.timeout(60)
 async def test_leaving_a_stream_held_in_a_variable_cancels_the_other_ranks(mode: str) -> None:
@@ -342,6 +352,26 @@ async def test_leaving_a_stream_held_in_a_variable_cancels_the_other_ranks(mode:
             break
         assert await ex.call(Holder.wait_cancelled, 20.0, on=asyncexec.rank(1))
         del stream
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancelled_error_of_the_called_code_is_its_error_not_a_crash(mode: str) -> None:
+    """Defect: an ``async def`` called by ``execute()`` or ``call()`` that raised
+    CancelledError of its own (it awaited a task that was cancelled) ended the worker's call as
+    if the driver had cancelled it: Ray's TaskCancelledError without the code's traceback, and
+    in local mode a WorkerCrashedError (the worker taken for closed)."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as ex:
+        pids = [w.pid for w in ex.workers]
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.execute(awaits_a_cancelled_task)
+        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+        assert "awaits_a_cancelled_task" in info.value.remote_traceback
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.call(Holder.awaits_a_cancelled_task, on=asyncexec.rank(1))
+        assert info.value.rank == 1
+        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+        assert await ex.execute(abs, -1) == [1, 1]
+        assert [w.pid for w in ex.workers] == pids  # no worker taken for dead
 
 
 @pytest.mark.timeout(60)
