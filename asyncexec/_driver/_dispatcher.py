@@ -30,7 +30,7 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -473,8 +473,11 @@ class CallStream:
         loop = asyncio.get_running_loop()
         weakref.finalize(self, _cancel_dropped, self.scope, loop).atexit = False
 
-    def __aiter__(self) -> CallStream:
-        return self
+    def __aiter__(self) -> _StreamLoop:
+        # Each ``async for`` gets an iterator of its own: when the loop is left early (break, an
+        # exception), it is dropped and the waits for the rest are cancelled, also while the
+        # stream is held in a variable (as a run's loop is).
+        return _StreamLoop(self)
 
     async def __anext__(self) -> tuple[int, Any]:
         try:
@@ -494,6 +497,25 @@ class CallStream:
         """Stop waiting for the rest."""
         self.scope.cancel()
         self._receive.close()
+
+
+class _StreamLoop:
+    """One ``async for`` over a :class:`CallStream`: dropped when the loop ends, which cancels
+    the waits for the rest (nothing is left after the last result). ``await
+    stream.__anext__()`` reads the stream without one."""
+
+    __slots__ = ("__weakref__", "_stream")
+
+    def __init__(self, stream: CallStream) -> None:
+        self._stream = stream
+        loop = asyncio.get_running_loop()
+        weakref.finalize(self, _cancel_dropped, stream.scope, loop).atexit = False
+
+    def __aiter__(self) -> _StreamLoop:
+        return self
+
+    def __anext__(self) -> Coroutine[Any, Any, tuple[int, Any]]:
+        return self._stream.__anext__()
 
 
 def _cancel_dropped(scope: anyio.CancelScope, loop: asyncio.AbstractEventLoop) -> None:

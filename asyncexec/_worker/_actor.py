@@ -304,6 +304,10 @@ async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
                 result = await result
     except Exception as exc:
         return _outcomes.error_outcome(exc)
+    except asyncio.CancelledError as exc:
+        if _outcomes.cancelled_by_caller():
+            raise
+        return _outcomes.error_outcome(exc)
     return _outcomes.value_outcome(result)
 
 

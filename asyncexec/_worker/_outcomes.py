@@ -3,6 +3,7 @@ it pickles, else a ``RuntimeError`` that keeps its type and text) carries its tr
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import pickle
@@ -10,10 +11,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import first_line
 from .._wire._protocol import Outcome
 from . import _place
 
-__all__ = ["error_outcome", "takes_config", "value_outcome"]
+__all__ = ["cancelled_by_caller", "error_outcome", "takes_config", "value_outcome"]
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,8 +45,21 @@ def error_outcome(exc: BaseException) -> Outcome:
         cloudpickle.loads(cloudpickle.dumps(exc))
         portable = exc
     except Exception:
-        portable = RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+        try:
+            message = str(exc)
+        except Exception:  # a __str__ that raises: this handler must not (see ``first_line``)
+            message = first_line(exc)
+        portable = RuntimeError(f"{type(exc).__module__}.{type(exc).__qualname__}: {message}")
     return Outcome("error", error=portable, traceback=text)
+
+
+def cancelled_by_caller() -> bool:
+    """Whether a ``CancelledError`` seen now by a call on the worker's loop is the call's own
+    cancellation (the driver cancelled it, or the worker closes: the task that runs it is being
+    cancelled), not an error of the called code (it awaited a task that was cancelled), which
+    is its outcome as any other error is."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def value_outcome(value: Any) -> Outcome:

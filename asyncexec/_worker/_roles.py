@@ -178,6 +178,10 @@ async def call(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             result = await _limited(roles.limits[role_index], fn, args, kwargs, roles.context)
     except Exception as exc:
         return _outcomes.error_outcome(exc)
+    except asyncio.CancelledError as exc:
+        if _outcomes.cancelled_by_caller():
+            raise
+        return _outcomes.error_outcome(exc)
     return result if type(result) in BARE_TYPES else _outcomes.value_outcome(result)
 
 
@@ -198,6 +202,10 @@ async def call_here(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 with _entered(roles.context):
                     result = await result
     except Exception as exc:
+        return _outcomes.error_outcome(exc)
+    except asyncio.CancelledError as exc:
+        if _outcomes.cancelled_by_caller():
+            raise
         return _outcomes.error_outcome(exc)
     return result if type(result) in BARE_TYPES else _outcomes.value_outcome(result)
 

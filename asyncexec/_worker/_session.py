@@ -12,6 +12,7 @@ reports waits for the driver's polls in the session's :class:`~._reports.Reports
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import inspect
@@ -179,7 +180,14 @@ class Session:
             factory() if factory is not None else contextlib.nullcontext(),
         ):
             if inspect.iscoroutinefunction(self._fn):
-                return asyncio.run(self._run_async())
+                with asyncio.Runner() as runner:  # as ``asyncio.run``
+                    # A thread the function left running (an ``asyncio.to_thread()`` it stopped
+                    # waiting for) does not hold its end, as it does not a plain function's:
+                    # ``asyncio.run`` waits for the default executor's threads when it closes.
+                    runner.get_loop().set_default_executor(
+                        _LeftBehind(thread_name_prefix="asyncio")
+                    )
+                    return runner.run(self._run_async())
             return self._fn(*self._args)
 
     async def _run_async(self) -> Any:
@@ -199,8 +207,12 @@ class Session:
         t0 = time.perf_counter()
         try:
             outcome = value_outcome(self._call())
-        except (RunStopped, asyncio.CancelledError):
+        except RunStopped:
             outcome = Outcome("stopped")
+        except asyncio.CancelledError as exc:
+            # The driver's stop cancels an ``async def``; a CancelledError the function raised
+            # of its own (it awaited a task that was cancelled) is its error, with its traceback.
+            outcome = Outcome("stopped") if self.reports.stopped else error_outcome(exc)
         except BaseException as exc:  # the user's error, shipped to the driver
             outcome = error_outcome(exc)
         # Before the driver can see the outcome: from now on report() raises and get_context()
@@ -251,6 +263,14 @@ class Session:
     @property
     def finished(self) -> bool:
         return self._finished.done()
+
+
+class _LeftBehind(concurrent.futures.ThreadPoolExecutor):
+    """The default executor of an ``async def`` function's event loop: closing the loop does not
+    wait for its threads (they are left running, as the threads a plain function starts are)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)
 
 
 def _fields(values: Mapping[str, Any]) -> str:

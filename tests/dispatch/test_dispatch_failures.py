@@ -301,6 +301,79 @@ async def test_calls_resends_and_renewed_ranks_are_counted_in_statistics_and_met
 # Item 3: a stream raises the rank's error --------------------------------------------------
 
 
+class Holder:
+    """``hold_on_one``: rank 0 answers, rank 1 waits until it is cancelled (and says so)."""
+
+    def __init__(self) -> None:
+        self._cancelled: asyncio.Event | None = None
+
+    def _event(self) -> asyncio.Event:  # made on the worker's loop
+        if self._cancelled is None:
+            self._cancelled = asyncio.Event()
+        return self._cancelled
+
+    async def hold_on_one(self) -> int:
+        rank = int(asyncexec.get_context().world_rank)
+        cancelled = self._event()
+        if rank == 1:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+        return rank
+
+    async def wait_cancelled(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._event().wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def awaits_a_cancelled_task(self) -> int:
+        return await awaits_a_cancelled_task()
+
+
+async def awaits_a_cancelled_task() -> int:
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+    await asyncio.sleep(0)
+    task.cancel()
+    return await task  # raises CancelledError: the code's own, the call was not cancelled
+
+
+@pytest.mark.timeout(60)
+async def test_leaving_a_stream_held_in_a_variable_cancels_the_other_ranks(mode: str) -> None:
+    """Defect: ``break`` out of ``async for`` over a stream held in a variable cancelled
+    nothing: the other ranks' ``async def`` calls went on until the variable was dropped."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as ex:
+        stream = ex.stream(Holder.hold_on_one)
+        async for rank, _ in stream:
+            assert rank == 0
+            break
+        assert await ex.call(Holder.wait_cancelled, 20.0, on=asyncexec.rank(1))
+        del stream
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancelled_error_of_the_called_code_is_its_error_not_a_crash(mode: str) -> None:
+    """Defect: an ``async def`` called by ``execute()`` or ``call()`` that raised
+    CancelledError of its own (it awaited a task that was cancelled) ended the worker's call as
+    if the driver had cancelled it: Ray's TaskCancelledError without the code's traceback, and
+    in local mode a WorkerCrashedError (the worker taken for closed)."""
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Holder) as ex:
+        pids = [w.pid for w in ex.workers]
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.execute(awaits_a_cancelled_task)
+        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+        assert "awaits_a_cancelled_task" in info.value.remote_traceback
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await ex.call(Holder.awaits_a_cancelled_task, on=asyncexec.rank(1))
+        assert info.value.rank == 1
+        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+        assert await ex.execute(abs, -1) == [1, 1]
+        assert [w.pid for w in ex.workers] == pids  # no worker taken for dead
+
+
 @pytest.mark.timeout(60)
 async def test_a_stream_raises_the_ranks_error_not_a_group_of_them(mode: str) -> None:
     async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:

@@ -3,11 +3,13 @@ unbounded policies, hung workers, user errors, the give-up error, cancelling a r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -263,6 +265,62 @@ async def test_user_error_is_not_retried_by_default_and_names_rank_and_node() ->
         assert "bad batch on attempt 1" in str(error)
         assert "raises_value_error" in error.remote_traceback
         assert ex.statistics().restarts == 0
+
+
+async def awaits_a_cancelled_task(config: dict[str, Any]) -> None:
+    asyncexec.report({"ok": True})
+    if asyncexec.get_context().world_rank == 1:
+        task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+        await asyncio.sleep(0)
+        task.cancel()
+        await task  # raises CancelledError: the function's own, not a stop
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancelled_error_of_the_function_is_its_error_with_its_traceback() -> None:
+    """Defect: a CancelledError the run's function raised of its own (it awaited a cancelled
+    task) was taken for the driver's stop: the run failed with 'the function was stopped',
+    without the error or its traceback."""
+    async with asyncexec.Executor(2, resources_per_worker={"CPU": 0.5}) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.run(awaits_a_cancelled_task):
+                pass
+    error = info.value
+    assert error.rank == 1
+    assert isinstance(error.__cause__, asyncio.CancelledError)
+    assert "awaits_a_cancelled_task" in error.remote_traceback
+    assert "stopped" not in str(error)
+
+
+class Unprintable(Exception):
+    """An error that does not pickle (it holds a lock) and whose ``__str__`` raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def raises_unprintable(config: dict[str, Any]) -> None:
+    asyncexec.report({"ok": True})
+    raise Unprintable()
+
+
+@pytest.mark.timeout(120)
+async def test_an_error_that_neither_pickles_nor_prints_fails_the_run_with_its_type() -> None:
+    """Defect: the error's stand-in (an error that does not pickle travels as a RuntimeError
+    with its type and text) read its text with ``str()``, which raised: the function's thread
+    died without an outcome, and the run waited for one for ever."""
+    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as ex:
+        with anyio.fail_after(30), pytest.raises(asyncexec.WorkerRaisedError) as info:
+            async for _ in ex.run(raises_unprintable):
+                pass
+    assert info.value.rank == 0
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "Unprintable" in str(info.value)
+    assert "raises_unprintable" in info.value.remote_traceback
 
 
 async def test_user_error_is_retried_when_asked() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from typing import Any
 
@@ -148,6 +149,33 @@ async def test_run_end_is_prompt_after_the_last_report() -> None:
         steps = [s async for s in run]
         ended = time.time()
         assert ended - steps[0].metrics["t"] < 1.0  # loose: the benchmark measures it tightly
+
+
+#: What the thread an ``async def`` function leaves behind waits for (set at the test's end: a
+#: local worker's thread is one of this process's).
+LEFT_BEHIND = threading.Event()
+
+
+async def leaves_a_thread_behind() -> str:
+    task = asyncio.get_running_loop().create_task(asyncio.to_thread(LEFT_BEHIND.wait, 120))
+    await asyncio.sleep(0)  # the thread is started
+    task.cancel()  # stops waiting for it; the thread goes on
+    return "done"
+
+
+@pytest.mark.timeout(120)
+async def test_an_async_function_ends_without_waiting_for_a_thread_it_left_running() -> None:
+    """Defect: an ``async def`` function's loop was closed as ``asyncio.run`` closes it, which
+    waits for the threads of ``asyncio.to_thread()``: a run whose function had returned did not
+    end until a thread it no longer waited for did."""
+    try:
+        async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}) as ex:
+            with anyio.fail_after(30):
+                run = ex.run(leaves_a_thread_behind)
+                assert [s async for s in run] == []
+            assert run.result.return_values == ["done"]
+    finally:
+        LEFT_BEHIND.set()
 
 
 def _then_unpicklable() -> None:
