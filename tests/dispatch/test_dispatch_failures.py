@@ -305,27 +305,25 @@ class Holder:
     """``hold_on_one``: rank 0 answers, rank 1 waits until it is cancelled (and says so)."""
 
     def __init__(self) -> None:
-        self._cancelled: asyncio.Event | None = None
+        self._events: dict[str, asyncio.Event] = {}
 
-    def _event(self) -> asyncio.Event:  # made on the worker's loop
-        if self._cancelled is None:
-            self._cancelled = asyncio.Event()
-        return self._cancelled
+    def _event(self, name: str) -> asyncio.Event:  # made on the worker's loop
+        return self._events.setdefault(name, asyncio.Event())
 
     async def hold_on_one(self) -> int:
         rank = int(asyncexec.get_context().world_rank)
-        cancelled = self._event()
         if rank == 1:
+            self._event("started").set()
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
-                cancelled.set()
+                self._event("cancelled").set()
                 raise
         return rank
 
-    async def wait_cancelled(self, timeout_s: float) -> bool:
+    async def wait_for(self, name: str, timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(self._event().wait(), timeout_s)
+            await asyncio.wait_for(self._event(name).wait(), timeout_s)
         except TimeoutError:
             return False
         return True
@@ -349,8 +347,10 @@ async def test_leaving_a_stream_held_in_a_variable_cancels_the_other_ranks(mode:
         stream = ex.stream(Holder.hold_on_one)
         async for rank, _ in stream:
             assert rank == 0
+            # Rank 1's call has begun (cancelled before it began, it would have nothing to say).
+            assert await ex.call(Holder.wait_for, "started", 20.0, on=asyncexec.rank(1))
             break
-        assert await ex.call(Holder.wait_cancelled, 20.0, on=asyncexec.rank(1))
+        assert await ex.call(Holder.wait_for, "cancelled", 20.0, on=asyncexec.rank(1))
         del stream
 
 
