@@ -140,8 +140,14 @@ class VLLMServer(RolloutServer):
         # which would never read the pipe that tells vLLM's processes their parent is gone.
         # Only the engine's: the reaper kills what it was given, however much later.
         self._reaper = reaper(sorted(_children() - before))
-        # A version the channel holds already is loaded now, into the running engine.
-        super().__init__(channel=channel)
+        try:
+            # A version the channel holds already is loaded now, into the running engine.
+            super().__init__(channel=channel)
+        except BaseException:
+            # No server: its engine's processes, its reaper and its loop end with the error.
+            atexit.unregister(self.shutdown)
+            self.shutdown()
+            raise
         if not self._engine_loop.own:
             # In the worker's process, what the engine's start left (vLLM's client and the
             # libraries it imported: a large heap that lives as long as the process) leaves

@@ -561,6 +561,33 @@ async def test_a_server_shut_down_stops_its_reaper_which_knows_its_engines_proce
 
 
 @pytest.mark.timeout(60)
+async def test_a_server_whose_first_install_fails_shuts_its_engine_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a server whose ``__init__`` failed after its engine started (the install of the
+    version its channel held raised) left the engine's processes, its reaper and its engine
+    loop's thread running until the process ended; the engine is now shut down before the
+    error propagates."""
+    from asyncexec._worker import _channel
+
+    engine = _StandIn(process=True)
+    monkeypatch.setattr(VLLMServer, "_made", lambda server, settings: engine.made())
+    _channel.install_state("stand-in-fails", 1, {"w": 1})  # no tensor: the load raises
+    try:
+        with pytest.raises(AttributeError):
+            await asyncio.to_thread(VLLMServer, "stand-in", channel="stand-in-fails")
+        assert engine.process is not None
+        assert engine.process.poll() is not None  # shut down
+        engine_loops = [t for t in threading.enumerate() if t.name == "asyncexec-vllm-engine"]
+        assert engine_loops == []  # its thread ended
+    finally:
+        _channel._ends.pop("stand-in-fails", None)
+        if engine.process is not None:
+            engine.process.kill()
+            engine.process.wait()
+
+
+@pytest.mark.timeout(60)
 async def test_a_request_the_engine_aborts_as_the_server_shuts_down_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
