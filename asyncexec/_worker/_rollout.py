@@ -96,6 +96,7 @@ class _Gate:
         self.handed: list[Sample] = []  # the samples it collected so far
         self.emptied: list[_Waiter] = []  # abort() calls waiting until no generation is left
         self.held: list[_Waiter] = []  # handed generations whose replies wait for resume()
+        self.installed: list[_Waiter] = []  # an engine's resume() waiting for an install's end
 
     @staticmethod
     def _wake_all(waiters: list[_Waiter]) -> None:
@@ -174,11 +175,40 @@ class _Gate:
         """Until the server is no longer paused (``resume()``)."""
         await self._wait_for(lambda: self.mode is None, self.held)
 
-    async def _wait_for(self, done: Callable[[], bool], waiters: list[_Waiter]) -> None:
+    async def wait_loaded(self) -> None:
+        """Before an engine's resume (``pause_point = "engine"``): until no install loads into
+        the paused engine (none waits either, while it is paused: each loads before the
+        resume, as parked chunks wait for them); from then on none starts on the pause."""
+
+        def done() -> bool:
+            return not self.loading and (not self.installing or not self.engine_at_rest)
+
+        def then() -> None:
+            self.engine_at_rest = False
+
+        await self._wait_for(done, self.installed, then)
+
+    def rest_kept(self) -> None:
+        """An engine's resume failed (or was cancelled): the gate counts the engine as still
+        paused, as the server is (``resume()`` again resumes it)."""
+        with self.lock:
+            if self.mode is not None:
+                self.engine_at_rest = True
+                self.lock.notify_all()
+
+    async def _wait_for(
+        self,
+        done: Callable[[], bool],
+        waiters: list[_Waiter],
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Until ``done()``; ``then()`` runs at once after it, under the same hold of the lock."""
         loop = asyncio.get_running_loop()
         while True:
             with self.lock:
                 if done():
+                    if then is not None:
+                        then()
                     return
                 future: asyncio.Future[None] = loop.create_future()
                 waiters.append((loop, future))
@@ -237,6 +267,7 @@ class _Gate:
             with self.lock:
                 self.installing -= 1
                 self.lock.notify_all()  # an install waiting for this one's load
+                self._wake_all(self.installed)
                 if not self.installing and self.mode is None:
                     self._wake_all(self.parked)
 
@@ -473,9 +504,23 @@ class RolloutServer:
         return in_flight, handed
 
     async def resume(self) -> None:
-        """Let parked generations go on (with the weights installed meanwhile)."""
-        await self.resume_engine()
-        self._gate().resume()
+        """Let parked generations go on (with the weights installed meanwhile). With
+        ``pause_point = "engine"``, the engine goes on once no install loads into it."""
+        gate = self._gate()
+        if self.pause_point == "engine":
+            # An install let in by the engine's pause loads into an engine it takes as paused:
+            # resumed meanwhile, the engine's steps would run on half-loaded weights, tagged
+            # with the old version (a pipeline resumes its servers when a push fails or is
+            # cancelled, while the installs go on in the workers).
+            await gate.wait_loaded()
+            try:
+                await self.resume_engine()
+            except BaseException:
+                gate.rest_kept()
+                raise
+        else:
+            await self.resume_engine()
+        gate.resume()
 
     def weights_version(self) -> int | None:
         """The weights version this server holds (None before the first)."""

@@ -109,6 +109,10 @@ class VLLMServer(RolloutServer):
         self._closed = False
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
+        #: A load, a pause and a resume of the engine, one at a time (on the engine loop): a
+        #: load into a running engine pauses it and resumes it after, which must neither undo
+        #: a pause that came meanwhile nor be undone by a resume.
+        self._engine_turns = asyncio.Lock()
         settings = dict(engine or {})
         # What the engine's start adds to this process's children is the engine's.
         before = _children()
@@ -136,8 +140,14 @@ class VLLMServer(RolloutServer):
         # which would never read the pipe that tells vLLM's processes their parent is gone.
         # Only the engine's: the reaper kills what it was given, however much later.
         self._reaper = reaper(sorted(_children() - before))
-        # A version the channel holds already is loaded now, into the running engine.
-        super().__init__(channel=channel)
+        try:
+            # A version the channel holds already is loaded now, into the running engine.
+            super().__init__(channel=channel)
+        except BaseException:
+            # No server: its engine's processes, its reaper and its loop end with the error.
+            atexit.unregister(self.shutdown)
+            self.shutdown()
+            raise
         if not self._engine_loop.own:
             # In the worker's process, what the engine's start left (vLLM's client and the
             # libraries it imported: a large heap that lives as long as the process) leaves
@@ -312,14 +322,15 @@ class VLLMServer(RolloutServer):
         # Into a paused engine: a push outside a pipeline's pause (a channel's push while
         # requests run) would load weights between two of its steps, and the tokens sampled
         # before the server learns the new version would be tagged with the old one.
-        running = not await self.engine.is_paused()
-        if running:
-            await self._pause("keep")
-        try:
-            await self._loaded(packed, version)
-        finally:
+        async with self._engine_turns:
+            running = not await self.engine.is_paused()
             if running:
-                await self.engine.resume_generation()
+                await pause(self.engine, self._pumps, "keep")
+            try:
+                await self._loaded(packed, version)
+            finally:
+                if running:
+                    await self.engine.resume_generation()
 
     async def _loaded(self, packed: list[Any], version: int) -> None:
         await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
@@ -339,11 +350,18 @@ class VLLMServer(RolloutServer):
         await self._engine_call(self._pause(mode))
 
     async def _pause(self, mode: Literal["keep", "abort"]) -> None:
-        """On the engine loop: the engine paused (see :func:`._pause.pause`)."""
-        await pause(self.engine, self._pumps, mode)
+        """On the engine loop: the engine paused (see :func:`._pause.pause`), after a load
+        going on."""
+        async with self._engine_turns:
+            await pause(self.engine, self._pumps, mode)
 
     async def resume_engine(self) -> None:
-        await self._engine_call(self.engine.resume_generation())
+        await self._engine_call(self._resume())
+
+    async def _resume(self) -> None:
+        """On the engine loop: the engine resumed, after a load going on."""
+        async with self._engine_turns:
+            await self.engine.resume_generation()
 
     async def health(self) -> None:
         """The engine's own check, and a round trip to its core process (a core that is stopped

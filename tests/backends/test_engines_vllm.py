@@ -442,6 +442,7 @@ async def test_a_keep_pause_returns_once_the_outputs_sent_before_it_are_tagged()
     internals it reads (no engine: the ordering is what is tested)."""
     server = object.__new__(VLLMServer)
     server._version, server._pumps = 1, {}
+    server._engine_turns = asyncio.Lock()
     queued: asyncio.Queue[int] = asyncio.Queue()  # the client's outputs_queue
     collector: asyncio.Queue[int] = asyncio.Queue()  # one request's outputs
     tagged: list[tuple[int, int | None]] = []
@@ -560,6 +561,33 @@ async def test_a_server_shut_down_stops_its_reaper_which_knows_its_engines_proce
 
 
 @pytest.mark.timeout(60)
+async def test_a_server_whose_first_install_fails_shuts_its_engine_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a server whose ``__init__`` failed after its engine started (the install of the
+    version its channel held raised) left the engine's processes, its reaper and its engine
+    loop's thread running until the process ended; the engine is now shut down before the
+    error propagates."""
+    from asyncexec._worker import _channel
+
+    engine = _StandIn(process=True)
+    monkeypatch.setattr(VLLMServer, "_made", lambda server, settings: engine.made())
+    _channel.install_state("stand-in-fails", 1, {"w": 1})  # no tensor: the load raises
+    try:
+        with pytest.raises(AttributeError):
+            await asyncio.to_thread(VLLMServer, "stand-in", channel="stand-in-fails")
+        assert engine.process is not None
+        assert engine.process.poll() is not None  # shut down
+        engine_loops = [t for t in threading.enumerate() if t.name == "asyncexec-vllm-engine"]
+        assert engine_loops == []  # its thread ended
+    finally:
+        _channel._ends.pop("stand-in-fails", None)
+        if engine.process is not None:
+            engine.process.kill()
+            engine.process.wait()
+
+
+@pytest.mark.timeout(60)
 async def test_a_request_the_engine_aborts_as_the_server_shuts_down_raises(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -620,6 +648,7 @@ async def test_weights_go_into_a_paused_engine_and_a_running_one_goes_on_after(
     to keep for the load and resumed after it; one paused already is left as it is."""
     server = object.__new__(VLLMServer)
     server._version, server._pumps = 1, {}
+    server._engine_turns = asyncio.Lock()
     server.engine = engine = _Loading(paused)
     await server._load([], 2)
     assert engine.paused_at_load is True
@@ -628,6 +657,37 @@ async def test_weights_go_into_a_paused_engine_and_a_running_one_goes_on_after(
         assert engine.calls == ["version 2"] and engine.paused
     else:
         assert engine.calls == ["pause keep", "version 2", "resume"] and not engine.paused
+
+
+async def test_a_pause_that_comes_during_a_load_into_a_running_engine_holds() -> None:
+    """Defect: a load into a running engine (a channel's push outside a pause) pauses it for
+    the load and resumes it after; a server's pause (a router's, a pipeline's update) that came
+    meanwhile found the engine paused and returned, and the load's resume then set the engine
+    going while its server counted it paused. The load, the pause and the resume now take
+    their turns on the engine loop."""
+    server = object.__new__(VLLMServer)
+    server._version, server._pumps = 1, {}
+    server._engine_turns = asyncio.Lock()
+    server.engine = engine = _Loading(paused=False)
+    loading, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_load(method: str, args: tuple[Any, ...]) -> None:
+        loading.set()
+        await release.wait()
+        engine.paused_at_load = engine.paused
+
+    engine.collective_rpc = slow_load  # type: ignore[method-assign]
+    load = asyncio.ensure_future(server._load([], 2))
+    await loading.wait()
+    pausing = asyncio.ensure_future(server._pause("keep"))
+    await asyncio.sleep(0)  # the pause's first step (it returned at once, the engine paused)
+    release.set()
+    await asyncio.wait_for(asyncio.gather(load, pausing), 10)
+    assert engine.paused_at_load is True and server._version == 2
+    assert engine.paused  # the server's pause holds: the load's resume came before it
+    assert engine.calls == ["pause keep", "version 2", "resume", "pause keep"]
+    await server._resume()
+    assert not engine.paused
 
 
 async def test_a_server_shut_down_does_not_end_its_process_for_its_engines_end(

@@ -1,14 +1,19 @@
 """The worker end of a weight channel, in this process (no Ray): how a source rank's read waits
-for the ``serve_weights`` of a function that is running."""
+for the ``serve_weights`` of a function that is running; and the driver's bookkeeping of the
+versions on their way, over a stand-in transport."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 
+from asyncexec import ChannelError
+from asyncexec._driver.channel._versions import Versions
 from asyncexec._worker import _channel, _place
 
 
@@ -99,3 +104,48 @@ def test_every_install_registered_later_gets_the_latest_state_the_rank_holds() -
         _channel.reset()
     assert first == [({"w": 1}, 1), ({"w": 2}, 2)]
     assert second == [({"w": 2}, 2)]
+
+
+class _Stuck:
+    """A transport whose reads end at once and whose deliveries never do."""
+
+    targets_before_read = False
+
+    async def read(self, pending: Any) -> None:
+        pass
+
+    async def deliver(self, pending: Any, targets: Any) -> None:
+        await anyio.sleep_forever()
+
+    def broken(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+async def test_a_push_whose_delivery_the_channels_close_cuts_short_raises() -> None:
+    """Defect: a push waiting for a delivery (``max_staleness=2``: the version before its own)
+    that the channel's close cut short returned its version as if that one were installed;
+    it now raises ``ChannelError`` naming the close."""
+    worker = SimpleNamespace(handle=SimpleNamespace(key="w0"), rank=0)
+    group = SimpleNamespace(closed=False, workers=[worker])
+    slot = SimpleNamespace(group=group, timeline=None, config=SimpleNamespace(name="side"))
+    versions = Versions("units", lambda: slot, lambda: slot, False, 2, 30.0, SimpleNamespace())
+    versions.moves = _Stuck()
+    outcome: list[Any] = []
+
+    async def push() -> None:
+        try:
+            outcome.append(await versions.push())
+        except ChannelError as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as outer, anyio.create_task_group() as tg:
+        versions.tg = tg
+        assert await versions.push() == 1  # on its way, never delivered
+        outer.start_soon(push)  # version 2 waits for version 1's delivery
+        await anyio.wait_all_tasks_blocked()
+        versions.tg = None  # the channel closes, as WeightChannel.__aexit__ does
+        tg.cancel_scope.cancel()
+    assert versions.version == 2
+    assert len(outcome) == 1 and isinstance(outcome[0], ChannelError), outcome
+    assert "closed before version 1 was delivered" in str(outcome[0])

@@ -389,3 +389,44 @@ async def test_an_engine_that_ends_its_requests_on_abort_gives_aborted_samples()
     sample = await asyncio.wait_for(task, 5)
     assert sample.aborted and 0 < len(sample.output) < 30
     await server.resume()
+
+
+@pytest.mark.timeout(10)
+async def test_an_engine_server_resumes_its_engine_only_once_the_load_in_progress_ended() -> None:
+    """Defect: ``resume()`` resumed the engine while an install was loading into it (paused,
+    the engine let the install start), so the engine's steps ran on half-loaded weights,
+    tagged with the old version: the pipeline resumes its servers when a push fails or is
+    cancelled, while the workers' installs go on."""
+    loading, release = threading.Event(), threading.Event()
+    ran_during_load: list[bool] = []
+
+    class SlowLoad(EngineServer):
+        def load_weights(self, state: Any, version: int) -> None:
+            loading.set()
+            release.wait(5)
+            ran_during_load.append(self.engine.running.is_set())
+            self.engine.weights = state
+
+    server = SlowLoad()
+    await server.pause("keep")
+    install = asyncio.ensure_future(server.install_weights("w1", 1))
+    assert await asyncio.to_thread(loading.wait, 5)
+    resuming = asyncio.ensure_future(server.resume())
+    await asyncio.sleep(0)  # the resume's first step (it resumed the engine at once)
+    release.set()
+    await asyncio.wait_for(install, 5)
+    await asyncio.wait_for(resuming, 5)
+    assert ran_during_load == [False]
+    assert server.engine.running.is_set()  # resumed once the load ended
+    # Paused again, an install goes on while chunks wait for the paused engine.
+    task = asyncio.ensure_future(server.generate(asyncexec.RolloutRequest(0, {"id": 0, "n": 30})))
+    await asyncio.wait_for(server.pause("keep"), 2)
+    release.clear()
+    loading.clear()
+    installing = asyncio.ensure_future(server.install_weights("w2", 2))
+    assert await asyncio.to_thread(loading.wait, 5)
+    release.set()
+    await asyncio.wait_for(installing, 5)
+    await server.resume()
+    sample = await asyncio.wait_for(task, 5)
+    assert ran_during_load == [False, False] and sample.output[-1] == "w2"

@@ -287,6 +287,11 @@ class Versions:
                 self.tg.start_soon(self._deliver, pending, None)
                 raise
             if cancelled and not self._is_open():
+                # Not delivered: a push or a pipeline that waits for it must not take it as
+                # installed.
+                pending.error = ChannelError(
+                    f"the channel closed before version {pending.version} was delivered"
+                )
                 raise
             self.counts["failed_pushes"] += 1
             self._transport().broken()
