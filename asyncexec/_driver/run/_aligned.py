@@ -249,6 +249,9 @@ class AlignedRun:
                 except AsyncExecError as exc:
                     attempt.fail(exc)
             tg.cancel_scope.cancel()
+        # The attempt is over: what its window holds beyond its complete steps (queued below) is
+        # never delivered, nor counted in the backlog while the next attempt starts.
+        ctx.window = None
         if attempt.failures:
             ctx.handover.queue(window.asm.take(window.asm.ready))
             error = await self._blame(group, attempt.failures)
