@@ -182,7 +182,7 @@ def driver_stages(n: int, ranks: int) -> dict[str, dict[str, float]]:
                 pass
 
             _window.submit = submit  # type: ignore[assignment]
-            await _window.pump(None, None, lambda: 1 << 30, lambda: 0, changed, 1, take)  # type: ignore[arg-type]
+            await _window.pump(None, None, lambda: 1 << 30, lambda: 0, changed, lambda: 1, take)  # type: ignore[arg-type]
 
     submit = _window.submit
     try:

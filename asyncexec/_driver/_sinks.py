@@ -106,7 +106,8 @@ class ExecutorMetrics:
     """The executor's Prometheus metrics (``_metrics``: nothing while metrics are off), by its
     name. The restart time runs from a failure (or a move, or a restart after a preemption) to
     the next steps queued for the run's iterator: of the group's next step, or for one rank of
-    a run of independent ranks, of that rank's next report (the others go on meanwhile)."""
+    a run of independent ranks, of that rank's next report (the others go on meanwhile).
+    Steps and reports count when the run's iterator takes them (handed over)."""
 
     def __init__(self, executor: str) -> None:
         self.executor = executor
@@ -124,7 +125,8 @@ class ExecutorMetrics:
             RunEnded: self._ended,
             Restarting: self._restarting,
             RankRestarting: self._restarting,
-            StepsQueued: self._steps,
+            StepsQueued: self._queued,
+            StepsTaken: self._taken,
             StragglerFound: self._straggler,
             Preemption: self._preempted,
         }
@@ -149,13 +151,19 @@ class ExecutorMetrics:
             rank = event.rank if isinstance(event, RankRestarting) else None
             self.failed_at[rank] = time.perf_counter()
 
-    def _steps(self, event: StepsQueued) -> None:
+    def _taken(self, event: StepsTaken) -> None:
+        # Counted as the iterator takes them, not as they are queued: the steps of a stopped
+        # run that were queued and never handed over were not delivered.
+        if (m := metrics()) is not None:
+            batch = event.batch
+            m.steps.labels(self.executor).inc(len(batch))
+            m.reports.labels(self.executor).inc(len(batch) * batch.num_ranks)
+
+    def _queued(self, event: StepsQueued) -> None:
         m = metrics()
         if m is None:
             return
         batch = event.batch
-        m.steps.labels(self.executor).inc(len(batch))
-        m.reports.labels(self.executor).inc(len(batch) * batch.num_ranks)
         if self.failed_at:
             now = time.perf_counter()
             # An aligned step is every rank's; an unaligned batch holds one rank's reports.

@@ -9,11 +9,13 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
+import tenacity
 from structlog.testing import capture_logs
 
 import asyncexec
@@ -288,3 +290,61 @@ async def test_scrapes_in_quick_succession_ask_the_workers_once() -> None:
                 assert {"executor": "polled"} in _series(text, "asyncexec_backlog_reports")
             await run.aclose()
     assert asks == 1
+
+
+def ahead_then_fail(config: dict[str, Any]) -> None:
+    """Attempt 1: rank 0 reports 3 steps, rank 1 one, then raises; attempt 2 returns."""
+    ctx = asyncexec.get_context()
+    if ctx.attempt > 1:
+        return
+    if ctx.world_rank == 0:
+        for i in range(3):
+            asyncexec.report({"i": i})
+        Path(config["dir"], "ahead").touch()
+        return
+    asyncexec.report({"i": 0})
+    while not Path(config["dir"], "ahead").exists():
+        time.sleep(0.005)
+    raise ValueError("rank 1 fails")
+
+
+async def test_backlog_leaves_out_the_reports_of_a_failed_attempt(
+    endpoint: str, tmp_path: Path
+) -> None:
+    """Defect: while a run restarted (its policy's wait, the new group's start), the backlog
+    gauge still counted the reports the failed attempt's ranks had sent beyond its last complete
+    step (rank 0's steps 1 and 2 here): they are never delivered, and the driver held them
+    until the next attempt began."""
+    waiting, resume = anyio.Event(), anyio.Event()
+
+    async def sleep(seconds: float) -> None:
+        waiting.set()
+        await resume.wait()
+
+    policy = asyncexec.RestartPolicy(
+        restart_on_user_error=True,
+        backoff_after_progress=True,
+        wait=tenacity.wait_fixed(1),
+        sleep=sleep,
+    )
+    async with (
+        asyncexec.Executor(
+            2, local=True, name="restarting", restart=policy, buffer_size=8
+        ) as executor,
+        httpx.AsyncClient() as client,
+    ):
+        run = executor.run(ahead_then_fail, {"dir": str(tmp_path)})
+        steps = []
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                steps.extend([step.index async for step in run])
+
+            tg.start_soon(consume)
+            with anyio.fail_after(30):
+                await waiting.wait()  # the run waits to restart
+            text = await _scrape(client, endpoint)
+            resume.set()
+    assert steps == [0]
+    assert run.attempt == 2
+    assert _value(text, "asyncexec_backlog_reports", executor="restarting") == 0

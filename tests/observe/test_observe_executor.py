@@ -33,6 +33,7 @@ from asyncexec._driver._events import (
     RunStarted,
     SlotWaited,
     StepsQueued,
+    StepsTaken,
     StragglerFound,
     TornDown,
 )
@@ -131,6 +132,7 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
         observer.emit(AttemptFailed(error))
         observer.emit(Restarting(error, 0.5, 2, None))
         observer.emit(StepsQueued(Batch()))
+        observer.emit(StepsTaken(Batch()))
         observer.emit(StragglerFound(0, "abc", 7, 1, 9, 10, 0.5, 0.1, 5.0, None))
         restarts = "asyncexec_restarts_total"
         assert _sample(registry, restarts, cause="WorkerCrashedError") == 1

@@ -161,3 +161,58 @@ async def test_once_the_function_has_ended_report_raises_and_the_context_is_the_
     finally:
         ended.set()
         _place.PLACE.reset(token)
+
+
+@pytest.mark.timeout(30)
+async def test_a_failed_attempt_still_takes_the_reports_that_complete_steps_every_rank_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: after a failure, a rank ahead of the others was still polled only once a share of
+    its window was free: the reports its worker held that completed steps every rank had
+    reported (a slower rank's came in one poll) stayed there while the consumer took nothing,
+    and went with the attempt (steps 3-7 here, lost). Window of 8: rank 0's first 3 reports
+    leave it 5 of credit (under 6), its worker holds 5 more; rank 1's 8 came in one poll."""
+    from types import SimpleNamespace
+
+    from asyncexec._driver.run import _window
+    from asyncexec._wire._protocol import Poll
+
+    def reports(first: int, n: int) -> list[dict[str, Any]]:
+        return [{"i": i} for i in range(first, first + n)]
+
+    answers = {0: [reports(0, 3), reports(3, 5)], 1: [reports(0, 8)]}
+    polled: list[tuple[int, int]] = []  # (rank, room)
+
+    async def submit(calls: Any, ack: int, room: int) -> Poll:
+        rank = calls._who.rank
+        polled.append((rank, room))
+        if not answers[rank]:
+            await anyio.sleep_forever()  # a long poll: nothing more comes
+        return Poll(answers[rank].pop(0), None, None)
+
+    monkeypatch.setattr(_window, "submit", submit)
+    workers = [SimpleNamespace(rank=0), SimpleNamespace(rank=1)]
+    group = SimpleNamespace(
+        workers=workers, attempt=1, config=SimpleNamespace(straggler_factor=None)
+    )
+    send, receive = anyio.create_memory_object_stream[Any](0)
+    core = RunCore("run-test")
+    handover = HandOver(core, send, CheckpointBook(None, None, "max"), lambda paths: None)
+    run = Run(core, receive)
+    window = _window.Window(core, group, 8, 0)  # type: ignore[arg-type]
+    failures: list[Exception] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for rank in (0, 1):
+                tg.start_soon(window.pump, rank, failures.append)
+            tg.start_soon(window.assemble, handover)
+            first = await run.__anext__()  # steps 0-2; the consumer takes no more for now
+            await anyio.wait_all_tasks_blocked()
+            assert [rank for rank, _ in polled].count(0) == 1  # 5 of credit: not polled
+            window.flush()  # the attempt failed (rank 1 died, say)
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()  # the attempt ends
+    assert first.index == 0
+    assert window.asm.assembled == 8  # steps 3-7 complete too: they are handed over
+    assert (0, 5) in polled  # polled with the credit it had
+    assert failures == []

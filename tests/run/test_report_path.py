@@ -281,7 +281,7 @@ async def _first_poll_room(
             lambda: credit["room"],
             lambda: 0,
             changed,
-            least,
+            lambda: least,
             take,
             window,
         )

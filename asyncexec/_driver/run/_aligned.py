@@ -13,7 +13,7 @@ not the policy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -74,8 +74,12 @@ class _Attempt:
         self.moving = True
         self.scope.cancel()
 
-    async def settle_then_end(self) -> None:
+    async def settle_then_end(self, flush: Callable[[], None]) -> None:
+        """After the first failure, end the attempt once its settling time has passed;
+        meanwhile every rank is polled while it has any credit (``flush``: see
+        ``Window.flush``), so that the steps every rank reported are delivered."""
         await self.failed.wait()
+        flush()
         raised = isinstance(self.failures[0], WorkerRaisedError)
         await anyio.sleep(RAISED_SETTLE_S if raised else DEATH_SETTLE_S)
         self.scope.cancel()
@@ -231,7 +235,7 @@ class AlignedRun:
         finished = False
         async with task_group() as tg:
             with attempt.scope:
-                tg.start_soon(attempt.settle_then_end)
+                tg.start_soon(attempt.settle_then_end, window.flush)
                 # Health is watched from the first call on: a worker can die or hang (blocked
                 # in C code holding the GIL) while its function is being started.
                 tg.start_soon(watch, group, attempt.fail)
@@ -245,6 +249,9 @@ class AlignedRun:
                 except AsyncExecError as exc:
                     attempt.fail(exc)
             tg.cancel_scope.cancel()
+        # The attempt is over: what its window holds beyond its complete steps (queued below) is
+        # never delivered, nor counted in the backlog while the next attempt starts.
+        ctx.window = None
         if attempt.failures:
             ctx.handover.queue(window.asm.take(window.asm.ready))
             error = await self._blame(group, attempt.failures)

@@ -70,7 +70,8 @@ class RunContext:
         self.storage = join_path(self.config.storage_path, run.run_id)
         #: The group the run is on now (read by the metrics' backlog and by the run's end).
         self.group: WorkerGroup | None = None
-        #: The current aligned attempt's window (its ranks' reports not yet assembled).
+        #: The current aligned attempt's window (its ranks' reports not yet assembled); None
+        #: between attempts.
         self.window: Window | None = None
         #: Whether the run's functions may be running on ``group`` (stopped at the end).
         self.session_live = False

@@ -267,6 +267,7 @@ class IndependentRun:
     async def _pump(self, rank: int, key: Key, attempt: int, group: WorkerGroup) -> Any:
         worker = group.workers[rank]
         credit = self.credit
+        least = min_poll(self.ctx.spec.buffer_size)
 
         async def take(poll: Poll) -> None:
             if poll.reports:
@@ -280,7 +281,7 @@ class IndependentRun:
             lambda: credit.credit(key),
             lambda: credit.consumed[key],
             credit.wait_changed,
-            min_poll(self.ctx.spec.buffer_size),
+            lambda: least,
             take,
         )
         if outcome.kind != "ok":

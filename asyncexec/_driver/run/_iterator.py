@@ -97,8 +97,13 @@ class RunCore:
         batch, which can hold a pump that waits for a share of its window forever."""
         if self.consumed != self.received_upto:
             self.consumed = self.received_upto
-            changed, self._consumed_changed = self._consumed_changed, anyio.Event()
-            changed.set()
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake what waits for the consumer to take more (``wait_consumed``), to look at its
+        credit again."""
+        changed, self._consumed_changed = self._consumed_changed, anyio.Event()
+        changed.set()
 
     async def wait_consumed(self) -> None:
         await self._consumed_changed.wait()

@@ -271,25 +271,25 @@ async def pump(
     credit: Callable[[], int],
     acked: Callable[[], int],
     changed: Callable[[], Awaitable[None]],
-    least: int,
+    least: Callable[[], int],
     take: Callable[[Poll], Awaitable[None]],
     full: int | None = None,
 ) -> Outcome:
-    """Poll ``worker`` whenever it has at least ``least`` of credit (``credit()``; waiting on
+    """Poll ``worker`` whenever it has at least ``least()`` of credit (``credit()``; waiting on
     ``changed()`` meanwhile), acknowledging ``acked()`` reports taken by the consumer, and hand
     each answer to ``take``; return the function's outcome once it has ended and every report
     was taken. ``caller``: whose attempt the call's errors carry (a group, or one rank's).
-    ``full``: the whole window; when what is left of it beyond ``least`` is at least a batch,
+    ``full``: the whole window; when what is left of it beyond ``least()`` is at least a batch,
     the poll waits up to :data:`CONSUMER_LINGER_S` for the consumer to free it all.
 
     Raises:
         AsyncExecError: a call on the worker failed (mapped by the seam: it died, or Ray
             failed).
     """
-    window = full if full is not None and full - least >= BATCH else None
+    window = full if full is not None and full - least() >= BATCH else None
     calls = proxy(caller, worker)
     while True:
-        while (room := credit()) < least:
+        while (room := credit()) < least():
             await changed()
         if window is not None and room < window:
             with anyio.move_on_after(CONSUMER_LINGER_S):
@@ -319,6 +319,9 @@ class Window:
         # Steps handed over before this attempt do not count against its credit.
         self._consumed_base = run.handed
         self._min_poll = min_poll(buffer_size)
+        #: The credit a rank must have to be polled: its share of the window, or any once the
+        #: attempt has failed (see :meth:`flush`).
+        self._least = self._min_poll
         #: Finds the ranks the others wait for (None: not watched); its ``serve`` task reports
         #: them.
         self.stragglers = StragglerWatch.of(group.config, len(group.workers))
@@ -329,6 +332,15 @@ class Window:
     def credit(self, rank: int) -> int:
         """Reports ``rank`` may still send before the consumer takes more."""
         return self.buffer_size - (self.asm.received[rank] - self._consumed())
+
+    def flush(self) -> None:
+        """The attempt has failed: from now on every rank is polled while it has any credit, not
+        only a share of its window, until the attempt ends. A rank ahead of the others may hold
+        reports on its worker that complete steps every rank has reported (a slower rank's came
+        in one poll); polled as usual, it would keep them until the consumer took more, and
+        they would go with the attempt."""
+        self._least = 1
+        self.run.wake()
 
     def silent_ranks(self, now: float, timeout_s: float) -> list[int]:
         """Ranks whose function runs, that have credit, and have not reported for ``timeout_s``
@@ -358,7 +370,7 @@ class Window:
                 lambda: self.credit(rank),
                 self._consumed,
                 self.run.wait_consumed,
-                self._min_poll,
+                lambda: self._least,
                 take,
                 self.buffer_size,
             )
