@@ -246,6 +246,42 @@ def test_reports_rate_rows_check_the_floor_target_the_docs_give(
         assert "0.9x floor" in slow.target_text()
 
 
+@pytest.mark.timeout(60)
+def test_a_child_that_runs_past_its_time_is_killed_under_flock_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Defect: ``_harness.child(..., lock=...)`` runs ``flock LOCK python SCRIPT``; past its
+    timeout it killed only ``flock``, and the script (with the Ray it started) ran on as an
+    orphan, holding the shared lock. Now the child's whole process group is killed."""
+    _benchmarks_importable(monkeypatch)
+    import _harness
+
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        _harness.child(str(script), lock=str(tmp_path / "lock"), timeout_s=3)
+    pid = int(pid_file.read_text())
+
+    def alive() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = not alive()
+    if not gone:
+        psutil.Process(pid).kill()
+    assert gone, "the script outlived its child() call"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_dispatch_benchmark_prints_every_row_and_checks_the_parts() -> None:
