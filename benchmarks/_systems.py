@@ -123,8 +123,8 @@ class LoopGroup:
                 if ready:
                     for _ in range(ready):
                         step = [q.popleft() for q in queues]
-                        if timed:
-                            last_t = step[0]["t"]
+                        if timed:  # the step's last report, as asyncexec's and Ray Train's
+                            last_t = max(report["t"] for report in step)
                     last = time.perf_counter()
                     count += ready
                 if all(done) and not any(queues):

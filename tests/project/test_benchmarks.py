@@ -226,6 +226,40 @@ def test_asyncexec_reports_rate_is_timed_to_the_last_step_as_the_floors(
     assert got["rate"] > 10 * steps / 0.5, got
 
 
+@pytest.mark.timeout(60)
+def test_floor_run_end_is_timed_from_the_steps_last_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: the batched floor's run end ("last report to the run's end") started from rank
+    0's report of the last step, asyncexec's and Ray Train's from the step's last report (the
+    max over the ranks): a rank 0 that reported first made the floor's figure longer, and
+    asyncexec's ratio to it better. Here rank 0 reported 1 s before rank 1 (fake actors, no
+    Ray)."""
+    _benchmarks_importable(monkeypatch)
+    import asyncio
+    from types import SimpleNamespace
+
+    from _systems import LoopGroup
+
+    class Actor:
+        def __init__(self, t: float) -> None:
+            self.t, self.steps = t, 0
+            self.start = SimpleNamespace(remote=self._start)
+            self.poll = SimpleNamespace(remote=self._poll)
+
+        async def _start(self, steps: int, bound: int, timed: bool) -> None:
+            self.steps = steps
+
+        async def _poll(self, max_items: int) -> tuple[list[dict[str, float]], bool]:
+            return [{"step": i, "t": self.t} for i in range(self.steps)], True
+
+    now = time.time()
+    group = LoopGroup(2, {"CPU": 0.25}, 1024)
+    group.actors = [Actor(now - 1.0), Actor(now)]
+    got = asyncio.run(group.floor(3, timed=True))
+    assert got["run_end"] < 0.5, got  # from rank 1's report (now), not rank 0's (now - 1 s)
+
+
 def test_reports_rate_rows_check_the_floor_target_the_docs_give(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
