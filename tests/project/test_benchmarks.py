@@ -260,6 +260,56 @@ def test_floor_run_end_is_timed_from_the_steps_last_report(
     assert got["run_end"] < 0.5, got  # from rank 1's report (now), not rank 0's (now - 1 s)
 
 
+@pytest.mark.timeout(60)
+def test_reports_rate_systems_are_warmed_alike_and_alternate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: ``run.py``'s reports/s repeats ran on fresh groups with no warm-up, always in the
+    order Ray Train, lockstep, floor, asyncexec: asyncexec's first recorded run paid its
+    workers' fetch of the function (the floor's actors have theirs from their class), and
+    asyncexec always ran last. Now each system has an unrecorded first run and the order
+    reverses every other repeat (fakes, no Ray)."""
+    _benchmarks_importable(monkeypatch)
+    monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "0")
+    import asyncio
+    import dataclasses
+
+    import run
+    from _common import Events
+    from _figures import QUICK
+
+    calls: list[tuple[str, int]] = []
+
+    def result(name: str, steps: int) -> dict[str, float]:
+        calls.append((name, steps))
+        return {"rate": 1.0, "driver_cpu_us": 1.0, "worker_cpu_us": 1.0}
+
+    class RayTrain:
+        async def call(self, op: str, steps: int) -> dict[str, float]:
+            return result("raytrain", steps)
+
+    class Loops:
+        async def lockstep(self, steps: int) -> dict[str, float]:
+            return result("lockstep", steps)
+
+        async def floor(self, steps: int) -> dict[str, float]:
+            return result("floor", steps)
+
+    class Ours:
+        async def stream(self, steps: int) -> dict[str, float]:
+            return result("asyncexec", steps)
+
+    sizes = dataclasses.replace(QUICK, repeats=2, warmups=1)
+    bench = run.Bench(sizes, Events(), parts=["reports"])
+    asyncio.run(bench.stream(4, RayTrain(), Loops(), Ours()))  # type: ignore[arg-type]
+    names = [name for name, _ in calls]
+    assert names[:4] == ["raytrain", "lockstep", "floor", "asyncexec"]  # the warm-ups
+    assert all(steps < sizes.steps[4] for name, steps in calls[:4] if name != "raytrain")
+    assert names[4:9] == ["raytrain", "lockstep", "floor", "asyncexec", "asyncexec"]
+    assert names[9:] == ["asyncexec", "asyncexec", "floor", "lockstep", "raytrain"]
+    assert all(len(v) == 2 for v in bench.figures["rate4"].values.values())
+
+
 def test_reports_rate_rows_check_the_floor_target_the_docs_give(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
