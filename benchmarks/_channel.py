@@ -321,8 +321,8 @@ async def measure_channel(
 
     An executor receives from one open channel at a time, so each repeat opens a channel per
     transport in turn (a fresh name each: a worker never installs a version older than the one
-    it holds of a name), pushes once untimed (the torch transport builds its process group
-    then) and times the second push."""
+    it holds of a name), pushes twice untimed (the torch transport builds its process group,
+    then fills its two receive buffers per tensor) and times the third push."""
     import ray
     from _common import gc_log, heartbeat, lag_ms, progress
 

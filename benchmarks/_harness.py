@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import pstats
+import signal
 import subprocess
 import sys
 import time
@@ -169,20 +170,34 @@ def child(
     joined to no running Ray, and return the JSON object its last line printed (``RESULT `` may
     come first). With ``tree``, it runs in that tree with its asyncexec first on ``PYTHONPATH``
     (for the driver and its workers), this folder's tools after it. A process that fails raises
-    RuntimeError with the end of what it wrote to stderr."""
+    RuntimeError with the end of what it wrote to stderr; one still running after ``timeout_s``
+    is killed with everything it started in its process group (under ``flock``, the script
+    itself, which would otherwise go on holding the lock) and raises TimeoutExpired."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([tree, HERE])
     command = [sys.executable, script, *args]
     if lock is not None:
         command = ["flock", lock, *command]
-    done = subprocess.run(
-        command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-    )
-    lines = [x for x in done.stdout.splitlines() if x.startswith(("{", "RESULT "))]
-    if done.returncode != 0 or not lines:
+    with subprocess.Popen(
+        command,
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    lines = [x for x in stdout.splitlines() if x.startswith(("{", "RESULT "))]
+    if proc.returncode != 0 or not lines:
         name = " ".join([os.path.basename(script), *args])
-        raise RuntimeError(f"{name} (in {tree or HERE}) failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{name} (in {tree or HERE}) failed:\n{stderr[-4000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 

@@ -123,8 +123,8 @@ class LoopGroup:
                 if ready:
                     for _ in range(ready):
                         step = [q.popleft() for q in queues]
-                        if timed:
-                            last_t = step[0]["t"]
+                        if timed:  # the step's last report, as asyncexec's and Ray Train's
+                            last_t = max(report["t"] for report in step)
                     last = time.perf_counter()
                     count += ready
                 if all(done) and not any(queues):
@@ -185,14 +185,16 @@ class AsyncexecGroup:
 
     async def stream(self, steps: int) -> dict[str, float]:
         """``steps`` tiny reports per worker, a consumer that does nothing; the rate from the
-        call of ``run()`` to the last step."""
+        call of ``run()`` to the last step (as the floor's and Ray Train's: the run's end, after
+        it, is the run-end row's)."""
         pids = self.pids()
         cpu0 = cpu_seconds([os.getpid()]), cpu_seconds(pids)
         count = 0
         first = last = time.perf_counter()
         async for _ in self.executor.run(ae_steps, {"steps": steps}):
             count += 1
-        last = time.perf_counter()
+            if count == steps:
+                last = time.perf_counter()
         cpu1 = cpu_seconds([os.getpid()]), cpu_seconds(pids)
         assert count == steps, (count, steps)
         total = steps * self.num

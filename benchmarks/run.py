@@ -291,20 +291,35 @@ class Bench:
     async def stream(
         self, n: int, rt: RayTrainClient | None, loops: LoopGroup, ae: AsyncexecGroup
     ) -> None:
+        """The reports/s of each system's group of ``n``. The groups are fresh: a first,
+        unrecorded run of each (a tenth of its steps; none in the quick run) pays what a first
+        run pays (asyncexec's workers fetch its function, which the floor's actors have from
+        their class); then the repeats, the systems' order reversed every other repeat, the
+        metrics run right after asyncexec's."""
         sizes = self.sizes
         key = f"rate{n}"
-        for _ in range(sizes.repeats):
+        steps = {
+            "raytrain": sizes.raytrain_steps[n],
+            "lockstep": sizes.lockstep_steps[n],
+            "floor": sizes.steps[n],
+            "asyncexec": sizes.steps[n],
+        }
+        systems: dict[str, Callable[[int], Awaitable[dict[str, float]]]] = {}
+        if rt is not None:
+            systems["raytrain"] = lambda count: rt.call("stream", steps=count)
+        systems |= {"lockstep": loops.lockstep, "floor": loops.floor, "asyncexec": ae.stream}
+        for _ in range(sizes.warmups):
+            for name, run in systems.items():
+                await run(max(10, steps[name] // 10))
+        for i in range(sizes.repeats):
             measured: dict[str, dict[str, float]] = {}
-            if rt is not None:
-                measured["raytrain"] = await rt.call("stream", steps=sizes.raytrain_steps[n])
-            measured["lockstep"] = await loops.lockstep(sizes.lockstep_steps[n])
-            measured["floor"] = await loops.floor(sizes.steps[n])
-            measured["asyncexec"] = await ae.stream(sizes.steps[n])
-            if n == 4:  # the same with Prometheus metrics on, right after it
-                with metrics_on():
-                    metered = await ae.stream(sizes.steps[n])
-                self.add("metrics_cost", "floor", measured["asyncexec"]["rate"])
-                self.add("metrics_cost", "asyncexec", metered["rate"])
+            for name in list(systems)[:: -1 if i % 2 else 1]:
+                measured[name] = await systems[name](steps[name])
+                if name == "asyncexec" and n == 4:  # the same with metrics on, right after it
+                    with metrics_on():
+                        metered = await ae.stream(sizes.steps[n])
+                    self.add("metrics_cost", "floor", measured["asyncexec"]["rate"])
+                    self.add("metrics_cost", "asyncexec", metered["rate"])
             for column, m in measured.items():
                 self.add(key, column, m["rate"])
                 if n == 4:
