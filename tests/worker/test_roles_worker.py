@@ -33,7 +33,7 @@ from asyncexec._dispatch._role import roles_payload
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._wire._protocol import Outcome, RoleFailure, RoleMethod, RunStart
 from asyncexec._worker._actor import WorkerActor
-from asyncexec._worker._rollout import _Gate
+from asyncexec._worker._gate import Gate
 
 #: Bounds every wait on a worker.
 WAIT_S = 30.0
@@ -428,7 +428,7 @@ def test_concurrent_installs_load_one_at_a_time_and_leave_the_newest(
     """Two installs at once (each in its own thread, as ``install_weights`` calls run) both
     passed the version check and loaded at the same time; the one that finished last set the
     gate's version, so the older weights could stay while the newer version was said held."""
-    gate = _Gate()
+    gate = Gate()
     load = _Loads(blocked=first)
     threads = [
         threading.Thread(target=gate.install, args=(load, {"w": v}, v), daemon=True)
