@@ -471,7 +471,7 @@ class CallStream:
         self._receive = receive
         self.scope = anyio.CancelScope()
         loop = asyncio.get_running_loop()
-        weakref.finalize(self, _cancel_dropped, self.scope, loop).atexit = False
+        weakref.finalize(self, _stop_dropped, self.scope, loop, receive).atexit = False
 
     def __aiter__(self) -> _StreamLoop:
         # Each ``async for`` gets an iterator of its own: when the loop is left early (break, an
@@ -483,12 +483,16 @@ class CallStream:
         try:
             item = await self._receive.receive()
         except anyio.EndOfStream:
+            self._receive.close()
+            raise StopAsyncIteration from None
+        except anyio.ClosedResourceError:  # closed: read to its end, failed, or aclose()d
             raise StopAsyncIteration from None
         except anyio.get_cancelled_exc_class():
             self.scope.cancel()
             raise
         if isinstance(item, _Failed):
             self.scope.cancel()
+            self._receive.close()
             raise item.error
         pair: tuple[int, Any] = item
         return pair
@@ -521,3 +525,21 @@ class _StreamLoop:
 def _cancel_dropped(scope: anyio.CancelScope, loop: asyncio.AbstractEventLoop) -> None:
     with contextlib.suppress(RuntimeError):  # the loop has closed
         loop.call_soon_threadsafe(scope.cancel)
+
+
+def _stop_dropped(
+    scope: anyio.CancelScope,
+    loop: asyncio.AbstractEventLoop,
+    receive: MemoryObjectReceiveStream[Any],
+) -> None:
+    """A dropped stream: its waits cancelled and its end closed (nothing reads it now; an
+    unclosed one is a ResourceWarning when collected)."""
+
+    def stop() -> None:
+        scope.cancel()  # first: a send cancelled at its checkpoint never finds the end closed
+        receive.close()
+
+    try:
+        loop.call_soon_threadsafe(stop)
+    except RuntimeError:  # the loop has closed: nothing sends
+        receive.close()

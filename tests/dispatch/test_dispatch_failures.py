@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -382,3 +384,26 @@ async def test_a_stream_raises_the_ranks_error_not_a_group_of_them(mode: str) ->
                 pass
         assert info.value.rank == 1
         assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_read_to_its_end_failed_or_dropped_leaves_nothing_open(mode: str) -> None:
+    """Defect: a stream's receiving end was never closed (read to its end, failed or dropped),
+    a ResourceWarning ("Unclosed <MemoryObjectReceiveStream>") for each when collected."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        async with asyncexec.Executor(2, resources_per_worker=CPU, roles=Server) as ex:
+            assert sorted([r async for r, _ in ex.stream(Server.pid)]) == [0, 1]
+            with pytest.raises(asyncexec.WorkerRaisedError):
+                async for _ in ex.stream(Server.fail_on_one):
+                    pass
+            dropped = ex.stream(Server.slow, 30.0)
+            del dropped
+            gc.collect()
+            await asyncio.sleep(0)  # the dropped stream's end is closed on the loop
+            read = ex.stream(Server.pid)
+            assert len([r async for r, _ in read]) == 2
+            assert [r async for r, _ in read] == []  # read again: nothing more, no error
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if "MemoryObject" in str(w.message)]
+    assert unclosed == []
