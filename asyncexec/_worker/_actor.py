@@ -198,14 +198,14 @@ class _Worker:
         with. The user's module-level state stays, as in Ray's reused workers; ``reset_hook`` is
         where the user clears it.
 
-        Fails (as an outcome) when the run's function did not stop: such a worker is not
-        reused."""
+        Fails (as an outcome) when the run's function did not stop, or a role instance's
+        ``close()`` failed (see ``_roles.drop``): such a worker is not reused."""
         if self._session is not None:
             if not await self._session.stop(stop_timeout_s):
                 return Outcome("error", error=RuntimeError("the run's function did not stop"))
             _session.end_session(self._session)
             self._session = None
-        _roles.drop()
+        closing = await _roles.drop()
         _place.set_group_context(None)
         _place.current_place().preemption = None
         _channel.reset()
@@ -218,6 +218,8 @@ class _Worker:
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(self._environ)
+        if closing:  # what the instances held may still be held: not a worker to reuse
+            return _outcomes.error_outcome(closing[0])
         if reset_hook is None:
             return Outcome("ok")
         return await _call(reset_hook, (), {})
@@ -288,9 +290,14 @@ class _Worker:
         await self._closed_event().wait()
 
     async def close(self) -> None:
-        """End the pending ``wait_closed`` calls before a graceful exit (Ray's graceful exit of
-        an async actor with a call still pending stalls until the actor is killed)."""
-        self._closed_event().set()
+        """Before a graceful exit: drop the roles' instances (each one's ``close()``, where its
+        class has one: see ``_roles.drop``; the driver's patience bounds it), then end the
+        pending ``wait_closed`` calls (Ray's graceful exit of an async actor with a call still
+        pending stalls until the actor is killed)."""
+        try:
+            await _roles.drop()
+        finally:
+            self._closed_event().set()
 
 
 async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:

@@ -6,8 +6,11 @@ backend has set up (``torch.distributed`` is ready in ``__init__``). A plain ``_
 a thread, as ``execute()`` runs a plain function, inside the worker's context (``get_context()``
 works in it); when the driver gives a checkpoint, a class's ``restore(checkpoint)`` is called
 right after its ``__init__``. The instances live in the worker's :class:`~._place.Place` (in
-local mode, several workers share a process), until the roles are made again or the worker is
-reset.
+local mode, several workers share a process), until the worker drops them: the roles are made
+again (a spare took a rank, the group shrank), the worker is reset (a pooled worker going back)
+or it is closed. Then each instance's ``close()``, where its class has one, is called (see
+:func:`drop`): what an instance holds (an engine, its processes and memory) is let go before
+another is made in the same process.
 
 Calls of the instances' methods run as on a Ray actor: an ``async def`` on the actor's loop,
 concurrently with any others; a plain method in a thread, one call at a time per instance (as a
@@ -35,7 +38,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
-from .._errors import ExecutorStateError
+from .._errors import ExecutorStateError, describe
+from .._logging import get_logger
 from .._wire._interface import BARE_TYPES, parse_key
 from .._wire._protocol import Outcome, RoleFailure, RoleSpec
 from . import _outcomes, _place
@@ -45,6 +49,9 @@ __all__ = ["Roles", "call", "call_here", "call_inline", "drop", "make", "method"
 #: A factory of the context entered around the roles' code (the backend's: the current CUDA
 #: device), as around a run's function.
 ContextFactory = Callable[[], AbstractContextManager[Any]]
+#: How long each instance's ``close()`` may take when its worker drops it: then it is left
+#: (a thread cannot be stopped) and the worker goes on.
+CLOSE_TIMEOUT_S = 30.0
 #: The most method keys a worker remembers parsed (a role has a few methods; this bounds a
 #: caller that sends keys without end).
 _KEYS = 1024
@@ -120,7 +127,7 @@ async def make(
     from ray import cloudpickle
 
     place = _place.current_place()
-    place.roles = None
+    await drop()  # the instances it held let go first: an engine's memory, before another's
     blobs: tuple[bytes, ...] = cloudpickle.loads(payload)
     instances: list[object] = []
     limits: list[int] = []
@@ -247,9 +254,30 @@ def _held() -> Roles:
     return roles
 
 
-def drop() -> None:
-    """Forget this worker's instances (a pooled worker going back)."""
-    _place.current_place().roles = None
+async def drop() -> list[BaseException]:
+    """Let go of this worker's instances (their roles made again, a pooled worker going back,
+    the worker closing): each instance's ``close()``, where its class has one (an ``async def``
+    on this loop, else in a thread, inside the worker's context), is called in reverse role
+    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. Returns the errors the
+    closes raised (a close that took too long: TimeoutError), each logged; never raises."""
+    place = _place.current_place()
+    roles, place.roles = place.roles, None
+    if not isinstance(roles, Roles):
+        return []
+    errors: list[BaseException] = []
+    for index in reversed(range(len(roles.instances))):
+        instance = roles.instances[index]
+        close = getattr(instance, "close", None)
+        if not callable(close):
+            continue
+        try:
+            await asyncio.wait_for(_invoke(close, (), {}, roles.context), CLOSE_TIMEOUT_S)
+        except Exception as exc:
+            errors.append(exc)
+            get_logger().warning(
+                "role_close_failed", role=type(instance).__qualname__, error=describe(exc)
+            )
+    return errors
 
 
 async def _invoke(

@@ -176,6 +176,13 @@ class VLLMServer(RolloutServer):
             reaping.wait()
         self._engine_loop.stop()
 
+    def close(self) -> None:
+        """:meth:`shutdown`, called by the worker when it drops the server (a pooled worker
+        going back to its pool, the roles made again, the worker closing): the engine's
+        processes and memory are let go before another server is made in the process."""
+        atexit.unregister(self.shutdown)
+        self.shutdown()
+
     def __repr__(self) -> str:
         return f"<VLLMServer {self.model} version={self._version}>"
 

@@ -561,6 +561,30 @@ async def test_a_server_shut_down_stops_its_reaper_which_knows_its_engines_proce
 
 
 @pytest.mark.timeout(60)
+async def test_a_server_its_worker_drops_shuts_its_engine_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a worker dropped its ``VLLMServer`` without shutting the engine down (a pooled
+    worker going back, the roles made again, a local executor's end): the engine's processes
+    and memory stayed until the process ended, beside the next server's engine. The worker
+    calls the server's ``close()`` now."""
+    engine = _StandIn(process=True)
+    monkeypatch.setattr(VLLMServer, "_made", lambda server, settings: engine.made())
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")  # the worker a thread of this process
+    role = asyncexec.Role(VLLMServer, "stand-in", channel="stand-in-dropped")
+    try:
+        async with asyncexec.Executor(1, roles=role):
+            assert engine.process is not None and engine.process.poll() is None
+        assert engine.process.poll() is not None  # shut down with the executor's worker
+        engine_loops = [t for t in threading.enumerate() if t.name == "asyncexec-vllm-engine"]
+        assert engine_loops == []
+    finally:
+        if engine.process is not None:
+            engine.process.kill()
+            engine.process.wait()
+
+
+@pytest.mark.timeout(60)
 async def test_a_server_whose_first_install_fails_shuts_its_engine_down(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -24,6 +24,7 @@ import pytest
 import tenacity
 
 import asyncexec
+import asyncexec.testing
 
 CPU = {"CPU": 0.25}
 NO_WAIT = tenacity.wait_none()
@@ -268,6 +269,82 @@ async def test_a_pooled_worker_drops_its_instances_when_it_goes_back() -> None:
         async with asyncexec.Executor(2, pool=pool) as ex:
             with pytest.raises(asyncexec.ConfigurationError, match="not a role"):
                 await ex.call(Counter.total)  # refused before anything is sent
+
+
+class Closes:
+    """A role that holds something to let go of: its ``close()`` writes a line to ``path`` (the
+    worker may be another process), or raises when told to."""
+
+    def __init__(self, path: str, name: str, fail: bool = False) -> None:
+        self.path, self.name, self.fail = path, name, fail
+        self.rank = asyncexec.get_context().world_rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{self.rank} {self.name} {os.getpid()}\n")
+        if self.fail:
+            raise RuntimeError("the engine would not stop")
+
+
+class AsyncCloses(Closes):
+    async def close(self) -> None:  # on the worker's loop
+        await asyncio.sleep(0)
+        super().close()
+
+
+def closed(path: Path) -> list[list[str]]:
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(60)
+async def test_a_roles_close_is_called_when_its_worker_drops_it(mode: str, tmp_path: Path) -> None:
+    """Defect: a worker dropped its roles' instances without a word (a pooled worker going back,
+    roles made again, in local mode the group's end): whatever an instance held stayed held, a
+    ``VLLMServer``'s engine with its processes and memory while another was made beside it. Each
+    instance's ``close()`` is called now, in reverse role order."""
+    log = tmp_path / "closed"
+    roles = [asyncexec.Role(Closes, str(log), "plain"), asyncexec.Role(AsyncCloses, str(log), "a")]
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=roles) as ex:
+        pids = await ex.call(asyncexec.method(Closes, Closes.pid))
+        assert closed(log) == []
+    by_rank = {r: [name for rank, name, _ in closed(log) if int(rank) == r] for r in (0, 1)}
+    assert by_rank == {0: ["a", "plain"], 1: ["a", "plain"]}
+    assert {(int(rank), int(pid)) for rank, _, pid in closed(log)} == {(0, pids[0]), (1, pids[1])}
+
+
+async def pooled_closes(tmp_path: Path, cluster: Any = None) -> None:
+    """A pooled worker closes its instances before it goes back: its next lease finds nothing
+    held; a worker whose instance failed to close is replaced, not given back (what the
+    instance held may be held still)."""
+    log = tmp_path / "closed"
+    async with asyncexec.WorkerPool(1, resources_per_worker=CPU, cluster=cluster) as pool:
+        async with asyncexec.Executor(1, pool=pool, roles=asyncexec.Role(Closes, str(log), "a")):
+            assert closed(log) == []
+        assert [name for _, name, _ in closed(log)] == ["a"]
+        role = asyncexec.Role(Closes, str(log), "b", fail=True)
+        async with asyncexec.Executor(1, pool=pool, roles=role) as ex:
+            [pid] = await ex.call(Closes.pid)
+        assert [name for _, name, _ in closed(log)] == ["a", "b"]
+        async with asyncexec.Executor(1, pool=pool) as ex:
+            if cluster is None:  # (simulated workers all run in this process)
+                assert [w.pid for w in ex.workers] != [pid]
+        assert pool.statistics().replaced == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("ray_local")
+async def test_a_pooled_worker_closes_its_instances_before_it_goes_back(tmp_path: Path) -> None:
+    await pooled_closes(tmp_path)
+
+
+@pytest.mark.timeout(30)
+async def test_a_pooled_simulated_worker_closes_its_instances_before_it_goes_back(
+    tmp_path: Path,
+) -> None:
+    await pooled_closes(tmp_path, asyncexec.testing.SimCluster())
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 from ..._errors import ConfigurationError
 from ..._wire._interface import WORKER_METHODS, WorkerInterface, WorkerMethod
 from ..._wire._protocol import Outcome, Poll, ReportTimes, RunStart, WorkerMetadata
-from ..._worker import Place
+from ..._worker import Place, error_outcome
 from .._config import ExecutorConfig, check_count
 from ._base import Handle, PendingResult, Spawned
 from ._inprocess import InProcessCluster
@@ -393,10 +393,16 @@ class SimWorker(SimCalls):
         if self._run is not None:
             self._run.stop()
             self._run = None
+        return self._later(self._reset(reset_hook), outcome=True)
+
+    async def _reset(self, reset_hook: Callable[[], object] | None) -> Outcome:
+        closing = await self.drop_roles()
         self.forget()
+        if closing:  # (as the actor: not a worker to reuse)
+            return error_outcome(closing[0])
         if reset_hook is None:
-            return ready(Outcome("ok"))
-        return self._call_here(reset_hook, (), {})
+            return Outcome("ok")
+        return await self._call_here(reset_hook, (), {})
 
     def ping(self) -> Awaitable[int]:
         return ready(self.metadata.pid)
@@ -407,9 +413,14 @@ class SimWorker(SimCalls):
         return self._closed
 
     def close(self) -> Awaitable[None]:
-        if self._closed is not None:
-            self._closed.answer(None)
-        return ready(None)
+        return self._later(self._close())
+
+    async def _close(self) -> None:
+        try:
+            await self.drop_roles()
+        finally:
+            if self._closed is not None:
+                self._closed.answer(None)
 
     def kill(self) -> None:
         """The worker is gone: its pending calls fail, as a dead actor's do."""

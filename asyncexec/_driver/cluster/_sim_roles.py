@@ -72,8 +72,27 @@ class SimCalls:
     def make_roles(
         self, payload: bytes, checkpoint: Any = None, context: ContextFactory | None = None
     ) -> Awaitable[Outcome]:
-        self.place.roles = None
-        return self._later(self._make(payload, checkpoint, context), outcome=True)
+        return self._later(self._remake(payload, checkpoint, context), outcome=True)
+
+    async def _remake(
+        self, payload: bytes, checkpoint: Any, context: ContextFactory | None
+    ) -> Outcome:
+        await self.drop_roles()  # the instances it held let go first (as ``_roles.make``)
+        return await self._make(payload, checkpoint, context)
+
+    async def drop_roles(self) -> list[BaseException]:
+        """Let go of the instances (as the actor's ``_roles.drop``): each one's ``close()``,
+        where its class has one, in reverse role order; the errors they raised."""
+        roles, self.place.roles = self.place.roles, None
+        errors: list[BaseException] = []
+        for instance in reversed(roles if isinstance(roles, list) else []):
+            close = getattr(instance, "close", None)
+            if callable(close):
+                try:
+                    await _invoke(close, (), {}, None)  # (no backend here: no context)
+                except Exception as exc:
+                    errors.append(exc)
+        return errors
 
     def call_role(
         self, role_index: int, name: str, /, *args: Any, **kwargs: Any
