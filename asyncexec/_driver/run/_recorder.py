@@ -105,6 +105,11 @@ class Recorder:
         # What the dead driver kept still counts (and is pruned as newer ones come); what it had
         # dropped but not yet deleted goes now.
         ctx.handover.book.kept = [(Checkpoint(path), m) for path, m in previous.kept]
+        if self.checkpoint is not None and all(p != self.checkpoint.path for p, _ in previous.kept):
+            # The dead driver no longer kept it but held it back for the record: it goes once
+            # the record has moved past it, as it would have in that driver (nothing else
+            # would ever delete it).
+            self._held.append((self.checkpoint_index or 0, self.checkpoint.path))
         storage = ctx.config.storage_path
         try:
             stray = await anyio.to_thread.run_sync(stray_checkpoints, storage, previous)
@@ -137,7 +142,8 @@ class Recorder:
         back goes (no driver resumes a finished run)."""
         await self.write("finished")
         held, self._held = self._held, []
-        self.pruner.submit([path for _, path in held])
+        latest = self.ctx.checkpoint  # the result's (a resumed run that made none: its start)
+        self.pruner.submit([p for _, p in held if latest is None or p != latest.path])
 
     async def keep(self) -> None:
         """Write the record when a checkpoint becomes the latest, and every
