@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import anyio
 import numpy
 import pytest
 import structlog
+import tenacity
 from test_faults import counter
 
 import asyncexec
@@ -232,3 +234,49 @@ async def test_a_storage_that_fails_to_remove_a_run_never_hides_the_users_error(
             raise ValueError("the user's error")
     (event,) = [e for e in logs if e["event"] == "runs_not_removed"]
     assert "503 backend error" in event["error"]
+
+
+_ahead = threading.Event()  # rank 0 has saved checkpoints beyond the step rank 1 fails at
+
+
+def saves_ahead_of_a_failing_rank(config: dict[str, Any]) -> None:
+    """Each rank saves a checkpoint (its own file) at every even step, resuming after the latest;
+    in the first attempt rank 1 fails at step 3 once rank 0 has saved up to step 8."""
+    ctx = asyncexec.get_context()
+    start = 0
+    if (checkpoint := asyncexec.get_checkpoint()) is not None:
+        start = int(Path(checkpoint.path, f"rank{ctx.world_rank}.txt").read_text()) + 1
+    for step in range(start, 10):
+        if ctx.attempt == 1 and ctx.world_rank == 1 and step == 3:
+            assert _ahead.wait(30)
+            raise ValueError("bad batch")
+        saved = None
+        if step % 2 == 0:
+            folder = tempfile.mkdtemp()
+            Path(folder, f"rank{ctx.world_rank}.txt").write_text(str(step))
+            saved = asyncexec.Checkpoint.from_directory(folder)
+        asyncexec.report({"step": step}, checkpoint=saved)
+        if ctx.world_rank == 0 and step == 8:
+            _ahead.set()
+
+
+async def test_a_failed_attempt_leaves_no_checkpoint_of_a_step_it_never_completed(
+    tmp_path: Path,
+) -> None:
+    """Defect: the checkpoints that a rank ahead of the others saved in an attempt that failed
+    (here rank 0's of steps 4, 6 and 8, after rank 1 failed at step 3) were carried by no step,
+    counted by no ``num_to_keep`` and deleted by nothing: with one checkpoint kept, the run's
+    folder held four when it ended, a set of them more after each restart."""
+    _ahead.clear()
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=tenacity.wait_none()
+    )
+    keep = asyncexec.CheckpointConfig(num_to_keep=1)
+    async with asyncexec.Executor(
+        2, local=True, storage_path=tmp_path, checkpoint=keep, restart=policy
+    ) as ex:
+        steps = [s async for s in ex.run(saves_ahead_of_a_failing_rank)]
+        assert [s.metrics["step"] for s in steps] == list(range(10))
+        assert ex.result.attempts == 2 and ex.result.checkpoint is not None
+        folders = [p.name for p in (tmp_path / ex.result.run_id).iterdir()]
+        assert folders == [Path(ex.result.checkpoint.path).name] == ["checkpoint_000008_a2"]
