@@ -137,13 +137,17 @@ class Checkpoint:
 
 
 def _missing(path: str) -> FileNotFoundError:
-    """A checkpoint whose files are gone, most likely those of an unnamed run whose executor
-    closed: the error says so, and how to keep them."""
+    """A checkpoint whose files are gone: the error names the ways that happens, and how to
+    avoid each. Read after its executor closed, most likely those of an unnamed run; read by a
+    worker while the run goes on (a restart's ``get_checkpoint()``), most likely a local
+    storage path that the workers' nodes do not share."""
     return FileNotFoundError(
-        f"checkpoint directory does not exist: {path!r} (the checkpoints of an unnamed run "
-        "are removed when its executor closes: name the run, run(..., name=...), or keep "
-        "them with CheckpointConfig(keep_runs=True), or copy one with to_directory() while "
-        "the executor is open)"
+        f"checkpoint directory does not exist: {path!r}: it was deleted, or written on another "
+        "node's disk. The checkpoints of an unnamed run are removed when its executor closes "
+        "(name the run, run(..., name=...), keep them with CheckpointConfig(keep_runs=True), or "
+        "copy one with to_directory() while the executor is open); CheckpointConfig(num_to_keep"
+        "=N) removes older ones; and a local storage_path must be a folder that every node of "
+        "the workers shares (or a URI that fsspec reaches)"
     )
 
 

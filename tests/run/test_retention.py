@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -280,3 +281,39 @@ async def test_a_failed_attempt_leaves_no_checkpoint_of_a_step_it_never_complete
         assert ex.result.attempts == 2 and ex.result.checkpoint is not None
         folders = [p.name for p in (tmp_path / ex.result.run_id).iterdir()]
         assert folders == [Path(ex.result.checkpoint.path).name] == ["checkpoint_000008_a2"]
+
+
+_gone = threading.Event()  # the consumer has deleted the run's checkpoint
+
+
+def restarts_from_a_deleted_checkpoint() -> None:
+    """Saves a checkpoint, then fails once it is deleted; the restart reads it."""
+    if (checkpoint := asyncexec.get_checkpoint()) is not None:
+        with checkpoint.as_directory():
+            return
+    folder = tempfile.mkdtemp()
+    Path(folder, "state.txt").write_text("0")
+    asyncexec.report({}, checkpoint=asyncexec.Checkpoint.from_directory(folder))
+    assert _gone.wait(30)
+    raise ValueError("bad batch")
+
+
+async def test_a_checkpoint_gone_while_the_run_goes_on_is_not_blamed_on_a_closed_executor(
+    tmp_path: Path,
+) -> None:
+    """Defect: a restart's checkpoint that was not there (deleted, or on another node's disk:
+    a local storage path the nodes do not share) failed the run with an error that said an
+    unnamed run's checkpoints go when its executor closes, while the executor was open. It
+    names the other causes too: a storage path that every node must share."""
+    _gone.clear()
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=tenacity.wait_none()
+    )
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, restart=policy) as ex:
+        with pytest.raises(asyncexec.RestartsExhaustedError) as caught:
+            async for step in ex.run(restarts_from_a_deleted_checkpoint):
+                assert step.checkpoint is not None
+                shutil.rmtree(step.checkpoint.path)
+                _gone.set()
+    message = str(caught.value.failures[-1])
+    assert "does not exist" in message and "every node of the workers shares" in message
