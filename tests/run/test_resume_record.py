@@ -142,3 +142,27 @@ async def test_a_resumed_run_deletes_the_checkpoint_it_resumed_from_once_past_it
     else:  # it made none: the one it resumed from is its result's
         assert run.result.checkpoint is not None and run.result.checkpoint.path == str(start)
         assert (start / "state.txt").read_text() == "a-10"
+
+
+async def test_a_run_started_over_from_the_earlier_runs_checkpoint_is_refused_keeping_it(
+    tmp_path: Path,
+) -> None:
+    """Defect: ``resume="never"`` with ``checkpoint=`` one of the earlier run's (start over from
+    where it got) deleted that checkpoint with the earlier run's folders before the run started
+    from it: every rank failed with "checkpoint directory does not exist". The run is refused
+    with a ConfigurationError that says to copy it, and the checkpoint is left."""
+    async with asyncexec.Executor(1, local=True, storage_path=str(tmp_path)) as executor:
+        steps = [s async for s in executor.run(_train, {"at": [5], "tag": "a"}, name="job")]
+        start = steps[5].checkpoint
+        assert start is not None
+        config = {"at": [1], "tag": "b"}
+        run = executor.run(_train, config, name="job", resume="never", checkpoint=start)
+        with pytest.raises(asyncexec.ConfigurationError, match="copy it elsewhere"):
+            [s async for s in run]
+        assert (Path(start.path) / "state.txt").read_text() == "a-5"
+        copy = start.to_directory(tmp_path / "copy")
+        steps = [
+            s
+            async for s in executor.run(_train, config, name="job", resume="never", checkpoint=copy)
+        ]
+        assert len(steps) == STEPS
