@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -244,13 +245,27 @@ def _collision(target: Path | str) -> FileExistsError:
 
 
 def remove_directory(path: str) -> None:
-    """Delete a persisted checkpoint (local or remote); a missing one is fine."""
+    """Delete a persisted checkpoint (local or remote); a missing one (or a part of it that
+    went meanwhile) is fine.
+
+    Raises:
+        OSError: a file or folder of it could not be deleted (a local one's error, as a remote
+            filesystem raises its own: the callers log it; ignoring it left folders that
+            ``num_to_keep`` had dropped, or an earlier run's files, without a word).
+    """
     if is_uri(path):
         fs, root = filesystem(path)
         if fs.exists(root):
             fs.rm(root, recursive=True)
+    elif sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=_missing_is_fine)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=lambda f, p, info: _missing_is_fine(f, p, info[1]))
+
+
+def _missing_is_fine(function: Any, path: str, error: BaseException) -> None:
+    if not isinstance(error, FileNotFoundError):
+        raise error
 
 
 class CheckpointBook:

@@ -317,3 +317,61 @@ async def test_a_checkpoint_gone_while_the_run_goes_on_is_not_blamed_on_a_closed
                 _gone.set()
     message = str(caught.value.failures[-1])
     assert "does not exist" in message and "every node of the workers shares" in message
+
+
+def saves_an_undeletable_file(config: dict[str, Any]) -> None:
+    """Three steps, each with a checkpoint holding a file that cannot be deleted."""
+    for step in range(3):
+        folder = tempfile.mkdtemp()
+        Path(folder, "undeletable.txt").write_text(str(step))
+        asyncexec.report({"step": step}, checkpoint=asyncexec.Checkpoint.from_directory(folder))
+
+
+async def test_a_local_checkpoint_that_cannot_be_deleted_is_logged_and_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: on a local storage path a deletion that failed (a file the driver may not
+    delete) was ignored without a word, though a failure is logged
+    (``checkpoint_prune_failed``): the folders that ``num_to_keep`` dropped piled up unseen.
+    Each is logged now, and the run goes on."""
+    unlink = os.unlink
+
+    def refusing_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fspath(path)) == "undeletable.txt":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        unlink(path, *args, **kwargs)
+
+    keep = asyncexec.CheckpointConfig(num_to_keep=1)
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, checkpoint=keep) as ex:
+        with structlog.testing.capture_logs() as logs:
+            monkeypatch.setattr(os, "unlink", refusing_unlink)
+            steps = [s async for s in ex.run(saves_an_undeletable_file)]
+            monkeypatch.undo()
+        assert len(steps) == 3
+    failed = [e for e in logs if e["event"] == "checkpoint_prune_failed"]
+    assert len(failed) == 2 and all("Permission denied" in e["error"] for e in failed)
+
+
+async def test_a_run_folder_that_cannot_be_removed_leaves_the_others_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local run folder that cannot be removed at the close is logged (``runs_not_removed``)
+    and keeps its marker (a later close tries again); the executor's other runs still go."""
+    unlink = os.unlink
+
+    def refusing_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fspath(path)) == "undeletable.txt":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        unlink(path, *args, **kwargs)
+
+    with structlog.testing.capture_logs() as logs:
+        async with asyncexec.Executor(1, local=True, storage_path=tmp_path) as ex:
+            [_ async for _ in ex.run(saves_an_undeletable_file)]
+            stuck = ex.result.run_id
+            [_ async for _ in ex.run(counter, STEPS)]
+            monkeypatch.setattr(os, "unlink", refusing_unlink)
+        monkeypatch.undo()
+    assert _runs(tmp_path) == {stuck}
+    assert {p.stem for p in (tmp_path / MARKERS).iterdir()} == {stuck}
+    (warning,) = [e for e in logs if e["event"] == "runs_not_removed"]
+    assert "Permission denied" in warning["error"]
