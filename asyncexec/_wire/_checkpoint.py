@@ -274,6 +274,10 @@ class CheckpointBook:
     Every checkpoint is kept unless ``num_to_keep`` is set; then the ``num_to_keep`` most recent,
     or the best by ``score_attribute`` (rank 0's metric, ``score_order`` ``"max"`` or
     ``"min"``), and always the latest, so that a restart can resume from it.
+
+    Of each checkpoint's metrics it holds the score only (``{score_attribute: value}``, or
+    ``{}``): the book lives as long as the run, and every kept checkpoint's whole metrics (all
+    of them, without ``num_to_keep``) grew the driver's memory with the run's length.
     """
 
     def __init__(
@@ -287,7 +291,9 @@ class CheckpointBook:
     def add(self, checkpoint: Checkpoint, metrics: Any) -> list[str]:
         """Record ``checkpoint`` (reported with rank 0's ``metrics``); return the paths of the
         checkpoints that are no longer kept."""
-        self.kept.append((checkpoint, metrics))
+        score = self.score_attribute
+        value = metrics.get(score) if score is not None and isinstance(metrics, dict) else None
+        self.kept.append((checkpoint, {} if value is None else {score: value}))
         keep = self.num_to_keep
         if keep is None or len(self.kept) <= keep:
             return []

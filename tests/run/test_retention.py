@@ -4,6 +4,7 @@ unless the run is named (it can be resumed by name) or the executor keeps its ru
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import socket
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -375,3 +377,43 @@ async def test_a_run_folder_that_cannot_be_removed_leaves_the_others_removed(
     assert {p.stem for p in (tmp_path / MARKERS).iterdir()} == {stuck}
     (warning,) = [e for e in logs if e["event"] == "runs_not_removed"]
     assert "Permission denied" in warning["error"]
+
+
+class Payload:
+    """A metric's value that the test can watch being freed (local mode passes it as it is)."""
+
+
+_payloads: list[weakref.ref[Payload]] = []
+
+
+def reports_payloads(config: dict[str, Any]) -> None:
+    """``config["steps"]`` steps, each with a checkpoint and a ``Payload`` in its metrics."""
+    for step in range(config["steps"]):
+        payload = Payload()
+        if asyncexec.get_context().world_rank == 0:
+            _payloads.append(weakref.ref(payload))
+        folder = tempfile.mkdtemp()
+        Path(folder, "state.txt").write_text(str(step))
+        saved = asyncexec.Checkpoint.from_directory(folder)
+        asyncexec.report({"payload": payload, "loss": float(step)}, checkpoint=saved)
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["aligned", "independent"])
+async def test_the_checkpoints_kept_do_not_hold_their_steps_metrics(
+    tmp_path: Path, independent: bool
+) -> None:
+    """Defect: the driver held the whole metrics of every checkpoint it kept, for the run's
+    life (of every checkpoint, without ``num_to_keep``; in a run of independent ranks, of every
+    checkpoint whatever ``num_to_keep`` said): memory grew with the run's length. It keeps the
+    score only."""
+    _payloads.clear()
+    steps = 60
+    keep = asyncexec.CheckpointConfig(num_to_keep=1 if independent else None)
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, checkpoint=keep) as ex:
+        run = ex.run(reports_payloads, {"steps": steps}, buffer_size=2, independent=independent)
+        async for step in run:
+            if step.index == steps - 1:
+                del step
+                gc.collect()
+                alive = [ref for ref in _payloads[: steps // 2] if ref() is not None]
+                assert alive == []
