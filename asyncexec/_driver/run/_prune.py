@@ -42,8 +42,12 @@ class _Sweep(NamedTuple):
 
     def paths(self) -> list[str]:
         """Blocking: call it in a thread."""
+        try:
+            folders = checkpoint_folders(self.storage, self.run_id)
+        except FileNotFoundError:  # a remote run folder that nothing was written to yet
+            return []
         found = []
-        for path in checkpoint_folders(self.storage, self.run_id):
+        for path in folders:
             match = _CHECKPOINT_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
             if match and int(match[2]) == self.attempt and int(match[1]) >= self.first:
                 found.append(path)
