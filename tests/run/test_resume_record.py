@@ -166,3 +166,22 @@ async def test_a_run_started_over_from_the_earlier_runs_checkpoint_is_refused_ke
             async for s in executor.run(_train, config, name="job", resume="never", checkpoint=copy)
         ]
         assert len(steps) == STEPS
+
+
+async def test_a_resumed_runs_latest_checkpoint_is_the_one_it_resumed_from(
+    tmp_path: Path,
+) -> None:
+    """Defect: ``Run.latest_checkpoint`` of a resumed run was None until it made a checkpoint
+    of its own, though its restarts resume from the record's (and the command line's view said
+    "resuming from the start (no checkpoint)"); its ``latest_index`` was already the record's."""
+    _reported.clear()
+    async with asyncexec.Executor(1, local=True, storage_path=str(tmp_path)) as executor:
+        async for step in executor.run(_train, {"at": [10], "tag": "a"}, name="job"):
+            if step.index == 14:  # the driver stops here, as a dead one would
+                await _recorded(tmp_path, "job", 15)
+                break
+        run = executor.run(_train, {"at": [], "tag": "a"}, name="job", resume="force")
+        async for _step in run:
+            assert run.latest_checkpoint is not None
+            assert Path(run.latest_checkpoint.path).name == "checkpoint_000010_a1"
+    assert run.result.checkpoint == run.latest_checkpoint

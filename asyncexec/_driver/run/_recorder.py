@@ -116,7 +116,8 @@ class Recorder:
         ctx, run = self.ctx, self.ctx.run
         self.attempt_base = run.attempt = previous.attempt
         if previous.checkpoint is not None:
-            ctx.latest = self.checkpoint = Checkpoint(previous.checkpoint)
+            # (Run.latest_checkpoint too: a completed step carried it, in the dead driver)
+            ctx.latest = run.latest_checkpoint = self.checkpoint = Checkpoint(previous.checkpoint)
             run.latest_index = self.checkpoint_index = previous.resume_index() - 1
         # What the dead driver kept still counts (and is pruned as newer ones come); what it had
         # dropped but not yet deleted goes now.
