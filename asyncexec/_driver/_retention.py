@@ -65,13 +65,19 @@ class Retention:
         paths = [join_path(storage, run_id) for run_id in run_ids]
 
         def remove_all() -> list[str]:
-            for path in paths:
-                remove_directory(path)
-            if is_uri(storage):
-                return []
-            for run_id in run_ids:
-                Path(storage, MARKERS, f"{run_id}.json").unlink(missing_ok=True)
-            return _remove_orphans(Path(storage))
+            failed: list[Exception] = []
+            for run_id, path in zip(run_ids, paths, strict=True):
+                try:
+                    remove_directory(path)
+                except Exception as exc:  # the others still go; this one is logged below
+                    failed.append(exc)
+                    continue
+                if not is_uri(storage):  # (its marker stays with a folder that stays)
+                    Path(storage, MARKERS, f"{run_id}.json").unlink(missing_ok=True)
+            orphans = [] if is_uri(storage) else _remove_orphans(Path(storage))
+            if failed:
+                raise failed[0]
+            return orphans
 
         with teardown("runs_removed", self.config.shutdown_timeout_s):
             try:
@@ -133,7 +139,10 @@ def _remove_orphans(storage: Path) -> list[str]:
             except (OSError, ValueError):
                 continue
             if isinstance(driver, dict) and _gone(driver):
-                remove_directory(os.fspath(storage / marker.stem))
+                try:
+                    remove_directory(os.fspath(storage / marker.stem))
+                except OSError:  # left with its marker, for the next close to try again
+                    continue
                 marker.unlink(missing_ok=True)
                 removed.append(marker.stem)
     return sorted(removed)

@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -137,13 +138,17 @@ class Checkpoint:
 
 
 def _missing(path: str) -> FileNotFoundError:
-    """A checkpoint whose files are gone, most likely those of an unnamed run whose executor
-    closed: the error says so, and how to keep them."""
+    """A checkpoint whose files are gone: the error names the ways that happens, and how to
+    avoid each. Read after its executor closed, most likely those of an unnamed run; read by a
+    worker while the run goes on (a restart's ``get_checkpoint()``), most likely a local
+    storage path that the workers' nodes do not share."""
     return FileNotFoundError(
-        f"checkpoint directory does not exist: {path!r} (the checkpoints of an unnamed run "
-        "are removed when its executor closes: name the run, run(..., name=...), or keep "
-        "them with CheckpointConfig(keep_runs=True), or copy one with to_directory() while "
-        "the executor is open)"
+        f"checkpoint directory does not exist: {path!r}: it was deleted, or written on another "
+        "node's disk. The checkpoints of an unnamed run are removed when its executor closes "
+        "(name the run, run(..., name=...), keep them with CheckpointConfig(keep_runs=True), or "
+        "copy one with to_directory() while the executor is open); CheckpointConfig(num_to_keep"
+        "=N) removes older ones; and a local storage_path must be a folder that every node of "
+        "the workers shares (or a URI that fsspec reaches)"
     )
 
 
@@ -240,13 +245,27 @@ def _collision(target: Path | str) -> FileExistsError:
 
 
 def remove_directory(path: str) -> None:
-    """Delete a persisted checkpoint (local or remote); a missing one is fine."""
+    """Delete a persisted checkpoint (local or remote); a missing one (or a part of it that
+    went meanwhile) is fine.
+
+    Raises:
+        OSError: a file or folder of it could not be deleted (a local one's error, as a remote
+            filesystem raises its own: the callers log it; ignoring it left folders that
+            ``num_to_keep`` had dropped, or an earlier run's files, without a word).
+    """
     if is_uri(path):
         fs, root = filesystem(path)
         if fs.exists(root):
             fs.rm(root, recursive=True)
+    elif sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=_missing_is_fine)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=lambda f, p, info: _missing_is_fine(f, p, info[1]))
+
+
+def _missing_is_fine(function: Any, path: str, error: BaseException) -> None:
+    if not isinstance(error, FileNotFoundError):
+        raise error
 
 
 class CheckpointBook:
@@ -255,6 +274,10 @@ class CheckpointBook:
     Every checkpoint is kept unless ``num_to_keep`` is set; then the ``num_to_keep`` most recent,
     or the best by ``score_attribute`` (rank 0's metric, ``score_order`` ``"max"`` or
     ``"min"``), and always the latest, so that a restart can resume from it.
+
+    Of each checkpoint's metrics it holds the score only (``{score_attribute: value}``, or
+    ``{}``): the book lives as long as the run, and every kept checkpoint's whole metrics (all
+    of them, without ``num_to_keep``) grew the driver's memory with the run's length.
     """
 
     def __init__(
@@ -268,7 +291,9 @@ class CheckpointBook:
     def add(self, checkpoint: Checkpoint, metrics: Any) -> list[str]:
         """Record ``checkpoint`` (reported with rank 0's ``metrics``); return the paths of the
         checkpoints that are no longer kept."""
-        self.kept.append((checkpoint, metrics))
+        score = self.score_attribute
+        value = metrics.get(score) if score is not None and isinstance(metrics, dict) else None
+        self.kept.append((checkpoint, {} if value is None else {score: value}))
         keep = self.num_to_keep
         if keep is None or len(self.kept) <= keep:
             return []

@@ -109,3 +109,79 @@ async def test_a_run_of_independent_ranks_cannot_be_named(tmp_path: Path) -> Non
         with pytest.raises(asyncexec.ConfigurationError, match="independent ranks cannot be"):
             executor.run(_train, {"at": [], "tag": ""}, name="each", independent=True)
     assert not (tmp_path / "each").exists()
+
+
+@pytest.mark.parametrize("again", [[10, 30], []], ids=["new-checkpoints", "none"])
+async def test_a_resumed_run_deletes_the_checkpoint_it_resumed_from_once_past_it(
+    tmp_path: Path, again: list[int]
+) -> None:
+    """Defect: a driver that stopped with its record's checkpoint held back (no longer kept,
+    the consumer not yet past a newer one) left that folder for ever: the driver that resumed
+    from it never deleted it, so a run with one checkpoint kept ended with two. It goes once
+    the resumed run's record has moved past it, and stays while it is the run's latest."""
+    _reported.clear()
+    keep = asyncexec.CheckpointConfig(num_to_keep=1)
+    async with asyncexec.Executor(
+        1, local=True, storage_path=str(tmp_path), checkpoint=keep
+    ) as executor:
+        async for step in executor.run(_train, {"at": [10, 30], "tag": "a"}, name="job"):
+            if step.index == 14:  # the driver stops here, as a dead one would
+                await anyio.to_thread.run_sync(_reported.wait, 30)  # step 30's is made
+                await _recorded(tmp_path, "job", 15)
+                break
+        run = executor.run(_train, {"at": again, "tag": "b"}, name="job", resume="force")
+        indices = [s.index async for s in run]
+        assert indices[0] == 11  # resumed after checkpoint 10
+    start = tmp_path / "job" / "checkpoint_000010_a1"
+    if again:  # the resumed run's checkpoints of steps 10 and 30 are at indices 21 and 41
+        assert run.result.checkpoint is not None
+        assert Path(run.result.checkpoint.path).name == "checkpoint_000041_a2"
+        assert sorted(p.name for p in (tmp_path / "job").glob("checkpoint_*")) == [
+            "checkpoint_000041_a2"
+        ]
+    else:  # it made none: the one it resumed from is its result's
+        assert run.result.checkpoint is not None and run.result.checkpoint.path == str(start)
+        assert (start / "state.txt").read_text() == "a-10"
+
+
+async def test_a_run_started_over_from_the_earlier_runs_checkpoint_is_refused_keeping_it(
+    tmp_path: Path,
+) -> None:
+    """Defect: ``resume="never"`` with ``checkpoint=`` one of the earlier run's (start over from
+    where it got) deleted that checkpoint with the earlier run's folders before the run started
+    from it: every rank failed with "checkpoint directory does not exist". The run is refused
+    with a ConfigurationError that says to copy it, and the checkpoint is left."""
+    async with asyncexec.Executor(1, local=True, storage_path=str(tmp_path)) as executor:
+        steps = [s async for s in executor.run(_train, {"at": [5], "tag": "a"}, name="job")]
+        start = steps[5].checkpoint
+        assert start is not None
+        config = {"at": [1], "tag": "b"}
+        run = executor.run(_train, config, name="job", resume="never", checkpoint=start)
+        with pytest.raises(asyncexec.ConfigurationError, match="copy it elsewhere"):
+            [s async for s in run]
+        assert (Path(start.path) / "state.txt").read_text() == "a-5"
+        copy = start.to_directory(tmp_path / "copy")
+        steps = [
+            s
+            async for s in executor.run(_train, config, name="job", resume="never", checkpoint=copy)
+        ]
+        assert len(steps) == STEPS
+
+
+async def test_a_resumed_runs_latest_checkpoint_is_the_one_it_resumed_from(
+    tmp_path: Path,
+) -> None:
+    """Defect: ``Run.latest_checkpoint`` of a resumed run was None until it made a checkpoint
+    of its own, though its restarts resume from the record's (and the command line's view said
+    "resuming from the start (no checkpoint)"); its ``latest_index`` was already the record's."""
+    _reported.clear()
+    async with asyncexec.Executor(1, local=True, storage_path=str(tmp_path)) as executor:
+        async for step in executor.run(_train, {"at": [10], "tag": "a"}, name="job"):
+            if step.index == 14:  # the driver stops here, as a dead one would
+                await _recorded(tmp_path, "job", 15)
+                break
+        run = executor.run(_train, {"at": [], "tag": "a"}, name="job", resume="force")
+        async for _step in run:
+            assert run.latest_checkpoint is not None
+            assert Path(run.latest_checkpoint.path).name == "checkpoint_000010_a1"
+    assert run.result.checkpoint == run.latest_checkpoint

@@ -4,13 +4,17 @@ unless the run is named (it can be resumed by name) or the executor keeps its ru
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ import anyio
 import numpy
 import pytest
 import structlog
+import tenacity
 from test_faults import counter
 
 import asyncexec
@@ -232,3 +237,183 @@ async def test_a_storage_that_fails_to_remove_a_run_never_hides_the_users_error(
             raise ValueError("the user's error")
     (event,) = [e for e in logs if e["event"] == "runs_not_removed"]
     assert "503 backend error" in event["error"]
+
+
+_ahead = threading.Event()  # rank 0 has saved checkpoints beyond the step rank 1 fails at
+
+
+def saves_ahead_of_a_failing_rank(config: dict[str, Any]) -> None:
+    """Each rank saves a checkpoint (its own file) at every even step, resuming after the latest;
+    in the first attempt rank 1 fails at step 3 once rank 0 has saved up to step 8."""
+    ctx = asyncexec.get_context()
+    start = 0
+    if (checkpoint := asyncexec.get_checkpoint()) is not None:
+        start = int(Path(checkpoint.path, f"rank{ctx.world_rank}.txt").read_text()) + 1
+    for step in range(start, 10):
+        if ctx.attempt == 1 and ctx.world_rank == 1 and step == 3:
+            assert _ahead.wait(30)
+            raise ValueError("bad batch")
+        saved = None
+        if step % 2 == 0:
+            folder = tempfile.mkdtemp()
+            Path(folder, f"rank{ctx.world_rank}.txt").write_text(str(step))
+            saved = asyncexec.Checkpoint.from_directory(folder)
+        asyncexec.report({"step": step}, checkpoint=saved)
+        if ctx.world_rank == 0 and step == 8:
+            _ahead.set()
+
+
+async def test_a_failed_attempt_leaves_no_checkpoint_of_a_step_it_never_completed(
+    tmp_path: Path,
+) -> None:
+    """Defect: the checkpoints that a rank ahead of the others saved in an attempt that failed
+    (here rank 0's of steps 4, 6 and 8, after rank 1 failed at step 3) were carried by no step,
+    counted by no ``num_to_keep`` and deleted by nothing: with one checkpoint kept, the run's
+    folder held four when it ended, a set of them more after each restart."""
+    _ahead.clear()
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=tenacity.wait_none()
+    )
+    keep = asyncexec.CheckpointConfig(num_to_keep=1)
+    async with asyncexec.Executor(
+        2, local=True, storage_path=tmp_path, checkpoint=keep, restart=policy
+    ) as ex:
+        steps = [s async for s in ex.run(saves_ahead_of_a_failing_rank)]
+        assert [s.metrics["step"] for s in steps] == list(range(10))
+        assert ex.result.attempts == 2 and ex.result.checkpoint is not None
+        folders = [p.name for p in (tmp_path / ex.result.run_id).iterdir()]
+        assert folders == [Path(ex.result.checkpoint.path).name] == ["checkpoint_000008_a2"]
+
+
+_gone = threading.Event()  # the consumer has deleted the run's checkpoint
+
+
+def restarts_from_a_deleted_checkpoint() -> None:
+    """Saves a checkpoint, then fails once it is deleted; the restart reads it."""
+    if (checkpoint := asyncexec.get_checkpoint()) is not None:
+        with checkpoint.as_directory():
+            return
+    folder = tempfile.mkdtemp()
+    Path(folder, "state.txt").write_text("0")
+    asyncexec.report({}, checkpoint=asyncexec.Checkpoint.from_directory(folder))
+    assert _gone.wait(30)
+    raise ValueError("bad batch")
+
+
+async def test_a_checkpoint_gone_while_the_run_goes_on_is_not_blamed_on_a_closed_executor(
+    tmp_path: Path,
+) -> None:
+    """Defect: a restart's checkpoint that was not there (deleted, or on another node's disk:
+    a local storage path the nodes do not share) failed the run with an error that said an
+    unnamed run's checkpoints go when its executor closes, while the executor was open. It
+    names the other causes too: a storage path that every node must share."""
+    _gone.clear()
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=tenacity.wait_none()
+    )
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, restart=policy) as ex:
+        with pytest.raises(asyncexec.RestartsExhaustedError) as caught:
+            async for step in ex.run(restarts_from_a_deleted_checkpoint):
+                assert step.checkpoint is not None
+                shutil.rmtree(step.checkpoint.path)
+                _gone.set()
+    message = str(caught.value.failures[-1])
+    assert "does not exist" in message and "every node of the workers shares" in message
+
+
+def saves_an_undeletable_file(config: dict[str, Any]) -> None:
+    """Three steps, each with a checkpoint holding a file that cannot be deleted."""
+    for step in range(3):
+        folder = tempfile.mkdtemp()
+        Path(folder, "undeletable.txt").write_text(str(step))
+        asyncexec.report({"step": step}, checkpoint=asyncexec.Checkpoint.from_directory(folder))
+
+
+async def test_a_local_checkpoint_that_cannot_be_deleted_is_logged_and_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: on a local storage path a deletion that failed (a file the driver may not
+    delete) was ignored without a word, though a failure is logged
+    (``checkpoint_prune_failed``): the folders that ``num_to_keep`` dropped piled up unseen.
+    Each is logged now, and the run goes on."""
+    unlink = os.unlink
+
+    def refusing_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fspath(path)) == "undeletable.txt":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        unlink(path, *args, **kwargs)
+
+    keep = asyncexec.CheckpointConfig(num_to_keep=1)
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, checkpoint=keep) as ex:
+        with structlog.testing.capture_logs() as logs:
+            monkeypatch.setattr(os, "unlink", refusing_unlink)
+            steps = [s async for s in ex.run(saves_an_undeletable_file)]
+            monkeypatch.undo()
+        assert len(steps) == 3
+    failed = [e for e in logs if e["event"] == "checkpoint_prune_failed"]
+    assert len(failed) == 2 and all("Permission denied" in e["error"] for e in failed)
+
+
+async def test_a_run_folder_that_cannot_be_removed_leaves_the_others_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local run folder that cannot be removed at the close is logged (``runs_not_removed``)
+    and keeps its marker (a later close tries again); the executor's other runs still go."""
+    unlink = os.unlink
+
+    def refusing_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fspath(path)) == "undeletable.txt":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        unlink(path, *args, **kwargs)
+
+    with structlog.testing.capture_logs() as logs:
+        async with asyncexec.Executor(1, local=True, storage_path=tmp_path) as ex:
+            [_ async for _ in ex.run(saves_an_undeletable_file)]
+            stuck = ex.result.run_id
+            [_ async for _ in ex.run(counter, STEPS)]
+            monkeypatch.setattr(os, "unlink", refusing_unlink)
+        monkeypatch.undo()
+    assert _runs(tmp_path) == {stuck}
+    assert {p.stem for p in (tmp_path / MARKERS).iterdir()} == {stuck}
+    (warning,) = [e for e in logs if e["event"] == "runs_not_removed"]
+    assert "Permission denied" in warning["error"]
+
+
+class Payload:
+    """A metric's value that the test can watch being freed (local mode passes it as it is)."""
+
+
+_payloads: list[weakref.ref[Payload]] = []
+
+
+def reports_payloads(config: dict[str, Any]) -> None:
+    """``config["steps"]`` steps, each with a checkpoint and a ``Payload`` in its metrics."""
+    for step in range(config["steps"]):
+        payload = Payload()
+        if asyncexec.get_context().world_rank == 0:
+            _payloads.append(weakref.ref(payload))
+        folder = tempfile.mkdtemp()
+        Path(folder, "state.txt").write_text(str(step))
+        saved = asyncexec.Checkpoint.from_directory(folder)
+        asyncexec.report({"payload": payload, "loss": float(step)}, checkpoint=saved)
+
+
+@pytest.mark.parametrize("independent", [False, True], ids=["aligned", "independent"])
+async def test_the_checkpoints_kept_do_not_hold_their_steps_metrics(
+    tmp_path: Path, independent: bool
+) -> None:
+    """Defect: the driver held the whole metrics of every checkpoint it kept, for the run's
+    life (of every checkpoint, without ``num_to_keep``; in a run of independent ranks, of every
+    checkpoint whatever ``num_to_keep`` said): memory grew with the run's length. It keeps the
+    score only."""
+    _payloads.clear()
+    steps = 60
+    keep = asyncexec.CheckpointConfig(num_to_keep=1 if independent else None)
+    async with asyncexec.Executor(1, local=True, storage_path=tmp_path, checkpoint=keep) as ex:
+        run = ex.run(reports_payloads, {"steps": steps}, buffer_size=2, independent=independent)
+        async for step in run:
+            if step.index == steps - 1:
+                del step
+                gc.collect()
+                alive = [ref for ref in _payloads[: steps // 2] if ref() is not None]
+                assert alive == []

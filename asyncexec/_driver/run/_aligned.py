@@ -129,6 +129,7 @@ class AlignedRun:
                             spanned = in_span(RESTART, recovered)
                             await ctx.observer.timed(spanned, TornDown)
                         ctx.session_live = False
+                        ctx.sweep(run.attempt)  # what its ranks saved beyond its steps
                         # Steps every rank completed before the failure are still delivered.
                         await ctx.handover.drain()
                         raise
@@ -180,6 +181,7 @@ class AlignedRun:
                     ctx.session_live = False
                     ctx.slot.restore_from = latest
                     await ctx.slot.resize(force=not stopped)
+                ctx.sweep(number)
                 await ctx.handover.drain()
                 self.resizes += 1
                 number += 1
@@ -214,12 +216,14 @@ class AlignedRun:
             with anyio.CancelScope(shield=True):
                 await ctx.slot.discard(force=True)
             ctx.session_live = False
+            ctx.sweep(attempt - 1)
             await ctx.handover.drain()
             raise
         # bounded by the group's close
         with anyio.CancelScope(shield=True):
             await ctx.slot.resize(force=True)
         ctx.session_live = False
+        ctx.sweep(attempt - 1)
 
     async def _attempt(self, number: int) -> list[Any]:
         ctx = self.ctx

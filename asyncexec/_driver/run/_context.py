@@ -24,6 +24,7 @@ from .._restart import RestartPolicy
 from ..group import GroupSlot, WorkerGroup, WorkerInfo
 from ._iterator import RunCore
 from ._preemption import PreemptionWatch
+from ._prune import Pruner
 from ._spec import RunSpec
 from ._window import HandOver, Window
 
@@ -75,12 +76,23 @@ class RunContext:
         self.window: Window | None = None
         #: Whether the run's functions may be running on ``group`` (stopped at the end).
         self.session_live = False
+        #: The run's pruner (set by the engine): deletes what an attempt that ended early left.
+        self.pruner: Pruner | None = None
         self._payload: Any = None
 
     @property
     def checkpoint(self) -> Checkpoint | None:
         """The latest checkpoint: of a completed step, else the one the run started from."""
         return self.run.latest_checkpoint or self.latest
+
+    def sweep(self, attempt: int) -> None:
+        """``attempt`` has ended early and its workers are stopped: delete the checkpoints it
+        persisted for the steps it never completed (those from the hand-over's count on, which
+        no step carries and no book counts), apart from the run."""
+        if self.pruner is not None:
+            self.pruner.sweep(
+                self.config.storage_path, self.run.run_id, attempt, self.handover.steps
+            )
 
     async def payload(self) -> Any:
         """The function and config as each rank gets them: a small payload travels inline with

@@ -64,6 +64,7 @@ class RunDriver:
         handover = NoticedHandOver(run, send, book, self.pruner.submit, watch)
         handover.observer = observer
         self.ctx = RunContext(slot, policy, run, spec, handover, meter, log, watch, observer)
+        self.ctx.pruner = self.pruner
         self.recorder = Recorder(self.ctx, self.pruner) if spec.name is not None else None
         self._send = send
         self._on_end = on_end

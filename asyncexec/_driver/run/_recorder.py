@@ -9,11 +9,12 @@ checkpoint the run no longer keeps is deleted only once the record has moved pas
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import anyio
 
-from ..._errors import describe
+from ..._errors import ConfigurationError, describe
 from ..._wire import _checkpoint
 from ..._wire._checkpoint import Checkpoint
 from ._context import RunContext
@@ -56,7 +57,8 @@ class Recorder:
         """Resume from the record a dead driver left, or start one.
 
         Raises:
-            ConfigurationError: the run already finished, or was started with another config.
+            ConfigurationError: the run already finished, or was started with another config,
+                or starts over (``resume="never"``) from a checkpoint of the earlier run.
         """
         ctx = self.ctx
         name, storage = ctx.spec.name, ctx.config.storage_path
@@ -78,11 +80,25 @@ class Recorder:
         """Delete the checkpoint folders an earlier run of this name left: this one writes
         folders of the same names (a step's index and attempt), and would find files of the
         other run's in them. Before the run starts, in a thread; a folder that cannot go is
-        logged (``checkpoint_prune_failed``) and left."""
+        logged (``checkpoint_prune_failed``) and left.
+
+        Raises:
+            ConfigurationError: the run starts from one of those folders (``run(checkpoint=)``):
+                nothing is deleted.
+        """
+        start = self.ctx.spec.checkpoint
 
         def remove_all() -> list[tuple[str, BaseException]]:
+            folders = checkpoint_folders(storage, name)
+            if start is not None and any(_within(start.path, path) for path in folders):
+                raise ConfigurationError(
+                    f"run {name!r} starts over (resume='never') from a checkpoint of the earlier "
+                    f"run of that name, {start.path!r}, whose checkpoints it deletes first: copy "
+                    "it elsewhere (checkpoint.to_directory(...)) and start from the copy, or "
+                    "give the run another name"
+                )
             failed: list[tuple[str, BaseException]] = []
-            for path in checkpoint_folders(storage, name):
+            for path in folders:
                 try:
                     _checkpoint.remove_directory(path)
                 except Exception as exc:
@@ -100,11 +116,17 @@ class Recorder:
         ctx, run = self.ctx, self.ctx.run
         self.attempt_base = run.attempt = previous.attempt
         if previous.checkpoint is not None:
-            ctx.latest = self.checkpoint = Checkpoint(previous.checkpoint)
+            # (Run.latest_checkpoint too: a completed step carried it, in the dead driver)
+            ctx.latest = run.latest_checkpoint = self.checkpoint = Checkpoint(previous.checkpoint)
             run.latest_index = self.checkpoint_index = previous.resume_index() - 1
         # What the dead driver kept still counts (and is pruned as newer ones come); what it had
         # dropped but not yet deleted goes now.
         ctx.handover.book.kept = [(Checkpoint(path), m) for path, m in previous.kept]
+        if self.checkpoint is not None and all(p != self.checkpoint.path for p, _ in previous.kept):
+            # The dead driver no longer kept it but held it back for the record: it goes once
+            # the record has moved past it, as it would have in that driver (nothing else
+            # would ever delete it).
+            self._held.append((self.checkpoint_index or 0, self.checkpoint.path))
         storage = ctx.config.storage_path
         try:
             stray = await anyio.to_thread.run_sync(stray_checkpoints, storage, previous)
@@ -137,7 +159,8 @@ class Recorder:
         back goes (no driver resumes a finished run)."""
         await self.write("finished")
         held, self._held = self._held, []
-        self.pruner.submit([path for _, path in held])
+        latest = self.ctx.checkpoint  # the result's (a resumed run that made none: its start)
+        self.pruner.submit([p for _, p in held if latest is None or p != latest.path])
 
     async def keep(self) -> None:
         """Write the record when a checkpoint becomes the latest, and every
@@ -219,3 +242,11 @@ class Recorder:
             value = reported.get(score) if score and isinstance(reported, dict) else None
             kept.append([checkpoint.path, {} if value is None else {score: value}])
         return kept
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it (both local, or both URIs)."""
+    if not _checkpoint.is_uri(path):
+        path, folder = os.path.abspath(path), os.path.abspath(folder)
+    path, folder = path.rstrip("/"), folder.rstrip("/")
+    return path == folder or path.startswith(folder + "/")

@@ -436,9 +436,13 @@ class RunResult:
         run_id: the run's id (also the folder of its checkpoints under the storage path).
         return_values: what ``fn`` returned on each rank, in rank order.
         checkpoint: the latest persisted checkpoint, or the starting one, or None.
-        steps: how many steps were delivered, over all attempts.
-        attempts: how many attempts ran (1 when nothing failed; for independent ranks, 1 plus
-            the ranks replaced).
+        steps: how many steps were delivered, over all attempts (the stream's length: for a
+            named run resumed by a new driver, the steps up to the checkpoint it resumed from
+            count, made by the dead driver).
+        attempts: how many attempts ran (1 when nothing failed and the group was neither
+            resized nor moved off preempted nodes, each of which starts one more; for
+            independent ranks, 1 plus the ranks replaced; for a resumed named run, the dead
+            driver's attempts count too).
         failures: the error that ended each failed attempt (or rank), in order (a worker lost
             to a preemption included).
         checkpoints: for independent ranks, each rank's latest checkpoint (else empty).
