@@ -17,7 +17,7 @@ import pytest
 import asyncexec
 from asyncexec._timeline._export import LANE_TIDS, lanes
 from asyncexec._timeline._render import long_calls, occupancy, render_plan, work_began
-from asyncexec._timeline._timeline import DRIVER, Timeline
+from asyncexec._timeline._timeline import DRIVER, PIPELINE, Timeline
 
 CPU = {"CPU": 0.25}
 
@@ -63,6 +63,36 @@ def test_concurrent_calls_take_lanes_and_nested_phases_stay_on_theirs(tmp_path: 
     }
     assert threads[1] == "rank 0" and threads[1 + 3 * LANE_TIDS] == "rank 0 · 4"
     assert {e["tid"] for e in doc["traceEvents"] if e.get("cat") == "startup"} == {0}
+
+
+def test_every_track_has_a_thread_id_of_its_own_that_perfetto_reads() -> None:
+    """Defect: the pipeline's track was thread -1; Perfetto's importer reads a tid that is not
+    a uint32 as none given and takes the pid for it, so the pipeline's slices and its name
+    landed on rank 0's thread in the first process (tid 1) and rank 1's in the second, over
+    that rank's calls."""
+    timeline = Timeline(name="learner")
+    servers = timeline.joined("servers")
+    t = timeline.origin
+    for view in (timeline, servers):
+        view.span(DRIVER, "place", "startup", t, t + 1)
+        for rank in range(3):
+            view.span(rank, "Server.generate", "call", t + 1, t + 2)
+            view.span(rank, "Server.generate", "call", t + 1.5, t + 2.5)  # a second lane
+        view.span(PIPELINE, "update v1 (keep)", "update", t + 1.2, t + 1.8)
+        view.span(PIPELINE, "learner waits (v1)", "wait", t + 1.6, t + 2.2)  # a second lane
+        view.counter(PIPELINE, "rollouts", "pipeline", t + 1, {"in flight": 1, "buffered": 0})
+    doc = timeline.trace_events()
+    # What the importer keys a thread by: a tid outside uint32 is none, and then the pid.
+    named: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for e in doc:
+        if e["name"] == "thread_name":
+            tid = e["tid"] if 0 <= e["tid"] < 2**32 else e["pid"]
+            named[(e["pid"], tid)].add(e["args"]["name"])
+    assert all(len(names) == 1 for names in named.values()), named
+    for pid in (1, 2):
+        threads = {next(iter(v)) for (p, _), v in named.items() if p == pid}
+        assert {"pipeline", "pipeline · 2", "driver", "rank 0 · 2", "rank 2"} <= threads
+    assert all(0 <= e["tid"] < 2**32 for e in doc)
 
 
 def test_slices_that_meet_or_end_together_do_so_to_the_nanosecond() -> None:
