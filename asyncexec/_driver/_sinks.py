@@ -208,6 +208,7 @@ class ExecutorTimeline:
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
+            RunStarted: self._run_started,
             RankChosen: self._chosen,
             SlotWaited: self._waited,
             CallEnded: self._call,
@@ -222,6 +223,9 @@ class ExecutorTimeline:
             StepsTaken: self._steps,
             Preemption: self._preempted,
         }
+
+    def _run_started(self, event: RunStarted) -> None:
+        self.timeline.run_started()
 
     def _chosen(self, event: RankChosen) -> None:
         rank = event.rank

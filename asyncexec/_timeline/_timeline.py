@@ -246,10 +246,18 @@ class Timeline:
             return
         first_step = max(known)
         begun, started = self._restart, self._restarted_fn
-        assert begun is not None and started is not None
+        self._restart = self._restarted_fn = None
+        if begun is None or started is None:  # (never: a new run forgets both together)
+            return
         self.span(DRIVER, "first step", "restart", started, first_step)
         self.span(DRIVER, "restart", "restart", begun, first_step)
+
+    def run_started(self) -> None:
+        """A run began: a restart of the run before it that never reached its first step is
+        over (a named run that resumes starts at a later attempt, with no failure of its
+        own)."""
         self._restart = self._restarted_fn = None
+        self._restarted_attempt = 0
 
     def failed(self, error: BaseException) -> None:
         """An attempt failed: a restart may follow (its span begins now)."""
@@ -265,7 +273,7 @@ class Timeline:
         """The function was started on every rank (attempt ``attempt``)."""
         self.span(DRIVER, f"start function (attempt {attempt})", "attempt", start, end)
         if attempt <= 1:  # a new run: a restart the last one never finished is over
-            self._restart = None
+            self._restart = self._restarted_fn = None
         if self._restart is not None:
             self._restarted_fn, self._restarted_attempt = end, attempt
 

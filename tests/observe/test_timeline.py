@@ -143,6 +143,48 @@ async def test_local_run_records_each_ranks_steps_and_calls(tmp_path: Any) -> No
     assert next(e["name"] for e in chosen if e["cat"] == "call").startswith("least loaded: rank")
 
 
+def _fails_each_attempt(config: dict[str, Any]) -> None:
+    if asyncexec.get_context().attempt == 1:
+        asyncexec.report({"i": 0})
+    raise RuntimeError("boom")
+
+
+def _counts(config: dict[str, Any]) -> None:
+    for i in range(4):
+        asyncexec.report({"i": i})
+
+
+@pytest.mark.timeout(60)
+async def test_a_restart_that_never_reached_a_step_leaves_the_next_runs_alone(
+    tmp_path: Any,
+) -> None:
+    """Defect: a run that gave up during a restart (its function started again, then failed
+    before a step) left the timeline waiting for that restart's first step; a named run
+    resumed later on the same executor starts at attempt 2 with no failure of its own, and
+    its first step's batch then failed the timeline's assertion: the user's ``async for``
+    raised AssertionError, from the timeline."""
+    policy = asyncexec.RestartPolicy(max_restarts=1, restart_on_user_error=True, wait=_no_wait)
+    async with asyncexec.Executor(
+        1, local=True, timeline=True, storage_path=str(tmp_path), restart=policy
+    ) as executor:
+        with pytest.raises(asyncexec.RestartsExhaustedError):
+            async for _ in executor.run(_fails_each_attempt):
+                pass
+        async for step in executor.run(_counts, name="resumed"):
+            if step.index == 1:
+                break
+        steps = [(s.index, s.attempt) async for s in executor.run(_counts, name="resumed")]
+        assert steps and {attempt for _, attempt in steps} == {2}
+        assert executor.timeline is not None
+        names = [e[2] for e in executor.timeline.events() if e[1] == DRIVER]
+    assert names.count("restart") == 0  # no restart reached its first step: none is drawn
+    assert names.count("start function (attempt 2)") == 2
+
+
+def _no_wait(retry_state: Any) -> float:
+    return 0.0
+
+
 # A run with a restart, on Ray -------------------------------------------------------------------
 
 
