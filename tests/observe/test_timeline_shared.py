@@ -165,6 +165,40 @@ def test_occupancy_counts_the_calls_in_flight_and_marks_the_long_ones() -> None:
     assert long_calls(spans[:4]) == []  # too few to judge
 
 
+def test_a_short_runs_spans_are_drawn_at_their_length_and_its_calls_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Defect: the PNG drew every span at least 100 µs wide, and counted a rank's calls in
+    flight from those widths: in a run of 10 ms, rank 0's steps of 20 µs every 50 µs were one
+    busy bar, and rank 1's calls of 20 µs, one after another, were drawn as "≤2 in flight"."""
+    pytest.importorskip("matplotlib")
+    from asyncexec._timeline import _render
+
+    timeline = Timeline()
+    t = timeline.origin
+    for i in range(200):
+        timeline.span(0, f"step {i}", "step", t + i * 50e-6, t + i * 50e-6 + 20e-6)
+        timeline.span(1, "Server.generate", "call", t + i * 50e-6, t + i * 50e-6 + 20e-6)
+    drawn: list[Any] = []
+    real = _render._section
+
+    def section(ax: Any, *args: Any) -> set[str]:
+        drawn.append(ax)
+        return real(ax, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_render, "_section", section)
+        timeline.render(tmp_path / "short.png")
+    [ax] = drawn
+    widths = sorted(
+        round(path.get_extents().width, 9)
+        for collection in ax.collections
+        for path in collection.get_paths()
+    )
+    assert widths and max(widths) == pytest.approx(20e-6)  # each step's and call's own width
+    assert not [text for text in ax.texts if "in flight" in text.get_text()]
+
+
 def test_joined_timelines_share_one_ring_and_clock_each_a_process(tmp_path: Path) -> None:
     shared = Timeline(capacity=6, name="run")
     learner, servers = shared.joined("learner"), shared.joined("servers")
