@@ -308,36 +308,18 @@ class Timeline:
         """Each process's name and :meth:`events` (this one's first, then those that joined
         it, in the order they joined; a process with no event left out, unless none has
         any)."""
-        names = self._ring.names
-        found = [(names[pid], self._process_events(pid)) for pid in range(len(names))]
-        return [(name, events) for name, events in found if events] or found[:1]
+        ring = self._ring
+        # One pass over the ring, however many processes ever joined it (one pass for each
+        # made the export of a service that joins an executor per request slower with each).
+        held: dict[int, list[Any]] = {}
+        for entry, of in zip(ring.entries, ring.pids, strict=True):
+            held.setdefault(of, []).append(entry)
+        found = [(ring.names[pid], _read(held[pid])) for pid in sorted(held)]
+        return found or [(ring.names[0], [])]
 
     def _process_events(self, pid: int) -> list[Event]:
-        out: list[Event] = []
-        last: dict[int, float] = {}
         ring = self._ring
-        for entry, of in zip(ring.entries, ring.pids, strict=True):
-            if of != pid:
-                continue
-            if entry[0] == "R":
-                _, count, first, rank, calls, busy, offset = entry
-                previous = _steps(out, rank, first, calls, busy, 0, count, offset, last.get(rank))
-                if previous is not None:
-                    last[rank] = previous
-                continue
-            if entry[0] != "B":
-                out.append(entry)
-                continue
-            _, _, first, times = entry
-            n = times.steps
-            for rank, offset in enumerate(times.offsets):
-                previous = last.get(rank)
-                previous = _steps(
-                    out, rank, first, times.calls, times.busy, rank * n, n, offset, previous
-                )
-                if previous is not None:
-                    last[rank] = previous
-        return out
+        return _read([e for e, of in zip(ring.entries, ring.pids, strict=True) if of == pid])
 
     def trace_events(self, name: str | None = None) -> list[dict[str, Any]]:
         """The events as Chrome trace events (what ui.perfetto.dev and chrome://tracing read):
@@ -380,6 +362,33 @@ class Timeline:
 
         processes = self._named(None)
         render(processes, self.origin, path, title, startup)
+
+
+def _read(entries: list[Any]) -> list[Event]:
+    """The events of one process's ``entries``, oldest first (a batch's spans made here: see
+    :meth:`Timeline.events`)."""
+    out: list[Event] = []
+    last: dict[int, float] = {}
+    for entry in entries:
+        if entry[0] == "R":
+            _, count, first, rank, calls, busy, offset = entry
+            previous = _steps(out, rank, first, calls, busy, 0, count, offset, last.get(rank))
+            if previous is not None:
+                last[rank] = previous
+            continue
+        if entry[0] != "B":
+            out.append(entry)
+            continue
+        _, _, first, times = entry
+        n = times.steps
+        for rank, offset in enumerate(times.offsets):
+            previous = last.get(rank)
+            previous = _steps(
+                out, rank, first, times.calls, times.busy, rank * n, n, offset, previous
+            )
+            if previous is not None:
+                last[rank] = previous
+    return out
 
 
 def _steps(
