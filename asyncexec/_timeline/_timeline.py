@@ -224,8 +224,16 @@ class Timeline:
         times = batch.times
         if times is None:
             return
-        spans = len(times.calls)  # one a rank and step
-        self._add(("B", spans, batch.first, times), spans)
+        kept, first = times, batch.first
+        ranks = len(times.offsets)
+        if len(times.calls) > self._ring.capacity and ranks <= self._ring.capacity:
+            # More than the ring holds: its last steps that fit are kept (the whole batch went
+            # before, the ring's oldest entry the moment it came: a small ring kept no step).
+            skip = times.steps - self._ring.capacity // ranks
+            kept, first = times.part(skip, times.steps), first + skip
+            self._ring.recorded += skip * ranks
+        spans = len(kept.calls)  # one a rank and step
+        self._add(("B", spans, first, kept), spans)
         if self._restarted_fn is not None and batch.attempt >= self._restarted_attempt:
             self._restarted(times)
 
@@ -235,6 +243,10 @@ class Timeline:
         ``ReportTimes``, as the poll carried them. One entry, its spans made when read."""
         calls, busy = array("d"), array("d")
         offset = time.monotonic() - ReportTimes.unpack_into(packed, calls, busy)
+        skip = len(calls) - self._ring.capacity
+        if skip > 0:  # more than the ring holds: the last that fit (see :meth:`steps`)
+            calls, busy, first = calls[skip:], busy[skip:], first + skip
+            self._ring.recorded += skip
         self._add(("R", len(calls), first, rank, calls, busy, offset), len(calls))
 
     def _restarted(self, times: Any) -> None:

@@ -100,6 +100,25 @@ def test_memory_stays_bounded_over_a_hundred_thousand_steps() -> None:
     assert timeline.events()[-1][2] == "step 99999"
 
 
+def test_a_batch_larger_than_the_ring_keeps_its_last_steps() -> None:
+    """Defect: a batch of steps with more spans than the ring's capacity (``timeline=100`` and
+    64 steps of 2 ranks) was dropped whole the moment it came, being the ring's oldest entry
+    then: a small timeline held no step at all, and a rank's reports of one poll likewise."""
+    from asyncexec._wire._protocol import ReportTimes
+
+    timeline = Timeline(capacity=100)
+    t0 = timeline.origin + 1
+    timeline.steps(_batch(0, 64, 2, t0))
+    assert timeline.statistics() == asyncexec.TimelineStatistics(100, 100, 28)
+    steps = [e for e in timeline.events() if e[3] == "step"]
+    assert sorted({e[2] for e in steps}) == sorted(f"step {i}" for i in range(14, 64))
+    now = time.monotonic()
+    calls = array("d", [now - 300 + i for i in range(300)])
+    timeline.reports(0, 64, ReportTimes(calls, array("d", [0.5] * 300), now).pack())
+    assert timeline.statistics() == asyncexec.TimelineStatistics(100, 100, 328)
+    assert [e[2] for e in timeline.events()] == [f"step {i}" for i in range(264, 364)]
+
+
 def test_step_spans_run_from_the_previous_report_on_each_rank() -> None:
     timeline = Timeline()
     t0 = timeline.origin + 1
