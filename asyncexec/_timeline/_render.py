@@ -202,7 +202,7 @@ def _fold(ax: Any, left: float, seconds: float | None) -> None:
         ax.text(
             left / 2,
             0.5,
-            f"start-up {seconds:.1f} s",
+            f"start-up {_seconds(seconds)}",
             transform=ax.get_xaxis_transform(),
             rotation=90,
             ha="center",
@@ -211,6 +211,16 @@ def _fold(ax: Any, left: float, seconds: float | None) -> None:
             color="#444444",
             clip_on=True,
         )
+
+
+def _seconds(seconds: float) -> str:
+    """``seconds`` written to two figures or so: ``12 s``, ``1.5 s``, ``4 ms`` (a local
+    group's start-up of 4 ms read "0.0 s")."""
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    if seconds >= 0.1:
+        return f"{seconds:.1f} s"
+    return f"{seconds * 1000:.2g} ms"
 
 
 def _tracks(events: list[Any]) -> list[int]:

@@ -199,6 +199,29 @@ def test_a_short_runs_spans_are_drawn_at_their_length_and_its_calls_one_at_a_tim
     assert not [text for text in ax.texts if "in flight" in text.get_text()]
 
 
+def test_a_short_start_up_is_labelled_by_its_length_not_zero(tmp_path: Path) -> None:
+    """Defect: the folded start-up's label had one decimal of a second: a local group's
+    start-up of 4.5 ms read "start-up 0.0 s"."""
+    pytest.importorskip("matplotlib")
+    from asyncexec._timeline import _render
+
+    timeline = Timeline()
+    t = timeline.origin
+    timeline.span(DRIVER, "place", "startup", t, t + 0.0045)
+    timeline.span(0, "step 0", "step", t + 0.005, t + 0.5)
+    labels: list[str] = []
+    real = _render._fold
+
+    def fold(ax: Any, left: float, seconds: float | None) -> None:
+        real(ax, left, seconds)
+        labels.extend(text.get_text() for text in ax.texts)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_render, "_fold", fold)
+        timeline.render(tmp_path / "t.png")
+    assert labels == ["start-up 5 ms"]
+
+
 def test_an_export_reads_the_ring_once_however_many_executors_joined_it() -> None:
     """Defect: exporting a shared timeline read its whole ring once for each process that had
     ever joined it, the ones whose events were all gone too: a service that joins an executor
