@@ -469,3 +469,33 @@ async def test_a_call_that_could_not_be_sent_ends_its_span_and_the_ranks_sent_be
         assert opened.spans == {}
     failed = [s for s in exported.get_finished_spans() if s.name == "asyncexec.call"]
     assert len(failed) == 4 and all(s.status.status_code == trace.StatusCode.ERROR for s in failed)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def raise_unprintable(x: int) -> None:
+    raise _Unprintable()
+
+
+async def test_a_call_that_raised_an_error_whose_str_raises_still_ends_its_span(
+    exported: InMemorySpanExporter,
+) -> None:
+    """Defect: the SDK reads a recorded exception's message with ``str()``; a user's exception
+    whose ``__str__`` raised made the call's span end raise on the event loop ("Exception in
+    callback _end_call"), and the span never ended."""
+    import asyncio
+
+    async with asyncexec.Executor(1, local=True) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as raised:
+            await ex.call(raise_unprintable, 1)
+        assert isinstance(raised.value.__cause__, _Unprintable)
+        await asyncio.sleep(0)  # (a call's span ends on the loop's next turn)
+    [call] = [s for s in exported.get_finished_spans() if s.name == "asyncexec.call"]
+    assert call.status.status_code == trace.StatusCode.ERROR
+    [event] = call.events
+    assert event.attributes is not None
+    assert event.attributes["exception.type"].endswith("_Unprintable")
+    assert "raise_unprintable" in event.attributes["exception.stacktrace"]
