@@ -141,6 +141,8 @@ class Timeline:
         self._phases: dict[float, float] = {}
         #: Deliveries under way: their start, by version.
         self._deliveries: dict[int, float] = {}
+        #: The restart policy's wait under way: when it began, and when it is to end.
+        self._waiting: tuple[float, float] | None = None
 
     def joined(self, name: str) -> Timeline:
         """A timeline that records into this one's ring as a process of its own, ``name`` (an
@@ -268,8 +270,33 @@ class Timeline:
         """A run began: a restart of the run before it that never reached its first step is
         over (a named run that resumes starts at a later attempt, with no failure of its
         own)."""
+        self._waited(time.monotonic())
         self._restart = self._restarted_fn = None
         self._restarted_attempt = 0
+
+    def run_ended(self) -> None:
+        """The run ended (also when it was stopped during the restart policy's wait)."""
+        self._waited(time.monotonic())
+
+    def policy_wait(self, seconds: float) -> None:
+        """The restart policy waits ``seconds`` from now before the next attempt: its span is
+        recorded when the wait is over (the next start-up begins, or the run ends first), never
+        past its end (a span recorded at once, to its planned end, outlasted a run stopped
+        during the wait, and the picture with it)."""
+        now = time.monotonic()
+        self._waited(now)
+        self._waiting = (now, now + seconds)
+
+    def _waited(self, until: float, cut: bool = True) -> None:
+        """Record the policy's wait under way, if any, as over by ``until`` (``cut=False``:
+        only if it was to end by then: another group's start-up, a spare's, may come during
+        the wait)."""
+        waiting = self._waiting
+        if waiting is None or (not cut and until < waiting[1]):
+            return
+        self._waiting = None
+        start, planned = waiting
+        self.span(DRIVER, "wait (policy)", "restart", start, max(start, min(planned, until)))
 
     def failed(self, error: BaseException) -> None:
         """An attempt failed: a restart may follow (its span begins now)."""
@@ -283,6 +310,7 @@ class Timeline:
 
     def function_started(self, start: float, end: float, attempt: int) -> None:
         """The function was started on every rank (attempt ``attempt``)."""
+        self._waited(start)
         self.span(DRIVER, f"start function (attempt {attempt})", "attempt", start, end)
         if attempt <= 1:  # a new run: a restart the last one never finished is over
             self._restart = self._restarted_fn = None
@@ -294,6 +322,7 @@ class Timeline:
         (``t0``: its key)."""
         end = time.monotonic()
         start = self._phases.pop(t0, end - seconds)
+        self._waited(start, cut=False)
         if phase not in ("ready", "leased"):
             self._phases[t0] = end
             if len(self._phases) > 64:  # start-ups that never finished

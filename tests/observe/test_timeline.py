@@ -200,6 +200,45 @@ async def test_a_restart_that_never_reached_a_step_leaves_the_next_runs_alone(
     assert names.count("start function (attempt 2)") == 2
 
 
+def _fails_at_once(config: dict[str, Any]) -> None:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.timeout(60)
+async def test_a_run_stopped_during_the_policys_wait_ends_the_waits_span_there() -> None:
+    """Defect: the policy's wait was recorded when it began, to its planned end: a run
+    stopped 30 s before that end left a span 30 s into the future (in the trace, and the
+    picture stretched to it)."""
+    import anyio
+    from tenacity import wait_fixed
+
+    waiting = anyio.Event()
+
+    async def sleep(seconds: float) -> None:
+        waiting.set()
+        await anyio.sleep_forever()
+
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=wait_fixed(30), sleep=sleep
+    )
+    async with asyncexec.Executor(1, local=True, timeline=True, restart=policy) as executor:
+        run = executor.run(_fails_at_once)
+
+        async def consume() -> None:
+            async for _ in run:
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await waiting.wait()
+            tg.cancel_scope.cancel()
+        await run.aclose()
+        stopped = time.monotonic()
+        assert executor.timeline is not None
+        [wait] = [e for e in executor.timeline.events() if e[2] == "wait (policy)"]
+    assert wait[4] <= wait[5] <= stopped
+
+
 def _no_wait(retry_state: Any) -> float:
     return 0.0
 
