@@ -31,6 +31,7 @@ import json
 import math
 import os
 import time
+import weakref
 from array import array
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -91,10 +92,13 @@ class _Ring:
     __slots__ = (
         "capacity",
         "entries",
+        "gone",
         "held",
         "names",
+        "next_pid",
         "origin",
         "pids",
+        "prune_at",
         "recorded",
         "wall_origin",
     )
@@ -106,9 +110,31 @@ class _Ring:
         self.pids: collections.deque[int] = collections.deque()  # each entry's process
         self.held = 0  # the events in the entries
         self.recorded = 0
-        self.names = [name]  # each process's name, by its index
+        #: Each process's name, by its index, while its timeline lives or its events are held
+        #: (see :meth:`prune`).
+        self.names = {0: name}
+        self.next_pid = 1
+        self.gone: set[int] = set()  # processes whose timeline is gone (their names kept)
+        self.prune_at = _PRUNE_AT
         self.origin = time.monotonic()
         self.wall_origin = time.time()
+
+    def prune(self) -> None:
+        """Forget the names of the processes whose timeline is gone and whose events are all
+        dropped: a service that joins an executor per request kept every name it ever had. Done
+        when a process joins and many are gone (one pass over the ring each time as many
+        again are gone): the recording of an event pays nothing for it."""
+        if len(self.gone) < self.prune_at:
+            return
+        held = set(self.pids)
+        for pid in self.gone - held:
+            del self.names[pid]
+        self.gone &= held
+        self.prune_at = max(_PRUNE_AT, 2 * len(self.gone))
+
+
+#: How many processes may be gone before their names are pruned (see :meth:`_Ring.prune`).
+_PRUNE_AT = 64
 
 
 class Timeline:
@@ -148,10 +174,14 @@ class Timeline:
         """A timeline that records into this one's ring as a process of its own, ``name`` (an
         executor's): on this one's clock, exported with it; its own :meth:`events` are its
         process's."""
+        ring = self._ring
+        ring.prune()
         view = object.__new__(Timeline)
-        view._ring = self._ring
-        view._pid = len(self._ring.names)
-        self._ring.names.append(name)
+        view._ring = ring
+        view._pid = ring.next_pid
+        ring.next_pid += 1
+        ring.names[view._pid] = name
+        weakref.finalize(view, ring.gone.add, view._pid)
         view._init_state()
         return view
 
@@ -356,7 +386,7 @@ class Timeline:
         for entry, of in zip(ring.entries, ring.pids, strict=True):
             held.setdefault(of, []).append(entry)
         found = [(ring.names[pid], _read(held[pid])) for pid in sorted(held)]
-        return found or [(ring.names[0], [])]
+        return found or [(ring.names.get(0, self.name), [])]
 
     def _process_events(self, pid: int) -> list[Event]:
         ring = self._ring

@@ -247,6 +247,25 @@ def test_an_export_reads_the_ring_once_however_many_executors_joined_it() -> Non
     assert all(len(events) == 1 for _, events in processes)
 
 
+def test_a_shared_timeline_forgets_the_executors_that_are_gone_with_their_events() -> None:
+    """Defect: a shared timeline kept the name of every executor that ever joined it, also
+    once the executor was gone and its events dropped: a service that makes an executor per
+    request on one timeline grew with each request."""
+    import gc
+
+    timeline = Timeline(capacity=10)
+    t = timeline.origin
+    kept = timeline.joined("kept")  # alive, its event dropped: its name stays
+    kept.span(0, "Server.generate", "call", t, t + 1)
+    for i in range(1_000):  # each executor's timeline is gone once it has recorded
+        timeline.joined(f"executor {i}").span(0, "Server.generate", "call", t + i, t + i + 1)
+    gc.collect()
+    assert len(timeline._ring.names) < 100
+    assert kept.name == "kept" and timeline.name == "asyncexec"
+    names = [name for name, _ in timeline.processes()]
+    assert names == [f"executor {i}" for i in range(990, 1_000)]
+
+
 def test_joined_timelines_share_one_ring_and_clock_each_a_process(tmp_path: Path) -> None:
     shared = Timeline(capacity=6, name="run")
     learner, servers = shared.joined("learner"), shared.joined("servers")
