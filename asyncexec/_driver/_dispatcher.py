@@ -55,7 +55,7 @@ from ._loads import Loads, Slot
 from ._recovery import Recovery
 from ._taskgroups import task_group
 from .cluster import Call, Cluster, proxy
-from .group import GroupSlot, WorkerGroup, WorkerInfo, observed, watched
+from .group import GroupSlot, WorkerGroup, WorkerInfo, dropped, observed, unsent, watched
 
 __all__ = ["CallStream", "WorkerCalls"]
 
@@ -177,10 +177,11 @@ class WorkerCalls:
         try:
             for w in workers:
                 calls.append(_send(group, w, plan, parts))
-        except BaseException:  # a rank's arguments that do not pickle: the others' go no further
-            if plan.cancellable:
+        except BaseException as exc:  # a rank's arguments that do not pickle: the others'
+            if plan.cancellable:  # go no further
                 for sent in calls:
                     sent.cancel()
+            dropped(calls, exc)
             raise
         try:
             outcomes = await group.gather(calls)
@@ -431,16 +432,20 @@ def _send(
     args, kwargs = plan.arguments(worker.rank, parts)
     span, context = call_span(plan.fn, worker.rank)  # None unless traced
     start = time.monotonic() if watched(group.observer, span) else None
-    if plan.method is None:
-        fn = plan.fn if context is None else carry(plan.fn, context)
-        call = proxy(group, worker, plan).execute(fn, *args, **kwargs)
-    else:
-        # The trace context rides with the method's key.
-        key = plan.key if context is None else carry(plan.key, context)
-        if plan.plain:  # one call at a time, without a hop to a thread (see ``CallPlan.plain``)
-            call = proxy(group, worker, plan).call_method_sync(key, *args, **kwargs)
+    try:
+        if plan.method is None:
+            fn = plan.fn if context is None else carry(plan.fn, context)
+            call = proxy(group, worker, plan).execute(fn, *args, **kwargs)
         else:
-            call = proxy(group, worker, plan).call_method(key, *args, **kwargs)
+            # The trace context rides with the method's key.
+            key = plan.key if context is None else carry(plan.key, context)
+            if plan.plain:  # one call at a time, without a hop to a thread (``CallPlan.plain``)
+                call = proxy(group, worker, plan).call_method_sync(key, *args, **kwargs)
+            else:
+                call = proxy(group, worker, plan).call_method(key, *args, **kwargs)
+    except BaseException as exc:  # not sent (an argument that does not pickle)
+        unsent(span, plan.label, worker.rank, exc)
+        raise
     if start is None:
         return call
     return observed(group.observer, worker.rank, plan.label, call, span, start)

@@ -208,6 +208,8 @@ class ExecutorTimeline:
 
     def handlers(self) -> Mapping[type, Handler]:
         return {
+            RunStarted: self._run_started,
+            RunEnded: self._run_ended,
             RankChosen: self._chosen,
             SlotWaited: self._waited,
             CallEnded: self._call,
@@ -222,6 +224,12 @@ class ExecutorTimeline:
             StepsTaken: self._steps,
             Preemption: self._preempted,
         }
+
+    def _run_started(self, event: RunStarted) -> None:
+        self.timeline.run_started()
+
+    def _run_ended(self, event: RunEnded) -> None:
+        self.timeline.run_ended()
 
     def _chosen(self, event: RankChosen) -> None:
         rank = event.rank
@@ -242,8 +250,7 @@ class ExecutorTimeline:
 
     def _restarting(self, event: Restarting) -> None:
         if event.wait_s > 0:
-            now = time.monotonic()
-            self.timeline.span(DRIVER, "wait (policy)", "restart", now, now + event.wait_s)
+            self.timeline.policy_wait(event.wait_s)
 
     def _torn_down(self, event: TornDown) -> None:
         self.timeline.span(DRIVER, "tear down", "restart", event.start, event.end)

@@ -14,15 +14,28 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["LANE_TIDS", "lanes", "trace_events", "track_name"]
+__all__ = ["LANE_TIDS", "lanes", "thread_id", "trace_events", "track_name"]
 
-#: How far apart a track's lanes' thread ids are (lane k of track t: ``t + 1 + k * LANE_TIDS``).
+#: How far apart a track's lanes' thread ids are (lane k of track t: ``t + 1 + k * LANE_TIDS``;
+#: of the pipeline's track, ``LANE_TIDS - 1 + k * LANE_TIDS``: see :func:`thread_id`).
 LANE_TIDS = 1_000_000
 
 
 def track_name(track: int) -> str:
     """A track's name: ``driver``, ``pipeline`` or ``rank N``."""
     return "driver" if track == -1 else "pipeline" if track == -2 else f"rank {track}"
+
+
+def thread_id(track: int, lane: int) -> int:
+    """The thread id of ``track``'s lane ``lane``: the driver's lane 0 is 0, rank r's is
+    ``r + 1``, each lane ``LANE_TIDS`` further. The pipeline's track (-2) would be -1 by that
+    rule, and Perfetto's importer reads a tid that is not a uint32 as none given, then takes
+    the pid for it: the pipeline's slices and its name landed on the thread whose tid equals
+    the process's pid (rank 0's in the first process, rank 1's in the second), over that rank's
+    calls. It takes the last id of each lane's block instead (``LANE_TIDS - 1``, which no rank
+    below ``LANE_TIDS - 2`` reaches)."""
+    base = LANE_TIDS - 1 if track == -2 else track + 1
+    return base + lane * LANE_TIDS
 
 
 def lanes(events: list[Any]) -> list[int]:
@@ -71,7 +84,7 @@ def trace_events(processes: list[tuple[str, list[Any]]], origin: float) -> list[
         found = lanes(events)
         threads = {(e[1], lane) for e, lane in zip(events, found, strict=True)} | {(-1, 0)}
         for track, lane in sorted(threads):
-            tid = track + 1 + lane * LANE_TIDS
+            tid = thread_id(track, lane)
             label = track_name(track) if not lane else f"{track_name(track)} · {lane + 1}"
             out.append(
                 {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": label}}
@@ -90,7 +103,7 @@ def trace_events(processes: list[tuple[str, list[Any]]], origin: float) -> list[
             event: dict[str, Any] = {
                 "ph": ph,
                 "pid": pid,
-                "tid": track + 1 + lane * LANE_TIDS,
+                "tid": thread_id(track, lane),
                 "name": title,
                 "cat": kind,
                 "ts": (ts := round((start - origin) * 1e6, 3)),

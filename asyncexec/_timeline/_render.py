@@ -48,6 +48,11 @@ _CHARS = 190
 #: The kinds of event that are a run's work (the clock starts at the first: see the module's
 #: docstring); any event on the pipeline's track is too.
 _WORK = frozenset({"step", "call", "batch", "wait", "pause", "update", "expired", "aborted"})
+#: The narrowest a span is drawn, in seconds, and as a share of the picture's time axis (half
+#: a pixel or so), whichever is less: an empty span shows, and a run of a few milliseconds of
+#: 20 µs steps 50 µs apart is not drawn as one busy bar (each widened to 100 µs, it was).
+_NARROWEST_S = 1e-4
+_NARROWEST = 1 / 2000
 #: The folded start-up's band, as a share of the run's width.
 _FOLD = 0.06
 
@@ -151,8 +156,9 @@ def render(
         gridspec_kw={"height_ratios": heights},
     )
     kinds: set[str] = set()
+    narrowest = min(_NARROWEST_S, (plan.right - plan.left) * _NARROWEST) or _NARROWEST_S
     for ax, (name, _), (_, events) in zip(axes[:, 0], sections, processes, strict=True):
-        kinds |= _section(ax, events, origin)
+        kinds |= _section(ax, events, origin, narrowest)
         if len(sections) > 1:
             ax.set_title(name, loc="left", fontsize=10, fontweight="bold")
         if plan.startups:
@@ -196,7 +202,7 @@ def _fold(ax: Any, left: float, seconds: float | None) -> None:
         ax.text(
             left / 2,
             0.5,
-            f"start-up {seconds:.1f} s",
+            f"start-up {_seconds(seconds)}",
             transform=ax.get_xaxis_transform(),
             rotation=90,
             ha="center",
@@ -207,12 +213,26 @@ def _fold(ax: Any, left: float, seconds: float | None) -> None:
         )
 
 
+def _seconds(seconds: float) -> str:
+    """``seconds`` written to two figures or so: ``12 s``, ``1.5 s``, ``4 ms`` (a local
+    group's start-up of 4 ms read "0.0 s")."""
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    if seconds >= 0.1:
+        return f"{seconds:.1f} s"
+    return f"{seconds * 1000:.2g} ms"
+
+
 def _tracks(events: list[Any]) -> list[int]:
     return sorted({e[1] for e in events} | {-1})
 
 
-def _section(ax: Any, events: list[Any], origin: float) -> set[str]:
-    """Draw one executor's ``events`` on ``ax``; return the kinds drawn (for the legend)."""
+def _section(
+    ax: Any, events: list[Any], origin: float, narrowest: float = _NARROWEST_S
+) -> set[str]:
+    """Draw one executor's ``events`` on ``ax``, each span at least ``narrowest`` wide (so
+    that an empty one shows); return the kinds drawn (for the legend). A rank's calls in
+    flight are counted from their own lengths, never from the widths drawn."""
     tracks = _tracks(events)
     rows = {track: i for i, track in enumerate(reversed(tracks))}  # the driver on top
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -225,7 +245,7 @@ def _section(ax: Any, events: list[Any], origin: float) -> set[str]:
             if track == -1 and kind == "restart" and name == "restart":
                 restarts.append((start - origin, end - start))
                 continue
-            bars.setdefault((track, kind), []).append((start - origin, max(end - start, 1e-4)))
+            bars.setdefault((track, kind), []).append((start - origin, max(end - start, 0.0)))
             labels.setdefault((track, kind), []).append(name)
         else:
             marks.append((start - origin, track, kind))
@@ -246,7 +266,7 @@ def _section(ax: Any, events: list[Any], origin: float) -> set[str]:
         # A driver's nested phases are drawn thinner, over the span that holds them.
         height = 0.7 if kind in ("step", "call", "push", "attempt", "update", "wait") else 0.5
         ax.broken_barh(
-            spans,
+            [(begin, max(width, narrowest)) for begin, width in spans],
             (y - height / 2, height),
             facecolors=COLOURS.get(kind, _OTHER),
             edgecolors="white",

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import time
+import weakref
 from array import array
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -91,10 +92,13 @@ class _Ring:
     __slots__ = (
         "capacity",
         "entries",
+        "gone",
         "held",
         "names",
+        "next_pid",
         "origin",
         "pids",
+        "prune_at",
         "recorded",
         "wall_origin",
     )
@@ -106,9 +110,31 @@ class _Ring:
         self.pids: collections.deque[int] = collections.deque()  # each entry's process
         self.held = 0  # the events in the entries
         self.recorded = 0
-        self.names = [name]  # each process's name, by its index
+        #: Each process's name, by its index, while its timeline lives or its events are held
+        #: (see :meth:`prune`).
+        self.names = {0: name}
+        self.next_pid = 1
+        self.gone: set[int] = set()  # processes whose timeline is gone (their names kept)
+        self.prune_at = _PRUNE_AT
         self.origin = time.monotonic()
         self.wall_origin = time.time()
+
+    def prune(self) -> None:
+        """Forget the names of the processes whose timeline is gone and whose events are all
+        dropped: a service that joins an executor per request kept every name it ever had. Done
+        when a process joins and many are gone (one pass over the ring each time as many
+        again are gone): the recording of an event pays nothing for it."""
+        if len(self.gone) < self.prune_at:
+            return
+        held = set(self.pids)
+        for pid in self.gone - held:
+            del self.names[pid]
+        self.gone &= held
+        self.prune_at = max(_PRUNE_AT, 2 * len(self.gone))
+
+
+#: How many processes may be gone before their names are pruned (see :meth:`_Ring.prune`).
+_PRUNE_AT = 64
 
 
 class Timeline:
@@ -141,15 +167,21 @@ class Timeline:
         self._phases: dict[float, float] = {}
         #: Deliveries under way: their start, by version.
         self._deliveries: dict[int, float] = {}
+        #: The restart policy's wait under way: when it began, and when it is to end.
+        self._waiting: tuple[float, float] | None = None
 
     def joined(self, name: str) -> Timeline:
         """A timeline that records into this one's ring as a process of its own, ``name`` (an
         executor's): on this one's clock, exported with it; its own :meth:`events` are its
         process's."""
+        ring = self._ring
+        ring.prune()
         view = object.__new__(Timeline)
-        view._ring = self._ring
-        view._pid = len(self._ring.names)
-        self._ring.names.append(name)
+        view._ring = ring
+        view._pid = ring.next_pid
+        ring.next_pid += 1
+        ring.names[view._pid] = name
+        weakref.finalize(view, ring.gone.add, view._pid)
         view._init_state()
         return view
 
@@ -224,8 +256,16 @@ class Timeline:
         times = batch.times
         if times is None:
             return
-        spans = len(times.calls)  # one a rank and step
-        self._add(("B", spans, batch.first, times), spans)
+        kept, first = times, batch.first
+        ranks = len(times.offsets)
+        if len(times.calls) > self._ring.capacity and ranks <= self._ring.capacity:
+            # More than the ring holds: its last steps that fit are kept (the whole batch went
+            # before, the ring's oldest entry the moment it came: a small ring kept no step).
+            skip = times.steps - self._ring.capacity // ranks
+            kept, first = times.part(skip, times.steps), first + skip
+            self._ring.recorded += skip * ranks
+        spans = len(kept.calls)  # one a rank and step
+        self._add(("B", spans, first, kept), spans)
         if self._restarted_fn is not None and batch.attempt >= self._restarted_attempt:
             self._restarted(times)
 
@@ -235,6 +275,10 @@ class Timeline:
         ``ReportTimes``, as the poll carried them. One entry, its spans made when read."""
         calls, busy = array("d"), array("d")
         offset = time.monotonic() - ReportTimes.unpack_into(packed, calls, busy)
+        skip = len(calls) - self._ring.capacity
+        if skip > 0:  # more than the ring holds: the last that fit (see :meth:`steps`)
+            calls, busy, first = calls[skip:], busy[skip:], first + skip
+            self._ring.recorded += skip
         self._add(("R", len(calls), first, rank, calls, busy, offset), len(calls))
 
     def _restarted(self, times: Any) -> None:
@@ -246,10 +290,43 @@ class Timeline:
             return
         first_step = max(known)
         begun, started = self._restart, self._restarted_fn
-        assert begun is not None and started is not None
+        self._restart = self._restarted_fn = None
+        if begun is None or started is None:  # (never: a new run forgets both together)
+            return
         self.span(DRIVER, "first step", "restart", started, first_step)
         self.span(DRIVER, "restart", "restart", begun, first_step)
+
+    def run_started(self) -> None:
+        """A run began: a restart of the run before it that never reached its first step is
+        over (a named run that resumes starts at a later attempt, with no failure of its
+        own)."""
+        self._waited(time.monotonic())
         self._restart = self._restarted_fn = None
+        self._restarted_attempt = 0
+
+    def run_ended(self) -> None:
+        """The run ended (also when it was stopped during the restart policy's wait)."""
+        self._waited(time.monotonic())
+
+    def policy_wait(self, seconds: float) -> None:
+        """The restart policy waits ``seconds`` from now before the next attempt: its span is
+        recorded when the wait is over (the next start-up begins, or the run ends first), never
+        past its end (a span recorded at once, to its planned end, outlasted a run stopped
+        during the wait, and the picture with it)."""
+        now = time.monotonic()
+        self._waited(now)
+        self._waiting = (now, now + seconds)
+
+    def _waited(self, until: float, cut: bool = True) -> None:
+        """Record the policy's wait under way, if any, as over by ``until`` (``cut=False``:
+        only if it was to end by then: another group's start-up, a spare's, may come during
+        the wait)."""
+        waiting = self._waiting
+        if waiting is None or (not cut and until < waiting[1]):
+            return
+        self._waiting = None
+        start, planned = waiting
+        self.span(DRIVER, "wait (policy)", "restart", start, max(start, min(planned, until)))
 
     def failed(self, error: BaseException) -> None:
         """An attempt failed: a restart may follow (its span begins now)."""
@@ -263,9 +340,10 @@ class Timeline:
 
     def function_started(self, start: float, end: float, attempt: int) -> None:
         """The function was started on every rank (attempt ``attempt``)."""
+        self._waited(start)
         self.span(DRIVER, f"start function (attempt {attempt})", "attempt", start, end)
         if attempt <= 1:  # a new run: a restart the last one never finished is over
-            self._restart = None
+            self._restart = self._restarted_fn = None
         if self._restart is not None:
             self._restarted_fn, self._restarted_attempt = end, attempt
 
@@ -274,6 +352,7 @@ class Timeline:
         (``t0``: its key)."""
         end = time.monotonic()
         start = self._phases.pop(t0, end - seconds)
+        self._waited(start, cut=False)
         if phase not in ("ready", "leased"):
             self._phases[t0] = end
             if len(self._phases) > 64:  # start-ups that never finished
@@ -300,36 +379,18 @@ class Timeline:
         """Each process's name and :meth:`events` (this one's first, then those that joined
         it, in the order they joined; a process with no event left out, unless none has
         any)."""
-        names = self._ring.names
-        found = [(names[pid], self._process_events(pid)) for pid in range(len(names))]
-        return [(name, events) for name, events in found if events] or found[:1]
+        ring = self._ring
+        # One pass over the ring, however many processes ever joined it (one pass for each
+        # made the export of a service that joins an executor per request slower with each).
+        held: dict[int, list[Any]] = {}
+        for entry, of in zip(ring.entries, ring.pids, strict=True):
+            held.setdefault(of, []).append(entry)
+        found = [(ring.names[pid], _read(held[pid])) for pid in sorted(held)]
+        return found or [(ring.names.get(0, self.name), [])]
 
     def _process_events(self, pid: int) -> list[Event]:
-        out: list[Event] = []
-        last: dict[int, float] = {}
         ring = self._ring
-        for entry, of in zip(ring.entries, ring.pids, strict=True):
-            if of != pid:
-                continue
-            if entry[0] == "R":
-                _, count, first, rank, calls, busy, offset = entry
-                previous = _steps(out, rank, first, calls, busy, 0, count, offset, last.get(rank))
-                if previous is not None:
-                    last[rank] = previous
-                continue
-            if entry[0] != "B":
-                out.append(entry)
-                continue
-            _, _, first, times = entry
-            n = times.steps
-            for rank, offset in enumerate(times.offsets):
-                previous = last.get(rank)
-                previous = _steps(
-                    out, rank, first, times.calls, times.busy, rank * n, n, offset, previous
-                )
-                if previous is not None:
-                    last[rank] = previous
-        return out
+        return _read([e for e, of in zip(ring.entries, ring.pids, strict=True) if of == pid])
 
     def trace_events(self, name: str | None = None) -> list[dict[str, Any]]:
         """The events as Chrome trace events (what ui.perfetto.dev and chrome://tracing read):
@@ -372,6 +433,33 @@ class Timeline:
 
         processes = self._named(None)
         render(processes, self.origin, path, title, startup)
+
+
+def _read(entries: list[Any]) -> list[Event]:
+    """The events of one process's ``entries``, oldest first (a batch's spans made here: see
+    :meth:`Timeline.events`)."""
+    out: list[Event] = []
+    last: dict[int, float] = {}
+    for entry in entries:
+        if entry[0] == "R":
+            _, count, first, rank, calls, busy, offset = entry
+            previous = _steps(out, rank, first, calls, busy, 0, count, offset, last.get(rank))
+            if previous is not None:
+                last[rank] = previous
+            continue
+        if entry[0] != "B":
+            out.append(entry)
+            continue
+        _, _, first, times = entry
+        n = times.steps
+        for rank, offset in enumerate(times.offsets):
+            previous = last.get(rank)
+            previous = _steps(
+                out, rank, first, times.calls, times.busy, rank * n, n, offset, previous
+            )
+            if previous is not None:
+                last[rank] = previous
+    return out
 
 
 def _steps(

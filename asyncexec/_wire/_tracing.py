@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
@@ -102,10 +103,25 @@ def end(span: Any, error: BaseException | None = None) -> None:
     if span is None:
         return
     if error is not None:
-        trace = _trace()
-        span.record_exception(error)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+        _failed(span, error)
     span.end()
+
+
+def _failed(span: Any, error: BaseException) -> None:
+    """Mark ``span`` as failed with ``error`` (its exception recorded). Never raises: the SDK
+    reads the error's message with ``str()``, which a user's exception may fail (its type and
+    stack are recorded then, without its message)."""
+    trace = _trace()
+    try:
+        span.record_exception(error)
+    except Exception:
+        attributes = {
+            "exception.type": type(error).__qualname__,
+            "exception.message": "<the message could not be read: its __str__ raised>",
+            "exception.stacktrace": "".join(traceback.format_exception(error)),
+        }
+        span.add_event("exception", attributes)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
 
 
 @contextlib.contextmanager
@@ -474,9 +490,7 @@ def end_call(span: Any, name: str, rank: int, error: BaseException | None = None
 def _end_call(span: Any, name: str, rank: int, error: BaseException | None, end_ns: int) -> None:
     span.set_attributes({"asyncexec.function": name, "asyncexec.rank": rank})
     if error is not None:
-        trace = _trace()
-        span.record_exception(error)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+        _failed(span, error)
     span.end(end_ns)
 
 

@@ -140,7 +140,9 @@ def test_a_restart_reaches_the_metrics_and_the_timeline_and_its_time_ends_at_the
         assert _sample(registry, "asyncexec_steps_total") == 3
         assert _sample(registry, "asyncexec_reports_total") == 6
         assert _sample(registry, "asyncexec_stragglers_total") == 1
+    observer.emit(RunEnded("cancelled"))  # during the policy's wait: it ends there
     spans = [(e[1], e[2]) for e in timeline.events()]
+    assert timeline.events()[-1][5] <= time.monotonic()
     assert spans == [
         (DRIVER, "failed: WorkerCrashedError"),
         (1, "failed: WorkerCrashedError"),
@@ -318,9 +320,10 @@ def test_a_runs_event_reaches_the_executors_sinks_and_the_runs_log() -> None:
         assert _sample(registry, "asyncexec_restarts_total", cause="WorkerCrashedError") == 1
         assert _sample(registry, "asyncexec_stragglers_total") == 1
     assert counts.counts["preemptions"] == 1
+    timeline.run_ended()  # (the policy's wait is recorded when it is over)
     assert [(e[1], e[2]) for e in timeline.events()] == [
-        (DRIVER, "wait (policy)"),
         (DRIVER, "preemption moved"),
+        (DRIVER, "wait (policy)"),
     ]
     restarting, straggler, moved = logs
     assert moved["event"] == "moving_before_preemption"

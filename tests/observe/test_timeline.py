@@ -100,6 +100,25 @@ def test_memory_stays_bounded_over_a_hundred_thousand_steps() -> None:
     assert timeline.events()[-1][2] == "step 99999"
 
 
+def test_a_batch_larger_than_the_ring_keeps_its_last_steps() -> None:
+    """Defect: a batch of steps with more spans than the ring's capacity (``timeline=100`` and
+    64 steps of 2 ranks) was dropped whole the moment it came, being the ring's oldest entry
+    then: a small timeline held no step at all, and a rank's reports of one poll likewise."""
+    from asyncexec._wire._protocol import ReportTimes
+
+    timeline = Timeline(capacity=100)
+    t0 = timeline.origin + 1
+    timeline.steps(_batch(0, 64, 2, t0))
+    assert timeline.statistics() == asyncexec.TimelineStatistics(100, 100, 28)
+    steps = [e for e in timeline.events() if e[3] == "step"]
+    assert sorted({e[2] for e in steps}) == sorted(f"step {i}" for i in range(14, 64))
+    now = time.monotonic()
+    calls = array("d", [now - 300 + i for i in range(300)])
+    timeline.reports(0, 64, ReportTimes(calls, array("d", [0.5] * 300), now).pack())
+    assert timeline.statistics() == asyncexec.TimelineStatistics(100, 100, 328)
+    assert [e[2] for e in timeline.events()] == [f"step {i}" for i in range(264, 364)]
+
+
 def test_step_spans_run_from_the_previous_report_on_each_rank() -> None:
     timeline = Timeline()
     t0 = timeline.origin + 1
@@ -141,6 +160,87 @@ async def test_local_run_records_each_ranks_steps_and_calls(tmp_path: Any) -> No
     assert sum(e["name"].endswith("where") for e in calls) == 3  # two ranks, then one chosen
     chosen = [e for e in doc["traceEvents"] if e["ph"] == "i" and e["tid"] == 0]
     assert next(e["name"] for e in chosen if e["cat"] == "call").startswith("least loaded: rank")
+
+
+def _fails_each_attempt(config: dict[str, Any]) -> None:
+    if asyncexec.get_context().attempt == 1:
+        asyncexec.report({"i": 0})
+    raise RuntimeError("boom")
+
+
+def _counts(config: dict[str, Any]) -> None:
+    for i in range(4):
+        asyncexec.report({"i": i})
+
+
+@pytest.mark.timeout(60)
+async def test_a_restart_that_never_reached_a_step_leaves_the_next_runs_alone(
+    tmp_path: Any,
+) -> None:
+    """Defect: a run that gave up during a restart (its function started again, then failed
+    before a step) left the timeline waiting for that restart's first step; a named run
+    resumed later on the same executor starts at attempt 2 with no failure of its own, and
+    its first step's batch then failed the timeline's assertion: the user's ``async for``
+    raised AssertionError, from the timeline."""
+    policy = asyncexec.RestartPolicy(max_restarts=1, restart_on_user_error=True, wait=_no_wait)
+    async with asyncexec.Executor(
+        1, local=True, timeline=True, storage_path=str(tmp_path), restart=policy
+    ) as executor:
+        with pytest.raises(asyncexec.RestartsExhaustedError):
+            async for _ in executor.run(_fails_each_attempt):
+                pass
+        async for step in executor.run(_counts, name="resumed"):
+            if step.index == 1:
+                break
+        steps = [(s.index, s.attempt) async for s in executor.run(_counts, name="resumed")]
+        assert steps and {attempt for _, attempt in steps} == {2}
+        assert executor.timeline is not None
+        names = [e[2] for e in executor.timeline.events() if e[1] == DRIVER]
+    assert names.count("restart") == 0  # no restart reached its first step: none is drawn
+    assert names.count("start function (attempt 2)") == 2
+
+
+def _fails_at_once(config: dict[str, Any]) -> None:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.timeout(60)
+async def test_a_run_stopped_during_the_policys_wait_ends_the_waits_span_there() -> None:
+    """Defect: the policy's wait was recorded when it began, to its planned end: a run
+    stopped 30 s before that end left a span 30 s into the future (in the trace, and the
+    picture stretched to it)."""
+    import anyio
+    from tenacity import wait_fixed
+
+    waiting = anyio.Event()
+
+    async def sleep(seconds: float) -> None:
+        waiting.set()
+        await anyio.sleep_forever()
+
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, restart_on_user_error=True, wait=wait_fixed(30), sleep=sleep
+    )
+    async with asyncexec.Executor(1, local=True, timeline=True, restart=policy) as executor:
+        run = executor.run(_fails_at_once)
+
+        async def consume() -> None:
+            async for _ in run:
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await waiting.wait()
+            tg.cancel_scope.cancel()
+        await run.aclose()
+        stopped = time.monotonic()
+        assert executor.timeline is not None
+        [wait] = [e for e in executor.timeline.events() if e[2] == "wait (policy)"]
+    assert wait[4] <= wait[5] <= stopped
+
+
+def _no_wait(retry_state: Any) -> float:
+    return 0.0
 
 
 # A run with a restart, on Ray -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import asyncexec
+from asyncexec._timeline._export import thread_id
 from asyncexec._timeline._timeline import PIPELINE
 
 CPU = {"CPU": 0.25}
@@ -92,7 +93,7 @@ async def test_pipeline_updates_batches_and_counters_are_on_its_track_in_order(
     assert "Toy.generate" in calls
     doc = json.loads((tmp_path / "pipeline.json").read_text())
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    assert names[PIPELINE + 1] == "pipeline"
+    assert names[thread_id(PIPELINE, 0)] == "pipeline"
     exported = [e for e in doc["traceEvents"] if e["ph"] == "C"]
     assert len(exported) == len(counters)
     assert all("dur" not in e and set(e["args"]) == {"in flight", "buffered"} for e in exported)

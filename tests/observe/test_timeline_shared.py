@@ -17,7 +17,7 @@ import pytest
 import asyncexec
 from asyncexec._timeline._export import LANE_TIDS, lanes
 from asyncexec._timeline._render import long_calls, occupancy, render_plan, work_began
-from asyncexec._timeline._timeline import DRIVER, Timeline
+from asyncexec._timeline._timeline import DRIVER, PIPELINE, Timeline
 
 CPU = {"CPU": 0.25}
 
@@ -63,6 +63,36 @@ def test_concurrent_calls_take_lanes_and_nested_phases_stay_on_theirs(tmp_path: 
     }
     assert threads[1] == "rank 0" and threads[1 + 3 * LANE_TIDS] == "rank 0 · 4"
     assert {e["tid"] for e in doc["traceEvents"] if e.get("cat") == "startup"} == {0}
+
+
+def test_every_track_has_a_thread_id_of_its_own_that_perfetto_reads() -> None:
+    """Defect: the pipeline's track was thread -1; Perfetto's importer reads a tid that is not
+    a uint32 as none given and takes the pid for it, so the pipeline's slices and its name
+    landed on rank 0's thread in the first process (tid 1) and rank 1's in the second, over
+    that rank's calls."""
+    timeline = Timeline(name="learner")
+    servers = timeline.joined("servers")
+    t = timeline.origin
+    for view in (timeline, servers):
+        view.span(DRIVER, "place", "startup", t, t + 1)
+        for rank in range(3):
+            view.span(rank, "Server.generate", "call", t + 1, t + 2)
+            view.span(rank, "Server.generate", "call", t + 1.5, t + 2.5)  # a second lane
+        view.span(PIPELINE, "update v1 (keep)", "update", t + 1.2, t + 1.8)
+        view.span(PIPELINE, "learner waits (v1)", "wait", t + 1.6, t + 2.2)  # a second lane
+        view.counter(PIPELINE, "rollouts", "pipeline", t + 1, {"in flight": 1, "buffered": 0})
+    doc = timeline.trace_events()
+    # What the importer keys a thread by: a tid outside uint32 is none, and then the pid.
+    named: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for e in doc:
+        if e["name"] == "thread_name":
+            tid = e["tid"] if 0 <= e["tid"] < 2**32 else e["pid"]
+            named[(e["pid"], tid)].add(e["args"]["name"])
+    assert all(len(names) == 1 for names in named.values()), named
+    for pid in (1, 2):
+        threads = {next(iter(v)) for (p, _), v in named.items() if p == pid}
+        assert {"pipeline", "pipeline · 2", "driver", "rank 0 · 2", "rank 2"} <= threads
+    assert all(0 <= e["tid"] < 2**32 for e in doc)
 
 
 def test_slices_that_meet_or_end_together_do_so_to_the_nanosecond() -> None:
@@ -133,6 +163,107 @@ def test_occupancy_counts_the_calls_in_flight_and_marks_the_long_ones() -> None:
     assert max(n for _, n in occupancy(spans)) == 3 and occupancy(spans)[-1] == (15.0, 0)
     assert long_calls(spans) == [(6.0, 9.0)]
     assert long_calls(spans[:4]) == []  # too few to judge
+
+
+def test_a_short_runs_spans_are_drawn_at_their_length_and_its_calls_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Defect: the PNG drew every span at least 100 µs wide, and counted a rank's calls in
+    flight from those widths: in a run of 10 ms, rank 0's steps of 20 µs every 50 µs were one
+    busy bar, and rank 1's calls of 20 µs, one after another, were drawn as "≤2 in flight"."""
+    pytest.importorskip("matplotlib")
+    from asyncexec._timeline import _render
+
+    timeline = Timeline()
+    t = timeline.origin
+    for i in range(200):
+        timeline.span(0, f"step {i}", "step", t + i * 50e-6, t + i * 50e-6 + 20e-6)
+        timeline.span(1, "Server.generate", "call", t + i * 50e-6, t + i * 50e-6 + 20e-6)
+    drawn: list[Any] = []
+    real = _render._section
+
+    def section(ax: Any, *args: Any) -> set[str]:
+        drawn.append(ax)
+        return real(ax, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_render, "_section", section)
+        timeline.render(tmp_path / "short.png")
+    [ax] = drawn
+    widths = sorted(
+        round(path.get_extents().width, 9)
+        for collection in ax.collections
+        for path in collection.get_paths()
+    )
+    assert widths and max(widths) == pytest.approx(20e-6)  # each step's and call's own width
+    assert not [text for text in ax.texts if "in flight" in text.get_text()]
+
+
+def test_a_short_start_up_is_labelled_by_its_length_not_zero(tmp_path: Path) -> None:
+    """Defect: the folded start-up's label had one decimal of a second: a local group's
+    start-up of 4.5 ms read "start-up 0.0 s"."""
+    pytest.importorskip("matplotlib")
+    from asyncexec._timeline import _render
+
+    timeline = Timeline()
+    t = timeline.origin
+    timeline.span(DRIVER, "place", "startup", t, t + 0.0045)
+    timeline.span(0, "step 0", "step", t + 0.005, t + 0.5)
+    labels: list[str] = []
+    real = _render._fold
+
+    def fold(ax: Any, left: float, seconds: float | None) -> None:
+        real(ax, left, seconds)
+        labels.extend(text.get_text() for text in ax.texts)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_render, "_fold", fold)
+        timeline.render(tmp_path / "t.png")
+    assert labels == ["start-up 5 ms"]
+
+
+def test_an_export_reads_the_ring_once_however_many_executors_joined_it() -> None:
+    """Defect: exporting a shared timeline read its whole ring once for each process that had
+    ever joined it, the ones whose events were all gone too: a service that joins an executor
+    per request exported slower with each (15 s for 2,000 executors and 100,000 events)."""
+    import collections
+
+    reads = 0
+
+    class Counted(collections.deque):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            nonlocal reads
+            reads += 1
+            return super().__iter__()
+
+    timeline = Timeline(capacity=100)
+    t = timeline.origin
+    for i in range(200):  # the first 150 executors' events are dropped by now
+        timeline.joined(f"executor {i}").span(0, "Server.generate", "call", t + i, t + i + 1)
+    timeline._ring.entries = Counted(timeline._ring.entries)
+    processes = timeline.processes()
+    assert reads == 1
+    assert [name for name, _ in processes] == [f"executor {i}" for i in range(100, 200)]
+    assert all(len(events) == 1 for _, events in processes)
+
+
+def test_a_shared_timeline_forgets_the_executors_that_are_gone_with_their_events() -> None:
+    """Defect: a shared timeline kept the name of every executor that ever joined it, also
+    once the executor was gone and its events dropped: a service that makes an executor per
+    request on one timeline grew with each request."""
+    import gc
+
+    timeline = Timeline(capacity=10)
+    t = timeline.origin
+    kept = timeline.joined("kept")  # alive, its event dropped: its name stays
+    kept.span(0, "Server.generate", "call", t, t + 1)
+    for i in range(1_000):  # each executor's timeline is gone once it has recorded
+        timeline.joined(f"executor {i}").span(0, "Server.generate", "call", t + i, t + i + 1)
+    gc.collect()
+    assert len(timeline._ring.names) < 100
+    assert kept.name == "kept" and timeline.name == "asyncexec"
+    names = [name for name, _ in timeline.processes()]
+    assert names == [f"executor {i}" for i in range(990, 1_000)]
 
 
 def test_joined_timelines_share_one_ring_and_clock_each_a_process(tmp_path: Path) -> None:

@@ -422,3 +422,80 @@ def test_the_carried_context_is_w3cs_traceparent_and_reads_back_as_the_remote_pa
         assert _tracing.split(_tracing.carry(lead, context)) == (lead, context)
         assert _tracing.plain(_tracing.carry(lead, context)) == lead
         assert _tracing.split(lead) == (lead, None)
+
+
+class _Open(sdk_trace.SpanProcessor):
+    """The spans started and not ended yet, by name."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, str] = {}
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.spans[span.context.span_id] = span.name
+
+    def on_end(self, span: Any) -> None:
+        self.spans.pop(span.context.span_id, None)
+
+
+def _unpicklable() -> Any:
+    import threading
+
+    return threading.Lock()
+
+
+async def test_a_call_that_could_not_be_sent_ends_its_span_and_the_ranks_sent_before_it(
+    monkeypatch: pytest.MonkeyPatch, exported: InMemorySpanExporter
+) -> None:
+    """Defect: a call whose argument does not pickle raised ConfigurationError, but the
+    ``asyncexec.call`` span opened for its send never ended (nor did those of the ranks sent
+    before it, which nothing awaits): missing from the trace, held by any processor that
+    tracks open spans."""
+    import asyncio
+
+    from asyncexec.testing import SimCluster
+
+    provider = trace.get_tracer_provider()
+    opened = _Open()
+    provider.add_span_processor(opened)  # type: ignore[attr-defined]
+    async with asyncexec.Executor(2, cluster=SimCluster(), roles=Worker) as ex:
+        lock = _unpicklable()
+        with pytest.raises(asyncexec.ConfigurationError, match="pickle"):
+            await ex.call(span_in_worker, lock, on=asyncexec.rank(1))
+        with pytest.raises(asyncexec.ConfigurationError, match="pickle"):
+            await ex.call(Worker.work, asyncexec.scatter([1, lock]))  # rank 0's is sent
+        with pytest.raises(asyncexec.ConfigurationError, match="pickle"):
+            await ex.execute(span_in_worker, lock)
+        await asyncio.sleep(0)  # (a call's span ends on the loop's next turn)
+        assert opened.spans == {}
+    failed = [s for s in exported.get_finished_spans() if s.name == "asyncexec.call"]
+    assert len(failed) == 4 and all(s.status.status_code == trace.StatusCode.ERROR for s in failed)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def raise_unprintable(x: int) -> None:
+    raise _Unprintable()
+
+
+async def test_a_call_that_raised_an_error_whose_str_raises_still_ends_its_span(
+    exported: InMemorySpanExporter,
+) -> None:
+    """Defect: the SDK reads a recorded exception's message with ``str()``; a user's exception
+    whose ``__str__`` raised made the call's span end raise on the event loop ("Exception in
+    callback _end_call"), and the span never ended."""
+    import asyncio
+
+    async with asyncexec.Executor(1, local=True) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as raised:
+            await ex.call(raise_unprintable, 1)
+        assert isinstance(raised.value.__cause__, _Unprintable)
+        await asyncio.sleep(0)  # (a call's span ends on the loop's next turn)
+    [call] = [s for s in exported.get_finished_spans() if s.name == "asyncexec.call"]
+    assert call.status.status_code == trace.StatusCode.ERROR
+    [event] = call.events
+    assert event.attributes is not None
+    assert event.attributes["exception.type"].endswith("_Unprintable")
+    assert "raise_unprintable" in event.attributes["exception.stacktrace"]

@@ -7,7 +7,7 @@ from ._elastic import Resize, Sizer, decide_size, fitting_workers, measure_free
 from ._group import STOP_MARGIN_S, WorkerGroup, answers, device_envs, with_others
 from ._health import FailureSink, declare_hung, find_dead, watch, watch_steps
 from ._members import Standby, WorkerInfo
-from ._observed import ObservedCall, observed, watched
+from ._observed import ObservedCall, dropped, observed, unsent, watched
 from ._pool import PoolStatistics, PoolWorker, WorkerPool
 from ._reservation import Claim, Reservation, ReservationStatistics
 from ._roles import PerRank
@@ -16,7 +16,9 @@ from ._startup import start_group, worker_contexts
 
 __all__ = [
     "ObservedCall",
+    "dropped",
     "observed",
+    "unsent",
     "watched",
     "STOP_MARGIN_S",
     "Claim",

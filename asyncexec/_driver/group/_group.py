@@ -45,7 +45,7 @@ from ..cluster import (
     proxy,
 )
 from ._members import Standby, WorkerInfo
-from ._observed import observed, watched
+from ._observed import dropped, observed, unsent, watched
 
 __all__ = ["STOP_MARGIN_S", "WorkerGroup", "answers", "device_envs", "with_others"]
 
@@ -160,7 +160,13 @@ class WorkerGroup:
 
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn`` on every worker concurrently; results in rank order."""
-        calls = [_execute_on(self, w, fn, args, kwargs) for w in self.workers]
+        calls: list[Any] = []
+        try:
+            for w in self.workers:
+                calls.append(_execute_on(self, w, fn, args, kwargs))
+        except BaseException as exc:  # an argument that does not pickle: the sent ones dropped
+            dropped(calls, exc)
+            raise
         return self.values(await _given_up(self.gather(calls), fn, calls), self.workers)
 
     async def execute_single(
@@ -353,5 +359,9 @@ def _execute_on(
     if not watched(group.observer, span):
         return proxy(group, worker).execute(sent, *args, **kwargs)
     start = time.monotonic()
-    call = proxy(group, worker).execute(sent, *args, **kwargs)
+    try:
+        call = proxy(group, worker).execute(sent, *args, **kwargs)
+    except BaseException as exc:
+        unsent(span, qualname(fn), worker.rank, exc)
+        raise
     return observed(group.observer, worker.rank, qualname(fn), call, span, start)

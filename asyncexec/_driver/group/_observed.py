@@ -10,6 +10,7 @@ and whether tracing made a span first (a dict look-up and a None check on a call
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any, TypeVar, cast
 
 from ..._wire import _tracing
@@ -17,7 +18,7 @@ from ..._wire._protocol import Outcome
 from .._events import CallEnded
 from .._observe import Observer
 
-__all__ = ["ObservedCall", "observed", "watched"]
+__all__ = ["ObservedCall", "dropped", "observed", "unsent", "watched"]
 
 T = TypeVar("T")
 
@@ -53,14 +54,20 @@ class ObservedCall:
             error = exc
             raise
         finally:
-            if not self._done:
-                self._done = True
-                if self._observer is not None:
-                    end = time.monotonic()
-                    event = CallEnded(self._rank, self._name, self._start, end, error)
-                    self._observer.emit(event)
-                if self._span is not None:
-                    _tracing.end_call(self._span, self._name, self._rank, error)
+            self.ended(error)
+
+    def ended(self, error: BaseException | None) -> None:
+        """The call's end, emitted and its span ended, once (``error``: what it ended with):
+        when it is first awaited to its end, or when its caller will not await it (a later
+        rank's send failed: see :func:`dropped`)."""
+        if self._done:
+            return
+        self._done = True
+        if self._observer is not None:
+            event = CallEnded(self._rank, self._name, self._start, time.monotonic(), error)
+            self._observer.emit(event)
+        if self._span is not None:
+            _tracing.end_call(self._span, self._name, self._rank, error)
 
 
 def _failure(answer: Any) -> BaseException | None:
@@ -69,6 +76,21 @@ def _failure(answer: Any) -> BaseException | None:
     if type(answer) is not Outcome or answer.kind == "ok":
         return None
     return answer.error or RuntimeError("the function was stopped")
+
+
+def dropped(calls: Iterable[Any], error: BaseException) -> None:
+    """``calls``, sent, will not be awaited (the send of a later rank's failed with ``error``):
+    each observed one ends now, failed with ``error`` (its span would never end otherwise)."""
+    for call in calls:
+        if type(call) is ObservedCall:
+            call.ended(error)
+
+
+def unsent(span: Any, name: str, rank: int, error: BaseException) -> None:
+    """A call whose send failed with ``error`` (an argument that does not pickle): its span
+    (None: none) ends, failed with it."""
+    if span is not None:
+        _tracing.end_call(span, name, rank, error)
 
 
 def watched(observer: Observer, span: Any) -> bool:
