@@ -34,12 +34,12 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from .._errors import ExecutorStateError, describe
-from .._logging import get_logger
 from .._wire._interface import BARE_TYPES, parse_key
 from .._wire._protocol import Outcome, RoleFailure, RoleSpec
 from . import _outcomes, _place
@@ -49,6 +49,9 @@ __all__ = ["Roles", "call", "call_here", "call_inline", "drop", "make", "method"
 #: A factory of the context entered around the roles' code (the backend's: the current CUDA
 #: device), as around a run's function.
 ContextFactory = Callable[[], AbstractContextManager[Any]]
+#: The standard library's logging (structlog is not imported on workers); Ray forwards a
+#: worker's log to the driver's output.
+_log = logging.getLogger("asyncexec.worker")
 #: How long each instance's ``close()`` may take when its worker drops it: then it is left
 #: (a thread cannot be stopped) and the worker goes on.
 CLOSE_TIMEOUT_S = 30.0
@@ -274,8 +277,8 @@ async def drop() -> list[BaseException]:
             await asyncio.wait_for(_invoke(close, (), {}, roles.context), CLOSE_TIMEOUT_S)
         except Exception as exc:
             errors.append(exc)
-            get_logger().warning(
-                "role_close_failed", role=type(instance).__qualname__, error=describe(exc)
+            _log.warning(
+                "role_close_failed role=%s error=%s", type(instance).__qualname__, describe(exc)
             )
     return errors
 
