@@ -70,10 +70,14 @@ async def drive(
                 tg.cancel_scope.cancel()
         tracker.state = run.state.value
         if executor.timeline is not None and options.timeline:  # also when the run failed
-            executor.timeline.export(options.timeline, "asyncexec run")
             # On stderr: with --json, stdout carries the steps only.
             where = await anyio.Path(options.timeline).resolve()
-            print(f"timeline written to {where}", file=sys.stderr)
+            try:
+                executor.timeline.export(options.timeline, "asyncexec run")
+            except (OSError, ImportError) as exc:  # said; the run's own outcome stands
+                print(f"asyncexec: could not write the timeline to {where}: {exc}", file=sys.stderr)
+            else:
+                print(f"timeline written to {where}", file=sys.stderr)
         if error is not None:
             raise error
         return run.result

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,12 @@ five_steps.total_steps = 5  # type: ignore[attr-defined]
 def failing(config: dict[str, Any]) -> None:
     asyncexec.report({"x": 1})
     raise ValueError(f"bad input {config['n']}")
+
+
+def removes_the_folder(config: dict[str, Any]) -> None:
+    asyncexec.report({"step": 0})
+    shutil.rmtree(config["folder"])
+    raise ValueError("the run's own error")
 
 
 @pytest.fixture(autouse=True)
@@ -276,6 +283,46 @@ def test_usage_errors_exit_2_before_ray_starts(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_timeline_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: ``--timeline`` naming a file in a folder that does not exist ran the whole run,
+    then failed with a FileNotFoundError traceback (exit 1; with a failed run, in place of the
+    run's own error). Now it is refused at once, naming the folder (exit 2), and the demo makes
+    no temporary folder before refusing."""
+    missing = tmp_path / "no_such_folder" / "run.json"
+    argv = ["run", "test_cli:counting", "-n", "1", "--local", "--config", '{"steps": 2}']
+    assert main([*argv, "--timeline", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert f"the folder {missing.parent} does not exist" in err
+    assert out == ""  # nothing ran
+    assert main([*argv, "--timeline", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert main(["demo", "--timeline", str(missing.with_suffix(".png"))]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no asyncexec-demo-* folder left
+
+
+@pytest.mark.timeout(30)
+def test_a_timeline_that_cannot_be_written_after_the_run_leaves_the_runs_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect: when the timeline could not be written after a run that failed, the command
+    ended with the OSError's traceback in place of the run's error. Now it says that the
+    timeline was not written, and the run's error and exit status stand."""
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    config = json.dumps({"folder": str(folder)})
+    argv = ["run", "test_cli:removes_the_folder", "-n", "1", "--local", "--config", config]
+    assert main([*argv, "--timeline", str(folder / "run.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"could not write the timeline to {folder / 'run.json'}" in err
+    assert "the run failed: WorkerRaisedError" in err and "the run's own error" in err
+    assert "timeline written" not in err
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
