@@ -537,6 +537,15 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--quiet", action="store_true", help="print the summary only")
     add("--timeline", metavar="PATH", help="write the run's timeline (.json, or .png) there")
     args = vars(parser.parse_args(argv))
+    # Refused here, before Ray starts, rather than with a traceback later (the timeline's after
+    # the whole run).
+    lows = {"servers": 1, "learners": 1, "staleness": 0, "max_requeues": 0, "max_updates": 1}
+    lows |= {"window": 1, "max_in_flight": 1, "batch_size": 1, "group_size": 2, "token_ms": 0}
+    for name, low in lows.items():
+        if not args[name] >= low:
+            parser.error(f"--{name.replace('_', '-')} must be at least {low}, got {args[name]}")
+    if args["timeline"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["timeline"]))):
+        parser.error(f"--timeline {args['timeline']}: its folder does not exist")
     quiet = args.pop("quiet")
     grpo = GRPOConfig(
         batch_size=args.pop("batch_size"),

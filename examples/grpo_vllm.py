@@ -272,6 +272,17 @@ def cli(argv: Sequence[str] | None = None) -> int:
         help="write the run's timeline there (.json for Perfetto, .png); may be given again",
     )
     args = parser.parse_args(argv)
+    # Refused here, before Ray and the engines start, rather than with a traceback later (the
+    # timeline's after the whole run).
+    for name, value, low in (
+        ("max-updates", args.max_updates, 1),
+        ("staleness", args.staleness, 0),
+    ):
+        if value < low:
+            parser.error(f"--{name} must be at least {low}, got {value}")
+    for path in args.timeline:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"--timeline {path}: its folder does not exist")
     asyncexec.configure_logging("console", "warning")
     import ray
 
