@@ -275,6 +275,9 @@ def test_run_imports_a_module_from_the_working_directory(
         (["run", "test_cli:counting", "-n", "1", "--cpus-per-worker", "0"], "positive amount"),
         (["run", "test_cli:counting", "--workers", "0"], "must be at least 1"),
         (["demo", "--steps", "-3"], "must be at least 1"),
+        # Defect: a value that was no number was "invalid _positive_int value: 'four'".
+        (["run", "test_cli:counting", "--workers", "four"], "must be a whole number, got 'four'"),
+        (["demo", "--step-seconds", "fast"], "--step-seconds: must be a number, got 'fast'"),
         (["launch"], "invalid choice"),
     ],
 )
