@@ -120,8 +120,11 @@ def demo_story(result: RunResult) -> str:
     failure = result.failures[0]
     rank = getattr(failure, "rank", "?")
     resumed = sorted({v["resumed_from"] for v in result.return_values if isinstance(v, dict)})
+    if resumed and resumed[0]:
+        how = f"resumed every rank from the checkpoint of step {resumed[0] - 1}"
+    else:  # the crash came before the first checkpoint
+        how = "started every rank again from step 0 (no checkpoint had been saved yet)"
     return (
         f"recovered: rank {rank} was killed on attempt 1 ({type(failure).__name__}); attempt "
-        f"{result.attempts} resumed every rank from the checkpoint of step "
-        f"{resumed[0] - 1 if resumed and resumed[0] else '-'} and finished"
+        f"{result.attempts} {how} and finished"
     )

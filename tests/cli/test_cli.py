@@ -545,3 +545,19 @@ def test_the_summary_names_failures_with_empty_or_broken_messages() -> None:
     text = _summary(result, Tracker("t", 1))
     assert "failure 1: ValueError\n" in text
     assert "failure 2: Broken: <the message could not be read" in text
+
+
+def test_the_demos_story_says_when_the_crash_came_before_any_checkpoint() -> None:
+    """Defect: ``asyncexec demo --crash-step 1`` (a crash before the first checkpoint) said
+    "attempt 2 resumed every rank from the checkpoint of step - and finished": there was no
+    checkpoint; the ranks started again from step 0."""
+    from asyncexec._cli._drive import demo_story
+
+    crash = asyncexec.WorkerCrashedError(1, attempt=1)
+    returned = [{"resumed_from": 0}, {"resumed_from": 0}]
+    story = demo_story(asyncexec.RunResult("run-x", returned, None, 14, 2, [crash]))
+    assert "checkpoint of step -" not in story
+    assert "attempt 2 started every rank again from step 0 (no checkpoint" in story
+    returned = [{"resumed_from": 6}, {"resumed_from": 6}]
+    story = demo_story(asyncexec.RunResult("run-x", returned, None, 14, 2, [crash]))
+    assert "attempt 2 resumed every rank from the checkpoint of step 5 and finished" in story
