@@ -227,6 +227,10 @@ if __name__ == "__main__":
     for name, value in ((name, getattr(args, name)) for name in lows):
         if not value >= lows[name]:
             parser.error(f"--{name.replace('_', '-')} must be at least {lows[name]}, got {value}")
+    if args.kill_after and args.servers < 2:
+        parser.error(
+            "--kill-after kills server 1: it needs --servers 2 or more (or --kill-after 0)"
+        )
     summary = asyncio.run(
         main(
             servers=args.servers,

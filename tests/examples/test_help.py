@@ -62,6 +62,7 @@ _BAD_VALUES = [
     ("rl_loop.py", ["--staleness", "0"], "--staleness must be at least 1, got 0"),
     ("rl_loop.py", ["--batch", "0"], "--batch must be at least 1, got 0"),
     ("rollout_servers.py", ["--max-in-flight", "0"], "--max-in-flight must be at least 1"),
+    ("rollout_servers.py", ["--servers", "1"], "it needs --servers 2 or more"),
     ("torch_ddp.py", ["--workers", "0"], "--workers must be at least 1, got 0"),
     ("datasets_train.py", ["--rows", "0"], "--rows must be at least 1, got 0"),
     ("service.py", ["--port", "70000"], "--port must be from 0 to 65535"),
@@ -90,7 +91,8 @@ for path, argv in json.loads(sys.argv[1]):
 def test_examples_refuse_bad_values_before_starting_anything() -> None:
     """Defect: the examples took any number: a count of 0 or a negative staleness started Ray
     (and workers) and then failed with a traceback (``ConfigurationError`` in an exception
-    group), or ran on with nan (``rl_loop.py --batch 0``), and a ``--timeline`` in a folder that
+    group), or ran on with nan (``rl_loop.py --batch 0``); ``rollout_servers.py --servers 1`` failed
+    with an IndexError after 50 answers (it kills server 1); and a ``--timeline`` in a folder that
     does not exist failed with a traceback only after the whole run. Now each is refused
     by the parser, naming the flag, before Ray starts (exit 2)."""
     cases = [(str(ROOT / "examples" / name), argv) for name, argv, _ in _BAD_VALUES]
