@@ -429,7 +429,9 @@ async def main(
     ``.json`` for Perfetto, a ``.png``)."""
     cfg = grpo or GRPOConfig()
     s = Summary(threshold=threshold, window=window)
-    path = os.path.join(checkpoint_dir or tempfile.mkdtemp(prefix="grpo_"), "learner.pt")
+    folder = checkpoint_dir or tempfile.mkdtemp(prefix="grpo_")
+    os.makedirs(folder, exist_ok=True)  # the learner saves into it from the first update
+    path = os.path.join(folder, "learner.pt")
     resumed = load_checkpoint(path)
     consumed = resumed["pipeline"] if resumed else None
     s.started_from = int(resumed["updates"]) if resumed else 0
@@ -529,7 +531,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--max-in-flight", type=int, default=8, help="requests per server (8)")
     add("--kill-server-at", type=int, metavar="UPDATE", help="SIGKILL a server after it")
     add("--kill-learner-at", type=int, metavar="UPDATE", help="SIGKILL learner rank 0 after it")
-    add("--checkpoint-dir", default=None, help="resume from (and save to) here")
+    add("--checkpoint-dir", default=None, help="resume from (and save to) here (made if missing)")
     add("--batch-size", type=int, default=GRPOConfig.batch_size, help="prompts per update")
     add("--group-size", type=int, default=GRPOConfig.group_size, help="completions per prompt")
     add("--token-ms", type=float, default=GRPOConfig.token_s * 1e3, help="engine time per token")

@@ -464,6 +464,8 @@ async def main(
         raise ValueError("fewer environments than learner ranks")
     s, lags = Summary(staleness_bound=staleness), list[float]()
     kill_at = {"rollout": kill_rollout_at, "learner": kill_learner_at}
+    if storage_path is not None:
+        os.makedirs(storage_path, exist_ok=True)  # made if missing, as the executors make it
     checkpoints = tempfile.mkdtemp(prefix="ppo_learner_", dir=storage_path)
     bundles = max(rollout_workers, learner_workers)  # rank i of either group on bundle i
     reservation = asyncexec.Reservation(bundles, {"CPU": 1}, name="ppo")
