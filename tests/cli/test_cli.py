@@ -561,3 +561,17 @@ def test_the_demos_story_says_when_the_crash_came_before_any_checkpoint() -> Non
     returned = [{"resumed_from": 6}, {"resumed_from": 6}]
     story = demo_story(asyncexec.RunResult("run-x", returned, None, 14, 2, [crash]))
     assert "attempt 2 resumed every rank from the checkpoint of step 5 and finished" in story
+
+
+def test_a_run_shorter_than_a_redraw_shows_a_rate() -> None:
+    """Defect: a run that ended before the view had sampled its progress twice (an eighth of a
+    second) showed "50 steps · 0.0 steps/s" in its last frame. Now the rate is taken over the
+    whole run until there are two samples."""
+    from asyncexec._cli._views import Tracker
+
+    tracker = Tracker("t", 2)
+    assert tracker.rate == 0.0  # no step yet
+    for i in range(50):
+        tracker.add(Step(i, 1, [Report(0, {"step": i}), Report(1, {"step": i})]))
+    tracker.sample()
+    assert tracker.rate > 0.0
