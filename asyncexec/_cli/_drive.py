@@ -98,7 +98,9 @@ async def _refresh_loop(run: Any, tracker: Tracker, view: View) -> None:
         await anyio.sleep(1 / _REFRESH_HZ)
 
 
-def summary(result: RunResult, tracker: Tracker) -> str:
+def summary(result: RunResult, tracker: Tracker, *, removed: bool = False) -> str:
+    """What is printed when the run has finished; ``removed``: its checkpoints are about to be
+    removed with the demo's temporary folder."""
     restarts = result.attempts - 1
     lines = [
         f"finished: {result.steps} steps in {result.attempts} attempt(s) "
@@ -107,7 +109,8 @@ def summary(result: RunResult, tracker: Tracker) -> str:
     for i, failure in enumerate(result.failures, 1):
         lines.append(f"  failure {i}: {describe(failure)}")
     if result.checkpoint is not None:
-        lines.append(f"  latest checkpoint: {result.checkpoint.path}")
+        gone = " (removed with the demo's temporary folder; --storage-path keeps it)"
+        lines.append(f"  latest checkpoint: {result.checkpoint.path}{gone if removed else ''}")
     values = repr(result.return_values)
     lines.append(f"  returned: {values if len(values) <= 400 else values[:399] + '…'}")
     return "\n".join(lines)

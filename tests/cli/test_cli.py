@@ -575,3 +575,18 @@ def test_a_run_shorter_than_a_redraw_shows_a_rate() -> None:
         tracker.add(Step(i, 1, [Report(0, {"step": i}), Report(1, {"step": i})]))
     tracker.sample()
     assert tracker.rate > 0.0
+
+
+def test_the_demos_summary_says_its_checkpoint_is_removed(tmp_path: Path) -> None:
+    """Defect: ``asyncexec demo`` ended with "latest checkpoint: /tmp/asyncexec-demo-.../..."
+    and then removed that folder with the demo's temporary storage: the path it gave was gone.
+    Now the line says so (and how to keep it); a run's own storage path is given as it is."""
+    from asyncexec._cli._drive import summary as _summary
+    from asyncexec._cli._views import Tracker
+
+    result = asyncexec.RunResult("r", [1], asyncexec.Checkpoint(str(tmp_path)), 3, 1)
+    demo = _summary(result, Tracker("t", 1), removed=True)
+    assert f"latest checkpoint: {tmp_path} (removed with the demo's temporary folder" in demo
+    assert _summary(result, Tracker("t", 1)).endswith(
+        f"latest checkpoint: {tmp_path}\n  returned: [1]"
+    )
