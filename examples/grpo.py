@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -548,6 +549,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least {low}, got {args[name]}")
     if args["timeline"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["timeline"]))):
         parser.error(f"--timeline {args['timeline']}: its folder does not exist")
+    if (args["timeline"] or "").endswith(".png") and not importlib.util.find_spec("matplotlib"):
+        parser.error("--timeline *.png needs matplotlib: pip install 'asyncexec[timeline]'")
     quiet = args.pop("quiet")
     grpo = GRPOConfig(
         batch_size=args.pop("batch_size"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -283,6 +284,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     for path in args.timeline:
         if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"--timeline {path}: its folder does not exist")
+        if path.endswith(".png") and not importlib.util.find_spec("matplotlib"):
+            parser.error("--timeline *.png needs matplotlib: pip install 'asyncexec[timeline]'")
     asyncexec.configure_logging("console", "warning")
     import ray
 

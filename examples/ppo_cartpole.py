@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import copy
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -570,6 +571,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
         parser.error("fewer environments (rollout workers x envs per worker) than learner ranks")
     if args["timeline"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["timeline"]))):
         parser.error(f"--timeline {args['timeline']}: its folder does not exist")
+    if (args["timeline"] or "").endswith(".png") and not importlib.util.find_spec("matplotlib"):
+        parser.error("--timeline *.png needs matplotlib: pip install 'asyncexec[timeline]'")
     quiet, stop_when_solved = args.pop("quiet"), not args.pop("no_stop")
     ppo = PPOConfig(**{k: args.pop(k) for k in ("envs_per_worker", "rollout_steps", "lr", "seed")})
 

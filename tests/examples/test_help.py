@@ -69,8 +69,17 @@ _BAD_VALUES = [
     ("service.py", ["--cpus-per-worker", "0"], "--cpus-per-worker must be positive"),
 ]
 
+#: With matplotlib missing, a ``.png`` timeline is refused too.
+_NO_MATPLOTLIB = [
+    ("grpo.py", ["--timeline", "grpo.png"], "needs matplotlib"),
+    ("grpo_vllm.py", ["--timeline", "g.json", "--timeline", "g.png"], "needs matplotlib"),
+    ("ppo_cartpole.py", ["--timeline", "ppo.png"], "needs matplotlib"),
+]
+
 _RUN_ALL = """
 import json, runpy, sys, ray
+if sys.argv[2:] == ["no-matplotlib"]:
+    sys.modules["matplotlib"] = None  # as if it were not installed
 def refused(*args, **kwargs):
     raise RuntimeError("ray.init was called")
 ray.init = refused
@@ -88,16 +97,25 @@ for path, argv in json.loads(sys.argv[1]):
 
 
 @pytest.mark.timeout(120)
-def test_examples_refuse_bad_values_before_starting_anything() -> None:
+@pytest.mark.parametrize("matplotlib", [True, False])
+def test_examples_refuse_bad_values_before_starting_anything(matplotlib: bool) -> None:
     """Defect: the examples took any number: a count of 0 or a negative staleness started Ray
     (and workers) and then failed with a traceback (``ConfigurationError`` in an exception
     group), or ran on with nan (``rl_loop.py --batch 0``); ``rollout_servers.py --servers 1`` failed
     with an IndexError after 50 answers (it kills server 1); and a ``--timeline`` in a folder that
-    does not exist failed with a traceback only after the whole run. Now each is refused
-    by the parser, naming the flag, before Ray starts (exit 2)."""
-    cases = [(str(ROOT / "examples" / name), argv) for name, argv, _ in _BAD_VALUES]
+    does not exist (or a ``.png`` without matplotlib) failed with a traceback only after the
+    whole run. Now each is refused by the parser, naming the flag, before Ray starts (exit
+    2)."""
+    bad = _BAD_VALUES if matplotlib else _NO_MATPLOTLIB
+    cases = [(str(ROOT / "examples" / name), argv) for name, argv, _ in bad]
     done = subprocess.run(
-        [sys.executable, "-c", _RUN_ALL, json.dumps(cases)],
+        [
+            sys.executable,
+            "-c",
+            _RUN_ALL,
+            json.dumps(cases),
+            *([] if matplotlib else ["no-matplotlib"]),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -105,6 +123,6 @@ def test_examples_refuse_bad_values_before_starting_anything() -> None:
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    for (path, argv), (_, _, message) in zip(cases, _BAD_VALUES, strict=True):
+    for (path, argv), (_, _, message) in zip(cases, bad, strict=True):
         assert f"== {path} {argv} exit 2" in out, out[-3000:]
         assert message in out, out[-3000:]
