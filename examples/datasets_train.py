@@ -129,6 +129,9 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--rows", type=int, default=4096)
     args = parser.parse_args()
+    for name in ("workers", "epochs", "rows"):  # refused before Ray starts
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     # Ray Data's read tasks take a whole CPU each, next to the workers' half CPUs: on a machine
     # with few cores, declare a few logical CPUs more so that reading never waits for a CPU
     # that the workers hold for the whole run.

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -429,7 +430,9 @@ async def main(
     ``.json`` for Perfetto, a ``.png``)."""
     cfg = grpo or GRPOConfig()
     s = Summary(threshold=threshold, window=window)
-    path = os.path.join(checkpoint_dir or tempfile.mkdtemp(prefix="grpo_"), "learner.pt")
+    folder = checkpoint_dir or tempfile.mkdtemp(prefix="grpo_")
+    os.makedirs(folder, exist_ok=True)  # the learner saves into it from the first update
+    path = os.path.join(folder, "learner.pt")
     resumed = load_checkpoint(path)
     consumed = resumed["pipeline"] if resumed else None
     s.started_from = int(resumed["updates"]) if resumed else 0
@@ -529,7 +532,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--max-in-flight", type=int, default=8, help="requests per server (8)")
     add("--kill-server-at", type=int, metavar="UPDATE", help="SIGKILL a server after it")
     add("--kill-learner-at", type=int, metavar="UPDATE", help="SIGKILL learner rank 0 after it")
-    add("--checkpoint-dir", default=None, help="resume from (and save to) here")
+    add("--checkpoint-dir", default=None, help="resume from (and save to) here (made if missing)")
     add("--batch-size", type=int, default=GRPOConfig.batch_size, help="prompts per update")
     add("--group-size", type=int, default=GRPOConfig.group_size, help="completions per prompt")
     add("--token-ms", type=float, default=GRPOConfig.token_s * 1e3, help="engine time per token")
@@ -537,6 +540,17 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--quiet", action="store_true", help="print the summary only")
     add("--timeline", metavar="PATH", help="write the run's timeline (.json, or .png) there")
     args = vars(parser.parse_args(argv))
+    # Refused here, before Ray starts, rather than with a traceback later (the timeline's after
+    # the whole run).
+    lows = {"servers": 1, "learners": 1, "staleness": 0, "max_requeues": 0, "max_updates": 1}
+    lows |= {"window": 1, "max_in_flight": 1, "batch_size": 1, "group_size": 2, "token_ms": 0}
+    for name, low in lows.items():
+        if not args[name] >= low:
+            parser.error(f"--{name.replace('_', '-')} must be at least {low}, got {args[name]}")
+    if args["timeline"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["timeline"]))):
+        parser.error(f"--timeline {args['timeline']}: its folder does not exist")
+    if (args["timeline"] or "").endswith(".png") and not importlib.util.find_spec("matplotlib"):
+        parser.error("--timeline *.png needs matplotlib: pip install 'asyncexec[timeline]'")
     quiet = args.pop("quiet")
     grpo = GRPOConfig(
         batch_size=args.pop("batch_size"),

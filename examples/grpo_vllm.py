@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -272,6 +273,19 @@ def cli(argv: Sequence[str] | None = None) -> int:
         help="write the run's timeline there (.json for Perfetto, .png); may be given again",
     )
     args = parser.parse_args(argv)
+    # Refused here, before Ray and the engines start, rather than with a traceback later (the
+    # timeline's after the whole run).
+    for name, value, low in (
+        ("max-updates", args.max_updates, 1),
+        ("staleness", args.staleness, 0),
+    ):
+        if value < low:
+            parser.error(f"--{name} must be at least {low}, got {value}")
+    for path in args.timeline:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"--timeline {path}: its folder does not exist")
+        if path.endswith(".png") and not importlib.util.find_spec("matplotlib"):
+            parser.error("--timeline *.png needs matplotlib: pip install 'asyncexec[timeline]'")
     asyncexec.configure_logging("console", "warning")
     import ray
 

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import copy
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -464,6 +465,8 @@ async def main(
         raise ValueError("fewer environments than learner ranks")
     s, lags = Summary(staleness_bound=staleness), list[float]()
     kill_at = {"rollout": kill_rollout_at, "learner": kill_learner_at}
+    if storage_path is not None:
+        os.makedirs(storage_path, exist_ok=True)  # made if missing, as the executors make it
     checkpoints = tempfile.mkdtemp(prefix="ppo_learner_", dir=storage_path)
     bundles = max(rollout_workers, learner_workers)  # rank i of either group on bundle i
     reservation = asyncexec.Reservation(bundles, {"CPU": 1}, name="ppo")
@@ -557,6 +560,19 @@ def cli(argv: Sequence[str] | None = None) -> int:
     add("--timeline", metavar="PATH", help="write the groups' timelines (.png or JSON)")
     add("--quiet", action="store_true", help="print the summary only")
     args = vars(parser.parse_args(argv))  # main()'s arguments, and these:
+    # Refused here, before Ray starts, rather than with a traceback later (the timeline's after
+    # the whole run).
+    lows = {"rollout_workers": 1, "learner_workers": 1, "staleness": 0, "max_updates": 1}
+    lows |= {"checkpoint_every": 1, "max_restarts": 0, "envs_per_worker": 1, "rollout_steps": 1}
+    for name, low in lows.items():
+        if not args[name] >= low:
+            parser.error(f"--{name.replace('_', '-')} must be at least {low}, got {args[name]}")
+    if args["rollout_workers"] * args["envs_per_worker"] < args["learner_workers"]:
+        parser.error("fewer environments (rollout workers x envs per worker) than learner ranks")
+    if args["timeline"] and not os.path.isdir(os.path.dirname(os.path.abspath(args["timeline"]))):
+        parser.error(f"--timeline {args['timeline']}: its folder does not exist")
+    if (args["timeline"] or "").endswith(".png") and not importlib.util.find_spec("matplotlib"):
+        parser.error("--timeline *.png needs matplotlib: pip install 'asyncexec[timeline]'")
     quiet, stop_when_solved = args.pop("quiet"), not args.pop("no_stop")
     ppo = PPOConfig(**{k: args.pop(k) for k in ("envs_per_worker", "rollout_steps", "lr", "seed")})
 

@@ -333,6 +333,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--storage-path", default=None, help="the executor's storage path")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
     args = parser.parse_args(argv)
+    # Refused here, before Ray starts, rather than with a traceback from the run.
+    lows = {"workers": 1, "steps": 0, "staleness": 1, "batch": 1, "env_step_s": 0}
+    for name, value in ((name, getattr(args, name)) for name in lows):
+        if not value >= lows[name]:
+            parser.error(f"--{name.replace('_', '-')} must be at least {lows[name]}, got {value}")
     asyncexec.configure_logging("console", "warning")
     if not ray.is_initialized():
         # Before the event loop starts: ray.init blocks for seconds, and in the main thread Ray

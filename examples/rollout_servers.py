@@ -222,6 +222,15 @@ if __name__ == "__main__":
     parser.add_argument("--kill-after", type=int, default=50, help="answers; 0: no kill (50)")
     parser.add_argument("--token-ms", type=float, default=1.0, help="simulated time per token")
     args = parser.parse_args()
+    # Refused here, before Ray starts, rather than with a traceback from the run.
+    lows = {"servers": 1, "requests": 1, "max_in_flight": 1, "kill_after": 0, "token_ms": 0}
+    for name, value in ((name, getattr(args, name)) for name in lows):
+        if not value >= lows[name]:
+            parser.error(f"--{name.replace('_', '-')} must be at least {lows[name]}, got {value}")
+    if args.kill_after and args.servers < 2:
+        parser.error(
+            "--kill-after kills server 1: it needs --servers 2 or more (or --kill-after 0)"
+        )
     summary = asyncio.run(
         main(
             servers=args.servers,

@@ -580,6 +580,15 @@ def cli() -> None:
     parser.add_argument("--address", default=None, help="Ray cluster to join")
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     args = parser.parse_args()
+    # Refused here, before Ray starts, rather than with a traceback from create_app.
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be from 0 to 65535, got {args.port}")
+    lows = {"workers": 1, "max_active_runs": 1, "pool_size": 0}
+    for name, value in ((name, getattr(args, name)) for name in lows):
+        if value is not None and value < lows[name]:
+            parser.error(f"--{name.replace('_', '-')} must be at least {lows[name]}, got {value}")
+    if not args.cpus_per_worker > 0:
+        parser.error(f"--cpus-per-worker must be positive, got {args.cpus_per_worker}")
     asyncexec.configure_logging(args.log_format, "info")
     # In the main thread, before the server's event loop starts: ray.init blocks for seconds,
     # and Ray's processes must outlive the thread that starts them.

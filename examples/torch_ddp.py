@@ -188,7 +188,15 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--storage-path", default=None)
-    return parser.parse_args()
+    args = parser.parse_args()
+    # Refused here, before Ray starts, rather than with a traceback from the run.
+    lows = {"workers": 1, "steps": 1, "checkpoint_every": 1}
+    for name, value in ((name, getattr(args, name)) for name in lows):
+        if not value >= lows[name]:
+            parser.error(f"--{name.replace('_', '-')} must be at least {lows[name]}, got {value}")
+    if not args.cpus_per_worker > 0:
+        parser.error(f"--cpus-per-worker must be positive, got {args.cpus_per_worker}")
+    return args
 
 
 if __name__ == "__main__":

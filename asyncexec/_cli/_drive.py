@@ -70,10 +70,14 @@ async def drive(
                 tg.cancel_scope.cancel()
         tracker.state = run.state.value
         if executor.timeline is not None and options.timeline:  # also when the run failed
-            executor.timeline.export(options.timeline, "asyncexec run")
             # On stderr: with --json, stdout carries the steps only.
             where = await anyio.Path(options.timeline).resolve()
-            print(f"timeline written to {where}", file=sys.stderr)
+            try:
+                executor.timeline.export(options.timeline, "asyncexec run")
+            except (OSError, ImportError) as exc:  # said; the run's own outcome stands
+                print(f"asyncexec: could not write the timeline to {where}: {exc}", file=sys.stderr)
+            else:
+                print(f"timeline written to {where}", file=sys.stderr)
         if error is not None:
             raise error
         return run.result
@@ -94,7 +98,9 @@ async def _refresh_loop(run: Any, tracker: Tracker, view: View) -> None:
         await anyio.sleep(1 / _REFRESH_HZ)
 
 
-def summary(result: RunResult, tracker: Tracker) -> str:
+def summary(result: RunResult, tracker: Tracker, *, removed: bool = False) -> str:
+    """What is printed when the run has finished; ``removed``: its checkpoints are about to be
+    removed with the demo's temporary folder."""
     restarts = result.attempts - 1
     lines = [
         f"finished: {result.steps} steps in {result.attempts} attempt(s) "
@@ -103,7 +109,8 @@ def summary(result: RunResult, tracker: Tracker) -> str:
     for i, failure in enumerate(result.failures, 1):
         lines.append(f"  failure {i}: {describe(failure)}")
     if result.checkpoint is not None:
-        lines.append(f"  latest checkpoint: {result.checkpoint.path}")
+        gone = " (removed with the demo's temporary folder; --storage-path keeps it)"
+        lines.append(f"  latest checkpoint: {result.checkpoint.path}{gone if removed else ''}")
     values = repr(result.return_values)
     lines.append(f"  returned: {values if len(values) <= 400 else values[:399] + '…'}")
     return "\n".join(lines)
@@ -116,8 +123,11 @@ def demo_story(result: RunResult) -> str:
     failure = result.failures[0]
     rank = getattr(failure, "rank", "?")
     resumed = sorted({v["resumed_from"] for v in result.return_values if isinstance(v, dict)})
+    if resumed and resumed[0]:
+        how = f"resumed every rank from the checkpoint of step {resumed[0] - 1}"
+    else:  # the crash came before the first checkpoint
+        how = "started every rank again from step 0 (no checkpoint had been saved yet)"
     return (
         f"recovered: rank {rank} was killed on attempt 1 ({type(failure).__name__}); attempt "
-        f"{result.attempts} resumed every rank from the checkpoint of step "
-        f"{resumed[0] - 1 if resumed and resumed[0] else '-'} and finished"
+        f"{result.attempts} {how} and finished"
     )

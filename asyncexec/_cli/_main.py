@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = anyio.run(command)
         else:
             result = anyio.run(command)
-        summary = run_summary(result, tracker)
+        summary = run_summary(result, tracker, removed=cleanup is not None)
         if args.command == "demo":
             summary += "\n" + demo_story(result)
         print(summary, file=sys.stderr if args.json else sys.stdout)

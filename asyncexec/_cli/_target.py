@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from ._parser import UsageError
 
 __all__ = [
     "RunOptions",
+    "check_timeline",
     "load_target",
     "parse_config",
     "total_steps",
@@ -50,6 +52,32 @@ def parse_config(text: str | None) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"{source} is not valid JSON: {exc}") from exc
+
+
+def check_timeline(path: str | None) -> str | None:
+    """The ``--timeline`` value, refused before anything starts when it cannot be written
+    after the run: a folder, a file in a folder that does not exist or cannot be written, or a
+    ``.png`` without matplotlib (the ``timeline`` extra).
+
+    Raises:
+        UsageError: the timeline could not be written there.
+    """
+    if path is None:
+        return None
+    where = os.path.abspath(path)
+    folder = os.path.dirname(where)
+    if os.path.isdir(where):
+        raise UsageError(f"--timeline {path!r} is a folder: name a .json or .png file")
+    if not os.path.isdir(folder):
+        raise UsageError(f"--timeline {path!r}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--timeline {path!r}: the folder {folder} is not writable")
+    if where.lower().endswith(".png") and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            f"--timeline {path!r}: drawing a timeline needs matplotlib: "
+            "pip install 'asyncexec[timeline]' (or write a .json)"
+        )
+    return path
 
 
 def load_target(spec: str, directory: str) -> Callable[..., Any]:
@@ -136,8 +164,10 @@ def what_to_run(
     in a temporary folder unless told where).
 
     Raises:
-        UsageError: the target or the config cannot be read.
+        UsageError: the target or the config cannot be read, or the timeline cannot be
+            written where ``--timeline`` says.
     """
+    timeline = check_timeline(args.timeline)  # before the demo makes its temporary folder
     if args.command == "run":
         directory = os.getcwd()
         fn = load_target(args.target, directory)
@@ -155,7 +185,7 @@ def what_to_run(
             address=args.address,
             runtime_env=None if local else worker_import_path(directory, args.address),
             local=local,
-            timeline=args.timeline,
+            timeline=timeline,
         )
         return fn, parse_config(args.config), args.target, options
     from ._demo import DEFAULT_CONFIG, demo_train
@@ -175,6 +205,6 @@ def what_to_run(
         storage_path=storage,
         address=args.address,
         restart_wait_s=0.5,
-        timeline=args.timeline,
+        timeline=timeline,
     )
     return demo_train, config, "asyncexec demo", options

@@ -57,11 +57,12 @@ class Tracker:
 
     @property
     def rate(self) -> float:
-        """Steps per second over the last few seconds."""
-        if len(self._window) < 2:
-            return 0.0
+        """Steps per second over the last few seconds; over the whole run until the view has
+        sampled twice (a run shorter than a redraw has a rate too)."""
+        if len(self._window) < 2 or self._window[-1][0] <= self._window[0][0]:
+            return self.steps / self.elapsed if self.steps else 0.0
         (t0, s0), (t1, s1) = self._window[0], self._window[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return (s1 - s0) / (t1 - t0)
 
     @property
     def elapsed(self) -> float:

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,12 @@ five_steps.total_steps = 5  # type: ignore[attr-defined]
 def failing(config: dict[str, Any]) -> None:
     asyncexec.report({"x": 1})
     raise ValueError(f"bad input {config['n']}")
+
+
+def removes_the_folder(config: dict[str, Any]) -> None:
+    asyncexec.report({"step": 0})
+    shutil.rmtree(config["folder"])
+    raise ValueError("the run's own error")
 
 
 @pytest.fixture(autouse=True)
@@ -268,6 +275,9 @@ def test_run_imports_a_module_from_the_working_directory(
         (["run", "test_cli:counting", "-n", "1", "--cpus-per-worker", "0"], "positive amount"),
         (["run", "test_cli:counting", "--workers", "0"], "must be at least 1"),
         (["demo", "--steps", "-3"], "must be at least 1"),
+        # Defect: a value that was no number was "invalid _positive_int value: 'four'".
+        (["run", "test_cli:counting", "--workers", "four"], "must be a whole number, got 'four'"),
+        (["demo", "--step-seconds", "fast"], "--step-seconds: must be a number, got 'fast'"),
         (["launch"], "invalid choice"),
     ],
 )
@@ -276,6 +286,46 @@ def test_usage_errors_exit_2_before_ray_starts(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_timeline_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: ``--timeline`` naming a file in a folder that does not exist ran the whole run,
+    then failed with a FileNotFoundError traceback (exit 1; with a failed run, in place of the
+    run's own error). Now it is refused at once, naming the folder (exit 2), and the demo makes
+    no temporary folder before refusing."""
+    missing = tmp_path / "no_such_folder" / "run.json"
+    argv = ["run", "test_cli:counting", "-n", "1", "--local", "--config", '{"steps": 2}']
+    assert main([*argv, "--timeline", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert f"the folder {missing.parent} does not exist" in err
+    assert out == ""  # nothing ran
+    assert main([*argv, "--timeline", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert main(["demo", "--timeline", str(missing.with_suffix(".png"))]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no asyncexec-demo-* folder left
+
+
+@pytest.mark.timeout(30)
+def test_a_timeline_that_cannot_be_written_after_the_run_leaves_the_runs_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect: when the timeline could not be written after a run that failed, the command
+    ended with the OSError's traceback in place of the run's error. Now it says that the
+    timeline was not written, and the run's error and exit status stand."""
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    config = json.dumps({"folder": str(folder)})
+    argv = ["run", "test_cli:removes_the_folder", "-n", "1", "--local", "--config", config]
+    assert main([*argv, "--timeline", str(folder / "run.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"could not write the timeline to {folder / 'run.json'}" in err
+    assert "the run failed: WorkerRaisedError" in err and "the run's own error" in err
+    assert "timeline written" not in err
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
@@ -495,3 +545,48 @@ def test_the_summary_names_failures_with_empty_or_broken_messages() -> None:
     text = _summary(result, Tracker("t", 1))
     assert "failure 1: ValueError\n" in text
     assert "failure 2: Broken: <the message could not be read" in text
+
+
+def test_the_demos_story_says_when_the_crash_came_before_any_checkpoint() -> None:
+    """Defect: ``asyncexec demo --crash-step 1`` (a crash before the first checkpoint) said
+    "attempt 2 resumed every rank from the checkpoint of step - and finished": there was no
+    checkpoint; the ranks started again from step 0."""
+    from asyncexec._cli._drive import demo_story
+
+    crash = asyncexec.WorkerCrashedError(1, attempt=1)
+    returned = [{"resumed_from": 0}, {"resumed_from": 0}]
+    story = demo_story(asyncexec.RunResult("run-x", returned, None, 14, 2, [crash]))
+    assert "checkpoint of step -" not in story
+    assert "attempt 2 started every rank again from step 0 (no checkpoint" in story
+    returned = [{"resumed_from": 6}, {"resumed_from": 6}]
+    story = demo_story(asyncexec.RunResult("run-x", returned, None, 14, 2, [crash]))
+    assert "attempt 2 resumed every rank from the checkpoint of step 5 and finished" in story
+
+
+def test_a_run_shorter_than_a_redraw_shows_a_rate() -> None:
+    """Defect: a run that ended before the view had sampled its progress twice (an eighth of a
+    second) showed "50 steps · 0.0 steps/s" in its last frame. Now the rate is taken over the
+    whole run until there are two samples."""
+    from asyncexec._cli._views import Tracker
+
+    tracker = Tracker("t", 2)
+    assert tracker.rate == 0.0  # no step yet
+    for i in range(50):
+        tracker.add(Step(i, 1, [Report(0, {"step": i}), Report(1, {"step": i})]))
+    tracker.sample()
+    assert tracker.rate > 0.0
+
+
+def test_the_demos_summary_says_its_checkpoint_is_removed(tmp_path: Path) -> None:
+    """Defect: ``asyncexec demo`` ended with "latest checkpoint: /tmp/asyncexec-demo-.../..."
+    and then removed that folder with the demo's temporary storage: the path it gave was gone.
+    Now the line says so (and how to keep it); a run's own storage path is given as it is."""
+    from asyncexec._cli._drive import summary as _summary
+    from asyncexec._cli._views import Tracker
+
+    result = asyncexec.RunResult("r", [1], asyncexec.Checkpoint(str(tmp_path)), 3, 1)
+    demo = _summary(result, Tracker("t", 1), removed=True)
+    assert f"latest checkpoint: {tmp_path} (removed with the demo's temporary folder" in demo
+    assert _summary(result, Tracker("t", 1)).endswith(
+        f"latest checkpoint: {tmp_path}\n  returned: [1]"
+    )

@@ -43,6 +43,28 @@ def test_the_algorithm_learns_in_one_process_with_stale_weights() -> None:
     assert np.mean(rewards[-3:]) >= 0.9
 
 
+@pytest.mark.timeout(30)
+async def test_a_checkpoint_dir_that_does_not_exist_yet_is_made_before_the_groups_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: ``grpo.py --checkpoint-dir new_folder`` started Ray and both groups, then failed
+    at the first update with a FileNotFoundError from the learner's save (the folder was never
+    made). Now the folder is made before anything starts."""
+    grpo = import_example("grpo")
+
+    class Started(Exception):
+        pass
+
+    def executor(*args: object, **kwargs: object) -> None:
+        raise Started
+
+    monkeypatch.setattr(grpo.asyncexec, "Executor", executor)
+    folder = tmp_path / "runs" / "grpo"
+    with pytest.raises(Started):
+        await grpo.main(checkpoint_dir=str(folder))
+    assert folder.is_dir()
+
+
 def _stop_ray_of_this_process() -> None:
     """The example starts a Ray of its own: the one this pytest process may hold must be down."""
     shutdown = getattr(sys.modules.get("conftest"), "_shutdown", None)

@@ -89,6 +89,28 @@ async def test_the_return_rises_within_the_bound_through_killed_workers(tmp_path
     assert 0.0 <= p50 <= p99 <= worst
 
 
+@pytest.mark.timeout(30)
+async def test_a_storage_path_that_does_not_exist_yet_is_made_before_the_groups_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defect: ``ppo_cartpole.py --storage-path new_folder`` started Ray, then failed with a
+    FileNotFoundError traceback (the learner's checkpoint folder is made inside it, which was
+    never made). Now the folder is made, as the executors make their storage path."""
+    ppo = import_example("ppo_cartpole")
+
+    class Started(Exception):
+        pass
+
+    def reservation(*args: object, **kwargs: object) -> None:
+        raise Started
+
+    monkeypatch.setattr(ppo.asyncexec, "Reservation", reservation)
+    folder = tmp_path / "runs" / "ppo"
+    with pytest.raises(Started):
+        await ppo.main(storage_path=folder)
+    assert folder.is_dir()
+
+
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.timeout(150)
 def test_command_line_prints_the_summary(
