@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, in_ray_worker, role_group
 from ._channel import weights_version
-from ._outcomes import error_outcome, value_outcome
+from ._outcomes import cancelled_by_caller, error_outcome, value_outcome
 from ._place import PLACE, Place
 from ._rollout import RolloutServer
 from ._session import get_checkpoint, get_context, report
@@ -31,6 +31,7 @@ __all__ = [
     "ThreadedWorkerActor",
     "ThreadedWorkerCode",
     "WorkerCode",
+    "cancelled_by_caller",
     "error_outcome",
     "get_checkpoint",
     "get_context",

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
+import anyio
 import pytest
 import ray.exceptions as rex
 
@@ -25,6 +26,7 @@ from asyncexec._driver.cluster import (
 )
 from asyncexec._driver.cluster._local import LocalCallCancelled
 from asyncexec._wire._protocol import WorkerMetadata
+from asyncexec.testing import SimCluster
 
 CPU = {"CPU": 0.5}
 
@@ -259,6 +261,34 @@ async def test_a_cancelled_call_on_a_real_worker_ends_as_cancelled_with_its_caus
         assert await proxy(_Caller(alive=True), member).ping() == metadata.pid  # unharmed
     finally:
         await cluster.kill([handle], deaths=[handle.call("wait_closed")], timeout_s=10)
+
+
+async def _forever() -> None:
+    await asyncio.sleep(3600)
+
+
+@pytest.mark.timeout(10)
+async def test_a_call_cancelled_before_it_started_on_a_simulated_worker_ends_as_cancelled() -> None:
+    """Defect: on a simulated worker, a call the driver cancelled at once (before its coroutine
+    had started: ``execute()`` of an ``async def``), or a pending ``wait_closed``, was never
+    answered: awaiting it hung, where Ray's and local mode's workers end it with
+    :class:`CallCancelledError` (``test_a_cancelled_call_on_a_real_worker_...``)."""
+    cluster = SimCluster()
+    config = asyncexec.Executor(1, resources_per_worker=CPU).config
+    [(handle, metadata)] = await cluster.start_workers(config, None, [None], 30)
+    try:
+        member = _Started(handle, metadata)
+        for call in [
+            proxy(_Caller(alive=True), member).execute(_forever),
+            proxy(_Caller(alive=True), member).wait_closed(),
+        ]:
+            call.cancel()
+            with anyio.fail_after(5), pytest.raises(asyncexec.AsyncExecError) as info:
+                await call
+            assert type(info.value) is CallCancelledError, info.value
+        assert await proxy(_Caller(alive=True), member).ping() == metadata.pid  # unharmed
+    finally:
+        await cluster.kill([handle])
 
 
 class _PendingRef:

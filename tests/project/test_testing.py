@@ -7,6 +7,7 @@ names."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import re
 import threading
@@ -367,3 +368,28 @@ def test_the_public_names_are_asyncexec_testings_and_pickle_by_it() -> None:
     load = SimLoad(reports=3, slow={1: 2.0})
     assert pickle.loads(pickle.dumps(load)) == load
     assert b"asyncexec.testing" in pickle.dumps(Script(2))
+
+
+class Awaiter:
+    """A role with an ``async def`` method that ends in a ``CancelledError`` of its own."""
+
+    async def awaits_a_cancelled_future(self) -> None:
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future  # a CancelledError of the method's own: the driver cancelled nothing
+
+    async def answers(self) -> int:
+        return 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_method_that_ends_in_its_own_cancelled_error_raises_on_simulated_workers() -> None:
+    """Defect: an ``async def`` method that ended in a ``CancelledError`` the driver did not ask
+    for (it awaited a future or task that was cancelled) never answered on a simulated worker:
+    the call hung for ever, where Ray's and local mode's workers fail it with the rank's
+    WorkerRaisedError (the CancelledError its cause), as any other error of the method."""
+    async with asyncexec.Executor(1, roles=Awaiter, cluster=SimCluster()) as executor:
+        with anyio.fail_after(5), pytest.raises(asyncexec.WorkerRaisedError) as info:
+            await executor.call(Awaiter.awaits_a_cancelled_future, on=asyncexec.rank(0))
+        assert type(info.value.__cause__).__name__ == "CancelledError"
+        assert await executor.call(Awaiter.answers) == [1]  # the rank serves on

@@ -50,7 +50,7 @@ from ..._worker import Place, error_outcome
 from .._config import ExecutorConfig, check_count
 from ._base import Handle, PendingResult, Spawned
 from ._inprocess import InProcessCluster
-from ._local import LocalWorkerGone
+from ._local import LocalCallCancelled, LocalWorkerGone
 from ._placement import Placement
 from ._sim_answers import Pending, Ready, dumped, ready
 from ._sim_roles import SimCalls
@@ -319,7 +319,8 @@ class SimWorker(SimCalls):
         self.tasks = {}
         self.cancelled = set()
         self._run: _SimRun | None = None
-        self._closed: Pending | None = None
+        #: The pending ``wait_closed`` calls; None once the worker has closed.
+        self._closed: list[Pending] | None = []
 
     def __repr__(self) -> str:
         return f"<SimWorker {self.index} {'gone' if self.gone else 'live'}>"
@@ -351,12 +352,17 @@ class SimWorker(SimCalls):
 
     def cancel(self, ref: Any) -> None:
         """Cancel the coroutine of the call whose answer is ``ref`` (as Ray cancels an async
-        actor's task); its answer fails with ``LocalCallCancelled`` once it has ended."""
+        actor's task, started or not); its answer fails with ``LocalCallCancelled`` once it
+        has ended (a ``wait_closed`` at once)."""
         for task, pending in self.tasks.items():
             if pending is ref:
                 self.cancelled.add(task)
                 task.cancel()
                 return
+        closed = self._closed or []
+        if any(ref is waiting for waiting in closed):  # a ``wait_closed`` (an async call)
+            self._closed = [waiting for waiting in closed if waiting is not ref]
+            ref.fail(LocalCallCancelled(f"the call was cancelled on {self!r}"))
 
     # The worker's methods ---------------------------------------------------------------------
 
@@ -409,8 +415,10 @@ class SimWorker(SimCalls):
 
     def wait_closed(self) -> Awaitable[None]:
         if self._closed is None:
-            self._closed = Pending()
-        return self._closed
+            return ready(None)
+        waiting = Pending()
+        self._closed.append(waiting)
+        return waiting
 
     def close(self) -> Awaitable[None]:
         return self._later(self._close())
@@ -419,8 +427,9 @@ class SimWorker(SimCalls):
         try:
             await self.drop_roles()
         finally:
-            if self._closed is not None:
-                self._closed.answer(None)
+            closed, self._closed = self._closed or [], None
+            for waiting in closed:
+                waiting.answer(None)
 
     def kill(self) -> None:
         """The worker is gone: its pending calls fail, as a dead actor's do."""
@@ -431,8 +440,9 @@ class SimWorker(SimCalls):
         error = LocalWorkerGone(f"the simulated worker {self.index} was killed")
         if self._run is not None:
             self._run.stop(error)
-        if self._closed is not None:
-            self._closed.fail(error)
+        closed, self._closed = self._closed or [], []
+        for waiting in closed:
+            waiting.fail(error)
         self.fail_tasks(error)
 
 

@@ -26,7 +26,7 @@ from ..._wire._interface import parse_key, unpacked
 from ..._wire._pickle import loads_here
 from ..._wire._protocol import Outcome, PreemptionNotice, RoleFailure, RoleSpec
 from ..._wire._tracing import Carried, plain
-from ..._worker import PLACE, Place, error_outcome, value_outcome
+from ..._worker import PLACE, Place, cancelled_by_caller, error_outcome, value_outcome
 from ._local import LocalCallCancelled
 from ._sim_answers import Pending, Ready, ready
 
@@ -216,23 +216,32 @@ class SimCalls:
         async def run() -> None:
             try:
                 value = await awaitable
-            except asyncio.CancelledError:
-                self.tasks.pop(task, None)
-                if task in self.cancelled:  # by the driver (a kill has failed it already)
-                    self.cancelled.discard(task)
-                    pending.fail(LocalCallCancelled(f"the call was cancelled on {self!r}"))
-                raise
+            except asyncio.CancelledError as exc:
+                if cancelled_by_caller():  # by the driver, or a kill (see ``ended``)
+                    raise
+                answer = error_outcome(exc)  # the code's own (it awaited a cancelled task)
             except Exception as exc:
                 answer = error_outcome(exc)
             else:
                 answer = value if outcome else value_outcome(value)
             self.tasks.pop(task, None)
             self.cancelled.discard(task)  # cancelled, and it ended anyway: not kept
+            task.remove_done_callback(ended)  # (its callback would keep the task a while)
             self.cluster.timed(lambda: pending.answer(answer))
+
+        def ended(task: asyncio.Task[None]) -> None:
+            # Cancelled, perhaps before it started (``run`` never saw it): the answer fails.
+            self.tasks.pop(task, None)
+            if task in self.cancelled:  # by the driver (a kill has failed it already)
+                self.cancelled.discard(task)
+                pending.fail(LocalCallCancelled(f"the call was cancelled on {self!r}"))
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # never started: no "never awaited" warning
 
         inside = contextvars.copy_context()
         inside.run(PLACE.set, self.place)
         task = asyncio.get_running_loop().create_task(run(), context=inside)
+        task.add_done_callback(ended)
         self.tasks[task] = pending
         return pending
 
