@@ -393,3 +393,26 @@ async def test_a_method_that_ends_in_its_own_cancelled_error_raises_on_simulated
             await executor.call(Awaiter.awaits_a_cancelled_future, on=asyncexec.rank(0))
         assert type(info.value.__cause__).__name__ == "CancelledError"
         assert await executor.call(Awaiter.answers) == [1]  # the rank serves on
+
+
+@pytest.mark.timeout(30)
+async def test_simulated_as_a_decorator_puts_an_async_tests_executors_on_simulated_workers() -> (
+    None
+):
+    """Defect: ``@simulated()`` on an ``async def`` function (a test) set the default cluster
+    only while the coroutine was made, not while it ran: its executors went to Ray without a
+    word (a simulated test that started Ray, or failed where Ray was not there)."""
+
+    @simulated()
+    async def users_test() -> tuple[object, list[int]]:
+        async with asyncexec.Executor(2, roles=Taker) as executor:
+            return executor.cluster, await executor.call(Taker.take, None)
+
+    cluster, taken = await users_test()
+    assert isinstance(cluster, SimCluster) and taken == [1, 1]
+    assert not isinstance(asyncexec.Executor(1).cluster, SimCluster)  # not past the block
+
+    given = SimCluster()
+    calls = simulated(given)(lambda: asyncexec.Executor(1).cluster)
+    assert calls() is given and calls() is given  # each call a block of its own
+    assert not ray.is_initialized()
