@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         help="where to write it (default: %(default)s)",
     )
     path = parser.parse_args(argv).path
+    if path.is_dir() or not path.parent.is_dir():
+        parser.error(f"{path}: a file to write, in a folder that exists")
     path.write_text(dashboard_json())
     print(f"wrote {path}")
     return 0

@@ -177,6 +177,12 @@ def what_to_run(
         from .._driver._executor import local_default
 
         local = local_default(True if args.local else None)
+        if local and args.address:  # one says no Ray, the other which Ray: not both
+            why = "--local" if args.local else "ASYNCEXEC_LOCAL=1"
+            raise UsageError(
+                f"{why} runs the ranks in threads of this process, without Ray, and --address "
+                f"{args.address} joins a Ray cluster: give one or the other"
+            )
         options = RunOptions(
             num_workers=args.workers,
             resources=resources,

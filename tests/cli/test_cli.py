@@ -279,6 +279,11 @@ def test_run_imports_a_module_from_the_working_directory(
         (["run", "test_cli:counting", "--workers", "four"], "must be a whole number, got 'four'"),
         (["demo", "--step-seconds", "fast"], "--step-seconds: must be a number, got 'fast'"),
         (["launch"], "invalid choice"),
+        # Defect: --address was ignored without a word beside --local.
+        (
+            ["run", "test_cli:counting", "-n", "1", "--local", "--address", "auto"],
+            "one or the other",
+        ),
     ],
 )
 def test_usage_errors_exit_2_before_ray_starts(

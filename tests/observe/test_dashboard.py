@@ -97,6 +97,13 @@ def test_the_generators_help_is_help_and_a_path_is_where_it_writes(tmp_path: pat
     )
     assert made.returncode == 0, made.stderr
     assert (tmp_path / "out.json").read_text() == _dashboard.dashboard_json()
+    # Defect: a path in a folder that does not exist was a FileNotFoundError's traceback.
+    for bad in ("no_such_folder/out.json", "."):
+        refused = subprocess.run(
+            [sys.executable, script, bad], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and "a file to write" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 def test_a_metric_without_a_panel_or_a_panel_without_a_metric_is_found() -> None:
