@@ -116,9 +116,15 @@ def summary(result: RunResult, tracker: Tracker, *, removed: bool = False) -> st
     return "\n".join(lines)
 
 
-def demo_story(result: RunResult) -> str:
-    """What happened in the demo, from its result."""
+def demo_story(result: RunResult, crash_step: int | None = None, steps: int | None = None) -> str:
+    """What happened in the demo, from its result (and the step it was to crash at, of its
+    ``steps``)."""
     if not result.failures:
+        if crash_step is not None and steps is not None and crash_step >= steps:
+            return (
+                f"no crash: the crash comes at step {crash_step} (--crash-step), after the last "
+                f"of --steps {steps}; nothing to recover from"
+            )
         return "no crash was injected; nothing to recover from"
     failure = result.failures[0]
     rank = getattr(failure, "rank", "?")

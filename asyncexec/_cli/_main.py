@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = anyio.run(command)
         summary = run_summary(result, tracker, removed=cleanup is not None)
         if args.command == "demo":
-            summary += "\n" + demo_story(result)
+            crash_step = None if args.no_crash else args.crash_step
+            summary += "\n" + demo_story(result, crash_step, args.steps)
         print(summary, file=sys.stderr if args.json else sys.stdout)
         return 0
     except (UsageError, ConfigurationError) as exc:

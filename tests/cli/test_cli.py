@@ -568,6 +568,17 @@ def test_the_demos_story_says_when_the_crash_came_before_any_checkpoint() -> Non
     assert "attempt 2 resumed every rank from the checkpoint of step 5 and finished" in story
 
 
+def test_the_demos_story_says_why_no_crash_came_when_the_crash_step_is_past_the_last() -> None:
+    """Defect: ``asyncexec demo --steps 5`` (the crash at step 7 never reached) said "no crash
+    was injected" without saying why."""
+    from asyncexec._cli._drive import demo_story
+
+    result = asyncexec.RunResult("run-x", [{"resumed_from": 0}], None, 5, 1, [])
+    story = demo_story(result, crash_step=7, steps=5)
+    assert "the crash comes at step 7 (--crash-step), after the last of --steps 5" in story
+    assert demo_story(result, crash_step=None, steps=5).startswith("no crash was injected")
+
+
 def test_a_run_shorter_than_a_redraw_shows_a_rate() -> None:
     """Defect: a run that ended before the view had sampled its progress twice (an eighth of a
     second) showed "50 steps · 0.0 steps/s" in its last frame. Now the rate is taken over the
