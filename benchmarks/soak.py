@@ -81,16 +81,21 @@ def _cluster_counts() -> tuple[int, int]:
     return len(live_workers()), len(live_placement_groups())
 
 
-async def settle(timeout_s: float = 15.0) -> Snapshot:
-    """Wait (bounded) until no asyncexec actor or placement group is live, then take a snapshot.
-    The driver's own figures are read before the cluster is asked (which uses a thread)."""
+async def settle(timeout_s: float = 15.0, since: Snapshot | None = None) -> Snapshot:
+    """Wait (bounded) until no asyncexec actor or placement group is live, and, given the
+    phase's start (``since``), until the driver's threads are within ``THREAD_TOLERANCE`` of
+    it: anyio's idle worker threads end 10 s after their last job, and a burst of teardowns
+    at once (more of them on a loaded machine) leaves more of them for a while. Then take a
+    snapshot. The driver's own figures are read before the cluster is asked (which uses a
+    thread)."""
     deadline = time.monotonic() + timeout_s
     while True:
         gc.collect()
         proc = psutil.Process()
         threads, fds, rss = threading.active_count(), proc.num_fds(), proc.memory_info().rss
         actors, groups = await anyio.to_thread.run_sync(_cluster_counts)
-        if (actors == 0 and groups == 0) or time.monotonic() > deadline:
+        settled = since is None or threads - since.threads <= THREAD_TOLERANCE
+        if (actors == 0 and groups == 0 and settled) or time.monotonic() > deadline:
             return Snapshot(actors, groups, threads, fds, rss / MiB)
         await anyio.sleep(0.1)
 
@@ -157,7 +162,7 @@ async def lifecycles(count: int, storage: Path, *, warmup: int = 3, steps: int =
             phase.seconds.append(await _one(storage, 0.5, steps))
         tg.cancel_scope.cancel()
     phase.max_lag_s = beat.max_gap
-    phase.end = await settle()
+    phase.end = await settle(since=phase.start)
     return phase
 
 
@@ -185,7 +190,7 @@ async def concurrent(
             phase.seconds.append(await round_())
         tg.cancel_scope.cancel()
     phase.max_lag_s = beat.max_gap
-    phase.end = await settle()
+    phase.end = await settle(since=phase.start)
     return phase
 
 
