@@ -312,3 +312,81 @@ async def test_a_stoppable_request_whose_caller_is_cancelled_stops_on_its_server
         )
         assert sample.output == [0, 1]
         assert router.statistics().late_dropped == 0
+
+
+# The versions' scale after a failed push ------------------------------------------------------
+
+
+class _Channel(asyncexec.WeightChannel):
+    """Stands in for a weight channel into ``servers``: a push counts the next version, then
+    delivers it (``servers.install``), or, once ``fail`` is set, fails its delivery as a
+    channel's does after the read (the version counted, the servers keep theirs)."""
+
+    def __init__(self, servers: _Servers) -> None:  # (no channel of its own to open)
+        self.servers = servers
+        self.max_staleness = 1
+        self.pushed = 0
+        self.fail = False
+
+    @property
+    def version(self) -> int:
+        return self.pushed
+
+    async def push(self) -> int:
+        self.pushed += 1
+        if self.fail:
+            self.fail = False
+            raise asyncexec.ChannelError(f"delivering version {self.pushed}: a rank failed")
+        await self.servers.install(None, self.pushed)
+        return self.pushed
+
+
+class _Held(_Servers):
+    """A request for prompt 0 runs until the test's ``release``; the others take one unit."""
+
+    def __init__(self) -> None:
+        super().__init__(0.001)
+        self.release = anyio.Event()
+
+    async def generate(self, request: asyncexec.RolloutRequest) -> asyncexec.Sample:
+        if request.prompt != 0:
+            return await super().generate(request)
+        first = self.version
+        await self.release.wait()
+        return asyncexec.Sample(request.id, request.prompt, [0], (first, self.version), 0)
+
+
+@pytest.mark.timeout(10)
+async def test_a_failed_push_does_not_shift_the_versions_of_the_samples_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a push whose delivery failed still counts a version on the channel, so the
+    next push's version mapped every version on the channel one lower for the learner; a
+    sample in flight across both, made on the learner's version 0 and 1, came back counted
+    as made on version -1 and 1, and a strict batch at version 1 handed it with staleness 2
+    (S = 1; ``beyond_bound`` 1). The versions on the channel now map to the learner's
+    version of the push that made each one: the sample is (0, 1), staleness 1."""
+    servers = _Held()
+    monkeypatch.setattr(_pipeline, "servers_of", lambda target, channel: servers)
+    channel = _Channel(servers)
+    prompts = [0, 1, 1, 1]
+    async with asyncexec.Pipeline(
+        object(), prompts, batch_size=1, staleness=1, on_expire="wait", channel=channel
+    ) as pipe:
+        with anyio.fail_after(5):
+            first = await pipe.__anext__()  # a short one at version 0; prompt 0 is in flight
+            channel.fail = True
+            with pytest.raises(asyncexec.ChannelError):
+                await pipe.update_weights()
+            assert pipe.version == 0
+            await pipe.update_weights()
+            servers.release.set()
+            batches = [first]
+            async for batch in pipe:
+                batches.append(batch)
+                await pipe.update_weights()
+    [straggler] = [s for b in batches for s in b.samples if s.id == 0]
+    assert straggler.versions == (0, 1)
+    assert sorted(i for b in batches for i in b.ids) == [0, 1, 2, 3]
+    _check_bound(batches, 1)
+    assert pipe.statistics().beyond_bound == 0

@@ -178,7 +178,7 @@ class Pipeline:
                 await self.channel.push()
                 self.log.info("pipeline_first_push", version=self.version)
             # The channel's version now stands for the learner's version now.
-            self._admission.offset = self.channel.version - self._budget.version
+            self._admission.mark(self.channel.version, self._budget.version)
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self.servers.held())
             self._tg = tg = await stack.enter_async_context(task_group())

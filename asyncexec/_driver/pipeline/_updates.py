@@ -221,8 +221,9 @@ async def _push(
         pushed = await channel.push()
     else:
         pushed, delivered = await channel._push_read()
-    # Versions pushed by others meanwhile shift the numbering: the latest push is ``target``.
-    admission.offset = pushed - target
+    # The channel's numbering may have run ahead (pushes by others, or failed ones): this push
+    # is ``target``, the chunks made before it keep the versions they had.
+    admission.mark(pushed, target)
     if on_read is not None:
         budget.advance()  # the next batch may be handed: its samples' versions are the servers'
         on_read()
