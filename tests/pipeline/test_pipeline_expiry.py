@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -340,6 +340,18 @@ class _Channel(asyncexec.WeightChannel):
         await self.servers.install(None, self.pushed)
         return self.pushed
 
+    async def _push_read(self) -> tuple[int, Callable[[], Awaitable[None]]]:
+        self.pushed += 1
+        version, fail, self.fail = self.pushed, self.fail, False
+
+        async def delivered() -> None:
+            await anyio.lowlevel.checkpoint()
+            if fail:
+                raise asyncexec.ChannelError(f"delivering version {version}: a rank failed")
+            await self.servers.install(None, version)
+
+        return version, delivered
+
 
 class _Held(_Servers):
     """A request for prompt 0 runs until the test's ``release``; the others take one unit."""
@@ -388,5 +400,40 @@ async def test_a_failed_push_does_not_shift_the_versions_of_the_samples_in_fligh
     [straggler] = [s for b in batches for s in b.samples if s.id == 0]
     assert straggler.versions == (0, 1)
     assert sorted(i for b in batches for i in b.ids) == [0, 1, 2, 3]
+    _check_bound(batches, 1)
+    assert pipe.statistics().beyond_bound == 0
+
+
+@pytest.mark.timeout(10)
+async def test_after_a_delivery_that_failed_in_the_background_no_sample_goes_beyond_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: ``update_weights(wait=False)`` counts the version at the read; when the
+    delivery then failed, the servers went on with the weights of the version before, but
+    the prompts admitted meanwhile were counted as made by the new one (a deadline one
+    version later than theirs). One of them, in flight across the next update, was made by
+    version 0 and handed by the strict batch at version 2 (S = 1): staleness 2. Admission
+    now counts from the version the servers hold: that prompt waits for the next update."""
+    servers = _Held()
+    monkeypatch.setattr(_pipeline, "servers_of", lambda target, channel: servers)
+    channel = _Channel(servers)
+    prompts = [1, 1, 0, 1, 1]  # the third is held until the test releases it
+    async with asyncexec.Pipeline(
+        object(), prompts, batch_size=1, staleness=1, on_expire="wait", channel=channel
+    ) as pipe:
+        with anyio.fail_after(5):
+            batches = [await pipe.__anext__()]
+            channel.fail = True
+            await pipe.update_weights(wait=False)  # the read: version 1
+            batches.append(await pipe.__anext__())
+            with pytest.raises(asyncexec.ChannelError):
+                await pipe.update_weights()  # the delivery failed: the servers hold version 0
+            await anyio.wait_all_tasks_blocked()  # (what admission admits meanwhile)
+            await pipe.update_weights()
+            servers.release.set()
+            async for batch in pipe:
+                batches.append(batch)
+                await pipe.update_weights()
+    assert sorted(i for b in batches for i in b.ids) == [0, 1, 2, 3, 4]
     _check_bound(batches, 1)
     assert pipe.statistics().beyond_bound == 0
