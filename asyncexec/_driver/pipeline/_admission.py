@@ -69,9 +69,17 @@ async def _requests(prompts: Any, consumed: Consumed) -> AsyncIterator[RolloutRe
     position = 0
 
     def request(prompt: Any) -> RolloutRequest:
-        if isinstance(prompt, RolloutRequest):
-            return prompt
-        return RolloutRequest(position, prompt)
+        if not isinstance(prompt, RolloutRequest):
+            return RolloutRequest(position, prompt)
+        try:
+            hash(prompt.id)
+        except TypeError:
+            raise ConfigurationError(
+                f"prompts: the RolloutRequest at position {position} has the id "
+                f"{prompt.id!r:.100}, which is not hashable (an id names its prompt in the "
+                "pipeline's exactly-once record: give a str, an int or a tuple)"
+            ) from None
+        return prompt
 
     if isinstance(prompts, AsyncIterable):
         async for prompt in prompts:
