@@ -425,10 +425,10 @@ async def test_after_a_delivery_that_failed_in_the_background_no_sample_goes_bey
             batches = [await pipe.__anext__()]
             channel.fail = True
             await pipe.update_weights(wait=False)  # the read: version 1
-            batches.append(await pipe.__anext__())
             with pytest.raises(asyncexec.ChannelError):
                 await pipe.update_weights()  # the delivery failed: the servers hold version 0
             await anyio.wait_all_tasks_blocked()  # (what admission admits meanwhile)
+            batches.append(await pipe.__anext__())
             await pipe.update_weights()
             servers.release.set()
             async for batch in pipe:
@@ -436,4 +436,35 @@ async def test_after_a_delivery_that_failed_in_the_background_no_sample_goes_bey
                 await pipe.update_weights()
     assert sorted(i for b in batches for i in b.ids) == [0, 1, 2, 3, 4]
     _check_bound(batches, 1)
+    assert pipe.statistics().beyond_bound == 0
+
+
+@pytest.mark.timeout(10)
+async def test_at_s0_an_update_after_a_delivery_that_failed_delivers_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: at S = 0 in strict mode, after ``update_weights(wait=False)`` whose delivery
+    failed, the update that delivers again was refused (no batch taken at the version counted
+    at the read), and the only way on was a batch made by the version before: staleness 1.
+    No prompt is admitted while the servers hold the version before, and the update that
+    delivers the learner's weights again goes; every sample is within S = 0."""
+    servers = _Held()
+    servers.release.set()
+    monkeypatch.setattr(_pipeline, "servers_of", lambda target, channel: servers)
+    channel = _Channel(servers)
+    async with asyncexec.Pipeline(
+        object(), [1, 1, 1], batch_size=1, staleness=0, channel=channel
+    ) as pipe:
+        with anyio.fail_after(5):
+            batches = [await pipe.__anext__()]
+            channel.fail = True
+            await pipe.update_weights(wait=False)  # the read: version 1
+            with pytest.raises(asyncexec.ChannelError):
+                await pipe.update_weights()  # the delivery failed: the servers hold version 0
+            assert await pipe.update_weights() == 2
+            async for batch in pipe:
+                batches.append(batch)
+                await pipe.update_weights()
+    assert sorted(i for b in batches for i in b.ids) == [0, 1, 2]
+    _check_bound(batches, 0)
     assert pipe.statistics().beyond_bound == 0

@@ -173,16 +173,23 @@ class Budget(Generic[T]):
         return batch
 
     def check_update(self) -> None:
-        """Refuse an update that would break the strict bound.
+        """Refuse an update that would break the strict bound. One without a batch at ``v``
+        goes when the servers do not hold ``v`` (its delivery failed) and no sample would be
+        due at ``v``: it delivers the learner's weights again (at S = 0 no batch can come
+        before it, since nothing is admitted while the servers hold the version before).
 
         Raises:
             ExecutorStateError: strict mode, and no batch was handed at the current version.
         """
-        if self.strict and self.owed <= self.version:
-            raise ExecutorStateError(
-                f"strict mode: update_weights() at version {self.version} before a batch was "
-                "taken at it (the bound counts one batch per version at least)"
-            )
+        if not self.strict or self.owed > self.version:
+            return
+        due = next((deadline for deadline, _, _ in self._deadlines()), None)
+        if self.held < self.version and (due is None or due > self.version):
+            return
+        raise ExecutorStateError(
+            f"strict mode: update_weights() at version {self.version} before a batch was "
+            "taken at it (the bound counts one batch per version at least)"
+        )
 
     def advance(self, *, delivered: bool = True) -> None:
         """The learner's version goes up by one (after an update; ``delivered``: the servers
