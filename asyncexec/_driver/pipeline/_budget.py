@@ -6,7 +6,7 @@ Versions are the learner's: ``v`` counts the updates done. A sample admitted whi
 hold ``v`` is made by ``v`` or later (versions only go up), so it is counted from ``v`` until it
 finishes, then from the version of its oldest chunk. (The servers hold the version before ``v``
 while an update counted at its read is delivered, and after that delivery failed: admission
-counts from the version they hold, ``held``.) A sample of version ``u`` may be consumed
+counts from the version they hold, ``installed``.) A sample of version ``u`` may be consumed
 up to the batch at version ``u + S`` (its *deadline*); consumed later, it is beyond the bound.
 
 Admission (SkyRL's capacity, counted on what is not consumed): with ``n`` the version of the
@@ -59,14 +59,14 @@ class Budget(Generic[T]):
         #: The learner's version the servers hold: ``v``, but between the read of an update
         #: that goes on in the background and its delivery, and after such a delivery failed
         #: (until an update succeeds), the one before. Prompts are admitted counted from it.
-        self.held = version
+        self.installed = version
         self.owed = version  # n: the version of the next batch the learner owes
         self.in_flight: Counter[int] = Counter()  # by the version they were admitted at
         self.finished: dict[int, deque[T]] = {}  # by the sample's version, in arrival order
 
     def __repr__(self) -> str:
         return (
-            f"<Budget v={self.version} held={self.held} owed={self.owed} "
+            f"<Budget v={self.version} installed={self.installed} owed={self.owed} "
             f"in_flight={self.in_flight_count} finished={self.finished_count} "
             f"admissible={self.admissible()}>"
         )
@@ -81,13 +81,13 @@ class Budget(Generic[T]):
 
     def admissible(self) -> int:
         """How many prompts may be admitted now."""
-        room = (self.held + self.staleness - self.owed + 1) * self.batch_size
+        room = (self.installed + self.staleness - self.owed + 1) * self.batch_size
         return max(0, room - self.in_flight_count - self.finished_count)
 
     def admit(self) -> int:
         """Count one prompt admitted; returns the version it is counted from until it ends."""
-        self.in_flight[self.held] += 1
-        return self.held
+        self.in_flight[self.installed] += 1
+        return self.installed
 
     def drop(self, admitted: int) -> None:
         """A prompt admitted at ``admitted`` ended without a sample (aborted, failed)."""
@@ -184,7 +184,7 @@ class Budget(Generic[T]):
         if not self.strict or self.owed > self.version:
             return
         due = next((deadline for deadline, _, _ in self._deadlines()), None)
-        if self.held < self.version and (due is None or due > self.version):
+        if self.installed < self.version and (due is None or due > self.version):
             return
         raise ExecutorStateError(
             f"strict mode: update_weights() at version {self.version} before a batch was "
@@ -197,8 +197,8 @@ class Budget(Generic[T]):
         self.version += 1
         self.owed = max(self.owed, self.version)
         if delivered:
-            self.held = self.version
+            self.installed = self.version
 
     def deliver(self, version: int) -> None:
         """The servers hold the learner's ``version`` (an update's delivery ended)."""
-        self.held = max(self.held, version)
+        self.installed = max(self.installed, version)
