@@ -721,6 +721,25 @@ async def test_a_request_id_that_repeats_cancels_the_bodys_await_and_leaves_by_t
     assert interrupted
 
 
+@pytest.mark.timeout(20)
+async def test_a_request_id_that_is_not_hashable_is_an_error_naming_it() -> None:
+    """Defect: a ``RolloutRequest`` whose id is a list came out of the pipeline's exit as a bare
+    ``TypeError: unhashable type: 'list'``, naming neither the request nor what an id is for.
+    It is a ``ConfigurationError`` naming the id and its position."""
+    from asyncexec.testing import ScriptedServer, SimCluster
+
+    prompts = [asyncexec.RolloutRequest("a", "prompt"), asyncexec.RolloutRequest([1], "prompt")]
+    with pytest.raises(asyncexec.ConfigurationError, match=r"position 1 .*\[1\].*not hashable"):
+        async with (
+            asyncexec.Executor(
+                2, roles=asyncexec.Role(ScriptedServer), cluster=SimCluster()
+            ) as servers,
+            asyncexec.Pipeline(servers, prompts, batch_size=2, staleness=1) as pipe,
+        ):
+            async for _ in pipe:
+                pass
+
+
 class RefusesTwo(Toy):
     def load_weights(self, state: Any, version: int) -> None:
         if version == 2:

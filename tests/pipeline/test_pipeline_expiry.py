@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -312,3 +312,159 @@ async def test_a_stoppable_request_whose_caller_is_cancelled_stops_on_its_server
         )
         assert sample.output == [0, 1]
         assert router.statistics().late_dropped == 0
+
+
+# The versions' scale after a failed push ------------------------------------------------------
+
+
+class _Channel(asyncexec.WeightChannel):
+    """Stands in for a weight channel into ``servers``: a push counts the next version, then
+    delivers it (``servers.install``), or, once ``fail`` is set, fails its delivery as a
+    channel's does after the read (the version counted, the servers keep theirs)."""
+
+    def __init__(self, servers: _Servers) -> None:  # (no channel of its own to open)
+        self.servers = servers
+        self.max_staleness = 1
+        self.pushed = 0
+        self.fail = False
+
+    @property
+    def version(self) -> int:
+        return self.pushed
+
+    async def push(self) -> int:
+        self.pushed += 1
+        if self.fail:
+            self.fail = False
+            raise asyncexec.ChannelError(f"delivering version {self.pushed}: a rank failed")
+        await self.servers.install(None, self.pushed)
+        return self.pushed
+
+    async def _push_read(self) -> tuple[int, Callable[[], Awaitable[None]]]:
+        self.pushed += 1
+        version, fail, self.fail = self.pushed, self.fail, False
+
+        async def delivered() -> None:
+            await anyio.lowlevel.checkpoint()
+            if fail:
+                raise asyncexec.ChannelError(f"delivering version {version}: a rank failed")
+            await self.servers.install(None, version)
+
+        return version, delivered
+
+
+class _Held(_Servers):
+    """A request for prompt 0 runs until the test's ``release``; the others take one unit."""
+
+    def __init__(self) -> None:
+        super().__init__(0.001)
+        self.release = anyio.Event()
+
+    async def generate(self, request: asyncexec.RolloutRequest) -> asyncexec.Sample:
+        if request.prompt != 0:
+            return await super().generate(request)
+        first = self.version
+        await self.release.wait()
+        return asyncexec.Sample(request.id, request.prompt, [0], (first, self.version), 0)
+
+
+@pytest.mark.timeout(10)
+async def test_a_failed_push_does_not_shift_the_versions_of_the_samples_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a push whose delivery failed still counts a version on the channel, so the
+    next push's version mapped every version on the channel one lower for the learner; a
+    sample in flight across both, made on the learner's version 0 and 1, came back counted
+    as made on version -1 and 1, and a strict batch at version 1 handed it with staleness 2
+    (S = 1; ``beyond_bound`` 1). The versions on the channel now map to the learner's
+    version of the push that made each one: the sample is (0, 1), staleness 1."""
+    servers = _Held()
+    monkeypatch.setattr(_pipeline, "servers_of", lambda target, channel: servers)
+    channel = _Channel(servers)
+    prompts = [0, 1, 1, 1]
+    async with asyncexec.Pipeline(
+        object(), prompts, batch_size=1, staleness=1, on_expire="wait", channel=channel
+    ) as pipe:
+        with anyio.fail_after(5):
+            first = await pipe.__anext__()  # a short one at version 0; prompt 0 is in flight
+            channel.fail = True
+            with pytest.raises(asyncexec.ChannelError):
+                await pipe.update_weights()
+            assert pipe.version == 0
+            await pipe.update_weights()
+            servers.release.set()
+            batches = [first]
+            async for batch in pipe:
+                batches.append(batch)
+                await pipe.update_weights()
+    [straggler] = [s for b in batches for s in b.samples if s.id == 0]
+    assert straggler.versions == (0, 1)
+    assert sorted(i for b in batches for i in b.ids) == [0, 1, 2, 3]
+    _check_bound(batches, 1)
+    assert pipe.statistics().beyond_bound == 0
+
+
+@pytest.mark.timeout(10)
+async def test_after_a_delivery_that_failed_in_the_background_no_sample_goes_beyond_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: ``update_weights(wait=False)`` counts the version at the read; when the
+    delivery then failed, the servers went on with the weights of the version before, but
+    the prompts admitted meanwhile were counted as made by the new one (a deadline one
+    version later than theirs). One of them, in flight across the next update, was made by
+    version 0 and handed by the strict batch at version 2 (S = 1): staleness 2. Admission
+    now counts from the version the servers hold: that prompt waits for the next update."""
+    servers = _Held()
+    monkeypatch.setattr(_pipeline, "servers_of", lambda target, channel: servers)
+    channel = _Channel(servers)
+    prompts = [1, 1, 0, 1, 1]  # the third is held until the test releases it
+    async with asyncexec.Pipeline(
+        object(), prompts, batch_size=1, staleness=1, on_expire="wait", channel=channel
+    ) as pipe:
+        with anyio.fail_after(5):
+            batches = [await pipe.__anext__()]
+            channel.fail = True
+            await pipe.update_weights(wait=False)  # the read: version 1
+            with pytest.raises(asyncexec.ChannelError):
+                await pipe.update_weights()  # the delivery failed: the servers hold version 0
+            await anyio.wait_all_tasks_blocked()  # (what admission admits meanwhile)
+            batches.append(await pipe.__anext__())
+            await pipe.update_weights()
+            servers.release.set()
+            async for batch in pipe:
+                batches.append(batch)
+                await pipe.update_weights()
+    assert sorted(i for b in batches for i in b.ids) == [0, 1, 2, 3, 4]
+    _check_bound(batches, 1)
+    assert pipe.statistics().beyond_bound == 0
+
+
+@pytest.mark.timeout(10)
+async def test_at_s0_an_update_after_a_delivery_that_failed_delivers_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: at S = 0 in strict mode, after ``update_weights(wait=False)`` whose delivery
+    failed, the update that delivers again was refused (no batch taken at the version counted
+    at the read), and the only way on was a batch made by the version before: staleness 1.
+    No prompt is admitted while the servers hold the version before, and the update that
+    delivers the learner's weights again goes; every sample is within S = 0."""
+    servers = _Held()
+    servers.release.set()
+    monkeypatch.setattr(_pipeline, "servers_of", lambda target, channel: servers)
+    channel = _Channel(servers)
+    async with asyncexec.Pipeline(
+        object(), [1, 1, 1], batch_size=1, staleness=0, channel=channel
+    ) as pipe:
+        with anyio.fail_after(5):
+            batches = [await pipe.__anext__()]
+            channel.fail = True
+            await pipe.update_weights(wait=False)  # the read: version 1
+            with pytest.raises(asyncexec.ChannelError):
+                await pipe.update_weights()  # the delivery failed: the servers hold version 0
+            assert await pipe.update_weights() == 2
+            async for batch in pipe:
+                batches.append(batch)
+                await pipe.update_weights()
+    assert sorted(i for b in batches for i in b.ids) == [0, 1, 2]
+    _check_bound(batches, 0)
+    assert pipe.statistics().beyond_bound == 0

@@ -6,6 +6,7 @@ then requeued at the head."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from collections import Counter
@@ -68,9 +69,17 @@ async def _requests(prompts: Any, consumed: Consumed) -> AsyncIterator[RolloutRe
     position = 0
 
     def request(prompt: Any) -> RolloutRequest:
-        if isinstance(prompt, RolloutRequest):
-            return prompt
-        return RolloutRequest(position, prompt)
+        if not isinstance(prompt, RolloutRequest):
+            return RolloutRequest(position, prompt)
+        try:
+            hash(prompt.id)
+        except TypeError:
+            raise ConfigurationError(
+                f"prompts: the RolloutRequest at position {position} has the id "
+                f"{prompt.id!r:.100}, which is not hashable (an id names its prompt in the "
+                "pipeline's exactly-once record: give a str, an int or a tuple)"
+            ) from None
+        return prompt
 
     if isinstance(prompts, AsyncIterable):
         async for prompt in prompts:
@@ -118,8 +127,9 @@ class Admission:
         self.open = True  # False while a weight update holds admission
         self.closing = False  # the pipeline closes: nothing more is admitted or used
         self.exhausted = False  # the source has no more prompts
-        #: Maps a server's weights version to the learner's: learner = server - offset.
-        self.offset = 0
+        #: The channel's versions that this pipeline pushed (or found as it started), each
+        #: with the learner's version it stands for, in order (none without a channel).
+        self.marks: list[tuple[int, int]] = []
         self.changed = anyio.Event()
         #: How often a prompt may be expired; after that a batch waits for it (0: never).
         self.max_requeues = max_requeues
@@ -291,14 +301,32 @@ class Admission:
             self.notify()
         return expired
 
+    def mark(self, pushed: int, version: int) -> None:
+        """The channel's version ``pushed`` holds the learner's ``version``."""
+        self.marks.append((pushed, version))
+
     def on_learner_scale(self, sample: Sample) -> Sample:
         """``sample`` with its chunks' versions counted as the learner's (``pipe.version``)
-        rather than as the channel's pushes (which differ by the pushes made before the
-        pipeline started, or by others meanwhile: ``offset``)."""
-        if not self.offset:
+        rather than as the channel's pushes (:meth:`learner_of`)."""
+        if not self.marks:
             return sample
-        versions = tuple(None if v is None else v - self.offset for v in sample.versions)
+        versions = tuple(None if v is None else self.learner_of(v) for v in sample.versions)
         return replace(sample, versions=versions)
+
+    def learner_of(self, pushed: int) -> int:
+        """The learner's version of the channel's ``pushed``: that of the latest push of the
+        pipeline's at or before it. The channel's numbering runs ahead of the learner's by
+        the pushes made before the pipeline started, by others' meanwhile (counted as the
+        learner's version before them), and by the pipeline's own that failed or were
+        cancelled after the read (a version counted, the servers holding theirs, or some of
+        them the new one): a single offset, taken from the latest push, counted the chunks
+        made before such a push a version staler for each. A version before the first mark
+        counts down from it."""
+        i = bisect.bisect_right(self.marks, pushed, key=lambda mark: mark[0]) - 1
+        if i < 0:
+            first, version = self.marks[0]
+            return version - (first - pushed)
+        return self.marks[i][1]
 
     def hand(self, waited_s: float, bound: int) -> PipelineBatch:
         """Take a batch from the buffer (when the budget says it is ready) for the learner,

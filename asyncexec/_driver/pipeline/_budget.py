@@ -4,7 +4,9 @@ checks the strict bound under random workloads).
 
 Versions are the learner's: ``v`` counts the updates done. A sample admitted while the servers
 hold ``v`` is made by ``v`` or later (versions only go up), so it is counted from ``v`` until it
-finishes, then from the version of its oldest chunk. A sample of version ``u`` may be consumed
+finishes, then from the version of its oldest chunk. (The servers hold the version before ``v``
+while an update counted at its read is delivered, and after that delivery failed: admission
+counts from the version they hold, ``installed``.) A sample of version ``u`` may be consumed
 up to the batch at version ``u + S`` (its *deadline*); consumed later, it is beyond the bound.
 
 Admission (SkyRL's capacity, counted on what is not consumed): with ``n`` the version of the
@@ -54,14 +56,19 @@ class Budget(Generic[T]):
         self.strict = strict
         self.start = version  # the version the pipeline started from
         self.version = version  # v: the learner's updates done
+        #: The learner's version the servers hold: ``v``, but between the read of an update
+        #: that goes on in the background and its delivery, and after such a delivery failed
+        #: (until an update succeeds), the one before. Prompts are admitted counted from it.
+        self.installed = version
         self.owed = version  # n: the version of the next batch the learner owes
         self.in_flight: Counter[int] = Counter()  # by the version they were admitted at
         self.finished: dict[int, deque[T]] = {}  # by the sample's version, in arrival order
 
     def __repr__(self) -> str:
         return (
-            f"<Budget v={self.version} owed={self.owed} in_flight={self.in_flight_count} "
-            f"finished={self.finished_count} admissible={self.admissible()}>"
+            f"<Budget v={self.version} installed={self.installed} owed={self.owed} "
+            f"in_flight={self.in_flight_count} finished={self.finished_count} "
+            f"admissible={self.admissible()}>"
         )
 
     @property
@@ -74,13 +81,13 @@ class Budget(Generic[T]):
 
     def admissible(self) -> int:
         """How many prompts may be admitted now."""
-        room = (self.version + self.staleness - self.owed + 1) * self.batch_size
+        room = (self.installed + self.staleness - self.owed + 1) * self.batch_size
         return max(0, room - self.in_flight_count - self.finished_count)
 
     def admit(self) -> int:
         """Count one prompt admitted; returns the version it is counted from until it ends."""
-        self.in_flight[self.version] += 1
-        return self.version
+        self.in_flight[self.installed] += 1
+        return self.installed
 
     def drop(self, admitted: int) -> None:
         """A prompt admitted at ``admitted`` ended without a sample (aborted, failed)."""
@@ -166,18 +173,32 @@ class Budget(Generic[T]):
         return batch
 
     def check_update(self) -> None:
-        """Refuse an update that would break the strict bound.
+        """Refuse an update that would break the strict bound. One without a batch at ``v``
+        goes when the servers do not hold ``v`` (its delivery failed) and no sample would be
+        due at ``v``: it delivers the learner's weights again (at S = 0 no batch can come
+        before it, since nothing is admitted while the servers hold the version before).
 
         Raises:
             ExecutorStateError: strict mode, and no batch was handed at the current version.
         """
-        if self.strict and self.owed <= self.version:
-            raise ExecutorStateError(
-                f"strict mode: update_weights() at version {self.version} before a batch was "
-                "taken at it (the bound counts one batch per version at least)"
-            )
+        if not self.strict or self.owed > self.version:
+            return
+        due = next((deadline for deadline, _, _ in self._deadlines()), None)
+        if self.installed < self.version and (due is None or due > self.version):
+            return
+        raise ExecutorStateError(
+            f"strict mode: update_weights() at version {self.version} before a batch was "
+            "taken at it (the bound counts one batch per version at least)"
+        )
 
-    def advance(self) -> None:
-        """The learner's version goes up by one (after an update)."""
+    def advance(self, *, delivered: bool = True) -> None:
+        """The learner's version goes up by one (after an update; ``delivered``: the servers
+        hold it, else once :meth:`deliver` says so)."""
         self.version += 1
         self.owed = max(self.owed, self.version)
+        if delivered:
+            self.installed = self.version
+
+    def deliver(self, version: int) -> None:
+        """The servers hold the learner's ``version`` (an update's delivery ended)."""
+        self.installed = max(self.installed, version)

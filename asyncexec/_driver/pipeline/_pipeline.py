@@ -67,8 +67,8 @@ class Pipeline:
             server, up to 4 in flight each, sent again when a server dies).
         prompts: an iterable or async iterable of prompts (not a str, nor a mapping); a
             prompt's id is its position in it, unless the prompt is a
-            :class:`~asyncexec.RolloutRequest` (its own id). An id that comes again fails
-            the pipeline (see :meth:`__anext__`).
+            :class:`~asyncexec.RolloutRequest` (its own id, hashable). An id that comes again,
+            or one that is not hashable, fails the pipeline (see :meth:`__anext__`).
         batch_size: B, the samples per batch (the last batch may be smaller, when the source
             ends).
         staleness: S, the bound (0: the synchronous loop).
@@ -178,7 +178,7 @@ class Pipeline:
                 await self.channel.push()
                 self.log.info("pipeline_first_push", version=self.version)
             # The channel's version now stands for the learner's version now.
-            self._admission.offset = self.channel.version - self._budget.version
+            self._admission.mark(self.channel.version, self._budget.version)
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self.servers.held())
             self._tg = tg = await stack.enter_async_context(task_group())
@@ -251,7 +251,8 @@ class Pipeline:
 
         What fails the pipeline's own tasks is not raised here: a prompt's id that comes again
         from the source (``ConfigurationError`` naming it; its first pending, or consumed in
-        this pipeline), or a server's error. Whatever the body awaits then (this call, a
+        this pipeline) or that is not hashable (``ConfigurationError`` naming it and its
+        position), or a server's error. Whatever the body awaits then (this call, a
         training step, an update) is cancelled, and the error comes out of the pipeline's
         ``async with``.
         """

@@ -221,9 +221,15 @@ async def _push(
         pushed = await channel.push()
     else:
         pushed, delivered = await channel._push_read()
-    # Versions pushed by others meanwhile shift the numbering: the latest push is ``target``.
-    admission.offset = pushed - target
+    # The channel's numbering may have run ahead (pushes by others, or failed ones): this push
+    # is ``target``, the chunks made before it keep the versions they had.
+    admission.mark(pushed, target)
     if on_read is not None:
-        budget.advance()  # the next batch may be handed: its samples' versions are the servers'
+        # The next batch may be handed: its samples' versions are the servers'. Admission,
+        # closed until the resume, counts from the version they hold: after a delivery that
+        # failed, the one before (its prompts would be counted as made by a version that
+        # made none of them).
+        budget.advance(delivered=False)
         on_read()
         await delivered()
+        budget.deliver(target)
