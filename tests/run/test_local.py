@@ -6,6 +6,8 @@ debugger's trace hook reaching the function, a rank of independent ranks replace
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -275,3 +277,25 @@ def test_the_command_line_runs_a_function_locally(tmp_path: Path) -> None:
     assert [s["metrics"]["step"] for s in steps] == [0, 1, 2]
     assert all(len(s["reports"]) == 2 for s in steps)
     assert not any(r["ray"] for s in steps for r in s["reports"])
+
+
+def _reports(config: Any = None) -> None:
+    asyncexec.report({"i": 0})
+
+
+@pytest.mark.timeout(60)
+async def test_runs_on_one_executor_leave_no_wait_behind() -> None:
+    """Defect: every run's death watch awaited each local worker's ``wait_closed`` call anew,
+    and the cancelled wait left its future on the call until the worker died: a long-lived
+    local executor gathered one pending future per rank and run (and a callback of it)."""
+
+    def pending() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, asyncio.Future) and not o.done())
+
+    async with asyncexec.Executor(2, local=True) as ex:
+        [s async for s in ex.run(_reports)]
+        before = pending()
+        for _ in range(20):
+            [s async for s in ex.run(_reports)]
+        assert pending() - before < 5
