@@ -205,6 +205,10 @@ class Lifecycle:
             self._release_claim()
             self.state = ExecutorState.CLOSED
             self._closed.set()
+            # Here, not only in exit(): an executor entered by hand and closed with aclose()
+            # alone is never left, and its handler stayed (a later loop's Ctrl-C then broke
+            # into whatever ran, and asyncio.run's own handler was never installed).
+            self._restore_interrupts()
         self.log.info("executor_closed")
 
     def check_open(self) -> anyio.abc.TaskGroup:
