@@ -99,6 +99,8 @@ class WorkerCalls:
             ConfigurationError: an argument does not pickle (named).
             WorkerRaisedError: ``fn`` raised on a rank (the lowest failing rank is reported).
             WorkerCrashedError: a worker died.
+            ExecutorStateError: the executor is not started or is closed (also when it closed
+                while the call was in flight).
         """
         group = await self._group()
         if self._loads.renewing(group.workers, range(len(group.workers))) is not None:
@@ -155,6 +157,8 @@ class WorkerCalls:
             WorkerRaisedError: the method raised on a rank.
             WorkerCrashedError: a worker died (a call to a dead rank names it; a note says when
                 the executor replaced the group meanwhile: a restart).
+            ExecutorStateError: the executor is not started or is closed (also when it closed
+                while the call was in flight).
         """
         self._life.check_open()  # as ``_group()``, without its coroutine: the hot path
         group = _live(self._life.slot) or await self._life.slot.acquire()

@@ -106,6 +106,9 @@ class Lifecycle:
         self.slot = self._new_slot()
         self._claim: Claim | None = None
         self._closed = anyio.Event()
+        #: Set when a start (``enter``) has ended, started or not: what aclose() waits for
+        #: when it comes during the start.
+        self._start_ended = anyio.Event()
         self._interrupts = False  # whether this executor defers SIGINT (see _interrupt)
 
     def _new_slot(self) -> GroupSlot:
@@ -127,6 +130,7 @@ class Lifecycle:
         elif self.state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self.state.value}")
         self.state = ExecutorState.STARTING
+        self._start_ended = anyio.Event()
         self._interrupts = defer_interrupts()
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -152,12 +156,19 @@ class Lifecycle:
                     self.config.resources_per_worker,
                 )
             await self.slot.acquire()
+            if self.slot.closing:  # aclose() came while the group started: it is not kept
+                # bounded by the group's close
+                with anyio.CancelScope(shield=True):
+                    await self.slot.discard(force=True)
+                raise ExecutorStateError("the executor was closed while it started")
             self.state = ExecutorState.READY
         except BaseException:
             self._release_claim()
             self.state = ExecutorState.CLOSED
             self._closed.set()
             raise
+        finally:
+            self._start_ended.set()
 
     async def exit(
         self,
@@ -188,11 +199,18 @@ class Lifecycle:
             with anyio.CancelScope(shield=True):
                 await self._closed.wait()
             return
+        starting = self.state is ExecutorState.STARTING
         self.state = ExecutorState.CLOSING
         self.slot.closing = True
         try:
-            # bounded: the run's end by the bound below, discard() by the group's close
+            # bounded: the run's end by the bound below, discard() by the group's close, the
+            # start by its own deadlines (the bound below)
             with anyio.CancelScope(shield=True):
+                if starting:  # a group being started is closed by the start (see _start)
+                    config = self.config
+                    bound = config.placement_timeout_s + config.start_timeout_s
+                    with anyio.move_on_after(bound + config.shutdown_timeout_s):
+                        await self._start_ended.wait()
                 run = self.run
                 if run is not None:
                     run.cancel()
@@ -205,6 +223,10 @@ class Lifecycle:
             self._release_claim()
             self.state = ExecutorState.CLOSED
             self._closed.set()
+            # Here, not only in exit(): an executor entered by hand and closed with aclose()
+            # alone is never left, and its handler stayed (a later loop's Ctrl-C then broke
+            # into whatever ran, and asyncio.run's own handler was never installed).
+            self._restore_interrupts()
         self.log.info("executor_closed")
 
     def check_open(self) -> anyio.abc.TaskGroup:

@@ -15,9 +15,9 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import AsyncExecError, WorkerCrashedError, describe
+from .._errors import AsyncExecError, ExecutorStateError, WorkerCrashedError, describe
 from ._events import RankRenewed
-from ._lifecycle import Lifecycle
+from ._lifecycle import ExecutorState, Lifecycle
 from ._loads import Loads
 from .group import WorkerGroup, WorkerInfo
 
@@ -40,7 +40,13 @@ class Recovery:
         starts a fresh one; or, when it can be, only the dead rank gets a fresh process (see
         ``_renew``), once however many calls saw it die. The renewal runs in the executor's
         task group: the error is returned at once (calls to the rank wait for the renewal:
-        ``Loads.renewing``)."""
+        ``Loads.renewing``). A call whose worker went because the executor closed meanwhile
+        fails with :class:`ExecutorStateError` (the worker's error its cause): no worker
+        crashed, and calling again cannot help."""
+        if self.life.state in (ExecutorState.CLOSING, ExecutorState.CLOSED):
+            rank = getattr(exc, "rank", None)
+            on = f" on rank {rank}" if isinstance(rank, int) else ""
+            return ExecutorStateError(f"the executor closed while the call was in flight{on}")
         slot = self.life.slot
         if group.closed and slot.group is not group:
             exc.add_note(

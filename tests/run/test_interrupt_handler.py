@@ -158,3 +158,23 @@ async def test_a_second_ctrl_c_hurries_another_threads_teardown_on_that_threads_
         _interrupt._deferral.hurried = False
     await anyio.to_thread.run_sync(thread.join, 10)
     assert outcome == {"hurried": True}
+
+
+@pytest.mark.timeout(30)
+async def test_an_executor_closed_with_aclose_alone_puts_the_handler_back() -> None:
+    """Defect: the SIGINT handler was put back only when the executor's block was left: one
+    entered by hand and closed with ``aclose()`` alone (a service's start-up and shutdown
+    hooks) left it installed for good, bound to its loop; under a later ``asyncio.run`` a
+    first Ctrl-C then broke into whatever code ran instead of cancelling the main task."""
+    import signal
+
+    import asyncexec
+
+    before = signal.getsignal(signal.SIGINT)
+    executor = asyncexec.Executor(1, local=True)
+    await executor.__aenter__()
+    try:
+        assert signal.getsignal(signal.SIGINT) is not before  # deferred while open
+    finally:
+        await executor.aclose()
+    assert signal.getsignal(signal.SIGINT) is before

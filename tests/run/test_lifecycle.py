@@ -291,6 +291,51 @@ async def test_misuse_before_start_and_after_close() -> None:
     await ex.aclose()  # idempotent
 
 
+class _Waiter:
+    """A role whose method waits until its worker goes."""
+
+    async def wait(self) -> int:
+        await anyio.sleep(60)
+        return asyncexec.get_context().world_rank
+
+
+async def _wait_long() -> int:
+    await anyio.sleep(60)
+    return 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_call_in_flight_when_the_executor_closes_says_it_closed() -> None:
+    """Defect: a call still in flight when the executor closed failed with
+    ``WorkerCrashedError`` ("crashed: the local worker was closed"), with a note that the
+    executor had replaced its group in a restart and to call again; no worker had crashed, and
+    calling again could not help. It fails with ``ExecutorStateError`` now."""
+    errors: list[BaseException] = []
+    retry = asyncexec.least_loaded(retry=True)
+    async with asyncexec.Executor(2, resources_per_worker=CPU, roles=_Waiter) as ex:
+
+        async def call(call: Any) -> None:
+            try:
+                await call()
+            except asyncexec.AsyncExecError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, lambda: ex.execute(_wait_long))
+            tg.start_soon(call, lambda: ex.call(_Waiter.wait))
+            tg.start_soon(call, lambda: ex.call(_Waiter.wait, on=retry))
+            with anyio.fail_after(30):  # 5 calls sent (2 + 2 + 1): all are in flight
+                while ex.statistics().calls < 5:  # noqa: ASYNC110 - counted as they are sent
+                    await anyio.sleep(0.01)
+            with anyio.fail_after(60):
+                await ex.aclose(force=True)
+    assert len(errors) == 3
+    for error in errors:
+        assert isinstance(error, asyncexec.ExecutorStateError), repr(error)
+        assert "closed while the call was in flight" in str(error)
+        assert not getattr(error, "__notes__", None)
+
+
 async def test_bad_run_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
     lock = threading.Lock()
 

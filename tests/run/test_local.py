@@ -6,6 +6,8 @@ debugger's trace hook reaching the function, a rank of independent ranks replace
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -275,3 +277,67 @@ def test_the_command_line_runs_a_function_locally(tmp_path: Path) -> None:
     assert [s["metrics"]["step"] for s in steps] == [0, 1, 2]
     assert all(len(s["reports"]) == 2 for s in steps)
     assert not any(r["ray"] for s in steps for r in s["reports"])
+
+
+def _reports(config: Any = None) -> None:
+    asyncexec.report({"i": 0})
+
+
+@pytest.mark.timeout(60)
+async def test_runs_on_one_executor_leave_no_wait_behind() -> None:
+    """Defect: every run's death watch awaited each local worker's ``wait_closed`` call anew,
+    and the cancelled wait left its future on the call until the worker died: a long-lived
+    local executor gathered one pending future per rank and run (and a callback of it)."""
+
+    def pending() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, asyncio.Future) and not o.done())
+
+    async with asyncexec.Executor(2, local=True) as ex:
+        [s async for s in ex.run(_reports)]
+        before = pending()
+        for _ in range(20):
+            [s async for s in ex.run(_reports)]
+        assert pending() - before < 5
+
+
+_HOLD_START = threading.Event()
+
+
+def _held_start() -> None:
+    _HOLD_START.wait(30)
+
+
+@pytest.mark.timeout(60)
+async def test_aclose_during_start_up_leaves_no_group_behind() -> None:
+    """Defect: ``aclose()`` called while the executor was starting (a service shutting down
+    while a request's executor leased its workers) returned with the executor closed, and then
+    the start finished: the executor was ready again, its workers alive after the close. The
+    start now closes the group it got, and fails with ``ExecutorStateError``."""
+    import anyio
+
+    _HOLD_START.clear()
+    ex = asyncexec.Executor(2, local=True, init_hook=_held_start)
+    entered: list[BaseException | None] = []
+
+    async def enter() -> None:
+        try:
+            async with ex:
+                entered.append(None)
+        except asyncexec.ExecutorStateError as exc:
+            entered.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(enter)
+        with anyio.fail_after(20):
+            while ex._slot.starting is None:  # noqa: ASYNC110 - no event for the slot's start
+                await anyio.sleep(0.01)
+        tg.start_soon(ex.aclose)
+        with anyio.fail_after(20):
+            closing = (asyncexec.ExecutorState.CLOSING, asyncexec.ExecutorState.CLOSED)
+            while ex.state not in closing:  # noqa: ASYNC110 - aclose() has begun
+                await anyio.sleep(0.01)
+        _HOLD_START.set()  # the start goes on, and ends
+    assert ex.state is asyncexec.ExecutorState.CLOSED
+    assert ex.workers == []
+    assert len(entered) == 1 and isinstance(entered[0], asyncexec.ExecutorStateError)

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -82,18 +83,28 @@ class _Ref:
 
     Awaiting it and being cancelled does not cancel the call (a cancelled wait on a Ray call
     leaves the actor's method running too); :meth:`LocalWorker.cancel` does. ``task`` and
-    ``cancelled`` are read and written on the worker's loop only."""
+    ``cancelled`` are read and written on the worker's loop only.
 
-    __slots__ = ("_future", "cancelled", "task")
+    A call awaited many times (a worker's death call, awaited by every run's watch) is wrapped
+    once per event loop: each wait shields that one future, and a wait that is cancelled leaves
+    nothing behind (a wrapper per wait stayed on the call until it ended: for a death call, one
+    per run for as long as the worker lived)."""
+
+    __slots__ = ("_future", "_waits", "cancelled", "task")
 
     def __init__(self, future: concurrent.futures.Future[Any] | None = None) -> None:
         self._future: concurrent.futures.Future[Any] = future or concurrent.futures.Future()
+        self._waits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Future[Any]]
+        self._waits = weakref.WeakKeyDictionary()
         self.task: asyncio.Task[Any] | None = None
         self.cancelled = False
 
     def __await__(self) -> Generator[Any, None, Any]:
-        call = asyncio.wrap_future(self._future)
-        call.add_done_callback(_retrieve)  # its error is not "never retrieved" when unawaited
+        loop = asyncio.get_running_loop()
+        call = self._waits.get(loop)
+        if call is None:
+            call = self._waits[loop] = asyncio.wrap_future(self._future, loop=loop)
+            call.add_done_callback(_retrieve)  # its error is not "never retrieved" unawaited
         return asyncio.shield(call).__await__()
 
     def loop_future(self) -> None:
