@@ -43,6 +43,23 @@ __all__ = [
 
 _log = logging.getLogger("asyncexec.worker")
 
+#: The session whose function runs in this context: set in the function's thread, and carried
+#: (as contextvars are) into its tasks and ``asyncio.to_thread()`` threads. One of them left
+#: running after its session ended must not take the next run on the worker for its own.
+_OWN: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
+    "asyncexec_session", default=None
+)
+
+
+def _session_of(place: _place.Place) -> _place.Session | None:
+    """The run's session on ``place`` if the caller belongs to it (or cannot be told apart: a
+    plain ``threading.Thread`` carries no context); None when the caller's own session ended."""
+    session = place.session
+    own = _OWN.get()
+    if own is not None and own is not session:
+        return None
+    return session
+
 
 def get_context() -> WorkerContext:
     """Return this worker's context: ranks, sizes, node, devices, and the run and attempt.
@@ -55,15 +72,16 @@ def get_context() -> WorkerContext:
         ExecutorStateError: called outside an asyncexec worker.
     """
     place = current_place()
-    if place.session is not None:
-        return place.session.context
+    session = _session_of(place)
+    if session is not None:
+        return session.context
     if place.context is None:
         raise ExecutorStateError("get_context() must be called inside an asyncexec worker")
     return place.context
 
 
 def _require_session(what: str) -> _place.Session:
-    session = current_place().session
+    session = _session_of(current_place())
     if session is None:
         raise ExecutorStateError(f"{what} must be called inside the function given to run()")
     return session
@@ -86,9 +104,10 @@ def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) 
         TypeError: ``metrics`` is not a mapping, or ``checkpoint`` is not a Checkpoint.
         ExecutorStateError: called outside a run: no run's function is running on this worker
             (before a run, or once its function has ended: in an ``execute()`` call after the
-            run, or in a thread the function left running).
+            run, or in a thread the function left running, also once the next run is on the
+            worker).
     """
-    session = current_place().session
+    session = _session_of(current_place())
     if session is None:
         raise ExecutorStateError("report() must be called inside the function given to run()")
     session.reports.report(metrics, checkpoint)
@@ -203,6 +222,7 @@ class Session:
         # imported on workers: it would cost every worker process several MiB); each carries the
         # run id, the attempt and the rank. Ray forwards worker logs to the driver.
         bound = {"run_id": ctx.run_id, "attempt": ctx.attempt, "rank": ctx.world_rank}
+        _OWN.set(self)  # in the thread's own context (``here``), and what it hands on
         _log.debug("fn_started %s", _fields(bound), extra=bound)
         t0 = time.perf_counter()
         try:

@@ -341,3 +341,50 @@ async def test_aclose_during_start_up_leaves_no_group_behind() -> None:
     assert ex.state is asyncexec.ExecutorState.CLOSED
     assert ex.workers == []
     assert len(entered) == 1 and isinstance(entered[0], asyncexec.ExecutorStateError)
+
+
+#: The run's first function's thread, left running after its run stopped, and the next run's
+#: function: each waits for the other at a point of its own (a local worker's threads are this
+#: process's).
+_LEFTOVER: dict[str, Any] = {}
+
+
+async def _leaves_a_reporting_thread() -> None:
+    def loop() -> None:
+        asyncexec.report({"run": 1})
+        _LEFTOVER["next_run_on"].wait(20)
+        try:
+            asyncexec.report({"run": 1})
+        except BaseException as exc:  # what it raised (nothing, before the fix)
+            _LEFTOVER["refused"] = exc
+        finally:
+            _LEFTOVER["run_id"] = asyncexec.get_context().run_id
+            _LEFTOVER["tried"].set()
+
+    await asyncio.to_thread(loop)  # cancelled when the run stops; the thread goes on
+
+
+def _the_next_run() -> None:
+    asyncexec.report({"run": 2})
+    _LEFTOVER["next_run_on"].set()
+    _LEFTOVER["tried"].wait(20)
+    asyncexec.report({"run": 2})
+
+
+@pytest.mark.timeout(60)
+async def test_a_thread_left_running_by_a_stopped_run_cannot_report_into_the_next_run() -> None:
+    """Defect: ``report()`` went to whatever run was on the worker when it was called: a thread
+    that a stopped run's function left running (its ``asyncio.to_thread()``, which a stop cannot
+    end) reported into the next run on that worker, whose stream then held the old run's
+    steps, and ``get_context()`` there gave the next run's context. ``report()`` now raises
+    ``ExecutorStateError`` there, as it does between runs, and ``get_context()`` gives the
+    group's (no run)."""
+    _LEFTOVER.update(next_run_on=threading.Event(), tried=threading.Event(), refused=None)
+    async with asyncexec.Executor(1, local=True) as ex:
+        async for step in ex.run(_leaves_a_reporting_thread):
+            assert step.metrics == {"run": 1}
+            break  # the run stops; its function's thread goes on
+        steps = [s.metrics async for s in ex.run(_the_next_run)]
+    assert steps == [{"run": 2}, {"run": 2}]
+    assert isinstance(_LEFTOVER["refused"], asyncexec.ExecutorStateError), _LEFTOVER["refused"]
+    assert _LEFTOVER["run_id"] is None
