@@ -4,6 +4,7 @@ unbounded policies, hung workers, user errors, the give-up error, cancelling a r
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -236,9 +237,17 @@ def dies_on_first_attempts(config: dict[str, Any]) -> int:
 @pytest.mark.ray_only
 @pytest.mark.timeout(180)
 async def test_unbounded_policy_survives_more_failures_than_a_small_bound() -> None:
+    """And the failures the run keeps do not keep their attempts: each crash's error held, in
+    its traceback's frames, the attempt's window and group (the poll that met the dead worker),
+    one more of each for every failure of an unbounded policy."""
     policy = asyncexec.RestartPolicy.unbounded(wait=NO_WAIT)
     async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}, restart=policy) as ex:
-        steps = [s async for s in ex.run(dies_on_first_attempts, {"failures": 4})]
+        run = ex.run(dies_on_first_attempts, {"failures": 4})
+        steps = [s async for s in run]
+        assert len(run.failures) == 4
+        gc.collect()
+        windows = [o for o in gc.get_objects() if type(o).__name__ == "Window"]
+        assert len(windows) <= 1, len(windows)
     assert [s.attempt for s in steps] == [5]
     assert ex.result.attempts == 5 and ex.result.return_values == [5]
 

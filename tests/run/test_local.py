@@ -388,3 +388,39 @@ async def test_a_thread_left_running_by_a_stopped_run_cannot_report_into_the_nex
     assert steps == [{"run": 2}, {"run": 2}]
     assert isinstance(_LEFTOVER["refused"], asyncexec.ExecutorStateError), _LEFTOVER["refused"]
     assert _LEFTOVER["run_id"] is None
+
+
+def _reports_then_raises() -> None:
+    asyncexec.report({"attempt": asyncexec.get_context().attempt})
+    raise ValueError("every attempt fails")
+
+
+def _live(kind: str) -> int:
+    """The objects of asyncexec's driver class ``kind`` the collector can reach (by name: the
+    test imports no private module)."""
+    gc.collect()
+    return sum(
+        1
+        for o in gc.get_objects()
+        if type(o).__name__ == kind and type(o).__module__.startswith("asyncexec._driver")
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("independent", [False, True], ids=["aligned", "independent"])
+async def test_the_failures_a_run_keeps_hold_no_attempts_group_or_window(independent: bool) -> None:
+    """Defect: each error in ``run.failures`` kept the attempt that failed alive through its
+    traceback: the attempt's frame held its group (the workers' handles) and its window (the
+    reports it buffered), so under an unbounded policy every failure kept one more of each for
+    the run's life (31 windows and 31 groups after 30 restarts; of independent ranks, each
+    failed rank's worker)."""
+    policy = asyncexec.RestartPolicy(max_restarts=12, restart_on_user_error=True, wait=NO_WAIT)
+    async with asyncexec.Executor(1, local=True, restart=policy) as ex:
+        run = ex.run(_reports_then_raises, independent=independent)
+        with pytest.raises(asyncexec.RestartsExhaustedError):
+            async for _ in run:
+                pass
+        assert len(run.failures) == 13
+        assert _live("Window") <= 1, _live("Window")
+        assert _live("WorkerGroup") <= 2, _live("WorkerGroup")  # the live group, and its last
+        assert _live("WorkerInfo") <= 2, _live("WorkerInfo")

@@ -113,7 +113,7 @@ class AlignedRun:
                         return await self._resizing(number)
                     except AsyncExecError as exc:
                         progressed = ctx.handover.steps > steps_before
-                        run.failures.append(exc)
+                        run.record_failure(exc)
                         ctx.observer.emit(AttemptFailed(exc))
                         # The roles' instances the restart makes are restored from it.
                         ctx.slot.restore_from = ctx.checkpoint

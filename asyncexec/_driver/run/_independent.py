@@ -185,7 +185,7 @@ class IndependentRun:
                             except AsyncExecError as exc:
                                 progressed[0] = self.delivered[rank] > before
                                 failures.append(exc)
-                                self.run.failures.append(exc)
+                                self.run.record_failure(exc)
                                 ctx.observer.emit(RankFailed(rank, exc))
                                 ctx.log_failure(exc)
                                 if not await ctx.preemption.is_preemption([exc]):

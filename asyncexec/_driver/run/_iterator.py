@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
 import time
 import uuid
 import weakref
@@ -32,6 +33,9 @@ from .._observe import Observer
 from ._steps import RunResult, Step, StepBatch
 
 __all__ = ["Run", "RunCore", "RunEnd", "RunState", "new_run_id"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_WORKER = os.path.join(_PACKAGE, "_worker")
 
 
 class RunState(enum.Enum):
@@ -87,6 +91,30 @@ class RunCore:
         #: The executor's observer (the steps' spans are recorded as the iterator gets them).
         self.observer = Observer()
         self._consumed_changed = anyio.Event()
+
+    def record_failure(self, exc: BaseException) -> None:
+        """Keep ``exc`` in ``failures`` (what ended an attempt, or a rank's), for the run's life.
+
+        Without the tracebacks the driver's code made for it and for the errors it chains
+        (cause, context): their frames held what the attempt held (its group, the workers'
+        handles, its window and the reports buffered in it), and each frame its caller's, so
+        under an unbounded policy every failure kept one more attempt alive. The error's
+        message, notes and chained errors stay; a traceback that reaches the user's code (a
+        local worker's error, raised in the function) stays too."""
+        self.failures.append(exc)
+        seen: set[int] = set()
+        todo: list[BaseException | None] = [exc]
+        while todo:
+            error = todo.pop()
+            if error is None or id(error) in seen:
+                continue
+            seen.add(id(error))
+            tb = error.__traceback__
+            if tb is not None:
+                where = tb.tb_frame.f_code.co_filename  # where it was caught, last
+                if where.startswith(_PACKAGE) and not where.startswith(_WORKER):
+                    error.__traceback__ = None
+            todo += (error.__cause__, error.__context__)
 
     def mark_consumed(self) -> None:
         """Everything the iterator has received so far has been taken by the consumer.
