@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,8 @@ async def test_the_failures_a_run_keeps_hold_no_attempts_group_or_window(indepen
     reports it buffered), so under an unbounded policy every failure kept one more of each for
     the run's life (31 windows and 31 groups after 30 restarts; of independent ranks, each
     failed rank's worker)."""
+    kinds = ("Window", "WorkerGroup", "WorkerInfo")
+    before = {kind: _live(kind) for kind in kinds}  # (what earlier tests left, if anything)
     policy = asyncexec.RestartPolicy(max_restarts=12, restart_on_user_error=True, wait=NO_WAIT)
     async with asyncexec.Executor(1, local=True, restart=policy) as ex:
         run = ex.run(_reports_then_raises, independent=independent)
@@ -421,6 +424,35 @@ async def test_the_failures_a_run_keeps_hold_no_attempts_group_or_window(indepen
             async for _ in run:
                 pass
         assert len(run.failures) == 13
-        assert _live("Window") <= 1, _live("Window")
-        assert _live("WorkerGroup") <= 2, _live("WorkerGroup")  # the live group, and its last
-        assert _live("WorkerInfo") <= 2, _live("WorkerInfo")
+        grown = {kind: _live(kind) - before[kind] for kind in kinds}
+        assert max(grown.values()) <= 2, grown  # the live group's, and its last attempt's
+
+
+def _raises() -> None:
+    raise ValueError("the run fails")
+
+
+@pytest.mark.timeout(60)
+async def test_a_run_that_ended_with_an_error_is_freed_once_dropped() -> None:
+    """Defect: a run read to its error was never freed: the error, kept as the run's end, held
+    the iterator in its traceback, and the finalizer that stops a dropped run held the run's
+    state, so nothing was ever collected; and the error's traceback held the run before it, so
+    an executor kept every run that had failed (with their drivers, attempts and workers'
+    handles: one more of each for every failed run of a service)."""
+    dropped = []
+    async with asyncexec.Executor(1, local=True) as ex:
+        for _ in range(3):
+            run = ex.run(_raises)
+            try:
+                async for _ in run:
+                    pass
+            except asyncexec.WorkerRaisedError:
+                pass
+            dropped.append(weakref.ref(run))
+            del run
+    gc.collect()
+    # The executor keeps its last run (its result or error); the others are gone.
+    assert [ref() is None for ref in dropped] == [True, True, False]
+    del ex
+    gc.collect()
+    assert dropped[-1]() is None

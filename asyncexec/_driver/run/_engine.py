@@ -81,6 +81,10 @@ class RunDriver:
             with run.scope:
                 if previous is not None:
                     await previous.finished.wait()
+                    # Not held on: this frame stays in the traceback of the error that may end
+                    # this run, and the run's state keeps that error, so every run that failed
+                    # kept the one before it (an executor kept all its failed runs).
+                    previous = None
                 t0 = time.perf_counter()
                 if self.recorder is not None:
                     await self.recorder.resume()

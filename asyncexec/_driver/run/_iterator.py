@@ -164,9 +164,12 @@ class Run:
         self._pos = 0
         self._len = 0
         # Dropping the iterator stops the run. The finalizer may run in any thread and in the
-        # middle of any code: it only asks the event loop to cancel, at a safe point.
+        # middle of any code: it only asks the event loop to cancel, at a safe point. It holds
+        # the run's state weakly (the run's task holds it while there is a run to stop): the
+        # error that ended a run holds the iterator in its traceback, and the run's state holds
+        # that error, so a strong hold from the finalizers' registry kept all three for ever.
         self._loop = asyncio.get_running_loop()
-        weakref.finalize(self, _stop_dropped, core, self._loop).atexit = False
+        weakref.finalize(self, _stop_dropped, weakref.ref(core), self._loop).atexit = False
 
     def __repr__(self) -> str:
         core = self._core
@@ -284,7 +287,7 @@ class _Loop:
 
     def __init__(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
         self._run = run
-        weakref.finalize(self, _stop_dropped, run._core, loop).atexit = False
+        weakref.finalize(self, _stop_dropped, weakref.ref(run._core), loop).atexit = False
 
     def __aiter__(self) -> _Loop:
         return self
@@ -293,12 +296,13 @@ class _Loop:
         return self._run.__anext__()
 
 
-def _stop_dropped(core: RunCore, loop: asyncio.AbstractEventLoop) -> None:
+def _stop_dropped(held: weakref.ref[RunCore], loop: asyncio.AbstractEventLoop) -> None:
     """Stop a run whose iterator was dropped. A finalizer: it may run in any thread and in the
     middle of any code. The run counts as closed at once (a new ``run()`` right after a
     ``break`` is accepted, and waits for this one to stop); the cancellation is made on the
     run's loop: here when this is that loop's thread (the usual ``break``), else soon."""
-    if core.finished.is_set():
+    core = held()
+    if core is None or core.finished.is_set():  # (gone: its task, which held it, has ended)
         return
     core.closed = True
     try:
