@@ -119,6 +119,30 @@ async def test_a_failure_that_ends_the_run_swaps_in_no_spare_and_counts_no_resta
         assert cluster.statistics().workers == made  # no spare owed, none made
 
 
+@pytest.mark.timeout(30)
+async def test_a_spare_that_took_a_rank_is_started_again_on_simulated_workers() -> None:
+    """Defect: on a ``SimCluster`` a standby spare that took a crashed rank's place was never
+    started again (it has no placement group, and the new spare was only started in a bundle of
+    one): a second crash replaced the whole group, where on Ray the new spare takes it."""
+    cluster = SimCluster(SimLoad(reports=2000, rate=2000.0), gpus=False)
+    policy = asyncexec.RestartPolicy(max_restarts=2, wait=lambda _: 0.0)
+    async with asyncexec.Executor(2, cluster=cluster, spares=1, restart=policy) as executor:
+        crashed = 0
+        async for step in executor.run(train):
+            # The second crash once the new spare is there (a fourth worker made).
+            if (crashed, step.index) == (0, 10) or (crashed == 1 and made(cluster) == 4):
+                cluster.crash(executor.workers[1].pid)
+                crashed += 1
+        assert crashed == 2, "no new spare was started after the first crash"
+        stats = executor.statistics()
+        assert (stats.group_starts, stats.restarts) == (1, 2)  # both taken by a spare
+
+
+def made(cluster: SimCluster) -> int:
+    """How many simulated workers ``cluster`` made so far."""
+    return cluster.statistics().workers
+
+
 @pytest.mark.parametrize(
     ("make", "named"),
     [

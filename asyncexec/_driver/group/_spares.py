@@ -253,7 +253,8 @@ async def refill_spare(group: WorkerGroup, bundle: int | None) -> None:
         if group.pool is not None:
             [leased] = await group.pool.lease(1)
             spare = Standby(leased.handle, leased.metadata, leased.bundle, leased.death)
-        elif bundle is not None and _own_bundle_of(group):
+        elif group.placement is None or (bundle is not None and _own_bundle_of(group)):
+            # In its bundle, or anywhere when the cluster reserves nothing (simulated workers).
             [(handle, meta)] = await group.cluster.start_workers(
                 group.config,
                 group.placement,
