@@ -187,8 +187,9 @@ def _own_bundle(group: WorkerGroup, failed: WorkerInfo) -> tuple[bool, int | Non
 
 
 async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
-    """Independent ranks: put a standby spare, or else a fresh process in the rank's bundle, in
-    the failed ``rank``'s place while the other ranks' functions keep running. Returns the failed
+    """Independent ranks: put a standby spare on the rank's node, or else (none fits, or the
+    node is gone) a fresh process in the rank's bundle, in the failed ``rank``'s place while the
+    other ranks' functions keep running. Returns the failed
     worker's record (a used spare's bundle is free for a new one), or None when neither is
     possible (no fitting spare, and no bundle of its own: a pooled group, or a parent placement
     group).
@@ -202,6 +203,8 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
     config = group.config
     failed = group.workers[rank]
     found = _spare_for(group, rank)
+    if found is not None and not await group.cluster.node_alive(failed.metadata.node_id):
+        found = None  # the rank's node is gone (lost, or preempted), and its spares with it
     env: dict[str, str] | None = None
     if found is not None:
         spare, env = found
