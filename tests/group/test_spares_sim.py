@@ -1,11 +1,13 @@
 """Standby spares on simulated workers (no Ray): what a spare does when the node of the rank it
-would stand in for is gone."""
+would stand in for is gone, and a spare being set up in a rank's place while its group closes."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
 import asyncexec
+from asyncexec._driver.group._spares import take_spare
 from asyncexec.testing import SimCluster, SimLoad
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,3 +55,43 @@ async def test_an_independent_rank_whose_node_is_lost_is_not_renewed_by_a_spare_
         assert result.attempts == 2
         assert len(result.failures) == 1  # the lost rank only
         assert executor.workers[0].node_id == "sim-node-1"
+
+
+#: (entered, release): the next set-up that runs the init hook says it entered and waits.
+GATES: list[tuple[anyio.Event, anyio.Event]] = []
+
+
+async def held_hook() -> None:
+    """An init hook that waits for the test when it has set a gate."""
+    if GATES:
+        entered, release = GATES.pop()
+        entered.set()
+        await release.wait()
+
+
+async def test_a_spare_set_up_while_its_group_closes_is_not_left_running() -> None:
+    """Defect: a spare being set up in a failed rank's place (an init hook, a role's engine that
+    takes long) when the group closed (the executor's close outlasted by the recovery) was
+    neither among the group's workers nor among its spares, so the close did not kill it; the
+    swap then seated it in the closed group, and the process was left running. Now it is let
+    go, and the swap is given up."""
+    cluster = SimCluster(SimLoad(), gpus=False)
+    async with asyncexec.Executor(2, cluster=cluster, spares=1, init_hook=held_hook) as executor:
+        group = executor._slot.group  # type: ignore[attr-defined]
+        spare = group.spares[0].metadata.pid
+        entered, release = anyio.Event(), anyio.Event()
+        GATES.append((entered, release))
+        took: list[object] = []
+
+        async def swap() -> None:
+            took.append(await take_spare(group, 1))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(swap)
+                await entered.wait()  # the spare's set-up is under way
+                await group.close(force=True)
+                release.set()
+        assert took == [None]
+        with pytest.raises(LookupError):
+            cluster.crash(spare)  # not a live worker

@@ -78,8 +78,8 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
     """Put a standby spare in the place of the failed ``rank`` and keep the other ranks, whose
     functions are stopped first. Returns the failed worker's record (its bundle is free for a new
     spare), or None when no spare fits (none left, none on the rank's node, or one would change
-    the survivors' devices) or a survivor's function did not stop: the caller then replaces the
-    whole group. With a backend, its group is formed anew (``on_shutdown``, then ``on_start``)
+    the survivors' devices), a survivor's function did not stop, or the group closed meanwhile
+    (the spare is let go): the caller then replaces the whole group. With a backend, its group is formed anew (``on_shutdown``, then ``on_start``)
     around the new member."""
     found = None if group.closed else _spare_for(group, rank)
     if found is None:
@@ -107,7 +107,7 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
         with anyio.CancelScope(shield=True):
             await group.drop([spare.handle])  # set up (or half): not a clean spare
         raise
-    if not stopped[0]:
+    if not stopped[0] or group.closed:  # (closed meanwhile: nothing may be left of it)
         await group.drop([spare.handle])
         return None
     _seat(group, rank, fresh)
@@ -160,6 +160,11 @@ async def replace_rank(group: WorkerGroup, rank: int) -> bool:
         with anyio.CancelScope(shield=True):
             await group.cluster.kill([handle])
         raise
+    if group.closed:  # it closed while the new process started: nothing may be left of it
+        # bounded by the seam: a kill without patience or deaths (see Cluster's bounds)
+        with anyio.CancelScope(shield=True):
+            await group.cluster.kill([handle])
+        return False
     _seat(group, rank, fresh)
     group.log.info("rank_replaced", rank=rank, pid=meta.pid)
     return True
