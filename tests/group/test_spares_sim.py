@@ -14,13 +14,15 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class NodesLost(SimCluster):
-    """Simulated workers whose nodes can be lost: a lost node is dead in the node table."""
+    """Simulated workers whose nodes can be lost: a lost node is dead in the node table, which
+    takes a moment to read."""
 
     def __init__(self, load: SimLoad, ranks_per_node: int) -> None:
         super().__init__(load, ranks_per_node=ranks_per_node, gpus=False)
         self.lost: set[str] = set()
 
     async def node_alive(self, node_id: str | None) -> bool:
+        await anyio.sleep(0.01)  # a look-up in the node table, as Ray's (off the loop)
         return node_id not in self.lost
 
     async def live_nodes(self) -> set[str] | None:
@@ -55,6 +57,24 @@ async def test_an_independent_rank_whose_node_is_lost_is_not_renewed_by_a_spare_
         assert result.attempts == 2
         assert len(result.failures) == 1  # the lost rank only
         assert executor.workers[0].node_id == "sim-node-1"
+
+
+async def test_two_independent_ranks_lost_at_once_do_not_both_take_the_one_spare() -> None:
+    """Two ranks of an independent run that crash at once are renewed at once: the one spare
+    goes to one of them, a fresh process to the other (a spare used twice would fail one)."""
+    cluster = NodesLost(SimLoad(reports=200, rate=400.0), ranks_per_node=4)
+    policy = asyncexec.RestartPolicy(max_restarts=1, wait=lambda _: 0.0)
+    async with asyncexec.Executor(2, cluster=cluster, spares=1, restart=policy) as executor:
+        before = [w.pid for w in executor.workers]
+        crashed = False
+        async for step in executor.run(train, independent=True):
+            if step.index == 10 and not crashed:
+                crashed = True
+                for pid in before:
+                    cluster.crash(pid)
+        result = executor.result
+        assert result.attempts == 3 and len(result.failures) == 2
+        assert before[-1] + 1 in [w.pid for w in executor.workers]  # the spare took one
 
 
 #: (entered, release): the next set-up that runs the init hook says it entered and waits.

@@ -207,9 +207,10 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
         return None
     config = group.config
     failed = group.workers[rank]
-    found = _spare_for(group, rank)
-    if found is not None and not await group.cluster.node_alive(failed.metadata.node_id):
-        found = None  # the rank's node is gone (lost, or preempted), and its spares with it
+    # A spare on a node that is gone (lost, or preempted) went with it. (No await from the
+    # choice of a spare to its removal from the list: another rank may be renewed meanwhile.)
+    alive = not group.spares or await group.cluster.node_alive(failed.metadata.node_id)
+    found = _spare_for(group, rank) if alive else None
     env: dict[str, str] | None = None
     if found is not None:
         spare, env = found
