@@ -115,3 +115,42 @@ async def test_a_spare_set_up_while_its_group_closes_is_not_left_running() -> No
         assert took == [None]
         with pytest.raises(LookupError):
             cluster.crash(spare)  # not a live worker
+
+
+def noop() -> None:
+    """A call on every rank."""
+
+
+async def test_a_run_started_while_a_call_renews_a_dead_rank_waits_for_the_renewal() -> None:
+    """Defect: a run started right after a call had found a rank dead (the call raises at once,
+    and a spare is put in the rank's place in the background) started on the dead worker, failed
+    and put a second spare in the rank's place while the first was being set up: the one seated
+    first was then in no group, left running after the executor closed, and the run counted a
+    restart. Now the run's attempt waits for the renewal and starts on the renewed rank."""
+    cluster = SimCluster(SimLoad(reports=20, rate=500.0), gpus=False)
+    policy = asyncexec.RestartPolicy(max_restarts=3, wait=lambda _: 0.0)
+    options = {"spares": 2, "restart": policy, "init_hook": held_hook}
+    async with asyncexec.Executor(2, cluster=cluster, **options) as executor:  # type: ignore[arg-type]
+        first = executor.workers[0].pid  # the first worker made
+        entered, release = anyio.Event(), anyio.Event()
+        GATES.append((entered, release))
+        cluster.crash(executor.workers[1].pid)
+        with pytest.raises(asyncexec.WorkerCrashedError):
+            await executor.execute(noop)
+        steps: list[asyncexec.Step] = []
+
+        async def consume() -> None:
+            steps.extend([step async for step in executor.run(train)])
+
+        with anyio.fail_after(10):
+            await entered.wait()  # the renewal sets a spare up
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume)
+                await anyio.wait_all_tasks_blocked()  # the run waits (or, before, went on)
+                release.set()
+        result = executor.result
+        assert (result.attempts, result.failures, len(steps)) == (1, [], 20)
+        made = cluster.statistics().workers
+    for pid in range(first, first + made):
+        with pytest.raises(LookupError):
+            cluster.crash(pid)  # nothing left running

@@ -79,8 +79,8 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
     functions are stopped first. Returns the failed worker's record (its bundle is free for a new
     spare), or None when no spare fits (none left, none on the rank's node, or one would change
     the survivors' devices), a survivor's function did not stop, or the group closed meanwhile
-    (the spare is let go): the caller then replaces the whole group. With a backend, its group is formed anew (``on_shutdown``, then ``on_start``)
-    around the new member."""
+    (the spare is let go): the caller then replaces the whole group. With a backend, its group
+    is formed anew (``on_shutdown``, then ``on_start``) around the new member."""
     found = None if group.closed else _spare_for(group, rank)
     if found is None:
         return None
