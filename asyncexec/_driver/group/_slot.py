@@ -118,12 +118,13 @@ class GroupSlot:
             ExecutorStateError: the executor is closing.
             StartupError: the group could not be started.
         """
+        # A run's attempt starts once no rank is being renewed (a worker that a call found dead
+        # just before the run): the attempt's recovery and the renewal would both put a worker
+        # in the rank's place, and one of them would be left running, in no group. (Not under
+        # the lock: a renewal may make calls that acquire the group.)
+        while attempt is not None and (renewal := self.renewing()) is not None:
+            await renewal.wait()  # (bounded by the renewal's start deadline)
         async with self._lock:
-            # A run's attempt starts once no rank is being renewed (a worker that a call found
-            # dead just before the run): the attempt's recovery and the renewal would both put
-            # a worker in the rank's place, and one of them would be left running, in no group.
-            while attempt is not None and (renewal := self.renewing()) is not None:
-                await renewal.wait()  # (bounded by the renewal's start deadline)
             if self.group is None or self.group.closed:
                 if self.closing:
                     raise ExecutorStateError("the executor is closed")
