@@ -1,5 +1,6 @@
 """Standby spares on simulated workers (no Ray): what a spare does when the node of the rank it
-would stand in for is gone, and a spare being set up in a rank's place while its group closes."""
+would stand in for is gone, a spare being set up in a rank's place while its group closes, a run
+started while a call's renewal of a dead rank is under way, and a pooled spare that died."""
 
 from __future__ import annotations
 
@@ -154,3 +155,17 @@ async def test_a_run_started_while_a_call_renews_a_dead_rank_waits_for_the_renew
     for pid in range(first, first + made):
         with pytest.raises(LookupError):
             cluster.crash(pid)  # nothing left running
+
+
+async def test_a_pooled_spare_that_died_standing_by_is_not_given_back_as_idle() -> None:
+    """Defect: an executor gave its standby spares back to their pool as reusable without a
+    look: a spare that had died while it stood by went back to the idle list (``idle`` counted
+    it, nothing replaced it) until a later lease found it dead. Now it is reset like the ranks'
+    workers; a dead one is killed and its bundle refilled."""
+    cluster = SimCluster(SimLoad(), gpus=False)
+    async with asyncexec.WorkerPool(3, cluster=cluster) as pool:
+        async with asyncexec.Executor(2, pool=pool, spares=1) as executor:
+            spare = executor._slot.group.spares[0].metadata.pid  # type: ignore[attr-defined]
+            cluster.crash(spare)
+        stats = pool.statistics()
+        assert (stats.returned, stats.replaced) == (3, 1)
