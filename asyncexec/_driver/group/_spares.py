@@ -194,10 +194,9 @@ def _own_bundle(group: WorkerGroup, failed: WorkerInfo) -> tuple[bool, int | Non
 async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
     """Independent ranks: put a standby spare on the rank's node, or else (none fits, or the
     node is gone) a fresh process in the rank's bundle, in the failed ``rank``'s place while the
-    other ranks' functions keep running. Returns the failed
-    worker's record (a used spare's bundle is free for a new one), or None when neither is
-    possible (no fitting spare, and no bundle of its own: a pooled group, or a parent placement
-    group).
+    other ranks' functions keep running. Returns the failed worker's record (a used spare's
+    bundle is free for a new one), or None when neither is possible (no fitting spare, and no
+    bundle of its own: a pooled group, or a parent placement group).
 
     Raises:
         AsyncExecError, TimeoutError, RuntimeError: the new process failed to start or landed on
