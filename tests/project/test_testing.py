@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 import ray
+import tenacity
 
 import asyncexec
 import asyncexec.testing
@@ -99,15 +100,17 @@ async def test_a_crashed_rank_restarts_the_run_under_the_policy() -> None:
     [
         asyncexec.RestartPolicy(max_restarts=0),
         asyncexec.RestartPolicy(max_restarts=2, retry_if=lambda exc: False),
+        asyncexec.RestartPolicy(stop=tenacity.stop_after_attempt(1)),
     ],
-    ids=["no-restart-left", "not-restarted-after"],
+    ids=["no-restart-left", "not-restarted-after", "stopped-by-its-stop"],
 )
 async def test_a_failure_that_ends_the_run_swaps_in_no_spare_and_counts_no_restart(
     policy: asyncexec.RestartPolicy,
 ) -> None:
-    """Defect: a crash with no restart left (``max_restarts=0``), or one the policy does not
-    restart after, still swapped the standby spare into the rank's place (stopping the
-    survivors and setting the spare up, for nothing) and counted a restart."""
+    """Defect: a crash with no restart left (``max_restarts=0``, or a ``stop=`` strategy that
+    stops there), or one the policy does not restart after, still swapped the standby spare into
+    the rank's place (stopping the survivors and setting the spare up, for nothing) and counted
+    a restart."""
     cluster = SimCluster(SimLoad(reports=200, rate=200.0), gpus=False)
     async with asyncexec.Executor(2, cluster=cluster, spares=1, restart=policy) as executor:
         made = cluster.statistics().workers  # the 2 ranks and the spare
