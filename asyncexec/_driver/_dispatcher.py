@@ -78,6 +78,7 @@ class WorkerCalls:
         #: Where the calls' events go (the executor's observer: statistics, metrics, timeline).
         self._observer = self._life.observer
         self._recovery = Recovery(self._life, self._loads, self.log)
+        self._life.renewing = self._loads.any_renewal  # what a run's attempt waits for
 
     async def _group(self) -> WorkerGroup:
         self._life.check_open()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -99,6 +100,9 @@ class Lifecycle:
         self.run: RunCore | None = None
         #: What runs before a run's functions start on a group (see WeightChannel).
         self.joiners: list[Any] = []
+        #: The end of a renewal of a rank under way (one a call found dead: the dispatcher's),
+        #: or None; a run's attempt waits for it (see ``GroupSlot.acquire``).
+        self.renewing: Callable[[], anyio.Event | None] = lambda: None
         #: The executor's timeline, or None (given to each slot).
         self.timeline: Timeline | None = timeline
         #: The executor's observer (given to each slot, and by it to each group).
@@ -116,6 +120,7 @@ class Lifecycle:
             self.config, self.backend, self.cluster, self.log, self.pool, self.reservation
         )
         slot.joiners = self.joiners
+        slot.renewing = lambda: self.renewing()
         slot.timeline = self.timeline
         slot.observer = self.observer
         return slot

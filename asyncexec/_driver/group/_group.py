@@ -38,6 +38,7 @@ from ..cluster import (
     Cluster,
     Handle,
     Placement,
+    Unranked,
     backend_error,
     death_of,
     gathered,
@@ -282,25 +283,31 @@ class WorkerGroup:
         """Return leased workers to their pool. A worker is reusable when its function stopped
         in time and its reset (asyncexec's state dropped, the pool's reset hook) succeeded; after
         a failure (``force``), a backend's workers are not reused (their framework's state may be
-        broken). The others are killed by the pool, which refills."""
-        clean = [False] * len(self.workers)
+        broken). A spare is reset too (it is reusable when it answers: a spare that died while
+        it stood by is not). The others are killed by the pool, which refills."""
+        spares: list[Any] = [Unranked(s.handle, s.metadata) for s in self.spares]
+        members: list[Any] = [*self.workers, *spares]
+        clean = [False] * len(members)
         timeout = self.config.stop_timeout_s
         with anyio.move_on_after(self.config.shutdown_timeout_s + timeout), hurried_away():
-            if self.backend is None or not force:
-                try:
+            try:
+                if self.backend is None or not force:
                     await self.run_backend_hook("on_shutdown")
-                    hook = self.pool.reset_hook
-                    resets = [proxy(self, w).reset(timeout, hook) for w in self.workers]
-                    bound = timeout + STOP_MARGIN_S + self.config.shutdown_timeout_s
-                    outcomes = await answers(resets, bound)
-                    clean = [isinstance(o, Outcome) and o.kind == "ok" for o in outcomes]
-                    failed = [o.error for o in outcomes if isinstance(o, Outcome) and o.error]
-                    if failed:
-                        self.log.warning("pool_reset_failed", error=describe(failed[0]))
-                except Exception as exc:
-                    self.log.warning("pool_return_failed", error=describe(exc))
-        returned = [(w.handle, ok) for w, ok in zip(self.workers, clean, strict=True)]
-        await self.pool.give_back(returned + [(s.handle, True) for s in self.spares])
+                else:  # only the spares, which never joined the backend's group, are reused
+                    members = spares
+                hook = self.pool.reset_hook
+                resets = [proxy(self, w).reset(timeout, hook) for w in members]
+                bound = timeout + STOP_MARGIN_S + self.config.shutdown_timeout_s
+                outcomes = await answers(resets, bound)
+                oks = [isinstance(o, Outcome) and o.kind == "ok" for o in outcomes]
+                clean[len(clean) - len(oks) :] = oks
+                failed = [o.error for o in outcomes if isinstance(o, Outcome) and o.error]
+                if failed:
+                    self.log.warning("pool_reset_failed", error=describe(failed[0]))
+            except Exception as exc:
+                self.log.warning("pool_return_failed", error=describe(exc))
+        handles = [w.handle for w in [*self.workers, *spares]]
+        await self.pool.give_back(list(zip(handles, clean, strict=True)))
 
     async def _close_gracefully(self) -> float:
         """The backend's ``on_shutdown``; the patience for the workers' graceful exit (the

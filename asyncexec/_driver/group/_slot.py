@@ -82,6 +82,9 @@ class GroupSlot:
         self.restore_from: Any = None
         self._lock = anyio.Lock()
         self._refills: list[tuple[WorkerGroup, int | None]] = []
+        #: The end of a renewal of a rank under way (a worker that a call found dead, put in
+        #: its place outside a run: the executor's), or None.
+        self.renewing: Callable[[], anyio.Event | None] = lambda: None
 
     def start_refills(self) -> None:
         """Start the spares owed to the live group (one per spare that took a rank's place),
@@ -109,12 +112,18 @@ class GroupSlot:
     async def acquire(self, attempt: int | None = None) -> WorkerGroup:
         """The live group, started first when there is none. ``attempt`` (a run's attempt
         number) is recorded on the group, and counts a restart when it starts one after the
-        first attempt.
+        first attempt; a run's attempt waits for a rank's renewal under way first.
 
         Raises:
             ExecutorStateError: the executor is closing.
             StartupError: the group could not be started.
         """
+        # A run's attempt starts once no rank is being renewed (a worker that a call found dead
+        # just before the run): the attempt's recovery and the renewal would both put a worker
+        # in the rank's place, and one of them would be left running, in no group. (Not under
+        # the lock: a renewal may make calls that acquire the group.)
+        while attempt is not None and (renewal := self.renewing()) is not None:
+            await renewal.wait()  # (bounded by the renewal's start deadline)
         async with self._lock:
             if self.group is None or self.group.closed:
                 if self.closing:

@@ -78,9 +78,9 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
     """Put a standby spare in the place of the failed ``rank`` and keep the other ranks, whose
     functions are stopped first. Returns the failed worker's record (its bundle is free for a new
     spare), or None when no spare fits (none left, none on the rank's node, or one would change
-    the survivors' devices) or a survivor's function did not stop: the caller then replaces the
-    whole group. With a backend, its group is formed anew (``on_shutdown``, then ``on_start``)
-    around the new member."""
+    the survivors' devices), a survivor's function did not stop, or the group closed meanwhile
+    (the spare is let go): the caller then replaces the whole group. With a backend, its group
+    is formed anew (``on_shutdown``, then ``on_start``) around the new member."""
     found = None if group.closed else _spare_for(group, rank)
     if found is None:
         return None
@@ -107,7 +107,7 @@ async def take_spare(group: WorkerGroup, rank: int) -> Standby | None:
         with anyio.CancelScope(shield=True):
             await group.drop([spare.handle])  # set up (or half): not a clean spare
         raise
-    if not stopped[0]:
+    if not stopped[0] or group.closed:  # (closed meanwhile: nothing may be left of it)
         await group.drop([spare.handle])
         return None
     _seat(group, rank, fresh)
@@ -160,6 +160,11 @@ async def replace_rank(group: WorkerGroup, rank: int) -> bool:
         with anyio.CancelScope(shield=True):
             await group.cluster.kill([handle])
         raise
+    if group.closed:  # it closed while the new process started: nothing may be left of it
+        # bounded by the seam: a kill without patience or deaths (see Cluster's bounds)
+        with anyio.CancelScope(shield=True):
+            await group.cluster.kill([handle])
+        return False
     _seat(group, rank, fresh)
     group.log.info("rank_replaced", rank=rank, pid=meta.pid)
     return True
@@ -187,11 +192,11 @@ def _own_bundle(group: WorkerGroup, failed: WorkerInfo) -> tuple[bool, int | Non
 
 
 async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
-    """Independent ranks: put a standby spare, or else a fresh process in the rank's bundle, in
-    the failed ``rank``'s place while the other ranks' functions keep running. Returns the failed
-    worker's record (a used spare's bundle is free for a new one), or None when neither is
-    possible (no fitting spare, and no bundle of its own: a pooled group, or a parent placement
-    group).
+    """Independent ranks: put a standby spare on the rank's node, or else (none fits, or the
+    node is gone) a fresh process in the rank's bundle, in the failed ``rank``'s place while the
+    other ranks' functions keep running. Returns the failed worker's record (a used spare's
+    bundle is free for a new one), or None when neither is possible (no fitting spare, and no
+    bundle of its own: a pooled group, or a parent placement group).
 
     Raises:
         AsyncExecError, TimeoutError, RuntimeError: the new process failed to start or landed on
@@ -201,7 +206,10 @@ async def renew_rank(group: WorkerGroup, rank: int) -> Standby | None:
         return None
     config = group.config
     failed = group.workers[rank]
-    found = _spare_for(group, rank)
+    # A spare on a node that is gone (lost, or preempted) went with it. (No await from the
+    # choice of a spare to its removal from the list: another rank may be renewed meanwhile.)
+    alive = not group.spares or await group.cluster.node_alive(failed.metadata.node_id)
+    found = _spare_for(group, rank) if alive else None
     env: dict[str, str] | None = None
     if found is not None:
         spare, env = found
@@ -253,7 +261,8 @@ async def refill_spare(group: WorkerGroup, bundle: int | None) -> None:
         if group.pool is not None:
             [leased] = await group.pool.lease(1)
             spare = Standby(leased.handle, leased.metadata, leased.bundle, leased.death)
-        elif bundle is not None and _own_bundle_of(group):
+        elif group.placement is None or (bundle is not None and _own_bundle_of(group)):
+            # In its bundle, or anywhere when the cluster reserves nothing (simulated workers).
             [(handle, meta)] = await group.cluster.start_workers(
                 group.config,
                 group.placement,

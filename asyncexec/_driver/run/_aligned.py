@@ -119,7 +119,8 @@ class AlignedRun:
                         ctx.slot.restore_from = ctx.checkpoint
                         # bounded: each way to recover has its deadlines (start, stop, shutdown)
                         with anyio.CancelScope(shield=True):
-                            if ctx.policy._ends_after(exc, attempt.retry_state.attempt_number):
+                            state = attempt.retry_state
+                            if ctx.policy._ends_after(exc, state.attempt_number, state):
                                 # No restart comes: no spare swapped in, no restart counted.
                                 recovered = ctx.slot.discard(force=True)
                             else:
