@@ -194,3 +194,17 @@ def test_the_channel_reads_the_weights_held_now_while_the_learner_recomputes(
     assert all(lp is not None for lp in recomputed[0])
     (read,) = reads
     assert all(torch.equal(v, moved[k]) for k, v in read.items())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep", [0, 2])
+def test_a_learner_remembers_the_latest_keep_versions_and_no_more(folder: str, keep: int) -> None:
+    """Defect: ``keep_versions=0`` remembered every version served (a copy of the weights per
+    push, for the learner's whole life), where it asks for none; now it keeps the latest
+    ``keep_versions`` only, and a negative count is refused."""
+    learner = CausalLMLearner(folder, keep_versions=keep)
+    for version in range(1, 6):
+        learner.remember(version)
+    assert sorted(learner.versions) == list(range(6 - keep, 6))
+    with pytest.raises(ValueError, match="keep_versions"):
+        CausalLMLearner(folder, keep_versions=-1)

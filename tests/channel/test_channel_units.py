@@ -4,8 +4,10 @@ versions on their way, over a stand-in transport."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,3 +151,55 @@ async def test_a_push_whose_delivery_the_channels_close_cuts_short_raises() -> N
     assert versions.version == 2
     assert len(outcome) == 1 and isinstance(outcome[0], ChannelError), outcome
     assert "closed before version 1 was delivered" in str(outcome[0])
+
+
+class _State:
+    """A stand-in for a state's reference in the object store (held while referenced)."""
+
+
+class _Delivers:
+    """A transport whose reads give each version a state of its own and whose deliveries end
+    at once."""
+
+    targets_before_read = False
+
+    def __init__(self) -> None:
+        self.states: list[weakref.ref[_State]] = []
+
+    async def read(self, pending: Any) -> None:
+        state = _State()
+        self.states.append(weakref.ref(state))
+        pending.refs = [state]
+
+    async def deliver(self, pending: Any, targets: Any) -> None:
+        pass
+
+    def broken(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("max_staleness", [1, 3])
+async def test_the_channel_holds_the_state_of_its_latest_version_only(max_staleness: int) -> None:
+    """Defect: the driver kept the object-store references of the last ``max_staleness + 1``
+    versions after they were delivered (two copies of the weights in the object store with
+    the default, four with ``max_staleness=3``), where the docs promise the latest's only
+    (for the ranks that join). Now a delivered version's state goes once a newer one is
+    read."""
+    worker = SimpleNamespace(handle=SimpleNamespace(key="w0"), rank=0)
+    group = SimpleNamespace(closed=False, workers=[worker])
+    slot = SimpleNamespace(group=group, timeline=None, config=SimpleNamespace(name="side"))
+    versions = Versions(
+        "units", lambda: slot, lambda: slot, False, max_staleness, 30.0, SimpleNamespace()
+    )
+    transport = versions.moves = _Delivers()
+    async with anyio.create_task_group() as tg:
+        versions.tg = tg
+        for _ in range(5):
+            await versions.push()
+        await anyio.wait_all_tasks_blocked()  # every delivery ended
+        versions.tg = None
+    gc.collect()
+    held = [ref() is not None for ref in transport.states]
+    assert held == [False, False, False, False, True]
+    assert versions.delivered == 5
