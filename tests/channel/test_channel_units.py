@@ -17,6 +17,7 @@ import pytest
 from asyncexec import ChannelError
 from asyncexec._driver.channel._versions import Versions
 from asyncexec._worker import _channel, _place
+from asyncexec._worker._actor import _Worker
 
 
 class _Running:
@@ -203,3 +204,39 @@ async def test_the_channel_holds_the_state_of_its_latest_version_only(max_stalen
     held = [ref() is not None for ref in transport.states]
     assert held == [False, False, False, False, True]
     assert versions.delivered == 5
+
+
+@pytest.mark.timeout(20)
+async def test_closing_a_channel_leaves_the_workers_event_loop_free_while_an_install_runs() -> None:
+    """Defect: closing a channel told each worker to forget it on the actor's event loop,
+    which waited there for an install still running (a delivery the close cut short): the
+    worker answered nothing (report polls, calls) until the install ended. The worker now
+    forgets it in a thread."""
+    installing, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def install(state: Any, version: int) -> None:
+        installing.set()
+        release.wait(3)
+        ended.set()
+
+    _channel.receive_weights(install, channel="slow")
+    installer = threading.Thread(
+        target=_channel.install_state, args=("slow", 1, {"w": 1}), daemon=True
+    )
+    installer.start()
+    seen: list[bool] = []
+
+    async def meanwhile() -> None:  # the loop's next turn: before the install ended?
+        seen.append(ended.is_set())
+        release.set()
+
+    try:
+        assert installing.wait(10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(meanwhile)
+            await _Worker().channel_close("slow")
+    finally:
+        release.set()
+        installer.join(10)
+        _channel.reset()
+    assert seen == [False]
