@@ -240,3 +240,45 @@ async def test_closing_a_channel_leaves_the_workers_event_loop_free_while_an_ins
         installer.join(10)
         _channel.reset()
     assert seen == [False]
+
+
+class _Group:
+    """A process group whose broadcasts end at once."""
+
+    def broadcast(self, tensors: Any, options: Any) -> Any:
+        return SimpleNamespace(wait=lambda: None)
+
+
+@pytest.mark.timeout(30)
+def test_a_target_rank_receives_cuda_tensors_on_its_own_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a target rank of the torch transport over nccl received into tensors on
+    ``"cuda"``, the current device of the thread that receives, which never set one: GPU 0,
+    for every rank of a node that sees its node's GPUs (asyncexec's default), so two ranks of
+    one node met on one GPU (nccl refuses that) and a rank's buffers took another's memory.
+    Now it receives on its own GPU, as ``get_device()`` finds it."""
+    import torch
+
+    made: list[str] = []
+    empty = torch.empty
+
+    def recorded(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+        made.append(str(device))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recorded)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    place = _place.Place()
+    place.context = SimpleNamespace(  # type: ignore[assignment]
+        world_rank=2, local_rank=1, accelerator_ids={"GPU": ("1",)}
+    )
+    token = _place.PLACE.set(place)
+    try:
+        _channel._end("gpus").groups["c.1/0"] = _Group()
+        meta = [("w", (2, 3), "float32")]
+        assert _channel.receive("gpus", 1, [("c.1/0", meta)], "cuda") == 24
+    finally:
+        _place.PLACE.reset(token)
+        _channel.reset()
+    assert made == ["cuda:1"]
