@@ -35,6 +35,29 @@ class Group:
     logprobs: tuple[tuple[float, ...], ...]
     rewards: tuple[float, ...]
 
+    def __post_init__(self) -> None:
+        """Refuse a group whose parts do not match: a completion of n tokens with another
+        number of log-probabilities made a wrong loss (one was broadcast over every token)
+        or a torch error that named no completion.
+
+        Raises:
+            ValueError: naming what does not match.
+        """
+        counts = (len(self.token_ids), len(self.logprobs), len(self.rewards))
+        if len(set(counts)) != 1:
+            raise ValueError(
+                f"a Group needs as many log-probability rows and rewards as completions, got "
+                f"{counts[0]} completions, {counts[1]} rows and {counts[2]} rewards"
+            )
+        for i, (ids, old) in enumerate(zip(self.token_ids, self.logprobs, strict=True)):
+            if len(ids) != len(old):
+                raise ValueError(
+                    f"completion {i} of a Group has {len(ids)} tokens and {len(old)} "
+                    "log-probabilities: one per token"
+                )
+        if not self.prompt_token_ids and any(self.token_ids):
+            raise ValueError("a Group's prompt has no tokens: its first token has no logits")
+
 
 def token_logprobs(
     model: Any,
