@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, in_ray_worker, role_group
 from ._channel import weights_version
+from ._devices import cuda_device_index
 from ._outcomes import cancelled_by_caller, error_outcome, value_outcome
 from ._place import PLACE, Place
 from ._rollout import RolloutServer
@@ -32,6 +33,7 @@ __all__ = [
     "ThreadedWorkerCode",
     "WorkerCode",
     "cancelled_by_caller",
+    "cuda_device_index",
     "error_outcome",
     "get_checkpoint",
     "get_context",

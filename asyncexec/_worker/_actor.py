@@ -272,8 +272,9 @@ class _Worker:
         return await asyncio.to_thread(_channel.receive, name, version, parts, device, reuse)
 
     async def channel_close(self, name: str) -> None:
-        """Forget the channel (its process groups and buffers)."""
-        _channel.close(name)
+        """Forget the channel (its process groups and buffers): in a thread, as it waits for an
+        install still running (which holds the channel's lock)."""
+        await asyncio.to_thread(_channel.close, name)
 
     async def notify_preemption(self, notice: PreemptionNotice | None) -> None:
         """Hold the driver's word on the preemption of the group's nodes (None: no notice, or

@@ -20,12 +20,14 @@ torch is imported only by the torch transport's methods.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _place
+from ._devices import cuda_device_index
 
 __all__ = [
     "receive_weights",
@@ -397,6 +399,7 @@ def receive(
     import torch.distributed as dist
 
     end = _end(name)
+    device = _own(device)
     shards: list[Mapping[str, Any]] = []
     received = 0
     for group_id, meta in parts:
@@ -419,6 +422,19 @@ def receive(
     return received
 
 
+def _own(device: str) -> str:
+    """``device`` (``"cpu"`` or ``"cuda"``) as this worker's own: its GPU for ``"cuda"``. The
+    current CUDA device is per thread, and the thread that receives never set one: ``"cuda"``
+    would be GPU 0 for every rank of a node that sees the node's GPUs."""
+    if device != "cuda":
+        return device
+    context = _place.current_place().context
+    gpu_ids = () if context is None else context.accelerator_ids.get("GPU", ())
+    local_rank = 0 if context is None else context.local_rank
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return f"cuda:{cuda_device_index(gpu_ids, visible, local_rank)}"
+
+
 def _buffer(
     end: _End, key: tuple[str, str], shape: tuple[int, ...], dtype: Any, device: str, version: int
 ) -> Any:
@@ -427,7 +443,7 @@ def _buffer(
     tensor = pair[version % 2] if pair is not None else None
     if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
         return None
-    if str(tensor.device).split(":")[0] != device:
+    if str(tensor.device) != device:
         return None
     return tensor
 

@@ -35,6 +35,29 @@ class Group:
     logprobs: tuple[tuple[float, ...], ...]
     rewards: tuple[float, ...]
 
+    def __post_init__(self) -> None:
+        """Refuse a group whose parts do not match: a completion of n tokens with another
+        number of log-probabilities made a wrong loss (one was broadcast over every token)
+        or a torch error that named no completion.
+
+        Raises:
+            ValueError: naming what does not match.
+        """
+        counts = (len(self.token_ids), len(self.logprobs), len(self.rewards))
+        if len(set(counts)) != 1:
+            raise ValueError(
+                f"a Group needs as many log-probability rows and rewards as completions, got "
+                f"{counts[0]} completions, {counts[1]} rows and {counts[2]} rewards"
+            )
+        for i, (ids, old) in enumerate(zip(self.token_ids, self.logprobs, strict=True)):
+            if len(ids) != len(old):
+                raise ValueError(
+                    f"completion {i} of a Group has {len(ids)} tokens and {len(old)} "
+                    "log-probabilities: one per token"
+                )
+        if not self.prompt_token_ids and any(self.token_ids):
+            raise ValueError("a Group's prompt has no tokens: its first token has no logits")
+
 
 def token_logprobs(
     model: Any,
@@ -121,13 +144,16 @@ class CausalLMLearner:
         model: the model's folder (the same the engines serve).
         lr: Adam's learning rate.
         clip: GRPO's ratio clip.
-        keep_versions: how many served versions to remember for :meth:`recompute`.
+        keep_versions: how many served versions to remember for :meth:`recompute` (0: none).
         allowed_token_ids: the token ids the engines may sample (their ``allowed_token_ids``):
             log-probabilities are taken over these only.
         checkpoint: a file where rank 0 saves the weights, the optimizer and the count of
             updates after each update, and every rank resumes from when it exists (a learner
             group made again after a rank died goes on where it was).
         channel: the weight channel's name.
+
+    Raises:
+        ValueError: ``keep_versions`` is not a count (0 or more).
     """
 
     def __init__(
@@ -141,6 +167,14 @@ class CausalLMLearner:
         checkpoint: str | None = None,
         channel: str = "weights",
     ) -> None:
+        if (
+            isinstance(keep_versions, bool)
+            or not isinstance(keep_versions, int)
+            or keep_versions < 0
+        ):
+            raise ValueError(
+                f"keep_versions must be a count of versions (0 or more), got {keep_versions!r}"
+            )
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(1)
@@ -222,7 +256,8 @@ class CausalLMLearner:
         """Remember the weights held now as ``version`` (call it right after the push that
         served them), the latest ``keep_versions`` of them."""
         self.versions[version] = self.weights()
-        for old in sorted(self.versions)[: -self.keep_versions]:
+        # The oldest past the count (``[:-0]`` would be none of them: keep_versions=0 kept all).
+        for old in sorted(self.versions)[: max(0, len(self.versions) - self.keep_versions)]:
             del self.versions[old]
 
     def recompute(

@@ -194,3 +194,31 @@ def test_the_channel_reads_the_weights_held_now_while_the_learner_recomputes(
     assert all(lp is not None for lp in recomputed[0])
     (read,) = reads
     assert all(torch.equal(v, moved[k]) for k, v in read.items())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep", [0, 2])
+def test_a_learner_remembers_the_latest_keep_versions_and_no_more(folder: str, keep: int) -> None:
+    """Defect: ``keep_versions=0`` remembered every version served (a copy of the weights per
+    push, for the learner's whole life), where it asks for none; now it keeps the latest
+    ``keep_versions`` only, and a negative count is refused."""
+    learner = CausalLMLearner(folder, keep_versions=keep)
+    for version in range(1, 6):
+        learner.remember(version)
+    assert sorted(learner.versions) == list(range(6 - keep, 6))
+    with pytest.raises(ValueError, match="keep_versions"):
+        CausalLMLearner(folder, keep_versions=-1)
+
+
+@pytest.mark.timeout(30)
+def test_a_group_whose_log_probabilities_do_not_match_its_tokens_is_refused() -> None:
+    """Defect: a completion of 3 tokens given 1 log-probability made a loss all the same (the
+    one was broadcast over the 3 tokens), and one given none was left out of the loss in
+    silence; such a ``Group`` is now refused, naming the completion."""
+    with pytest.raises(ValueError, match="completion 0 of a Group has 3 tokens and 1"):
+        Group((1, 5), ((6, 7, 8), (9,)), ((-1.0,), (-2.0,)), (1.0, 0.0))
+    with pytest.raises(ValueError, match="completion 1 of a Group has 1 tokens and 0"):
+        Group((1, 5), ((6,), (9,)), ((-1.0,), ()), (1.0, 0.0))
+    with pytest.raises(ValueError, match="2 completions, 2 rows and 3 rewards"):
+        Group((1, 5), ((6,), (9,)), ((-1.0,), (-2.0,)), (1.0, 0.0, 0.5))
+    Group((1, 5), ((6, 7), ()), ((-1.0, -1.5), ()), (1.0, 0.0))  # an empty completion is one

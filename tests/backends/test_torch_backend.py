@@ -406,3 +406,44 @@ async def test_a_spare_joins_a_new_process_group_in_place_of_a_killed_rank() -> 
         second = [s for s in steps if s.attempt == 2]
         assert len(second) == 4 and all(s.metrics["sum"] == 3.0 for s in second)
         assert ex.statistics().group_starts == 1
+
+
+class _Ranks:
+    """A group handle of two ranks: rank 0's run destroyed its process group, rank 1's destroy
+    hangs (each function's answers given by name)."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.contexts: list[Any] = []
+        self.answers = answers
+        self.called: list[str] = []
+
+    async def execute(self, fn: Any, /, *args: Any, **kwargs: Any) -> list[Any]:
+        self.called.append(fn.__name__)
+        answer = self.answers[fn.__name__]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def execute_single(self, rank: int, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.called.append(fn.__name__)
+        return ("127.0.0.1", 1)
+
+
+@pytest.mark.timeout(30)
+async def test_a_group_set_up_anew_after_a_destroy_that_hung_names_the_destroy() -> None:
+    """Defect: before a run, a rank whose run destroyed the group had all ranks destroy theirs
+    and set up anew, with no look at whether each destroy ended: a rank whose destroy hung
+    then failed the set-up with torch's "trying to initialize the default process group
+    twice", naming nothing of what went wrong. Now the hook fails at once, naming the ranks
+    whose destroy did not end and the bound."""
+    twice = ValueError("trying to initialize the default process group twice!")
+    group = _Ranks(
+        {
+            "reassert_env": [False, True],
+            "destroy_process_group": [True, False],
+            "init_process_group": twice,  # what rank 1 says, its group still there
+        }
+    )
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] was not destroyed within"):
+        await TorchBackend(shutdown_timeout_s=2).on_training_start(group)
+    assert group.called == ["reassert_env", "destroy_process_group"]

@@ -4,8 +4,10 @@ versions on their way, over a stand-in transport."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 from asyncexec import ChannelError
 from asyncexec._driver.channel._versions import Versions
 from asyncexec._worker import _channel, _place
+from asyncexec._worker._actor import _Worker
 
 
 class _Running:
@@ -149,3 +152,133 @@ async def test_a_push_whose_delivery_the_channels_close_cuts_short_raises() -> N
     assert versions.version == 2
     assert len(outcome) == 1 and isinstance(outcome[0], ChannelError), outcome
     assert "closed before version 1 was delivered" in str(outcome[0])
+
+
+class _State:
+    """A stand-in for a state's reference in the object store (held while referenced)."""
+
+
+class _Delivers:
+    """A transport whose reads give each version a state of its own and whose deliveries end
+    at once."""
+
+    targets_before_read = False
+
+    def __init__(self) -> None:
+        self.states: list[weakref.ref[_State]] = []
+
+    async def read(self, pending: Any) -> None:
+        state = _State()
+        self.states.append(weakref.ref(state))
+        pending.refs = [state]
+
+    async def deliver(self, pending: Any, targets: Any) -> None:
+        pass
+
+    def broken(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("max_staleness", [1, 3])
+async def test_the_channel_holds_the_state_of_its_latest_version_only(max_staleness: int) -> None:
+    """Defect: the driver kept the object-store references of the last ``max_staleness + 1``
+    versions after they were delivered (two copies of the weights in the object store with
+    the default, four with ``max_staleness=3``), where the docs promise the latest's only
+    (for the ranks that join). Now a delivered version's state goes once a newer one is
+    read."""
+    worker = SimpleNamespace(handle=SimpleNamespace(key="w0"), rank=0)
+    group = SimpleNamespace(closed=False, workers=[worker])
+    slot = SimpleNamespace(group=group, timeline=None, config=SimpleNamespace(name="side"))
+    versions = Versions(
+        "units", lambda: slot, lambda: slot, False, max_staleness, 30.0, SimpleNamespace()
+    )
+    transport = versions.moves = _Delivers()
+    async with anyio.create_task_group() as tg:
+        versions.tg = tg
+        for _ in range(5):
+            await versions.push()
+        await anyio.wait_all_tasks_blocked()  # every delivery ended
+        versions.tg = None
+    gc.collect()
+    held = [ref() is not None for ref in transport.states]
+    assert held == [False, False, False, False, True]
+    assert versions.delivered == 5
+
+
+@pytest.mark.timeout(20)
+async def test_closing_a_channel_leaves_the_workers_event_loop_free_while_an_install_runs() -> None:
+    """Defect: closing a channel told each worker to forget it on the actor's event loop,
+    which waited there for an install still running (a delivery the close cut short): the
+    worker answered nothing (report polls, calls) until the install ended. The worker now
+    forgets it in a thread."""
+    installing, release, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def install(state: Any, version: int) -> None:
+        installing.set()
+        release.wait(3)
+        ended.set()
+
+    _channel.receive_weights(install, channel="slow")
+    installer = threading.Thread(
+        target=_channel.install_state, args=("slow", 1, {"w": 1}), daemon=True
+    )
+    installer.start()
+    seen: list[bool] = []
+
+    async def meanwhile() -> None:  # the loop's next turn: before the install ended?
+        seen.append(ended.is_set())
+        release.set()
+
+    try:
+        assert installing.wait(10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(meanwhile)
+            await _Worker().channel_close("slow")
+    finally:
+        release.set()
+        installer.join(10)
+        _channel.reset()
+    assert seen == [False]
+
+
+class _Group:
+    """A process group whose broadcasts end at once."""
+
+    def broadcast(self, tensors: Any, options: Any) -> Any:
+        return SimpleNamespace(wait=lambda: None)
+
+
+@pytest.mark.timeout(30)
+def test_a_target_rank_receives_cuda_tensors_on_its_own_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a target rank of the torch transport over nccl received into tensors on
+    ``"cuda"``, the current device of the thread that receives, which never set one: GPU 0,
+    for every rank of a node that sees its node's GPUs (asyncexec's default), so two ranks of
+    one node met on one GPU (nccl refuses that) and a rank's buffers took another's memory.
+    Now it receives on its own GPU, as ``get_device()`` finds it."""
+    import torch
+
+    made: list[str] = []
+    empty = torch.empty
+
+    def recorded(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+        made.append(str(device))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recorded)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    place = _place.Place()
+    place.context = SimpleNamespace(  # type: ignore[assignment]
+        world_rank=2, local_rank=1, accelerator_ids={"GPU": ("1",)}
+    )
+    token = _place.PLACE.set(place)
+    try:
+        _channel._end("gpus").groups["c.1/0"] = _Group()
+        meta = [("w", (2, 3), "float32")]
+        assert _channel.receive("gpus", 1, [("c.1/0", meta)], "cuda") == 24
+    finally:
+        _place.PLACE.reset(token)
+        _channel.reset()
+    assert made == ["cuda:1"]

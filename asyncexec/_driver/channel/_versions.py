@@ -307,6 +307,12 @@ class Versions:
         pending.done.set()
         for v in [v for v in self.pending if v < pending.version - self.max_staleness]:
             del self.pending[v]
+        # The entries kept for the pushes that wait on them need no state: a delivered
+        # version's references (its state in the object store) go, but the latest's, which
+        # serves the ranks that join.
+        for kept in self.pending.values():
+            if kept.done.is_set() and kept is not self._last:
+                kept.refs = None
 
     # Joins ------------------------------------------------------------------------------------
 

@@ -133,14 +133,26 @@ class TorchBackend(Backend):
         await self._set_up(group)
 
     async def on_training_start(self, group: GroupHandle) -> None:
-        """Set the environment again; set the process group up anew if a run destroyed it."""
+        """Set the environment again; set the process group up anew if a run destroyed it.
+
+        Raises:
+            RuntimeError: a rank's process group, to be set up anew, was not destroyed within
+                ``shutdown_timeout_s``.
+        """
         alive = await group.execute(_worker.reassert_env)
         if all(alive):
             return
         # A previous run's function destroyed the group (a common last line of DDP scripts).
         # Ranks must agree, so any rank that still has one drops it and all rendezvous again.
         _log().info("torch_process_group_reinit", missing=[r for r, a in enumerate(alive) if not a])
-        await group.execute(_worker.destroy_process_group, self.shutdown_timeout_s)
+        done = await group.execute(_worker.destroy_process_group, self.shutdown_timeout_s)
+        hung = [rank for rank, ok in enumerate(done) if not ok]
+        if hung:  # their group is still there: set up anew, torch would say "twice" and no more
+            raise RuntimeError(
+                f"the process group of rank(s) {hung} was not destroyed within "
+                f"shutdown_timeout_s={self.shutdown_timeout_s:g} s (a collective still waiting?), "
+                "so it cannot be set up anew for this run"
+            )
         await self._set_up(group)
 
     async def on_shutdown(self, group: GroupHandle) -> None:
