@@ -524,3 +524,35 @@ async def test_an_answer_that_comes_in_the_turn_its_deadline_passes_is_the_answe
                 await anyio.lowlevel.checkpoint()
         inbox.put(answer)  # before the request runs again (it would have disarmed)
     assert got == [answer]
+
+
+@pytest.mark.timeout(20)
+async def test_a_request_after_its_servers_executor_closed_raises_at_once() -> None:
+    """Defect: with its servers' executor closed under an open router, a request in flight
+    raised ``ExecutorStateError`` at once, but one waiting for a slot, and every request
+    after, waited for a server to rejoin (each rejoin failing, ``rejoin_failed`` each second)
+    until the router gave its servers up, a start timeout later (minutes by default). Each
+    now raises ``ExecutorStateError`` at once, saying so."""
+    from asyncexec.testing import Script, ScriptedServer, SimCluster
+
+    servers = asyncexec.Executor(1, roles=asyncexec.Role(ScriptedServer), cluster=SimCluster())
+    errors: list[BaseException] = []
+
+    async def ask(i: int) -> None:
+        with pytest.raises(asyncexec.ExecutorStateError) as caught:
+            await router.generate(asyncexec.RolloutRequest(i, Script(100, 0.05)))
+        errors.append(caught.value)
+
+    async with servers, asyncexec.Router(servers, max_in_flight=1) as router:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask, 0)  # in flight
+                while router.in_flight[0] < 1:  # noqa: ASYNC110 (the router's state)
+                    await anyio.sleep(0.01)
+                tg.start_soon(ask, 1)  # waits for the slot
+                while router.statistics().requests < 2:  # (the router's counters)
+                    await anyio.lowlevel.checkpoint()
+                await servers.aclose()
+            await ask(2)
+        assert "are closed" in str(errors[-1])
+        assert len(errors) == 3

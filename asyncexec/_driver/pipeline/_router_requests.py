@@ -40,6 +40,7 @@ from ..._dispatch._targets import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
 from ..._wire._tracing import as_call, as_first_call, tracer, under_request
+from .._executor import ExecutorState
 from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
@@ -57,6 +58,8 @@ __all__ = ["Requests"]
 
 #: Requests a pause to abort answers in one turn of the event loop (each wakes its caller).
 HAND_BACK = 16
+#: The states of the servers' executor in which a request is refused.
+_SHUT = frozenset({ExecutorState.CLOSING, ExecutorState.CLOSED})
 
 
 #: Why an attempt was cancelled: its server taken out by the health watch, its stoppable
@@ -219,6 +222,7 @@ class Requests:
         """See ``Router.generate``; ``stop``: ``Router.generate_stoppable``."""
         router = self.router
         router.check_open()
+        _check_servers(router)
         await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
         router.observer.emit(RequestReceived())
         inbox = _Inbox()
@@ -339,6 +343,7 @@ class Requests:
 
         def check() -> None:
             router.check_open()
+            _check_servers(router)
             router.watch.follow_group()
 
         session = None if key is None or tried else (lambda: router.sessions.get(key))
@@ -511,6 +516,17 @@ async def _next(inbox: _Inbox, sent_at: float, deadline_s: float) -> _Answer | N
     # An answer may have come in the turn of the loop the deadline's cancellation did (the
     # wait was cancelled first): it is the answer, not a reason to send the request again.
     return inbox.items.popleft() if inbox.items else None
+
+
+def _check_servers(router: RequestsHost) -> None:
+    """Refuse a request while the servers' executor closes or is closed: no server of it
+    comes back (until it is entered again), so the request would wait for one until the
+    router gives its servers up, minutes later (as a request in flight, this one raises)."""
+    if router.servers.state in _SHUT:
+        raise ExecutorStateError(
+            f"the router's servers ({router.servers.config.name!r}) are closed: close the "
+            "Router before its Executor"
+        )
 
 
 def _stop_attempts(fate: _Fate) -> None:
