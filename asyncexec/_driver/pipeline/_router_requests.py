@@ -267,6 +267,10 @@ class Requests:
                 if not retry or not (answer.taken_out or isinstance(error, GONE)):
                     raise error
                 if len(tried) >= limit:
+                    if fate.attempts or inbox.items:
+                        # Sent as often as it may be, but other attempts may answer yet (or
+                        # answered): it waits for them (to the latest one's deadline).
+                        continue
                     error.add_note(f"sent {len(tried)} times: every server it went to failed")
                     raise error
                 # At info: the server's loss is the warning (``server_lost``, ``server_taken_out``),
