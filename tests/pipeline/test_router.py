@@ -151,6 +151,37 @@ async def test_deadline_sends_again_and_the_late_answer_is_dropped(mode: str) ->
 
 
 @pytest.mark.timeout(30)
+async def test_a_request_past_its_deadline_waiting_for_a_slot_takes_its_first_answer(
+    mode: str,
+) -> None:
+    """Defect: a request whose deadline passed while every server held the cap waited for a
+    slot to send itself again, and its first attempt's answer, which came meanwhile, waited
+    with it: it was returned only once another request, queued first, had its turn (twice
+    the time), and the request was sent again needlessly. Now the answer is returned as it
+    comes, and the request is not sent again."""
+    async with (
+        asyncexec.Executor(1, resources_per_worker=CPU, roles=Toy) as servers,
+        asyncexec.Router(servers, max_in_flight=1) as router,
+    ):
+        order: list[str] = []
+
+        async def ask(name: str, deadline_s: float | None) -> None:
+            request = asyncexec.RolloutRequest(name, (4, 0.1))
+            await router.generate(request, deadline_s=deadline_s)
+            order.append(name)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask, "first", 0.15)  # past its deadline after 0.15 s of 0.4 s
+                await _wait_for(lambda: router.in_flight[0] == 1, 10)
+                tg.start_soon(ask, "queued", None)  # waits for the slot, before the retry
+        assert order == ["first", "queued"]
+        stats = router.statistics()
+        assert (stats.answered, stats.retries, stats.duplicates_dropped) == (2, 0, 0)
+        assert stats.in_flight == (0,)
+
+
+@pytest.mark.timeout(30)
 async def test_pause_keep_parks_and_abort_ends_the_generations_in_flight(mode: str) -> None:
     async with (
         asyncexec.Executor(2, resources_per_worker=CPU, roles=Toy) as servers,

@@ -524,3 +524,65 @@ async def test_an_answer_that_comes_in_the_turn_its_deadline_passes_is_the_answe
                 await anyio.lowlevel.checkpoint()
         inbox.put(answer)  # before the request runs again (it would have disarmed)
     assert got == [answer]
+
+
+@pytest.mark.timeout(20)
+async def test_a_request_after_its_servers_executor_closed_raises_at_once() -> None:
+    """Defect: with its servers' executor closed under an open router, a request in flight
+    raised ``ExecutorStateError`` at once, but one waiting for a slot, and every request
+    after, waited for a server to rejoin (each rejoin failing, ``rejoin_failed`` each second)
+    until the router gave its servers up, a start timeout later (minutes by default). Each
+    now raises ``ExecutorStateError`` at once, saying so."""
+    from asyncexec.testing import Script, ScriptedServer, SimCluster
+
+    servers = asyncexec.Executor(1, roles=asyncexec.Role(ScriptedServer), cluster=SimCluster())
+    errors: list[BaseException] = []
+
+    async def ask(i: int) -> None:
+        with pytest.raises(asyncexec.ExecutorStateError) as caught:
+            await router.generate(asyncexec.RolloutRequest(i, Script(100, 0.05)))
+        errors.append(caught.value)
+
+    async with servers, asyncexec.Router(servers, max_in_flight=1) as router:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask, 0)  # in flight
+                while router.in_flight[0] < 1:  # noqa: ASYNC110 (the router's state)
+                    await anyio.sleep(0.01)
+                tg.start_soon(ask, 1)  # waits for the slot
+                while router.statistics().requests < 2:  # (the router's counters)
+                    await anyio.lowlevel.checkpoint()
+                await servers.aclose()
+            await ask(2)
+        assert "are closed" in str(errors[-1])
+        assert len(errors) == 3
+
+
+@pytest.mark.timeout(20)
+async def test_a_request_sent_its_most_times_waits_for_its_attempts_still_in_flight() -> None:
+    """Defect: a request sent as often as it may be (here 3 times on 2 servers, its deadline
+    passing twice) raised the error of one attempt whose server died (``WorkerCrashedError``,
+    "every server it went to failed"), though its other attempts still ran on a live server:
+    the first of them answers within the latest attempt's deadline, and is the answer."""
+    from asyncexec.testing import Script, ScriptedServer, SimCluster
+
+    cluster = SimCluster()
+    async with (
+        asyncexec.Executor(2, roles=asyncexec.Role(ScriptedServer), cluster=cluster) as servers,
+        asyncexec.Router(servers, max_in_flight=4) as router,
+    ):
+
+        async def crash() -> None:  # once its third attempt is sent (rank 0 again)
+            while router.statistics().retries < 2:  # noqa: ASYNC110 (the router's counters)
+                await anyio.sleep(0.01)
+            cluster.crash(servers.workers[1].pid)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(crash)
+                # Each attempt takes 1 s: sent at 0 (rank 0), 0.4 (rank 1), 0.8 (rank 0).
+                request = asyncexec.RolloutRequest("r", Script(10, 0.1))
+                sample = await router.generate(request, deadline_s=0.4)
+        assert sample.rank == 0 and sample.output == list(range(10))
+        stats = router.statistics()
+        assert (stats.answered, stats.retries, stats.timeouts) == (1, 2, 0)

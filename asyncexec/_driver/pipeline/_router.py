@@ -218,7 +218,8 @@ class Router:
             WorkerCrashedError, NodeLostError, WorkerUnreachableError, WorkerHungError: its
                 server died, could not be reached or was taken out, and it may not (or may no
                 more) be sent again.
-            ExecutorStateError: the router is not open, or closed meanwhile.
+            ExecutorStateError: the router is not open, or closed meanwhile, or its servers'
+                executor closes or is closed.
             ConfigurationError: ``request`` is not a :class:`~asyncexec.RolloutRequest`, or
                 ``deadline_s`` or ``retry`` is invalid.
         """

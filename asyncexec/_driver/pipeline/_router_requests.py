@@ -40,6 +40,7 @@ from ..._dispatch._targets import rank as on_rank
 from ..._errors import ExecutorStateError, WorkerHungError, describe
 from ..._wire._rollout import RolloutRequest, Sample
 from ..._wire._tracing import as_call, as_first_call, tracer, under_request
+from .._executor import ExecutorState
 from .._taskgroups import teardown
 from ._events import (
     AnswerDropped,
@@ -57,6 +58,8 @@ __all__ = ["Requests"]
 
 #: Requests a pause to abort answers in one turn of the event loop (each wakes its caller).
 HAND_BACK = 16
+#: The states of the servers' executor in which a request is refused.
+_SHUT = frozenset({ExecutorState.CLOSING, ExecutorState.CLOSED})
 
 
 #: Why an attempt was cancelled: its server taken out by the health watch, its stoppable
@@ -122,11 +125,13 @@ class _Inbox:
     flight) with two streams, a deque, two dicts and two events besides: every collection of
     the older generations walks what the requests in flight hold."""
 
-    __slots__ = ("closed", "items", "waiter")
+    __slots__ = ("closed", "items", "scope", "waiter")
 
     def __init__(self) -> None:
         self.items: deque[_Answer] = deque()
         self.waiter: asyncio.Future[None] | None = None
+        #: The request's wait for a slot to send itself again, cancelled by the next answer.
+        self.scope: anyio.CancelScope | None = None
         self.closed = False
 
     def put(self, answer: _Answer) -> bool:
@@ -134,6 +139,8 @@ class _Inbox:
         if self.closed:
             return False
         self.items.append(answer)
+        if self.scope is not None:
+            self.scope.cancel()
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -215,6 +222,7 @@ class Requests:
         """See ``Router.generate``; ``stop``: ``Router.generate_stoppable``."""
         router = self.router
         router.check_open()
+        _check_servers(router)
         await router.pacer.wait_turn()  # many requests at once: their starts spread over turns
         router.observer.emit(RequestReceived())
         inbox = _Inbox()
@@ -225,14 +233,17 @@ class Requests:
         try:
             while True:
                 if not fate.attempts or _due(sent_at, deadline_s):
-                    if tried:  # another attempt of this request
-                        if not retry or len(tried) >= limit:
-                            raise self._gave_up(request, tried, deadline_s)
-                        router.observer.emit(RequestRetried())
-                    r = await self._take(request, tried)
-                    tried.append(r)
-                    sent_at = time.monotonic()
-                    self._start(r, request, inbox, fate, first=len(tried) == 1)
+                    if tried and (not retry or len(tried) >= limit):
+                        raise self._gave_up(request, tried, deadline_s)
+                    # With attempts in flight, an answer that comes while this one waits for
+                    # a slot is read first (it is the answer, or the reason to send again).
+                    r = await self._take(request, tried, inbox if fate.attempts else None)
+                    if r is not None:
+                        if tried:  # another attempt of this request
+                            router.observer.emit(RequestRetried())
+                        tried.append(r)
+                        sent_at = time.monotonic()
+                        self._start(r, request, inbox, fate, first=len(tried) == 1)
                 answer: _Answer | None
                 if deadline_s is None:  # (the future awaited here: no coroutine of its own)
                     while not inbox.items:
@@ -256,6 +267,10 @@ class Requests:
                 if not retry or not (answer.taken_out or isinstance(error, GONE)):
                     raise error
                 if len(tried) >= limit:
+                    if fate.attempts or inbox.items:
+                        # Sent as often as it may be, but other attempts may answer yet (or
+                        # answered): it waits for them (to the latest one's deadline).
+                        continue
                     error.add_note(f"sent {len(tried)} times: every server it went to failed")
                     raise error
                 # At info: the server's loss is the warning (``server_lost``, ``server_taken_out``),
@@ -319,18 +334,42 @@ class Requests:
             with teardown("router_attempts"):
                 await asyncio.wait(tasks)
 
-    async def _take(self, request: RolloutRequest, tried: list[int]) -> int:
-        """A server for ``request`` under the cap (waiting for one), counted as holding it."""
+    async def _take(
+        self, request: RolloutRequest, tried: list[int], inbox: _Inbox | None = None
+    ) -> int | None:
+        """A server for ``request`` under the cap (waiting for one), counted as holding it;
+        None when ``inbox`` (the request's, while attempts of it are in flight) has an answer
+        first: a request past its deadline, waiting for a slot to send itself again, takes
+        the answer of its earlier attempt as it comes, not once a slot is free."""
         router = self.router
         balance: Balance = router.balance
         key = request.key
 
         def check() -> None:
             router.check_open()
+            _check_servers(router)
             router.watch.follow_group()
 
         session = None if key is None or tried else (lambda: router.sessions.get(key))
-        r = await balance.acquire(tried, session, check)
+        if inbox is None:
+            r = await balance.acquire(tried, session, check)
+        else:
+            if inbox.items:
+                return None
+            taken: int | None = None
+            with anyio.CancelScope() as scope:  # cancelled by the inbox's next answer
+                inbox.scope = scope
+                try:
+                    taken = await balance.acquire(tried, session, check)
+                finally:
+                    inbox.scope = None
+            if taken is None:
+                return None
+            if inbox.items:  # an answer came in the turn the slot did: the slot is not needed
+                balance.release(taken)
+                router.observer.emit(ServerLoad(taken, balance.servers[taken].in_flight))
+                return None
+            r = taken
         if key is not None:  # the session's server from now on
             router.sessions.pin(key, r, balance.servers[r].worker)
         router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
@@ -481,6 +520,17 @@ async def _next(inbox: _Inbox, sent_at: float, deadline_s: float) -> _Answer | N
     # An answer may have come in the turn of the loop the deadline's cancellation did (the
     # wait was cancelled first): it is the answer, not a reason to send the request again.
     return inbox.items.popleft() if inbox.items else None
+
+
+def _check_servers(router: RequestsHost) -> None:
+    """Refuse a request while the servers' executor closes or is closed: no server of it
+    comes back (until it is entered again), so the request would wait for one until the
+    router gives its servers up, minutes later (as a request in flight, this one raises)."""
+    if router.servers.state in _SHUT:
+        raise ExecutorStateError(
+            f"the router's servers ({router.servers.config.name!r}) are closed: close the "
+            "Router before its Executor"
+        )
 
 
 def _stop_attempts(fate: _Fate) -> None:
