@@ -586,3 +586,32 @@ async def test_a_request_sent_its_most_times_waits_for_its_attempts_still_in_fli
         assert sample.rank == 0 and sample.output == list(range(10))
         stats = router.statistics()
         assert (stats.answered, stats.retries, stats.timeouts) == (1, 2, 0)
+
+
+@pytest.mark.timeout(20)
+async def test_a_request_sent_its_most_times_whose_servers_all_died_raises_their_error() -> None:
+    """A request sent as often as it may be whose every attempt's server died at once raises
+    the death (``WorkerCrashedError``, "every server it went to failed"), not a
+    ``TimeoutError`` of no answer: the answers of its ended attempts, already in, are read
+    before it gives up waiting for more."""
+    from asyncexec.testing import Script, ScriptedServer, SimCluster
+
+    cluster = SimCluster()
+    async with (
+        asyncexec.Executor(2, roles=asyncexec.Role(ScriptedServer), cluster=cluster) as servers,
+        asyncexec.Router(servers, max_in_flight=4, unhealthy_after=1000) as router,
+    ):
+
+        async def crash() -> None:  # once its third attempt is sent: both servers at once
+            while router.statistics().retries < 2:  # noqa: ASYNC110 (the router's counters)
+                await anyio.sleep(0.01)
+            for worker in servers.workers:
+                cluster.crash(worker.pid)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(crash)
+                request = asyncexec.RolloutRequest("r", Script(10, 0.1))
+                with pytest.raises(asyncexec.WorkerCrashedError) as caught:
+                    await router.generate(request, deadline_s=0.4)
+        assert "every server it went to failed" in "".join(caught.value.__notes__)

@@ -232,7 +232,8 @@ class Requests:
         sent_at = 0.0  # when the latest attempt was sent (0: make one at once)
         try:
             while True:
-                if not fate.attempts or _due(sent_at, deadline_s):
+                # (An answer already in, of an attempt that ended, is read first.)
+                if not inbox.items and (not fate.attempts or _due(sent_at, deadline_s)):
                     if tried and (not retry or len(tried) >= limit):
                         raise self._gave_up(request, tried, deadline_s)
                     # With attempts in flight, an answer that comes while this one waits for
