@@ -24,6 +24,7 @@ from ..._worker import ThreadedWorkerCode, WorkerCode
 __all__ = [
     "WorkerProcess",
     "auth_refusal",
+    "dead_cluster",
     "dead_cluster_on_record",
     "join_cluster",
     "live_workers",
@@ -101,7 +102,7 @@ def unreachable(target: str) -> str | None:
     if not host or not port.isdigit():
         return None
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             return None
     except OSError as exc:
         return f"nothing answers at {address} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
@@ -132,6 +133,30 @@ def dead_cluster_on_record(address: str | None) -> str | None:
         f"Ray would join the cluster that {path} names, but {why}: that cluster was stopped "
         "without `ray stop`. Run `ray stop` (it removes the file) or delete the file to start "
         "a fresh local Ray, or pass address='local'"
+    )
+
+
+def dead_cluster(address: str | None) -> str | None:
+    """Why ``ray.init(address=address)`` would wait minutes on a cluster that does not answer,
+    or None: the ``address`` given (not ``"auto"``), else the one ``RAY_ADDRESS`` names, else
+    the one on record (see :func:`dead_cluster_on_record`). Ray itself retries an address
+    where nothing answers for minutes and then says only that it could not connect; one TCP
+    connect tells it at once (a ``ray://`` address is left to Ray)."""
+    named = os.environ.get("RAY_ADDRESS")
+    if address not in (None, "auto"):
+        source = f"the address {address!r}"
+        why = unreachable(address)
+    elif named:
+        source = f"RAY_ADDRESS ({named!r})"
+        why = unreachable(named)
+    else:
+        return dead_cluster_on_record(address)
+    if why is None:
+        return None
+    return (
+        f"Ray would join the cluster at {source}, but {why}: check the address and that the "
+        "cluster runs (`ray status` on its head node), or pass address='local' for a fresh "
+        "local Ray"
     )
 
 

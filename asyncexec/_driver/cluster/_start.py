@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import ray
 
 from ..._errors import StartupError
-from ._join import dead_cluster_on_record
+from ._join import dead_cluster
 
 __all__ = ["ensure_ray"]
 
@@ -79,7 +79,7 @@ def _init(address: str | None) -> None:
     quiet = _NotMainThread()
     ray_logger.addFilter(quiet)
     try:
-        why = dead_cluster_on_record(address)
+        why = dead_cluster(address)
         if why is not None:
             raise StartupError(f"could not start Ray: {why}")
         ray.init(address=address, ignore_reinit_error=True)
