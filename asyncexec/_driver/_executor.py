@@ -159,7 +159,8 @@ class Executor(WorkerCalls, ExecutorRuns):
             pool's or reservation's, else Ray's (or, inside
             :func:`asyncexec.testing.simulated`, that block's). Not with ``local=True``
             (``ASYNCEXEC_LOCAL`` does not apply to it); a pool or reservation must run on the
-            same one. A simulated cluster takes no ``backend``.
+            same one. A simulated cluster takes no ``backend``. Not a local executor's
+            cluster: local mode is ``local=True``.
         **legacy: the options grouped into ``timeouts`` and ``health`` in 0.2, under their old
             names (``start_timeout_s=``, ``health_check_interval_s=``, ...): deprecated.
     """
