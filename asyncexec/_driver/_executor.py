@@ -137,7 +137,9 @@ class Executor(WorkerCalls, ExecutorRuns):
         init_hook: called on every worker at start-up, before the backend's hooks.
         runtime_env: Ray runtime environment of the workers.
         address: the Ray cluster to join when Ray is not initialized (``"auto"``); by Ray's own
-            rule a running one is joined when found, else a local Ray is started.
+            rule a running one is joined when found, else a local Ray is started. ``"auto"``,
+            ``"local"``, ``"host:port"`` or ``"ray://host:port"``; one where nothing answers
+            fails the entry at once with a :class:`StartupError`.
         name: a name for logs and metrics.
         pool: a :class:`WorkerPool` to lease warm workers from instead of starting processes
             (``resources_per_worker`` and ``runtime_env`` default to the pool's).
