@@ -232,6 +232,26 @@ def test_an_address_where_nothing_answers_is_named_at_once_not_waited_on(
     assert time.monotonic() - t0 < 30  # told at once: Ray itself retries for minutes
 
 
+@pytest.mark.timeout(30)
+async def test_ray_that_cannot_be_started_or_joined_is_a_startup_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: when ``ray.init`` failed on entering an executor (``address="auto"`` with no
+    cluster running: "Could not find any running Ray instance"), its bare ``ConnectionError``
+    came out of ``async with``, outside ``AsyncExecError``; a dead address on record was a
+    ``StartupError``."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(asyncexec.StartupError, match=r"could not start Ray: .*running Ray") as e:
+        async with asyncexec.Executor(1, address="local"):
+            pass
+    assert isinstance(e.value.__cause__, ConnectionError)
+    assert not ray.is_initialized()
+
+
 # Cancelling the consumer stops the run --------------------------------------------------------
 
 
