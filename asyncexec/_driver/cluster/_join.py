@@ -77,16 +77,15 @@ def live_workers() -> list[WorkerProcess]:
 
 def _bootstrap(target: str) -> str | None:
     """The ``host:port`` that ``ray.init(address=target)`` joins (``"auto"`` looked up as it
-    looks it up), or None when it cannot tell (a ``ray://`` address, no address on record)."""
-    address: str | None = target
-    if target == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
+    looks it up, a local host name as the node's address, as Ray connects to it), or None when
+    it cannot tell (a ``ray://`` address, ``"local"``, no address on record)."""
+    if "://" in target:
+        return None
+    from ray._private.services import canonicalize_bootstrap_address
 
-        try:
-            address = canonicalize_bootstrap_address(target)
-        except Exception:
-            return None
-    if address is None or "://" in address:
+    try:
+        address: str | None = canonicalize_bootstrap_address(target)
+    except Exception:
         return None
     return address
 
@@ -105,7 +104,10 @@ def unreachable(target: str) -> str | None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             return None
     except OSError as exc:
-        return f"nothing answers at {address} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
+        where = address
+        if target not in ("auto", address):  # a local host name: Ray joins the node's address
+            where = f"{target} ({address}, where Ray connects)"
+        return f"nothing answers at {where} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
 
 
 def dead_cluster_on_record(address: str | None) -> str | None:
