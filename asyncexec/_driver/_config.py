@@ -27,6 +27,7 @@ __all__ = [
     "HealthChecks",
     "Timeouts",
     "grouped_options",
+    "check_address",
     "check_count",
     "check_positive",
     "check_stragglers",
@@ -403,9 +404,7 @@ class ExecutorConfig:
         _check_init_hook(options.get("init_hook"))
         if options.get("local", False):
             _check_local(options, bounds)
-        address = options.get("address")
-        if address is not None and not isinstance(address, str):
-            raise ConfigurationError(f"address must be a string such as 'auto', got {address!r}")
+        check_address(options.get("address"))
         env = options.get("runtime_env")
         if env is not None and not isinstance(env, Mapping):
             raise ConfigurationError(f"runtime_env must be a mapping, got {env!r}")
@@ -521,6 +520,31 @@ def validate_buffer_size(value: object) -> int:
     check_count("buffer_size", value)
     assert isinstance(value, int)
     return value
+
+
+def check_address(address: object) -> None:
+    """Check the address of a Ray cluster to join: None, ``"auto"``, ``"local"``, an address
+    with a scheme (``ray://host:port``: Ray's to read) or ``host:port`` (``[ipv6]:port``), as
+    ``ray.init`` takes it.
+
+    Raises:
+        ConfigurationError: anything else, when it is given (Ray refused it only when the
+            executor was entered, with a bare ``ValueError``).
+    """
+    if address is None:
+        return
+    if not isinstance(address, str):
+        raise ConfigurationError(f"address must be a string such as 'auto', got {address!r}")
+    if address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    bracketed = len(host) > 2 and host.startswith("[") and host.endswith("]")  # IPv6
+    if (bracketed or (host and ":" not in host)) and port.isdigit() and 0 < int(port) < 65536:
+        return
+    raise ConfigurationError(
+        f"address must be 'auto', 'local', 'host:port' (the cluster's GCS, as `ray start` "
+        f"prints it) or 'ray://host:port', got {address!r}"
+    )
 
 
 def _share_devices(value: object) -> frozenset[str]:

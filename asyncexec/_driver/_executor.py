@@ -137,7 +137,9 @@ class Executor(WorkerCalls, ExecutorRuns):
         init_hook: called on every worker at start-up, before the backend's hooks.
         runtime_env: Ray runtime environment of the workers.
         address: the Ray cluster to join when Ray is not initialized (``"auto"``); by Ray's own
-            rule a running one is joined when found, else a local Ray is started.
+            rule a running one is joined when found, else a local Ray is started. ``"auto"``,
+            ``"local"``, ``"host:port"`` or ``"ray://host:port"``; one where nothing answers
+            fails the entry at once with a :class:`StartupError`.
         name: a name for logs and metrics.
         pool: a :class:`WorkerPool` to lease warm workers from instead of starting processes
             (``resources_per_worker`` and ``runtime_env`` default to the pool's).
@@ -159,7 +161,8 @@ class Executor(WorkerCalls, ExecutorRuns):
             pool's or reservation's, else Ray's (or, inside
             :func:`asyncexec.testing.simulated`, that block's). Not with ``local=True``
             (``ASYNCEXEC_LOCAL`` does not apply to it); a pool or reservation must run on the
-            same one. A simulated cluster takes no ``backend``.
+            same one. A simulated cluster takes no ``backend``. Not a local executor's
+            cluster: local mode is ``local=True``.
         **legacy: the options grouped into ``timeouts`` and ``health`` in 0.2, under their old
             names (``start_timeout_s=``, ``health_check_interval_s=``, ...): deprecated.
     """

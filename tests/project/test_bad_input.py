@@ -242,6 +242,27 @@ def test_a_reservations_placement_timeout_is_refused_unless_a_positive_finite_nu
     assert asyncexec.Reservation(2, placement_timeout_s=2).placement_timeout_s == 2.0
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "address", ["nonsense", "head:port", "10.0.0.1:6379:1", "::1:6379", "head:0", "head:70000"]
+)
+def test_an_address_ray_cannot_read_is_refused_when_given(address: str) -> None:
+    """Defect: an address that ``ray.init`` cannot read (no port, a port that is not a
+    number) was taken by the executor, the pool and the reservation, and entering them failed
+    with Ray's bare ``ValueError`` ("Invalid address format: nonsense")."""
+    made = (
+        lambda: asyncexec.Executor(1, address=address),
+        lambda: asyncexec.WorkerPool(1, address=address),
+        lambda: asyncexec.Reservation(1, address=address),
+    )
+    for make in made:
+        with pytest.raises(asyncexec.ConfigurationError, match="address must be 'auto'"):
+            make()
+    for good in ("auto", "local", "head:6379", "[::1]:6379", "ray://head:10001"):
+        assert asyncexec.Executor(1, address=good).config.address == good
+        assert asyncexec.Reservation(1, address=good).address == good
+
+
 # Amounts that pass asyncexec's checks but not Ray's ------------------------------------------
 
 

@@ -191,6 +191,67 @@ def test_a_dead_cluster_on_record_is_named_at_once_not_waited_on(
     assert "could not start Ray" in cli.stderr and f"nothing answers at {address}" in cli.stderr
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("given", ["address", "RAY_ADDRESS"])
+def test_an_address_where_nothing_answers_is_named_at_once_not_waited_on(
+    tmp_path: Path, dead_cluster_on_record: tuple[dict[str, str], str], given: str
+) -> None:
+    """Defect: ``Executor(address=...)`` (or ``RAY_ADDRESS``) naming an address where nothing
+    answers (a typo in the port, a head node that is down) left the executor's entry waiting
+    on Ray's retries for minutes (over 200 s measured), where a dead address on record was
+    named at once."""
+    env, address = dead_cluster_on_record
+    env = {**env, "RAY_ADDRESS": address} if given == "RAY_ADDRESS" else env
+    argument = f", address={address!r}" if given == "address" else ""
+    script = tmp_path / "enter.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, asyncexec
+
+            async def main():
+                try:
+                    async with asyncexec.Executor(1, resources_per_worker={{"CPU": 0.5}}
+                                                  {argument}):
+                        print("ENTERED")
+                except asyncexec.StartupError as exc:
+                    print("REFUSED", exc)
+
+            asyncio.run(main())
+            """
+        )
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED could not start Ray: Ray would join the cluster at" in done.stdout, done.stdout
+    assert f"nothing answers at {address}" in done.stdout
+    assert (given if given == "RAY_ADDRESS" else repr(address)) in done.stdout
+    assert time.monotonic() - t0 < 30  # told at once: Ray itself retries for minutes
+
+
+@pytest.mark.timeout(30)
+async def test_ray_that_cannot_be_started_or_joined_is_a_startup_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: when ``ray.init`` failed on entering an executor (``address="auto"`` with no
+    cluster running: "Could not find any running Ray instance"), its bare ``ConnectionError``
+    came out of ``async with``, outside ``AsyncExecError``; a dead address on record was a
+    ``StartupError``."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(asyncexec.StartupError, match=r"could not start Ray: .*running Ray") as e:
+        async with asyncexec.Executor(1, address="local"):
+            pass
+    assert isinstance(e.value.__cause__, ConnectionError)
+    assert not ray.is_initialized()
+
+
 # Cancelling the consumer stops the run --------------------------------------------------------
 
 

@@ -106,6 +106,19 @@ def test_what_local_mode_cannot_do_is_refused_by_name(options: dict[str, Any], n
         asyncexec.Executor(num_workers, local=True, **options)
 
 
+@pytest.mark.timeout(30)
+async def test_a_local_executors_cluster_handed_in_is_refused_by_name() -> None:
+    """Defect: a local executor's ``cluster`` handed to another executor (``cluster=a.cluster``)
+    ran it on local mode's threads with every refusal of local mode skipped (its
+    ``runtime_env`` ignored, ``spares`` taken), and a ``WorkerPool`` took it as well."""
+    async with asyncexec.Executor(1, local=True) as a:
+        for options in ({}, {"spares": 1}, {"runtime_env": {"env_vars": {"A": "1"}}}):
+            with pytest.raises(asyncexec.ConfigurationError, match="local=True"):
+                asyncexec.Executor(1, cluster=a.cluster, **options)
+        with pytest.raises(asyncexec.ConfigurationError, match="local mode's"):
+            asyncexec.WorkerPool(1, cluster=a.cluster)
+
+
 def test_a_bad_local_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCEXEC_LOCAL", "maybe")
     with pytest.raises(asyncexec.ConfigurationError, match="ASYNCEXEC_LOCAL"):

@@ -39,9 +39,20 @@ def checked_cluster(cluster: object, local: bool | None = None) -> Cluster:
     """``cluster``, handed to an object whose ``local`` (an executor's) is as given, if it is
     one of the seam's clusters.
 
+    Local mode's threads (a local executor's ``cluster``) are not handed in: handed to an
+    executor they skipped every refusal of local mode (``runtime_env`` ignored, ``spares`` and
+    elastic sizes taken), and a pool or reservation holds Ray's workers.
+
     Raises:
-        ConfigurationError: it is not, or ``local`` is True (naming both).
+        ConfigurationError: it is not, it is local mode's threads, or ``local`` is True
+            (naming both).
     """
+    if isinstance(cluster, LocalCluster):
+        raise ConfigurationError(
+            f"{cluster!r} is local mode's, chosen with local=True (or ASYNCEXEC_LOCAL=1), not "
+            "handed in as cluster=: make the executor with local=True (a pool or a reservation "
+            "holds Ray's workers and cannot run there)"
+        )
     if not isinstance(cluster, RayCluster | InProcessCluster):
         raise ConfigurationError(
             "cluster must be a cluster to run the workers on, such as "

@@ -24,6 +24,7 @@ from ..._worker import ThreadedWorkerCode, WorkerCode
 __all__ = [
     "WorkerProcess",
     "auth_refusal",
+    "dead_cluster",
     "dead_cluster_on_record",
     "join_cluster",
     "live_workers",
@@ -76,16 +77,15 @@ def live_workers() -> list[WorkerProcess]:
 
 def _bootstrap(target: str) -> str | None:
     """The ``host:port`` that ``ray.init(address=target)`` joins (``"auto"`` looked up as it
-    looks it up), or None when it cannot tell (a ``ray://`` address, no address on record)."""
-    address: str | None = target
-    if target == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
+    looks it up, a local host name as the node's address, as Ray connects to it), or None when
+    it cannot tell (a ``ray://`` address, ``"local"``, no address on record)."""
+    if "://" in target:
+        return None
+    from ray._private.services import canonicalize_bootstrap_address
 
-        try:
-            address = canonicalize_bootstrap_address(target)
-        except Exception:
-            return None
-    if address is None or "://" in address:
+    try:
+        address: str | None = canonicalize_bootstrap_address(target)
+    except Exception:
         return None
     return address
 
@@ -101,10 +101,13 @@ def unreachable(target: str) -> str | None:
     if not host or not port.isdigit():
         return None
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             return None
     except OSError as exc:
-        return f"nothing answers at {address} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
+        where = address
+        if target not in ("auto", address):  # a local host name: Ray joins the node's address
+            where = f"{target} ({address}, where Ray connects)"
+        return f"nothing answers at {where} within {CONNECT_TIMEOUT_S:g} s ({describe(exc)})"
 
 
 def dead_cluster_on_record(address: str | None) -> str | None:
@@ -132,6 +135,30 @@ def dead_cluster_on_record(address: str | None) -> str | None:
         f"Ray would join the cluster that {path} names, but {why}: that cluster was stopped "
         "without `ray stop`. Run `ray stop` (it removes the file) or delete the file to start "
         "a fresh local Ray, or pass address='local'"
+    )
+
+
+def dead_cluster(address: str | None) -> str | None:
+    """Why ``ray.init(address=address)`` would wait minutes on a cluster that does not answer,
+    or None: the ``address`` given (not ``"auto"``), else the one ``RAY_ADDRESS`` names, else
+    the one on record (see :func:`dead_cluster_on_record`). Ray itself retries an address
+    where nothing answers for minutes and then says only that it could not connect; one TCP
+    connect tells it at once (a ``ray://`` address is left to Ray)."""
+    named = os.environ.get("RAY_ADDRESS")
+    if address not in (None, "auto"):
+        source = f"the address {address!r}"
+        why = unreachable(address)
+    elif named:
+        source = f"RAY_ADDRESS ({named!r})"
+        why = unreachable(named)
+    else:
+        return dead_cluster_on_record(address)
+    if why is None:
+        return None
+    return (
+        f"Ray would join the cluster at {source}, but {why}: check the address and that the "
+        "cluster runs (`ray status` on its head node), or pass address='local' for a fresh "
+        "local Ray"
     )
 
 

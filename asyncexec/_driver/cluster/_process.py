@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from ._join import dead_cluster_on_record
+from ._join import dead_cluster
 
 __all__ = ["init_ray", "quiet_planned_crash", "ray_is_initialized", "shutdown_ray"]
 
@@ -30,7 +30,7 @@ def init_ray(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False
-    why = dead_cluster_on_record(address)
+    why = dead_cluster(address)
     if why is not None:
         raise ConnectionError(why)
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)

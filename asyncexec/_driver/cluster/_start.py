@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import ray
 
-from ..._errors import StartupError
-from ._join import dead_cluster_on_record
+from ..._errors import StartupError, describe
+from ._join import dead_cluster
 
 __all__ = ["ensure_ray"]
 
@@ -79,10 +79,13 @@ def _init(address: str | None) -> None:
     quiet = _NotMainThread()
     ray_logger.addFilter(quiet)
     try:
-        why = dead_cluster_on_record(address)
+        why = dead_cluster(address)
         if why is not None:
             raise StartupError(f"could not start Ray: {why}")
-        ray.init(address=address, ignore_reinit_error=True)
+        try:
+            ray.init(address=address, ignore_reinit_error=True)
+        except Exception as exc:  # ray.init's errors are not one family: say what failed
+            raise StartupError(f"could not start Ray: {describe(exc)}") from exc
     finally:
         ray_logger.removeFilter(quiet)
 
@@ -101,7 +104,12 @@ def _install_sigterm_handler() -> None:
 
 async def ensure_ray(address: str | None) -> None:
     """Start a local Ray, or join ``address``, unless Ray is already initialized. ``ray.init``
-    runs in the lifelong Ray thread (see the module's docstring), never on the event loop."""
+    runs in the lifelong Ray thread (see the module's docstring), never on the event loop.
+
+    Raises:
+        StartupError: Ray could not be started or joined (naming why; Ray's own error is the
+            cause).
+    """
     if ray.is_initialized():
         return
     await asyncio.wrap_future(_submit(lambda: _init(address)))

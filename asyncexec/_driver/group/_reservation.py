@@ -21,7 +21,13 @@ import anyio
 
 from ..._errors import ConfigurationError, ExecutorStateError
 from ..._logging import get_logger
-from .._config import PlacementStrategy, check_count, check_positive, validate_resources
+from .._config import (
+    PlacementStrategy,
+    check_address,
+    check_count,
+    check_positive,
+    validate_resources,
+)
 from ..cluster import (
     PRECISION,
     Cluster,
@@ -103,6 +109,7 @@ class Reservation:
         if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ConfigurationError(f"unknown placement strategy {strategy!r}")
         check_positive("placement_timeout_s", placement_timeout_s)
+        check_address(address)
         self.size = bundles
         self.resources = {k: v for k, v in resources.items() if v > 0}
         self.strategy = strategy
