@@ -469,3 +469,30 @@ async def test_a_run_that_ended_with_an_error_is_freed_once_dropped() -> None:
     del ex
     gc.collect()
     assert dropped[-1]() is None
+
+
+#: How many workers the init hook below has set up (the first only succeeds).
+_SET_UP = [0]
+
+
+def _sets_up_once() -> None:
+    _SET_UP[0] += 1
+    if _SET_UP[0] > 1:
+        raise RuntimeError("a replacement cannot be set up")
+
+
+@pytest.mark.timeout(60)
+async def test_an_independent_ranks_failed_renewal_counts_as_its_attempt() -> None:
+    """Defect: a rank of independent ranks whose renewal failed (its replacement could not be
+    set up) was not counted as having made that attempt: the run gave up with "gave up after 1
+    attempt(s)" and listed two failures."""
+    _SET_UP[0] = 0
+    policy = asyncexec.RestartPolicy(max_restarts=1, restart_on_user_error=True, wait=NO_WAIT)
+    async with asyncexec.Executor(1, local=True, restart=policy, init_hook=_sets_up_once) as ex:
+        run = ex.run(_raises, independent=True)
+        with pytest.raises(asyncexec.RestartsExhaustedError) as caught:
+            async for _ in run:
+                pass
+    assert len(caught.value.failures) == 2
+    assert caught.value.attempts == 2, caught.value
+    assert run.attempt == 2

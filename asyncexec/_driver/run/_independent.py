@@ -207,9 +207,10 @@ class IndependentRun:
     ) -> Any:
         ctx = self.ctx
         if number > 1:
-            await self._renew(rank, group, preempted)
+            # Counted first: a renewal that fails is this attempt's failure.
             self.attempts[rank] = number
             self.run.attempt = 1 + sum(a - 1 for a in self.attempts)
+            await self._renew(rank, group, preempted)
         worker = group.workers[rank]
         key = (rank, self.generation[rank])
         self.credit.open(key)
