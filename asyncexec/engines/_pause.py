@@ -60,6 +60,10 @@ async def pause(
     ending = [pump for request_id, pump in pumps.items() if request_id in held]
     preparing = [request_id for request_id in pumps if request_id not in held]
     await pause_scheduler(mode="abort", clear_cache=True)
+    # One turn: a pump whose request vLLM finished before the pause (no longer recorded, its
+    # last output in its collector) has taken that output and ended (the pause's round trip
+    # to the core let it already; this makes it sure), so it is not taken for one unsent.
+    await asyncio.sleep(0)
     # A request whose pump was still preparing it (vLLM renders a prompt in a thread pool)
     # reaches the core after the pause, and the core holds what it gets while paused until a
     # resume: its generation would wait through the pause (an ``abort()`` for ever). One
