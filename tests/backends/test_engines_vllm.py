@@ -771,6 +771,22 @@ async def test_a_request_whose_pump_starts_after_a_pause_to_abort_ends_unsent(
         await asyncio.to_thread(server.shutdown)
 
 
+async def test_a_state_with_a_tensor_of_no_element_crosses_into_the_engine() -> None:
+    """Defect: a state holding a tensor of no element (a parameter or buffer of size 0) could
+    not be loaded: unpacking it in the engine's worker raised torch's "both buffer length (0)
+    and count (-1) must not be 0", and the push failed. It crosses as any other tensor now."""
+    import torch
+
+    from asyncexec.engines._extension import pack, unpack
+
+    state = {"empty": torch.zeros(0, 4), "one": torch.tensor(3.0), "w": torch.ones(2, 3)}
+    loaded = dict(unpack(pack(state, torch.bfloat16)))
+    assert {name: (t.shape, t.dtype) for name, t in loaded.items()} == {
+        name: (t.shape, torch.bfloat16) for name, t in state.items()
+    }
+    assert all(torch.equal(loaded[name], t.to(torch.bfloat16)) for name, t in state.items())
+
+
 class _Loading:
     """Stand-ins for what a server's load touches in the engine (no vLLM): whether it is paused
     when the weights go in, and what its pauses and resumes were."""
