@@ -49,6 +49,9 @@ def unpack(packed: list[Any]) -> Iterator[tuple[str, Any]]:
     import torch
 
     for name, dtype, shape, data in packed:
+        if not len(data):  # a tensor of no element: torch makes none over an empty buffer
+            yield name, torch.empty(shape, dtype=getattr(torch, dtype))
+            continue
         flat = torch.frombuffer(
             bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8
         )

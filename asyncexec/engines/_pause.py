@@ -8,11 +8,14 @@ import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
-__all__ = ["PAUSE_OUTPUTS_S", "pause"]
+__all__ = ["PAUSE_OUTPUTS_S", "UNSENT", "pause"]
 
 #: The longest a pause waits for the outputs the engine sent before it paused (to abort, the
 #: final outputs of the requests it ended; to keep, those of its last step).
 PAUSE_OUTPUTS_S = 5.0
+#: The message a pause to abort cancels a request's pump with when the request had not reached
+#: the engine yet (its pump ends it as aborted, with no output).
+UNSENT = "asyncexec: paused to abort before the request reached the engine"
 
 
 async def pause(
@@ -28,7 +31,9 @@ async def pause(
     output handling when it returns (the answer does not wait for them: the client's
     socket task takes it, and queues the outputs for the output handler). Here the same
     steps run, and the pause returns once they are through: to abort, once the final
-    output of every request the core held reached its ``generate`` loop; to keep, once
+    output of every request the core held reached its ``generate`` loop (a request that
+    was still being prepared, and would reach the core after the pause, ended too); to
+    keep, once
     the output handler has taken every output queued and the requests' pumps have tagged
     theirs with the version that made them (a load that came first would tag the old
     weights' tokens with the new version). At once when they are, and no later. A vLLM
@@ -53,7 +58,26 @@ async def pause(
     # sends it to the core in one step, and the core, which takes its input in order, ends
     # each of these.
     ending = [pump for request_id, pump in pumps.items() if request_id in held]
+    preparing = [request_id for request_id in pumps if request_id not in held]
     await pause_scheduler(mode="abort", clear_cache=True)
+    # One turn: a pump whose request vLLM finished before the pause (no longer recorded, its
+    # last output in its collector) has taken that output and ended (the pause's round trip
+    # to the core let it already; this makes it sure), so it is not taken for one unsent.
+    await asyncio.sleep(0)
+    # A request whose pump was still preparing it (vLLM renders a prompt in a thread pool)
+    # reaches the core after the pause, and the core holds what it gets while paused until a
+    # resume: its generation would wait through the pause (an ``abort()`` for ever). One
+    # recorded since is aborted (its final output ends its generation), one not yet is
+    # stopped before it is sent.
+    for request_id in preparing:
+        pump = pumps.get(request_id)
+        if pump is None:  # it ended meanwhile
+            continue
+        if request_id in held:
+            await engine.abort(request_id)
+        else:
+            pump.cancel(UNSENT)
+        ending.append(pump)
     if ending:
         # Plain asyncio: the pumps are tasks of this loop that their requests own; this
         # only watches them end (at the bound, they go on and the pause returns).

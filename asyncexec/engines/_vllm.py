@@ -34,7 +34,7 @@ from .. import RolloutServer, get_context
 from ._chunks import EngineChunk, deltas_of, joined
 from ._extension import pack
 from ._loop import EngineLoop, reaper
-from ._pause import pause
+from ._pause import UNSENT, pause
 
 __all__ = ["VLLMServer"]
 
@@ -109,6 +109,9 @@ class VLLMServer(RolloutServer):
         self._closed = False
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
+        #: The engine is paused to abort (on the engine loop): a request's pump that starts
+        #: now ends at once, aborted, rather than wait in the paused engine for a resume.
+        self._aborting = False
         #: A load, a pause and a resume of the engine, one at a time (on the engine loop): a
         #: load into a running engine pauses it and resumes it after, which must neither undo
         #: a pause that came meanwhile nor be undone by a resume.
@@ -258,10 +261,18 @@ class VLLMServer(RolloutServer):
                 here.call_soon_threadsafe(queue.put_nowait, item)
 
         async def pump() -> None:
+            if self._aborting:  # the pause to abort came first: the request ends, unsent
+                put(None)
+                return
             self._pumps[request_id] = asyncio.current_task()  # type: ignore[assignment]
             try:
                 async for output in self.engine.generate(inputs, params, request_id):
                     put((output, self._version))
+            except asyncio.CancelledError as exc:
+                if exc.args != (UNSENT,):
+                    put(exc)
+                    raise
+                # Stopped by a pause to abort before it reached the engine: ends, aborted.
             except BaseException as exc:
                 put(exc)
                 raise
@@ -360,6 +371,7 @@ class VLLMServer(RolloutServer):
         """On the engine loop: the engine paused (see :func:`._pause.pause`), after a load
         going on."""
         async with self._engine_turns:
+            self._aborting = mode == "abort"
             await pause(self.engine, self._pumps, mode)
 
     async def resume_engine(self) -> None:
@@ -369,6 +381,7 @@ class VLLMServer(RolloutServer):
         """On the engine loop: the engine resumed, after a load going on."""
         async with self._engine_turns:
             await self.engine.resume_generation()
+            self._aborting = False
 
     async def health(self) -> None:
         """The engine's own check, and a round trip to its core process (a core that is stopped

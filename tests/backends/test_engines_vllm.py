@@ -634,6 +634,159 @@ async def test_a_request_the_engine_aborts_as_the_server_shuts_down_raises(
         await asyncio.to_thread(server.shutdown)
 
 
+def _final(reason: str) -> Any:
+    """A request's final output, as vLLM's ``generate`` yields it (one token, none aborted)."""
+    tokens = [] if reason == "abort" else [7]
+    end = SimpleNamespace(
+        index=0, token_ids=tokens, logprobs=None, finish_reason=reason, weight_versions=None
+    )
+    return SimpleNamespace(prompt_token_ids=[1, 5], outputs=[end])
+
+
+class _Aborting:
+    """An engine's stand-in for a pause to abort (no vLLM): a request is prepared in a thread
+    (vLLM renders a prompt in a thread pool) before it is recorded and sent to the core; the
+    core ends what it holds at a pause to abort, and holds what it gets while paused until a
+    resume, as vLLM's does. ``ready``: when the preparation ends, relative to the pause."""
+
+    def __init__(self, ready: str = "at once") -> None:
+        self.model_config = SimpleNamespace(dtype="bfloat16")
+        self.errored = False
+        self.ready = ready
+        self.paused = False
+        self.preparing, self.prepared = threading.Event(), threading.Event()
+        if ready == "at once":
+            self.prepared.set()
+        self.requests: dict[str, asyncio.Queue[Any]] = {}  # recorded, by request id
+        self.held: list[str] = []  # what the core got while paused
+        self.output_processor = SimpleNamespace(external_req_ids=self.requests)
+        self.renderer = SimpleNamespace(clear_mm_cache_async=self._nothing)
+        self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause_scheduler)
+        self.output_handler = None
+
+    def made(self) -> _Aborting:
+        return self
+
+    async def _nothing(self) -> None: ...
+
+    async def generate(self, inputs: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        self.preparing.set()
+        await asyncio.get_running_loop().run_in_executor(None, self.prepared.wait, 30)
+        outputs = self.requests[request_id] = asyncio.Queue()
+        if self.paused:
+            self.held.append(request_id)
+        else:
+            outputs.put_nowait(_final("length"))
+        try:
+            while True:
+                output = await outputs.get()
+                yield output
+                if output.outputs[0].finish_reason is not None:
+                    return
+        finally:
+            self.requests.pop(request_id, None)
+
+    async def _pause_scheduler(self, mode: str, clear_cache: bool) -> None:
+        self.paused = True
+        if mode == "abort":
+            for request_id in list(self.requests):
+                self.requests.pop(request_id).put_nowait(_final("abort"))
+        if self.ready == "before the pause returns":
+            self.prepared.set()
+            for _ in range(500):  # until the request is recorded, sent after the pause
+                if self.requests:
+                    break
+                await asyncio.sleep(0.01)
+        elif self.ready == "after the pause returns":
+            asyncio.get_running_loop().call_later(0.05, self.prepared.set)
+
+    async def abort(self, request_id: str) -> None:
+        outputs = self.requests.pop(request_id, None)
+        if outputs is not None:
+            outputs.put_nowait(_final("abort"))
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+        for request_id in self.held:
+            if request_id in self.requests:
+                self.requests[request_id].put_nowait(_final("length"))
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    def shutdown(self, timeout: float) -> None:
+        self.prepared.set()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ready", ["before the pause returns", "after the pause returns"])
+async def test_an_abort_ends_a_request_that_reaches_the_engine_after_its_pause(
+    monkeypatch: pytest.MonkeyPatch, ready: str
+) -> None:
+    """Defect: a request still being prepared by vLLM (its prompt rendered in a thread pool)
+    when a pause to abort reached the core was sent to the core after it, which holds what it
+    gets while paused until a resume: ``abort()`` waited for that generation for ever (the
+    router took the server out at its bound), and ``pause("abort")`` let it run after the
+    resume, not aborted. The pause now ends it too: aborted in the engine when recorded by
+    then, stopped before it is sent otherwise; its sample comes back aborted."""
+    engine = _Aborting(ready)
+    server = await _stand_in_server(monkeypatch, engine)
+    request = asyncexec.RolloutRequest("r", {"prompt_token_ids": [1, 5]})
+    pending = asyncio.ensure_future(server.generate(request))
+    try:
+        assert await asyncio.to_thread(engine.preparing.wait, 30)
+        in_flight, handed = await asyncio.wait_for(server.abort(), 10)
+        assert in_flight == 1
+        assert [(s.id, s.aborted) for s in handed] == [("r", True)]
+        assert [c.token_ids for c in completions(handed[0])] in ([], [()])  # no token made
+        await server.resume()
+        assert (await asyncio.wait_for(pending, 10)).aborted
+        assert engine.requests == {}  # none left in the engine
+    finally:
+        pending.cancel()
+        await asyncio.to_thread(server.shutdown)
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_whose_pump_starts_after_a_pause_to_abort_ends_unsent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a request whose pump started on the engine loop only after a pause to abort (a
+    task made before the pause's, that had not run yet) was sent into the paused engine, which
+    held it until a resume: its generation waited through the pause (``abort()`` for ever). It
+    ends at once now, with no output, and never reaches the engine."""
+    engine = _Aborting()
+    server = await _stand_in_server(monkeypatch, engine)
+    try:
+        await server.pause_engine("abort")
+
+        async def drained() -> list[Any]:
+            return [chunk async for chunk in server.chunks({"prompt_token_ids": [1, 5]})]
+
+        assert await asyncio.wait_for(drained(), 10) == []
+        assert not engine.preparing.is_set() and engine.held == []
+        await server.resume_engine()
+        assert len(await asyncio.wait_for(drained(), 10)) == 1  # the engine serves again
+    finally:
+        await asyncio.to_thread(server.shutdown)
+
+
+async def test_a_state_with_a_tensor_of_no_element_crosses_into_the_engine() -> None:
+    """Defect: a state holding a tensor of no element (a parameter or buffer of size 0) could
+    not be loaded: unpacking it in the engine's worker raised torch's "both buffer length (0)
+    and count (-1) must not be 0", and the push failed. It crosses as any other tensor now."""
+    import torch
+
+    from asyncexec.engines._extension import pack, unpack
+
+    state = {"empty": torch.zeros(0, 4), "one": torch.tensor(3.0), "w": torch.ones(2, 3)}
+    loaded = dict(unpack(pack(state, torch.bfloat16)))
+    assert {name: (t.shape, t.dtype) for name, t in loaded.items()} == {
+        name: (t.shape, torch.bfloat16) for name, t in state.items()
+    }
+    assert all(torch.equal(loaded[name], t.to(torch.bfloat16)) for name, t in state.items())
+
+
 class _Loading:
     """Stand-ins for what a server's load touches in the engine (no vLLM): whether it is paused
     when the weights go in, and what its pauses and resumes were."""
