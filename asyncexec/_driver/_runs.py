@@ -183,11 +183,20 @@ class ExecutorRuns:
         self._retention.started(core.run_id, named=spec.name is not None)
         driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
         life.run = core
-        # Here, not in the run's task: from now on statistics() adds this run's steps instead
-        # of the previous run's, which must be counted by then (with no await between).
-        core.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
         tg.start_soon(self._retention.mark, core.run_id)
         tg.start_soon(driver.main, previous)
+        # Here, not in the run's task: from now on statistics() adds this run's steps instead
+        # of the previous run's, which must be counted by then (with no await between).
+        try:
+            core.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
+        except BaseException:
+            # A sink that raises (a processor of the application's logging, under the
+            # run_started line) raises here: the run is stopped before it begins (its task
+            # ends it as cancelled and tears it down), so that the next run does not wait for
+            # it for ever.
+            core.cancel()
+            receive.close()
+            raise
         return Run(core, receive)
 
     def _run_ended(self, run: RunCore) -> None:
