@@ -28,7 +28,8 @@ __all__ = ["ExecutorRuns", "ExecutorStatistics"]
 
 @dataclass(frozen=True)
 class ExecutorStatistics:
-    """Counters of an executor, from :meth:`Executor.statistics`."""
+    """Counters of an executor, from :meth:`Executor.statistics` (over its whole life: a closed
+    executor entered again goes on counting from its lives before)."""
 
     state: ExecutorState
     num_workers: int
@@ -98,12 +99,13 @@ class ExecutorRuns:
         if self._life.run is not None:
             counts["steps_delivered"] += self._life.run.delivered
         slot = self._life.slot
+        starts, restarts, resizes = self._life.earlier  # (of its lives before this one)
         return ExecutorStatistics(
             state=self.state,
             num_workers=self._size(),
-            group_starts=slot.starts,
-            restarts=slot.restarts,
-            resizes=slot.resizes,
+            group_starts=starts + slot.starts,
+            restarts=restarts + slot.restarts,
+            resizes=resizes + slot.resizes,
             in_flight=self._loads.in_flight(slot.group),
             **counts,
         )
