@@ -640,7 +640,7 @@ async def test_a_closed_pipelines_metrics_count_what_came_after_its_last_batch()
                     await pipe.update_weights({"w": 1})
                     synced = value(registry, "asyncexec_pipeline_samples_total", event="admitted")
                     with anyio.fail_after(10):  # more admitted than at the batch, then a stop
-                        while pipe.statistics().admitted <= (synced or 0):
+                        while pipe.statistics().admitted <= (synced or 0):  # noqa: ASYNC110 (its state)
                             await anyio.sleep(0.005)
                     break
             stats = pipe.statistics()
