@@ -422,6 +422,24 @@ async def test_a_log_processor_that_raises_at_a_runs_start_leaves_the_executor_u
     assert counts == (2, 1, 1, 0) and stats.steps_delivered == 2
 
 
+def _one() -> int:
+    return 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_call_to_no_rank_counts_no_call_sent() -> None:
+    """Defect: ``execute_single()`` to a rank the group does not have counted a call sent in
+    ``statistics().calls`` (and ``asyncexec_calls_total``) before it raised its
+    ``ConfigurationError``: nothing was sent."""
+    async with asyncexec.Executor(2, local=True) as ex:
+        for rank in (2, -1):
+            with pytest.raises(asyncexec.ConfigurationError, match=r"rank must be in 0\.\.1"):
+                await ex.execute_single(rank, _one)
+        assert ex.statistics().calls == 0
+        assert await ex.execute_single(1, _one) == 1
+        assert ex.statistics().calls == 1
+
+
 def test_a_runs_events_are_logged_by_its_observer_with_what_it_counts() -> None:
     """The run's log lines of its start, end and preemptions are a sink of the run's observer,
     beside the executor's counts: one emit writes both (the run logged them and emitted the
