@@ -121,6 +121,7 @@ class WorkerCalls:
         if self._loads.renewing(group.workers, (rank,)) is not None:
             group = await self._recovery.renewed(group, (rank,))
         workers = list(group.workers)
+        group.check_rank(rank)  # (a call to no rank is none sent)
         self._observer.emit(ONE_CALL_SENT)
         try:
             return await group.execute_single(rank, fn, *args, **kwargs)

@@ -108,6 +108,9 @@ class Lifecycle:
         #: The executor's observer (given to each slot, and by it to each group).
         self.observer = observer if observer is not None else Observer()
         self.slot = self._new_slot()
+        #: The group starts, restarts and resizes of the slots of its lives before this one
+        #: (``statistics()`` adds the slot's own: an executor's counters are its lifetime's).
+        self.earlier = (0, 0, 0)
         self._claim: Claim | None = None
         self._closed = anyio.Event()
         #: Set when a start (``enter``) has ended, started or not: what aclose() waits for
@@ -131,6 +134,9 @@ class Lifecycle:
             # A closed executor may be entered again: it starts a fresh group.
             # (The last run stays: the next one counts its steps, as after any run.)
             self._closed = anyio.Event()
+            starts, restarts, resizes = self.earlier
+            old = self.slot
+            self.earlier = (starts + old.starts, restarts + old.restarts, resizes + old.resizes)
             self.slot = self._new_slot()
         elif self.state is not ExecutorState.NEW:
             raise ExecutorStateError(f"the executor is already {self.state.value}")

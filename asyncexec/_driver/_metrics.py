@@ -552,7 +552,7 @@ def pipeline_collectors(m: Metrics) -> dict[str, Any]:
 
 class PipelineMeters:
     """One pipeline's part (nothing when metrics are off): its counters are synced at each
-    batch from the pipeline's own, as deltas."""
+    batch from the pipeline's own, as deltas, and at its close."""
 
     def __init__(self, executor: str) -> None:
         self.executor = executor
@@ -575,6 +575,19 @@ class PipelineMeters:
         made["wait"].labels(self.executor).observe(waited_s)
         made["buffer"].labels(self.executor).set(depth)
         made["in_flight"].labels(self.executor).set(in_flight)
+        self._sync(made, counts)
+
+    def closed(self, counts: dict[str, int]) -> None:
+        """The pipeline closed: its sample events since its last batch are counted, and its
+        requests in flight go to 0 (it stopped them)."""
+        m = _metrics
+        if m is None:
+            return
+        made = pipeline_collectors(m)
+        made["in_flight"].labels(self.executor).set(0)
+        self._sync(made, counts)
+
+    def _sync(self, made: dict[str, Any], counts: dict[str, int]) -> None:
         for event, total in counts.items():
             delta = total - self._synced.get(event, 0)
             if delta > 0:

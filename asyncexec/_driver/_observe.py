@@ -13,7 +13,9 @@ one event; the observer routes by the event's exact type, in the order the sinks
 (so a sink added after the statistics sees them already counted). An event no sink handles
 costs a dict look-up and the record it is: the hot paths (admission, a request's answer) stay
 as fast as with the separate calls. A sink that raises makes ``emit`` raise: nothing is
-logged and dropped.
+logged and dropped. (The log's sinks call the application's logging, whose processors may
+raise: a call site that emits between two changes of state that must go together, such as a
+run's start or a batch handed, leaves its state whole first.)
 
 An event that covers a stretch of time (a call, a wait, a teardown) is *span-shaped*: one
 record, emitted once when the stretch ends, whose last three fields are its ``start``, its

@@ -28,7 +28,8 @@ __all__ = ["ExecutorRuns", "ExecutorStatistics"]
 
 @dataclass(frozen=True)
 class ExecutorStatistics:
-    """Counters of an executor, from :meth:`Executor.statistics`."""
+    """Counters of an executor, from :meth:`Executor.statistics` (over its whole life: a closed
+    executor entered again goes on counting from its lives before)."""
 
     state: ExecutorState
     num_workers: int
@@ -98,12 +99,13 @@ class ExecutorRuns:
         if self._life.run is not None:
             counts["steps_delivered"] += self._life.run.delivered
         slot = self._life.slot
+        starts, restarts, resizes = self._life.earlier  # (of its lives before this one)
         return ExecutorStatistics(
             state=self.state,
             num_workers=self._size(),
-            group_starts=slot.starts,
-            restarts=slot.restarts,
-            resizes=slot.resizes,
+            group_starts=starts + slot.starts,
+            restarts=restarts + slot.restarts,
+            resizes=resizes + slot.resizes,
             in_flight=self._loads.in_flight(slot.group),
             **counts,
         )
@@ -183,11 +185,20 @@ class ExecutorRuns:
         self._retention.started(core.run_id, named=spec.name is not None)
         driver = RunDriver(life.slot, self.restart_policy, core, send, spec, self._run_ended)
         life.run = core
-        # Here, not in the run's task: from now on statistics() adds this run's steps instead
-        # of the previous run's, which must be counted by then (with no await between).
-        core.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
         tg.start_soon(self._retention.mark, core.run_id)
         tg.start_soon(driver.main, previous)
+        # Here, not in the run's task: from now on statistics() adds this run's steps instead
+        # of the previous run's, which must be counted by then (with no await between).
+        try:
+            core.observer.emit(RunStarted(previous.delivered if previous is not None else 0))
+        except BaseException:
+            # A sink that raises (a processor of the application's logging, under the
+            # run_started line) raises here: the run is stopped before it begins (its task
+            # ends it as cancelled and tears it down), so that the next run does not wait for
+            # it for ever.
+            core.cancel()
+            receive.close()
+            raise
         return Run(core, receive)
 
     def _run_ended(self, run: RunCore) -> None:

@@ -394,6 +394,52 @@ async def test_a_log_processor_that_raises_at_a_runs_end_leaves_no_worker_behind
         await anyio.sleep(0.05)
 
 
+@pytest.mark.timeout(30)
+async def test_a_log_processor_that_raises_at_a_runs_start_leaves_the_executor_usable() -> None:
+    """Defect: a sink that raised at a run's start (the application's structlog processor,
+    under the ``run_started`` line) made ``run()`` raise with the run left in progress and its
+    task never started: the next run waited for it for ever (a hang). Now ``run()`` raises it,
+    that run ends as cancelled, and the next run runs."""
+    import structlog
+
+    refused = []
+
+    def refuse_first_run_started(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("event") == "run_started" and not refused:
+            refused.append(event)
+            raise RuntimeError("the application's processor failed")
+        return event
+
+    structlog.configure(processors=[refuse_first_run_started, structlog.testing.LogCapture()])
+    async with asyncexec.Executor(2, local=True) as ex:
+        with pytest.raises(RuntimeError, match="the application's processor failed"):
+            ex.run(_steps_then_fail, {"steps": 2})
+        with anyio.fail_after(10):
+            steps = [step async for step in ex.run(_steps_then_fail, {"steps": 2})]
+        stats = ex.statistics()
+    assert len(steps) == 2 and refused
+    counts = (stats.runs_started, stats.runs_finished, stats.runs_cancelled, stats.runs_failed)
+    assert counts == (2, 1, 1, 0) and stats.steps_delivered == 2
+
+
+def _one() -> int:
+    return 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_call_to_no_rank_counts_no_call_sent() -> None:
+    """Defect: ``execute_single()`` to a rank the group does not have counted a call sent in
+    ``statistics().calls`` (and ``asyncexec_calls_total``) before it raised its
+    ``ConfigurationError``: nothing was sent."""
+    async with asyncexec.Executor(2, local=True) as ex:
+        for rank in (2, -1):
+            with pytest.raises(asyncexec.ConfigurationError, match=r"rank must be in 0\.\.1"):
+                await ex.execute_single(rank, _one)
+        assert ex.statistics().calls == 0
+        assert await ex.execute_single(1, _one) == 1
+        assert ex.statistics().calls == 1
+
+
 def test_a_runs_events_are_logged_by_its_observer_with_what_it_counts() -> None:
     """The run's log lines of its start, end and preemptions are a sink of the run's observer,
     beside the executor's counts: one emit writes both (the run logged them and emitted the

@@ -619,6 +619,65 @@ async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
 
 
 @pytest.mark.timeout(30)
+async def test_a_closed_pipelines_metrics_count_what_came_after_its_last_batch() -> None:
+    """Defect: the pipeline's sample counters were synced at each batch only, so the prompts
+    admitted (and samples returned) after the last batch were never counted in
+    ``asyncexec_pipeline_samples_total``, and its ``in_flight`` gauge kept the requests of its
+    last batch or update in flight for ever after it closed. At the close the counters are
+    synced and the gauge is 0."""
+    pytest.importorskip("prometheus_client")
+    from asyncexec.testing import ScriptedServer, SimCluster
+
+    def value(registry: Any, name: str, **labels: str) -> float | None:
+        found: float | None = registry.get_sample_value(name, {"executor": "rollout", **labels})
+        return found
+
+    role = asyncexec.Role(ScriptedServer, chunks=3, delay_s=0.01)
+    with metrics_enabled() as registry:
+        async with asyncexec.Executor(2, roles=role, cluster=SimCluster(), name="rollout") as ex:
+            async with asyncexec.Pipeline(ex, range(100), batch_size=4, staleness=2) as pipe:
+                async for _ in pipe:
+                    await pipe.update_weights({"w": 1})
+                    synced = value(registry, "asyncexec_pipeline_samples_total", event="admitted")
+                    with anyio.fail_after(10):  # more admitted than at the batch, then a stop
+                        while pipe.statistics().admitted <= (synced or 0):  # noqa: ASYNC110 (its state)
+                            await anyio.sleep(0.005)
+                    break
+            stats = pipe.statistics()
+            admitted = value(registry, "asyncexec_pipeline_samples_total", event="admitted")
+            assert admitted == stats.admitted > (synced or 0)
+            assert value(registry, "asyncexec_pipeline_in_flight") == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_log_processor_that_raises_at_a_batch_loses_no_batch() -> None:
+    """Defect: a sink that raised as a batch was handed (the application's structlog processor,
+    under the ``pipeline_batch`` line) raised out of the iteration after the batch's samples
+    were taken and counted consumed: the batch was lost (a learner that went on never trained
+    on it, and the pipeline's ``state_dict()`` had them consumed). Now the batch is handed and
+    the error fails the pipeline, out of its ``async with``."""
+    import structlog
+
+    from asyncexec.testing import ScriptedServer, SimCluster
+
+    def refuse_batches(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("event") == "pipeline_batch":
+            raise RuntimeError("the application's processor failed")
+        return event
+
+    structlog.configure(processors=[refuse_batches, structlog.testing.LogCapture()])
+    role = asyncexec.Role(ScriptedServer, chunks=3, delay_s=0.01)
+    handed: list[Any] = []
+    async with asyncexec.Executor(2, roles=role, cluster=SimCluster()) as servers:
+        with pytest.raises(RuntimeError, match="the application's processor failed"):
+            async with asyncexec.Pipeline(servers, range(12), batch_size=4) as pipe:
+                with anyio.fail_after(10):
+                    async for batch in pipe:
+                        handed += batch.ids
+    assert handed and len(handed) == pipe.statistics().consumed  # every batch taken, handed
+
+
+@pytest.mark.timeout(30)
 async def test_a_closed_pipelines_statistics_are_those_at_its_close() -> None:
     """Simulated servers: read after the pipeline closed (a ``break`` with requests in flight),
     its statistics went on as if it ran: the requests it stopped counted in flight, and the

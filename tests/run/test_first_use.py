@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import pytest
 import ray
+import tenacity
 
 import asyncexec
 
@@ -443,6 +444,32 @@ async def test_statistics_never_go_back_when_the_next_run_starts() -> None:
         assert (now.steps_delivered, now.runs_started) == (5, 2)
         assert len([s async for s in again]) == 2
         assert ex.statistics().steps_delivered == 7
+
+
+def _fails_first_attempt(n: int) -> None:
+    for i in range(n):
+        asyncexec.report({"i": i})
+    if asyncexec.get_context().attempt == 1:
+        raise ValueError("the first attempt fails")
+
+
+@pytest.mark.timeout(30)
+async def test_statistics_of_an_executor_entered_again_count_its_lives_before() -> None:
+    """Defect: an executor entered again after it closed reported the group starts, restarts
+    and resizes of its new life only (``group_starts`` back to 1, ``restarts`` to 0), while its
+    runs and steps went on counting from its lives before."""
+    policy = asyncexec.RestartPolicy(
+        max_restarts=1, wait=tenacity.wait_none(), restart_on_user_error=True
+    )
+    ex = asyncexec.Executor(1, local=True, restart=policy)
+    async with ex:
+        assert len([s async for s in ex.run(_fails_first_attempt, 2)]) >= 2
+        first = ex.statistics()
+    assert (first.group_starts, first.restarts, first.runs_started) == (2, 1, 1)
+    async with ex:
+        assert len([s async for s in ex.run(_steps, 2)]) == 2
+        again = ex.statistics()
+    assert (again.group_starts, again.restarts, again.runs_started) == (3, 1, 2)
 
 
 _REPORTED = threading.Event()

@@ -170,12 +170,20 @@ class WorkerGroup:
             raise
         return self.values(await _given_up(self.gather(calls), fn, calls), self.workers)
 
+    def check_rank(self, rank: int) -> None:
+        """Refuse ``rank`` unless it is one of the group's.
+
+        Raises:
+            ConfigurationError: it is not.
+        """
+        if not 0 <= rank < len(self.workers):
+            raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
+
     async def execute_single(
         self, rank: int, fn: Callable[..., T], /, *args: Any, **kwargs: Any
     ) -> T:
         """Run ``fn`` on one rank."""
-        if not 0 <= rank < len(self.workers):
-            raise ConfigurationError(f"rank must be in 0..{len(self.workers) - 1}, got {rank!r}")
+        self.check_rank(rank)
         worker = self.workers[rank]
         calls = [_execute_on(self, worker, fn, args, kwargs)]
         values: list[T] = self.values(await _given_up(self.gather(calls), fn, calls), [worker])

@@ -127,6 +127,8 @@ class Admission:
         self.open = True  # False while a weight update holds admission
         self.closing = False  # the pipeline closes: nothing more is admitted or used
         self.exhausted = False  # the source has no more prompts
+        #: The pipeline's task group, once it runs (what an error of a sink's fails: ``hand``).
+        self.tg: anyio.abc.TaskGroup | None = None
         #: The channel's versions that this pipeline pushed (or found as it started), each
         #: with the learner's version it stands for, in order (none without a channel).
         self.marks: list[tuple[int, int]] = []
@@ -167,6 +169,7 @@ class Admission:
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         """Admit prompts for as long as the pipeline lives (a task of its group)."""
+        self.tg = tg
         tg.start_soon(self._pull)
         while True:
             await self.servers.turn()  # a burst of admissions spreads over turns of the loop
@@ -341,8 +344,24 @@ class Admission:
             self.pending.discard(sample.id)
             self.expiries.pop(sample.id, None)
         batch = batch_of(samples, v, staleness, waited_s)
-        self.observer.emit(
-            BatchHanded(v, staleness, batch.staleness_max, waited_s, budget.finished_count, bound)
-        )
+        try:
+            self.observer.emit(
+                BatchHanded(
+                    v, staleness, batch.staleness_max, waited_s, budget.finished_count, bound
+                )
+            )
+        except Exception as exc:
+            # A sink that raised (the application's logging processor, under the
+            # pipeline_batch line): raised here, the batch was lost with its samples counted
+            # consumed. It is handed, and the error fails the pipeline as an error of its own
+            # tasks does (out of its ``async with``).
+            if self.tg is None:
+                raise
+            self.tg.start_soon(_raise, exc)
         self.notify()
         return batch
+
+
+async def _raise(error: BaseException) -> None:
+    """Fail the task group this runs in with ``error``."""
+    raise error

@@ -252,9 +252,10 @@ class Pipeline:
         What fails the pipeline's own tasks is not raised here: a prompt's id that comes again
         from the source (``ConfigurationError`` naming it; its first pending, or consumed in
         this pipeline) or that is not hashable (``ConfigurationError`` naming it and its
-        position), or a server's error. Whatever the body awaits then (this call, a
-        training step, an update) is cancelled, and the error comes out of the pipeline's
-        ``async with``.
+        position), a server's error, or the error of the application's logging processor under
+        a batch's ``pipeline_batch`` line (the batch is handed). Whatever the body awaits then
+        (this call, a training step, an update) is cancelled, and the error comes out of the
+        pipeline's ``async with``.
         """
         self._check_open()
         self._updates.check()

@@ -105,7 +105,8 @@ class PipelineTimeline:
 
 class PipelineMetrics:
     """The pipeline's metrics (``_metrics.PipelineMeters``: nothing while metrics are off): the
-    sample events tallied here, synced to the counters at each batch."""
+    sample events tallied here, synced to the counters at each batch and at the close (when
+    the requests in flight go to 0)."""
 
     def __init__(self, meters: PipelineMeters) -> None:
         self.meters = meters
@@ -122,6 +123,7 @@ class PipelineMetrics:
             RequestExpired: self._expired,
             BatchHanded: self._batch,
             UpdateEnded: self._ended,
+            PipelineClosed: self._closed,
         }
 
     def _admitted(self, event: Admitted) -> None:
@@ -149,6 +151,10 @@ class PipelineMetrics:
 
     def _ended(self, event: UpdateEnded) -> None:
         self.meters.paused(event.mode, event.pause_s, self.in_flight)
+
+    def _closed(self, event: PipelineClosed) -> None:
+        self.in_flight = 0
+        self.meters.closed(self.counts)
 
 
 class PipelineLog:
