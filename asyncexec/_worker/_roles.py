@@ -125,7 +125,8 @@ async def make(
 
     Returns:
         ``Outcome("ok")``, or an error outcome whose ``value`` is the :class:`RoleFailure` that
-        says which role failed and where (the instances made before it are dropped).
+        says which role failed and where (the instances made before it, and the failed one when
+        its ``restore`` failed, are closed as :func:`drop` closes them).
     """
     from ray import cloudpickle
 
@@ -144,6 +145,7 @@ async def make(
                 spec: RoleSpec = await asyncio.to_thread(cloudpickle.loads, blob)
                 stage = "init"
                 instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
+                instances.append(instance)
                 made = getattr(instance, "_asyncexec_check_made", None)
                 if callable(made):  # the class's check of a made instance (RolloutServer's)
                     made()
@@ -153,8 +155,10 @@ async def make(
                     await _invoke(restore, (checkpoint,), {}, context)
             except Exception as exc:
                 failed = _outcomes.error_outcome(exc)
+                # What the instances made so far hold (an engine) is let go: no worker holds
+                # them, and nothing else would call their close().
+                await _close(instances, context)
                 return failed._replace(value=RoleFailure(index, stage))
-            instances.append(instance)
             limits.append(spec.max_concurrency)
     finally:
         _place.ROLE_LOOP.reset(loop_set)
@@ -267,14 +271,19 @@ async def drop() -> list[BaseException]:
     roles, place.roles = place.roles, None
     if not isinstance(roles, Roles):
         return []
+    return await _close(roles.instances, roles.context)
+
+
+async def _close(instances: list[object], context: ContextFactory | None) -> list[BaseException]:
+    """Call each instance's ``close()``, as :func:`drop` says; return the errors, each logged."""
     errors: list[BaseException] = []
-    for index in reversed(range(len(roles.instances))):
-        instance = roles.instances[index]
+    for index in reversed(range(len(instances))):
+        instance = instances[index]
         close = getattr(instance, "close", None)
         if not callable(close):
             continue
         try:
-            await asyncio.wait_for(_invoke(close, (), {}, roles.context), CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(_invoke(close, (), {}, context), CLOSE_TIMEOUT_S)
         except Exception as exc:
             errors.append(exc)
             _log.warning(

@@ -315,6 +315,26 @@ async def test_a_roles_close_is_called_when_its_worker_drops_it(mode: str, tmp_p
     assert {(int(rank), int(pid)) for rank, _, pid in closed(log)} == {(0, pids[0]), (1, pids[1])}
 
 
+class FailsToStart:
+    def __init__(self) -> None:
+        raise RuntimeError("no engine")
+
+
+@pytest.mark.timeout(60)
+async def test_instances_made_before_a_role_that_fails_to_start_are_closed(
+    mode: str, tmp_path: Path
+) -> None:
+    """Defect: when a role's ``__init__`` raised, the instances of the roles before it on that
+    worker were forgotten without their ``close()`` (a ``VLLMServer``'s engine kept its
+    processes and memory; in local mode for as long as the program ran). They are closed now."""
+    log = tmp_path / "closed"
+    roles = [asyncexec.Role(Closes, str(log), "a"), asyncexec.Role(FailsToStart)]
+    with pytest.raises(asyncexec.StartupError, match="no engine"):
+        async with asyncexec.Executor(1, resources_per_worker=CPU, roles=roles):
+            pass
+    assert [name for _, name, _ in closed(log)] == ["a"]
+
+
 async def pooled_closes(tmp_path: Path, cluster: Any = None) -> None:
     """A pooled worker closes its instances before it goes back: its next lease finds nothing
     held; a worker whose instance failed to close is replaced, not given back (what the
