@@ -147,8 +147,9 @@ async def make(
                 instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
                 instances.append(instance)
                 made = getattr(instance, "_asyncexec_check_made", None)
-                if callable(made):  # the class's check of a made instance (RolloutServer's)
-                    made()
+                if callable(made):  # the class's check of a made instance (RolloutServer's:
+                    # in a thread, as it may load the weights the worker holds)
+                    await _invoke(made, (), {}, context)
                 restore = getattr(instance, "restore", None)
                 if checkpoint is not None and callable(restore):
                     stage = "restore"
