@@ -30,6 +30,7 @@ it: ``RolloutServer._asyncexec_loop``), so that an engine with an event loop can
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -63,7 +64,7 @@ _KEYS = 1024
 class Roles:
     """One worker's instances of its roles, in role order."""
 
-    __slots__ = ("_keys", "context", "instances", "limits")
+    __slots__ = ("_keys", "_pools", "_sizes", "context", "instances", "limits")
 
     def __init__(
         self,
@@ -76,7 +77,10 @@ class Roles:
         self.context = context
         #: Per instance: the calls of its plain methods that may run at once (made on the
         #: actor's loop, where the calls come).
-        self.limits = [asyncio.Semaphore(n) for n in (max_concurrency or [1] * len(instances))]
+        self._sizes = max_concurrency or [1] * len(instances)
+        self.limits = [asyncio.Semaphore(n) for n in self._sizes]
+        #: Per instance: the threads its plain calls run in (made at its first such call).
+        self._pools: list[concurrent.futures.ThreadPoolExecutor | None] = [None] * len(instances)
         #: The role index and method name of each method key seen (a key is parsed once).
         self._keys: dict[str, tuple[int, str]] = {}
 
@@ -95,6 +99,24 @@ class Roles:
             if len(self._keys) < _KEYS:
                 self._keys[key] = parsed
         return parsed[0], self.method(*parsed)
+
+    def pool(self, role_index: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads of the plain calls of role ``role_index``'s instance, as many as its
+        limit lets run at once: the loop's default pool (a few threads per CPU, shared with
+        every other thread of the worker) would run fewer at once than ``max_concurrency``
+        says, and calls that wait on each other would never meet. On the actor's loop."""
+        pool = self._pools[role_index]
+        if pool is None:
+            pool = self._pools[role_index] = concurrent.futures.ThreadPoolExecutor(
+                self._sizes[role_index], thread_name_prefix=f"asyncexec-role{role_index}"
+            )
+        return pool
+
+    def shutdown(self) -> None:
+        """Let the instances' call threads end (those running a call end with it)."""
+        for pool in self._pools:
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def method(self, role_index: int, name: str) -> Callable[..., Any]:
         """The bound method ``name`` of the instance of role ``role_index``.
@@ -190,7 +212,9 @@ async def call(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             with _entered(roles.context):
                 result = await fn(*args, **kwargs)
         else:
-            result = await _limited(roles.limits[role_index], fn, args, kwargs, roles.context)
+            result = await _limited(
+                roles.limits[role_index], roles.pool(role_index), fn, args, kwargs, roles.context
+            )
     except Exception as exc:
         return _outcomes.error_outcome(exc)
     except asyncio.CancelledError as exc:
@@ -272,7 +296,10 @@ async def drop() -> list[BaseException]:
     roles, place.roles = place.roles, None
     if not isinstance(roles, Roles):
         return []
-    return await _close(roles.instances, roles.context)
+    try:
+        return await _close(roles.instances, roles.context)
+    finally:
+        roles.shutdown()
 
 
 async def _close(instances: list[object], context: ContextFactory | None) -> list[BaseException]:
@@ -312,19 +339,21 @@ async def _invoke(
 
 async def _limited(
     limit: asyncio.Semaphore,
+    pool: concurrent.futures.ThreadPoolExecutor,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     context: ContextFactory | None,
 ) -> Any:
-    """A plain method in a thread once ``limit`` lets it; the place is given back when the
-    thread ends, not when this caller stops waiting (a cancelled call's thread runs on)."""
+    """A plain method in a thread of ``pool`` once ``limit`` lets it; the place is given back
+    when the thread ends, not when this caller stops waiting (a cancelled call's thread runs
+    on)."""
     await limit.acquire()
     try:
         run = functools.partial(
             contextvars.copy_context().run, _call_within, fn, args, kwargs, context
         )
-        thread = asyncio.get_running_loop().run_in_executor(None, run)
+        thread = asyncio.get_running_loop().run_in_executor(pool, run)
     except BaseException:
         limit.release()
         raise

@@ -315,6 +315,36 @@ async def test_a_roles_close_is_called_when_its_worker_drops_it(mode: str, tmp_p
     assert {(int(rank), int(pid)) for rank, _, pid in closed(log)} == {(0, pids[0]), (1, pids[1])}
 
 
+class Meets:
+    """A role whose calls wait for one another: ``n`` of them meet at a barrier."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier = threading.Barrier(n, timeout=10)
+
+    def meet(self) -> int:
+        try:
+            return self.barrier.wait()
+        except threading.BrokenBarrierError:
+            return -1
+
+
+#: More than the threads of a worker's default pool (at most 32, fewer with fewer CPUs).
+MEETING = 36
+
+
+@pytest.mark.timeout(60)
+async def test_max_concurrency_plain_calls_run_at_once_however_many_cpus(mode: str) -> None:
+    """Defect: a role's ``max_concurrency=k`` plain calls ran in the worker's default thread
+    pool, of a few threads per CPU (6 on 2 CPUs, 32 at most), and shared with every other
+    thread of the worker: fewer than k ran at once, so k calls that wait for one another never
+    met (and they held up ``execute()`` and weight installs meanwhile). Each instance's plain
+    calls have threads of their own now, k of them."""
+    role = asyncexec.Role(Meets, MEETING).options(max_concurrency=MEETING)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=role) as ex:
+        met = await asyncio.gather(*[ex.call(Meets.meet) for _ in range(MEETING)])
+    assert sorted(rank0 for [rank0] in met) == list(range(MEETING))
+
+
 class FailsToStart:
     def __init__(self) -> None:
         raise RuntimeError("no engine")
