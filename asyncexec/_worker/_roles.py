@@ -64,7 +64,7 @@ _KEYS = 1024
 class Roles:
     """One worker's instances of its roles, in role order."""
 
-    __slots__ = ("_keys", "_pools", "_sizes", "context", "instances", "limits")
+    __slots__ = ("_closed", "_keys", "_pools", "_sizes", "context", "instances", "limits")
 
     def __init__(
         self,
@@ -81,6 +81,7 @@ class Roles:
         self.limits = [asyncio.Semaphore(n) for n in self._sizes]
         #: Per instance: the threads its plain calls run in (made at its first such call).
         self._pools: list[concurrent.futures.ThreadPoolExecutor | None] = [None] * len(instances)
+        self._closed = False
         #: The role index and method name of each method key seen (a key is parsed once).
         self._keys: dict[str, tuple[int, str]] = {}
 
@@ -104,7 +105,17 @@ class Roles:
         """The threads of the plain calls of role ``role_index``'s instance, as many as its
         limit lets run at once: the loop's default pool (a few threads per CPU, shared with
         every other thread of the worker) would run fewer at once than ``max_concurrency``
-        says, and calls that wait on each other would never meet. On the actor's loop."""
+        says, and calls that wait on each other would never meet. On the actor's loop.
+
+        Raises:
+            ExecutorStateError: the worker let go of its instances (see :func:`drop`).
+        """
+        if self._closed:
+            instance = self.instances[role_index]
+            raise ExecutorStateError(
+                f"this worker let go of its {type(instance).__qualname__} instance "
+                "(its roles were made again, or the worker was reset or closed)"
+            )
         pool = self._pools[role_index]
         if pool is None:
             pool = self._pools[role_index] = concurrent.futures.ThreadPoolExecutor(
@@ -114,6 +125,7 @@ class Roles:
 
     def shutdown(self) -> None:
         """Let the instances' call threads end (those running a call end with it)."""
+        self._closed = True
         for pool in self._pools:
             if pool is not None:
                 pool.shutdown(wait=False)
@@ -212,9 +224,7 @@ async def call(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             with _entered(roles.context):
                 result = await fn(*args, **kwargs)
         else:
-            result = await _limited(
-                roles.limits[role_index], roles.pool(role_index), fn, args, kwargs, roles.context
-            )
+            result = await _limited(roles, role_index, fn, args, kwargs)
     except Exception as exc:
         return _outcomes.error_outcome(exc)
     except asyncio.CancelledError as exc:
@@ -338,22 +348,22 @@ async def _invoke(
 
 
 async def _limited(
-    limit: asyncio.Semaphore,
-    pool: concurrent.futures.ThreadPoolExecutor,
+    roles: Roles,
+    role_index: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    context: ContextFactory | None,
 ) -> Any:
-    """A plain method in a thread of ``pool`` once ``limit`` lets it; the place is given back
-    when the thread ends, not when this caller stops waiting (a cancelled call's thread runs
-    on)."""
+    """A plain method in a thread of its instance's pool once the instance's limit lets it; the
+    place is given back when the thread ends, not when this caller stops waiting (a cancelled
+    call's thread runs on)."""
+    limit, context = roles.limits[role_index], roles.context
     await limit.acquire()
     try:
         run = functools.partial(
             contextvars.copy_context().run, _call_within, fn, args, kwargs, context
         )
-        thread = asyncio.get_running_loop().run_in_executor(pool, run)
+        thread = asyncio.get_running_loop().run_in_executor(roles.pool(role_index), run)
     except BaseException:
         limit.release()
         raise
