@@ -16,7 +16,8 @@ Calls of the instances' methods run as on a Ray actor: an ``async def`` on the a
 concurrently with any others; a plain method in a thread, one call at a time per instance (as a
 plain Ray actor runs its methods), or up to the role's ``max_concurrency`` at once. A plain call
 holds its place until its thread ends, even when the driver stopped waiting for it (a thread
-cannot be cancelled): the next one starts after it. The driver sends the plain calls of a role
+cannot be cancelled): the next one starts after it, and the instance's ``close()`` waits for
+it. The driver sends the plain calls of a role
 that runs them one at a time to ``call_here`` instead, through the role's own Ray concurrency
 group (see ``_actor.ROLE_GROUPS``): Ray runs them one at a time on that group's thread, so they
 skip the hop from the actor's loop to a thread and back. On
@@ -36,7 +37,8 @@ import contextvars
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -64,7 +66,17 @@ _KEYS = 1024
 class Roles:
     """One worker's instances of its roles, in role order."""
 
-    __slots__ = ("_closed", "_keys", "_pools", "_sizes", "context", "instances", "limits")
+    __slots__ = (
+        "_closed",
+        "_ended",
+        "_keys",
+        "_pools",
+        "_running",
+        "_sizes",
+        "context",
+        "instances",
+        "limits",
+    )
 
     def __init__(
         self,
@@ -82,6 +94,9 @@ class Roles:
         #: Per instance: the threads its plain calls run in (made at its first such call).
         self._pools: list[concurrent.futures.ThreadPoolExecutor | None] = [None] * len(instances)
         self._closed = False
+        #: Per instance: its plain calls running now, each in a thread (see ``wait_idle``).
+        self._running = [0] * len(instances)
+        self._ended = threading.Condition(threading.Lock())
         #: The role index and method name of each method key seen (a key is parsed once).
         self._keys: dict[str, tuple[int, str]] = {}
 
@@ -122,6 +137,32 @@ class Roles:
                 self._sizes[role_index], thread_name_prefix=f"asyncexec-role{role_index}"
             )
         return pool
+
+    def began(self, role_index: int) -> None:
+        """A plain call of role ``role_index``'s instance is sent to its thread (or runs)."""
+        with self._ended:
+            self._running[role_index] += 1
+
+    def ended(self, role_index: int) -> None:
+        """That call has ended."""
+        with self._ended:
+            self._running[role_index] -= 1
+            self._ended.notify_all()
+
+    @contextlib.contextmanager
+    def running(self, role_index: int) -> Iterator[None]:
+        """Around a plain call of role ``role_index``'s instance, in the thread that runs it."""
+        self.began(role_index)
+        try:
+            yield
+        finally:
+            self.ended(role_index)
+
+    def wait_idle(self, role_index: int, timeout_s: float) -> bool:
+        """Until no plain call of role ``role_index``'s instance runs (a call whose caller
+        stopped waiting runs to its end); whether none does within ``timeout_s``. Blocking."""
+        with self._ended:
+            return self._ended.wait_for(lambda: self._running[role_index] == 0, timeout_s)
 
     def shutdown(self) -> None:
         """Let the instances' call threads end (those running a call end with it)."""
@@ -241,12 +282,13 @@ async def call_here(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     its value or outcome, as :func:`call` returns it."""
     try:
         roles = _held()
-        fn = roles.found(key)[1]
+        role_index, fn = roles.found(key)
         if inspect.iscoroutinefunction(fn):
             with _entered(roles.context):
                 result = await fn(*args, **kwargs)
         else:
-            result = _call_within(fn, args, kwargs, roles.context)
+            with roles.running(role_index):
+                result = _call_within(fn, args, kwargs, roles.context)
             if inspect.isawaitable(result):
                 with _entered(roles.context):
                     result = await result
@@ -268,11 +310,12 @@ def call_inline(
     worker's) while this thread waits; its value or outcome, as :func:`call` returns it."""
     try:
         roles = _held()
-        fn = roles.found(key)[1]
+        role_index, fn = roles.found(key)
         if inspect.iscoroutinefunction(fn):
             result = _on(loop, _awaited(fn(*args, **kwargs), roles.context))
         else:
-            result = _call_within(fn, args, kwargs, roles.context)
+            with roles.running(role_index):
+                result = _call_within(fn, args, kwargs, roles.context)
             if inspect.isawaitable(result):
                 result = _on(loop, _awaited(result, roles.context))
     except Exception as exc:
@@ -300,33 +343,44 @@ async def drop() -> list[BaseException]:
     """Let go of this worker's instances (their roles made again, a pooled worker going back,
     the worker closing): each instance's ``close()``, where its class has one (an ``async def``
     on this loop, else in a thread, inside the worker's context), is called in reverse role
-    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. Returns the errors the
-    closes raised (a close that took too long: TimeoutError), each logged; never raises."""
+    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. An instance's close
+    waits first (as long again at most) for its plain calls still running (a call whose caller
+    stopped waiting runs to its end): it does not let go of what they use under them. Returns
+    the errors the closes raised (a close that took too long, or calls still running after
+    that wait: TimeoutError), each logged; never raises."""
     place = _place.current_place()
     roles, place.roles = place.roles, None
     if not isinstance(roles, Roles):
         return []
     try:
-        return await _close(roles.instances, roles.context)
+        return await _close(roles.instances, roles.context, roles)
     finally:
         roles.shutdown()
 
 
-async def _close(instances: list[object], context: ContextFactory | None) -> list[BaseException]:
-    """Call each instance's ``close()``, as :func:`drop` says; return the errors, each logged."""
+async def _close(
+    instances: list[object], context: ContextFactory | None, roles: Roles | None = None
+) -> list[BaseException]:
+    """Call each instance's ``close()``, as :func:`drop` says (once the plain calls of
+    ``roles``' instances end); return the errors, each logged."""
     errors: list[BaseException] = []
     for index in reversed(range(len(instances))):
         instance = instances[index]
         close = getattr(instance, "close", None)
         if not callable(close):
             continue
+        name = type(instance).__qualname__
+        if roles is not None and not await asyncio.to_thread(
+            roles.wait_idle, index, CLOSE_TIMEOUT_S
+        ):
+            busy = TimeoutError(f"a call of {name} still runs after {CLOSE_TIMEOUT_S:g} s")
+            errors.append(busy)
+            _log.warning("role_close_while_called role=%s error=%s", name, describe(busy))
         try:
             await asyncio.wait_for(_invoke(close, (), {}, context), CLOSE_TIMEOUT_S)
         except Exception as exc:
             errors.append(exc)
-            _log.warning(
-                "role_close_failed role=%s error=%s", type(instance).__qualname__, describe(exc)
-            )
+            _log.warning("role_close_failed role=%s error=%s", name, describe(exc))
     return errors
 
 
@@ -367,7 +421,13 @@ async def _limited(
     except BaseException:
         limit.release()
         raise
-    thread.add_done_callback(lambda _: limit.release())
+    roles.began(role_index)  # from now until the thread ends (``drop`` waits for it)
+
+    def done(_: object) -> None:
+        roles.ended(role_index)
+        limit.release()
+
+    thread.add_done_callback(done)
     result = await asyncio.shield(thread)
     if inspect.isawaitable(result):
         with _entered(context):

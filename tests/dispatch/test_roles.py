@@ -345,6 +345,44 @@ async def test_max_concurrency_plain_calls_run_at_once_however_many_cpus(mode: s
     assert sorted(rank0 for [rank0] in met) == list(range(MEETING))
 
 
+class BusyCloses:
+    """A role whose ``close()`` writes to ``path`` whether a call of ``work`` was running."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.busy = False
+        self.started = threading.Event()
+
+    def work(self, seconds: float) -> None:
+        self.busy = True
+        self.started.set()
+        time.sleep(seconds)  # a call that runs on after its caller stopped waiting
+        self.busy = False
+
+    def wait_started(self) -> bool:
+        return self.started.wait(10)
+
+    def close(self) -> None:
+        Path(self.path).write_text(f"busy={self.busy}")
+
+
+@pytest.mark.timeout(60)
+async def test_a_roles_close_waits_for_its_plain_calls_still_running(
+    mode: str, tmp_path: Path
+) -> None:
+    """Defect: a plain call whose caller stopped waiting runs to its end (a thread cannot be
+    stopped), but the worker's close called the instance's ``close()`` meanwhile: an engine let
+    go of what the call was still using. The close waits for such calls to end first."""
+    log = tmp_path / "closed"
+    role = asyncexec.Role(BusyCloses, str(log)).options(max_concurrency=2)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=role) as ex:
+        call = asyncio.ensure_future(ex.call(BusyCloses.work, 1.0))
+        assert await ex.call(BusyCloses.wait_started) == [True]
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+    assert log.read_text() == "busy=False"
+
+
 class FailsToStart:
     def __init__(self) -> None:
         raise RuntimeError("no engine")
