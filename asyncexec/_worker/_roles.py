@@ -370,8 +370,10 @@ async def _close(
         if not callable(close):
             continue
         name = type(instance).__qualname__
-        if roles is not None and not await asyncio.to_thread(
-            roles.wait_idle, index, CLOSE_TIMEOUT_S
+        if (
+            roles is not None
+            and not roles.wait_idle(index, 0)  # (at once: no thread when none runs)
+            and not await asyncio.to_thread(roles.wait_idle, index, CLOSE_TIMEOUT_S)
         ):
             busy = TimeoutError(f"a call of {name} still runs after {CLOSE_TIMEOUT_S:g} s")
             errors.append(busy)
