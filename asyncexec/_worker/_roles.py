@@ -16,7 +16,8 @@ Calls of the instances' methods run as on a Ray actor: an ``async def`` on the a
 concurrently with any others; a plain method in a thread, one call at a time per instance (as a
 plain Ray actor runs its methods), or up to the role's ``max_concurrency`` at once. A plain call
 holds its place until its thread ends, even when the driver stopped waiting for it (a thread
-cannot be cancelled): the next one starts after it. The driver sends the plain calls of a role
+cannot be cancelled): the next one starts after it, and the instance's ``close()`` waits for
+it. The driver sends the plain calls of a role
 that runs them one at a time to ``call_here`` instead, through the role's own Ray concurrency
 group (see ``_actor.ROLE_GROUPS``): Ray runs them one at a time on that group's thread, so they
 skip the hop from the actor's loop to a thread and back. On
@@ -30,12 +31,14 @@ it: ``RolloutServer._asyncexec_loop``), so that an engine with an event loop can
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -63,7 +66,17 @@ _KEYS = 1024
 class Roles:
     """One worker's instances of its roles, in role order."""
 
-    __slots__ = ("_keys", "context", "instances", "limits")
+    __slots__ = (
+        "_closed",
+        "_ended",
+        "_keys",
+        "_pools",
+        "_running",
+        "_sizes",
+        "context",
+        "instances",
+        "limits",
+    )
 
     def __init__(
         self,
@@ -76,7 +89,14 @@ class Roles:
         self.context = context
         #: Per instance: the calls of its plain methods that may run at once (made on the
         #: actor's loop, where the calls come).
-        self.limits = [asyncio.Semaphore(n) for n in (max_concurrency or [1] * len(instances))]
+        self._sizes = max_concurrency or [1] * len(instances)
+        self.limits = [asyncio.Semaphore(n) for n in self._sizes]
+        #: Per instance: the threads its plain calls run in (made at its first such call).
+        self._pools: list[concurrent.futures.ThreadPoolExecutor | None] = [None] * len(instances)
+        self._closed = False
+        #: Per instance: its plain calls running now, each in a thread (see ``wait_idle``).
+        self._running = [0] * len(instances)
+        self._ended = threading.Condition(threading.Lock())
         #: The role index and method name of each method key seen (a key is parsed once).
         self._keys: dict[str, tuple[int, str]] = {}
 
@@ -95,6 +115,61 @@ class Roles:
             if len(self._keys) < _KEYS:
                 self._keys[key] = parsed
         return parsed[0], self.method(*parsed)
+
+    def pool(self, role_index: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads of the plain calls of role ``role_index``'s instance, as many as its
+        limit lets run at once: the loop's default pool (a few threads per CPU, shared with
+        every other thread of the worker) would run fewer at once than ``max_concurrency``
+        says, and calls that wait on each other would never meet. On the actor's loop.
+
+        Raises:
+            ExecutorStateError: the worker let go of its instances (see :func:`drop`).
+        """
+        if self._closed:
+            instance = self.instances[role_index]
+            raise ExecutorStateError(
+                f"this worker let go of its {type(instance).__qualname__} instance "
+                "(its roles were made again, or the worker was reset or closed)"
+            )
+        pool = self._pools[role_index]
+        if pool is None:
+            pool = self._pools[role_index] = concurrent.futures.ThreadPoolExecutor(
+                self._sizes[role_index], thread_name_prefix=f"asyncexec-role{role_index}"
+            )
+        return pool
+
+    def began(self, role_index: int) -> None:
+        """A plain call of role ``role_index``'s instance is sent to its thread (or runs)."""
+        with self._ended:
+            self._running[role_index] += 1
+
+    def ended(self, role_index: int) -> None:
+        """That call has ended."""
+        with self._ended:
+            self._running[role_index] -= 1
+            self._ended.notify_all()
+
+    @contextlib.contextmanager
+    def running(self, role_index: int) -> Iterator[None]:
+        """Around a plain call of role ``role_index``'s instance, in the thread that runs it."""
+        self.began(role_index)
+        try:
+            yield
+        finally:
+            self.ended(role_index)
+
+    def wait_idle(self, role_index: int, timeout_s: float) -> bool:
+        """Until no plain call of role ``role_index``'s instance runs (a call whose caller
+        stopped waiting runs to its end); whether none does within ``timeout_s``. Blocking."""
+        with self._ended:
+            return self._ended.wait_for(lambda: self._running[role_index] == 0, timeout_s)
+
+    def shutdown(self) -> None:
+        """Let the instances' call threads end (those running a call end with it)."""
+        self._closed = True
+        for pool in self._pools:
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def method(self, role_index: int, name: str) -> Callable[..., Any]:
         """The bound method ``name`` of the instance of role ``role_index``.
@@ -125,7 +200,8 @@ async def make(
 
     Returns:
         ``Outcome("ok")``, or an error outcome whose ``value`` is the :class:`RoleFailure` that
-        says which role failed and where (the instances made before it are dropped).
+        says which role failed and where (the instances made before it, and the failed one when
+        its ``restore`` failed, are closed as :func:`drop` closes them).
     """
     from ray import cloudpickle
 
@@ -144,17 +220,21 @@ async def make(
                 spec: RoleSpec = await asyncio.to_thread(cloudpickle.loads, blob)
                 stage = "init"
                 instance = await _invoke(spec.cls, spec.args, spec.kwargs, context)
+                instances.append(instance)
                 made = getattr(instance, "_asyncexec_check_made", None)
-                if callable(made):  # the class's check of a made instance (RolloutServer's)
-                    made()
+                if callable(made):  # the class's check of a made instance (RolloutServer's:
+                    # in a thread, as it may load the weights the worker holds)
+                    await _invoke(made, (), {}, context)
                 restore = getattr(instance, "restore", None)
                 if checkpoint is not None and callable(restore):
                     stage = "restore"
                     await _invoke(restore, (checkpoint,), {}, context)
             except Exception as exc:
                 failed = _outcomes.error_outcome(exc)
+                # What the instances made so far hold (an engine) is let go: no worker holds
+                # them, and nothing else would call their close().
+                await _close(instances, context)
                 return failed._replace(value=RoleFailure(index, stage))
-            instances.append(instance)
             limits.append(spec.max_concurrency)
     finally:
         _place.ROLE_LOOP.reset(loop_set)
@@ -185,7 +265,7 @@ async def call(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             with _entered(roles.context):
                 result = await fn(*args, **kwargs)
         else:
-            result = await _limited(roles.limits[role_index], fn, args, kwargs, roles.context)
+            result = await _limited(roles, role_index, fn, args, kwargs)
     except Exception as exc:
         return _outcomes.error_outcome(exc)
     except asyncio.CancelledError as exc:
@@ -202,12 +282,13 @@ async def call_here(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     its value or outcome, as :func:`call` returns it."""
     try:
         roles = _held()
-        fn = roles.found(key)[1]
+        role_index, fn = roles.found(key)
         if inspect.iscoroutinefunction(fn):
             with _entered(roles.context):
                 result = await fn(*args, **kwargs)
         else:
-            result = _call_within(fn, args, kwargs, roles.context)
+            with roles.running(role_index):
+                result = _call_within(fn, args, kwargs, roles.context)
             if inspect.isawaitable(result):
                 with _entered(roles.context):
                     result = await result
@@ -229,11 +310,12 @@ def call_inline(
     worker's) while this thread waits; its value or outcome, as :func:`call` returns it."""
     try:
         roles = _held()
-        fn = roles.found(key)[1]
+        role_index, fn = roles.found(key)
         if inspect.iscoroutinefunction(fn):
             result = _on(loop, _awaited(fn(*args, **kwargs), roles.context))
         else:
-            result = _call_within(fn, args, kwargs, roles.context)
+            with roles.running(role_index):
+                result = _call_within(fn, args, kwargs, roles.context)
             if inspect.isawaitable(result):
                 result = _on(loop, _awaited(result, roles.context))
     except Exception as exc:
@@ -261,25 +343,46 @@ async def drop() -> list[BaseException]:
     """Let go of this worker's instances (their roles made again, a pooled worker going back,
     the worker closing): each instance's ``close()``, where its class has one (an ``async def``
     on this loop, else in a thread, inside the worker's context), is called in reverse role
-    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. Returns the errors the
-    closes raised (a close that took too long: TimeoutError), each logged; never raises."""
+    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. An instance's close
+    waits first (as long again at most) for its plain calls still running (a call whose caller
+    stopped waiting runs to its end): it does not let go of what they use under them. Returns
+    the errors the closes raised (a close that took too long, or calls still running after
+    that wait: TimeoutError), each logged; never raises."""
     place = _place.current_place()
     roles, place.roles = place.roles, None
     if not isinstance(roles, Roles):
         return []
+    try:
+        return await _close(roles.instances, roles.context, roles)
+    finally:
+        roles.shutdown()
+
+
+async def _close(
+    instances: list[object], context: ContextFactory | None, roles: Roles | None = None
+) -> list[BaseException]:
+    """Call each instance's ``close()``, as :func:`drop` says (once the plain calls of
+    ``roles``' instances end); return the errors, each logged."""
     errors: list[BaseException] = []
-    for index in reversed(range(len(roles.instances))):
-        instance = roles.instances[index]
+    for index in reversed(range(len(instances))):
+        instance = instances[index]
         close = getattr(instance, "close", None)
         if not callable(close):
             continue
+        name = type(instance).__qualname__
+        if (
+            roles is not None
+            and not roles.wait_idle(index, 0)  # (at once: no thread when none runs)
+            and not await asyncio.to_thread(roles.wait_idle, index, CLOSE_TIMEOUT_S)
+        ):
+            busy = TimeoutError(f"a call of {name} still runs after {CLOSE_TIMEOUT_S:g} s")
+            errors.append(busy)
+            _log.warning("role_close_while_called role=%s error=%s", name, describe(busy))
         try:
-            await asyncio.wait_for(_invoke(close, (), {}, roles.context), CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(_invoke(close, (), {}, context), CLOSE_TIMEOUT_S)
         except Exception as exc:
             errors.append(exc)
-            _log.warning(
-                "role_close_failed role=%s error=%s", type(instance).__qualname__, describe(exc)
-            )
+            _log.warning("role_close_failed role=%s error=%s", name, describe(exc))
     return errors
 
 
@@ -301,24 +404,32 @@ async def _invoke(
 
 
 async def _limited(
-    limit: asyncio.Semaphore,
+    roles: Roles,
+    role_index: int,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    context: ContextFactory | None,
 ) -> Any:
-    """A plain method in a thread once ``limit`` lets it; the place is given back when the
-    thread ends, not when this caller stops waiting (a cancelled call's thread runs on)."""
+    """A plain method in a thread of its instance's pool once the instance's limit lets it; the
+    place is given back when the thread ends, not when this caller stops waiting (a cancelled
+    call's thread runs on)."""
+    limit, context = roles.limits[role_index], roles.context
     await limit.acquire()
     try:
         run = functools.partial(
             contextvars.copy_context().run, _call_within, fn, args, kwargs, context
         )
-        thread = asyncio.get_running_loop().run_in_executor(None, run)
+        thread = asyncio.get_running_loop().run_in_executor(roles.pool(role_index), run)
     except BaseException:
         limit.release()
         raise
-    thread.add_done_callback(lambda _: limit.release())
+    roles.began(role_index)  # from now until the thread ends (``drop`` waits for it)
+
+    def done(_: object) -> None:
+        roles.ended(role_index)
+        limit.release()
+
+    thread.add_done_callback(done)
     result = await asyncio.shield(thread)
     if inspect.isawaitable(result):
         with _entered(context):

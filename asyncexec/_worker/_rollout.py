@@ -110,7 +110,13 @@ class RolloutServer:
             self._rollout_rank = get_context().world_rank
         except Exception:  # made outside a worker (a unit test): rank 0
             self._rollout_rank = 0
-        # A version that arrived before this instance existed is installed now, by this call.
+        #: The latest version delivered before this instance was made (one the worker held
+        #: already comes with ``receive_weights``): loaded once the worker has made it (see
+        #: ``_asyncexec_check_made``), not inside ``super().__init__()``, before the
+        #: subclass's ``__init__`` has set up what ``load_weights`` loads into. An instance
+        #: that no worker makes (made by hand) loads each version as it comes.
+        self._rollout_early: tuple[Any, int] | None = None
+        self._rollout_made = self._asyncexec_loop() is None
         _channel.receive_weights(self._install_from_channel, channel=channel)
 
     @staticmethod
@@ -151,12 +157,19 @@ class RolloutServer:
 
     def _asyncexec_check_made(self) -> None:
         """Refuse an instance whose ``__init__`` did not call ``super().__init__()`` (the
-        worker calls this once it is made, so its group's start fails naming it).
+        worker calls this once it is made, in a thread, so its group's start fails naming it);
+        then load the version its channel delivered before (the one the worker held when the
+        instance was made, or a newer one).
 
         Raises:
             TypeError: naming the class and ``super().__init__()``.
         """
-        self._gate()
+        gate = self._gate()
+        with gate.lock:
+            self._rollout_made = True
+            early, self._rollout_early = self._rollout_early, None
+        if early is not None:
+            gate.install(self.load_weights, *early)
 
     # What the user implements -----------------------------------------------------------------
 
@@ -325,4 +338,11 @@ class RolloutServer:
         await asyncio.to_thread(gate.install, self.load_weights, state, version)
 
     def _install_from_channel(self, state: Any, version: int) -> None:
-        self._gate().install(self.load_weights, state, version)
+        gate = self._gate()
+        with gate.lock:
+            if not self._rollout_made:  # loaded once the instance is made
+                early = self._rollout_early
+                if early is None or version > early[1]:
+                    self._rollout_early = (state, version)
+                return
+        gate.install(self.load_weights, state, version)

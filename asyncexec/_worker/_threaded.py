@@ -85,17 +85,23 @@ class _Threaded:
 
     def _on_loop(self, coro: Coroutine[Any, Any, Any], cancellable: bool = False) -> Any:
         """Run ``coro`` on the actor's loop and return its value, from a thread of Ray's. A
-        cancellable one is cancelled on the loop once Ray marks this call's task cancelled."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        cancellable one is cancelled on the loop once Ray marks this call's task cancelled;
+        the call then ends when the coroutine has (as an async actor's cancelled task does:
+        the driver holds the call's place until then)."""
         if not cancellable:
-            return future.result()
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        task: list[asyncio.Task[Any]] = []  # the coroutine's task, once it has started
+        future = asyncio.run_coroutine_threadsafe(_told(coro, task), self._loop)
         context = ray.get_runtime_context()
+        cancelled = False
         while True:
             try:
+                # Once cancelled, this raises CancelledError when the coroutine has ended.
                 return future.result(_CANCEL_POLL_S)
             except concurrent.futures.TimeoutError:
-                if context.is_canceled():
-                    future.cancel()  # the coroutine sees CancelledError on the loop
+                if not cancelled and task and context.is_canceled():
+                    cancelled = True  # the coroutine sees CancelledError on the loop
+                    self._loop.call_soon_threadsafe(task[0].cancel)
 
     # A weight push's two ends run right here, on the call's thread: they block (the user's
     # read and install), and the bridge would hop to the loop and from there to a thread of
@@ -122,6 +128,14 @@ class _Threaded:
             with attached(context):
                 return _roles.call_inline(lead, args, kwargs, self._loop)
         return _roles.call_inline(lead, args, kwargs, self._loop)
+
+
+async def _told(coro: Coroutine[Any, Any, Any], task: list[asyncio.Task[Any]]) -> Any:
+    """``coro``'s value; its task is put in ``task`` first (to be cancelled from a thread)."""
+    current = asyncio.current_task()
+    assert current is not None
+    task.append(current)
+    return await coro
 
 
 def _bridge(name: str) -> Callable[..., Any]:

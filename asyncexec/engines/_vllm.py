@@ -144,7 +144,8 @@ class VLLMServer(RolloutServer):
         # Only the engine's: the reaper kills what it was given, however much later.
         self._reaper = reaper(sorted(_children() - before))
         try:
-            # A version the channel holds already is loaded now, into the running engine.
+            # A version the channel holds already is loaded once the worker has made this
+            # instance (in a thread), into the running engine.
             super().__init__(channel=channel)
         except BaseException:
             # No server: its engine's processes, its reaper and its loop end with the error.

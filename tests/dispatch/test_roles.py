@@ -315,6 +315,94 @@ async def test_a_roles_close_is_called_when_its_worker_drops_it(mode: str, tmp_p
     assert {(int(rank), int(pid)) for rank, _, pid in closed(log)} == {(0, pids[0]), (1, pids[1])}
 
 
+class Meets:
+    """A role whose calls wait for one another: ``n`` of them meet at a barrier."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier = threading.Barrier(n, timeout=10)
+
+    def meet(self) -> int:
+        try:
+            return self.barrier.wait()
+        except threading.BrokenBarrierError:
+            return -1
+
+
+#: More than the threads of a worker's default pool (at most 32, fewer with fewer CPUs).
+MEETING = 36
+
+
+@pytest.mark.timeout(60)
+async def test_max_concurrency_plain_calls_run_at_once_however_many_cpus(mode: str) -> None:
+    """Defect: a role's ``max_concurrency=k`` plain calls ran in the worker's default thread
+    pool, of a few threads per CPU (6 on 2 CPUs, 32 at most), and shared with every other
+    thread of the worker: fewer than k ran at once, so k calls that wait for one another never
+    met (and they held up ``execute()`` and weight installs meanwhile). Each instance's plain
+    calls have threads of their own now, k of them."""
+    role = asyncexec.Role(Meets, MEETING).options(max_concurrency=MEETING)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=role) as ex:
+        met = await asyncio.gather(*[ex.call(Meets.meet) for _ in range(MEETING)])
+    assert sorted(rank0 for [rank0] in met) == list(range(MEETING))
+
+
+class BusyCloses:
+    """A role whose ``close()`` writes to ``path`` whether a call of ``work`` was running."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.busy = False
+        self.started = threading.Event()
+
+    def work(self, seconds: float) -> None:
+        self.busy = True
+        self.started.set()
+        time.sleep(seconds)  # a call that runs on after its caller stopped waiting
+        self.busy = False
+
+    def wait_started(self) -> bool:
+        return self.started.wait(10)
+
+    def close(self) -> None:
+        Path(self.path).write_text(f"busy={self.busy}")
+
+
+@pytest.mark.timeout(60)
+async def test_a_roles_close_waits_for_its_plain_calls_still_running(
+    mode: str, tmp_path: Path
+) -> None:
+    """Defect: a plain call whose caller stopped waiting runs to its end (a thread cannot be
+    stopped), but the worker's close called the instance's ``close()`` meanwhile: an engine let
+    go of what the call was still using. The close waits for such calls to end first."""
+    log = tmp_path / "closed"
+    role = asyncexec.Role(BusyCloses, str(log)).options(max_concurrency=2)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=role) as ex:
+        call = asyncio.ensure_future(ex.call(BusyCloses.work, 1.0))
+        assert await ex.call(BusyCloses.wait_started) == [True]
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+    assert log.read_text() == "busy=False"
+
+
+class FailsToStart:
+    def __init__(self) -> None:
+        raise RuntimeError("no engine")
+
+
+@pytest.mark.timeout(60)
+async def test_instances_made_before_a_role_that_fails_to_start_are_closed(
+    mode: str, tmp_path: Path
+) -> None:
+    """Defect: when a role's ``__init__`` raised, the instances of the roles before it on that
+    worker were forgotten without their ``close()`` (a ``VLLMServer``'s engine kept its
+    processes and memory; in local mode for as long as the program ran). They are closed now."""
+    log = tmp_path / "closed"
+    roles = [asyncexec.Role(Closes, str(log), "a"), asyncexec.Role(FailsToStart)]
+    with pytest.raises(asyncexec.StartupError, match="no engine"):
+        async with asyncexec.Executor(1, resources_per_worker=CPU, roles=roles):
+            pass
+    assert [name for _, name, _ in closed(log)] == ["a"]
+
+
 async def pooled_closes(tmp_path: Path, cluster: Any = None) -> None:
     """A pooled worker closes its instances before it goes back: its next lease finds nothing
     held; a worker whose instance failed to close is replaced, not given back (what the

@@ -369,6 +369,45 @@ async def test_object_refs_among_the_arguments_arrive_resolved(worker: Handle) -
     )
 
 
+class LateHolder(RolloutServer):
+    """A rollout server made as the docs show it: ``super().__init__()`` first, then what its
+    ``load_weights`` loads into."""
+
+    def __init__(self, channel: str) -> None:
+        super().__init__(channel=channel)
+        self.weights: Any = None
+        self.load_thread: int | None = None
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        self.weights = state
+        self.load_thread = threading.get_ident()
+
+    async def held(self) -> tuple[Any, int | None, bool]:
+        """The weights, their version, and whether they loaded off this (the worker's) loop."""
+        return self.weights, self.weights_version(), self.load_thread != threading.get_ident()
+
+
+@pytest.mark.timeout(60)
+async def test_a_server_made_where_a_version_is_held_loads_it_once_made(
+    worker: Handle, tmp_path: Path
+) -> None:
+    """Defect: a rollout server made in a worker that held a version of its channel (its roles
+    made again after a spare took a rank, an elastic resize) had ``load_weights`` called inside
+    ``super().__init__()``, before its own ``__init__`` had set up what it loads into: the
+    weights were lost (or the start failed) while the server said it held that version. The
+    held version loads once the instance is made, in a thread."""
+    channel = f"held-{tmp_path.name}"
+    await worker("channel_receive", channel, 3, {"w": 1})
+    try:
+        assert (await worker("make_roles", _payload(Role(LateHolder, channel)))).kind == "ok"
+        assert await worker("call_role", 0, "held") == Outcome("ok", ({"w": 1}, 3, True))
+    finally:
+        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
+
+
 async def test_local_workers_in_one_process_hold_instances_of_their_own() -> None:
     """In local mode the instances live in each worker's place, not in the process."""
     targets = [LocalWorker("a"), LocalWorker("b")]

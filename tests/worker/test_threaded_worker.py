@@ -105,6 +105,22 @@ async def sleeps_until_cancelled() -> None:
         raise
 
 
+#: Set in a worker process once a cancelled ``cleans_up_slowly`` has ended its clean-up.
+CLEANED = threading.Event()
+
+
+async def cleans_up_slowly() -> None:
+    try:
+        await asyncio.sleep(60)
+    finally:
+        await asyncio.sleep(1)  # a clean-up that awaits
+        CLEANED.set()
+
+
+def cleaned() -> bool:
+    return CLEANED.is_set()
+
+
 def was_cancelled() -> bool:
     return CANCELLED.wait(10)
 
@@ -207,6 +223,20 @@ async def test_an_async_function_on_threaded_workers_runs_and_is_cancelled() -> 
             await ex.call(sleeps_until_cancelled, on=asyncexec.rank(0))
         assert await ex.call(was_cancelled, on=asyncexec.rank(0))
         assert await ex.call(async_pid) == pids
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.timeout(60)
+async def test_a_cancelled_async_function_holds_its_place_until_its_clean_up_ends() -> None:
+    """Defect: on a threaded worker, a cancelled ``async def`` call ended as soon as its
+    coroutine was told, while its clean-up still ran (a ``finally`` that awaits): the call's
+    place went to the next call meanwhile, unlike on an async worker, where the call ends with
+    the coroutine. It ends with the coroutine now."""
+    one = asyncexec.least_loaded(max_in_flight=1)
+    async with asyncexec.Executor(1, resources_per_worker=CPU, roles=Plain) as ex:
+        with anyio.move_on_after(0.5):
+            await ex.call(cleans_up_slowly, on=one)
+        assert await ex.call(cleaned, on=one) is True
 
 
 @pytest.mark.usefixtures("ray_local")
