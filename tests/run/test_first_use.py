@@ -145,23 +145,21 @@ def dead_cluster_on_record() -> Iterator[tuple[dict[str, str], str]]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
-@pytest.mark.timeout(90)
-def test_a_dead_cluster_on_record_is_named_at_once_not_waited_on(
-    tmp_path: Path, dead_cluster_on_record: tuple[dict[str, str], str]
-) -> None:
-    """Defect: with a dead cluster's address left in Ray's ``ray_current_cluster`` file (a CI
-    machine's /tmp held one), entering an executor waited on the dead GCS for about a minute
-    and failed saying only "Failed to connect to GCS"; a CI run lost 360 tests to it."""
-    env, address = dead_cluster_on_record
+def _enter(
+    tmp_path: Path, env: dict[str, str], argument: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """Enter an executor (its options followed by ``argument``) in a fresh interpreter: it
+    prints ENTERED, or REFUSED and the ``StartupError``."""
     script = tmp_path / "enter.py"
     script.write_text(
         textwrap.dedent(
-            """
+            f"""
             import asyncio, asyncexec
 
             async def main():
                 try:
-                    async with asyncexec.Executor(1, resources_per_worker={"CPU": 0.5}):
+                    async with asyncexec.Executor(1, resources_per_worker={{"CPU": 0.5}}
+                                                  {argument}):
                         print("ENTERED")
                 except asyncexec.StartupError as exc:
                     print("REFUSED", exc)
@@ -170,10 +168,21 @@ def test_a_dead_cluster_on_record_is_named_at_once_not_waited_on(
             """
         )
     )
-    t0 = time.monotonic()
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
     )
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_cluster_on_record_is_named_at_once_not_waited_on(
+    tmp_path: Path, dead_cluster_on_record: tuple[dict[str, str], str]
+) -> None:
+    """Defect: with a dead cluster's address left in Ray's ``ray_current_cluster`` file (a CI
+    machine's /tmp held one), entering an executor waited on the dead GCS for about a minute
+    and failed saying only "Failed to connect to GCS"; a CI run lost 360 tests to it."""
+    env, address = dead_cluster_on_record
+    t0 = time.monotonic()
+    done = _enter(tmp_path, env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "REFUSED could not start Ray: Ray would join the cluster" in done.stdout, done.stdout
     assert f"nothing answers at {address}" in done.stdout
@@ -204,28 +213,8 @@ def test_an_address_where_nothing_answers_is_named_at_once_not_waited_on(
     env, address = dead_cluster_on_record
     env = {**env, "RAY_ADDRESS": address} if given == "RAY_ADDRESS" else env
     argument = f", address={address!r}" if given == "address" else ""
-    script = tmp_path / "enter.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import asyncio, asyncexec
-
-            async def main():
-                try:
-                    async with asyncexec.Executor(1, resources_per_worker={{"CPU": 0.5}}
-                                                  {argument}):
-                        print("ENTERED")
-                except asyncexec.StartupError as exc:
-                    print("REFUSED", exc)
-
-            asyncio.run(main())
-            """
-        )
-    )
     t0 = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = _enter(tmp_path, env, argument)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "REFUSED could not start Ray: Ray would join the cluster at" in done.stdout, done.stdout
     assert f"nothing answers at {address}" in done.stdout
