@@ -1,13 +1,18 @@
 """A worker pool's leases on simulated workers (no Ray): a lease cancelled while it checks its
-workers gives them back, and a lease that waits for a worker given back gets it."""
+workers gives them back, a lease that waits for a worker given back gets it, and a bundle whose
+refill gave up is refilled when the cluster has room again."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import pytest
 
 import asyncexec
+from asyncexec._driver.group import _stock
 from asyncexec.testing import SimCluster
 
 pytestmark = pytest.mark.timeout(30)
@@ -79,3 +84,50 @@ async def test_leases_that_wait_for_workers_given_back_one_at_a_time_do_not_star
                     for _ in range(10):
                         await anyio.lowlevel.checkpoint()
         assert order == ["first", "second"]
+
+
+class _Full(SimCluster):
+    """Simulated workers on a cluster that has no room for new ones while ``full``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = False
+        self.refused = anyio.Event()
+
+    async def start_workers(self, *args: Any, **kwargs: Any) -> Any:
+        if self.full:
+            self.refused.set()
+            raise RuntimeError("no room in the cluster")
+        return await super().start_workers(*args, **kwargs)
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Let the pool's background tasks run until ``predicate`` holds (the caller bounds it)."""
+    while not predicate():
+        await anyio.lowlevel.checkpoint()
+
+
+async def test_a_pool_whose_refill_gave_up_refills_when_the_cluster_has_room_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a bundle whose refill failed through its backoff (``pool_refill_gave_up``)
+    stayed empty for good: the pool was one worker short for ever, and its leases took fresh
+    workers outside it. Now the next lease or give-back tries the bundle again."""
+    monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", ())  # one try, then give up
+    cluster = _Full()
+    async with asyncexec.WorkerPool(2, cluster=cluster) as pool:
+        [worker] = await pool.lease(1)
+        cluster.full = True
+        with anyio.fail_after(5):
+            await pool.give_back([(worker.handle, False)])  # killed: its bundle is refilled
+            await cluster.refused.wait()
+            await _until(lambda: pool.statistics().starting == 0)  # it gave up
+        assert pool.statistics().idle == 1
+        cluster.full = False
+        [worker] = await pool.lease(1)  # the cluster has room again
+        await pool.give_back([(worker.handle, True)])
+        with anyio.fail_after(5):
+            await _until(lambda: pool.statistics().idle == 2)
+        workers = await pool.lease(2)
+        assert len(workers) == 2
+        assert pool.statistics().fresh_for_leases == 0

@@ -651,6 +651,7 @@ TESTS = PACKAGE.parent / "tests"
 INTERNAL_UNIT_TESTS = {
     *("backends/test_engines_vllm.py", "backends/test_torch_backend.py"),
     *("channel/test_channel_units.py", "cli/test_cli.py", "group/test_spares_sim.py"),
+    "group/test_pool_leases.py",
     *("cluster/test_preemption.py", "cluster/test_seam_calls.py", "cluster/test_seam_errors.py"),
     *("cluster/test_seams.py", "cluster/test_stacks.py", "cluster/test_teardown_bounds.py"),
     *("dispatch/test_dispatch.py", "dispatch/test_dispatch_packed.py"),

@@ -7,8 +7,9 @@ ranks, devices, init hook and backend as it would fresh ones. When the executor 
 replaces its group) it gives them back: a worker whose function stopped in time and whose reset
 succeeded goes back to the idle list; any other (failed, dead, still running, past
 ``max_leases``) is killed, and its bundle gets a new process in the background, so the pool
-refills. An idle worker that dies is noticed at once (its one pending ``wait_closed`` call, which
-its groups await too, fails) and replaced the same way.
+refills (a refill that fails through its backoff is tried again at the next lease or
+give-back). An idle worker that dies is noticed at once (its one pending ``wait_closed`` call,
+which its groups await too, fails) and replaced the same way.
 
 A lease for more workers than are idle starts fresh workers for the rest, outside the pool's
 placement group, that are killed when given back (``when_short="start"``, the default), or waits
@@ -289,6 +290,7 @@ class WorkerPool:
         checking: list[PoolWorker] = []  # pinged now: this lease's, given back if it is cancelled
         stock = self._stock
         turn = object()  # this lease's place in the queue, once it waits
+        stock.refill_vacant()  # a bundle whose refill gave up: the cluster may have room now
         try:
             deadline = anyio.current_time() + self.config.placement_timeout_s
             while len(taken) < n:

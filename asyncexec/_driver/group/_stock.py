@@ -1,6 +1,8 @@
 """A pool's stock of worker processes: idle ones, leased ones, and the ones being started in
 its bundles; what is killed is replaced in the background, and an idle worker that dies is
-noticed at once (its pending death call fails) and replaced the same way."""
+noticed at once (its pending death call fails) and replaced the same way. A bundle whose refill
+gave up (the cluster had no room through its backoff) is tried again at the next lease or
+give-back, so the pool returns to its size when the cluster allows."""
 
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ class Stock:
         self.idle: list[PoolWorker] = []
         self.leased: dict[str, PoolWorker] = {}
         self.starting: dict[int, list[Handle]] = {}  # bundle -> worker being started
+        #: The bundles whose refill gave up: refilled again at the next lease or give-back.
+        self.vacant: set[int] = set()
         self.changed = anyio.Event()  # set (and replaced) when a worker becomes idle
         self.background: set[anyio.CancelScope] = set()
 
@@ -101,6 +105,7 @@ class Stock:
             else:
                 doomed.append(worker)
         await self.replace(doomed)
+        self.refill_vacant()
 
     def handles(self) -> list[Handle]:
         """Every process of the stock: idle, leased, being started."""
@@ -114,6 +119,7 @@ class Stock:
         self.idle.clear()
         self.leased.clear()
         self.starting.clear()
+        self.vacant.clear()
         self.wake()
 
     def make_idle(self, worker: PoolWorker) -> None:
@@ -158,8 +164,18 @@ class Stock:
         for w in workers:
             if w.bundle is not None and self.open:
                 self.counts["replaced"] += 1
-                self.starting[w.bundle] = []
-                self.spawn(self._refill, w.bundle)
+                self._start_refill(w.bundle)
+
+    def refill_vacant(self) -> None:
+        """Try again to refill the bundles whose refill gave up (in the background)."""
+        for bundle in sorted(self.vacant):
+            if self.open and bundle not in self.starting:
+                self._start_refill(bundle)
+
+    def _start_refill(self, bundle: int) -> None:
+        self.vacant.discard(bundle)
+        self.starting[bundle] = []
+        self.spawn(self._refill, bundle)
 
     async def _refill(self, bundle: int) -> None:
         for wait in (0.0, *_REFILL_BACKOFF_S):
@@ -170,6 +186,8 @@ class Stock:
             except Exception as exc:
                 self.log.warning("pool_refill_failed", bundle=bundle, error=describe(exc))
         self.starting.pop(bundle, None)
+        if self.open:  # tried again at the next lease or give-back (see ``refill_vacant``)
+            self.vacant.add(bundle)
         self.log.error("pool_refill_gave_up", bundle=bundle)
 
     async def fill(self, bundle: int) -> None:
