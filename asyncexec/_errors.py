@@ -114,21 +114,26 @@ class PlacementTimeoutError(StartupError, TimeoutError):
 
     Attributes:
         requested: the bundles that were asked for.
-        available: the cluster's available resources when the deadline passed.
+        available: the cluster's available resources when the deadline passed (None: unknown,
+            the cluster did not answer in time).
         timeout_s: the deadline.
     """
 
     def __init__(
         self,
         requested: Sequence[Mapping[str, float]],
-        available: Mapping[str, float],
+        available: Mapping[str, float] | None,
         timeout_s: float,
         parent: bool = False,
     ) -> None:
         self.requested = [dict(b) for b in requested]
         kinds = {k for bundle in self.requested for k in bundle}
         # Only the kinds asked for: Ray's table also lists memory and one entry per node.
-        self.available = {k: v for k, v in available.items() if k in kinds or not kinds}
+        self.available = (
+            None
+            if available is None
+            else {k: v for k, v in available.items() if k in kinds or not kinds}
+        )
         self.timeout_s = timeout_s
         self.parent = parent
         super().__init__(self._message())
@@ -139,10 +144,10 @@ class PlacementTimeoutError(StartupError, TimeoutError):
             if self.parent
             else "placement group not ready"
         )
+        free = "unknown (the cluster did not answer)" if self.available is None else self.available
         return (
             f"{where} after {self.timeout_s:g} s: requested "
-            f"{len(self.requested)} bundle(s) {self.requested}, cluster has available "
-            f"{self.available}"
+            f"{len(self.requested)} bundle(s) {self.requested}, cluster has available {free}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

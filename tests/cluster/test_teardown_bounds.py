@@ -8,14 +8,17 @@ what one that had none did."""
 from __future__ import annotations
 
 import asyncio
+import pickle
+import threading
 from typing import Any
 
 import anyio
 import pytest
+import ray
 import ray.exceptions as rex
 
 import asyncexec
-from asyncexec._driver.cluster import _errors
+from asyncexec._driver.cluster import Placement, RayCluster, _errors, _ray
 from asyncexec._driver.cluster._errors import call_error
 
 
@@ -63,3 +66,31 @@ async def test_a_deaths_node_check_that_never_answers_ends_at_its_bound(
     finally:
         answer.set()
         await task
+
+
+@pytest.mark.timeout(30)
+async def test_a_placement_timeout_whose_resource_lookup_never_answers_says_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: after a placement group's deadline, the error's message read the cluster's
+    available resources in a thread with no bound of its own: a GCS that did not answer hung
+    the error path (the executor's or pool's entry never raised). The look-up now ends at
+    ``LOOKUP_TIMEOUT_S`` and the message says the resources are unknown."""
+    monkeypatch.setattr(_ray, "LOOKUP_TIMEOUT_S", 0.2)
+    gate = threading.Event()  # set only to let the hung look-up's thread go at the end
+
+    def never() -> dict[str, float]:
+        gate.wait()
+        return {}
+
+    monkeypatch.setattr(ray, "available_resources", never)
+    never_ready = asyncio.get_running_loop().create_future()
+    placement = Placement(None, [{"CPU": 1.0}], owned=True, ready=never_ready)  # type: ignore[arg-type]
+    try:
+        with anyio.fail_after(10), pytest.raises(asyncexec.PlacementTimeoutError) as info:
+            await RayCluster().wait_placed(placement, 0.05)
+    finally:
+        gate.set()
+    assert info.value.available is None
+    assert "available unknown" in str(info.value)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)

@@ -202,9 +202,9 @@ class Cluster(Protocol):
         not answer in time."""
         ...
 
-    async def available(self) -> dict[str, float]:
-        """The cluster's available resources now, for error messages ({} when it cannot tell
-        in time)."""
+    async def available(self) -> dict[str, float] | None:
+        """The cluster's available resources now, for error messages (None when it cannot tell
+        in time; never raises)."""
         ...
 
     async def live_nodes(self) -> set[str] | None:

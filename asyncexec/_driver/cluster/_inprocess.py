@@ -106,7 +106,7 @@ class InProcessCluster:
     async def node_alive(self, node_id: str | None) -> bool:
         return True
 
-    async def available(self) -> dict[str, float]:
+    async def available(self) -> dict[str, float] | None:
         return {}
 
     async def draining(self) -> dict[str, float | None] | None:

@@ -9,7 +9,7 @@ calling thread (:func:`current_parent`) before anything moves to a worker thread
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,17 +184,21 @@ def create_placement(
     return Placement(group, bundles, owned=True, ready=group.ready())
 
 
-async def wait_placement_ready(placement: Placement, timeout_s: float) -> None:
+async def wait_placement_ready(
+    placement: Placement,
+    timeout_s: float,
+    available: Callable[[], Awaitable[Mapping[str, float] | None]],
+) -> None:
     """Await the group's readiness.
 
     Raises:
         PlacementTimeoutError: not ready within ``timeout_s``; names the bundles requested and the
-            resources the cluster has available.
+            resources the cluster has available (``available()``: bounded, None when the cluster
+            did not answer in time).
     """
     if placement.ready is None:
         return
     with anyio.move_on_after(timeout_s):
         await placement.ready
         return
-    available = await anyio.to_thread.run_sync(ray.available_resources, abandon_on_cancel=True)
-    raise PlacementTimeoutError(placement.bundles, available, timeout_s)
+    raise PlacementTimeoutError(placement.bundles, await available(), timeout_s)

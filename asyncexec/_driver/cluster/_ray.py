@@ -346,7 +346,7 @@ class RayCluster:
 
     async def wait_placed(self, placement: Placement | None, timeout_s: float) -> None:
         if placement is not None:
-            await wait_placement_ready(placement, timeout_s)
+            await wait_placement_ready(placement, timeout_s, self.available)
 
     async def release(self, placement: Placement | None) -> None:
         if placement is not None:
@@ -432,13 +432,16 @@ class RayCluster:
     async def node_alive(self, node_id: str | None) -> bool:
         return await node_alive(node_id)
 
-    async def available(self) -> dict[str, float]:
+    async def available(self) -> dict[str, float] | None:
         with anyio.move_on_after(LOOKUP_TIMEOUT_S):
-            found: dict[str, float] = await anyio.to_thread.run_sync(
-                ray.available_resources, abandon_on_cancel=True
-            )
+            try:
+                found: dict[str, float] = await anyio.to_thread.run_sync(
+                    ray.available_resources, abandon_on_cancel=True
+                )
+            except Exception:  # the GCS did not answer (an error message says "unknown")
+                return None
             return found
-        return {}
+        return None
 
     async def live_nodes(self) -> set[str] | None:
         with anyio.move_on_after(LOOKUP_TIMEOUT_S):
