@@ -22,11 +22,13 @@ from ._devices import DEVICE_KINDS
 
 __all__ = [
     "LEGACY_OPTIONS",
+    "LOCAL_ENV",
     "CheckpointConfig",
     "ExecutorConfig",
     "HealthChecks",
     "Timeouts",
     "grouped_options",
+    "local_default",
     "check_address",
     "check_count",
     "check_positive",
@@ -46,6 +48,33 @@ _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: about 0.5 MiB in the worker and 0.4 MiB in the driver per rank, of 1 KB reports 2.6 and
 #: 1.6 MiB (benchmarks/report_window.py). An RL loop that bounds staleness sets it low.
 DEFAULT_BUFFER_SIZE = 2048
+
+
+#: The environment variable that makes executors local by default (``local=None``).
+LOCAL_ENV = "ASYNCEXEC_LOCAL"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def local_default(local: object) -> bool:
+    """``local`` as given, or (None) as ``ASYNCEXEC_LOCAL`` says.
+
+    Raises:
+        ConfigurationError: ``local`` is not a bool or None, or the variable is neither a
+            true nor a false word.
+    """
+    if isinstance(local, bool):
+        return local
+    if local is not None:
+        raise ConfigurationError(f"local must be True, False or None, got {local!r}")
+    value = os.environ.get(LOCAL_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(
+        f"{LOCAL_ENV} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}"
+    )
 
 
 def _is_number(value: object) -> bool:

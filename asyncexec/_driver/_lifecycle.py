@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -16,10 +15,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._errors import ConfigurationError, ExecutorStateError
+from .._errors import ExecutorStateError
 from .._timeline._timeline import Timeline
 from ..backends._base import Backend
-from ._config import ExecutorConfig
+from ._config import LOCAL_ENV, ExecutorConfig, local_default
 from ._interrupt import defer_interrupts, restore_interrupts
 from ._observe import Observer
 from ._taskgroups import task_group
@@ -31,31 +30,6 @@ __all__ = ["LOCAL_ENV", "ExecutorState", "Lifecycle", "local_default"]
 
 #: Beyond the stop and shutdown bounds, what closing the executor gives a run to end.
 _RUN_END_MARGIN_S = 10.0
-#: The environment variable that makes executors local by default (``local=None``).
-LOCAL_ENV = "ASYNCEXEC_LOCAL"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
-
-def local_default(local: object) -> bool:
-    """``local`` as given, or (None) as ``ASYNCEXEC_LOCAL`` says.
-
-    Raises:
-        ConfigurationError: ``local`` is not a bool or None, or the variable is neither a
-            true nor a false word.
-    """
-    if isinstance(local, bool):
-        return local
-    if local is not None:
-        raise ConfigurationError(f"local must be True, False or None, got {local!r}")
-    value = os.environ.get(LOCAL_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigurationError(
-        f"{LOCAL_ENV} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}"
-    )
 
 
 class ExecutorState(enum.Enum):

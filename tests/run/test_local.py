@@ -24,6 +24,7 @@ from conftest import wait_no_local_threads
 from test_faults import counter
 
 import asyncexec
+from asyncexec.testing import SimCluster, simulated
 
 NO_WAIT = tenacity.wait_none()
 
@@ -117,6 +118,20 @@ async def test_a_local_executors_cluster_handed_in_is_refused_by_name() -> None:
                 asyncexec.Executor(1, cluster=a.cluster, **options)
         with pytest.raises(asyncexec.ConfigurationError, match="local mode's"):
             asyncexec.WorkerPool(1, cluster=a.cluster)
+
+
+def test_a_worker_pool_under_the_local_switch_is_refused_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: under ``ASYNCEXEC_LOCAL=1`` a ``WorkerPool`` started Ray when entered (local
+    mode starts none), and only the executors that then leased from it were refused. The pool
+    is refused when it is made now, naming the variable; one handed a cluster is not."""
+    monkeypatch.setenv("ASYNCEXEC_LOCAL", "1")
+    with pytest.raises(asyncexec.ConfigurationError, match="ASYNCEXEC_LOCAL=1"):
+        asyncexec.WorkerPool(1)
+    assert isinstance(asyncexec.WorkerPool(1, cluster=SimCluster()).cluster, SimCluster)
+    with simulated():
+        assert isinstance(asyncexec.WorkerPool(1).cluster, SimCluster)
 
 
 def test_a_bad_local_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from ._calls import (
     result_of,
     settled,
 )
-from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, rays_only
+from ._choice import DEFAULT_CLUSTER, agreed, checked_cluster, rays_by_default, rays_only
 from ._data import DataConfig, make_shards, release_shards, validate_datasets
 from ._errors import (
     RAY_ERROR_KINDS,
@@ -80,6 +80,7 @@ __all__ = [
     "infeasible_reason",
     "make_shards",
     "outcome_error",
+    "rays_by_default",
     "rays_only",
     "proxy",
     "ray_error_kind",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from contextvars import ContextVar
 
 from ..._errors import ConfigurationError
+from .._config import LOCAL_ENV, local_default
 from ._base import Cluster
 from ._inprocess import InProcessCluster
 from ._local import LocalCluster
@@ -23,6 +24,7 @@ __all__ = [
     "agreed",
     "checked_cluster",
     "default_cluster",
+    "rays_by_default",
     "rays_only",
 ]
 
@@ -73,6 +75,26 @@ def default_cluster(local: bool = False) -> Cluster:
     if in_context is not None:
         return in_context
     return _LOCAL if local else _RAY
+
+
+def rays_by_default(sides: Sequence[tuple[str, Cluster | None]], what: str) -> Cluster:
+    """:func:`agreed` for ``what``, which holds Ray's workers when none of ``sides`` is given
+    (a pool): refused when ``ASYNCEXEC_LOCAL`` makes the default local mode's, which starts
+    no Ray (and whose executors take no pool).
+
+    Raises:
+        ConfigurationError: two sides differ, or none is given under ``ASYNCEXEC_LOCAL=1``
+            (naming the variable), or the variable is neither a true nor a false word.
+    """
+    given = any(cluster is not None for _, cluster in sides)
+    cluster = agreed(sides, local=not given and local_default(None))
+    if isinstance(cluster, LocalCluster):
+        raise ConfigurationError(
+            f"{what} holds Ray's workers, and {LOCAL_ENV}=1 makes executors local (threads, "
+            "no Ray), which take no pool: unset it to use the pool, or hand the pool a "
+            "cluster (cluster=)"
+        )
+    return cluster
 
 
 def rays_only(cluster: Cluster, what: str, lacks: str) -> Cluster:

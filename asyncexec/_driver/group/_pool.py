@@ -45,7 +45,7 @@ from .._config import (
     grouped_options,
 )
 from .._taskgroups import task_group
-from ..cluster import Cluster, Handle, agreed, checked_cluster
+from ..cluster import Cluster, Handle, checked_cluster, rays_by_default
 from ._reservation import Claim, Reservation
 from ._stock import PoolWorker, Stock
 
@@ -111,6 +111,10 @@ class WorkerPool:
             :class:`asyncexec.testing.SimCluster`; ``None``: the reservation's, else Ray's (or,
             inside :func:`asyncexec.testing.simulated`, that block's). The executors that lease
             from the pool run on it.
+
+    Raises:
+        ConfigurationError: an argument is invalid, or the pool would hold Ray's workers while
+            ``ASYNCEXEC_LOCAL=1`` makes executors local (local mode starts no Ray).
     """
 
     def __init__(
@@ -165,7 +169,7 @@ class WorkerPool:
         if reservation is not None:
             sides.append((f"its reservation {reservation.name!r}", reservation.cluster))
         #: Where the workers run (a local executor takes no pool).
-        self.cluster = agreed(sides)
+        self.cluster = rays_by_default(sides, "a WorkerPool")
         self._counts = {"leases": 0, "returned": 0, "replaced": 0, "fresh_for_leases": 0}
         #: Leases waiting for workers to be given back (``when_short="wait"``), in the order
         #: they came: the first takes its workers when they are all idle (see ``lease``).
