@@ -287,7 +287,9 @@ def reserve_store(name: str, group_id: str, timeout_s: float) -> tuple[str, int]
     """On a source rank: start the store server of process group ``group_id`` on a port the
     kernel picks and keep it listening until the group is joined; return this node's address
     and the port. (Choosing a free port, closing it and binding it later, at the join, left it
-    to anyone on the node in between: the race the torch backend also avoids.)"""
+    to anyone on the node in between: the race the torch backend also avoids.) The servers of
+    an earlier set-up that was never joined (it failed at another rank's port or join) are
+    closed here: each would listen, with its thread, until the channel closed."""
     import datetime
 
     import ray
@@ -303,8 +305,23 @@ def reserve_store(name: str, group_id: str, timeout_s: float) -> tuple[str, int]
     )
     end = _end(name)
     with end.lock:
+        # Only the earlier set-ups': a port call of one that the driver gave up on may end
+        # after the next set-up's, whose server must stay.
+        for old in [k for k in end.stores if _earlier(k, group_id)]:
+            del end.stores[old]  # the server closes when dropped
         end.stores[group_id] = store
     return address, int(store.port)
+
+
+def _earlier(old: str, new: str) -> bool:
+    """Whether process group ``old`` is of an earlier set-up of the same channel than ``new``
+    (ids are ``<channel id>.<set-up number>/<source rank>``)."""
+    old_channel, _, old_number = old.split("/")[0].rpartition(".")
+    new_channel, _, new_number = new.split("/")[0].rpartition(".")
+    try:
+        return old_channel == new_channel and int(old_number) < int(new_number)
+    except ValueError:
+        return False
 
 
 def join_group(

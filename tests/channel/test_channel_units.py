@@ -1,11 +1,13 @@
 """The worker end of a weight channel, in this process (no Ray): how a source rank's read waits
-for the ``serve_weights`` of a function that is running; and the driver's bookkeeping of the
-versions on their way, over a stand-in transport."""
+for the ``serve_weights`` of a function that is running, and which torch store servers a source
+rank keeps; and the driver's bookkeeping of the versions on their way, over a stand-in
+transport."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import socket
 import threading
 import weakref
 from types import SimpleNamespace
@@ -282,3 +284,23 @@ def test_a_target_rank_receives_cuda_tensors_on_its_own_gpu(
         _place.PLACE.reset(token)
         _channel.reset()
     assert made == ["cuda:1"]
+
+
+@pytest.mark.timeout(30)
+def test_a_sources_store_of_a_set_up_that_failed_is_closed_at_the_next_set_up() -> None:
+    """Defect: the torch transport reserves each source rank's store server (listening, with
+    its thread) before any rank joins; when a later source's port call failed, the servers of
+    the sources before it were kept until the channel closed, one more at each failed set-up.
+    The next set-up's port call closes them now (and only those of earlier set-ups)."""
+    pytest.importorskip("torch")
+    name = "store-leak-test"
+    try:
+        address, first = _channel.reserve_store(name, "ch.1/0", 5.0)  # source 1's failed
+        _channel.reserve_store(name, "ch.2/0", 5.0)  # the next push's set-up
+        _channel.reserve_store(name, "ch.1/1", 5.0)  # a late port call of the failed one
+        assert sorted(_channel._ends[name].stores) == ["ch.1/1", "ch.2/0"]
+        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+            probe.settimeout(5)
+            probe.connect((address, first))
+    finally:
+        _channel.close(name)
