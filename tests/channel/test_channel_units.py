@@ -154,6 +154,35 @@ async def test_a_push_whose_delivery_the_channels_close_cuts_short_raises() -> N
     assert "closed before version 1 was delivered" in str(outcome[0])
 
 
+class _JoinFails:
+    """A transport whose joins fail (a joining rank's install raised)."""
+
+    async def join(self, workers: Any) -> None:
+        raise ChannelError("the install raised")
+
+    def broken(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+async def test_a_join_that_failed_is_not_counted_as_a_join() -> None:
+    """Defect: ``statistics().joins`` ("target ranks that joined after a restart and got the
+    latest version") counted the joining ranks before their transfer, so a join that failed
+    counted them too."""
+    worker = SimpleNamespace(handle=SimpleNamespace(key="w0"), rank=0)
+    group = SimpleNamespace(closed=False, workers=[worker])
+    slot = SimpleNamespace(group=group, timeline=None, config=SimpleNamespace(name="side"))
+    versions = Versions("units", lambda: slot, lambda: slot, False, 1, 30.0, SimpleNamespace())
+    versions.moves = _JoinFails()
+    versions.version = 3  # pushed before the restart: rank 0 of the fresh group holds none
+    async with anyio.create_task_group() as tg:
+        versions.tg = tg
+        with pytest.raises(ChannelError, match="the install raised"):
+            await versions.join(group)  # type: ignore[arg-type]
+        versions.tg = None
+    assert versions.counts["joins"] == 0
+
+
 class _State:
     """A stand-in for a state's reference in the object store (held while referenced)."""
 
