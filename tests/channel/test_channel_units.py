@@ -235,6 +235,52 @@ async def test_the_channel_holds_the_state_of_its_latest_version_only(max_stalen
     assert versions.delivered == 5
 
 
+@pytest.mark.timeout(10)
+async def test_the_version_lag_of_ranks_that_left_the_target_goes_at_the_next_push() -> None:
+    """Defect: ``asyncexec_channel_version_lag`` kept the series of every target rank it ever
+    had until the channel closed: after the target's group shrank (or closed), the ranks that
+    left were shown at their last lag for ever. A push now drops the series of the ranks it
+    does not reach."""
+    pytest.importorskip("prometheus_client")
+    from asyncexec._driver.channel._sinks import channel_observer
+    from asyncexec.testing import metrics_enabled
+
+    def group_of(size: int) -> SimpleNamespace:
+        workers = [
+            SimpleNamespace(handle=SimpleNamespace(key=f"w{r}"), rank=r) for r in range(size)
+        ]
+        return SimpleNamespace(closed=False, workers=workers)
+
+    slot = SimpleNamespace(group=group_of(4), timeline=None, config=SimpleNamespace(name="t"))
+    log = SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
+    with metrics_enabled() as registry:
+        observer = channel_observer("shrinks", log, lambda: None)
+        source = SimpleNamespace(group=group_of(1), timeline=None, config=slot.config)
+        versions = Versions("units", lambda: source, lambda: slot, False, 1, 30.0, log, observer)
+        versions.moves = _Delivers()
+
+        def ranks() -> set[str]:
+            found = registry.get_sample_value
+            return {
+                str(r)
+                for r in range(4)
+                if found("asyncexec_channel_version_lag", {"executor": "shrinks", "rank": str(r)})
+                is not None
+            }
+
+        async with anyio.create_task_group() as tg:
+            versions.tg = tg
+            await versions.push()
+            assert ranks() == {"0", "1", "2", "3"}
+            slot.group = group_of(2)  # the target shrank to 2 ranks
+            await versions.push()
+            assert ranks() == {"0", "1"}
+            slot.group = SimpleNamespace(closed=True, workers=[])  # and closed
+            await versions.push()
+            assert ranks() == set()
+            versions.tg = None
+
+
 @pytest.mark.timeout(20)
 async def test_closing_a_channel_leaves_the_workers_event_loop_free_while_an_install_runs() -> None:
     """Defect: closing a channel told each worker to forget it on the actor's event loop,
