@@ -232,8 +232,9 @@ class Router:
     async def generate_stoppable(
         self, request: RolloutRequest, *, deadline_s: float | None = None, retry: bool = True
     ) -> Sample:
-        """:meth:`generate`, except that when its caller is cancelled the request's attempts
-        are cancelled too: each stops on its server (``RolloutServer.generate`` is an ``async
+        """:meth:`generate`, except that when its caller is cancelled, or it gives up (its
+        deadline passed, an attempt's error), the request's attempts still in flight are
+        cancelled too: each stops on its server (``RolloutServer.generate`` is an ``async
         def``) and frees its slot, rather than run to its end and be dropped. The pipeline's
         way (a strict batch expiring a request, the pipeline closing)."""
         self.check_open()
