@@ -84,6 +84,7 @@ class _Servers:
 
     def __init__(self, unit_s: float) -> None:
         self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"), timeline=None)
+        self.name = "standin"  # its router's name
         self.unit_s = unit_s
         self.version = 0
         self.started: Counter[Any] = Counter()
