@@ -232,6 +232,9 @@ def test_router_refuses_bad_arguments_before_anything_starts() -> None:
     for bad in (3, "weights", object()):
         with pytest.raises(asyncexec.ConfigurationError, match="channel must be a WeightChannel"):
             asyncexec.Router(servers, channel=bad)  # type: ignore[arg-type]
+    for bad in ("", 3):
+        with pytest.raises(asyncexec.ConfigurationError, match="name must be a non-empty"):
+            asyncexec.Router(servers, name=bad)  # type: ignore[arg-type]
     asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
     router = asyncexec.Router(servers)
     assert router.statistics() == asyncexec.RouterStatistics()
