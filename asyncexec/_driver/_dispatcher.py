@@ -107,9 +107,13 @@ class WorkerCalls:
         if self._loads.renewing(group.workers, range(len(group.workers))) is not None:
             group = await self._recovery.renewed(group, range(len(group.workers)))
         workers = list(group.workers)
-        self._observer.emit(CallsSent(len(workers)))
+        calls: list[Any] = []
         try:
-            return await group.execute(fn, *args, **kwargs)
+            group.send_execute(fn, args, kwargs, calls)
+        finally:  # the calls sent, also when a later rank's send failed
+            self._observer.emit(CallsSent(len(calls)))
+        try:
+            return await group.executed(fn, calls)
         except _DIED as exc:
             raise await self._recovery.lost(group, _who(workers, exc), exc) from exc
 
@@ -178,7 +182,6 @@ class WorkerCalls:
         workers = [group.workers[r] for r in plan.ranks]
         if len(workers) == 1:
             return plan.result([await self._one(group, workers[0], plan, parts)])
-        self._observer.emit(CallsSent(len(workers)))
         calls: list[Any] = []
         try:
             for w in workers:
@@ -189,6 +192,8 @@ class WorkerCalls:
                     sent.cancel()
             dropped(calls, exc)
             raise
+        finally:  # the calls sent (not those a failed send left out)
+            self._observer.emit(CallsSent(len(calls)))
         try:
             outcomes = await group.gather(calls)
         except _DIED as exc:

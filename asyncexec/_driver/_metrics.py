@@ -5,7 +5,8 @@ delivered, the consumer's backlog, start-up phases, restart times), so the drive
 itself: nothing runs on the workers, no Ray metrics agent or dashboard is needed (Ray's
 ``ray.util.metrics`` goes through that agent, which a local Ray started without its dashboard
 does not run), and a scrape reads the process's own registry. Labels are low-cardinality only:
-the executor's name and, for restarts, the failure's class.
+the executor's name, for restarts the failure's class, and for a router and its pipeline the
+router's name.
 
 Off by default: :func:`enable_metrics` turns them on (for every executor of the process), and
 :func:`start_metrics_server` serves them over HTTP. The hot path pays one counter increment per
@@ -14,8 +15,9 @@ batch of steps handed to the iterator, not per step.
 Bounded labels: whatever names the application gives its executors, the first
 ``max_executors`` distinct names get a label value each and every later one is counted under
 :data:`OVERFLOW` (one warning, ``metrics_labels_capped``, says so); failure classes are capped
-the same way at :data:`MAX_CAUSES`. A name keeps its label once it has one (its counters are
-cumulative), but the backlog gauge has a series only while a run of the name is active.
+the same way at :data:`MAX_CAUSES`, and routers' names at ``max_executors``. A name keeps its
+label once it has one (its counters are cumulative), but the backlog gauge has a series only
+while a run of the name is active.
 
 The backlog is computed when scraped: the reports the driver holds for the consumer, plus those
 still waiting in the workers' buffers for a poll (under backpressure most of them wait there:
@@ -154,6 +156,8 @@ class Metrics:
         #: The executor label's values (the ``max_executors`` first names, then OVERFLOW).
         self.executors = BoundedLabels("executor", max_executors, on_new=self._zero_series)
         self.causes = BoundedLabels("cause", MAX_CAUSES)
+        #: The router label's values (of routers and their pipelines), bounded as names are.
+        self.routers = BoundedLabels("router", max_executors)
         self._collectors(prom, registry)
         self._straggler_collectors(prom, registry)
         self._dispatch_collectors(prom, registry)
@@ -493,15 +497,15 @@ _pipeline_made: weakref.WeakKeyDictionary[Metrics, dict[str, Any]] = weakref.Wea
 
 
 def pipeline_collectors(m: Metrics) -> dict[str, Any]:
-    """The RL pipeline's collectors in ``m``'s registry: by the servers' executor (bounded),
-    the kind of sample event and the update mode (fixed sets); never a sample's id or a
-    prompt."""
+    """The RL pipeline's collectors in ``m``'s registry: by the servers' executor and the
+    pipeline's router (both bounded: two pipelines over one executor have a series each), the
+    kind of sample event and the update mode (fixed sets); never a sample's id or a prompt."""
     found = _pipeline_made.get(m)
     if found is not None:
         return found
     import prometheus_client as prom
 
-    ex, registry = ["executor"], m.registry
+    ex, registry = ["executor", "router"], m.registry
     found = {
         "samples": prom.Counter(
             "asyncexec_pipeline_samples",
@@ -545,17 +549,19 @@ def pipeline_collectors(m: Metrics) -> dict[str, Any]:
             registry=registry,
         ),
     }
-    found = {name: _Bounded(collector, m.executors) for name, collector in found.items()}
+    found = {name: _Bounded(collector, m.executors, m.routers) for name, collector in found.items()}
     _pipeline_made[m] = found
     return found
 
 
 class PipelineMeters:
-    """One pipeline's part (nothing when metrics are off): its counters are synced at each
-    batch from the pipeline's own, as deltas, and at its close."""
+    """One pipeline's part (nothing when metrics are off), by its servers' executor and its
+    router's name: its counters are synced at each batch from the pipeline's own, as deltas,
+    and at its close."""
 
-    def __init__(self, executor: str) -> None:
+    def __init__(self, executor: str, router: str | None = None) -> None:
         self.executor = executor
+        self.router = executor if router is None else router
         self._synced: dict[str, int] = {}
 
     def batch(
@@ -571,10 +577,10 @@ class PipelineMeters:
             return
         made = pipeline_collectors(m)
         for value in staleness:
-            made["staleness"].labels(self.executor).observe(value)
-        made["wait"].labels(self.executor).observe(waited_s)
-        made["buffer"].labels(self.executor).set(depth)
-        made["in_flight"].labels(self.executor).set(in_flight)
+            made["staleness"].labels(self.executor, self.router).observe(value)
+        made["wait"].labels(self.executor, self.router).observe(waited_s)
+        made["buffer"].labels(self.executor, self.router).set(depth)
+        made["in_flight"].labels(self.executor, self.router).set(in_flight)
         self._sync(made, counts)
 
     def closed(self, counts: dict[str, int]) -> None:
@@ -584,14 +590,14 @@ class PipelineMeters:
         if m is None:
             return
         made = pipeline_collectors(m)
-        made["in_flight"].labels(self.executor).set(0)
+        made["in_flight"].labels(self.executor, self.router).set(0)
         self._sync(made, counts)
 
     def _sync(self, made: dict[str, Any], counts: dict[str, int]) -> None:
         for event, total in counts.items():
             delta = total - self._synced.get(event, 0)
             if delta > 0:
-                made["samples"].labels(self.executor, event).inc(delta)
+                made["samples"].labels(self.executor, self.router, event).inc(delta)
             self._synced[event] = total
 
     def zero(self) -> None:
@@ -602,14 +608,14 @@ class PipelineMeters:
         if m is None:
             return
         made = pipeline_collectors(m)
-        label = m.executors(self.executor)
+        label = (m.executors(self.executor), m.routers(self.router))
         for event in ("admitted", "consumed", "aborted", "requeued", "duplicates", "expired"):
-            made["samples"].collector.labels(label, event)
+            made["samples"].collector.labels(*label, event)
         for mode in ("keep", "wait", "abort"):
-            made["pause"].collector.labels(label, mode)
-        made["staleness"].collector.labels(label)
-        made["wait"].collector.labels(label)
-        made["in_flight"].collector.labels(label)
+            made["pause"].collector.labels(*label, mode)
+        made["staleness"].collector.labels(*label)
+        made["wait"].collector.labels(*label)
+        made["in_flight"].collector.labels(*label)
 
     def paused(self, mode: str, seconds: float, in_flight: int | None = None) -> None:
         """An update paused generation ``seconds`` as ``mode`` says; ``in_flight``: the requests
@@ -617,11 +623,12 @@ class PipelineMeters:
         m = _metrics
         if m is not None:
             made = pipeline_collectors(m)
-            made["pause"].labels(self.executor, mode).observe(seconds)
+            made["pause"].labels(self.executor, self.router, mode).observe(seconds)
             if in_flight is not None:
-                made["in_flight"].labels(self.executor).set(in_flight)
+                made["in_flight"].labels(self.executor, self.router).set(in_flight)
 
 
-def pipeline_meters(executor: str) -> PipelineMeters:
-    """The meters of a pipeline whose servers are the executor named ``executor``."""
-    return PipelineMeters(executor)
+def pipeline_meters(executor: str, router: str | None = None) -> PipelineMeters:
+    """The meters of a pipeline whose servers are the executor named ``executor``, through
+    the router named ``router`` (None: the executor's name)."""
+    return PipelineMeters(executor, router)

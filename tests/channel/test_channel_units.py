@@ -156,6 +156,35 @@ async def test_a_push_whose_delivery_the_channels_close_cuts_short_raises() -> N
     assert "closed before version 1 was delivered" in str(outcome[0])
 
 
+class _JoinFails:
+    """A transport whose joins fail (a joining rank's install raised)."""
+
+    async def join(self, workers: Any) -> None:
+        raise ChannelError("the install raised")
+
+    def broken(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+async def test_a_join_that_failed_is_not_counted_as_a_join() -> None:
+    """Defect: ``statistics().joins`` ("target ranks that joined after a restart and got the
+    latest version") counted the joining ranks before their transfer, so a join that failed
+    counted them too."""
+    worker = SimpleNamespace(handle=SimpleNamespace(key="w0"), rank=0)
+    group = SimpleNamespace(closed=False, workers=[worker])
+    slot = SimpleNamespace(group=group, timeline=None, config=SimpleNamespace(name="side"))
+    versions = Versions("units", lambda: slot, lambda: slot, False, 1, 30.0, SimpleNamespace())
+    versions.moves = _JoinFails()
+    versions.version = 3  # pushed before the restart: rank 0 of the fresh group holds none
+    async with anyio.create_task_group() as tg:
+        versions.tg = tg
+        with pytest.raises(ChannelError, match="the install raised"):
+            await versions.join(group)  # type: ignore[arg-type]
+        versions.tg = None
+    assert versions.counts["joins"] == 0
+
+
 class _State:
     """A stand-in for a state's reference in the object store (held while referenced)."""
 
@@ -206,6 +235,52 @@ async def test_the_channel_holds_the_state_of_its_latest_version_only(max_stalen
     held = [ref() is not None for ref in transport.states]
     assert held == [False, False, False, False, True]
     assert versions.delivered == 5
+
+
+@pytest.mark.timeout(10)
+async def test_the_version_lag_of_ranks_that_left_the_target_goes_at_the_next_push() -> None:
+    """Defect: ``asyncexec_channel_version_lag`` kept the series of every target rank it ever
+    had until the channel closed: after the target's group shrank (or closed), the ranks that
+    left were shown at their last lag for ever. A push now drops the series of the ranks it
+    does not reach."""
+    pytest.importorskip("prometheus_client")
+    from asyncexec._driver.channel._sinks import channel_observer
+    from asyncexec.testing import metrics_enabled
+
+    def group_of(size: int) -> SimpleNamespace:
+        workers = [
+            SimpleNamespace(handle=SimpleNamespace(key=f"w{r}"), rank=r) for r in range(size)
+        ]
+        return SimpleNamespace(closed=False, workers=workers)
+
+    slot = SimpleNamespace(group=group_of(4), timeline=None, config=SimpleNamespace(name="t"))
+    log = SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
+    with metrics_enabled() as registry:
+        observer = channel_observer("shrinks", log, lambda: None)
+        source = SimpleNamespace(group=group_of(1), timeline=None, config=slot.config)
+        versions = Versions("units", lambda: source, lambda: slot, False, 1, 30.0, log, observer)
+        versions.moves = _Delivers()
+
+        def ranks() -> set[str]:
+            found = registry.get_sample_value
+            return {
+                str(r)
+                for r in range(4)
+                if found("asyncexec_channel_version_lag", {"executor": "shrinks", "rank": str(r)})
+                is not None
+            }
+
+        async with anyio.create_task_group() as tg:
+            versions.tg = tg
+            await versions.push()
+            assert ranks() == {"0", "1", "2", "3"}
+            slot.group = group_of(2)  # the target shrank to 2 ranks
+            await versions.push()
+            assert ranks() == {"0", "1"}
+            slot.group = SimpleNamespace(closed=True, workers=[])  # and closed
+            await versions.push()
+            assert ranks() == set()
+            versions.tg = None
 
 
 @pytest.mark.timeout(20)

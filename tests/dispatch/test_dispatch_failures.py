@@ -300,6 +300,31 @@ async def test_calls_resends_and_renewed_ranks_are_counted_in_statistics_and_met
         assert tuple(registry.get_sample_value(n, label) for n in names) == counted
 
 
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise TypeError("this part does not travel")
+
+
+@pytest.mark.timeout(30)
+async def test_calls_whose_arguments_fail_to_pickle_part_way_count_the_calls_sent_only() -> None:
+    """Defect: a call to every rank whose rank-1 part did not pickle counted a call for each
+    rank, and an ``execute()`` whose argument did not pickle counted one for each rank too,
+    though rank 0's call alone (and for ``execute()`` none) was sent."""
+    pytest.importorskip("prometheus_client")
+    from asyncexec.testing import SimCluster
+
+    with metrics_enabled() as registry:
+        async with asyncexec.Executor(3, cluster=SimCluster(), roles=Server, name="parts") as ex:
+            parts = asyncexec.scatter([1, _Unpicklable(), 3])
+            with pytest.raises(asyncexec.ConfigurationError, match="cannot be pickled"):
+                await ex.call(Server.answer, parts)
+            with pytest.raises(asyncexec.ConfigurationError, match="cannot be pickled"):
+                await ex.execute(os.getpid, _Unpicklable())
+            calls = ex.statistics().calls
+        assert calls == 1
+        assert registry.get_sample_value("asyncexec_calls_total", {"executor": "parts"}) == 1
+
+
 # Item 3: a stream raises the rank's error --------------------------------------------------
 
 

@@ -409,7 +409,8 @@ def test_the_pipelines_requests_in_flight_are_a_gauge_set_at_each_batch_and_upda
     from asyncexec._driver.pipeline._sinks import PipelineMetrics
 
     def in_flight() -> float | None:
-        return registry.get_sample_value("asyncexec_pipeline_in_flight", {"executor": "rl"})
+        labels = {"executor": "rl", "router": "rl"}
+        return registry.get_sample_value("asyncexec_pipeline_in_flight", labels)
 
     registry = prom.CollectorRegistry()
     asyncexec.enable_metrics(registry)

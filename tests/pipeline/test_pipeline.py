@@ -615,7 +615,7 @@ async def test_statistics_logs_and_metrics_agree_with_bounded_labels(
         for s in metric.samples
         for key in s.labels
     }
-    assert labels <= {"executor", "event", "mode", "le"}  # no id, no prompt
+    assert labels <= {"executor", "router", "event", "mode", "le"}  # no id, no prompt
 
 
 @pytest.mark.timeout(30)
@@ -629,7 +629,8 @@ async def test_a_closed_pipelines_metrics_count_what_came_after_its_last_batch()
     from asyncexec.testing import ScriptedServer, SimCluster
 
     def value(registry: Any, name: str, **labels: str) -> float | None:
-        found: float | None = registry.get_sample_value(name, {"executor": "rollout", **labels})
+        by = {"executor": "rollout", "router": "rollout", **labels}
+        found: float | None = registry.get_sample_value(name, by)
         return found
 
     role = asyncexec.Role(ScriptedServer, chunks=3, delay_s=0.01)

@@ -84,6 +84,7 @@ class _Servers:
 
     def __init__(self, unit_s: float) -> None:
         self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"), timeline=None)
+        self.name = "standin"  # its router's name
         self.unit_s = unit_s
         self.version = 0
         self.started: Counter[Any] = Counter()
@@ -311,6 +312,31 @@ async def test_a_stoppable_request_whose_caller_is_cancelled_stops_on_its_server
             asyncexec.RolloutRequest(1, {"id": 1, "length": 2})
         )
         assert sample.output == [0, 1]
+        assert router.statistics().late_dropped == 0
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("retry", [False, True], ids=["once", "retried"])
+async def test_a_stoppable_request_that_gives_up_on_its_deadline_stops_its_attempts(
+    retry: bool,
+) -> None:
+    """Defect: ``generate_stoppable`` that gave up on its deadline (``TimeoutError``) left its
+    attempts running on the servers, each holding its slot to the end of its generation
+    (4 s here), as ``generate``'s do; they now stop there when it gives up."""
+    async with (
+        asyncexec.Executor(2, roles=Chunky, local=True) as servers,
+        asyncexec.Router(servers, max_in_flight=2) as router,
+    ):
+        request = asyncexec.RolloutRequest(0, {"id": 0, "length": 800})
+        with pytest.raises(TimeoutError, match=r"no answer within 0\.1 s"):
+            await router.generate_stoppable(request, deadline_s=0.1, retry=retry)
+        with anyio.fail_after(2):
+            while sum(router.in_flight.values()):  # noqa: ASYNC110 (no event for it)
+                await anyio.sleep(0.005)
+        records = await servers.call(asyncexec.method(Chunky, Chunky.records))
+        made = [made for rank in records for _, made in rank]
+        assert len(made) == (3 if retry else 1)  # sent to ranks 0, 1 and 0 again when retried
+        assert max(made) < 400  # of 800 (5 ms each): stopped well before their end
         assert router.statistics().late_dropped == 0
 
 

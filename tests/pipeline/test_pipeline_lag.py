@@ -97,6 +97,7 @@ class _Forever:
         from types import SimpleNamespace
 
         self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"), timeline=None)
+        self.name = "standin"  # its router's name
         self.turns = turns
         self.started = 0
         self.cancelled_in: list[int] = []

@@ -232,6 +232,9 @@ def test_router_refuses_bad_arguments_before_anything_starts() -> None:
     for bad in (3, "weights", object()):
         with pytest.raises(asyncexec.ConfigurationError, match="channel must be a WeightChannel"):
             asyncexec.Router(servers, channel=bad)  # type: ignore[arg-type]
+    for bad in ("", 3):
+        with pytest.raises(asyncexec.ConfigurationError, match="name must be a non-empty"):
+            asyncexec.Router(servers, name=bad)  # type: ignore[arg-type]
     asyncexec.Router(servers, health_grace_s=0)  # no grace is allowed
     router = asyncexec.Router(servers)
     assert router.statistics() == asyncexec.RouterStatistics()
@@ -280,9 +283,10 @@ async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -
             for i in range(5):
                 await router.generate(asyncexec.RolloutRequest(i, "p", key=f"chat-{i}"))
             value = registry.get_sample_value
-            assert value("asyncexec_router_requests_total", {"executor": "servers"}) == 5
-            assert value("asyncexec_router_answered_total", {"executor": "servers"}) == 5
-            in_flight = {"executor": "servers", "rank": "0"}
+            by = {"executor": "servers", "router": "servers"}
+            assert value("asyncexec_router_requests_total", by) == 5
+            assert value("asyncexec_router_answered_total", by) == 5
+            in_flight = {**by, "rank": "0"}
             assert value("asyncexec_router_in_flight", in_flight) == 0
             labels = {
                 name
@@ -291,8 +295,57 @@ async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -
                 for sample in family.samples
                 for name in sample.labels
             }
-            assert labels == {"executor", "rank"}
+            assert labels == {"executor", "router", "rank"}
         assert registry.get_sample_value("asyncexec_router_in_flight", in_flight) is None
+
+
+class Held(asyncexec.RolloutServer):
+    """Generates until its request is stopped."""
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        await anyio.sleep_forever()
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        pass
+
+
+@pytest.mark.timeout(20)
+async def test_two_routers_over_one_executor_have_their_own_series() -> None:
+    """Defect: the routers' metrics were labelled by their servers' executor only, so two
+    routers over the same servers overwrote each other's ``asyncexec_router_in_flight`` (the
+    last one set won) and the first to close took the other's series with it. Each router
+    has its name now (``name=``; by default the executor's, with a suffix while another
+    router over it is open), as the ``router`` label."""
+    pytest.importorskip("prometheus_client")
+
+    def in_flight(router: str) -> float | None:
+        labels = {"executor": "shared", "router": router, "rank": "0"}
+        return registry.get_sample_value("asyncexec_router_in_flight", labels)
+
+    async def requests(router: asyncexec.Router, n: int) -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(n):  # stopped on the server when cancelled
+                tg.start_soon(router.generate_stoppable, asyncexec.RolloutRequest(i, "p"))
+
+    with metrics_enabled() as registry:
+        async with asyncexec.Executor(1, roles=Held, local=True, name="shared") as servers:
+            first = asyncexec.Router(servers)
+            second = asyncexec.Router(servers)
+            named = asyncexec.Router(servers, name="evaluation")
+            assert (first.name, second.name, named.name) == ("shared", "shared-2", "evaluation")
+            async with first, anyio.create_task_group() as on_first:
+                on_first.start_soon(requests, first, 2)
+                async with second, anyio.create_task_group() as on_second:
+                    on_second.start_soon(requests, second, 1)
+                    with anyio.fail_after(5):
+                        while (first.in_flight[0], second.in_flight[0]) != (2, 1):  # noqa: ASYNC110
+                            await anyio.sleep(0.005)
+                    assert (in_flight("shared"), in_flight("shared-2")) == (2, 1)
+                    on_second.cancel_scope.cancel()
+                assert (in_flight("shared"), in_flight("shared-2")) == (2, None)
+                on_first.cancel_scope.cancel()
+            assert asyncexec.Router(servers).name == "shared"  # free again once closed
 
 
 @pytest.mark.timeout(10)

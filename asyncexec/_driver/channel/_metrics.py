@@ -93,8 +93,8 @@ class ChannelMeters:
             collectors["lag"].labels(label, str(rank)).set(versions)
 
     def forget(self, ranks: Iterable[int]) -> None:
-        """The channel closed: the version lag series of ``ranks`` go (a closed channel's lag
-        would be shown for ever)."""
+        """The version lag series of ``ranks`` go: the channel closed, or they left the
+        target's group (a lag no longer updated would be shown for ever)."""
         on = self._on()
         if on is not None:
             collectors, label = on

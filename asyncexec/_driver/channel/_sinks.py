@@ -23,7 +23,8 @@ __all__ = ["ChannelLog", "ChannelMetrics", "ChannelTimeline", "channel_observer"
 
 
 class ChannelMetrics:
-    """Push seconds, failed pushes, and each target rank's version lag."""
+    """Push seconds, failed pushes, and each target rank's version lag (the series of a rank
+    that a push does not reach, one that left the target's group, go at that push)."""
 
     def __init__(self, meters: ChannelMeters) -> None:
         self.meters = meters
@@ -42,6 +43,12 @@ class ChannelMetrics:
     def _read(self, event: VersionRead) -> None:
         for rank, held in event.held:
             self._lag(rank, event.version - held)
+        # The ranks the push does not reach left the target (its group shrank or closed):
+        # their series go, or they would be shown at their last lag for ever.
+        left = self.ranks.difference(rank for rank, _ in event.held)
+        if left:
+            self.meters.forget(left)
+            self.ranks -= left
 
     def _installed(self, event: VersionInstalled) -> None:
         self._lag(event.rank, event.latest - event.version)

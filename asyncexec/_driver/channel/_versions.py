@@ -325,7 +325,6 @@ class Versions:
         joiners = [w for w in group.workers if held.get(w.handle.key, 0) < self.version]
         if not joiners:
             return
-        self.counts["joins"] += len(joiners)
         self.observer.emit(RanksJoined(tuple(w.rank for w in joiners), self.version))
         try:
             with anyio.fail_after(self.timeout_s):
@@ -336,6 +335,7 @@ class Versions:
             raise channel_error(
                 "giving joining ranks the latest version", exc, self.timeout_s
             ) from exc
+        self.counts["joins"] += len(joiners)  # (those that got it: a join that failed is none)
 
     def _open_tg(self) -> anyio.abc.TaskGroup:
         if self.tg is None:

@@ -162,12 +162,32 @@ class WorkerGroup:
     async def execute(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> list[T]:
         """Run ``fn`` on every worker concurrently; results in rank order."""
         calls: list[Any] = []
+        self.send_execute(fn, args, kwargs, calls)
+        return await self.executed(fn, calls)
+
+    def send_execute(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        calls: list[Any],
+    ) -> None:
+        """Send ``execute`` of ``fn`` to every worker, appending each call to ``calls`` as it
+        goes out (so that a caller sees which were sent when a later one's send fails).
+
+        Raises:
+            ConfigurationError: an argument does not pickle (the calls sent before it are
+                dropped: nothing waits for them).
+        """
         try:
             for w in self.workers:
                 calls.append(_execute_on(self, w, fn, args, kwargs))
-        except BaseException as exc:  # an argument that does not pickle: the sent ones dropped
+        except BaseException as exc:
             dropped(calls, exc)
             raise
+
+    async def executed(self, fn: Callable[..., T], calls: Sequence[Any]) -> list[T]:
+        """The results of ``calls`` (of :meth:`send_execute`) in rank order."""
         return self.values(await _given_up(self.gather(calls), fn, calls), self.workers)
 
     def check_rank(self, rank: int) -> None:

@@ -130,7 +130,9 @@ class Pipeline:
         self._meter = Meter()
         #: Every event of the pipeline goes through it: statistics, metrics, log, timeline.
         track = pipeline_track(self.servers.executor.timeline)
-        self._observer = pipeline_observer(self._meter, pipeline_meters(name), self.log, track)
+        self._observer = pipeline_observer(
+            self._meter, pipeline_meters(name, self.servers.name), self.log, track
+        )
         requeues = max_requeues if on_expire == "requeue" else 0  # how often a prompt expires
         self._admission = Admission(
             prompts, self.servers, self._budget, self._consumed, self._observer, self.log, requeues

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
+import weakref
 from types import TracebackType
 from typing import Any, Literal
 
@@ -55,6 +57,11 @@ MAX_SESSIONS = 100_000
 #: How long a closing router waits for the replies a pause to abort answered already.
 HANDED_WAIT_S = 1.0
 
+#: The process's routers, for their default names (a name is free again once its router
+#: closed or was collected); under ``_NAMES_LOCK``: routers are made on several threads' loops.
+_ROUTERS: weakref.WeakSet[Router] = weakref.WeakSet()
+_NAMES_LOCK = threading.Lock()
+
 
 class Router:
     """Sends :class:`~asyncexec.RolloutRequest` s to rollout servers (see the module's
@@ -76,6 +83,10 @@ class Router:
         unhealthy_after: failed checks in a row after which a server is taken out (no new
             requests, its requests in flight sent elsewhere), killed and replaced.
         max_sessions: how many session keys are remembered (least recently used forgotten).
+        name: the router's name in its metrics (their ``router`` label) and its log lines.
+            None: its servers' executor name, or, while another router of this process that
+            is not closed has that name, the name with the first free suffix (``-2``, ``-3``,
+            ...): two routers over one executor have their own series.
     """
 
     def __init__(
@@ -89,27 +100,34 @@ class Router:
         health_grace_s: float = 60.0,
         unhealthy_after: int = 3,
         max_sessions: int = MAX_SESSIONS,
+        name: str | None = None,
     ) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(f"name must be a non-empty string, got {name!r}")
         self.servers = servers
         self.methods = ServerMethods(_server_class(servers))
         _check_channel(channel, servers)
         check_count("max_in_flight", max_in_flight)
         check_count("unhealthy_after", unhealthy_after)
         check_count("max_sessions", max_sessions)
-        for name, value in (
+        for what, value in (
             ("health_interval_s", health_interval_s),
             ("health_timeout_s", health_timeout_s),
             ("health_grace_s", health_grace_s),
         ):
-            _check_seconds(name, value, zero=name == "health_grace_s")
+            _check_seconds(what, value, zero=what == "health_grace_s")
         self.max_in_flight = max_in_flight
         self.channel = channel
         self.health_interval_s = float(health_interval_s)
         self.health_timeout_s = float(health_timeout_s)
         self.health_grace_s = float(health_grace_s)
         self.unhealthy_after = unhealthy_after
-        self.log = get_logger(router=servers.config.name)
-        self.meters = RouterMeters(servers.config.name)
+        self._closed = False
+        #: Its name: the ``router`` label of its metrics (and its pipeline's), in its log lines.
+        self.name = ""
+        _name(self, servers.config.name, name)
+        self.log = get_logger(router=self.name)
+        self.meters = RouterMeters(servers.config.name, self.name)
         self.sessions = Sessions(max_sessions)
         self.balance = Balance([], max_in_flight)
         self.pacer = Pacer()
@@ -129,13 +147,12 @@ class Router:
         self.failure: BaseException | None = None
         #: The servers' group the router's records are of (None: being replaced).
         self.group: Any = None
-        self._closed = False
 
     def __repr__(self) -> str:
         serving = sum(s.serving for s in self.balance.servers)
         in_flight = sum(s.in_flight for s in self.balance.servers)
         return (
-            f"<Router {self.servers.config.name} servers={serving}/{len(self.balance.servers)} "
+            f"<Router {self.name} servers={serving}/{len(self.balance.servers)} "
             f"in_flight={in_flight}>"
         )
 
@@ -232,8 +249,9 @@ class Router:
     async def generate_stoppable(
         self, request: RolloutRequest, *, deadline_s: float | None = None, retry: bool = True
     ) -> Sample:
-        """:meth:`generate`, except that when its caller is cancelled the request's attempts
-        are cancelled too: each stops on its server (``RolloutServer.generate`` is an ``async
+        """:meth:`generate`, except that when its caller is cancelled, or it gives up (its
+        deadline passed, an attempt's error), the request's attempts still in flight are
+        cancelled too: each stops on its server (``RolloutServer.generate`` is an ``async
         def``) and frees its slot, rather than run to its end and be dropped. The pipeline's
         way (a strict batch expiring a request, the pipeline closing)."""
         self.check_open()
@@ -297,6 +315,19 @@ class Router:
             in_flight_max=tuple(s.peak for s in servers),
             serving=tuple(s.serving for s in servers),
         )
+
+
+def _name(router: Router, executor: str, name: str | None) -> None:
+    """Name ``router``: ``name``, or by default ``executor`` with the first suffix that no
+    other open router of the process has (see ``Router``)."""
+    with _NAMES_LOCK:
+        if name is None:
+            taken = {r.name for r in list(_ROUTERS) if not r._closed}
+            name, n = executor, 2
+            while name in taken:
+                name, n = f"{executor}-{n}", n + 1
+        router.name = name
+        _ROUTERS.add(router)
 
 
 def _server_class(servers: Any) -> type[RolloutServer]:

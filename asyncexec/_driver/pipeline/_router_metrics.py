@@ -1,6 +1,7 @@
 """The router's metrics, when :func:`asyncexec.enable_metrics` turned metrics on: counters by
-the servers' executor name (bounded as every executor label is), and the requests in flight
-per server by executor and rank (a rank label is bounded by the group's size; session keys and
+the servers' executor name and the router's name (both bounded as every executor label is: two
+routers over one executor have series of their own), and the requests in flight per server by
+executor, router and rank (a rank label is bounded by the group's size; session keys and
 request ids are never labels).
 
 The collectors are made once per :class:`~asyncexec._driver._metrics.Metrics` (its registry),
@@ -39,16 +40,15 @@ def router_collectors(meters: Metrics) -> dict[str, Any]:
     if found is None:
         import prometheus_client as prom
 
+        by = ["executor", "router"]
         found = {
-            name: prom.Counter(
-                f"asyncexec_router_{name}", doc, ["executor"], registry=meters.registry
-            )
+            name: prom.Counter(f"asyncexec_router_{name}", doc, by, registry=meters.registry)
             for name, doc in _COUNTERS.items()
         }
         found["in_flight"] = prom.Gauge(
             "asyncexec_router_in_flight",
             "Requests of a router in flight on each server.",
-            ["executor", "rank"],
+            [*by, "rank"],
             registry=meters.registry,
         )
         _made[meters] = found
@@ -56,16 +56,19 @@ def router_collectors(meters: Metrics) -> dict[str, Any]:
 
 
 class RouterMeters:
-    """One router's view of the metrics (nothing when metrics are off)."""
+    """One router's view of the metrics (nothing when metrics are off), by its servers'
+    executor name and its own name (``router``; None: the executor's name)."""
 
-    def __init__(self, executor: str) -> None:
+    def __init__(self, executor: str, router: str | None = None) -> None:
         self.executor = executor
+        self.router = executor if router is None else router
 
-    def _on(self) -> tuple[dict[str, Any], str] | None:
+    def _on(self) -> tuple[dict[str, Any], tuple[str, str]] | None:
         meters = metrics()
         if meters is None:
             return None
-        return router_collectors(meters), meters.executors(self.executor)
+        label = (meters.executors(self.executor), meters.routers(self.router))
+        return router_collectors(meters), label
 
     def zero(self) -> None:
         """The router's counters at 0 (a retry, a timeout, a server taken out that has not
@@ -74,19 +77,19 @@ class RouterMeters:
         if on is not None:
             collectors, label = on
             for name in _COUNTERS:
-                collectors[name].labels(label)
+                collectors[name].labels(*label)
 
     def count(self, name: str) -> None:
         on = self._on()
         if on is not None:
             collectors, label = on
-            collectors[name].labels(label).inc()
+            collectors[name].labels(*label).inc()
 
     def in_flight(self, rank: int, value: int) -> None:
         on = self._on()
         if on is not None:
             collectors, label = on
-            collectors["in_flight"].labels(label, str(rank)).set(value)
+            collectors["in_flight"].labels(*label, str(rank)).set(value)
 
     def forget(self, servers: int) -> None:
         """The router closed: its in-flight series go."""
@@ -95,4 +98,4 @@ class RouterMeters:
             collectors, label = on
             for rank in range(servers):
                 with contextlib.suppress(KeyError):
-                    collectors["in_flight"].remove(label, str(rank))
+                    collectors["in_flight"].remove(*label, str(rank))

@@ -283,7 +283,7 @@ class Requests:
                     error=describe(error),
                 )
                 sent_at = 0.0
-        except anyio.get_cancelled_exc_class():
+        except BaseException:  # cancelled, or given up (its deadline, an attempt's error)
             if stop:
                 _stop_attempts(fate)
             raise
@@ -535,9 +535,9 @@ def _check_servers(router: RequestsHost) -> None:
 
 
 def _stop_attempts(fate: _Fate) -> None:
-    """The caller of a stoppable request was cancelled: its attempts in flight are cancelled
-    too, and so their remote calls (an ``async def`` ``generate`` stops on its server and frees
-    its slot, rather than run to its end)."""
+    """A stoppable request ended without an answer (its caller was cancelled, or it gave up):
+    its attempts in flight are cancelled too, and so their remote calls (an ``async def``
+    ``generate`` stops on its server and frees its slot, rather than run to its end)."""
     for answer in list(fate.attempts):
         answer.cancel("stopped")
 

@@ -27,6 +27,8 @@ class Servers:
     def __init__(self, router: Router, *, owned: bool) -> None:
         self.executor = router.servers
         self.router = router
+        #: The router's name (the ``router`` label of the pipeline's metrics).
+        self.name = router.name
         self.owned = owned
         self.cls = router.methods.cls
 
