@@ -9,10 +9,12 @@ heavy, so a worker process costs about what a plain Ray actor costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -156,14 +158,19 @@ class _Worker:
     async def start_run(self, payload: bytes, start: RunStart) -> None:
         """Start the run's function in its own thread and return at once; reports are taken
         with ``poll``. ``payload`` is the function and its config, pickled once for all ranks;
-        a ``RoleMethod`` in place of the function is the method of this worker's instance."""
+        a ``RoleMethod`` in place of the function is the method of this worker's instance.
+        The payload is unpickled in a thread: a large config, or a function whose module
+        imports slowly, would hold this loop (health checks, calls) meanwhile."""
         from ray import cloudpickle
 
         if self._session is not None and not self._session.finished:
             raise RuntimeError("a run is still in progress on this worker")
+        fn, config = await asyncio.to_thread(cloudpickle.loads, payload)
+        # (Asked again: another start_run may have started a run while this one unpickled.)
+        if self._session is not None and not self._session.finished:
+            raise RuntimeError("a run is still in progress on this worker")
         if self._session is not None:
             _session.end_session(self._session)
-        fn, config = cloudpickle.loads(payload)
         if isinstance(fn, RoleMethod):
             fn = _roles.method(fn.role_index, fn.name)
         self._session = _session.Session(fn, config, start, asyncio.get_running_loop())
@@ -198,8 +205,12 @@ class _Worker:
         with. The user's module-level state stays, as in Ray's reused workers; ``reset_hook`` is
         where the user clears it.
 
-        Fails (as an outcome) when the run's function did not stop, or a role instance's
-        ``close()`` failed (see ``_roles.drop``): such a worker is not reused."""
+        The torch process group is destroyed in a thread, within ``stop_timeout_s`` (a
+        destroy can hang on a collective that waits for a peer: this loop answers meanwhile).
+
+        Fails (as an outcome) when the run's function did not stop, a role instance's
+        ``close()`` failed (see ``_roles.drop``), or the process group was not destroyed: such
+        a worker is not reused."""
         if self._session is not None:
             if not await self._session.stop(stop_timeout_s):
                 return Outcome("error", error=RuntimeError("the run's function did not stop"))
@@ -213,11 +224,11 @@ class _Worker:
             from ray.data import DataContext
 
             DataContext._set_current(None)
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroyed = await _destroy_process_group(stop_timeout_s)
         os.environ.clear()
         os.environ.update(self._environ)
+        if destroyed is not None:  # the process group may still be there: not to reuse
+            return _outcomes.error_outcome(destroyed)
         if closing:  # what the instances held may still be held: not a worker to reuse
             return _outcomes.error_outcome(closing[0])
         if reset_hook is None:
@@ -299,6 +310,40 @@ class _Worker:
             await _roles.drop()
         finally:
             self._closed_event().set()
+
+
+async def _destroy_process_group(timeout_s: float) -> BaseException | None:
+    """Destroy this process's torch process group, if it has one, in a daemon thread (a
+    destroy that hangs is left there: a thread cannot be stopped, and the worker is not reused);
+    what went wrong, or None (destroyed, or none to destroy). Imports nothing: a process that
+    never imported ``torch.distributed`` has no group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not ended.done():
+            ended.set_result(error)
+
+    def destroy() -> None:
+        error: BaseException | None = None
+        try:
+            dist.destroy_process_group()
+        except BaseException as exc:  # handed to the loop, which returns it
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=destroy, name="asyncexec-torch-destroy", daemon=True).start()
+    try:
+        return await asyncio.wait_for(ended, timeout_s)
+    except TimeoutError:
+        return TimeoutError(
+            f"the torch process group was not destroyed within {timeout_s:g} s "
+            "(a collective still waiting?)"
+        )
 
 
 async def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:

@@ -146,6 +146,21 @@ def receive_weights(
     return version
 
 
+def forget_install(install: Callable[[Any, int], object], *, channel: str) -> None:
+    """Unregister ``install`` from ``channel`` when it is the install registered there (a
+    rollout server that its worker let go of): no version reaches it from now on; an install
+    of it that runs now ends first. The versions that arrive meanwhile are kept for the next
+    install registered, as when none was. Blocking (it waits for that install): runs in a
+    thread."""
+    with _ends_lock:
+        end = _ends.get(channel)
+    if end is None:
+        return
+    with end.lock:
+        if end.install == install:  # (bound methods: equal when of the same instance)
+            end.install, end.install_run = None, None
+
+
 def _in_function(session: _place.Session) -> bool:
     """Whether this thread is the one running ``session``'s function (an ``async def`` too:
     its loop runs there), not an ``execute()`` call or a thread of the function's own."""

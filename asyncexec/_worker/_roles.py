@@ -201,7 +201,8 @@ async def make(
     Returns:
         ``Outcome("ok")``, or an error outcome whose ``value`` is the :class:`RoleFailure` that
         says which role failed and where (the instances made before it, and the failed one when
-        its ``restore`` failed, are closed as :func:`drop` closes them).
+        its ``restore`` failed, are closed as :func:`drop` closes them). Cancelled part-way,
+        it closes the instances made so far too.
     """
     from ray import cloudpickle
 
@@ -233,9 +234,17 @@ async def make(
                 failed = _outcomes.error_outcome(exc)
                 # What the instances made so far hold (an engine) is let go: no worker holds
                 # them, and nothing else would call their close().
-                await _close(instances, context)
+                held, instances = instances, []  # (a cancellation meanwhile closes none twice)
+                await _close(held, context)
                 return failed._replace(value=RoleFailure(index, stage))
             limits.append(spec.max_concurrency)
+    except asyncio.CancelledError:
+        # Cancelled part-way (the group's start was, the worker is closing): the instances
+        # made so far are let go as on a failure. (An ``__init__`` running in a thread runs on;
+        # what it makes is left, as a thread cannot be stopped.) Each close is bounded
+        # (``CLOSE_TIMEOUT_S``); a second cancellation ends the wait.
+        await _close(instances, context)
+        raise
     finally:
         _place.ROLE_LOOP.reset(loop_set)
     place.roles = Roles(instances, context, limits)
@@ -343,11 +352,12 @@ async def drop() -> list[BaseException]:
     """Let go of this worker's instances (their roles made again, a pooled worker going back,
     the worker closing): each instance's ``close()``, where its class has one (an ``async def``
     on this loop, else in a thread, inside the worker's context), is called in reverse role
-    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. An instance's close
-    waits first (as long again at most) for its plain calls still running (a call whose caller
-    stopped waiting runs to its end): it does not let go of what they use under them. Returns
-    the errors the closes raised (a close that took too long, or calls still running after
-    that wait: TimeoutError), each logged; never raises."""
+    order, each within :data:`CLOSE_TIMEOUT_S`, then they are forgotten. A rollout server
+    stops receiving weight installs first (``RolloutServer._asyncexec_dropped``). An
+    instance's close waits first (as long again at most) for its plain calls still running (a
+    call whose caller stopped waiting runs to its end): it does not let go of what they use
+    under them. Returns the errors the closes raised (a close that took too long, or calls
+    still running after that wait: TimeoutError), each logged; never raises."""
     place = _place.current_place()
     roles, place.roles = place.roles, None
     if not isinstance(roles, Roles):
@@ -366,10 +376,18 @@ async def _close(
     errors: list[BaseException] = []
     for index in reversed(range(len(instances))):
         instance = instances[index]
+        name = type(instance).__qualname__
+        dropped = getattr(instance, "_asyncexec_dropped", None)
+        if callable(dropped):  # the class's own letting go (RolloutServer's: of weight installs,
+            # in a thread, as it waits for an install that runs)
+            try:
+                await asyncio.wait_for(_invoke(dropped, (), {}, None), CLOSE_TIMEOUT_S)
+            except Exception as exc:
+                errors.append(exc)
+                _log.warning("role_drop_failed role=%s error=%s", name, describe(exc))
         close = getattr(instance, "close", None)
         if not callable(close):
             continue
-        name = type(instance).__qualname__
         if (
             roles is not None
             and not roles.wait_idle(index, 0)  # (at once: no thread when none runs)

@@ -117,6 +117,7 @@ class RolloutServer:
         #: that no worker makes (made by hand) loads each version as it comes.
         self._rollout_early: tuple[Any, int] | None = None
         self._rollout_made = self._asyncexec_loop() is None
+        self._rollout_channel = channel
         _channel.receive_weights(self._install_from_channel, channel=channel)
 
     @staticmethod
@@ -170,6 +171,15 @@ class RolloutServer:
             early, self._rollout_early = self._rollout_early, None
         if early is not None:
             gate.install(self.load_weights, *early)
+
+    def _asyncexec_dropped(self) -> None:
+        """The worker lets go of this instance (its roles made again, the worker reset or
+        closed), before its ``close()``: no weight install reaches it from now on (one that is
+        loading ends first), so none loads into what ``close()`` shuts down, and the channel
+        no longer holds the instance."""
+        channel = getattr(self, "_rollout_channel", None)
+        if channel is not None:
+            _channel.forget_install(self._install_from_channel, channel=channel)
 
     # What the user implements -----------------------------------------------------------------
 

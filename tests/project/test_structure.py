@@ -667,7 +667,7 @@ INTERNAL_UNIT_TESTS = {
     *("run/test_handover.py", "run/test_held_groups.py"),
     *("run/test_interrupt_handler.py", "run/test_report_path.py", "run/test_stragglers.py"),
     *("worker/test_roles_worker.py", "worker/test_threaded_worker.py"),
-    "worker/test_worker_interface.py",
+    *("worker/test_worker_interface.py", "worker/test_worker_loop.py"),
 }
 
 

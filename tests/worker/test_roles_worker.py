@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import ray
@@ -487,3 +487,91 @@ def test_concurrent_installs_load_one_at_a_time_and_leave_the_newest(
     assert load.most == 1
     assert load.loaded == loaded
     assert gate.version == 2 and gate.installing == 0 and not gate.loading
+
+
+# What a worker lets go of: instances made part-way, a dropped rollout server -----------------
+
+
+class _Entered:
+    """Events of this process (local workers share it): an ``__init__`` began, and lets it
+    end; a ``close()`` ran."""
+
+    init_began = threading.Event()
+    init_release = threading.Event()
+    closed = threading.Event()
+
+
+class ClosesWhenDropped:
+    """A role that holds something to let go of (an engine): its ``close()`` is recorded."""
+
+    def close(self) -> None:
+        _Entered.closed.set()
+
+
+class SlowToStart:
+    """A role whose ``__init__`` waits until the test lets it end (an engine loading)."""
+
+    def __init__(self) -> None:
+        _Entered.init_began.set()
+        assert _Entered.init_release.wait(WAIT_S)
+
+
+@pytest.mark.timeout(30)
+async def test_roles_made_part_way_are_closed_when_the_make_is_cancelled() -> None:
+    """Defect: a ``make_roles`` cancelled while it made a later role (a group's start cancelled,
+    a local worker closed) left the instances it had made unclosed: no worker held them, and
+    nothing called their ``close()`` (an engine kept its processes and memory)."""
+    for event in (_Entered.init_began, _Entered.init_release, _Entered.closed):
+        event.clear()
+    target = LocalWorker("part-way")
+    try:
+        await _set_up(target)
+        ref = target.call("make_roles", _payload(Role(ClosesWhenDropped), Role(SlowToStart)))
+        assert await asyncio.to_thread(_Entered.init_began.wait, WAIT_S)
+        target.cancel(ref)
+        with pytest.raises(Exception, match="cancelled"):
+            await asyncio.wait_for(_awaited_ref(ref), WAIT_S)
+        assert _Entered.closed.is_set()
+    finally:
+        _Entered.init_release.set()
+        target.kill()
+    wait_no_local_threads()
+
+
+async def _awaited_ref(ref: Any) -> Any:
+    return await ref
+
+
+class DroppedServer(RolloutServer):
+    """A rollout server that records the versions it loads (in this process)."""
+
+    loaded: ClassVar[list[int]] = []
+
+    async def chunks(self, prompt: Any) -> AsyncIterator[Any]:
+        yield prompt
+
+    def load_weights(self, state: Any, version: int) -> None:
+        DroppedServer.loaded.append(version)
+
+
+@pytest.mark.timeout(30)
+async def test_a_dropped_rollout_server_receives_no_more_weights(tmp_path: Path) -> None:
+    """Defect: a rollout server that its worker let go of (its roles made again, after a spare
+    took a rank or an elastic resize) stayed registered for its channel's installs: until the
+    next roles registered theirs (or for good, when they had none), each version pushed was
+    loaded into the closed server (an engine shut down), and the instance was never freed."""
+    DroppedServer.loaded.clear()
+    channel = f"dropped-{tmp_path.name}"
+    target = LocalWorker("dropped")
+    worker = await _set_up(target)
+    try:
+        server = _payload(Role(DroppedServer, channel=channel))
+        assert (await worker("make_roles", server)).kind == "ok"
+        await worker("channel_receive", channel, 1, {"w": 1})
+        assert (await worker("make_roles", _payload(Role(Counter, 0)))).kind == "ok"
+        await worker("channel_receive", channel, 2, {"w": 2})
+        assert DroppedServer.loaded == [1]
+    finally:
+        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
+        target.kill()
+    wait_no_local_threads()
