@@ -144,8 +144,9 @@ async def test_a_state_with_a_tensor_of_a_wrong_shape_leaves_the_engines_weights
     engines: Engines,
 ) -> None:
     """Defect: vLLM loads a state one tensor after another, and a tensor of a wrong shape (here
-    the last layer's) failed the load after the others went in: the engine held some of the new
-    weights while its server said it held the version before. The state is refused whole now,
+    the last layer's) failed the load after the others went in: the engine held some layers'
+    new weights and the rest not loaded at all (left on the meta device) while its server said
+    it held the version before, and died at its next request. The state is refused whole now,
     naming the tensor, and greedy decoding is as it was."""
     rollout, learner, channel = engines.rollout, engines.learner, engines.channel
     prompt = [1, 5, 6, 7, 8]
