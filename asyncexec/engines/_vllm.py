@@ -31,6 +31,8 @@ from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequen
 from typing import Any, ClassVar, Literal, TypeVar
 
 from .. import RolloutServer, get_context
+from . import _health
+from ._checkpoint import check_fits, checkpoint_shapes
 from ._chunks import EngineChunk, deltas_of, joined
 from ._extension import pack
 from ._loop import EngineLoop, reaper
@@ -72,7 +74,9 @@ class VLLMServer(RolloutServer):
     and are loaded into the running engine in place through a worker extension, after which
     the prefix cache is reset (the blocks of requests parked by a ``"keep"`` pause too: they
     are computed again under the new weights when the requests go on) and the engine told the
-    version.
+    version. A state is checked whole against the model's checkpoint first: one that holds a
+    name the checkpoint does not, or a tensor of another shape, is refused (``ValueError``,
+    naming them) with nothing loaded, and the server keeps its version.
 
     Args:
         model: the model's folder (or name, where a hub can be reached).
@@ -87,6 +91,10 @@ class VLLMServer(RolloutServer):
         kv_cache_gib: on a CPU, the KV cache's size (``VLLM_CPU_KVCACHE_SPACE``) when not set
             in the environment; ignored on GPUs (``engine={"gpu_memory_utilization": ...}``).
         channel: the weight channel's name.
+        check_weights: check each state against the names and shapes of the checkpoint's
+            tensors (the headers of the safetensors files in ``model``) before loading any of
+            it; a model given by a hub name, or whose checkpoint is in other files, is not
+            checked.
     """
 
     pause_point: ClassVar[Literal["chunk", "engine"]] = "engine"
@@ -99,14 +107,19 @@ class VLLMServer(RolloutServer):
         sampling: Mapping[str, Any] | None = None,
         kv_cache_gib: float = 1.0,
         channel: str = "weights",
+        check_weights: bool = True,
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
         self.model = model
+        #: The checkpoint's tensors' shapes by name, which a state must fit (None: unchecked).
+        self._shapes = checkpoint_shapes(model) if check_weights else None
         self.sampling = {**SAMPLING, **(sampling or {})}
         self._ids = itertools.count()
         self._tag = os.urandom(3).hex()
         self._version: int | None = None  # the weights version the engine holds
         self._closed = False
+        #: Weights go into the engine (on the engine loop): its core answers nothing meanwhile.
+        self._loading = False
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
         #: The engine is paused to abort (on the engine loop): a request's pump that starts
@@ -142,7 +155,10 @@ class VLLMServer(RolloutServer):
         # the reaper kills the engine's processes then, also one that is stopped (SIGSTOP),
         # which would never read the pipe that tells vLLM's processes their parent is gone.
         # Only the engine's: the reaper kills what it was given, however much later.
-        self._reaper = reaper(sorted(_children() - before))
+        engine_pids = sorted(_children() - before)
+        self._reaper = reaper(engine_pids)
+        #: The engine's processes, which a health check looks at while a load runs.
+        self._engine_processes = _health.processes(engine_pids)
         try:
             # A version the channel holds already is loaded once the worker has made this
             # instance (in a thread), into the running engine.
@@ -330,6 +346,8 @@ class VLLMServer(RolloutServer):
         before) and resumed after it."""
         if self._engine_loop.is_current():
             raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
+        if self._shapes is not None:  # refused whole: vLLM loads a tensor after another
+            check_fits(state, self._shapes, model=self.model, version=version, held=self._version)
         packed = pack(state, self._dtype)  # the cast and the copy here, off the engine loop
         try:
             self._engine_loop.send(self._load(packed, version)).result()
@@ -352,7 +370,11 @@ class VLLMServer(RolloutServer):
                     await self.engine.resume_generation()
 
     async def _loaded(self, packed: list[Any], version: int) -> None:
-        await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
+        self._loading = True
+        try:
+            await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
+        finally:
+            self._loading = False
         # With the running requests' blocks: a "keep" pause parks requests in the engine, and
         # vLLM resets nothing while blocks are held (it returns False), so the old weights'
         # blocks of a prompt would serve the requests after the resume. The parked requests'
@@ -386,12 +408,13 @@ class VLLMServer(RolloutServer):
 
     async def health(self) -> None:
         """The engine's own check, and a round trip to its core process (a core that is stopped
-        does not answer: the router's bound on this call then takes the server out)."""
+        does not answer: the router's bound on this call then takes the server out); during a
+        weight load, which the core answers nothing until the end of, the engine's processes
+        in place of the round trip (see :mod:`._health`)."""
         await self._engine_call(self._health())
 
     async def _health(self) -> None:
-        await self.engine.check_health()
-        await self.engine.is_paused()
+        await _health.check(self.engine, self._engine_processes, lambda: self._loading)
 
     async def engine_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``AsyncLLM.<method>(*args, **kwargs)`` on the engine loop (the engine's own API

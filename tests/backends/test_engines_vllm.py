@@ -140,6 +140,31 @@ async def test_a_push_changes_greedy_outputs_and_the_same_weights_do_not(
     await channel.push()
 
 
+async def test_a_state_with_a_tensor_of_a_wrong_shape_leaves_the_engines_weights_as_they_were(
+    engines: Engines,
+) -> None:
+    """Defect: vLLM loads a state one tensor after another, and a tensor of a wrong shape (here
+    the last layer's) failed the load after the others went in: the engine held some layers'
+    new weights and the rest not loaded at all (left on the meta device) while its server said
+    it held the version before, and died at its next request. The state is refused whole now,
+    naming the tensor, and greedy decoding is as it was."""
+    rollout, learner, channel = engines.rollout, engines.learner, engines.channel
+    prompt = [1, 5, 6, 7, 8]
+    on = asyncexec.rank(0)
+    before = await rollout.call(VLLMServer.generate, greedy(prompt), on=on)
+    state = (await learner.call(CausalLMLearner.weights))[0]
+    other = {k: v * 1.5 if v.dim() == 2 else v for k, v in state.items()}
+    wrong = "model.layers.1.mlp.down_proj.weight"
+    other[wrong] = other[wrong][:, :-1].clone()
+    with pytest.raises(asyncexec.WorkerRaisedError) as info:
+        await rollout.call(VLLMServer.install_weights, other, channel.version + 1, on=on)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert f"{wrong}: shape (128, 255), the checkpoint's is (128, 256)" in str(info.value.__cause__)
+    after = await rollout.call(VLLMServer.generate, greedy(prompt), on=on)
+    assert completions(after)[0].token_ids == completions(before)[0].token_ids
+    assert set(after.versions) == {channel.version}
+
+
 async def test_a_request_is_not_detokenized_unless_it_asks_or_has_stop_strings() -> None:
     """The settings a request is sampled with (no engine needed)."""
     from asyncexec.engines._vllm import SAMPLING, sampling_settings
@@ -890,3 +915,122 @@ async def test_a_server_shut_down_does_not_end_its_process_for_its_engines_end(
     server._closed = False
     server._died_if_dead(EngineDeadError())
     assert ended == [70]
+
+
+class _Core:
+    """An engine's stand-in whose core runs the calls it gets one at a time, each to its end,
+    as vLLM's core does (a load is one call into it, which ``release`` ends); its core a
+    process of this one's (a child, as vLLM's is). Paused: a load goes in as it is."""
+
+    def __init__(self) -> None:
+        self.model_config = SimpleNamespace(dtype=None)  # no cast
+        self.errored = False
+        self.process: subprocess.Popen[bytes] | None = None
+        self.loading, self.release = threading.Event(), threading.Event()
+        self.loaded: list[list[Any]] = []
+        self._turns: asyncio.Lock | None = None
+
+    def made(self) -> _Core:
+        self.process = _sleeper()
+        return self
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        self._turns = self._turns or asyncio.Lock()
+        async with self._turns:
+            yield
+
+    async def check_health(self) -> None: ...
+
+    async def is_paused(self) -> bool:
+        async with self._turn():
+            return True
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
+        async with self._turn():
+            self.loaded.append(args[0])
+            self.loading.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 60)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
+        return True
+
+    async def update_weight_version(self, version: str) -> None: ...
+
+    def shutdown(self, timeout: float) -> None:
+        self.release.set()
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.mark.timeout(60)
+async def test_a_server_answers_its_health_check_during_a_long_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: ``health()`` made a round trip to the engine's core, which answers nothing while
+    it loads weights (a load is one call into it): a check during the load of a large model
+    waited for the load's end, and a router's health watch took the healthy server out at its
+    bound, mid-push. It answers during a load now, and a core stopped during a load still
+    fails it."""
+    engine = _Core()
+    server = await _stand_in_server(monkeypatch, engine)
+    load = asyncio.ensure_future(asyncio.to_thread(server.load_weights, {}, 2))
+    try:
+        assert await asyncio.to_thread(engine.loading.wait, 30)
+        await asyncio.wait_for(server.health(), 5)
+        assert engine.process is not None
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(10):  # the signal is delivered
+                while psutil.Process(engine.process.pid).status() != psutil.STATUS_STOPPED:  # noqa: ASYNC110 (the kernel's state, no event to wait on)
+                    await anyio.sleep(0.01)
+            with pytest.raises(RuntimeError, match="stopped during a load"):
+                await asyncio.wait_for(server.health(), 5)
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
+        engine.release.set()
+        await asyncio.wait_for(load, 10)
+        assert server.weights_version() is None and repr(server).endswith("version=2>")
+        await asyncio.wait_for(server.health(), 5)  # the round trip again, once loaded
+    finally:
+        engine.release.set()
+        await asyncio.to_thread(server.shutdown)
+        await load
+
+
+@pytest.mark.timeout(60)
+async def test_a_state_that_does_not_fit_the_checkpoint_is_refused_with_nothing_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """Defect: vLLM loads a state one tensor after another: a tensor of a wrong shape, or of a
+    name the model does not have, failed the load after the tensors before it went in, and the
+    engine held some of the new weights while the server said it held the old version. A state
+    is checked whole against the checkpoint's names and shapes first now: one that does not
+    fit is refused, naming the tensors, and nothing reaches the engine."""
+    import torch
+    from safetensors.torch import save_file
+
+    checkpoint = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4)}
+    save_file(checkpoint, str(tmp_path / "model.safetensors"))
+    engine = _Core()
+    engine.release.set()
+    monkeypatch.setattr(VLLMServer, "_made", lambda server, settings: engine.made())
+    server = await asyncio.to_thread(VLLMServer, str(tmp_path), channel="stand-in-checked")
+    try:
+        wrong = {"a.weight": torch.ones(2, 3), "b.weight": torch.ones(5)}
+        with pytest.raises(
+            ValueError, match=r"b\.weight: shape \(5,\), the checkpoint's is \(4,\)"
+        ):
+            await asyncio.to_thread(server.load_weights, wrong, 2)
+        unknown = {"a.weight": torch.ones(2, 3), "c.weight": torch.ones(4)}
+        with pytest.raises(ValueError, match=r"c\.weight: the checkpoint holds no tensor"):
+            await asyncio.to_thread(server.load_weights, unknown, 2)
+        assert engine.loaded == [] and repr(server).endswith("version=None>")
+        # A part of the checkpoint fits (a head tied to the embeddings too, saved once).
+        part = {"b.weight": torch.ones(4), "lm_head.weight": torch.ones(2, 3)}
+        await asyncio.to_thread(server.load_weights, part, 2)
+        assert [[p.name for p in packed] for packed in engine.loaded] == [list(part)]
+        assert repr(server).endswith("version=2>")
+    finally:
+        await asyncio.to_thread(server.shutdown)
