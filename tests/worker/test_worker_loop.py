@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from conftest import wait_no_local_threads
 from ray import cloudpickle
+from test_roles_worker import _set_up  # describe, then set up one worker as rank 0 of 1
 
-from asyncexec import WorkerContext, report
+from asyncexec import report
 from asyncexec._driver.cluster._local import LocalWorker
 from asyncexec._wire._protocol import RunStart
 
@@ -33,22 +34,6 @@ async def _call(target: LocalWorker, method: Any, /, *args: Any, timeout_s: floa
         return await target.call(method, *args)
 
     return await asyncio.wait_for(wait(), timeout_s)
-
-
-async def _set_up(target: LocalWorker) -> WorkerContext:
-    meta = await _call(target, "describe")
-    context = WorkerContext(
-        world_rank=0,
-        local_rank=0,
-        node_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_id=meta.node_id,
-        node_ip=meta.node_ip,
-        pid=meta.pid,
-    )
-    assert (await _call(target, "setup", {}, context, None)).kind == "ok"
-    return context
 
 
 class _HungDistributed(types.ModuleType):
@@ -130,7 +115,7 @@ async def test_a_run_whose_config_unpickles_slowly_leaves_the_loop_free(tmp_path
     _Unpickling.release.clear()
     target = LocalWorker("slow-config")
     try:
-        context = await _set_up(target)
+        context = (await _set_up(target)).context
         context = replace(context, run_id="run", attempt=1, storage_path=str(tmp_path))
         start = RunStart(context, None, 16, 0, {})
         payload = cloudpickle.dumps((_train, SlowToUnpickle()))
