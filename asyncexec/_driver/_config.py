@@ -506,6 +506,11 @@ def _check_local(options: dict[str, Any], bounds: tuple[int, int] | None) -> Non
             "a local executor takes no runtime_env: its workers run in the driver's process "
             "and environment"
         )
+    if options.get("address") is not None:
+        raise ConfigurationError(
+            f"a local executor joins no cluster (address={options['address']!r}): its workers "
+            "are threads of the driver's process, and Ray is never started or joined"
+        )
 
 
 def _check_storage(options: dict[str, Any]) -> None:

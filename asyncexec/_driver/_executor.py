@@ -139,7 +139,7 @@ class Executor(WorkerCalls, ExecutorRuns):
         address: the Ray cluster to join when Ray is not initialized (``"auto"``); by Ray's own
             rule a running one is joined when found, else a local Ray is started. ``"auto"``,
             ``"local"``, ``"host:port"`` or ``"ray://host:port"``; one where nothing answers
-            fails the entry at once with a :class:`StartupError`.
+            fails the entry at once with a :class:`StartupError`. Not with a local executor.
         name: a name for logs and metrics.
         pool: a :class:`WorkerPool` to lease warm workers from instead of starting processes
             (``resources_per_worker`` and ``runtime_env`` default to the pool's).

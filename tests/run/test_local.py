@@ -91,6 +91,8 @@ def test_a_local_run_never_starts_ray_and_the_environment_switches_it_on(tmp_pat
         ({"spares": 1}, "spares"),
         ({"num_workers": (1, 2)}, "elastic"),
         ({"runtime_env": {"env_vars": {"A": "1"}}}, "runtime_env"),
+        # Defect: an address was ignored (the executor ran locally as if none were given).
+        ({"address": "10.0.0.1:6379"}, "address"),
     ],
 )
 def test_what_local_mode_cannot_do_is_refused_by_name(options: dict[str, Any], named: str) -> None:
