@@ -192,3 +192,23 @@ async def test_a_lease_that_waits_for_workers_still_leased_outlasts_a_refill_tha
                 assert got == []
                 await pool.give_back([(kept.handle, True)])
         assert got == [1]
+
+
+async def test_a_bundle_whose_refill_waits_to_try_again_counts_as_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: while a refill waited out its backoff between two tries, its bundle was counted
+    nowhere: ``statistics()`` said no worker was starting (idle + leased + starting fell short
+    of the size), as if the refill had given up."""
+    monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", (60.0,))  # a second try, after a while
+    cluster = _Full()
+    async with asyncexec.WorkerPool(1, cluster=cluster) as pool:
+        [worker] = await pool.lease(1)
+        cluster.full = True
+        with anyio.fail_after(5):
+            await pool.give_back([(worker.handle, False)])  # killed: its bundle is refilled
+            await cluster.refused.wait()  # the first try failed: the refill waits
+            for _ in range(10):
+                await anyio.lowlevel.checkpoint()
+        stats = pool.statistics()
+        assert (stats.idle, stats.leased, stats.starting) == (0, 0, 1)

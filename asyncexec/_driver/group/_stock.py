@@ -189,6 +189,8 @@ class Stock:
             except Exception as exc:
                 error = exc
                 self.log.warning("pool_refill_failed", bundle=bundle, error=describe(exc))
+                if self.open:  # still being started through the backoff (``statistics()``)
+                    self.starting[bundle] = []
         self.starting.pop(bundle, None)
         if self.open and error is not None:
             # Tried again at the next lease or give-back (see ``refill_vacant``); a lease that
