@@ -1,6 +1,7 @@
 """A worker pool's leases on simulated workers (no Ray): a lease cancelled while it checks its
 workers gives them back, a lease that waits for a worker given back gets it, and a bundle whose
-refill gave up is refilled when the cluster has room again."""
+refill gave up is refilled when the cluster has room again (a lease that waits for it fails with
+the refill's error)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,83 @@ async def test_a_pool_whose_refill_gave_up_refills_when_the_cluster_has_room_aga
         workers = await pool.lease(2)
         assert len(workers) == 2
         assert pool.statistics().fresh_for_leases == 0
+
+
+async def test_a_lease_that_waits_for_a_bundle_whose_refill_gives_up_fails_with_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a lease that waited (``when_short="wait"``) for a bundle whose refill it tried
+    again gave up again waited until its own bound, with nothing left to start the bundle, and
+    then said no worker was given back. Now it fails at once with the refill's error."""
+    monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", ())  # one try, then give up
+    cluster = _Full()
+    timeouts = asyncexec.Timeouts(placement_s=60)
+    async with asyncexec.WorkerPool(
+        2, cluster=cluster, when_short="wait", timeouts=timeouts
+    ) as pool:
+        [worker] = await pool.lease(1)
+        cluster.full = True
+        with anyio.fail_after(5):
+            await pool.give_back([(worker.handle, False)])  # killed: its refill gives up
+            await _until(lambda: pool.statistics().starting == 0)
+            with pytest.raises(asyncexec.StartupError, match="refill") as caught:
+                await pool.lease(2)  # tries the bundle again, which gives up again
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert "no room in the cluster" in str(caught.value.__cause__)
+        assert pool.statistics().idle == 1  # the lease gave back nothing it did not take
+        cluster.full = False
+        with anyio.fail_after(5):
+            assert len(await pool.lease(2)) == 2  # the next lease tries the bundle again
+
+
+async def test_a_lease_that_waits_for_workers_still_leased_outlasts_a_refill_that_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lease that the pool's remaining workers can serve keeps waiting for them to be given
+    back when the refill of another bundle gives up."""
+    monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", ())  # one try, then give up
+    cluster = _Full()
+    timeouts = asyncexec.Timeouts(placement_s=60)
+    async with asyncexec.WorkerPool(
+        2, cluster=cluster, when_short="wait", timeouts=timeouts
+    ) as pool:
+        doomed, kept = await pool.lease(2)
+        cluster.full = True
+        with anyio.fail_after(5):
+            await pool.give_back([(doomed.handle, False)])  # killed: its refill gives up
+            await _until(lambda: pool.statistics().starting == 0)
+            got: list[int] = []
+
+            async def waiter() -> None:
+                got.append(len(await pool.lease(1)))  # tries the bundle again: gives up again
+
+            cluster.refused = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                await cluster.refused.wait()
+                await _until(lambda: pool.statistics().starting == 0)  # it gave up again
+                for _ in range(10):  # the waiter wakes, and waits on
+                    await anyio.lowlevel.checkpoint()
+                assert got == []
+                await pool.give_back([(kept.handle, True)])
+        assert got == [1]
+
+
+async def test_a_bundle_whose_refill_waits_to_try_again_counts_as_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: while a refill waited out its backoff between two tries, its bundle was counted
+    nowhere: ``statistics()`` said no worker was starting (idle + leased + starting fell short
+    of the size), as if the refill had given up."""
+    monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", (60.0,))  # a second try, after a while
+    cluster = _Full()
+    async with asyncexec.WorkerPool(1, cluster=cluster) as pool:
+        [worker] = await pool.lease(1)
+        cluster.full = True
+        with anyio.fail_after(5):
+            await pool.give_back([(worker.handle, False)])  # killed: its bundle is refilled
+            await cluster.refused.wait()  # the first try failed: the refill waits
+            for _ in range(10):
+                await anyio.lowlevel.checkpoint()
+        stats = pool.statistics()
+        assert (stats.idle, stats.leased, stats.starting) == (0, 0, 1)

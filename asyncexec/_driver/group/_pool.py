@@ -13,7 +13,8 @@ which its groups await too, fails) and replaced the same way.
 
 A lease for more workers than are idle starts fresh workers for the rest, outside the pool's
 placement group, that are killed when given back (``when_short="start"``, the default), or waits
-until enough are given back (``when_short="wait"``).
+until enough are given back (``when_short="wait"``; one that needs more workers than the pool
+can hold while a bundle's refill has given up fails at once, with the refill's error).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import anyio.abc
 from ..._errors import (
     ConfigurationError,
     ExecutorStateError,
+    StartupError,
     StartupTimeoutError,
+    describe,
 )
 from ..._logging import get_logger
 from .._config import (
@@ -97,7 +100,8 @@ class WorkerPool:
         when_short: what a lease for more workers than are idle does: ``"start"`` fresh workers
             for the rest (killed when given back), or ``"wait"`` for workers to be given back
             (up to ``timeouts.placement_s``; the leases that wait are served in the order they
-            came, each taking all its workers at once).
+            came, each taking all its workers at once; one that needs a bundle whose refill
+            gave up fails at once with its error).
         timeouts: the :class:`Timeouts` the pool uses: ``placement_s`` for its placement
             group, ``start_s`` for starting its workers (and each refill), ``shutdown_s`` for
             closing it.
@@ -289,6 +293,9 @@ class WorkerPool:
             ExecutorStateError: the pool is not open, or closed while the lease was made.
             StartupTimeoutError: waiting for given-back workers, or starting fresh ones, overran
                 its bound.
+            StartupError: the lease waits (``when_short="wait"``) for more workers than the
+                pool can hold while the refill of a bundle has given up (its error is the
+                cause); it fails then, not at its bound.
         """
         taken: list[PoolWorker] = []
         checking: list[PoolWorker] = []  # pinged now: this lease's, given back if it is cancelled
@@ -303,6 +310,7 @@ class WorkerPool:
                     # Workers given back one at a time would go to each lease that waits in
                     # turn, and leases holding some while each waits for the rest could all
                     # wait until their bound: the first in the queue takes all it needs at once.
+                    self._check_refills(n)
                     if turn not in self._queue:
                         self._queue.append(turn)
                     await self._wait_for_workers(deadline, n - len(taken))
@@ -335,6 +343,24 @@ class WorkerPool:
                 stock.wake()  # the next in the queue may take its workers now
         self._counts["leases"] += 1
         return taken
+
+    def _check_refills(self, n: int) -> None:
+        """Fail a lease of ``n`` that waits for workers the pool cannot hold: bundles whose
+        refill gave up (it is tried again at the next lease or give-back) leave fewer than ``n``
+        workers, leased ones included, to be given back.
+
+        Raises:
+            StartupError: naming the bundles and the last refill error (its cause).
+        """
+        vacant = self._stock.vacant
+        if not vacant or n <= self.size - len(vacant):
+            return
+        bundles = sorted(vacant)
+        error = vacant[bundles[-1]]
+        raise StartupError(
+            f"the pool {self.config.name!r} cannot hold the {n} workers the lease waits for: "
+            f"the refill of its bundle(s) {bundles} gave up ({describe(error)})"
+        ) from error
 
     def _may_take(self, turn: object, need: int) -> bool:
         """Whether a lease that waits (``when_short="wait"``) takes idle workers now: ``need``

@@ -59,9 +59,11 @@ class Stock:
         self.idle: list[PoolWorker] = []
         self.leased: dict[str, PoolWorker] = {}
         self.starting: dict[int, list[Handle]] = {}  # bundle -> worker being started
-        #: The bundles whose refill gave up: refilled again at the next lease or give-back.
-        self.vacant: set[int] = set()
-        self.changed = anyio.Event()  # set (and replaced) when a worker becomes idle
+        #: The bundles whose refill gave up, each with its last error: refilled again at the
+        #: next lease or give-back.
+        self.vacant: dict[int, Exception] = {}
+        #: Set (and replaced) when a worker becomes idle or a refill gives up.
+        self.changed = anyio.Event()
         self.background: set[anyio.CancelScope] = set()
 
     async def fill_all(self, reservation: Any, size: int) -> None:
@@ -173,21 +175,28 @@ class Stock:
                 self._start_refill(bundle)
 
     def _start_refill(self, bundle: int) -> None:
-        self.vacant.discard(bundle)
+        self.vacant.pop(bundle, None)
         self.starting[bundle] = []
         self.spawn(self._refill, bundle)
 
     async def _refill(self, bundle: int) -> None:
+        error: Exception | None = None
         for wait in (0.0, *_REFILL_BACKOFF_S):
             await anyio.sleep(wait)
             try:
                 await self.fill(bundle)
                 return
             except Exception as exc:
+                error = exc
                 self.log.warning("pool_refill_failed", bundle=bundle, error=describe(exc))
+                if self.open:  # still being started through the backoff (``statistics()``)
+                    self.starting[bundle] = []
         self.starting.pop(bundle, None)
-        if self.open:  # tried again at the next lease or give-back (see ``refill_vacant``)
-            self.vacant.add(bundle)
+        if self.open and error is not None:
+            # Tried again at the next lease or give-back (see ``refill_vacant``); a lease that
+            # waits for this bundle's worker learns that it will not come (see WorkerPool.lease).
+            self.vacant[bundle] = error
+            self.wake()
         self.log.error("pool_refill_gave_up", bundle=bundle)
 
     async def fill(self, bundle: int) -> None:
