@@ -29,6 +29,7 @@ from asyncexec import (
     RolloutServer,
     WorkerContext,
     get_context,
+    receive_weights,
     report,
 )
 from asyncexec._dispatch._role import roles_payload
@@ -662,6 +663,38 @@ async def test_a_rollout_server_whose_making_was_cancelled_is_let_go_of(tmp_path
         assert await asyncio.to_thread(_wait_freed, SlowServer.made)
     finally:
         _Entered.init_release.set()
+        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
+        target.kill()
+    wait_no_local_threads()
+
+
+class RefusesHeld:
+    """A role that registers its own install in ``__init__``, which refuses the version the
+    worker holds (a state of another shape)."""
+
+    def __init__(self, channel: str) -> None:
+        receive_weights(self.load, channel=channel)
+
+    def load(self, state: Any, version: int) -> None:
+        raise ValueError(f"cannot load version {version}")
+
+
+@pytest.mark.timeout(30)
+async def test_an_install_that_refuses_the_held_version_is_not_registered(tmp_path: Path) -> None:
+    """Defect: a role whose ``__init__`` called ``receive_weights(install)``, where ``install``
+    raised on the version the worker held, failed to start but stayed registered: each version
+    pushed to the worker afterwards went to the failed instance's install, and the push failed
+    with its error."""
+    channel = f"refused-{tmp_path.name}"
+    target = LocalWorker("refused")
+    worker = await _set_up(target)
+    try:
+        await worker("channel_receive", channel, 1, {"w": 1})
+        outcome = await worker("make_roles", _payload(Role(RefusesHeld, channel)))
+        assert outcome.value == RoleFailure(0, "init")
+        assert isinstance(outcome.error, ValueError)
+        await worker("channel_receive", channel, 2, {"w": 2})
+    finally:
         await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
         target.kill()
     wait_no_local_threads()
