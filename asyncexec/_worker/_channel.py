@@ -131,18 +131,24 @@ def receive_weights(
     returns: the worker keeps the latest state it received for this (with the object store,
     the state it fetched; with the torch transport, the receive buffers it keeps anyway; a role
     made again in the same process, after a spare took a rank of a group with a backend or an
-    elastic resize, needs it as the next run's function does).
+    elastic resize, needs it as the next run's function does). When that ``install`` raises,
+    so does this call, and ``install`` is not registered (the one registered before stays).
     """
     if not callable(install):
         raise TypeError(f"receive_weights() takes a function, got {install!r}")
     session = _place.current_session()
     end = _end(channel)
     with end.lock:
+        before = end.install, end.install_run
         end.install = install
         end.install_run = session if session is not None and _in_function(session) else None
         version = end.version
         if end.has_state and version is not None:
-            install(_fresh(end.state), version)
+            try:
+                install(_fresh(end.state), version)
+            except BaseException:  # (a role whose ``__init__`` fails so: no version reaches it)
+                end.install, end.install_run = before
+                raise
     return version
 
 

@@ -13,6 +13,7 @@ from .._wire._protocol import PreemptionNotice, WorkerContext
 
 __all__ = [
     "PLACE",
+    "ROLE_BEGUN",
     "ROLE_LOOP",
     "Place",
     "Session",
@@ -67,6 +68,12 @@ _PROCESS = Place()
 #: their ``async def`` methods will be called. None outside (an instance made by hand).
 ROLE_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
     "asyncexec_role_loop", default=None
+)
+#: While the worker makes its roles' instances: those whose ``__init__`` registered with the
+#: worker (a rollout server, for its weight installs), so that one whose making failed, or was
+#: cancelled, is let go of too. None outside.
+ROLE_BEGUN: contextvars.ContextVar[list[object] | None] = contextvars.ContextVar(
+    "asyncexec_role_begun", default=None
 )
 
 

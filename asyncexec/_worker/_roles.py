@@ -25,7 +25,9 @@ the threaded worker (``_threaded``: a group whose roles have only plain methods)
 thread runs no loop, and ``call_inline`` runs the method there.
 
 While the instances are made, ``_place.ROLE_LOOP`` holds the actor's loop (their ``__init__`` sees
-it: ``RolloutServer._asyncexec_loop``), so that an engine with an event loop can live there.
+it: ``RolloutServer._asyncexec_loop``), so that an engine with an event loop can live there, and
+``_place.ROLE_BEGUN`` gathers the rollout servers that registered their weight installs, so that
+one whose making fails is let go of too.
 """
 
 from __future__ import annotations
@@ -201,8 +203,9 @@ async def make(
     Returns:
         ``Outcome("ok")``, or an error outcome whose ``value`` is the :class:`RoleFailure` that
         says which role failed and where (the instances made before it, and the failed one when
-        its ``restore`` failed, are closed as :func:`drop` closes them). Cancelled part-way,
-        it closes the instances made so far too.
+        its ``restore`` failed, are closed as :func:`drop` closes them; one whose ``__init__``
+        failed after it registered with the worker, a rollout server's weight installs, stops
+        receiving them). Cancelled part-way, it lets go of the instances made so far too.
     """
     from ray import cloudpickle
 
@@ -214,6 +217,10 @@ async def make(
     # The loop the instances' async methods are called on, seen by their ``__init__`` (in a
     # thread, in a copy of this context): an engine with an event loop can live there.
     loop_set = _place.ROLE_LOOP.set(asyncio.get_running_loop())
+    # The instances whose ``__init__`` registered with the worker (a rollout server's weight
+    # installs): one whose making fails is let go of as well.
+    begun: list[object] = []
+    begun_set = _place.ROLE_BEGUN.set(begun)
     try:
         for index, blob in enumerate(blobs):
             stage: Literal["load", "init", "restore"] = "load"
@@ -236,16 +243,21 @@ async def make(
                 # them, and nothing else would call their close().
                 held, instances = instances, []  # (a cancellation meanwhile closes none twice)
                 await _close(held, context)
+                await _let_go(begun, held)  # (the failed one: made in part, so not closed)
                 return failed._replace(value=RoleFailure(index, stage))
             limits.append(spec.max_concurrency)
     except asyncio.CancelledError:
         # Cancelled part-way (the group's start was, the worker is closing): the instances
-        # made so far are let go as on a failure. (An ``__init__`` running in a thread runs on;
-        # what it makes is left, as a thread cannot be stopped.) Each close is bounded
+        # made so far are let go as on a failure, and a rollout server whose ``__init__`` runs
+        # on in a thread (one cannot be stopped) stops receiving weight installs; what that
+        # ``__init__`` makes from here on is left. Each close is bounded
         # (``CLOSE_TIMEOUT_S``); a second cancellation ends the wait.
         await _close(instances, context)
+        await _let_go(begun, instances)
         raise
     finally:
+        _place.ROLE_BEGUN.reset(begun_set)
+        begun.clear()  # (an ``__init__`` left running in a thread holds the list)
         _place.ROLE_LOOP.reset(loop_set)
     place.roles = Roles(instances, context, limits)
     return Outcome("ok")
@@ -377,14 +389,7 @@ async def _close(
     for index in reversed(range(len(instances))):
         instance = instances[index]
         name = type(instance).__qualname__
-        dropped = getattr(instance, "_asyncexec_dropped", None)
-        if callable(dropped):  # the class's own letting go (RolloutServer's: of weight installs,
-            # in a thread, as it waits for an install that runs)
-            try:
-                await asyncio.wait_for(_invoke(dropped, (), {}, None), CLOSE_TIMEOUT_S)
-            except Exception as exc:
-                errors.append(exc)
-                _log.warning("role_drop_failed role=%s error=%s", name, describe(exc))
+        await _dropped(instance, errors)
         close = getattr(instance, "close", None)
         if not callable(close):
             continue
@@ -402,6 +407,30 @@ async def _close(
             errors.append(exc)
             _log.warning("role_close_failed role=%s error=%s", name, describe(exc))
     return errors
+
+
+async def _dropped(instance: object, errors: list[BaseException]) -> None:
+    """The class's own letting go of ``instance`` (RolloutServer's: of weight installs, in a
+    thread, as it waits for an install that runs), where it has one; its error is added to
+    ``errors``, and logged."""
+    dropped = getattr(instance, "_asyncexec_dropped", None)
+    if not callable(dropped):
+        return
+    try:
+        await asyncio.wait_for(_invoke(dropped, (), {}, None), CLOSE_TIMEOUT_S)
+    except Exception as exc:
+        errors.append(exc)
+        name = type(instance).__qualname__
+        _log.warning("role_drop_failed role=%s error=%s", name, describe(exc))
+
+
+async def _let_go(begun: list[object], held: list[object]) -> None:
+    """Let go of each instance in ``begun`` (see ``_place.ROLE_BEGUN``) that is not in
+    ``held``, whose making failed or was cancelled: its class's own letting go (no weight
+    install reaches it from now on), not its ``close()``, as its ``__init__`` did not end."""
+    for instance in reversed(begun):
+        if not any(instance is made for made in held):
+            await _dropped(instance, [])
 
 
 async def _invoke(

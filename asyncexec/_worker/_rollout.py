@@ -118,6 +118,9 @@ class RolloutServer:
         self._rollout_early: tuple[Any, int] | None = None
         self._rollout_made = self._asyncexec_loop() is None
         self._rollout_channel = channel
+        begun = _place.ROLE_BEGUN.get()
+        if begun is not None:  # let go of by its worker should its making fail from here on
+            begun.append(self)
         _channel.receive_weights(self._install_from_channel, channel=channel)
 
     @staticmethod

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +29,7 @@ from asyncexec import (
     RolloutServer,
     WorkerContext,
     get_context,
+    receive_weights,
     report,
 )
 from asyncexec._dispatch._role import roles_payload
@@ -571,6 +574,126 @@ async def test_a_dropped_rollout_server_receives_no_more_weights(tmp_path: Path)
         assert (await worker("make_roles", _payload(Role(Counter, 0)))).kind == "ok"
         await worker("channel_receive", channel, 2, {"w": 2})
         assert DroppedServer.loaded == [1]
+    finally:
+        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
+        target.kill()
+    wait_no_local_threads()
+
+
+class FailsAfterRegistering(DroppedServer):
+    """A rollout server whose ``__init__`` fails after ``super().__init__()`` registered its
+    installs; each instance made is recorded (weakly)."""
+
+    made: ClassVar[list[weakref.ref[FailsAfterRegistering]]] = []
+
+    def __init__(self, *, channel: str) -> None:
+        super().__init__(channel=channel)
+        FailsAfterRegistering.made.append(weakref.ref(self))
+        raise RuntimeError("engine failed to start")
+
+
+@pytest.mark.timeout(30)
+async def test_a_rollout_server_whose_making_failed_is_let_go_of(tmp_path: Path) -> None:
+    """Defect: a rollout server whose ``__init__`` failed after ``super().__init__()`` (its
+    engine failed to start) stayed registered for its channel's installs until the next roles
+    registered theirs (for good, when they had none): each version pushed meanwhile was handed
+    to the failed instance (kept in it, never loaded), and the instance was never freed."""
+    FailsAfterRegistering.made.clear()
+    channel = f"failed-{tmp_path.name}"
+    target = LocalWorker("failed")
+    worker = await _set_up(target)
+    try:
+        roles = (Role(DroppedServer, channel=channel), Role(FailsAfterRegistering, channel=channel))
+        outcome = await worker("make_roles", _payload(*roles))
+        assert outcome.value == RoleFailure(1, "init")
+        del outcome  # (its error's traceback holds the instance)
+        await worker("channel_receive", channel, 1, {"w": 1})
+        assert (await worker("make_roles", _payload(Role(Counter, 0)))).kind == "ok"
+        gc.collect()
+        assert [made() for made in FailsAfterRegistering.made] == [None]
+    finally:
+        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
+        target.kill()
+    wait_no_local_threads()
+
+
+class SlowServer(DroppedServer):
+    """A rollout server whose engine loads after ``super().__init__()`` until the test lets it
+    end; each instance made is recorded (weakly)."""
+
+    made: ClassVar[list[weakref.ref[SlowServer]]] = []
+
+    def __init__(self, *, channel: str) -> None:
+        super().__init__(channel=channel)
+        SlowServer.made.append(weakref.ref(self))
+        SlowToStart()
+
+
+def _wait_freed(refs: list[weakref.ref[Any]], timeout_s: float = 5.0) -> bool:
+    """Whether each of ``refs``' objects is freed within ``timeout_s`` (the thread that made
+    one lets go of it as it ends)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gc.collect()
+        if all(ref() is None for ref in refs):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(30)
+async def test_a_rollout_server_whose_making_was_cancelled_is_let_go_of(tmp_path: Path) -> None:
+    """Defect: a ``make_roles`` cancelled while a rollout server's ``__init__`` loaded its
+    engine, after ``super().__init__()`` (a group's start cancelled), left that server
+    registered for its channel's installs: each version pushed was handed to it (kept, never
+    loaded), and it was never freed."""
+    for event in (_Entered.init_began, _Entered.init_release):
+        event.clear()
+    SlowServer.made.clear()
+    target = LocalWorker("cancelled")
+    worker = await _set_up(target)
+    try:
+        ref = target.call("make_roles", _payload(Role(SlowServer, channel=tmp_path.name)))
+        assert await asyncio.to_thread(_Entered.init_began.wait, WAIT_S)
+        target.cancel(ref)
+        with pytest.raises(Exception, match="cancelled"):
+            await asyncio.wait_for(_awaited_ref(ref), WAIT_S)
+        _Entered.init_release.set()
+        assert await asyncio.to_thread(_wait_freed, SlowServer.made)
+    finally:
+        _Entered.init_release.set()
+        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
+        target.kill()
+    wait_no_local_threads()
+
+
+class RefusesHeld:
+    """A role that registers its own install in ``__init__``, which refuses the version the
+    worker holds (a state of another shape)."""
+
+    def __init__(self, channel: str) -> None:
+        receive_weights(self.load, channel=channel)
+
+    def load(self, state: Any, version: int) -> None:
+        raise ValueError(f"cannot load version {version}")
+
+
+@pytest.mark.timeout(30)
+async def test_an_install_that_refuses_the_held_version_is_not_registered(tmp_path: Path) -> None:
+    """Defect: a role whose ``__init__`` called ``receive_weights(install)``, where ``install``
+    raised on the version the worker held, failed to start but stayed registered: each version
+    pushed to the worker afterwards went to the failed instance's install, and the push failed
+    with its error."""
+    channel = f"refused-{tmp_path.name}"
+    target = LocalWorker("refused")
+    worker = await _set_up(target)
+    try:
+        await worker("channel_receive", channel, 1, {"w": 1})
+        outcome = await worker("make_roles", _payload(Role(RefusesHeld, channel)))
+        assert outcome.value == RoleFailure(0, "init")
+        assert isinstance(outcome.error, ValueError)
+        await worker("channel_receive", channel, 2, {"w": 2})
     finally:
         await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
         target.kill()
