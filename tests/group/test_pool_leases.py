@@ -102,6 +102,12 @@ class _Full(SimCluster):
         return await super().start_workers(*args, **kwargs)
 
 
+def _waiting_pool(cluster: _Full) -> asyncexec.WorkerPool:
+    """A pool of 2 on ``cluster`` whose short leases wait (for as long as a test may take)."""
+    timeouts = asyncexec.Timeouts(placement_s=60)
+    return asyncexec.WorkerPool(2, cluster=cluster, when_short="wait", timeouts=timeouts)
+
+
 async def _until(predicate: Callable[[], bool]) -> None:
     """Let the pool's background tasks run until ``predicate`` holds (the caller bounds it)."""
     while not predicate():
@@ -142,10 +148,7 @@ async def test_a_lease_that_waits_for_a_bundle_whose_refill_gives_up_fails_with_
     then said no worker was given back. Now it fails at once with the refill's error."""
     monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", ())  # one try, then give up
     cluster = _Full()
-    timeouts = asyncexec.Timeouts(placement_s=60)
-    async with asyncexec.WorkerPool(
-        2, cluster=cluster, when_short="wait", timeouts=timeouts
-    ) as pool:
+    async with _waiting_pool(cluster) as pool:
         [worker] = await pool.lease(1)
         cluster.full = True
         with anyio.fail_after(5):
@@ -168,10 +171,7 @@ async def test_a_lease_that_waits_for_workers_still_leased_outlasts_a_refill_tha
     back when the refill of another bundle gives up."""
     monkeypatch.setattr(_stock, "_REFILL_BACKOFF_S", ())  # one try, then give up
     cluster = _Full()
-    timeouts = asyncexec.Timeouts(placement_s=60)
-    async with asyncexec.WorkerPool(
-        2, cluster=cluster, when_short="wait", timeouts=timeouts
-    ) as pool:
+    async with _waiting_pool(cluster) as pool:
         doomed, kept = await pool.lease(2)
         cluster.full = True
         with anyio.fail_after(5):

@@ -191,6 +191,21 @@ async def _set_up(target: Any) -> Handle:
     return Handle(target, context)
 
 
+@contextlib.asynccontextmanager
+async def _local_worker(name: str) -> AsyncIterator[Handle]:
+    """A local worker set up as rank 0 of a group of one; after the block it is reset (which
+    forgets its channels: local workers share them) and killed, and none of its threads may
+    be left."""
+    target = LocalWorker(name)
+    worker = await _set_up(target)
+    try:
+        yield worker
+    finally:
+        await worker("reset", 5.0, None)
+        target.kill()
+    wait_no_local_threads()
+
+
 @pytest.fixture
 async def worker(mode: str) -> AsyncIterator[Handle]:
     """One worker, set up as rank 0 of a group of one; killed after the test."""
@@ -565,19 +580,13 @@ async def test_a_dropped_rollout_server_receives_no_more_weights(tmp_path: Path)
     loaded into the closed server (an engine shut down), and the instance was never freed."""
     DroppedServer.loaded.clear()
     channel = f"dropped-{tmp_path.name}"
-    target = LocalWorker("dropped")
-    worker = await _set_up(target)
-    try:
+    async with _local_worker("dropped") as worker:
         server = _payload(Role(DroppedServer, channel=channel))
         assert (await worker("make_roles", server)).kind == "ok"
         await worker("channel_receive", channel, 1, {"w": 1})
         assert (await worker("make_roles", _payload(Role(Counter, 0)))).kind == "ok"
         await worker("channel_receive", channel, 2, {"w": 2})
         assert DroppedServer.loaded == [1]
-    finally:
-        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
-        target.kill()
-    wait_no_local_threads()
 
 
 class FailsAfterRegistering(DroppedServer):
@@ -600,9 +609,7 @@ async def test_a_rollout_server_whose_making_failed_is_let_go_of(tmp_path: Path)
     to the failed instance (kept in it, never loaded), and the instance was never freed."""
     FailsAfterRegistering.made.clear()
     channel = f"failed-{tmp_path.name}"
-    target = LocalWorker("failed")
-    worker = await _set_up(target)
-    try:
+    async with _local_worker("failed") as worker:
         roles = (Role(DroppedServer, channel=channel), Role(FailsAfterRegistering, channel=channel))
         outcome = await worker("make_roles", _payload(*roles))
         assert outcome.value == RoleFailure(1, "init")
@@ -611,10 +618,6 @@ async def test_a_rollout_server_whose_making_failed_is_let_go_of(tmp_path: Path)
         assert (await worker("make_roles", _payload(Role(Counter, 0)))).kind == "ok"
         gc.collect()
         assert [made() for made in FailsAfterRegistering.made] == [None]
-    finally:
-        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
-        target.kill()
-    wait_no_local_threads()
 
 
 class SlowServer(DroppedServer):
@@ -651,21 +654,18 @@ async def test_a_rollout_server_whose_making_was_cancelled_is_let_go_of(tmp_path
     for event in (_Entered.init_began, _Entered.init_release):
         event.clear()
     SlowServer.made.clear()
-    target = LocalWorker("cancelled")
-    worker = await _set_up(target)
-    try:
-        ref = target.call("make_roles", _payload(Role(SlowServer, channel=tmp_path.name)))
-        assert await asyncio.to_thread(_Entered.init_began.wait, WAIT_S)
-        target.cancel(ref)
-        with pytest.raises(Exception, match="cancelled"):
-            await asyncio.wait_for(_awaited_ref(ref), WAIT_S)
-        _Entered.init_release.set()
-        assert await asyncio.to_thread(_wait_freed, SlowServer.made)
-    finally:
-        _Entered.init_release.set()
-        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
-        target.kill()
-    wait_no_local_threads()
+    async with _local_worker("cancelled") as worker:
+        try:
+            server = _payload(Role(SlowServer, channel=tmp_path.name))
+            ref = worker.target.call("make_roles", server)
+            assert await asyncio.to_thread(_Entered.init_began.wait, WAIT_S)
+            worker.target.cancel(ref)
+            with pytest.raises(Exception, match="cancelled"):
+                await asyncio.wait_for(_awaited_ref(ref), WAIT_S)
+            _Entered.init_release.set()
+            assert await asyncio.to_thread(_wait_freed, SlowServer.made)
+        finally:
+            _Entered.init_release.set()
 
 
 class RefusesHeld:
@@ -686,15 +686,9 @@ async def test_an_install_that_refuses_the_held_version_is_not_registered(tmp_pa
     pushed to the worker afterwards went to the failed instance's install, and the push failed
     with its error."""
     channel = f"refused-{tmp_path.name}"
-    target = LocalWorker("refused")
-    worker = await _set_up(target)
-    try:
+    async with _local_worker("refused") as worker:
         await worker("channel_receive", channel, 1, {"w": 1})
         outcome = await worker("make_roles", _payload(Role(RefusesHeld, channel)))
         assert outcome.value == RoleFailure(0, "init")
         assert isinstance(outcome.error, ValueError)
         await worker("channel_receive", channel, 2, {"w": 2})
-    finally:
-        await worker("reset", 5.0, None)  # (forgets the channel: local workers share it)
-        target.kill()
-    wait_no_local_threads()
