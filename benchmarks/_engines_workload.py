@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from asyncexec.engines._extension import pack
-from asyncexec.engines._vllm import EXTENSION, SAMPLING, sampling_settings
+from asyncexec.engines._vllm import EXTENSION, SAMPLING, _one_process_on_a_cpu, sampling_settings
 
 __all__ = ["HandEngine", "HandHolder", "StateHolder", "generated_tokens", "read_state"]
 
@@ -103,7 +103,9 @@ class HandEngine:
 
         settings = {"worker_extension_cls": EXTENSION, **engine}
         self.sampling = {**SAMPLING, **sampling}
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=folder, **settings))
+        # The same engine as a server's: on a CPU, its one worker in its core process.
+        with _one_process_on_a_cpu(settings):
+            self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=folder, **settings))
 
     async def generate(self, prompt: Mapping[str, Any]) -> tuple[int, str | None]:
         """One request to its end: its tokens (over its completions) and its finish reason."""

