@@ -168,7 +168,8 @@ class HandEngine:
         """The same load as ``VLLMServer.load_weights``: packed in the engine's dtype, loaded in
         place by the worker extension, the prefix cache reset."""
         await self.engine.collective_rpc(
-            "asyncexec_load_weights", args=(pack(state, self.engine.model_config.dtype),)
+            "asyncexec_load_weights",
+            args=(pack(state, self.engine.model_config.dtype, views=True),),
         )
         await self.engine.reset_prefix_cache()
 

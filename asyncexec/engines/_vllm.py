@@ -350,7 +350,9 @@ class VLLMServer(RolloutServer):
             raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
         if self._shapes is not None:  # refused whole: vLLM loads a tensor after another
             check_fits(state, self._shapes, model=self.model, version=version, held=self._version)
-        packed = pack(state, self._dtype)  # the cast and the copy here, off the engine loop
+        # The cast here, off the engine loop; the bytes as views (the call's encoding copies
+        # them, on the engine loop).
+        packed = pack(state, self._dtype, views=True)
         try:
             self._engine_loop.send(self._load(packed, version)).result()
         except BaseException as exc:
