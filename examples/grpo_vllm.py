@@ -3,7 +3,7 @@ gloo), the weight channel into the running engines, ``Pipeline(staleness=1, on_u
 Runs on 2 CPU cores with vLLM's CPU wheel and a tiny Llama made on the spot (nothing is
 downloaded): ``pip install -e ".[vllm,torch]"`` (see docs/engines.md).
 
-    python examples/grpo_vllm.py                                      # about 1.5 min on 2 cores
+    python examples/grpo_vllm.py                                      # about 1 min on 2 cores
     python examples/grpo_vllm.py --kill-engine-at 3 --kill-learner-at 6   # with faults
     python examples/grpo_vllm.py --max-updates 12 --timeline grpo.png --timeline grpo.json
 
