@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -513,3 +514,35 @@ async def test_an_independent_ranks_failed_renewal_counts_as_its_attempt() -> No
     assert len(caught.value.failures) == 2
     assert caught.value.attempts == 2, caught.value
     assert run.attempt == 2
+
+
+def _reports_three() -> None:
+    for i in range(3):
+        asyncexec.report({"i": i})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["local", "simulated"])
+async def test_a_run_never_read_or_read_to_its_end_leaves_no_stream_open(where: str) -> None:
+    """Defect: a run left its streams open when it was never read (dropped at once, or held
+    until the executor closed) or read to its end: the iterator's stream, and the queue of
+    checkpoints to delete of a run stopped before its work began; Python warned of each
+    ("Unclosed <MemoryObjectReceiveStream>", "...SendStream") when the run was collected."""
+    gc.collect()  # what earlier tests left is collected first: this test's own is counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        cluster = SimCluster() if where == "simulated" else None
+        async with asyncexec.Executor(2, local=cluster is None, cluster=cluster) as ex:
+            dropped = ex.run(_reports_three)
+            del dropped
+            gc.collect()
+            read = ex.run(_reports_three)  # (accepted: the dropped run counts as closed)
+            assert [step async for step in read]  # (simulated ranks report as they are told)
+            del read
+            gc.collect()
+            held = ex.run(_reports_three)  # never read: the executor's close stops it
+        assert held.state is asyncexec.RunState.CANCELLED
+        del held
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if "MemoryObject" in str(w.message)]
+    assert unclosed == []

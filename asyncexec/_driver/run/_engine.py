@@ -129,6 +129,7 @@ class RunDriver:
             self._on_end(run)
             run.finished.set()
         self._send.close()
+        self.pruner.release()
 
     async def _work(self) -> list[Any]:
         """The run's work, with its helpers beside it: the deletion of the checkpoints it no

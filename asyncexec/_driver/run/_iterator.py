@@ -14,7 +14,6 @@ Steps travel in batches; consumption is acknowledged when the iterator asks for 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import os
 import time
@@ -168,8 +167,11 @@ class Run:
         # the run's state weakly (the run's task holds it while there is a run to stop): the
         # error that ended a run holds the iterator in its traceback, and the run's state holds
         # that error, so a strong hold from the finalizers' registry kept all three for ever.
+        # The finalizer closes the stream too (a run made and never read, or read to its end,
+        # left it open: Python warned of an unclosed stream when the run was collected).
         self._loop = asyncio.get_running_loop()
-        weakref.finalize(self, _stop_dropped, weakref.ref(core), self._loop).atexit = False
+        stop = weakref.finalize(self, _stop_dropped, weakref.ref(core), self._loop, receive)
+        stop.atexit = False
 
     def __repr__(self) -> str:
         core = self._core
@@ -243,6 +245,7 @@ class Run:
             raise
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             core.closed = True
+            self._receive.close()
             end = core.end
             if end is not None and end.error is not None:
                 raise end.error from end.error.__cause__
@@ -287,7 +290,7 @@ class _Loop:
 
     def __init__(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
         self._run = run
-        weakref.finalize(self, _stop_dropped, weakref.ref(run._core), loop).atexit = False
+        weakref.finalize(self, _stop_dropped, weakref.ref(run._core), loop, None).atexit = False
 
     def __aiter__(self) -> _Loop:
         return self
@@ -296,21 +299,39 @@ class _Loop:
         return self._run.__anext__()
 
 
-def _stop_dropped(held: weakref.ref[RunCore], loop: asyncio.AbstractEventLoop) -> None:
-    """Stop a run whose iterator was dropped. A finalizer: it may run in any thread and in the
-    middle of any code. The run counts as closed at once (a new ``run()`` right after a
-    ``break`` is accepted, and waits for this one to stop); the cancellation is made on the
+def _stop_dropped(
+    held: weakref.ref[RunCore],
+    loop: asyncio.AbstractEventLoop,
+    receive: MemoryObjectReceiveStream[Any] | None,
+) -> None:
+    """Stop a run whose iterator was dropped, and close the run's stream (``receive``, given
+    by the :class:`Run`'s finalizer). A finalizer: it may run in any thread and in the middle
+    of any code. The run counts as closed at once (a new ``run()`` right after a ``break`` is
+    accepted, and waits for this one to stop); the cancellation and the close are made on the
     run's loop: here when this is that loop's thread (the usual ``break``), else soon."""
     core = held()
-    if core is None or core.finished.is_set():  # (gone: its task, which held it, has ended)
+    if core is not None and core.finished.is_set():  # (gone: its task, which held it, ended)
+        core = None
+    if core is None and receive is None:
         return
-    core.closed = True
+    if core is not None:
+        core.closed = True
+
+    def stop() -> None:
+        if core is not None:
+            core.cancel()
+        if receive is not None:
+            receive.close()
+
     try:
         here = asyncio.get_running_loop() is loop
     except RuntimeError:
         here = False
     if here:
-        core.cancel()
+        stop()
         return
-    with contextlib.suppress(RuntimeError):  # the loop has closed: the run ended with it
-        loop.call_soon_threadsafe(core.cancel)
+    try:
+        loop.call_soon_threadsafe(stop)
+    except RuntimeError:  # the loop has closed: the run ended with it, nothing waits on it
+        if receive is not None:
+            receive.close()

@@ -83,6 +83,13 @@ class Pruner:
         """No more paths: :meth:`serve` returns once it has deleted what is queued."""
         self._send.close()
 
+    def release(self) -> None:
+        """Let the queue go, at the run's end: also when :meth:`serve` never ran (a run stopped
+        or failed before its work began left both ends open, and Python warned of them when
+        the run was collected). What is still queued is not deleted."""
+        self._send.close()
+        self._receive.close()
+
     async def serve(self) -> None:
         """Delete what is queued until :meth:`close`; never raises."""
         async with self._receive:
