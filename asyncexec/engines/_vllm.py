@@ -56,6 +56,13 @@ class _EngineDied(Exception):
     pass
 
 
+class _TornLoad(Exception):
+    """A weight load that failed once it began in the engine (vLLM loads a tensor after
+    another; the cache's reset or the version's word after it): the engine's weights are
+    neither version's, and no request may be served from them. The engine is not resumed, and
+    its server goes as for an engine that died (``VLLMServer._died_if_dead``)."""
+
+
 class VLLMServer(RolloutServer):
     """A rollout server whose engine is vLLM's ``AsyncLLM``, started in ``__init__``.
 
@@ -121,9 +128,6 @@ class VLLMServer(RolloutServer):
         self._closed = False
         #: Weights go into the engine (on the engine loop): its core answers nothing meanwhile.
         self._loading = False
-        #: Why a load failed once it began in the engine: its weights are then neither
-        #: version's (see ``load_weights``).
-        self._torn: BaseException | None = None
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
         #: The engine is paused to abort (on the engine loop): a request's pump that starts
@@ -254,7 +258,7 @@ class VLLMServer(RolloutServer):
         if self._closed:  # shut down: its engine is meant to be gone
             return
         engine = getattr(self, "engine", None)
-        if isinstance(exc, EngineDeadError) or getattr(engine, "errored", False):
+        if isinstance(exc, EngineDeadError | _TornLoad) or getattr(engine, "errored", False):
             print(
                 f"asyncexec: the vLLM engine died ({exc!r}): the server exits",
                 file=sys.stderr,
@@ -348,15 +352,9 @@ class VLLMServer(RolloutServer):
         """Load ``state`` into the running engine in place (every worker of the engine), reset
         its prefix cache, and tell it the version. Runs in a thread; an engine that is not
         paused is paused to keep for the load (its outputs so far tagged with the version
-        before) and resumed after it.
-
-        A state that does not fit the checkpoint is refused before anything loads
-        (``ValueError``; the engine keeps its weights and the server its version). A load that
-        fails once it began in the engine (vLLM loads a tensor after another) leaves weights
-        of neither version, which no request may be served from: the engine is broken, and
-        its server goes as for an engine that died (this process exits; the router retries
-        its requests elsewhere and the replacement rejoins at the current version). The
-        engine is not resumed."""
+        before) and resumed after it. A load that fails once it began in the engine leaves
+        weights of neither version: the server goes as for an engine that died (this process
+        exits, and the replacement rejoins at the current version)."""
         if self._engine_loop.is_current():
             raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
         if self._shapes is not None:  # refused whole: vLLM loads a tensor after another
@@ -368,21 +366,7 @@ class VLLMServer(RolloutServer):
             self._engine_loop.send(self._load(packed, version)).result()
         except BaseException as exc:
             self._died_if_dead(exc)
-            self._exit_if_torn()
             raise
-
-    def _exit_if_torn(self) -> None:
-        """A load that failed once it began in the engine takes the server, as an engine that
-        died does (see ``load_weights``); not once the server was shut down."""
-        if self._torn is None or self._closed:
-            return
-        print(
-            f"asyncexec: loading weights into the vLLM engine failed part-way ({self._torn!r}):"
-            " its weights are neither version's, the server exits",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(70)
 
     async def _load(self, packed: list[Any], version: int) -> None:
         # Into a paused engine: a push outside a pipeline's pause (a channel's push while
@@ -392,36 +376,29 @@ class VLLMServer(RolloutServer):
             running = not await self.engine.is_paused()
             if running:
                 await pause(self.engine, self._pumps, "keep")
-            resume = running
             try:
                 await self._loaded(packed, version)
-            except Exception:
-                resume = False  # the engine is torn: it serves nothing more (see load_weights)
-                raise
+            except Exception as exc:  # some tensors, or all, went in: see _TornLoad
+                running = False  # not resumed
+                raise _TornLoad(f"loading weights into the engine failed: {exc!r}") from exc
             finally:
-                if resume:
+                if running:
                     await self.engine.resume_generation()
 
     async def _loaded(self, packed: list[Any], version: int) -> None:
+        self._loading = True
         try:
-            self._loading = True
-            try:
-                await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
-            finally:
-                self._loading = False
-            # With the running requests' blocks: a "keep" pause parks requests in the engine,
-            # and vLLM resets nothing while blocks are held (it returns False), so the old
-            # weights' blocks of a prompt would serve the requests after the resume. The parked
-            # requests' caches are computed again, under the new weights, when they go on (what
-            # vLLM's own pause_generation(mode="keep", clear_cache=True) does).
-            if not await self.engine.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("vLLM did not reset its prefix cache after loading the weights")
-            await self.engine.update_weight_version(str(version))
-        except Exception as exc:
-            # Some tensors, or all, may have gone in, under the version before: the engine's
-            # weights are neither version's (see load_weights).
-            self._torn = exc
-            raise
+            await self.engine.collective_rpc("asyncexec_load_weights", args=(packed,))
+        finally:
+            self._loading = False
+        # With the running requests' blocks: a "keep" pause parks requests in the engine, and
+        # vLLM resets nothing while blocks are held (it returns False), so the old weights'
+        # blocks of a prompt would serve the requests after the resume. The parked requests'
+        # caches are computed again, under the new weights, when they go on (what vLLM's own
+        # pause_generation(mode="keep", clear_cache=True) does).
+        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after loading the weights")
+        await self.engine.update_weight_version(str(version))
         self._version = version
 
     async def pause_engine(self, mode: Literal["keep", "abort"]) -> None:

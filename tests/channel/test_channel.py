@@ -701,22 +701,22 @@ _reserved: list[tuple[str, int]] = []  # the store servers reserved on this sour
 
 
 def _no_port_on_rank_1() -> None:
-    """On the source's rank 1, every port call of the torch transport fails; rank 0 keeps the
-    address and port of each store server it reserves."""
-    from asyncexec._worker import _channel
+    """On the source's rank 1, the store server of the torch transport's port call cannot be
+    made; rank 0 keeps the address and port of each store server it makes."""
+    import torch.distributed as dist
 
-    reserve = _channel.reserve_store
+    made = dist.TCPStore
 
-    def fails(name: str, group_id: str, timeout_s: float) -> tuple[str, int]:
+    def fails(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("no port here")
 
-    def kept(name: str, group_id: str, timeout_s: float) -> tuple[str, int]:
-        address, port = reserve(name, group_id, timeout_s)
-        _reserved.append((address, port))
-        return address, port
+    def kept(host: str, *args: Any, **kwargs: Any) -> Any:
+        store = made(host, *args, **kwargs)
+        _reserved.append((host, store.port))
+        return store
 
     rank = asyncexec.get_context().world_rank
-    _channel.reserve_store = fails if rank == 1 else kept  # type: ignore[assignment]
+    dist.TCPStore = fails if rank == 1 else kept  # type: ignore[misc, assignment]
 
 
 def _listening() -> list[bool]:
