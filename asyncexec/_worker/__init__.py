@@ -14,7 +14,7 @@ simulated workers make theirs so), and the run's functions for worker-side helpe
 from __future__ import annotations
 
 from ._actor import ROLE_GROUPS, WorkerActor, WorkerCode, in_ray_worker, role_group
-from ._channel import weights_version
+from ._channel import release_stores, weights_version
 from ._devices import cuda_device_index
 from ._outcomes import cancelled_by_caller, error_outcome, value_outcome
 from ._place import PLACE, Place
@@ -38,6 +38,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "in_ray_worker",
+    "release_stores",
     "report",
     "role_group",
     "value_outcome",

@@ -308,9 +308,11 @@ def reserve_store(name: str, group_id: str, timeout_s: float) -> tuple[str, int]
     """On a source rank: start the store server of process group ``group_id`` on a port the
     kernel picks and keep it listening until the group is joined; return this node's address
     and the port. (Choosing a free port, closing it and binding it later, at the join, left it
-    to anyone on the node in between: the race the torch backend also avoids.) The servers of
-    an earlier set-up that was never joined (it failed at another rank's port or join) are
-    closed here: each would listen, with its thread, until the channel closed."""
+    to anyone on the node in between: the race the torch backend also avoids.) A set-up that
+    fails at another rank's port call closes the servers it reserved (``release_stores``); those
+    of an earlier set-up still here (a port call the driver gave up on, which ended after it;
+    a release that did not reach this rank) are closed here: each would listen, with its
+    thread, until the channel closed."""
     import datetime
 
     import ray
@@ -332,6 +334,18 @@ def reserve_store(name: str, group_id: str, timeout_s: float) -> tuple[str, int]
             del end.stores[old]  # the server closes when dropped
         end.stores[group_id] = store
     return address, int(store.port)
+
+
+def release_stores(name: str, group_ids: list[str]) -> None:
+    """On a source rank: close the store servers reserved for ``group_ids`` (see
+    ``reserve_store``), of a set-up that failed before they were joined."""
+    with _ends_lock:
+        end = _ends.get(name)
+    if end is None:
+        return
+    with end.lock:
+        for group_id in group_ids:
+            end.stores.pop(group_id, None)  # the server closes when dropped
 
 
 def _earlier(old: str, new: str) -> bool:

@@ -56,6 +56,13 @@ class _EngineDied(Exception):
     pass
 
 
+class _TornLoad(Exception):
+    """A weight load that failed once it began in the engine (vLLM loads a tensor after
+    another; the cache's reset or the version's word after it): the engine's weights are
+    neither version's, and no request may be served from them. The engine is not resumed, and
+    its server goes as for an engine that died (``VLLMServer._died_if_dead``)."""
+
+
 class VLLMServer(RolloutServer):
     """A rollout server whose engine is vLLM's ``AsyncLLM``, started in ``__init__``.
 
@@ -251,7 +258,7 @@ class VLLMServer(RolloutServer):
         if self._closed:  # shut down: its engine is meant to be gone
             return
         engine = getattr(self, "engine", None)
-        if isinstance(exc, EngineDeadError) or getattr(engine, "errored", False):
+        if isinstance(exc, EngineDeadError | _TornLoad) or getattr(engine, "errored", False):
             print(
                 f"asyncexec: the vLLM engine died ({exc!r}): the server exits",
                 file=sys.stderr,
@@ -345,7 +352,9 @@ class VLLMServer(RolloutServer):
         """Load ``state`` into the running engine in place (every worker of the engine), reset
         its prefix cache, and tell it the version. Runs in a thread; an engine that is not
         paused is paused to keep for the load (its outputs so far tagged with the version
-        before) and resumed after it."""
+        before) and resumed after it. A load that fails once it began in the engine leaves
+        weights of neither version: the server goes as for an engine that died (this process
+        exits, and the replacement rejoins at the current version)."""
         if self._engine_loop.is_current():
             raise RuntimeError("VLLMServer.load_weights blocks: call it in a thread")
         if self._shapes is not None:  # refused whole: vLLM loads a tensor after another
@@ -369,6 +378,9 @@ class VLLMServer(RolloutServer):
                 await pause(self.engine, self._pumps, "keep")
             try:
                 await self._loaded(packed, version)
+            except Exception as exc:  # some tensors, or all, went in: see _TornLoad
+                running = False  # not resumed
+                raise _TornLoad(f"loading weights into the engine failed: {exc!r}") from exc
             finally:
                 if running:
                     await self.engine.resume_generation()

@@ -891,6 +891,58 @@ async def test_a_load_hands_the_engine_the_states_memory_not_a_copy_of_it(
     assert server._version == 3  # the engine told the version
 
 
+class _LoadsPart(_Loads):
+    """An engine's stand-in whose load fails after some tensors went in (no vLLM), running
+    until it is paused for the load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+        self.calls: list[str] = []
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(f"pause {mode}")
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
+        self.calls.append("load")
+        raise RuntimeError("the second tensor did not load")
+
+
+@pytest.mark.timeout(60)
+async def test_a_load_that_fails_part_way_in_the_engine_takes_the_server_as_a_dead_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect: a state that fit the checkpoint but whose load then failed inside the engine
+    (after some tensors went in) left the engine holding weights of neither version, resumed
+    and serving, while the server said it held the version before. The engine is broken now:
+    its server's process exits, as for an engine that died (the router retries elsewhere and
+    the replacement rejoins at the current version), and the engine is not resumed."""
+    import torch
+
+    from asyncexec.engines import _vllm
+
+    ended: list[int] = []
+    monkeypatch.setattr(_vllm.os, "_exit", ended.append)
+    engine = _LoadsPart()
+    server = await _stand_in_server(monkeypatch, engine)
+    try:
+        with pytest.raises(Exception, match="the second tensor did not load"):
+            await asyncio.to_thread(server.load_weights, {"w": torch.ones(4)}, 2)
+    finally:
+        await asyncio.to_thread(server.shutdown)
+    assert ended == [70]
+    assert engine.calls == ["pause keep", "load"]  # not resumed
+    assert repr(server).endswith("version=None>")
+
+
 class _Loading:
     """Stand-ins for what a server's load touches in the engine (no vLLM): whether it is paused
     when the weights go in, and what its pauses and resumes were."""

@@ -695,3 +695,57 @@ async def test_a_source_that_dies_while_read_fails_the_push_naming_the_source() 
     assert "reading version 1" in str(failed.value), failed.value
     assert isinstance(failed.value.__cause__, asyncexec.WorkerCrashedError), failed.value
     assert channel.statistics().delivered == 0
+
+
+_reserved: list[tuple[str, int]] = []  # the store servers reserved on this source rank
+
+
+def _no_port_on_rank_1() -> None:
+    """On the source's rank 1, the store server of the torch transport's port call cannot be
+    made; rank 0 keeps the address and port of each store server it makes."""
+    import torch.distributed as dist
+
+    made = dist.TCPStore
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no port here")
+
+    def kept(host: str, *args: Any, **kwargs: Any) -> Any:
+        store = made(host, *args, **kwargs)
+        _reserved.append((host, store.port))
+        return store
+
+    rank = asyncexec.get_context().world_rank
+    dist.TCPStore = fails if rank == 1 else kept  # type: ignore[misc, assignment]
+
+
+def _listening() -> list[bool]:
+    """Whether each store server this rank reserved still takes connections."""
+    import socket
+
+    listening = []
+    for address, port in _reserved:
+        with socket.socket() as probe:
+            probe.settimeout(5)
+            listening.append(probe.connect_ex((address, port)) == 0)
+    return listening
+
+
+@pytest.mark.timeout(120)
+async def test_a_sharded_torch_set_up_that_fails_closes_the_store_servers_it_reserved() -> None:
+    """Defect: the set-up reserved a store server on a source rank and started that rank's
+    group's joins before the next source's port call; when that call failed, the push raised
+    but the first group formed after it, holding its store server (a listening socket and a
+    thread) and its ranks' sockets until the next set-up or the channel's close. The set-up
+    now reserves every source's server before any join, and one that fails closes the
+    servers it reserved before it raises."""
+    cpu = {"CPU": 0.5}
+    async with (
+        asyncexec.Executor(2, resources_per_worker=cpu) as a,
+        asyncexec.Executor(1, resources_per_worker=cpu) as b,
+        asyncexec.WeightChannel(a, b, transport="torch", sharded=True, timeout_s=30) as channel,
+    ):
+        await a.execute(_no_port_on_rank_1)
+        with pytest.raises(asyncexec.ChannelError, match="no port here"):
+            await channel.push()
+        assert await a.execute(_listening) == [[False], []]

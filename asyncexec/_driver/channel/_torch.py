@@ -9,11 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
+
+from ..._worker import release_stores
 from ..cluster import proxy
 from ..group import WorkerInfo
-from ._transport import Core, Pending, caller_of, gather
+from ._transport import Core, Pending, caller_of, gather, settle
 
 __all__ = ["TorchTransport"]
+
+#: How long a set-up that failed waits for its sources to close the store servers it reserved.
+_RELEASE_S = 5.0
 
 
 class TorchTransport:
@@ -96,12 +102,22 @@ class TorchTransport:
             cuda = await gather(calls, core.source_slot)
             backend = "nccl" if cuda[0] else "gloo"
         self._generation += 1
+        # Every source's store server first, then the joins: a port call that fails leaves the
+        # servers reserved before it unjoined (a group joined on their ports would form, and
+        # hold them, after the set-up failed), and they are closed before the error goes on.
+        reserved: list[tuple[str, WorkerInfo, str, int]] = []
+        try:
+            for k, src in enumerate(sources):
+                gid = f"{self.channel_id}.{self._generation}/{k}"
+                port_call = proxy(source, src).channel_port(core.name, gid, core.timeout_s)
+                ((address, port),) = await gather([port_call], core.source_slot)
+                reserved.append((gid, src, address, port))
+        except BaseException:
+            await self._release(reserved)
+            raise
         groups: list[tuple[str, WorkerInfo]] = []
         joins: list[Any] = []
-        for k, src in enumerate(sources):
-            gid = f"{self.channel_id}.{self._generation}/{k}"
-            port_call = proxy(source, src).channel_port(core.name, gid, core.timeout_s)
-            ((address, port),) = await gather([port_call], core.source_slot)
+        for gid, src, address, port in reserved:
             size = 1 + len(targets)
             for rank, w in enumerate([src, *targets]):
                 joins.append(
@@ -122,3 +138,17 @@ class TorchTransport:
         core.counts["rebuilds"] += 1
         core.log.info("channel_group_built", generation=self._generation, backend=backend)
         return groups
+
+    async def _release(self, reserved: list[tuple[str, WorkerInfo, str, int]]) -> None:
+        """Close the store servers ``reserved`` on the sources for a set-up that failed before
+        any was joined (each listens, with its thread, until closed); best effort: a source
+        that is gone holds none."""
+        caller = caller_of(self.core.source_slot)
+        calls = [
+            proxy(caller, w).execute(release_stores, self.core.name, [gid])
+            for gid, w, _, _ in reserved
+        ]
+        # bounded by _RELEASE_S: a source that does not answer keeps its server until the
+        # next set-up's port call on it, or the channel's close
+        with anyio.CancelScope(shield=True):
+            await settle(calls, _RELEASE_S)
