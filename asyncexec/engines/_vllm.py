@@ -260,7 +260,8 @@ class VLLMServer(RolloutServer):
         engine = getattr(self, "engine", None)
         if isinstance(exc, EngineDeadError | _TornLoad) or getattr(engine, "errored", False):
             print(
-                f"asyncexec: the vLLM engine died ({exc!r}): the server exits",
+                f"asyncexec: the vLLM engine died or holds torn weights ({exc!r}): "
+                "the server exits",
                 file=sys.stderr,
                 flush=True,
             )
