@@ -891,14 +891,11 @@ async def test_a_load_hands_the_engine_the_states_memory_not_a_copy_of_it(
     assert server._version == 3  # the engine told the version
 
 
-class _LoadsPart(_Loads):
-    """An engine's stand-in whose load fails after some tensors went in (no vLLM), running
-    until it is paused for the load."""
+class _Pauses:
+    """An engine's stand-in's pauses and resumes (no vLLM), kept in ``calls``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.paused = False
-        self.calls: list[str] = []
+    paused: bool
+    calls: list[str]
 
     async def is_paused(self) -> bool:
         return self.paused
@@ -910,6 +907,16 @@ class _LoadsPart(_Loads):
     async def resume_generation(self) -> None:
         self.calls.append("resume")
         self.paused = False
+
+
+class _LoadsPart(_Pauses, _Loads):
+    """An engine's stand-in whose load fails after some tensors went in (no vLLM), running
+    until it is paused for the load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+        self.calls: list[str] = []
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
         self.calls.append("load")
@@ -943,7 +950,7 @@ async def test_a_load_that_fails_part_way_in_the_engine_takes_the_server_as_a_de
     assert repr(server).endswith("version=None>")
 
 
-class _Loading:
+class _Loading(_Pauses):
     """Stand-ins for what a server's load touches in the engine (no vLLM): whether it is paused
     when the weights go in, and what its pauses and resumes were."""
 
@@ -951,17 +958,6 @@ class _Loading:
         self.paused = paused
         self.calls: list[str] = []
         self.paused_at_load: bool | None = None
-
-    async def is_paused(self) -> bool:
-        return self.paused
-
-    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
-        self.calls.append(f"pause {mode}")
-        self.paused = True
-
-    async def resume_generation(self) -> None:
-        self.calls.append("resume")
-        self.paused = False
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
         self.paused_at_load = self.paused
