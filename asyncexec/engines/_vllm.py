@@ -473,7 +473,7 @@ def _one_process_on_a_cpu(settings: Mapping[str, Any]) -> Iterator[None]:
 
     vLLM's CPU platform otherwise starts its multiprocess executor even for one worker (to bind
     OpenMP's threads to cores from the worker's own process): a second process that imports
-    vLLM and torch again, about half of the engine's start (up in 9.5-10.5 s instead of
+    vLLM and torch again, about half of the engine's start (up in 9.2-10.5 s instead of
     16.7-21.5 s, 2 cores), for the same tokens/s. Its threads are then not bound to cores: the
     engine computes on as many threads as ``OMP_NUM_THREADS`` says, which Ray sets to the CPUs
     the worker asked for. (``AsyncLLM`` runs its core in a process of its own either way; the
