@@ -137,6 +137,9 @@ class VLLMServer(RolloutServer):
         #: load into a running engine pauses it and resumes it after, which must neither undo
         #: a pause that came meanwhile nor be undone by a resume.
         self._engine_turns = asyncio.Lock()
+        #: Set while weights go into an engine with no request in it, which is not paused for
+        #: the load: a request's pump that starts meanwhile waits for the load's end.
+        self._idle_load: asyncio.Event | None = None
         settings = dict(engine or {})
         # What the engine's start adds to this process's children is the engine's.
         before = _children()
@@ -288,6 +291,8 @@ class VLLMServer(RolloutServer):
                 here.call_soon_threadsafe(queue.put_nowait, item)
 
         async def pump() -> None:
+            while self._idle_load is not None:  # weights going into the idle engine: after
+                await self._idle_load.wait()
             if self._aborting:  # the pause to abort came first: the request ends, unsent
                 put(None)
                 return
@@ -353,7 +358,8 @@ class VLLMServer(RolloutServer):
         """Load ``state`` into the running engine in place (every worker of the engine), reset
         its prefix cache, and tell it the version. Runs in a thread; an engine that is not
         paused is paused to keep for the load (its outputs so far tagged with the version
-        before) and resumed after it. A load that fails once it began in the engine leaves
+        before) and resumed after it, unless no request is in it (those that come wait for the
+        load's end). A load that fails once it began in the engine leaves
         weights of neither version: the server goes as for an engine that died (this process
         exits, and the replacement rejoins at the current version)."""
         if self._engine_loop.is_current():
@@ -372,11 +378,17 @@ class VLLMServer(RolloutServer):
     async def _load(self, packed: list[Any], version: int) -> None:
         # Into a paused engine: a push outside a pipeline's pause (a channel's push while
         # requests run) would load weights between two of its steps, and the tokens sampled
-        # before the server learns the new version would be tagged with the old one.
+        # before the server learns the new version would be tagged with the old one. An engine
+        # with no request in it (a push between a pipeline's batches under "wait", a channel's
+        # push to idle servers) is not paused: the requests that come during the load wait
+        # for its end instead, which spares the engine's core a pause and a resume (two round
+        # trips, and a wait for the last step's outputs).
         async with self._engine_turns:
-            running = not await self.engine.is_paused()
+            held = None if self._pumps else asyncio.Event()
+            running = held is None and not await self.engine.is_paused()
             if running:
                 await pause(self.engine, self._pumps, "keep")
+            self._idle_load = held  # (idle: in the same step as the look at the pumps)
             try:
                 await self._loaded(packed, version)
             except Exception as exc:  # some tensors, or all, went in: see _TornLoad
@@ -385,6 +397,9 @@ class VLLMServer(RolloutServer):
             finally:
                 if running:
                     await self.engine.resume_generation()
+                if held is not None:
+                    self._idle_load = None
+                    held.set()
 
     async def _loaded(self, packed: list[Any], version: int) -> None:
         self._loading = True
@@ -397,9 +412,13 @@ class VLLMServer(RolloutServer):
         # blocks of a prompt would serve the requests after the resume. The parked requests'
         # caches are computed again, under the new weights, when they go on (what vLLM's own
         # pause_generation(mode="keep", clear_cache=True) does).
-        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+        # Both at once: one round trip to the core, which takes them in order.
+        reset, _ = await asyncio.gather(
+            self.engine.reset_prefix_cache(reset_running_requests=True),
+            self.engine.update_weight_version(str(version)),
+        )
+        if not reset:
             raise RuntimeError("vLLM did not reset its prefix cache after loading the weights")
-        await self.engine.update_weight_version(str(version))
         self._version = version
 
     async def pause_engine(self, mode: Literal["keep", "abort"]) -> None:

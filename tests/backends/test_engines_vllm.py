@@ -911,7 +911,7 @@ class _Pauses:
 
 class _LoadsPart(_Pauses, _Loads):
     """An engine's stand-in whose load fails after some tensors went in (no vLLM), running
-    until it is paused for the load."""
+    (with a request in it) until it is paused for the load."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -940,6 +940,7 @@ async def test_a_load_that_fails_part_way_in_the_engine_takes_the_server_as_a_de
     monkeypatch.setattr(_vllm.os, "_exit", ended.append)
     engine = _LoadsPart()
     server = await _stand_in_server(monkeypatch, engine)
+    server._pumps["a request in the engine"] = None  # type: ignore[assignment]
     try:
         with pytest.raises(Exception, match="the second tensor did not load"):
             await asyncio.to_thread(server.load_weights, {"w": torch.ones(4)}, 2)
@@ -976,10 +977,11 @@ async def test_weights_go_into_a_paused_engine_and_a_running_one_goes_on_after(
     """Defect: a push outside a pipeline's pause (a channel's push while requests ran) loaded
     the weights into a running engine between two of its steps: the tokens sampled before the
     server learnt the new version were tagged with the old one. A running engine is now paused
-    to keep for the load and resumed after it; one paused already is left as it is."""
+    to keep for the load and resumed after it; one paused already is left as it is (each with a
+    request in it: an idle engine is not paused, see below)."""
     server = object.__new__(VLLMServer)
-    server._version, server._pumps = 1, {}
-    server._engine_turns = asyncio.Lock()
+    server._version, server._pumps = 1, {"r": None}  # type: ignore[dict-item]
+    server._engine_turns, server._idle_load = asyncio.Lock(), None
     server.engine = engine = _Loading(paused)
     await server._load([], 2)
     assert engine.paused_at_load is True
@@ -997,8 +999,8 @@ async def test_a_pause_that_comes_during_a_load_into_a_running_engine_holds() ->
     going while its server counted it paused. The load, the pause and the resume now take
     their turns on the engine loop."""
     server = object.__new__(VLLMServer)
-    server._version, server._pumps = 1, {}
-    server._engine_turns = asyncio.Lock()
+    server._version, server._pumps = 1, {"r": None}  # type: ignore[dict-item]
+    server._engine_turns, server._idle_load = asyncio.Lock(), None
     server.engine = engine = _Loading(paused=False)
     loading, release = asyncio.Event(), asyncio.Event()
 
@@ -1019,6 +1021,71 @@ async def test_a_pause_that_comes_during_a_load_into_a_running_engine_holds() ->
     assert engine.calls == ["pause keep", "version 2", "resume", "pause keep"]
     await server._resume()
     assert not engine.paused
+
+
+class _IdleLoads(_Pauses, _Loads):
+    """An idle engine's stand-in (no vLLM), running, whose load goes on until ``release``; what
+    reached it, in order, in ``calls``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+        self.calls: list[str] = []
+        self.loading, self.release = threading.Event(), threading.Event()
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...]) -> None:
+        self.calls.append("load")
+        self.loading.set()
+        await asyncio.to_thread(self.release.wait, 30)
+        self.calls.append("loaded")
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"version {version}")
+
+    async def generate(self, inputs: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        self.calls.append("request")
+        end = SimpleNamespace(
+            index=0, token_ids=[7], logprobs=None, finish_reason="length", weight_versions=None
+        )
+        yield SimpleNamespace(prompt_token_ids=inputs["prompt_token_ids"], outputs=[end])
+
+
+@pytest.mark.timeout(60)
+async def test_weights_go_into_an_idle_engine_unpaused_and_a_request_meanwhile_waits_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect (a figure): a load into an engine with no request in it paused the engine for the
+    load and resumed it after, three round trips to its core (whether it is paused, the pause,
+    the resume) and a wait for its last step's outputs: with the reset of the prefix cache and
+    the version told one after the other, most of the 12 ms that a push of the tiny model into
+    2 engines took beyond the hand-written floor's 50. An idle engine is loaded as it is; a
+    request that comes during the load reaches the engine after it, its tokens tagged with the
+    new version."""
+    import torch
+
+    engine = _IdleLoads()
+    server = await _stand_in_server(monkeypatch, engine)
+
+    async def drained() -> list[Any]:
+        return [chunk async for chunk in server.chunks({"prompt_token_ids": [1, 5]})]
+
+    try:
+        load = asyncio.ensure_future(
+            asyncio.to_thread(server.load_weights, {"w": torch.ones(4)}, 2)
+        )
+        assert await asyncio.to_thread(engine.loading.wait, 30)
+        request = asyncio.ensure_future(drained())
+        await asyncio.sleep(0)  # (a turn: the request's first step spawns its pump)
+        await server._engine_loop.call(asyncio.sleep(0))  # the pump's first step ran there
+        assert engine.calls == ["load"]  # the request waits for the load
+        engine.release.set()
+        await asyncio.wait_for(load, 30)
+        chunks = await asyncio.wait_for(request, 30)
+    finally:
+        engine.release.set()
+        await asyncio.to_thread(server.shutdown)
+    assert engine.calls == ["load", "loaded", "version 2", "request"]  # no pause, no resume
+    assert [c.version for c in chunks] == [2]
 
 
 async def test_a_server_shut_down_does_not_end_its_process_for_its_engines_end(
