@@ -54,7 +54,12 @@ systems alternates every repeat):
   token made, of samples trained, expired or in flight at the end), whether the orchestration
   starves the engines apart from what the strict bound throws away. Also recorded: the time in
   ``update_weights()``, the requests in flight against the cap (sampled every 10 ms, outside
-  the updates), the requests expired and the generation they threw away.
+  the updates), the requests expired and the generation they threw away. A third column, the
+  same pipeline with ``on_expire="wait"`` (a strict batch waits for the samples that would
+  expire after it instead of expiring them): nothing generated is thrown away, and the
+  engines generate less while a batch waits (the budget is full of finished samples); the
+  default, ``"requeue"``, keeps the learner fed instead, which the samples-trained row below
+  measures.
 - ``trained``: samples trained per second, the example's loop (a learner of 2 ranks, DDP over
   gloo, GRPO on every batch, a push after it) for a fixed number of updates, ``staleness=1``
   (the asyncexec column) against ``staleness=0`` (the floor column): asyncexec both; the
@@ -85,7 +90,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import _harness
 
@@ -168,6 +173,12 @@ def make_rows(sizes: Sizes) -> dict[str, Pair]:
         "abort": Pair('pause to resume, "abort", 64 requests in the engines', "ms", limit=1.2),
         "tokens": Pair(
             "tokens/s: Pipeline S = 1 strict keep, pushes between batches",
+            "tokens/s",
+            higher_is_better=True,
+            limit=1 / 0.9,
+        ),
+        "tokens_wait": Pair(
+            'tokens/s: the same, on_expire="wait" (nothing expired: a batch waits instead)',
             "tokens/s",
             higher_is_better=True,
             limit=1 / 0.9,
@@ -445,7 +456,9 @@ class Bench:
         async with asyncexec.WeightChannel(learner, self.rollout) as channel:
             await channel.push()
 
-            async def ours_for(seed: int) -> dict[str, float]:
+            async def ours_for(
+                seed: int, on_expire: Literal["requeue", "wait"] = "requeue"
+            ) -> dict[str, float]:
                 router = asyncexec.Router(self.rollout, max_in_flight=cap, channel=channel)
                 tokens = batches = 0
                 paused = [False]
@@ -460,6 +473,7 @@ class Bench:
                         batch_size=s.tokens_batch,
                         staleness=1,
                         mode="strict",
+                        on_expire=on_expire,
                         on_update="keep",
                         channel=channel,
                     ) as pipe,
@@ -533,11 +547,19 @@ class Bench:
 
             for i in range(s.repeats):
                 progress(f"tokens {i + 1}")
-                b, o = await _alternate(
-                    i, functools.partial(floor_for, i), functools.partial(ours_for, i)
+                got = await _harness.interleave(
+                    i,
+                    {
+                        "floor": functools.partial(floor_for, i),
+                        "requeue": functools.partial(ours_for, i),
+                        "wait": functools.partial(ours_for, i, "wait"),
+                    },
                 )
+                b, o, w = got["floor"], got["requeue"], got["wait"]
                 self.rows["tokens"].base.append(b["rate"])
                 self.rows["tokens"].ours.append(o["rate"])
+                self.rows["tokens_wait"].base.append(b["rate"])
+                self.rows["tokens_wait"].ours.append(w["rate"])
                 self.rows["generated"].base.append(b["made"])
                 self.rows["generated"].ours.append(o["made"])
                 self.note("tokens/s: tokens trained, asyncexec", o["tokens"])
@@ -559,6 +581,7 @@ class Bench:
                         f"tokens/s: share of generating time at the cap ({lanes}), {name}",
                         got["at_cap"],
                     )
+                self.note('tokens/s: requests in flight, mean while generating, "wait"', w["mean"])
                 self.note("tokens/s: requests expired (requeued), asyncexec", o["expired"])
                 self.note(
                     "tokens/s: generation thrown away by expiry, request-s, asyncexec",
