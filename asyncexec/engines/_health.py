@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LOOK_S", "check", "processes"]
+__all__ = ["LOOK_S", "check", "named_processes", "processes"]
 
 #: How often a check whose round trip to the core waits looks whether a load began meanwhile.
 LOOK_S = 0.5
@@ -56,6 +56,30 @@ def processes(pids: list[int]) -> list[Any]:
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             found.append(psutil.Process(pid))
+    return found
+
+
+def named_processes(engine: Any) -> dict[str, int]:
+    """``engine``'s processes by name (``VLLM::EngineCore``, ``VLLM::Worker``, ...), among this
+    process's children.
+
+    The engine core is read from the engine's own process manager, by the name vLLM gives the
+    process; the others by the title vLLM sets, which only shows where ``setproctitle`` can
+    rewrite the command line (CI machines read no title at all)."""
+    import psutil
+
+    found: dict[str, int] = {}
+    for p in psutil.Process().children(recursive=True):
+        try:  # the title vLLM sets is in the command line; the name may be cut at 15
+            title = (p.cmdline() or [p.name()])[0].split()[0]
+        except (psutil.Error, IndexError):
+            continue
+        if title.startswith("VLLM::"):
+            found[title] = p.pid
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    for process in getattr(getattr(resources, "engine_manager", None), "processes", ()):
+        if process.pid is not None and process.is_alive():
+            found[f"VLLM::{process.name}"] = process.pid
     return found
 
 

@@ -1,14 +1,16 @@
 """A vLLM engine paused as ``AsyncLLM.pause_generation`` pauses it, without its fixed sleep: what
-the sleep hopes for is waited for in its place (see :func:`pause`). On the engine's own loop."""
+the sleep hopes for is waited for in its place (see :func:`pause`); and the engine's pauses,
+resumes and weight loads taking their turns (:class:`Turns`). On the engine's own loop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
-__all__ = ["PAUSE_OUTPUTS_S", "UNSENT", "pause"]
+__all__ = ["PAUSE_OUTPUTS_S", "UNSENT", "Turns", "pause"]
 
 #: The longest a pause waits for the outputs the engine sent before it paused (to abort, the
 #: final outputs of the requests it ended; to keep, those of its last step).
@@ -82,6 +84,71 @@ async def pause(
         # Plain asyncio: the pumps are tasks of this loop that their requests own; this
         # only watches them end (at the bound, they go on and the pause returns).
         await asyncio.wait(ending, timeout=PAUSE_OUTPUTS_S)
+
+
+class Turns:
+    """A vLLM engine's pauses, resumes and weight loads, one at a time on the engine loop (a load
+    into a running engine pauses it and resumes it after, which must neither undo a pause that
+    came meanwhile nor be undone by a resume), and what a request's pump waits for before it
+    reaches the engine. ``pumps``: the pump of each request in flight, by request id."""
+
+    def __init__(self, engine: Any, pumps: Mapping[str, asyncio.Task[None]]) -> None:
+        self.engine = engine
+        self.pumps = pumps
+        self.lock = asyncio.Lock()
+        #: The engine is paused to abort: a request's pump that starts now ends at once,
+        #: aborted, rather than wait in the paused engine for a resume.
+        self.aborting = False
+        #: Set while weights go into an engine with no request in it, which is not paused for
+        #: the load: a request's pump that starts meanwhile waits for the load's end.
+        self.idle_load: asyncio.Event | None = None
+
+    async def admit(self) -> bool:
+        """In a request's pump, before the request reaches the engine: after a load into the
+        idle engine going on; False when the request ends unsent (a pause to abort came
+        first)."""
+        while self.idle_load is not None:
+            await self.idle_load.wait()
+        return not self.aborting
+
+    async def pause(self, mode: Literal["keep", "abort"]) -> None:
+        """The engine paused (see :func:`pause`), after a load going on."""
+        async with self.lock:
+            self.aborting = mode == "abort"
+            await pause(self.engine, self.pumps, mode)
+
+    async def resume(self) -> None:
+        """The engine resumed, after a load going on."""
+        async with self.lock:
+            await self.engine.resume_generation()
+            self.aborting = False
+
+    @contextlib.asynccontextmanager
+    async def loading(self) -> AsyncIterator[None]:
+        """Around a load of weights into the engine. A running engine is paused to keep for it
+        (a load between two of its steps would tag the tokens sampled before the server learns
+        the new version with the old one) and resumed after, unless the load fails (its weights
+        are torn: see ``VLLMServer.load_weights``). An engine with no request in it is not
+        paused: the requests that come during the load wait for its end instead, which spares
+        the engine's core a pause and a resume (two round trips, and a wait for the last step's
+        outputs)."""
+        async with self.lock:
+            held = None if self.pumps else asyncio.Event()
+            running = held is None and not await self.engine.is_paused()
+            if running:
+                await pause(self.engine, self.pumps, "keep")
+            self.idle_load = held  # (idle: in the same step as the look at the pumps)
+            try:
+                yield
+            except Exception:
+                running = False  # not resumed
+                raise
+            finally:
+                if running:
+                    await self.engine.resume_generation()
+                if held is not None:
+                    self.idle_load = None
+                    held.set()
 
 
 async def _outputs_through(engine: Any, core: Any) -> None:

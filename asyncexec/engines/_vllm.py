@@ -37,7 +37,7 @@ from ._checkpoint import check_fits, checkpoint_shapes
 from ._chunks import EngineChunk, deltas_of, joined
 from ._extension import pack
 from ._loop import EngineLoop, reaper
-from ._pause import UNSENT, pause
+from ._pause import UNSENT, Turns
 
 __all__ = ["VLLMServer"]
 
@@ -130,16 +130,6 @@ class VLLMServer(RolloutServer):
         self._loading = False
         #: The pump of each request in flight, by request id (touched on the engine loop only).
         self._pumps: dict[str, asyncio.Task[None]] = {}
-        #: The engine is paused to abort (on the engine loop): a request's pump that starts
-        #: now ends at once, aborted, rather than wait in the paused engine for a resume.
-        self._aborting = False
-        #: A load, a pause and a resume of the engine, one at a time (on the engine loop): a
-        #: load into a running engine pauses it and resumes it after, which must neither undo
-        #: a pause that came meanwhile nor be undone by a resume.
-        self._engine_turns = asyncio.Lock()
-        #: Set while weights go into an engine with no request in it, which is not paused for
-        #: the load: a request's pump that starts meanwhile waits for the load's end.
-        self._idle_load: asyncio.Event | None = None
         settings = dict(engine or {})
         # What the engine's start adds to this process's children is the engine's.
         before = _children()
@@ -159,6 +149,8 @@ class VLLMServer(RolloutServer):
             self._engine_loop.stop()
             raise
         self._dtype = self.engine.model_config.dtype
+        #: The engine's pauses, resumes and loads, one at a time (on the engine loop).
+        self._turns = Turns(self.engine, self._pumps)
         # The worker's exit (the group's teardown) shuts the engine down first: its processes
         # then end without the errors of an engine whose client vanished.
         atexit.register(self.shutdown)
@@ -291,9 +283,7 @@ class VLLMServer(RolloutServer):
                 here.call_soon_threadsafe(queue.put_nowait, item)
 
         async def pump() -> None:
-            while self._idle_load is not None:  # weights going into the idle engine: after
-                await self._idle_load.wait()
-            if self._aborting:  # the pause to abort came first: the request ends, unsent
+            if not await self._turns.admit():  # paused to abort first: ends, unsent
                 put(None)
                 return
             self._pumps[request_id] = asyncio.current_task()  # type: ignore[assignment]
@@ -376,30 +366,12 @@ class VLLMServer(RolloutServer):
             raise
 
     async def _load(self, packed: list[Any], version: int) -> None:
-        # Into a paused engine: a push outside a pipeline's pause (a channel's push while
-        # requests run) would load weights between two of its steps, and the tokens sampled
-        # before the server learns the new version would be tagged with the old one. An engine
-        # with no request in it (a push between a pipeline's batches under "wait", a channel's
-        # push to idle servers) is not paused: the requests that come during the load wait
-        # for its end instead, which spares the engine's core a pause and a resume (two round
-        # trips, and a wait for the last step's outputs).
-        async with self._engine_turns:
-            held = None if self._pumps else asyncio.Event()
-            running = held is None and not await self.engine.is_paused()
-            if running:
-                await pause(self.engine, self._pumps, "keep")
-            self._idle_load = held  # (idle: in the same step as the look at the pumps)
+        # Into a paused engine, or an idle one: see Turns.loading.
+        async with self._turns.loading():
             try:
                 await self._loaded(packed, version)
             except Exception as exc:  # some tensors, or all, went in: see _TornLoad
-                running = False  # not resumed
                 raise _TornLoad(f"loading weights into the engine failed: {exc!r}") from exc
-            finally:
-                if running:
-                    await self.engine.resume_generation()
-                if held is not None:
-                    self._idle_load = None
-                    held.set()
 
     async def _loaded(self, packed: list[Any], version: int) -> None:
         self._loading = True
@@ -424,23 +396,10 @@ class VLLMServer(RolloutServer):
     async def pause_engine(self, mode: Literal["keep", "abort"]) -> None:
         # keep: the requests stay in the scheduler with their KV cache (clear_cache=False; a
         # weight load drops it: see _load); abort: the engine ends them and may drop its caches.
-        await self._engine_call(self._pause(mode))
-
-    async def _pause(self, mode: Literal["keep", "abort"]) -> None:
-        """On the engine loop: the engine paused (see :func:`._pause.pause`), after a load
-        going on."""
-        async with self._engine_turns:
-            self._aborting = mode == "abort"
-            await pause(self.engine, self._pumps, mode)
+        await self._engine_call(self._turns.pause(mode))
 
     async def resume_engine(self) -> None:
-        await self._engine_call(self._resume())
-
-    async def _resume(self) -> None:
-        """On the engine loop: the engine resumed, after a load going on."""
-        async with self._engine_turns:
-            await self.engine.resume_generation()
-            self._aborting = False
+        await self._engine_call(self._turns.resume())
 
     async def health(self) -> None:
         """The engine's own check, and a round trip to its core process (a core that is stopped
@@ -462,26 +421,8 @@ class VLLMServer(RolloutServer):
 
     def engine_pids(self) -> dict[str, int]:
         """The engine's processes by name (``VLLM::EngineCore``, ``VLLM::Worker``, ...): what a
-        fault test kills.
-
-        The engine core is read from the engine's own process manager, by the name vLLM gives the
-        process; the others by the title vLLM sets, which only shows where ``setproctitle`` can
-        rewrite the command line (CI machines read no title at all)."""
-        import psutil
-
-        found: dict[str, int] = {}
-        for p in psutil.Process().children(recursive=True):
-            try:  # the title vLLM sets is in the command line; the name may be cut at 15
-                title = (p.cmdline() or [p.name()])[0].split()[0]
-            except (psutil.Error, IndexError):
-                continue
-            if title.startswith("VLLM::"):
-                found[title] = p.pid
-        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
-        for process in getattr(getattr(resources, "engine_manager", None), "processes", ()):
-            if process.pid is not None and process.is_alive():
-                found[f"VLLM::{process.name}"] = process.pid
-        return found
+        fault test kills (see :func:`._health.named_processes`)."""
+        return _health.named_processes(self.engine)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ from asyncexec.engines import (
     build_tiny_llama,
     completions,
 )
+from asyncexec.engines._pause import Turns
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -495,7 +496,6 @@ async def test_a_keep_pause_returns_once_the_outputs_sent_before_it_are_tagged()
     internals it reads (no engine: the ordering is what is tested)."""
     server = object.__new__(VLLMServer)
     server._version, server._pumps = 1, {}
-    server._engine_turns = asyncio.Lock()
     queued: asyncio.Queue[int] = asyncio.Queue()  # the client's outputs_queue
     collector: asyncio.Queue[int] = asyncio.Queue()  # one request's outputs
     tagged: list[tuple[int, int | None]] = []
@@ -528,9 +528,10 @@ async def test_a_keep_pause_returns_once_the_outputs_sent_before_it_are_tagged()
         output_processor=SimpleNamespace(external_req_ids={}),
         output_handler=tasks[0],
     )
+    server._turns = Turns(server.engine, server._pumps)
     try:
         await asyncio.sleep(0)  # the handler and the pump wait
-        await server._pause("keep")
+        await server._turns.pause("keep")
         server._version = 2  # what a load right after the pause does
         assert tagged == [(output, 1) for output in range(4)]
     finally:
@@ -981,8 +982,8 @@ async def test_weights_go_into_a_paused_engine_and_a_running_one_goes_on_after(
     request in it: an idle engine is not paused, see below)."""
     server = object.__new__(VLLMServer)
     server._version, server._pumps = 1, {"r": None}  # type: ignore[dict-item]
-    server._engine_turns, server._idle_load = asyncio.Lock(), None
     server.engine = engine = _Loading(paused)
+    server._turns = Turns(engine, server._pumps)
     await server._load([], 2)
     assert engine.paused_at_load is True
     assert server._version == 2
@@ -1000,8 +1001,8 @@ async def test_a_pause_that_comes_during_a_load_into_a_running_engine_holds() ->
     their turns on the engine loop."""
     server = object.__new__(VLLMServer)
     server._version, server._pumps = 1, {"r": None}  # type: ignore[dict-item]
-    server._engine_turns, server._idle_load = asyncio.Lock(), None
     server.engine = engine = _Loading(paused=False)
+    server._turns = Turns(engine, server._pumps)
     loading, release = asyncio.Event(), asyncio.Event()
 
     async def slow_load(method: str, args: tuple[Any, ...]) -> None:
@@ -1012,14 +1013,14 @@ async def test_a_pause_that_comes_during_a_load_into_a_running_engine_holds() ->
     engine.collective_rpc = slow_load  # type: ignore[method-assign]
     load = asyncio.ensure_future(server._load([], 2))
     await loading.wait()
-    pausing = asyncio.ensure_future(server._pause("keep"))
+    pausing = asyncio.ensure_future(server._turns.pause("keep"))
     await asyncio.sleep(0)  # the pause's first step (it returned at once, the engine paused)
     release.set()
     await asyncio.wait_for(asyncio.gather(load, pausing), 10)
     assert engine.paused_at_load is True and server._version == 2
     assert engine.paused  # the server's pause holds: the load's resume came before it
     assert engine.calls == ["pause keep", "version 2", "resume", "pause keep"]
-    await server._resume()
+    await server._turns.resume()
     assert not engine.paused
 
 
