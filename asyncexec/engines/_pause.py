@@ -130,8 +130,8 @@ class Turns:
         the new version with the old one) and resumed after, unless the load fails (its weights
         are torn: see ``VLLMServer.load_weights``). An engine with no request in it is not
         paused: the requests that come during the load wait for its end instead, which spares
-        the engine's core a pause and a resume (two round trips, and a wait for the last step's
-        outputs)."""
+        the engine's core three round trips (whether it is paused, the pause, the resume) and a
+        wait for the last step's outputs."""
         async with self.lock:
             held = None if self.pumps else asyncio.Event()
             running = held is None and not await self.engine.is_paused()
