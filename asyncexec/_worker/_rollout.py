@@ -103,6 +103,10 @@ class RolloutServer:
     #: pauses (a chunk that waits for the paused engine's next output then holds neither a
     #: pause nor an install up).
     pause_point: ClassVar[Literal["chunk", "engine"]] = "chunk"
+    #: With ``pause_point = "engine"``: whether :meth:`load_weights`, called while the engine
+    #: generates, pauses the engine for the load itself (``VLLMServer`` does). A pipeline's
+    #: "keep" update then pauses no server (see :meth:`pauses_for_its_loads`).
+    load_pauses_engine: ClassVar[bool] = False
 
     def __init__(self, *, channel: str = _channel.DEFAULT_CHANNEL) -> None:
         self._rollout_gate = Gate()
@@ -130,6 +134,16 @@ class RolloutServer:
         that runs on an event loop can run on this one rather than on one of its own in a
         thread, and skip a hop between threads on every call."""
         return _place.ROLE_LOOP.get()
+
+    @classmethod
+    def pauses_for_its_loads(cls) -> bool:
+        """Whether a load of weights into this server while it generates holds its generation
+        for the load's time only, by itself: with ``pause_point = "chunk"`` always (a load
+        waits for the chunk in progress, and no chunk starts until it ended), with ``"engine"``
+        where :attr:`load_pauses_engine` says so. A pipeline's "keep" update then pauses no
+        server: each server's generations wait for its own load only, not for the learner's
+        state to be read and delivered to every server."""
+        return cls.pause_point == "chunk" or cls.load_pauses_engine
 
     # The class checked when a role is made of it, the instance when its group starts ----------
 

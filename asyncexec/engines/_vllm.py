@@ -106,6 +106,7 @@ class VLLMServer(RolloutServer):
     """
 
     pause_point: ClassVar[Literal["chunk", "engine"]] = "engine"
+    load_pauses_engine: ClassVar[bool] = True  # (see load_weights)
 
     def __init__(
         self,

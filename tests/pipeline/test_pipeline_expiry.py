@@ -86,6 +86,7 @@ class _Servers:
         self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"), timeline=None)
         self.name = "standin"  # its router's name
         self.unit_s = unit_s
+        self.keep_without_pause = False  # its pause() and resume() are called
         self.version = 0
         self.started: Counter[Any] = Counter()
         self.started_at: dict[Any, list[int]] = {}

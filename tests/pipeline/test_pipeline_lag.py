@@ -99,6 +99,7 @@ class _Forever:
         self.executor = SimpleNamespace(config=SimpleNamespace(name="standin"), timeline=None)
         self.name = "standin"  # its router's name
         self.turns = turns
+        self.keep_without_pause = False  # its pause() and resume() are called
         self.started = 0
         self.cancelled_in: list[int] = []
 

@@ -80,10 +80,11 @@ class Pipeline:
         max_requeues: with ``"requeue"``, how often one prompt may be expired; after that a
             batch waits for its sample (a bound on the bias toward short samples).
         on_update: what :meth:`update_weights` does to the rollouts in flight: ``"keep"``
-            (they park at their next pause point and go on with the new weights, a version
-            per chunk), ``"wait"`` (admission stops, they finish, then the push) or ``"abort"``
-            (they end at their next pause point; their prompts go back at the head of the
-            queue).
+            (they park at their next pause point while their server loads, and go on with
+            the new weights, a version per chunk; no server is paused for the whole update
+            unless its engine must be: ``RolloutServer.pauses_for_its_loads``), ``"wait"``
+            (admission stops, they finish, then the push) or ``"abort"`` (they end at their
+            next pause point; their prompts go back at the head of the queue).
         channel: the :class:`~asyncexec.WeightChannel` from the learner to the servers (its
             ``max_staleness`` must be 1); when it has pushed nothing yet, the pipeline pushes
             the learner's weights once it is entered, before anything is generated. The

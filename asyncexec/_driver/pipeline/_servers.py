@@ -31,6 +31,9 @@ class Servers:
         self.name = router.name
         self.owned = owned
         self.cls = router.methods.cls
+        #: Whether a "keep" update leaves the servers generating (each holds its generation
+        #: for its own load: ``RolloutServer.pauses_for_its_loads``).
+        self.keep_without_pause = self.cls.pauses_for_its_loads()
 
     def held(self) -> contextlib.AbstractAsyncContextManager[Any]:
         """What the pipeline enters for its servers: the router when it is the pipeline's own,

@@ -152,10 +152,11 @@ async def update(
     """Stop admitting; ``"wait"``: let what is in flight finish, then push; ``"abort"``: the
     servers end their generations at the next pause point, and the push goes on while they
     come back (their prompts requeued at the head before anything new is admitted);
-    ``"keep"``: the servers park them at the next pause point, then the push. Count the
-    version, resume the servers and admission. With ``on_read`` (a channel's push), the
-    version is counted once the learner's state is read, and ``on_read()`` called then; the
-    delivery and the resume go on after it.
+    ``"keep"``: the servers park them at the next pause point, then the push; or, where each
+    server holds its generation for its own load (``Servers.keep_without_pause``), the push
+    alone. Count the version, resume the servers and admission. With ``on_read`` (a
+    channel's push), the version is counted once the learner's state is read, and
+    ``on_read()`` called then; the delivery and the resume go on after it.
 
     Returns:
         (the pause without the push, the push, the generations in flight at the pause).
@@ -167,6 +168,10 @@ async def update(
         if mode == "wait":
             in_flight = budget.in_flight_count
             await as_calls("asyncexec.pipeline.pause", _drained(budget, admission), mode=mode)
+        elif mode == "keep" and servers.keep_without_pause:
+            # Generation goes on while the learner's state is read and delivered; each
+            # server's chunks (or engine) wait for its own load only.
+            in_flight = budget.in_flight_count
         else:
             paused = True
             in_flight = await as_calls("asyncexec.pipeline.pause", servers.pause(mode), mode=mode)
