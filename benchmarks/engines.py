@@ -41,9 +41,9 @@ systems alternates every repeat):
   last, aborted output received), as an RL loop needs them.
 - ``tokens``: tokens per second through ``Pipeline(staleness=1, mode="strict",
   on_update="keep")`` with B = 16, the learner's weights pushed between batches
-  (``pipe.update_weights()``: a pause, a push, a resume; no training: the figure is the
-  orchestration's), the tokens of the samples trained over the time to the last batch; against
-  the hand actors generating the same prompts (as many as were trained) with the same
+  (``pipe.update_weights()``: a push, each engine paused for its own load; no training: the
+  figure is the orchestration's), the tokens of the samples trained over the time to the last
+  batch; against the hand actors generating the same prompts (as many as were trained) with the same
   concurrency (8 requests per engine, the router's ``max_in_flight``), each request a plain
   actor call, to the last. The prompts are the example's (n = 8, lognormal lengths, sigma 0.8)
   with longer completions (median 48 tokens, capped at 256), so that a batch is worth
