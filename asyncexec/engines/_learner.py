@@ -148,8 +148,10 @@ class CausalLMLearner:
         allowed_token_ids: the token ids the engines may sample (their ``allowed_token_ids``):
             log-probabilities are taken over these only.
         checkpoint: a file where rank 0 saves the weights, the optimizer and the count of
-            updates after each update, and every rank resumes from when it exists (a learner
-            group made again after a rank died goes on where it was).
+            updates after each update, and which rank 0 alone reads when the learner is made:
+            when it exists there, every rank resumes from what rank 0 read (a learner group
+            made again after a rank died goes on where it was). The path need only exist
+            where rank 0 runs.
         channel: the weight channel's name.
 
     Raises:
@@ -182,6 +184,17 @@ class CausalLMLearner:
         self.clip = clip
         self.allowed = None if allowed_token_ids is None else list(allowed_token_ids)
         self.distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.distributed:  # the process group's: rank 0 reads (and saves) the checkpoint
+            self.rank = torch.distributed.get_rank()
+        else:
+            try:
+                self.rank = get_context().world_rank
+            except Exception:  # made outside a worker (a unit test): rank 0
+                self.rank = 0
+        self.checkpoint = checkpoint
+        saved = self._resumed(checkpoint)
+        if saved is not None:
+            self.model.load_state_dict(saved["model"])
         # No buffer broadcast before each forward (the model's buffers, rotary frequencies, are
         # the same on every rank and never change): the gradients' all-reduce is the only
         # collective of an update's forward and backward.
@@ -192,20 +205,29 @@ class CausalLMLearner:
         )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.updates = 0
-        self.checkpoint = checkpoint
-        if checkpoint is not None and os.path.exists(checkpoint):
-            saved = torch.load(checkpoint, weights_only=True)
-            self.model.load_state_dict(saved["model"])
+        if saved is not None:
             self.optimizer.load_state_dict(saved["optimizer"])
             self.updates = int(saved["updates"])
-        try:
-            self.rank = get_context().world_rank
-        except Exception:  # made outside a worker (a unit test): rank 0
-            self.rank = 0
         self.keep_versions = keep_versions
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.lock = threading.Lock()  # an update against the channel's reads
         serve_weights(self.weights, channel=channel)
+
+    def _resumed(self, checkpoint: str | None) -> dict[str, Any] | None:
+        """What ``checkpoint`` holds, as rank 0 reads it (None when there is no file there),
+        on every rank: rank 0 alone reads the file, and under DDP sends what it read to the
+        others, so that a rank where the path names nothing (another node's disk) resumes as
+        rank 0 does, not from the initial weights and an empty Adam."""
+        if checkpoint is None:
+            return None
+        saved = None
+        if self.rank == 0 and os.path.exists(checkpoint):
+            saved = torch.load(checkpoint, weights_only=True)
+        if self.distributed:
+            sent = [saved]
+            torch.distributed.broadcast_object_list(sent, src=0)
+            saved = sent[0]
+        return saved
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights under the checkpoint's names (the channel reads it)."""

