@@ -107,18 +107,19 @@ def end(span: Any, error: BaseException | None = None) -> None:
     span.end()
 
 
-def _failed(span: Any, error: BaseException) -> None:
-    """Mark ``span`` as failed with ``error`` (its exception recorded). Never raises: the SDK
-    reads the error's message with ``str()``, which a user's exception may fail (its type and
-    stack are recorded then, without its message)."""
+def _failed(span: Any, error: BaseException, stack: str | None = None) -> None:
+    """Mark ``span`` as failed with ``error`` (its exception recorded, with ``stack`` as its
+    stack trace when given: a worker's error arrives without its frames, its traceback as
+    text). Never raises: the SDK reads the error's message with ``str()``, which a user's
+    exception may fail (its type and stack are recorded then, without its message)."""
     trace = _trace()
     try:
-        span.record_exception(error)
+        span.record_exception(error, {"exception.stacktrace": stack} if stack else None)
     except Exception:
         attributes = {
             "exception.type": type(error).__qualname__,
             "exception.message": "<the message could not be read: its __str__ raised>",
-            "exception.stacktrace": "".join(traceback.format_exception(error)),
+            "exception.stacktrace": stack or "".join(traceback.format_exception(error)),
         }
         span.add_event("exception", attributes)
     span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
@@ -473,24 +474,29 @@ async def as_first_call(awaitable: Awaitable[T], failed: str, attributes: Mappin
         _FOR_CALL.reset(token)
 
 
-def end_call(span: Any, name: str, rank: int, error: BaseException | None = None) -> None:
-    """End a call's span now, failed with ``error``: its end time is taken now, and the rest
-    (its attributes ``asyncexec.function``, ``name``: what ran, as ``PolicyServer.generate``,
-    and ``asyncexec.rank``, the SDK's end and span processor) is done on the event loop's next
-    turn, after the caller has its result."""
+def end_call(
+    span: Any, name: str, rank: int, error: BaseException | None = None, stack: str | None = None
+) -> None:
+    """End a call's span now, failed with ``error`` (``stack``: the worker's traceback of it,
+    as text): its end time is taken now, and the rest (its attributes ``asyncexec.function``,
+    ``name``: what ran, as ``PolicyServer.generate``, and ``asyncexec.rank``, the SDK's end
+    and span processor) is done on the event loop's next turn, after the caller has its
+    result."""
     end_ns = time.time_ns()
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        _end_call(span, name, rank, error, end_ns)
+        _end_call(span, name, rank, error, stack, end_ns)
         return
-    loop.call_soon(_end_call, span, name, rank, error, end_ns)
+    loop.call_soon(_end_call, span, name, rank, error, stack, end_ns)
 
 
-def _end_call(span: Any, name: str, rank: int, error: BaseException | None, end_ns: int) -> None:
+def _end_call(
+    span: Any, name: str, rank: int, error: BaseException | None, stack: str | None, end_ns: int
+) -> None:
     span.set_attributes({"asyncexec.function": name, "asyncexec.rank": rank})
     if error is not None:
-        _failed(span, error)
+        _failed(span, error, stack)
     span.end(end_ns)
 
 

@@ -32,8 +32,9 @@ def takes_config(fn: Callable[..., Any]) -> bool:
 
 
 def error_outcome(exc: BaseException) -> Outcome:
-    """The outcome of a call that raised ``exc``: the error (when it pickles, else a
-    RuntimeError that keeps its type and text) and its traceback as text, without colours."""
+    """The outcome of a call that raised ``exc``: the error as it travels (a pickled copy, or,
+    when it does not pickle, a RuntimeError that keeps its type and text) and its traceback as
+    text, without colours."""
     from ray import cloudpickle
 
     # The traceback from the user's code on: asyncexec's own frames above it say nothing.
@@ -42,8 +43,10 @@ def error_outcome(exc: BaseException) -> Outcome:
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
-        cloudpickle.loads(cloudpickle.dumps(exc))
-        portable = exc
+        # The copy, as a worker process's error reaches the driver: no frames (a local worker's
+        # error would otherwise hold its session, and the function's locals, through its
+        # traceback for as long as the application keeps the error).
+        portable = cloudpickle.loads(cloudpickle.dumps(exc))
     except Exception:
         try:
             message = str(exc)

@@ -427,14 +427,14 @@ def _reports_then_raises() -> None:
     raise ValueError("every attempt fails")
 
 
-def _live(kind: str) -> int:
-    """The objects of asyncexec's driver class ``kind`` the collector can reach (by name: the
-    test imports no private module)."""
+def _live(kind: str, side: str = "_driver") -> int:
+    """The objects of asyncexec's class ``kind`` (of the driver's side, or ``"_worker"``) the
+    collector can reach (by name: the test imports no private module)."""
     gc.collect()
     return sum(
         1
         for o in gc.get_objects()
-        if type(o).__name__ == kind and type(o).__module__.startswith("asyncexec._driver")
+        if type(o).__name__ == kind and type(o).__module__.startswith(f"asyncexec.{side}")
     )
 
 
@@ -487,6 +487,43 @@ async def test_a_run_that_ended_with_an_error_is_freed_once_dropped() -> None:
     del ex
     gc.collect()
     assert dropped[-1]() is None
+
+
+class _Held:
+    """An object only a failing function's frame refers to."""
+
+
+_HELD: list[weakref.ref[_Held]] = []
+
+
+def _raises_holding() -> None:
+    held = _Held()
+    _HELD.append(weakref.ref(held))
+    raise ValueError("the run fails")
+
+
+@pytest.mark.timeout(60)
+async def test_a_kept_error_of_a_local_run_holds_neither_the_functions_frame_nor_its_session() -> (
+    None
+):
+    """Defect: the error of a failed local run, kept by the application, kept the worker's
+    side alive through tracebacks a Ray worker's error never carries: the function's own
+    exception (its frames, their locals), and the cancellation of the closed worker's
+    pending calls (their frames held the worker's code and its run's session), reached
+    through the driver's frames. Now the error is the copy a worker process would send, and a
+    closed local worker lets go of what it held."""
+    _HELD.clear()
+    sessions = _live("Session", "_worker")  # (what earlier tests left, if anything)
+    async with asyncexec.Executor(1, local=True) as ex:
+        with pytest.raises(asyncexec.WorkerRaisedError) as caught:
+            async for _ in ex.run(_raises_holding):
+                pass
+    del ex
+    error = caught.value
+    assert isinstance(error.__cause__, ValueError)  # what the function raised, still said
+    assert "the run fails" in str(error)
+    assert _live("Session", "_worker") == sessions
+    assert _HELD[0]() is None
 
 
 #: How many workers the init hook below has set up (the first only succeeds).

@@ -130,7 +130,7 @@ class LocalWorker:
     def __init__(self, label: str) -> None:
         self.label = label
         self.place = Place()
-        self._worker = _ThreadWorker()
+        self._worker: _ThreadWorker | None = _ThreadWorker()
         self._loop = asyncio.new_event_loop()
         self._gone = False
         self._lock = threading.Lock()
@@ -152,14 +152,20 @@ class LocalWorker:
             self._loop.run_forever()
         finally:
             self._loop.close()
+            # Gone: what the worker held (its run's session, its roles' instances) is let go
+            # of, as a Ray worker's process ends, though an error's traceback (a driver's frame
+            # that held the group) may keep this handle for as long as the application keeps
+            # the error.
+            self._worker = None
+            self.place = Place()
 
     def call(self, name: WorkerMethod, /, *args: Any, **kwargs: Any) -> _Ref:
         """Schedule the worker's method ``name`` on its loop; a closed worker's call fails."""
         if name == "call_method_sync":  # one loop here: a plain method goes to a thread
             name = "call_method"
-        method = getattr(self._worker, name)
         with self._lock:
             if not self._gone:
+                method = getattr(self._worker, name)
                 ref = _Ref()
                 coro = self._in_place(method(*args, **kwargs), ref)
                 ref._future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -177,12 +183,16 @@ class LocalWorker:
                 raise asyncio.CancelledError
             return await call
         except asyncio.CancelledError:
-            if ref.cancelled:
-                raise LocalCallCancelled(f"the call was cancelled on {self.label}") from None
-            raise LocalWorkerGone(f"the local worker {self.label} was closed") from None
+            # Raised below, outside this block: as its context, the cancellation's traceback
+            # would hold the call's frames (the worker's code, its session) for as long as
+            # the driver keeps the error (a worker's death call keeps it for the group's life).
+            pass
         finally:
             if inspect.iscoroutine(call):
                 call.close()  # never started (cancelled first): no "never awaited" warning
+        if ref.cancelled:
+            raise LocalCallCancelled(f"the call was cancelled on {self.label}")
+        raise LocalWorkerGone(f"the local worker {self.label} was closed")
 
     def cancel(self, ref: Any) -> None:
         """Cancel the call of ``ref`` on the worker's loop, as Ray cancels an async actor's

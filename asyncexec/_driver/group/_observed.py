@@ -46,20 +46,24 @@ class ObservedCall:
 
     def __await__(self) -> Any:
         error: BaseException | None = None
+        stack: str | None = None
         try:
             answer = yield from self._call.__await__()
             error = _failure(answer)
+            if error is not None:
+                stack = answer.traceback or None
             return answer
         except BaseException as exc:
             error = exc
             raise
         finally:
-            self.ended(error)
+            self.ended(error, stack)
 
-    def ended(self, error: BaseException | None) -> None:
-        """The call's end, emitted and its span ended, once (``error``: what it ended with):
-        when it is first awaited to its end, or when its caller will not await it (a later
-        rank's send failed: see :func:`dropped`)."""
+    def ended(self, error: BaseException | None, stack: str | None = None) -> None:
+        """The call's end, emitted and its span ended, once (``error``: what it ended with,
+        ``stack``: the worker's traceback of it, as text): when it is first awaited to its end,
+        or when its caller will not await it (a later rank's send failed: see
+        :func:`dropped`)."""
         if self._done:
             return
         self._done = True
@@ -67,12 +71,13 @@ class ObservedCall:
             event = CallEnded(self._rank, self._name, self._start, time.monotonic(), error)
             self._observer.emit(event)
         if self._span is not None:
-            _tracing.end_call(self._span, self._name, self._rank, error)
+            _tracing.end_call(self._span, self._name, self._rank, error, stack)
 
 
 def _failure(answer: Any) -> BaseException | None:
     """The worker's error when ``answer`` is the outcome of a method or function that failed
-    there (the call answers that failure, it does not raise it), else None."""
+    there (the call answers that failure, it does not raise it; its traceback comes as text,
+    ``answer.traceback``), else None."""
     if type(answer) is not Outcome or answer.kind == "ok":
         return None
     return answer.error or RuntimeError("the function was stopped")
