@@ -14,6 +14,7 @@ import anyio.lowlevel
 import pytest
 
 import asyncexec
+from asyncexec._driver.pipeline._router_metrics import RouterMeters
 from asyncexec._driver.pipeline._router_requests import _Answer, _Inbox, _next
 from asyncexec._driver.pipeline._router_state import Balance, Sessions
 from asyncexec.testing import metrics_enabled
@@ -297,6 +298,22 @@ async def test_metrics_count_requests_by_executor_and_in_flight_by_rank_only() -
             }
             assert labels == {"executor", "router", "rank"}
         assert registry.get_sample_value("asyncexec_router_in_flight", in_flight) is None
+
+
+@pytest.mark.timeout(10)
+def test_a_closed_routers_in_flight_series_do_not_come_back() -> None:
+    """A slot freed after its router closed (an attempt that outlived the close's bound) sets
+    no gauge: the closed router's series stay gone, and do not overwrite those of a router of
+    the same name made since."""
+    pytest.importorskip("prometheus_client")
+    labels = {"executor": "servers", "router": "servers", "rank": "0"}
+    with metrics_enabled() as registry:
+        meters = RouterMeters("servers")
+        meters.in_flight(0, 1)
+        assert registry.get_sample_value("asyncexec_router_in_flight", labels) == 1
+        meters.forget(1)
+        meters.in_flight(0, 0)
+        assert registry.get_sample_value("asyncexec_router_in_flight", labels) is None
 
 
 class Held(asyncexec.RolloutServer):

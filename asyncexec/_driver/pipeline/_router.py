@@ -43,6 +43,7 @@ from .._config import check_count
 from .._executor import Executor, slot_of
 from .._taskgroups import task_group, teardown
 from ..channel import WeightChannel
+from ._events import ServerLoad
 from ._health import HealthWatch, worker_keys
 from ._router_host import ServerMethods
 from ._router_metrics import RouterMeters
@@ -166,7 +167,7 @@ class Router:
             raise ExecutorStateError(
                 "the router's executor has no live workers: enter it (async with) first"
             )
-        self.balance = Balance(keys, self.max_in_flight, time.monotonic())
+        self.balance = Balance(keys, self.max_in_flight, time.monotonic(), self._load)
         self.group = slot_of(self.servers).group
         async with contextlib.AsyncExitStack() as stack:
             self.tg = await stack.enter_async_context(task_group())
@@ -195,6 +196,10 @@ class Router:
             tg.cancel_scope.cancel()
             await stack.__aexit__(exc_type, exc, tb)
         self.meters.forget(len(self.balance.servers))
+
+    def _load(self, rank: int, in_flight: int) -> None:
+        """Server ``rank``'s requests in flight changed (``Balance``: every change)."""
+        self.observer.emit(ServerLoad(rank, in_flight))
 
     def check_open(self) -> anyio.abc.TaskGroup:
         if self.failure is not None:

@@ -62,6 +62,7 @@ class RouterMeters:
     def __init__(self, executor: str, router: str | None = None) -> None:
         self.executor = executor
         self.router = executor if router is None else router
+        self._forgotten = False  # the router closed: its in-flight series are gone
 
     def _on(self) -> tuple[dict[str, Any], tuple[str, str]] | None:
         meters = metrics()
@@ -86,13 +87,17 @@ class RouterMeters:
             collectors[name].labels(*label).inc()
 
     def in_flight(self, rank: int, value: int) -> None:
-        on = self._on()
+        """Set server ``rank``'s requests in flight; nothing once the router closed (a slot
+        freed after its close, by an attempt that outlived the close's bound, would bring a
+        series back for good, or set that of a router of the same name made since)."""
+        on = None if self._forgotten else self._on()
         if on is not None:
             collectors, label = on
             collectors["in_flight"].labels(*label, str(rank)).set(value)
 
     def forget(self, servers: int) -> None:
-        """The router closed: its in-flight series go."""
+        """The router closed: its in-flight series go, for good."""
+        self._forgotten = True
         on = self._on()
         if on is not None:
             collectors, label = on

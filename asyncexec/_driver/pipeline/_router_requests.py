@@ -48,7 +48,6 @@ from ._events import (
     RequestReceived,
     RequestRetried,
     RequestTimedOut,
-    ServerLoad,
 )
 from ._health import GONE
 from ._router_host import RequestsHost
@@ -368,12 +367,10 @@ class Requests:
                 return None
             if inbox.items:  # an answer came in the turn the slot did: the slot is not needed
                 balance.release(taken)
-                router.observer.emit(ServerLoad(taken, balance.servers[taken].in_flight))
                 return None
             r = taken
         if key is not None:  # the session's server from now on
             router.sessions.pin(key, r, balance.servers[r].worker)
-        router.observer.emit(ServerLoad(r, balance.servers[r].in_flight))
         return r
 
     def _traced(self, call: Any, rank: int, first: bool) -> Any:
@@ -427,7 +424,6 @@ class Requests:
                 fate.attempts.remove(answer)
             if not answer.held:  # (a held one gave its slot back then)
                 router.balance.release(r)
-                router.observer.emit(ServerLoad(r, server.in_flight))
             else:
                 self.held -= 1
                 if not self.held:
@@ -467,7 +463,6 @@ class Requests:
         answer.held = True
         self.held += 1
         router.balance.release(r)
-        router.observer.emit(ServerLoad(r, router.balance.servers[r].in_flight))
         if not inbox.put(_Answer(r, answer.worker, sample=sample)):
             return False  # the request is over: the attempt's own reply counts as before
         answer.handed = True

@@ -5,6 +5,10 @@ the sessions' servers (a bounded LRU), the hand-over of a freed slot to the requ
 for it longest (the dispatcher's :class:`~asyncexec._driver._loads.Handoff`: a session's
 request waits for its own server's slot), and the counters.
 
+A server's count of requests in flight changes in one place, :meth:`Balance._count`, which
+tells the router each new count (its ``asyncexec_router_in_flight`` gauge): a slot freed on
+any path (given back, refused, dropped by a waiter whose caller went) sets the gauge.
+
 Pure bookkeeping on one event loop: nothing here talks to a worker
 (``tests/pipeline/test_router_units.py`` tests it without Ray).
 """
@@ -65,7 +69,7 @@ class ServerRecord:
     rank: int
     worker: str | None = None  # the worker (its key) it last verified: another is a replacement
     serving: bool = True  # takes new requests (False: taken out, dead, or rejoining)
-    in_flight: int = 0
+    in_flight: int = 0  # (changed by ``Balance._count`` alone: it tells the router)
     peak: int = 0
     failures: int = 0  # health checks failed in a row
     since: float = 0.0  # when it (re)joined: its health grace counts from here
@@ -110,11 +114,20 @@ class Sessions:
 
 
 class Balance:
-    """The servers' records and the choice of one (see the module's docstring)."""
+    """The servers' records and the choice of one (see the module's docstring). ``on_load``
+    is called with a server's rank and its new count each time its requests in flight
+    change."""
 
-    def __init__(self, workers: list[str | None], max_in_flight: int, now: float = 0.0) -> None:
+    def __init__(
+        self,
+        workers: list[str | None],
+        max_in_flight: int,
+        now: float = 0.0,
+        on_load: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.servers = [ServerRecord(r, w, since=now) for r, w in enumerate(workers)]
         self.max_in_flight = max_in_flight
+        self._on_load = on_load
         #: The requests waiting for a slot: a freed one is handed to one of them, still counted.
         self._waiting: Handoff[int] = Handoff(self.release)
 
@@ -180,26 +193,33 @@ class Balance:
             return False
         return pinned is None or pinned[0] == rank or not self.live(*pinned)
 
-    def take(self, rank: int) -> None:
+    def _count(self, rank: int, change: int) -> None:
+        """The one place a server's count of requests in flight changes; ``on_load`` hears
+        the new count (a slot handed on from one request to another changes nothing)."""
         server = self.servers[rank]
-        server.in_flight += 1
+        server.in_flight += change
         server.peak = max(server.peak, server.in_flight)
+        if self._on_load is not None:
+            self._on_load(rank, server.in_flight)
+
+    def take(self, rank: int) -> None:
+        self._count(rank, 1)
 
     def release(self, rank: int) -> None:
         """A request's slot on ``rank`` is given back: handed to the request that has waited
         longest for any server or for this one (still counted, now for it), else free."""
-        server = self.servers[rank]
-        if server.serving:
+        if self.servers[rank].serving:
             if not self._waiting.hand(rank, rank):
-                server.in_flight -= 1
+                self._count(rank, -1)
         else:  # out: the requests waiting for it (its sessions') look elsewhere
-            server.in_flight -= 1
+            self._count(rank, -1)
             self.wake()
 
     def refuse(self, rank: int) -> None:
         """Give back a slot handed to a request that cannot use it (its server no longer
-        serves): it is free, and every waiting request looks again."""
-        self.servers[rank].in_flight -= 1
+        serves, or it is not its session's server): it is free, and every waiting request
+        looks again."""
+        self._count(rank, -1)
         self.wake()
 
     def out(self, rank: int) -> None:
