@@ -59,6 +59,20 @@ async def _ask(router: asyncexec.Router, prompt: str, key: str | None = None) ->
 
 
 @pytest.mark.timeout(20)
+async def test_every_servers_gauge_is_0_from_the_start() -> None:
+    """A server that has had no request yet shows 0 in flight, not a missing series (a panel's
+    query over the servers would leave it out, and ``max()`` or ``sum()`` would have no value
+    before the first request)."""
+    with metrics_enabled() as registry:
+        async with (
+            _servers(2) as servers,
+            asyncexec.Router(servers, max_in_flight=1, health_interval_s=60),
+        ):
+            assert _gauge(registry, 2) == (0.0, 0.0)
+        assert _gauge(registry, 2) == (None, None)
+
+
+@pytest.mark.timeout(20)
 async def test_a_slot_a_sessions_request_cannot_use_is_freed_on_the_gauge(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

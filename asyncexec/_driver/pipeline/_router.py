@@ -168,6 +168,8 @@ class Router:
                 "the router's executor has no live workers: enter it (async with) first"
             )
         self.balance = Balance(keys, self.max_in_flight, time.monotonic(), self._load)
+        for rank in range(len(keys)):  # each server's gauge at 0 from the start, not missing
+            self._load(rank, 0)
         self.group = slot_of(self.servers).group
         async with contextlib.AsyncExitStack() as stack:
             self.tg = await stack.enter_async_context(task_group())
