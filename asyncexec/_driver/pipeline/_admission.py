@@ -125,6 +125,7 @@ class Admission:
         self.ahead: tuple[int, RolloutRequest] | None = None
         self.pending: set[Hashable] = set()  # admitted, not consumed (in flight or buffered)
         self.open = True  # False while a weight update holds admission
+        self.pushing = False  # an update's push runs, not marked yet (see :meth:`mark`)
         self.closing = False  # the pipeline closes: nothing more is admitted or used
         self.exhausted = False  # the source has no more prompts
         #: The pipeline's task group, once it runs (what an error of a sink's fails: ``hand``).
@@ -230,6 +231,7 @@ class Admission:
         try:
             with record.scope:
                 sample = await self.servers.generate(request)
+                await self._marked(sample)
         except BaseException:
             if not record.expired:
                 self.budget.drop(admitted)
@@ -303,6 +305,19 @@ class Admission:
             self.log.debug("pipeline_expired", version=self.budget.version, expired=expired)
             self.notify()
         return expired
+
+    async def _marked(self, sample: Sample) -> None:
+        """Until each of ``sample``'s chunks' versions is one the pipeline knows on the
+        learner's scale: a chunk made on a push that an update is delivering (generation goes
+        on through a "keep" update over servers that hold it for their own loads:
+        ``Servers.keep_without_pause``) waits until that push is marked (:meth:`mark`), or,
+        failed or cancelled, counted as the version before it (:meth:`learner_of`). Still in
+        flight meanwhile (the learner, in ``update_weights()``, takes no batch)."""
+        while self.pushing and self.marks and sample.versions:
+            newest = max((v for v in sample.versions if v is not None), default=None)
+            if newest is None or newest <= self.marks[-1][0]:
+                return
+            await self.wait_changed()
 
     def mark(self, pushed: int, version: int) -> None:
         """The channel's version ``pushed`` holds the learner's ``version``."""

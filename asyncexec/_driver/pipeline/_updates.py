@@ -222,13 +222,20 @@ async def _push(
     if channel is None:
         await servers.install(state, target)
         return
-    if on_read is None:
-        pushed = await channel.push()
-    else:
-        pushed, delivered = await channel._push_read()
-    # The channel's numbering may have run ahead (pushes by others, or failed ones): this push
-    # is ``target``, the chunks made before it keep the versions they had.
-    admission.mark(pushed, target)
+    # Samples back meanwhile with a chunk made on this push wait for its mark (generation may
+    # go on through the push: ``Servers.keep_without_pause``).
+    admission.pushing = True
+    try:
+        if on_read is None:
+            pushed = await channel.push()
+        else:
+            pushed, delivered = await channel._push_read()
+        # The channel's numbering may have run ahead (pushes by others, or failed ones): this
+        # push is ``target``, the chunks made before it keep the versions they had.
+        admission.mark(pushed, target)
+    finally:
+        admission.pushing = False
+        admission.notify()
     if on_read is not None:
         # The next batch may be handed: its samples' versions are the servers'. Admission,
         # closed until the resume, counts from the version they hold: after a delivery that
