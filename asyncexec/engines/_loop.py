@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import subprocess
 import sys
@@ -73,13 +74,27 @@ class EngineLoop:
             raise
 
     def stop(self) -> None:
-        """End the loop and its thread when the loop is the server's own."""
+        """End the loop and its thread when the loop is the server's own: its tasks (the
+        engine's watch, what the engine left) cancelled and ended first, as ``asyncio.run``
+        ends them (a loop stopped with a task pending says "Task was destroyed but it is
+        pending!" when the task is collected)."""
         if self.thread is None:
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        with contextlib.suppress(RuntimeError):  # closed already: nothing runs there
+            asyncio.run_coroutine_threadsafe(_ended(), self.loop)
         self.thread.join(timeout=5.0)
         if not self.loop.is_running():
             self.loop.close()
+
+
+async def _ended() -> None:
+    """On a loop that ends: cancel its other tasks, wait for their ends, stop it."""
+    here = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not here]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.get_running_loop().stop()
 
 
 #: Run by the reaper: wait for this process (its parent) to end, then SIGKILL the engine's.

@@ -40,6 +40,7 @@ from asyncexec.engines import (
     build_tiny_llama,
     completions,
 )
+from asyncexec.engines._loop import EngineLoop
 from asyncexec.engines._pause import Turns
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -1229,3 +1230,23 @@ async def test_a_state_that_does_not_fit_the_checkpoint_is_refused_with_nothing_
         assert repr(server).endswith("version=2>")
     finally:
         await asyncio.to_thread(server.shutdown)
+
+
+@pytest.mark.timeout(30)
+async def test_an_engine_loop_of_its_own_ends_its_tasks_when_it_stops() -> None:
+    """Defect: ``EngineLoop.stop()`` stopped its loop (a server made outside a worker) with a
+    task still pending there (the engine's watch, whose cancellation ran in the same turn), so
+    the task was collected pending ("Task was destroyed but it is pending!" at the end of the
+    fast tier). Its tasks are cancelled and ended before the loop stops now."""
+    loop = EngineLoop(None)
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    task = loop.send(forever())
+    assert await asyncio.to_thread(started.wait, 5)
+    await asyncio.to_thread(loop.stop)
+    assert task.cancelled()
+    assert loop.loop.is_closed()
